@@ -1,0 +1,150 @@
+"""Every exception PolyLoop raises on purpose, in one flat module.
+
+The hierarchy::
+
+    PolyLoopError (Exception)
+    ├── InvalidRequest (ValueError)        a request, budget, tool or schema that cannot run
+    ├── RunAlreadyExists (FileExistsError) `run` found records for the run id
+    ├── RunNotFound (LookupError)          `resume` found no record for the run id
+    ├── RunIdentityMismatch (ValueError)   the recorded snapshot differs from the current one
+    ├── CorruptLog (ValueError)            a record that cannot be read back as written
+    ├── SchemaMajorMismatch (ValueError)   a record written by another major of the format
+    ├── UnloggableValue (ValueError)       a value strict JSON cannot carry back exactly
+    ├── RunLocked (BlockingIOError)        another writer holds the run
+    └── StoreError (OSError)               the store could not write or read; the run stops
+
+Each leaf also subclasses the builtin it resembles, so code that already catches
+``ValueError`` or ``OSError`` keeps working. The run id and, where there is one, the
+location of the offending record are keyword fields; the message is built from them so
+that a log line alone says which run and which record went wrong.
+
+The public home of these names is :mod:`polyloop.types`; this module only keeps them
+together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = (
+    "CorruptLog",
+    "InvalidRequest",
+    "PolyLoopError",
+    "RunAlreadyExists",
+    "RunIdentityMismatch",
+    "RunLocked",
+    "RunNotFound",
+    "SchemaMajorMismatch",
+    "StoreError",
+    "UnloggableValue",
+)
+
+
+def _rebuild(cls: type[PolyLoopError], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return cls(*args, **kwargs)
+
+
+class PolyLoopError(Exception):
+    """Root of every error PolyLoop raises on purpose.
+
+    ``run_id`` names the run the error is about (``None`` when there is none yet, for
+    example a tool registry built outside any run). ``location`` names the record: a
+    file and line, a table row, or a record index.
+    """
+
+    run_id: str | None
+    location: str | None
+    reason: str
+
+    def __init__(
+        self, reason: str, *, run_id: str | None = None, location: str | None = None
+    ) -> None:
+        self.reason = reason
+        self.run_id = run_id
+        self.location = location
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        where = []
+        if self.run_id is not None:
+            where.append(f"run {self.run_id!r}")
+        if self.location is not None:
+            where.append(f"at {self.location}")
+        prefix = ", ".join(where)
+        return f"{prefix}: {self.reason}" if prefix else self.reason
+
+    def __str__(self) -> str:
+        return self._message()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only fields do not survive the default exception pickling,
+        # which replays ``self.args``; errors cross process boundaries in tests
+        # and in worker pools, so rebuild them from their fields.
+        return (_rebuild, (type(self), (self.reason,), self._fields()))
+
+    def _fields(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "location": self.location}
+
+
+class InvalidRequest(PolyLoopError, ValueError):
+    """A request, budget, tool registry or schema that cannot be run; nothing was written."""
+
+
+class RunAlreadyExists(PolyLoopError, FileExistsError):
+    """``run`` was asked to start a run whose id already has records in the store."""
+
+
+class RunNotFound(PolyLoopError, LookupError):
+    """``resume`` was asked to continue a run that has no record in the store."""
+
+
+class RunIdentityMismatch(PolyLoopError, ValueError):
+    """The snapshot recorded when the run started differs from the one built now.
+
+    ``differences`` holds one ``(key, recorded, current)`` triple per differing key,
+    sorted by key; a key missing on one side shows ``None`` there.
+    """
+
+    differences: tuple[tuple[str, Any, Any], ...]
+
+    def __init__(
+        self,
+        reason: str | None = None,
+        *,
+        run_id: str | None = None,
+        location: str | None = None,
+        differences: Sequence[tuple[str, Any, Any]] = (),
+    ) -> None:
+        self.differences = tuple(differences)
+        if reason is None:
+            keys = ", ".join(key for key, _, _ in self.differences)
+            reason = f"the run was started with other parameters; differing keys: {keys}"
+        super().__init__(reason, run_id=run_id, location=location)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "differences": self.differences}
+
+
+class CorruptLog(PolyLoopError, ValueError):
+    """A complete record that does not decode, or records that cannot follow each other."""
+
+
+class SchemaMajorMismatch(PolyLoopError, ValueError):
+    """A record carries another major version of the record format than this library reads."""
+
+
+class UnloggableValue(PolyLoopError, ValueError):
+    """A value that strict JSON cannot carry back exactly (NaN, infinities, huge integers)."""
+
+
+class RunLocked(PolyLoopError, BlockingIOError):
+    """Another writer (another store object, here or in another process) holds the run."""
+
+
+class StoreError(PolyLoopError, OSError):
+    """The store failed to write or read; the run stops and the cause is chained.
+
+    After a store error, nothing more is written for that run through that store object
+    until it is closed and opened again.
+    """

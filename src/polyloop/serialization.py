@@ -1,0 +1,323 @@
+"""Encode and decode persisted records: the one way to read a log, now and months later.
+
+A record encodes to a JSON object that carries ``"schema": "polyloop/1"`` and a ``"kind"``.
+:func:`dumps` writes it as one line of canonical JSON (sorted keys, no spaces, UTF-8, no
+raw newline), :func:`loads` reads such a line back. The codec is strict in both
+directions, because a log is only worth keeping if it reads back exactly as written:
+
+* writing refuses what JSON cannot carry back exactly: ``NaN``, infinities, integers
+  longer than Python's integer-string limit, keys that are not strings, values that are
+  not JSON (:class:`~polyloop.types.UnloggableValue`);
+* reading refuses duplicate keys, ``NaN``/``Infinity`` literals, numbers that overflow to
+  infinity, missing or mistyped fields and unknown kinds (:class:`~polyloop.types.CorruptLog`),
+  and another major of the format (:class:`~polyloop.types.SchemaMajorMismatch`).
+
+Unknown extra fields of the same major are ignored, so later minor versions can add
+fields without breaking older readers.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from polyloop.types import (
+    ActionStatus,
+    CorruptLog,
+    DecisionKind,
+    Intent,
+    IntentKind,
+    JSONValue,
+    Record,
+    Replay,
+    Result,
+    RunEnded,
+    RunStarted,
+    SchemaMajorMismatch,
+    StepRecord,
+    StopReason,
+    UnloggableValue,
+)
+
+__all__ = ("decode", "dumps", "encode", "loads")
+
+SCHEMA = "polyloop/1"
+_MAJOR = 1
+_MAX_INT_DIGITS = 4_300
+
+_KIND_OF: dict[type[Any], str] = {
+    RunStarted: "run_started",
+    Intent: "intent",
+    Result: "result",
+    StepRecord: "step",
+    RunEnded: "run_ended",
+}
+
+# Field name -> how its value is checked on the way in and out. "json" fields carry
+# values the library did not make itself (payloads, snapshots), so they are walked.
+_Check = str | type[enum.Enum]
+_FIELDS: dict[str, tuple[tuple[str, _Check], ...]] = {
+    "run_started": (("run_id", "str"), ("snapshot", "object")),
+    "intent": (
+        ("run_id", "str"),
+        ("result_id", "str"),
+        ("kind", IntentKind),
+        ("step", "int"),
+        ("call_index", "int"),
+        ("replay", Replay),
+        ("payload", "json"),
+        ("action_text", "str?"),
+        ("history_text", "str?"),
+    ),
+    "result": (
+        ("run_id", "str"),
+        ("result_id", "str"),
+        ("kind", IntentKind),
+        ("payload", "json"),
+    ),
+    "step": (
+        ("run_id", "str"),
+        ("step", "int"),
+        ("call_id", "str?"),
+        ("model_output", "str"),
+        ("reasoning", "str?"),
+        ("decision", DecisionKind),
+        ("history_text", "str"),
+        ("action_text", "str?"),
+        ("observation", "str?"),
+        ("observation_synthesized", "bool"),
+        ("action_status", ActionStatus),
+        ("done", "bool"),
+        ("truncated_chars", "int"),
+        ("error", "str?"),
+        ("final_answer", "str?"),
+        ("duration_s", "float?"),
+    ),
+    "run_ended": (
+        ("run_id", "str"),
+        ("stop_reason", StopReason),
+        ("final_answer", "str?"),
+        ("steps", "int"),
+        ("valid_steps", "int"),
+        ("detail", "str?"),
+    ),
+}
+_OPTIONAL_ENUMS = {("step", "action_status")}
+_RECORD_CLASS: dict[str, type[Any]] = {kind: cls for cls, kind in _KIND_OF.items()}
+# Fields added after the first release of the major: absent means their default.
+_DEFAULTED = {
+    ("intent", "action_text"),
+    ("intent", "history_text"),
+    ("step", "final_answer"),
+    ("step", "duration_s"),
+}
+
+# Record-level fields that the intent carries under another name in the JSON object,
+# because "kind" is the record kind there.
+_RENAMED = {("intent", "kind"): "intent_kind", ("result", "kind"): "intent_kind"}
+
+
+def _json_name(kind: str, field: str) -> str:
+    return _RENAMED.get((kind, field), field)
+
+
+def encode(record: Record) -> dict[str, JSONValue]:
+    """Encode ``record`` as a JSON-ready dict carrying the schema and the record kind.
+
+    Raises :class:`~polyloop.types.UnloggableValue` for a payload or snapshot that
+    strict JSON cannot carry back exactly.
+    """
+    kind = _KIND_OF.get(type(record))
+    if kind is None:
+        raise UnloggableValue(f"not a record: {type(record).__name__}")
+    out: dict[str, JSONValue] = {"schema": SCHEMA, "kind": kind}
+    for field, check in _FIELDS[kind]:
+        value = getattr(record, field)
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif check in ("json", "object"):
+            value = _plain(value, record, field)
+        out[_json_name(kind, field)] = value
+    return out
+
+
+def _plain(value: Any, record: Record, field: str) -> JSONValue:
+    """A deep copy of ``value`` as plain JSON types, or UnloggableValue naming the path."""
+
+    def walk(item: Any, path: str) -> JSONValue:
+        if item is None or isinstance(item, (bool, str)):
+            return item  # type: ignore[no-any-return]
+        if isinstance(item, int):
+            # JSON readers in Python refuse integers of more than 4,300 digits by
+            # default, so such a number would be written and never read back.
+            if item.bit_length() > 14_000 and _too_many_digits(item):
+                raise _refuse(f"integer of more than {_MAX_INT_DIGITS} digits at {path}")
+            return int(item)
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                raise _refuse(f"{item!r} at {path} is not a JSON number")
+            return float(item)
+        if isinstance(item, Mapping):
+            result: dict[str, JSONValue] = {}
+            for key, sub in item.items():
+                if not isinstance(key, str):
+                    raise _refuse(f"key {key!r} at {path} is not a string")
+                result[key] = walk(sub, f"{path}.{key}")
+            return result
+        if isinstance(item, (list, tuple)):
+            return [walk(sub, f"{path}[{i}]") for i, sub in enumerate(item)]
+        raise _refuse(f"{type(item).__name__} at {path} is not a JSON value")
+
+    def _refuse(reason: str) -> UnloggableValue:
+        return UnloggableValue(
+            f"{type(record).__name__}: {reason}", run_id=getattr(record, "run_id", None)
+        )
+
+    try:
+        return walk(value, field)
+    except RecursionError:
+        raise _refuse(f"{field} is nested too deeply") from None
+
+
+def dumps(record: Record) -> str:
+    """One line of canonical JSON for ``record`` (no trailing newline).
+
+    The line is valid UTF-8 text: a string holding a lone surrogate is written with
+    ASCII escapes instead, so that what is written always reads back.
+    """
+    data = encode(record)
+    try:
+        line = json.dumps(data, ensure_ascii=False, allow_nan=False, sort_keys=True,
+                          separators=(",", ":"))
+    except (ValueError, RecursionError) as exc:
+        raise UnloggableValue(str(exc), run_id=getattr(record, "run_id", None)) from exc
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(data, ensure_ascii=True, allow_nan=False, sort_keys=True,
+                          separators=(",", ":"))
+    return line
+
+
+def loads(line: str | bytes, *, location: str | None = None) -> Record:
+    """Read one line written by :func:`dumps` back into its record.
+
+    ``location`` (a file and line, a row) is put into any error raised.
+    """
+    try:
+        data = json.loads(
+            line,
+            object_pairs_hook=_unique_keys,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+        )
+    except (ValueError, RecursionError) as exc:
+        # JSONDecodeError, duplicate keys, NaN literals, over-long integers, bad UTF-8.
+        raise CorruptLog(f"not a JSON record: {exc}", location=location) from exc
+    return decode(data, location=location)
+
+
+def decode(data: Mapping[str, Any], *, location: str | None = None) -> Record:
+    """Turn an encoded dict back into its record, checking the schema major and fields."""
+    if not isinstance(data, Mapping):
+        raise CorruptLog(f"a record must be a JSON object, not {type(data).__name__}",
+                         location=location)
+    run_id = data.get("run_id") if isinstance(data.get("run_id"), str) else None
+
+    def corrupt(reason: str) -> CorruptLog:
+        return CorruptLog(reason, run_id=run_id, location=location)
+
+    _check_schema(data.get("schema"), corrupt, run_id, location)
+    kind = data.get("kind")
+    if not isinstance(kind, str) or kind not in _FIELDS:
+        raise corrupt(f"unknown record kind {kind!r}")
+    values: dict[str, Any] = {}
+    for field, check in _FIELDS[kind]:
+        name = _json_name(kind, field)
+        if name not in data:
+            if (kind, field) in _DEFAULTED:
+                continue
+            raise corrupt(f"{kind} record has no field {name!r}")
+        values[field] = _checked(kind, field, check, data[name], corrupt)
+    record: Record = _RECORD_CLASS[kind](**values)
+    return record
+
+
+def _check_schema(
+    schema: Any, corrupt: Callable[[str], CorruptLog], run_id: str | None, location: str | None
+) -> None:
+    if not isinstance(schema, str) or not schema.startswith("polyloop/"):
+        raise corrupt(f"no polyloop schema field (found {schema!r})")
+    major, _, _minor = schema.removeprefix("polyloop/").partition(".")
+    if not major.isdigit():
+        raise corrupt(f"unreadable schema {schema!r}")
+    if int(major) != _MAJOR:
+        raise SchemaMajorMismatch(
+            f"record format {schema!r} is not readable by this library (reads {SCHEMA!r})",
+            run_id=run_id,
+            location=location,
+        )
+
+
+def _checked(
+    kind: str, field: str, check: _Check, value: Any, corrupt: Callable[[str], CorruptLog]
+) -> Any:
+    def wrong(expected: str) -> CorruptLog:
+        return corrupt(f"{kind}.{field} must be {expected}, not {value!r:.80}")
+
+    if isinstance(check, type):
+        if value is None and (kind, field) in _OPTIONAL_ENUMS:
+            return None
+        try:
+            return check(value)
+        except ValueError:
+            raise wrong(f"one of {[m.value for m in check]}") from None
+    if check == "json":
+        return value
+    if check == "object":
+        if not isinstance(value, dict):
+            raise wrong("an object")
+        return value
+    optional = check.endswith("?")
+    if optional and value is None:
+        return None
+    base = check.rstrip("?")
+    ok = {
+        "str": isinstance(value, str),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+    }[base]
+    if not ok:
+        raise wrong(f"{'null or ' if optional else ''}a {base}")
+    return float(value) if base == "float" else value
+
+
+def _too_many_digits(number: int) -> bool:
+    try:
+        return len(str(abs(number))) > _MAX_INT_DIGITS
+    except ValueError:  # str() itself refuses past the interpreter's limit
+        return True
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        keys = [key for key, _ in pairs]
+        dupes = sorted({key for key in keys if keys.count(key) > 1})
+        raise ValueError(f"duplicate keys {dupes}")
+    return result
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a float")
+    return value

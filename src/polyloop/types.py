@@ -1,0 +1,295 @@
+"""Value types, enums, persisted records and errors: the contract every other module speaks.
+
+Everything here is plain data. Values are frozen, slotted, keyword-only dataclasses whose
+fields are only ever added (with defaults), never renamed or removed: a log written today
+must decode with every later release of the same record-format major.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from polyloop._errors import (
+    CorruptLog,
+    InvalidRequest,
+    PolyLoopError,
+    RunAlreadyExists,
+    RunIdentityMismatch,
+    RunLocked,
+    RunNotFound,
+    SchemaMajorMismatch,
+    StoreError,
+    UnloggableValue,
+)
+
+__all__ = (
+    "ActionStatus",
+    "Budget",
+    "ContentBlock",
+    "CorruptLog",
+    "DecisionKind",
+    "Injection",
+    "Intent",
+    "IntentKind",
+    "InvalidRequest",
+    "JSONValue",
+    "Message",
+    "PolyLoopError",
+    "Record",
+    "Replay",
+    "Result",
+    "Role",
+    "RunAlreadyExists",
+    "RunEnded",
+    "RunIdentityMismatch",
+    "RunLocked",
+    "RunLog",
+    "RunNotFound",
+    "RunResult",
+    "RunStarted",
+    "SchemaMajorMismatch",
+    "StepRecord",
+    "StopReason",
+    "StoreError",
+    "TextBlock",
+    "ToolStyle",
+    "UnloggableValue",
+)
+
+JSONValue: TypeAlias = (
+    "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]"
+)
+"""A value that JSON can carry: what snapshots, payloads and parameters are made of."""
+
+_value = dataclass(frozen=True, slots=True, kw_only=True)
+
+
+class Role(enum.StrEnum):
+    """Who speaks a message."""
+
+    SYSTEM = "system"
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+class Replay(enum.StrEnum):
+    """Whether an effect whose outcome was lost in a crash may be performed again."""
+
+    NEVER = "never"
+    ALLOWED = "allowed"
+
+
+class ActionStatus(enum.StrEnum):
+    """How an action went: ran, was refused before running, or the environment failed."""
+
+    EXECUTED = "executed"
+    NOT_EXECUTED = "not_executed"
+    ENV_FAULT = "env_fault"
+
+
+class DecisionKind(enum.StrEnum):
+    """Which branch the interpreter chose for a model reply."""
+
+    ACTION = "action"
+    FINAL = "final"
+    INVALID = "invalid"
+
+
+class StopReason(enum.StrEnum):
+    """Why a run ended. A value, never an exception."""
+
+    ENV_DONE = "env_done"
+    SUBMITTED = "submitted"
+    FINAL_ANSWER = "final_answer"
+    STEP_LIMIT = "step_limit"
+    VALID_STEP_LIMIT = "valid_step_limit"
+    CONTEXT_LIMIT = "context_limit"
+    MODEL_FAILURE = "model_failure"
+    ENV_FAILURE = "env_failure"
+    CANCELLED = "cancelled"
+    IN_DOUBT = "in_doubt"
+
+
+class ToolStyle(enum.StrEnum):
+    """How the tool list is rendered into the prompt."""
+
+    JSON = "json"
+    MARKDOWN = "markdown"
+
+
+class IntentKind(enum.StrEnum):
+    """The two kinds of side effect the library announces before performing them."""
+
+    MODEL_CALL = "model_call"
+    ACTION = "action"
+
+
+@_value
+class TextBlock:
+    """A run of text inside a message."""
+
+    text: str
+
+    def size(self) -> int:
+        """The block's share of the context-size metric: its length in characters."""
+        return len(self.text)
+
+
+ContentBlock: TypeAlias = TextBlock
+"""One block of a message. Only text exists today; code must handle blocks one by one."""
+
+
+@_value
+class Message:
+    """One message of a model call: a role and a sequence of content blocks."""
+
+    role: Role
+    content: tuple[ContentBlock, ...]
+
+    @classmethod
+    def text(cls, role: Role, text: str) -> Message:
+        """A message holding a single text block."""
+        return cls(role=role, content=(TextBlock(text=text),))
+
+
+@_value
+class Budget:
+    """The limits of one run. No defaults: every run states its own."""
+
+    max_steps: int
+    max_valid_steps: int
+    max_context_chars: int
+
+
+@_value
+class Injection:
+    """Skill entries to place in the context, by channel (only ``"system"`` exists today)."""
+
+    entries: Mapping[str, tuple[str, ...]]
+
+
+@_value
+class RunStarted:
+    """The first record of every run: the frozen reproducibility snapshot."""
+
+    run_id: str
+    snapshot: Mapping[str, JSONValue]
+
+
+@_value
+class Intent:
+    """Written, and made durable, before a side effect is performed.
+
+    ``action_text`` and ``history_text`` are set on action intents only: they let a run
+    resumed after a crash replay an interrupted action without interpreting the model
+    reply again.
+    """
+
+    run_id: str
+    result_id: str
+    kind: IntentKind
+    step: int
+    call_index: int
+    replay: Replay
+    payload: JSONValue
+    action_text: str | None = None
+    history_text: str | None = None
+
+
+@_value
+class Result:
+    """The outcome of the effect announced by the intent with the same ``result_id``."""
+
+    run_id: str
+    result_id: str
+    kind: IntentKind
+    payload: JSONValue
+
+
+@_value
+class StepRecord:
+    """One decision round: the row of the trajectory.
+
+    ``duration_s`` is wall-clock time and the only field that differs between a run and
+    the same run resumed after a crash.
+    """
+
+    run_id: str
+    step: int
+    call_id: str | None
+    model_output: str
+    reasoning: str | None
+    decision: DecisionKind
+    history_text: str
+    action_text: str | None
+    observation: str | None
+    observation_synthesized: bool
+    action_status: ActionStatus | None
+    done: bool
+    truncated_chars: int
+    error: str | None
+    final_answer: str | None = None
+    duration_s: float | None = None
+
+
+@_value
+class RunEnded:
+    """The last record of a run (a ``CANCELLED`` end may be followed by a resumed run)."""
+
+    run_id: str
+    stop_reason: StopReason
+    final_answer: str | None
+    steps: int
+    valid_steps: int
+    detail: str | None
+
+
+Record: TypeAlias = RunStarted | Intent | Result | StepRecord | RunEnded
+"""Anything a store persists."""
+
+
+@_value
+class RunLog:
+    """Every record a store read back for one run, in write order."""
+
+    run_id: str
+    records: tuple[Record, ...]
+
+
+@_value
+class RunResult:
+    """What ``run`` and ``resume`` return."""
+
+    run_id: str
+    stop_reason: StopReason
+    final_answer: str | None
+    steps: tuple[StepRecord, ...]
+    step_count: int
+    valid_step_count: int
+    resumed: bool = False
+    event_failures: int = 0
+    detail: str | None = None
+
+
+def _claim_public_home() -> None:
+    # The errors are defined in a private module so that one file holds the whole
+    # hierarchy; their public home is here, and reprs, pickles and docs should say so.
+    for cls in (
+        CorruptLog,
+        InvalidRequest,
+        PolyLoopError,
+        RunAlreadyExists,
+        RunIdentityMismatch,
+        RunLocked,
+        RunNotFound,
+        SchemaMajorMismatch,
+        StoreError,
+        UnloggableValue,
+    ):
+        cls.__module__ = __name__
+
+
+_claim_public_home()
