@@ -1,1 +1,123 @@
-"""PolyLoop."""
+"""PolyLoop: a durable execution kernel for LLM agent loops.
+
+The model decides, the action runs, the observation goes back, the model decides again:
+:func:`run` and :func:`resume` own that loop and make it safe to run for real, with
+budgets, a fixed stop order, a per-step trajectory, cancellation that always leaves an
+end record, and recovery from an intent log written before every side effect.
+
+This package re-exports the public names of :mod:`polyloop.types`, :mod:`polyloop.ports`,
+:mod:`polyloop.tools` and :mod:`polyloop.session`. The record codec stays in
+:mod:`polyloop.serialization`; stores and adapters are imported explicitly from
+:mod:`polyloop.stores` and :mod:`polyloop.adapters`.
+"""
+
+from polyloop.ports import (
+    Action,
+    ActionExecutor,
+    ActionOutcome,
+    Decision,
+    Event,
+    EventKind,
+    EventSink,
+    FinalAnswer,
+    Interpreter,
+    InvalidDecision,
+    ModelCall,
+    ModelClient,
+    ModelReply,
+    NullSink,
+    Store,
+)
+from polyloop.session import Definition, ObservationTexts, Request, resume, run
+from polyloop.tools import ToolRegistry, ToolSpec
+from polyloop.types import (
+    ActionStatus,
+    Budget,
+    ContentBlock,
+    CorruptLog,
+    DecisionKind,
+    Injection,
+    Intent,
+    IntentKind,
+    InvalidRequest,
+    JSONValue,
+    Message,
+    PolyLoopError,
+    Record,
+    Replay,
+    Result,
+    Role,
+    RunAlreadyExists,
+    RunEnded,
+    RunIdentityMismatch,
+    RunLocked,
+    RunLog,
+    RunNotFound,
+    RunResult,
+    RunStarted,
+    SchemaMajorMismatch,
+    StepRecord,
+    StopReason,
+    StoreError,
+    TextBlock,
+    ToolStyle,
+    UnloggableValue,
+)
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "Action",
+    "ActionExecutor",
+    "ActionOutcome",
+    "ActionStatus",
+    "Budget",
+    "ContentBlock",
+    "CorruptLog",
+    "Decision",
+    "DecisionKind",
+    "Definition",
+    "Event",
+    "EventKind",
+    "EventSink",
+    "FinalAnswer",
+    "Injection",
+    "Intent",
+    "IntentKind",
+    "Interpreter",
+    "InvalidDecision",
+    "InvalidRequest",
+    "JSONValue",
+    "Message",
+    "ModelCall",
+    "ModelClient",
+    "ModelReply",
+    "NullSink",
+    "ObservationTexts",
+    "PolyLoopError",
+    "Record",
+    "Replay",
+    "Request",
+    "Result",
+    "Role",
+    "RunAlreadyExists",
+    "RunEnded",
+    "RunIdentityMismatch",
+    "RunLocked",
+    "RunLog",
+    "RunNotFound",
+    "RunResult",
+    "RunStarted",
+    "SchemaMajorMismatch",
+    "StepRecord",
+    "StopReason",
+    "Store",
+    "StoreError",
+    "TextBlock",
+    "ToolRegistry",
+    "ToolSpec",
+    "ToolStyle",
+    "UnloggableValue",
+    "resume",
+    "run",
+)

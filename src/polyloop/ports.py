@@ -45,10 +45,7 @@ __all__ = (
     "Store",
 )
 
-_value = dataclass(frozen=True, slots=True, kw_only=True)
-
-
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelCall:
     """One call to the model: the assembled messages and where the call belongs.
 
@@ -64,7 +61,7 @@ class ModelCall:
     binding: Mapping[str, str]
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModelReply:
     """What the model answered. ``call_id`` is the caller's ledger key; never ``""``."""
 
@@ -73,7 +70,7 @@ class ModelReply:
     reasoning: str | None
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Action:
     """Run this action. ``payload`` goes to the executor; the texts go to the trajectory."""
 
@@ -82,7 +79,7 @@ class Action:
     history_text: str
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class FinalAnswer:
     """The model answered; the run ends with ``FINAL_ANSWER``."""
 
@@ -90,7 +87,7 @@ class FinalAnswer:
     history_text: str
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class InvalidDecision:
     """The reply could not be used; ``feedback`` is fed back to the model verbatim."""
 
@@ -102,7 +99,7 @@ Decision: TypeAlias = Action | FinalAnswer | InvalidDecision
 """The three branches an interpreter can choose."""
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ActionOutcome:
     """How an action went.
 
@@ -205,7 +202,7 @@ class EventKind(enum.StrEnum):
     RUN_ENDED = "run_ended"
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Event:
     """A progress notification; ``record`` is the record the event is about."""
 

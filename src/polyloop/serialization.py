@@ -149,7 +149,7 @@ def _plain(value: Any, record: Record, field: str) -> JSONValue:
 
     def walk(item: Any, path: str) -> JSONValue:
         if item is None or isinstance(item, (bool, str)):
-            return item  # type: ignore[no-any-return]
+            return item
         if isinstance(item, int):
             # JSON readers in Python refuse integers of more than 4,300 digits by
             # default, so such a number would be written and never read back.

@@ -60,12 +60,9 @@ __all__ = (
 )
 
 JSONValue: TypeAlias = (
-    "None | bool | int | float | str | list[JSONValue] | dict[str, JSONValue]"
+    "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
 )
 """A value that JSON can carry: what snapshots, payloads and parameters are made of."""
-
-_value = dataclass(frozen=True, slots=True, kw_only=True)
-
 
 class Role(enum.StrEnum):
     """Who speaks a message."""
@@ -127,7 +124,7 @@ class IntentKind(enum.StrEnum):
     ACTION = "action"
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TextBlock:
     """A run of text inside a message."""
 
@@ -142,7 +139,7 @@ ContentBlock: TypeAlias = TextBlock
 """One block of a message. Only text exists today; code must handle blocks one by one."""
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Message:
     """One message of a model call: a role and a sequence of content blocks."""
 
@@ -155,7 +152,7 @@ class Message:
         return cls(role=role, content=(TextBlock(text=text),))
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Budget:
     """The limits of one run. No defaults: every run states its own."""
 
@@ -164,14 +161,14 @@ class Budget:
     max_context_chars: int
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Injection:
     """Skill entries to place in the context, by channel (only ``"system"`` exists today)."""
 
     entries: Mapping[str, tuple[str, ...]]
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunStarted:
     """The first record of every run: the frozen reproducibility snapshot."""
 
@@ -179,7 +176,7 @@ class RunStarted:
     snapshot: Mapping[str, JSONValue]
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Intent:
     """Written, and made durable, before a side effect is performed.
 
@@ -199,7 +196,7 @@ class Intent:
     history_text: str | None = None
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Result:
     """The outcome of the effect announced by the intent with the same ``result_id``."""
 
@@ -209,7 +206,7 @@ class Result:
     payload: JSONValue
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepRecord:
     """One decision round: the row of the trajectory.
 
@@ -235,7 +232,7 @@ class StepRecord:
     duration_s: float | None = None
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunEnded:
     """The last record of a run (a ``CANCELLED`` end may be followed by a resumed run)."""
 
@@ -251,7 +248,7 @@ Record: TypeAlias = RunStarted | Intent | Result | StepRecord | RunEnded
 """Anything a store persists."""
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunLog:
     """Every record a store read back for one run, in write order."""
 
@@ -259,7 +256,7 @@ class RunLog:
     records: tuple[Record, ...]
 
 
-@_value
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RunResult:
     """What ``run`` and ``resume`` return."""
 

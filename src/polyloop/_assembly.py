@@ -1,0 +1,151 @@
+"""Context assembly: the order of the segments, the injection slot, the size metric.
+
+The messages of a model call are, in this order: the run context; one system message
+with the injected entries (only if there is one); one system message with the tool list
+(only if there are tools); the goal context; then, per finished step, the assistant's
+history text and, if the step produced one, the observation wrapped in the template.
+
+With nothing injected and no tools the result is exactly ``run_context + goal_context +
+history``: an experiment's baseline must not change because an empty slot exists.
+
+:class:`Transcript` keeps the message list, its size and its digest up to date one step
+at a time, so the work per step does not grow with the length of the history beyond
+copying the list that the model call needs anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from polyloop.types import Injection, JSONValue, Message, Role, ToolStyle
+
+SYSTEM_CHANNEL = "system"
+
+
+def render_injection(injection: Injection) -> str | None:
+    """The text of the injection message, or ``None`` when nothing is injected."""
+    entries = injection.entries.get(SYSTEM_CHANNEL, ())
+    return "\n\n".join(entries) if entries else None
+
+
+def unknown_channels(injection: Injection) -> tuple[str, ...]:
+    """Channels that nothing reads today (sorted); entries there would be lost silently."""
+    return tuple(sorted(key for key in injection.entries if key != SYSTEM_CHANNEL))
+
+
+def render_tools(tools: Sequence[Mapping[str, Any]], style: ToolStyle) -> str | None:
+    """The text of the tool-list message, or ``None`` when there are no tools.
+
+    Only what the model needs is shown: name, description and the parameter schema.
+    """
+    if not tools:
+        return None
+    if style is ToolStyle.JSON:
+        return "\n".join(
+            _json(
+                {
+                    "name": tool["name"],
+                    "description": tool["description"],
+                    "parameters": tool["parameters"],
+                }
+            )
+            for tool in tools
+        )
+    return "\n\n".join(
+        f"## {tool['name']}\n\n{tool['description']}\n\n"
+        f"```json\n{_json(tool['parameters'], indent=2)}\n```"
+        for tool in tools
+    )
+
+
+def prefix(
+    *,
+    run_context: Sequence[Message],
+    injection_text: str | None,
+    tools_text: str | None,
+    goal_context: Sequence[Message],
+) -> tuple[Message, ...]:
+    """The messages that come before the history, in their fixed order."""
+    slots = [
+        Message.text(Role.SYSTEM, text)
+        for text in (injection_text, tools_text)
+        if text is not None
+    ]
+    return (*run_context, *slots, *goal_context)
+
+
+def step_messages(
+    history_text: str, observation: str | None, template: str
+) -> tuple[Message, ...]:
+    """The messages one finished step adds to the history."""
+    said = Message.text(Role.ASSISTANT, history_text)
+    if observation is None:
+        return (said,)
+    return (said, Message.text(Role.USER, template.format(observation=observation)))
+
+
+def size(messages: Iterable[Message]) -> int:
+    """The context-size metric: the sum of the sizes of every block of every message."""
+    return sum(block.size() for message in messages for block in message.content)
+
+
+def canonical(value: JSONValue) -> bytes:
+    """Canonical JSON bytes of ``value``: what identity hashes are computed over."""
+    return _json(value).encode("utf-8", "surrogatepass")
+
+
+def message_json(message: Message) -> JSONValue:
+    """A message as plain JSON (role and typed blocks)."""
+    return {
+        "role": message.role.value,
+        "content": [{"type": "text", "text": block.text} for block in message.content],
+    }
+
+
+def messages_sha256(messages: Iterable[Message]) -> str:
+    """The sha256 of a message sequence, as :class:`Transcript` computes it."""
+    digest = hashlib.sha256()
+    for message in messages:
+        digest.update(canonical(message_json(message)) + b"\n")
+    return digest.hexdigest()
+
+
+class Transcript:
+    """The growing message list of one run, with its size and digest kept current."""
+
+    __slots__ = ("_digest", "_messages", "_size")
+
+    def __init__(self, messages: Iterable[Message] = ()) -> None:
+        self._messages: list[Message] = []
+        self._size = 0
+        self._digest = hashlib.sha256()
+        self.extend(messages)
+
+    def extend(self, messages: Iterable[Message]) -> None:
+        """Append messages, updating size and digest with the new ones only."""
+        for message in messages:
+            self._messages.append(message)
+            self._size += size((message,))
+            self._digest.update(canonical(message_json(message)) + b"\n")
+
+    @property
+    def messages(self) -> tuple[Message, ...]:
+        return tuple(self._messages)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def sha256(self) -> str:
+        """Equal to :func:`messages_sha256` of :attr:`messages`."""
+        return self._digest.copy().hexdigest()
+
+
+def _json(value: Any, indent: int | None = None) -> str:
+    separators = (",", ":") if indent is None else (",", ": ")
+    return json.dumps(
+        value, ensure_ascii=False, sort_keys=True, separators=separators, indent=indent
+    )

@@ -1,0 +1,82 @@
+"""The stop decision and the two budget counters, as plain functions over plain data.
+
+The order of the checks is part of the public contract: when two reasons hold at once,
+the earlier one wins. Before a model call the budget is checked (steps, then valid
+steps, then context size); after a step, what the step itself says (model failure,
+environment fault, environment done, a completing tool, a final answer). Because the
+step's own reason is checked first, a last allowed step that also submits ends the run
+as ``SUBMITTED``, not as ``STEP_LIMIT``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polyloop.types import ActionStatus, Budget, DecisionKind, StopReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Counters:
+    """How much of the budget a run has used."""
+
+    steps: int = 0
+    valid_steps: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepFacts:
+    """What the stop decision needs to know about one finished step."""
+
+    decision: DecisionKind
+    model_failed: bool
+    action_status: ActionStatus | None
+    synthesized: bool
+    done: bool
+    completes: bool
+
+
+def before_model_call(budget: Budget, used: Counters, context_chars: int) -> StopReason | None:
+    """The reason to stop before the next model call, or ``None`` to make it."""
+    if used.steps >= budget.max_steps:
+        return StopReason.STEP_LIMIT
+    if used.valid_steps >= budget.max_valid_steps:
+        return StopReason.VALID_STEP_LIMIT
+    if context_chars > budget.max_context_chars:
+        return StopReason.CONTEXT_LIMIT
+    return None
+
+
+def after_step(facts: StepFacts) -> StopReason | None:
+    """The reason to stop because of what the step just finished says, or ``None``."""
+    if facts.model_failed:
+        return StopReason.MODEL_FAILURE
+    if facts.action_status is ActionStatus.ENV_FAULT:
+        return StopReason.ENV_FAILURE
+    if facts.done:
+        return StopReason.ENV_DONE
+    if (
+        facts.completes
+        and facts.action_status is ActionStatus.EXECUTED
+        and not facts.synthesized
+    ):
+        return StopReason.SUBMITTED
+    if facts.decision is DecisionKind.FINAL:
+        return StopReason.FINAL_ANSWER
+    return None
+
+
+def counts_as_valid(action_status: ActionStatus | None) -> bool:
+    """Whether a step uses up a valid step: only an action that ran.
+
+    A tool whose handler raised still ran, so a model cannot loop on a broken tool for
+    free; a refused action or an unusable reply does not count.
+    """
+    return action_status is ActionStatus.EXECUTED
+
+
+def settle(used: Counters, action_status: ActionStatus | None) -> Counters:
+    """The counters after one more step with the given action status."""
+    return Counters(
+        steps=used.steps + 1,
+        valid_steps=used.valid_steps + (1 if counts_as_valid(action_status) else 0),
+    )

@@ -1,0 +1,62 @@
+"""A store wrapper that simulates a crash of the process after a given number of writes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from polyloop.ports import Store
+from polyloop.types import Intent, JSONValue, Result, RunEnded, RunLog, RunStarted, StepRecord
+
+
+class SimulatedCrash(Exception):
+    """Raised by :class:`FaultyStore` in place of the write that would follow the crash."""
+
+
+class FaultyStore:
+    """Passes writes to ``inner`` until ``fail_after_writes`` of them have landed.
+
+    Write number ``fail_after_writes + 1`` and every later one raise
+    :class:`SimulatedCrash` without reaching ``inner``, as if the process had died right
+    after write ``fail_after_writes``. Reads always pass. :meth:`parameters` is the inner
+    store's, so the run can be resumed on ``inner`` (or a fresh store on the same data).
+    """
+
+    def __init__(self, inner: Store, *, fail_after_writes: int) -> None:
+        self.inner = inner
+        self.fail_after_writes = fail_after_writes
+        self.writes = 0
+
+    @property
+    def crashed(self) -> bool:
+        return self.writes >= self.fail_after_writes
+
+    def parameters(self) -> Mapping[str, JSONValue]:
+        return self.inner.parameters()
+
+    def _admit(self) -> None:
+        if self.crashed:
+            raise SimulatedCrash(f"simulated crash after write {self.fail_after_writes}")
+        self.writes += 1
+
+    async def start_run(self, record: RunStarted) -> None:
+        self._admit()
+        await self.inner.start_run(record)
+
+    async def write_intent(self, intent: Intent) -> None:
+        self._admit()
+        await self.inner.write_intent(intent)
+
+    async def write_result(self, result: Result) -> None:
+        self._admit()
+        await self.inner.write_result(result)
+
+    async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
+        self._admit()
+        await self.inner.write_step(step, action_result)
+
+    async def read_log(self, run_id: str) -> RunLog:
+        return await self.inner.read_log(run_id)
+
+    async def end_run(self, record: RunEnded) -> None:
+        self._admit()
+        await self.inner.end_run(record)

@@ -1,0 +1,431 @@
+"""Tools the model may call, kept in one immutable registry.
+
+A run's action executor, the tool list the model is shown, the argument checks, the
+replay policy and the completion markers must never disagree with one another; they
+disagree the moment each is configured in its own place. So everything about a tool is
+declared once, in a :class:`ToolSpec`, and every one of those views is derived from the
+single :class:`ToolRegistry` built from the specs.
+
+Schemas are plain JSON Schema dicts (draft 2020-12). They are checked when the registry
+is built, so a broken schema fails before any run starts, and arguments are validated
+before a handler is called, so a handler only ever sees arguments its schema accepts.
+References are followed only inside a tool's own schema: validating a model's arguments
+must not reach out to the network, whose answer could change between a run and its
+resumption, or stall the run.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Awaitable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol, cast
+
+import referencing
+import referencing.exceptions
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError, ValidationError, best_match
+
+from polyloop.ports import Action, ActionExecutor, ActionOutcome
+from polyloop.types import ActionStatus, InvalidRequest, JSONValue, Replay
+
+__all__ = ("ToolRegistry", "ToolSpec")
+
+# Refusal reasons are fed back to the model; a multi-megabyte argument must not turn
+# into a multi-megabyte reason, so every part that echoes caller data is clipped.
+_MESSAGE_CHARS = 500
+_PATH_CHARS = 200
+_NAME_CHARS = 100
+
+_PAYLOAD_KEYS = frozenset({"name", "arguments"})
+
+
+class ToolHandler(Protocol):
+    """What performs a tool call: ``async (arguments, *, result_id) -> str``.
+
+    ``result_id`` is stable across a replay after a crash, so a handler can use it as an
+    idempotency key. The returned text is the observation the model will see.
+    """
+
+    def __call__(self, arguments: dict[str, JSONValue], /, *, result_id: str) -> Awaitable[str]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolSpec:
+    """One tool: its name, what the model is told about it, and how it runs.
+
+    ``parameters`` is a JSON Schema (draft 2020-12) for the arguments object.
+    ``replay`` says whether a call whose outcome was lost in a crash may run again;
+    ``completes`` marks a tool whose call submits the task.
+    """
+
+    name: str
+    description: str
+    parameters: Mapping[str, JSONValue]
+    handler: ToolHandler
+    replay: Replay = Replay.NEVER
+    completes: bool = False
+
+
+def _clip(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def _refuse_retrieval(uri: str) -> NoReturn:
+    raise referencing.exceptions.NoSuchResource(uri)
+
+
+# A registry that can retrieve nothing: jsonschema's own default would fetch remote
+# ``$ref`` targets over the network. referencing builds its __init__ with attrs behind a
+# decorator mypy cannot see through, hence the call through an Any-typed name.
+_make_registry: Any = referencing.Registry
+_LOCAL_ONLY: referencing.Registry[Any] = _make_registry(retrieve=_refuse_retrieval)
+
+
+def _json_problem(value: object, path: str) -> str | None:
+    """Where ``value`` holds something a strict JSON record could not carry back."""
+    if value is None or isinstance(value, str | bool | int):
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{path} is {value!r}, which JSON cannot carry"
+    if isinstance(value, list):
+        children = [(f"{path}[{index}]", item) for index, item in enumerate(value)]
+    elif isinstance(value, dict):
+        if not all(isinstance(key, str) for key in value):
+            return f"{path} has a key that is not a string"
+        children = [(f"{path}[{key!r}]", item) for key, item in value.items()]
+    else:
+        return f"{path} holds a {type(value).__name__}, which is not a JSON value"
+    for child_path, child in children:
+        if (problem := _json_problem(child, child_path)) is not None:
+            return problem
+    return None
+
+
+def _check_fields(spec: object) -> ToolSpec:
+    if not isinstance(spec, ToolSpec):
+        raise InvalidRequest(f"a tool registry takes ToolSpec values, got {type(spec).__name__}")
+    if not isinstance(spec.name, str) or not spec.name:
+        raise InvalidRequest(f"a tool name must be a non-empty string, got {spec.name!r}")
+    if not isinstance(spec.description, str):
+        raise InvalidRequest(f"tool {spec.name!r}: description must be a string")
+    if not callable(spec.handler):
+        raise InvalidRequest(f"tool {spec.name!r}: handler must be callable")
+    if not isinstance(spec.replay, Replay):
+        raise InvalidRequest(f"tool {spec.name!r}: replay must be a Replay, got {spec.replay!r}")
+    if not isinstance(spec.completes, bool):
+        raise InvalidRequest(f"tool {spec.name!r}: completes must be a bool")
+    return spec
+
+
+def _checked_schema(name: str, parameters: object) -> dict[str, JSONValue]:
+    """A private deep copy of a valid schema, so later edits by the caller change nothing."""
+    if not isinstance(parameters, dict):
+        raise InvalidRequest(
+            f"tool {name!r}: parameters must be a JSON Schema dict, got {type(parameters).__name__}"
+        )
+    if (problem := _json_problem(parameters, "parameters")) is not None:
+        raise InvalidRequest(f"tool {name!r}: {problem}")
+    try:
+        Draft202012Validator.check_schema(parameters)
+    except SchemaError as exc:
+        raise InvalidRequest(
+            f"tool {name!r}: parameters is not a valid JSON Schema (draft 2020-12) at "
+            f"{_clip(exc.json_path, _PATH_CHARS)}: {_clip(exc.message, _MESSAGE_CHARS)}"
+        ) from exc
+    if "type" in parameters and parameters["type"] != "object":
+        raise InvalidRequest(
+            f"tool {name!r}: the schema's top-level type must be 'object' (arguments are "
+            f"a JSON object), got {parameters['type']!r}"
+        )
+    return cast(dict[str, JSONValue], copy.deepcopy(parameters))
+
+
+def _checked_limit(max_observation_chars: object) -> int:
+    if (
+        not isinstance(max_observation_chars, int)
+        or isinstance(max_observation_chars, bool)
+        or max_observation_chars < 1
+    ):
+        raise InvalidRequest(
+            f"max_observation_chars must be an int >= 1, got {max_observation_chars!r}"
+        )
+    return max_observation_chars
+
+
+def _schema_refusal(name: str, validator: Draft202012Validator, arguments: object) -> str | None:
+    try:
+        error: ValidationError | None = best_match(validator.iter_errors(arguments))
+    except referencing.exceptions.Unresolvable as exc:
+        return (
+            f"arguments for tool {name!r} cannot be checked: its schema refers to "
+            f"{_clip(str(exc.ref), _PATH_CHARS)!r}, which is not inside the tool's own schema"
+        )
+    except RecursionError:
+        # A schema such as {"$ref": "#"} recurses without end; refusing the call is
+        # the only answer that does not take the run down with it.
+        return f"arguments for tool {name!r} cannot be checked: validation recursed too deeply"
+    if error is None:
+        return None
+    return (
+        f"arguments for tool {name!r} do not match its schema at "
+        f"{_clip(error.json_path, _PATH_CHARS)}: {_clip(error.message, _MESSAGE_CHARS)}"
+    )
+
+
+class ToolRegistry:
+    """An immutable set of tools, and every view of them the kernel needs.
+
+    Raises :class:`~polyloop.types.InvalidRequest` for duplicate or empty names, an
+    invalid schema, a schema whose top-level type is not ``object``, or a
+    ``max_observation_chars`` below 1. Observations longer than
+    ``max_observation_chars`` are cut by the derived executor.
+    """
+
+    __slots__ = ("_max_observation_chars", "_specs", "_validators")
+
+    _specs: dict[str, ToolSpec]
+    _validators: dict[str, Draft202012Validator]
+    _max_observation_chars: int
+
+    def __init__(self, specs: Iterable[ToolSpec], *, max_observation_chars: int) -> None:
+        limit = _checked_limit(max_observation_chars)
+        checked: dict[str, ToolSpec] = {}
+        validators: dict[str, Draft202012Validator] = {}
+        for raw in specs:
+            spec = _check_fields(raw)
+            if spec.name in checked:
+                raise InvalidRequest(f"tool {spec.name!r} is registered twice")
+            schema = _checked_schema(spec.name, spec.parameters)
+            checked[spec.name] = dataclasses.replace(spec, parameters=schema)
+            validators[spec.name] = Draft202012Validator(schema, registry=_LOCAL_ONLY)
+        object.__setattr__(self, "_specs", checked)
+        object.__setattr__(self, "_validators", validators)
+        object.__setattr__(self, "_max_observation_chars", limit)
+
+    def __setattr__(self, name: str, value: object) -> NoReturn:
+        raise AttributeError(f"ToolRegistry is immutable; cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"ToolRegistry is immutable; cannot delete {name!r}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tool names, in registration order."""
+        return tuple(self._specs)
+
+    @property
+    def max_observation_chars(self) -> int:
+        """The longest observation the derived executor returns uncut."""
+        return self._max_observation_chars
+
+    def subset(self, names: Iterable[str]) -> ToolRegistry:
+        """A registry of the named tools only, in registration order, with the same limit."""
+        if isinstance(names, str):
+            raise InvalidRequest(f"subset takes an iterable of names, not the string {names!r}")
+        wanted = set(names)
+        unknown = sorted(repr(name) for name in wanted if name not in self._specs)
+        if unknown:
+            raise InvalidRequest(
+                f"subset names unknown tools {', '.join(unknown)}; known tools: {self._known()}"
+            )
+        kept = [spec for name, spec in self._specs.items() if name in wanted]
+        return ToolRegistry(kept, max_observation_chars=self._max_observation_chars)
+
+    def get(self, name: str) -> ToolSpec | None:
+        """The spec registered under ``name`` (a copy: the registry cannot be edited)."""
+        spec = self._lookup(name)
+        if spec is None:
+            return None
+        return dataclasses.replace(spec, parameters=copy.deepcopy(spec.parameters))
+
+    def describe(self) -> JSONValue:
+        """What the model is shown and the snapshot records: one plain-JSON dict per tool."""
+        return [
+            {
+                "name": spec.name,
+                "description": spec.description,
+                "parameters": copy.deepcopy(cast(dict[str, JSONValue], spec.parameters)),
+                "replay": spec.replay.value,
+                "completes": spec.completes,
+            }
+            for spec in self._specs.values()
+        ]
+
+    def validate(self, name: str, arguments: object) -> str | None:
+        """``None`` if the call may run, else the reason it is refused."""
+        validator = self._validators.get(name) if isinstance(name, str) else None
+        if validator is None:
+            return self._unknown(name)
+        if not isinstance(arguments, dict) or not all(isinstance(key, str) for key in arguments):
+            return (
+                f"arguments for tool {name!r} must be a JSON object with string keys, "
+                f"got {type(arguments).__name__}"
+            )
+        # Checked here as well as by the library, so that a handler behind this registry
+        # never sees a value (NaN, a tuple) that a strict JSON log could not carry back.
+        if (problem := _json_problem(arguments, "arguments")) is not None:
+            return (
+                f"arguments for tool {name!r} are not plain JSON: {_clip(problem, _MESSAGE_CHARS)}"
+            )
+        return _schema_refusal(name, validator, arguments)
+
+    def marks_completion(self, name: str) -> bool:
+        """Whether calling ``name`` submits the task."""
+        spec = self._lookup(name)
+        return spec is not None and spec.completes
+
+    def executor(self) -> ActionExecutor:
+        """An action executor that dispatches ``{"name", "arguments"}`` payloads here."""
+        return _RegistryExecutor(self)
+
+    def __copy__(self) -> ToolRegistry:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> ToolRegistry:
+        # An immutable value, like a tuple: a copy may be the value itself, and handlers
+        # (closures over clients, sockets) are not meant to be duplicated.
+        return self
+
+    def _lookup(self, name: object) -> ToolSpec | None:
+        return self._specs.get(name) if isinstance(name, str) else None
+
+    def _known(self) -> str:
+        return ", ".join(repr(name) for name in self._specs) or "none"
+
+    def _unknown(self, name: object) -> str:
+        if not isinstance(name, str):
+            return f"a tool name must be a string, got {type(name).__name__}"
+        return f"unknown tool {_clip(name, _NAME_CHARS)!r}; known tools: {self._known()}"
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._specs
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ToolRegistry):
+            return NotImplemented
+        mine = (self._max_observation_chars, list(self._specs.items()))
+        theirs = (other._max_observation_chars, list(other._specs.items()))
+        return mine == theirs
+
+    def __repr__(self) -> str:
+        return (
+            f"ToolRegistry(names={self.names!r}, "
+            f"max_observation_chars={self._max_observation_chars!r})"
+        )
+
+
+def _parse_payload(payload: JSONValue) -> tuple[str, object] | str:
+    """``(name, arguments)`` from an action payload, or why the payload is malformed."""
+    if not isinstance(payload, dict):
+        return (
+            "the action payload must be a JSON object with the keys 'name' and 'arguments', "
+            f"got {type(payload).__name__}"
+        )
+    if payload.keys() != _PAYLOAD_KEYS:
+        missing = sorted(_PAYLOAD_KEYS - payload.keys())
+        extra = sorted(repr(key) for key in payload.keys() - _PAYLOAD_KEYS)
+        detail = "; ".join(
+            part
+            for part in (
+                f"missing {', '.join(map(repr, missing))}" if missing else "",
+                _clip(f"unexpected {', '.join(extra)}", _MESSAGE_CHARS) if extra else "",
+            )
+            if part
+        )
+        return f"the action payload must have exactly the keys 'name' and 'arguments': {detail}"
+    name = payload["name"]
+    if not isinstance(name, str):
+        return f"the action payload's 'name' must be a string, got {type(name).__name__}"
+    return name, payload["arguments"]
+
+
+def _exception_text(exc: Exception) -> str:
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 -- a broken __str__ must not turn a tool error into a fault
+        message = "<exception message unavailable>"
+    return f"{type(exc).__name__}: {message}"
+
+
+async def _run_handler(
+    spec: ToolSpec, arguments: dict[str, JSONValue], result_id: str
+) -> tuple[str, bool]:
+    """The handler's observation and whether the library made it up."""
+    try:
+        # A copy, because the payload belongs to the recorded action and a handler
+        # that edits its arguments must not rewrite what the trajectory shows.
+        result: object = await spec.handler(copy.deepcopy(arguments), result_id=result_id)
+    except Exception as exc:  # noqa: BLE001 -- a failing tool is an observation, not a crash
+        return _exception_text(exc), True
+    if not isinstance(result, str):
+        return (
+            f"TypeError: tool {spec.name!r} returned {type(result).__name__}, expected str",
+            True,
+        )
+    return result, False
+
+
+class _RegistryExecutor:
+    """The action executor derived from a :class:`ToolRegistry`."""
+
+    __slots__ = ("_registry",)
+
+    def __init__(self, registry: ToolRegistry) -> None:
+        self._registry = registry
+
+    async def execute(self, action: Action, *, result_id: str) -> ActionOutcome:
+        """Validate the call, run its handler, and report the outcome.
+
+        A malformed payload, an unknown tool or arguments the tool's schema refuses give
+        ``NOT_EXECUTED`` with the reason, and the handler is not called. A handler that
+        returns gives ``EXECUTED`` with its text; one that raises an ``Exception`` gives
+        ``EXECUTED`` with ``"ExceptionClass: message"``, marked synthesized. ``done`` is
+        always ``False``: a registry has no environment done signal.
+
+        Cancellation: cancellation raised while the handler runs propagates out of this
+        coroutine untouched (only ``Exception`` is caught, never ``BaseException``). The
+        executor records nothing itself; what was announced before the call is the
+        caller's intent log, and what the handler did before being cancelled is up to it.
+        """
+        call = _parse_payload(action.payload)
+        if isinstance(call, str):
+            return self._outcome(ActionStatus.NOT_EXECUTED, call, synthesized=True)
+        name, arguments = call
+        refusal = self._registry.validate(name, arguments)
+        if refusal is not None:
+            return self._outcome(ActionStatus.NOT_EXECUTED, refusal, synthesized=True)
+        # validate() accepted it, which it only does for a dict with string keys.
+        checked = cast(dict[str, JSONValue], arguments)
+        spec = cast(ToolSpec, self._registry._lookup(name))
+        observation, synthesized = await _run_handler(spec, checked, result_id)
+        return self._outcome(ActionStatus.EXECUTED, observation, synthesized=synthesized)
+
+    def replay(self, action: Action) -> Replay:
+        """The named tool's replay policy; ``NEVER`` for anything this registry cannot run."""
+        call = _parse_payload(action.payload)
+        if isinstance(call, str):
+            return Replay.NEVER
+        spec = self._registry._lookup(call[0])
+        return Replay.NEVER if spec is None else spec.replay
+
+    def _outcome(self, status: ActionStatus, text: str, *, synthesized: bool) -> ActionOutcome:
+        limit = self._registry.max_observation_chars
+        cut = max(0, len(text) - limit)
+        return ActionOutcome(
+            status=status,
+            observation=text[:limit],
+            synthesized=synthesized,
+            done=False,
+            truncated_chars=cut,
+        )
+
+    def __repr__(self) -> str:
+        return f"_RegistryExecutor(names={self._registry.names!r})"
