@@ -70,9 +70,13 @@ class ToolSpec:
 
 
 def _clip(text: str, limit: int) -> str:
+    # Keep both ends: jsonschema puts the offending value first and the complaint
+    # ("... is too long") last, and the complaint is the part the model needs.
     if len(text) <= limit:
         return text
-    return f"{text[:limit]}… ({len(text) - limit} more characters)"
+    head = limit // 2
+    tail = limit - head
+    return f"{text[:head]} …({len(text) - limit} characters omitted)… {text[-tail:]}"
 
 
 def _refuse_retrieval(uri: str) -> NoReturn:

@@ -1,0 +1,176 @@
+"""Builders shared by the tests that drive whole runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+from polyloop import (
+    Budget,
+    Definition,
+    EventSink,
+    Injection,
+    Interpreter,
+    Message,
+    ModelClient,
+    NullSink,
+    ObservationTexts,
+    Replay,
+    Request,
+    Role,
+    RunResult,
+    StepRecord,
+    Store,
+    ToolRegistry,
+    ToolSpec,
+    ToolStyle,
+)
+from polyloop.testing import JsonActionInterpreter, ScriptedModelClient
+
+TEXTS = ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}")
+NUMBER_SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "string"}},
+    "required": ["answer"],
+}
+
+
+def tool_call(name: str, **arguments: Any) -> str:
+    """A scripted model reply that calls a tool (for ``JsonActionInterpreter``)."""
+    return json.dumps({"tool": name, "arguments": arguments})
+
+
+def answer(text: str) -> str:
+    """A scripted model reply that answers."""
+    return json.dumps({"answer": text})
+
+
+class Ledger:
+    """Side effects of the test tools, by result id: proves what ran how often."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def count(self, result_id: str) -> int:
+        return sum(1 for _, rid in self.calls if rid == result_id)
+
+
+def make_tools(
+    ledger: Ledger,
+    *,
+    replay: Replay = Replay.NEVER,
+    delay: float = 0.0,
+    max_observation_chars: int = 10_000,
+) -> ToolRegistry:
+    """``double`` doubles a number (and names its result id), ``submit`` completes."""
+
+    async def double(arguments: dict[str, Any], *, result_id: str) -> str:
+        ledger.calls.append(("double", result_id))
+        if delay:
+            await anyio.sleep(delay)
+        else:
+            await anyio.lowlevel.checkpoint()
+        return f"{arguments['n'] * 2} ({result_id})"
+
+    async def submit(arguments: dict[str, Any], *, result_id: str) -> str:
+        ledger.calls.append(("submit", result_id))
+        await anyio.lowlevel.checkpoint()
+        return f"accepted {arguments['answer']}"
+
+    return ToolRegistry(
+        [
+            ToolSpec(name="double", description="Double a number.", parameters=NUMBER_SCHEMA,
+                     handler=double, replay=replay),
+            ToolSpec(name="submit", description="Submit the answer.", parameters=ANSWER_SCHEMA,
+                     handler=submit, replay=replay, completes=True),
+        ],
+        max_observation_chars=max_observation_chars,
+    )
+
+
+def five_step_script() -> list[str]:
+    """Four doubling steps (one of them refused by the schema) and a submit."""
+    return [
+        tool_call("double", n=1),
+        tool_call("double", n="two"),
+        "this is not JSON",
+        tool_call("double", n=3),
+        tool_call("submit", answer="6"),
+    ]
+
+
+def definition(
+    store: Store,
+    *,
+    model: ModelClient | None = None,
+    script: Sequence[Any] = (),
+    interpreter: Interpreter | None = None,
+    events: EventSink | None = None,
+    texts: ObservationTexts = TEXTS,
+) -> Definition:
+    return Definition(
+        model=model if model is not None else ScriptedModelClient(list(script)),
+        interpreter=interpreter if interpreter is not None else JsonActionInterpreter(),
+        store=store,
+        events=events if events is not None else NullSink(),
+        texts=texts,
+    )
+
+
+def request(run_id: str, tools: ToolRegistry, /, **overrides: Any) -> Request:
+    fields: dict[str, Any] = {
+        "run_id": run_id,
+        "budget": Budget(max_steps=20, max_valid_steps=20, max_context_chars=100_000),
+        "executor": tools.executor(),
+        "tools": tools,
+        "run_context": (Message.text(Role.SYSTEM, "You are a careful agent."),),
+        "goal_context": (Message.text(Role.USER, "Double 1, then 3, and submit 6."),),
+        "injection": Injection(entries={}),
+        "binding": {"episode": "e1"},
+        "model_replay": Replay.NEVER,
+        "observation_template": "Observation: {observation}",
+        "tool_style": ToolStyle.JSON,
+        "cancel_grace_s": 5.0,
+    }
+    fields.update(overrides)
+    return Request(**fields)
+
+
+def timeless(steps: Sequence[StepRecord]) -> list[StepRecord]:
+    """Step records without their wall-clock timing, for equivalence checks."""
+    return [dataclasses.replace(step, duration_s=None) for step in steps]
+
+
+def same_outcome(a: RunResult, b: RunResult) -> bool:
+    return (
+        timeless(a.steps) == timeless(b.steps)
+        and a.stop_reason == b.stop_reason
+        and a.final_answer == b.final_answer
+        and a.step_count == b.step_count
+        and a.valid_step_count == b.valid_step_count
+        and a.detail == b.detail
+    )
+
+
+def kinds(records: Sequence[Any]) -> list[str]:
+    """Record kinds with the intent/result kind spelled out, for readable pins."""
+    names = []
+    for record in records:
+        name = type(record).__name__
+        kind = getattr(record, "kind", None)
+        names.append(f"{name}:{kind.value}" if kind is not None and name != "Event" else name)
+    return names
+
+
+WriteHook = Callable[[str], Any]
