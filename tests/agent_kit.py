@@ -174,3 +174,29 @@ def kinds(records: Sequence[Any]) -> list[str]:
 
 
 WriteHook = Callable[[str], Any]
+
+
+class SlowStore:
+    """A memory store whose writes of one kind take a while: room to cancel inside them."""
+
+    def __init__(self, slow: str, *, delay: float = 10.0) -> None:
+        from polyloop.stores import MemoryStore
+
+        self.inner = MemoryStore()
+        self.slow = slow
+        self.delay = delay
+        self.entered = anyio.Event()
+
+    def parameters(self) -> Any:
+        return self.inner.parameters()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+
+        async def maybe_slow(*args: Any) -> Any:
+            if name == self.slow and not self.entered.is_set():
+                self.entered.set()
+                await anyio.sleep(self.delay)
+            return await method(*args)
+
+        return maybe_slow

@@ -1,6 +1,6 @@
 """Tests for polyloop._stopping: the fixed stop order and the two budget counters.
 
-Pure synchronous code: no ``async def``, no fixtures that start resources.
+Pure synchronous code: no coroutines, no fixtures that start resources.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,6 +48,13 @@ __all__ = ("decode", "dumps", "encode", "loads")
 SCHEMA = "polyloop/1"
 _MAJOR = 1
 _MAX_INT_DIGITS = 4_300
+# Deep enough for any real payload, shallow enough that the reader (whose limit is the
+# interpreter's recursion limit) always reads back what was written.
+_MAX_DEPTH = 256
+_SCHEMA_PATTERN = re.compile(r"polyloop/(0|[1-9][0-9]*)(?:\.[0-9]+)?", re.ASCII)
+# Line and paragraph separators are legal raw in JSON strings but split lines for
+# readers that use str.splitlines(); escaping them keeps every record on one line for all.
+_LINE_BREAKERS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
 
 _KIND_OF: dict[type[Any], str] = {
     RunStarted: "run_started",
@@ -133,13 +141,20 @@ def encode(record: Record) -> dict[str, JSONValue]:
     kind = _KIND_OF.get(type(record))
     if kind is None:
         raise UnloggableValue(f"not a record: {type(record).__name__}")
+    run_id = getattr(record, "run_id", None)
+
+    def refuse(reason: str) -> UnloggableValue:
+        return UnloggableValue(reason, run_id=run_id if isinstance(run_id, str) else None)
+
     out: dict[str, JSONValue] = {"schema": SCHEMA, "kind": kind}
     for field, check in _FIELDS[kind]:
         value = getattr(record, field)
+        if check in ("json", "object"):
+            value = _plain(value, record, field)
+        # The reader checks every typed field; refuse here what it would refuse there.
+        value = _checked(kind, field, check, value, refuse)
         if isinstance(value, enum.Enum):
             value = value.value
-        elif check in ("json", "object"):
-            value = _plain(value, record, field)
         out[_json_name(kind, field)] = value
     return out
 
@@ -147,7 +162,9 @@ def encode(record: Record) -> dict[str, JSONValue]:
 def _plain(value: Any, record: Record, field: str) -> JSONValue:
     """A deep copy of ``value`` as plain JSON types, or UnloggableValue naming the path."""
 
-    def walk(item: Any, path: str) -> JSONValue:
+    def walk(item: Any, path: str, depth: int = 0) -> JSONValue:
+        if depth > _MAX_DEPTH:
+            raise _refuse(f"{field} is nested more than {_MAX_DEPTH} levels deep")
         if item is None or isinstance(item, (bool, str)):
             return item
         if isinstance(item, int):
@@ -165,10 +182,10 @@ def _plain(value: Any, record: Record, field: str) -> JSONValue:
             for key, sub in item.items():
                 if not isinstance(key, str):
                     raise _refuse(f"key {key!r} at {path} is not a string")
-                result[key] = walk(sub, f"{path}.{key}")
+                result[key] = walk(sub, f"{path}.{key}", depth + 1)
             return result
         if isinstance(item, (list, tuple)):
-            return [walk(sub, f"{path}[{i}]") for i, sub in enumerate(item)]
+            return [walk(sub, f"{path}[{i}]", depth + 1) for i, sub in enumerate(item)]
         raise _refuse(f"{type(item).__name__} at {path} is not a JSON value")
 
     def _refuse(reason: str) -> UnloggableValue:
@@ -176,10 +193,7 @@ def _plain(value: Any, record: Record, field: str) -> JSONValue:
             f"{type(record).__name__}: {reason}", run_id=getattr(record, "run_id", None)
         )
 
-    try:
-        return walk(value, field)
-    except RecursionError:
-        raise _refuse(f"{field} is nested too deeply") from None
+    return walk(value, field)
 
 
 def dumps(record: Record) -> str:
@@ -194,11 +208,16 @@ def dumps(record: Record) -> str:
                           separators=(",", ":"))
     except (ValueError, RecursionError) as exc:
         raise UnloggableValue(str(exc), run_id=getattr(record, "run_id", None)) from exc
+    if line.isascii():
+        return line
     try:
         line.encode("utf-8")
     except UnicodeEncodeError:
-        line = json.dumps(data, ensure_ascii=True, allow_nan=False, sort_keys=True,
+        return json.dumps(data, ensure_ascii=True, allow_nan=False, sort_keys=True,
                           separators=(",", ":"))
+    for raw, escaped in _LINE_BREAKERS.items():
+        if raw in line:
+            line = line.replace(raw, escaped)
     return line
 
 
@@ -250,11 +269,11 @@ def _check_schema(
     schema: Any, corrupt: Callable[[str], CorruptLog], run_id: str | None, location: str | None
 ) -> None:
     if not isinstance(schema, str) or not schema.startswith("polyloop/"):
-        raise corrupt(f"no polyloop schema field (found {schema!r})")
-    major, _, _minor = schema.removeprefix("polyloop/").partition(".")
-    if not major.isdigit():
-        raise corrupt(f"unreadable schema {schema!r}")
-    if int(major) != _MAJOR:
+        raise corrupt(f"no polyloop schema field (found {schema!r:.80})")
+    match = _SCHEMA_PATTERN.fullmatch(schema)
+    if match is None:
+        raise corrupt(f"unreadable schema {schema!r:.80}")
+    if int(match.group(1)) != _MAJOR:
         raise SchemaMajorMismatch(
             f"record format {schema!r} is not readable by this library (reads {SCHEMA!r})",
             run_id=run_id,
@@ -263,9 +282,10 @@ def _check_schema(
 
 
 def _checked(
-    kind: str, field: str, check: _Check, value: Any, corrupt: Callable[[str], CorruptLog]
+    kind: str, field: str, check: _Check, value: Any,
+    corrupt: Callable[[str], CorruptLog | UnloggableValue],
 ) -> Any:
-    def wrong(expected: str) -> CorruptLog:
+    def wrong(expected: str) -> CorruptLog | UnloggableValue:
         return corrupt(f"{kind}.{field} must be {expected}, not {value!r:.80}")
 
     if isinstance(check, type):

@@ -331,6 +331,11 @@ class _Loop:
         self, index: int, reply: ModelReply, began: float
     ) -> tuple[StepRecord, str | None]:
         decision = self.definition.interpreter.interpret(reply)
+        problem = _decision_problem(decision)
+        if problem is not None:
+            # An interpreter bug, not a model error: stop here, leaving the run resumable
+            # (the reply is on record and is interpreted again by a fixed interpreter).
+            raise TypeError(f"run {self.run_id!r}: {problem}")
         if isinstance(decision, FinalAnswer):
             step = self._step_record(
                 index, reply, began, decision=DecisionKind.FINAL,
@@ -344,11 +349,7 @@ class _Loop:
                 observation_synthesized=True,
             )
             return await self._record(step, None), None
-        if not isinstance(decision, Action):
-            raise TypeError(
-                f"run {self.run_id!r}: the interpreter returned "
-                f"{type(decision).__name__}, not Action, FinalAnswer or InvalidDecision"
-            )
+        assert isinstance(decision, Action)
         return await self._announce_and_act(index, reply, decision, began)
 
     async def _announce_and_act(
@@ -395,10 +396,8 @@ class _Loop:
             outcome = await self.request.executor.execute(action, result_id=result_id)
         except Exception as exc:  # noqa: BLE001 - an escaping exception is an env fault
             return _fault(_describe(exc))
-        if not isinstance(outcome, ActionOutcome):
-            return _fault(f"TypeError: the executor returned {type(outcome).__name__}, "
-                          f"not ActionOutcome")
-        return outcome
+        problem = _outcome_problem(outcome)
+        return outcome if problem is None else _fault(f"TypeError: {problem}")
 
     def _acted(
         self, index: int, reply: ModelReply, action: Action, outcome: ActionOutcome,
@@ -710,6 +709,44 @@ def _checked_reply(reply: object) -> ModelReply:
         # An empty id looks like a valid join key and silently matches nothing.
         return ModelReply(call_id=None, content=reply.content, reasoning=reply.reasoning)
     return reply
+
+
+def _outcome_problem(outcome: object) -> str | None:
+    """Why an executor's return value cannot be recorded as an outcome, if it cannot."""
+    if not isinstance(outcome, ActionOutcome):
+        return f"the executor returned {type(outcome).__name__}, not ActionOutcome"
+    wrong = [
+        name
+        for name, ok in (
+            ("status", isinstance(outcome.status, ActionStatus)),
+            ("observation", isinstance(outcome.observation, str)),
+            ("synthesized", isinstance(outcome.synthesized, bool)),
+            ("done", isinstance(outcome.done, bool)),
+            ("truncated_chars", isinstance(outcome.truncated_chars, int)
+             and not isinstance(outcome.truncated_chars, bool)
+             and outcome.truncated_chars >= 0),
+        )
+        if not ok
+    ]
+    if wrong:
+        return f"the executor's outcome has ill-typed fields: {', '.join(wrong)}"
+    return None
+
+
+def _decision_problem(decision: object) -> str | None:
+    """Why an interpreter's return value is not a usable decision, if it is not."""
+    if not isinstance(decision, (Action, FinalAnswer, InvalidDecision)):
+        return (f"the interpreter returned {type(decision).__name__}, "
+                f"not Action, FinalAnswer or InvalidDecision")
+    texts = {
+        Action: ("action_text", "history_text"),
+        FinalAnswer: ("answer", "history_text"),
+        InvalidDecision: ("feedback", "history_text"),
+    }[type(decision)]
+    wrong = [name for name in texts if not isinstance(getattr(decision, name), str)]
+    if wrong:
+        return f"the interpreter's {type(decision).__name__} has non-string {', '.join(wrong)}"
+    return None
 
 
 def _reply_payload(reply: ModelReply) -> JSONValue:

@@ -1,0 +1,692 @@
+"""Tests for polyloop.serialization: the record codec, strict in both directions.
+
+Pure synchronous code: no coroutines, no fixtures that start resources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from polyloop.serialization import decode, dumps, encode, loads
+from polyloop.types import (
+    ActionStatus,
+    CorruptLog,
+    DecisionKind,
+    Intent,
+    IntentKind,
+    JSONValue,
+    PolyLoopError,
+    Record,
+    Replay,
+    Result,
+    RunEnded,
+    RunStarted,
+    SchemaMajorMismatch,
+    StepRecord,
+    StopReason,
+    UnloggableValue,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "records" / "v1"
+RUN = "exp-7/task-12#3"
+
+# -- realistic records, one per kind (also the expected content of the fixtures) ----------
+
+EXPECTED: dict[str, Record] = {
+    "run_started": RunStarted(
+        run_id=RUN,
+        snapshot={
+            "model.kind": "scripted",
+            "model.name": "demo",
+            "interpreter.kind": "json-action",
+            "store.kind": "jsonl",
+            "store.format": "polyloop/1",
+            "events.kind": "null",
+            "texts.not_executed": "The action was not executed: {reason}",
+            "texts.env_fault": "The environment failed: {detail}",
+            "budget.max_steps": 20,
+            "budget.max_valid_steps": 10,
+            "budget.max_context_chars": 120000,
+            "tools": {
+                "max_observation_chars": 4000,
+                "specs": [
+                    {
+                        "name": "search",
+                        "description": "Search the repository.",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"q": {"type": "string", "maxLength": 200}},
+                            "required": ["q"],
+                            "additionalProperties": False,
+                        },
+                        "replay": "allowed",
+                        "completes": False,
+                    },
+                    {
+                        "name": "submit",
+                        "description": "Hand in the patch.",
+                        "parameters": {"type": "object"},
+                        "replay": "never",
+                        "completes": True,
+                    },
+                ],
+            },
+            "run_context.sha256": "5d41402abc4b2a76b9719d911017c592" * 2,
+            "goal_context.sha256": "7d793037a0760186574b0282f2f435e7" * 2,
+            "injection.sha256": "44136fa355b3678a1146ad16f7e8649e" * 2,
+            "binding.session_id": "sess-41",
+            "binding.parent_card_id": "card-9",
+            "model_replay": "allowed",
+            "observation_template": "Observation:\n{observation}",
+            "tool_style": "json",
+            "temperature": 0.25,
+        },
+    ),
+    "intent_model_call": Intent(
+        run_id=RUN,
+        result_id=f"{RUN}:0:model",
+        kind=IntentKind.MODEL_CALL,
+        step=0,
+        call_index=0,
+        replay=Replay.ALLOWED,
+        payload={
+            "messages_sha256": "2c26b46b68ffc68ff99b453c1d304134"
+            "13422d706483bfa0f98a5e886266e7ae"
+        },
+    ),
+    "intent_action": Intent(
+        run_id=RUN,
+        result_id=f"{RUN}:1:action",
+        kind=IntentKind.ACTION,
+        step=1,
+        call_index=1,
+        replay=Replay.NEVER,
+        payload={"name": "submit", "arguments": {"patch": "--- a/x.py\n+++ b/x.py\n", "n": 3}},
+        action_text='submit(patch="--- a/x.py…")',
+        history_text='{"tool": "submit", "arguments": {"patch": "--- a/x.py\\n+++ b/x.py\\n"}}',
+    ),
+    "result_model_call": Result(
+        run_id=RUN,
+        result_id=f"{RUN}:0:model",
+        kind=IntentKind.MODEL_CALL,
+        payload={
+            "call_id": "chatcmpl-9f8e7d",
+            "content": '{"tool": "search", "arguments": {"q": "naïve \\"quote\\""}}',
+            "reasoning": "Look for the failing test first. 先找测试。",
+        },
+    ),
+    "result_action": Result(
+        run_id=RUN,
+        result_id=f"{RUN}:0:action",
+        kind=IntentKind.ACTION,
+        payload={
+            "status": "executed",
+            "observation": "tests/test_x.py:12: assert 1 == 2\n\ttab and emoji 🙂",
+            "synthesized": False,
+            "done": False,
+            "truncated_chars": 17,
+        },
+    ),
+    "step_action": StepRecord(
+        run_id=RUN,
+        step=0,
+        call_id="chatcmpl-9f8e7d",
+        model_output='{"tool": "search", "arguments": {"q": "naïve \\"quote\\""}}',
+        reasoning="Look for the failing test first. 先找测试。",
+        decision=DecisionKind.ACTION,
+        history_text='{"tool": "search", "arguments": {"q": "naïve \\"quote\\""}}',
+        action_text='search(q="naïve \\"quote\\"")',
+        observation="tests/test_x.py:12: assert 1 == 2\n\ttab and emoji 🙂",
+        observation_synthesized=False,
+        action_status=ActionStatus.EXECUTED,
+        done=False,
+        truncated_chars=17,
+        error=None,
+        final_answer=None,
+        duration_s=1.5,
+    ),
+    "step_final": StepRecord(
+        run_id=RUN,
+        step=2,
+        call_id="chatcmpl-aa01",
+        model_output="FINAL: the bug is in x.py line 12",
+        reasoning=None,
+        decision=DecisionKind.FINAL,
+        history_text="FINAL: the bug is in x.py line 12",
+        action_text=None,
+        observation=None,
+        observation_synthesized=False,
+        action_status=None,
+        done=False,
+        truncated_chars=0,
+        error=None,
+        final_answer="the bug is in x.py line 12",
+        duration_s=0.125,
+    ),
+    "step_model_failure": StepRecord(
+        run_id=RUN,
+        step=3,
+        call_id=None,
+        model_output="",
+        reasoning=None,
+        decision=DecisionKind.INVALID,
+        history_text="",
+        action_text=None,
+        observation=None,
+        observation_synthesized=False,
+        action_status=None,
+        done=False,
+        truncated_chars=0,
+        error="AllSourcesExhausted: every source failed: 429, 503",
+        final_answer=None,
+        duration_s=30.0,
+    ),
+    "run_ended": RunEnded(
+        run_id=RUN,
+        stop_reason=StopReason.FINAL_ANSWER,
+        final_answer="the bug is in x.py line 12",
+        steps=3,
+        valid_steps=2,
+        detail=None,
+    ),
+}
+
+
+def one_of_each() -> list[Any]:
+    return [pytest.param(record, id=name) for name, record in EXPECTED.items()]
+
+
+def encoded(name: str) -> dict[str, Any]:
+    return encode(EXPECTED[name])
+
+
+def line_of(data: dict[str, Any]) -> str:
+    return json.dumps(data, separators=(",", ":"), sort_keys=True)
+
+
+# -- round trips --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("record", one_of_each())
+def test_round_trip_each_kind(record: Record) -> None:
+    line = dumps(record)
+    assert loads(line) == record
+    assert loads(line.encode("utf-8")) == record
+    assert decode(encode(record)) == record
+    assert type(loads(line)) is type(record)
+    assert dumps(loads(line)) == line
+
+
+@pytest.mark.parametrize("record", one_of_each())
+def test_encoded_shape(record: Record) -> None:
+    data = encode(record)
+    assert data["schema"] == "polyloop/1"
+    assert data["kind"] in {"run_started", "intent", "result", "step", "run_ended"}
+    assert json.loads(dumps(record)) == data
+    # A plain JSON document: it survives the stdlib's own strict round trip.
+    assert json.loads(json.dumps(data, allow_nan=False)) == data
+
+
+def test_intent_and_result_carry_their_kind_as_intent_kind() -> None:
+    data = encoded("intent_model_call")
+    assert data["kind"] == "intent"
+    assert data["intent_kind"] == "model_call"
+    assert encoded("result_action")["intent_kind"] == "action"
+
+
+def test_dumps_is_canonical_json() -> None:
+    line = dumps(EXPECTED["result_model_call"])
+    data = json.loads(line)
+    assert line == json.dumps(data, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+    assert "先找测试" in line  # UTF-8, not \u escapes
+    small = RunEnded(run_id="r", stop_reason=StopReason.CANCELLED, final_answer=None,
+                     steps=1, valid_steps=0, detail="é\n")
+    assert dumps(small) == (
+        '{"detail":"é\\n","final_answer":null,"kind":"run_ended","run_id":"r",'
+        '"schema":"polyloop/1","steps":1,"stop_reason":"cancelled","valid_steps":0}'
+    )
+
+
+def test_lone_surrogate_falls_back_to_ascii_escapes() -> None:
+    record = Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL,
+                    payload={"content": "ok \ud83d then é"})
+    line = dumps(record)
+    line.encode("utf-8")  # valid UTF-8 text
+    assert line.isascii()
+    assert "\\ud83d" in line
+    assert loads(line) == record
+    assert dumps(loads(line)) == line
+
+
+def test_tuples_are_written_as_lists() -> None:
+    record = Result(run_id="r", result_id="r:0:action", kind=IntentKind.ACTION,
+                    payload={"xs": (1, (2, 3))})  # type: ignore[dict-item]
+    assert loads(dumps(record)).payload == {"xs": [1, [2, 3]]}  # type: ignore[union-attr]
+
+
+def test_integer_at_the_digit_limit_round_trips() -> None:
+    biggest = 10**4300 - 1  # 4,300 digits
+    record = Result(run_id="r", result_id="r:0:action", kind=IntentKind.ACTION,
+                    payload=[biggest, -biggest])
+    assert loads(dumps(record)) == record
+
+
+def test_defaulted_fields_may_be_absent() -> None:
+    data = encoded("intent_action")
+    del data["action_text"], data["history_text"]
+    intent = decode(data)
+    assert isinstance(intent, Intent)
+    assert intent.action_text is None
+    assert intent.history_text is None
+    step = encoded("step_final")
+    del step["final_answer"], step["duration_s"]
+    record = decode(step)
+    assert isinstance(record, StepRecord)
+    assert record.final_answer is None
+    assert record.duration_s is None
+
+
+def test_integral_duration_reads_as_float() -> None:
+    data = encoded("step_action")
+    data["duration_s"] = 2
+    record = decode(data)
+    assert isinstance(record, StepRecord)
+    assert record.duration_s == 2.0
+    assert isinstance(record.duration_s, float)
+
+
+# -- hypothesis: arbitrary records of all five kinds --------------------------------------
+
+characters = st.one_of(
+    st.characters(max_codepoint=0x1F),  # control characters
+    st.characters(max_codepoint=0x7F),
+    st.characters(min_codepoint=0x80),  # non-ASCII, including U+2028, U+0085
+    st.characters(categories=["Cs"]),  # lone surrogates
+)
+texts = st.text(alphabet=characters, max_size=20)
+big_ints = st.sampled_from([2**63, -(2**63) - 1, 2**64, 10**4300 - 1, -(10**4300 - 1)])
+finite_floats = st.floats(allow_nan=False, allow_infinity=False)
+json_values: st.SearchStrategy[JSONValue] = st.recursive(
+    st.none() | st.booleans() | st.integers() | big_ints | finite_floats | texts,
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(texts, children, max_size=4),
+    max_leaves=12,
+)
+snapshots = st.dictionaries(texts, json_values, max_size=5)
+counts = st.integers(min_value=0, max_value=2**40)
+opt_texts = st.none() | texts
+
+run_started = st.builds(RunStarted, run_id=texts, snapshot=snapshots)
+intents = st.builds(
+    Intent,
+    run_id=texts,
+    result_id=texts,
+    kind=st.sampled_from(IntentKind),
+    step=counts,
+    call_index=counts,
+    replay=st.sampled_from(Replay),
+    payload=json_values,
+    action_text=opt_texts,
+    history_text=opt_texts,
+)
+results = st.builds(
+    Result, run_id=texts, result_id=texts, kind=st.sampled_from(IntentKind), payload=json_values
+)
+steps = st.builds(
+    StepRecord,
+    run_id=texts,
+    step=counts,
+    call_id=opt_texts,
+    model_output=texts,
+    reasoning=opt_texts,
+    decision=st.sampled_from(DecisionKind),
+    history_text=texts,
+    action_text=opt_texts,
+    observation=opt_texts,
+    observation_synthesized=st.booleans(),
+    action_status=st.none() | st.sampled_from(ActionStatus),
+    done=st.booleans(),
+    truncated_chars=counts,
+    error=opt_texts,
+    final_answer=opt_texts,
+    duration_s=st.none() | finite_floats,
+)
+run_ended = st.builds(
+    RunEnded,
+    run_id=texts,
+    stop_reason=st.sampled_from(StopReason),
+    final_answer=opt_texts,
+    steps=counts,
+    valid_steps=counts,
+    detail=opt_texts,
+)
+records: st.SearchStrategy[Record] = st.one_of(run_started, intents, results, steps, run_ended)
+
+
+@given(records)
+def test_any_record_round_trips_exactly(record: Record) -> None:
+    line = dumps(record)
+    assert loads(line) == record
+    assert decode(encode(record)) == record
+    assert "\n" not in line
+    assert "\r" not in line
+    raw = line.encode("utf-8")  # valid UTF-8
+    assert raw.splitlines() == [raw]  # one line for any byte-oriented line reader
+    assert loads(raw) == record
+    assert dumps(loads(line)) == line  # canonical: stable under a second round trip
+    assert json.loads(line)["schema"] == "polyloop/1"
+
+
+@given(records)
+def test_encode_is_plain_json(record: Record) -> None:
+    data = encode(record)
+    # Plain JSON types only: the strict stdlib encoder accepts it as is.
+    text = json.dumps(data, allow_nan=False, ensure_ascii=True)
+    assert decode(json.loads(text)) == record
+
+
+# -- refusals when writing ----------------------------------------------------------------
+
+
+def _result(payload: Any) -> Result:
+    return Result(run_id="r-9", result_id="r-9:0:action", kind=IntentKind.ACTION,
+                  payload=payload)
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(math.nan, id="nan"),
+        pytest.param(math.inf, id="inf"),
+        pytest.param(-math.inf, id="minus-inf"),
+        pytest.param({"a": [1, {"b": math.nan}]}, id="nested-nan"),
+        pytest.param(10**4999, id="int-of-5000-digits"),
+        pytest.param(-(10**4999), id="negative-int-of-5000-digits"),
+        pytest.param(10**4300, id="int-of-4301-digits"),
+        pytest.param({1: "x"}, id="int-key"),
+        pytest.param({None: "x"}, id="none-key"),
+        pytest.param({("a",): "x"}, id="tuple-key"),
+        pytest.param({"ok": {2.5: "x"}}, id="nested-float-key"),
+        pytest.param({1, 2}, id="set"),
+        pytest.param(frozenset(), id="frozenset"),
+        pytest.param(b"bytes", id="bytes"),
+        pytest.param(_Opaque(), id="object"),
+        pytest.param([1, 2, _Opaque()], id="object-in-list"),
+        pytest.param(1 + 2j, id="complex"),
+    ],
+)
+def test_unloggable_payloads_are_refused(payload: Any) -> None:
+    record = _result(payload)
+    for write in (encode, dumps):
+        with pytest.raises(UnloggableValue) as caught:
+            write(record)
+        error = caught.value
+        assert isinstance(error, PolyLoopError)
+        assert isinstance(error, ValueError)
+        assert error.run_id == "r-9"
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_unloggable_snapshot_and_duration(value: float) -> None:
+    with pytest.raises(UnloggableValue):
+        dumps(RunStarted(run_id="r", snapshot={"temperature": value}))
+    step = dataclasses.replace(EXPECTED["step_action"], duration_s=value)  # type: ignore[type-var]
+    with pytest.raises(UnloggableValue) as caught:
+        dumps(step)
+    assert isinstance(caught.value, ValueError)
+    assert isinstance(caught.value, PolyLoopError)
+
+
+def test_too_deep_payload_is_refused() -> None:
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(UnloggableValue, match="nested more than 256 levels"):
+        dumps(_result(deep))
+
+
+def test_not_a_record_is_refused() -> None:
+    with pytest.raises(UnloggableValue):
+        encode({"schema": "polyloop/1"})  # type: ignore[arg-type]
+
+
+# -- rejections when reading --------------------------------------------------------------
+
+
+def _with(name: str, **changes: Any) -> str:
+    return line_of({**encoded(name), **changes})
+
+
+def _without(name: str, key: str) -> str:
+    data = encoded(name)
+    del data[key]
+    return line_of(data)
+
+
+def _payload_literal(literal: str) -> str:
+    """A valid result line whose payload is the given raw JSON text."""
+    base = line_of({**encoded("result_action"), "payload": "@@"})
+    return base.replace('"@@"', literal)
+
+
+REQUIRED = {
+    "run_started": ["run_id", "snapshot"],
+    "intent_model_call": ["run_id", "result_id", "intent_kind", "step", "call_index",
+                          "replay", "payload"],
+    "result_model_call": ["run_id", "result_id", "intent_kind", "payload"],
+    "step_action": ["run_id", "step", "call_id", "model_output", "reasoning", "decision",
+                    "history_text", "action_text", "observation", "observation_synthesized",
+                    "action_status", "done", "truncated_chars", "error"],
+    "run_ended": ["run_id", "stop_reason", "final_answer", "steps", "valid_steps", "detail"],
+}
+
+CORRUPT_LINES = [
+    pytest.param("{}", id="empty-object"),
+    pytest.param("[]", id="array"),
+    pytest.param('"run_started"', id="string"),
+    pytest.param("1", id="number"),
+    pytest.param("null", id="null"),
+    pytest.param("true", id="true"),
+    pytest.param("", id="empty-line"),
+    pytest.param("not json", id="not-json"),
+    pytest.param('{"schema":"polyloop/1","kind":', id="truncated"),
+    pytest.param(dumps(EXPECTED["run_ended"]) + "x", id="trailing-garbage"),
+    pytest.param(dumps(EXPECTED["run_ended"]) * 2, id="two-records-on-one-line"),
+    pytest.param(
+        dumps(EXPECTED["run_ended"]).replace('"steps":3', '"steps":3,"steps":4'),
+        id="duplicate-top-level-key",
+    ),
+    pytest.param(_payload_literal('{"a":1,"a":1}'), id="duplicate-nested-key"),
+    pytest.param(_payload_literal("NaN"), id="nan-literal"),
+    pytest.param(_payload_literal("Infinity"), id="infinity-literal"),
+    pytest.param(_payload_literal("-Infinity"), id="minus-infinity-literal"),
+    pytest.param(_payload_literal("[1e400]"), id="overflowing-float"),
+    pytest.param(_payload_literal("-1e400"), id="overflowing-negative-float"),
+    pytest.param(_with("step_action", duration_s="@").replace('"@"', "1e999"),
+                 id="overflowing-duration"),
+    pytest.param(_payload_literal("1" * 5000), id="int-literal-of-5000-digits"),
+    pytest.param(_payload_literal("[" * 100_000 + "]" * 100_000), id="too-deep"),
+    *[
+        pytest.param(_without(name, key), id=f"missing-{name}-{key}")
+        for name, keys in REQUIRED.items()
+        for key in keys
+    ],
+    pytest.param(_without("run_ended", "kind"), id="missing-kind"),
+    pytest.param(_without("run_ended", "schema"), id="missing-schema"),
+    pytest.param(_with("run_ended", schema=None), id="null-schema"),
+    pytest.param(_with("run_ended", schema=1), id="numeric-schema"),
+    pytest.param(_with("run_ended", schema="other/1"), id="foreign-schema"),
+    pytest.param(_with("run_ended", schema="polyloop/"), id="schema-without-major"),
+    pytest.param(_with("run_ended", schema="polyloop/one"), id="schema-word-major"),
+    pytest.param(_with("intent_action", step="1"), id="step-as-string"),
+    pytest.param(_with("intent_action", step=1.0), id="step-as-float"),
+    pytest.param(_with("intent_action", call_index=None), id="call-index-null"),
+    pytest.param(_with("run_ended", steps=True), id="bool-where-int"),
+    pytest.param(_with("step_action", done=1), id="int-where-bool"),
+    pytest.param(_with("step_action", observation_synthesized="false"), id="str-where-bool"),
+    pytest.param(_with("step_action", truncated_chars=1.5), id="float-where-int"),
+    pytest.param(_with("step_action", duration_s="1.5"), id="str-where-float"),
+    pytest.param(_with("step_action", duration_s=True), id="bool-where-float"),
+    pytest.param(_with("step_action", model_output=None), id="null-where-str"),
+    pytest.param(_with("step_action", call_id=7), id="int-where-optional-str"),
+    pytest.param(_with("run_started", run_id=["r"]), id="list-run-id"),
+    pytest.param(_with("run_started", snapshot=[]), id="snapshot-not-object"),
+    pytest.param(_with("run_started", snapshot=None), id="snapshot-null"),
+    pytest.param(_with("run_ended", kind="checkpoint"), id="unknown-kind"),
+    pytest.param(_with("run_ended", kind=None), id="null-kind"),
+    pytest.param(_with("run_ended", kind="Run_Ended"), id="kind-wrong-case"),
+    pytest.param(_with("run_ended", stop_reason="timeout"), id="unknown-stop-reason"),
+    pytest.param(_with("run_ended", stop_reason="STEP_LIMIT"), id="enum-name-not-value"),
+    pytest.param(_with("run_ended", stop_reason=None), id="null-stop-reason"),
+    pytest.param(_with("intent_action", intent_kind="tool"), id="unknown-intent-kind"),
+    pytest.param(_with("intent_action", replay="sometimes"), id="unknown-replay"),
+    pytest.param(_with("intent_action", replay=["never"]), id="unhashable-enum-value"),
+    pytest.param(_with("step_action", decision="maybe"), id="unknown-decision"),
+    pytest.param(_with("step_action", action_status="ok"), id="unknown-action-status"),
+]
+
+
+@pytest.mark.parametrize("line", CORRUPT_LINES)
+def test_corrupt_lines_are_rejected(line: str) -> None:
+    with pytest.raises(CorruptLog) as caught:
+        loads(line)
+    assert type(caught.value) is CorruptLog
+    assert isinstance(caught.value, ValueError)
+
+
+def test_invalid_utf8_bytes_are_rejected() -> None:
+    raw = dumps(EXPECTED["run_ended"]).encode("utf-8").replace(b"x.py", b"x\xff.py")
+    with pytest.raises(CorruptLog):
+        loads(raw)
+
+
+@pytest.mark.parametrize(
+    "schema", ["polyloop/2", "polyloop/0", "polyloop/2.0", "polyloop/10"]
+)
+def test_other_major_is_schema_major_mismatch(schema: str) -> None:
+    line = _with("run_ended", schema=schema)
+    with pytest.raises(SchemaMajorMismatch) as caught:
+        loads(line, location="runs/x.jsonl:4")
+    error = caught.value
+    assert type(error) is SchemaMajorMismatch
+    assert not isinstance(error, CorruptLog)
+    assert isinstance(error, PolyLoopError)
+    assert error.location == "runs/x.jsonl:4"
+    assert error.run_id == RUN
+    assert schema in str(error)
+    assert "runs/x.jsonl:4" in str(error)
+
+
+def test_other_major_wins_over_unknown_kind_and_fields() -> None:
+    # A later major may have new kinds and fields: say "other major", not "corrupt".
+    line = line_of({"schema": "polyloop/2", "kind": "checkpoint", "what": 1})
+    with pytest.raises(SchemaMajorMismatch):
+        loads(line)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        pytest.param("not json", id="bad-json"),
+        pytest.param("{}", id="empty-object"),
+        pytest.param(_with("run_ended", steps="3"), id="mistyped"),
+    ],
+)
+def test_location_is_reported(line: str) -> None:
+    with pytest.raises(CorruptLog) as caught:
+        loads(line, location="store/run.jsonl:17")
+    assert caught.value.location == "store/run.jsonl:17"
+    assert "store/run.jsonl:17" in str(caught.value)
+
+
+def test_run_id_is_reported_when_readable() -> None:
+    with pytest.raises(CorruptLog) as caught:
+        loads(_with("run_ended", steps="3"))
+    assert caught.value.run_id == RUN
+    assert repr(RUN) in str(caught.value)
+    assert "steps" in str(caught.value)
+
+
+def test_decode_rejects_a_non_mapping() -> None:
+    with pytest.raises(CorruptLog):
+        decode([1, 2], location="row 3")  # type: ignore[arg-type]
+
+
+# -- forward compatibility ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_unknown_extra_fields_are_ignored(name: str) -> None:
+    line = _with(name, added_in_1_4={"anything": [1, 2]}, flag=True)
+    assert loads(line) == EXPECTED[name]
+
+
+@pytest.mark.parametrize("schema", ["polyloop/1.7", "polyloop/1.0", "polyloop/1"])
+def test_minor_versions_of_major_1_decode(schema: str) -> None:
+    assert loads(_with("step_action", schema=schema)) == EXPECTED["step_action"]
+
+
+# -- versioned fixtures: what was written by v1 must decode forever ------------------------
+
+
+def test_fixture_folder_holds_one_file_per_expected_record() -> None:
+    names = {path.stem for path in FIXTURES.glob("*.json")}
+    assert names == set(EXPECTED)
+    assert (FIXTURES / "README.md").is_file()
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_fixture_decodes_to_expected_record(name: str) -> None:
+    raw = (FIXTURES / f"{name}.json").read_bytes()
+    text = raw.decode("utf-8")
+    assert text.endswith("\n")
+    assert text.count("\n") == 1, "one record, one line"
+    assert loads(text.rstrip("\n"), location=f"{name}.json") == EXPECTED[name]
+    assert loads(raw) == EXPECTED[name]
+
+
+def test_every_fixture_file_decodes() -> None:
+    decoded = {
+        path.stem: loads(path.read_bytes(), location=str(path))
+        for path in sorted(FIXTURES.glob("*.json"))
+    }
+    assert decoded == EXPECTED
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_dumps_still_writes_the_fixture(name: str) -> None:
+    """An accidental change of the written format is caught here (the fixture files
+    themselves must not be edited: a new format gets new fixtures next to these)."""
+    text = (FIXTURES / f"{name}.json").read_bytes().decode("utf-8")
+    assert dumps(EXPECTED[name]) + "\n" == text
+
+
+# -- dumps never writes a line that loads refuses (SPEC 12.17) ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "changes"),
+    [
+        pytest.param("step_action", {"done": 1}, id="int-done"),
+        pytest.param("step_final", {"final_answer": 42}, id="int-final-answer"),
+        pytest.param("step_action", {"truncated_chars": 1.0}, id="float-truncated-chars"),
+        pytest.param("run_ended", {"steps": True}, id="bool-steps"),
+        pytest.param("intent_action", {"action_text": 7}, id="int-action-text"),
+    ],
+)
+def test_dumps_refuses_what_loads_would_refuse(name: str, changes: dict[str, Any]) -> None:
+    record = dataclasses.replace(EXPECTED[name], **changes)  # type: ignore[type-var]
+    with pytest.raises(UnloggableValue, match=next(iter(changes))):
+        dumps(record)
