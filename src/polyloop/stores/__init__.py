@@ -1,8 +1,40 @@
 """Stores that ship with PolyLoop. Import them explicitly; there is no default store.
 
-* :class:`MemoryStore` keeps runs in this process only: choosing it says "no recovery".
+* :class:`MemoryStore`: this process only; choosing it says "no recovery".
+* :class:`JsonlStore`: one append-only JSON-lines file per run in a directory.
+* :class:`SqliteStore`: one SQLite database file (WAL, ``synchronous=FULL``).
+* :class:`PostgresStore`: a PostgreSQL database shared by many workers on many hosts
+  (needs the ``postgres`` extra: psycopg 3 and psycopg-pool).
+
+The durable stores are imported on first use, so ``import polyloop.stores`` needs no
+optional package.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from polyloop.stores._memory import MemoryStore
 
-__all__ = ("MemoryStore",)
+if TYPE_CHECKING:
+    from polyloop.stores._jsonl import JsonlStore
+    from polyloop.stores._postgres import PostgresStore
+    from polyloop.stores._sqlite import SqliteStore
+
+__all__ = ("JsonlStore", "MemoryStore", "PostgresStore", "SqliteStore")
+
+_LAZY = {
+    "JsonlStore": "polyloop.stores._jsonl",
+    "SqliteStore": "polyloop.stores._sqlite",
+    "PostgresStore": "polyloop.stores._postgres",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'polyloop.stores' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

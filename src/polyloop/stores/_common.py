@@ -1,0 +1,113 @@
+"""Pieces the durable stores share: safe file names, writer locks, the failed-run guard."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from polyloop.types import RunLocked, StoreError
+
+FORMAT = "polyloop/1"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+_PREFIX_CHARS = 40
+
+
+def safe_name(run_id: str) -> str:
+    """A file name for ``run_id`` that cannot leave its directory or collide.
+
+    A readable prefix (unsafe characters replaced, at most 40 characters, never starting
+    with a dot) followed by the sha256 of the full id: two ids that share a prefix still
+    get different names, and no id can produce ``..``, a separator, NUL or a long name.
+    """
+    digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()
+    prefix = _UNSAFE.sub("_", run_id)[:_PREFIX_CHARS].lstrip(".")
+    return f"{prefix}-{digest}" if prefix else digest
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a new directory entry in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def try_flock(fd: int, run_id: str) -> None:
+    """Take an exclusive ``flock`` on ``fd`` without waiting, or raise ``RunLocked``.
+
+    ``flock`` locks belong to the open file description, so a second store object in the
+    same process (which opens the file again) is locked out just like another process;
+    the lock goes away when the descriptor is closed or the process dies.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise RunLocked("another writer holds this run", run_id=run_id) from None
+        raise StoreError(f"could not lock the run: {exc}", run_id=run_id) from exc
+
+
+class LockFile:
+    """An exclusive writer lock for one run, held as a ``flock`` on a small file."""
+
+    __slots__ = ("_fd", "path", "run_id")
+
+    def __init__(self, path: Path, run_id: str) -> None:
+        self.path = path
+        self.run_id = run_id
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise ``RunLocked``; blocking I/O, run it in a thread."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            try_flock(fd, self.run_id)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+@dataclass
+class WriterState:
+    """What one store object holds: the runs it writes and the runs it must not touch.
+
+    After a failed write (an ``OSError``, a lost connection) nothing more is written
+    for that run through this store object: a retried ``fsync`` can report success
+    after the kernel dropped the data, so only reopening the store may try again.
+    """
+
+    failed: dict[str, str] = field(default_factory=dict)
+    closed: bool = False
+    mutex: threading.Lock = field(default_factory=threading.Lock)
+
+    def check_writable(self, run_id: str) -> None:
+        if self.closed:
+            raise StoreError("the store is closed", run_id=run_id)
+        reason = self.failed.get(run_id)
+        if reason is not None:
+            raise StoreError(
+                f"an earlier write of this run failed ({reason}); close and reopen the "
+                f"store before writing to it again",
+                run_id=run_id,
+            )
+
+    def fail(self, run_id: str, exc: BaseException) -> StoreError:
+        """Remember that ``run_id`` failed and build the error to raise."""
+        self.failed[run_id] = f"{type(exc).__name__}: {exc}"
+        error = StoreError(f"write failed: {type(exc).__name__}: {exc}", run_id=run_id)
+        error.__cause__ = exc
+        return error

@@ -1,0 +1,310 @@
+"""The contract every :class:`~polyloop.ports.Store` keeps, as reusable pytest classes.
+
+Subclass :class:`StoreContract` in a test module and provide a ``store_factory``
+fixture: a callable that returns a *new* store object over the *same* data each time it
+is called (the same directory, file or database). Every test then runs against your
+store, under each ``anyio_backend`` your test session parametrizes::
+
+    class TestMyStore(StoreContract):
+        @pytest.fixture
+        def store_factory(self, tmp_path):
+            return lambda: MyStore(tmp_path / "runs")
+
+Durable stores subclass :class:`DurableStoreContract` instead, which adds reopening
+and the cross-process writer lock. Its ``store_reference`` fixture returns
+``("package.module:callable", [json args])``: a child process imports the callable and
+calls it with the arguments to open the same data.
+
+The tests need pytest and anyio's pytest plugin (installed with anyio).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import pytest
+
+from polyloop.ports import Store
+from polyloop.types import (
+    ActionStatus,
+    DecisionKind,
+    Intent,
+    IntentKind,
+    Record,
+    Replay,
+    Result,
+    RunAlreadyExists,
+    RunEnded,
+    RunLocked,
+    RunStarted,
+    StepRecord,
+    StopReason,
+    StoreError,
+)
+
+__all__ = ("DurableStoreContract", "StoreContract", "sample_run")
+
+StoreFactory = Callable[[], Store]
+
+# Run ids that must stay opaque: separators, traversal, NUL, non-ASCII, great length.
+AWKWARD_RUN_IDS = (
+    "../escape",
+    "/absolute/path",
+    "a/b\\c",
+    "nul\x00byte",
+    "snow\u2603man\U0001f600",
+    "x" * 5_000,
+    "'; DROP TABLE runs; --",
+    ".",
+    "..",
+)
+
+
+def sample_run(run_id: str, *, steps: int = 2, ended: bool = True) -> list[tuple[str, Any]]:
+    """The writes of a plausible run, as ``(method name, arguments)`` pairs, in order."""
+    writes: list[tuple[str, Any]] = [
+        ("start_run", (RunStarted(run_id=run_id, snapshot={
+            "model.name": "m", "budget.max_steps": 9, "nested": {"list": [1, 2.5, None]},
+        }),)),
+    ]
+    for k in range(steps):
+        model_id, action_id = f"{run_id}:{k}:model", f"{run_id}:{k}:action"
+        writes += [
+            ("write_intent", (Intent(run_id=run_id, result_id=model_id,
+                                     kind=IntentKind.MODEL_CALL, step=k, call_index=k,
+                                     replay=Replay.NEVER, payload={"messages_sha256": "ab"}),)),
+            ("write_result", (Result(run_id=run_id, result_id=model_id,
+                                     kind=IntentKind.MODEL_CALL,
+                                     payload={"call_id": f"c{k}", "content": "é\u2028\ud800",
+                                              "reasoning": None}),)),
+            ("write_intent", (Intent(run_id=run_id, result_id=action_id, kind=IntentKind.ACTION,
+                                     step=k, call_index=k, replay=Replay.ALLOWED,
+                                     payload={"name": "t", "arguments": {"n": k}},
+                                     action_text="t(n)", history_text="call t"),)),
+            ("write_step", (_step(run_id, k), Result(
+                run_id=run_id, result_id=action_id, kind=IntentKind.ACTION,
+                payload={"status": "executed", "observation": f"o{k}"}))),
+        ]
+    if ended:
+        writes.append(("end_run", (RunEnded(run_id=run_id, stop_reason=StopReason.SUBMITTED,
+                                            final_answer=None, steps=steps, valid_steps=steps,
+                                            detail=None),)))
+    return writes
+
+
+def _step(run_id: str, k: int) -> StepRecord:
+    return StepRecord(
+        run_id=run_id, step=k, call_id=f"c{k}", model_output="line one\nline two \U0001f600",
+        reasoning="why", decision=DecisionKind.ACTION, history_text="call t",
+        action_text="t(n)", observation=f"o{k}", observation_synthesized=False,
+        action_status=ActionStatus.EXECUTED, done=False, truncated_chars=0, error=None,
+        duration_s=0.25,
+    )
+
+
+def expected_records(writes: list[tuple[str, Any]]) -> list[Record]:
+    """What ``read_log`` must return after ``writes``: a step's action result first."""
+    records: list[Record] = []
+    for method, args in writes:
+        if method == "write_step":
+            step, result = args
+            records += [result, step] if result is not None else [step]
+        else:
+            records.append(args[0])
+    return records
+
+
+async def apply(store: Store, writes: list[tuple[str, Any]]) -> None:
+    for method, args in writes:
+        await getattr(store, method)(*args)
+
+
+async def close(store: Store) -> None:
+    aclose = getattr(store, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+@pytest.mark.anyio
+class StoreContract:
+    """Tests every store passes. Provide a ``store_factory`` fixture."""
+
+    async def test_unknown_run_reads_empty(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        log = await store.read_log("never-written")
+        assert log.run_id == "never-written"
+        assert log.records == ()
+        await close(store)
+
+    async def test_records_round_trip_in_write_order(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        writes = sample_run("r1", steps=3)
+        await apply(store, writes)
+        log = await store.read_log("r1")
+        assert list(log.records) == expected_records(writes)
+        await close(store)
+
+    async def test_step_without_action_result(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        writes = sample_run("r1", steps=1, ended=False)
+        step = _step("r1", 1)
+        writes += [("write_step", (step, None))]
+        await apply(store, writes)
+        log = await store.read_log("r1")
+        assert log.records[-1] == step
+        assert log.records[-2] == expected_records(writes)[-2]
+        await close(store)
+
+    async def test_start_run_refuses_an_existing_run(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        writes = sample_run("r1", steps=0, ended=False)
+        await apply(store, writes)
+        with pytest.raises(RunAlreadyExists):
+            await apply(store, writes)
+        await close(store)
+
+    async def test_write_to_a_run_never_started_is_refused(
+        self, store_factory: StoreFactory
+    ) -> None:
+        store = store_factory()
+        _, (intent,) = sample_run("ghost", steps=1)[1]
+        with pytest.raises(StoreError):
+            await store.write_intent(intent)
+        assert (await store.read_log("ghost")).records == ()
+        await close(store)
+
+    async def test_awkward_run_ids_stay_opaque_and_isolated(
+        self, store_factory: StoreFactory
+    ) -> None:
+        store = store_factory()
+        for run_id in AWKWARD_RUN_IDS:
+            await apply(store, sample_run(run_id, steps=1))
+        for run_id in AWKWARD_RUN_IDS:
+            log = await store.read_log(run_id)
+            assert list(log.records) == expected_records(sample_run(run_id, steps=1))
+        await close(store)
+
+    async def test_concurrent_runs_stay_isolated(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        run_ids = [f"run-{i}" for i in range(100)]
+        async with anyio.create_task_group() as group:
+            for run_id in run_ids:
+                group.start_soon(apply, store, sample_run(run_id, steps=2))
+        for run_id in run_ids:
+            log = await store.read_log(run_id)
+            assert list(log.records) == expected_records(sample_run(run_id, steps=2))
+        await close(store)
+
+    async def test_parameters_are_plain_json_without_instance_details(
+        self, store_factory: StoreFactory
+    ) -> None:
+        store = store_factory()
+        params = dict(store.parameters())
+        assert json.loads(json.dumps(params)) == params
+        assert params == dict(store_factory().parameters())
+        await close(store)
+
+    async def test_aclose_is_idempotent(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        async with store:  # type: ignore[attr-defined]
+            await apply(store, sample_run("r1", steps=1))
+        await close(store)
+        await close(store)
+
+
+class DurableStoreContract(StoreContract):
+    """Tests for stores whose runs survive the store object and the process.
+
+    Provide ``store_factory`` and ``store_reference`` fixtures.
+    """
+
+    async def test_a_new_store_object_reads_what_another_wrote(
+        self, store_factory: StoreFactory
+    ) -> None:
+        first = store_factory()
+        writes = sample_run("r1", steps=2)
+        await apply(first, writes)
+        await close(first)
+        second = store_factory()
+        assert list((await second.read_log("r1")).records) == expected_records(writes)
+        await close(second)
+
+    async def test_second_writer_in_this_process_is_locked_out(
+        self, store_factory: StoreFactory
+    ) -> None:
+        holder, other = store_factory(), store_factory()
+        writes = sample_run("r1", steps=1, ended=False)
+        await apply(holder, writes[:2])
+        with pytest.raises(RunLocked) as locked:
+            await apply(other, writes[2:3])
+        assert locked.value.run_id == "r1"
+        # Readers are never locked out, and the holder may go on writing.
+        assert len((await other.read_log("r1")).records) == 2
+        await apply(holder, writes[2:])
+        await close(holder)
+        # Closing the holder releases the lock.
+        await apply(other, sample_run("r1", steps=2, ended=True)[-1:])
+        await close(other)
+
+    async def test_end_run_releases_the_lock(self, store_factory: StoreFactory) -> None:
+        holder, other = store_factory(), store_factory()
+        await apply(holder, sample_run("r1", steps=1, ended=True))
+        # A cancelled run is resumed later, possibly through another store object.
+        _, (intent,) = sample_run("r1", steps=2)[5]
+        await other.write_intent(intent)
+        await close(holder)
+        await close(other)
+
+    async def test_second_writer_in_another_process_is_locked_out(
+        self, store_factory: StoreFactory, store_reference: tuple[str, list[Any]]
+    ) -> None:
+        holder = store_factory()
+        await apply(holder, sample_run("r1", steps=0, ended=False))
+        outcome = await _write_from_child(store_reference, "r1")
+        assert outcome == "locked"
+        await close(holder)
+        assert await _write_from_child(store_reference, "r1") == "written"
+
+
+_CHILD = textwrap.dedent(
+    """
+    import importlib, json, sys
+    import anyio
+    from polyloop.testing.store_contract import sample_run
+    from polyloop.types import RunLocked
+
+    reference, args, run_id = json.loads(sys.argv[1])
+    module, _, name = reference.partition(":")
+    factory = getattr(importlib.import_module(module), name)
+
+    async def main():
+        store = factory(*args)
+        _, (intent,) = sample_run(run_id, steps=1)[1]
+        try:
+            await store.write_intent(intent)
+        except RunLocked:
+            print("locked")
+        else:
+            print("written")
+        finally:
+            aclose = getattr(store, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    anyio.run(main)
+    """
+)
+
+
+async def _write_from_child(reference: tuple[str, list[Any]], run_id: str) -> str:
+    argument = json.dumps([reference[0], reference[1], run_id])
+    done = await anyio.run_process([sys.executable, "-c", _CHILD, argument], check=False)
+    if done.returncode != 0:
+        raise AssertionError(f"child process failed: {done.stderr.decode(errors='replace')}")
+    return done.stdout.decode().strip()
+
