@@ -200,3 +200,68 @@ class SlowStore:
             return await method(*args)
 
         return maybe_slow
+
+
+def six_step_script() -> list[str]:
+    """Five doubling steps (one refused by the schema, one unusable reply) and a submit."""
+    return [
+        tool_call("double", n=1),
+        tool_call("double", n="two"),
+        "this is not JSON",
+        tool_call("double", n=3),
+        tool_call("double", n=4),
+        tool_call("submit", answer="8"),
+    ]
+
+
+# RunStarted, 4 + 4 + 3 + 4 + 4 + 4 step writes, RunEnded.
+SIX_STEP_WRITES = 25
+# The write numbers (1-based) that are intents: a crash right after one leaves it open.
+SIX_STEP_INTENT_WRITES = frozenset({2, 4, 6, 8, 10, 13, 15, 17, 19, 21, 23})
+
+
+async def close_store(store: Any) -> None:
+    aclose = getattr(store, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def crash_and_resume(
+    open_store: Callable[[], Store], k: int, replay: Replay, script: Sequence[Any]
+) -> tuple[RunResult, Ledger, Store]:
+    """Run until a simulated crash after write ``k``, then resume on a new store object.
+
+    The crashed store object is closed first, as the death of its process would; the
+    returned store is the one the run was resumed on (the caller closes it).
+    """
+    import pytest
+
+    from polyloop import resume, run
+    from polyloop.testing import FaultyStore, SimulatedCrash
+
+    ledger = Ledger()
+    tools = make_tools(ledger, replay=replay)
+    first = open_store()
+    with pytest.raises(SimulatedCrash):
+        await run(definition(FaultyStore(first, fail_after_writes=k), script=script),
+                  request("r", tools, model_replay=replay))
+    await close_store(first)
+    second = open_store()
+    resumed = await resume(definition(second, script=script),
+                           request("r", tools, model_replay=replay))
+    return resumed, ledger, second
+
+
+async def uninterrupted(
+    open_store: Callable[[], Store], replay: Replay, script: Sequence[Any], run_id: str = "r"
+) -> RunResult:
+    """The same run as :func:`crash_and_resume`, without a crash."""
+    from polyloop import run
+
+    store = open_store()
+    try:
+        return await run(definition(store, script=script),
+                         request(run_id, make_tools(Ledger(), replay=replay),
+                                 model_replay=replay))
+    finally:
+        await close_store(store)
