@@ -6,8 +6,8 @@ from typing import Any
 
 import anyio
 import pytest
-from agent_kit import SlowStore, answer, definition, request, tool_call
 
+from agent_kit import SlowStore, answer, definition, request, tool_call
 from polyloop import (
     Intent,
     IntentKind,
@@ -140,7 +140,8 @@ async def test_cancel_during_an_action() -> None:
 
 
 async def test_cancel_during_a_store_write() -> None:
-    store, model, tool = SlowStore("write_result"), BlockingModel(block_at=None), WaitTool(block=False)
+    store = SlowStore("write_result")
+    model, tool = BlockingModel(block_at=None), WaitTool(block=False)
     tasks_before = len(anyio.get_running_tasks())
 
     async def drive() -> None:

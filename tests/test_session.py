@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import pytest
+
 from agent_kit import (
     Ledger,
     answer,
@@ -18,7 +19,6 @@ from agent_kit import (
     timeless,
     tool_call,
 )
-
 from polyloop import (
     ActionStatus,
     Budget,
@@ -540,7 +540,7 @@ async def test_invalid_observation_texts_are_refused() -> None:
 
     store = WriteLog()
     texts = ObservationTexts(not_executed="no placeholder", env_fault="{detail}")
-    with pytest.raises(InvalidRequest, match="texts.not_executed"):
+    with pytest.raises(InvalidRequest, match=r"texts\.not_executed"):
         await run(definition(store, script=[answer("x")], texts=texts),
                   request("r", make_tools(Ledger())))
     assert store.writes == []

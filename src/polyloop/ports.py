@@ -125,7 +125,12 @@ class ModelClient(Protocol):
         ...
 
     async def call(self, call: ModelCall) -> ModelReply:
-        """Make one model call."""
+        """Make one model call.
+
+        Cancellation: the library cancels this call when the run is cancelled; it must
+        let the cancellation propagate. The model-call intent is already durable, so a
+        later ``resume`` replays the call only if the request's model replay allows it.
+        """
         ...
 
 
@@ -147,7 +152,11 @@ class ActionExecutor(Protocol):
     """Performs actions for one run. Discrimination is by status, never by exception."""
 
     async def execute(self, action: Action, *, result_id: str) -> ActionOutcome:
-        """Perform ``action``; ``result_id`` is stable across a replay after a crash."""
+        """Perform ``action``; ``result_id`` is stable across a replay after a crash.
+
+        Cancellation: must propagate. The action intent is already durable; ``resume``
+        performs the action again (same ``result_id``) only if ``replay`` allowed it.
+        """
         ...
 
     def replay(self, action: Action) -> Replay:
@@ -169,27 +178,48 @@ class Store(Protocol):
         ...
 
     async def start_run(self, record: RunStarted) -> None:
-        """Write the first record of a run."""
+        """Write the first record of a run; ``RunAlreadyExists`` if it has records.
+
+        Cancellation: either the record landed whole or not at all.
+        """
         ...
 
     async def write_intent(self, intent: Intent) -> None:
-        """Write an intent and make it durable before returning."""
+        """Write an intent and make it durable before returning.
+
+        Cancellation: either the intent landed whole or not at all; a cancelled caller
+        cannot tell which, and recovery does not need to.
+        """
         ...
 
     async def write_result(self, result: Result) -> None:
-        """Write the result of a model call."""
+        """Write the result of a model call.
+
+        Cancellation: either the result landed whole or not at all.
+        """
         ...
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
-        """Write a step record and its action's result atomically."""
+        """Write a step record and its action's result atomically.
+
+        ``read_log`` returns the action result immediately before the step record.
+
+        Cancellation: both records landed or neither did.
+        """
         ...
 
     async def read_log(self, run_id: str) -> RunLog:
-        """Read every record of ``run_id`` in write order (empty if there is none)."""
+        """Read every record of ``run_id`` in write order (empty if there is none).
+
+        Cancellation: reading changes nothing on disk.
+        """
         ...
 
     async def end_run(self, record: RunEnded) -> None:
-        """Write the end record of a run."""
+        """Write the end record of a run and release the run's writer lock.
+
+        Cancellation: either the record landed whole or not at all.
+        """
         ...
 
 
@@ -221,7 +251,11 @@ class EventSink(Protocol):
         ...
 
     async def emit(self, event: Event) -> None:
-        """Deliver one event."""
+        """Deliver one event.
+
+        Cancellation: must propagate; events are not persisted, so nothing is on disk
+        on the sink's account.
+        """
         ...
 
 
@@ -234,7 +268,11 @@ class NullSink:
         return {"kind": "null"}
 
     async def emit(self, event: Event) -> None:
-        return None
+        """Discard ``event``.
+
+        Cancellation: nothing happens, so nothing is left behind.
+        """
+        return
 
     def __repr__(self) -> str:
         return "NullSink()"

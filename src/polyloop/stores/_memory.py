@@ -40,18 +40,34 @@ class MemoryStore:
         return {"kind": "memory", "format": _FORMAT}
 
     async def start_run(self, record: RunStarted) -> None:
+        """Keep the first record of a run.
+
+        Cancellation: the method never waits, so it completes or does not start.
+        """
         self._check_open(record.run_id)
         if self._runs.get(record.run_id):
             raise RunAlreadyExists("the run already has records", run_id=record.run_id)
         self._runs[record.run_id] = [record]
 
     async def write_intent(self, intent: Intent) -> None:
+        """Keep an intent (memory is as durable as this store gets).
+
+        Cancellation: the method never waits, so it completes or does not start.
+        """
         self._records(intent.run_id).append(intent)
 
     async def write_result(self, result: Result) -> None:
+        """Keep a model result.
+
+        Cancellation: the method never waits, so it completes or does not start.
+        """
         self._records(result.run_id).append(result)
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
+        """Keep a step and its action result together.
+
+        Cancellation: the method never waits, so both land or neither does.
+        """
         records = self._records(step.run_id)
         if action_result is not None:
             if action_result.run_id != step.run_id:
@@ -64,10 +80,18 @@ class MemoryStore:
             records.append(step)
 
     async def read_log(self, run_id: str) -> RunLog:
+        """Every record of ``run_id``, in write order.
+
+        Cancellation: reading changes nothing.
+        """
         self._check_open(run_id)
         return RunLog(run_id=run_id, records=tuple(self._runs.get(run_id, ())))
 
     async def end_run(self, record: RunEnded) -> None:
+        """Keep the end record.
+
+        Cancellation: the method never waits, so it completes or does not start.
+        """
         self._records(record.run_id).append(record)
 
     def run_ids(self) -> tuple[str, ...]:
@@ -75,7 +99,10 @@ class MemoryStore:
         return tuple(self._runs)
 
     async def aclose(self) -> None:
-        """Refuse further use. Idempotent; the records stay readable by no one."""
+        """Refuse further use; idempotent. The records go with the object.
+
+        Cancellation: the method never waits.
+        """
         self._closed = True
 
     async def __aenter__(self) -> MemoryStore:

@@ -1,0 +1,190 @@
+"""The public surface: what is exported, from where, and what public signatures mention."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pickle
+import typing
+from typing import Any
+
+import pytest
+
+import polyloop
+from polyloop import ports, serialization, session, tools, types
+
+# SPEC §12.1: where every public name lives.
+NAMES_BY_MODULE = {
+    types: {
+        "JSONValue", "Role", "TextBlock", "ContentBlock", "Message", "Budget", "Replay",
+        "ActionStatus", "DecisionKind", "StopReason", "ToolStyle", "Injection", "StepRecord",
+        "RunStarted", "Intent", "IntentKind", "Result", "RunEnded", "RunLog", "RunResult",
+        "Record", "PolyLoopError", "RunAlreadyExists", "RunNotFound", "RunIdentityMismatch",
+        "CorruptLog", "SchemaMajorMismatch", "RunLocked", "InvalidRequest", "StoreError",
+        "UnloggableValue",
+    },
+    ports: {
+        "ModelClient", "ModelCall", "ModelReply", "Interpreter", "Decision", "Action",
+        "FinalAnswer", "InvalidDecision", "ActionExecutor", "ActionOutcome", "Store",
+        "EventSink", "Event", "EventKind", "NullSink",
+    },
+    tools: {"ToolSpec", "ToolRegistry"},
+    session: {"Definition", "Request", "ObservationTexts", "run", "resume"},
+}
+ERRORS = {
+    "PolyLoopError": Exception,
+    "InvalidRequest": ValueError,
+    "RunAlreadyExists": FileExistsError,
+    "RunNotFound": LookupError,
+    "RunIdentityMismatch": ValueError,
+    "CorruptLog": ValueError,
+    "SchemaMajorMismatch": ValueError,
+    "UnloggableValue": ValueError,
+    "RunLocked": BlockingIOError,
+    "StoreError": OSError,
+}
+
+
+@pytest.mark.parametrize("module", [polyloop, types, ports, tools, session, serialization],
+                         ids=lambda m: m.__name__)
+def test_all_is_a_sorted_tuple_of_unique_existing_names(module: Any) -> None:
+    exported = module.__all__
+    assert isinstance(exported, tuple)
+    assert list(exported) == sorted(exported)
+    assert len(set(exported)) == len(exported)
+    for name in exported:
+        assert hasattr(module, name), name
+
+
+@pytest.mark.parametrize("module", list(NAMES_BY_MODULE), ids=lambda m: m.__name__)
+def test_each_module_exports_exactly_its_spec_names(module: Any) -> None:
+    assert set(module.__all__) == NAMES_BY_MODULE[module]
+
+
+def test_top_level_reexports_the_same_objects_once() -> None:
+    expected = set().union(*NAMES_BY_MODULE.values())
+    assert set(polyloop.__all__) == expected
+    for module, names in NAMES_BY_MODULE.items():
+        for name in names:
+            assert getattr(polyloop, name) is getattr(module, name), name
+    # Exported once: no object reachable under two public names (aliases excepted).
+    objects = [getattr(polyloop, name) for name in polyloop.__all__
+               if name not in {"ContentBlock"}]
+    assert len({id(obj) for obj in objects}) == len(objects)
+
+
+def test_codec_stays_in_serialization() -> None:
+    for name in serialization.__all__:
+        assert not hasattr(polyloop, name) or name not in polyloop.__all__
+
+
+def _public_callables() -> list[tuple[str, Any]]:
+    found: list[tuple[str, Any]] = []
+    for name in polyloop.__all__:
+        obj = getattr(polyloop, name)
+        if inspect.isclass(obj):
+            found.append((name, obj))
+            for attr, member in vars(obj).items():
+                if not attr.startswith("_") and callable(member):
+                    found.append((f"{name}.{attr}", member))
+                if isinstance(member, (classmethod, property)):
+                    inner = member.__func__ if isinstance(member, classmethod) else member.fget
+                    found.append((f"{name}.{attr}", inner))
+        elif callable(obj) and not isinstance(obj, typing.TypeAliasType if hasattr(
+                typing, "TypeAliasType") else ()):
+            found.append((name, obj))
+    return found
+
+
+def _named_types(annotation: Any) -> list[Any]:
+    """Every class mentioned in an annotation, recursively."""
+    found = []
+    origin = typing.get_origin(annotation)
+    if origin is not None:
+        found.append(origin)
+    for arg in typing.get_args(annotation):
+        found += _named_types(arg)
+    if inspect.isclass(annotation):
+        found.append(annotation)
+    return found
+
+
+def _is_private(cls: Any) -> bool:
+    module = getattr(cls, "__module__", "") or ""
+    if cls.__name__.startswith("_"):
+        return True
+    return any(part.startswith("_") for part in module.split("."))
+
+
+def test_no_private_type_appears_in_a_public_signature() -> None:
+    offenders = []
+    for name, obj in _public_callables():
+        if inspect.isclass(obj):
+            if obj.__init__ is object.__init__:
+                continue
+            target = obj.__init__
+        else:
+            target = obj
+        hints = typing.get_type_hints(target, localns=vars(polyloop))
+        if dataclasses.is_dataclass(obj):
+            hints.update(typing.get_type_hints(obj, localns=vars(polyloop)))
+        for where, annotation in hints.items():
+            for cls in _named_types(annotation):
+                if _is_private(cls) and cls.__module__.startswith("polyloop"):
+                    offenders.append(f"{name} {where}: {cls.__module__}.{cls.__name__}")
+    assert offenders == []
+
+
+def test_errors_live_in_types_and_subclass_their_builtins() -> None:
+    for name, builtin in ERRORS.items():
+        cls = getattr(types, name)
+        assert cls.__module__ == "polyloop.types"
+        assert issubclass(cls, types.PolyLoopError)
+        assert issubclass(cls, builtin)
+
+
+@pytest.mark.parametrize("name", sorted(ERRORS))
+def test_errors_name_the_run_and_record_and_survive_pickling(name: str) -> None:
+    cls = getattr(types, name)
+    error = cls("it broke", run_id="run-7", location="runs/x.jsonl:3")
+    assert "run-7" in str(error) and "runs/x.jsonl:3" in str(error)
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is cls
+    assert (copy.run_id, copy.location, str(copy)) == (error.run_id, error.location, str(error))
+
+
+def test_identity_mismatch_message_names_every_key() -> None:
+    error = types.RunIdentityMismatch(run_id="r", differences=[("a.b", 1, 2), ("c", None, "x")])
+    assert "a.b" in str(error) and "c" in str(error)
+    assert pickle.loads(pickle.dumps(error)).differences == error.differences
+
+
+def test_value_types_are_frozen_slotted_keyword_only() -> None:
+    for module in (types, ports, session):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.isclass(obj) and dataclasses.is_dataclass(obj):
+                params = obj.__dataclass_params__  # type: ignore[attr-defined]
+                assert params.frozen, name
+                assert hasattr(obj, "__slots__"), name
+                assert all(f.kw_only for f in dataclasses.fields(obj)), name
+
+
+def _public_coroutines() -> list[tuple[str, Any]]:
+    from polyloop.stores import MemoryStore
+
+    found = [("run", polyloop.run), ("resume", polyloop.resume)]
+    classes = [getattr(polyloop, n) for n in polyloop.__all__] + [MemoryStore]
+    for cls in classes:
+        if not inspect.isclass(cls):
+            continue
+        for attr, member in vars(cls).items():
+            if not attr.startswith("_") and inspect.iscoroutinefunction(member):
+                found.append((f"{cls.__name__}.{attr}", member))
+    return found
+
+
+@pytest.mark.parametrize(("name", "coroutine"), _public_coroutines(),
+                         ids=[n for n, _ in _public_coroutines()])
+def test_every_public_coroutine_documents_cancellation(name: str, coroutine: Any) -> None:
+    assert "Cancellation:" in (coroutine.__doc__ or ""), name
