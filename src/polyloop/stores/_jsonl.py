@@ -1,0 +1,540 @@
+"""The JSON-lines store: one append-only file per run in one directory.
+
+On disk
+=======
+
+Run ``R`` lives in ``<directory>/<safe_name(R)>.jsonl``. The file name is a readable
+prefix of the id plus the sha256 of the whole id, so no run id (``../x``, ``/``, NUL,
+``.``, thousands of characters) can name a file outside the directory or collide with
+another run. The file is UTF-8 text made of lines, each ended by ``\\n``:
+
+* every record except a step is one line: the canonical JSON object that
+  :func:`polyloop.serialization.dumps` produces for it;
+* a step written together with its action's result is one line holding a JSON array of
+  exactly two such objects, the result first and the step second
+  (``[{..."kind":"result"...},{..."kind":"step"...}]``). Putting both on one line is
+  what makes ``write_step`` atomic: the pair is valid only once its newline is on disk.
+  A step written without a result is a plain one-object line.
+
+Only ``\\n`` ends a line. A record is valid only when its line is terminated: bytes
+after the last ``\\n`` are a *torn tail*, the trace of a write that never completed (its
+caller was never told it succeeded), and readers ignore them even when they happen to
+form a complete JSON object. The next writer of the run removes a torn tail (truncating
+the file to the end of its last complete line) before it appends, and only once it
+holds the run's writer lock. A terminated line that is not a record (including ``{}``,
+invalid UTF-8, a duplicate key, a record of another run) raises
+:class:`~polyloop.types.CorruptLog` naming the file and the 1-based line; a record of
+another major of the format raises :class:`~polyloop.types.SchemaMajorMismatch`.
+Nothing is ever skipped silently.
+
+Durability
+==========
+
+* ``start_run`` creates the file exclusively (``O_EXCL``, mode ``0o600``: logs hold
+  prompts and model output), takes the writer lock, writes the first line, then syncs
+  (``fsync``) the file and after it the directory, so that both the content and the
+  directory entry survive a machine crash. If the store had to create the directory
+  itself, each new directory's entry is synced into its parent as well. A file that
+  exists but holds no complete line (a start that died before its newline) is treated
+  as empty: ``start_run`` truncates and reuses it; any complete line makes it
+  :class:`~polyloop.types.RunAlreadyExists`.
+* ``write_intent`` syncs the file before returning: the intent is durable before the
+  effect it announces happens.
+* ``write_result``, ``write_step`` and ``end_run`` only append. Losing them in a
+  machine crash leaves a log that recovery already handles (an open intent, or a run
+  whose stop is decided again from the same records), so they skip the cost of a sync.
+* Every line is written with ``O_APPEND`` in a loop that completes short writes, and
+  no open ever follows a symbolic link (``O_NOFOLLOW``) or accepts anything but a
+  regular file.
+* An ``OSError`` while writing or syncing makes that run unwritable through this store
+  object (:class:`~polyloop.types.StoreError`); an ``fsync`` is never retried, because
+  after a failed one the kernel may already have dropped the data it could not write.
+  The failed store object closes its descriptor at once, which releases the writer lock
+  so that a new store object can take the run over.
+
+Writers
+=======
+
+A store object takes a run's writer lock (an exclusive ``flock`` on the run file) at its
+first write for that run and holds it until ``end_run`` for that run, ``aclose()``, or
+the end of the process. Any other store object, in this process or another, gets
+:class:`~polyloop.types.RunLocked`. Readers never take the lock. Inside one store
+object, the writes of one run are serialized by a per-run lock held around the whole
+write, while different runs proceed in parallel. Every blocking call runs in a worker
+thread (``anyio.to_thread.run_sync``), which is what lets this store serve asyncio and
+Trio alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import TypeVar
+
+import anyio.to_thread
+
+from polyloop.serialization import dumps, loads
+from polyloop.stores._common import FORMAT, WriterState, fsync_directory, safe_name, try_flock
+from polyloop.types import (
+    CorruptLog,
+    Intent,
+    JSONValue,
+    PolyLoopError,
+    Record,
+    Result,
+    RunAlreadyExists,
+    RunEnded,
+    RunLog,
+    RunStarted,
+    StepRecord,
+    StoreError,
+)
+
+__all__ = ("JsonlStore",)
+
+_T = TypeVar("_T")
+
+_SUFFIX = ".jsonl"
+_FILE_MODE = 0o600
+_NOT_FOLLOWED = {errno.ELOOP, errno.EMLINK}  # what O_NOFOLLOW reports for a link
+# O_NONBLOCK only matters if something other than a regular file was planted at the
+# path (a FIFO would otherwise block the open); regular files ignore it.
+_COMMON = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+_CREATE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_APPEND | _COMMON
+# A writer taking over an existing file also reads it (to find a torn tail) through the
+# same descriptor, so that the file it inspects is the file it locked.
+_REOPEN = os.O_RDWR | os.O_APPEND | _COMMON
+_READ = os.O_RDONLY | _COMMON
+_TAIL_CHUNK = 64 * 1024
+_JSON_SPACE = " \t\r"
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One run inside one store object: its serializing lock and its writer descriptor."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    fd: int | None = None
+    users: int = 0
+
+
+class JsonlStore:
+    """Keeps every run in an append-only JSON-lines file in ``directory``.
+
+    The directory (with its parents) is created when the first run starts in it. Runs
+    survive the store object, the process and, for what the durability rules cover, the
+    machine: open a new ``JsonlStore`` on the same directory (or a copy of it moved
+    elsewhere) to read or resume them. Use it as an async context manager, or call
+    :meth:`aclose`, to release the writer locks it holds.
+    """
+
+    __slots__ = ("_directory", "_directory_ready", "_slots", "_state")
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self._directory = Path(os.path.abspath(os.fspath(directory)))
+        self._directory_ready = False
+        self._slots: dict[str, _Slot] = {}
+        self._state = WriterState()
+
+    def parameters(self) -> Mapping[str, JSONValue]:
+        """The kind and record format; never the directory, so moved data still resumes."""
+        return {"kind": "jsonl", "format": FORMAT}
+
+    async def start_run(self, record: RunStarted) -> None:
+        """Create the run's file, lock it, write the first record and sync file and directory.
+
+        Raises :class:`~polyloop.types.RunAlreadyExists` if the file already holds a
+        complete record. A file holding no complete line (a start that died before its
+        first newline) counts as empty: it is truncated and reused.
+
+        Cancellation: the worker thread finishes creating, writing and syncing before
+        the cancellation is delivered, so a cancelled call still leaves a started run
+        whose first record and directory entry are durable.
+        """
+        data = _line(dumps(record))
+        await anyio.to_thread.run_sync(self._start_sync, record.run_id, data)
+
+    async def write_intent(self, intent: Intent) -> None:
+        """Append an intent and ``fsync`` the file before returning.
+
+        Cancellation: the worker thread finishes the append and the sync before the
+        cancellation is delivered, so a cancelled call still leaves a durable intent.
+        """
+        await self._append(intent.run_id, _line(dumps(intent)), sync=True)
+
+    async def write_result(self, result: Result) -> None:
+        """Append the result of a model call (not synced).
+
+        Cancellation: the worker thread finishes the append before the cancellation is
+        delivered; the line is complete in the file either way.
+        """
+        await self._append(result.run_id, _line(dumps(result)))
+
+    async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
+        """Append a step and its action's result as one line, so both land or neither.
+
+        Cancellation: the worker thread finishes the append before the cancellation is
+        delivered; the line is complete in the file either way.
+        """
+        if action_result is None:
+            await self._append(step.run_id, _line(dumps(step)))
+            return
+        if action_result.run_id != step.run_id:
+            raise StoreError(
+                f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
+            )
+        await self._append(step.run_id, _line(f"[{dumps(action_result)},{dumps(step)}]"))
+
+    async def end_run(self, record: RunEnded) -> None:
+        """Append the end record, then release this run's writer lock.
+
+        Cancellation: the worker thread finishes the append and the release before the
+        cancellation is delivered.
+        """
+        await self._append(record.run_id, _line(dumps(record)), release=True)
+
+    async def read_log(self, run_id: str) -> RunLog:
+        """Every complete record of ``run_id`` in write order; empty if it has no file.
+
+        Cancellation: reading has no effect on disk; the worker thread finishes the read
+        and its result is discarded.
+        """
+        self._check_open(run_id)
+        records = await anyio.to_thread.run_sync(self._read_sync, run_id)
+        return RunLog(run_id=run_id, records=records)
+
+    async def aclose(self) -> None:
+        """Release every writer lock and refuse further use. Idempotent.
+
+        Cancellation: the worker thread finishes closing before the cancellation is
+        delivered; a write in progress completes first.
+        """
+        await anyio.to_thread.run_sync(self._close_sync)
+
+    async def __aenter__(self) -> JsonlStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"JsonlStore({str(self._directory)!r})"
+
+    # -- writing (worker threads) ---------------------------------------------------------
+
+    async def _append(
+        self, run_id: str, data: bytes, *, sync: bool = False, release: bool = False
+    ) -> None:
+        await anyio.to_thread.run_sync(self._append_sync, run_id, data, sync, release)
+
+    def _append_sync(self, run_id: str, data: bytes, sync: bool, release: bool) -> None:
+        def append(slot: _Slot) -> None:
+            fd = slot.fd if slot.fd is not None else self._take_over(slot, run_id)
+            _write_all(fd, data)
+            if sync:
+                os.fsync(fd)
+            if release:
+                _release(slot)
+
+        self._locked(run_id, append)
+
+    def _start_sync(self, run_id: str, data: bytes) -> None:
+        def start(slot: _Slot) -> None:
+            if slot.fd is not None:
+                # This object only holds a run's descriptor after writing a record to it
+                # or finding one there (a failed write gives the descriptor up).
+                raise RunAlreadyExists("the run already has records", run_id=run_id)
+            self._ensure_directory()
+            fd, created = self._open_for_start(run_id)
+            slot.fd = fd
+            if not created:
+                _reuse_if_empty(slot, fd, run_id)
+            _write_all(fd, data)
+            os.fsync(fd)
+            fsync_directory(self._directory)
+
+        self._locked(run_id, start)
+
+    def _locked(self, run_id: str, action: Callable[[_Slot], _T]) -> _T:
+        """Run ``action`` holding the run's lock; map OS failures to a failed run."""
+        slot = self._enter(run_id)
+        try:
+            with slot.lock:
+                self._state.check_writable(run_id)
+                try:
+                    return action(slot)
+                except PolyLoopError:
+                    raise
+                except OSError as exc:
+                    _release(slot, quiet=True)
+                    raise self._state.fail(run_id, exc) from exc
+        finally:
+            self._leave(run_id, slot)
+
+    def _enter(self, run_id: str) -> _Slot:
+        with self._state.mutex:
+            slot = self._slots.setdefault(run_id, _Slot())
+            slot.users += 1
+            return slot
+
+    def _leave(self, run_id: str, slot: _Slot) -> None:
+        with self._state.mutex:
+            slot.users -= 1
+            if slot.users == 0 and slot.fd is None:
+                del self._slots[run_id]
+
+    def _take_over(self, slot: _Slot, run_id: str) -> int:
+        """Lock an existing run file, drop its torn tail, and keep it as our writer."""
+        fd = self._open_existing(run_id)
+        try:
+            end, size = _complete_end(fd)
+            if end == 0:
+                raise StoreError("the run was never started in this store", run_id=run_id)
+            if size > end:
+                os.ftruncate(fd, end)
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        slot.fd = fd
+        return fd
+
+    def _open_for_start(self, run_id: str) -> tuple[int, bool]:
+        """Create and lock the run file; ``(fd, False)`` if it existed and we locked it."""
+        try:
+            fd = os.open(self._path(run_id), _CREATE, _FILE_MODE)
+        except FileExistsError:
+            return self._open_existing(run_id), False
+        try:
+            try_flock(fd, run_id)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, True
+
+    def _open_existing(self, run_id: str) -> int:
+        """Open an existing run file for writing and take its writer lock."""
+        try:
+            fd = os.open(self._path(run_id), _REOPEN)
+        except FileNotFoundError:
+            raise StoreError("the run was never started in this store", run_id=run_id) from None
+        except OSError as exc:
+            _refuse_link(exc, run_id)
+            raise
+        try:
+            _require_regular(fd, run_id)
+            try_flock(fd, run_id)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _ensure_directory(self) -> None:
+        if not self._directory_ready:
+            _create_directories(self._directory)
+            self._directory_ready = True
+
+    def _close_sync(self) -> None:
+        with self._state.mutex:
+            self._state.closed = True
+            slots = list(self._slots.values())
+        for slot in slots:
+            with slot.lock:
+                _release(slot, quiet=True)
+
+    # -- reading (worker threads) ---------------------------------------------------------
+
+    def _read_sync(self, run_id: str) -> tuple[Record, ...]:
+        path = self._path(run_id)
+        data = _read_file(path, run_id)
+        return tuple(parse_lines(data, path.name, run_id))
+
+    def _path(self, run_id: str) -> Path:
+        return self._directory / f"{safe_name(run_id)}{_SUFFIX}"
+
+    def _check_open(self, run_id: str) -> None:
+        if self._state.closed:
+            raise StoreError("the store is closed", run_id=run_id)
+
+
+# -- file helpers -------------------------------------------------------------------------
+
+
+def _line(text: str) -> bytes:
+    return (text + "\n").encode("utf-8")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Append ``data`` completely; ``os.write`` may write only part of it per call."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.EIO, "a write made no progress")
+        view = view[written:]
+
+
+def _release(slot: _Slot, *, quiet: bool = False) -> None:
+    """Close the run's writer descriptor, which releases its ``flock``."""
+    if slot.fd is None:
+        return
+    fd, slot.fd = slot.fd, None
+    try:
+        os.close(fd)
+    except OSError:
+        if not quiet:
+            raise
+
+
+def _complete_end(fd: int) -> tuple[int, int]:
+    """``(end of the last complete line, file size)``, scanning back from the end."""
+    size = os.fstat(fd).st_size
+    position = size
+    while position > 0:
+        start = max(0, position - _TAIL_CHUNK)
+        chunk = os.pread(fd, position - start, start)
+        if len(chunk) != position - start:
+            raise OSError(errno.EIO, "the run file shrank while it was being read")
+        newline = chunk.rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1, size
+        position = start
+    return 0, size
+
+
+def _reuse_if_empty(slot: _Slot, fd: int, run_id: str) -> None:
+    """Refuse a run file that holds a record; empty one that holds only a torn line.
+
+    On refusal the lock taken for this check is released again.
+    """
+    end, size = _complete_end(fd)
+    if end > 0:
+        _release(slot)
+        raise RunAlreadyExists("the run already has records", run_id=run_id)
+    if size:
+        os.ftruncate(fd, 0)
+
+
+def _refuse_link(exc: OSError, run_id: str) -> None:
+    if exc.errno in _NOT_FOLLOWED:
+        raise StoreError(
+            "the run file is a symbolic link; refusing to follow it", run_id=run_id
+        ) from exc
+
+
+def _require_regular(fd: int, run_id: str) -> None:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise StoreError("the run file is not a regular file", run_id=run_id)
+
+
+def _create_directories(directory: Path) -> None:
+    """Create ``directory`` and missing parents, syncing each new entry into its parent."""
+    missing: list[Path] = []
+    current = directory
+    while not current.is_dir() and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
+        fsync_directory(path.parent)
+
+
+def _read_file(path: Path, run_id: str) -> bytes:
+    """The whole file, or ``b""`` if there is none; refuses links and special files."""
+    try:
+        fd = os.open(path, _READ)
+    except FileNotFoundError:
+        return b""
+    except OSError as exc:
+        _refuse_link(exc, run_id)
+        raise StoreError(f"could not open the run file: {exc}", run_id=run_id) from exc
+    try:
+        _require_regular(fd, run_id)
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            return file.read()
+    except OSError as exc:
+        if isinstance(exc, PolyLoopError):
+            raise
+        raise StoreError(f"could not read the run file: {exc}", run_id=run_id) from exc
+    finally:
+        os.close(fd)
+
+
+# -- parsing ------------------------------------------------------------------------------
+
+
+def parse_lines(data: bytes, file_name: str, run_id: str) -> list[Record]:
+    """The records of a run file's bytes; the unterminated last piece is ignored.
+
+    Lines are split on ``\\n`` only: other characters that some readers treat as line
+    breaks (``\\r``, U+2028, U+0085) are part of the line.
+    """
+    pieces = data.split(b"\n")
+    records: list[Record] = []
+    for number, piece in enumerate(pieces[:-1], start=1):
+        location = f"{file_name}:{number}"
+        for record in _decode_line(piece, location):
+            if record.run_id != run_id:
+                raise CorruptLog(
+                    f"the line holds a record of run {record.run_id!r}",
+                    run_id=run_id,
+                    location=location,
+                )
+            records.append(record)
+    return records
+
+
+def _decode_line(piece: bytes, location: str) -> list[Record]:
+    try:
+        text = piece.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptLog(f"the line is not UTF-8: {exc}", location=location) from exc
+    stripped = text.lstrip(_JSON_SPACE)
+    if stripped.startswith("["):
+        return list(_decode_pair(stripped, location))
+    return [loads(text, location=location)]
+
+
+def _decode_pair(text: str, location: str) -> tuple[Result, StepRecord]:
+    """Read ``[result, step]``; each element is checked by the codec's own ``loads``."""
+    parts: list[Record] = []
+    position = 1
+    for closer in (",", "]"):
+        position = _skip_space(text, position)
+        try:
+            _, end = _DECODER.raw_decode(text, position)
+        except (ValueError, RecursionError) as exc:
+            raise CorruptLog(f"not a JSON record pair: {exc}", location=location) from exc
+        parts.append(loads(text[position:end], location=location))
+        position = _skip_space(text, end)
+        if text[position : position + 1] != closer:
+            raise CorruptLog(f"a record pair expects {closer!r} at column {position + 1}",
+                             location=location)
+        position += 1
+    if text[position:].strip(_JSON_SPACE):
+        raise CorruptLog("text after a record pair", location=location)
+    result, step = parts
+    if not isinstance(result, Result) or not isinstance(step, StepRecord):
+        raise CorruptLog("a record pair must hold a result and then a step", location=location)
+    return result, step
+
+
+def _skip_space(text: str, position: int) -> int:
+    while position < len(text) and text[position] in _JSON_SPACE:
+        position += 1
+    return position

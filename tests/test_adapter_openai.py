@@ -1,0 +1,550 @@
+"""The OpenAI-compatible adapter against a real HTTP server on loopback, under asyncio and Trio.
+
+The server below speaks just enough of the Chat Completions protocol: it answers
+``POST /v1/chat/completions`` with scripted bodies, records every request body, and can
+fail, send a broken body, or hold a request open to be cancelled. It runs in a thread of
+this process, on 127.0.0.1 and a port the system picks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import select
+import socket
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import anyio
+import openai
+import pytest
+
+from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from polyloop import (
+    Message,
+    ModelCall,
+    ModelClient,
+    Role,
+    RunEnded,
+    RunIdentityMismatch,
+    StopReason,
+    TextBlock,
+    resume,
+    run,
+)
+from polyloop.adapters.openai import OpenAIModelClient
+from polyloop.stores import MemoryStore
+
+pytestmark = pytest.mark.anyio
+
+MODEL = "test-model"
+SAMPLING: dict[str, Any] = {"temperature": 0.2, "max_tokens": 64, "seed": 7,
+                            "extra_body": {"top_k": 20}}
+
+
+# -- the server ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A normal completion; ``reasoning`` adds ``reasoning_content`` to the message."""
+
+    content: str | None
+    id: str | None = "chatcmpl-1"
+    reasoning: str | None = None
+    choices: bool = True
+
+
+@dataclass(frozen=True)
+class Status:
+    """An HTTP error with an OpenAI-style error body."""
+
+    code: int
+    message: str = "the model server fell over"
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A 200 whose JSON body is cut off."""
+
+
+@dataclass(frozen=True)
+class PlainText:
+    """A 200 that is not JSON at all."""
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Never answer; note when the client closes the connection."""
+
+
+Mode = Reply | Status | Malformed | PlainText | Hold
+
+
+def completion_body(reply: Reply, model: str) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.reasoning is not None:
+        message["reasoning_content"] = reply.reasoning
+    body: dict[str, Any] = {
+        "object": "chat.completion",
+        "created": 1_700_000_000,
+        "model": model,
+        "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                     "message": message}] if reply.choices else [],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+    }
+    if reply.id is not None:
+        body["id"] = reply.id
+    return body
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # the default backlog of 5 refuses concurrent runs' connections
+
+
+class ChatServer:
+    """A Chat Completions server for tests: scripted answers, recorded requests."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self.paths: list[str] = []
+        self.script: deque[Mode] = deque()
+        self.responder: Callable[[dict[str, Any]], Mode] | None = None
+        self.holding = threading.Event()
+        self.hold_saw_close = threading.Event()
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._http = _HTTPServer(("127.0.0.1", 0), _Handler)
+        self._http.chat = self  # type: ignore[attr-defined]
+        self._thread = threading.Thread(target=self._http.serve_forever, args=(0.01,),
+                                        daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self._http.server_address[1]}/v1"
+
+    def respond(self, *modes: Mode) -> None:
+        self.script.extend(modes)
+
+    def next_mode(self, body: dict[str, Any]) -> Mode:
+        with self._lock:
+            self.requests.append(body)
+            if self.script:
+                return self.script.popleft()
+        if self.responder is not None:
+            return self.responder(body)
+        return Status(599, "the test scripted no answer for this request")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self._http.shutdown()
+        self._http.server_close()
+        self._thread.join(timeout=5)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+    def do_POST(self) -> None:
+        chat: ChatServer = self.server.chat  # type: ignore[attr-defined]
+        length = int(self.headers.get("Content-Length", "0"))
+        body = json.loads(self.rfile.read(length))
+        chat.paths.append(self.path)
+        mode = chat.next_mode(body)
+        try:
+            if isinstance(mode, Hold):
+                self._hold(chat)
+            elif isinstance(mode, Reply):
+                self._send(200, json.dumps(completion_body(mode, body.get("model", ""))))
+            elif isinstance(mode, Status):
+                error = {"error": {"message": mode.message, "type": "server_error",
+                                   "param": None, "code": None}}
+                self._send(mode.code, json.dumps(error))
+            elif isinstance(mode, Malformed):
+                self._send(200, '{"id": "chatcmpl-x", "object": "chat.completion", "choices": [')
+            else:
+                self._send(200, "hello, I am not JSON", content_type="text/plain")
+        except OSError:
+            self.close_connection = True  # the client went away; nothing to report
+
+    def _send(self, code: int, text: str, *, content_type: str = "application/json") -> None:
+        data = text.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _hold(self, chat: ChatServer) -> None:
+        chat.holding.set()
+        self.close_connection = True
+        while not chat.stopping.is_set():
+            readable, _, _ = select.select([self.connection], [], [], 0.05)
+            if readable:
+                if self.connection.recv(1, socket.MSG_PEEK) == b"":
+                    chat.hold_saw_close.set()
+                return
+
+
+@pytest.fixture
+def server() -> Iterator[ChatServer]:
+    chat = ChatServer()
+    chat.start()
+    try:
+        yield chat
+    finally:
+        chat.close()
+
+
+def client_for(server: ChatServer) -> openai.AsyncOpenAI:
+    """The client a user would build; no SDK retries, so one model call is one request."""
+    return openai.AsyncOpenAI(base_url=server.base_url, api_key="test-key", max_retries=0)
+
+
+def adapter_for(client: openai.AsyncOpenAI, **overrides: Any) -> OpenAIModelClient:
+    options: dict[str, Any] = {"model": MODEL, "sampling": SAMPLING, **overrides}
+    return OpenAIModelClient(client, **options)
+
+
+def model_call(*messages: Message, binding: dict[str, str] | None = None) -> ModelCall:
+    return ModelCall(messages=messages, call_index=0, run_id="r", result_id="r:0:model",
+                     binding=binding if binding is not None else {})
+
+
+async def wait_for(event: threading.Event, seconds: float = 5.0) -> None:
+    """Wait for an event the server thread sets, without tying up a worker thread."""
+    with anyio.fail_after(seconds):
+        while not event.is_set():  # noqa: ASYNC110 - set from a thread, not from a task
+            await anyio.sleep(0.01)
+
+
+# -- the seam -----------------------------------------------------------------------------------
+
+
+async def test_the_adapter_satisfies_the_model_client_seam(server: ChatServer) -> None:
+    sampling: dict[str, Any] = {"temperature": 0.2, "extra_body": {"top_k": 20}}
+    async with client_for(server) as client:
+        adapter = OpenAIModelClient(client, model=MODEL, sampling=sampling)
+        assert isinstance(adapter, ModelClient)
+        expected = {"base_url": server.base_url + "/", "model": MODEL, "sampling": sampling}
+        assert adapter.parameters() == expected
+        assert json.loads(json.dumps(adapter.parameters())) == expected
+        sampling["extra_body"]["top_k"] = 99
+        assert adapter.parameters()["sampling"] == {"temperature": 0.2,
+                                                    "extra_body": {"top_k": 20}}
+        params = definition(MemoryStore(), model=adapter).parameters()
+        assert params["model.base_url"] == server.base_url + "/"
+        assert params["model.model"] == MODEL
+
+
+async def test_the_constructor_refuses_what_would_fail_every_call(server: ChatServer) -> None:
+    async with client_for(server) as client:
+        with pytest.raises(TypeError, match="AsyncOpenAI"):
+            OpenAIModelClient(openai.OpenAI(base_url=server.base_url, api_key="k"),  # type: ignore[arg-type]
+                              model=MODEL, sampling={})
+        for reserved in ("model", "messages", "metadata", "stream", "extra_headers",
+                         "timeout"):
+            with pytest.raises(ValueError, match=reserved):
+                OpenAIModelClient(client, model=MODEL, sampling={reserved: "x"})
+        with pytest.raises(ValueError, match="extra_body"):
+            OpenAIModelClient(client, model=MODEL, sampling={"top_k": 20})
+        with pytest.raises(ValueError, match="model"):
+            OpenAIModelClient(client, model="", sampling={})
+
+
+async def test_a_different_sampling_makes_resume_refuse(server: ChatServer) -> None:
+    server.respond(Reply(answer("a")))
+    store, tools = MemoryStore(), make_tools(Ledger())
+    async with client_for(server) as client:
+        await run(definition(store, model=adapter_for(client)), request("r", tools))
+        warmer = adapter_for(client, sampling={**SAMPLING, "temperature": 0.9})
+        with pytest.raises(RunIdentityMismatch) as mismatch:
+            await resume(definition(store, model=warmer), request("r", tools))
+    assert [key for key, _, _ in mismatch.value.differences] == ["model.sampling"]
+    assert len(server.requests) == 1
+
+
+# -- what goes over the wire --------------------------------------------------------------------
+
+
+async def test_a_whole_run_over_http(server: ChatServer) -> None:
+    server.respond(
+        Reply(tool_call("double", n=2), id="chatcmpl-a", reasoning="I should double 2."),
+        Reply(answer("4"), id="chatcmpl-b"),
+    )
+    store, ledger = MemoryStore(), Ledger()
+    async with client_for(server) as client:
+        result = await run(definition(store, model=adapter_for(client)),
+                           request("r", make_tools(ledger)))
+
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert result.final_answer == "4"
+    assert [step.call_id for step in result.steps] == ["chatcmpl-a", "chatcmpl-b"]
+    assert [step.reasoning for step in result.steps] == ["I should double 2.", None]
+    assert ledger.calls == [("double", "r:0:action")]
+
+    assert server.paths == ["/v1/chat/completions"] * 2
+    first, second = server.requests
+    for body in (first, second):
+        assert body["model"] == MODEL
+        assert body["metadata"] == {"episode": "e1"}
+        assert (body["temperature"], body["max_tokens"], body["seed"]) == (0.2, 64, 7)
+        assert body["top_k"] == 20  # from extra_body
+        assert "stream" not in body
+    assert [m["role"] for m in first["messages"]] == ["system", "system", "user"]
+    assert first["messages"][0] == {"role": "system", "content": "You are a careful agent."}
+    assert first["messages"][2] == {"role": "user",
+                                    "content": "Double 1, then 3, and submit 6."}
+    assert second["messages"][:3] == first["messages"]
+    assert second["messages"][3:] == [
+        {"role": "assistant", "content": tool_call("double", n=2)},
+        {"role": "user", "content": "Observation: 4 (r:0:action)"},
+    ]
+
+
+async def test_every_binding_key_goes_as_metadata_and_none_when_empty(
+    server: ChatServer,
+) -> None:
+    server.respond(Reply("one"), Reply("two"))
+    binding = {"session_id": "s-1", "stage": "3", "variant": "b"}
+    async with client_for(server) as client:
+        adapter = adapter_for(client, sampling={})
+        await adapter.call(model_call(Message.text(Role.USER, "hi"), binding=binding))
+        await adapter.call(model_call(Message.text(Role.USER, "hi")))
+    assert server.requests[0]["metadata"] == binding
+    assert "metadata" not in server.requests[1]
+    assert set(server.requests[1]) == {"model", "messages"}
+
+
+async def test_text_blocks_are_joined_without_a_separator(server: ChatServer) -> None:
+    server.respond(Reply("ok"))
+    blocks = (TextBlock(text="ab"), TextBlock(text="cd"), TextBlock(text=" e\n"))
+    async with client_for(server) as client:
+        await adapter_for(client).call(model_call(
+            Message(role=Role.USER, content=blocks),
+            Message(role=Role.ASSISTANT, content=()),
+        ))
+    assert server.requests[0]["messages"] == [
+        {"role": "user", "content": "abcd e\n"},
+        {"role": "assistant", "content": ""},
+    ]
+
+
+# -- what comes back ----------------------------------------------------------------------------
+
+
+async def test_the_reply_mapping(server: ChatServer) -> None:
+    server.respond(
+        Reply("visible", id="chatcmpl-9", reasoning="hidden"),
+        Reply("no id", id=""),
+        Reply("no id at all", id=None),
+        Reply(None, id="chatcmpl-10"),
+    )
+    async with client_for(server) as client:
+        adapter = adapter_for(client)
+        replies = [await adapter.call(model_call(Message.text(Role.USER, "q")))
+                   for _ in range(4)]
+    assert [(r.call_id, r.content, r.reasoning) for r in replies] == [
+        ("chatcmpl-9", "visible", "hidden"),
+        (None, "no id", None),
+        (None, "no id at all", None),
+        ("chatcmpl-10", "", None),
+    ]
+
+
+# -- failures -----------------------------------------------------------------------------------
+
+
+async def test_a_server_error_is_a_model_failure_under_the_sdk_name(server: ChatServer) -> None:
+    server.respond(Status(500), Status(500))
+    async with client_for(server) as client:
+        adapter = adapter_for(client)
+        with pytest.raises(openai.InternalServerError) as caught:
+            await adapter.call(model_call(Message.text(Role.USER, "q")))
+        assert caught.value.status_code == 500
+        result = await run(definition(MemoryStore(), model=adapter),
+                           request("r", make_tools(Ledger())))
+    assert result.stop_reason is StopReason.MODEL_FAILURE
+    assert result.detail is not None
+    assert result.detail.startswith("InternalServerError: ")
+    assert len(server.requests) == 2, "neither the adapter nor the SDK may retry"
+
+
+async def test_a_malformed_body_is_a_model_failure(server: ChatServer) -> None:
+    server.respond(Malformed(), Malformed())
+    async with client_for(server) as client:
+        adapter = adapter_for(client)
+        with pytest.raises(Exception) as caught:  # noqa: PT011 - whatever the SDK raises
+            await adapter.call(model_call(Message.text(Role.USER, "q")))
+        result = await run(definition(MemoryStore(), model=adapter),
+                           request("r", make_tools(Ledger())))
+    # The SDK's own exception passes through: today a JSON decoding error.
+    assert isinstance(caught.value, (ValueError, openai.APIError))
+    assert result.stop_reason is StopReason.MODEL_FAILURE
+    assert result.detail is not None
+    assert result.detail.startswith(f"{type(caught.value).__name__}: ")
+
+
+async def test_an_answer_that_is_not_a_completion_is_a_model_failure(
+    server: ChatServer,
+) -> None:
+    server.respond(PlainText(), Reply("x", choices=False))
+    async with client_for(server) as client:
+        adapter = adapter_for(client)
+        with pytest.raises(TypeError, match="not a chat completion"):
+            await adapter.call(model_call(Message.text(Role.USER, "q")))
+        with pytest.raises(ValueError, match="no choices"):
+            await adapter.call(model_call(Message.text(Role.USER, "q")))
+
+
+async def test_cancelling_an_in_flight_request(server: ChatServer) -> None:
+    server.respond(Hold())
+    store = MemoryStore()
+    tasks_before = len(anyio.get_running_tasks())
+    finished = False
+    async with client_for(server) as client:
+        adapter = adapter_for(client)
+        with anyio.fail_after(10), anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as group:
+
+                async def cancel_while_held() -> None:
+                    await wait_for(server.holding)
+                    scope.cancel()
+
+                group.start_soon(cancel_while_held)
+                await run(definition(store, model=adapter), request("r", make_tools(Ledger())))
+                finished = True
+        assert scope.cancelled_caught, "the cancellation did not propagate out of the run"
+        assert not finished
+        # The connection of the cancelled request is closed at once, not left in the pool.
+        await wait_for(server.hold_saw_close)
+        assert len(anyio.get_running_tasks()) == tasks_before
+    assert len(server.requests) == 1
+    end = (await store.read_log("r")).records[-1]
+    assert isinstance(end, RunEnded)
+    assert end.stop_reason is StopReason.CANCELLED
+    assert len(anyio.get_running_tasks()) == tasks_before
+
+
+async def test_one_adapter_serves_concurrent_runs_without_mixing_them(
+    server: ChatServer,
+) -> None:
+    runs = 20
+
+    def by_metadata(body: dict[str, Any]) -> Mode:
+        index = int(body["metadata"]["episode"].removeprefix("e"))
+        if body["messages"][2]["content"] != f"Double {index} and answer.":
+            return Status(500, f"run {index} was sent another run's messages")
+        turns = sum(1 for m in body["messages"] if m["role"] == "assistant")
+        content = tool_call("double", n=index) if turns == 0 else answer(str(index * 2))
+        return Reply(content, id=f"chatcmpl-{index}-{turns}")
+
+    server.responder = by_metadata
+    store, ledger = MemoryStore(), Ledger()
+    tools = make_tools(ledger)
+    results: dict[int, Any] = {}
+    async with client_for(server) as client:
+        adapter = adapter_for(client)
+
+        async def one(index: int) -> None:
+            results[index] = await run(
+                definition(store, model=adapter),
+                request(f"run-{index}", tools, binding={"episode": f"e{index}"},
+                        goal_context=(Message.text(Role.USER, f"Double {index} and answer."),)),
+            )
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as group:
+                for index in range(runs):
+                    group.start_soon(one, index)
+
+    assert len(server.requests) == 2 * runs
+    for index in range(runs):
+        result = results[index]
+        assert result.stop_reason is StopReason.FINAL_ANSWER, result.detail
+        assert result.final_answer == str(index * 2)
+        assert [s.call_id for s in result.steps] == [f"chatcmpl-{index}-0",
+                                                     f"chatcmpl-{index}-1"]
+        log = await store.read_log(f"run-{index}")
+        assert {record.run_id for record in log.records} == {f"run-{index}"}
+
+
+# -- the runnable example ------------------------------------------------------------------------
+
+
+def load_example() -> ModuleType:
+    path = Path(__file__).resolve().parent.parent / "examples" / "openai_agent.py"
+    spec = importlib.util.spec_from_file_location("polyloop_openai_agent_example", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_the_example_agent_runs_against_the_server(
+    server: ChatServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = load_example()
+    server.respond(
+        Reply('{"tool": "add", "arguments": {"a": 17, "b": 25}}'),
+        Reply('Sure.\n```json\n{"tool": "multiply", "arguments": {"a": 42, "b": 3}}\n```'),
+        Reply("I think the answer is 126."),
+        Reply('{"tool": "submit", "arguments": {"answer": "126"}}'),
+    )
+    args = example.parse_args(["--base-url", server.base_url, "--model", MODEL,
+                               "--api-key", "k", "--max-retries", "0",
+                               "--binding", "purpose=test", "--binding", "batch=7"])
+    assert await example.amain(args) == 0
+    printed = capsys.readouterr().out
+    assert "add" in printed and "-> 42" in printed and "-> 126" in printed
+    assert "stopped: submitted after 4 steps" in printed
+    assert server.requests[0]["metadata"] == {"purpose": "test", "batch": "7"}
+    assert server.requests[0]["temperature"] == 0.0
+
+
+def _run_program(args: list[str]) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OPENAI_API_KEY": "test-key"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=60, env=env, check=False)
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_example_program_runs_from_the_command_line(server: ChatServer, backend: str) -> None:
+    server.respond(Reply('{"tool": "multiply", "arguments": {"a": 6, "b": 7}}'),
+                   Reply('{"tool": "submit", "arguments": {"answer": "42"}}'))
+    path = Path(__file__).resolve().parent.parent / "examples" / "openai_agent.py"
+    done = _run_program([str(path), "--base-url", server.base_url, "--model", MODEL,
+                         "--max-retries", "0", "--backend", backend])
+    assert done.returncode == 0, done.stderr
+    assert "multiply" in done.stdout and "stopped: submitted after 2 steps" in done.stdout
+    assert all("metadata" not in body for body in server.requests)
+
+
+def test_the_documented_example_runs(server: ChatServer) -> None:
+    """The Chat Completions example of docs/adapters.md, as written, against this server."""
+    docs = Path(__file__).resolve().parent.parent / "docs" / "adapters.md"
+    blocks = re.findall(r"```python\n(.*?)```", docs.read_text(encoding="utf-8"), re.S)
+    [program] = [block for block in blocks if "Ask a model one question" in block]
+    server.respond(Reply("Rayleigh scattering.", id="chatcmpl-doc", reasoning="short"))
+    done = _run_program(["-c", program, "--base-url", server.base_url, "--model", MODEL])
+    assert done.returncode == 0, done.stderr
+    assert "stop reason: final_answer" in done.stdout
+    assert "chatcmpl-doc" in done.stdout and "Rayleigh scattering." in done.stdout
+    assert "metadata" not in server.requests[0]
