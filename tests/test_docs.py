@@ -1,0 +1,195 @@
+"""The documentation builds in strict mode, and its programs run as the pages show.
+
+A page (``docs/getting-started.md`` above all) marks what is executed with two HTML
+comments, invisible on the rendered page:
+
+* ``<!-- file: NAME -->`` right before a ```` ```python ```` block: the block is part of
+  the file ``NAME``. Blocks of one name are joined in page order into one file, so the
+  page can build a program piece by piece and still be checked whole.
+* ``<!-- run -->`` right before a ```` ```console ```` block: every line starting with
+  ``$ `` is a command (``python ...`` or ``cat FILE``), and the lines up to the next
+  command are exactly what it prints. A last line ``Killed`` (what a shell prints for a
+  process that died of ``SIGKILL``) means the command must die of ``SIGKILL``.
+
+For each page, all its files are written to a fresh directory first, then its run
+blocks are executed there in page order, so later commands see what earlier ones left
+behind.
+
+The other checks: every page of ``docs/`` is in the navigation, every Python block in
+the docs at least compiles, and every test the docs cite as ``tests/<file>.py::<name>``
+exists, so that a guarantee never points at a test that is not there.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shlex
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+GETTING_STARTED = DOCS / "getting-started.md"
+
+_BLOCK = re.compile(
+    r"^(?:<!--\s*(?P<marker>[^>]*?)\s*-->\n)?```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```\s*$",
+    re.MULTILINE | re.DOTALL,
+)
+_CITED_TEST = re.compile(r"tests/(?P<file>[\w/]+\.py)::(?P<name>[\w:]+)")
+
+
+@dataclass(frozen=True)
+class Block:
+    marker: str | None
+    lang: str
+    body: str
+
+
+def blocks(page: Path) -> list[Block]:
+    text = page.read_text(encoding="utf-8")
+    return [Block(m.group("marker"), m.group("lang"), m.group("body"))
+            for m in _BLOCK.finditer(text)]
+
+
+# -- the build --------------------------------------------------------------------------------
+
+
+def test_mkdocs_builds_in_strict_mode(tmp_path: Path) -> None:
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
+         str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert built.returncode == 0, f"mkdocs build --strict failed:\n{built.stderr}"
+    assert (tmp_path / "site" / "getting-started" / "index.html").is_file()
+
+
+def test_every_page_is_in_the_navigation() -> None:
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\s*-\s*[^:\n]+:\s*(\S+\.md)\s*$", config, re.MULTILINE))
+    pages = {path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md")}
+    assert pages == listed
+
+
+# -- the getting-started programs ---------------------------------------------------------------
+
+
+def _commands(body: str) -> list[tuple[str, list[str]]]:
+    """``(command, expected output lines)`` pairs of a console block."""
+    commands: list[tuple[str, list[str]]] = []
+    for line in body.splitlines():
+        if line.startswith("$ "):
+            commands.append((line[2:], []))
+        else:
+            assert commands, f"output before any command in:\n{body}"
+            commands[-1][1].append(line)
+    return commands
+
+
+def _execute(command: str, cwd: Path) -> tuple[int, str]:
+    argv = shlex.split(command)
+    if argv[0] == "cat":
+        assert len(argv) == 2
+        return 0, (cwd / argv[1]).read_text(encoding="utf-8")
+    assert argv[0] == "python", f"the docs test runs python and cat only, not {command!r}"
+    done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+    assert done.returncode in (0, -signal.SIGKILL), (
+        f"{command!r} exited {done.returncode}:\n{done.stderr}")
+    return done.returncode, done.stdout
+
+
+def _marked_pages() -> list[Path]:
+    return sorted(page for page in DOCS.rglob("*.md")
+                  if any(block.marker for block in blocks(page)))
+
+
+def _run_page(page: Path, workdir: Path) -> int:
+    """Write the page's files into ``workdir``, run its commands; the number run."""
+    found = blocks(page)
+    files: dict[str, list[str]] = {}
+    for block in found:
+        if block.marker and block.marker.startswith("file:"):
+            assert block.lang == "python"
+            files.setdefault(block.marker.removeprefix("file:").strip(), []).append(block.body)
+    for name, parts in files.items():
+        (workdir / name).write_text("\n\n".join(parts), encoding="utf-8")
+
+    count = 0
+    for block in found:
+        if block.marker != "run":
+            continue
+        assert block.lang == "console"
+        for command, expected in _commands(block.body):
+            killed = bool(expected) and expected[-1] == "Killed"
+            status, out = _execute(command, workdir)
+            assert status == (-signal.SIGKILL if killed else 0), command
+            shown = expected[:-1] if killed else expected
+            assert out.splitlines() == shown, f"{page.name}: {command!r} printed:\n{out}"
+            count += 1
+    return count
+
+
+def test_getting_started_programs_run_as_shown(tmp_path: Path) -> None:
+    assert _run_page(GETTING_STARTED, tmp_path) >= 6
+    assert (tmp_path / "agent.py").is_file() and (tmp_path / "crash.py").is_file()
+
+
+@pytest.mark.parametrize("page", [p for p in _marked_pages() if p != GETTING_STARTED],
+                         ids=lambda p: p.name)
+def test_other_marked_programs_run_as_shown(page: Path, tmp_path: Path) -> None:
+    assert _run_page(page, tmp_path) >= 1
+
+
+@pytest.mark.parametrize("page", _marked_pages(), ids=lambda p: p.name)
+def test_every_marker_is_known(page: Path) -> None:
+    markers = {block.marker for block in blocks(page) if block.marker}
+    assert all(m == "run" or m.startswith("file:") for m in markers), markers
+
+
+# -- every Python block compiles; every cited test exists ---------------------------------------
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.rglob("*.md")), ids=lambda p: p.name)
+def test_python_blocks_compile(page: Path) -> None:
+    for index, block in enumerate(blocks(page)):
+        if block.lang == "python":
+            # Fragments may use await at the top level, as in an async REPL.
+            compile(block.body, f"{page.name}[block {index}]", "exec",
+                    flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+
+
+def _cited_tests() -> list[tuple[str, str, str]]:
+    cited = set()
+    for page in DOCS.rglob("*.md"):
+        for match in _CITED_TEST.finditer(page.read_text(encoding="utf-8")):
+            cited.add((page.name, match.group("file"), match.group("name")))
+    return sorted(cited)
+
+
+def test_the_docs_cite_tests() -> None:
+    assert len(_cited_tests()) >= 30
+
+
+@pytest.mark.parametrize(("page", "file", "name"), _cited_tests(),
+                         ids=lambda value: str(value))
+def test_every_cited_test_exists(page: str, file: str, name: str) -> None:
+    source = ROOT / "tests" / file
+    assert source.is_file(), f"{page} cites a missing file tests/{file}"
+    text = source.read_text(encoding="utf-8")
+    *classes, function = name.split("::")
+    for cls in classes:
+        assert re.search(rf"^class {cls}\b", text, re.MULTILINE), (
+            f"{page} cites tests/{file}::{name}, but there is no class {cls}")
+    if classes and not re.search(rf"^\s+(async )?def {function}\b", text, re.MULTILINE):
+        # A test a contract class inherits from polyloop.testing.store_contract.
+        contract = ROOT / "src" / "polyloop" / "testing" / "store_contract.py"
+        text = contract.read_text(encoding="utf-8")
+    assert re.search(rf"^\s*(async )?def {function}\b", text, re.MULTILINE), (
+        f"{page} cites tests/{file}::{name}, which does not exist")
