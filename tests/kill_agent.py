@@ -1,0 +1,148 @@
+"""A child process for the real-kill tests: runs or resumes one agent run, then reports.
+
+    python kill_agent.py STORE RUN_ID run|resume SIDE_FILE
+
+STORE is ``jsonl:DIR``, ``sqlite:FILE`` or a ``postgresql://`` conninfo. The tools are
+slow enough that a SIGKILL from the parent lands inside them most of the time. Every tool
+execution is appended (and fsynced) to SIDE_FILE as ``<tool> <result id>`` the moment it
+starts, which is how the parent proves that no ``Replay.NEVER`` action ran twice. On
+success the child prints the run's result as one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import anyio
+
+from polyloop import (
+    Budget,
+    Definition,
+    Injection,
+    Message,
+    NullSink,
+    ObservationTexts,
+    Replay,
+    Request,
+    Role,
+    RunResult,
+    Store,
+    ToolRegistry,
+    ToolSpec,
+    ToolStyle,
+    resume,
+    run,
+    serialization,
+)
+from polyloop.testing import JsonActionInterpreter, ScriptedModelClient
+
+SCRIPT = [
+    json.dumps({"tool": "fetch", "arguments": {"n": n}}) for n in range(1, 5)
+] + [
+    json.dumps({"tool": "record", "arguments": {"total": 10}}),
+    json.dumps({"tool": "fetch", "arguments": {"n": 5}}),
+    json.dumps({"tool": "submit", "arguments": {"total": 15}}),
+]
+
+
+def open_store(spec: str) -> Store:
+    from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
+
+    if spec.startswith("jsonl:"):
+        return JsonlStore(spec.removeprefix("jsonl:"))
+    if spec.startswith("sqlite:"):
+        return SqliteStore(spec.removeprefix("sqlite:"))
+    return PostgresStore(spec)
+
+
+def tools(side_file: str) -> ToolRegistry:
+    def note(line: str) -> None:
+        fd = os.open(side_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    async def fetch(arguments: dict[str, Any], *, result_id: str) -> str:
+        note(f"fetch {result_id}")
+        await anyio.sleep(0.05)
+        return f"value {arguments['n']}"
+
+    async def record(arguments: dict[str, Any], *, result_id: str) -> str:
+        note(f"record {result_id}")
+        return f"recorded {arguments['total']}"
+
+    async def submit(arguments: dict[str, Any], *, result_id: str) -> str:
+        note(f"submit {result_id}")
+        return f"submitted {arguments['total']}"
+
+    number = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    total = {"type": "object", "properties": {"total": {"type": "integer"}},
+             "required": ["total"]}
+    return ToolRegistry(
+        [
+            ToolSpec(name="fetch", description="Fetch a value (safe to repeat).",
+                     parameters=number, handler=fetch, replay=Replay.ALLOWED),
+            ToolSpec(name="record", description="Record a total (never repeat).",
+                     parameters=total, handler=record, replay=Replay.NEVER),
+            ToolSpec(name="submit", description="Submit (never repeat).", parameters=total,
+                     handler=submit, replay=Replay.NEVER, completes=True),
+        ],
+        max_observation_chars=1_000,
+    )
+
+
+def build(store: Store, run_id: str, side_file: str) -> tuple[Definition, Request]:
+    registry = tools(side_file)
+    definition = Definition(
+        model=ScriptedModelClient(SCRIPT, delay=0.03, name="kill-test"),
+        interpreter=JsonActionInterpreter(),
+        store=store,
+        events=NullSink(),
+        texts=ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}"),
+    )
+    request = Request(
+        run_id=run_id,
+        budget=Budget(max_steps=20, max_valid_steps=20, max_context_chars=100_000),
+        executor=registry.executor(),
+        tools=registry,
+        run_context=(Message.text(Role.SYSTEM, "Fetch, record, submit."),),
+        goal_context=(Message.text(Role.USER, "Go."),),
+        injection=Injection(entries={}),
+        binding={},
+        model_replay=Replay.ALLOWED,
+        observation_template="Observation: {observation}",
+        tool_style=ToolStyle.JSON,
+        cancel_grace_s=1.0,
+    )
+    return definition, request
+
+
+def summary(result: RunResult) -> dict[str, Any]:
+    return {
+        "stop_reason": result.stop_reason.value,
+        "final_answer": result.final_answer,
+        "detail": result.detail,
+        "steps": [
+            {k: v for k, v in serialization.encode(step).items() if k != "duration_s"}
+            for step in result.steps
+        ],
+    }
+
+
+async def main(spec: str, run_id: str, mode: str, side_file: str) -> None:
+    store = open_store(spec)
+    try:
+        drive = run if mode == "run" else resume
+        result = await drive(*build(store, run_id, side_file))
+    finally:
+        await store.aclose()  # type: ignore[attr-defined]
+    print(json.dumps(summary(result)), flush=True)
+
+
+if __name__ == "__main__":
+    anyio.run(main, *sys.argv[1:5])
