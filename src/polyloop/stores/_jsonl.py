@@ -212,6 +212,22 @@ class JsonlStore:
         records = await anyio.to_thread.run_sync(self._read_sync, run_id)
         return RunLog(run_id=run_id, records=records)
 
+    async def run_ids(self) -> tuple[str, ...]:
+        """The id of every run in the directory, sorted; empty if the directory is missing.
+
+        The file name only hashes the run id, so each ``*.jsonl`` file's first line is
+        read for it. A file with no complete line yet (a start that never finished) holds
+        no run and is left out. A first line that is not a record, or whose run id does
+        not hash to the file's name, raises :class:`~polyloop.types.CorruptLog` naming
+        the file.
+
+        Cancellation: reading has no effect on disk; the worker thread finishes the
+        listing and its result is discarded.
+        """
+        if self._state.closed:
+            raise StoreError("the store is closed")
+        return await anyio.to_thread.run_sync(self._run_ids_sync)
+
     async def aclose(self) -> None:
         """Release every writer lock and refuse further use. Idempotent.
 
@@ -363,6 +379,18 @@ class JsonlStore:
         data = _read_file(path, run_id)
         return tuple(parse_lines(data, path.name, run_id))
 
+    def _run_ids_sync(self) -> tuple[str, ...]:
+        try:
+            paths = sorted(self._directory.glob(f"*{_SUFFIX}"))
+        except OSError as exc:
+            raise StoreError(f"could not list {self._directory}: {exc}") from exc
+        found = []
+        for path in paths:
+            run_id = _first_run_id(path)
+            if run_id is not None:
+                found.append(run_id)
+        return tuple(sorted(found))
+
     def _path(self, run_id: str) -> Path:
         return self._directory / f"{safe_name(run_id)}{_SUFFIX}"
 
@@ -473,6 +501,40 @@ def _read_file(path: Path, run_id: str) -> bytes:
         raise StoreError(f"could not read the run file: {exc}", run_id=run_id) from exc
     finally:
         os.close(fd)
+
+
+def _first_run_id(path: Path) -> str | None:
+    """The run id of ``path``'s first complete line; ``None`` if it has none."""
+    try:
+        fd = os.open(path, _READ)
+    except FileNotFoundError:
+        return None  # removed while the directory was being listed
+    except OSError as exc:
+        raise StoreError(f"could not open {path.name} (links are not followed): {exc}",
+                         location=path.name) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreError("not a regular file", location=path.name)
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            line = file.readline()
+    except OSError as exc:
+        if isinstance(exc, PolyLoopError):
+            raise
+        raise StoreError(f"could not read the file: {exc}", location=path.name) from exc
+    finally:
+        os.close(fd)
+    if not line.endswith(b"\n"):
+        return None
+    location = f"{path.name}:1"
+    records = _decode_line(line[:-1], location)
+    run_id = records[0].run_id
+    if f"{safe_name(run_id)}{_SUFFIX}" != path.name:
+        raise CorruptLog(
+            "the file holds a run whose id does not match the file name",
+            run_id=run_id,
+            location=location,
+        )
+    return run_id
 
 
 # -- parsing ------------------------------------------------------------------------------

@@ -54,11 +54,14 @@ StoreFactory = Callable[[], Store]
 # Run ids that must stay opaque: separators, traversal, NUL, non-ASCII, great length.
 AWKWARD_RUN_IDS = (
     "../escape",
+    "../../etc/passwd",
     "/absolute/path",
+    "a/b",
     "a/b\\c",
+    "\x00",
     "nul\x00byte",
     "snow\u2603man\U0001f600",
-    "x" * 5_000,
+    "x" * 10_000,
     "'; DROP TABLE runs; --",
     ".",
     "..",

@@ -1,0 +1,352 @@
+"""Argument parsing, the four commands, and the one place where errors become one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+import anyio
+from rich.console import Console
+from rich.text import Text
+
+from polyloop.cli import _demo, _html, _render, _verify
+from polyloop.cli._common import PROGRAM, CliError, console, print_unwrapped
+from polyloop.cli._stores import SYNTAX, StoreSpec, open_store, parse_store, require_existing
+from polyloop.cli._view import read_view, summary_json, trajectory_json, view_of
+from polyloop.types import PolyLoopError
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+INTERRUPTED_EXIT_STATUS = 130
+_Command = Callable[[argparse.Namespace, Console], Awaitable[int]]
+
+
+_Commands: TypeAlias = "argparse._SubParsersAction[_Parser]"
+
+
+class _UsageError(Exception):
+    """What the parser found wrong with the command line."""
+
+
+class _ParserExit(Exception):
+    """The parser is done (``--help``): return ``status`` instead of exiting."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line and whose exits are returns."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        if message:
+            sys.stderr.write(message)
+        raise _ParserExit(status)
+
+
+def run_command(argv: Sequence[str]) -> int:
+    """Parse ``argv``, run the command, and map every user error to one line and 1."""
+    try:
+        args = build_parser().parse_args(argv)
+    except _ParserExit as done:
+        return done.status
+    except _UsageError as exc:
+        return _fail(str(exc))
+    if args.backend == "trio" and not _trio_installed():
+        return _fail("the trio backend needs trio: pip install 'polyloop[trio]'")
+    with _quiet_logging():
+        try:
+            command: _Command = args.command
+            return anyio.run(command, args, console(), backend=args.backend)
+        except KeyboardInterrupt:
+            print(f"{PROGRAM}: interrupted", file=sys.stderr)
+            hint = getattr(args, "interrupted_hint", None)
+            if hint is not None:
+                print(hint, file=sys.stderr)
+            return INTERRUPTED_EXIT_STATUS
+        except Exception as exc:  # noqa: BLE001 - the command never shows a traceback
+            return _fail(_describe(_single(exc)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROGRAM,
+        description="Run the PolyLoop demo agent; list, show and verify stored runs.",
+        epilog=f"STORE is {SYNTAX}. Exit status: 0 success, 1 error.",
+    )
+    _backend_option(parser, default="asyncio")
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    _demo_parser(commands)
+    _runs_parser(commands)
+    _show_parser(commands)
+    _verify_parser(commands)
+    return parser
+
+
+def _backend_option(parser: argparse.ArgumentParser, *, default: str | None) -> None:
+    parser.add_argument(
+        "--backend", choices=("asyncio", "trio"),
+        default=default if default is not None else argparse.SUPPRESS,
+        help="the async backend (default: asyncio; trio needs polyloop[trio])",
+    )
+
+
+def _add(commands: _Commands, name: str,
+         command: _Command, help_text: str) -> argparse.ArgumentParser:
+    sub = commands.add_parser(name, help=help_text, description=help_text)
+    sub.set_defaults(command=command)
+    _backend_option(sub, default=None)
+    return sub
+
+
+def _store_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("store", metavar="STORE", type=_store_type, help=SYNTAX)
+
+
+def _store_type(text: str) -> StoreSpec:
+    try:
+        return parse_store(text)
+    except CliError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 60:
+        raise argparse.ArgumentTypeError(f"expected seconds between 0 and 60, not {text!r}")
+    return value
+
+
+# -- demo ----------------------------------------------------------------------------------
+
+
+def _demo_parser(commands: _Commands) -> None:
+    sub = _add(commands, "demo", _demo_command,
+               "Run a self-contained agent on a durable store, step by step.")
+    sub.add_argument("--store", type=_store_type, default=None, metavar="STORE",
+                     help=f"where the run is kept (default: {_demo.DEFAULT_STORE})")
+    sub.add_argument("--resume", metavar="RUN_ID", help="finish an interrupted demo run")
+    sub.add_argument("--crash-after-writes", type=_positive, metavar="N",
+                     help="end the process (os._exit) right after the N-th store write")
+    sub.add_argument("--model", choices=("scripted", "openai"), default="scripted",
+                     help="the deterministic scripted model (default) or an "
+                          "OpenAI-compatible server")
+    sub.add_argument("--base-url", metavar="URL", help="the server's base URL (--model openai)")
+    sub.add_argument("--model-name", metavar="NAME", help="the model name (--model openai)")
+    sub.add_argument("--api-key", metavar="KEY",
+                     help="API key (--model openai; default: $OPENAI_API_KEY)")
+    sub.add_argument("--pace", type=_seconds, default=0.3, metavar="SECONDS",
+                     help="how long the scripted model thinks per step (default: 0.3)")
+
+
+async def _demo_command(args: argparse.Namespace, out: Console) -> int:
+    options = _demo_options(args)
+    # Shown if the user interrupts the run.
+    args.interrupted_hint = f"resume it with: {_demo.resume_command(options, options.run_id)}"
+    return await _demo.demo(options, out)
+
+
+def _demo_options(args: argparse.Namespace) -> _demo.DemoOptions:
+    if args.model == "openai":
+        missing = [flag for flag, value in (("--base-url", args.base_url),
+                                            ("--model-name", args.model_name)) if not value]
+        if missing:
+            raise CliError(f"--model openai needs {' and '.join(missing)}")
+    else:
+        given = [flag for flag, value in (("--base-url", args.base_url),
+                                          ("--model-name", args.model_name),
+                                          ("--api-key", args.api_key)) if value]
+        if given:
+            raise CliError(f"{', '.join(given)}: only with --model openai")
+    return _demo.DemoOptions(
+        run_id=args.resume or _demo.new_run_id(),
+        store=args.store or parse_store(_demo.DEFAULT_STORE),
+        store_given=args.store is not None,
+        resume=args.resume,
+        crash_after_writes=args.crash_after_writes,
+        model=args.model,
+        base_url=args.base_url,
+        model_name=args.model_name,
+        api_key=args.api_key,
+        pace=args.pace,
+    )
+
+
+# -- runs ----------------------------------------------------------------------------------
+
+
+def _runs_parser(commands: _Commands) -> None:
+    sub = _add(commands, "runs", _runs_command,
+               "List every run of a store with its state, stop reason and steps.")
+    _store_argument(sub)
+    sub.add_argument("--json", action="store_true", help="one JSON object per line and run")
+
+
+async def _runs_command(args: argparse.Namespace, out: Console) -> int:
+    require_existing(args.store)
+    async with open_store(args.store) as store:
+        views = [view_of(await store.read_log(run_id)) for run_id in await store.run_ids()]
+    if args.json:
+        for view in views:
+            _write_line(json.dumps(summary_json(view), ensure_ascii=False))
+    elif views:
+        print_unwrapped(out, _render.runs_table(views))
+    else:
+        out.print(f"no runs in {args.store.shown}", markup=False)
+    return 0
+
+
+# -- show ----------------------------------------------------------------------------------
+
+
+def _show_parser(commands: _Commands) -> None:
+    sub = _add(commands, "show", _show_command, "Show the trajectory of one run, step by step.")
+    _store_argument(sub)
+    sub.add_argument("run_id", metavar="RUN_ID")
+    form = sub.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="one JSON document for machines")
+    form.add_argument("--html", metavar="FILE", type=Path,
+                      help="write a self-contained HTML page of the trajectory to FILE")
+
+
+async def _show_command(args: argparse.Namespace, out: Console) -> int:
+    require_existing(args.store)
+    async with open_store(args.store) as store:
+        view = await read_view(store, args.store, args.run_id)
+    if args.json:
+        _write_line(json.dumps(trajectory_json(view), ensure_ascii=False, indent=2))
+    elif args.html is not None:
+        await anyio.Path(args.html).write_text(_html.page(view), encoding="utf-8")
+        out.print(f"wrote {args.html}", markup=False)
+    else:
+        out.print(_render.trajectory(view))
+    return 0
+
+
+# -- verify --------------------------------------------------------------------------------
+
+
+def _verify_parser(commands: _Commands) -> None:
+    sub = _add(commands, "verify", _verify_command,
+               "Check stored logs: torn tails (warnings), corrupt records, another schema "
+               "major and records out of order (errors). Exit status 1 on any error.")
+    _store_argument(sub)
+    sub.add_argument("run_id", metavar="RUN_ID", nargs="?", help="check only this run")
+
+
+async def _verify_command(args: argparse.Namespace, out: Console) -> int:
+    require_existing(args.store)
+    async with open_store(args.store) as store:
+        checks = await _verify.verify(store, args.store, args.run_id)
+    for check in checks:
+        _print_check(check, out)
+    errors = sum(1 for check in checks if check.errors)
+    warned = sum(1 for check in checks if check.findings and not check.errors)
+    clean = len(checks) - errors - warned
+    runs = f"{len(checks)} run{'' if len(checks) == 1 else 's'}"
+    summary = Text(f"{runs} checked: {clean} clean, {warned} with warnings, "
+                   f"{errors} with errors", style="bold red" if errors else "bold")
+    out.print(summary, soft_wrap=True)
+    return 1 if errors else 0
+
+
+def _print_check(check: _verify.RunCheck, out: Console) -> None:
+    if not check.findings:
+        line = Text()
+        line.append("ok       ", style="green")
+        line.append(f"{check.name} ({check.records} records)")
+        out.print(line, soft_wrap=True)
+        return
+    for finding in check.findings:
+        style = "red" if finding.level == "error" else "yellow"
+        line = Text()
+        line.append(f"{finding.level:<9}", style=style)
+        line.append(f"{check.name}  {finding.location}: {finding.message}")
+        out.print(line, soft_wrap=True)
+
+
+# -- plumbing ------------------------------------------------------------------------------
+
+
+def _write_line(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def _fail(message: str) -> int:
+    one_line = " ".join(message.split())
+    print(f"{PROGRAM}: error: {one_line}", file=sys.stderr)
+    return 1
+
+
+def _trio_installed() -> bool:
+    try:
+        import trio  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _single(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, CliError | PolyLoopError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror or exc}"
+    return f"unexpected {type(exc).__name__}: {exc}"
+
+
+class _OneLine(logging.Handler):
+    """Prints log records as one warning line each, never with a traceback."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = " ".join(record.getMessage().split())
+        print(f"{PROGRAM}: warning: {message}", file=sys.stderr)
+
+
+@contextmanager
+def _quiet_logging() -> Iterator[None]:
+    """While a command runs, library warnings (the kernel's, psycopg's) are one line."""
+    handler = _OneLine(level=logging.WARNING)
+    loggers = [logging.getLogger(name) for name in ("polyloop", "psycopg")]
+    saved = [(logger, logger.propagate) for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        for logger, propagate in saved:
+            logger.removeHandler(handler)
+            logger.propagate = propagate
+

@@ -1,0 +1,122 @@
+"""A run's trajectory as one self-contained HTML page: inline CSS, no scripts, no links.
+
+Every piece of text from the log goes through :func:`html.escape`, so a model output
+holding markup is shown, never interpreted.
+"""
+
+from __future__ import annotations
+
+import json
+from html import escape
+
+from polyloop.cli._render import status_of
+from polyloop.cli._view import RunView
+from polyloop.types import StepRecord
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 60rem;
+       padding: 0 1rem; color: #1d1d1f; background: #fcfcfc; }
+h1 { font-size: 1.4rem; word-break: break-all; }
+section { border: 1px solid #d8d8dc; border-radius: 6px; margin: 1rem 0;
+          padding: 0.5rem 1rem; background: #fff; }
+h2 { font-size: 1.05rem; margin: 0.4rem 0; }
+dl { display: grid; grid-template-columns: 9rem 1fr; gap: 0.3rem 1rem; margin: 0.5rem 0; }
+dt { color: #6e6e73; }
+dd { margin: 0; min-width: 0; }
+pre { white-space: pre-wrap; word-break: break-word; margin: 0; font-size: 0.9rem;
+      background: #f4f4f6; padding: 0.4rem; border-radius: 4px; }
+.good { color: #1a7f37; } .warn { color: #9a6700; } .bad { color: #cf222e; }
+summary { cursor: pointer; color: #6e6e73; }
+""".strip()
+
+_STYLE_CLASSES = {"green": "good", "yellow": "warn", "red": "bad"}
+_STATE_CLASSES = {"finished": "good", "resumable": "warn", "in doubt": "bad"}
+
+
+def page(view: RunView) -> str:
+    """The whole HTML document for ``view``."""
+    title = f"polyloop run {view.run_id}"
+    body = [f"<h1>{escape(title)}</h1>", _summary(view)]
+    body.extend(_step(step) for step in view.steps)
+    body.append(_end(view))
+    body.append(_snapshot(view))
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        f"<title>{escape(title)}</title>\n<style>\n{_CSS}\n</style>\n</head>\n<body>\n"
+        + "\n".join(body)
+        + "\n</body>\n</html>\n"
+    )
+
+
+def _summary(view: RunView) -> str:
+    rows = [
+        ("state", _span(view.state, _STATE_CLASSES[view.state])),
+        ("stop reason", escape(view.stop_reason or "-")),
+        ("steps", escape(f"{len(view.steps)} ({view.valid_steps} valid)")),
+        ("records", escape(str(view.records))),
+    ]
+    return f'<section id="summary">\n{_dl(rows)}\n</section>'
+
+
+def _step(step: StepRecord) -> str:
+    status, style = status_of(step)
+    heading = (f"step {step.step} · {escape(step.decision.value)} · "
+               f"{_span(status, _STYLE_CLASSES[style])}")
+    rows = [("decision", escape(step.decision.value))]
+    if step.action_text is not None:
+        rows.append(("action", _pre(step.action_text)))
+    rows.append(("status", escape(status)))
+    if step.observation is not None:
+        rows.append(("observation", _pre(step.observation)))
+    if step.truncated_chars:
+        rows.append(("cut", escape(f"{step.truncated_chars} characters")))
+    if step.final_answer is not None:
+        rows.append(("final answer", _pre(step.final_answer)))
+    if step.error is not None:
+        rows.append(("error", _pre(step.error)))
+    rows.append(("model output", _details("reply", step.model_output)))
+    if step.reasoning is not None:
+        rows.append(("reasoning", _details("reasoning", step.reasoning)))
+    if step.call_id is not None:
+        rows.append(("call id", escape(step.call_id)))
+    return (f'<section class="step" id="step-{step.step}">\n<h2>{heading}</h2>\n'
+            f"{_dl(rows)}\n</section>")
+
+
+def _end(view: RunView) -> str:
+    rows = [("state", _span(view.state, _STATE_CLASSES[view.state]))]
+    if view.stop_reason is not None:
+        rows.append(("stop reason", escape(view.stop_reason)))
+    if view.final_answer is not None:
+        rows.append(("final answer", _pre(view.final_answer)))
+    if view.detail is not None:
+        rows.append(("detail", _pre(view.detail)))
+    if (interruption := view.interruption()) is not None:
+        rows.append(("interrupted", escape(interruption)))
+    return f'<section id="end">\n<h2>end</h2>\n{_dl(rows)}\n</section>'
+
+
+def _snapshot(view: RunView) -> str:
+    started = view.plan.started
+    snapshot = dict(started.snapshot) if started is not None else {}
+    text = json.dumps(snapshot, indent=2, sort_keys=True, ensure_ascii=False)
+    return (f'<section id="snapshot">\n<h2>snapshot</h2>\n'
+            f"{_details('what the run was started with', text)}\n</section>")
+
+
+def _dl(rows: list[tuple[str, str]]) -> str:
+    """A definition list; the values are HTML already escaped by the caller."""
+    items = "\n".join(f"<dt>{escape(label)}</dt><dd>{value}</dd>" for label, value in rows)
+    return f"<dl>\n{items}\n</dl>"
+
+
+def _pre(text: str) -> str:
+    return f"<pre>{escape(text)}</pre>"
+
+
+def _span(text: str, css_class: str) -> str:
+    return f'<span class="{css_class}">{escape(text)}</span>'
+
+
+def _details(summary: str, text: str) -> str:
+    return f"<details><summary>{escape(summary)}</summary>{_pre(text)}</details>"

@@ -1,0 +1,170 @@
+"""Terminal views of runs: the progress line, the runs table and the trajectory blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich import box
+from rich.console import Group, RenderableType
+from rich.rule import Rule
+from rich.table import Table
+from rich.text import Text
+
+from polyloop.cli._view import RunView
+from polyloop.types import ActionStatus, DecisionKind, StepRecord
+
+# How much of an observation the terminal shows; --json and --html show it whole.
+OBSERVATION_CHARS = 600
+REPLY_CHARS = 240
+LINE_CHARS = 160
+
+STATE_STYLES = {"finished": "green", "resumable": "yellow", "in doubt": "red"}
+
+
+def status_of(step: StepRecord) -> tuple[str, str]:
+    """A step's outcome in words, with the style to show it in."""
+    if step.action_status is ActionStatus.EXECUTED:
+        if step.observation_synthesized:
+            return "executed (the tool failed)", "yellow"
+        return "executed", "green"
+    if step.action_status is ActionStatus.NOT_EXECUTED:
+        return "not executed", "yellow"
+    if step.action_status is ActionStatus.ENV_FAULT:
+        return "environment fault", "red"
+    if step.error is not None:
+        return "model failure", "red"
+    if step.decision is DecisionKind.FINAL:
+        return "final answer", "green"
+    return "invalid reply", "yellow"
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def one_line(text: str, limit: int = LINE_CHARS) -> str:
+    flat = " | ".join(part.strip() for part in text.splitlines() if part.strip())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def step_line(step: StepRecord, *, note: str | None = None) -> Text:
+    """Two lines per step, as the demo prints them while the run goes on.
+
+    The first names the step, its outcome and its action; the second what came back.
+    """
+    status, style = status_of(step)
+    line = Text()
+    line.append(f"  step {step.step:>2}  ", style="bold")
+    line.append(f"{status:<13}", style=style)
+    line.append(" ")
+    line.append(step.action_text or _no_action_text(step))
+    if note is not None:
+        line.append(f"  ({note})", style="cyan")
+    seen = step.observation if step.observation is not None else step.final_answer
+    if seen is not None:
+        line.append(f"\n           → {one_line(seen)}", style="dim")
+    return line
+
+
+def _no_action_text(step: StepRecord) -> str:
+    if step.error is not None:
+        return "(model call failed)"
+    if step.decision is DecisionKind.FINAL:
+        return "(final answer)"
+    return "(unusable reply)"
+
+
+def runs_table(views: Iterable[RunView]) -> Table:
+    """One row per run: id, state, stop reason, steps, valid steps."""
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("run", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("stop reason", no_wrap=True)
+    table.add_column("steps", justify="right", no_wrap=True)
+    table.add_column("valid", justify="right", no_wrap=True)
+    for view in views:
+        table.add_row(
+            Text(view.run_id),
+            Text(view.state, style=STATE_STYLES[view.state]),
+            Text(view.stop_reason or "-"),
+            str(len(view.steps)),
+            str(view.valid_steps),
+        )
+    return table
+
+
+def trajectory(view: RunView) -> RenderableType:
+    """The run as blocks: a header, one block per step, and how it ended."""
+    parts: list[RenderableType] = [_header(view)]
+    for step in view.steps:
+        parts.append(Rule(_step_title(step), align="left", style="dim"))
+        parts.append(_fields(_step_fields(step)))
+    parts.append(Rule(Text("end", style="bold"), align="left", style="dim"))
+    parts.append(_fields(_end_fields(view)))
+    return Group(*parts)
+
+
+def _header(view: RunView) -> Text:
+    header = Text()
+    header.append("run ", style="bold")
+    header.append(view.run_id, style="bold")
+    header.append("  ")
+    header.append(view.state, style=STATE_STYLES[view.state])
+    header.append(f"  ({view.records} records)", style="dim")
+    return header
+
+
+def _step_title(step: StepRecord) -> Text:
+    status, style = status_of(step)
+    title = Text()
+    title.append(f"step {step.step}", style="bold")
+    title.append(f" · {step.decision.value} · ")
+    title.append(status, style=style)
+    return title
+
+
+def _step_fields(step: StepRecord) -> list[tuple[str, str]]:
+    fields: list[tuple[str, str]] = [("decision", step.decision.value)]
+    if step.action_text is not None:
+        fields.append(("action", step.action_text))
+    fields.append(("status", status_of(step)[0]))
+    if step.observation is not None:
+        observation = shorten(step.observation.rstrip("\n"), OBSERVATION_CHARS)
+        fields.append(("observation", observation))
+    if step.truncated_chars:
+        fields.append(("cut", f"{step.truncated_chars} characters cut by the tool registry"))
+    if step.final_answer is not None:
+        fields.append(("answer", step.final_answer))
+    if step.error is not None:
+        fields.append(("error", step.error))
+    if step.model_output:
+        fields.append(("reply", shorten(step.model_output, REPLY_CHARS)))
+    if step.duration_s is not None:
+        fields.append(("time", f"{step.duration_s:.3f} s"))
+    return fields
+
+
+def _end_fields(view: RunView) -> list[tuple[str, str]]:
+    fields = [("state", view.state)]
+    if view.stop_reason is not None:
+        fields.append(("stop reason", view.stop_reason))
+    fields.append(("steps", f"{len(view.steps)} ({view.valid_steps} valid)"))
+    if view.final_answer is not None:
+        fields.append(("final answer", view.final_answer))
+    if view.detail is not None:
+        fields.append(("detail", view.detail))
+    if (interruption := view.interruption()) is not None:
+        fields.append(("interrupted", interruption))
+    return fields
+
+
+def _fields(rows: list[tuple[str, str]]) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column(overflow="fold")
+    for label, value in rows:
+        grid.add_row(Text(f"  {label}"), Text(value))
+    return grid

@@ -1,0 +1,113 @@
+"""STORE arguments: ``jsonl:DIR``, ``sqlite:FILE``, ``postgresql://...``, and opening them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import anyio.to_thread
+
+from polyloop.cli._common import CliError
+from polyloop.ports import Store
+
+Kind = Literal["jsonl", "sqlite", "postgresql"]
+
+# Seconds to wait for a PostgreSQL server before giving up (the store's own default
+# suits long-running workers, not a command someone is waiting on).
+POSTGRES_TIMEOUT_S = 10.0
+_POSTGRES_PREFIXES = ("postgresql://", "postgres://")
+_PASSWORD = re.compile(r"(://[^:/@]*):[^@/]*@")
+SYNTAX = "jsonl:DIR, sqlite:FILE or postgresql://..."
+
+
+class BrowsableStore(Store, Protocol):
+    """A store that can list its runs and be closed: what the commands need."""
+
+    async def run_ids(self) -> tuple[str, ...]: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSpec:
+    """A parsed STORE argument. ``text`` is what the user wrote."""
+
+    kind: Kind
+    location: str
+    text: str
+
+    @property
+    def shown(self) -> str:
+        """The argument as it may appear in messages: any password is masked."""
+        return _PASSWORD.sub(r"\1:***@", self.text)
+
+
+def parse_store(text: str) -> StoreSpec:
+    """Parse a STORE argument; ``CliError`` for an unknown scheme or a missing path."""
+    if text.startswith(_POSTGRES_PREFIXES):
+        return StoreSpec("postgresql", text, text)
+    scheme, colon, rest = text.partition(":")
+    if not colon or scheme not in ("jsonl", "sqlite"):
+        shown = _PASSWORD.sub(r"\1:***@", text)
+        raise CliError(f"unknown store scheme in {shown!r}: write {SYNTAX}")
+    if not rest:
+        what = "directory" if scheme == "jsonl" else "file"
+        raise CliError(f"{text!r} names no {what}: write {scheme}:{what.upper()}")
+    kind: Kind = "jsonl" if scheme == "jsonl" else "sqlite"
+    return StoreSpec(kind, rest, text)
+
+
+def require_existing(spec: StoreSpec) -> None:
+    """Refuse a JSONL directory or SQLite file that is not there (never create one)."""
+    path = Path(spec.location)
+    if spec.kind == "jsonl" and not path.is_dir():
+        problem = "is not a directory" if path.exists() else "does not exist"
+        raise CliError(f"no JSONL store at {spec.location}: the directory {problem}")
+    if spec.kind == "sqlite" and not path.is_file():
+        problem = "is not a file" if path.exists() else "does not exist"
+        raise CliError(f"no SQLite store at {spec.location}: the file {problem}")
+
+
+@asynccontextmanager
+async def open_store(spec: StoreSpec) -> AsyncIterator[BrowsableStore]:
+    """The store ``spec`` names, open for the length of the ``async with`` block."""
+    store = _build(spec)
+    if spec.kind == "postgresql":
+        await anyio.to_thread.run_sync(_probe_postgres, spec)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+def _build(spec: StoreSpec) -> BrowsableStore:
+    if spec.kind == "jsonl":
+        from polyloop.stores import JsonlStore
+
+        return JsonlStore(spec.location)
+    if spec.kind == "sqlite":
+        from polyloop.stores import SqliteStore
+
+        return SqliteStore(spec.location)
+    try:
+        from polyloop.stores import PostgresStore
+    except ImportError:
+        raise CliError(
+            "a postgresql:// store needs psycopg: pip install 'polyloop[postgres]'"
+        ) from None
+    return PostgresStore(spec.location, timeout=POSTGRES_TIMEOUT_S)
+
+
+def _probe_postgres(spec: StoreSpec) -> None:
+    """Connect once, so that an unreachable server is one clear error, not a long wait."""
+    import psycopg
+
+    try:
+        with psycopg.connect(spec.location, connect_timeout=int(POSTGRES_TIMEOUT_S)):
+            pass
+    except psycopg.Error as exc:
+        raise CliError(f"cannot connect to {spec.shown}: {exc}") from None

@@ -1,0 +1,187 @@
+"""``polyloop verify``: check stored logs and name every problem with its location.
+
+Two levels of finding:
+
+* **warning**: a torn tail (bytes after a JSONL file's last newline). It is the normal
+  trace of a crash in the middle of a write: readers ignore it and the run's next writer
+  removes it. Warnings alone leave the exit status at 0.
+* **error**: a complete line or row that is not a record of this run, a record of
+  another major of the format, or records that cannot follow each other (the check
+  ``resume`` itself makes before trusting a log).
+
+JSONL files are read raw, line by line, so that every bad line is named (up to a limit
+per file). The database stores are read through the store, which stops at a run's first
+bad row; the order check runs on every log that reads back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import anyio.to_thread
+
+from polyloop._recovery import read_plan
+from polyloop.cli._common import CliError
+from polyloop.cli._stores import BrowsableStore, StoreSpec
+from polyloop.stores._common import safe_name
+from polyloop.stores._jsonl import _decode_line
+from polyloop.types import CorruptLog, PolyLoopError, Record, RunLog, SchemaMajorMismatch
+
+Level = Literal["warning", "error"]
+
+# Bad lines named one by one in a file; the rest are counted.
+MAX_LINE_ERRORS = 20
+_SUFFIX = ".jsonl"
+_RECORD_INDEX = re.compile(r"record (\d+)")
+# Turns a record index into the place the record was read from.
+_Where = Callable[[int], str]
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    level: Level
+    location: str
+    message: str
+
+
+@dataclass(slots=True)
+class RunCheck:
+    """The findings for one run (or one file whose run could not be read)."""
+
+    name: str
+    records: int = 0
+    findings: list[Finding] = field(default_factory=list)
+
+    def add(self, level: Level, location: str, message: str) -> None:
+        self.findings.append(Finding(level, location, message))
+
+    @property
+    def errors(self) -> int:
+        return sum(1 for finding in self.findings if finding.level == "error")
+
+
+async def verify(store: BrowsableStore, spec: StoreSpec, run_id: str | None) -> list[RunCheck]:
+    """Check every run of the store, or only ``run_id``."""
+    if spec.kind == "jsonl":
+        return await anyio.to_thread.run_sync(verify_directory, Path(spec.location), run_id,
+                                              spec.shown)
+    run_ids = (run_id,) if run_id is not None else await store.run_ids()
+    checks = []
+    for each in run_ids:
+        check = await _check_stored_run(store, each)
+        if run_id is not None and check.records == 0 and not check.findings:
+            raise CliError(f"unknown run id {run_id!r} in {spec.shown}")
+        checks.append(check)
+    return checks
+
+
+async def _check_stored_run(store: BrowsableStore, run_id: str) -> RunCheck:
+    check = RunCheck(name=run_id)
+    try:
+        log = await store.read_log(run_id)
+    except (CorruptLog, SchemaMajorMismatch) as exc:
+        check.add("error", exc.location or "?", _reason(exc))
+        return check
+    check.records = len(log.records)
+    if log.records:
+        _check_order(check, log, None)
+    return check
+
+
+def verify_directory(directory: Path, run_id: str | None, shown: str) -> list[RunCheck]:
+    """Check the JSONL files of ``directory`` (only ``run_id``'s file if given)."""
+    if run_id is not None:
+        path = directory / f"{safe_name(run_id)}{_SUFFIX}"
+        if not path.exists():
+            raise CliError(f"unknown run id {run_id!r} in {shown}")
+        return [check_file(path)]
+    return [check_file(path) for path in sorted(directory.glob(f"*{_SUFFIX}"))]
+
+
+def check_file(path: Path) -> RunCheck:
+    """Every problem of one JSONL run file, with its ``file:line``."""
+    check = RunCheck(name=path.name)
+    if path.is_symlink() or not path.is_file():
+        check.add("error", path.name, "not a regular file (stores never follow links)")
+        return check
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        check.add("error", path.name, f"cannot be read: {exc}")
+        return check
+    *lines, tail = data.split(b"\n")
+    records, line_of = _decode_lines(check, path.name, lines)
+    if tail:
+        check.add("warning", f"{path.name}:{len(lines) + 1}",
+                  f"torn tail: {len(tail)} bytes after the last complete line (a write "
+                  f"that never finished; readers ignore it, the next writer removes it)")
+    if records:
+        run_id = records[0].run_id
+        check.name = run_id
+        _check_owner(check, path.name, run_id, records, line_of)
+        if not check.errors:
+            _check_order(check, RunLog(run_id=run_id, records=tuple(records)),
+                         lambda index: f"{path.name}:{line_of[index]}")
+    elif not check.findings:
+        check.add("warning", path.name, "the file holds no record")
+    check.records = len(records)
+    return check
+
+
+def _decode_lines(
+    check: RunCheck, name: str, lines: list[bytes]
+) -> tuple[list[Record], list[int]]:
+    """Decode every complete line; note each bad one. Also return each record's line."""
+    records: list[Record] = []
+    line_of: list[int] = []
+    bad = 0
+    for number, piece in enumerate(lines, start=1):
+        location = f"{name}:{number}"
+        try:
+            decoded = _decode_line(piece, location)
+        except (CorruptLog, SchemaMajorMismatch) as exc:
+            bad += 1
+            if bad <= MAX_LINE_ERRORS:
+                check.add("error", location, _reason(exc))
+            continue
+        records.extend(decoded)
+        line_of.extend([number] * len(decoded))
+    if bad > MAX_LINE_ERRORS:
+        check.add("error", name, f"{bad - MAX_LINE_ERRORS} more lines do not decode")
+    return records, line_of
+
+
+def _check_owner(
+    check: RunCheck, name: str, run_id: str, records: list[Record], line_of: list[int]
+) -> None:
+    if f"{safe_name(run_id)}{_SUFFIX}" != name:
+        check.add("error", f"{name}:{line_of[0]}",
+                  f"the file name does not belong to run {run_id!r}, so the store cannot "
+                  f"find this log")
+    for record, number in zip(records, line_of, strict=True):
+        if record.run_id != run_id:
+            check.add("error", f"{name}:{number}",
+                      f"a record of run {record.run_id!r} in the log of run {run_id!r}")
+            return
+
+
+def _check_order(check: RunCheck, log: RunLog, where: _Where | None) -> None:
+    try:
+        read_plan(log)
+    except CorruptLog as exc:
+        location = exc.location or "?"
+        match = _RECORD_INDEX.fullmatch(location)
+        if where is not None and match is not None:
+            location = f"{where(int(match.group(1)))} ({location})"
+        check.add("error", location, f"records out of order: {exc.reason}")
+
+
+def _reason(exc: PolyLoopError) -> str:
+    if isinstance(exc, SchemaMajorMismatch):
+        return f"another major of the record format: {exc.reason}"
+    return exc.reason
+

@@ -1,0 +1,448 @@
+"""``polyloop runs``, ``show`` and ``verify`` on stores holding runs in every state.
+
+The stores are filled by the kernel itself (``polyloop.run`` with the test tools, a
+``FaultyStore`` for crashes, a cancel scope for a cancelled run); the command then reads
+them in the same process through ``main()``, under asyncio and Trio.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Callable
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from polyloop import Replay, run, serialization
+from polyloop.cli import main
+from polyloop.stores import JsonlStore, SqliteStore
+from polyloop.testing import FaultyStore, SimulatedCrash
+from polyloop.tools import ToolRegistry, ToolSpec
+from polyloop.types import StepRecord
+
+BACKENDS = ["asyncio", "trio"]
+LONG = "x" * 3_000
+MARKUP = "<script>alert('boo')</script> & <b>bold</b>"
+
+
+# -- building stores ---------------------------------------------------------------------------
+
+
+def long_tools(ledger: Ledger) -> ToolRegistry:
+    async def echo(arguments: dict[str, Any], *, result_id: str) -> str:
+        ledger.calls.append(("echo", result_id))
+        return LONG
+
+    return ToolRegistry([ToolSpec(name="echo", description="Echo.",
+                                  parameters={"type": "object"}, handler=echo)],
+                        max_observation_chars=10_000)
+
+
+async def fill(store_factory: Callable[[], Any]) -> None:
+    """Five runs: finished, resumable (crashed), in doubt, cancelled, and a long one."""
+    tools = make_tools(Ledger())
+    script = [tool_call("double", n=1), MARKUP, tool_call("submit", answer="2")]
+
+    async def with_store(body: Callable[[Any], Any]) -> None:
+        store = store_factory()
+        try:
+            await body(store)
+        finally:
+            await store.aclose()
+
+    async def finished(store: Any) -> None:
+        await run(definition(store, script=script), request("done", tools))
+
+    async def crashed(store: Any, run_id: str, writes: int) -> None:
+        with pytest.raises(SimulatedCrash):
+            await run(definition(FaultyStore(store, fail_after_writes=writes), script=script),
+                      request(run_id, tools))
+
+    async def cancelled(store: Any) -> None:
+        slow = make_tools(Ledger(), delay=30, replay=Replay.ALLOWED)
+        with anyio.move_on_after(0.3):
+            await run(definition(store, script=script), request("stopped", slow))
+
+    async def long(store: Any) -> None:
+        await run(definition(store, script=[tool_call("echo"), answer("seen")]),
+                  request("long", long_tools(Ledger())))
+
+    await with_store(finished)
+    # After step 0's model result: nothing open, the run can go on.
+    await with_store(lambda store: crashed(store, "crashed", 3))
+    # After step 0's action intent, whose replay is never: in doubt.
+    await with_store(lambda store: crashed(store, "doubt", 4))
+    await with_store(cancelled)
+    await with_store(long)
+
+
+@pytest.fixture(params=["sqlite", "jsonl"])
+def filled(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A store with the five runs of :func:`fill`; its STORE argument."""
+    if request.param == "sqlite":
+        path = tmp_path / "runs.db"
+        anyio.run(fill, lambda: SqliteStore(path))
+        return f"sqlite:{path}"
+    directory = tmp_path / "runs"
+    anyio.run(fill, lambda: JsonlStore(directory))
+    return f"jsonl:{directory}"
+
+
+def flat(text: str) -> str:
+    """``text`` with every run of whitespace (terminal wrapping included) as one space."""
+    return " ".join(text.split())
+
+
+def row(out: str, run_id: str) -> str:
+    (line,) = [line for line in out.splitlines() if line.split()[:1] == [run_id]]
+    return line
+
+
+# -- runs --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runs_lists_every_run_with_its_state_on_one_line(
+    filled: str, backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--backend", backend, "runs", filled]) == 0
+    out = capsys.readouterr().out
+    assert row(out, "done").split() == ["done", "finished", "submitted", "3", "2"]
+    assert row(out, "crashed").split() == ["crashed", "resumable", "-", "0", "0"]
+    assert row(out, "doubt").split() == ["doubt", "in", "doubt", "-", "0", "0"]
+    assert row(out, "stopped").split() == ["stopped", "resumable", "cancelled", "0", "0"]
+    assert row(out, "long").split() == ["long", "finished", "final_answer", "2", "1"]
+
+
+def test_runs_as_json_lines(filled: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["runs", filled, "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    by_id = {line["run_id"]: line for line in lines}
+    assert set(by_id) == {"done", "crashed", "doubt", "stopped", "long"}
+    assert {k: v["state"] for k, v in by_id.items()} == {
+        "done": "finished", "crashed": "resumable", "doubt": "in doubt",
+        "stopped": "resumable", "long": "finished"}
+    assert by_id["stopped"]["stop_reason"] == "cancelled"
+    assert by_id["done"] == {"run_id": "done", "state": "finished", "stop_reason": "submitted",
+                             "step_count": 3, "valid_step_count": 2, "detail": None}
+
+
+def test_runs_on_an_empty_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["runs", f"jsonl:{tmp_path}"]) == 0
+    assert capsys.readouterr().out == f"no runs in jsonl:{tmp_path}\n"
+    assert main(["runs", f"jsonl:{tmp_path}", "--json"]) == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_runs_keeps_one_line_per_run_for_long_ids(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = "a-run-id-long-enough-to-push-the-table-past-eighty-columns-" + "z" * 40
+
+    async def build() -> None:
+        async with JsonlStore(tmp_path) as store:
+            await run(definition(store, script=[answer("ok")]),
+                      request(run_id, make_tools(Ledger())))
+
+    anyio.run(build)
+    assert main(["runs", f"jsonl:{tmp_path}"]) == 0
+    assert row(capsys.readouterr().out, run_id).split() == [
+        run_id, "finished", "final_answer", "1", "0"]
+
+
+# -- show --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_show_prints_one_block_per_step_and_the_end(
+    filled: str, backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--backend", backend, "show", filled, "done"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("run done  finished")
+    assert "step 0 · action · executed" in out
+    assert "step 1 · invalid · invalid reply" in out
+    assert 'double({"n": 1})' in out
+    assert "2 (done:0:action)" in out
+    assert MARKUP in out  # shown as text, never interpreted
+    assert "end" in out and "submitted" in out
+    assert "3 (2 valid)" in out
+
+
+def test_show_shortens_long_observations_in_the_terminal(
+    filled: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["show", filled, "long"]) == 0
+    out = capsys.readouterr().out
+    assert "(2400 more characters)" in out
+    assert LONG not in out.replace("\n", "").replace(" ", "")
+
+
+def test_show_describes_where_an_unfinished_run_stopped(
+    filled: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["show", filled, "doubt"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("run doubt  in doubt")
+    assert "the action intent 'doubt:0:action' has no result (replay never)" in flat(out)
+    assert main(["show", filled, "crashed"]) == 0
+    assert "step 0: the model replied; no action was announced yet" in \
+        flat(capsys.readouterr().out)
+
+
+def test_show_json_is_one_document_with_the_encoded_steps(
+    filled: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["show", filled, "done", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert {k: document[k] for k in ("run_id", "state", "stop_reason", "step_count",
+                                     "valid_step_count", "final_answer", "detail",
+                                     "open_intent", "interrupted")} == {
+        "run_id": "done", "state": "finished", "stop_reason": "submitted", "step_count": 3,
+        "valid_step_count": 2, "final_answer": None, "detail": None, "open_intent": None,
+        "interrupted": None}
+    steps = [serialization.decode(step) for step in document["steps"]]
+    assert all(isinstance(step, StepRecord) for step in steps)
+    assert [step.step for step in steps] == [0, 1, 2]
+    assert steps[1].model_output == MARKUP
+    assert document["snapshot"]["binding.episode"] == "e1"
+
+    assert main(["show", filled, "doubt", "--json"]) == 0
+    doubt = json.loads(capsys.readouterr().out)
+    assert doubt["state"] == "in doubt"
+    assert doubt["open_intent"]["result_id"] == "doubt:0:action"
+    assert doubt["open_intent"]["replay"] == Replay.NEVER.value
+
+
+class _Page(HTMLParser):
+    """Collects what matters about a page: tags, attributes, ids, text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[str] = []
+        self.attributes: list[tuple[str, str | None]] = []
+        self.ids: list[str] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        self.attributes.extend(attrs)
+        self.ids.extend(value for name, value in attrs if name == "id" and value)
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+def test_show_html_is_one_self_contained_page(
+    filled: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "done.html"
+    assert main(["show", filled, "done", "--html", str(target)]) == 0
+    assert capsys.readouterr().out == f"wrote {target}\n"
+    page = _Page()
+    page.feed(target.read_text(encoding="utf-8"))
+    page.close()
+    assert page.tags[0] == "html"
+    assert {"script", "link", "img", "iframe", "object", "embed"}.isdisjoint(page.tags)
+    assert not [name for name, _ in page.attributes if name in ("src", "href") or
+                name.startswith("on")]
+    assert not [value for _, value in page.attributes if value and "//" in value]
+    assert "style" in page.tags  # the CSS is inline
+    assert {"summary", "step-0", "step-1", "end"} <= set(page.ids)
+    text = "".join(page.text)
+    assert MARKUP in text  # escaped in the file, so the parser reads it back as text
+    assert "2 (done:0:action)" in text
+    assert "submitted" in text
+
+
+def test_show_html_of_a_long_observation_keeps_it_whole(
+    filled: str, tmp_path: Path
+) -> None:
+    target = tmp_path / "long.html"
+    assert main(["show", filled, "long", "--html", str(target)]) == 0
+    assert LONG in target.read_text(encoding="utf-8")
+
+
+def test_show_html_into_a_missing_directory_is_one_error(
+    filled: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["show", filled, "done", "--html", str(tmp_path / "no" / "x.html")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("polyloop: error: ") and "No such file or directory" in err
+
+
+def test_show_of_an_unknown_run_is_one_error(
+    filled: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["show", filled, "nobody"]) == 1
+    assert capsys.readouterr().err == f"polyloop: error: unknown run id 'nobody' in {filled}\n"
+
+
+# -- verify ------------------------------------------------------------------------------------
+
+
+def jsonl_file(store: str, run_id: str) -> Path:
+    from polyloop.stores._common import safe_name
+
+    return Path(store.removeprefix("jsonl:")) / f"{safe_name(run_id)}.jsonl"
+
+
+def edit_lines(path: Path, edit: Callable[[list[str]], list[str]]) -> None:
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    path.write_text("".join(edit(lines)), encoding="utf-8")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_verify_a_clean_store(
+    filled: str, backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--backend", backend, "verify", filled]) == 0
+    out = capsys.readouterr().out
+    for run_id in ("done", "crashed", "doubt", "stopped", "long"):
+        assert f"ok       {run_id} (" in out
+    assert out.rstrip().endswith("5 runs checked: 5 clean, 0 with warnings, 0 with errors")
+
+
+def test_verify_one_run(filled: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", filled, "done"]) == 0
+    out = capsys.readouterr().out
+    assert "ok       done (" in out and "crashed" not in out
+    assert main(["verify", filled, "nobody"]) == 1
+    assert capsys.readouterr().err == f"polyloop: error: unknown run id 'nobody' in {filled}\n"
+
+
+@pytest.fixture
+def jsonl_store(tmp_path: Path) -> str:
+    directory = tmp_path / "runs"
+    anyio.run(fill, lambda: JsonlStore(directory))
+    return f"jsonl:{directory}"
+
+
+def test_verify_reports_a_torn_tail_as_a_warning(
+    jsonl_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = jsonl_file(jsonl_store, "crashed")
+    lines = len(path.read_text().splitlines())
+    with path.open("a") as file:
+        file.write('{"schema":"polyloop/1","kind":"res')
+    assert main(["verify", jsonl_store]) == 0
+    out = capsys.readouterr().out
+    assert f"warning  crashed  {path.name}:{lines + 1}: torn tail: 34 bytes" in out
+    assert "1 with warnings, 0 with errors" in out
+    # A torn tail is invisible to readers: the run still lists as resumable.
+    assert main(["runs", jsonl_store]) == 0
+    assert row(capsys.readouterr().out, "crashed").split()[1] == "resumable"
+
+
+def test_verify_names_every_corrupt_line(
+    jsonl_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = jsonl_file(jsonl_store, "done")
+    edit_lines(path, lambda lines: [lines[0], "this is not json\n", *lines[2:4], "{}\n",
+                                    *lines[5:]])
+    assert main(["verify", jsonl_store]) == 1
+    out = capsys.readouterr().out
+    assert f"error    done  {path.name}:2: not a JSON record" in out
+    assert f"error    done  {path.name}:5: no polyloop schema field" in out
+    assert "ok       long (" in out
+    assert "5 runs checked: 4 clean, 0 with warnings, 1 with errors" in out
+
+
+def test_verify_reports_another_schema_major(
+    jsonl_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = jsonl_file(jsonl_store, "long")
+    edit_lines(path, lambda lines: [lines[0].replace('"polyloop/1"', '"polyloop/2"'),
+                                    *lines[1:]])
+    assert main(["verify", jsonl_store, "long"]) == 1
+    out = capsys.readouterr().out
+    assert f"error    long  {path.name}:1: another major of the record format" in out
+    assert "'polyloop/2'" in out
+
+
+def test_verify_reports_records_out_of_order_with_their_line(
+    jsonl_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = jsonl_file(jsonl_store, "done")
+    # Swap step 0's model-call intent and its result.
+    edit_lines(path, lambda lines: [lines[0], lines[2], lines[1], *lines[3:]])
+    assert main(["verify", jsonl_store, "done"]) == 1
+    out = capsys.readouterr().out
+    assert f"error    done  {path.name}:2 (record 1): records out of order: " \
+           "result 'done:0:model' has no open intent" in out
+
+
+def test_verify_reports_a_record_of_another_run(
+    jsonl_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    done, other = jsonl_file(jsonl_store, "done"), jsonl_file(jsonl_store, "long")
+    stray = other.read_text().splitlines(keepends=True)[1]
+    edit_lines(done, lambda lines: [*lines, stray])
+    assert main(["verify", jsonl_store, "done"]) == 1
+    out = capsys.readouterr().out
+    last = len(done.read_text().splitlines())
+    assert f"{done.name}:{last}: a record of run 'long' in the log of run 'done'" in out
+
+
+def test_runs_and_show_refuse_a_corrupt_log_in_one_line(
+    jsonl_store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = jsonl_file(jsonl_store, "done")
+    edit_lines(path, lambda lines: [*lines[:3], "garbage\n", *lines[4:]])
+    for argv in (["runs", jsonl_store], ["show", jsonl_store, "done"]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert err.startswith(f"polyloop: error: at {path.name}:4: not a JSON record")
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Path:
+    path = tmp_path / "runs.db"
+    anyio.run(fill, lambda: SqliteStore(path))
+    return path
+
+
+def test_verify_sqlite_names_the_corrupt_row(
+    sqlite_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with sqlite3.connect(sqlite_store) as conn:
+        conn.execute("UPDATE records SET body = 'nope' WHERE run_id = 'done' AND seq = 3")
+    assert main(["verify", f"sqlite:{sqlite_store}"]) == 1
+    out = capsys.readouterr().out
+    assert "error    done  runs.db: run row seq 3: not a JSON record" in out
+    assert "4 clean, 0 with warnings, 1 with errors" in out
+
+
+def test_verify_sqlite_finds_records_out_of_order(
+    sqlite_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with sqlite3.connect(sqlite_store) as conn:
+        rows = dict(conn.execute("SELECT seq, body FROM records WHERE run_id = 'done'"
+                                 " AND seq IN (1, 2)").fetchall())
+        kinds = dict(conn.execute("SELECT seq, kind FROM records WHERE run_id = 'done'"
+                                  " AND seq IN (1, 2)").fetchall())
+        for seq, other in ((1, 2), (2, 1)):
+            conn.execute("UPDATE records SET body = ?, kind = ? WHERE run_id = 'done' AND seq = ?",
+                         (rows[other], kinds[other], seq))
+    assert main(["verify", f"sqlite:{sqlite_store}", "done"]) == 1
+    out = capsys.readouterr().out
+    assert "error    done  record 1: records out of order" in out
+
+
+def test_verify_sqlite_reports_another_schema_major_in_one_line(
+    sqlite_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with sqlite3.connect(sqlite_store) as conn:
+        conn.execute("UPDATE meta SET value = 'polyloop/2' WHERE key = 'format'")
+    assert main(["verify", f"sqlite:{sqlite_store}"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("polyloop: error: at runs.db: meta format: the database holds "
+                          "records in format 'polyloop/2'")

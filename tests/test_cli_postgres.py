@@ -1,0 +1,110 @@
+"""The command on a PostgreSQL store: demo, crash and resume, runs, show and verify.
+
+Each test gets an empty database of its own (see ``pg.py`` for where the server comes
+from and when these tests skip or fail).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+import pg
+from polyloop.cli import main
+
+# pytest-postgresql's throw-away server, started only if no configured server answers.
+pg_fallback_proc = pg.fallback_server()
+
+
+@pytest.fixture(scope="session")
+def pg_server(request: pytest.FixtureRequest) -> str:
+    return pg.server_conninfo(request, "pg_fallback_proc")
+
+
+@pytest.fixture
+def conninfo(pg_server: str) -> Iterator[str]:
+    with pg.fresh_database(pg_server) as info:
+        yield info
+
+
+def as_url(conninfo: str) -> str:
+    """The command takes ``postgresql://`` URLs; the fixtures may hand out key=value."""
+    if conninfo.startswith(("postgresql://", "postgres://")):
+        return conninfo
+    from psycopg.conninfo import conninfo_to_dict
+
+    params = conninfo_to_dict(conninfo)
+    user = params.get("user", "")
+    password = f":{params['password']}" if params.get("password") else ""
+    auth = f"{user}{password}@" if user else ""
+    host = params.get("host", "localhost")
+    port = f":{params['port']}" if params.get("port") else ""
+    return f"postgresql://{auth}{host}{port}/{params.get('dbname', '')}"
+
+
+def test_the_whole_command_on_postgresql(
+    conninfo: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = as_url(conninfo)
+    crashed = subprocess.run(
+        [sys.executable, "-m", "polyloop", "demo", "--pace", "0", "--store", url,
+         "--crash-after-writes", "16"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert crashed.returncode == 3, crashed.stderr
+    match = re.search(r"demo run (demo-[0-9a-f]{8})", crashed.stdout)
+    assert match is not None
+    run_id = match.group(1)
+
+    assert main(["runs", url, "--json"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert json.loads(line)["state"] == "resumable"
+
+    assert main(["demo", "--pace", "0", "--store", url, "--resume", run_id]) == 0
+    out = capsys.readouterr().out
+    assert "3 steps read back from the log (not run again)" in out
+    assert "no step was repeated" in out
+
+    assert main(["runs", url]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if run_id in line]
+    assert row[0].split() == [run_id, "finished", "submitted", "7", "6"]
+
+    assert main(["show", url, run_id, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["state"] == "finished"
+    assert len(document["steps"]) == 7
+
+    assert main(["verify", url]) == 0
+    assert "1 run checked: 1 clean" in capsys.readouterr().out
+
+    assert main(["show", url, "nobody"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("polyloop: error: unknown run id 'nobody' in postgresql://")
+    assert err.count("\n") == 1
+
+
+def test_verify_names_a_corrupt_row_on_postgresql(
+    conninfo: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = as_url(conninfo)
+    assert main(["demo", "--pace", "0", "--store", url]) == 0
+    capsys.readouterr()
+    with pg.admin(conninfo) as conn:
+        conn.execute("UPDATE polyloop.records SET body = 'nope' WHERE seq = 5")
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"error    demo-[0-9a-f]{8}  polyloop\.records run .* seq 5: "
+                     r"not a JSON record", out), out
+
+
+def test_an_unreachable_server_is_one_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["runs", "postgresql://me:pw@127.0.0.1:1/none"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("polyloop: error: cannot connect to postgresql://me:***@127.0.0.1:1")
+    assert "pw@" not in err

@@ -1,0 +1,131 @@
+"""STORE arguments, and listing the runs of a JSON-lines directory (``JsonlStore.run_ids``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from agent_kit import Ledger, answer, definition, make_tools, request
+from polyloop import CorruptLog, StoreError, run
+from polyloop.cli._common import CliError
+from polyloop.cli._stores import StoreSpec, parse_store, require_existing
+from polyloop.stores import JsonlStore
+from polyloop.stores._common import safe_name
+
+# -- STORE arguments --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "spec"),
+    [
+        ("jsonl:runs", StoreSpec("jsonl", "runs", "jsonl:runs")),
+        ("jsonl:/a/b:c", StoreSpec("jsonl", "/a/b:c", "jsonl:/a/b:c")),
+        ("sqlite:demo.db", StoreSpec("sqlite", "demo.db", "sqlite:demo.db")),
+        ("postgresql://u@h/db", StoreSpec("postgresql", "postgresql://u@h/db",
+                                          "postgresql://u@h/db")),
+        ("postgres://h/db", StoreSpec("postgresql", "postgres://h/db", "postgres://h/db")),
+    ],
+)
+def test_store_arguments_parse(text: str, spec: StoreSpec) -> None:
+    assert parse_store(text) == spec
+
+
+@pytest.mark.parametrize("text", ["runs", "JSONL:runs", "file:x", "mysql://h/db", "", ":x"])
+def test_unknown_schemes_are_refused(text: str) -> None:
+    with pytest.raises(CliError, match="unknown store scheme"):
+        parse_store(text)
+
+
+def test_passwords_are_masked_in_messages() -> None:
+    assert parse_store("postgresql://me:s3cret@db:5432/x").shown == "postgresql://me:***@db:5432/x"
+    with pytest.raises(CliError) as raised:
+        parse_store("mysql://me:s3cret@db/x")
+    assert "s3cret" not in str(raised.value)
+
+
+def test_reading_commands_never_create_a_store(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    for text, message in [
+        (f"jsonl:{tmp_path / 'nothing'}", "the directory does not exist"),
+        (f"jsonl:{tmp_path / 'file'}", "the directory is not a directory"),
+        (f"sqlite:{tmp_path / 'nothing.db'}", "the file does not exist"),
+        (f"sqlite:{tmp_path}", "the file is not a file"),
+    ]:
+        with pytest.raises(CliError, match=message):
+            require_existing(parse_store(text))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    require_existing(parse_store(f"jsonl:{tmp_path}"))
+    require_existing(parse_store(f"sqlite:{tmp_path / 'file'}"))
+
+
+# -- JsonlStore.run_ids ------------------------------------------------------------------------
+
+
+async def start(directory: Path, *run_ids: str) -> None:
+    async with JsonlStore(directory) as store:
+        for run_id in run_ids:
+            await run(definition(store, script=[answer("ok")]),
+                      request(run_id, make_tools(Ledger())))
+
+
+@pytest.mark.anyio
+async def test_run_ids_lists_every_run_sorted(tmp_path: Path) -> None:
+    awkward = ["b", "a/../../x", "ü-run", "a" * 300, ".hidden"]
+    await start(tmp_path, *awkward)
+    (tmp_path / "notes.txt").write_text("not a run")
+    async with JsonlStore(tmp_path) as store:
+        assert await store.run_ids() == tuple(sorted(awkward))
+
+
+@pytest.mark.anyio
+async def test_run_ids_of_a_missing_directory_is_empty(tmp_path: Path) -> None:
+    async with JsonlStore(tmp_path / "none") as store:
+        assert await store.run_ids() == ()
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.anyio
+async def test_run_ids_leaves_out_a_file_without_a_complete_line(tmp_path: Path) -> None:
+    await start(tmp_path, "kept")
+    (tmp_path / f"{safe_name('torn')}.jsonl").write_bytes(b'{"schema":"polyloop/1"')
+    (tmp_path / f"{safe_name('empty')}.jsonl").write_bytes(b"")
+    async with JsonlStore(tmp_path) as store:
+        assert await store.run_ids() == ("kept",)
+
+
+@pytest.mark.anyio
+async def test_run_ids_refuses_an_unreadable_first_line(tmp_path: Path) -> None:
+    await start(tmp_path, "kept")
+    name = f"{safe_name('bad')}.jsonl"
+    (tmp_path / name).write_bytes(b"garbage\n")
+    async with JsonlStore(tmp_path) as store:
+        with pytest.raises(CorruptLog) as raised:
+            await store.run_ids()
+    assert raised.value.location == f"{name}:1"
+
+
+@pytest.mark.anyio
+async def test_run_ids_refuses_a_file_named_for_another_run(tmp_path: Path) -> None:
+    await start(tmp_path, "kept")
+    original = tmp_path / f"{safe_name('kept')}.jsonl"
+    original.rename(tmp_path / "renamed.jsonl")
+    async with JsonlStore(tmp_path) as store:
+        with pytest.raises(CorruptLog, match="does not match the file name") as raised:
+            await store.run_ids()
+    assert raised.value.location == "renamed.jsonl:1"
+    assert raised.value.run_id == "kept"
+
+
+@pytest.mark.anyio
+async def test_run_ids_refuses_links_and_closed_stores(tmp_path: Path) -> None:
+    await start(tmp_path / "runs", "kept")
+    os.symlink(tmp_path / "runs" / f"{safe_name('kept')}.jsonl",
+               tmp_path / "runs" / "link.jsonl")
+    store = JsonlStore(tmp_path / "runs")
+    with pytest.raises(StoreError, match=r"link\.jsonl"):
+        await store.run_ids()
+    await store.aclose()
+    with pytest.raises(StoreError, match="closed"):
+        await store.run_ids()
