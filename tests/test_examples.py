@@ -25,3 +25,27 @@ def test_quickstart_runs_crashes_and_resumes_without_repeating_steps(backend: st
     # Only the steps after the crash ran their tools again.
     assert "tool executions after the resume: ['quickstart-2:3:action', " \
            "'quickstart-2:4:action']" in out
+
+
+def _readme_commands() -> list[str]:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    blocks = readme.split("```sh\n")[1:]
+    return [block.split("```")[0].strip() for block in blocks]
+
+
+def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second() -> None:
+    main_job, tests = _readme_commands()
+    assert main_job.endswith("polyloop demo")
+    assert tests.endswith("python -m pytest")
+    ci = (EXAMPLES.parent / ".ci" / "run").read_text()
+    assert tests in ci
+
+
+def test_the_main_job_runs_the_demo_to_a_submitted_stop(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "polyloop", "demo", "--pace", "0"],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "submitted" in done.stdout.lower()
+    assert (tmp_path / "polyloop-demo").is_dir()
