@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import pytest
+
 from agent_kit import (
     Ledger,
     close_store,
@@ -20,7 +21,6 @@ from agent_kit import (
     tool_call,
     uninterrupted,
 )
-
 from polyloop import Replay, RunEnded, StepRecord, StopReason, Store, resume, run
 from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
 from polyloop.stores._common import safe_name
