@@ -644,3 +644,33 @@ async def test_records_are_frozen_values() -> None:
                        request("r", make_tools(Ledger())))
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.steps[0].step = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("broken", ["raises", "returns-none"])
+async def test_an_executor_without_a_replay_policy_is_an_environment_fault(broken: str) -> None:
+    from polyloop import ActionOutcome
+
+    class NoPolicy:
+        def __init__(self) -> None:
+            self.executed = 0
+
+        async def execute(self, action: Any, *, result_id: str) -> ActionOutcome:
+            self.executed += 1
+            return ActionOutcome(status=ActionStatus.EXECUTED, observation="ran",
+                                 synthesized=False, done=False)
+
+        def replay(self, action: Any) -> Any:
+            if broken == "raises":
+                raise LookupError("no policy for this action")
+            return None
+
+    store, executor = MemoryStore(), NoPolicy()
+    result = await run(definition(store, script=[tool_call("double", n=1)]),
+                       request("r", make_tools(Ledger()), executor=executor))
+    assert result.stop_reason is StopReason.ENV_FAILURE
+    assert executor.executed == 0
+    expected = ("LookupError: no policy for this action" if broken == "raises"
+                else "TypeError: the executor's replay() returned NoneType, not Replay")
+    assert result.detail == f"Fault: {expected}"
+    log = await store.read_log("r")
+    assert not any(isinstance(r, Intent) and r.kind is IntentKind.ACTION for r in log.records)

@@ -182,6 +182,8 @@ def _plain(value: Any, record: Record, field: str) -> JSONValue:
             for key, sub in item.items():
                 if not isinstance(key, str):
                     raise _refuse(f"key {key!r} at {path} is not a string")
+                if key in result:
+                    raise _refuse(f"key {key!r} appears twice at {path}")
                 result[key] = walk(sub, f"{path}.{key}", depth + 1)
             return result
         if isinstance(item, (list, tuple)):

@@ -355,13 +355,19 @@ class _Loop:
     async def _announce_and_act(
         self, index: int, reply: ModelReply, action: Action, began: float
     ) -> tuple[StepRecord, str | None]:
+        replay = self._replay_policy(action)
+        if not isinstance(replay, Replay):
+            # The executor could not say whether the action may be repeated, so it cannot
+            # be announced: an environment fault, with nothing run and no intent written.
+            step = self._acted(index, reply, action, _fault(replay), began)
+            return await self._record(step, None), None
         intent = Intent(
             run_id=self.run_id,
             result_id=_recovery.action_result_id(self.run_id, index),
             kind=IntentKind.ACTION,
             step=index,
             call_index=index,
-            replay=self.request.executor.replay(action),
+            replay=replay,
             payload=action.payload,
             action_text=action.action_text,
             history_text=action.history_text,
@@ -378,6 +384,17 @@ class _Loop:
                                       None), None
         await self.store.write_intent(intent)
         return await self._act(index, reply, action, began), _action_name(intent)
+
+    def _replay_policy(self, action: Action) -> Replay | str:
+        """The executor's replay policy for ``action``, or why there is none."""
+        try:
+            replay = self.request.executor.replay(action)
+        except Exception as exc:  # noqa: BLE001 - the executor's fault, reported as one
+            return _describe(exc)
+        if not isinstance(replay, Replay):
+            kind = type(replay).__name__
+            return f"TypeError: the executor's replay() returned {kind}, not Replay"
+        return replay
 
     async def _act(
         self, index: int, reply: ModelReply, action: Action, began: float
@@ -687,7 +704,11 @@ def _driving(store: Store, run_id: str) -> Iterator[None]:
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure itself
+        message = "<the exception's message could not be rendered>"
+    return f"{type(exc).__name__}: {message}"
 
 
 def _fault(detail: str) -> ActionOutcome:

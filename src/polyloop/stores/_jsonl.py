@@ -63,6 +63,16 @@ object, the writes of one run are serialized by a per-run lock held around the w
 write, while different runs proceed in parallel. Every blocking call runs in a worker
 thread (``anyio.to_thread.run_sync``), which is what lets this store serve asyncio and
 Trio alike.
+
+File operations
+===============
+
+Every call the store makes to the file system (open, write, read, sync a file or a
+directory, truncate, close, lock, create and list directories) goes through one object
+(see :mod:`polyloop.stores._fileops`). By default that object is the operating system
+itself; a test can hand the store a model of a disk instead, through the private
+``_files`` keyword, to see what the rules above leave behind when the power fails or a
+write is refused.
 """
 
 from __future__ import annotations
@@ -82,7 +92,8 @@ from typing import TypeVar
 import anyio.to_thread
 
 from polyloop.serialization import dumps, loads
-from polyloop.stores._common import FORMAT, WriterState, fsync_directory, safe_name, try_flock
+from polyloop.stores._common import FORMAT, WriterState, fsync_directory, safe_name
+from polyloop.stores._fileops import FileOps, OsFileOps
 from polyloop.types import (
     CorruptLog,
     Intent,
@@ -94,6 +105,7 @@ from polyloop.types import (
     RunEnded,
     RunLog,
     RunStarted,
+    SchemaMajorMismatch,
     StepRecord,
     StoreError,
 )
@@ -114,8 +126,25 @@ _CREATE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_APPEND | _COMMON
 _REOPEN = os.O_RDWR | os.O_APPEND | _COMMON
 _READ = os.O_RDONLY | _COMMON
 _TAIL_CHUNK = 64 * 1024
+_READ_CHUNK = 1024 * 1024
 _JSON_SPACE = " \t\r"
 _DECODER = json.JSONDecoder()
+
+
+class _SystemFiles(OsFileOps):
+    """The operating system's file operations; directory syncs use this module's name.
+
+    Calling the module-level ``fsync_directory`` (rather than the shared helper
+    directly) keeps that name the single place where this module syncs a directory.
+    """
+
+    __slots__ = ()
+
+    def fsync_directory(self, directory: Path) -> None:
+        fsync_directory(directory)
+
+
+_SYSTEM_FILES = _SystemFiles()
 
 
 @dataclass(eq=False)
@@ -137,10 +166,13 @@ class JsonlStore:
     :meth:`aclose`, to release the writer locks it holds.
     """
 
-    __slots__ = ("_directory", "_directory_ready", "_slots", "_state")
+    __slots__ = ("_directory", "_directory_ready", "_files", "_slots", "_state")
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], *, _files: FileOps | None = None
+    ) -> None:
         self._directory = Path(os.path.abspath(os.fspath(directory)))
+        self._files: FileOps = _SYSTEM_FILES if _files is None else _files
         self._directory_ready = False
         self._slots: dict[str, _Slot] = {}
         self._state = WriterState()
@@ -258,13 +290,15 @@ class JsonlStore:
         await anyio.to_thread.run_sync(self._append_sync, run_id, data, sync, release)
 
     def _append_sync(self, run_id: str, data: bytes, sync: bool, release: bool) -> None:
+        files = self._files
+
         def append(slot: _Slot) -> None:
             fd = slot.fd if slot.fd is not None else self._take_over(slot, run_id)
-            _write_all(fd, data)
+            _write_all(files, fd, data)
             if sync:
-                os.fsync(fd)
+                files.fsync(fd)
             if release:
-                _release(slot)
+                _release(files, slot)
 
         self._locked(run_id, append)
 
@@ -278,10 +312,10 @@ class JsonlStore:
             fd, created = self._open_for_start(run_id)
             slot.fd = fd
             if not created:
-                _reuse_if_empty(slot, fd, run_id)
-            _write_all(fd, data)
-            os.fsync(fd)
-            fsync_directory(self._directory)
+                _reuse_if_empty(self._files, slot, fd, run_id)
+            _write_all(self._files, fd, data)
+            self._files.fsync(fd)
+            self._files.fsync_directory(self._directory)
 
         self._locked(run_id, start)
 
@@ -296,7 +330,7 @@ class JsonlStore:
                 except PolyLoopError:
                     raise
                 except OSError as exc:
-                    _release(slot, quiet=True)
+                    _release(self._files, slot, quiet=True)
                     raise self._state.fail(run_id, exc) from exc
         finally:
             self._leave(run_id, slot)
@@ -315,53 +349,56 @@ class JsonlStore:
 
     def _take_over(self, slot: _Slot, run_id: str) -> int:
         """Lock an existing run file, drop its torn tail, and keep it as our writer."""
+        files = self._files
         fd = self._open_existing(run_id)
         try:
-            end, size = _complete_end(fd)
+            end, size = _complete_end(files, fd)
             if end == 0:
                 raise StoreError("the run was never started in this store", run_id=run_id)
             if size > end:
-                os.ftruncate(fd, end)
-                os.fsync(fd)
+                files.ftruncate(fd, end)
+                files.fsync(fd)
         except BaseException:
-            os.close(fd)
+            files.close(fd)
             raise
         slot.fd = fd
         return fd
 
     def _open_for_start(self, run_id: str) -> tuple[int, bool]:
         """Create and lock the run file; ``(fd, False)`` if it existed and we locked it."""
+        files = self._files
         try:
-            fd = os.open(self._path(run_id), _CREATE, _FILE_MODE)
+            fd = files.open(self._path(run_id), _CREATE, _FILE_MODE)
         except FileExistsError:
             return self._open_existing(run_id), False
         try:
-            try_flock(fd, run_id)
+            files.lock(fd, run_id)
         except BaseException:
-            os.close(fd)
+            files.close(fd)
             raise
         return fd, True
 
     def _open_existing(self, run_id: str) -> int:
         """Open an existing run file for writing and take its writer lock."""
+        files = self._files
         try:
-            fd = os.open(self._path(run_id), _REOPEN)
+            fd = files.open(self._path(run_id), _REOPEN)
         except FileNotFoundError:
             raise StoreError("the run was never started in this store", run_id=run_id) from None
         except OSError as exc:
             _refuse_link(exc, run_id)
             raise
         try:
-            _require_regular(fd, run_id)
-            try_flock(fd, run_id)
+            _require_regular(files, fd, run_id)
+            files.lock(fd, run_id)
         except BaseException:
-            os.close(fd)
+            files.close(fd)
             raise
         return fd
 
     def _ensure_directory(self) -> None:
         if not self._directory_ready:
-            _create_directories(self._directory)
+            _create_directories(self._files, self._directory)
             self._directory_ready = True
 
     def _close_sync(self) -> None:
@@ -370,23 +407,25 @@ class JsonlStore:
             slots = list(self._slots.values())
         for slot in slots:
             with slot.lock:
-                _release(slot, quiet=True)
+                _release(self._files, slot, quiet=True)
 
     # -- reading (worker threads) ---------------------------------------------------------
 
     def _read_sync(self, run_id: str) -> tuple[Record, ...]:
         path = self._path(run_id)
-        data = _read_file(path, run_id)
+        data = _read_file(self._files, path, run_id)
         return tuple(parse_lines(data, path.name, run_id))
 
     def _run_ids_sync(self) -> tuple[str, ...]:
         try:
-            paths = sorted(self._directory.glob(f"*{_SUFFIX}"))
+            names = self._files.listdir(self._directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return ()
         except OSError as exc:
             raise StoreError(f"could not list {self._directory}: {exc}") from exc
         found = []
-        for path in paths:
-            run_id = _first_run_id(path)
+        for name in sorted(name for name in names if name.endswith(_SUFFIX)):
+            run_id = _first_run_id(self._files, self._directory / name)
             if run_id is not None:
                 found.append(run_id)
         return tuple(sorted(found))
@@ -406,35 +445,35 @@ def _line(text: str) -> bytes:
     return (text + "\n").encode("utf-8")
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    """Append ``data`` completely; ``os.write`` may write only part of it per call."""
+def _write_all(files: FileOps, fd: int, data: bytes) -> None:
+    """Append ``data`` completely; a write may take only part of it per call."""
     view = memoryview(data)
     while view:
-        written = os.write(fd, view)
+        written = files.write(fd, view)
         if written <= 0:
             raise OSError(errno.EIO, "a write made no progress")
         view = view[written:]
 
 
-def _release(slot: _Slot, *, quiet: bool = False) -> None:
+def _release(files: FileOps, slot: _Slot, *, quiet: bool = False) -> None:
     """Close the run's writer descriptor, which releases its ``flock``."""
     if slot.fd is None:
         return
     fd, slot.fd = slot.fd, None
     try:
-        os.close(fd)
+        files.close(fd)
     except OSError:
         if not quiet:
             raise
 
 
-def _complete_end(fd: int) -> tuple[int, int]:
+def _complete_end(files: FileOps, fd: int) -> tuple[int, int]:
     """``(end of the last complete line, file size)``, scanning back from the end."""
-    size = os.fstat(fd).st_size
+    size = files.fstat(fd).st_size
     position = size
     while position > 0:
         start = max(0, position - _TAIL_CHUNK)
-        chunk = os.pread(fd, position - start, start)
+        chunk = files.pread(fd, position - start, start)
         if len(chunk) != position - start:
             raise OSError(errno.EIO, "the run file shrank while it was being read")
         newline = chunk.rfind(b"\n")
@@ -444,17 +483,17 @@ def _complete_end(fd: int) -> tuple[int, int]:
     return 0, size
 
 
-def _reuse_if_empty(slot: _Slot, fd: int, run_id: str) -> None:
+def _reuse_if_empty(files: FileOps, slot: _Slot, fd: int, run_id: str) -> None:
     """Refuse a run file that holds a record; empty one that holds only a torn line.
 
     On refusal the lock taken for this check is released again.
     """
-    end, size = _complete_end(fd)
+    end, size = _complete_end(files, fd)
     if end > 0:
-        _release(slot)
+        _release(files, slot)
         raise RunAlreadyExists("the run already has records", run_id=run_id)
     if size:
-        os.ftruncate(fd, 0)
+        files.ftruncate(fd, 0)
 
 
 def _refuse_link(exc: OSError, run_id: str) -> None:
@@ -464,65 +503,78 @@ def _refuse_link(exc: OSError, run_id: str) -> None:
         ) from exc
 
 
-def _require_regular(fd: int, run_id: str) -> None:
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+def _require_regular(files: FileOps, fd: int, run_id: str) -> None:
+    if not stat.S_ISREG(files.fstat(fd).st_mode):
         raise StoreError("the run file is not a regular file", run_id=run_id)
 
 
-def _create_directories(directory: Path) -> None:
+def _create_directories(files: FileOps, directory: Path) -> None:
     """Create ``directory`` and missing parents, syncing each new entry into its parent."""
     missing: list[Path] = []
     current = directory
-    while not current.is_dir() and current != current.parent:
+    while not files.is_dir(current) and current != current.parent:
         missing.append(current)
         current = current.parent
     for path in reversed(missing):
         with contextlib.suppress(FileExistsError):
-            os.mkdir(path)
-        fsync_directory(path.parent)
+            files.mkdir(path)
+        files.fsync_directory(path.parent)
 
 
-def _read_file(path: Path, run_id: str) -> bytes:
+def _read_file(files: FileOps, path: Path, run_id: str) -> bytes:
     """The whole file, or ``b""`` if there is none; refuses links and special files."""
     try:
-        fd = os.open(path, _READ)
+        fd = files.open(path, _READ)
     except FileNotFoundError:
         return b""
     except OSError as exc:
         _refuse_link(exc, run_id)
         raise StoreError(f"could not open the run file: {exc}", run_id=run_id) from exc
     try:
-        _require_regular(fd, run_id)
-        with os.fdopen(fd, "rb", closefd=False) as file:
-            return file.read()
+        _require_regular(files, fd, run_id)
+        return _read_until(files, fd, None)
     except OSError as exc:
         if isinstance(exc, PolyLoopError):
             raise
         raise StoreError(f"could not read the run file: {exc}", run_id=run_id) from exc
     finally:
-        os.close(fd)
+        files.close(fd)
 
 
-def _first_run_id(path: Path) -> str | None:
+def _read_until(files: FileOps, fd: int, stop: bytes | None) -> bytes:
+    """Read from the descriptor's position to the end, or until a chunk holds ``stop``."""
+    chunks: list[bytes] = []
+    while True:
+        chunk = files.read(fd, _READ_CHUNK)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        if stop is not None and stop in chunk:
+            break
+    return b"".join(chunks)
+
+
+def _first_run_id(files: FileOps, path: Path) -> str | None:
     """The run id of ``path``'s first complete line; ``None`` if it has none."""
     try:
-        fd = os.open(path, _READ)
+        fd = files.open(path, _READ)
     except FileNotFoundError:
         return None  # removed while the directory was being listed
     except OSError as exc:
         raise StoreError(f"could not open {path.name} (links are not followed): {exc}",
                          location=path.name) from exc
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        if not stat.S_ISREG(files.fstat(fd).st_mode):
             raise StoreError("not a regular file", location=path.name)
-        with os.fdopen(fd, "rb", closefd=False) as file:
-            line = file.readline()
+        head = _read_until(files, fd, b"\n")
     except OSError as exc:
         if isinstance(exc, PolyLoopError):
             raise
         raise StoreError(f"could not read the file: {exc}", location=path.name) from exc
     finally:
-        os.close(fd)
+        files.close(fd)
+    newline = head.find(b"\n")
+    line = head if newline < 0 else head[: newline + 1]
     if not line.endswith(b"\n"):
         return None
     location = f"{path.name}:1"
@@ -550,7 +602,13 @@ def parse_lines(data: bytes, file_name: str, run_id: str) -> list[Record]:
     records: list[Record] = []
     for number, piece in enumerate(pieces[:-1], start=1):
         location = f"{file_name}:{number}"
-        for record in _decode_line(piece, location):
+        try:
+            decoded = _decode_line(piece, location)
+        except (CorruptLog, SchemaMajorMismatch) as exc:
+            if exc.run_id is None:  # the codec cannot know which run the file is for
+                raise type(exc)(exc.reason, run_id=run_id, location=location) from exc
+            raise
+        for record in decoded:
             if record.run_id != run_id:
                 raise CorruptLog(
                     f"the line holds a record of run {record.run_id!r}",

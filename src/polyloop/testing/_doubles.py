@@ -105,7 +105,7 @@ class JsonActionInterpreter:
     def interpret(self, reply: ModelReply) -> Decision:
         try:
             data = json.loads(reply.content)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested beyond the parser
             data = None
         if isinstance(data, dict):
             if isinstance(data.get("answer"), str) and "tool" not in data:

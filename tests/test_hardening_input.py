@@ -1,0 +1,918 @@
+"""Hostile input, end to end: what a model, a caller or a tampered log can hand the library.
+
+Every case states what must hold: a clear error or a clear refusal to the model, nothing
+lost (the model output is recorded whole, the log reads back, ``resume`` of the finished
+run returns the same result) and nothing written that should not be (no action intent
+for an action that cannot run, no file outside a store's directory, an untouched log
+after a refused ``resume``).
+
+Cases that concern "every store" run on the memory, JSON-lines, SQLite and PostgreSQL
+stores, under asyncio and Trio.
+
+Not repeated here: that the SQLite store checks on open that it really got WAL and
+``synchronous=FULL`` is pinned by ``tests/test_store_sqlite.py``
+(``test_database_runs_in_wal_with_full_sync`` and the two refusal tests after it).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sqlite3
+import urllib.request
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from jsonschema import Draft202012Validator
+
+from agent_kit import (
+    Ledger,
+    answer,
+    definition,
+    make_tools,
+    request,
+    same_outcome,
+    timeless,
+    tool_call,
+)
+from polyloop import (
+    ActionStatus,
+    Budget,
+    CorruptLog,
+    DecisionKind,
+    Intent,
+    IntentKind,
+    InvalidRequest,
+    PolyLoopError,
+    Replay,
+    Result,
+    RunEnded,
+    RunResult,
+    RunStarted,
+    SchemaMajorMismatch,
+    StepRecord,
+    StopReason,
+    Store,
+    StoreError,
+    ToolRegistry,
+    ToolSpec,
+    UnloggableValue,
+    resume,
+    run,
+)
+from polyloop._recovery import RecoveryState, read_plan
+from polyloop.serialization import dumps
+from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
+from polyloop.stores._common import safe_name
+from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
+
+pytestmark = pytest.mark.anyio
+
+STORE_KINDS = ("memory", "jsonl", "sqlite", "postgresql")
+REFUSED = "Refused: "  # the not_executed template of agent_kit.TEXTS, before {reason}
+
+
+# -- stores ------------------------------------------------------------------------------------
+
+
+class Stores:
+    """Store objects of one kind over one place (a directory, a file, a database).
+
+    ``open`` gives a new store object on the same data (the memory store has only one
+    object: its data lives in it); ``reopen`` closes a durable store object first, as the
+    end of its process would.
+    """
+
+    def __init__(self, kind: str, tmp_path: Path, conninfo: str | None) -> None:
+        self.kind = kind
+        self.tmp_path = tmp_path
+        self.conninfo = conninfo
+        self.opened: list[Any] = []
+        self._memory = MemoryStore()
+
+    @property
+    def jsonl_dir(self) -> Path:
+        return self.tmp_path / "runs"
+
+    @property
+    def sqlite_path(self) -> Path:
+        return self.tmp_path / "runs.db"
+
+    def open(self) -> Any:
+        store: Any
+        if self.kind == "memory":
+            return self._memory
+        if self.kind == "jsonl":
+            store = JsonlStore(self.jsonl_dir)
+        elif self.kind == "sqlite":
+            store = SqliteStore(self.sqlite_path)
+        else:
+            assert self.conninfo is not None
+            store = PostgresStore(self.conninfo)
+        self.opened.append(store)
+        return store
+
+    async def reopen(self, store: Any) -> Any:
+        if self.kind == "memory":
+            return store
+        await store.aclose()
+        return self.open()
+
+    async def close_all(self) -> None:
+        for store in self.opened:
+            await store.aclose()
+
+
+@pytest.fixture(params=STORE_KINDS)
+async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
+    conninfo = (request.getfixturevalue("postgres_conninfo")
+                if request.param == "postgresql" else None)
+    kit = Stores(request.param, tmp_path, conninfo)
+    try:
+        yield kit
+    finally:
+        await kit.close_all()
+
+
+async def run_then_resume(
+    stores: Stores,
+    run_id: str,
+    script: Sequence[Any],
+    tools: ToolRegistry,
+    **overrides: Any,
+) -> tuple[RunResult, list[Any]]:
+    """Run to the end, check the log reads back, resume the finished run on a new object.
+
+    Returns the result and the records as read back from the store.
+    """
+    store = stores.open()
+    result = await run(definition(store, script=script), request(run_id, tools, **overrides))
+    log = await store.read_log(run_id)
+    plan = read_plan(log)
+    assert plan.state is RecoveryState.FINISHED
+    assert {record.run_id for record in log.records} == {run_id}
+    logged_steps = [record for record in log.records if isinstance(record, StepRecord)]
+    assert timeless(logged_steps) == timeless(result.steps)
+    again_on = await stores.reopen(store)
+    again = await resume(definition(again_on, script=script), request(run_id, tools, **overrides))
+    assert again.resumed
+    assert same_outcome(result, again)
+    return result, list(log.records)
+
+
+def action_intents(records: Sequence[Any]) -> list[Intent]:
+    return [r for r in records if isinstance(r, Intent) and r.kind is IntentKind.ACTION]
+
+
+def model_results(records: Sequence[Any]) -> list[Result]:
+    return [r for r in records if isinstance(r, Result) and r.kind is IntentKind.MODEL_CALL]
+
+
+def same_text(a: str | None, b: str) -> bool:
+    """Equality without a multi-megabyte assertion diff when it fails."""
+    return a is not None and len(a) == len(b) and a == b
+
+
+# -- model output ------------------------------------------------------------------------------
+
+
+async def test_empty_model_output_is_an_invalid_step_and_the_run_goes_on(stores: Stores) -> None:
+    result, records = await run_then_resume(stores, "r", ["", answer("ok")],
+                                            make_tools(Ledger()))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    first = result.steps[0]
+    assert first.model_output == "" and first.decision is DecisionKind.INVALID
+    assert first.error is None  # an empty reply is the model's answer, not a failure
+    assert model_results(records)[0].payload["content"] == ""  # type: ignore[index]
+
+
+def ten_megabytes() -> str:
+    # Plain prose, with every character class the codec escapes or keeps as it is
+    # (quotes, backslashes, non-ASCII, a line separator, newlines) at both ends.
+    special = 'line "quoted" \\ é 中 😀 \u2028 tab\t\n'
+    prose = "the quick brown fox jumps over the lazy dog "
+    body = prose * (10_000_000 // len(prose) + 1)
+    return (special + body)[: 10_000_000 - len(special)] + special
+
+
+# Ten megabytes go through each store once (not once per backend: a durable store takes
+# about two seconds for them); the backends alternate so that both carry the case.
+@pytest.mark.parametrize(
+    ("anyio_backend", "kind"),
+    [("asyncio", "memory"), ("trio", "jsonl"), ("asyncio", "sqlite"), ("trio", "postgresql")],
+)
+async def test_ten_megabytes_of_model_output_are_recorded_whole(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str
+) -> None:
+    conninfo = request.getfixturevalue("postgres_conninfo") if kind == "postgresql" else None
+    stores = Stores(kind, tmp_path, conninfo)
+    try:
+        await ten_megabytes_through(stores)
+    finally:
+        await stores.close_all()
+
+
+async def ten_megabytes_through(stores: Stores) -> None:
+    content = ten_megabytes()
+    result, records = await run_then_resume(stores, "big", [content], make_tools(Ledger()))
+    # Not JSON: an invalid step; its 10 MB then exceed the context budget.
+    assert result.stop_reason is StopReason.CONTEXT_LIMIT
+    (step,) = result.steps
+    assert same_text(step.model_output, content)
+    assert same_text(step.history_text, content)
+    (reply,) = model_results(records)
+    assert isinstance(reply.payload, dict)
+    assert same_text(reply.payload["content"], content)  # type: ignore[arg-type]
+
+
+async def test_lone_surrogates_in_model_output_are_recorded_and_read_back(
+    stores: Stores,
+) -> None:
+    script = ["high \ud800 alone", "\udfff", '{"answer": "raw \ud800 in an answer"}']
+    result, records = await run_then_resume(stores, "r", script, make_tools(Ledger()))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert [step.model_output for step in result.steps] == script
+    assert result.final_answer == "raw \ud800 in an answer"
+    assert isinstance(records[-1], RunEnded)
+    assert records[-1].final_answer == "raw \ud800 in an answer"
+
+
+CONTROL = "".join(chr(code) for code in range(0x20)) + "\x7f"
+
+
+async def test_control_characters_in_model_output_are_recorded_and_read_back(
+    stores: Stores,
+) -> None:
+    script = [f"before{CONTROL}after", answer(CONTROL)]
+    result, _ = await run_then_resume(stores, "r", script, make_tools(Ledger()))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert result.steps[0].model_output == script[0]
+    assert result.steps[0].decision is DecisionKind.INVALID
+    assert result.final_answer == CONTROL  # raw NUL and friends, through every store
+
+
+NON_FINITE = {
+    "nan": '{"tool": "double", "arguments": {"n": NaN}}',
+    "infinity": '{"tool": "double", "arguments": {"n": Infinity}}',
+    "minus-infinity": '{"tool": "double", "arguments": {"n": -Infinity}}',
+    "overflow": '{"tool": "double", "arguments": {"n": 1e400}}',
+}
+
+
+async def test_non_finite_numbers_in_arguments_are_refused_without_an_action_intent(
+    stores: Stores,
+) -> None:
+    ledger = Ledger()
+    # json.loads turns all four into float nan/inf; a 5,000-digit integer it refuses
+    # itself, so that reply is an invalid decision rather than an action.
+    huge_int = '{"tool": "double", "arguments": {"n": ' + "7" * 5_000 + "}}"
+    script = [*NON_FINITE.values(), huge_int, tool_call("double", n=2), answer("4")]
+    result, records = await run_then_resume(stores, "r", script, make_tools(ledger))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    refused = result.steps[:4]
+    for step in refused:
+        assert step.action_status is ActionStatus.NOT_EXECUTED
+        assert step.observation is not None and step.observation.startswith(REFUSED)
+        assert "not a JSON number" in step.observation
+        assert step.observation_synthesized
+    assert result.steps[4].decision is DecisionKind.INVALID
+    assert [step.model_output for step in result.steps] == script
+    # Only the one valid call announced an action and ran.
+    assert [intent.step for intent in action_intents(records)] == [5]
+    assert ledger.calls == [("double", "r:5:action")]
+
+
+def nested(depth: int) -> str:
+    return '{"tool": "double", "arguments": {"n": ' + "[" * depth + "]" * depth + "}}"
+
+
+async def test_arguments_nested_deeper_than_the_codec_allows_are_refused(
+    stores: Stores,
+) -> None:
+    ledger = Ledger()
+    script = [nested(300), answer("x")]
+    result, records = await run_then_resume(stores, "r", script, make_tools(ledger))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    step = result.steps[0]
+    assert step.action_status is ActionStatus.NOT_EXECUTED
+    assert "nested more than 256 levels" in (step.observation or "")
+    assert step.model_output == script[0]
+    assert action_intents(records) == [] and ledger.calls == []
+
+
+async def test_arguments_nested_a_thousand_deep_are_refused_not_a_crash(
+    stores: Stores,
+) -> None:
+    ledger = Ledger()
+    script = [nested(1_000), answer("x")]
+    result, records = await run_then_resume(stores, "r", script, make_tools(ledger))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    step = result.steps[0]
+    assert step.model_output == script[0]
+    assert step.decision is DecisionKind.INVALID or (
+        step.action_status is ActionStatus.NOT_EXECUTED)
+    assert action_intents(records) == [] and ledger.calls == []
+
+
+async def test_a_tool_outside_the_runs_subset_is_refused(stores: Stores) -> None:
+    ledger = Ledger()
+    tools = make_tools(ledger).subset(["double"])
+    script = [tool_call("submit", answer="x"), tool_call("double", n=2), answer("4")]
+    model = ScriptedModelClient(script)
+    store = stores.open()
+    result = await run(definition(store, model=model), request("r", tools))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    refused = result.steps[0]
+    assert refused.action_status is ActionStatus.NOT_EXECUTED
+    assert "unknown tool 'submit'" in (refused.observation or "")
+    assert ledger.calls == [("double", "r:1:action")]
+    assert [step.model_output for step in result.steps] == script
+    shown = "".join(block.text for message in model.calls[0].messages
+                    for block in message.content)
+    assert '"name":"double"' in shown and '"name":"submit"' not in shown
+    log = await store.read_log("r")
+    read_plan(log)
+    again = await resume(definition(await stores.reopen(store), script=script),
+                         request("r", tools))
+    assert same_outcome(result, again)
+
+
+# -- tool arguments ----------------------------------------------------------------------------
+
+MEGABYTE = "x" * 1_000_000
+# Room for a megabyte of arguments in the context, so that the run goes on after them.
+ROOMY = Budget(max_steps=20, max_valid_steps=20, max_context_chars=10_000_000)
+NOTE_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "maxLength": 10, "pattern": "^[a-z]*$"}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+
+
+def tools_with_note(ledger: Ledger) -> ToolRegistry:
+    """``make_tools`` plus ``note``; a limit high enough that no refusal is cut by it."""
+
+    async def note(arguments: dict[str, Any], *, result_id: str) -> str:
+        ledger.calls.append(("note", result_id))
+        return "noted"
+
+    base = make_tools(ledger)
+    specs = [spec for name in base.names if (spec := base.get(name)) is not None]
+    return ToolRegistry(
+        [*specs, ToolSpec(name="note", description="Note a word.", parameters=NOTE_SCHEMA,
+                          handler=note)],
+        max_observation_chars=10_000_000,
+    )
+
+
+BAD_ARGUMENTS = {
+    "missing-required": ("double", {}),
+    "string-for-integer": ("double", {"n": "seven"}),
+    "float-for-integer": ("double", {"n": 1.5}),
+    "bool-for-integer": ("double", {"n": True}),
+    "null-for-integer": ("double", {"n": None}),
+    "list-for-integer": ("double", {"n": [1]}),
+    "extra-property": ("double", {"n": 1, "extra": True}),
+    "megabyte-string-for-integer": ("double", {"n": MEGABYTE}),
+    "megabyte-extra-key": ("double", {"n": 1, MEGABYTE: 1}),
+    "megabyte-too-long": ("note", {"text": MEGABYTE}),
+    "megabyte-pattern": ("note", {"text": "A" * 1_000_000}),
+    "megabyte-tool-name": (MEGABYTE, {}),
+    "arguments-not-an-object": ("double", [1]),
+}
+
+
+@pytest.mark.parametrize(("name", "arguments"), list(BAD_ARGUMENTS.values()),
+                         ids=list(BAD_ARGUMENTS))
+async def test_bad_arguments_are_refused_with_a_bounded_reason(
+    name: str, arguments: Any
+) -> None:
+    ledger = Ledger()
+    call = json.dumps({"tool": name, "arguments": arguments})
+    result = await run(definition(MemoryStore(), script=[call, answer("x")]),
+                       request("r", tools_with_note(ledger), budget=ROOMY))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    step = result.steps[0]
+    assert step.action_status is ActionStatus.NOT_EXECUTED
+    assert ledger.calls == []
+    assert step.observation is not None and step.observation.startswith(REFUSED)
+    reason = step.observation[len(REFUSED):]
+    assert len(reason) < 2_000, reason[:300]
+    assert step.truncated_chars == 0  # bounded by itself, not by the observation limit
+    assert step.model_output == call  # the megabyte is still on record, whole
+
+
+REMOTE_SCHEMAS = {
+    "top-level-ref": {"$ref": "https://example.invalid/schema.json"},
+    "property-ref": {"type": "object",
+                     "properties": {"n": {"$ref": "https://example.invalid/n.json#/$defs/n"}}},
+    "relative-to-remote-id": {"$id": "https://example.invalid/root.json", "type": "object",
+                              "properties": {"n": {"$ref": "other.json"}}},
+    "http-ref": {"$ref": "http://127.0.0.1:9/schema.json"},
+}
+
+
+def network_trap(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Make every way out to the network fail and note it; returns the notes."""
+    attempts: list[str] = []
+
+    def refuse(what: str) -> Callable[..., Any]:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            attempts.append(what)
+            raise AssertionError(f"network access attempted: {what}")
+
+        return refused
+
+    monkeypatch.setattr(socket.socket, "connect", refuse("socket.connect"))
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse("socket.connect_ex"))
+    monkeypatch.setattr(socket, "create_connection", refuse("create_connection"))
+    monkeypatch.setattr(socket, "getaddrinfo", refuse("getaddrinfo"))
+    monkeypatch.setattr(urllib.request, "urlopen", refuse("urlopen"))
+    return attempts
+
+
+def test_the_network_trap_catches_a_plain_jsonschema_fetch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Control: jsonschema left to its defaults does try to fetch, and the trap sees it."""
+    attempts = network_trap(monkeypatch)
+    plain = Draft202012Validator(REMOTE_SCHEMAS["top-level-ref"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # jsonschema warns that it fetches remote refs
+        with pytest.raises(Exception, match="Unresolvable"):
+            plain.is_valid({"n": 1})
+    assert attempts == ["urlopen"]
+
+
+@pytest.mark.parametrize("schema", list(REMOTE_SCHEMAS.values()), ids=list(REMOTE_SCHEMAS))
+async def test_a_remote_ref_is_never_fetched_and_the_call_is_refused(
+    schema: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempts = network_trap(monkeypatch)
+    ran: list[str] = []
+
+    async def handler(arguments: dict[str, Any], *, result_id: str) -> str:
+        ran.append(result_id)
+        return "ran"
+
+    tools = ToolRegistry([ToolSpec(name="t", description="", parameters=schema,
+                                   handler=handler)], max_observation_chars=10_000)
+    result = await run(definition(MemoryStore(), script=[tool_call("t", n=1), answer("x")]),
+                       request("r", tools))
+    assert attempts == []
+    assert ran == []
+    step = result.steps[0]
+    assert step.action_status is ActionStatus.NOT_EXECUTED
+    assert "cannot be checked" in (step.observation or "")
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+
+
+# -- observation limit -------------------------------------------------------------------------
+
+LIMIT = 100
+SIZES = (0, 1, LIMIT - 1, LIMIT, LIMIT + 1, 10 * LIMIT, 1_000_000)
+
+
+async def test_observations_are_cut_to_the_limit_and_the_cut_is_counted() -> None:
+    """Bound: an executed observation is at most ``max_observation_chars`` characters.
+
+    A refusal is cut to the limit too and then wrapped in the ``not_executed`` template,
+    so its observation is at most the limit plus the template's own text.
+    """
+    produced: list[str] = []
+
+    async def echo(arguments: dict[str, Any], *, result_id: str) -> str:
+        text = (arguments["char"] * arguments["size"])
+        produced.append(text)
+        return text
+
+    async def explode(arguments: dict[str, Any], *, result_id: str) -> str:
+        raise ValueError("z" * 5_000)
+
+    echo_schema = {"type": "object", "properties": {"size": {"type": "integer"},
+                                                    "char": {"type": "string"}},
+                   "required": ["size", "char"], "additionalProperties": False}
+    tools = ToolRegistry(
+        [ToolSpec(name="echo", description="", parameters=echo_schema, handler=echo),
+         ToolSpec(name="explode", description="", parameters={}, handler=explode)],
+        max_observation_chars=LIMIT,
+    )
+    calls = [tool_call("echo", size=size, char=char)
+             for size in SIZES for char in ("y", "é", "😀")]
+    refusal = tool_call("echo", size="x" * 5_000, char="y")
+    script = [*calls, tool_call("explode"), refusal, answer("x")]
+    budget = Budget(max_steps=len(script), max_valid_steps=len(script),
+                    max_context_chars=10_000_000)
+    result = await run(definition(MemoryStore(), script=script),
+                       request("r", tools, budget=budget))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    executed = result.steps[:len(calls)]
+    for step, original in zip(executed, produced, strict=True):
+        assert step.action_status is ActionStatus.EXECUTED
+        assert step.observation is not None
+        assert len(step.observation) <= LIMIT
+        assert step.observation == original[:LIMIT]
+        assert step.truncated_chars == max(0, len(original) - LIMIT)
+    exploded = result.steps[len(calls)]
+    assert exploded.observation is not None and len(exploded.observation) == LIMIT
+    assert exploded.observation.startswith("ValueError: zzz")
+    assert exploded.truncated_chars == len("ValueError: ") + 5_000 - LIMIT
+    refused = result.steps[len(calls) + 1]
+    assert refused.action_status is ActionStatus.NOT_EXECUTED
+    assert refused.observation is not None
+    assert len(refused.observation) <= LIMIT + len(REFUSED)
+
+
+# -- hostile run ids and binding values --------------------------------------------------------
+
+HOSTILE = (
+    "../../etc/passwd",
+    "'; DROP TABLE records; --",
+    "a/b",
+    "nul\x00id",
+    "k" * 10_000,
+)
+HOSTILE_BINDING = {
+    "episode": "../../etc/passwd",
+    "sql": "'; DROP TABLE records; --",
+    "nul": "a\x00b",
+    "../key/with/slashes": "a/b",
+    "'; DROP TABLE meta; --": "x" * 10_000,
+}
+TWO_STEPS = [tool_call("double", n=2), tool_call("submit", answer="4")]
+
+
+def tree(root: Path) -> set[tuple[str, bool, bool]]:
+    """Every path under ``root``: (relative path, is a symlink, is a regular file)."""
+    return {
+        (str(path.relative_to(root)), path.is_symlink(), path.is_file())
+        for path in root.rglob("*")
+    }
+
+
+async def test_hostile_run_ids_and_bindings_are_plain_data_on_every_store(
+    stores: Stores,
+) -> None:
+    tools = make_tools(Ledger(), replay=Replay.ALLOWED)
+
+    def req(run_id: str) -> Any:
+        return request(run_id, tools, binding=HOSTILE_BINDING, model_replay=Replay.ALLOWED)
+
+    store = stores.open()
+    bystander = await run(definition(store, script=TWO_STEPS), req("bystander"))
+    bystander_log = (await store.read_log("bystander")).records
+    before = tree(stores.tmp_path)
+
+    results = {}
+    for run_id in HOSTILE:
+        # Crash after the first action intent, then finish on a new store object, then
+        # resume the finished run: start, take-over, replay and read all see the id.
+        with pytest.raises(SimulatedCrash):
+            await run(definition(FaultyStore(store, fail_after_writes=4), script=TWO_STEPS),
+                      req(run_id))
+        store = await stores.reopen(store)
+        finished = await resume(definition(store, script=TWO_STEPS), req(run_id))
+        assert finished.stop_reason is StopReason.SUBMITTED
+        assert finished.run_id == run_id
+        again = await resume(definition(store, script=TWO_STEPS), req(run_id))
+        assert same_outcome(finished, again)
+        results[run_id] = finished
+
+    for run_id in HOSTILE:
+        log = await store.read_log(run_id)
+        assert {record.run_id for record in log.records} == {run_id}
+        assert read_plan(log).state is RecoveryState.FINISHED
+        started = log.records[0]
+        assert isinstance(started, RunStarted)
+        for key, value in HOSTILE_BINDING.items():
+            assert started.snapshot[f"binding.{key}"] == value
+    assert (await store.read_log("bystander")).records == bystander_log
+    assert bystander.stop_reason is StopReason.SUBMITTED
+
+    after = tree(stores.tmp_path)
+    if stores.kind == "jsonl":
+        new = after - before
+        # One regular file per hostile run, directly inside the store's directory.
+        assert {(path, link, regular) for path, link, regular in new} == {
+            (f"runs/{safe_name(run_id)}.jsonl", False, True) for run_id in HOSTILE
+        }
+    if stores.kind == "sqlite":
+        assert {path.split("/")[0] for path, _, _ in after} <= {
+            "runs.db", "runs.db-wal", "runs.db-shm", "runs.db.locks"}
+        assert not any(link for _, link, _ in after)
+        with sqlite3.connect(stores.sqlite_path) as db:
+            tables = {name for (name,) in db.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table'")}
+            (runs,) = db.execute("SELECT COUNT(*) FROM records WHERE seq = 0").fetchone()
+        assert tables == {"meta", "records"}
+        assert runs == len(HOSTILE) + 1
+    if stores.kind == "postgresql":
+        assert stores.conninfo is not None
+        with psycopg.connect(stores.conninfo) as db:
+            tables = {name for (name,) in db.execute(
+                "SELECT tablename FROM pg_catalog.pg_tables WHERE schemaname = 'polyloop'")}
+            (runs,) = db.execute(  # type: ignore[misc]
+                "SELECT COUNT(*) FROM polyloop.records WHERE seq = 0").fetchone()
+        assert tables == {"meta", "records"}
+        assert runs == len(HOSTILE) + 1
+    if stores.kind in ("memory", "postgresql"):
+        assert after == before  # nothing on the local disk at all
+
+
+@pytest.mark.parametrize("dangling", [False, True], ids=["existing-target", "dangling"])
+async def test_a_planted_symlink_at_a_run_file_is_never_followed_by_run(
+    tmp_path: Path, dangling: bool
+) -> None:
+    directory = tmp_path / "runs"
+    directory.mkdir()
+    target = tmp_path / "precious.txt"
+    if not dangling:
+        target.write_bytes(b"keep me\n")
+    link = directory / f"{safe_name('r')}.jsonl"
+    link.symlink_to(target)
+    model = ScriptedModelClient([answer("x")])
+    async with JsonlStore(directory) as store:
+        with pytest.raises(StoreError, match="symbolic link"):
+            await run(definition(store, model=model), request("r", make_tools(Ledger())))
+    assert model.calls == []
+    assert link.is_symlink()
+    assert sorted(p.name for p in directory.iterdir()) == [link.name]
+    if dangling:
+        assert not target.exists()
+    else:
+        assert target.read_bytes() == b"keep me\n"
+
+
+# -- numbers strict JSON cannot carry ----------------------------------------------------------
+
+UNLOGGABLE = {
+    "nan": float("nan"),
+    "infinity": float("inf"),
+    "minus-infinity": float("-inf"),
+    "nan-in-a-list": [1, float("nan")],
+    "integer-of-5000-digits": 10**4_999,
+    "non-string-key": {1: "x"},
+}
+
+
+@pytest.mark.parametrize("value", list(UNLOGGABLE.values()), ids=list(UNLOGGABLE))
+def test_dumps_refuses_what_strict_json_cannot_carry(value: Any) -> None:
+    result = Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL,
+                    payload={"value": value})
+    with pytest.raises(UnloggableValue) as refused:
+        dumps(result)
+    assert isinstance(refused.value, PolyLoopError) and isinstance(refused.value, ValueError)
+    assert refused.value.run_id == "r"
+
+
+class RepeatedKeys(Mapping[str, Any]):
+    """A mapping whose items name one key twice: an object with duplicate keys."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        self.pairs = pairs
+
+    def __getitem__(self, key: str) -> Any:
+        return next(value for name, value in self.pairs if name == key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([name for name, _ in self.pairs])
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def items(self) -> Any:
+        return list(self.pairs)
+
+
+def test_dumps_refuses_an_object_with_duplicate_keys() -> None:
+    result = Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL,
+                    payload={"outer": RepeatedKeys([("a", 1), ("a", 2)])})
+    with pytest.raises(UnloggableValue):
+        dumps(result)
+
+
+@pytest.mark.parametrize("duration", [float("nan"), float("inf")], ids=["nan", "infinity"])
+def test_dumps_refuses_a_non_finite_typed_float(duration: float) -> None:
+    step = StepRecord(
+        run_id="r", step=0, call_id=None, model_output="", reasoning=None,
+        decision=DecisionKind.INVALID, history_text="", action_text=None, observation=None,
+        observation_synthesized=False, action_status=None, done=False, truncated_chars=0,
+        error=None, duration_s=duration,
+    )
+    with pytest.raises(UnloggableValue):
+        dumps(step)
+
+
+SNAPSHOT_VALUES = {"nan": float("nan"), "infinity": float("inf"), "huge-int": 10**4_999}
+
+
+class ParametrizedModel(ScriptedModelClient):
+    """A scripted model that reports one extra reproducibility parameter."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__([answer("x")])
+        self.value = value
+
+    def parameters(self) -> dict[str, Any]:
+        return {**super().parameters(), "temperature": self.value}
+
+
+async def test_an_unloggable_snapshot_parameter_is_refused_before_anything_is_written(
+    stores: Stores,
+) -> None:
+    store = stores.open()
+    for name, value in SNAPSHOT_VALUES.items():
+        model = ParametrizedModel(value)
+        for drive in (run, resume):
+            with pytest.raises(InvalidRequest, match="snapshot"):
+                await drive(definition(store, model=model),
+                            request(name, make_tools(Ledger())))
+        assert model.calls == []
+        assert (await store.read_log(name)).records == ()
+    if stores.kind == "jsonl":
+        # read_log above looked for the files; nothing was ever created.
+        assert not stores.jsonl_dir.exists() or list(stores.jsonl_dir.iterdir()) == []
+
+
+def bad_lines() -> dict[str, str]:
+    """Raw log lines holding what the codec never writes, each as a model result."""
+    base = dumps(Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL,
+                        payload={"n": 0}))
+    assert '"payload":{"n":0}' in base and base.count('"run_id":"r"') == 1
+    return {
+        "nan": base.replace('{"n":0}', '{"n":NaN}'),
+        "infinity": base.replace('{"n":0}', '{"n":Infinity}'),
+        "minus-infinity": base.replace('{"n":0}', '{"n":-Infinity}'),
+        "1e400": base.replace('{"n":0}', '{"n":1e400}'),
+        "integer-of-5000-digits": base.replace('{"n":0}', '{"n":' + "9" * 5_000 + "}"),
+        "duplicate-key-in-payload": base.replace('{"n":0}', '{"n":0,"n":1}'),
+        "duplicate-top-level-key": base.replace('"run_id":"r"', '"run_id":"r","run_id":"r"'),
+    }
+
+
+BAD_LINES = bad_lines()
+
+
+async def start_only(store: Store, run_id: str = "r") -> None:
+    await store.start_run(RunStarted(run_id=run_id, snapshot={"k": 1}))
+
+
+@pytest.mark.parametrize("line", list(BAD_LINES.values()), ids=list(BAD_LINES))
+async def test_a_raw_jsonl_line_the_codec_never_writes_is_corrupt(
+    tmp_path: Path, line: str
+) -> None:
+    async with JsonlStore(tmp_path) as store:
+        await start_only(store)
+    path = tmp_path / f"{safe_name('r')}.jsonl"
+    with path.open("ab") as file:
+        file.write(line.encode() + b"\n")
+    content = path.read_bytes()
+    async with JsonlStore(tmp_path) as store:
+        with pytest.raises(CorruptLog) as corrupt:
+            await store.read_log("r")
+        assert corrupt.value.location == f"{path.name}:2"
+        with pytest.raises(CorruptLog) as again:
+            await resume(definition(store, script=[answer("x")]),
+                         request("r", make_tools(Ledger())))
+        assert again.value.location == f"{path.name}:2"
+    assert path.read_bytes() == content
+
+
+async def test_a_corrupt_jsonl_line_names_its_run(tmp_path: Path) -> None:
+    async with JsonlStore(tmp_path) as store:
+        await start_only(store)
+    path = tmp_path / f"{safe_name('r')}.jsonl"
+    with path.open("ab") as file:
+        file.write(BAD_LINES["nan"].encode() + b"\n")
+    async with JsonlStore(tmp_path) as store:
+        with pytest.raises(CorruptLog) as corrupt:
+            await store.read_log("r")
+    assert corrupt.value.run_id == "r"
+
+
+@pytest.mark.parametrize("line", list(BAD_LINES.values()), ids=list(BAD_LINES))
+async def test_a_raw_sqlite_body_the_codec_never_writes_is_corrupt(
+    tmp_path: Path, line: str
+) -> None:
+    path = tmp_path / "runs.db"
+    async with SqliteStore(path) as store:
+        await start_only(store)
+    with sqlite3.connect(path) as db:
+        db.execute("INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)",
+                   ("r", 1, "result", line))
+    async with SqliteStore(path) as store:
+        with pytest.raises(CorruptLog) as corrupt:
+            await store.read_log("r")
+        assert corrupt.value.location == "runs.db: run row seq 1"
+        assert corrupt.value.run_id == "r"
+
+
+# -- tampered logs: never a silent resume ------------------------------------------------------
+
+
+async def crashed_run(store: Store, run_id: str) -> None:
+    """A resumable run: start, step 0 complete (5 writes), nothing of step 1."""
+    with pytest.raises(SimulatedCrash):
+        await run(definition(FaultyStore(store, fail_after_writes=5), script=TWO_STEPS),
+                  request(run_id, make_tools(Ledger())))
+
+
+async def refused_resume(store: Store, run_id: str) -> PolyLoopError:
+    model = ScriptedModelClient(TWO_STEPS)
+    with pytest.raises((SchemaMajorMismatch, CorruptLog)) as refused:
+        await resume(definition(store, model=model), request(run_id, make_tools(Ledger())))
+    assert model.calls == []
+    return refused.value
+
+
+def jsonl_tamper(kind: str, directory: Path) -> Path:
+    """Tamper with run ``a``'s file (or plant a copy of it as run ``b``'s); return it."""
+    a = directory / f"{safe_name('a')}.jsonl"
+    lines = a.read_bytes().split(b"\n")[:-1]
+    assert len(lines) == 5  # start, model intent, model result, action intent, step pair
+    if kind == "newer-major":
+        lines[2] = lines[2].replace(b'"schema":"polyloop/1"', b'"schema":"polyloop/2"')
+    elif kind == "out-of-order":
+        lines[1], lines[2] = lines[2], lines[1]
+    elif kind == "line-repeated":
+        lines.append(lines[1])
+    elif kind == "other-runs-file":
+        b = directory / f"{safe_name('b')}.jsonl"
+        b.write_bytes(a.read_bytes())
+        return b
+    a.write_bytes(b"\n".join(lines) + b"\n")
+    return a
+
+
+TAMPERS = ("newer-major", "out-of-order", "line-repeated", "other-runs-file")
+
+
+@pytest.mark.parametrize("kind", TAMPERS)
+async def test_a_tampered_jsonl_log_is_refused_by_resume_and_left_untouched(
+    tmp_path: Path, kind: str
+) -> None:
+    async with JsonlStore(tmp_path) as store:
+        await crashed_run(store, "a")
+    target = jsonl_tamper(kind, tmp_path)
+    content = target.read_bytes()
+    run_id = "b" if kind == "other-runs-file" else "a"
+    async with JsonlStore(tmp_path) as store:
+        error = await refused_resume(store, run_id)
+    if kind == "newer-major":
+        assert isinstance(error, SchemaMajorMismatch)
+        assert error.location == f"{target.name}:3"
+    else:
+        assert isinstance(error, CorruptLog) and error.location is not None
+    if kind == "other-runs-file":
+        assert "'a'" in str(error)
+    assert target.read_bytes() == content
+
+
+def sqlite_tamper(kind: str, db: sqlite3.Connection) -> None:
+    rows = db.execute("SELECT seq, kind, body FROM records WHERE run_id = 'a' "
+                      "ORDER BY seq").fetchall()
+    assert [kind for _, kind, _ in rows] == ["run_started", "intent", "result", "intent",
+                                              "result", "step"]
+    if kind == "newer-major":
+        body = rows[2][2].replace('"schema":"polyloop/1"', '"schema":"polyloop/2"')
+        db.execute("UPDATE records SET body = ? WHERE run_id = 'a' AND seq = 2", (body,))
+    elif kind == "out-of-order":
+        for seq, source in ((1, rows[2]), (2, rows[1])):
+            db.execute("UPDATE records SET kind = ?, body = ? WHERE run_id = 'a' AND seq = ?",
+                       (source[1], source[2], seq))
+    elif kind == "line-repeated":
+        db.execute("INSERT INTO records (run_id, seq, kind, body) VALUES ('a', 6, ?, ?)",
+                   (rows[1][1], rows[1][2]))
+    elif kind == "other-runs-file":
+        db.execute("INSERT INTO records (run_id, seq, kind, body) "
+                   "SELECT 'b', seq, kind, body FROM records WHERE run_id = 'a'")
+
+
+@pytest.mark.parametrize("kind", TAMPERS)
+async def test_a_tampered_sqlite_log_is_refused_by_resume_and_left_untouched(
+    tmp_path: Path, kind: str
+) -> None:
+    path = tmp_path / "runs.db"
+    async with SqliteStore(path) as store:
+        await crashed_run(store, "a")
+    with sqlite3.connect(path) as db:
+        sqlite_tamper(kind, db)
+    everything = "SELECT run_id, seq, kind, body FROM records ORDER BY run_id, seq"
+    with sqlite3.connect(path) as db:
+        before = db.execute(everything).fetchall()
+    run_id = "b" if kind == "other-runs-file" else "a"
+    async with SqliteStore(path) as store:
+        error = await refused_resume(store, run_id)
+    if kind == "newer-major":
+        assert isinstance(error, SchemaMajorMismatch)
+        assert error.location == "runs.db: run row seq 2"
+    else:
+        assert isinstance(error, CorruptLog) and error.location is not None
+    with sqlite3.connect(path) as db:
+        assert db.execute(everything).fetchall() == before
+
