@@ -1,0 +1,108 @@
+"""The file operations of the JSON-lines store, behind one narrow, replaceable object.
+
+Everything :class:`~polyloop.stores.JsonlStore` does to the file system goes through an
+object with the methods of :class:`FileOps`: opening, writing, reading, syncing a file
+or a directory, truncating, closing, locking, creating and listing directories. The
+store builds its durability rules out of exactly these calls, so an object that answers
+them from a model of a disk (one that can lose power, fail a write or report a full
+device) shows what the rules leave behind when the disk misbehaves, which a real file
+system will not do on request.
+
+:class:`OsFileOps` is the real thing: every method is the ``os`` function of the same
+name (looked up when it is called, not when this module is imported), the directory
+sync and the lock are the helpers the durable stores share. It adds no behaviour of its
+own: the store with it behaves as it did before the layer existed.
+
+The layer is private. The store takes another implementation through a private keyword
+argument; no public signature mentions it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Protocol
+
+from polyloop.stores._common import fsync_directory, try_flock
+
+__all__ = ("FileOps", "OsFileOps")
+
+
+class FileOps(Protocol):
+    """What the JSON-lines store asks of a file system; errors are ``OSError``.
+
+    Descriptors are plain integers that only mean something to the object that handed
+    them out. ``lock`` raises :class:`~polyloop.types.RunLocked` when another open
+    description of the file holds the writer lock.
+    """
+
+    def open(self, path: Path, flags: int, mode: int = 0o777) -> int: ...
+
+    def write(self, fd: int, data: bytes | memoryview) -> int: ...
+
+    def read(self, fd: int, size: int) -> bytes: ...
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes: ...
+
+    def fstat(self, fd: int) -> os.stat_result: ...
+
+    def fsync(self, fd: int) -> None: ...
+
+    def fsync_directory(self, directory: Path) -> None: ...
+
+    def ftruncate(self, fd: int, length: int) -> None: ...
+
+    def close(self, fd: int) -> None: ...
+
+    def lock(self, fd: int, run_id: str) -> None: ...
+
+    def mkdir(self, path: Path) -> None: ...
+
+    def is_dir(self, path: Path) -> bool: ...
+
+    def listdir(self, directory: Path) -> list[str]: ...
+
+
+class OsFileOps:
+    """The operating system's own file operations, unchanged."""
+
+    __slots__ = ()
+
+    def open(self, path: Path, flags: int, mode: int = 0o777) -> int:
+        return os.open(path, flags, mode)
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        return os.write(fd, data)
+
+    def read(self, fd: int, size: int) -> bytes:
+        return os.read(fd, size)
+
+    def pread(self, fd: int, size: int, offset: int) -> bytes:
+        return os.pread(fd, size, offset)
+
+    def fstat(self, fd: int) -> os.stat_result:
+        return os.fstat(fd)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def fsync_directory(self, directory: Path) -> None:
+        fsync_directory(directory)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        os.ftruncate(fd, length)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def lock(self, fd: int, run_id: str) -> None:
+        try_flock(fd, run_id)
+
+    def mkdir(self, path: Path) -> None:
+        os.mkdir(path)
+
+    def is_dir(self, path: Path) -> bool:
+        return os.path.isdir(path)
+
+    def listdir(self, directory: Path) -> list[str]:
+        return os.listdir(directory)
