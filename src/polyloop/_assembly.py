@@ -144,8 +144,14 @@ class Transcript:
         return self._digest.copy().hexdigest()
 
 
+# Built once: json.dumps with options builds a new encoder on every call, which costs
+# more than encoding the small values assembly hashes.
+_COMPACT = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
 def _json(value: Any, indent: int | None = None) -> str:
-    separators = (",", ":") if indent is None else (",", ": ")
+    if indent is None:
+        return _COMPACT.encode(value)
     return json.dumps(
-        value, ensure_ascii=False, sort_keys=True, separators=separators, indent=indent
+        value, ensure_ascii=False, sort_keys=True, separators=(",", ": "), indent=indent
     )

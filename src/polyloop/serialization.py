@@ -43,7 +43,7 @@ from polyloop.types import (
     UnloggableValue,
 )
 
-__all__ = ("decode", "dumps", "encode", "loads")
+__all__ = ("decode", "dumps", "encode", "loads", "plain")
 
 SCHEMA = "polyloop/1"
 _MAJOR = 1
@@ -51,6 +51,11 @@ _MAX_INT_DIGITS = 4_300
 # Deep enough for any real payload, shallow enough that the reader (whose limit is the
 # interpreter's recursion limit) always reads back what was written.
 _MAX_DEPTH = 256
+# Built once: json.dumps with options builds a new encoder on every call.
+_CANONICAL = json.JSONEncoder(ensure_ascii=False, allow_nan=False, sort_keys=True,
+                              separators=(",", ":"))
+_CANONICAL_ASCII = json.JSONEncoder(ensure_ascii=True, allow_nan=False, sort_keys=True,
+                                    separators=(",", ":"))
 _SCHEMA_PATTERN = re.compile(r"polyloop/(0|[1-9][0-9]*)(?:\.[0-9]+)?", re.ASCII)
 # Line and paragraph separators are legal raw in JSON strings but split lines for
 # readers that use str.splitlines(); escaping them keeps every record on one line for all.
@@ -159,7 +164,26 @@ def encode(record: Record) -> dict[str, JSONValue]:
     return out
 
 
+def plain(
+    value: Any, *, owner: str = "value", field: str = "value", run_id: str | None = None
+) -> JSONValue:
+    """A deep copy of ``value`` as plain JSON types (tuples become lists).
+
+    Raises :class:`~polyloop.types.UnloggableValue` for anything strict JSON cannot carry
+    back exactly, naming the path to it: ``owner`` and ``field`` say what the value is
+    (``owner="Intent", field="payload"``), ``run_id`` which run it belongs to. This is the
+    check :func:`encode` applies to payloads and snapshots, on its own.
+    """
+    return _walk_plain(value, owner, field, run_id)
+
+
 def _plain(value: Any, record: Record, field: str) -> JSONValue:
+    run_id = getattr(record, "run_id", None)
+    return _walk_plain(value, type(record).__name__, field,
+                       run_id if isinstance(run_id, str) else None)
+
+
+def _walk_plain(value: Any, owner: str, field: str, run_id: str | None) -> JSONValue:
     """A deep copy of ``value`` as plain JSON types, or UnloggableValue naming the path."""
 
     def walk(item: Any, path: str, depth: int = 0) -> JSONValue:
@@ -191,9 +215,7 @@ def _plain(value: Any, record: Record, field: str) -> JSONValue:
         raise _refuse(f"{type(item).__name__} at {path} is not a JSON value")
 
     def _refuse(reason: str) -> UnloggableValue:
-        return UnloggableValue(
-            f"{type(record).__name__}: {reason}", run_id=getattr(record, "run_id", None)
-        )
+        return UnloggableValue(f"{owner}: {reason}", run_id=run_id)
 
     return walk(value, field)
 
@@ -206,8 +228,7 @@ def dumps(record: Record) -> str:
     """
     data = encode(record)
     try:
-        line = json.dumps(data, ensure_ascii=False, allow_nan=False, sort_keys=True,
-                          separators=(",", ":"))
+        line = _CANONICAL.encode(data)
     except (ValueError, RecursionError) as exc:
         raise UnloggableValue(str(exc), run_id=getattr(record, "run_id", None)) from exc
     if line.isascii():
@@ -215,8 +236,7 @@ def dumps(record: Record) -> str:
     try:
         line.encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(data, ensure_ascii=True, allow_nan=False, sort_keys=True,
-                          separators=(",", ":"))
+        return _CANONICAL_ASCII.encode(data)
     for raw, escaped in _LINE_BREAKERS.items():
         if raw in line:
             line = line.replace(raw, escaped)

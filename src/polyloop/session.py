@@ -373,7 +373,9 @@ class _Loop:
             history_text=action.history_text,
         )
         try:
-            serialization.encode(intent)
+            # Only the payload can be unloggable: the texts were checked as strings.
+            serialization.plain(action.payload, owner="Intent", field="payload",
+                                run_id=self.run_id)
         except UnloggableValue as exc:
             # Nothing may run that its intent cannot record; refuse it like a bad call.
             outcome = ActionOutcome(
