@@ -1,0 +1,307 @@
+"""The loop under test, built three ways: PolyLoop, and two hand-written floors.
+
+Every loop here does the same work per step: one call to an instant model (which
+suspends once, as a real client awaiting a network reply would, and answers at once),
+then, unless the model answered, one call to a no-op tool whose observation goes back
+into the history. A run of ``steps`` decisions makes ``steps - 1`` tool calls and ends
+with a final answer.
+
+The floors are the cheapest honest way to write that loop by hand:
+
+* :func:`handwritten_memory` appends to a Python list and keeps nothing durable;
+* :func:`handwritten_durable` does the same plus the two barriers a crash-safe loop
+  needs per step, each an ``os.write`` of a small record followed by ``os.fsync``:
+  one before the model call, one before the tool runs;
+* :func:`handwritten_concurrent` runs many such durable loops at once, each with its own
+  file, the blocking write and sync in a worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+from bench._common import RunStats, now
+from polyloop import (
+    Budget,
+    Definition,
+    Injection,
+    Message,
+    NullSink,
+    ObservationTexts,
+    Replay,
+    Request,
+    Role,
+    RunResult,
+    ToolRegistry,
+    ToolSpec,
+    ToolStyle,
+    run,
+)
+from polyloop.ports import Action, ActionOutcome, FinalAnswer, ModelCall, ModelReply, Store
+from polyloop.types import ActionStatus, JSONValue
+
+TOOL_REPLY = ModelReply(call_id=None, content="noop", reasoning=None)
+FINAL_REPLY = ModelReply(call_id=None, content="final", reasoning=None)
+NOOP_ACTION = Action(payload={"name": "noop", "arguments": {}}, action_text="noop()",
+                     history_text="noop")
+FINAL_ANSWER = FinalAnswer(answer="done", history_text="final")
+TEXTS = ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}")
+NOOP_SCHEMA: dict[str, JSONValue] = {
+    "type": "object", "properties": {}, "additionalProperties": False,
+}
+SYSTEM_TEXT = "You are a benchmark agent."
+GOAL_TEXT = "Call the tool until told to stop."
+OBSERVATION_TEMPLATE = "Observation: {observation}"
+
+
+class Counter:
+    """Counts calls (decisions or tool executions) across runs."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+class InstantModel:
+    """A model client that calls the tool on every call but the last of a run.
+
+    ``steps`` is the number of decisions per run; ``None`` means it never answers (the
+    budget stops the run). One instance may serve many concurrent runs. With
+    ``stamps``, the time of every call is kept (the scale benchmark reads step times
+    from them).
+    """
+
+    def __init__(self, steps: int | None, *, stamps: list[float] | None = None) -> None:
+        self.steps = steps
+        self.decisions = Counter()
+        self.stamps = stamps
+
+    def parameters(self) -> Mapping[str, JSONValue]:
+        return {"kind": "bench-instant", "steps": self.steps}
+
+    async def call(self, call: ModelCall) -> ModelReply:
+        self.decisions.n += 1
+        if self.stamps is not None:
+            self.stamps.append(now())
+        await anyio.lowlevel.checkpoint()
+        if self.steps is not None and call.call_index >= self.steps - 1:
+            return FINAL_REPLY
+        return TOOL_REPLY
+
+
+class InstantInterpreter:
+    """Maps the instant model's two replies to prebuilt decisions: no parsing cost."""
+
+    def parameters(self) -> Mapping[str, JSONValue]:
+        return {"kind": "bench-instant"}
+
+    def interpret(self, reply: ModelReply) -> Action | FinalAnswer:
+        return FINAL_ANSWER if reply.content == "final" else NOOP_ACTION
+
+
+def noop_tools(executions: Counter) -> ToolRegistry:
+    """A registry with one tool that does nothing but count (it never suspends)."""
+
+    async def noop(arguments: dict[str, JSONValue], *, result_id: str) -> str:
+        executions.n += 1
+        return "ok"
+
+    return ToolRegistry(
+        [ToolSpec(name="noop", description="Do nothing.", parameters=NOOP_SCHEMA,
+                  handler=noop)],
+        max_observation_chars=1_000,
+    )
+
+
+class BareExecutor:
+    """An action executor without the registry: no payload check, no schema validation.
+
+    Used only to show how much of a step the registry's checks take.
+    """
+
+    def __init__(self, executions: Counter) -> None:
+        self.executions = executions
+
+    async def execute(self, action: Action, *, result_id: str) -> ActionOutcome:
+        self.executions.n += 1
+        return ActionOutcome(status=ActionStatus.EXECUTED, observation="ok",
+                             synthesized=False, done=False)
+
+    def replay(self, action: Action) -> Replay:
+        return Replay.NEVER
+
+
+class Agent:
+    """The PolyLoop side of a benchmark: one model, one tool, one store."""
+
+    def __init__(self, store: Store, *, steps: int | None, bare: bool = False,
+                 stamps: list[float] | None = None) -> None:
+        self.model = InstantModel(steps, stamps=stamps)
+        self.executions = Counter()
+        self.tools = noop_tools(self.executions)
+        self.executor: Any = BareExecutor(self.executions) if bare else self.tools.executor()
+        self.definition = Definition(model=self.model, interpreter=InstantInterpreter(),
+                                     store=store, events=NullSink(), texts=TEXTS)
+
+    def request(self, run_id: str, *, max_steps: int) -> Request:
+        return Request(
+            run_id=run_id,
+            budget=Budget(max_steps=max_steps, max_valid_steps=max_steps,
+                          max_context_chars=10**12),
+            executor=self.executor,
+            tools=self.tools,
+            run_context=(Message.text(Role.SYSTEM, SYSTEM_TEXT),),
+            goal_context=(Message.text(Role.USER, GOAL_TEXT),),
+            injection=Injection(entries={}),
+            binding={},
+            model_replay=Replay.NEVER,
+            observation_template=OBSERVATION_TEMPLATE,
+            tool_style=ToolStyle.JSON,
+            cancel_grace_s=5.0,
+        )
+
+    async def run(self, run_id: str, steps: int) -> RunResult:
+        return await run(self.definition, self.request(run_id, max_steps=steps + 1))
+
+    async def timed_run(self, run_id: str, steps: int) -> RunStats:
+        """One run of ``steps`` decisions, timed from ``run`` to its return."""
+        decisions, executions = self.model.decisions.n, self.executions.n
+        began = now()
+        result = await self.run(run_id, steps)
+        seconds = now() - began
+        if result.step_count != steps or result.final_answer != "done":
+            raise AssertionError(f"run {run_id!r} ended {result.stop_reason} after "
+                                 f"{result.step_count} steps, not after {steps}")
+        return RunStats(seconds, self.model.decisions.n - decisions,
+                        self.executions.n - executions)
+
+
+# -- the hand-written floors ---------------------------------------------------------------
+
+
+class HandModel:
+    """The floor's model: suspends once, then returns a tool call or the final text."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.decisions = Counter()
+
+    async def call(self, history: list[tuple[str, str]], index: int) -> str | None:
+        self.decisions.n += 1
+        await anyio.lowlevel.checkpoint()
+        return None if index >= self.steps - 1 else "noop"
+
+
+async def _hand_tool(name: str, executions: Counter) -> str:
+    executions.n += 1
+    return "ok"
+
+
+def _barrier(fd: int, data: bytes) -> None:
+    """Append ``data`` and make it durable: one of the two barriers of a step."""
+    os.write(fd, data)
+    os.fsync(fd)
+
+
+def _record(run_id: str, step: int, kind: str) -> bytes:
+    return (json.dumps({"run": run_id, "step": step, "kind": kind}) + "\n").encode()
+
+
+async def handwritten_memory(steps: int) -> RunStats:
+    """Model call, tool, observation appended to a list: nothing else."""
+    model, executions = HandModel(steps), Counter()
+    began = now()
+    history = [("system", SYSTEM_TEXT), ("user", GOAL_TEXT)]
+    for index in range(steps):
+        tool = await model.call(history, index)
+        history.append(("assistant", tool or "final"))
+        if tool is None:
+            break
+        history.append(("user", await _hand_tool(tool, executions)))
+    return RunStats(now() - began, model.decisions.n, executions.n)
+
+
+async def handwritten_durable(steps: int, path: Path, *, threaded: bool = False,
+                              model: HandModel | None = None,
+                              executions: Counter | None = None,
+                              run_id: str = "run") -> RunStats:
+    """The in-memory floor plus two fsync'd appends per step to one file.
+
+    With ``threaded``, each barrier runs in a worker thread, as a store built on AnyIO
+    must do to keep the event loop free.
+    """
+    model = model or HandModel(steps)
+    executions = executions or Counter()
+    decisions, executed = model.decisions.n, executions.n
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        began = now()
+        history = [("system", SYSTEM_TEXT), ("user", GOAL_TEXT)]
+        for index in range(steps):
+            line = _record(run_id, index, "model")
+            if threaded:
+                await anyio.to_thread.run_sync(_barrier, fd, line)
+            else:
+                _barrier(fd, line)
+            tool = await model.call(history, index)
+            history.append(("assistant", tool or "final"))
+            if tool is None:
+                break
+            line = _record(run_id, index, "action")
+            if threaded:
+                await anyio.to_thread.run_sync(_barrier, fd, line)
+            else:
+                _barrier(fd, line)
+            history.append(("user", await _hand_tool(tool, executions)))
+        seconds = now() - began
+    finally:
+        os.close(fd)
+    return RunStats(seconds, model.decisions.n - decisions, executions.n - executed)
+
+
+async def handwritten_concurrent(runs: int, steps: int, directory: Path, *,
+                                 sequential: bool = False) -> RunStats:
+    """``runs`` durable loops sharing one model, each with its own file.
+
+    Concurrent: all in one task group. Sequential: one after the other. The barriers
+    run in worker threads either way.
+    """
+    model, executions = HandModel(steps), Counter()
+
+    async def one(index: int) -> None:
+        await handwritten_durable(steps, directory / f"run-{index}.log", threaded=True,
+                                  model=model, executions=executions, run_id=f"run-{index}")
+
+    began = now()
+    if sequential:
+        for index in range(runs):
+            await one(index)
+    else:
+        async with anyio.create_task_group() as group:
+            for index in range(runs):
+                group.start_soon(one, index)
+    return RunStats(now() - began, model.decisions.n, executions.n)
+
+
+def fsync_floor(path: Path, samples: int) -> list[float]:
+    """Seconds of each of ``samples`` appends of a small record followed by ``fsync``."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    times = []
+    try:
+        for index in range(samples):
+            data = _record("fsync-floor", index, "probe")
+            began = now()
+            _barrier(fd, data)
+            times.append(now() - began)
+    finally:
+        os.close(fd)
+    return times

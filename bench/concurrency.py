@@ -1,0 +1,233 @@
+"""Benchmark 3: many runs at once, sharing one model client, in one task group.
+
+For each event-loop backend (asyncio, Trio), each store (MemoryStore and the durable
+ones) and each number of runs (100 and 1,000), every run does ``concurrency_steps``
+decisions (``concurrency_steps_largest`` for the largest count, to keep the full run
+bounded; the table says which). The model client is shared by all runs and suspends
+once per call, so the runs really interleave. Reported:
+
+* total wall time (median of ``concurrency_repeats`` passes; ``concurrency_repeats_largest``
+  for the largest count), steps per second, and wall time per step;
+* peak memory per run: the ``tracemalloc`` peak above the starting level during a
+  separate pass of the same work (tracing slows Python down, so the timed pass runs
+  without it), divided by the number of runs. Only Python allocations are traced:
+  memory that SQLite or libpq allocate in C is not in the figure;
+* the hand-written concurrent durable loop (one file per run, two fsync'd appends per
+  step, the blocking calls in worker threads) doing the same work.
+
+Then, per backend, the speed-up of ``sequential_runs`` concurrent durable runs over the
+same runs one after another (both medians of ``concurrency_repeats`` passes), for each
+durable store and for the hand-written loop.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import anyio
+
+from bench._common import Context, Row, RunStats, median, now, postgres_schema, settle, skipped
+from bench.agents import Agent, handwritten_concurrent
+
+TITLE = "3. Concurrent runs (one task group, one shared model client)"
+COLUMNS = [
+    ("name", "backend / store"),
+    ("runs", "runs"),
+    ("steps_per_run", "steps/run"),
+    ("wall_s", "wall s", 2),
+    ("steps_per_s", "steps/s"),
+    ("us_per_step", "wall us/step"),
+    ("peak_kib_per_run", "peak KiB/run"),
+    ("repeats", "repeats"),
+]
+SPEEDUP_TITLE = "3b. Speed-up of concurrent durable runs over sequential ones"
+SPEEDUP_COLUMNS = [
+    ("name", "backend / store"),
+    ("runs", "runs"),
+    ("sequential_s", "sequential s", 2),
+    ("concurrent_s", "concurrent s", 2),
+    ("speedup", "speed-up", 2),
+    ("speedup_vs_handwritten", "x hand-written speed-up", 2),
+]
+STORES = ("memory", "jsonl", "sqlite", "postgres", "handwritten")
+STORE_NAMES = {
+    "memory": "PolyLoop, MemoryStore",
+    "jsonl": "PolyLoop, JsonlStore",
+    "sqlite": "PolyLoop, SqliteStore",
+    "postgres": "PolyLoop, PostgresStore",
+    "handwritten": "hand-written durable loop",
+}
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    rows: list[Row] = []
+    speedups: list[Row] = []
+    for backend in ctx.sizes.backends:
+        ctx.say(f"  backend {backend}")
+        cells, ups = anyio.run(_backend, ctx, backend, backend=backend)
+        rows += cells
+        speedups += ups
+    return {
+        "title": TITLE, "columns": COLUMNS, "rows": rows,
+        "tables": [{"title": SPEEDUP_TITLE, "columns": SPEEDUP_COLUMNS, "rows": speedups}],
+        "speedups": speedups, "targets": [],
+    }
+
+
+class _Stores:
+    """Opens each store kind once per backend and builds a fresh one where it must."""
+
+    def __init__(self, ctx: Context, exit_stack: AsyncExitStack) -> None:
+        self.ctx = ctx
+        self.stack = exit_stack
+        self.opened: dict[str, Any] = {}
+
+    async def get(self, kind: str) -> Any:
+        if kind == "memory":
+            from polyloop.stores import MemoryStore
+
+            return MemoryStore()  # a new one per pass: it keeps every record it is given
+        if kind not in self.opened:
+            self.opened[kind] = await self._open(kind)
+            await self._warm(self.opened[kind])
+        return self.opened[kind]
+
+    async def _open(self, kind: str) -> Any:
+        from polyloop.stores import JsonlStore, SqliteStore
+
+        if kind == "jsonl":
+            return await self.stack.enter_async_context(
+                JsonlStore(self.ctx.scratch("concurrency-jsonl")))
+        if kind == "sqlite":
+            path = self.ctx.scratch("concurrency-sqlite") / "runs.sqlite"
+            return await self.stack.enter_async_context(SqliteStore(path))
+        from polyloop.stores import PostgresStore
+
+        assert self.ctx.postgres is not None
+        schema = self.stack.enter_context(postgres_schema(self.ctx.postgres))
+        return await self.stack.enter_async_context(
+            PostgresStore(self.ctx.postgres, schema=schema))
+
+    async def _warm(self, store: Any) -> None:
+        """A few small runs at once, so connections and files exist before timing."""
+        agent = Agent(store, steps=2)
+        async with anyio.create_task_group() as group:
+            for _ in range(8):
+                group.start_soon(agent.run, f"warm-{uuid.uuid4().hex[:8]}", 2)
+
+
+async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row]]:
+    sizes = ctx.sizes
+    largest = max(sizes.concurrency_runs)
+    rows: list[Row] = []
+    concurrent_walls: dict[tuple[str, int, int], float] = {}
+    async with AsyncExitStack() as stack:
+        stores = _Stores(ctx, stack)
+        for kind in STORES:
+            for runs in sizes.concurrency_runs:
+                steps = sizes.concurrency_steps_largest if runs == largest \
+                    else sizes.concurrency_steps
+                row: Row = {"key": f"{backend}-{kind}-{runs}", "backend": backend,
+                            "store": kind, "name": f"{backend}: {STORE_NAMES[kind]}",
+                            "runs": runs, "steps_per_run": steps}
+                if kind == "postgres" and ctx.postgres is None:
+                    rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
+                    continue
+                pass_ = await _pass_for(ctx, stores, kind, runs, steps)
+                walls = []
+                repeats = sizes.concurrency_repeats_largest if runs == largest \
+                    else sizes.concurrency_repeats
+                for _ in range(repeats):
+                    settle()
+                    stats = await pass_()
+                    walls.append(stats.seconds)
+                peak = await _peak(pass_)
+                wall = median(walls)
+                concurrent_walls[(kind, runs, steps)] = wall
+                row.update(repeats=len(walls), wall_s=wall, steps_per_s=runs * steps / wall,
+                           us_per_step=wall / (runs * steps) * 1e6,
+                           peak_kib_per_run=peak / runs / 1024,
+                           decisions=stats.decisions, tool_executions=stats.tool_executions)
+                rows.append(row)
+                ctx.say(f"    {row['name']}: {runs} runs x {steps} steps in {wall:.2f} s")
+        speedups = await _speedups(ctx, stores, backend, concurrent_walls)
+    return rows, speedups
+
+
+async def _pass_for(ctx: Context, stores: _Stores, kind: str, runs: int,
+                    steps: int, *, sequential: bool = False) -> Callable[[], Awaitable[RunStats]]:
+    """A coroutine function performing one pass: ``runs`` runs of ``steps`` decisions."""
+    if kind == "handwritten":
+        async def hand() -> RunStats:
+            directory = ctx.scratch("concurrency-hand")
+            return await handwritten_concurrent(runs, steps, directory, sequential=sequential)
+
+        return hand
+
+    async def polyloop() -> RunStats:
+        store = await stores.get(kind)
+        agent = Agent(store, steps=steps)  # one model client shared by every run of the pass
+        prefix = uuid.uuid4().hex[:8]
+        began = now()
+        if sequential:
+            for index in range(runs):
+                await agent.run(f"{prefix}-{index}", steps)
+        else:
+            async with anyio.create_task_group() as group:
+                for index in range(runs):
+                    group.start_soon(agent.run, f"{prefix}-{index}", steps)
+        seconds = now() - began
+        stats = RunStats(seconds, agent.model.decisions.n, agent.executions.n)
+        if stats.decisions != runs * steps or stats.tool_executions != runs * (steps - 1):
+            raise AssertionError(f"{kind}: {stats} for {runs} runs of {steps} steps")
+        return stats
+
+    return polyloop
+
+
+async def _peak(pass_: Callable[[], Awaitable[RunStats]]) -> float:
+    """Bytes of Python memory allocated at the peak of one pass, above where it started."""
+    settle()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        await pass_()
+        return float(tracemalloc.get_traced_memory()[1] - base)
+    finally:
+        tracemalloc.stop()
+
+
+async def _speedups(ctx: Context, stores: _Stores, backend: str,
+                    concurrent_walls: dict[tuple[str, int, int], float]) -> list[Row]:
+    runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
+    rows: list[Row] = []
+    for kind in ("jsonl", "sqlite", "postgres", "handwritten"):
+        row: Row = {"key": f"{backend}-{kind}-speedup", "backend": backend, "store": kind,
+                    "name": f"{backend}: {STORE_NAMES[kind]}", "runs": runs,
+                    "steps_per_run": steps}
+        if kind == "postgres" and ctx.postgres is None:
+            rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
+            continue
+        one_by_one = await _pass_for(ctx, stores, kind, runs, steps, sequential=True)
+        walls = []
+        for _ in range(ctx.sizes.concurrency_repeats):
+            settle()
+            walls.append((await one_by_one()).seconds)
+        sequential = median(walls)
+        concurrent = concurrent_walls.get((kind, runs, steps))
+        if concurrent is None:
+            settle()
+            concurrent = (await (await _pass_for(ctx, stores, kind, runs, steps))()).seconds
+        row.update(sequential_s=sequential, concurrent_s=concurrent,
+                   speedup=sequential / concurrent, repeats=len(walls))
+        rows.append(row)
+    hand = next((r for r in rows if r["store"] == "handwritten" and "speedup" in r), None)
+    for row in rows:
+        if hand is not None and "speedup" in row:
+            row["speedup_vs_handwritten"] = row["speedup"] / hand["speedup"]
+    return rows

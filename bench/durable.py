@@ -1,0 +1,156 @@
+"""Benchmark 2: what one step costs when the run is durable.
+
+The same run as benchmark 1 on each durable store, beside:
+
+* the disk's fsync floor: one append of a small record plus ``fsync``, timed one by one
+  (measured before and after the runs; the median of all samples);
+* the hand-written loop with its two fsync'd appends per step (the floor the targets
+  use), and the same loop with each barrier in a worker thread (a reference: that is
+  where an AnyIO store has to do its blocking I/O);
+* LangGraph with its SQLite checkpointer on a file, with its default (background)
+  durability and with ``durability="sync"``.
+
+Every file lives in one scratch directory, so the floors and the stores share a disk.
+The PostgreSQL server syncs its own write-ahead log, on whatever disk it uses.
+
+Targets: JsonlStore and SqliteStore at most 1.3x the hand-written two-fsync loop.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from bench import peers
+from bench._common import (
+    Context,
+    Row,
+    Variant,
+    add_ratio,
+    by_key,
+    interleave,
+    median,
+    postgres_schema,
+    summary_row,
+    target,
+)
+from bench.agents import Agent, fsync_floor, handwritten_durable
+
+TITLE = "2. Durable step cost"
+COLUMNS = [
+    ("name", "loop"),
+    ("us_per_step", "us/step"),
+    ("ratio_to_floor", "x 2-fsync loop", 2),
+    ("fsyncs_per_step", "fsync floors/step", 2),
+    ("us_per_step_min", "min"),
+    ("us_per_step_max", "max"),
+    ("decisions", "decisions"),
+    ("tool_executions", "tool calls"),
+    ("repeats", "runs"),
+]
+FLOOR = "floor-two-fsyncs"
+LIMIT = 1.3
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    steps, repeats = ctx.sizes.durable_steps, ctx.sizes.durable_repeats
+    directory = ctx.scratch("durable")
+    samples: list[float] = []
+    samples += fsync_floor(directory / "fsync-floor-before.log", ctx.sizes.fsync_samples)
+    rows: list[Row] = anyio.run(_measure, ctx, directory, steps, repeats)
+    samples += fsync_floor(directory / "fsync-floor-after.log", ctx.sizes.fsync_samples)
+    fsync_us = median(samples) * 1e6
+    rows.insert(0, {"key": "fsync-floor", "name": "fsync floor (append + fsync, per call)",
+                    "role": "floor", "us_per_step": fsync_us, "fsyncs_per_step": 1.0,
+                    "repeats": len(samples), "unit": "us per append+fsync"})
+    add_ratio(rows, FLOOR)
+    for row in rows:
+        if not row.get("skipped") and row.get("key") != "fsync-floor":
+            row["fsyncs_per_step"] = row["us_per_step"] / fsync_us
+    targets = [
+        target(f"durable step on {name} <= 1.3x the hand-written loop with two fsync'd appends",
+               (by_key(rows, key) or {}).get("ratio_to_floor"), LIMIT,
+               what=f"PolyLoop {name} us/step / hand-written 2-fsync loop us/step")
+        for key, name in (("polyloop-jsonl", "JsonlStore"), ("polyloop-sqlite", "SqliteStore"))
+    ]
+    return {"title": TITLE, "columns": COLUMNS, "rows": rows, "targets": targets,
+            "steps": steps, "fsync_floor_us": fsync_us}
+
+
+async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> list[Row]:
+    from polyloop.stores import JsonlStore, SqliteStore
+
+    variants = [
+        Variant(FLOOR, "hand-written loop, 2 fsync'd appends/step (floor)", "floor",
+                lambda rid: handwritten_durable(steps, directory / f"{rid}.log")),
+        Variant("floor-two-fsyncs-thread",
+                "hand-written loop, 2 fsync'd appends/step in a worker thread", "reference",
+                lambda rid: handwritten_durable(steps, directory / f"{rid}.log",
+                                                threaded=True)),
+    ]
+    async with JsonlStore(directory / "jsonl") as jsonl, \
+            SqliteStore(directory / "runs.sqlite") as sqlite_store:
+        for key, name, store in (("polyloop-jsonl", "PolyLoop, JsonlStore", jsonl),
+                                 ("polyloop-sqlite", "PolyLoop, SqliteStore", sqlite_store)):
+            agent = Agent(store, steps=steps)
+            variants.append(Variant(key, name, "polyloop", _timed(agent, steps)))
+        closers = []
+        skip = peers.langgraph_sqlite_missing()
+        for key, name, durability in (
+            ("langgraph-sqlite", "LangGraph, SqliteSaver (default durability)", None),
+            ("langgraph-sqlite-sync", "LangGraph, SqliteSaver, durability='sync'", "sync"),
+        ):
+            if skip:
+                variants.append(Variant(key, name, "peer", skip=skip))
+                continue
+            graph = peers.LangGraphLoop("sqlite", path=directory / f"{key}.sqlite",
+                                        durability=durability)
+            closers.append(graph.close)
+            variants.append(Variant(key, name, "peer", _sync(graph.run, steps)))
+        try:
+            if ctx.postgres is None:
+                variants.insert(4, Variant("polyloop-postgres", "PolyLoop, PostgresStore",
+                                           "polyloop", skip=ctx.postgres_note))
+                results = await _interleave_noted(ctx, variants, repeats)
+            else:
+                results = await _with_postgres(ctx, variants, steps, repeats)
+        finally:
+            for close in closers:
+                close()
+    return [summary_row(v, results.get(v.key), steps) for v in variants]
+
+
+async def _with_postgres(ctx: Context, variants: list[Variant], steps: int,
+                         repeats: int) -> Any:
+    from polyloop.stores import PostgresStore
+
+    assert ctx.postgres is not None
+    with postgres_schema(ctx.postgres) as schema:
+        async with PostgresStore(ctx.postgres, schema=schema) as store:
+            agent = Agent(store, steps=steps)
+            variants.insert(4, Variant("polyloop-postgres", "PolyLoop, PostgresStore",
+                                       "polyloop", _timed(agent, steps)))
+            return await _interleave_noted(ctx, variants, repeats)
+
+
+async def _interleave_noted(ctx: Context, variants: list[Variant], repeats: int) -> Any:
+    for variant in variants:
+        if variant.skip:
+            ctx.note(f"{variant.name}: skipped ({variant.skip})")
+    return await interleave(variants, repeats)
+
+
+def _timed(agent: Agent, steps: int) -> Any:
+    async def measure(run_id: str) -> Any:
+        return await agent.timed_run(run_id, steps)
+
+    return measure
+
+
+def _sync(method: Any, steps: int) -> Any:
+    async def measure(run_id: str) -> Any:
+        return method(run_id, steps)
+
+    return measure

@@ -1,0 +1,156 @@
+"""Smoke test of ``bench/``: every benchmark's code path at a tiny size.
+
+Nothing here asserts a timing. What is checked: each benchmark produces its rows with
+the expected keys, every loop really did the work it claims (PolyLoop, the hand-written
+floors and each peer made the same number of model decisions and tool calls), and the
+results file is written. LangGraph and Pydantic AI are optional (the ``bench`` extra):
+when they are missing, only their rows may be skipped, never PolyLoop's. PostgreSQL
+rows run when a server answers (``POLYLOOP_TEST_POSTGRES``) and are skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+from bench import run as bench_run  # noqa: E402
+from bench._common import TINY, postgres_conninfo  # noqa: E402
+
+PEERS = {"langgraph": "langgraph", "pydantic-ai": "pydantic_ai"}
+POLYLOOP_ROLES = ("floor", "polyloop", "reference")
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One tiny run of every benchmark (and the profile) through the command line."""
+    tmp = tmp_path_factory.mktemp("bench")
+    output = tmp / "results.json"
+    status = bench_run.main(["--tiny", "--profile", "--workdir", str(tmp),
+                             "--output", str(output)])
+    assert status == 0
+    data: dict[str, Any] = json.loads(output.read_text())
+    assert data["meta"]["mode"] == "tiny"
+    assert set(data["benchmarks"]) == {"overhead", "durable", "concurrency", "recovery",
+                                       "scale"}
+    return data
+
+
+def _rows(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    rows = results["benchmarks"][name]["rows"]
+    assert rows, f"{name} produced no rows"
+    return list(rows)
+
+
+def _postgres_up() -> bool:
+    return postgres_conninfo()[0] is not None
+
+
+def _check_skip(row: dict[str, Any]) -> None:
+    """Only a peer that is not installed, or PostgreSQL without a server, may be skipped."""
+    if not row.get("skipped"):
+        return
+    key = row["key"]
+    if "postgres" in key:
+        assert not _postgres_up(), f"{key} skipped although PostgreSQL answers"
+        return
+    peer = next((module for prefix, module in PEERS.items() if key.startswith(prefix)), None)
+    assert peer is not None, f"a PolyLoop row was skipped: {row}"
+    assert not _installed(peer), f"{key} skipped although {peer} is installed"
+
+
+@pytest.mark.parametrize(("name", "steps"), [("overhead", TINY.overhead_steps),
+                                             ("durable", TINY.durable_steps)])
+def test_single_run_benchmarks_do_the_same_work_everywhere(
+    results: dict[str, Any], name: str, steps: int
+) -> None:
+    rows = _rows(results, name)
+    keys = {row["key"] for row in rows}
+    assert {"polyloop-memory", "floor-memory", "langgraph-none", "langgraph-memory",
+            "pydantic-ai"} <= keys if name == "overhead" else \
+        {"fsync-floor", "floor-two-fsyncs", "polyloop-jsonl", "polyloop-sqlite",
+         "polyloop-postgres", "langgraph-sqlite", "langgraph-sqlite-sync"} <= keys
+    for row in rows:
+        _check_skip(row)
+        if row.get("skipped") or row["key"] == "fsync-floor":
+            continue
+        assert {"name", "role", "us_per_step", "ratio_to_floor", "decisions",
+                "tool_executions", "repeats"} <= row.keys()
+        # Every loop: `steps` model decisions and a tool call on each but the last.
+        assert (row["decisions"], row["tool_executions"]) == (steps, steps - 1), row
+    measured = {row["role"] for row in rows if not row.get("skipped")}
+    assert {"floor", "polyloop"} <= measured
+    fsync = next((row for row in rows if row["key"] == "fsync-floor"), None)
+    assert name == "overhead" or (fsync is not None and fsync["us_per_step"] > 0)
+    for item in results["benchmarks"][name]["targets"]:
+        assert {"target", "measured", "limit", "met"} <= item.keys()
+        assert item["measured"] is not None
+
+
+def test_concurrency_covers_every_store_backend_and_count(results: dict[str, Any]) -> None:
+    rows = _rows(results, "concurrency")
+    largest = max(TINY.concurrency_runs)
+    for backend in TINY.backends:
+        for store in ("memory", "jsonl", "sqlite", "postgres", "handwritten"):
+            for runs in TINY.concurrency_runs:
+                row = next(r for r in rows if r["key"] == f"{backend}-{store}-{runs}")
+                _check_skip(row)
+                if row.get("skipped"):
+                    continue
+                steps = TINY.concurrency_steps_largest if runs == largest \
+                    else TINY.concurrency_steps
+                assert row["steps_per_run"] == steps
+                assert (row["decisions"], row["tool_executions"]) == \
+                    (runs * steps, runs * (steps - 1))
+                assert {"wall_s", "steps_per_s", "us_per_step", "peak_kib_per_run"} <= row.keys()
+    speedups = results["benchmarks"]["concurrency"]["speedups"]
+    for row in speedups:
+        _check_skip(row)
+        if not row.get("skipped"):
+            assert {"sequential_s", "concurrent_s", "speedup",
+                    "speedup_vs_handwritten"} <= row.keys()
+    assert {row["store"] for row in speedups if not row.get("skipped")} >= \
+        {"jsonl", "sqlite", "handwritten"}
+
+
+def test_recovery_reads_whole_logs_and_fits_a_slope(results: dict[str, Any]) -> None:
+    rows = _rows(results, "recovery")
+    for store in ("memory", "jsonl", "sqlite", "postgres"):
+        for size in TINY.recovery_sizes:
+            row = next(r for r in rows if r["key"] == f"{store}-{size}")
+            _check_skip(row)
+            if row.get("skipped"):
+                continue
+            # The start record plus five records per logged step, all read back.
+            assert row["records"] == 1 + 5 * size
+            assert row["seconds"] > 0 and row["us_per_logged_step"] > 0
+    slopes = {row["store"]: row for row in results["benchmarks"]["recovery"]["slopes"]}
+    for store in ("memory", "jsonl", "sqlite"):
+        assert {"slope_us_per_step", "segment_ratio"} <= slopes[store].keys()
+
+
+def test_scale_compares_early_and_late_steps(results: dict[str, Any]) -> None:
+    rows = _rows(results, "scale")
+    for point in TINY.scale_points:
+        row = next(r for r in rows if r["key"] == f"polyloop-{point}")
+        assert row["us_per_step"] > 0 and row["ratio_to_first"] > 0
+    (item,) = results["benchmarks"]["scale"]["targets"]
+    assert item["measured"] is not None
+
+
+def test_profile_names_polyloop_functions(results: dict[str, Any]) -> None:
+    for kind in ("memory", "jsonl"):
+        files = [item["file"] for item in results["profile"][kind]["files"]]
+        assert any(name.startswith("polyloop/") for name in files), files
