@@ -335,7 +335,12 @@ def _checked(
     }[base]
     if not ok:
         raise wrong(f"{'null or ' if optional else ''}a {base}")
-    return float(value) if base == "float" else value
+    if base == "float":
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond any float: not a readable duration
+            raise wrong("a number a float can hold") from None
+    return value
 
 
 def _too_many_digits(number: int) -> bool:

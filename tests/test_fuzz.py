@@ -1,0 +1,926 @@
+"""Fuzzing the record codec, the JSON-lines reader and every store.
+
+Three kinds of test live here:
+
+* **Byte fuzzers** (time-bounded). ``serialization.loads`` and the JSON-lines reader are
+  fed arbitrary bytes, token soup and mutated canonical lines. Whatever they get, they
+  return records or raise ``CorruptLog`` / ``SchemaMajorMismatch``, nothing else; and a
+  record they accept is written back by ``dumps`` to a line that reads back equal. The
+  wall-clock budget is shared through ``fuzz_budget`` (``POLYLOOP_FUZZ_SECONDS``; 15 s
+  with ``CI=true``, 3 s otherwise).
+* **Stateful store machines** (example-bounded). A hypothesis rule-based machine writes
+  runs in the order the kernel writes them, crashes and reopens the store, lets a second
+  store object try to write, and after every step checks that ``read_log`` returns every
+  acknowledged write, in order, and nothing else. One machine per store and backend.
+* **Line breakers.** Strings holding characters that some reader somewhere treats as a
+  line break round-trip through every store and never split a record.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import psycopg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+import fuzz_budget
+from polyloop.serialization import dumps, encode, loads
+from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
+from polyloop.stores._common import safe_name
+from polyloop.stores._jsonl import parse_lines
+from polyloop.testing.store_contract import expected_records, sample_run
+from polyloop.types import (
+    ActionStatus,
+    CorruptLog,
+    DecisionKind,
+    Intent,
+    IntentKind,
+    JSONValue,
+    Record,
+    Replay,
+    Result,
+    RunAlreadyExists,
+    RunEnded,
+    RunLocked,
+    RunStarted,
+    SchemaMajorMismatch,
+    StepRecord,
+    StopReason,
+    UnloggableValue,
+)
+
+RECORD_TYPES = (RunStarted, Intent, Result, StepRecord, RunEnded)
+REFUSALS = (CorruptLog, SchemaMajorMismatch)
+STORE_KINDS = ("memory", "jsonl", "sqlite", "postgresql")
+BACKENDS = ("asyncio", "trio")
+
+# Characters that split a line for some reader: str.splitlines() breaks at all of them,
+# bytes.splitlines() and universal-newline text mode at \r, JSON-lines readers at \n.
+LINE_BREAKERS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+AWKWARD = LINE_BREAKERS + '\x00\t"\\/é\u2603\U0001f600 a'
+
+# -- numbers too large for a float field ----------------------------------------------
+
+
+def test_a_duration_too_large_for_a_float_is_corrupt() -> None:
+    line = dumps(_step("r", 0, "x", with_action=True)).replace(
+        '"duration_s":0.5', '"duration_s":1' + "0" * 400
+    )
+    assert '"duration_s":1000' in line
+    with pytest.raises(CorruptLog):
+        loads(line)
+
+
+def test_a_duration_too_large_for_a_float_is_unloggable() -> None:
+    step = dataclasses.replace(_step("r", 0, "x", with_action=True), duration_s=10**400)
+    with pytest.raises(UnloggableValue):
+        dumps(step)
+
+
+# -- records --------------------------------------------------------------------------------
+
+
+def _model_intent(run_id: str, k: int, sha: str = "ab", replay: Replay = Replay.NEVER) -> Intent:
+    return Intent(run_id=run_id, result_id=f"{run_id}:{k}:model", kind=IntentKind.MODEL_CALL,
+                  step=k, call_index=k, replay=replay, payload={"messages_sha256": sha})
+
+
+def _model_result(run_id: str, k: int, text: str) -> Result:
+    return Result(run_id=run_id, result_id=f"{run_id}:{k}:model", kind=IntentKind.MODEL_CALL,
+                  payload={"call_id": f"c{k}", "content": text, "reasoning": None})
+
+
+def _action_intent(run_id: str, k: int, arguments: JSONValue,
+                   replay: Replay = Replay.ALLOWED) -> Intent:
+    return Intent(run_id=run_id, result_id=f"{run_id}:{k}:action", kind=IntentKind.ACTION,
+                  step=k, call_index=k, replay=replay,
+                  payload={"name": "tool", "arguments": arguments},
+                  action_text="tool(...)", history_text="calls the tool")
+
+
+def _action_result(run_id: str, k: int, text: str) -> Result:
+    return Result(run_id=run_id, result_id=f"{run_id}:{k}:action", kind=IntentKind.ACTION,
+                  payload={"status": "executed", "observation": text})
+
+
+def _step(run_id: str, k: int, text: str, *, with_action: bool) -> StepRecord:
+    if with_action:
+        return StepRecord(
+            run_id=run_id, step=k, call_id=f"c{k}", model_output=text, reasoning=text,
+            decision=DecisionKind.ACTION, history_text=text, action_text="tool(...)",
+            observation=text, observation_synthesized=False,
+            action_status=ActionStatus.EXECUTED, done=False, truncated_chars=0, error=None,
+            duration_s=0.5,
+        )
+    return StepRecord(
+        run_id=run_id, step=k, call_id=None, model_output=text, reasoning=None,
+        decision=DecisionKind.FINAL, history_text=text, action_text=None, observation=None,
+        observation_synthesized=False, action_status=None, done=False, truncated_chars=0,
+        error=None, final_answer=text, duration_s=0.5,
+    )
+
+
+def _ended(run_id: str, reason: StopReason, steps: int, detail: str | None = None) -> RunEnded:
+    return RunEnded(run_id=run_id, stop_reason=reason, final_answer=None, steps=steps,
+                    valid_steps=steps, detail=detail)
+
+
+def _seed_records() -> list[Record]:
+    """One of each record shape the kernel writes, with awkward text in them."""
+    records = expected_records(sample_run("r", steps=2))
+    records += [
+        _model_intent("r", 2, replay=Replay.ALLOWED),
+        _model_result("r", 2, AWKWARD),
+        _step("r", 2, AWKWARD, with_action=False),
+        _action_intent("r", 3, {"deep": [[{"x": [1, -2.5e-300, None, True]}]], "n": 2**70}),
+        dataclasses.replace(_step("r", 3, "\ud800 lone", with_action=True), error="E: x"),
+        _ended("r", StopReason.IN_DOUBT, 3, detail="action r:3:action"),
+        RunStarted(run_id="r", snapshot={AWKWARD: [AWKWARD, 1.5, {"": None}]}),
+    ]
+    return records
+
+
+SEED_RECORDS = _seed_records()
+SEED_LINES = [dumps(record).encode() for record in SEED_RECORDS]
+# The JSON-lines store writes a step with its action result as one array line.
+SEED_PAIRS = [
+    (result, step) for result, step in itertools.pairwise(SEED_RECORDS)
+    if isinstance(result, Result) and isinstance(step, StepRecord)
+]
+SEED_PAIR_LINES = [f"[{dumps(result)},{dumps(step)}]".encode() for result, step in SEED_PAIRS]
+assert SEED_PAIR_LINES
+# What each seed line must read back as.
+SEED_LINE_RECORDS: dict[bytes, list[Record]] = {
+    **{line: [record] for line, record in zip(SEED_LINES, SEED_RECORDS, strict=True)},
+    **{line: list(pair) for line, pair in zip(SEED_PAIR_LINES, SEED_PAIRS, strict=True)},
+}
+
+
+# -- byte strategies ------------------------------------------------------------------------
+
+TOKENS = [
+    b'"', b"\\", b"\\u", b"\\ud800", b"\\udc00", b"\\u0000", b"\\u2028", b"[", b"]", b"{",
+    b"}", b",", b":", b" ", b"\t", b"\r", b"\n", b"0", b"-", b".5", b"e", b"1e999",
+    b"-1e999", b"9" * 40, b"1" + b"0" * 400, b"1" + b"0" * 5000, b"null", b"true", b"false",
+    b"NaN", b"Infinity", b"-Infinity", b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xe2\x80\xa8",
+    b"\xc2\x85", b"\xef\xbb\xbf", b'"polyloop/2"', b'"polyloop/1.9"', b'"polyloop/01"',
+    b'"polyloop/\xd9\xa1"', b'"kind"', b'"schema"', b'"run_id"', b'"step"', b'"payload"',
+    b'"duration_s"', b'"intent_kind"', b"[" * 200, b"]" * 200, b'{"a":' * 60, b"[" * 3000,
+]
+token_soup = st.lists(st.sampled_from(TOKENS) | st.binary(max_size=4), max_size=40).map(
+    b"".join
+)
+MUTATIONS = ("flip", "set", "insert", "delete", "duplicate", "truncate", "swap")
+mutation = st.tuples(
+    st.sampled_from(MUTATIONS),
+    st.integers(0, 2**20),
+    st.integers(0, 2**20),
+    st.sampled_from(TOKENS) | st.binary(min_size=1, max_size=4),
+)
+
+
+def mutate(line: bytes, ops: Sequence[tuple[str, int, int, bytes]]) -> bytes:
+    """Apply byte-level edits to ``line`` (positions wrap around its current length)."""
+    data = bytearray(line)
+    for op, a, b, token in ops:
+        n = len(data)
+        i = a % (n + 1)
+        if op == "flip" and n:
+            data[i % n] ^= 1 << (b % 8)
+        elif op == "set" and n:
+            data[i % n] = token[0]
+        elif op == "insert":
+            data[i:i] = token
+        elif op == "delete":
+            del data[i : i + 1 + b % 16]
+        elif op == "duplicate":
+            data[i:i] = data[i : i + 1 + b % 64]
+        elif op == "truncate":
+            del data[i:]
+        elif op == "swap" and n:
+            j = b % n
+            data[i % n], data[j] = data[j], data[i % n]
+    return bytes(data)
+
+
+seed_lines = st.sampled_from(SEED_LINES + SEED_PAIR_LINES)
+mutated_lines = st.builds(mutate, seed_lines, st.lists(mutation, min_size=1, max_size=6))
+
+# Up to the digit limit (json.dumps itself refuses more; TOKENS carry longer ones).
+big_ints = st.integers(1, 4300).map(lambda digits: int("7" * digits))
+# Numbers at the edges of what floats, 64-bit integers and the digit limit can hold.
+edge_numbers = st.sampled_from([
+    0, -0.0, 2**53 + 1, 2**63, -(2**63) - 1, 2**64, 10**308, 10**309, 2**1024, -(2**1024),
+    10**4299, 1.7976931348623157e308, 5e-324, -5e-324,
+])
+json_leaves = (
+    st.none() | st.booleans() | st.integers() | big_ints | edge_numbers | st.floats()
+    | st.text(alphabet=st.sampled_from(AWKWARD) | st.characters(), max_size=8)
+)
+json_values = st.recursive(
+    json_leaves,
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=8,
+)
+
+
+@st.composite
+def field_edits(draw: st.DrawFn) -> bytes:
+    """A seed record's JSON object with fields replaced, added or removed, as a line."""
+    data: dict[str, Any] = dict(encode(draw(st.sampled_from(SEED_RECORDS))))
+    for _ in range(draw(st.integers(1, 3))):
+        keys = st.sampled_from(sorted(data))
+        key = draw(st.one_of(keys, keys, keys, st.text(max_size=6)))
+        if draw(st.booleans()) and key in data:
+            del data[key]
+        else:
+            data[key] = draw(st.one_of(edge_numbers, json_leaves, json_values))
+    # allow_nan=True writes NaN/Infinity literals, which the reader must refuse.
+    text = json.dumps(data, ensure_ascii=draw(st.booleans()), allow_nan=True)
+    if draw(st.booleans()):  # a duplicate key
+        text = text[:-1] + ', "kind": ' + json.dumps(draw(json_values), allow_nan=True) + "}"
+    return text.encode("utf-8", "surrogatepass")
+
+
+NUMERIC_FIELDS = ("step", "call_index", "truncated_chars", "duration_s", "steps", "valid_steps")
+
+
+@st.composite
+def numeric_edits(draw: st.DrawFn) -> bytes:
+    """A seed record with one of its number fields set to a number at some edge."""
+    record = draw(st.sampled_from(
+        [r for r in SEED_RECORDS if any(hasattr(r, f) for f in NUMERIC_FIELDS)]
+    ))
+    data: dict[str, Any] = dict(encode(record))
+    field = draw(st.sampled_from([f for f in NUMERIC_FIELDS if f in data]))
+    data[field] = draw(edge_numbers | st.integers() | st.floats())
+    return json.dumps(data, allow_nan=True).encode()
+
+
+any_line = (
+    st.binary(max_size=400) | token_soup | mutated_lines | field_edits() | numeric_edits()
+    | seed_lines
+)
+
+
+# -- the properties -------------------------------------------------------------------------
+
+
+def read_line(data: bytes | str) -> Record | None:
+    """``loads(data)``: a record, or ``None`` when it is refused the two allowed ways.
+
+    Any other exception propagates and fails the test.
+    """
+    try:
+        record = loads(data, location="here:1")
+    except REFUSALS as exc:
+        refused: CorruptLog | SchemaMajorMismatch = exc
+    else:
+        assert isinstance(record, RECORD_TYPES)
+        return record
+    assert refused.location == "here:1", f"the error does not say where: {refused!r}"
+    return None
+
+
+def rewrites_exactly(record: Record) -> None:
+    """A record the reader accepted is written back to a line that reads back equal."""
+    try:
+        line = dumps(record)
+    except UnloggableValue:
+        # The reader accepts a little more than the writer writes (payloads nested more
+        # than 256 levels deep); refusing to write it is the documented behaviour.
+        return
+    assert "\n" not in line
+    assert loads(line) == record
+
+
+def read_file_bytes(data: bytes, run_id: str = "r") -> list[Record] | None:
+    """``parse_lines`` on a run file's bytes: the records, or ``None`` when refused."""
+    try:
+        records = parse_lines(data, "run.jsonl", run_id)
+    except REFUSALS as exc:
+        refused: CorruptLog | SchemaMajorMismatch = exc
+    else:
+        assert all(isinstance(r, RECORD_TYPES) and r.run_id == run_id for r in records)
+        return records
+    where = refused.location
+    assert where is not None and where.startswith("run.jsonl:"), f"no line in {refused!r}"
+    return None
+
+
+def _fuzz_settings(batch: int) -> settings:
+    # derandomize=False even under hypothesis's CI profile: each batch must draw new
+    # examples, or a time-bounded run would repeat the first batch until time is up.
+    return settings(
+        max_examples=batch,
+        deadline=None,
+        derandomize=False,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                               HealthCheck.filter_too_much],
+    )
+
+
+# -- byte fuzzers (time-bounded) --------------------------------------------------------------
+
+
+def test_loads_of_arbitrary_input_returns_a_record_or_refuses() -> None:
+    @_fuzz_settings(300)
+    @given(st.binary(max_size=400) | token_soup)
+    def raw_bytes(data: bytes) -> None:
+        record = read_line(data)
+        if record is not None:
+            rewrites_exactly(record)
+
+    @_fuzz_settings(300)
+    @given(st.text(alphabet=st.sampled_from(AWKWARD) | st.characters(), max_size=200))
+    def raw_text(data: str) -> None:
+        record = read_line(data)
+        if record is not None:
+            rewrites_exactly(record)
+
+    fuzz_budget.fuzz_for(fuzz_budget.seconds(0.10), raw_bytes)
+    fuzz_budget.fuzz_for(fuzz_budget.seconds(0.05), raw_text)
+
+
+def test_loads_of_mutated_canonical_lines_returns_a_record_or_refuses() -> None:
+    @_fuzz_settings(300)
+    @given(mutated_lines | field_edits() | numeric_edits())
+    def mutated(data: bytes) -> None:
+        record = read_line(data)
+        if record is not None:
+            rewrites_exactly(record)
+
+    fuzz_budget.fuzz_for(fuzz_budget.seconds(0.30), mutated)
+
+
+@st.composite
+def run_files(draw: st.DrawFn) -> bytes:
+    """The bytes of a run file: lines of every kind above, and a tail after the last."""
+    lines = draw(st.lists(any_line | seed_lines, max_size=8))
+    # A line of another run is corruption too.
+    if draw(st.booleans()):
+        other = dumps(_ended("someone-else", StopReason.CANCELLED, 0)).encode()
+        lines.insert(draw(st.integers(0, len(lines))), other)
+    body = b"".join(line + b"\n" for line in lines)
+    tail = draw(st.just(b"") | st.binary(max_size=60) | mutated_lines)
+    return body + tail
+
+
+def test_jsonl_reader_on_arbitrary_file_bytes() -> None:
+    @_fuzz_settings(200)
+    @given(run_files())
+    def any_file(data: bytes) -> None:
+        records = read_file_bytes(data)
+        if records is not None:
+            for record in records:
+                rewrites_exactly(record)
+
+    @_fuzz_settings(200)
+    @given(st.lists(seed_lines, max_size=6), st.binary(max_size=200) | mutated_lines)
+    def valid_lines_then_a_tail(lines: list[bytes], tail: bytes) -> None:
+        # Complete canonical lines followed by anything without a newline: the tail is
+        # torn and ignored, the lines read back exactly.
+        tail = tail.replace(b"\n", b"")
+        expected = [record for line in lines for record in SEED_LINE_RECORDS[line]]
+        data = b"".join(line + b"\n" for line in lines) + tail
+        assert read_file_bytes(data) == expected
+
+    fuzz_budget.fuzz_for(fuzz_budget.seconds(0.20), any_file)
+    fuzz_budget.fuzz_for(fuzz_budget.seconds(0.05), valid_lines_then_a_tail)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jsonl_store_reads_arbitrary_run_files(backend: str, tmp_path: Path) -> None:
+    """``read_log`` and ``run_ids`` of a real store over a directory of arbitrary files."""
+    directory = tmp_path / "runs"
+    directory.mkdir()
+    path = directory / f"{safe_name('r')}.jsonl"
+
+    async def read(store: JsonlStore) -> tuple[list[Record] | None, tuple[str, ...] | None]:
+        try:
+            records: list[Record] | None = list((await store.read_log("r")).records)
+        except REFUSALS:
+            records = None
+        try:
+            ids: tuple[str, ...] | None = await store.run_ids()
+        except REFUSALS:
+            ids = None
+        return records, ids
+
+    with anyio.from_thread.start_blocking_portal(backend) as portal:
+        store = JsonlStore(directory)
+
+        @_fuzz_settings(100)
+        @given(run_files())
+        def any_file(data: bytes) -> None:
+            path.write_bytes(data)
+            records, ids = portal.call(read, store)
+            assert records == read_file_bytes(data)
+            if ids is not None:
+                # A run is listed once its first line is complete (and is a record of it).
+                assert ids == (("r",) if b"\n" in data else ())
+
+        try:
+            fuzz_budget.fuzz_for(fuzz_budget.seconds(0.15), any_file)
+        finally:
+            portal.call(store.aclose)
+
+
+@pytest.mark.parametrize("field", ["kind", "schema", "run_id", "payload", "snapshot", "step"])
+def test_deep_nesting_anywhere_is_refused_or_read(field: str) -> None:
+    """Nesting at and around the interpreter's recursion limit never escapes as RecursionError."""
+    base = encode(SEED_RECORDS[1] if field != "snapshot" else SEED_RECORDS[0])
+    for depth in (*range(200, 1200, 7), 5000, 50_000):
+        for opener, closer in (("[", "]"), ('{"k":', "}")):
+            nested = opener * depth + "0" + closer * depth
+            data = dict(base)
+            data[field] = "@@"
+            line = json.dumps(data).replace('"@@"', nested)
+            read_line(line)
+            read_file_bytes(line.encode() + b"\n")
+            read_file_bytes(f"[{line},{line}]\n".encode())
+
+
+# -- the line-breaking characters, through the codec (property) -----------------------------
+
+breaker_texts = st.text(alphabet=st.sampled_from(AWKWARD) | st.characters(), max_size=30)
+
+
+@settings(max_examples=fuzz_budget.examples(300, floor=50), deadline=None)
+@given(breaker_texts, breaker_texts, st.booleans())
+def test_any_text_stays_on_one_line_for_every_reader(run_id: str, text: str, pair: bool) -> None:
+    records: list[Record] = [
+        RunStarted(run_id=run_id, snapshot={text: text}),
+        _model_result(run_id, 0, text),
+        _action_intent(run_id, 0, {text: [text]}),
+        _step(run_id, 0, text, with_action=True),
+        _ended(run_id, StopReason.CANCELLED, 0, detail=text),
+    ]
+    for record in records:
+        line = dumps(record)
+        if pair and isinstance(record, StepRecord):
+            line = f"[{dumps(_action_result(run_id, 0, text))},{line}]"
+        assert len(line.splitlines()) == 1, "str.splitlines() splits the line"
+        encoded = line.encode("utf-8")
+        assert len(encoded.splitlines()) == 1, "bytes.splitlines() splits the line"
+        assert b"\n" not in encoded
+        read = parse_lines(encoded + b"\n", "run.jsonl", run_id)
+        assert read[-1] == record
+
+
+# -- line-breaking characters through every store --------------------------------------------
+
+
+@pytest.fixture
+def store_kind_factory(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Callable[[str], Callable[[], Any]]:
+    def factory(kind: str) -> Callable[[], Any]:
+        if kind == "memory":
+            shared = MemoryStore()
+            return lambda: shared
+        if kind == "jsonl":
+            return lambda: JsonlStore(tmp_path / "runs")
+        if kind == "sqlite":
+            return lambda: SqliteStore(tmp_path / "runs.db")
+        conninfo = request.getfixturevalue("postgres_conninfo")
+        return lambda: PostgresStore(conninfo)
+
+    return factory
+
+
+def breaker_run(run_id: str, text: str) -> list[tuple[str, tuple[Any, ...]]]:
+    """Every kind of write, each carrying ``text`` wherever a string goes."""
+    return [
+        ("start_run", (RunStarted(run_id=run_id, snapshot={text: text, "k": [text]}),)),
+        ("write_intent", (_model_intent(run_id, 0, sha=text),)),
+        ("write_result", (_model_result(run_id, 0, text),)),
+        ("write_intent", (_action_intent(run_id, 0, {text: text}),)),
+        ("write_step", (_step(run_id, 0, text, with_action=True),
+                        _action_result(run_id, 0, text))),
+        ("write_intent", (_model_intent(run_id, 1),)),
+        ("write_result", (_model_result(run_id, 1, text),)),
+        ("write_step", (_step(run_id, 1, text, with_action=False), None)),
+        ("end_run", (_ended(run_id, StopReason.FINAL_ANSWER, 2, detail=text),)),
+    ]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", STORE_KINDS)
+async def test_line_breaking_characters_round_trip_through_every_store(
+    kind: str, store_kind_factory: Callable[[str], Callable[[], Any]], tmp_path: Path
+) -> None:
+    open_store = store_kind_factory(kind)
+    texts = {f"one-{ord(c):04x}": f"before{c}after" for c in LINE_BREAKERS}
+    texts["all"] = f"{LINE_BREAKERS}|{LINE_BREAKERS[::-1]}\r\n\n\r"
+    texts["surrogate"] = f"{LINE_BREAKERS}\ud800"
+    runs = {f"run{LINE_BREAKERS}{name}": breaker_run(f"run{LINE_BREAKERS}{name}", text)
+            for name, text in texts.items()}
+    store = open_store()
+    try:
+        for writes in runs.values():
+            for method, args in writes:
+                await getattr(store, method)(*args)
+        for run_id, writes in runs.items():
+            assert list((await store.read_log(run_id)).records) == expected_records(writes)
+        ids = store.run_ids()
+        ids = await ids if not isinstance(ids, tuple) else ids
+        assert set(runs) <= set(ids)
+    finally:
+        if kind != "memory":
+            await store.aclose()
+    if kind == "memory":
+        return
+    reopened = open_store()
+    try:
+        for run_id, writes in runs.items():
+            assert list((await reopened.read_log(run_id)).records) == expected_records(writes)
+    finally:
+        await reopened.aclose()
+    if kind == "jsonl":
+        for run_id, writes in runs.items():
+            data = (tmp_path / "runs" / f"{safe_name(run_id)}.jsonl").read_bytes()
+            # One line per write call (a step and its result share one line), for every
+            # way of splitting lines.
+            assert data.count(b"\n") == len(writes)
+            assert data.endswith(b"\n")
+            assert len(data.splitlines()) == len(writes)
+            assert len(data.decode("utf-8").splitlines()) == len(writes)
+            # Text mode with universal newlines (\r and \r\n also end a line).
+            universal = (tmp_path / "runs" / f"{safe_name(run_id)}.jsonl").read_text("utf-8")
+            assert universal.count("\n") == len(writes)
+
+
+# -- stateful store machines -------------------------------------------------------------------
+
+RUN_SUFFIXES = ("r", "../escape", "a/b", "nul\x00byte", "snow\u2603", "brk\u2028\r\n\x85",
+                "x" * 300)
+texts = st.text(alphabet=st.sampled_from(AWKWARD) | st.characters(), max_size=12)
+small_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | texts,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(texts, children, max_size=3),
+    max_leaves=6,
+)
+# Where a run is in the order the kernel writes (research-wiki 0005).
+BOUNDARY, MODEL_INTENT, MODEL_RESULT, ACTION_INTENT, FINISHED = (
+    "boundary", "model_intent", "model_result", "action_intent", "finished",
+)
+OPEN = (BOUNDARY, MODEL_INTENT, MODEL_RESULT, ACTION_INTENT)
+# The writes allowed next in each phase, repeated to make progress likelier than an end.
+NEXT_WRITES = {
+    BOUNDARY: ["model_intent"] * 4 + ["end_final", "end_cancelled"],
+    MODEL_INTENT: ["model_result"] * 4 + ["end_cancelled"],
+    MODEL_RESULT: ["action_intent"] * 3 + ["step_without_action"] * 2 + ["end_cancelled"],
+    ACTION_INTENT: ["step_with_action"] * 4 + ["end_cancelled"],
+}
+FINAL_REASONS = [reason for reason in StopReason if reason is not StopReason.CANCELLED]
+MAX_OPEN_RUNS = 3
+# How often each interesting thing happened, printed by the machine tests (run with -s):
+# proof that the rules reach deep runs, crashes, torn tails and both lock outcomes.
+MACHINE_EVENTS: collections.Counter[str] = collections.Counter()
+
+
+@dataclasses.dataclass
+class RunModel:
+    """What must be read back for one run: every acknowledged write, in order."""
+
+    records: list[Record] = dataclasses.field(default_factory=list)
+    phase: str = BOUNDARY
+    step: int = 0
+    lines: int = 0  # write calls (one line each in a JSON-lines file)
+
+
+def _sever_descriptors_under(directory: Path) -> bool:
+    """Close, as the kernel does when a process dies, every descriptor open under ``directory``.
+
+    Each such descriptor is replaced (``dup2``) by one on ``/dev/null``: the open file
+    description behind it goes away, and with it every ``flock`` it held, exactly as at
+    process death; the store object still owns a harmless descriptor that it may close
+    later. Returns False where descriptors cannot be listed (no ``/proc``).
+    """
+    fd_dir = Path("/proc/self/fd")
+    if not fd_dir.is_dir():
+        return False
+    root = os.path.realpath(directory) + os.sep
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in os.listdir(fd_dir):
+            try:
+                target = os.readlink(fd_dir / name)
+            except OSError:
+                continue  # the listing's own descriptor, already gone
+            if target.startswith(root):
+                os.dup2(null, int(name))
+    finally:
+        os.close(null)
+    return True
+
+
+def _drop_server_connections(conninfo: str) -> None:
+    """Make the server lose every other connection to this test's database, and wait.
+
+    This is what the server sees when a worker process dies: its sessions end, their
+    transactions roll back and their advisory (writer) locks are released.
+    """
+    with psycopg.connect(conninfo, autocommit=True) as admin:
+        others = ("SELECT pid FROM pg_stat_activity "
+                  "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        admin.execute(f"SELECT pg_terminate_backend(pid) FROM ({others}) AS o")
+        deadline = time.monotonic() + 10
+        while admin.execute(f"SELECT count(*) FROM ({others}) AS o").fetchone() != (0,):
+            assert time.monotonic() < deadline, "terminated sessions did not go away"
+            time.sleep(0.005)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Writes runs in valid order through one store, crashing and reopening it at will."""
+
+    def __init__(self, kind: str, backend: str, conninfo: str | None) -> None:
+        super().__init__()
+        self.kind = kind
+        self.durable = kind != "memory"
+        self.conninfo = conninfo
+        self._exit = contextlib.ExitStack()
+        self.portal = self._exit.enter_context(anyio.from_thread.start_blocking_portal(backend))
+        self.scratch = Path(tempfile.mkdtemp(prefix="polyloop-fuzz-"))
+        self.token = uuid.uuid4().hex[:10]
+        self.runs: dict[str, RunModel] = {}
+        self.held: set[str] = set()  # runs whose writer lock the current object holds
+        self.graveyard: list[Any] = []  # abandoned objects, closed at teardown
+        self.store = self.open()
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def open(self) -> Any:
+        if self.kind == "memory":
+            return MemoryStore()
+        if self.kind == "jsonl":
+            return JsonlStore(self.scratch / "runs")
+        if self.kind == "sqlite":
+            return SqliteStore(self.scratch / "runs.db")
+        assert self.conninfo is not None
+        return PostgresStore(self.conninfo, pool_size=2, max_writer_connections=2)
+
+    def call(self, store: Any, method: str, *args: Any) -> Any:
+        return self.portal.call(getattr(store, method), *args)
+
+    def write(self, run_id: str, method: str, *args: Any) -> None:
+        """An acknowledged write: the model gets it once the store returns."""
+        self.call(self.store, method, *args)
+        model = self.runs[run_id]
+        if method == "write_step":
+            step, result = args
+            model.records += [result, step] if result is not None else [step]
+        else:
+            model.records.append(args[0])
+        model.lines += 1
+        self.held.add(run_id)
+        MACHINE_EVENTS[f"write {method}"] += 1
+        deepest = "steps of the longest run"
+        MACHINE_EVENTS[deepest] = max(MACHINE_EVENTS[deepest], model.step)
+
+    def pick(self, phases: Sequence[str], index: int) -> str:
+        eligible = [run_id for run_id, m in self.runs.items() if m.phase in phases]
+        return eligible[index % len(eligible)]
+
+    def open_runs(self) -> int:
+        return sum(1 for m in self.runs.values() if m.phase != FINISHED)
+
+    def any_in(self, *phases: str) -> bool:
+        return any(m.phase in phases for m in self.runs.values())
+
+    def teardown(self) -> None:
+        try:
+            for store in [*self.graveyard, self.store]:
+                if self.durable:
+                    self.call(store, "aclose")
+        finally:
+            self._exit.close()
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    # -- writes, in the order the kernel makes them -------------------------------------
+
+    @precondition(lambda self: self.open_runs() < MAX_OPEN_RUNS)
+    @rule(suffix=st.sampled_from(RUN_SUFFIXES), snapshot=st.dictionaries(texts, small_json,
+                                                                        max_size=3))
+    def start_run(self, suffix: str, snapshot: dict[str, JSONValue]) -> None:
+        run_id = f"{suffix}-{self.token}"
+        record = RunStarted(run_id=run_id, snapshot=snapshot)
+        if run_id in self.runs:
+            with pytest.raises(RunAlreadyExists):
+                self.call(self.store, "start_run", record)
+            MACHINE_EVENTS["second start refused"] += 1
+            return
+        self.runs[run_id] = RunModel()
+        self.write(run_id, "start_run", record)
+
+    @precondition(lambda self: self.any_in(*OPEN))
+    @rule(index=st.integers(0, 99), data=st.data())
+    def advance(self, index: int, data: st.DataObject) -> None:
+        """Up to twelve writes to a run, each one the kernel may write next."""
+        run_id = self.pick(OPEN, index)
+        model = self.runs[run_id]
+        for _ in range(data.draw(st.integers(1, 12), label="writes")):
+            if model.phase == FINISHED:
+                return
+            what = data.draw(st.sampled_from(NEXT_WRITES[model.phase]), label="write")
+            k = model.step
+            if what == "model_intent":
+                replay = data.draw(st.sampled_from(Replay), label="replay")
+                self.write(run_id, "write_intent", _model_intent(run_id, k, replay=replay))
+                model.phase = MODEL_INTENT
+            elif what == "model_result":
+                text = data.draw(texts, label="reply")
+                self.write(run_id, "write_result", _model_result(run_id, k, text))
+                model.phase = MODEL_RESULT
+            elif what == "action_intent":
+                arguments = data.draw(small_json, label="arguments")
+                self.write(run_id, "write_intent", _action_intent(run_id, k, arguments))
+                model.phase = ACTION_INTENT
+            elif what in ("step_with_action", "step_without_action"):
+                text = data.draw(texts, label="observation")
+                action = what == "step_with_action"
+                self.write(run_id, "write_step", _step(run_id, k, text, with_action=action),
+                           _action_result(run_id, k, text) if action else None)
+                model.phase, model.step = BOUNDARY, k + 1
+            elif what == "end_final":
+                reason = data.draw(st.sampled_from(FINAL_REASONS), label="reason")
+                self.write(run_id, "end_run", _ended(run_id, reason, k))
+                model.phase = FINISHED
+                self.held.discard(run_id)
+            else:
+                # A cancelled end may come anywhere; the run goes on from where it was.
+                assert what == "end_cancelled"
+                detail = data.draw(st.none() | texts, label="detail")
+                self.write(run_id, "end_run", _ended(run_id, StopReason.CANCELLED, k, detail))
+                self.held.discard(run_id)
+
+    @precondition(lambda self: self.any_in(*OPEN))
+    @rule(index=st.integers(0, 99), data=st.data())
+    def advance_another(self, index: int, data: st.DataObject) -> None:
+        """The same as :meth:`advance`: a second rule gives writes more of the steps
+        (hypothesis picks among the enabled rules, and turns some off per example)."""
+        self.advance(index, data)
+
+    # -- crashes, reopening, a second writer --------------------------------------------
+
+    @precondition(lambda self: self.durable)
+    @rule(what=st.sampled_from(["crash", "reopen", "second writer"]), index=st.integers(0, 99),
+          tear=st.booleans(), length=st.integers(1, 10_000))
+    def disrupt(self, what: str, index: int, tear: bool, length: int) -> None:
+        """A crash, an orderly reopen, or a second store object on the same data.
+
+        One rule for all three keeps them from crowding out the writes.
+        """
+        MACHINE_EVENTS[what] += 1
+        if what == "crash":
+            self.crash(index, length if tear else None)
+        elif what == "reopen":
+            self.call(self.store, "aclose")
+            self.held.clear()
+            self.store = self.open()
+        elif self.any_in(*OPEN):
+            self.second_object_writes(index)
+
+    def crash(self, index: int, torn: int | None) -> None:
+        """Abandon the store object as a dying process would, then open a new one.
+
+        JSON lines: every descriptor under the directory is severed (the writer locks go
+        with them), and optionally a run file gets a torn, unterminated last line, the
+        trace of a write that died half way and was never acknowledged. SQLite: the lock
+        files are severed the same way; the abandoned connection is left open until the
+        example ends, so the write-ahead log is not checkpointed behind the new object's
+        back (SQLite shares locks and shared memory between the connections of one
+        process, so its own descriptors cannot be pulled away faithfully; every write
+        it acknowledged was a committed transaction). PostgreSQL: the server drops every
+        session of the abandoned object, as it does when the process dies.
+        """
+        old, self.store = self.store, None
+        if self.kind == "jsonl":
+            if _sever_descriptors_under(self.scratch / "runs"):
+                self.call(old, "aclose")  # frees its /dev/null descriptors only
+            else:
+                self.call(old, "aclose")  # no /proc: an orderly close stands in
+            if torn is not None and self.runs:
+                self.tear(index, torn)
+        elif self.kind == "sqlite":
+            if _sever_descriptors_under(self.scratch / "runs.db.locks"):
+                self.graveyard.append(old)
+            else:
+                self.call(old, "aclose")
+        else:
+            assert self.conninfo is not None
+            _drop_server_connections(self.conninfo)
+            self.call(old, "aclose")  # stops its pool; its sessions are already gone
+        self.held.clear()
+        self.store = self.open()
+
+    def tear(self, index: int, length: int) -> None:
+        run_id = list(self.runs)[index % len(self.runs)]
+        line = dumps(_ended(run_id, StopReason.CANCELLED, 0, detail="torn")).encode()
+        piece = line[: 1 + length % (len(line) - 1)]
+        path = self.scratch / "runs" / f"{safe_name(run_id)}.jsonl"
+        with open(path, "ab") as file:
+            file.write(piece)
+        MACHINE_EVENTS["torn tail left behind"] += 1
+
+    def second_object_writes(self, index: int) -> None:
+        """Another store object reads every run, and may write one only while no object
+        holds its writer lock."""
+        run_id = self.pick(OPEN, index)
+        model = self.runs[run_id]
+        record = _ended(run_id, StopReason.CANCELLED, model.step, "from another object")
+        other = self.open()
+        try:
+            self.check_logs(other)  # readers are never locked out
+            if run_id in self.held:
+                with pytest.raises(RunLocked):
+                    self.call(other, "end_run", record)
+                MACHINE_EVENTS["second writer locked out"] += 1
+            else:
+                self.call(other, "end_run", record)  # takes the lock, releases it at once
+                model.records.append(record)
+                model.lines += 1
+                MACHINE_EVENTS["second writer took over"] += 1
+        finally:
+            self.call(other, "aclose")
+
+    # -- what must hold after every step ------------------------------------------------
+
+    @invariant()
+    def every_acknowledged_write_reads_back_in_order(self) -> None:
+        self.check_logs(self.store)
+
+    def check_logs(self, store: Any) -> None:
+        async def read_all() -> tuple[dict[str, list[Record]], list[Record], Any]:
+            logs = {run_id: list((await store.read_log(run_id)).records)
+                    for run_id in self.runs}
+            unknown = list((await store.read_log(f"never-{self.token}")).records)
+            ids = store.run_ids()
+            if not isinstance(ids, tuple):
+                ids = await ids
+            return logs, unknown, ids
+
+        logs, unknown, ids = self.portal.call(read_all)
+        for run_id, model in self.runs.items():
+            assert logs[run_id] == model.records, f"run {run_id!r} reads back differently"
+        assert unknown == []
+        mine = {run_id for run_id in ids if run_id.endswith(self.token)}
+        assert mine == set(self.runs)
+        if self.kind == "jsonl":
+            self.check_files()
+
+    def check_files(self) -> None:
+        for run_id, model in self.runs.items():
+            data = (self.scratch / "runs" / f"{safe_name(run_id)}.jsonl").read_bytes()
+            complete = data[: data.rfind(b"\n") + 1]
+            assert complete.count(b"\n") == model.lines
+            assert len(complete.decode("utf-8").splitlines()) == model.lines
+
+
+MACHINE_SETTINGS = settings(
+    max_examples=fuzz_budget.examples(25, floor=5),
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", STORE_KINDS)
+def test_store_keeps_every_acknowledged_write_across_crashes(
+    kind: str, backend: str, request: pytest.FixtureRequest
+) -> None:
+    conninfo = request.getfixturevalue("postgres_conninfo") if kind == "postgresql" else None
+    MACHINE_EVENTS.clear()
+    began = time.perf_counter()
+    run_state_machine_as_test(lambda: StoreMachine(kind, backend, conninfo),
+                              settings=MACHINE_SETTINGS)
+    print(f"\n{kind}/{backend}: {MACHINE_SETTINGS.max_examples} examples in "
+          f"{time.perf_counter() - began:.1f}s; " + ", ".join(
+              f"{name}: {count}" for name, count in sorted(MACHINE_EVENTS.items())))
