@@ -399,7 +399,7 @@ def test_runs_and_show_refuse_a_corrupt_log_in_one_line(
         assert main(argv) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1
-        assert err.startswith(f"polyloop: error: at {path.name}:4: not a JSON record")
+        assert err.startswith(f"polyloop: error: run 'done', at {path.name}:4: not a JSON record")
 
 
 @pytest.fixture
