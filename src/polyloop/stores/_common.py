@@ -11,9 +11,26 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from polyloop.types import RunLocked, StoreError
+from polyloop.types import CorruptLog, RunLocked, SchemaMajorMismatch, StoreError
 
 FORMAT = "polyloop/1"
+
+
+def check_format(recorded: object, *, holder: str, run_id: str | None, location: str) -> None:
+    """Refuse a database whose recorded record format is unreadable or of another major.
+
+    ``holder`` names what holds the records in the message ("database", "schema").
+    """
+    if not isinstance(recorded, str) or not recorded.startswith("polyloop/"):
+        raise CorruptLog(f"no readable record format in the {holder} ({recorded!r:.80})",
+                         run_id=run_id, location=location)
+    if recorded.partition(".")[0] != FORMAT.partition(".")[0]:
+        raise SchemaMajorMismatch(
+            f"the {holder} holds records in format {recorded!r}; this library reads "
+            f"{FORMAT!r}",
+            run_id=run_id,
+            location=location,
+        )
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 _PREFIX_CHARS = 40

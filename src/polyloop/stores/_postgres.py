@@ -90,7 +90,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from polyloop import serialization
-from polyloop.stores._common import FORMAT, WriterState
+from polyloop.stores._common import FORMAT, WriterState, check_format
 from polyloop.types import (
     CorruptLog,
     Intent,
@@ -103,7 +103,6 @@ from polyloop.types import (
     RunLocked,
     RunLog,
     RunStarted,
-    SchemaMajorMismatch,
     StepRecord,
     StoreError,
 )
@@ -174,10 +173,6 @@ def _shown(run_id: str) -> str:
 def _row(record: Record) -> _Row:
     body = serialization.dumps(record)  # refuses anything that is not a record
     return _KIND[type(record)], body
-
-
-def _major(fmt: str) -> str:
-    return fmt.partition(".")[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -683,17 +678,8 @@ class PostgresStore:
         return bool(_scalar(conn, self._queries.tables, (self._schema,)) == 2)
 
     def _check_format(self, recorded: object, run_id: str | None) -> None:
-        location = f"{self._schema}.meta format"
-        if not isinstance(recorded, str) or not recorded.startswith("polyloop/"):
-            raise CorruptLog(f"no readable record format in the schema ({recorded!r:.80})",
-                             run_id=run_id, location=location)
-        if _major(recorded) != _major(FORMAT):
-            raise SchemaMajorMismatch(
-                f"the schema holds records in format {recorded!r}; this library reads "
-                f"{FORMAT!r}",
-                run_id=run_id,
-                location=location,
-            )
+        check_format(recorded, holder="schema", run_id=run_id,
+                     location=f"{self._schema}.meta format")
 
     def _close(self) -> None:
         with self._state.mutex:

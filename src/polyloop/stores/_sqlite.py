@@ -55,7 +55,14 @@ import anyio
 import anyio.to_thread
 
 from polyloop.serialization import dumps, loads
-from polyloop.stores._common import FORMAT, LockFile, WriterState, fsync_directory, safe_name
+from polyloop.stores._common import (
+    FORMAT,
+    LockFile,
+    WriterState,
+    check_format,
+    fsync_directory,
+    safe_name,
+)
 from polyloop.types import (
     CorruptLog,
     Intent,
@@ -67,7 +74,6 @@ from polyloop.types import (
     RunEnded,
     RunLog,
     RunStarted,
-    SchemaMajorMismatch,
     StepRecord,
     StoreError,
 )
@@ -124,10 +130,6 @@ def _run_id_of(key: object) -> str:
     if isinstance(key, bytes):
         return key.decode("utf-8", "surrogatepass")
     return str(key)
-
-
-def _major(fmt: str) -> str:
-    return fmt.partition(".")[0]
 
 
 class SqliteStore:
@@ -419,17 +421,7 @@ def _create_schema(conn: sqlite3.Connection) -> None:
 def _check_format(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
     row = conn.execute(_GET_FORMAT).fetchone()
     recorded = row[0] if row is not None else None
-    location = f"{name}: meta format"
-    if not isinstance(recorded, str) or not recorded.startswith("polyloop/"):
-        raise CorruptLog(f"no readable record format in the database ({recorded!r:.80})",
-                         run_id=run_id, location=location)
-    if _major(recorded) != _major(FORMAT):
-        raise SchemaMajorMismatch(
-            f"the database holds records in format {recorded!r}; this library reads "
-            f"{FORMAT!r}",
-            run_id=run_id,
-            location=location,
-        )
+    check_format(recorded, holder="database", run_id=run_id, location=f"{name}: meta format")
 
 
 def _insert(
