@@ -441,3 +441,37 @@ def test_lone_surrogates_are_hashed_not_refused() -> None:
     assert transcript.sha256() == messages_sha256(lone)
     assert transcript.sha256() != messages_sha256([Message.text(Role.USER, "a\udc00b")])
     assert transcript.size == 3
+
+
+# The digest is written into every model-call intent: it must never change for the same
+# messages, however it is computed. Pinned from the first release's implementation.
+PINNED_MESSAGES = [
+    Message.text(Role.SYSTEM, "You are a benchmark agent."),
+    Message.text(Role.USER, 'Call "the" tool\nü\u2028\ud800'),
+    Message(role=Role.ASSISTANT, content=(TextBlock(text="a"), TextBlock(text="b"))),
+    Message(role=Role.USER, content=()),
+]
+PINNED_SHA256 = "a3c8d45a6a46d1fb1c3a9bfa358a0f93a8c1160c39a370d0df0720c3c35e263f"
+
+
+def test_transcript_digest_is_pinned() -> None:
+    assert Transcript(PINNED_MESSAGES).sha256() == PINNED_SHA256
+    assert messages_sha256(PINNED_MESSAGES) == PINNED_SHA256
+
+
+@given(message_lists)
+def test_transcript_digest_lines_are_the_canonical_encoding(messages: list[Message]) -> None:
+    # Transcript writes single-text messages without the generic encoder; the bytes
+    # hashed must be exactly the generic encoder's.
+    for message in messages:
+        expected = canonical(message_json(message)) + b"\n"
+        assert Transcript([message]).sha256() == hashlib.sha256(expected).hexdigest()
+
+
+def test_messages_of_unexpected_shapes_are_hashed_as_before() -> None:
+    listed = Message(role=Role.USER, content=[TextBlock(text="x")])  # type: ignore[arg-type]
+    assert Transcript([listed]).sha256() == messages_sha256([listed])
+    with pytest.raises(AttributeError):  # a role without .value is refused, as ever
+        Transcript([Message(role="user", content=(TextBlock(text="x"),))])  # type: ignore[arg-type]
+    with pytest.raises(TypeError):  # and so is a text without a length
+        Transcript([Message(role=Role.USER, content=(TextBlock(text=7),))])  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from polyloop import (
     EventKind,
     ModelCall,
     ModelReply,
+    NullSink,
     Replay,
     StepRecord,
     StopReason,
@@ -188,3 +189,39 @@ async def test_model_replay_allowed_is_part_of_identity() -> None:
         await resume(definition(store, script=[answer("x")]),
                      request("r", tools, model_replay=Replay.ALLOWED))
     assert [key for key, _, _ in mismatch.value.differences] == ["model_replay"]
+
+
+class CountingNullSink(NullSink):
+    """A NullSink subclass that looks at its events: it must still get every one."""
+
+    __slots__ = ("kinds",)
+
+    def __init__(self) -> None:
+        self.kinds: list[EventKind] = []
+
+    async def emit(self, event: Event) -> None:
+        self.kinds.append(event.kind)
+
+
+async def test_events_reach_a_null_sink_subclass_and_a_patched_null_sink(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The loop skips building events for a plain NullSink only; anything that may look
+    # at them gets them all.
+    script = [tool_call("double", n=1), answer("2")]
+    expected = [EventKind.RUN_STARTED, EventKind.STEP_FINISHED, EventKind.STEP_FINISHED,
+                EventKind.RUN_ENDED]
+    sink = CountingNullSink()
+    await run(definition(MemoryStore(), script=script, events=sink),
+              request("sub", make_tools(Ledger())))
+    assert sink.kinds == expected
+
+    seen: list[EventKind] = []
+
+    async def spy(self: NullSink, event: Event) -> None:
+        seen.append(event.kind)
+
+    monkeypatch.setattr(NullSink, "emit", spy)
+    await run(definition(MemoryStore(), script=script, events=NullSink()),
+              request("patched", make_tools(Ledger())))
+    assert seen == expected

@@ -6,16 +6,18 @@ Pure synchronous code: no coroutines, no fixtures that start resources.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from polyloop.serialization import decode, dumps, encode, loads
+from polyloop.serialization import decode, dumps, encode, loads, plain
 from polyloop.types import (
     ActionStatus,
     CorruptLog,
@@ -457,6 +459,47 @@ def test_too_deep_payload_is_refused() -> None:
         dumps(_result(deep))
 
 
+class _Label(str):
+    """A str subclass: plain() keeps it, and takes its careful walk to do so."""
+
+
+_plain_leaves = (
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text()
+    | st.builds(_Label, st.text()) | st.sampled_from([4299, 4300, 5000]).map(lambda n: -(10**n))
+)
+_plain_values = st.recursive(
+    _plain_leaves,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.lists(inner, max_size=3).map(tuple)
+    | st.dictionaries(st.text(max_size=3) | st.integers(0, 3), inner, max_size=4),
+    max_leaves=25,
+)
+
+
+def _plain_outcome(value: Any) -> tuple[str, Any]:
+    try:
+        return "copied", repr(plain(value, owner="Intent", field="payload", run_id="r"))
+    except UnloggableValue as exc:
+        return "refused", (str(exc), exc.run_id)
+
+
+@given(_plain_values)
+def test_plain_answers_the_same_on_its_fast_and_careful_walks(value: Any) -> None:
+    # A read-only mapping at the top sends the whole value down the careful walk, the
+    # one that names paths; a dict lets plain() copy exact JSON types without them.
+    fast = _plain_outcome({"v": value})
+    careful = _plain_outcome(MappingProxyType({"v": value}))
+    assert fast == careful
+
+
+@pytest.mark.parametrize("depth", [255, 256, 257])
+def test_plain_depth_limit_is_the_same_on_both_walks(depth: int) -> None:
+    nested: Any = "leaf"
+    for _ in range(depth):
+        nested = {"k": [nested]}
+    assert _plain_outcome({"v": nested}) == _plain_outcome(MappingProxyType({"v": nested}))
+
+
 def test_not_a_record_is_refused() -> None:
     with pytest.raises(UnloggableValue):
         encode({"schema": "polyloop/1"})  # type: ignore[arg-type]
@@ -671,6 +714,31 @@ def test_dumps_still_writes_the_fixture(name: str) -> None:
     themselves must not be edited: a new format gets new fixtures next to these)."""
     text = (FIXTURES / f"{name}.json").read_bytes().decode("utf-8")
     assert dumps(EXPECTED[name]) + "\n" == text
+
+
+class _Text(str):
+    """A str subclass: its values take the careful path of encode, not the exact-type one."""
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_exact_types_and_the_careful_path_encode_alike(name: str) -> None:
+    """encode skips the checks for values of exactly the expected type; the careful path
+    (a str subclass, an enum given by its value, an int where a float is expected) must
+    produce the same object."""
+    record = EXPECTED[name]
+    changes: dict[str, Any] = {}
+    for field in dataclasses.fields(record):
+        value = getattr(record, field.name)
+        if type(value) is str:
+            changes[field.name] = _Text(value)
+        elif isinstance(value, enum.Enum):
+            changes[field.name] = value.value
+        elif type(value) is float and value.is_integer():
+            changes[field.name] = int(value)
+    assert changes, "every fixture has a field the careful path handles"
+    careful = dataclasses.replace(record, **changes)
+    assert encode(careful) == encode(record)
+    assert dumps(careful) == dumps(record)
 
 
 # -- dumps never writes a line that loads refuses (SPEC 12.17) ---------------------------

@@ -674,3 +674,26 @@ async def test_an_executor_without_a_replay_policy_is_an_environment_fault(broke
     assert result.detail == f"Fault: {expected}"
     log = await store.read_log("r")
     assert not any(isinstance(r, Intent) and r.kind is IntentKind.ACTION for r in log.records)
+
+
+def test_the_memoized_stop_decision_is_the_pure_one() -> None:
+    # session keeps _stopping.after_step's answers per combination of facts; every
+    # combination, and values merely equal to the flags and enums, must get the answer
+    # the pure function gives for them.
+    from itertools import product
+
+    from polyloop import _stopping
+    from polyloop.session import _after_step
+
+    flags = (False, True)
+    combos = list(product(DecisionKind, flags, (None, *ActionStatus), flags, flags, flags))
+    lookalikes = [
+        (decision.value, int(failed), status and status.value, int(synth), int(done), 0)
+        for decision, failed, status, synth, done, _ in combos
+    ]
+    for facts in [*combos, *lookalikes, *combos]:
+        expected = _stopping.after_step(_stopping.StepFacts(
+            decision=facts[0], model_failed=facts[1], action_status=facts[2],  # type: ignore[arg-type]
+            synthesized=facts[3], done=facts[4], completes=facts[5],  # type: ignore[arg-type]
+        ))
+        assert _after_step(*facts) is expected, facts  # type: ignore[arg-type]

@@ -441,6 +441,43 @@ def test_endlessly_recursive_schema_is_refused_not_raised() -> None:
     assert "cannot be checked" in reason
 
 
+@pytest.mark.parametrize(
+    ("parameters", "accepted"),
+    [
+        ({"type": "object"}, True),
+        ({"type": "object", "properties": {}, "additionalProperties": False}, True),
+        (SEARCH_SCHEMA, False),
+        ({"type": "object", "minProperties": 1}, False),
+        ({"type": "object", "$ref": "#"}, False),
+        ({"not": {"type": "object"}}, False),
+    ],
+)
+def test_empty_arguments_get_the_schema_verdict_on_every_call(
+    parameters: dict[str, JSONValue], accepted: bool
+) -> None:
+    # validate() remembers that a schema accepts {}; the verdict, refusals included,
+    # must stay the one jsonschema gives, call after call.
+    registry = ToolRegistry([spec("t", parameters=parameters)], max_observation_chars=500)
+    first = registry.validate("t", {})
+    assert (first is None) == accepted
+    assert [registry.validate("t", {}) for _ in range(3)] == [first] * 3
+
+
+def test_an_empty_looking_dict_subclass_is_validated_in_full() -> None:
+    class Hidden(dict[str, JSONValue]):
+        """Claims to be empty while holding a key: must not pass as {}."""
+
+        def __len__(self) -> int:
+            return 0
+
+    closed = {"type": "object", "additionalProperties": False}
+    registry = ToolRegistry([spec("t", parameters=closed)], max_observation_chars=500)
+    assert registry.validate("t", {}) is None
+    reason = registry.validate("t", Hidden(x=1))
+    assert reason is not None
+    assert "Additional properties are not allowed" in reason
+
+
 # --- executor -------------------------------------------------------------------------
 
 

@@ -137,6 +137,31 @@ def _json_name(kind: str, field: str) -> str:
     return _RENAMED.get((kind, field), field)
 
 
+# Per base check, the exact types whose values encode as they are.
+_EXACT: dict[str, frozenset[type[Any]]] = {
+    "str": frozenset({str}),
+    "int": frozenset({int}),
+    "bool": frozenset({bool}),
+    "float": frozenset({float}),
+}
+_NONE = frozenset({type(None)})
+
+
+def _exact_types(check: _Check) -> frozenset[type[Any]]:
+    if not isinstance(check, str) or check.rstrip("?") not in _EXACT:
+        return frozenset()
+    exact = _EXACT[check.rstrip("?")]
+    return exact | _NONE if check.endswith("?") else exact
+
+
+# kind -> (field, name in the JSON object, check, exact types) for each field, in order.
+_ENCODING_PLANS: dict[str, tuple[tuple[str, str, _Check, frozenset[type[Any]]], ...]] = {
+    kind: tuple((field, _json_name(kind, field), check, _exact_types(check))
+                for field, check in fields)
+    for kind, fields in _FIELDS.items()
+}
+
+
 def encode(record: Record) -> dict[str, JSONValue]:
     """Encode ``record`` as a JSON-ready dict carrying the schema and the record kind.
 
@@ -152,15 +177,23 @@ def encode(record: Record) -> dict[str, JSONValue]:
         return UnloggableValue(reason, run_id=run_id if isinstance(run_id, str) else None)
 
     out: dict[str, JSONValue] = {"schema": SCHEMA, "kind": kind}
-    for field, check in _FIELDS[kind]:
+    for field, name, check, exact in _ENCODING_PLANS[kind]:
         value = getattr(record, field)
+        # Values of exactly the expected type are what the checks below would return
+        # unchanged (an enum member: its value), so they skip them.
+        if type(value) in exact:
+            out[name] = value
+            continue
+        if type(value) is check:
+            out[name] = value.value
+            continue
         if check in ("json", "object"):
             value = _plain(value, record, field)
         # The reader checks every typed field; refuse here what it would refuse there.
         value = _checked(kind, field, check, value, refuse)
         if isinstance(value, enum.Enum):
             value = value.value
-        out[_json_name(kind, field)] = value
+        out[name] = value
     return out
 
 
@@ -183,8 +216,49 @@ def _plain(value: Any, record: Record, field: str) -> JSONValue:
                        run_id if isinstance(run_id, str) else None)
 
 
+class _NotSimple(Exception):
+    """Raised by :func:`_copy_simple` for anything it does not copy itself."""
+
+
+def _copy_simple(item: Any, depth: int) -> JSONValue:
+    """The result of :func:`_walk_plain` for values made of exact JSON types only.
+
+    Payloads are almost always such values, and this walk does not build the path of
+    every node, which the careful walk needs only to name a refused one. Anything else
+    (subclasses, other mappings, values to refuse) raises :class:`_NotSimple`.
+    """
+    if depth > _MAX_DEPTH:
+        raise _NotSimple
+    if item is None or type(item) is str or type(item) is bool:
+        return item
+    if type(item) is int:
+        if item.bit_length() > 14_000:
+            raise _NotSimple
+        return item
+    if type(item) is float:
+        if not math.isfinite(item):
+            raise _NotSimple
+        return item
+    kind = type(item)
+    if kind is dict:
+        # Keys of a dict are distinct, so the careful walk's duplicate check cannot fire.
+        result: dict[str, JSONValue] = {}
+        for key, sub in item.items():
+            if type(key) is not str:
+                raise _NotSimple
+            result[key] = _copy_simple(sub, depth + 1)
+        return result
+    if kind is list or kind is tuple:
+        return [_copy_simple(sub, depth + 1) for sub in item]
+    raise _NotSimple
+
+
 def _walk_plain(value: Any, owner: str, field: str, run_id: str | None) -> JSONValue:
     """A deep copy of ``value`` as plain JSON types, or UnloggableValue naming the path."""
+    try:
+        return _copy_simple(value, 0)
+    except _NotSimple:
+        pass  # the careful walk below copies it, or names the path of what it refuses
 
     def walk(item: Any, path: str, depth: int = 0) -> JSONValue:
         if depth > _MAX_DEPTH:
@@ -311,6 +385,8 @@ def _checked(
         return corrupt(f"{kind}.{field} must be {expected}, not {value!r:.80}")
 
     if isinstance(check, type):
+        if type(value) is check:  # already the member: what check(value) would return
+            return value
         if value is None and (kind, field) in _OPTIONAL_ENUMS:
             return None
         try:
@@ -327,13 +403,7 @@ def _checked(
     if optional and value is None:
         return None
     base = check.rstrip("?")
-    ok = {
-        "str": isinstance(value, str),
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "bool": isinstance(value, bool),
-        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-    }[base]
-    if not ok:
+    if not _IS_BASE[base](value):
         raise wrong(f"{'null or ' if optional else ''}a {base}")
     if base == "float":
         try:
@@ -341,6 +411,15 @@ def _checked(
         except OverflowError:  # an integer beyond any float: not a readable duration
             raise wrong("a number a float can hold") from None
     return value
+
+
+# The scalar checks of _checked, one per base name (bool is an int, but not a number here).
+_IS_BASE: dict[str, Callable[[Any], bool]] = {
+    "str": lambda value: isinstance(value, str),
+    "int": lambda value: isinstance(value, int) and not isinstance(value, bool),
+    "bool": lambda value: isinstance(value, bool),
+    "float": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
+}
 
 
 def _too_many_digits(number: int) -> bool:

@@ -22,6 +22,7 @@ under a shielded and time-bounded scope, and then lets the cancellation go on.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -47,6 +48,7 @@ from polyloop.ports import (
     ModelCall,
     ModelClient,
     ModelReply,
+    NullSink,
     Store,
 )
 from polyloop.tools import ToolRegistry
@@ -208,6 +210,7 @@ class _Loop:
         self.event_failures = 0
         self.end: RunEnded | None = None
         self.transcript = _assembly.Transcript(_prefix(request))
+        self.silent = _discards(definition.events)
 
     # -- driving ------------------------------------------------------------------------
 
@@ -243,8 +246,11 @@ class _Loop:
         else:
             await self._until_stopped()
             return
-        if not await self._stopped_after(step, tool):
+        reason = self._stop_reason(step, tool)
+        if reason is None:
             await self._until_stopped()
+        else:
+            await self._stop_after(step, reason)
 
     async def _until_stopped(self) -> None:
         while True:
@@ -255,26 +261,30 @@ class _Loop:
                 await self._finish(reason, self._limit_detail(reason))
                 return
             step, tool = await self._step()
-            if await self._stopped_after(step, tool):
+            if (reason := self._stop_reason(step, tool)) is not None:
+                await self._stop_after(step, reason)
                 return
 
-    async def _stopped_after(self, step: StepRecord, tool: str | None) -> bool:
-        facts = _stopping.StepFacts(
-            decision=step.decision,
-            model_failed=step.error is not None,
-            action_status=step.action_status,
-            synthesized=step.observation_synthesized,
-            done=step.done,
-            completes=tool is not None and self.request.tools.marks_completion(tool),
+    def _stop_reason(self, step: StepRecord, tool: str | None) -> StopReason | None:
+        """Why the run stops after ``step`` (``tool`` names its action's tool), if it does."""
+        facts = (
+            step.decision,
+            step.error is not None,
+            step.action_status,
+            step.observation_synthesized,
+            step.done,
+            tool is not None and self.request.tools.marks_completion(tool),
         )
-        reason = _stopping.after_step(facts)
-        if reason is None:
-            return False
+        try:
+            return _after_step(*facts)
+        except TypeError:  # an unhashable field, in a record some store handed back
+            return _after_step.__wrapped__(*facts)
+
+    async def _stop_after(self, step: StepRecord, reason: StopReason) -> None:
         detail = step.error if reason is StopReason.MODEL_FAILURE else None
         if reason is StopReason.ENV_FAILURE:
             detail = step.observation
         await self._finish(reason, detail, final_answer=step.final_answer)
-        return True
 
     # -- one step -----------------------------------------------------------------------
 
@@ -306,16 +316,16 @@ class _Loop:
             reply = _checked_reply(await self.definition.model.call(call))
         except Exception as exc:  # noqa: BLE001 - a failing model ends the run, by contract
             error = _describe(exc)
-            await self._write_model_result(index, {"error": error})
+            await self._write_model_result(result_id, {"error": error})
             return await self._model_failed(index, error, began), None
-        await self._write_model_result(index, _reply_payload(reply))
+        await self._write_model_result(result_id, _reply_payload(reply))
         return await self._decide(index, reply, began)
 
-    async def _write_model_result(self, index: int, payload: JSONValue) -> None:
+    async def _write_model_result(self, result_id: str, payload: JSONValue) -> None:
         await self.store.write_result(
             Result(
                 run_id=self.run_id,
-                result_id=_recovery.model_result_id(self.run_id, index),
+                result_id=result_id,
                 kind=IntentKind.MODEL_CALL,
                 payload=payload,
             )
@@ -437,21 +447,29 @@ class _Loop:
         )
 
     def _step_record(
-        self, index: int, reply: ModelReply | None, began: float, **fields: Any
+        self, index: int, reply: ModelReply | None, began: float, *,
+        decision: DecisionKind, history_text: str, action_text: str | None = None,
+        observation: str | None = None, observation_synthesized: bool = False,
+        action_status: ActionStatus | None = None, done: bool = False,
+        truncated_chars: int = 0, error: str | None = None, final_answer: str | None = None,
     ) -> StepRecord:
-        base: dict[str, Any] = {
-            "action_text": None, "observation": None, "observation_synthesized": False,
-            "action_status": None, "done": False, "truncated_chars": 0, "error": None,
-        }
-        base.update(fields)
         return StepRecord(
             run_id=self.run_id,
             step=index,
             call_id=reply.call_id if reply else None,
             model_output=reply.content if reply else "",
             reasoning=reply.reasoning if reply else None,
+            decision=decision,
+            history_text=history_text,
+            action_text=action_text,
+            observation=observation,
+            observation_synthesized=observation_synthesized,
+            action_status=action_status,
+            done=done,
+            truncated_chars=truncated_chars,
+            error=error,
+            final_answer=final_answer,
             duration_s=time.perf_counter() - began,
-            **base,
         )
 
     async def _record(self, step: StepRecord, action_result: Result | None) -> StepRecord:
@@ -545,6 +563,8 @@ class _Loop:
         )
 
     async def _emit(self, kind: EventKind, step: int | None, record: Record) -> None:
+        if self.silent:
+            return
         event = Event(kind=kind, run_id=self.run_id, step=step, record=record)
         try:
             await self.definition.events.emit(event)
@@ -555,6 +575,23 @@ class _Loop:
 
 
 # -- request checks, snapshot and small helpers --------------------------------------------
+
+
+@functools.lru_cache(maxsize=512, typed=True)
+def _after_step(
+    decision: DecisionKind, model_failed: bool, action_status: ActionStatus | None,
+    synthesized: bool, done: bool, completes: bool,
+) -> StopReason | None:
+    """:func:`_stopping.after_step` over the facts of a step, memoized.
+
+    A pure function of a few enums and flags, so every step but the first few finds its
+    answer here instead of building a StepFacts value. ``typed`` keeps apart arguments
+    that are equal but not the same (``1`` and ``True``, a string and its enum member).
+    """
+    return _stopping.after_step(_stopping.StepFacts(
+        decision=decision, model_failed=model_failed, action_status=action_status,
+        synthesized=synthesized, done=done, completes=completes,
+    ))
 
 
 def _prepare(definition: Definition, request: Request) -> dict[str, JSONValue]:
@@ -684,6 +721,18 @@ def _tool_list(tools: ToolRegistry) -> list[dict[str, Any]]:
     return [tool for tool in described if isinstance(tool, dict)]
 
 
+# The method a NullSink discards events with, as defined (a patched class is not trusted).
+_NULL_EMIT = NullSink.emit
+
+
+def _discards(sink: EventSink) -> bool:
+    """Whether ``sink`` is a plain :class:`NullSink`, so that an event would be wasted work.
+
+    Its ``emit`` neither suspends nor fails, so skipping the call is unobservable.
+    """
+    return type(sink) is NullSink and NullSink.emit is _NULL_EMIT
+
+
 _ACTIVE: dict[int, set[str]] = {}
 
 
@@ -756,17 +805,20 @@ def _outcome_problem(outcome: object) -> str | None:
     return None
 
 
+_DECISION_TEXTS: dict[type, tuple[str, ...]] = {
+    Action: ("action_text", "history_text"),
+    FinalAnswer: ("answer", "history_text"),
+    InvalidDecision: ("feedback", "history_text"),
+}
+
+
 def _decision_problem(decision: object) -> str | None:
     """Why an interpreter's return value is not a usable decision, if it is not."""
     if not isinstance(decision, (Action, FinalAnswer, InvalidDecision)):
         return (f"the interpreter returned {type(decision).__name__}, "
                 f"not Action, FinalAnswer or InvalidDecision")
-    texts = {
-        Action: ("action_text", "history_text"),
-        FinalAnswer: ("answer", "history_text"),
-        InvalidDecision: ("feedback", "history_text"),
-    }[type(decision)]
-    wrong = [name for name in texts if not isinstance(getattr(decision, name), str)]
+    wrong = [name for name in _DECISION_TEXTS[type(decision)]
+             if not isinstance(getattr(decision, name), str)]
     if wrong:
         return f"the interpreter's {type(decision).__name__} has non-string {', '.join(wrong)}"
     return None

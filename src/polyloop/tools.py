@@ -192,11 +192,14 @@ class ToolRegistry:
     ``max_observation_chars`` are cut by the derived executor.
     """
 
-    __slots__ = ("_max_observation_chars", "_specs", "_validators")
+    __slots__ = ("_empty_accepted", "_max_observation_chars", "_specs", "_validators")
 
     _specs: dict[str, ToolSpec]
     _validators: dict[str, Draft202012Validator]
     _max_observation_chars: int
+    # Tools whose schema accepted the empty arguments object: a pure function of the
+    # (private, never edited) schema and that one value, so it is worked out once.
+    _empty_accepted: set[str]
 
     def __init__(self, specs: Iterable[ToolSpec], *, max_observation_chars: int) -> None:
         limit = _checked_limit(max_observation_chars)
@@ -212,6 +215,7 @@ class ToolRegistry:
         object.__setattr__(self, "_specs", checked)
         object.__setattr__(self, "_validators", validators)
         object.__setattr__(self, "_max_observation_chars", limit)
+        object.__setattr__(self, "_empty_accepted", set())
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise AttributeError(f"ToolRegistry is immutable; cannot set {name!r}")
@@ -267,6 +271,8 @@ class ToolRegistry:
         validator = self._validators.get(name) if isinstance(name, str) else None
         if validator is None:
             return self._unknown(name)
+        if type(arguments) is dict and not arguments:  # exactly {}, not a look-alike
+            return self._empty_refusal(name, validator)
         if not isinstance(arguments, dict) or not all(isinstance(key, str) for key in arguments):
             return (
                 f"arguments for tool {name!r} must be a JSON object with string keys, "
@@ -279,6 +285,17 @@ class ToolRegistry:
                 f"arguments for tool {name!r} are not plain JSON: {_clip(problem, _MESSAGE_CHARS)}"
             )
         return _schema_refusal(name, validator, arguments)
+
+    def _empty_refusal(self, name: str, validator: Draft202012Validator) -> str | None:
+        """:meth:`validate` for ``{}``, a common call, which passes every check but the schema."""
+        if name in self._empty_accepted:
+            return None
+        refusal = _schema_refusal(name, validator, {})
+        if refusal is None:
+            # Only an acceptance is kept: a refusal may come from the depth of the
+            # caller's stack (RecursionError), not from the schema alone.
+            self._empty_accepted.add(name)
+        return refusal
 
     def marks_completion(self, name: str) -> bool:
         """Whether calling ``name`` submits the task."""
@@ -418,8 +435,8 @@ class _RegistryExecutor:
         if refusal is not None:
             return self._outcome(ActionStatus.NOT_EXECUTED, refusal, synthesized=True)
         # validate() accepted it, which it only does for a dict with string keys.
-        checked = cast(dict[str, JSONValue], arguments)
-        spec = cast(ToolSpec, self._registry._lookup(name))
+        checked = cast("dict[str, JSONValue]", arguments)
+        spec = cast("ToolSpec", self._registry._lookup(name))
         observation, synthesized = await _run_handler(spec, checked, result_id)
         return self._outcome(ActionStatus.EXECUTED, observation, synthesized=synthesized)
 
