@@ -60,9 +60,25 @@ first write for that run and holds it until ``end_run`` for that run, ``aclose()
 the end of the process. Any other store object, in this process or another, gets
 :class:`~polyloop.types.RunLocked`. Readers never take the lock. Inside one store
 object, the writes of one run are serialized by a per-run lock held around the whole
-write, while different runs proceed in parallel. Every blocking call runs in a worker
-thread (``anyio.to_thread.run_sync``), which is what lets this store serve asyncio and
-Trio alike.
+write, while different runs proceed in parallel.
+
+Threads
+=======
+
+Opening, locking, reading, creating a run and taking a run over run in a worker thread
+(``anyio.to_thread.run_sync``), which is what lets this store serve asyncio and Trio
+alike. Two kinds of call run on the event loop's own thread instead, because a thread
+hop (two wake-ups) costs as much as the disk work it would carry:
+
+* an append to a run whose descriptor this object already holds, without a sync (a
+  copy of a few hundred bytes into the page cache);
+* an append with its sync, while this object writes a single run and the last timed
+  sync took under two milliseconds. With several runs, syncs go to worker threads,
+  where the syncs of different runs overlap on the disk instead of queueing behind the
+  event loop; a slow disk sends them there too, until it is fast again.
+
+Either kind falls back to a worker thread when the run's lock is busy. Research-wiki
+record 0013 holds the measurements behind these rules.
 
 File operations
 ===============
@@ -92,6 +108,7 @@ from typing import TypeVar
 import anyio.to_thread
 
 from polyloop.serialization import dumps, loads
+from polyloop.stores._batching import InlineSyncGate
 from polyloop.stores._common import FORMAT, WriterState, fsync_directory, safe_name
 from polyloop.stores._fileops import FileOps, OsFileOps
 from polyloop.types import (
@@ -166,7 +183,7 @@ class JsonlStore:
     :meth:`aclose`, to release the writer locks it holds.
     """
 
-    __slots__ = ("_directory", "_directory_ready", "_files", "_slots", "_state")
+    __slots__ = ("_directory", "_directory_ready", "_files", "_gate", "_slots", "_state")
 
     def __init__(
         self, directory: str | os.PathLike[str], *, _files: FileOps | None = None
@@ -176,6 +193,7 @@ class JsonlStore:
         self._directory_ready = False
         self._slots: dict[str, _Slot] = {}
         self._state = WriterState()
+        self._gate = InlineSyncGate()
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """The kind and record format; never the directory, so moved data still resumes."""
@@ -198,24 +216,25 @@ class JsonlStore:
     async def write_intent(self, intent: Intent) -> None:
         """Append an intent and ``fsync`` the file before returning.
 
-        Cancellation: the worker thread finishes the append and the sync before the
-        cancellation is delivered, so a cancelled call still leaves a durable intent.
+        Cancellation: the append and the sync (on this thread or in a worker thread)
+        finish before the cancellation is delivered, so a cancelled call still leaves a
+        durable intent.
         """
         await self._append(intent.run_id, _line(dumps(intent)), sync=True)
 
     async def write_result(self, result: Result) -> None:
         """Append the result of a model call (not synced).
 
-        Cancellation: the worker thread finishes the append before the cancellation is
-        delivered; the line is complete in the file either way.
+        Cancellation: the append finishes before the cancellation is delivered; the
+        line is complete in the file either way.
         """
         await self._append(result.run_id, _line(dumps(result)))
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
         """Append a step and its action's result as one line, so both land or neither.
 
-        Cancellation: the worker thread finishes the append before the cancellation is
-        delivered; the line is complete in the file either way.
+        Cancellation: the append finishes before the cancellation is delivered; the
+        line is complete in the file either way.
         """
         if action_result is None:
             await self._append(step.run_id, _line(dumps(step)))
@@ -229,8 +248,8 @@ class JsonlStore:
     async def end_run(self, record: RunEnded) -> None:
         """Append the end record, then release this run's writer lock.
 
-        Cancellation: the worker thread finishes the append and the release before the
-        cancellation is delivered.
+        Cancellation: the append and the release finish before the cancellation is
+        delivered.
         """
         await self._append(record.run_id, _line(dumps(record)), release=True)
 
@@ -287,20 +306,32 @@ class JsonlStore:
     async def _append(
         self, run_id: str, data: bytes, *, sync: bool = False, release: bool = False
     ) -> None:
+        # An append to a descriptor we already hold is a short copy into the page cache:
+        # it runs here rather than paying a thread hop. A sync joins it only while this
+        # store writes one run and syncs are quick (see InlineSyncGate); otherwise the
+        # sync goes to a worker thread, where the syncs of different runs overlap.
+        inline = not sync or self._gate.allows(len(self._slots))
+        if inline and self._try_inline(run_id, self._appender(run_id, data, sync, release)):
+            return
         await anyio.to_thread.run_sync(self._append_sync, run_id, data, sync, release)
 
     def _append_sync(self, run_id: str, data: bytes, sync: bool, release: bool) -> None:
+        self._locked(run_id, self._appender(run_id, data, sync, release))
+
+    def _appender(
+        self, run_id: str, data: bytes, sync: bool, release: bool
+    ) -> Callable[[_Slot], None]:
         files = self._files
 
         def append(slot: _Slot) -> None:
             fd = slot.fd if slot.fd is not None else self._take_over(slot, run_id)
             _write_all(files, fd, data)
             if sync:
-                files.fsync(fd)
+                self._gate.timed(lambda: files.fsync(fd))
             if release:
                 _release(files, slot)
 
-        self._locked(run_id, append)
+        return append
 
     def _start_sync(self, run_id: str, data: bytes) -> None:
         def start(slot: _Slot) -> None:
@@ -314,7 +345,7 @@ class JsonlStore:
             if not created:
                 _reuse_if_empty(self._files, slot, fd, run_id)
             _write_all(self._files, fd, data)
-            self._files.fsync(fd)
+            self._gate.timed(lambda: self._files.fsync(fd))
             self._files.fsync_directory(self._directory)
 
         self._locked(run_id, start)
@@ -324,16 +355,45 @@ class JsonlStore:
         slot = self._enter(run_id)
         try:
             with slot.lock:
-                self._state.check_writable(run_id)
-                try:
-                    return action(slot)
-                except PolyLoopError:
-                    raise
-                except OSError as exc:
-                    _release(self._files, slot, quiet=True)
-                    raise self._state.fail(run_id, exc) from exc
+                return self._guarded(run_id, slot, action)
         finally:
             self._leave(run_id, slot)
+
+    def _try_inline(self, run_id: str, action: Callable[[_Slot], None]) -> bool:
+        """Run ``action`` on this thread if the run's descriptor is held and its lock free.
+
+        ``False`` (nothing done) sends the caller to a worker thread: a run this object
+        does not write yet needs a take-over (blocking reads), and a busy lock means a
+        worker thread is using the run (closing the store), which must not block the
+        event loop.
+        """
+        slot = self._slots.get(run_id)
+        if slot is None or not slot.lock.acquire(blocking=False):
+            return False
+        # Only a holder of the slot's lock clears its descriptor, and a slot with a
+        # descriptor is never dropped, so this check under the lock is stable.
+        if slot.fd is None:
+            slot.lock.release()
+            return False
+        with self._state.mutex:
+            slot.users += 1
+        try:
+            self._guarded(run_id, slot, action)
+        finally:
+            slot.lock.release()
+            self._leave(run_id, slot)
+        return True
+
+    def _guarded(self, run_id: str, slot: _Slot, action: Callable[[_Slot], _T]) -> _T:
+        """Run ``action`` under the run's lock (held by the caller); failures end the run."""
+        self._state.check_writable(run_id)
+        try:
+            return action(slot)
+        except PolyLoopError:
+            raise
+        except OSError as exc:
+            _release(self._files, slot, quiet=True)
+            raise self._state.fail(run_id, exc) from exc
 
     def _enter(self, run_id: str) -> _Slot:
         with self._state.mutex:

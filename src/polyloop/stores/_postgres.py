@@ -27,12 +27,38 @@ an identifier. The DDL runs once per store object, inside a transaction that hol
 whose tables already exist needs no DDL privilege at all. A schema recorded with another
 major of the format raises ``SchemaMajorMismatch``.
 
-Durability. Each write is one ``INSERT`` statement on an autocommit connection, so one
-transaction: ``write_step`` inserts the action result and the step record (in that
-order) in one statement, so both land or neither does. A commit returns once PostgreSQL
-has flushed its write-ahead log; a writer session whose ``synchronous_commit`` is
-``off`` is switched back to ``on``, because an intent must survive a crash of the server
-before its side effect runs.
+Durability. Writes share commits (group commit): the writes that wait at the same moment
+for one writer connection, from any of its runs, are committed together in one
+transaction, and every call returns only after the commit that holds its rows.
+``write_step`` puts the action result and the step record (in that order) in one
+transaction, so both land or neither does. What is on disk when a call returns:
+
+* ``start_run`` and ``write_intent`` are durable barriers. A batch holding one commits
+  with ``synchronous_commit`` on, so the call returns once the server has flushed its
+  write-ahead log past the record, and with it every record committed before (the log
+  is flushed in order). An intent thus survives a crash of the server before its side
+  effect runs; a writer session whose ``synchronous_commit`` is ``off`` is switched
+  back to ``on`` for this reason.
+* A batch of only ``write_result``, ``write_step`` and ``end_run`` commits with
+  ``synchronous_commit`` off for its own transaction (``SET LOCAL``, or its function
+  form ``set_config(..., true)`` inside the one statement): when the call returns its
+  rows are committed, visible to every reader and safe from the death of this
+  process, but not yet flushed. The server flushes them within a few
+  ``wal_writer_delay`` periods, or earlier with any synchronous commit. A crash of the
+  server (or its host) before then loses the latest such records: a tail of each run's
+  log after its last barrier, never an earlier record and never a gap, because a run's
+  commits are ordered and the log is flushed in order. Recovery reads that log as if
+  the crash came before those writes (an intent without its result, a step without its
+  end record), so a run whose ``end_run`` returned may read back as unfinished and
+  ``resume`` then continues it by the recovery rules; no side effect runs twice unless
+  its intent allows a replay.
+
+A batch of up to 1,000 rows is one ``INSERT`` statement on the autocommit connection:
+one statement, one transaction, one round trip. A larger one is sent in one pipeline,
+``BEGIN`` … ``COMMIT``. If the server refuses a row, the whole transaction rolls back
+and the batch runs again, each item under its own ``SAVEPOINT``, so that the item at
+fault fails alone. (A private ``_group_commit=False`` writes each record in its own
+statement and thread hop instead, the baseline the benchmarks use.)
 
 Writers. A run has one writer: a store object takes the run's lock at its first write
 with ``pg_try_advisory_lock(key)``, where the 64-bit key is the start of the sha256 of
@@ -40,20 +66,27 @@ the schema and the run id (``False`` means another session holds it: ``RunLocked
 The lock is a session-level lock, so it lives on one connection; that connection is a
 *writer connection*, opened by this store object for writing only. It is never taken
 from or returned to the reader pool, so a lock can never travel to an unrelated user of
-a pooled connection. The lock is released by ``pg_advisory_unlock`` after the run's
-``end_run``, by ``aclose()`` (``pg_advisory_unlock_all``, then the connection closes),
-or by the server when the connection drops, for example because the process died. A
-store object opens at most ``max_writer_connections`` writer connections: a run gets a
-connection of its own while there is room, after that it shares the least busy one
-(writes on one connection queue behind each other). This keeps the number of server
-connections bounded however many runs a worker drives at once.
+a pooled connection. The lock is released by ``pg_advisory_unlock`` once the commit
+holding the run's ``end_run`` has ended, by ``aclose()`` (``pg_advisory_unlock_all``,
+then the connection closes), or by the server when the connection drops, for example
+because the process died. A store object opens at most ``max_writer_connections``
+writer connections: a run gets a connection of its own while there is room, after that
+it shares the least busy one. Every write of a run goes through the connection that
+holds (or will hold) its lock, and each connection commits one batch at a time, holding
+the waiting writes of all its runs; each run's next ``seq`` is given out in the batch,
+in submission order. This keeps the number of server connections bounded however many
+runs a worker drives at once, and the more runs share a connection, the more writes
+each commit carries.
 
 Failures. A ``psycopg.Error`` during a write raises ``StoreError`` (the cause chained)
 and the store object writes nothing more for that run until it is closed and reopened.
-If the error broke the writer connection, its locks are gone too, so every run whose
-lock lived on that connection is refused in the same way: another worker may already
-have taken it over. Nothing ever reconnects silently, which would mean writing without
-the lock.
+A commit that fails, or a connection lost in the middle of a batch, fails every write
+of the batch that way. If the error broke the writer connection, its locks are gone
+too, so every run whose lock lived on that connection is refused in the same way:
+another worker may already have taken it over. Nothing ever reconnects silently, which
+would mean writing without the lock. A write refused on its own (``RunAlreadyExists``,
+``RunLocked``, a run never started, a run refused after a failure) writes nothing,
+keeps no lock it took, and does not affect the other writes of its batch.
 
 Deployment. Writer connections must reach PostgreSQL itself or a session-pooling
 proxy: a proxy that pools by transaction would move the session-level lock between
@@ -65,8 +98,12 @@ Threads. psycopg 3 is used with plain blocking connections; every call runs in a
 thread (``anyio.to_thread.run_sync``), so the event loop never blocks and the store works
 unchanged under asyncio and Trio (psycopg's own async API is tied to asyncio). Reads and
 the DDL use a ``psycopg_pool.ConnectionPool``, opened lazily in a worker thread at first
-use and closed by ``aclose()``. Writes of one run are ordered by a per-run
-``threading.Lock``; a writer connection is used by one thread at a time.
+use and closed by ``aclose()``. A write alone on its writer connection commits in one
+thread hop of its own; writes that arrive while another is in flight join the
+connection's next batch (:class:`~polyloop.stores._batching.GroupCommit`), which one
+thread hop commits for all of them. A writer connection is used by one thread at a
+time, under its own ``threading.Lock``. A store object must be used from one event
+loop at a time.
 """
 
 from __future__ import annotations
@@ -82,6 +119,7 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import psycopg
 from psycopg import sql
@@ -90,6 +128,7 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from polyloop import serialization
+from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import FORMAT, WriterState, check_format
 from polyloop.types import (
     CorruptLog,
@@ -115,6 +154,9 @@ _Connection = psycopg.Connection[TupleRow]
 _Row = tuple[str, str]
 # What a write does to the run: start it, append to it, or end it.
 _Mode = Literal["start", "append", "end"]
+# One outcome per item of a batch: None (committed) or the error its caller sees.
+_Errors = list[BaseException | None]
+_Probe = Callable[[_Connection, tuple[tuple[str, str], ...], tuple[str, ...]], None]
 
 _KIND: dict[type[Any], str] = {
     RunStarted: "run_started",
@@ -126,6 +168,9 @@ _KIND: dict[type[Any], str] = {
 _MAX_IDENTIFIER_BYTES = 63
 _SHOWN_ID_CHARS = 60
 _WRITER_NAME = "polyloop-writer"
+# Five parameters a row: a statement stays far below the protocol's 65,535 parameters.
+_MAX_ROWS_PER_STATEMENT = 1000
+_ASYNC_COMMIT = "SET LOCAL synchronous_commit = off"
 _READER_NAME = "polyloop-reader"
 
 
@@ -186,10 +231,34 @@ class _Queries:
     set_format: sql.Composed
     get_format: sql.Composed
     next_seq: sql.Composed
-    insert_one: sql.Composed
-    insert_two: sql.Composed
+    insert: sql.Composed
+    row: sql.SQL
+    lazy_insert: sql.Composed
+    lazy_row: sql.SQL
+    lazy_commit: sql.SQL
+    unlock: sql.SQL
+    unlock_all_of: sql.SQL
     select_run: sql.Composed
     select_run_ids: sql.Composed
+    inserts: dict[tuple[int, bool], sql.Composed] = field(default_factory=dict)
+
+    def insert_rows(self, count: int, *, lazy: bool = False) -> sql.Composed:
+        """An ``INSERT`` of ``count`` rows (built once per shape, then reused).
+
+        A ``lazy`` one also calls ``set_config('synchronous_commit', 'off', true)``, the
+        function form of ``SET LOCAL``: run alone on an autocommit connection, it is a
+        transaction that commits without waiting for the flush, and the session keeps
+        its own setting. (PostgreSQL never drops a volatile call from a subquery.)
+        """
+        query = self.inserts.get((count, lazy))
+        if query is None:
+            if lazy:
+                rows = sql.SQL(", ").join([self.lazy_row] * count)
+                query = self.lazy_insert + rows + self.lazy_commit
+            else:
+                query = self.insert + sql.SQL(", ").join([self.row] * count)
+            self.inserts[count, lazy] = query
+        return query
 
     @classmethod
     def for_schema(cls, schema: str) -> _Queries:
@@ -220,8 +289,17 @@ class _Queries:
             next_seq=sql.SQL(
                 "SELECT coalesce(max(seq) + 1, 0) FROM {} WHERE run_key = %s"
             ).format(records),
-            insert_one=insert + row,
-            insert_two=insert + row + sql.SQL(", ") + row,
+            insert=insert,
+            row=row,
+            lazy_insert=sql.SQL(
+                "INSERT INTO {} (run_key, seq, run_id, kind, body) SELECT v.* FROM (VALUES "
+            ).format(records),
+            lazy_row=sql.SQL("(%s::bytea, %s::bigint, %s::text, %s::text, %s::text)"),
+            lazy_commit=sql.SQL(
+                ") AS v CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) AS lazy"
+            ),
+            unlock=sql.SQL("SELECT pg_advisory_unlock(%s)"),
+            unlock_all_of=sql.SQL("SELECT pg_advisory_unlock(k) FROM unnest(%s::bigint[]) AS k"),
             select_run=sql.SQL(
                 "SELECT seq, run_id, kind, body FROM {} WHERE run_key = %s ORDER BY seq"
             ).format(records),
@@ -233,11 +311,17 @@ class _Queries:
 
 @dataclass(eq=False)
 class _Writer:
-    """A writer connection of this store object and the runs whose locks it holds."""
+    """A writer connection of this store object and the runs routed to it.
 
+    ``runs`` holds every run whose lock lives on the connection or whose write is on its
+    way to it; ``group`` gathers the waiting writes of those runs into shared commits.
+    """
+
+    group: GroupCommit[_Item]
     connection: _Connection | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     runs: set[str] = field(default_factory=set)
+    writing: int = 0  # writes of its runs in flight, counted on the event loop
     broken: bool = False
 
 
@@ -253,11 +337,63 @@ class _Claim:
 
 @dataclass(eq=False)
 class _Slot:
-    """Per-run bookkeeping: the lock that orders the run's writes, and its claim."""
+    """Per-run bookkeeping: the run's writer connection, its claim, and who writes now.
 
+    ``lock`` orders the run's writes when each write takes its own thread (without group
+    commit); with group commit the run's writes are ordered by its writer's batches.
+    """
+
+    run_id: str
+    writer: _Writer
     lock: threading.Lock = field(default_factory=threading.Lock)
     users: int = 0
     claim: _Claim | None = None
+
+
+@dataclass(eq=False, slots=True)
+class _Item:
+    """One write waiting for a shared commit: its run's slot, its rows, what it does."""
+
+    slot: _Slot
+    rows: Sequence[_Row]
+    mode: _Mode
+    barrier: bool
+
+
+@dataclass(eq=False)
+class _Plan:
+    """What one batch inserts, decided before anything is sent.
+
+    ``accepted`` holds (index in the batch, item, the item's first seq) in submission
+    order. Per run of the batch: ``claims`` is the claim it writes under (``fresh`` the
+    ones this batch took), ``seqs`` its next seq once the batch commits, and ``ended``
+    says its last accepted item ends it.
+    """
+
+    accepted: list[tuple[int, _Item, int]] = field(default_factory=list)
+    claims: dict[str, _Claim] = field(default_factory=dict)
+    fresh: dict[str, _Claim] = field(default_factory=dict)
+    seqs: dict[str, int] = field(default_factory=dict)
+    ended: set[str] = field(default_factory=set)
+
+    @property
+    def barrier(self) -> bool:
+        return any(item.barrier for _, item, _ in self.accepted)
+
+    def rows(self) -> tuple[tuple[str, str], ...]:
+        """(run id, kind) of every row the batch inserts, in order."""
+        return tuple((item.slot.run_id, kind) for _, item, _ in self.accepted
+                     for kind, _ in item.rows)
+
+    def accept(self, index: int, item: _Item, claim: _Claim, seq: int) -> None:
+        run_id = item.slot.run_id
+        self.claims[run_id] = claim
+        self.seqs[run_id] = seq + len(item.rows)
+        self.accepted.append((index, item, seq))
+        if item.mode == "end":
+            self.ended.add(run_id)
+        else:
+            self.ended.discard(run_id)
 
 
 class PostgresStore:
@@ -278,8 +414,10 @@ class PostgresStore:
     """
 
     __slots__ = (
+        "_commit_probe",
         "_connect",
         "_conninfo",
+        "_grouped",
         "_max_writers",
         "_pool",
         "_pool_size",
@@ -301,8 +439,16 @@ class PostgresStore:
         pool_size: int = 4,
         max_writer_connections: int = 8,
         timeout: float = 30.0,
+        _group_commit: bool = True,
     ) -> None:
         _check_options(schema, pool_size, max_writer_connections, timeout)
+        # Private: ``False`` writes each record in its own autocommit statement and
+        # thread hop (the one-commit-per-barrier baseline the benchmarks compare with).
+        self._grouped = _group_commit
+        # Private, for tests: called in the batch thread just before each commit of a
+        # batch, with the writer connection, the (run id, kind) of every row in it, and
+        # the SQL text of the statements that make up the commit.
+        self._commit_probe: _Probe | None = None
         self._conninfo = conninfo
         self._connect = _connect_options(conninfo, timeout)
         self._schema = schema
@@ -324,37 +470,44 @@ class PostgresStore:
     # -- the Store protocol ---------------------------------------------------------------
 
     async def start_run(self, record: RunStarted) -> None:
-        """Take the run's writer lock and write its first record.
+        """Take the run's writer lock and write its first record, a durable barrier.
 
+        When this returns the record is committed and flushed to the server's disk.
         Raises ``RunLocked`` if another writer holds the run and ``RunAlreadyExists`` if
-        the run has any row.
+        the run has any row (either way nothing is written and no lock is kept).
 
-        Cancellation: the worker thread finishes the statement (committed or not) before
-        the cancellation is delivered.
+        Cancellation: a call cancelled before its batch starts writes nothing, takes no
+        lock and re-raises. Once the batch has started the call waits for its commit
+        (shielded), then re-raises: the record is committed, or its write failed.
         """
-        await self._write(record.run_id, [record], "start")
+        await self._write(record.run_id, [record], "start", barrier=True)
 
     async def write_intent(self, intent: Intent) -> None:
-        """Write an intent; it is committed and flushed when this returns.
+        """Write an intent, a durable barrier: committed and flushed when this returns.
 
-        Cancellation: the worker thread finishes the statement before the cancellation
-        is delivered, so a cancelled call may still have written the intent.
+        Cancellation: a call cancelled before its batch starts writes nothing and
+        re-raises. Once the batch has started the call waits for its commit (shielded),
+        then re-raises: a cancelled call may have written the intent.
         """
-        await self._write(intent.run_id, [intent], "append")
+        await self._write(intent.run_id, [intent], "append", barrier=True)
 
     async def write_result(self, result: Result) -> None:
-        """Write the result of a model call in its own transaction.
+        """Write the result of a model call; committed (not yet flushed) when this returns.
 
-        Cancellation: the worker thread finishes the statement before the cancellation
-        is delivered.
+        Cancellation: a call cancelled before its batch starts writes nothing and
+        re-raises. Once the batch has started the call waits for its commit (shielded),
+        then re-raises.
         """
         await self._write(result.run_id, [result], "append")
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
         """Write the action result (if any) and the step record in one transaction.
 
-        Cancellation: the worker thread finishes the statement before the cancellation
-        is delivered; both rows are there afterwards, or neither.
+        Committed (not yet flushed) when this returns: both rows, or neither.
+
+        Cancellation: a call cancelled before its batch starts writes nothing and
+        re-raises. Once the batch has started the call waits for its commit (shielded),
+        then re-raises; both rows are there afterwards, or neither.
         """
         if action_result is None:
             await self._write(step.run_id, [step], "append")
@@ -368,8 +521,11 @@ class PostgresStore:
     async def end_run(self, record: RunEnded) -> None:
         """Write the run's end record, then release the run's writer lock.
 
-        Cancellation: the worker thread finishes the statement and the release before the
-        cancellation is delivered.
+        The record is committed (not yet flushed) and the lock released when this returns.
+
+        Cancellation: a call cancelled before its batch starts writes nothing, keeps the
+        lock and re-raises. Once the batch has started the call waits for its commit and
+        the release (shielded), then re-raises.
         """
         await self._write(record.run_id, [record], "end")
 
@@ -423,23 +579,85 @@ class PostgresStore:
     def __repr__(self) -> str:
         return f"PostgresStore(schema={self._schema!r})"
 
-    # -- writing (worker thread) ------------------------------------------------------------
+    # -- writing ----------------------------------------------------------------------------
 
-    async def _write(self, run_id: str, records: Sequence[Record], mode: _Mode) -> None:
+    async def _write(self, run_id: str, records: Sequence[Record], mode: _Mode, *,
+                     barrier: bool = False) -> None:
         rows = [_row(record) for record in records]
-        await self._in_thread(self._write_rows, run_id, rows, mode)
+        with self._routed(run_id) as (slot, alone):
+            if not self._grouped:
+                await self._in_thread(self._write_rows, slot, rows, mode)
+            elif alone:
+                # Nobody could share this commit: skip the batching, keep its rules.
+                # A write that arrives meanwhile batches, and waits for writer.lock.
+                item = _Item(slot, rows, mode, barrier)
+                error = (await self._in_thread(self._commit_batch, slot.writer, [item]))[0]
+                # As after a shared commit: a cancellation that came during it is raised.
+                await anyio.lowlevel.checkpoint_if_cancelled()
+                if error is not None:
+                    raise error
+            else:
+                await slot.writer.group.submit(_Item(slot, rows, mode, barrier))
 
-    def _write_rows(self, run_id: str, rows: Sequence[_Row], mode: _Mode) -> None:
+    @contextmanager
+    def _routed(self, run_id: str) -> Iterator[tuple[_Slot, bool]]:
+        """Count a write in ``run_id``'s slot and its writer; say if it is the writer's only one.
+
+        A run's writes all go to one writer connection, the one its lock lives on (or
+        will), so that the batches of that connection order them. The slot is forgotten
+        when nobody uses or claims it.
+        """
+        with self._state.mutex:
+            self._state.check_writable(run_id)
+            slot = self._slots.get(run_id)
+            if slot is None:
+                slot = self._slots[run_id] = _Slot(run_id, self._pick_writer())
+                slot.writer.runs.add(run_id)
+            slot.users += 1
+            alone = slot.writer.writing == 0
+            slot.writer.writing += 1
+        try:
+            yield slot, alone
+        finally:
+            with self._state.mutex:
+                slot.users -= 1
+                slot.writer.writing -= 1
+                if slot.users == 0 and slot.claim is None and self._slots.get(run_id) is slot:
+                    del self._slots[run_id]
+                    slot.writer.runs.discard(run_id)
+
+    def _pick_writer(self) -> _Writer:
+        """An idle writer, a new one, or the least busy (called with the mutex held)."""
+        writer = min(self._writers, key=lambda w: len(w.runs), default=None)
+        if writer is None or (writer.runs and len(self._writers) < self._max_writers):
+            writer = self._new_writer()
+            self._writers.append(writer)
+        return writer
+
+    def _new_writer(self) -> _Writer:
+        writer: _Writer
+
+        def commit(items: Sequence[_Item]) -> _Errors:
+            return self._commit_batch(writer, items)
+
+        writer = _Writer(group=GroupCommit(commit))
+        return writer
+
+    # -- one write, one statement (worker thread; without group commit) ---------------------
+
+    def _write_rows(self, slot: _Slot, rows: Sequence[_Row], mode: _Mode) -> None:
         """Claim the run if needed, check it exists (or not), insert, release at the end."""
-        with self._slot(run_id) as slot:
+        run_id, writer = slot.run_id, slot.writer
+        with slot.lock:
             self._state.check_writable(run_id)
             self._ensure_ready(run_id)
             fresh = slot.claim is None
             if slot.claim is None:
-                slot.claim = self._claim(run_id)
+                with writer.lock:
+                    slot.claim = self._claim(writer, run_id)
             claim = slot.claim
             try:
-                _check_mode(claim, mode)
+                _check_mode(run_id, claim.next_seq, mode)
             except PolyLoopError:
                 # A refusal writes nothing and leaves behind no lock that it took.
                 if fresh:
@@ -449,66 +667,9 @@ class PostgresStore:
             if mode == "end":
                 self._release(slot)
 
-    @contextmanager
-    def _slot(self, run_id: str) -> Iterator[_Slot]:
-        """Hold ``run_id``'s slot lock; forget the slot when nobody uses or claims it."""
-        with self._state.mutex:
-            slot = self._slots.setdefault(run_id, _Slot())
-            slot.users += 1
-        try:
-            with slot.lock:
-                yield slot
-        finally:
-            with self._state.mutex:
-                slot.users -= 1
-                if slot.users == 0 and slot.claim is None:
-                    self._slots.pop(run_id, None)
-
-    def _claim(self, run_id: str) -> _Claim:
-        """Take ``run_id``'s advisory lock on a writer connection, or raise ``RunLocked``."""
-        writer = self._pick_writer(run_id)
-        key = run_lock_key(self._schema, run_id)
-        with writer.lock:
-            try:
-                conn = self._writer_connection(writer, run_id)
-                locked = _scalar(conn, sql.SQL("SELECT pg_try_advisory_lock(%s)"), (key,))
-                next_seq = _scalar(conn, self._queries.next_seq, (_run_key(run_id),))
-            except BaseException as exc:
-                self._forget(writer, run_id)
-                if isinstance(exc, psycopg.Error):
-                    raise self._failed(run_id, writer, exc) from exc
-                raise
-        if not locked:
-            self._forget(writer, run_id)
-            raise RunLocked("another writer holds this run", run_id=run_id)
-        return _Claim(run_id=run_id, key=key, writer=writer, next_seq=int(next_seq))
-
-    def _pick_writer(self, run_id: str) -> _Writer:
-        """A writer connection for a new claim: an idle one, a new one, or the least busy."""
-        with self._state.mutex:
-            self._state.check_writable(run_id)
-            writer = min(self._writers, key=lambda w: len(w.runs), default=None)
-            if writer is None or (writer.runs and len(self._writers) < self._max_writers):
-                writer = _Writer()
-                self._writers.append(writer)
-            writer.runs.add(run_id)
-            return writer
-
-    def _writer_connection(self, writer: _Writer, run_id: str) -> _Connection:
-        """The writer's connection, opened on first use (called with ``writer.lock`` held)."""
-        if writer.broken or self._state.closed:
-            raise StoreError("the writer connection is gone", run_id=run_id)
-        if writer.connection is None:
-            writer.connection = _open_writer(self._conninfo, **self._connect)
-        return writer.connection
-
     def _insert(self, claim: _Claim, rows: Sequence[_Row]) -> None:
         run_id, writer = claim.run_id, claim.writer
-        query = self._queries.insert_one if len(rows) == 1 else self._queries.insert_two
-        key, column = _run_key(run_id), _column(run_id)
-        params: list[object] = []
-        for offset, (kind, body) in enumerate(rows):
-            params += [key, claim.next_seq + offset, column, kind, body]
+        query, params = self._statements([(claim.run_id, claim.next_seq, rows)])[0]
         with writer.lock:
             try:
                 self._writer_connection(writer, run_id).execute(query, params)
@@ -519,26 +680,213 @@ class PostgresStore:
     def _release(self, slot: _Slot) -> None:
         """Give up the slot's claim: unlock the run on its writer connection."""
         claim, slot.claim = slot.claim, None
-        if claim is None:
-            return
-        writer = claim.writer
+        if claim is not None:
+            with claim.writer.lock:
+                self._unlock(claim.writer, [claim.key])
+
+    # -- shared commits (worker thread; one batch of one writer connection at a time) -------
+
+    def _commit_batch(self, writer: _Writer, items: Sequence[_Item]) -> _Errors:
+        """Commit every item that may be written in one transaction; say how each ended."""
+        errors: _Errors = [None] * len(items)
         with writer.lock:
-            self._forget(writer, claim.run_id)
-            conn = writer.connection
-            if conn is None or writer.broken:
-                return
+            plan = self._plan(writer, items, errors)
+            if plan.accepted:
+                self._commit_plan(writer, plan, errors)
+            self._settle(writer, plan, errors)
+        return errors
+
+    def _plan(self, writer: _Writer, items: Sequence[_Item], errors: _Errors) -> _Plan:
+        """Refuse what must not be written, claim new runs, give each item its seq."""
+        plan = _Plan()
+        for index, item in enumerate(items):
+            run_id = item.slot.run_id
             try:
-                conn.execute("SELECT pg_advisory_unlock(%s)", (claim.key,))
+                self._state.check_writable(run_id)
+                self._ensure_ready(run_id)
+                claim = plan.claims.get(run_id) or item.slot.claim
+                if claim is None:
+                    claim = plan.fresh[run_id] = plan.claims[run_id] = self._claim(writer, run_id)
+                seq = plan.seqs.get(run_id, claim.next_seq)
+                _check_mode(run_id, seq, item.mode)
+            except PolyLoopError as exc:
+                errors[index] = exc
+                continue
+            plan.accept(index, item, claim, seq)
+        return plan
+
+    def _commit_plan(self, writer: _Writer, plan: _Plan, errors: _Errors) -> None:
+        """Insert every accepted item and commit; on failure every item learns why."""
+        first = plan.accepted[0][1].slot.run_id
+        try:
+            conn = self._writer_connection(writer, first)
+            try:
+                self._insert_all(conn, plan)
+            except psycopg.Error:
+                if conn.broken or conn.closed:
+                    raise
+                # Nothing was committed (a server error ends the whole transaction):
+                # again, item by item, so that one bad item fails alone.
+                _roll_back(conn)
+                self._insert_each(conn, writer, plan, errors)
+        except (psycopg.Error, StoreError) as exc:
+            self._fail_all(writer, plan, errors, exc)
+        except Exception as exc:  # noqa: BLE001 - its state is unknown: give the connection up
+            self._drop_writer(writer, exc)
+            self._fail_all(writer, plan, errors, exc)
+
+    def _insert_all(self, conn: _Connection, plan: _Plan) -> None:
+        """The batch in one round trip: one transaction, committed synchronously if it
+        holds a barrier, else with ``synchronous_commit`` off for this transaction only."""
+        writes = [(item.slot.run_id, seq, item.rows) for _, item, seq in plan.accepted]
+        if sum(len(item.rows) for _, item, _ in plan.accepted) <= _MAX_ROWS_PER_STATEMENT:
+            # One statement on an autocommit connection is one transaction; the writer
+            # session's synchronous_commit is on (see _open_writer), and only a batch
+            # without a barrier turns it off, for that transaction alone.
+            [(query, params)] = self._statements(writes, lazy=not plan.barrier)
+            self._probe(conn, plan.rows(), [query])
+            conn.execute(query, params)
+            return
+        statements = self._statements(writes)
+        head = _begin(plan.barrier)
+        with conn.pipeline():
+            for text in head:
+                conn.execute(text)
+            for query, params in statements:
+                conn.execute(query, params)
+            self._probe(conn, plan.rows(), [*head, *(query for query, _ in statements)])
+            conn.execute("COMMIT")
+
+    def _insert_each(self, conn: _Connection, writer: _Writer, plan: _Plan,
+                     errors: _Errors) -> None:
+        """The batch again, each item under a savepoint: a failing item rolls back alone."""
+        head = _begin(plan.barrier)
+        for text in head:
+            conn.execute(text)
+        sent: list[sql.Composed | str] = [*head]
+        written: list[tuple[str, str]] = []
+        for index, item, seq in plan.accepted:
+            run_id = item.slot.run_id
+            try:  # an earlier item of the run failed: writing this one would leave a gap
+                self._state.check_writable(run_id)
+            except StoreError as exc:
+                errors[index] = exc
+                continue
+            conn.execute("SAVEPOINT polyloop_item")
+            try:
+                for query, params in self._statements([(run_id, seq, item.rows)]):
+                    conn.execute(query, params)
+                    sent.append(query)
             except psycopg.Error as exc:
-                # The run's own rows are committed; only the connection's other runs
-                # are affected (their locks went with the connection).
-                self._drop_writer(writer, exc)
+                if conn.broken or conn.closed:
+                    raise
+                conn.execute("ROLLBACK TO SAVEPOINT polyloop_item")
+                errors[index] = self._failed(run_id, writer, exc)
+            else:
+                conn.execute("RELEASE SAVEPOINT polyloop_item")
+                written += [(run_id, kind) for kind, _ in item.rows]
+        self._probe(conn, tuple(written), sent)
+        conn.execute("COMMIT")
 
-    def _forget(self, writer: _Writer, run_id: str) -> None:
+    def _fail_all(self, writer: _Writer, plan: _Plan, errors: _Errors, exc: Exception) -> None:
+        """The commit failed or its outcome is unknown: every accepted item fails."""
+        conn = writer.connection
+        if conn is not None and not (conn.broken or conn.closed):
+            try:
+                _roll_back(conn)
+            except psycopg.Error as lost:
+                self._drop_writer(writer, lost)
+        for index, item, _ in plan.accepted:
+            if errors[index] is None:
+                errors[index] = self._failed(item.slot.run_id, writer, exc)
+
+    def _settle(self, writer: _Writer, plan: _Plan, errors: _Errors) -> None:
+        """After the commit: advance each run's seq, keep the new claims that wrote, and
+        unlock the runs that ended (only now: their end record is committed) and the
+        claims this batch took in vain."""
+        committed = {item.slot.run_id: item.slot for index, item, _ in plan.accepted
+                     if errors[index] is None}
+        keys: list[int] = []
         with self._state.mutex:
-            writer.runs.discard(run_id)
+            for run_id, claim in plan.claims.items():
+                slot = committed.get(run_id)
+                if slot is None:
+                    if run_id in plan.fresh:
+                        keys.append(claim.key)
+                    continue
+                claim.next_seq = plan.seqs[run_id]
+                slot.claim = None if run_id in plan.ended else claim
+                if run_id in plan.ended:
+                    keys.append(claim.key)
+        if keys:
+            self._unlock(writer, keys)
 
-    def _failed(self, run_id: str, writer: _Writer, exc: psycopg.Error) -> StoreError:
+    def _probe(self, conn: _Connection, rows: tuple[tuple[str, str], ...],
+               sent: Sequence[sql.Composed | str]) -> None:
+        """Show the private test probe what is about to commit, and the SQL sent for it."""
+        if self._commit_probe is not None:
+            texts = [text if isinstance(text, str) else text.as_string(conn) for text in sent]
+            self._commit_probe(conn, rows, tuple(texts))
+
+    def _statements(
+        self, writes: Sequence[tuple[str, int, Sequence[_Row]]], *, lazy: bool = False
+    ) -> list[tuple[sql.Composed, list[object]]]:
+        """``INSERT`` statements for (run id, first seq, rows) writes, in order."""
+        params: list[object] = []
+        for run_id, seq, rows in writes:
+            key, column = _run_key(run_id), _column(run_id)
+            for offset, (kind, body) in enumerate(rows):
+                params += [key, seq + offset, column, kind, body]
+        width, count = 5, len(params) // 5
+        return [
+            (self._queries.insert_rows(min(_MAX_ROWS_PER_STATEMENT, count - start), lazy=lazy),
+             params[start * width:(start + _MAX_ROWS_PER_STATEMENT) * width])
+            for start in range(0, count, _MAX_ROWS_PER_STATEMENT)
+        ]
+
+    # -- claims, connections, failures (worker thread) --------------------------------------
+
+    def _claim(self, writer: _Writer, run_id: str) -> _Claim:
+        """Take ``run_id``'s advisory lock on its writer connection (``writer.lock`` held).
+
+        Raises ``RunLocked`` if another session holds it, ``StoreError`` if the query fails.
+        """
+        key = run_lock_key(self._schema, run_id)
+        try:
+            conn = self._writer_connection(writer, run_id)
+            locked = _scalar(conn, sql.SQL("SELECT pg_try_advisory_lock(%s)"), (key,))
+            # Read only once the lock is held: rows committed before then are all there.
+            next_seq = _scalar(conn, self._queries.next_seq, (_run_key(run_id),))
+        except psycopg.Error as exc:
+            raise self._failed(run_id, writer, exc) from exc
+        if not locked:
+            raise RunLocked("another writer holds this run", run_id=run_id)
+        return _Claim(run_id=run_id, key=key, writer=writer, next_seq=int(next_seq))
+
+    def _writer_connection(self, writer: _Writer, run_id: str) -> _Connection:
+        """The writer's connection, opened on first use (called with ``writer.lock`` held)."""
+        if writer.broken or self._state.closed:
+            raise StoreError("the writer connection is gone", run_id=run_id)
+        if writer.connection is None:
+            writer.connection = _open_writer(self._conninfo, **self._connect)
+        return writer.connection
+
+    def _unlock(self, writer: _Writer, keys: Sequence[int]) -> None:
+        """Release run locks held on ``writer``'s connection (``writer.lock`` held)."""
+        conn = writer.connection
+        if conn is None or writer.broken:
+            return  # the locks went with the connection
+        try:
+            if len(keys) == 1:  # the usual case, and a cheaper statement
+                conn.execute(self._queries.unlock, (keys[0],))
+            else:
+                conn.execute(self._queries.unlock_all_of, (list(keys),))
+        except psycopg.Error as exc:
+            # The runs' own rows are committed; only the connection's other runs are
+            # affected (their locks went with the connection).
+            self._drop_writer(writer, exc)
+
+    def _failed(self, run_id: str, writer: _Writer, exc: Exception) -> StoreError:
         """Refuse ``run_id`` from now on (and every run of a broken connection)."""
         conn = writer.connection
         with self._state.mutex:
@@ -708,11 +1056,22 @@ def _check_options(schema: str, pool_size: int, max_writers: int, timeout: float
         raise ValueError("timeout must be a positive number of seconds")
 
 
-def _check_mode(claim: _Claim, mode: _Mode) -> None:
-    if mode == "start" and claim.next_seq > 0:
-        raise RunAlreadyExists("the run already has records", run_id=claim.run_id)
-    if mode != "start" and claim.next_seq == 0:
-        raise StoreError("the run was never started in this database", run_id=claim.run_id)
+def _check_mode(run_id: str, next_seq: int, mode: _Mode) -> None:
+    if mode == "start" and next_seq > 0:
+        raise RunAlreadyExists("the run already has records", run_id=run_id)
+    if mode != "start" and next_seq == 0:
+        raise StoreError("the run was never started in this database", run_id=run_id)
+
+
+def _begin(barrier: bool) -> list[str]:
+    """What opens a batch's transaction: a barrier's commits synchronously."""
+    return ["BEGIN"] if barrier else ["BEGIN", _ASYNC_COMMIT]
+
+
+def _roll_back(conn: _Connection) -> None:
+    """End the connection's open transaction, if any, without committing it."""
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        conn.execute("ROLLBACK")
 
 
 def _connect_options(conninfo: str, timeout: float) -> dict[str, Any]:

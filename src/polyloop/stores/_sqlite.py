@@ -1,4 +1,4 @@
-"""The SQLite store: every run in one database file, each write one durable transaction.
+"""The SQLite store: every run in one database file, writes committed alone or in groups.
 
 Schema (created on first use with idempotent DDL)::
 
@@ -16,29 +16,59 @@ agrees with its row (same run, same kind). A run id that cannot be stored as SQL
 (it holds a lone surrogate) is stored as the BLOB of its ``surrogatepass`` UTF-8 bytes,
 which no text id can equal. Every statement binds its values; no SQL is built from data.
 
-Durability. The database runs in WAL mode with ``synchronous=FULL``: a commit returns
-only after the write-ahead log is flushed to disk, so every write, not only the intent
-barriers, survives a crash of the process and of the machine. The store reads both
-settings back after setting them and refuses a database that does not take them (an
-in-memory database, a file system on which WAL does not work). Each write is one
-``BEGIN IMMEDIATE`` ... ``COMMIT`` transaction; ``write_step`` puts the action result and
-the step record in the same transaction, result first, so both land or neither does.
+Durability. The database runs in WAL mode. The store sets ``synchronous=FULL`` when it
+opens the database and reads both settings back, refusing a database that does not take
+them (an in-memory database, a file system on which WAL does not work). What is on disk
+when a call returns:
+
+* ``start_run`` and ``write_intent`` (the barriers): their transaction committed with
+  ``synchronous=FULL``, so the write-ahead log, with every frame before theirs, was
+  flushed to disk (``fsync``) before the call returns. They survive a crash of the
+  process and of the machine.
+* ``write_result``, ``write_step`` and ``end_run``: their transaction committed, in the
+  write-ahead log in the operating system's cache. When no barrier shares the commit it
+  runs with ``synchronous=NORMAL`` (no ``fsync``): the rows survive a crash of the
+  process, and a machine crash can lose them, but only as a suffix of the log, since the
+  next barrier's ``fsync`` flushes them first and SQLite replays the log only up to its
+  first damaged frame. Recovery already handles such a log (an open intent, or a run
+  whose stop is decided again from the same records).
+
+The synchronous level is switched only between transactions: it rests at ``FULL`` and
+is lowered to ``NORMAL`` for a transaction that holds no barrier, then set back.
+``write_step`` puts the action result and the step record in one transaction (inside one
+savepoint when the commit is shared), result first, so both land or neither does.
 
 Writers. A store object takes a run's writer lock at its first write for that run: a
 ``flock`` on a small file in the directory next to the database (``<file>.locks/``, one
 file per run, named by :func:`~polyloop.stores._common.safe_name`). It keeps the lock
 until ``end_run`` for that run, until :meth:`SqliteStore.aclose`, or until its process
 dies. Any other store object, in this process or another, gets ``RunLocked``. Readers
-never take the lock. A failed write (``sqlite3.Error``, ``OSError``) stops every later
-write of that run through the same store object until a new one is opened.
+never take the lock. While it holds a run's lock the store keeps the run's next ``seq``
+in memory; it reads ``MAX(seq)`` once, at the write that takes the lock. A failed write
+(``sqlite3.Error``, ``OSError``) stops every later write of that run through the same
+store object until a new one is opened.
 
 Threads. ``sqlite3`` connections must not be used by two threads at once. A store object
 owns one connection (opened with ``check_same_thread=False``) and guards it, with the
-writer locks and the failed-run set, by one ``threading.Lock``; every call runs in a
-worker thread (``anyio.to_thread.run_sync``), so the event loop never blocks and the
-store works under asyncio and Trio alike. Writes of different runs through one store
-object therefore queue on that lock; other processes wait for the database's own write
-lock for up to ``busy_timeout``.
+writer locks, the ``seq`` counters and the failed-run set, by one ``threading.Lock``
+(the store mutex). A write takes one of two paths (see
+:mod:`polyloop.stores._batching`):
+
+* inline, on the event loop's own thread, with no thread hop: only when the store writes
+  a single run, its recent ``FULL`` commits were quick, no group commit is running or
+  waiting, and the store mutex is free at once. The database's own write lock is then
+  asked for without waiting; if another connection holds it, the write takes the other
+  path instead of blocking the event loop.
+* a group commit otherwise: writes of any runs that wait at the same moment share one
+  ``BEGIN IMMEDIATE`` ... ``COMMIT`` in a worker thread, one savepoint per write, so a
+  refused write (``RunAlreadyExists``, ``RunLocked``, a run never started or failed)
+  rolls back alone and the others commit. A failed ``COMMIT`` fails every write in it and
+  each of their runs. Other processes wait for the database's write lock for up to
+  ``busy_timeout``.
+
+Reads always run in a worker thread. ``SqliteStore(path, _group_commit=False)`` (private,
+for the benchmarks' baseline) gives every write its own ``FULL`` transaction in its own
+worker-thread hop, with no inline path and no shared commits.
 """
 
 from __future__ import annotations
@@ -47,14 +77,17 @@ import os
 import sqlite3
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from polyloop.serialization import dumps, loads
+from polyloop.stores._batching import GroupCommit, InlineSyncGate
 from polyloop.stores._common import (
     FORMAT,
     LockFile,
@@ -84,9 +117,19 @@ __all__ = ("SqliteStore",)
 _Row = tuple[str, str]
 # How the run id is bound: text, or the bytes of an id that is not valid UTF-8 text.
 _Key = str | bytes
+# One error (or None for success) per write of a commit.
+_Outcome = list[BaseException | None]
 
 BUSY_TIMEOUT_S = 30.0
+_SYNCHRONOUS_NORMAL = 1
 _SYNCHRONOUS_FULL = 2
+_SET_SYNCHRONOUS = {
+    _SYNCHRONOUS_NORMAL: "PRAGMA synchronous=NORMAL",
+    _SYNCHRONOUS_FULL: "PRAGMA synchronous=FULL",
+}
+# The inline path must never wait on the event loop's thread for another connection.
+_NO_BUSY_WAIT = "PRAGMA busy_timeout=0"
+_BUSY_WAIT = f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}"
 
 _KIND: dict[type[Any], str] = {
     RunStarted: "run_started",
@@ -132,24 +175,57 @@ def _run_id_of(key: object) -> str:
     return str(key)
 
 
+@dataclass(eq=False, slots=True)
+class _Write:
+    """The rows of one store call, and what the call means for its run."""
+
+    run_id: str
+    rows: list[_Row]
+    start: bool = False  # the run must have no row yet
+    end: bool = False  # release the run's writer lock once committed
+    barrier: bool = False  # must be fsync'd before the call returns
+
+
+@dataclass(eq=False, slots=True)
+class _Batch:
+    """What one transaction learns about its writes before it commits."""
+
+    writes: Sequence[_Write]
+    errors: _Outcome
+    taken: set[str] = field(default_factory=set)  # runs whose lock this batch took
+    next_seq: dict[str, int] = field(default_factory=dict)  # valid once committed
+
+    @classmethod
+    def of(cls, writes: Sequence[_Write]) -> _Batch:
+        return cls(writes, [None] * len(writes))
+
+
 class SqliteStore:
-    """Keeps runs in one SQLite database file (WAL, ``synchronous=FULL``).
+    """Keeps runs in one SQLite database file (WAL; intents and starts fsync'd).
 
     ``path`` names the database file; missing parent directories are created. Writer
     locks live in the sibling directory ``<path>.locks``. The store is an async context
     manager; :meth:`aclose` releases every writer lock it holds and closes the
     connection. Runs survive the store object, the process and the machine: a new store
     object on the same file (or on a copy moved elsewhere) reads and resumes them.
+    ``_group_commit=False`` (private, the benchmarks' baseline) commits every write alone
+    with ``synchronous=FULL`` in its own worker-thread hop.
     """
 
-    __slots__ = ("_conn", "_held", "_locks_dir", "_path", "_state")
+    __slots__ = ("_conn", "_gate", "_group", "_held", "_level", "_locks_dir",
+                 "_next_seq", "_path", "_state")
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, _group_commit: bool = True) -> None:
         self._path = Path(os.fspath(path))
         self._locks_dir = self._path.with_name(self._path.name + ".locks")
         self._conn: sqlite3.Connection | None = None
         self._held: dict[str, LockFile] = {}
+        self._next_seq: dict[str, int] = {}  # of each run in ``_held`` that wrote
         self._state = WriterState()
+        self._gate = InlineSyncGate()
+        self._group = GroupCommit(self._commit_batch) if _group_commit else None
+        # ``synchronous`` as last set (None: unknown, the next transaction sets it).
+        self._level: int | None = _SYNCHRONOUS_FULL
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """The store kind and record format; never the path."""
@@ -160,49 +236,53 @@ class SqliteStore:
     async def start_run(self, record: RunStarted) -> None:
         """Write the run's first record; ``RunAlreadyExists`` if the run has any row.
 
-        Cancellation: the worker thread finishes the transaction (committed or rolled
-        back) before the cancellation is delivered.
+        A barrier: the row is fsync'd before this returns.
+
+        Cancellation: a call made in an already cancelled scope writes nothing. An
+        inline write completes before any cancellation is delivered; a write waiting to
+        join a shared commit that has not started is withdrawn (nothing written) and the
+        cancellation propagates; once its commit has started, the call waits for it to
+        end, then the cancellation is delivered.
         """
-        await self._write(record.run_id, [record], start=True)
+        await self._write(_Write(record.run_id, [_row(record)], start=True, barrier=True))
 
     async def write_intent(self, intent: Intent) -> None:
-        """Write an intent; it is on disk when this returns.
+        """Write an intent; it is fsync'd to disk when this returns (a barrier).
 
-        Cancellation: the worker thread finishes the transaction before the cancellation
-        is delivered, so a cancelled call may still have written the intent.
+        Cancellation: as for :meth:`start_run`; a cancelled call whose commit had
+        started may still have written the intent.
         """
-        await self._write(intent.run_id, [intent])
+        await self._write(_Write(intent.run_id, [_row(intent)], barrier=True))
 
     async def write_result(self, result: Result) -> None:
-        """Write the result of a model call in its own transaction.
+        """Write the result of a model call; committed, not necessarily fsync'd.
 
-        Cancellation: the worker thread finishes the transaction before the cancellation
-        is delivered.
+        Cancellation: as for :meth:`start_run`.
         """
-        await self._write(result.run_id, [result])
+        await self._write(_Write(result.run_id, [_row(result)]))
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
-        """Write the action result (if any) and the step record in one transaction.
+        """Write the action result (if any) and the step record atomically; not fsync'd.
 
-        Cancellation: the worker thread finishes the transaction before the cancellation
-        is delivered; both rows are there afterwards, or neither.
+        Cancellation: as for :meth:`start_run`; both rows are there afterwards, or
+        neither.
         """
         if action_result is None:
-            await self._write(step.run_id, [step])
+            await self._write(_Write(step.run_id, [_row(step)]))
             return
         if action_result.run_id != step.run_id:
             raise StoreError(
                 f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
             )
-        await self._write(step.run_id, [action_result, step])
+        await self._write(_Write(step.run_id, [_row(action_result), _row(step)]))
 
     async def end_run(self, record: RunEnded) -> None:
-        """Write the run's end record, then release the run's writer lock.
+        """Write the run's end record (not fsync'd), then release the run's writer lock.
 
-        Cancellation: the worker thread finishes the transaction and the release before
-        the cancellation is delivered.
+        Cancellation: as for :meth:`start_run`; the lock is released together with the
+        commit of the record.
         """
-        await self._write(record.run_id, [record], end=True)
+        await self._write(_Write(record.run_id, [_row(record)], end=True))
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id`` in write order; empty if the run has no row.
@@ -227,7 +307,9 @@ class SqliteStore:
     async def aclose(self) -> None:
         """Release every writer lock and close the connection. Idempotent.
 
-        Cancellation: closing runs shielded, so it completes even in a cancelled scope.
+        A shared commit that is running completes first; writes that arrive later are
+        refused. Cancellation: closing runs shielded, so it completes even in a
+        cancelled scope.
         """
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._close)
@@ -256,43 +338,220 @@ class SqliteStore:
     def __repr__(self) -> str:
         return f"SqliteStore({os.fspath(self._path)!r})"
 
-    # -- writing (worker thread) ------------------------------------------------------------
+    # -- choosing the path of a write (event loop) ----------------------------------------
 
-    async def _write(
-        self, run_id: str, records: Sequence[Record], *, start: bool = False, end: bool = False
-    ) -> None:
-        rows = [_row(record) for record in records]
-        await anyio.to_thread.run_sync(self._write_rows, run_id, rows, start, end)
+    async def _write(self, write: _Write) -> None:
+        group = self._group
+        if group is None:
+            (error,) = await anyio.to_thread.run_sync(self._commit_batch, [write])
+            if error is not None:
+                raise error
+        elif not (self._inline_allowed(write, group) and await self._write_inline(write)):
+            await group.submit(write)
 
-    def _write_rows(self, run_id: str, rows: Sequence[_Row], start: bool, end: bool) -> None:
-        """Lock the run, then insert ``rows`` in one transaction; holds the store mutex."""
+    def _inline_allowed(self, write: _Write, group: GroupCommit[_Write]) -> bool:
+        # The runs this store writes, counting this one: a second run's first write must
+        # not block the loop either. Opening the database (slow, and it may wait on other
+        # processes) is left to a thread.
+        writing = len(self._held) + (write.run_id not in self._held)
+        return self._conn is not None and group.idle and self._gate.allows(writing)
+
+    async def _write_inline(self, write: _Write) -> bool:
+        """Commit ``write`` on this thread; False if that would have to wait."""
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        if not self._state.mutex.acquire(blocking=False):
+            return False  # a read holds the connection
+        try:
+            outcome = self._commit_locked([write], inline=True)
+        finally:
+            self._state.mutex.release()
+        if outcome is None:
+            return False  # another connection holds the database's write lock
+        if outcome[0] is not None:
+            raise outcome[0]
+        return True
+
+    # -- committing (worker thread, or inline; store mutex held) ------------------------
+
+    def _commit_batch(self, writes: Sequence[_Write]) -> _Outcome:
+        """One transaction for ``writes``, in a worker thread; one error or None each."""
         with self._state.mutex:
-            self._state.check_writable(run_id)
-            held_before = run_id in self._held
+            outcome = self._commit_locked(writes, inline=False)
+        assert outcome is not None  # only an inline commit gives up on a busy database
+        return outcome
+
+    def _commit_locked(self, writes: Sequence[_Write], *, inline: bool) -> _Outcome | None:
+        """Prepare every write, then commit the admitted ones together.
+
+        Returns None, having written nothing, when ``inline`` and another connection
+        holds the database's write lock.
+        """
+        batch = _Batch.of(writes)
+        admitted = [i for i in range(len(writes)) if self._admit(batch, i)]
+        if admitted:
+            assert self._conn is not None  # _admit opened it
+            level = self._level_for(writes, admitted)
             try:
-                conn = self._connection(run_id)
-                self._take_lock(run_id)
-                _insert(conn, run_id, rows, start=start)
-            except PolyLoopError:
-                # A refusal (locked, exists, never started, wrong format) writes nothing
-                # and leaves no lock behind that this write took.
-                if not held_before:
-                    self._release(run_id)
+                if not self._transact(self._conn, batch, admitted, level, inline=inline):
+                    self._release_unused(batch)
+                    return None
+            finally:
+                self._rest_at_full(self._conn, level)
+        self._settle(batch)
+        return batch.errors
+
+    def _admit(self, batch: _Batch, i: int) -> bool:
+        """Refuse the write, or make sure the connection is open and its run locked."""
+        write = batch.writes[i]
+        try:
+            self._state.check_writable(write.run_id)
+            self._connection(write.run_id)
+            if write.run_id not in self._held:
+                self._take_lock(write.run_id)
+                batch.taken.add(write.run_id)
+        except PolyLoopError as exc:
+            batch.errors[i] = exc
+            return False
+        except OSError as exc:  # the lock file could not be made
+            batch.errors[i] = self._state.fail(write.run_id, exc)
+            return False
+        return True
+
+    def _level_for(self, writes: Sequence[_Write], admitted: Sequence[int]) -> int:
+        if self._group is None or any(writes[i].barrier for i in admitted):
+            return _SYNCHRONOUS_FULL
+        return _SYNCHRONOUS_NORMAL
+
+    def _transact(
+        self, conn: sqlite3.Connection, batch: _Batch, admitted: Sequence[int], level: int,
+        *, inline: bool,
+    ) -> bool:
+        """Insert the admitted writes in one transaction; False if it could not begin.
+
+        A failure that ends the transaction fails every admitted write still standing.
+        """
+        try:
+            if not self._begin(conn, level, inline=inline):
+                return False
+            for i in admitted:
+                self._insert(conn, batch, i, savepoint=len(admitted) > 1)
+            self._end(conn, level, committing=any(batch.errors[i] is None for i in admitted))
+        except (sqlite3.Error, OSError) as exc:
+            _rollback_quietly(conn)
+            batch.next_seq.clear()
+            for i in admitted:
+                if batch.errors[i] is None:
+                    batch.errors[i] = self._state.fail(batch.writes[i].run_id, exc)
+        return True
+
+    def _begin(self, conn: sqlite3.Connection, level: int, *, inline: bool) -> bool:
+        """Set ``synchronous`` for this transaction, then ``BEGIN IMMEDIATE``.
+
+        Inline, the database's write lock is asked for without waiting (False if another
+        connection holds it); the connection rests waiting up to ``BUSY_TIMEOUT_S``.
+        """
+        if self._level != level:
+            self._level = None  # unknown until the pragma returns
+            conn.execute(_SET_SYNCHRONOUS[level])
+            self._level = level
+        if not inline:
+            conn.execute("BEGIN IMMEDIATE")
+            return True
+        conn.execute(_NO_BUSY_WAIT)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode == sqlite3.SQLITE_BUSY:
+                return False
+            raise
+        finally:
+            conn.execute(_BUSY_WAIT)
+        return True
+
+    def _insert(self, conn: sqlite3.Connection, batch: _Batch, i: int, *, savepoint: bool) -> None:
+        """Insert one write's rows; a refused or failed write is undone alone.
+
+        Raises only when the failure ended the whole transaction.
+        """
+        write = batch.writes[i]
+        if savepoint:
+            conn.execute("SAVEPOINT write")
+        try:
+            first = self._first_seq(conn, batch, write)
+            key = _key(write.run_id)
+            conn.executemany(
+                _INSERT, [(key, first + n, kind, body) for n, (kind, body) in enumerate(write.rows)]
+            )
+        except PolyLoopError as exc:
+            batch.errors[i] = exc
+        except (sqlite3.Error, OSError) as exc:
+            batch.errors[i] = self._state.fail(write.run_id, exc)
+            if not conn.in_transaction:
                 raise
-            except (sqlite3.Error, OSError) as exc:
-                raise self._state.fail(run_id, exc) from exc
-            if end:
+        else:
+            batch.next_seq[write.run_id] = first + len(write.rows)
+            if savepoint:
+                conn.execute("RELEASE write")
+            return
+        if savepoint:  # alone in its transaction, the write is undone by its rollback
+            conn.execute("ROLLBACK TO write")
+            conn.execute("RELEASE write")
+
+    def _first_seq(self, conn: sqlite3.Connection, batch: _Batch, write: _Write) -> int:
+        """The run's next ``seq``: from this batch, from memory, or read once."""
+        first = batch.next_seq.get(write.run_id, self._next_seq.get(write.run_id))
+        if first is None:
+            last = conn.execute(_LAST_SEQ, (_key(write.run_id),)).fetchone()[0]
+            first = 0 if last is None else last + 1
+        if write.start and first:
+            raise RunAlreadyExists("the run already has records", run_id=write.run_id)
+        if not write.start and not first:
+            raise StoreError("the run was never started in this database", run_id=write.run_id)
+        return int(first)
+
+    def _end(self, conn: sqlite3.Connection, level: int, *, committing: bool) -> None:
+        if not committing:
+            conn.execute("ROLLBACK")
+        elif level == _SYNCHRONOUS_FULL:
+            # The fsync: timed so that a slow disk sends writes back to worker threads.
+            self._gate.timed(lambda: conn.execute("COMMIT"))
+        else:
+            conn.execute("COMMIT")
+
+    def _rest_at_full(self, conn: sqlite3.Connection, level: int) -> None:
+        """Set ``synchronous`` back to FULL after a NORMAL transaction ended."""
+        if level == _SYNCHRONOUS_FULL or self._level == _SYNCHRONOUS_FULL:
+            return
+        self._level = None
+        with suppress(sqlite3.Error):  # left unknown, the next transaction sets it again
+            if not conn.in_transaction:
+                conn.execute(_SET_SYNCHRONOUS[_SYNCHRONOUS_FULL])
+                self._level = _SYNCHRONOUS_FULL
+
+    def _settle(self, batch: _Batch) -> None:
+        """After the commit: remember each run's next seq, release what is done."""
+        for i, write in enumerate(batch.writes):
+            if batch.errors[i] is None and write.end:
+                self._release(write.run_id)
+        for run_id, seq in batch.next_seq.items():
+            if run_id in self._held:
+                self._next_seq[run_id] = seq
+        self._release_unused(batch)
+
+    def _release_unused(self, batch: _Batch) -> None:
+        """Give back the locks this batch took for runs it wrote nothing to."""
+        for run_id in batch.taken:
+            if run_id not in batch.next_seq and run_id not in self._state.failed:
                 self._release(run_id)
 
     def _take_lock(self, run_id: str) -> None:
-        if run_id in self._held:
-            return
         self._locks_dir.mkdir(parents=True, exist_ok=True)
         lock = LockFile(self._locks_dir / f"{safe_name(run_id)}.lock", run_id)
         lock.acquire()
         self._held[run_id] = lock
 
     def _release(self, run_id: str) -> None:
+        self._next_seq.pop(run_id, None)
         lock = self._held.pop(run_id, None)
         if lock is not None:
             lock.release()
@@ -351,6 +610,7 @@ class SqliteStore:
             raise StoreError("the store is closed", run_id=run_id)
         if self._conn is None:
             self._conn = self._open(run_id)
+            self._level = _SYNCHRONOUS_FULL  # as _open left it
         return self._conn
 
     def _open(self, run_id: str | None) -> sqlite3.Connection:
@@ -424,23 +684,6 @@ def _check_format(conn: sqlite3.Connection, name: str, run_id: str | None) -> No
     check_format(recorded, holder="database", run_id=run_id, location=f"{name}: meta format")
 
 
-def _insert(
-    conn: sqlite3.Connection, run_id: str, rows: Sequence[_Row], *, start: bool
-) -> None:
-    """Append ``rows`` to the run in one ``BEGIN IMMEDIATE`` transaction."""
-    key = _key(run_id)
-    with _transaction(conn):
-        last = conn.execute(_LAST_SEQ, (key,)).fetchone()[0]
-        if start and last is not None:
-            raise RunAlreadyExists("the run already has records", run_id=run_id)
-        if not start and last is None:
-            raise StoreError("the run was never started in this database", run_id=run_id)
-        first = 0 if last is None else last + 1
-        conn.executemany(
-            _INSERT, [(key, first + i, kind, body) for i, (kind, body) in enumerate(rows)]
-        )
-
-
 @contextmanager
 def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
     """``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back if anything inside fails."""
@@ -449,7 +692,11 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
         yield
         conn.execute("COMMIT")
     except BaseException:
-        if conn.in_transaction:
-            with suppress(sqlite3.Error):  # the original error says more
-                conn.execute("ROLLBACK")
+        _rollback_quietly(conn)
         raise
+
+
+def _rollback_quietly(conn: sqlite3.Connection) -> None:
+    if conn.in_transaction:
+        with suppress(sqlite3.Error):  # the original error says more
+            conn.execute("ROLLBACK")

@@ -1,0 +1,166 @@
+"""Where a store's blocking writes run: inline when cheap and alone, else shared commits.
+
+Two tools the durable stores share, both about paying as little as possible for the
+hand-over between the event loop and a worker thread. On a virtual machine a thread
+hop costs two wake-ups (the worker's, then the event loop's), which can take as long
+as the ``fsync`` it carries, so a store that hops once per write doubles its cost.
+
+:class:`InlineSyncGate` decides when a sync may run on the event loop's own thread:
+only while the store object writes a single run (so no other run of the store waits
+behind the blocked loop, and runs of one store never serialize on it) and while the
+syncs it has timed recently were short (a slow disk sends every sync back to worker
+threads until it is fast again). See research-wiki record 0013 for the measurements.
+
+:class:`GroupCommit` lets writes of different runs that wait at the same moment share
+one commit: the first caller runs a batch in a worker thread; callers arriving while it
+runs join the next batch, which starts as soon as the running one ends. Every caller
+returns only after the commit that holds its item, with that item's own error if it
+failed. Exactly one batch runs at a time per ``GroupCommit``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+__all__ = ("GroupCommit", "InlineSyncGate")
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+# A sync shorter than this may block the event loop when a store writes a single run.
+# Two milliseconds is about what decoding a large model reply costs on the loop anyway;
+# a local SSD syncs in a tenth of that, a network or spinning disk takes far longer.
+INLINE_SYNC_LIMIT_S = 0.002
+
+
+class InlineSyncGate:
+    """Remembers how long the last sync took; allows inline syncs while short and alone."""
+
+    __slots__ = ("_last_s", "limit_s")
+
+    def __init__(self, limit_s: float = INLINE_SYNC_LIMIT_S) -> None:
+        self.limit_s = limit_s
+        self._last_s = 0.0
+
+    def allows(self, writing_runs: int) -> bool:
+        """Whether a sync may run on the loop thread while ``writing_runs`` runs write."""
+        return writing_runs <= 1 and self._last_s < self.limit_s
+
+    def timed(self, action: Callable[[], _R]) -> _R:
+        """Run ``action`` (blocking; any thread) and remember how long it took."""
+        began = time.monotonic()
+        try:
+            return action()
+        finally:
+            self._last_s = time.monotonic() - began
+
+
+@dataclass(eq=False)
+class _Entry(Generic[_T]):
+    item: _T
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class _Batch(Generic[_T]):
+    entries: list[_Entry[_T]] = field(default_factory=list)
+    started: bool = False
+    turn: anyio.Event = field(default_factory=anyio.Event)
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+class GroupCommit(Generic[_T]):
+    """Runs ``commit`` in a worker thread over every item waiting at the same moment.
+
+    ``commit(items)`` is blocking and returns one entry per item: ``None`` when the
+    item is durable, or the exception its caller must see. An exception escaping
+    ``commit`` itself counts as every item's error. Must be used from one event loop.
+    """
+
+    __slots__ = ("_commit", "_open", "_running")
+
+    def __init__(self, commit: Callable[[Sequence[_T]], Sequence[BaseException | None]]) -> None:
+        self._commit = commit
+        self._open: _Batch[_T] | None = None  # collecting; not started yet
+        self._running: _Batch[_T] | None = None
+
+    @property
+    def idle(self) -> bool:
+        """No batch runs or waits: a caller alone could write without joining one."""
+        return self._running is None and self._open is None
+
+    async def submit(self, item: _T) -> None:
+        """Return once ``item`` is committed; raise its error if its commit failed.
+
+        Cancellation: a caller cancelled before its batch starts is taken out of the
+        batch (nothing of it is written) and the cancellation propagates. Once its batch
+        has started, the caller waits, shielded, for the commit to end and then the
+        cancellation is delivered, so its item is committed (or failed) either way.
+        """
+        batch = self._open
+        if batch is None:
+            batch = self._open = _Batch()
+            if self._running is None:
+                batch.turn.set()
+        entry = _Entry(item)
+        batch.entries.append(entry)
+        try:
+            await batch.turn.wait()
+        except anyio.get_cancelled_exc_class():
+            if not batch.started:
+                batch.entries.remove(entry)
+                if not batch.entries and self._open is batch:
+                    self._open = None  # an empty batch would keep ``idle`` false
+                raise
+            await self._wait_shielded(batch)
+            raise
+        if not batch.started:
+            await self._lead(batch)
+        else:
+            await self._wait_shielded(batch)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        if entry.error is not None:
+            raise entry.error
+
+    async def _lead(self, batch: _Batch[_T]) -> None:
+        batch.started = True
+        if self._open is batch:
+            self._open = None
+        self._running = batch
+        outcome_known = False
+        try:
+            # Shielded: a started batch runs, and is waited for, even if its leader is
+            # cancelled (``run_sync`` alone may still raise before the thread starts,
+            # and would leave every entry without its commit).
+            with anyio.CancelScope(shield=True):
+                errors = await anyio.to_thread.run_sync(self._commit_all, batch.entries)
+            for entry, error in zip(batch.entries, errors, strict=True):
+                entry.error = error
+            outcome_known = True
+        finally:
+            if not outcome_known:
+                for entry in batch.entries:
+                    entry.error = RuntimeError("the commit ended without reporting its outcome")
+            batch.done.set()
+            self._running = None
+            following = self._open
+            if following is not None:
+                following.turn.set()
+
+    def _commit_all(self, entries: Sequence[_Entry[_T]]) -> Sequence[BaseException | None]:
+        try:
+            return self._commit([entry.item for entry in entries])
+        except Exception as exc:  # noqa: BLE001 -- every item shares the fate of the commit
+            return [exc] * len(entries)
+
+    @staticmethod
+    async def _wait_shielded(batch: _Batch[_T]) -> None:
+        with anyio.CancelScope(shield=True):
+            await batch.done.wait()

@@ -1,0 +1,270 @@
+"""Where stores run their blocking writes: the inline gate, group commit, JSONL placement."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import pytest
+
+from polyloop.stores import JsonlStore
+from polyloop.stores._batching import GroupCommit, InlineSyncGate
+from polyloop.stores._fileops import OsFileOps
+from polyloop.testing.store_contract import apply, expected_records, sample_run
+
+pytestmark = pytest.mark.anyio
+
+
+class Recorder:
+    """A blocking commit that remembers every batch, optionally held until released."""
+
+    def __init__(self, *, fail: frozenset[str] = frozenset()) -> None:
+        self.batches: list[list[str]] = []
+        self.committed: set[str] = set()
+        self.fail = fail
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def __call__(self, items: Sequence[str]) -> list[BaseException | None]:
+        self.entered.set()
+        self.gate.wait(10)
+        self.batches.append(list(items))
+        errors: list[BaseException | None] = []
+        for item in items:
+            if item in self.fail:
+                errors.append(ValueError(f"refused {item}"))
+            else:
+                self.committed.add(item)
+                errors.append(None)
+        return errors
+
+
+# -- InlineSyncGate -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("writing_runs", "last_sync_s", "allowed"),
+    [
+        (0, 0.0, True),
+        (1, 0.0, True),
+        (1, 0.0019, True),
+        (1, 0.0021, False),
+        (2, 0.0, False),
+        (100, 0.0, False),
+    ],
+)
+def test_gate_allows_only_a_lone_run_with_quick_syncs(
+    writing_runs: int, last_sync_s: float, allowed: bool
+) -> None:
+    gate = InlineSyncGate(limit_s=0.002)
+    gate.timed(lambda: _spin(last_sync_s))
+    assert gate.allows(writing_runs) is allowed
+
+
+def test_gate_times_a_failing_action_too() -> None:
+    gate = InlineSyncGate(limit_s=0.002)
+
+    def slow_failure() -> None:
+        _spin(0.003)
+        raise OSError("EIO")
+
+    with pytest.raises(OSError, match="EIO"):
+        gate.timed(slow_failure)
+    assert not gate.allows(1)
+    gate.timed(lambda: None)
+    assert gate.allows(1)
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+# -- GroupCommit ----------------------------------------------------------------------------
+
+
+async def test_items_waiting_together_share_a_commit() -> None:
+    commit = Recorder()
+    group = GroupCommit(commit)
+    commit.gate.clear()
+    returned: list[str] = []
+
+    async def submit(item: str) -> None:
+        await group.submit(item)
+        assert item in commit.committed  # released only after its own commit
+        returned.append(item)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(submit, "first")
+        await anyio.to_thread.run_sync(commit.entered.wait, 10)
+        for index in range(20):
+            tasks.start_soon(submit, f"item-{index}")
+        await anyio.wait_all_tasks_blocked()
+        commit.gate.set()
+    assert sorted(returned) == sorted(["first", *(f"item-{i}" for i in range(20))])
+    assert commit.batches[0] == ["first"]
+    assert len(commit.batches) == 2  # all twenty waited for the same next commit
+    assert sorted(commit.batches[1]) == sorted(f"item-{i}" for i in range(20))
+    assert group.idle
+
+
+async def test_each_caller_gets_its_own_items_error() -> None:
+    commit = Recorder(fail=frozenset({"bad"}))
+    group = GroupCommit(commit)
+    outcomes: dict[str, str] = {}
+
+    async def submit(item: str) -> None:
+        try:
+            await group.submit(item)
+        except ValueError as exc:
+            outcomes[item] = str(exc)
+        else:
+            outcomes[item] = "ok"
+
+    async with anyio.create_task_group() as tasks:
+        for item in ("good-1", "bad", "good-2"):
+            tasks.start_soon(submit, item)
+    assert outcomes == {"good-1": "ok", "bad": "refused bad", "good-2": "ok"}
+
+
+async def test_a_commit_that_raises_fails_every_item_of_its_batch() -> None:
+    calls: list[list[str]] = []
+
+    def broken(items: Sequence[str]) -> list[BaseException | None]:
+        calls.append(list(items))
+        raise OSError("disk gone")
+
+    group = GroupCommit(broken)
+    for item in ("a", "b"):
+        with pytest.raises(OSError, match="disk gone"):
+            await group.submit(item)
+    assert calls == [["a"], ["b"]]
+    assert group.idle
+
+
+async def test_cancelled_before_its_batch_starts_nothing_is_committed() -> None:
+    commit = Recorder()
+    group = GroupCommit(commit)
+    commit.gate.clear()
+    cancelled = False
+
+    async def late() -> None:
+        nonlocal cancelled
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # delivered at its first wait
+            try:
+                await group.submit("late")
+            except anyio.get_cancelled_exc_class():
+                cancelled = True
+                raise
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(group.submit, "running")
+        await anyio.to_thread.run_sync(commit.entered.wait, 10)
+        tasks.start_soon(late)
+        await anyio.wait_all_tasks_blocked()
+        commit.gate.set()
+    assert cancelled
+    assert commit.batches == [["running"]]
+    assert "late" not in commit.committed
+    assert group.idle
+
+
+async def test_cancelled_after_its_batch_started_the_item_is_committed() -> None:
+    commit = Recorder()
+    group = GroupCommit(commit)
+    commit.gate.clear()
+    outcome: list[str] = []
+
+    async def follower(scope: anyio.CancelScope) -> None:
+        with scope:
+            try:
+                await group.submit("follower")
+            except anyio.get_cancelled_exc_class():
+                outcome.append("cancelled after commit" if "follower" in commit.committed
+                               else "cancelled before commit")
+                raise
+
+    scope = anyio.CancelScope()
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(group.submit, "leader")
+        await anyio.to_thread.run_sync(commit.entered.wait, 10)
+        tasks.start_soon(follower, scope)
+        await anyio.wait_all_tasks_blocked()
+        commit.entered.clear()
+        leaders_gate, commit.gate = commit.gate, threading.Event()
+        leaders_gate.set()  # the leader's batch ends; the follower's starts and waits
+        await anyio.to_thread.run_sync(commit.entered.wait, 10)
+        scope.cancel()
+        commit.gate.set()
+    assert outcome == ["cancelled after commit"]
+    assert commit.batches == [["leader"], ["follower"]]
+
+
+# -- where JsonlStore syncs ----------------------------------------------------------------
+
+
+class ThreadNotingFiles(OsFileOps):
+    """The real file operations, noting which thread wrote and synced."""
+
+    def __init__(self, *, sync_delay_s: float = 0.0) -> None:
+        self.writes: list[bool] = []
+        self.syncs: list[bool] = []
+        self.sync_delay_s = sync_delay_s
+
+    def write(self, fd: int, data: bytes | memoryview) -> int:
+        self.writes.append(threading.current_thread() is threading.main_thread())
+        return super().write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        self.syncs.append(threading.current_thread() is threading.main_thread())
+        if self.sync_delay_s:
+            time.sleep(self.sync_delay_s)
+        super().fsync(fd)
+
+
+async def test_a_lone_run_appends_and_syncs_on_the_event_loop_thread(tmp_path: Path) -> None:
+    files = ThreadNotingFiles()
+    writes = sample_run("lone", steps=3)
+    async with JsonlStore(tmp_path, _files=files) as store:
+        store._gate = InlineSyncGate(limit_s=60.0)  # a busy test machine is not a slow disk
+        await apply(store, writes)
+        log = await store.read_log("lone")
+    assert list(log.records) == expected_records(writes)
+    # start_run creates the file in a worker thread; every later write stays inline
+    assert files.writes[0] is False
+    assert all(files.writes[1:]) and len(files.writes) == len(writes)
+    assert files.syncs[0] is False  # the start's sync, with the file's creation
+    assert all(files.syncs[1:]) and len(files.syncs) == 1 + 2 * 3
+
+
+async def test_several_runs_sync_in_worker_threads(tmp_path: Path) -> None:
+    files = ThreadNotingFiles()
+    runs = [sample_run(f"run-{index}", steps=2) for index in range(4)]
+    async with JsonlStore(tmp_path, _files=files) as store:
+        store._gate = InlineSyncGate(limit_s=60.0)  # only the number of runs decides here
+        for writes in runs:  # start all four, so the store writes four runs at once
+            await apply(store, writes[:1])
+        async with anyio.create_task_group() as tasks:
+            for writes in runs:
+                tasks.start_soon(apply, store, writes[1:])
+        for index, writes in enumerate(runs):
+            assert list((await store.read_log(f"run-{index}")).records) == \
+                expected_records(writes)
+    intent_syncs = files.syncs[4:]
+    assert len(intent_syncs) == 4 * 2 * 2 and not any(intent_syncs[:4])
+    assert any(files.writes[4:])  # the plain appends stayed on the loop thread
+
+
+async def test_a_slow_disk_sends_syncs_to_worker_threads(tmp_path: Path) -> None:
+    files = ThreadNotingFiles(sync_delay_s=0.005)
+    writes = sample_run("slow", steps=3)
+    async with JsonlStore(tmp_path, _files=files) as store:
+        await apply(store, writes)
+        assert list((await store.read_log("slow")).records) == expected_records(writes)
+    assert files.syncs and not any(files.syncs)

@@ -1,0 +1,640 @@
+"""Group commit in the PostgreSQL store, against a real server, under asyncio and Trio.
+
+Writes of different runs that wait at the same moment share one commit; each caller
+returns only after the commit that holds its rows; an item refused or failing on its
+own fails alone; a connection lost in the middle of a batch fails every run of that
+connection and a new store object resumes them; a cancellation before a batch starts
+writes nothing; a batch holding a barrier always commits with ``synchronous_commit`` on.
+
+The tests watch commits through the store's private probe, which the batch thread calls
+just before each commit, and steer batches by keeping the only writer connection busy.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import psycopg
+import pytest
+from psycopg import sql
+
+import pg
+from agent_kit import Ledger, definition, make_tools, request, same_outcome, six_step_script
+from polyloop import ModelCall, ModelReply, Replay, RunResult, resume, run
+from polyloop.stores import PostgresStore, _postgres
+from polyloop.testing import ScriptedModelClient
+from polyloop.testing.store_contract import (
+    DurableStoreContract,
+    apply,
+    expected_records,
+    sample_run,
+)
+from polyloop.types import Record, RunAlreadyExists, RunLocked, RunStarted, StoreError
+
+pytestmark = pytest.mark.anyio
+
+Rows = tuple[tuple[str, str], ...]
+Call = Callable[[], Awaitable[object]]
+BARRIER_KINDS = frozenset({"run_started", "intent"})
+WAIT_S = 30
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One commit as the batch thread saw it just before committing."""
+
+    setting: str  # SHOW synchronous_commit on the connection, inside the transaction if open
+    rows: Rows  # (run id, kind) of every row committed
+    sent: tuple[str, ...]  # the SQL of the statements that make up the transaction
+
+    @property
+    def barrier(self) -> bool:
+        return any(kind in BARRIER_KINDS for _, kind in self.rows)
+
+    @property
+    def lazy(self) -> bool:
+        return any("synchronous_commit" in text for text in self.sent)
+
+
+class Probe:
+    """Watches a store's commits from its batch thread.
+
+    ``commits`` holds every commit (see :class:`Commit`). :meth:`hold` makes the next
+    commit wait for :meth:`release`; :meth:`kill_at` ends the server session at the
+    commit that holds a row of the given run.
+    """
+
+    def __init__(self, conninfo: str) -> None:
+        self.conninfo = conninfo
+        self.commits: list[Commit] = []
+        self.entered = threading.Event()
+        self._go = threading.Event()
+        self._holding = False
+        self._kill: str | None = None
+
+    def hold(self) -> None:
+        self.entered.clear()
+        self._go.clear()
+        self._holding = True
+
+    def release(self) -> None:
+        self._go.set()
+
+    def kill_at(self, run_id: str) -> None:
+        self._kill = run_id
+
+    def __call__(self, conn: psycopg.Connection[Any], rows: Rows, sent: tuple[str, ...]) -> None:
+        if self._holding:
+            self._holding = False
+            self.entered.set()
+            assert self._go.wait(WAIT_S)
+        if self._kill is not None and any(run_id == self._kill for run_id, _ in rows):
+            self._kill = None
+            _terminate(self.conninfo, conn.info.backend_pid)
+            return
+        row = conn.execute("SHOW synchronous_commit").fetchone()
+        assert row is not None
+        self.commits.append(Commit(str(row[0]), rows, sent))
+
+
+def _terminate(conninfo: str, pid: int) -> None:
+    """End a server session and wait until it is gone (its locks with it)."""
+    with pg.admin(conninfo) as conn:
+        row = conn.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,)).fetchone()
+    assert row == (True,)
+
+
+@pytest.fixture
+def probe(postgres_conninfo: str) -> Probe:
+    return Probe(postgres_conninfo)
+
+
+@pytest.fixture
+def batches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The run ids of every batch any store commits during the test, batch by batch."""
+    seen: list[list[str]] = []
+    original = PostgresStore._commit_batch
+
+    def spy(self: PostgresStore, writer: Any, items: Any) -> Any:
+        seen.append([item.slot.run_id for item in items])
+        return original(self, writer, items)
+
+    monkeypatch.setattr(PostgresStore, "_commit_batch", spy)
+    return seen
+
+
+def watched(conninfo: str, probe: Probe, **options: Any) -> PostgresStore:
+    store = PostgresStore(conninfo, **options)
+    store._commit_probe = probe
+    return store
+
+
+def started(run_id: str) -> RunStarted:
+    record = sample_run(run_id)[0][1][0]
+    assert isinstance(record, RunStarted)
+    return record
+
+
+def write(store: PostgresStore, writes: list[tuple[str, Any]]) -> Call:
+    return lambda: apply(store, writes)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    with anyio.fail_after(WAIT_S):
+        while True:
+            if condition():
+                return
+            await anyio.sleep(0.002)
+
+
+async def log_of(store: PostgresStore, run_id: str) -> list[Record]:
+    return list((await store.read_log(run_id)).records)
+
+
+class Busy:
+    """Keeps a store's only writer connection busy, so that what comes next queues.
+
+    One write commits in a thread hop of its own and is held at its commit by the
+    probe; a second write starts a batch that waits behind it. Every write made until
+    :meth:`release` then joins the batch after those two.
+    """
+
+    def __init__(self, store: PostgresStore, probe: Probe) -> None:
+        self.store = store
+        self.probe = probe
+        self.runs = [f"busy-{uuid.uuid4().hex[:8]}-{n}" for n in (1, 2)]
+
+    async def start(self, group: anyio.abc.TaskGroup) -> None:
+        self.probe.hold()
+        group.start_soon(self.store.start_run, started(self.runs[0]))
+        assert await anyio.to_thread.run_sync(self.probe.entered.wait, WAIT_S)
+        group.start_soon(self.store.start_run, started(self.runs[1]))
+        await until(lambda: self.writer.group._running is not None)
+
+    @property
+    def writer(self) -> Any:
+        [writer] = self.store._writers
+        return writer
+
+    def in_flight(self) -> int:
+        return int(self.writer.writing)
+
+    def release(self) -> None:
+        self.probe.release()
+
+
+async def in_one_batch(store: PostgresStore, probe: Probe,
+                       calls: list[Call]) -> list[BaseException | None]:
+    """Make ``calls`` one after another while the connection is busy: one batch holds
+    them all, in that order. Returns each call's exception, or None."""
+    outcomes: list[BaseException | None] = [None] * len(calls)
+
+    async def capture(index: int, call: Call) -> None:
+        try:
+            await call()
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcomes[index] = exc
+
+    busy = Busy(store, probe)
+    async with anyio.create_task_group() as group:
+        await busy.start(group)
+        for index, call in enumerate(calls):
+            group.start_soon(capture, index, call)
+            await until(lambda n=index: busy.in_flight() == 3 + n)
+        busy.release()
+    return outcomes
+
+
+# -- shared commits ---------------------------------------------------------------------------
+
+
+async def test_concurrent_runs_share_commits(postgres_conninfo: str, probe: Probe) -> None:
+    run_ids = [f"run-{n}" for n in range(50)]
+    async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
+        async with anyio.create_task_group() as group:
+            for run_id in run_ids:
+                group.start_soon(apply, store, sample_run(run_id, steps=2))
+        for run_id in run_ids:
+            assert await log_of(store, run_id) == expected_records(sample_run(run_id, steps=2))
+    writes = len(run_ids) * len(sample_run("x", steps=2))
+    rows = [row for commit in probe.commits for row in commit.rows]
+    assert len(rows) == len(run_ids) * len(expected_records(sample_run("x", steps=2)))
+    assert len(probe.commits) <= writes // 5
+    assert max(len({run_id for run_id, _ in commit.rows}) for commit in probe.commits) >= 10
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["group", "one-per-write"])
+async def test_each_row_is_visible_elsewhere_when_its_call_returns(
+    postgres_conninfo: str, grouped: bool
+) -> None:
+    store = PostgresStore(postgres_conninfo, max_writer_connections=2, _group_commit=grouped)
+    async with store, PostgresStore(postgres_conninfo) as reader:
+
+        async def one(run_id: str) -> None:
+            writes = sample_run(run_id, steps=2)
+            for done in range(1, len(writes) + 1):
+                await apply(store, writes[done - 1:done])
+                assert await log_of(reader, run_id) == expected_records(writes[:done])
+
+        async with anyio.create_task_group() as group:
+            for n in range(20):
+                group.start_soon(one, f"run-{n}")
+
+
+async def test_several_writes_of_one_run_in_one_batch_get_consecutive_seqs(
+    postgres_conninfo: str, probe: Probe, batches: list[list[str]]
+) -> None:
+    writes = sample_run("m", steps=2)
+    async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
+        await apply(store, writes[:1])
+        calls = [write(store, [one]) for one in writes[1:9]]
+        assert await in_one_batch(store, probe, calls) == [None] * len(calls)
+        assert ["m"] * len(calls) in batches
+        await apply(store, writes[9:])
+        assert await log_of(store, "m") == expected_records(writes)
+
+
+async def test_runs_ended_in_one_batch_are_unlocked_once_it_commits(
+    postgres_conninfo: str, probe: Probe, batches: list[list[str]]
+) -> None:
+    runs = {run_id: sample_run(run_id, steps=1) for run_id in ("e1", "e2", "open")}
+    async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
+        for writes in runs.values():
+            await apply(store, writes[:-1])
+        calls = [write(store, runs[run_id][-1:]) for run_id in ("e1", "e2")]
+        assert await in_one_batch(store, probe, calls) == [None, None]
+        assert ["e1", "e2"] in batches
+        async with PostgresStore(postgres_conninfo) as other:
+            for run_id in ("e1", "e2"):
+                await other.write_intent(_postgres_intent(run_id))
+            with pytest.raises(RunLocked):  # the run still open keeps its lock
+                await other.write_intent(_postgres_intent("open"))
+
+
+def _postgres_intent(run_id: str) -> Any:
+    return sample_run(run_id, steps=2)[5][1][0]
+
+
+async def test_a_batch_larger_than_one_statement_is_split(
+    postgres_conninfo: str, probe: Probe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_postgres, "_MAX_ROWS_PER_STATEMENT", 3)
+    run_ids = [f"run-{n}" for n in range(12)]
+    async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
+        async with anyio.create_task_group() as group:
+            for run_id in run_ids:
+                group.start_soon(apply, store, sample_run(run_id, steps=2))
+        for run_id in run_ids:
+            assert await log_of(store, run_id) == expected_records(sample_run(run_id, steps=2))
+    assert max(len(commit.rows) for commit in probe.commits) > 3
+
+
+# -- durability of barriers --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows_per_statement", [1000, 1])
+async def test_barriers_commit_with_synchronous_commit_on(
+    postgres_conninfo: str, probe: Probe, monkeypatch: pytest.MonkeyPatch,
+    rows_per_statement: int,
+) -> None:
+    # With one row per statement, batches of several rows take the pipelined path, where
+    # the probe asks inside the open transaction.
+    monkeypatch.setattr(_postgres, "_MAX_ROWS_PER_STATEMENT", rows_per_statement)
+    async with watched(postgres_conninfo, probe, max_writer_connections=2) as store:
+        await apply(store, sample_run("alone", steps=2))
+        async with anyio.create_task_group() as group:
+            for n in range(20):
+                group.start_soon(apply, store, sample_run(f"run-{n}", steps=2))
+    for commit in probe.commits:
+        assert commit.lazy is not commit.barrier, commit
+        if commit.barrier:
+            assert commit.setting == "on", commit
+    assert any(commit.barrier and len(commit.rows) > 1 for commit in probe.commits)
+    assert any(not commit.barrier for commit in probe.commits)
+    if rows_per_statement == 1:  # SET LOCAL really is in force in such a transaction
+        assert any(commit.setting == "off" for commit in probe.commits)
+
+
+async def test_a_lazy_insert_turns_synchronous_commit_off_for_its_own_transaction(
+    postgres_conninfo: str,
+) -> None:
+    async with PostgresStore(postgres_conninfo) as store:
+        await store.start_run(started("r"))  # creates the schema
+        lazy = store._queries.insert_rows(1, lazy=True)
+        row = (_postgres._run_key("x"), 0, "x", "intent", "{}")
+
+    def settings() -> list[str]:
+        with pg.admin(postgres_conninfo) as conn:
+            seen = []
+            conn.execute("BEGIN")
+            conn.execute(lazy, row)
+            seen.append(_setting(conn))
+            conn.execute("ROLLBACK")
+            conn.execute(lazy, row)  # alone: a transaction of its own
+            seen.append(_setting(conn))
+            return seen
+
+    assert await anyio.to_thread.run_sync(settings) == ["off", "on"]
+
+
+def _setting(conn: psycopg.Connection[Any]) -> str:
+    row = conn.execute("SHOW synchronous_commit").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+# -- refusals and failures ---------------------------------------------------------------------
+
+
+async def test_items_refused_on_their_own_do_not_fail_their_neighbours(
+    postgres_conninfo: str, probe: Probe, batches: list[list[str]]
+) -> None:
+    async with PostgresStore(postgres_conninfo) as other:
+        await other.start_run(started("existing"))
+    holder = PostgresStore(postgres_conninfo)
+    await holder.start_run(started("held"))
+    ongoing = sample_run("ongoing", steps=1)
+    async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
+        await apply(store, ongoing[:1])
+        outcomes = await in_one_batch(store, probe, [
+            lambda: store.start_run(started("existing")),
+            lambda: store.start_run(started("fresh-a")),
+            lambda: store.start_run(started("held")),
+            write(store, ongoing[1:2]),
+            write(store, sample_run("never", steps=1)[1:2]),
+            lambda: store.start_run(started("fresh-b")),
+        ])
+        assert ["existing", "fresh-a", "held", "ongoing", "never", "fresh-b"] in batches
+        assert [type(outcome) for outcome in outcomes] == [
+            RunAlreadyExists, type(None), RunLocked, type(None), StoreError, type(None)]
+        assert "never started" in str(outcomes[4])
+        assert probe.commits[-1].rows == (
+            ("fresh-a", "run_started"), ("ongoing", "intent"), ("fresh-b", "run_started"))
+        for run_id in ("fresh-a", "fresh-b"):
+            assert await log_of(store, run_id) == [started(run_id)]
+        assert await log_of(store, "ongoing") == expected_records(ongoing[:2])
+        assert await log_of(store, "never") == []
+        assert await log_of(store, "existing") == [started("existing")]
+        # A refusal keeps no lock that it took: another store object writes those runs
+        # while this one is still open.
+        async with PostgresStore(postgres_conninfo) as third:
+            await third.start_run(started("never"))
+            await apply(third, sample_run("existing", steps=1)[1:2])
+    await holder.aclose()
+
+
+async def _conflicting_row(conninfo: str, run_id: str, seq: int) -> None:
+    """A row at ``seq`` that no store wrote: the store's own row there will clash."""
+    records = sql.Identifier("polyloop", "records")
+    query = sql.SQL("INSERT INTO {} (run_key, seq, run_id, kind, body) "
+                    "VALUES (%s, %s, %s, 'intent', '{{}}')").format(records)
+    with pg.admin(conninfo) as conn:
+        conn.execute(query, (_postgres._run_key(run_id), seq, run_id))
+
+
+async def test_a_row_the_server_refuses_fails_alone(
+    postgres_conninfo: str, probe: Probe, batches: list[list[str]]
+) -> None:
+    runs = {run_id: sample_run(run_id, steps=1) for run_id in ("a", "bad", "b")}
+    async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
+        for writes in runs.values():
+            await apply(store, writes[:1])
+        await _conflicting_row(postgres_conninfo, "bad", 1)
+        outcomes = await in_one_batch(store, probe, [
+            write(store, runs["a"][1:2]),
+            write(store, runs["bad"][1:2]),
+            write(store, runs["bad"][2:3]),  # after its run failed: refused, no gap
+            write(store, runs["b"][1:2]),
+        ])
+        assert ["a", "bad", "bad", "b"] in batches
+        assert outcomes[0] is None
+        assert outcomes[3] is None
+        assert isinstance(outcomes[1], StoreError)
+        assert isinstance(outcomes[1].__cause__, psycopg.errors.UniqueViolation)
+        assert isinstance(outcomes[2], StoreError)
+        assert "earlier write" in str(outcomes[2])
+        assert probe.commits[-1].rows == (("a", "intent"), ("b", "intent"))
+        assert probe.commits[-1].setting == "on"
+        assert not probe.commits[-1].lazy
+        # The connection goes on serving its other runs; the failed run stays refused.
+        for run_id in ("a", "b"):
+            await apply(store, runs[run_id][2:])
+            assert await log_of(store, run_id) == expected_records(runs[run_id])
+        with pytest.raises(StoreError, match="earlier write"):
+            await apply(store, runs["bad"][2:3])
+
+
+async def test_a_connection_lost_mid_batch_fails_its_runs_and_a_new_store_resumes_them(
+    postgres_conninfo: str, probe: Probe, batches: list[list[str]]
+) -> None:
+    runs = {f"r{n}": sample_run(f"r{n}", steps=2) for n in range(5)}
+    store = watched(postgres_conninfo, probe, max_writer_connections=1)
+    for writes in runs.values():
+        await apply(store, writes[:3])
+    probe.kill_at("r1")
+    outcomes = await in_one_batch(
+        store, probe, [write(store, runs[f"r{n}"][3:4]) for n in range(1, 5)])
+    assert ["r1", "r2", "r3", "r4"] in batches
+    for outcome in outcomes:
+        assert isinstance(outcome, StoreError)
+        assert isinstance(outcome.__cause__, psycopg.OperationalError)
+    # r0 was not in the batch, but its lock lived on the lost connection too.
+    with pytest.raises(StoreError, match="earlier write"):
+        await apply(store, runs["r0"][3:4])
+    await store.aclose()
+
+    async with PostgresStore(postgres_conninfo) as fresh:
+        for run_id, writes in runs.items():
+            assert await log_of(fresh, run_id) == expected_records(writes[:3])
+            await apply(fresh, writes[3:])
+            assert await log_of(fresh, run_id) == expected_records(writes)
+
+
+class WriterKillingModel:
+    """A scripted model that, before call ``at``, ends every writer session of the database."""
+
+    def __init__(self, script: list[str], conninfo: str, *, at: int) -> None:
+        self.inner = ScriptedModelClient(script)
+        self.conninfo = conninfo
+        self.at = at
+
+    def parameters(self) -> Any:
+        return self.inner.parameters()
+
+    async def call(self, call: ModelCall) -> ModelReply:
+        if call.call_index == self.at:
+            await anyio.to_thread.run_sync(self._kill_writers)
+        return await self.inner.call(call)
+
+    def _kill_writers(self) -> None:
+        with pg.admin(self.conninfo) as conn:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = %s",
+                ("polyloop-writer",),
+            )
+
+
+async def test_concurrent_runs_on_a_lost_connection_resume_like_uninterrupted_ones(
+    postgres_conninfo: str,
+) -> None:
+    script = six_step_script()
+    run_ids = [f"k{n}" for n in range(6)]
+    store = PostgresStore(postgres_conninfo, max_writer_connections=1)
+    failures: dict[str, BaseException] = {}
+
+    async def one(run_id: str) -> None:
+        model = WriterKillingModel(script, postgres_conninfo, at=2) if run_id == "k0" else None
+        tools = make_tools(Ledger(), replay=Replay.ALLOWED)
+        try:
+            await run(definition(store, model=model, script=script),
+                      request(run_id, tools, model_replay=Replay.ALLOWED))
+        except StoreError as exc:
+            failures[run_id] = exc
+
+    async with anyio.create_task_group() as group:
+        for run_id in run_ids:
+            group.start_soon(one, run_id)
+    assert "k0" in failures
+    await store.aclose()
+
+    async def finish(opened: PostgresStore, run_id: str, *, again: bool) -> RunResult:
+        tools = make_tools(Ledger(), replay=Replay.ALLOWED)
+        go = resume if again else run
+        return await go(definition(opened, script=script),
+                        request(run_id, tools, model_replay=Replay.ALLOWED))
+
+    async with PostgresStore(postgres_conninfo) as fresh:
+        resumed = [await finish(fresh, run_id, again=True) for run_id in run_ids]
+    async with PostgresStore(postgres_conninfo, schema="reference") as reference:
+        expected = [await finish(reference, run_id, again=False) for run_id in run_ids]
+    for result, reference_result in zip(resumed, expected, strict=True):
+        assert result.resumed
+        assert same_outcome(result, reference_result)
+
+
+# -- cancellation -------------------------------------------------------------------------------
+
+
+async def test_cancelled_before_its_batch_starts_writes_nothing_and_reraises(
+    postgres_conninfo: str, probe: Probe
+) -> None:
+    reached = False
+    async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
+        busy = Busy(store, probe)
+        async with anyio.create_task_group() as group:
+            await busy.start(group)
+            group.start_soon(store.start_run, started("neighbour"))
+            await until(lambda: busy.in_flight() == 3)
+            with anyio.CancelScope() as scope:
+
+                async def cancel_when_queued() -> None:
+                    await until(lambda: busy.in_flight() == 4)
+                    scope.cancel()
+
+                group.start_soon(cancel_when_queued)
+                await store.start_run(started("z"))
+                reached = True
+            assert busy.in_flight() == 3  # withdrawn while the others still wait
+            busy.release()
+        assert scope.cancelled_caught
+        assert not reached
+        assert await log_of(store, "z") == []
+        assert await log_of(store, "neighbour") == [started("neighbour")]
+    assert all(run_id != "z" for commit in probe.commits for run_id, _ in commit.rows)
+    async with PostgresStore(postgres_conninfo) as other:  # and it took no lock
+        await other.start_run(started("z"))
+
+
+@pytest.mark.parametrize("alone", [True, False], ids=["alone", "in-a-batch"])
+async def test_cancelled_once_its_batch_started_commits_then_reraises(
+    postgres_conninfo: str, probe: Probe, alone: bool
+) -> None:
+    reached = False
+    async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
+        async with anyio.create_task_group() as group:
+            probe.hold()
+            if not alone:  # a write held at its commit; z's batch starts behind it
+                group.start_soon(store.start_run, started("busy"))
+                assert await anyio.to_thread.run_sync(probe.entered.wait, WAIT_S)
+            with anyio.CancelScope() as scope:
+
+                async def cancel_when_started() -> None:
+                    if alone:
+                        assert await anyio.to_thread.run_sync(probe.entered.wait, WAIT_S)
+                    else:
+                        await until(lambda: store._writers[0].group._running is not None)
+                    scope.cancel()
+                    await anyio.sleep(0.05)  # cancelled, yet still waiting for the commit
+                    probe.release()
+
+                group.start_soon(cancel_when_started)
+                await store.start_run(started("z"))
+                reached = True
+        assert scope.cancelled_caught
+        assert not reached
+        assert await log_of(store, "z") == [started("z")]
+
+
+async def test_a_leader_cancelled_as_its_batch_starts_still_commits_its_neighbours(
+    postgres_conninfo: str, probe: Probe, batches: list[list[str]]
+) -> None:
+    # The task that runs a batch is cancelled right after the batch started, before its
+    # worker thread does (asyncio reaches that point; Trio cannot be cancelled there).
+    run_ids = ["lead", "n1", "n2", "n3"]
+    scopes = {run_id: anyio.CancelScope() for run_id in run_ids}
+    outcomes: dict[str, str] = {}
+    async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
+
+        async def start(run_id: str) -> None:
+            with scopes[run_id]:
+                try:
+                    await store.start_run(started(run_id))
+                except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+                    outcomes[run_id] = type(exc).__name__
+                else:
+                    outcomes[run_id] = "written"
+                return
+            outcomes[run_id] = "cancelled"
+
+        async def cancel_the_leader(group: Any) -> None:
+            while group._running is None:
+                await anyio.lowlevel.checkpoint()
+            leader = group._running.entries[0].item.slot.run_id
+            scopes[leader].cancel()
+
+        async with anyio.create_task_group() as tasks:
+            probe.hold()
+            tasks.start_soon(store.start_run, started("busy"))
+            assert await anyio.to_thread.run_sync(probe.entered.wait, WAIT_S)
+            tasks.start_soon(cancel_the_leader, store._writers[0].group)
+            for run_id in run_ids:
+                tasks.start_soon(start, run_id)
+            # Every caller has an outcome already (the batch fell apart) or waits for it.
+            await until(lambda: len(outcomes) == 4 or store._writers[0].writing == 5)
+            await anyio.sleep(0.05)
+            probe.release()
+        assert sorted(outcomes.values()) == ["cancelled", "written", "written", "written"]
+        assert sorted(run_ids) in [sorted(batch) for batch in batches]
+        for run_id in run_ids:  # the batch committed every item, the cancelled one's too
+            assert await log_of(store, run_id) == [started(run_id)]
+
+
+# -- without group commit ----------------------------------------------------------------------
+
+
+class TestContractWithoutGroupCommit(DurableStoreContract):
+    @pytest.fixture
+    def store_factory(self, postgres_conninfo: str) -> Callable[[], PostgresStore]:
+        return lambda: PostgresStore(postgres_conninfo, _group_commit=False)
+
+    @pytest.fixture
+    def store_reference(self, postgres_conninfo: str) -> tuple[str, list[Any]]:
+        return ("polyloop.stores:PostgresStore", [postgres_conninfo])
