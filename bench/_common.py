@@ -275,10 +275,14 @@ def print_table(title: str, columns: Sequence[Column], rows: Sequence[Row],
                         for i, c in enumerate(line)))
 
 
-def target(name: str, measured: float | None, limit: float, *, what: str) -> Row:
-    """One target from the issue: a measured ratio against its limit."""
-    met = measured is not None and measured == measured and measured <= limit
-    return {"target": name, "what": what, "measured": measured, "limit": limit, "met": met}
+def target(name: str, measured: float | None, limit: float, *, what: str,
+           at_least: bool = False) -> Row:
+    """One target from the issue: a measured ratio against its upper (or lower) limit."""
+    met = False
+    if measured is not None and measured == measured:  # NaN is never met
+        met = measured >= limit if at_least else measured <= limit
+    return {"target": name, "what": what, "measured": measured, "limit": limit, "met": met,
+            "at_least": at_least}
 
 
 def versions() -> dict[str, str | None]:

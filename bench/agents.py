@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,19 +35,25 @@ from polyloop import (
     Budget,
     Definition,
     Injection,
+    Intent,
+    IntentKind,
     Message,
     NullSink,
     ObservationTexts,
     Replay,
     Request,
+    Result,
     Role,
     RunResult,
+    StepRecord,
     ToolRegistry,
     ToolSpec,
     ToolStyle,
     run,
 )
 from polyloop.ports import Action, ActionOutcome, FinalAnswer, ModelCall, ModelReply, Store
+from polyloop.serialization import dumps
+from polyloop.stores import MemoryStore
 from polyloop.types import ActionStatus, JSONValue
 
 TOOL_REPLY = ModelReply(call_id=None, content="noop", reasoning=None)
@@ -230,38 +238,87 @@ async def handwritten_memory(steps: int) -> RunStats:
     return RunStats(now() - began, model.decisions.n, executions.n)
 
 
+@dataclass(frozen=True)
+class LineSizes:
+    """Bytes per line of a step's four records: two barriers, two plain appends."""
+
+    model_intent: int
+    model_result: int
+    action_intent: int
+    step: int
+
+    def line(self, field: str, step: int) -> bytes:
+        """A line of the field's size (the step number in it, so lines differ)."""
+        head = f"{step} "
+        size = getattr(self, field)
+        return (head + "x" * max(size - len(head) - 1, 0) + "\n").encode()
+
+
+async def polyloop_line_sizes(steps: int) -> LineSizes:
+    """The median length of each kind of line in a JSON-lines log of this agent's run."""
+    store = MemoryStore()
+    await Agent(store, steps=steps).run("polyloop-bench-probe", steps)
+    found: dict[str, list[int]] = {name: [] for name in ("model_intent", "model_result",
+                                                         "action_intent", "step")}
+    pending = 0
+    for record in (await store.read_log("polyloop-bench-probe")).records:
+        size = len(dumps(record).encode()) + 1
+        if isinstance(record, Intent):
+            kind = "model_intent" if record.kind is IntentKind.MODEL_CALL else "action_intent"
+            found[kind].append(size)
+        elif isinstance(record, Result) and record.kind is IntentKind.MODEL_CALL:
+            found["model_result"].append(size)
+        elif isinstance(record, Result):
+            pending = size + 1  # "[result," before the step, "]" after it
+        elif isinstance(record, StepRecord):
+            found["step"].append(size + pending)
+            pending = 0
+    return LineSizes(**{name: int(statistics.median(sizes)) for name, sizes in found.items()})
+
+
 async def handwritten_durable(steps: int, path: Path, *, threaded: bool = False,
                               model: HandModel | None = None,
                               executions: Counter | None = None,
-                              run_id: str = "run") -> RunStats:
+                              run_id: str = "run",
+                              sizes: LineSizes | None = None) -> RunStats:
     """The in-memory floor plus two fsync'd appends per step to one file.
 
     With ``threaded``, each barrier runs in a worker thread, as a store built on AnyIO
-    must do to keep the event loop free.
+    must do to keep the event loop free. With ``sizes``, each step writes lines as long
+    as a PolyLoop log's (the model result and the step appended without a sync), so the
+    disk moves the same bytes per step as PolyLoop's ``JsonlStore`` does.
     """
     model = model or HandModel(steps)
     executions = executions or Counter()
     decisions, executed = model.decisions.n, executions.n
+
+    def line(index: int, kind: str) -> bytes:
+        if sizes is None:
+            return _record(run_id, index, kind)
+        return sizes.line(kind, index)
+
+    async def barrier(data: bytes) -> None:
+        if threaded:
+            await anyio.to_thread.run_sync(_barrier, fd, data)
+        else:
+            _barrier(fd, data)
+
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         began = now()
         history = [("system", SYSTEM_TEXT), ("user", GOAL_TEXT)]
         for index in range(steps):
-            line = _record(run_id, index, "model")
-            if threaded:
-                await anyio.to_thread.run_sync(_barrier, fd, line)
-            else:
-                _barrier(fd, line)
+            await barrier(line(index, "model_intent" if sizes else "model"))
             tool = await model.call(history, index)
+            if sizes is not None:
+                os.write(fd, line(index, "model_result"))
             history.append(("assistant", tool or "final"))
             if tool is None:
                 break
-            line = _record(run_id, index, "action")
-            if threaded:
-                await anyio.to_thread.run_sync(_barrier, fd, line)
-            else:
-                _barrier(fd, line)
+            await barrier(line(index, "action_intent" if sizes else "action"))
             history.append(("user", await _hand_tool(tool, executions)))
+            if sizes is not None:
+                os.write(fd, line(index, "step"))
         seconds = now() - began
     finally:
         os.close(fd)

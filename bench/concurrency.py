@@ -17,7 +17,15 @@ once per call, so the runs really interleave. Reported:
 
 Then, per backend, the speed-up of ``sequential_runs`` concurrent durable runs over the
 same runs one after another (both medians of ``concurrency_repeats`` passes), for each
-durable store and for the hand-written loop.
+durable store and for the hand-written loop; and, for the two database stores, the
+steps per second of ``sequential_runs`` concurrent runs with group commit (the default)
+over the same store committing every write on its own (``_group_commit=False``, the
+one-commit-per-barrier baseline).
+
+Targets, per backend: concurrent durable runs are not slower than sequential ones on
+any durable store; ``JsonlStore`` at ``sequential_runs`` concurrent runs within 1.2x
+the wall time of the hand-written concurrent loop; group commit at least 3x the
+baseline's steps per second on ``SqliteStore`` and ``PostgresStore``.
 """
 
 from __future__ import annotations
@@ -30,7 +38,18 @@ from typing import Any
 
 import anyio
 
-from bench._common import Context, Row, RunStats, median, now, postgres_schema, settle, skipped
+from bench._common import (
+    Context,
+    Row,
+    RunStats,
+    by_key,
+    median,
+    now,
+    postgres_schema,
+    settle,
+    skipped,
+    target,
+)
 from bench.agents import Agent, handwritten_concurrent
 
 TITLE = "3. Concurrent runs (one task group, one shared model client)"
@@ -39,6 +58,8 @@ COLUMNS = [
     ("runs", "runs"),
     ("steps_per_run", "steps/run"),
     ("wall_s", "wall s", 2),
+    ("wall_s_min", "min", 2),
+    ("wall_s_max", "max", 2),
     ("steps_per_s", "steps/s"),
     ("us_per_step", "wall us/step"),
     ("peak_kib_per_run", "peak KiB/run"),
@@ -53,6 +74,14 @@ SPEEDUP_COLUMNS = [
     ("speedup", "speed-up", 2),
     ("speedup_vs_handwritten", "x hand-written speed-up", 2),
 ]
+GROUP_TITLE = "3c. Group commit: concurrent runs, steps per second with and without it"
+GROUP_COLUMNS = [
+    ("name", "backend / store"),
+    ("runs", "runs"),
+    ("single_steps_per_s", "one commit per write, steps/s"),
+    ("group_steps_per_s", "group commit, steps/s"),
+    ("gain", "gain", 2),
+]
 STORES = ("memory", "jsonl", "sqlite", "postgres", "handwritten")
 STORE_NAMES = {
     "memory": "PolyLoop, MemoryStore",
@@ -60,22 +89,59 @@ STORE_NAMES = {
     "sqlite": "PolyLoop, SqliteStore",
     "postgres": "PolyLoop, PostgresStore",
     "handwritten": "hand-written durable loop",
+    "sqlite-single": "PolyLoop, SqliteStore, one commit per write",
+    "postgres-single": "PolyLoop, PostgresStore, one commit per write",
 }
+JSONL_LIMIT = 1.2
+GROUP_LIMIT = 3.0
 
 
 def run(ctx: Context) -> dict[str, Any]:
     rows: list[Row] = []
     speedups: list[Row] = []
+    groups: list[Row] = []
     for backend in ctx.sizes.backends:
         ctx.say(f"  backend {backend}")
-        cells, ups = anyio.run(_backend, ctx, backend, backend=backend)
+        cells, ups, gains = anyio.run(_backend, ctx, backend, backend=backend)
         rows += cells
         speedups += ups
+        groups += gains
     return {
         "title": TITLE, "columns": COLUMNS, "rows": rows,
-        "tables": [{"title": SPEEDUP_TITLE, "columns": SPEEDUP_COLUMNS, "rows": speedups}],
-        "speedups": speedups, "targets": [],
+        "tables": [{"title": SPEEDUP_TITLE, "columns": SPEEDUP_COLUMNS, "rows": speedups},
+                   {"title": GROUP_TITLE, "columns": GROUP_COLUMNS, "rows": groups}],
+        "speedups": speedups, "group_commit": groups,
+        "targets": _targets(ctx, rows, speedups, groups),
     }
+
+
+def _targets(ctx: Context, rows: list[Row], speedups: list[Row],
+             groups: list[Row]) -> list[Row]:
+    runs = ctx.sizes.sequential_runs
+    found: list[Row] = []
+    for backend in ctx.sizes.backends:
+        for row in speedups:
+            if row["backend"] == backend and row["store"] != "handwritten":
+                found.append(target(
+                    f"{backend}: {runs} concurrent runs on {row['store']} not slower than "
+                    f"sequential", row.get("speedup"), 1.0, at_least=True,
+                    what="sequential wall s / concurrent wall s"))
+        jsonl = by_key(rows, f"{backend}-jsonl-{runs}")
+        hand = by_key(rows, f"{backend}-handwritten-{runs}")
+        ratio = None
+        if jsonl and hand and jsonl.get("wall_s") and hand.get("wall_s"):
+            ratio = jsonl["wall_s"] / hand["wall_s"]
+        found.append(target(
+            f"{backend}: {runs} concurrent runs on JsonlStore within {JSONL_LIMIT}x the "
+            f"hand-written concurrent loop", ratio, JSONL_LIMIT,
+            what="PolyLoop JsonlStore wall s / hand-written wall s"))
+        for row in groups:
+            if row["backend"] == backend:
+                found.append(target(
+                    f"{backend}: group commit on {row['store']} >= {GROUP_LIMIT}x the steps/s "
+                    f"of one commit per write", row.get("gain"), GROUP_LIMIT, at_least=True,
+                    what="group-commit steps/s / one-commit-per-write steps/s"))
+    return found
 
 
 class _Stores:
@@ -102,15 +168,17 @@ class _Stores:
         if kind == "jsonl":
             return await self.stack.enter_async_context(
                 JsonlStore(self.ctx.scratch("concurrency-jsonl")))
-        if kind == "sqlite":
-            path = self.ctx.scratch("concurrency-sqlite") / "runs.sqlite"
-            return await self.stack.enter_async_context(SqliteStore(path))
+        group_commit = not kind.endswith("-single")
+        if kind.startswith("sqlite"):
+            path = self.ctx.scratch(f"concurrency-{kind}") / "runs.sqlite"
+            return await self.stack.enter_async_context(
+                SqliteStore(path, _group_commit=group_commit))
         from polyloop.stores import PostgresStore
 
         assert self.ctx.postgres is not None
         schema = self.stack.enter_context(postgres_schema(self.ctx.postgres))
         return await self.stack.enter_async_context(
-            PostgresStore(self.ctx.postgres, schema=schema))
+            PostgresStore(self.ctx.postgres, schema=schema, _group_commit=group_commit))
 
     async def _warm(self, store: Any) -> None:
         """A few small runs at once, so connections and files exist before timing."""
@@ -148,14 +216,16 @@ async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row]]:
                 peak = await _peak(pass_)
                 wall = median(walls)
                 concurrent_walls[(kind, runs, steps)] = wall
-                row.update(repeats=len(walls), wall_s=wall, steps_per_s=runs * steps / wall,
+                row.update(repeats=len(walls), wall_s=wall, wall_s_min=min(walls),
+                           wall_s_max=max(walls), steps_per_s=runs * steps / wall,
                            us_per_step=wall / (runs * steps) * 1e6,
                            peak_kib_per_run=peak / runs / 1024,
                            decisions=stats.decisions, tool_executions=stats.tool_executions)
                 rows.append(row)
                 ctx.say(f"    {row['name']}: {runs} runs x {steps} steps in {wall:.2f} s")
         speedups = await _speedups(ctx, stores, backend, concurrent_walls)
-    return rows, speedups
+        gains = await _group_gains(ctx, stores, backend, concurrent_walls)
+    return rows, speedups, gains
 
 
 async def _pass_for(ctx: Context, stores: _Stores, kind: str, runs: int,
@@ -230,4 +300,32 @@ async def _speedups(ctx: Context, stores: _Stores, backend: str,
     for row in rows:
         if hand is not None and "speedup" in row:
             row["speedup_vs_handwritten"] = row["speedup"] / hand["speedup"]
+    return rows
+
+
+async def _group_gains(ctx: Context, stores: _Stores, backend: str,
+                       concurrent_walls: dict[tuple[str, int, int], float]) -> list[Row]:
+    """Group commit against one commit per write, same runs at once, same backend."""
+    runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
+    rows: list[Row] = []
+    for kind in ("sqlite", "postgres"):
+        row: Row = {"key": f"{backend}-{kind}-group", "backend": backend, "store": kind,
+                    "name": f"{backend}: {STORE_NAMES[kind]}", "runs": runs,
+                    "steps_per_run": steps}
+        if kind == "postgres" and ctx.postgres is None:
+            rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
+            continue
+        single = await _pass_for(ctx, stores, f"{kind}-single", runs, steps)
+        walls = []
+        for _ in range(ctx.sizes.concurrency_repeats):
+            settle()
+            walls.append((await single()).seconds)
+        grouped = concurrent_walls.get((kind, runs, steps))
+        if grouped is None:
+            settle()
+            grouped = (await (await _pass_for(ctx, stores, kind, runs, steps))()).seconds
+        total = runs * steps
+        row.update(single_steps_per_s=total / median(walls), group_steps_per_s=total / grouped,
+                   gain=median(walls) / grouped, repeats=len(walls))
+        rows.append(row)
     return rows

@@ -7,6 +7,9 @@ The same run as benchmark 1 on each durable store, beside:
 * the hand-written loop with its two fsync'd appends per step (the floor the targets
   use), and the same loop with each barrier in a worker thread (a reference: that is
   where an AnyIO store has to do its blocking I/O);
+* the hand-written loop writing, per step, lines as long as PolyLoop's JSON-lines log
+  (its two intents synced, its model result and step appended): what the disk charges
+  for the bytes a durable step records, which grows with the bytes an fsync carries;
 * LangGraph with its SQLite checkpointer on a file, with its default (background)
   durability and with ``durability="sync"``.
 
@@ -36,13 +39,14 @@ from bench._common import (
     summary_row,
     target,
 )
-from bench.agents import Agent, fsync_floor, handwritten_durable
+from bench.agents import Agent, fsync_floor, handwritten_durable, polyloop_line_sizes
 
 TITLE = "2. Durable step cost"
 COLUMNS = [
     ("name", "loop"),
     ("us_per_step", "us/step"),
     ("ratio_to_floor", "x 2-fsync loop", 2),
+    ("ratio_to_same_bytes", "x same-bytes loop", 2),
     ("fsyncs_per_step", "fsync floors/step", 2),
     ("us_per_step_min", "min"),
     ("us_per_step_max", "max"),
@@ -51,6 +55,7 @@ COLUMNS = [
     ("repeats", "runs"),
 ]
 FLOOR = "floor-two-fsyncs"
+SAME_BYTES = "floor-same-bytes"
 LIMIT = 1.3
 
 
@@ -66,6 +71,7 @@ def run(ctx: Context) -> dict[str, Any]:
                     "role": "floor", "us_per_step": fsync_us, "fsyncs_per_step": 1.0,
                     "repeats": len(samples), "unit": "us per append+fsync"})
     add_ratio(rows, FLOOR)
+    add_ratio(rows, SAME_BYTES, "ratio_to_same_bytes")
     for row in rows:
         if not row.get("skipped") and row.get("key") != "fsync-floor":
             row["fsyncs_per_step"] = row["us_per_step"] / fsync_us
@@ -82,6 +88,7 @@ def run(ctx: Context) -> dict[str, Any]:
 async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> list[Row]:
     from polyloop.stores import JsonlStore, SqliteStore
 
+    sizes = await polyloop_line_sizes(steps)
     variants = [
         Variant(FLOOR, "hand-written loop, 2 fsync'd appends/step (floor)", "floor",
                 lambda rid: handwritten_durable(steps, directory / f"{rid}.log")),
@@ -89,6 +96,9 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
                 "hand-written loop, 2 fsync'd appends/step in a worker thread", "reference",
                 lambda rid: handwritten_durable(steps, directory / f"{rid}.log",
                                                 threaded=True)),
+        Variant(SAME_BYTES, "hand-written loop, PolyLoop's bytes/step (2 of 4 lines fsync'd)",
+                "reference",
+                lambda rid: handwritten_durable(steps, directory / f"{rid}.log", sizes=sizes)),
     ]
     async with JsonlStore(directory / "jsonl") as jsonl, \
             SqliteStore(directory / "runs.sqlite") as sqlite_store:
@@ -111,7 +121,7 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
             variants.append(Variant(key, name, "peer", _sync(graph.run, steps)))
         try:
             if ctx.postgres is None:
-                variants.insert(4, Variant("polyloop-postgres", "PolyLoop, PostgresStore",
+                variants.insert(5, Variant("polyloop-postgres", "PolyLoop, PostgresStore",
                                            "polyloop", skip=ctx.postgres_note))
                 results = await _interleave_noted(ctx, variants, repeats)
             else:
@@ -130,7 +140,7 @@ async def _with_postgres(ctx: Context, variants: list[Variant], steps: int,
     with postgres_schema(ctx.postgres) as schema:
         async with PostgresStore(ctx.postgres, schema=schema) as store:
             agent = Agent(store, steps=steps)
-            variants.insert(4, Variant("polyloop-postgres", "PolyLoop, PostgresStore",
+            variants.insert(5, Variant("polyloop-postgres", "PolyLoop, PostgresStore",
                                        "polyloop", _timed(agent, steps)))
             return await _interleave_noted(ctx, variants, repeats)
 

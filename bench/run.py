@@ -161,7 +161,8 @@ def _print_targets(targets: Any) -> None:
         measured = item["measured"]
         shown = "not measured" if measured is None else f"{measured:.2f}x"
         verdict = "met" if item["met"] else "MISSED"
-        print(f"  target: {item['target']}: {shown} (limit {item['limit']}x) -> {verdict}")
+        bound = "at least" if item.get("at_least") else "limit"
+        print(f"  target: {item['target']}: {shown} ({bound} {item['limit']}x) -> {verdict}")
 
 
 def _print_summary(results: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
+from bench import report as bench_report  # noqa: E402
 from bench import run as bench_run  # noqa: E402
 from bench._common import TINY, postgres_conninfo  # noqa: E402
 
@@ -80,8 +81,9 @@ def test_single_run_benchmarks_do_the_same_work_everywhere(
     keys = {row["key"] for row in rows}
     assert {"polyloop-memory", "floor-memory", "langgraph-none", "langgraph-memory",
             "pydantic-ai"} <= keys if name == "overhead" else \
-        {"fsync-floor", "floor-two-fsyncs", "polyloop-jsonl", "polyloop-sqlite",
-         "polyloop-postgres", "langgraph-sqlite", "langgraph-sqlite-sync"} <= keys
+        {"fsync-floor", "floor-two-fsyncs", "floor-same-bytes", "polyloop-jsonl",
+         "polyloop-sqlite", "polyloop-postgres", "langgraph-sqlite",
+         "langgraph-sqlite-sync"} <= keys
     for row in rows:
         _check_skip(row)
         if row.get("skipped") or row["key"] == "fsync-floor":
@@ -123,6 +125,15 @@ def test_concurrency_covers_every_store_backend_and_count(results: dict[str, Any
                     "speedup_vs_handwritten"} <= row.keys()
     assert {row["store"] for row in speedups if not row.get("skipped")} >= \
         {"jsonl", "sqlite", "handwritten"}
+    groups = results["benchmarks"]["concurrency"]["group_commit"]
+    assert {(row["backend"], row["store"]) for row in groups} == \
+        {(backend, store) for backend in TINY.backends for store in ("sqlite", "postgres")}
+    for row in groups:
+        _check_skip(row)
+        if not row.get("skipped"):
+            assert row["single_steps_per_s"] > 0 and row["group_steps_per_s"] > 0
+            assert row["gain"] == pytest.approx(
+                row["group_steps_per_s"] / row["single_steps_per_s"])
 
 
 def test_recovery_reads_whole_logs_and_fits_a_slope(results: dict[str, Any]) -> None:
@@ -154,3 +165,14 @@ def test_profile_names_polyloop_functions(results: dict[str, Any]) -> None:
     for kind in ("memory", "jsonl"):
         files = [item["file"] for item in results["profile"][kind]["files"]]
         assert any(name.startswith("polyloop/") for name in files), files
+
+
+def test_the_report_renders_every_benchmark_table_and_target(results: dict[str, Any]) -> None:
+    text = bench_report.render(results)
+    for bench in results["benchmarks"].values():
+        assert f"### {bench['title']}" in text
+        for extra in bench.get("tables", ()):
+            assert f"**{extra['title']}**" in text
+        for item in bench.get("targets", ()):
+            assert f"| {item['target']} |" in text
+    assert results["meta"]["versions"]["anyio"] in text
