@@ -16,7 +16,8 @@ The same run as benchmark 1 on each durable store, beside:
 Every file lives in one scratch directory, so the floors and the stores share a disk.
 The PostgreSQL server syncs its own write-ahead log, on whatever disk it uses.
 
-Targets: JsonlStore and SqliteStore at most 1.3x the hand-written two-fsync loop.
+Targets: JsonlStore and SqliteStore at most 1.3x the hand-written two-fsync loop, and
+within 1.5x of two fsync floors.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ COLUMNS = [
 ]
 FLOOR = "floor-two-fsyncs"
 SAME_BYTES = "floor-same-bytes"
-LIMIT = 1.3
+LIMIT = 1.3  # the performance issue's target
+TWO_FSYNC_LIMIT = 1.5  # the store issue's goal
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -75,14 +77,25 @@ def run(ctx: Context) -> dict[str, Any]:
     for row in rows:
         if not row.get("skipped") and row.get("key") != "fsync-floor":
             row["fsyncs_per_step"] = row["us_per_step"] / fsync_us
-    targets = [
-        target(f"durable step on {name} <= 1.3x the hand-written loop with two fsync'd appends",
-               (by_key(rows, key) or {}).get("ratio_to_floor"), LIMIT,
-               what=f"PolyLoop {name} us/step / hand-written 2-fsync loop us/step")
-        for key, name in (("polyloop-jsonl", "JsonlStore"), ("polyloop-sqlite", "SqliteStore"))
-    ]
-    return {"title": TITLE, "columns": COLUMNS, "rows": rows, "targets": targets,
+    return {"title": TITLE, "columns": COLUMNS, "rows": rows, "targets": targets(rows),
             "steps": steps, "fsync_floor_us": fsync_us}
+
+
+def targets(rows: list[Row]) -> list[Row]:
+    """The targets, from the measured rows alone (so a saved run can be re-judged)."""
+    found = []
+    for key, name in (("polyloop-jsonl", "JsonlStore"), ("polyloop-sqlite", "SqliteStore")):
+        row = by_key(rows, key) or {}
+        found.append(target(
+            f"durable step on {name} <= {LIMIT}x the hand-written loop with two fsync'd "
+            f"appends", row.get("ratio_to_floor"), LIMIT,
+            what=f"PolyLoop {name} us/step / hand-written 2-fsync loop us/step"))
+        fsyncs = row.get("fsyncs_per_step")
+        found.append(target(
+            f"durable step on {name} within {TWO_FSYNC_LIMIT}x two fsync floors",
+            None if fsyncs is None else fsyncs / 2, TWO_FSYNC_LIMIT,
+            what=f"PolyLoop {name} us/step / (2 x append+fsync floor)"))
+    return found
 
 
 async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> list[Row]:

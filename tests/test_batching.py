@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from polyloop.stores import JsonlStore
 from polyloop.stores._batching import GroupCommit, InlineSyncGate
 from polyloop.stores._fileops import OsFileOps
 from polyloop.testing.store_contract import apply, expected_records, sample_run
+from polyloop.types import StoreError
 
 pytestmark = pytest.mark.anyio
 
@@ -206,6 +208,44 @@ async def test_cancelled_after_its_batch_started_the_item_is_committed() -> None
     assert commit.batches == [["leader"], ["follower"]]
 
 
+async def test_parallel_batches_run_at_once_up_to_the_limit() -> None:
+    running = 0
+    most = 0
+    calls: list[int] = []
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def commit(items: Sequence[str]) -> list[BaseException | None]:
+        nonlocal running, most
+        with lock:
+            calls.append(len(items))
+            running += 1
+            most = max(most, running)
+        release.wait(10)
+        with lock:
+            running -= 1
+        return [None] * len(items)
+
+    group = GroupCommit(commit, parallel=3)
+    async with anyio.create_task_group() as tasks:
+        for index in range(10):  # one by one: each finds the previous batches running
+            tasks.start_soon(group.submit, f"item-{index}")
+            await anyio.wait_all_tasks_blocked()
+        for _ in range(500):  # wait until three threads are in commit
+            if most == 3:
+                break
+            await anyio.sleep(0.01)
+        release.set()
+    assert most == 3
+    assert calls == [1, 1, 1, 7]  # three alone, then everyone who waited, together
+    assert group.idle
+
+
+def test_parallel_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        GroupCommit(lambda items: [None] * len(items), parallel=0)
+
+
 # -- where JsonlStore syncs ----------------------------------------------------------------
 
 
@@ -268,3 +308,53 @@ async def test_a_slow_disk_sends_syncs_to_worker_threads(tmp_path: Path) -> None
         await apply(store, writes)
         assert list((await store.read_log("slow")).records) == expected_records(writes)
     assert files.syncs and not any(files.syncs)
+
+
+class FailingSyncFiles(ThreadNotingFiles):
+    """Syncs of one run's file fail with EIO; everything else is the real thing."""
+
+    def __init__(self, doomed: str) -> None:
+        super().__init__()
+        self.doomed = doomed
+        self.doomed_fds: set[int] = set()
+
+    def open(self, path: Path, flags: int, mode: int = 0o777) -> int:
+        fd = super().open(path, flags, mode)
+        if path.name.startswith(self.doomed):
+            self.doomed_fds.add(fd)
+        return fd
+
+    def fsync(self, fd: int) -> None:
+        if fd in self.doomed_fds and len(self.syncs) > 3:  # its start succeeds
+            self.syncs.append(False)
+            raise OSError(errno.EIO, "simulated EIO")
+        super().fsync(fd)
+
+
+async def test_a_failed_shared_sync_fails_only_its_run(tmp_path: Path) -> None:
+    files = FailingSyncFiles("doomed")
+    names = ["healthy-1", "doomed", "healthy-2"]
+    runs = {name: sample_run(name, steps=2) for name in names}
+    errors: dict[str, BaseException] = {}
+
+    async def rest(name: str) -> None:
+        try:
+            await apply(store, runs[name][1:])
+        except StoreError as exc:
+            errors[name] = exc
+
+    async with JsonlStore(tmp_path, _files=files) as store:
+        for name in names:
+            await apply(store, runs[name][:1])
+        async with anyio.create_task_group() as tasks:
+            for name in names:
+                tasks.start_soon(rest, name)
+        assert set(errors) == {"doomed"}
+        assert errors["doomed"].run_id == "doomed"
+        with pytest.raises(StoreError, match="earlier write of this run failed"):
+            await store.write_result(runs["doomed"][2][1][0])
+        for name in ("healthy-1", "healthy-2"):
+            assert list((await store.read_log(name)).records) == expected_records(runs[name])
+        # the failed run's log is readable and holds its start and what preceded the fault
+        doomed = (await store.read_log("doomed")).records
+        assert doomed and list(doomed) == expected_records(runs["doomed"])[: len(doomed)]

@@ -23,6 +23,7 @@ exists, so that a guarantee never points at a test that is not there.
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shlex
 import signal
@@ -193,3 +194,22 @@ def test_every_cited_test_exists(page: str, file: str, name: str) -> None:
         text = contract.read_text(encoding="utf-8")
     assert re.search(rf"^\s*(async )?def {function}\b", text, re.MULTILINE), (
         f"{page} cites tests/{file}::{name}, which does not exist")
+
+
+# -- the performance page shows the committed reference run -------------------------------
+
+REPORT_START = "<!-- report of bench/results/reference.json: python bench/report.py -->"
+REPORT_END = "<!-- end of report -->"
+
+
+def test_performance_page_holds_the_report_of_the_reference_run() -> None:
+    """Every figure in the page's tables comes from the committed results file."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from bench.report import render
+
+    page = (DOCS / "performance.md").read_text(encoding="utf-8")
+    assert REPORT_START in page and REPORT_END in page
+    shown = page.split(REPORT_START, 1)[1].split(REPORT_END, 1)[0].strip()
+    reference = json.loads((ROOT / "bench" / "results" / "reference.json").read_text())
+    assert shown == render(reference).strip()

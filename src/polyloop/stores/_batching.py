@@ -13,9 +13,9 @@ threads until it is fast again). See research-wiki record 0013 for the measureme
 
 :class:`GroupCommit` lets writes of different runs that wait at the same moment share
 one commit: the first caller runs a batch in a worker thread; callers arriving while it
-runs join the next batch, which starts as soon as the running one ends. Every caller
-returns only after the commit that holds its item, with that item's own error if it
-failed. Exactly one batch runs at a time per ``GroupCommit``.
+runs join the next batch, which starts as soon as the running one ends (or at once, for a
+``GroupCommit`` allowed several batches in parallel). Every caller returns only after the
+commit that holds its item, with that item's own error if it failed.
 """
 
 from __future__ import annotations
@@ -82,19 +82,34 @@ class GroupCommit(Generic[_T]):
     ``commit(items)`` is blocking and returns one entry per item: ``None`` when the
     item is durable, or the exception its caller must see. An exception escaping
     ``commit`` itself counts as every item's error. Must be used from one event loop.
+
+    ``parallel`` batches may run at once (each in its own worker thread): one for a
+    database connection, which commits one transaction at a time; more for files, whose
+    syncs the disk can overlap. A batch starts at once while fewer are running, so under
+    light load each item is its own batch, and batches grow only when the threads are
+    busy.
     """
 
-    __slots__ = ("_commit", "_open", "_running")
+    __slots__ = ("_active", "_commit", "_open", "_parallel", "_running")
 
-    def __init__(self, commit: Callable[[Sequence[_T]], Sequence[BaseException | None]]) -> None:
+    def __init__(
+        self,
+        commit: Callable[[Sequence[_T]], Sequence[BaseException | None]],
+        *,
+        parallel: int = 1,
+    ) -> None:
+        if parallel < 1:
+            raise ValueError(f"parallel must be at least 1, not {parallel}")
         self._commit = commit
+        self._parallel = parallel
         self._open: _Batch[_T] | None = None  # collecting; not started yet
-        self._running: _Batch[_T] | None = None
+        self._running: _Batch[_T] | None = None  # the batch started last, while it runs
+        self._active = 0  # batches running
 
     @property
     def idle(self) -> bool:
         """No batch runs or waits: a caller alone could write without joining one."""
-        return self._running is None and self._open is None
+        return self._active == 0 and self._open is None
 
     async def submit(self, item: _T) -> None:
         """Return once ``item`` is committed; raise its error if its commit failed.
@@ -107,7 +122,7 @@ class GroupCommit(Generic[_T]):
         batch = self._open
         if batch is None:
             batch = self._open = _Batch()
-            if self._running is None:
+            if self._active < self._parallel:
                 batch.turn.set()
         entry = _Entry(item)
         batch.entries.append(entry)
@@ -134,6 +149,7 @@ class GroupCommit(Generic[_T]):
         if self._open is batch:
             self._open = None
         self._running = batch
+        self._active += 1
         outcome_known = False
         try:
             # Shielded: a started batch runs, and is waited for, even if its leader is
@@ -149,7 +165,9 @@ class GroupCommit(Generic[_T]):
                 for entry in batch.entries:
                     entry.error = RuntimeError("the commit ended without reporting its outcome")
             batch.done.set()
-            self._running = None
+            self._active -= 1
+            if self._running is batch:
+                self._running = None
             following = self._open
             if following is not None:
                 following.turn.set()
