@@ -284,15 +284,9 @@ async def _speedups(ctx: Context, stores: _Stores, backend: str,
             rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
             continue
         one_by_one = await _pass_for(ctx, stores, kind, runs, steps, sequential=True)
-        walls = []
-        for _ in range(ctx.sizes.concurrency_repeats):
-            settle()
-            walls.append((await one_by_one()).seconds)
+        walls = await _walls(one_by_one, ctx.sizes.concurrency_repeats)
         sequential = median(walls)
-        concurrent = concurrent_walls.get((kind, runs, steps))
-        if concurrent is None:
-            settle()
-            concurrent = (await (await _pass_for(ctx, stores, kind, runs, steps))()).seconds
+        concurrent = await _concurrent_wall(ctx, stores, kind, concurrent_walls)
         row.update(sequential_s=sequential, concurrent_s=concurrent,
                    speedup=sequential / concurrent, repeats=len(walls))
         rows.append(row)
@@ -316,16 +310,30 @@ async def _group_gains(ctx: Context, stores: _Stores, backend: str,
             rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
             continue
         single = await _pass_for(ctx, stores, f"{kind}-single", runs, steps)
-        walls = []
-        for _ in range(ctx.sizes.concurrency_repeats):
-            settle()
-            walls.append((await single()).seconds)
-        grouped = concurrent_walls.get((kind, runs, steps))
-        if grouped is None:
-            settle()
-            grouped = (await (await _pass_for(ctx, stores, kind, runs, steps))()).seconds
+        walls = await _walls(single, ctx.sizes.concurrency_repeats)
+        grouped = await _concurrent_wall(ctx, stores, kind, concurrent_walls)
         total = runs * steps
         row.update(single_steps_per_s=total / median(walls), group_steps_per_s=total / grouped,
                    gain=median(walls) / grouped, repeats=len(walls))
         rows.append(row)
     return rows
+
+
+async def _walls(pass_: Callable[[], Awaitable[RunStats]], repeats: int) -> list[float]:
+    """Wall seconds of ``repeats`` passes, each after a collection."""
+    walls = []
+    for _ in range(repeats):
+        settle()
+        walls.append((await pass_()).seconds)
+    return walls
+
+
+async def _concurrent_wall(ctx: Context, stores: _Stores, kind: str,
+                           concurrent_walls: dict[tuple[str, int, int], float]) -> float:
+    """The concurrent wall time of ``sequential_runs`` runs: measured above, or now."""
+    runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
+    wall = concurrent_walls.get((kind, runs, steps))
+    if wall is None:
+        settle()
+        wall = (await (await _pass_for(ctx, stores, kind, runs, steps))()).seconds
+    return wall

@@ -102,7 +102,7 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -330,25 +330,18 @@ class JsonlStore:
         await anyio.to_thread.run_sync(self._append_sync, run_id, data, sync, release)
 
     async def _append_then_share_sync(self, run_id: str, data: bytes) -> bool:
-        """Append here, then sync in one worker-thread batch with other runs' syncs.
+        """Append here, then sync in a worker-thread batch with other runs' syncs.
 
         With many runs writing, the syncs waiting at the same moment share one thread
-        hop, and after the first of them the file system has usually committed the
-        others' data in the same journal transaction. ``False`` (nothing done) when the
-        run's descriptor is not held or its lock is busy, as for :meth:`_try_inline`.
-        The run's lock is held until the sync ends, so no one closes the descriptor
-        under it; only worker threads ever wait for that lock.
+        hop, and up to ``_PARALLEL_SYNCS`` batches overlap on the disk. ``False``
+        (nothing done) as for :meth:`_try_inline`. The run's lock is held until the sync
+        ends, so no one closes the descriptor under it; only worker threads ever wait
+        for that lock.
         """
-        slot = self._slots.get(run_id)
-        if slot is None or not slot.lock.acquire(blocking=False):
-            return False
-        fd = slot.fd
-        if fd is None:
-            slot.lock.release()
-            return False
-        with self._state.mutex:
-            slot.users += 1
-        try:
+        with self._claimed(run_id) as slot:
+            if slot is None or slot.fd is None:
+                return False
+            fd = slot.fd
             # A failed append raises here (and gives the descriptor up); after a
             # successful one the descriptor is still ``fd``: only we hold its lock.
             self._guarded(run_id, slot, lambda _: _write_all(self._files, fd, data))
@@ -360,10 +353,7 @@ class JsonlStore:
             except OSError as exc:
                 _release(self._files, slot, quiet=True)
                 raise self._state.fail(run_id, exc) from exc
-        finally:
-            slot.lock.release()
-            self._leave(run_id, slot)
-        return True
+            return True
 
     def _sync_batch(self, fds: Sequence[int]) -> list[BaseException | None]:
         """Sync each descriptor (worker thread); each caller gets its own outcome."""
@@ -429,22 +419,35 @@ class JsonlStore:
         worker thread is using the run (closing the store), which must not block the
         event loop.
         """
+        with self._claimed(run_id) as slot:
+            if slot is None:
+                return False
+            self._guarded(run_id, slot, action)
+            return True
+
+    @contextlib.contextmanager
+    def _claimed(self, run_id: str) -> Iterator[_Slot | None]:
+        """The run's slot, locked, if its descriptor is held and its lock free; else None.
+
+        Never waits: the event loop's thread must not block on a lock a worker holds.
+        """
         slot = self._slots.get(run_id)
         if slot is None or not slot.lock.acquire(blocking=False):
-            return False
+            yield None
+            return
         # Only a holder of the slot's lock clears its descriptor, and a slot with a
         # descriptor is never dropped, so this check under the lock is stable.
         if slot.fd is None:
             slot.lock.release()
-            return False
+            yield None
+            return
         with self._state.mutex:
             slot.users += 1
         try:
-            self._guarded(run_id, slot, action)
+            yield slot
         finally:
             slot.lock.release()
             self._leave(run_id, slot)
-        return True
 
     def _guarded(self, run_id: str, slot: _Slot, action: Callable[[_Slot], _T]) -> _T:
         """Run ``action`` under the run's lock (held by the caller); failures end the run."""
