@@ -358,3 +358,23 @@ async def test_a_failed_shared_sync_fails_only_its_run(tmp_path: Path) -> None:
         # the failed run's log is readable and holds its start and what preceded the fault
         doomed = (await store.read_log("doomed")).records
         assert doomed and list(doomed) == expected_records(runs["doomed"])[: len(doomed)]
+
+
+async def test_with_several_runs_only_the_sync_leaves_the_event_loop_thread(
+    tmp_path: Path,
+) -> None:
+    files = ThreadNotingFiles()
+    runs = [sample_run(f"run-{index}", steps=2) for index in range(3)]
+    async with JsonlStore(tmp_path, _files=files) as store:
+        store._gate = InlineSyncGate(limit_s=60.0)  # only the number of runs decides here
+        for writes in runs:
+            await apply(store, writes[:1])
+        writes_before, syncs_before = len(files.writes), len(files.syncs)
+        async with anyio.create_task_group() as tasks:
+            for writes in runs:
+                tasks.start_soon(apply, store, writes[1:])
+    # every line, intents included, was appended on the loop thread; every sync was not
+    assert len(files.writes) - writes_before == 3 * (4 * 2 + 1)
+    assert all(files.writes[writes_before:])
+    assert len(files.syncs) - syncs_before == 3 * 2 * 2
+    assert not any(files.syncs[syncs_before:][:3])
