@@ -192,7 +192,6 @@ async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row]]:
     sizes = ctx.sizes
     largest = max(sizes.concurrency_runs)
     rows: list[Row] = []
-    concurrent_walls: dict[tuple[str, int, int], float] = {}
     async with AsyncExitStack() as stack:
         stores = _Stores(ctx, stack)
         for kind in STORES:
@@ -215,7 +214,6 @@ async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row]]:
                     walls.append(stats.seconds)
                 peak = await _peak(pass_)
                 wall = median(walls)
-                concurrent_walls[(kind, runs, steps)] = wall
                 row.update(repeats=len(walls), wall_s=wall, wall_s_min=min(walls),
                            wall_s_max=max(walls), steps_per_s=runs * steps / wall,
                            us_per_step=wall / (runs * steps) * 1e6,
@@ -223,8 +221,8 @@ async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row]]:
                            decisions=stats.decisions, tool_executions=stats.tool_executions)
                 rows.append(row)
                 ctx.say(f"    {row['name']}: {runs} runs x {steps} steps in {wall:.2f} s")
-        speedups = await _speedups(ctx, stores, backend, concurrent_walls)
-        gains = await _group_gains(ctx, stores, backend, concurrent_walls)
+        speedups = await _speedups(ctx, stores, backend)
+        gains = await _group_gains(ctx, stores, backend)
     return rows, speedups, gains
 
 
@@ -272,8 +270,7 @@ async def _peak(pass_: Callable[[], Awaitable[RunStats]]) -> float:
         tracemalloc.stop()
 
 
-async def _speedups(ctx: Context, stores: _Stores, backend: str,
-                    concurrent_walls: dict[tuple[str, int, int], float]) -> list[Row]:
+async def _speedups(ctx: Context, stores: _Stores, backend: str) -> list[Row]:
     runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
     rows: list[Row] = []
     for kind in ("jsonl", "sqlite", "postgres", "handwritten"):
@@ -284,9 +281,10 @@ async def _speedups(ctx: Context, stores: _Stores, backend: str,
             rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
             continue
         one_by_one = await _pass_for(ctx, stores, kind, runs, steps, sequential=True)
-        walls = await _walls(one_by_one, ctx.sizes.concurrency_repeats)
-        sequential = median(walls)
-        concurrent = await _concurrent_wall(ctx, stores, kind, concurrent_walls)
+        at_once = await _pass_for(ctx, stores, kind, runs, steps)
+        walls, concurrent_walls = await _paired_walls(one_by_one, at_once,
+                                                      ctx.sizes.concurrency_repeats)
+        sequential, concurrent = median(walls), median(concurrent_walls)
         row.update(sequential_s=sequential, concurrent_s=concurrent,
                    speedup=sequential / concurrent, repeats=len(walls))
         rows.append(row)
@@ -297,8 +295,7 @@ async def _speedups(ctx: Context, stores: _Stores, backend: str,
     return rows
 
 
-async def _group_gains(ctx: Context, stores: _Stores, backend: str,
-                       concurrent_walls: dict[tuple[str, int, int], float]) -> list[Row]:
+async def _group_gains(ctx: Context, stores: _Stores, backend: str) -> list[Row]:
     """Group commit against one commit per write, same runs at once, same backend."""
     runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
     rows: list[Row] = []
@@ -310,8 +307,9 @@ async def _group_gains(ctx: Context, stores: _Stores, backend: str,
             rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
             continue
         single = await _pass_for(ctx, stores, f"{kind}-single", runs, steps)
-        walls = await _walls(single, ctx.sizes.concurrency_repeats)
-        grouped = await _concurrent_wall(ctx, stores, kind, concurrent_walls)
+        group = await _pass_for(ctx, stores, kind, runs, steps)
+        walls, group_walls = await _paired_walls(single, group, ctx.sizes.concurrency_repeats)
+        grouped = median(group_walls)
         total = runs * steps
         row.update(single_steps_per_s=total / median(walls), group_steps_per_s=total / grouped,
                    gain=median(walls) / grouped, repeats=len(walls))
@@ -319,21 +317,18 @@ async def _group_gains(ctx: Context, stores: _Stores, backend: str,
     return rows
 
 
-async def _walls(pass_: Callable[[], Awaitable[RunStats]], repeats: int) -> list[float]:
-    """Wall seconds of ``repeats`` passes, each after a collection."""
-    walls = []
-    for _ in range(repeats):
-        settle()
-        walls.append((await pass_()).seconds)
+async def _paired_walls(first: Callable[[], Awaitable[RunStats]],
+                        second: Callable[[], Awaitable[RunStats]],
+                        repeats: int) -> tuple[list[float], list[float]]:
+    """Wall seconds of ``repeats`` passes of each, alternating which goes first.
+
+    The two sides of a ratio are measured side by side, so that a slow spell of the
+    machine weighs on both alike rather than on whichever was measured during it.
+    """
+    walls: tuple[list[float], list[float]] = ([], [])
+    for round_ in range(repeats):
+        order = ((0, first), (1, second)) if round_ % 2 == 0 else ((1, second), (0, first))
+        for side, pass_ in order:
+            settle()
+            walls[side].append((await pass_()).seconds)
     return walls
-
-
-async def _concurrent_wall(ctx: Context, stores: _Stores, kind: str,
-                           concurrent_walls: dict[tuple[str, int, int], float]) -> float:
-    """The concurrent wall time of ``sequential_runs`` runs: measured above, or now."""
-    runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
-    wall = concurrent_walls.get((kind, runs, steps))
-    if wall is None:
-        settle()
-        wall = (await (await _pass_for(ctx, stores, kind, runs, steps))()).seconds
-    return wall

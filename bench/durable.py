@@ -2,14 +2,17 @@
 
 The same run as benchmark 1 on each durable store, beside:
 
-* the disk's fsync floor: one append of a small record plus ``fsync``, timed one by one
-  (measured before and after the runs; the median of all samples);
+* the disk's fsync floor: appends of a small record, each followed by ``fsync``, timed
+  like the runs (wall time over calls) and measured in the same round-robin, between
+  them, so that it sees the disk as they do;
 * the hand-written loop with its two fsync'd appends per step (the floor the targets
   use), and the same loop with each barrier in a worker thread (a reference: that is
   where an AnyIO store has to do its blocking I/O);
 * the hand-written loop writing, per step, lines as long as PolyLoop's JSON-lines log
   (its two intents synced, its model result and step appended): what the disk charges
   for the bytes a durable step records, which grows with the bytes an fsync carries;
+* the hand-written loop making, per step, the four SQLite commits ``SqliteStore`` makes
+  (two under ``synchronous=FULL``, two under ``NORMAL``): what SQLite itself charges;
 * LangGraph with its SQLite checkpointer on a file, with its default (background)
   durability and with ``durability="sync"``.
 
@@ -35,12 +38,17 @@ from bench._common import (
     add_ratio,
     by_key,
     interleave,
-    median,
     postgres_schema,
     summary_row,
     target,
 )
-from bench.agents import Agent, fsync_floor, handwritten_durable, polyloop_line_sizes
+from bench.agents import (
+    Agent,
+    fsync_floor_run,
+    handwritten_durable,
+    handwritten_sqlite,
+    polyloop_line_sizes,
+)
 
 TITLE = "2. Durable step cost"
 COLUMNS = [
@@ -49,13 +57,16 @@ COLUMNS = [
     ("ratio_to_floor", "x 2-fsync loop", 2),
     ("ratio_to_same_bytes", "x same-bytes loop", 2),
     ("fsyncs_per_step", "fsync floors/step", 2),
+    ("ratio_to_sqlite_floor", "x SQLite loop", 2),
     ("us_per_step_min", "min"),
     ("us_per_step_max", "max"),
     ("decisions", "decisions"),
     ("tool_executions", "tool calls"),
     ("repeats", "runs"),
 ]
+FSYNC = "fsync-floor"
 FLOOR = "floor-two-fsyncs"
+SQLITE_FLOOR = "floor-sqlite"
 SAME_BYTES = "floor-same-bytes"
 LIMIT = 1.3  # the performance issue's target
 TWO_FSYNC_LIMIT = 1.5  # the store issue's goal
@@ -64,19 +75,22 @@ TWO_FSYNC_LIMIT = 1.5  # the store issue's goal
 def run(ctx: Context) -> dict[str, Any]:
     steps, repeats = ctx.sizes.durable_steps, ctx.sizes.durable_repeats
     directory = ctx.scratch("durable")
-    samples: list[float] = []
-    samples += fsync_floor(directory / "fsync-floor-before.log", ctx.sizes.fsync_samples)
     rows: list[Row] = anyio.run(_measure, ctx, directory, steps, repeats)
-    samples += fsync_floor(directory / "fsync-floor-after.log", ctx.sizes.fsync_samples)
-    fsync_us = median(samples) * 1e6
-    rows.insert(0, {"key": "fsync-floor", "name": "fsync floor (append + fsync, per call)",
-                    "role": "floor", "us_per_step": fsync_us, "fsyncs_per_step": 1.0,
-                    "repeats": len(samples), "unit": "us per append+fsync"})
+    fsync = by_key(rows, FSYNC)
+    assert fsync is not None
+    # The floor's "steps" are its calls; it has no decisions or tool calls to show.
+    fsync.update(unit="us per append+fsync", calls=fsync.pop("decisions"))
+    fsync.pop("tool_executions")
+    fsync_us = fsync["us_per_step"]
     add_ratio(rows, FLOOR)
     add_ratio(rows, SAME_BYTES, "ratio_to_same_bytes")
+    sqlite_floor = by_key(rows, SQLITE_FLOOR) or {}
     for row in rows:
-        if not row.get("skipped") and row.get("key") != "fsync-floor":
-            row["fsyncs_per_step"] = row["us_per_step"] / fsync_us
+        if row.get("skipped"):
+            continue
+        row["fsyncs_per_step"] = row["us_per_step"] / fsync_us
+        if "sqlite" in row["key"] and sqlite_floor.get("us_per_step"):
+            row["ratio_to_sqlite_floor"] = row["us_per_step"] / sqlite_floor["us_per_step"]
     return {"title": TITLE, "columns": COLUMNS, "rows": rows, "targets": targets(rows),
             "steps": steps, "fsync_floor_us": fsync_us}
 
@@ -103,6 +117,8 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
 
     sizes = await polyloop_line_sizes(steps)
     variants = [
+        Variant(FSYNC, "fsync floor (append + fsync, per call)", "floor",
+                lambda rid: fsync_floor_run(ctx.sizes.fsync_samples, directory / f"{rid}.log")),
         Variant(FLOOR, "hand-written loop, 2 fsync'd appends/step (floor)", "floor",
                 lambda rid: handwritten_durable(steps, directory / f"{rid}.log")),
         Variant("floor-two-fsyncs-thread",
@@ -112,6 +128,9 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
         Variant(SAME_BYTES, "hand-written loop, PolyLoop's bytes/step (2 of 4 lines fsync'd)",
                 "reference",
                 lambda rid: handwritten_durable(steps, directory / f"{rid}.log", sizes=sizes)),
+        Variant(SQLITE_FLOOR, "hand-written loop on SQLite, SqliteStore's 4 commits/step",
+                "reference",
+                lambda rid: handwritten_sqlite(steps, directory / f"{rid}.sqlite", sizes)),
     ]
     async with JsonlStore(directory / "jsonl") as jsonl, \
             SqliteStore(directory / "runs.sqlite") as sqlite_store:
@@ -134,8 +153,9 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
             variants.append(Variant(key, name, "peer", _sync(graph.run, steps)))
         try:
             if ctx.postgres is None:
-                variants.insert(5, Variant("polyloop-postgres", "PolyLoop, PostgresStore",
-                                           "polyloop", skip=ctx.postgres_note))
+                variants.insert(_after_sqlite(variants), Variant(
+                    "polyloop-postgres", "PolyLoop, PostgresStore", "polyloop",
+                    skip=ctx.postgres_note))
                 results = await _interleave_noted(ctx, variants, repeats)
             else:
                 results = await _with_postgres(ctx, variants, steps, repeats)
@@ -153,8 +173,8 @@ async def _with_postgres(ctx: Context, variants: list[Variant], steps: int,
     with postgres_schema(ctx.postgres) as schema:
         async with PostgresStore(ctx.postgres, schema=schema) as store:
             agent = Agent(store, steps=steps)
-            variants.insert(5, Variant("polyloop-postgres", "PolyLoop, PostgresStore",
-                                       "polyloop", _timed(agent, steps)))
+            variants.insert(_after_sqlite(variants), Variant(
+                "polyloop-postgres", "PolyLoop, PostgresStore", "polyloop", _timed(agent, steps)))
             return await _interleave_noted(ctx, variants, repeats)
 
 
@@ -163,6 +183,11 @@ async def _interleave_noted(ctx: Context, variants: list[Variant], repeats: int)
         if variant.skip:
             ctx.note(f"{variant.name}: skipped ({variant.skip})")
     return await interleave(variants, repeats)
+
+
+def _after_sqlite(variants: list[Variant]) -> int:
+    """Where the PostgreSQL row goes: right after PolyLoop's SQLite row."""
+    return next(i for i, v in enumerate(variants) if v.key == "polyloop-sqlite") + 1
 
 
 def _timed(agent: Agent, steps: int) -> Any:

@@ -81,8 +81,8 @@ def test_single_run_benchmarks_do_the_same_work_everywhere(
     keys = {row["key"] for row in rows}
     assert {"polyloop-memory", "floor-memory", "langgraph-none", "langgraph-memory",
             "pydantic-ai"} <= keys if name == "overhead" else \
-        {"fsync-floor", "floor-two-fsyncs", "floor-same-bytes", "polyloop-jsonl",
-         "polyloop-sqlite", "polyloop-postgres", "langgraph-sqlite",
+        {"fsync-floor", "floor-two-fsyncs", "floor-same-bytes", "floor-sqlite",
+         "polyloop-jsonl", "polyloop-sqlite", "polyloop-postgres", "langgraph-sqlite",
          "langgraph-sqlite-sync"} <= keys
     for row in rows:
         _check_skip(row)
@@ -96,6 +96,12 @@ def test_single_run_benchmarks_do_the_same_work_everywhere(
     assert {"floor", "polyloop"} <= measured
     fsync = next((row for row in rows if row["key"] == "fsync-floor"), None)
     assert name == "overhead" or (fsync is not None and fsync["us_per_step"] > 0)
+    if name == "durable":
+        # The floor is measured in the round-robin, like every loop, and the SQLite store
+        # is also set beside the hand-written SQLite loop.
+        assert fsync is not None and fsync["repeats"] == TINY.durable_repeats and fsync["calls"] > 0
+        sqlite_row = next(row for row in rows if row["key"] == "polyloop-sqlite")
+        assert sqlite_row["ratio_to_sqlite_floor"] > 0
     for item in results["benchmarks"][name]["targets"]:
         assert {"target", "measured", "limit", "met"} <= item.keys()
         assert item["measured"] is not None

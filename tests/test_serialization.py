@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from polyloop import serialization
 from polyloop.serialization import decode, dumps, encode, loads, plain
 from polyloop.types import (
     ActionStatus,
@@ -758,3 +759,41 @@ def test_dumps_refuses_what_loads_would_refuse(name: str, changes: dict[str, Any
     record = dataclasses.replace(EXPECTED[name], **changes)  # type: ignore[type-var]
     with pytest.raises(UnloggableValue, match=next(iter(changes))):
         dumps(record)
+
+
+# -- the direct lines of the step records ------------------------------------------------
+
+
+def _careful_line(record: Record) -> str:
+    """What dumps writes when it builds the dict and lets the JSON encoder print it."""
+    data = encode(record)
+    line = json.dumps(data, ensure_ascii=False, allow_nan=False, sort_keys=True,
+                      separators=(",", ":"))
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(data, ensure_ascii=True, allow_nan=False, sort_keys=True,
+                          separators=(",", ":"))
+    for raw, escaped in {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}.items():
+        line = line.replace(raw, escaped)
+    return line
+
+
+@given(st.one_of(intents, results, steps))
+def test_direct_lines_are_the_careful_lines(record: Record) -> None:
+    """Intents, results and steps are printed straight from their fields; the line must
+    be the one the dict-and-encoder path prints, for any content."""
+    assert type(record) in serialization._DIRECT_LINES
+    assert dumps(record) == _careful_line(record)
+
+
+@pytest.mark.parametrize(
+    "name", [name for name, record in EXPECTED.items()
+             if type(record) in serialization._DIRECT_LINES]
+)
+def test_direct_lines_name_every_field(name: str) -> None:
+    """A field added to a record kind must be added to its direct line too."""
+    record = EXPECTED[name]
+    line = serialization._DIRECT_LINES[type(record)](record)
+    assert json.loads(line).keys() == encode(record).keys()
+    assert line == _careful_line(record)

@@ -5,14 +5,17 @@ What is checked, under asyncio and Trio:
 * concurrent runs share commits (fewer ``COMMIT`` statements than writes), and a lone
   run writes on the event loop's thread without a worker-thread hop;
 * every barrier (``start_run``, ``write_intent``) commits under ``synchronous=FULL``,
-  transactions of non-barriers only may commit under ``NORMAL``, and the connection
-  rests at ``FULL`` between transactions;
+  transactions of non-barriers only may commit under ``NORMAL``; an inline write runs
+  ``BEGIN IMMEDIATE``, its ``INSERT`` and ``COMMIT``, preceded by a ``synchronous``
+  pragma only when the level changes, and a barrier after a failed switch still commits
+  under ``FULL``;
 * a caller's rows are visible to another connection the moment its call returns;
 * a refused or failed write in a shared commit rolls back alone;
 * a failing ``COMMIT`` fails every write and run in it, and the logs stay valid and
   resumable on a new store object;
 * a write withdrawn by cancellation before its commit started writes nothing;
-* an inline write never waits on the event loop for another connection's write lock;
+* an inline write never waits on the event loop for another connection's write lock,
+  and neither connection has its busy timeout switched to make that so;
 * ``_group_commit=False`` (one transaction per write) still passes the contract.
 """
 
@@ -24,7 +27,7 @@ from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import pytest
@@ -63,6 +66,7 @@ from polyloop.types import (
 pytestmark = pytest.mark.anyio
 
 FULL, NORMAL = 2, 1
+_NAME = {FULL: "FULL", NORMAL: "NORMAL"}
 BARRIER_KINDS = frozenset({"run_started", "intent"})
 _real_connect = sqlite3.connect
 
@@ -142,9 +146,10 @@ class RecordingConnection(sqlite3.Connection):
         return cursor
 
 
-@pytest.fixture
-def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
-    """Make the SQLite store module's connections record their commits."""
+def install_recorder(
+    monkeypatch: pytest.MonkeyPatch, factory: type[RecordingConnection] = RecordingConnection
+) -> Recorder:
+    """Make the SQLite store module's connections (of class ``factory``) record commits."""
     found = Recorder()
 
     class Sqlite3:
@@ -153,13 +158,19 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
 
         @staticmethod
         def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
-            conn = _real_connect(*args, factory=RecordingConnection, **kwargs)
+            conn = _real_connect(*args, factory=factory, **kwargs)
             assert isinstance(conn, RecordingConnection)
             conn.recorder, conn.pending, conn.marks = found, [], []
             return conn
 
     monkeypatch.setattr(sqlite_module, "sqlite3", Sqlite3())
     return found
+
+
+@pytest.fixture
+def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Make the SQLite store module's connections record their commits."""
+    return install_recorder(monkeypatch)
 
 
 @pytest.fixture
@@ -274,24 +285,89 @@ async def test_barriers_commit_under_full_and_only_non_barriers_under_normal(
         assert len(others) == SIX_STEP_WRITES - len(barriers)
 
 
-async def test_the_connection_rests_at_full_between_transactions(
+class LoggingConnection(sqlite3.Connection):
+    """Keeps every statement it runs (``execute`` and ``executemany`` alike)."""
+
+    log: list[str]
+
+    def execute(self, statement: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        self.log.append(statement)
+        return super().execute(statement, parameters)
+
+    def executemany(self, statement: str, rows: Any, /) -> sqlite3.Cursor:
+        self.log.append(statement)
+        return super().executemany(statement, rows)
+
+
+async def test_an_inline_write_switches_the_level_only_when_it_changes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    made: list[sqlite3.Connection] = []
+    made: list[LoggingConnection] = []
 
     def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
-        conn = _real_connect(*args, **kwargs)
+        conn = _real_connect(*args, factory=LoggingConnection, **kwargs)
+        assert isinstance(conn, LoggingConnection)
+        conn.log = []
         made.append(conn)
         return conn
 
     monkeypatch.setattr(sqlite3, "connect", connect)
+    # Starts with two barriers in a row; a second result after the first makes two
+    # non-barriers in a row (the store does not look into what a result says).
+    writes = sample_run("r1", steps=2)
+    writes.insert(3, writes[2])
+    switches = 0
     async with SqliteStore(tmp_path / "runs.db") as store:
-        for method, args in sample_run("r1", steps=2):
+        monkeypatch.setattr(store._gate, "limit_s", 60.0)  # however slow this disk is
+        worker, inline = made
+        worker.log.clear()
+        inline.log.clear()
+        level = FULL  # as the store opened it
+        for method, args in writes:
             await getattr(store, method)(*args)
-            (own,) = made
-            assert own.execute("PRAGMA synchronous").fetchone()[0] == FULL
-            assert own.execute("PRAGMA busy_timeout").fetchone()[0] > 0
-            assert not own.in_transaction
+            wanted = FULL if method in ("start_run", "write_intent") else NORMAL
+            expected = [] if wanted == level else [f"PRAGMA synchronous={_NAME[wanted]}"]
+            switches += wanted != level
+            level = wanted
+            ran = [sql for sql in inline.log if not sql.startswith("SELECT MAX(seq)")]
+            expected += ["BEGIN IMMEDIATE", "INSERT", "COMMIT"]
+            assert [sql.split(" INTO")[0] for sql in ran] == expected, method
+            assert inline.execute("PRAGMA synchronous").fetchone()[0] == level
+            assert not inline.in_transaction
+            inline.log.clear()
+        assert worker.log == []  # a lone run never needed the worker connection
+    assert 0 < switches < len(writes) - 1
+
+
+class _FailsSwitchingOnce(RecordingConnection):
+    """Switches to ``NORMAL`` as asked, then reports an error, once per test."""
+
+    failures: ClassVar[list[bool]] = []  # set by the test
+
+    def execute(self, statement: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        cursor = super().execute(statement, parameters)
+        if statement == "PRAGMA synchronous=NORMAL" and self.failures:
+            self.failures.pop()
+            raise sqlite3.OperationalError("disk I/O error")
+        return cursor
+
+
+async def test_a_barrier_after_a_failed_level_switch_still_commits_under_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_FailsSwitchingOnce, "failures", [True])
+    recorder = install_recorder(monkeypatch, _FailsSwitchingOnce)
+    start_1, start_2 = sample_run("r1")[0], sample_run("r2")[0]
+    _, (result,) = sample_run("r1", steps=1)[2]
+    async with SqliteStore(tmp_path / "runs.db") as store:
+        await apply(store, [start_1, start_2])  # two runs: worker threads from now on
+        with pytest.raises(StoreError, match="disk I/O error"):
+            await store.write_result(result)  # the connection was left at NORMAL
+        await store.write_intent(intent("r2"))
+        assert list((await store.read_log("r1")).records) == expected_records([start_1])
+    assert _FailsSwitchingOnce.failures == []
+    last = recorder.commits[-1]
+    assert last.rows == [("r2", "intent")] and last.level == FULL
 
 
 # -- visibility -----------------------------------------------------------------------------
@@ -631,6 +707,16 @@ async def test_an_inline_write_does_not_wait_for_another_writer_on_the_loop(
                     db.execute("COMMIT")
         assert batches == [["r1"]]  # it waited in a worker thread instead
         assert (await store.read_log("r1")).records[-1] == intent("r1")
+        # Neither connection had its busy timeout switched for that, and with the
+        # database free again the next write is inline once more.
+        assert store._inline is not None and store._worker is not None
+        assert store._inline.conn.execute("PRAGMA busy_timeout").fetchone()[0] == 0
+        assert store._worker.conn.execute("PRAGMA busy_timeout").fetchone()[0] > 0
+        await store.write_intent(intent("r1", 1))
+        assert batches == [["r1"]]
+        started = expected_records(sample_run("r1", steps=0, ended=False))
+        assert list((await store.read_log("r1")).records) == [
+            *started, intent("r1"), intent("r1", 1)]
 
 
 # -- seq counters and writer locks -----------------------------------------------------------

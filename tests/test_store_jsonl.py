@@ -545,6 +545,27 @@ async def test_an_fsync_error_fails_the_run_for_this_store_object(
     assert records[0] == started() and records[-1] == intent(k=1)
 
 
+async def test_runs_that_end_or_fail_leave_no_state_in_the_store_object(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long-lived store object must not grow with every run it has written: the
+    inline write path forgets a run once its descriptor is given up, whether by the
+    end record or by a failed write."""
+    async with JsonlStore(tmp_path) as store:
+        for index in range(5):
+            await apply(store, sample_run(f"ended-{index}", steps=1))
+        assert not store._slots
+        await store.start_run(started())
+        assert set(store._slots) == {"r"}
+        failing_fsync(monkeypatch)
+        with pytest.raises(StoreError):
+            await store.write_intent(intent())
+        monkeypatch.undo()
+        assert not store._slots
+        records = (await store.read_log("ended-4")).records
+    assert isinstance(records[-1], RunEnded)
+
+
 async def test_a_failed_store_object_releases_the_run_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -153,11 +153,16 @@ async def test_database_runs_in_wal_with_full_sync(
 ) -> None:
     path = tmp_path / "runs.db"
     async with SqliteStore(path) as store:
+        # Both of the store's connections: the worker threads' and the inline one.
+        worker, inline = connections
+        for own in (worker, inline):
+            assert own.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            assert own.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        # The worker connection waits for other writers; the inline one never does.
+        assert worker.execute("PRAGMA busy_timeout").fetchone()[0] > 0
+        assert inline.execute("PRAGMA busy_timeout").fetchone()[0] == 0
         await apply(store, sample_run("r1", steps=1))
-        (own,) = connections
-        assert own.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert own.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
-        assert own.execute("PRAGMA busy_timeout").fetchone()[0] > 0
+        assert len(connections) == 2
     # WAL is a property of the file: any other connection sees it too.
     with raw(path) as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"

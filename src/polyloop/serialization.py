@@ -300,21 +300,175 @@ def dumps(record: Record) -> str:
     The line is valid UTF-8 text: a string holding a lone surrogate is written with
     ASCII escapes instead, so that what is written always reads back.
     """
+    direct = _DIRECT_LINES.get(type(record))
+    if direct is not None:
+        try:
+            line = direct(record)
+        except (_NotSimple, KeyError, ValueError):
+            pass  # a value the careful path must check, convert or refuse
+        else:
+            return _finished(line, record)
     data = encode(record)
     try:
         line = _CANONICAL.encode(data)
     except (ValueError, RecursionError) as exc:
         raise UnloggableValue(str(exc), run_id=getattr(record, "run_id", None)) from exc
+    return _finished(line, record, data)
+
+
+def _finished(line: str, record: Record, data: dict[str, JSONValue] | None = None) -> str:
+    """``line`` made safe to write: valid UTF-8, and no character that splits lines."""
     if line.isascii():
         return line
     try:
         line.encode("utf-8")
     except UnicodeEncodeError:
-        return _CANONICAL_ASCII.encode(data)
+        return _CANONICAL_ASCII.encode(encode(record) if data is None else data)
     for raw, escaped in _LINE_BREAKERS.items():
         if raw in line:
             line = line.replace(raw, escaped)
     return line
+
+
+# -- direct lines for the records of every step -------------------------------------------
+#
+# A step writes three or four records, and building a dict for each only to have the
+# JSON encoder sort and print it again costs more than the rest of the write. The three
+# kinds a step writes are printed here straight from their fields, keys in sorted order,
+# for values of exactly the types the schema names; anything else raises and takes the
+# careful path above. The output is byte for byte what that path writes (a test compares
+# the two on arbitrary records), and the run_started/run_ended records, written once per
+# run, only ever take the careful path.
+
+_quote = json.encoder.encode_basestring  # what the canonical encoder uses for strings
+
+
+def _text(value: object) -> str:
+    if type(value) is str:
+        return _quote(value)
+    raise _NotSimple
+
+
+def _optional_text(value: object) -> str:
+    if value is None:
+        return "null"
+    if type(value) is str:
+        return _quote(value)
+    raise _NotSimple
+
+
+def _count(value: object) -> str:
+    if type(value) is int:
+        return int.__repr__(value)  # ValueError past the digit limit: careful path
+    raise _NotSimple
+
+
+def _flag(value: object) -> str:
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    raise _NotSimple
+
+
+def _optional_seconds(value: object) -> str:
+    if value is None:
+        return "null"
+    if type(value) is float and math.isfinite(value):
+        return float.__repr__(value)
+    raise _NotSimple
+
+
+def _json_text(item: Any, depth: int) -> str:
+    """Canonical JSON of a payload made of exact JSON types, as the encoder prints it."""
+    if depth > _MAX_DEPTH:
+        raise _NotSimple
+    kind = type(item)
+    if kind is str:
+        return _quote(item)
+    if item is None:
+        return "null"
+    if kind is bool:
+        return "true" if item else "false"
+    if kind is int:
+        if item.bit_length() > 14_000:
+            raise _NotSimple
+        return int.__repr__(item)
+    if kind is float:
+        if not math.isfinite(item):
+            raise _NotSimple
+        return float.__repr__(item)
+    if kind is dict:
+        for key in item:
+            if type(key) is not str:
+                raise _NotSimple
+        inner = []
+        for key in sorted(item):
+            value = item[key]
+            # Strings and nulls, most of a payload, without a call each.
+            if type(value) is str:
+                inner.append(f"{_quote(key)}:{_quote(value)}")
+            elif value is None:
+                inner.append(f"{_quote(key)}:null")
+            else:
+                inner.append(f"{_quote(key)}:{_json_text(value, depth + 1)}")
+        return "{" + ",".join(inner) + "}"
+    if kind is list or kind is tuple:
+        return "[" + ",".join([_json_text(sub, depth + 1) for sub in item]) + "]"
+    raise _NotSimple
+
+
+def _quoted_members(enum_type: type[enum.Enum]) -> dict[Any, str]:
+    # Keyed by member: a plain string of the same value misses (KeyError, careful path)
+    # only if it is not a value at all, and then the careful path refuses it.
+    return {member: _quote(member.value) for member in enum_type}
+
+
+_INTENT_KINDS = _quoted_members(IntentKind)
+_REPLAYS = _quoted_members(Replay)
+_DECISIONS = _quoted_members(DecisionKind)
+_ACTION_STATUSES: dict[Any, str] = {None: "null", **_quoted_members(ActionStatus)}
+
+
+def _intent_line(r: Intent) -> str:
+    return (
+        f'{{"action_text":{_optional_text(r.action_text)},"call_index":{_count(r.call_index)},'
+        f'"history_text":{_optional_text(r.history_text)},"intent_kind":{_INTENT_KINDS[r.kind]},'
+        f'"kind":"intent","payload":{_json_text(r.payload, 0)},"replay":{_REPLAYS[r.replay]},'
+        f'"result_id":{_text(r.result_id)},"run_id":{_text(r.run_id)},'
+        f'"schema":"{SCHEMA}","step":{_count(r.step)}}}'
+    )
+
+
+def _result_line(r: Result) -> str:
+    return (
+        f'{{"intent_kind":{_INTENT_KINDS[r.kind]},"kind":"result",'
+        f'"payload":{_json_text(r.payload, 0)},"result_id":{_text(r.result_id)},'
+        f'"run_id":{_text(r.run_id)},"schema":"{SCHEMA}"}}'
+    )
+
+
+def _step_line(r: StepRecord) -> str:
+    return (
+        f'{{"action_status":{_ACTION_STATUSES[r.action_status]},'
+        f'"action_text":{_optional_text(r.action_text)},"call_id":{_optional_text(r.call_id)},'
+        f'"decision":{_DECISIONS[r.decision]},"done":{_flag(r.done)},'
+        f'"duration_s":{_optional_seconds(r.duration_s)},"error":{_optional_text(r.error)},'
+        f'"final_answer":{_optional_text(r.final_answer)},'
+        f'"history_text":{_text(r.history_text)},"kind":"step",'
+        f'"model_output":{_text(r.model_output)},"observation":{_optional_text(r.observation)},'
+        f'"observation_synthesized":{_flag(r.observation_synthesized)},'
+        f'"reasoning":{_optional_text(r.reasoning)},"run_id":{_text(r.run_id)},'
+        f'"schema":"{SCHEMA}","step":{_count(r.step)},'
+        f'"truncated_chars":{_count(r.truncated_chars)}}}'
+    )
+
+
+_DIRECT_LINES: dict[type[Any], Callable[[Any], str]] = {
+    Intent: _intent_line,
+    Result: _result_line,
+    StepRecord: _step_line,
+}
 
 
 def loads(line: str | bytes, *, location: str | None = None) -> Record:

@@ -33,10 +33,12 @@ when a call returns:
   first damaged frame. Recovery already handles such a log (an open intent, or a run
   whose stop is decided again from the same records).
 
-The synchronous level is switched only between transactions: it rests at ``FULL`` and
-is lowered to ``NORMAL`` for a transaction that holds no barrier, then set back.
-``write_step`` puts the action result and the step record in one transaction (inside one
-savepoint when the commit is shared), result first, so both land or neither does.
+Every transaction sets the level it needs before its ``BEGIN``, so the level a
+connection was left at never decides a commit; each connection remembers the level it
+was last set to and issues the pragma only when it changes (SQLite refuses it inside a
+transaction). ``write_step`` puts the action result and the step record in one
+transaction (inside one savepoint when the commit is shared), result first, so both land
+or neither does.
 
 Writers. A store object takes a run's writer lock at its first write for that run: a
 ``flock`` on a small file in the directory next to the database (``<file>.locks/``, one
@@ -49,22 +51,25 @@ in memory; it reads ``MAX(seq)`` once, at the write that takes the lock. A faile
 store object until a new one is opened.
 
 Threads. ``sqlite3`` connections must not be used by two threads at once. A store object
-owns one connection (opened with ``check_same_thread=False``) and guards it, with the
-writer locks, the ``seq`` counters and the failed-run set, by one ``threading.Lock``
-(the store mutex). A write takes one of two paths (see
+owns two connections to its database (opened together, with ``check_same_thread=False``)
+and guards both, with the writer locks, the ``seq`` counters and the failed-run set, by
+one ``threading.Lock`` (the store mutex), so at most one of them is in use at a time.
+They differ only in how long they wait for another connection's write lock: the worker
+connection (reads, shared commits, opening) waits up to ``BUSY_TIMEOUT_S``; the inline
+connection never waits. Each keeps its busy timeout for good, so a write costs no
+statement to switch it. A write takes one of two paths (see
 :mod:`polyloop.stores._batching`):
 
-* inline, on the event loop's own thread, with no thread hop: only when the store writes
-  a single run, its recent ``FULL`` commits were quick, no group commit is running or
-  waiting, and the store mutex is free at once. The database's own write lock is then
-  asked for without waiting; if another connection holds it, the write takes the other
-  path instead of blocking the event loop.
-* a group commit otherwise: writes of any runs that wait at the same moment share one
-  ``BEGIN IMMEDIATE`` ... ``COMMIT`` in a worker thread, one savepoint per write, so a
-  refused write (``RunAlreadyExists``, ``RunLocked``, a run never started or failed)
-  rolls back alone and the others commit. A failed ``COMMIT`` fails every write in it and
-  each of their runs. Other processes wait for the database's write lock for up to
-  ``busy_timeout``.
+* inline, on the event loop's own thread, with no thread hop, on the inline connection:
+  only when the store writes a single run, its recent ``FULL`` commits were quick, no
+  group commit is running or waiting, and the store mutex is free at once. If another
+  connection holds the database's write lock, ``BEGIN IMMEDIATE`` reports it at once and
+  the write takes the other path instead of blocking the event loop.
+* a group commit otherwise, on the worker connection: writes of any runs that wait at
+  the same moment share one ``BEGIN IMMEDIATE`` ... ``COMMIT`` in a worker thread, one
+  savepoint per write, so a refused write (``RunAlreadyExists``, ``RunLocked``, a run
+  never started or failed) rolls back alone and the others commit. A failed ``COMMIT``
+  fails every write in it and each of their runs.
 
 Reads always run in a worker thread. ``SqliteStore(path, _group_commit=False)`` (private,
 for the benchmarks' baseline) gives every write its own ``FULL`` transaction in its own
@@ -127,9 +132,8 @@ _SET_SYNCHRONOUS = {
     _SYNCHRONOUS_NORMAL: "PRAGMA synchronous=NORMAL",
     _SYNCHRONOUS_FULL: "PRAGMA synchronous=FULL",
 }
-# The inline path must never wait on the event loop's thread for another connection.
+# The inline connection never waits on the event loop's thread for another connection.
 _NO_BUSY_WAIT = "PRAGMA busy_timeout=0"
-_BUSY_WAIT = f"PRAGMA busy_timeout={int(BUSY_TIMEOUT_S * 1000)}"
 
 _KIND: dict[type[Any], str] = {
     RunStarted: "run_started",
@@ -169,10 +173,34 @@ def _key(run_id: str) -> _Key:
     return run_id
 
 
+def _params(write: _Write, first: int) -> list[tuple[_Key, int, str, str]]:
+    """The ``_INSERT`` parameters of ``write``'s rows, numbered from ``first``."""
+    key = _key(write.run_id)
+    return [(key, first + n, kind, body) for n, (kind, body) in enumerate(write.rows)]
+
+
 def _run_id_of(key: object) -> str:
     if isinstance(key, bytes):
         return key.decode("utf-8", "surrogatepass")
     return str(key)
+
+
+@dataclass(eq=False, slots=True)
+class _Db:
+    """One connection, and the ``synchronous`` level it was last set to."""
+
+    conn: sqlite3.Connection
+    level: int | None = _SYNCHRONOUS_FULL  # None: unknown, a pragma failed
+
+    def synchronous(self, level: int) -> None:
+        """Set ``synchronous`` for the next transaction, unless it is set already.
+
+        Only between transactions: SQLite refuses the pragma inside one.
+        """
+        if self.level != level:
+            self.level = None  # unknown until the pragma returns
+            self.conn.execute(_SET_SYNCHRONOUS[level])
+            self.level = level
 
 
 @dataclass(eq=False, slots=True)
@@ -205,27 +233,28 @@ class SqliteStore:
 
     ``path`` names the database file; missing parent directories are created. Writer
     locks live in the sibling directory ``<path>.locks``. The store is an async context
-    manager; :meth:`aclose` releases every writer lock it holds and closes the
-    connection. Runs survive the store object, the process and the machine: a new store
+    manager; :meth:`aclose` releases every writer lock it holds and closes its
+    connections. Runs survive the store object, the process and the machine: a new store
     object on the same file (or on a copy moved elsewhere) reads and resumes them.
     ``_group_commit=False`` (private, the benchmarks' baseline) commits every write alone
     with ``synchronous=FULL`` in its own worker-thread hop.
     """
 
-    __slots__ = ("_conn", "_gate", "_group", "_held", "_level", "_locks_dir",
-                 "_next_seq", "_path", "_state")
+    __slots__ = ("_gate", "_group", "_held", "_inline", "_locks_dir", "_next_seq", "_path",
+                 "_state", "_worker")
 
     def __init__(self, path: str | os.PathLike[str], *, _group_commit: bool = True) -> None:
         self._path = Path(os.fspath(path))
         self._locks_dir = self._path.with_name(self._path.name + ".locks")
-        self._conn: sqlite3.Connection | None = None
+        # Two connections, opened together: one for worker threads, which may wait for
+        # other processes, and one for inline writes, which never waits.
+        self._worker: _Db | None = None
+        self._inline: _Db | None = None
         self._held: dict[str, LockFile] = {}
         self._next_seq: dict[str, int] = {}  # of each run in ``_held`` that wrote
         self._state = WriterState()
         self._gate = InlineSyncGate()
         self._group = GroupCommit(self._commit_batch) if _group_commit else None
-        # ``synchronous`` as last set (None: unknown, the next transaction sets it).
-        self._level: int | None = _SYNCHRONOUS_FULL
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """The store kind and record format; never the path."""
@@ -305,7 +334,7 @@ class SqliteStore:
         return await anyio.to_thread.run_sync(self._select_run_ids)
 
     async def aclose(self) -> None:
-        """Release every writer lock and close the connection. Idempotent.
+        """Release every writer lock and close both connections. Idempotent.
 
         A shared commit that is running completes first; writes that arrive later are
         refused. Cancellation: closing runs shielded, so it completes even in a
@@ -354,15 +383,18 @@ class SqliteStore:
         # not block the loop either. Opening the database (slow, and it may wait on other
         # processes) is left to a thread.
         writing = len(self._held) + (write.run_id not in self._held)
-        return self._conn is not None and group.idle and self._gate.allows(writing)
+        return self._inline is not None and group.idle and self._gate.allows(writing)
 
     async def _write_inline(self, write: _Write) -> bool:
         """Commit ``write`` on this thread; False if that would have to wait."""
         await anyio.lowlevel.checkpoint_if_cancelled()
         if not self._state.mutex.acquire(blocking=False):
-            return False  # a read holds the connection
+            return False  # a worker thread holds the connections
         try:
-            outcome = self._commit_locked([write], inline=True)
+            if self._steady(write):
+                outcome = self._commit_steady(write)
+            else:
+                outcome = self._commit_locked([write], inline=True)
         finally:
             self._state.mutex.release()
         if outcome is None:
@@ -372,6 +404,40 @@ class SqliteStore:
         return True
 
     # -- committing (worker thread, or inline; store mutex held) ------------------------
+
+    def _steady(self, write: _Write) -> bool:
+        """Whether ``write`` continues a run with nothing to check or take first.
+
+        Not a start or an end, the run not failed, and its next ``seq`` known, which
+        means its lock is held and the connections are open (releasing a run, and so
+        closing the store, forgets its ``seq``).
+        """
+        return (not (write.start or write.end) and write.run_id in self._next_seq
+                and write.run_id not in self._state.failed)
+
+    def _commit_steady(self, write: _Write) -> _Outcome | None:
+        """Commit a :meth:`_steady` write inline: what :meth:`_commit_locked` does for it.
+
+        The same statements, without the batch's bookkeeping for refusals, new runs and
+        locks, none of which such a write can need. A lone run makes every write but its
+        first and last here, and the bookkeeping would cost it several percent of a step:
+        Python runs slowly right after an ``fsync`` (its caches have gone cold).
+        """
+        db = self._inline
+        assert db is not None  # see _steady
+        first = self._next_seq[write.run_id]
+        level = _SYNCHRONOUS_FULL if write.barrier else _SYNCHRONOUS_NORMAL
+        try:
+            db.synchronous(level)
+            if not _begin(db.conn, inline=True):
+                return None
+            db.conn.executemany(_INSERT, _params(write, first))
+            self._commit(db.conn, level)
+        except (sqlite3.Error, OSError) as exc:
+            _rollback_quietly(db.conn)
+            return [self._state.fail(write.run_id, exc)]
+        self._next_seq[write.run_id] = first + len(write.rows)
+        return [None]
 
     def _commit_batch(self, writes: Sequence[_Write]) -> _Outcome:
         """One transaction for ``writes``, in a worker thread; one error or None each."""
@@ -389,19 +455,17 @@ class SqliteStore:
         batch = _Batch.of(writes)
         admitted = [i for i in range(len(writes)) if self._admit(batch, i)]
         if admitted:
-            assert self._conn is not None  # _admit opened it
+            db = self._inline if inline else self._worker
+            assert db is not None  # _admit opened it
             level = self._level_for(writes, admitted)
-            try:
-                if not self._transact(self._conn, batch, admitted, level, inline=inline):
-                    self._release_unused(batch)
-                    return None
-            finally:
-                self._rest_at_full(self._conn, level)
+            if not self._transact(db, batch, admitted, level, inline=inline):
+                self._release_unused(batch)
+                return None
         self._settle(batch)
         return batch.errors
 
     def _admit(self, batch: _Batch, i: int) -> bool:
-        """Refuse the write, or make sure the connection is open and its run locked."""
+        """Refuse the write, or make sure the connections are open and its run locked."""
         write = batch.writes[i]
         try:
             self._state.check_writable(write.run_id)
@@ -423,15 +487,16 @@ class SqliteStore:
         return _SYNCHRONOUS_NORMAL
 
     def _transact(
-        self, conn: sqlite3.Connection, batch: _Batch, admitted: Sequence[int], level: int,
-        *, inline: bool,
+        self, db: _Db, batch: _Batch, admitted: Sequence[int], level: int, *, inline: bool
     ) -> bool:
         """Insert the admitted writes in one transaction; False if it could not begin.
 
         A failure that ends the transaction fails every admitted write still standing.
         """
+        conn = db.conn
         try:
-            if not self._begin(conn, level, inline=inline):
+            db.synchronous(level)
+            if not _begin(conn, inline=inline):
                 return False
             for i in admitted:
                 self._insert(conn, batch, i, savepoint=len(admitted) > 1)
@@ -444,30 +509,6 @@ class SqliteStore:
                     batch.errors[i] = self._state.fail(batch.writes[i].run_id, exc)
         return True
 
-    def _begin(self, conn: sqlite3.Connection, level: int, *, inline: bool) -> bool:
-        """Set ``synchronous`` for this transaction, then ``BEGIN IMMEDIATE``.
-
-        Inline, the database's write lock is asked for without waiting (False if another
-        connection holds it); the connection rests waiting up to ``BUSY_TIMEOUT_S``.
-        """
-        if self._level != level:
-            self._level = None  # unknown until the pragma returns
-            conn.execute(_SET_SYNCHRONOUS[level])
-            self._level = level
-        if not inline:
-            conn.execute("BEGIN IMMEDIATE")
-            return True
-        conn.execute(_NO_BUSY_WAIT)
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode == sqlite3.SQLITE_BUSY:
-                return False
-            raise
-        finally:
-            conn.execute(_BUSY_WAIT)
-        return True
-
     def _insert(self, conn: sqlite3.Connection, batch: _Batch, i: int, *, savepoint: bool) -> None:
         """Insert one write's rows; a refused or failed write is undone alone.
 
@@ -478,10 +519,7 @@ class SqliteStore:
             conn.execute("SAVEPOINT write")
         try:
             first = self._first_seq(conn, batch, write)
-            key = _key(write.run_id)
-            conn.executemany(
-                _INSERT, [(key, first + n, kind, body) for n, (kind, body) in enumerate(write.rows)]
-            )
+            conn.executemany(_INSERT, _params(write, first))
         except PolyLoopError as exc:
             batch.errors[i] = exc
         except (sqlite3.Error, OSError) as exc:
@@ -510,23 +548,17 @@ class SqliteStore:
         return int(first)
 
     def _end(self, conn: sqlite3.Connection, level: int, *, committing: bool) -> None:
-        if not committing:
+        if committing:
+            self._commit(conn, level)
+        else:
             conn.execute("ROLLBACK")
-        elif level == _SYNCHRONOUS_FULL:
+
+    def _commit(self, conn: sqlite3.Connection, level: int) -> None:
+        if level == _SYNCHRONOUS_FULL:
             # The fsync: timed so that a slow disk sends writes back to worker threads.
             self._gate.timed(lambda: conn.execute("COMMIT"))
         else:
             conn.execute("COMMIT")
-
-    def _rest_at_full(self, conn: sqlite3.Connection, level: int) -> None:
-        """Set ``synchronous`` back to FULL after a NORMAL transaction ended."""
-        if level == _SYNCHRONOUS_FULL or self._level == _SYNCHRONOUS_FULL:
-            return
-        self._level = None
-        with suppress(sqlite3.Error):  # left unknown, the next transaction sets it again
-            if not conn.in_transaction:
-                conn.execute(_SET_SYNCHRONOUS[_SYNCHRONOUS_FULL])
-                self._level = _SYNCHRONOUS_FULL
 
     def _settle(self, batch: _Batch) -> None:
         """After the commit: remember each run's next seq, release what is done."""
@@ -602,39 +634,48 @@ class SqliteStore:
                              run_id=run_id, location=location)
         return record
 
-    # -- the connection (worker thread, store mutex held) ---------------------------------
+    # -- the connections (worker thread, store mutex held) --------------------------------
 
     def _connection(self, run_id: str | None) -> sqlite3.Connection:
-        """The open connection, opening and checking the database on first use."""
+        """The worker threads' connection, opening and checking the database on first use."""
         if self._state.closed:
             raise StoreError("the store is closed", run_id=run_id)
-        if self._conn is None:
-            self._conn = self._open(run_id)
-            self._level = _SYNCHRONOUS_FULL  # as _open left it
-        return self._conn
+        if self._worker is None:
+            self._worker, self._inline = self._open(run_id)
+        return self._worker.conn
 
-    def _open(self, run_id: str | None) -> sqlite3.Connection:
+    def _open(self, run_id: str | None) -> tuple[_Db, _Db]:
+        """Open and check the database: the worker threads' connection, then the inline one."""
+        opened: list[sqlite3.Connection] = []
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             created = not self._path.exists()
-            conn = sqlite3.connect(
-                self._path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
-                check_same_thread=False,
-            )
-        except (sqlite3.Error, OSError) as exc:
-            raise StoreError(f"cannot open {self._path.name}: {exc}", run_id=run_id) from exc
-        try:
-            _configure(conn, self._path.name, run_id)
-            _create_schema(conn)
-            _check_format(conn, self._path.name, run_id)
+            worker = self._connect(opened, run_id)
+            _create_schema(worker)
+            _check_format(worker, self._path.name, run_id)
             if created:
                 fsync_directory(self._path.parent)
+            # Configured while it may still wait (SQLite may be recovering the log for
+            # another process), then it never waits again.
+            inline = self._connect(opened, run_id)
+            inline.execute(_NO_BUSY_WAIT)
         except BaseException as exc:
-            conn.close()
+            for conn in opened:
+                with suppress(sqlite3.Error):  # the original error says more
+                    conn.close()
             if isinstance(exc, (sqlite3.Error, OSError)) and not isinstance(exc, PolyLoopError):
                 raise StoreError(f"cannot open {self._path.name}: {exc}",
                                  run_id=run_id) from exc
             raise
+        return _Db(worker), _Db(inline)
+
+    def _connect(self, opened: list[sqlite3.Connection], run_id: str | None) -> sqlite3.Connection:
+        """Open one more connection (added to ``opened``) in WAL with ``synchronous=FULL``."""
+        conn = sqlite3.connect(
+            self._path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+        )
+        opened.append(conn)
+        _configure(conn, self._path.name, run_id)
         return conn
 
     def _open_now(self) -> None:
@@ -646,12 +687,17 @@ class SqliteStore:
             self._state.closed = True
             for run_id in list(self._held):
                 self._release(run_id)
-            conn, self._conn = self._conn, None
-            if conn is not None:
+            dbs = [db for db in (self._inline, self._worker) if db is not None]
+            self._inline = self._worker = None
+            failures: list[sqlite3.Error] = []
+            for db in dbs:
                 try:
-                    conn.close()
+                    db.conn.close()
                 except sqlite3.Error as exc:
-                    raise StoreError(f"closing {self._path.name} failed: {exc}") from exc
+                    failures.append(exc)
+            if failures:
+                error = failures[0]
+                raise StoreError(f"closing {self._path.name} failed: {error}") from error
 
 
 def _configure(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
@@ -669,6 +715,21 @@ def _configure(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
         raise StoreError(
             f"{name}: SQLite refused synchronous=FULL (it reports {level!r})", run_id=run_id
         )
+
+
+def _begin(conn: sqlite3.Connection, *, inline: bool) -> bool:
+    """``BEGIN IMMEDIATE``; False if ``inline`` and another connection holds the write lock.
+
+    The inline connection's busy timeout is 0, so SQLite reports a busy database at once
+    instead of blocking the event loop; the worker connection waits ``BUSY_TIMEOUT_S``.
+    """
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as exc:
+        if inline and exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY:
+            return False
+        raise
+    return True
 
 
 def _create_schema(conn: sqlite3.Connection) -> None:
