@@ -62,16 +62,18 @@ class Recorder:
 def test_gate_allows_only_a_lone_run_with_quick_syncs(
     writing_runs: int, last_sync_s: float, allowed: bool
 ) -> None:
-    gate = InlineSyncGate(limit_s=0.002)
-    gate.timed(lambda: _spin(last_sync_s))
+    clock = _Clock()
+    gate = InlineSyncGate(limit_s=0.002, clock=clock)
+    gate.timed(lambda: clock.advance(last_sync_s))
     assert gate.allows(writing_runs) is allowed
 
 
 def test_gate_times_a_failing_action_too() -> None:
-    gate = InlineSyncGate(limit_s=0.002)
+    clock = _Clock()
+    gate = InlineSyncGate(limit_s=0.002, clock=clock)
 
     def slow_failure() -> None:
-        _spin(0.003)
+        clock.advance(0.003)
         raise OSError("EIO")
 
     with pytest.raises(OSError, match="EIO"):
@@ -81,10 +83,23 @@ def test_gate_times_a_failing_action_too() -> None:
     assert gate.allows(1)
 
 
-def _spin(seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass
+def test_gate_measures_real_time_by_default() -> None:
+    gate = InlineSyncGate(limit_s=0.002)
+    gate.timed(lambda: time.sleep(0.005))  # at least 5 ms on any machine
+    assert not gate.allows(1)
+
+
+class _Clock:
+    """A clock that moves only when told: the gate's verdicts without timing anything."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 # -- GroupCommit ----------------------------------------------------------------------------

@@ -43,10 +43,14 @@ INLINE_SYNC_LIMIT_S = 0.002
 class InlineSyncGate:
     """Remembers how long the last sync took; allows inline syncs while short and alone."""
 
-    __slots__ = ("_last_s", "limit_s")
+    __slots__ = ("_clock", "_last_s", "limit_s")
 
-    def __init__(self, limit_s: float = INLINE_SYNC_LIMIT_S) -> None:
+    def __init__(
+        self, limit_s: float = INLINE_SYNC_LIMIT_S, *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.limit_s = limit_s
+        self._clock = clock  # replaceable so that tests need not sleep or spin
         self._last_s = 0.0
 
     def allows(self, writing_runs: int) -> bool:
@@ -55,11 +59,11 @@ class InlineSyncGate:
 
     def timed(self, action: Callable[[], _R]) -> _R:
         """Run ``action`` (blocking; any thread) and remember how long it took."""
-        began = time.monotonic()
+        began = self._clock()
         try:
             return action()
         finally:
-            self._last_s = time.monotonic() - began
+            self._last_s = self._clock() - began
 
 
 @dataclass(eq=False)
