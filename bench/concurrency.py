@@ -274,11 +274,9 @@ async def _speedups(ctx: Context, stores: _Stores, backend: str) -> list[Row]:
     runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
     rows: list[Row] = []
     for kind in ("jsonl", "sqlite", "postgres", "handwritten"):
-        row: Row = {"key": f"{backend}-{kind}-speedup", "backend": backend, "store": kind,
-                    "name": f"{backend}: {STORE_NAMES[kind]}", "runs": runs,
-                    "steps_per_run": steps}
-        if kind == "postgres" and ctx.postgres is None:
-            rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
+        row = _paired_row(ctx, backend, kind, "speedup")
+        if row.get("skipped"):
+            rows.append(row)
             continue
         one_by_one = await _pass_for(ctx, stores, kind, runs, steps, sequential=True)
         at_once = await _pass_for(ctx, stores, kind, runs, steps)
@@ -300,11 +298,9 @@ async def _group_gains(ctx: Context, stores: _Stores, backend: str) -> list[Row]
     runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
     rows: list[Row] = []
     for kind in ("sqlite", "postgres"):
-        row: Row = {"key": f"{backend}-{kind}-group", "backend": backend, "store": kind,
-                    "name": f"{backend}: {STORE_NAMES[kind]}", "runs": runs,
-                    "steps_per_run": steps}
-        if kind == "postgres" and ctx.postgres is None:
-            rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
+        row = _paired_row(ctx, backend, kind, "group")
+        if row.get("skipped"):
+            rows.append(row)
             continue
         single = await _pass_for(ctx, stores, f"{kind}-single", runs, steps)
         group = await _pass_for(ctx, stores, kind, runs, steps)
@@ -315,6 +311,17 @@ async def _group_gains(ctx: Context, stores: _Stores, backend: str) -> list[Row]
                    gain=median(walls) / grouped, repeats=len(walls))
         rows.append(row)
     return rows
+
+
+def _paired_row(ctx: Context, backend: str, kind: str, table: str) -> Row:
+    """The head of a row of tables 3b/3c, already marked skipped without PostgreSQL."""
+    runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
+    row: Row = {"key": f"{backend}-{kind}-{table}", "backend": backend, "store": kind,
+                "name": f"{backend}: {STORE_NAMES[kind]}", "runs": runs,
+                "steps_per_run": steps}
+    if kind == "postgres" and ctx.postgres is None:
+        return skipped(row, ctx.postgres_note or "no PostgreSQL")
+    return row
 
 
 async def _paired_walls(first: Callable[[], Awaitable[RunStats]],

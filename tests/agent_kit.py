@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -17,7 +17,9 @@ from polyloop import (
     Injection,
     Interpreter,
     Message,
+    ModelCall,
     ModelClient,
+    ModelReply,
     NullSink,
     ObservationTexts,
     Replay,
@@ -200,6 +202,27 @@ class SlowStore:
             return await method(*args)
 
         return maybe_slow
+
+
+class InterruptedModel:
+    """A scripted model that awaits ``before(call)`` just before answering call ``at``.
+
+    For tests that break something (a connection, a lock) at a chosen point of a run.
+    """
+
+    def __init__(self, script: list[str], *, at: int,
+                 before: Callable[[ModelCall], Awaitable[None]]) -> None:
+        self.inner = ScriptedModelClient(script)
+        self.at = at
+        self.before = before
+
+    def parameters(self) -> Any:
+        return self.inner.parameters()
+
+    async def call(self, call: ModelCall) -> ModelReply:
+        if call.call_index == self.at:
+            await self.before(call)
+        return await self.inner.call(call)
 
 
 def six_step_script() -> list[str]:

@@ -26,10 +26,17 @@ import pytest
 from psycopg import sql
 
 import pg
-from agent_kit import Ledger, definition, make_tools, request, same_outcome, six_step_script
-from polyloop import ModelCall, ModelReply, Replay, RunResult, resume, run
+from agent_kit import (
+    InterruptedModel,
+    Ledger,
+    definition,
+    make_tools,
+    request,
+    same_outcome,
+    six_step_script,
+)
+from polyloop import Replay, RunResult, resume, run
 from polyloop.stores import PostgresStore, _postgres
-from polyloop.testing import ScriptedModelClient
 from polyloop.testing.store_contract import (
     DurableStoreContract,
     apply,
@@ -215,14 +222,19 @@ async def in_one_batch(store: PostgresStore, probe: Probe,
 # -- shared commits ---------------------------------------------------------------------------
 
 
+async def _write_at_once_and_check(store: PostgresStore, run_ids: list[str]) -> None:
+    """Write a two-step sample run for each id, all at once; each log must be exactly it."""
+    async with anyio.create_task_group() as group:
+        for run_id in run_ids:
+            group.start_soon(apply, store, sample_run(run_id, steps=2))
+    for run_id in run_ids:
+        assert await log_of(store, run_id) == expected_records(sample_run(run_id, steps=2))
+
+
 async def test_concurrent_runs_share_commits(postgres_conninfo: str, probe: Probe) -> None:
     run_ids = [f"run-{n}" for n in range(50)]
     async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
-        async with anyio.create_task_group() as group:
-            for run_id in run_ids:
-                group.start_soon(apply, store, sample_run(run_id, steps=2))
-        for run_id in run_ids:
-            assert await log_of(store, run_id) == expected_records(sample_run(run_id, steps=2))
+        await _write_at_once_and_check(store, run_ids)
     writes = len(run_ids) * len(sample_run("x", steps=2))
     rows = [row for commit in probe.commits for row in commit.rows]
     assert len(rows) == len(run_ids) * len(expected_records(sample_run("x", steps=2)))
@@ -288,11 +300,7 @@ async def test_a_batch_larger_than_one_statement_is_split(
     monkeypatch.setattr(_postgres, "_MAX_ROWS_PER_STATEMENT", 3)
     run_ids = [f"run-{n}" for n in range(12)]
     async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
-        async with anyio.create_task_group() as group:
-            for run_id in run_ids:
-                group.start_soon(apply, store, sample_run(run_id, steps=2))
-        for run_id in run_ids:
-            assert await log_of(store, run_id) == expected_records(sample_run(run_id, steps=2))
+        await _write_at_once_and_check(store, run_ids)
     assert max(len(commit.rows) for commit in probe.commits) > 3
 
 
@@ -457,29 +465,18 @@ async def test_a_connection_lost_mid_batch_fails_its_runs_and_a_new_store_resume
             assert await log_of(fresh, run_id) == expected_records(writes)
 
 
-class WriterKillingModel:
-    """A scripted model that, before call ``at``, ends every writer session of the database."""
+async def _kill_writers(conninfo: str) -> None:
+    """End every writer session of the database."""
 
-    def __init__(self, script: list[str], conninfo: str, *, at: int) -> None:
-        self.inner = ScriptedModelClient(script)
-        self.conninfo = conninfo
-        self.at = at
-
-    def parameters(self) -> Any:
-        return self.inner.parameters()
-
-    async def call(self, call: ModelCall) -> ModelReply:
-        if call.call_index == self.at:
-            await anyio.to_thread.run_sync(self._kill_writers)
-        return await self.inner.call(call)
-
-    def _kill_writers(self) -> None:
-        with pg.admin(self.conninfo) as conn:
+    def kill() -> None:
+        with pg.admin(conninfo) as conn:
             conn.execute(
                 "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity"
                 " WHERE datname = current_database() AND application_name = %s",
                 ("polyloop-writer",),
             )
+
+    await anyio.to_thread.run_sync(kill)
 
 
 async def test_concurrent_runs_on_a_lost_connection_resume_like_uninterrupted_ones(
@@ -491,7 +488,10 @@ async def test_concurrent_runs_on_a_lost_connection_resume_like_uninterrupted_on
     failures: dict[str, BaseException] = {}
 
     async def one(run_id: str) -> None:
-        model = WriterKillingModel(script, postgres_conninfo, at=2) if run_id == "k0" else None
+        model = None
+        if run_id == "k0":
+            model = InterruptedModel(script, at=2,
+                                     before=lambda _: _kill_writers(postgres_conninfo))
         tools = make_tools(Ledger(), replay=Replay.ALLOWED)
         try:
             await run(definition(store, model=model, script=script),

@@ -25,6 +25,7 @@ import pg
 from agent_kit import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
+    InterruptedModel,
     Ledger,
     close_store,
     crash_and_resume,
@@ -35,11 +36,10 @@ from agent_kit import (
     six_step_script,
     uninterrupted,
 )
-from polyloop import ModelCall, ModelReply, Replay, RunEnded, StopReason, resume, run
+from polyloop import ModelCall, Replay, RunEnded, StopReason, resume, run
 from polyloop.ports import Store
 from polyloop.stores import PostgresStore
 from polyloop.stores._postgres import _open_writer, run_lock_key
-from polyloop.testing import ScriptedModelClient
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
     DurableStoreContract,
@@ -361,30 +361,16 @@ async def test_concurrent_first_use_from_many_processes(conninfo: str) -> None:
 # -- a lost connection ----------------------------------------------------------------------
 
 
-class KillingModel:
-    """A scripted model that, before call ``at``, ends the session holding the run's lock."""
-
-    def __init__(self, script: list[str], conninfo: str, *, at: int) -> None:
-        self.inner = ScriptedModelClient(script)
-        self.conninfo = conninfo
-        self.at = at
-
-    def parameters(self) -> Any:
-        return self.inner.parameters()
-
-    async def call(self, call: ModelCall) -> ModelReply:
-        if call.call_index == self.at:
-            await _terminate_lock_holder(self.conninfo, call.run_id)
-        return await self.inner.call(call)
-
-
 async def test_a_dropped_connection_fails_the_run_and_a_new_store_resumes_it(
     conninfo: str,
 ) -> None:
     script = six_step_script()
     tools = make_tools(Ledger(), replay=Replay.ALLOWED)
     store = PostgresStore(conninfo)
-    killing = definition(store, model=KillingModel(script, conninfo, at=2))
+    async def drop_lock_holder(call: ModelCall) -> None:
+        await _terminate_lock_holder(conninfo, call.run_id)
+
+    killing = definition(store, model=InterruptedModel(script, at=2, before=drop_lock_holder))
     with pytest.raises(StoreError) as failed:
         await run(killing, request("r", tools, model_replay=Replay.ALLOWED))
     assert failed.value.run_id == "r"
