@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import pytest
 
@@ -188,32 +190,58 @@ async def hanging() -> Any:
     await anyio.sleep_forever()
 
 
-async def under_deadline(kind: str, drive: Callable[[], Awaitable[Any]]) -> float:
+class Hang:
+    """A fault that hangs forever, and notes when the run reached it."""
+
+    def __init__(self) -> None:
+        self.reached = anyio.Event()
+
+    async def __call__(self) -> Any:
+        self.reached.set()
+        await anyio.sleep_forever()
+
+
+async def under_deadline(
+    kind: str, drive: Callable[[], Awaitable[Any]], *, armed: anyio.Event | None = None
+) -> float:
     """Drive a run under the caller's deadline; check the cancellation came out of it.
 
-    Returns the seconds the run took to give up.
+    With ``armed``, the deadline starts when that event is set (the run reached the seam
+    under test), not when the run starts: a slow start on a busy machine must not let the
+    deadline fire before the seam, which is not what these tests are about.
+    Returns the seconds the run took to give up once the deadline counted.
     """
     finished: list[bool] = []
+    began = [time.monotonic()]
 
     async def noted() -> None:
         await drive()
         finished.append(True)
 
-    began = time.monotonic()
-    if kind == "fail_after":
-        with pytest.raises(TimeoutError):
-            await _within_deadline(noted)
-    else:
-        with anyio.move_on_after(DEADLINE_S) as scope:
+    async def arm(scope: anyio.CancelScope, event: anyio.Event) -> None:
+        with anyio.move_on_after(60):  # a run that never gets there still ends
+            await event.wait()
+        began[0] = time.monotonic()
+        scope.deadline = anyio.current_time() + DEADLINE_S
+
+    async def within(deadline: AbstractContextManager[anyio.CancelScope],
+                     group: anyio.abc.TaskGroup) -> anyio.CancelScope:
+        with deadline as scope:
+            if armed is not None:
+                group.start_soon(arm, scope, armed)
             await noted()
-        assert scope.cancelled_caught, "the run swallowed the cancellation"
+        return scope
+
+    delay = None if armed is not None else DEADLINE_S
+    async with anyio.create_task_group() as group:
+        if kind == "fail_after":
+            with pytest.raises(TimeoutError):
+                await within(anyio.fail_after(delay), group)
+        else:
+            scope = await within(anyio.move_on_after(delay), group)
+            assert scope.cancelled_caught, "the run swallowed the cancellation"
     assert not finished, "the run returned instead of being cancelled"
-    return time.monotonic() - began
-
-
-async def _within_deadline(drive: Callable[[], Awaitable[None]]) -> None:
-    with anyio.fail_after(DEADLINE_S):
-        await drive()
+    return time.monotonic() - began[0]
 
 
 async def reads_back(store: Any, run_id: str = "r") -> tuple[list[Any], RecoveryState]:
@@ -323,14 +351,15 @@ async def test_a_hanging_model_is_cancelled_by_the_callers_deadline_and_resumes(
 ) -> None:
     store = cancel_stores.open()
     tools = make_tools(Ledger())
-    hung = SeamModel(hanging)
+    hang = Hang()
+    hung = SeamModel(hang)
     tasks_before = len(anyio.get_running_tasks())
 
     async def drive() -> None:
         await run(definition(store, model=hung),
                   request("r", tools, model_replay=Replay.ALLOWED, cancel_grace_s=GRACE_S))
 
-    elapsed = await under_deadline(deadline, drive)
+    elapsed = await under_deadline(deadline, drive, armed=hang.reached)
     assert elapsed < DEADLINE_S + GRACE_S
     assert len(anyio.get_running_tasks()) == tasks_before
     records, state = await reads_back(store)
@@ -460,13 +489,14 @@ async def test_a_hanging_executor_is_cancelled_by_the_callers_deadline_and_resum
 ) -> None:
     store = cancel_stores.open()
     tools = make_tools(Ledger())
-    hung = SeamExecutor(tools, hanging)
+    hang = Hang()
+    hung = SeamExecutor(tools, hang)
 
     async def drive() -> None:
         await run(definition(store, model=SeamModel()),
                   request("r", tools, executor=hung, cancel_grace_s=GRACE_S))
 
-    elapsed = await under_deadline(deadline, drive)
+    elapsed = await under_deadline(deadline, drive, armed=hang.reached)
     assert elapsed < DEADLINE_S + GRACE_S
     assert hung.executions == ["r:0:action"]
     records, state = await reads_back(store)
