@@ -179,14 +179,19 @@ WriteHook = Callable[[str], Any]
 
 
 class SlowStore:
-    """A memory store whose writes of one kind take a while: room to cancel inside them."""
+    """A memory store whose writes of one kind take a while: room to cancel inside them.
 
-    def __init__(self, slow: str, *, delay: float = 10.0) -> None:
+    The first write of that kind waits ``delay`` seconds before it reaches the inner
+    store, or, with ``after``, once it has landed there.
+    """
+
+    def __init__(self, slow: str, *, delay: float = 10.0, after: bool = False) -> None:
         from polyloop.stores import MemoryStore
 
         self.inner = MemoryStore()
         self.slow = slow
         self.delay = delay
+        self.after = after
         self.entered = anyio.Event()
 
     def parameters(self) -> Any:
@@ -196,9 +201,15 @@ class SlowStore:
         method = getattr(self.inner, name)
 
         async def maybe_slow(*args: Any) -> Any:
-            if name == self.slow and not self.entered.is_set():
+            if name != self.slow or self.entered.is_set():
+                return await method(*args)
+            if self.after:
+                outcome = await method(*args)
                 self.entered.set()
                 await anyio.sleep(self.delay)
+                return outcome
+            self.entered.set()
+            await anyio.sleep(self.delay)
             return await method(*args)
 
         return maybe_slow

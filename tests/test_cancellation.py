@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import anyio
@@ -15,6 +16,7 @@ from polyloop import (
     ModelReply,
     Replay,
     RunEnded,
+    RunNotFound,
     StopReason,
     ToolRegistry,
     ToolSpec,
@@ -150,6 +152,50 @@ async def test_cancel_during_a_store_write() -> None:
 
     assert not await _cancel_when_entered(store.entered, drive)
     assert len(anyio.get_running_tasks()) == tasks_before
+    await _check_cancelled_then_resume(store.inner, model, tool)
+
+
+async def test_a_run_cancelled_before_its_start_lands_leaves_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = SlowStore("start_run")
+    model, tool = BlockingModel(block_at=None), WaitTool(block=False)
+
+    async def drive() -> None:
+        await run(definition(store, model=model),
+                  request("r", tool.registry(), model_replay=Replay.ALLOWED))
+
+    with caplog.at_level(logging.WARNING, logger="polyloop"):
+        assert not await _cancel_when_entered(store.entered, drive)
+    assert (await store.inner.read_log("r")).records == ()
+    assert model.calls == []
+    # Nothing to end, so no end record was attempted and nothing was reported as lost.
+    assert [r.getMessage() for r in caplog.records if r.name == "polyloop"] == []
+    assert session._ACTIVE == {}
+    with pytest.raises(RunNotFound):
+        await resume(definition(store.inner, model=model),
+                     request("r", tool.registry(), model_replay=Replay.ALLOWED))
+    # The id is still free: the same run can start afresh.
+    result = await run(definition(store.inner, model=model),
+                       request("r", tool.registry(), model_replay=Replay.ALLOWED))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+
+
+async def test_a_start_that_landed_before_the_cancellation_is_ended() -> None:
+    store = SlowStore("start_run", after=True)
+    model, tool = BlockingModel(block_at=None), WaitTool(block=False)
+
+    async def drive() -> None:
+        await run(definition(store, model=model),
+                  request("r", tool.registry(), model_replay=Replay.ALLOWED))
+
+    assert not await _cancel_when_entered(store.entered, drive)
+    assert model.calls == []
+    records = (await store.inner.read_log("r")).records
+    assert [type(r).__name__ for r in records] == ["RunStarted", "RunEnded"]
+    end = records[-1]
+    assert isinstance(end, RunEnded)
+    assert (end.stop_reason, end.steps) == (StopReason.CANCELLED, 0)
     await _check_cancelled_then_resume(store.inner, model, tool)
 
 

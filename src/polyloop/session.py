@@ -154,7 +154,9 @@ async def run(definition: Definition, request: Request) -> RunResult:
     bounded by ``request.cancel_grace_s``, then the cancellation propagates. What is on
     disk is every record written before the cancellation plus, if the grace sufficed,
     that end record; an intent whose effect was interrupted stays open, and ``resume``
-    treats it by its replay policy.
+    treats it by its replay policy. A run cancelled before the store took its start
+    record leaves nothing at all (no end record either), and ``resume`` raises
+    :class:`~polyloop.types.RunNotFound` for it.
     """
     snapshot = _prepare(definition, request)
     with _driving(definition.store, request.run_id):
@@ -209,6 +211,9 @@ class _Loop:
         self.used = _stopping.Counters()
         self.event_failures = 0
         self.end: RunEnded | None = None
+        # False until the store confirms the run's start record: a cancellation before
+        # then may leave no record of the run, and so nothing for an end record to end.
+        self.start_confirmed = resumed
         self.transcript = _assembly.Transcript(_prefix(request))
         self.silent = _discards(definition.events)
 
@@ -226,6 +231,7 @@ class _Loop:
 
     async def start(self, started: RunStarted) -> None:
         await self.store.start_run(started)
+        self.start_confirmed = True
         await self._emit(EventKind.RUN_STARTED, None, started)
         await self._until_stopped()
 
@@ -531,11 +537,24 @@ class _Loop:
 
     async def _end_after_cancel(self) -> None:
         try:
+            if not self.start_confirmed and not await self._start_landed():
+                # Cancelled before the start record landed: the store holds nothing of
+                # the run, so there is nothing to end (and resume says RunNotFound).
+                return
             await self._finish(StopReason.CANCELLED, "the run was cancelled")
         except Exception:
             # The cancellation must go on whatever the store says; the log then ends
             # without an end record, which resume handles like a crash.
             logger.exception("run %r: could not write the cancelled end record", self.run_id)
+
+    async def _start_landed(self) -> bool:
+        """Whether the store holds the run's start, after a cancelled ``start_run``.
+
+        A store may finish a start it had begun before delivering the cancellation (the
+        durable stores do), so only the log can tell.
+        """
+        log = await self.store.read_log(self.run_id)
+        return bool(log.records)
 
     def _limit_detail(self, reason: StopReason) -> str | None:
         budget = self.request.budget
