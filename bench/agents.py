@@ -371,54 +371,68 @@ _SQLITE_ROWS = ("CREATE TABLE IF NOT EXISTS records (run_id TEXT NOT NULL, seq I
                 "NULL, kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq))")
 
 
-async def handwritten_sqlite(steps: int, path: Path, sizes: LineSizes,
-                             run_id: str = "run") -> RunStats:
+class HandSqlite:
     """The in-memory floor plus the four commits of a durable step, hand-written on SQLite.
 
-    One WAL database; per step, as PolyLoop's ``SqliteStore`` commits them and with its
-    row sizes: the model intent under ``synchronous=FULL``, the model result under
-    ``NORMAL``, the action intent under ``FULL``, the action result and step under
-    ``NORMAL``, each a single autocommitted ``INSERT`` (the cheapest transaction Python's
-    ``sqlite3`` offers), the level switched only when it changes. What SQLite itself
-    charges for a step, with no record encoding, locks or checks.
+    One WAL database, opened once and kept open across runs as ``SqliteStore`` keeps its
+    own: SQLite's write-ahead log grows until its first checkpoint and is then written
+    over from its start, and appending to a growing file costs more per sync than
+    writing over blocks the file already has. A database opened afresh for every run
+    would measure only the growing phase, which a long-lived store leaves behind after
+    its first few hundred steps (record 0014).
+
+    Per step, as PolyLoop's ``SqliteStore`` commits them and with its row sizes: the model
+    intent under ``synchronous=FULL``, the model result under ``NORMAL``, the action
+    intent under ``FULL``, the action result and step under ``NORMAL``, each a single
+    autocommitted ``INSERT`` (the cheapest transaction Python's ``sqlite3`` offers), the
+    level switched only when it changes. What SQLite itself charges for a step, with no
+    record encoding, locks or checks.
     """
-    import sqlite3  # only this floor needs it
 
-    model, executions = HandModel(steps), Counter()
-    conn = sqlite3.connect(path, isolation_level=None)
-    try:
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute(_SQLITE_ROWS)
-        level = ""
+    def __init__(self, path: Path, sizes: LineSizes) -> None:
+        import sqlite3  # only this floor needs it
+
+        self.sizes = sizes
+        self.conn = sqlite3.connect(path, isolation_level=None)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute(_SQLITE_ROWS)
+        self.level = ""
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def _commit(self, wanted: str, run_id: str, seq: int,
+                rows: list[tuple[str, bytes]]) -> int:
+        """Insert ``rows`` in one transaction at ``wanted``; the next ``seq``."""
+        if self.level != wanted:
+            self.conn.execute(f"PRAGMA synchronous={wanted}")
+            self.level = wanted
+        values = ",".join(["(?, ?, ?, ?)"] * len(rows))
+        params: list[Any] = []
+        for kind, body in rows:
+            params += [run_id, seq, kind, body.decode()]
+            seq += 1
+        self.conn.execute(f"INSERT INTO records VALUES {values}", params)
+        return seq
+
+    async def run(self, run_id: str, steps: int) -> RunStats:
+        model, executions, sizes, commit = HandModel(steps), Counter(), self.sizes, self._commit
         seq = 0
-
-        def commit(wanted: str, rows: list[tuple[str, bytes]]) -> None:
-            nonlocal level, seq
-            if level != wanted:
-                conn.execute(f"PRAGMA synchronous={wanted}")
-                level = wanted
-            values = ",".join(["(?, ?, ?, ?)"] * len(rows))
-            params: list[Any] = []
-            for kind, body in rows:
-                params += [run_id, seq, kind, body.decode()]
-                seq += 1
-            conn.execute(f"INSERT INTO records VALUES {values}", params)
-
         began = now()
         history = [("system", SYSTEM_TEXT), ("user", GOAL_TEXT)]
         for index in range(steps):
-            commit("FULL", [("intent", sizes.line("model_intent", index))])
+            seq = commit("FULL", run_id, seq, [("intent", sizes.line("model_intent", index))])
             tool = await model.call(history, index)
-            commit("NORMAL", [("result", sizes.line("model_result", index))])
+            seq = commit("NORMAL", run_id, seq,
+                         [("result", sizes.line("model_result", index))])
             history.append(("assistant", tool or "final"))
             if tool is None:
                 break
-            commit("FULL", [("intent", sizes.line("action_intent", index))])
+            seq = commit("FULL", run_id, seq, [("intent", sizes.line("action_intent", index))])
             history.append(("user", await _hand_tool(tool, executions)))
             step_line = sizes.line("step", index)
             half = len(step_line) // 2
-            commit("NORMAL", [("result", step_line[:half]), ("step", step_line[half:])])
+            seq = commit("NORMAL", run_id, seq,
+                         [("result", step_line[:half]), ("step", step_line[half:])])
         seconds = now() - began
-    finally:
-        conn.close()
-    return RunStats(seconds, model.decisions.n, executions.n)
+        return RunStats(seconds, model.decisions.n, executions.n)

@@ -44,9 +44,9 @@ from bench._common import (
 )
 from bench.agents import (
     Agent,
+    HandSqlite,
     fsync_floor_run,
     handwritten_durable,
-    handwritten_sqlite,
     polyloop_line_sizes,
 )
 
@@ -128,17 +128,19 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
         Variant(SAME_BYTES, "hand-written loop, PolyLoop's bytes/step (2 of 4 lines fsync'd)",
                 "reference",
                 lambda rid: handwritten_durable(steps, directory / f"{rid}.log", sizes=sizes)),
-        Variant(SQLITE_FLOOR, "hand-written loop on SQLite, SqliteStore's 4 commits/step",
-                "reference",
-                lambda rid: handwritten_sqlite(steps, directory / f"{rid}.sqlite", sizes)),
     ]
     async with JsonlStore(directory / "jsonl") as jsonl, \
             SqliteStore(directory / "runs.sqlite") as sqlite_store:
+        # One database for every run of the SQLite floor, open as long as the store's.
+        hand_sqlite = HandSqlite(directory / "hand.sqlite", sizes)
+        variants.append(Variant(SQLITE_FLOOR,
+                                "hand-written loop on SQLite, SqliteStore's 4 commits/step",
+                                "reference", lambda rid: hand_sqlite.run(rid, steps)))
         for key, name, store in (("polyloop-jsonl", "PolyLoop, JsonlStore", jsonl),
                                  ("polyloop-sqlite", "PolyLoop, SqliteStore", sqlite_store)):
             agent = Agent(store, steps=steps)
             variants.append(Variant(key, name, "polyloop", _timed(agent, steps)))
-        closers = []
+        closers = [hand_sqlite.close]
         skip = peers.langgraph_sqlite_missing()
         for key, name, durability in (
             ("langgraph-sqlite", "LangGraph, SqliteSaver (default durability)", None),
