@@ -36,7 +36,7 @@ from agent_kit import (
     six_step_script,
 )
 from polyloop import Replay, RunResult, resume, run
-from polyloop.stores import PostgresStore, _postgres
+from polyloop.stores import PostgresStore, _postgres_batch, _postgres_sql
 from polyloop.testing.store_contract import (
     DurableStoreContract,
     apply,
@@ -297,7 +297,7 @@ def _postgres_intent(run_id: str) -> Any:
 async def test_a_batch_larger_than_one_statement_is_split(
     postgres_conninfo: str, probe: Probe, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_postgres, "_MAX_ROWS_PER_STATEMENT", 3)
+    monkeypatch.setattr(_postgres_batch, "_MAX_ROWS_PER_STATEMENT", 3)
     run_ids = [f"run-{n}" for n in range(12)]
     async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
         await _write_at_once_and_check(store, run_ids)
@@ -314,7 +314,7 @@ async def test_barriers_commit_with_synchronous_commit_on(
 ) -> None:
     # With one row per statement, batches of several rows take the pipelined path, where
     # the probe asks inside the open transaction.
-    monkeypatch.setattr(_postgres, "_MAX_ROWS_PER_STATEMENT", rows_per_statement)
+    monkeypatch.setattr(_postgres_batch, "_MAX_ROWS_PER_STATEMENT", rows_per_statement)
     async with watched(postgres_conninfo, probe, max_writer_connections=2) as store:
         await apply(store, sample_run("alone", steps=2))
         async with anyio.create_task_group() as group:
@@ -336,7 +336,7 @@ async def test_a_lazy_insert_turns_synchronous_commit_off_for_its_own_transactio
     async with PostgresStore(postgres_conninfo) as store:
         await store.start_run(started("r"))  # creates the schema
         lazy = store._queries.insert_rows(1, lazy=True)
-        row = (_postgres._run_key("x"), 0, "x", "intent", "{}")
+        row = (_postgres_sql.run_key("x"), 0, "x", "intent", "{}")
 
     def settings() -> list[str]:
         with pg.admin(postgres_conninfo) as conn:
@@ -404,7 +404,7 @@ async def _conflicting_row(conninfo: str, run_id: str, seq: int) -> None:
     query = sql.SQL("INSERT INTO {} (run_key, seq, run_id, kind, body) "
                     "VALUES (%s, %s, %s, 'intent', '{{}}')").format(records)
     with pg.admin(conninfo) as conn:
-        conn.execute(query, (_postgres._run_key(run_id), seq, run_id))
+        conn.execute(query, (_postgres_sql.run_key(run_id), seq, run_id))
 
 
 async def test_a_row_the_server_refuses_fails_alone(

@@ -53,12 +53,12 @@ transaction, so both land or neither does. What is on disk when a call returns:
   ``resume`` then continues it by the recovery rules; no side effect runs twice unless
   its intent allows a replay.
 
-A batch of up to 1,000 rows is one ``INSERT`` statement on the autocommit connection:
-one statement, one transaction, one round trip. A larger one is sent in one pipeline,
-``BEGIN`` … ``COMMIT``. If the server refuses a row, the whole transaction rolls back
-and the batch runs again, each item under its own ``SAVEPOINT``, so that the item at
-fault fails alone. (A private ``_group_commit=False`` writes each record in its own
-statement and thread hop instead, the baseline the benchmarks use.)
+A batch is one transaction: one ``INSERT`` statement on the autocommit connection, or
+past 1,000 rows one pipelined ``BEGIN`` … ``COMMIT``. If the server refuses a row, the
+batch runs again item by item under savepoints, so that the item at fault fails alone
+(:mod:`polyloop.stores._postgres_batch` tells how a batch is planned, sent and settled).
+(A private ``_group_commit=False`` writes each record in its own statement and thread
+hop instead, the baseline the benchmarks use.)
 
 Writers. A run has one writer: a store object takes the run's lock at its first write
 with ``pg_try_advisory_lock(key)``, where the 64-bit key is the start of the sha256 of
@@ -108,15 +108,13 @@ loop at a time.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -130,6 +128,30 @@ from psycopg_pool import ConnectionPool
 from polyloop import serialization
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import FORMAT, WriterState, check_format
+from polyloop.stores._postgres_batch import (
+    Claim,
+    Committer,
+    Connection,
+    Errors,
+    Item,
+    Mode,
+    Probe,
+    Slot,
+    Writer,
+    check_mode,
+    statements,
+)
+from polyloop.stores._postgres_sql import (
+    KIND,
+    Queries,
+    Row,
+    ddl_lock_key,
+    record_row,
+    run_id_column,
+    run_key,
+    run_lock_key,
+    shown,
+)
 from polyloop.types import (
     CorruptLog,
     Intent,
@@ -137,7 +159,6 @@ from polyloop.types import (
     PolyLoopError,
     Record,
     Result,
-    RunAlreadyExists,
     RunEnded,
     RunLocked,
     RunLog,
@@ -149,251 +170,9 @@ from polyloop.types import (
 __all__ = ("PostgresStore", "run_lock_key")
 
 _T = TypeVar("_T")
-_Connection = psycopg.Connection[TupleRow]
-# One row to insert: (kind, body).
-_Row = tuple[str, str]
-# What a write does to the run: start it, append to it, or end it.
-_Mode = Literal["start", "append", "end"]
-# One outcome per item of a batch: None (committed) or the error its caller sees.
-_Errors = list[BaseException | None]
-_Probe = Callable[[_Connection, tuple[tuple[str, str], ...], tuple[str, ...]], None]
-
-_KIND: dict[type[Any], str] = {
-    RunStarted: "run_started",
-    Intent: "intent",
-    Result: "result",
-    StepRecord: "step",
-    RunEnded: "run_ended",
-}
 _MAX_IDENTIFIER_BYTES = 63
-_SHOWN_ID_CHARS = 60
 _WRITER_NAME = "polyloop-writer"
-# Five parameters a row: a statement stays far below the protocol's 65,535 parameters.
-_MAX_ROWS_PER_STATEMENT = 1000
-_ASYNC_COMMIT = "SET LOCAL synchronous_commit = off"
 _READER_NAME = "polyloop-reader"
-
-
-def run_lock_key(schema: str, run_id: str) -> int:
-    """The 64-bit advisory lock key of ``run_id`` in ``schema`` (a signed bigint).
-
-    Advisory locks are per database, so the schema is part of the key: two schemas in one
-    database never lock each other's runs.
-    """
-    return _key(b"polyloop run", schema, run_id)
-
-
-def _ddl_key(schema: str) -> int:
-    return _key(b"polyloop ddl", schema, "")
-
-
-def _key(purpose: bytes, schema: str, run_id: str) -> int:
-    digest = hashlib.sha256(
-        b"\x00".join((purpose, schema.encode(), run_id.encode("utf-8", "surrogatepass")))
-    ).digest()
-    return int.from_bytes(digest[:8], "big", signed=True)
-
-
-def _run_key(run_id: str) -> bytes:
-    """The ``run_key`` column value: the sha256 of the run id."""
-    return hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).digest()
-
-
-def _column(run_id: str) -> str:
-    """The ``run_id`` column value: the id with JSON string escaping (injective)."""
-    text = json.dumps(run_id, ensure_ascii=False)[1:-1]
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: escape everything outside ASCII
-        text = json.dumps(run_id)[1:-1]
-    return text
-
-
-def _shown(run_id: str) -> str:
-    """``run_id`` quoted and cut short, for error locations."""
-    text = repr(run_id)
-    return text if len(text) <= _SHOWN_ID_CHARS else text[: _SHOWN_ID_CHARS - 3] + "..."
-
-
-def _row(record: Record) -> _Row:
-    body = serialization.dumps(record)  # refuses anything that is not a record
-    return _KIND[type(record)], body
-
-
-@dataclass(frozen=True, slots=True)
-class _Queries:
-    """Every statement the store sends, with the schema quoted as an identifier."""
-
-    tables: sql.SQL
-    create_schema: sql.Composed
-    create_meta: sql.Composed
-    create_records: sql.Composed
-    set_format: sql.Composed
-    get_format: sql.Composed
-    next_seq: sql.Composed
-    insert: sql.Composed
-    row: sql.SQL
-    lazy_insert: sql.Composed
-    lazy_row: sql.SQL
-    lazy_commit: sql.SQL
-    unlock: sql.SQL
-    unlock_all_of: sql.SQL
-    select_run: sql.Composed
-    select_run_ids: sql.Composed
-    inserts: dict[tuple[int, bool], sql.Composed] = field(default_factory=dict)
-
-    def insert_rows(self, count: int, *, lazy: bool = False) -> sql.Composed:
-        """An ``INSERT`` of ``count`` rows (built once per shape, then reused).
-
-        A ``lazy`` one also calls ``set_config('synchronous_commit', 'off', true)``, the
-        function form of ``SET LOCAL``: run alone on an autocommit connection, it is a
-        transaction that commits without waiting for the flush, and the session keeps
-        its own setting. (PostgreSQL never drops a volatile call from a subquery.)
-        """
-        query = self.inserts.get((count, lazy))
-        if query is None:
-            if lazy:
-                rows = sql.SQL(", ").join([self.lazy_row] * count)
-                query = self.lazy_insert + rows + self.lazy_commit
-            else:
-                query = self.insert + sql.SQL(", ").join([self.row] * count)
-            self.inserts[count, lazy] = query
-        return query
-
-    @classmethod
-    def for_schema(cls, schema: str) -> _Queries:
-        name = sql.Identifier(schema)
-        meta, records = sql.Identifier(schema, "meta"), sql.Identifier(schema, "records")
-        insert = sql.SQL("INSERT INTO {} (run_key, seq, run_id, kind, body) VALUES ").format(
-            records
-        )
-        row = sql.SQL("(%s, %s, %s, %s, %s)")
-        return cls(
-            tables=sql.SQL(
-                "SELECT count(*) FROM pg_catalog.pg_tables WHERE schemaname = %s "
-                "AND tablename IN ('meta', 'records')"
-            ),
-            create_schema=sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(name),
-            create_meta=sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (key text PRIMARY KEY, value text NOT NULL)"
-            ).format(meta),
-            create_records=sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (run_key bytea NOT NULL, seq bigint NOT NULL, "
-                "run_id text NOT NULL, kind text NOT NULL, body text NOT NULL, "
-                "written_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (run_key, seq))"
-            ).format(records),
-            set_format=sql.SQL(
-                "INSERT INTO {} (key, value) VALUES ('format', %s) ON CONFLICT (key) DO NOTHING"
-            ).format(meta),
-            get_format=sql.SQL("SELECT value FROM {} WHERE key = 'format'").format(meta),
-            next_seq=sql.SQL(
-                "SELECT coalesce(max(seq) + 1, 0) FROM {} WHERE run_key = %s"
-            ).format(records),
-            insert=insert,
-            row=row,
-            lazy_insert=sql.SQL(
-                "INSERT INTO {} (run_key, seq, run_id, kind, body) SELECT v.* FROM (VALUES "
-            ).format(records),
-            lazy_row=sql.SQL("(%s::bytea, %s::bigint, %s::text, %s::text, %s::text)"),
-            lazy_commit=sql.SQL(
-                ") AS v CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) AS lazy"
-            ),
-            unlock=sql.SQL("SELECT pg_advisory_unlock(%s)"),
-            unlock_all_of=sql.SQL("SELECT pg_advisory_unlock(k) FROM unnest(%s::bigint[]) AS k"),
-            select_run=sql.SQL(
-                "SELECT seq, run_id, kind, body FROM {} WHERE run_key = %s ORDER BY seq"
-            ).format(records),
-            select_run_ids=sql.SQL(
-                "SELECT run_id FROM {} WHERE seq = 0 ORDER BY written_at, run_id"
-            ).format(records),
-        )
-
-
-@dataclass(eq=False)
-class _Writer:
-    """A writer connection of this store object and the runs routed to it.
-
-    ``runs`` holds every run whose lock lives on the connection or whose write is on its
-    way to it; ``group`` gathers the waiting writes of those runs into shared commits.
-    """
-
-    group: GroupCommit[_Item]
-    connection: _Connection | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    runs: set[str] = field(default_factory=set)
-    writing: int = 0  # writes of its runs in flight, counted on the event loop
-    broken: bool = False
-
-
-@dataclass(eq=False)
-class _Claim:
-    """This store object holds ``run_id``'s lock on ``writer``; ``next_seq`` is its next row."""
-
-    run_id: str
-    key: int
-    writer: _Writer
-    next_seq: int
-
-
-@dataclass(eq=False)
-class _Slot:
-    """Per-run bookkeeping: the run's writer connection, its claim, and who writes now.
-
-    ``lock`` orders the run's writes when each write takes its own thread (without group
-    commit); with group commit the run's writes are ordered by its writer's batches.
-    """
-
-    run_id: str
-    writer: _Writer
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    users: int = 0
-    claim: _Claim | None = None
-
-
-@dataclass(eq=False, slots=True)
-class _Item:
-    """One write waiting for a shared commit: its run's slot, its rows, what it does."""
-
-    slot: _Slot
-    rows: Sequence[_Row]
-    mode: _Mode
-    barrier: bool
-
-
-@dataclass(eq=False)
-class _Plan:
-    """What one batch inserts, decided before anything is sent.
-
-    ``accepted`` holds (index in the batch, item, the item's first seq) in submission
-    order. Per run of the batch: ``claims`` is the claim it writes under (``fresh`` the
-    ones this batch took), ``seqs`` its next seq once the batch commits, and ``ended``
-    says its last accepted item ends it.
-    """
-
-    accepted: list[tuple[int, _Item, int]] = field(default_factory=list)
-    claims: dict[str, _Claim] = field(default_factory=dict)
-    fresh: dict[str, _Claim] = field(default_factory=dict)
-    seqs: dict[str, int] = field(default_factory=dict)
-    ended: set[str] = field(default_factory=set)
-
-    @property
-    def barrier(self) -> bool:
-        return any(item.barrier for _, item, _ in self.accepted)
-
-    def rows(self) -> tuple[tuple[str, str], ...]:
-        """(run id, kind) of every row the batch inserts, in order."""
-        return tuple((item.slot.run_id, kind) for _, item, _ in self.accepted
-                     for kind, _ in item.rows)
-
-    def accept(self, index: int, item: _Item, claim: _Claim, seq: int) -> None:
-        run_id = item.slot.run_id
-        self.claims[run_id] = claim
-        self.seqs[run_id] = seq + len(item.rows)
-        self.accepted.append((index, item, seq))
-        if item.mode == "end":
-            self.ended.add(run_id)
-        else:
-            self.ended.discard(run_id)
 
 
 class PostgresStore:
@@ -415,6 +194,7 @@ class PostgresStore:
 
     __slots__ = (
         "_commit_probe",
+        "_committer",
         "_connect",
         "_conninfo",
         "_grouped",
@@ -448,20 +228,25 @@ class PostgresStore:
         # Private, for tests: called in the batch thread just before each commit of a
         # batch, with the writer connection, the (run id, kind) of every row in it, and
         # the SQL text of the statements that make up the commit.
-        self._commit_probe: _Probe | None = None
+        self._commit_probe: Probe | None = None
         self._conninfo = conninfo
         self._connect = _connect_options(conninfo, timeout)
         self._schema = schema
         self._pool_size = pool_size
         self._max_writers = max_writer_connections
         self._timeout = timeout
-        self._queries = _Queries.for_schema(schema)
+        self._queries = Queries.for_schema(schema)
         self._state = WriterState()
         self._ready_lock = threading.Lock()
         self._ready = False
-        self._pool: ConnectionPool[_Connection] | None = None
-        self._writers: list[_Writer] = []
-        self._slots: dict[str, _Slot] = {}
+        self._pool: ConnectionPool[Connection] | None = None
+        self._writers: list[Writer] = []
+        self._slots: dict[str, Slot] = {}
+        self._committer = Committer(
+            state=self._state, queries=self._queries, ready=self._ensure_ready,
+            claim=self._claim, connection=self._writer_connection, failed=self._failed,
+            drop=self._drop_writer, unlock=self._unlock,
+        )
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """The store kind and record format; never the connection string or schema."""
@@ -581,26 +366,26 @@ class PostgresStore:
 
     # -- writing ----------------------------------------------------------------------------
 
-    async def _write(self, run_id: str, records: Sequence[Record], mode: _Mode, *,
+    async def _write(self, run_id: str, records: Sequence[Record], mode: Mode, *,
                      barrier: bool = False) -> None:
-        rows = [_row(record) for record in records]
+        rows = [record_row(record) for record in records]
         with self._routed(run_id) as (slot, alone):
             if not self._grouped:
                 await self._in_thread(self._write_rows, slot, rows, mode)
             elif alone:
                 # Nobody could share this commit: skip the batching, keep its rules.
                 # A write that arrives meanwhile batches, and waits for writer.lock.
-                item = _Item(slot, rows, mode, barrier)
+                item = Item(slot, rows, mode, barrier)
                 error = (await self._in_thread(self._commit_batch, slot.writer, [item]))[0]
                 # As after a shared commit: a cancellation that came during it is raised.
                 await anyio.lowlevel.checkpoint_if_cancelled()
                 if error is not None:
                     raise error
             else:
-                await slot.writer.group.submit(_Item(slot, rows, mode, barrier))
+                await slot.writer.group.submit(Item(slot, rows, mode, barrier))
 
     @contextmanager
-    def _routed(self, run_id: str) -> Iterator[tuple[_Slot, bool]]:
+    def _routed(self, run_id: str) -> Iterator[tuple[Slot, bool]]:
         """Count a write in ``run_id``'s slot and its writer; say if it is the writer's only one.
 
         A run's writes all go to one writer connection, the one its lock lives on (or
@@ -611,7 +396,7 @@ class PostgresStore:
             self._state.check_writable(run_id)
             slot = self._slots.get(run_id)
             if slot is None:
-                slot = self._slots[run_id] = _Slot(run_id, self._pick_writer())
+                slot = self._slots[run_id] = Slot(run_id, self._pick_writer())
                 slot.writer.runs.add(run_id)
             slot.users += 1
             alone = slot.writer.writing == 0
@@ -626,7 +411,7 @@ class PostgresStore:
                     del self._slots[run_id]
                     slot.writer.runs.discard(run_id)
 
-    def _pick_writer(self) -> _Writer:
+    def _pick_writer(self) -> Writer:
         """An idle writer, a new one, or the least busy (called with the mutex held)."""
         writer = min(self._writers, key=lambda w: len(w.runs), default=None)
         if writer is None or (writer.runs and len(self._writers) < self._max_writers):
@@ -634,18 +419,18 @@ class PostgresStore:
             self._writers.append(writer)
         return writer
 
-    def _new_writer(self) -> _Writer:
-        writer: _Writer
+    def _new_writer(self) -> Writer:
+        writer: Writer
 
-        def commit(items: Sequence[_Item]) -> _Errors:
+        def commit(items: Sequence[Item]) -> Errors:
             return self._commit_batch(writer, items)
 
-        writer = _Writer(group=GroupCommit(commit))
+        writer = Writer(group=GroupCommit(commit))
         return writer
 
     # -- one write, one statement (worker thread; without group commit) ---------------------
 
-    def _write_rows(self, slot: _Slot, rows: Sequence[_Row], mode: _Mode) -> None:
+    def _write_rows(self, slot: Slot, rows: Sequence[Row], mode: Mode) -> None:
         """Claim the run if needed, check it exists (or not), insert, release at the end."""
         run_id, writer = slot.run_id, slot.writer
         with slot.lock:
@@ -657,7 +442,7 @@ class PostgresStore:
                     slot.claim = self._claim(writer, run_id)
             claim = slot.claim
             try:
-                _check_mode(run_id, claim.next_seq, mode)
+                check_mode(run_id, claim.next_seq, mode)
             except PolyLoopError:
                 # A refusal writes nothing and leaves behind no lock that it took.
                 if fresh:
@@ -667,9 +452,9 @@ class PostgresStore:
             if mode == "end":
                 self._release(slot)
 
-    def _insert(self, claim: _Claim, rows: Sequence[_Row]) -> None:
+    def _insert(self, claim: Claim, rows: Sequence[Row]) -> None:
         run_id, writer = claim.run_id, claim.writer
-        query, params = self._statements([(claim.run_id, claim.next_seq, rows)])[0]
+        query, params = statements(self._queries, [(claim.run_id, claim.next_seq, rows)])[0]
         with writer.lock:
             try:
                 self._writer_connection(writer, run_id).execute(query, params)
@@ -677,7 +462,7 @@ class PostgresStore:
                 raise self._failed(run_id, writer, exc) from exc
         claim.next_seq += len(rows)
 
-    def _release(self, slot: _Slot) -> None:
+    def _release(self, slot: Slot) -> None:
         """Give up the slot's claim: unlock the run on its writer connection."""
         claim, slot.claim = slot.claim, None
         if claim is not None:
@@ -686,167 +471,13 @@ class PostgresStore:
 
     # -- shared commits (worker thread; one batch of one writer connection at a time) -------
 
-    def _commit_batch(self, writer: _Writer, items: Sequence[_Item]) -> _Errors:
+    def _commit_batch(self, writer: Writer, items: Sequence[Item]) -> Errors:
         """Commit every item that may be written in one transaction; say how each ended."""
-        errors: _Errors = [None] * len(items)
-        with writer.lock:
-            plan = self._plan(writer, items, errors)
-            if plan.accepted:
-                self._commit_plan(writer, plan, errors)
-            self._settle(writer, plan, errors)
-        return errors
-
-    def _plan(self, writer: _Writer, items: Sequence[_Item], errors: _Errors) -> _Plan:
-        """Refuse what must not be written, claim new runs, give each item its seq."""
-        plan = _Plan()
-        for index, item in enumerate(items):
-            run_id = item.slot.run_id
-            try:
-                self._state.check_writable(run_id)
-                self._ensure_ready(run_id)
-                claim = plan.claims.get(run_id) or item.slot.claim
-                if claim is None:
-                    claim = plan.fresh[run_id] = plan.claims[run_id] = self._claim(writer, run_id)
-                seq = plan.seqs.get(run_id, claim.next_seq)
-                _check_mode(run_id, seq, item.mode)
-            except PolyLoopError as exc:
-                errors[index] = exc
-                continue
-            plan.accept(index, item, claim, seq)
-        return plan
-
-    def _commit_plan(self, writer: _Writer, plan: _Plan, errors: _Errors) -> None:
-        """Insert every accepted item and commit; on failure every item learns why."""
-        first = plan.accepted[0][1].slot.run_id
-        try:
-            conn = self._writer_connection(writer, first)
-            try:
-                self._insert_all(conn, plan)
-            except psycopg.Error:
-                if conn.broken or conn.closed:
-                    raise
-                # Nothing was committed (a server error ends the whole transaction):
-                # again, item by item, so that one bad item fails alone.
-                _roll_back(conn)
-                self._insert_each(conn, writer, plan, errors)
-        except (psycopg.Error, StoreError) as exc:
-            self._fail_all(writer, plan, errors, exc)
-        except Exception as exc:  # noqa: BLE001 - its state is unknown: give the connection up
-            self._drop_writer(writer, exc)
-            self._fail_all(writer, plan, errors, exc)
-
-    def _insert_all(self, conn: _Connection, plan: _Plan) -> None:
-        """The batch in one round trip: one transaction, committed synchronously if it
-        holds a barrier, else with ``synchronous_commit`` off for this transaction only."""
-        writes = [(item.slot.run_id, seq, item.rows) for _, item, seq in plan.accepted]
-        if sum(len(item.rows) for _, item, _ in plan.accepted) <= _MAX_ROWS_PER_STATEMENT:
-            # One statement on an autocommit connection is one transaction; the writer
-            # session's synchronous_commit is on (see _open_writer), and only a batch
-            # without a barrier turns it off, for that transaction alone.
-            [(query, params)] = self._statements(writes, lazy=not plan.barrier)
-            self._probe(conn, plan.rows(), [query])
-            conn.execute(query, params)
-            return
-        statements = self._statements(writes)
-        head = _begin(plan.barrier)
-        with conn.pipeline():
-            for text in head:
-                conn.execute(text)
-            for query, params in statements:
-                conn.execute(query, params)
-            self._probe(conn, plan.rows(), [*head, *(query for query, _ in statements)])
-            conn.execute("COMMIT")
-
-    def _insert_each(self, conn: _Connection, writer: _Writer, plan: _Plan,
-                     errors: _Errors) -> None:
-        """The batch again, each item under a savepoint: a failing item rolls back alone."""
-        head = _begin(plan.barrier)
-        for text in head:
-            conn.execute(text)
-        sent: list[sql.Composed | str] = [*head]
-        written: list[tuple[str, str]] = []
-        for index, item, seq in plan.accepted:
-            run_id = item.slot.run_id
-            try:  # an earlier item of the run failed: writing this one would leave a gap
-                self._state.check_writable(run_id)
-            except StoreError as exc:
-                errors[index] = exc
-                continue
-            conn.execute("SAVEPOINT polyloop_item")
-            try:
-                for query, params in self._statements([(run_id, seq, item.rows)]):
-                    conn.execute(query, params)
-                    sent.append(query)
-            except psycopg.Error as exc:
-                if conn.broken or conn.closed:
-                    raise
-                conn.execute("ROLLBACK TO SAVEPOINT polyloop_item")
-                errors[index] = self._failed(run_id, writer, exc)
-            else:
-                conn.execute("RELEASE SAVEPOINT polyloop_item")
-                written += [(run_id, kind) for kind, _ in item.rows]
-        self._probe(conn, tuple(written), sent)
-        conn.execute("COMMIT")
-
-    def _fail_all(self, writer: _Writer, plan: _Plan, errors: _Errors, exc: Exception) -> None:
-        """The commit failed or its outcome is unknown: every accepted item fails."""
-        conn = writer.connection
-        if conn is not None and not (conn.broken or conn.closed):
-            try:
-                _roll_back(conn)
-            except psycopg.Error as lost:
-                self._drop_writer(writer, lost)
-        for index, item, _ in plan.accepted:
-            if errors[index] is None:
-                errors[index] = self._failed(item.slot.run_id, writer, exc)
-
-    def _settle(self, writer: _Writer, plan: _Plan, errors: _Errors) -> None:
-        """After the commit: advance each run's seq, keep the new claims that wrote, and
-        unlock the runs that ended (only now: their end record is committed) and the
-        claims this batch took in vain."""
-        committed = {item.slot.run_id: item.slot for index, item, _ in plan.accepted
-                     if errors[index] is None}
-        keys: list[int] = []
-        with self._state.mutex:
-            for run_id, claim in plan.claims.items():
-                slot = committed.get(run_id)
-                if slot is None:
-                    if run_id in plan.fresh:
-                        keys.append(claim.key)
-                    continue
-                claim.next_seq = plan.seqs[run_id]
-                slot.claim = None if run_id in plan.ended else claim
-                if run_id in plan.ended:
-                    keys.append(claim.key)
-        if keys:
-            self._unlock(writer, keys)
-
-    def _probe(self, conn: _Connection, rows: tuple[tuple[str, str], ...],
-               sent: Sequence[sql.Composed | str]) -> None:
-        """Show the private test probe what is about to commit, and the SQL sent for it."""
-        if self._commit_probe is not None:
-            texts = [text if isinstance(text, str) else text.as_string(conn) for text in sent]
-            self._commit_probe(conn, rows, tuple(texts))
-
-    def _statements(
-        self, writes: Sequence[tuple[str, int, Sequence[_Row]]], *, lazy: bool = False
-    ) -> list[tuple[sql.Composed, list[object]]]:
-        """``INSERT`` statements for (run id, first seq, rows) writes, in order."""
-        params: list[object] = []
-        for run_id, seq, rows in writes:
-            key, column = _run_key(run_id), _column(run_id)
-            for offset, (kind, body) in enumerate(rows):
-                params += [key, seq + offset, column, kind, body]
-        width, count = 5, len(params) // 5
-        return [
-            (self._queries.insert_rows(min(_MAX_ROWS_PER_STATEMENT, count - start), lazy=lazy),
-             params[start * width:(start + _MAX_ROWS_PER_STATEMENT) * width])
-            for start in range(0, count, _MAX_ROWS_PER_STATEMENT)
-        ]
+        return self._committer.commit(writer, items, self._commit_probe)
 
     # -- claims, connections, failures (worker thread) --------------------------------------
 
-    def _claim(self, writer: _Writer, run_id: str) -> _Claim:
+    def _claim(self, writer: Writer, run_id: str) -> Claim:
         """Take ``run_id``'s advisory lock on its writer connection (``writer.lock`` held).
 
         Raises ``RunLocked`` if another session holds it, ``StoreError`` if the query fails.
@@ -856,14 +487,14 @@ class PostgresStore:
             conn = self._writer_connection(writer, run_id)
             locked = _scalar(conn, sql.SQL("SELECT pg_try_advisory_lock(%s)"), (key,))
             # Read only once the lock is held: rows committed before then are all there.
-            next_seq = _scalar(conn, self._queries.next_seq, (_run_key(run_id),))
+            next_seq = _scalar(conn, self._queries.next_seq, (run_key(run_id),))
         except psycopg.Error as exc:
             raise self._failed(run_id, writer, exc) from exc
         if not locked:
             raise RunLocked("another writer holds this run", run_id=run_id)
-        return _Claim(run_id=run_id, key=key, writer=writer, next_seq=int(next_seq))
+        return Claim(run_id=run_id, key=key, writer=writer, next_seq=int(next_seq))
 
-    def _writer_connection(self, writer: _Writer, run_id: str) -> _Connection:
+    def _writer_connection(self, writer: Writer, run_id: str) -> Connection:
         """The writer's connection, opened on first use (called with ``writer.lock`` held)."""
         if writer.broken or self._state.closed:
             raise StoreError("the writer connection is gone", run_id=run_id)
@@ -871,7 +502,7 @@ class PostgresStore:
             writer.connection = _open_writer(self._conninfo, **self._connect)
         return writer.connection
 
-    def _unlock(self, writer: _Writer, keys: Sequence[int]) -> None:
+    def _unlock(self, writer: Writer, keys: Sequence[int]) -> None:
         """Release run locks held on ``writer``'s connection (``writer.lock`` held)."""
         conn = writer.connection
         if conn is None or writer.broken:
@@ -886,7 +517,7 @@ class PostgresStore:
             # affected (their locks went with the connection).
             self._drop_writer(writer, exc)
 
-    def _failed(self, run_id: str, writer: _Writer, exc: Exception) -> StoreError:
+    def _failed(self, run_id: str, writer: Writer, exc: Exception) -> StoreError:
         """Refuse ``run_id`` from now on (and every run of a broken connection)."""
         conn = writer.connection
         with self._state.mutex:
@@ -895,7 +526,7 @@ class PostgresStore:
             self._drop_writer(writer, exc)
         return error
 
-    def _drop_writer(self, writer: _Writer, exc: BaseException) -> None:
+    def _drop_writer(self, writer: Writer, exc: BaseException) -> None:
         """The connection is lost and so are its locks: refuse every run it held."""
         writer.broken = True
         with self._state.mutex:
@@ -911,7 +542,7 @@ class PostgresStore:
 
     def _read(self, run_id: str) -> tuple[Record, ...]:
         with self._reading(run_id) as pool, pool.connection(timeout=self._timeout) as conn:
-            rows = conn.execute(self._queries.select_run, (_run_key(run_id),)).fetchall()
+            rows = conn.execute(self._queries.select_run, (run_key(run_id),)).fetchall()
         return tuple(self._decode_row(run_id, index, row) for index, row in enumerate(rows))
 
     def _select_run_ids(self) -> tuple[str, ...]:
@@ -920,18 +551,18 @@ class PostgresStore:
         return tuple(self._run_id_of(column) for (column,) in rows)
 
     def _run_id_of(self, column: str) -> str:
-        """The run id whose ``run_id`` column value is ``column`` (undoes :func:`_column`)."""
+        """The run id whose ``run_id`` column value is ``column`` (undoes :func:`run_id_column`)."""
         try:
             run_id = json.loads(f'"{column}"')
         except ValueError:
             run_id = None
         if not isinstance(run_id, str):
-            raise CorruptLog(f"unreadable run_id column {_shown(column)}",
+            raise CorruptLog(f"unreadable run_id column {shown(column)}",
                              location=f"{self._schema}.records")
         return run_id
 
     @contextmanager
-    def _reading(self, run_id: str | None) -> Iterator[ConnectionPool[_Connection]]:
+    def _reading(self, run_id: str | None) -> Iterator[ConnectionPool[Connection]]:
         if self._state.closed:
             raise StoreError("the store is closed", run_id=run_id)
         pool = self._ensure_ready(run_id)
@@ -942,7 +573,7 @@ class PostgresStore:
 
     def _decode_row(self, run_id: str, index: int, row: TupleRow) -> Record:
         seq, column, kind, body = row
-        location = f"{self._schema}.records run {_shown(run_id)} seq {seq}"
+        location = f"{self._schema}.records run {shown(run_id)} seq {seq}"
 
         def corrupt(reason: str) -> CorruptLog:
             return CorruptLog(reason, run_id=run_id, location=location)
@@ -956,11 +587,11 @@ class PostgresStore:
                 raise
             raise corrupt(exc.reason) from exc
         if record.run_id != run_id:
-            raise corrupt(f"the row holds a record of run {_shown(record.run_id)}")
-        if column != _column(run_id):
-            raise corrupt(f"the row's run_id column says {_shown(column)}")
-        if _KIND[type(record)] != kind:
-            raise corrupt(f"the row says {kind!r} but holds a {_KIND[type(record)]!r} record")
+            raise corrupt(f"the row holds a record of run {shown(record.run_id)}")
+        if column != run_id_column(run_id):
+            raise corrupt(f"the row's run_id column says {shown(column)}")
+        if KIND[type(record)] != kind:
+            raise corrupt(f"the row says {kind!r} but holds a {KIND[type(record)]!r} record")
         return record
 
     # -- opening and closing (worker thread) ------------------------------------------------
@@ -969,7 +600,7 @@ class PostgresStore:
         with self._reading(None):
             pass
 
-    def _ensure_ready(self, run_id: str | None) -> ConnectionPool[_Connection]:
+    def _ensure_ready(self, run_id: str | None) -> ConnectionPool[Connection]:
         """The open pool, after checking (or creating) the schema once per store object."""
         with self._ready_lock:
             if self._state.closed:
@@ -989,8 +620,8 @@ class PostgresStore:
                 ) from exc
             return pool
 
-    def _open_pool(self) -> ConnectionPool[_Connection]:
-        pool: ConnectionPool[_Connection] = ConnectionPool(
+    def _open_pool(self) -> ConnectionPool[Connection]:
+        pool: ConnectionPool[Connection] = ConnectionPool(
             self._conninfo,
             min_size=1,
             max_size=self._pool_size,
@@ -1008,12 +639,12 @@ class PostgresStore:
             raise
         return pool
 
-    def _prepare_schema(self, conn: _Connection, run_id: str | None) -> None:
+    def _prepare_schema(self, conn: Connection, run_id: str | None) -> None:
         """Create what is missing (under a transaction-level advisory lock), check the format."""
         queries = self._queries
         with conn.transaction():
             if not self._tables_exist(conn):
-                conn.execute("SELECT pg_advisory_xact_lock(%s)", (_ddl_key(self._schema),))
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_lock_key(self._schema),))
                 if not self._tables_exist(conn):  # another process may have just made them
                     for statement in (queries.create_schema, queries.create_meta,
                                       queries.create_records):
@@ -1022,7 +653,7 @@ class PostgresStore:
             recorded = _scalar(conn, queries.get_format, ())
         self._check_format(recorded, run_id)
 
-    def _tables_exist(self, conn: _Connection) -> bool:
+    def _tables_exist(self, conn: Connection) -> bool:
         return bool(_scalar(conn, self._queries.tables, (self._schema,)) == 2)
 
     def _check_format(self, recorded: object, run_id: str | None) -> None:
@@ -1056,24 +687,6 @@ def _check_options(schema: str, pool_size: int, max_writers: int, timeout: float
         raise ValueError("timeout must be a positive number of seconds")
 
 
-def _check_mode(run_id: str, next_seq: int, mode: _Mode) -> None:
-    if mode == "start" and next_seq > 0:
-        raise RunAlreadyExists("the run already has records", run_id=run_id)
-    if mode != "start" and next_seq == 0:
-        raise StoreError("the run was never started in this database", run_id=run_id)
-
-
-def _begin(barrier: bool) -> list[str]:
-    """What opens a batch's transaction: a barrier's commits synchronously."""
-    return ["BEGIN"] if barrier else ["BEGIN", _ASYNC_COMMIT]
-
-
-def _roll_back(conn: _Connection) -> None:
-    """End the connection's open transaction, if any, without committing it."""
-    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-        conn.execute("ROLLBACK")
-
-
 def _connect_options(conninfo: str, timeout: float) -> dict[str, Any]:
     """Connection options added to ``conninfo``: a connect timeout unless it sets one."""
     try:
@@ -1086,7 +699,7 @@ def _connect_options(conninfo: str, timeout: float) -> dict[str, Any]:
     return {"connect_timeout": max(1, math.ceil(timeout))}
 
 
-def _open_writer(conninfo: str, **options: Any) -> _Connection:
+def _open_writer(conninfo: str, **options: Any) -> Connection:
     """A connection of this store object's own, for writes and the locks they need."""
     conn = psycopg.connect(conninfo, autocommit=True,
                            fallback_application_name=_WRITER_NAME, **options)
@@ -1099,7 +712,7 @@ def _open_writer(conninfo: str, **options: Any) -> _Connection:
     return conn
 
 
-def _close_writer(writer: _Writer) -> None:
+def _close_writer(writer: Writer) -> None:
     """Release every lock the connection holds, then close it (called with its lock)."""
     conn, writer.connection = writer.connection, None
     writer.broken = True
@@ -1117,7 +730,7 @@ def _close_writer(writer: _Writer) -> None:
         conn.close()
 
 
-def _scalar(conn: _Connection, query: sql.SQL | sql.Composed, params: Sequence[object]) -> Any:
+def _scalar(conn: Connection, query: sql.SQL | sql.Composed, params: Sequence[object]) -> Any:
     """The first column of the first row of ``query`` (``None`` if there is no row)."""
     row = conn.execute(query, params).fetchone()
     return None if row is None else row[0]
