@@ -22,8 +22,8 @@ from polyloop import (
     ToolSpec,
     resume,
     run,
-    session,
 )
+from polyloop.session import _claims
 from polyloop.stores import MemoryStore
 
 pytestmark = pytest.mark.anyio
@@ -97,7 +97,7 @@ async def _check_cancelled_then_resume(store: Any, model: Any, tool: WaitTool) -
     end = log.records[-1]
     assert isinstance(end, RunEnded)
     assert end.stop_reason is StopReason.CANCELLED
-    assert session._ACTIVE == {}, "the run's claim on its id was not released"
+    assert _claims._ACTIVE == {}, "the run's claim on its id was not released"
 
     later = await resume(
         definition(store, model=model),
@@ -171,7 +171,7 @@ async def test_a_run_cancelled_before_its_start_lands_leaves_nothing(
     assert model.calls == []
     # Nothing to end, so no end record was attempted and nothing was reported as lost.
     assert [r.getMessage() for r in caplog.records if r.name == "polyloop"] == []
-    assert session._ACTIVE == {}
+    assert _claims._ACTIVE == {}
     with pytest.raises(RunNotFound):
         await resume(definition(store.inner, model=model),
                      request("r", tool.registry(), model_replay=Replay.ALLOWED))

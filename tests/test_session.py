@@ -683,7 +683,7 @@ def test_the_memoized_stop_decision_is_the_pure_one() -> None:
     from itertools import product
 
     from polyloop import _stopping
-    from polyloop.session import _after_step
+    from polyloop.session._loop import _after_step
 
     flags = (False, True)
     combos = list(product(DecisionKind, flags, (None, *ActionStatus), flags, flags, flags))

@@ -1,201 +1,66 @@
-"""``run`` and ``resume``: the two coroutines that drive a run, and what they take.
+"""The ``_Loop`` that drives one run: its steps and their writes, its stops, its end.
 
-A :class:`Definition` holds what stays the same across runs (model client, interpreter,
-store, event sink, the texts the library shows the model); a :class:`Request` holds what
-one run needs (id, budget, executor, tools, context, injection, binding and policies).
-
-One step, as the library performs it::
-
-    stop check (steps, valid steps, context size)
-    1. write the model-call intent      (durable before the model is called)
-       call the model
-    2. write the model result
-       interpret the reply
-    3. write the action intent          (durable before the action runs; actions only)
-       run the action
-    4. write the step record together with the action result
-    stop check (model failure, environment fault, done, submitted, final answer)
-
-Every return is preceded by an end record in the store; a cancelled run writes one too,
-under a shielded and time-bounded scope, and then lets the cancellation go on.
+One is built per call of ``run`` or ``resume``, once the request is checked and the run
+id claimed. It makes the writes of each step in the order the package docstring sets
+out and, when cancelled, still leaves an end record where it can.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import math
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from polyloop import _assembly, _recovery, _stopping, serialization
 from polyloop.ports import (
     Action,
-    ActionExecutor,
     ActionOutcome,
     Event,
     EventKind,
-    EventSink,
     FinalAnswer,
-    Interpreter,
     InvalidDecision,
     ModelCall,
-    ModelClient,
     ModelReply,
-    NullSink,
-    Store,
 )
-from polyloop.tools import ToolRegistry
+from polyloop.session._checks import (
+    _action_name,
+    _checked_reply,
+    _decision_problem,
+    _describe,
+    _discards,
+    _fault,
+    _outcome_payload,
+    _outcome_problem,
+    _reply_from,
+    _reply_payload,
+)
+from polyloop.session._request import _prefix
 from polyloop.types import (
     ActionStatus,
-    Budget,
-    CorruptLog,
     DecisionKind,
-    Injection,
     Intent,
     IntentKind,
-    InvalidRequest,
     JSONValue,
-    Message,
     Record,
     Replay,
     Result,
-    RunAlreadyExists,
     RunEnded,
-    RunIdentityMismatch,
-    RunLocked,
-    RunNotFound,
     RunResult,
     RunStarted,
     StepRecord,
     StopReason,
-    ToolStyle,
     UnloggableValue,
 )
 
-__all__ = ("Definition", "ObservationTexts", "Request", "resume", "run")
+if TYPE_CHECKING:
+    # Only for annotations: the facade imports this module, so a runtime import would
+    # be circular.
+    from polyloop.session import Definition, Request
 
 logger = logging.getLogger("polyloop")
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ObservationTexts:
-    """The texts the library feeds back when an action was refused or the environment failed.
-
-    ``not_executed`` must contain ``{reason}`` and ``env_fault`` must contain ``{detail}``.
-    The model sees them, so they are part of every run's snapshot.
-    """
-
-    not_executed: str
-    env_fault: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Definition:
-    """What stays the same across runs; safe to share between concurrent runs."""
-
-    model: ModelClient
-    interpreter: Interpreter
-    store: Store
-    events: EventSink
-    texts: ObservationTexts
-
-    def parameters(self) -> dict[str, JSONValue]:
-        """The reproducibility parameters of the four seams and the texts, namespaced."""
-        merged: dict[str, JSONValue] = {}
-        seams: tuple[tuple[str, Any], ...] = (
-            ("model", self.model),
-            ("interpreter", self.interpreter),
-            ("store", self.store),
-            ("events", self.events),
-        )
-        for prefix, seam in seams:
-            for key, value in seam.parameters().items():
-                merged[f"{prefix}.{key}"] = value
-        merged["texts.not_executed"] = self.texts.not_executed
-        merged["texts.env_fault"] = self.texts.env_fault
-        return merged
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Request:
-    """Everything one run needs. No field has a default; building one does no work."""
-
-    run_id: str
-    budget: Budget
-    executor: ActionExecutor
-    tools: ToolRegistry
-    run_context: tuple[Message, ...]
-    goal_context: tuple[Message, ...]
-    injection: Injection
-    binding: Mapping[str, str]
-    model_replay: Replay
-    observation_template: str
-    tool_style: ToolStyle
-    cancel_grace_s: float
-
-
-async def run(definition: Definition, request: Request) -> RunResult:
-    """Start the run ``request.run_id`` and drive it until it stops.
-
-    Raises :class:`~polyloop.types.InvalidRequest` before any I/O for a request that
-    cannot run, :class:`~polyloop.types.RunAlreadyExists` if the store has any record
-    of the run, :class:`~polyloop.types.StoreError` if the store fails (nothing more is
-    written then). Every other outcome, failures of the model or the environment
-    included, is a :class:`~polyloop.types.RunResult` with its stop reason, and the
-    store holds the run's end record before this returns.
-
-    Cancellation: the run's end record (``CANCELLED``) is written under a shielded scope
-    bounded by ``request.cancel_grace_s``, then the cancellation propagates. What is on
-    disk is every record written before the cancellation plus, if the grace sufficed,
-    that end record; an intent whose effect was interrupted stays open, and ``resume``
-    treats it by its replay policy. A run cancelled before the store took its start
-    record leaves nothing at all (no end record either), and ``resume`` raises
-    :class:`~polyloop.types.RunNotFound` for it.
-    """
-    snapshot = _prepare(definition, request)
-    with _driving(definition.store, request.run_id):
-        log = await definition.store.read_log(request.run_id)
-        if log.records:
-            raise RunAlreadyExists(
-                "the store already holds records for this run; use resume",
-                run_id=request.run_id,
-            )
-        loop = _Loop(definition, request, resumed=False)
-        return await loop.guarded(loop.start(RunStarted(run_id=request.run_id,
-                                                        snapshot=snapshot)))
-
-
-async def resume(definition: Definition, request: Request) -> RunResult:
-    """Continue the run ``request.run_id`` from its log, or return how it ended.
-
-    The request must build the same snapshot as the one the run started with
-    (:class:`~polyloop.types.RunIdentityMismatch` lists every differing key, and nothing
-    is written). A finished run returns its recorded result and writes nothing. A run
-    whose interrupted effect may not be repeated ends ``IN_DOUBT``. Otherwise finished
-    steps are read from the log, never recomputed, and the run goes on.
-
-    Cancellation: as for :func:`run`: a ``CANCELLED`` end record is written within the
-    grace, and the run can be resumed again later.
-    """
-    snapshot = _prepare(definition, request)
-    with _driving(definition.store, request.run_id):
-        log = await definition.store.read_log(request.run_id)
-        plan = _recovery.read_plan(log)
-        if plan.started is None:
-            raise RunNotFound("the store holds no record of this run", run_id=request.run_id)
-        differences = _recovery.identity_differences(plan.started.snapshot, snapshot)
-        if differences:
-            raise RunIdentityMismatch(run_id=request.run_id, differences=differences)
-        if plan.state is _recovery.RecoveryState.FINISHED:
-            return _recovery.recorded_result(plan)
-        loop = _Loop(definition, request, resumed=True)
-        return await loop.guarded(loop.continue_from(plan))
 
 
 class _Loop:
@@ -593,9 +458,6 @@ class _Loop:
             logger.exception("run %r: the event sink failed on %s", self.run_id, kind.value)
 
 
-# -- request checks, snapshot and small helpers --------------------------------------------
-
-
 @functools.lru_cache(maxsize=512, typed=True)
 def _after_step(
     decision: DecisionKind, model_failed: bool, action_status: ActionStatus | None,
@@ -611,279 +473,3 @@ def _after_step(
         decision=decision, model_failed=model_failed, action_status=action_status,
         synthesized=synthesized, done=done, completes=completes,
     ))
-
-
-def _prepare(definition: Definition, request: Request) -> dict[str, JSONValue]:
-    """Check the request and build its snapshot; raise ``InvalidRequest`` on any problem."""
-    run_id = request.run_id if isinstance(request.run_id, str) else None
-    problems = _problems(definition, request)
-    if problems:
-        raise InvalidRequest("; ".join(problems), run_id=run_id)
-    snapshot = {**definition.parameters(), **_request_parameters(request)}
-    try:
-        encoded = serialization.encode(RunStarted(run_id=request.run_id, snapshot=snapshot))
-    except UnloggableValue as exc:
-        raise InvalidRequest(f"the snapshot cannot be recorded: {exc.reason}",
-                             run_id=run_id) from exc
-    plain = encoded["snapshot"]
-    assert isinstance(plain, dict)
-    return plain
-
-
-def _problems(definition: Definition, request: Request) -> list[str]:
-    problems: list[str] = []
-    if not isinstance(request.run_id, str) or not request.run_id:
-        problems.append("run_id must be a non-empty string")
-    problems += _budget_problems(request.budget)
-    problems += _template_problems("observation_template", request.observation_template,
-                                   "observation")
-    problems += _template_problems("texts.not_executed", definition.texts.not_executed, "reason")
-    problems += _template_problems("texts.env_fault", definition.texts.env_fault, "detail")
-    problems += _shape_problems(request)
-    return problems
-
-
-def _budget_problems(budget: Budget) -> list[str]:
-    if not isinstance(budget, Budget):
-        return [f"budget must be a Budget, not {type(budget).__name__}"]
-    return [
-        f"budget.{name} must be an integer of at least 1, not {value!r}"
-        for name in ("max_steps", "max_valid_steps", "max_context_chars")
-        if not _positive_int(value := getattr(budget, name))
-    ]
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _template_problems(name: str, template: object, placeholder: str) -> list[str]:
-    if not isinstance(template, str) or f"{{{placeholder}}}" not in template:
-        return [f"{name} must be a string containing {{{placeholder}}}"]
-    try:
-        template.format(**{placeholder: ""})
-    except (KeyError, IndexError, ValueError) as exc:
-        return [f"{name} cannot be filled with only {{{placeholder}}}: {exc!r}"]
-    return []
-
-
-def _shape_problems(request: Request) -> list[str]:
-    problems = []
-    if not isinstance(request.tools, ToolRegistry):
-        problems.append("tools must be a ToolRegistry")
-    for name in ("run_context", "goal_context"):
-        value = getattr(request, name)
-        if not isinstance(value, tuple) or not all(isinstance(m, Message) for m in value):
-            problems.append(f"{name} must be a tuple of Message")
-    injection = request.injection
-    if not isinstance(injection, Injection):
-        problems.append("injection must be an Injection")
-    else:
-        if unknown := _assembly.unknown_channels(injection):
-            problems.append(f"injection channels {list(unknown)} are not read (only 'system')")
-        if not all(isinstance(e, str) for v in injection.entries.values() for e in v):
-            problems.append("injection entries must be strings")
-    if not isinstance(request.binding, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in request.binding.items()
-    ):
-        problems.append("binding must map strings to strings")
-    if not isinstance(request.model_replay, Replay):
-        problems.append("model_replay must be a Replay")
-    if not isinstance(request.tool_style, ToolStyle):
-        problems.append("tool_style must be a ToolStyle")
-    grace = request.cancel_grace_s
-    if not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace < 0:
-        problems.append("cancel_grace_s must be a finite number of seconds, at least 0")
-    return problems
-
-
-def _request_parameters(request: Request) -> dict[str, JSONValue]:
-    budget = request.budget
-    injection = {k: list(v) for k, v in sorted(request.injection.entries.items())}
-    params: dict[str, JSONValue] = {
-        "budget.max_steps": budget.max_steps,
-        "budget.max_valid_steps": budget.max_valid_steps,
-        "budget.max_context_chars": budget.max_context_chars,
-        "tools": {
-            "max_observation_chars": request.tools.max_observation_chars,
-            "specs": request.tools.describe(),
-        },
-        "run_context.sha256": _sha256([_assembly.message_json(m) for m in request.run_context]),
-        "goal_context.sha256": _sha256([_assembly.message_json(m)
-                                        for m in request.goal_context]),
-        "injection.sha256": _sha256(injection),  # type: ignore[arg-type]
-        "model_replay": request.model_replay.value,
-        "observation_template": request.observation_template,
-        "tool_style": request.tool_style.value,
-    }
-    for key, value in request.binding.items():
-        params[f"binding.{key}"] = value
-    return params
-
-
-def _sha256(value: JSONValue) -> str:
-    return hashlib.sha256(_assembly.canonical(value)).hexdigest()
-
-
-def _prefix(request: Request) -> tuple[Message, ...]:
-    return _assembly.prefix(
-        run_context=request.run_context,
-        injection_text=_assembly.render_injection(request.injection),
-        tools_text=_assembly.render_tools(_tool_list(request.tools), request.tool_style),
-        goal_context=request.goal_context,
-    )
-
-
-def _tool_list(tools: ToolRegistry) -> list[dict[str, Any]]:
-    described = tools.describe()
-    assert isinstance(described, list)
-    return [tool for tool in described if isinstance(tool, dict)]
-
-
-# The method a NullSink discards events with, as defined (a patched class is not trusted).
-_NULL_EMIT = NullSink.emit
-
-
-def _discards(sink: EventSink) -> bool:
-    """Whether ``sink`` is a plain :class:`NullSink`, so that an event would be wasted work.
-
-    Its ``emit`` neither suspends nor fails, so skipping the call is unobservable.
-    """
-    return type(sink) is NullSink and NullSink.emit is _NULL_EMIT
-
-
-_ACTIVE: dict[int, set[str]] = {}
-
-
-@contextmanager
-def _driving(store: Store, run_id: str) -> Iterator[None]:
-    """Refuse a second concurrent run/resume of one run id through one store object."""
-    active = _ACTIVE.setdefault(id(store), set())
-    if run_id in active:
-        raise RunLocked(
-            "another run or resume call is already driving this run through this store",
-            run_id=run_id,
-        )
-    active.add(run_id)
-    try:
-        yield
-    finally:
-        active.discard(run_id)
-        if not active:
-            _ACTIVE.pop(id(store), None)
-
-
-def _describe(exc: BaseException) -> str:
-    try:
-        message = str(exc)
-    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure itself
-        message = "<the exception's message could not be rendered>"
-    return f"{type(exc).__name__}: {message}"
-
-
-def _fault(detail: str) -> ActionOutcome:
-    return ActionOutcome(
-        status=ActionStatus.ENV_FAULT, observation=detail, synthesized=True, done=False
-    )
-
-
-def _checked_reply(reply: object) -> ModelReply:
-    if not isinstance(reply, ModelReply):
-        raise TypeError(f"the model client returned {type(reply).__name__}, not ModelReply")
-    if not isinstance(reply.content, str):
-        raise TypeError(f"the model reply content is {type(reply.content).__name__}, not str")
-    if reply.reasoning is not None and not isinstance(reply.reasoning, str):
-        raise TypeError("the model reply reasoning is not a string")
-    if reply.call_id is not None and not isinstance(reply.call_id, str):
-        raise TypeError("the model reply call_id is not a string")
-    if reply.call_id == "":
-        # An empty id looks like a valid join key and silently matches nothing.
-        return ModelReply(call_id=None, content=reply.content, reasoning=reply.reasoning)
-    return reply
-
-
-def _outcome_problem(outcome: object) -> str | None:
-    """Why an executor's return value cannot be recorded as an outcome, if it cannot."""
-    if (
-        type(outcome) is ActionOutcome
-        and type(outcome.status) is ActionStatus
-        and type(outcome.observation) is str
-        and type(outcome.synthesized) is bool
-        and type(outcome.done) is bool
-        and type(outcome.truncated_chars) is int
-        and outcome.truncated_chars >= 0
-    ):
-        return None  # every step's case, without building the list of checks below
-    if not isinstance(outcome, ActionOutcome):
-        return f"the executor returned {type(outcome).__name__}, not ActionOutcome"
-    wrong = [
-        name
-        for name, ok in (
-            ("status", isinstance(outcome.status, ActionStatus)),
-            ("observation", isinstance(outcome.observation, str)),
-            ("synthesized", isinstance(outcome.synthesized, bool)),
-            ("done", isinstance(outcome.done, bool)),
-            ("truncated_chars", isinstance(outcome.truncated_chars, int)
-             and not isinstance(outcome.truncated_chars, bool)
-             and outcome.truncated_chars >= 0),
-        )
-        if not ok
-    ]
-    if wrong:
-        return f"the executor's outcome has ill-typed fields: {', '.join(wrong)}"
-    return None
-
-
-_DECISION_TEXTS: dict[type, tuple[str, ...]] = {
-    Action: ("action_text", "history_text"),
-    FinalAnswer: ("answer", "history_text"),
-    InvalidDecision: ("feedback", "history_text"),
-}
-
-
-def _decision_problem(decision: object) -> str | None:
-    """Why an interpreter's return value is not a usable decision, if it is not."""
-    if not isinstance(decision, (Action, FinalAnswer, InvalidDecision)):
-        return (f"the interpreter returned {type(decision).__name__}, "
-                f"not Action, FinalAnswer or InvalidDecision")
-    wrong = [name for name in _DECISION_TEXTS[type(decision)]
-             if not isinstance(getattr(decision, name), str)]
-    if wrong:
-        return f"the interpreter's {type(decision).__name__} has non-string {', '.join(wrong)}"
-    return None
-
-
-def _reply_payload(reply: ModelReply) -> JSONValue:
-    return {"call_id": reply.call_id, "content": reply.content, "reasoning": reply.reasoning}
-
-
-def _reply_from(payload: JSONValue, run_id: str, result_id: str) -> ModelReply:
-    if (
-        isinstance(payload, dict)
-        and isinstance(payload.get("content"), str)
-        and isinstance(payload.get("call_id"), (str, type(None)))
-        and isinstance(payload.get("reasoning"), (str, type(None)))
-    ):
-        return ModelReply(
-            call_id=payload["call_id"],  # type: ignore[arg-type]
-            content=payload["content"],  # type: ignore[arg-type]
-            reasoning=payload["reasoning"],  # type: ignore[arg-type]
-        )
-    raise CorruptLog(f"model result {result_id!r} holds no reply", run_id=run_id)
-
-
-def _outcome_payload(outcome: ActionOutcome) -> JSONValue:
-    return {
-        "status": outcome.status.value,
-        "observation": outcome.observation,
-        "synthesized": outcome.synthesized,
-        "done": outcome.done,
-        "truncated_chars": outcome.truncated_chars,
-    }
-
-
-def _action_name(intent: Intent | None) -> str | None:
-    if intent is None or not isinstance(intent.payload, dict):
-        return None
-    name = intent.payload.get("name")
-    return name if isinstance(name, str) else None

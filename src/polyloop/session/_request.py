@@ -1,0 +1,158 @@
+"""Request checks and the snapshot: what ``run`` and ``resume`` verify before any I/O.
+
+Also the messages a request opens the transcript with, since they are built from the
+same fields the snapshot records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from polyloop import _assembly, serialization
+from polyloop.tools import ToolRegistry
+from polyloop.types import (
+    Budget,
+    Injection,
+    InvalidRequest,
+    JSONValue,
+    Message,
+    Replay,
+    RunStarted,
+    ToolStyle,
+    UnloggableValue,
+)
+
+if TYPE_CHECKING:
+    # Only for annotations: the facade imports this module, so a runtime import would
+    # be circular.
+    from polyloop.session import Definition, Request
+
+
+def _prepare(definition: Definition, request: Request) -> dict[str, JSONValue]:
+    """Check the request and build its snapshot; raise ``InvalidRequest`` on any problem."""
+    run_id = request.run_id if isinstance(request.run_id, str) else None
+    problems = _problems(definition, request)
+    if problems:
+        raise InvalidRequest("; ".join(problems), run_id=run_id)
+    snapshot = {**definition.parameters(), **_request_parameters(request)}
+    try:
+        encoded = serialization.encode(RunStarted(run_id=request.run_id, snapshot=snapshot))
+    except UnloggableValue as exc:
+        raise InvalidRequest(f"the snapshot cannot be recorded: {exc.reason}",
+                             run_id=run_id) from exc
+    plain = encoded["snapshot"]
+    assert isinstance(plain, dict)
+    return plain
+
+
+def _problems(definition: Definition, request: Request) -> list[str]:
+    problems: list[str] = []
+    if not isinstance(request.run_id, str) or not request.run_id:
+        problems.append("run_id must be a non-empty string")
+    problems += _budget_problems(request.budget)
+    problems += _template_problems("observation_template", request.observation_template,
+                                   "observation")
+    problems += _template_problems("texts.not_executed", definition.texts.not_executed, "reason")
+    problems += _template_problems("texts.env_fault", definition.texts.env_fault, "detail")
+    problems += _shape_problems(request)
+    return problems
+
+
+def _budget_problems(budget: Budget) -> list[str]:
+    if not isinstance(budget, Budget):
+        return [f"budget must be a Budget, not {type(budget).__name__}"]
+    return [
+        f"budget.{name} must be an integer of at least 1, not {value!r}"
+        for name in ("max_steps", "max_valid_steps", "max_context_chars")
+        if not _positive_int(value := getattr(budget, name))
+    ]
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _template_problems(name: str, template: object, placeholder: str) -> list[str]:
+    if not isinstance(template, str) or f"{{{placeholder}}}" not in template:
+        return [f"{name} must be a string containing {{{placeholder}}}"]
+    try:
+        template.format(**{placeholder: ""})
+    except (KeyError, IndexError, ValueError) as exc:
+        return [f"{name} cannot be filled with only {{{placeholder}}}: {exc!r}"]
+    return []
+
+
+def _shape_problems(request: Request) -> list[str]:
+    problems = []
+    if not isinstance(request.tools, ToolRegistry):
+        problems.append("tools must be a ToolRegistry")
+    for name in ("run_context", "goal_context"):
+        value = getattr(request, name)
+        if not isinstance(value, tuple) or not all(isinstance(m, Message) for m in value):
+            problems.append(f"{name} must be a tuple of Message")
+    injection = request.injection
+    if not isinstance(injection, Injection):
+        problems.append("injection must be an Injection")
+    else:
+        if unknown := _assembly.unknown_channels(injection):
+            problems.append(f"injection channels {list(unknown)} are not read (only 'system')")
+        if not all(isinstance(e, str) for v in injection.entries.values() for e in v):
+            problems.append("injection entries must be strings")
+    if not isinstance(request.binding, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in request.binding.items()
+    ):
+        problems.append("binding must map strings to strings")
+    if not isinstance(request.model_replay, Replay):
+        problems.append("model_replay must be a Replay")
+    if not isinstance(request.tool_style, ToolStyle):
+        problems.append("tool_style must be a ToolStyle")
+    grace = request.cancel_grace_s
+    if not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace < 0:
+        problems.append("cancel_grace_s must be a finite number of seconds, at least 0")
+    return problems
+
+
+def _request_parameters(request: Request) -> dict[str, JSONValue]:
+    budget = request.budget
+    injection = {k: list(v) for k, v in sorted(request.injection.entries.items())}
+    params: dict[str, JSONValue] = {
+        "budget.max_steps": budget.max_steps,
+        "budget.max_valid_steps": budget.max_valid_steps,
+        "budget.max_context_chars": budget.max_context_chars,
+        "tools": {
+            "max_observation_chars": request.tools.max_observation_chars,
+            "specs": request.tools.describe(),
+        },
+        "run_context.sha256": _sha256([_assembly.message_json(m) for m in request.run_context]),
+        "goal_context.sha256": _sha256([_assembly.message_json(m)
+                                        for m in request.goal_context]),
+        "injection.sha256": _sha256(injection),  # type: ignore[arg-type]
+        "model_replay": request.model_replay.value,
+        "observation_template": request.observation_template,
+        "tool_style": request.tool_style.value,
+    }
+    for key, value in request.binding.items():
+        params[f"binding.{key}"] = value
+    return params
+
+
+def _sha256(value: JSONValue) -> str:
+    return hashlib.sha256(_assembly.canonical(value)).hexdigest()
+
+
+def _prefix(request: Request) -> tuple[Message, ...]:
+    return _assembly.prefix(
+        run_context=request.run_context,
+        injection_text=_assembly.render_injection(request.injection),
+        tools_text=_assembly.render_tools(_tool_list(request.tools), request.tool_style),
+        goal_context=request.goal_context,
+    )
+
+
+def _tool_list(tools: ToolRegistry) -> list[dict[str, Any]]:
+    described = tools.describe()
+    assert isinstance(described, list)
+    return [tool for tool in described if isinstance(tool, dict)]
