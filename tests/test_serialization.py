@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from polyloop import serialization
 from polyloop.serialization import decode, dumps, encode, loads, plain
+from polyloop.serialization._lines import _DIRECT_LINES
 from polyloop.types import (
     ActionStatus,
     CorruptLog,
@@ -783,17 +783,17 @@ def _careful_line(record: Record) -> str:
 def test_direct_lines_are_the_careful_lines(record: Record) -> None:
     """Intents, results and steps are printed straight from their fields; the line must
     be the one the dict-and-encoder path prints, for any content."""
-    assert type(record) in serialization._DIRECT_LINES
+    assert type(record) in _DIRECT_LINES
     assert dumps(record) == _careful_line(record)
 
 
 @pytest.mark.parametrize(
     "name", [name for name, record in EXPECTED.items()
-             if type(record) in serialization._DIRECT_LINES]
+             if type(record) in _DIRECT_LINES]
 )
 def test_direct_lines_name_every_field(name: str) -> None:
     """A field added to a record kind must be added to its direct line too."""
     record = EXPECTED[name]
-    line = serialization._DIRECT_LINES[type(record)](record)
+    line = _DIRECT_LINES[type(record)](record)
     assert json.loads(line).keys() == encode(record).keys()
     assert line == _careful_line(record)

@@ -1,0 +1,209 @@
+"""Encode and decode persisted records: the one way to read a log, now and months later.
+
+A record encodes to a JSON object that carries ``"schema": "polyloop/1"`` and a ``"kind"``.
+:func:`dumps` writes it as one line of canonical JSON (sorted keys, no spaces, UTF-8, no
+raw newline), :func:`loads` reads such a line back. The codec is strict in both
+directions, because a log is only worth keeping if it reads back exactly as written:
+
+* writing refuses what JSON cannot carry back exactly: ``NaN``, infinities, integers
+  longer than Python's integer-string limit, keys that are not strings, values that are
+  not JSON (:class:`~polyloop.types.UnloggableValue`);
+* reading refuses duplicate keys, ``NaN``/``Infinity`` literals, numbers that overflow to
+  infinity, missing or mistyped fields and unknown kinds (:class:`~polyloop.types.CorruptLog`),
+  and another major of the format (:class:`~polyloop.types.SchemaMajorMismatch`).
+
+Unknown extra fields of the same major are ignored, so later minor versions can add
+fields without breaking older readers.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from polyloop.serialization._lines import _DIRECT_LINES
+from polyloop.serialization._plain import _NotSimple, _walk_plain
+from polyloop.serialization._schema import (
+    _DEFAULTED,
+    _ENCODING_PLANS,
+    _FIELDS,
+    _KIND_OF,
+    _RECORD_CLASS,
+    SCHEMA,
+    _check_schema,
+    _checked,
+    _json_name,
+)
+from polyloop.types import CorruptLog, JSONValue, Record, UnloggableValue
+
+__all__ = ("decode", "dumps", "encode", "loads", "plain")
+
+# Built once: json.dumps with options builds a new encoder on every call.
+_CANONICAL = json.JSONEncoder(ensure_ascii=False, allow_nan=False, sort_keys=True,
+                              separators=(",", ":"))
+_CANONICAL_ASCII = json.JSONEncoder(ensure_ascii=True, allow_nan=False, sort_keys=True,
+                                    separators=(",", ":"))
+# Line and paragraph separators are legal raw in JSON strings but split lines for
+# readers that use str.splitlines(); escaping them keeps every record on one line for all.
+_LINE_BREAKERS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
+
+
+def encode(record: Record) -> dict[str, JSONValue]:
+    """Encode ``record`` as a JSON-ready dict carrying the schema and the record kind.
+
+    Raises :class:`~polyloop.types.UnloggableValue` for a payload or snapshot that
+    strict JSON cannot carry back exactly.
+    """
+    kind = _KIND_OF.get(type(record))
+    if kind is None:
+        raise UnloggableValue(f"not a record: {type(record).__name__}")
+    run_id = getattr(record, "run_id", None)
+
+    def refuse(reason: str) -> UnloggableValue:
+        return UnloggableValue(reason, run_id=run_id if isinstance(run_id, str) else None)
+
+    out: dict[str, JSONValue] = {"schema": SCHEMA, "kind": kind}
+    for field, name, check, exact in _ENCODING_PLANS[kind]:
+        value = getattr(record, field)
+        # Values of exactly the expected type are what the checks below would return
+        # unchanged (an enum member: its value), so they skip them.
+        if type(value) in exact:
+            out[name] = value
+            continue
+        if type(value) is check:
+            out[name] = value.value
+            continue
+        if check in ("json", "object"):
+            value = _plain(value, record, field)
+        # The reader checks every typed field; refuse here what it would refuse there.
+        value = _checked(kind, field, check, value, refuse)
+        if isinstance(value, enum.Enum):
+            value = value.value
+        out[name] = value
+    return out
+
+
+def plain(
+    value: Any, *, owner: str = "value", field: str = "value", run_id: str | None = None
+) -> JSONValue:
+    """A deep copy of ``value`` as plain JSON types (tuples become lists).
+
+    Raises :class:`~polyloop.types.UnloggableValue` for anything strict JSON cannot carry
+    back exactly, naming the path to it: ``owner`` and ``field`` say what the value is
+    (``owner="Intent", field="payload"``), ``run_id`` which run it belongs to. This is the
+    check :func:`encode` applies to payloads and snapshots, on its own.
+    """
+    return _walk_plain(value, owner, field, run_id)
+
+
+def _plain(value: Any, record: Record, field: str) -> JSONValue:
+    run_id = getattr(record, "run_id", None)
+    return _walk_plain(value, type(record).__name__, field,
+                       run_id if isinstance(run_id, str) else None)
+
+
+def dumps(record: Record) -> str:
+    """One line of canonical JSON for ``record`` (no trailing newline).
+
+    The line is valid UTF-8 text: a string holding a lone surrogate is written with
+    ASCII escapes instead, so that what is written always reads back.
+    """
+    direct = _DIRECT_LINES.get(type(record))
+    if direct is not None:
+        try:
+            line = direct(record)
+        except (_NotSimple, KeyError, ValueError):
+            pass  # a value the careful path must check, convert or refuse
+        else:
+            return _finished(line, record)
+    data = encode(record)
+    try:
+        line = _CANONICAL.encode(data)
+    except (ValueError, RecursionError) as exc:
+        raise UnloggableValue(str(exc), run_id=getattr(record, "run_id", None)) from exc
+    return _finished(line, record, data)
+
+
+def _finished(line: str, record: Record, data: dict[str, JSONValue] | None = None) -> str:
+    """``line`` made safe to write: valid UTF-8, and no character that splits lines."""
+    if line.isascii():
+        return line
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return _CANONICAL_ASCII.encode(encode(record) if data is None else data)
+    for raw, escaped in _LINE_BREAKERS.items():
+        if raw in line:
+            line = line.replace(raw, escaped)
+    return line
+
+
+def loads(line: str | bytes, *, location: str | None = None) -> Record:
+    """Read one line written by :func:`dumps` back into its record.
+
+    ``location`` (a file and line, a row) is put into any error raised.
+    """
+    try:
+        data = json.loads(
+            line,
+            object_pairs_hook=_unique_keys,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+        )
+    except (ValueError, RecursionError) as exc:
+        # JSONDecodeError, duplicate keys, NaN literals, over-long integers, bad UTF-8.
+        raise CorruptLog(f"not a JSON record: {exc}", location=location) from exc
+    return decode(data, location=location)
+
+
+def decode(data: Mapping[str, Any], *, location: str | None = None) -> Record:
+    """Turn an encoded dict back into its record, checking the schema major and fields."""
+    if not isinstance(data, Mapping):
+        raise CorruptLog(f"a record must be a JSON object, not {type(data).__name__}",
+                         location=location)
+    run_id = data.get("run_id") if isinstance(data.get("run_id"), str) else None
+
+    def corrupt(reason: str) -> CorruptLog:
+        return CorruptLog(reason, run_id=run_id, location=location)
+
+    _check_schema(data.get("schema"), corrupt, run_id, location)
+    kind = data.get("kind")
+    if not isinstance(kind, str) or kind not in _FIELDS:
+        raise corrupt(f"unknown record kind {kind!r}")
+    values: dict[str, Any] = {}
+    for field, check in _FIELDS[kind]:
+        name = _json_name(kind, field)
+        if name not in data:
+            if (kind, field) in _DEFAULTED:
+                continue
+            raise corrupt(f"{kind} record has no field {name!r}")
+        values[field] = _checked(kind, field, check, data[name], corrupt)
+    record: Record = _RECORD_CLASS[kind](**values)
+    return record
+
+
+# The hooks json.loads reads a line with: each turns what strict JSON refuses into the
+# ValueError that loads reports as a corrupt line.
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        keys = [key for key, _ in pairs]
+        dupes = sorted({key for key in keys if keys.count(key) > 1})
+        raise ValueError(f"duplicate keys {dupes}")
+    return result
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a float")
+    return value
