@@ -50,7 +50,7 @@ import fuzz_budget
 from polyloop.serialization import dumps, encode, loads
 from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
 from polyloop.stores._common import safe_name
-from polyloop.stores._jsonl import parse_lines
+from polyloop.stores._jsonl_reader import parse_lines
 from polyloop.testing.store_contract import expected_records, sample_run
 from polyloop.types import (
     ActionStatus,

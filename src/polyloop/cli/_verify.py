@@ -28,14 +28,13 @@ from polyloop._recovery import read_plan
 from polyloop.cli._common import CliError
 from polyloop.cli._stores import BrowsableStore, StoreSpec
 from polyloop.stores._common import safe_name
-from polyloop.stores._jsonl import _decode_line
+from polyloop.stores._jsonl_reader import SUFFIX, decode_line
 from polyloop.types import CorruptLog, PolyLoopError, Record, RunLog, SchemaMajorMismatch
 
 Level = Literal["warning", "error"]
 
 # Bad lines named one by one in a file; the rest are counted.
 MAX_LINE_ERRORS = 20
-_SUFFIX = ".jsonl"
 _RECORD_INDEX = re.compile(r"record (\d+)")
 # Turns a record index into the place the record was read from.
 _Where = Callable[[int], str]
@@ -95,11 +94,11 @@ async def _check_stored_run(store: BrowsableStore, run_id: str) -> RunCheck:
 def verify_directory(directory: Path, run_id: str | None, shown: str) -> list[RunCheck]:
     """Check the JSONL files of ``directory`` (only ``run_id``'s file if given)."""
     if run_id is not None:
-        path = directory / f"{safe_name(run_id)}{_SUFFIX}"
+        path = directory / f"{safe_name(run_id)}{SUFFIX}"
         if not path.exists():
             raise CliError(f"unknown run id {run_id!r} in {shown}")
         return [check_file(path)]
-    return [check_file(path) for path in sorted(directory.glob(f"*{_SUFFIX}"))]
+    return [check_file(path) for path in sorted(directory.glob(f"*{SUFFIX}"))]
 
 
 def check_file(path: Path) -> RunCheck:
@@ -142,7 +141,7 @@ def _decode_lines(
     for number, piece in enumerate(lines, start=1):
         location = f"{name}:{number}"
         try:
-            decoded = _decode_line(piece, location)
+            decoded = decode_line(piece, location)
         except (CorruptLog, SchemaMajorMismatch) as exc:
             bad += 1
             if bad <= MAX_LINE_ERRORS:
@@ -158,7 +157,7 @@ def _decode_lines(
 def _check_owner(
     check: RunCheck, name: str, run_id: str, records: list[Record], line_of: list[int]
 ) -> None:
-    if f"{safe_name(run_id)}{_SUFFIX}" != name:
+    if f"{safe_name(run_id)}{SUFFIX}" != name:
         check.add("error", f"{name}:{line_of[0]}",
                   f"the file name does not belong to run {run_id!r}, so the store cannot "
                   f"find this log")

@@ -16,16 +16,12 @@ another run. The file is UTF-8 text made of lines, each ended by ``\\n``:
   what makes ``write_step`` atomic: the pair is valid only once its newline is on disk.
   A step written without a result is a plain one-object line.
 
-Only ``\\n`` ends a line. A record is valid only when its line is terminated: bytes
-after the last ``\\n`` are a *torn tail*, the trace of a write that never completed (its
-caller was never told it succeeded), and readers ignore them even when they happen to
-form a complete JSON object. The next writer of the run removes a torn tail (truncating
-the file to the end of its last complete line) before it appends, and only once it
-holds the run's writer lock. A terminated line that is not a record (including ``{}``,
-invalid UTF-8, a duplicate key, a record of another run) raises
-:class:`~polyloop.types.CorruptLog` naming the file and the 1-based line; a record of
-another major of the format raises :class:`~polyloop.types.SchemaMajorMismatch`.
-Nothing is ever skipped silently.
+Bytes after the last ``\\n`` are a *torn tail*, the trace of a write that never
+completed. The next writer of the run removes a torn tail (truncating the file to the
+end of its last complete line) before it appends, and only once it holds the run's
+writer lock.
+
+What readers make of each line, torn or bad: see :mod:`polyloop.stores._jsonl_reader`.
 
 Durability
 ==========
@@ -98,9 +94,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
-import stat
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -110,12 +104,21 @@ from typing import TypeVar
 
 import anyio.to_thread
 
-from polyloop.serialization import dumps, loads
+from polyloop.serialization import dumps
 from polyloop.stores._batching import GroupCommit, InlineSyncGate
 from polyloop.stores._common import FORMAT, WriterState, fsync_directory, safe_name
 from polyloop.stores._fileops import FileOps, OsFileOps
+from polyloop.stores._jsonl_reader import (
+    COMMON_FLAGS,
+    SUFFIX,
+    complete_end,
+    first_run_id,
+    parse_lines,
+    read_file,
+    refuse_link,
+    require_regular,
+)
 from polyloop.types import (
-    CorruptLog,
     Intent,
     JSONValue,
     PolyLoopError,
@@ -125,7 +128,6 @@ from polyloop.types import (
     RunEnded,
     RunLog,
     RunStarted,
-    SchemaMajorMismatch,
     StepRecord,
     StoreError,
 )
@@ -134,25 +136,15 @@ __all__ = ("JsonlStore",)
 
 _T = TypeVar("_T")
 
-_SUFFIX = ".jsonl"
 _FILE_MODE = 0o600
-_NOT_FOLLOWED = {errno.ELOOP, errno.EMLINK}  # what O_NOFOLLOW reports for a link
-# O_NONBLOCK only matters if something other than a regular file was planted at the
-# path (a FIFO would otherwise block the open); regular files ignore it.
-_COMMON = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_CREATE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_APPEND | _COMMON
+_CREATE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_APPEND | COMMON_FLAGS
 # A writer taking over an existing file also reads it (to find a torn tail) through the
 # same descriptor, so that the file it inspects is the file it locked.
-_REOPEN = os.O_RDWR | os.O_APPEND | _COMMON
-_READ = os.O_RDONLY | _COMMON
+_REOPEN = os.O_RDWR | os.O_APPEND | COMMON_FLAGS
 # Batches of syncs that may run at once, each in its own worker thread: the disk
 # overlaps syncs of different files, and 16 reached the hand-written loop's overlap in
 # the concurrency benchmark while leaving most of AnyIO's 40 default threads free.
 _PARALLEL_SYNCS = 16
-_TAIL_CHUNK = 64 * 1024
-_READ_CHUNK = 1024 * 1024
-_JSON_SPACE = " \t\r"
-_DECODER = json.JSONDecoder()
 
 
 class _SystemFiles(OsFileOps):
@@ -504,7 +496,7 @@ class JsonlStore:
         files = self._files
         fd = self._open_existing(run_id)
         try:
-            end, size = _complete_end(files, fd)
+            end, size = complete_end(files, fd)
             if end == 0:
                 raise StoreError("the run was never started in this store", run_id=run_id)
             if size > end:
@@ -538,10 +530,10 @@ class JsonlStore:
         except FileNotFoundError:
             raise StoreError("the run was never started in this store", run_id=run_id) from None
         except OSError as exc:
-            _refuse_link(exc, run_id)
+            refuse_link(exc, run_id)
             raise
         try:
-            _require_regular(files, fd, run_id)
+            require_regular(files, fd, run_id)
             files.lock(fd, run_id)
         except BaseException:
             files.close(fd)
@@ -565,7 +557,7 @@ class JsonlStore:
 
     def _read_sync(self, run_id: str) -> tuple[Record, ...]:
         path = self._path(run_id)
-        data = _read_file(self._files, path, run_id)
+        data = read_file(self._files, path, run_id)
         return tuple(parse_lines(data, path.name, run_id))
 
     def _run_ids_sync(self) -> tuple[str, ...]:
@@ -576,14 +568,14 @@ class JsonlStore:
         except OSError as exc:
             raise StoreError(f"could not list {self._directory}: {exc}") from exc
         found = []
-        for name in sorted(name for name in names if name.endswith(_SUFFIX)):
-            run_id = _first_run_id(self._files, self._directory / name)
+        for name in sorted(name for name in names if name.endswith(SUFFIX)):
+            run_id = first_run_id(self._files, self._directory / name)
             if run_id is not None:
                 found.append(run_id)
         return tuple(sorted(found))
 
     def _path(self, run_id: str) -> Path:
-        return self._directory / f"{safe_name(run_id)}{_SUFFIX}"
+        return self._directory / f"{safe_name(run_id)}{SUFFIX}"
 
     def _check_open(self, run_id: str) -> None:
         if self._state.closed:
@@ -624,45 +616,17 @@ def _release(files: FileOps, slot: _Slot, *, quiet: bool = False) -> None:
             raise
 
 
-def _complete_end(files: FileOps, fd: int) -> tuple[int, int]:
-    """``(end of the last complete line, file size)``, scanning back from the end."""
-    size = files.fstat(fd).st_size
-    position = size
-    while position > 0:
-        start = max(0, position - _TAIL_CHUNK)
-        chunk = files.pread(fd, position - start, start)
-        if len(chunk) != position - start:
-            raise OSError(errno.EIO, "the run file shrank while it was being read")
-        newline = chunk.rfind(b"\n")
-        if newline >= 0:
-            return start + newline + 1, size
-        position = start
-    return 0, size
-
-
 def _reuse_if_empty(files: FileOps, slot: _Slot, fd: int, run_id: str) -> None:
     """Refuse a run file that holds a record; empty one that holds only a torn line.
 
     On refusal the lock taken for this check is released again.
     """
-    end, size = _complete_end(files, fd)
+    end, size = complete_end(files, fd)
     if end > 0:
         _release(files, slot)
         raise RunAlreadyExists("the run already has records", run_id=run_id)
     if size:
         files.ftruncate(fd, 0)
-
-
-def _refuse_link(exc: OSError, run_id: str) -> None:
-    if exc.errno in _NOT_FOLLOWED:
-        raise StoreError(
-            "the run file is a symbolic link; refusing to follow it", run_id=run_id
-        ) from exc
-
-
-def _require_regular(files: FileOps, fd: int, run_id: str) -> None:
-    if not stat.S_ISREG(files.fstat(fd).st_mode):
-        raise StoreError("the run file is not a regular file", run_id=run_id)
 
 
 def _create_directories(files: FileOps, directory: Path) -> None:
@@ -677,141 +641,3 @@ def _create_directories(files: FileOps, directory: Path) -> None:
             files.mkdir(path)
         files.fsync_directory(path.parent)
 
-
-def _read_file(files: FileOps, path: Path, run_id: str) -> bytes:
-    """The whole file, or ``b""`` if there is none; refuses links and special files."""
-    try:
-        fd = files.open(path, _READ)
-    except FileNotFoundError:
-        return b""
-    except OSError as exc:
-        _refuse_link(exc, run_id)
-        raise StoreError(f"could not open the run file: {exc}", run_id=run_id) from exc
-    try:
-        _require_regular(files, fd, run_id)
-        return _read_until(files, fd, None)
-    except OSError as exc:
-        if isinstance(exc, PolyLoopError):
-            raise
-        raise StoreError(f"could not read the run file: {exc}", run_id=run_id) from exc
-    finally:
-        files.close(fd)
-
-
-def _read_until(files: FileOps, fd: int, stop: bytes | None) -> bytes:
-    """Read from the descriptor's position to the end, or until a chunk holds ``stop``."""
-    chunks: list[bytes] = []
-    while True:
-        chunk = files.read(fd, _READ_CHUNK)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        if stop is not None and stop in chunk:
-            break
-    return b"".join(chunks)
-
-
-def _first_run_id(files: FileOps, path: Path) -> str | None:
-    """The run id of ``path``'s first complete line; ``None`` if it has none."""
-    try:
-        fd = files.open(path, _READ)
-    except FileNotFoundError:
-        return None  # removed while the directory was being listed
-    except OSError as exc:
-        raise StoreError(f"could not open {path.name} (links are not followed): {exc}",
-                         location=path.name) from exc
-    try:
-        if not stat.S_ISREG(files.fstat(fd).st_mode):
-            raise StoreError("not a regular file", location=path.name)
-        head = _read_until(files, fd, b"\n")
-    except OSError as exc:
-        if isinstance(exc, PolyLoopError):
-            raise
-        raise StoreError(f"could not read the file: {exc}", location=path.name) from exc
-    finally:
-        files.close(fd)
-    newline = head.find(b"\n")
-    line = head if newline < 0 else head[: newline + 1]
-    if not line.endswith(b"\n"):
-        return None
-    location = f"{path.name}:1"
-    records = _decode_line(line[:-1], location)
-    run_id = records[0].run_id
-    if f"{safe_name(run_id)}{_SUFFIX}" != path.name:
-        raise CorruptLog(
-            "the file holds a run whose id does not match the file name",
-            run_id=run_id,
-            location=location,
-        )
-    return run_id
-
-
-# -- parsing ------------------------------------------------------------------------------
-
-
-def parse_lines(data: bytes, file_name: str, run_id: str) -> list[Record]:
-    """The records of a run file's bytes; the unterminated last piece is ignored.
-
-    Lines are split on ``\\n`` only: other characters that some readers treat as line
-    breaks (``\\r``, U+2028, U+0085) are part of the line.
-    """
-    pieces = data.split(b"\n")
-    records: list[Record] = []
-    for number, piece in enumerate(pieces[:-1], start=1):
-        location = f"{file_name}:{number}"
-        try:
-            decoded = _decode_line(piece, location)
-        except (CorruptLog, SchemaMajorMismatch) as exc:
-            if exc.run_id is None:  # the codec cannot know which run the file is for
-                raise type(exc)(exc.reason, run_id=run_id, location=location) from exc
-            raise
-        for record in decoded:
-            if record.run_id != run_id:
-                raise CorruptLog(
-                    f"the line holds a record of run {record.run_id!r}",
-                    run_id=run_id,
-                    location=location,
-                )
-            records.append(record)
-    return records
-
-
-def _decode_line(piece: bytes, location: str) -> list[Record]:
-    try:
-        text = piece.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CorruptLog(f"the line is not UTF-8: {exc}", location=location) from exc
-    stripped = text.lstrip(_JSON_SPACE)
-    if stripped.startswith("["):
-        return list(_decode_pair(stripped, location))
-    return [loads(text, location=location)]
-
-
-def _decode_pair(text: str, location: str) -> tuple[Result, StepRecord]:
-    """Read ``[result, step]``; each element is checked by the codec's own ``loads``."""
-    parts: list[Record] = []
-    position = 1
-    for closer in (",", "]"):
-        position = _skip_space(text, position)
-        try:
-            _, end = _DECODER.raw_decode(text, position)
-        except (ValueError, RecursionError) as exc:
-            raise CorruptLog(f"not a JSON record pair: {exc}", location=location) from exc
-        parts.append(loads(text[position:end], location=location))
-        position = _skip_space(text, end)
-        if text[position : position + 1] != closer:
-            raise CorruptLog(f"a record pair expects {closer!r} at column {position + 1}",
-                             location=location)
-        position += 1
-    if text[position:].strip(_JSON_SPACE):
-        raise CorruptLog("text after a record pair", location=location)
-    result, step = parts
-    if not isinstance(result, Result) or not isinstance(step, StepRecord):
-        raise CorruptLog("a record pair must hold a result and then a step", location=location)
-    return result, step
-
-
-def _skip_space(text: str, position: int) -> int:
-    while position < len(text) and text[position] in _JSON_SPACE:
-        position += 1
-    return position
