@@ -194,7 +194,6 @@ class PostgresStore:
 
     __slots__ = (
         "_commit_probe",
-        "_committer",
         "_connect",
         "_conninfo",
         "_grouped",
@@ -242,11 +241,6 @@ class PostgresStore:
         self._pool: ConnectionPool[Connection] | None = None
         self._writers: list[Writer] = []
         self._slots: dict[str, Slot] = {}
-        self._committer = Committer(
-            state=self._state, queries=self._queries, ready=self._ensure_ready,
-            claim=self._claim, connection=self._writer_connection, failed=self._failed,
-            drop=self._drop_writer, unlock=self._unlock,
-        )
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """The store kind and record format; never the connection string or schema."""
@@ -473,7 +467,15 @@ class PostgresStore:
 
     def _commit_batch(self, writer: Writer, items: Sequence[Item]) -> Errors:
         """Commit every item that may be written in one transaction; say how each ended."""
-        return self._committer.commit(writer, items, self._commit_probe)
+        # Built per batch rather than kept: a committer holds the store's bound methods,
+        # and keeping one would tie the store into a reference cycle. Next to a round trip
+        # to the server, building it costs nothing.
+        committer = Committer(
+            state=self._state, queries=self._queries, ready=self._ensure_ready,
+            claim=self._claim, connection=self._writer_connection, failed=self._failed,
+            drop=self._drop_writer, unlock=self._unlock,
+        )
+        return committer.commit(writer, items, self._commit_probe)
 
     # -- claims, connections, failures (worker thread) --------------------------------------
 
