@@ -91,18 +91,29 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from polyloop.serialization import dumps, loads
 from polyloop.stores._batching import GroupCommit, InlineSyncGate
-from polyloop.stores._common import (
-    FORMAT,
-    LockFile,
-    WriterState,
-    check_format,
-    fsync_directory,
-    safe_name,
+from polyloop.stores._common import FORMAT, LockFile, WriterState, fsync_directory, safe_name
+from polyloop.stores._sqlite_sql import (
+    INSERT,
+    LAST_SEQ,
+    SELECT_RUN,
+    SELECT_RUN_IDS,
+    SYNCHRONOUS_FULL,
+    SYNCHRONOUS_NORMAL,
+    Db,
+    Write,
+    begin,
+    check_meta_format,
+    configure,
+    create_schema,
+    decode_rows,
+    params,
+    record_row,
+    rollback_quietly,
+    run_id_of,
+    run_key,
 )
 from polyloop.types import (
-    CorruptLog,
     Intent,
     JSONValue,
     PolyLoopError,
@@ -118,113 +129,25 @@ from polyloop.types import (
 
 __all__ = ("SqliteStore",)
 
-# One row to insert: (kind, body).
-_Row = tuple[str, str]
-# How the run id is bound: text, or the bytes of an id that is not valid UTF-8 text.
-_Key = str | bytes
 # One error (or None for success) per write of a commit.
 _Outcome = list[BaseException | None]
 
 BUSY_TIMEOUT_S = 30.0
-_SYNCHRONOUS_NORMAL = 1
-_SYNCHRONOUS_FULL = 2
-_SET_SYNCHRONOUS = {
-    _SYNCHRONOUS_NORMAL: "PRAGMA synchronous=NORMAL",
-    _SYNCHRONOUS_FULL: "PRAGMA synchronous=FULL",
-}
 # The inline connection never waits on the event loop's thread for another connection.
 _NO_BUSY_WAIT = "PRAGMA busy_timeout=0"
-
-_KIND: dict[type[Any], str] = {
-    RunStarted: "run_started",
-    Intent: "intent",
-    Result: "result",
-    StepRecord: "step",
-    RunEnded: "run_ended",
-}
-
-_DDL = (
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS records ("
-    " run_id TEXT NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL,"
-    " PRIMARY KEY (run_id, seq))",
-)
-_SET_FORMAT = "INSERT OR IGNORE INTO meta (key, value) VALUES ('format', ?)"
-_GET_FORMAT = "SELECT value FROM meta WHERE key = 'format'"
-_LAST_SEQ = "SELECT MAX(seq) FROM records WHERE run_id = ?"
-_INSERT = "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)"
-_SELECT_RUN = "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq"
-_SELECT_RUN_IDS = "SELECT run_id FROM records WHERE seq = 0 ORDER BY rowid"
-
-
-def _row(record: Record) -> _Row:
-    body = dumps(record)  # refuses anything that is not a record
-    return _KIND[type(record)], body
-
-
-def _key(run_id: str) -> _Key:
-    """The value bound for ``run_id``: the text itself when SQLite can hold it."""
-    if run_id.isascii():
-        return run_id
-    try:
-        run_id.encode("utf-8")
-    except UnicodeEncodeError:
-        return run_id.encode("utf-8", "surrogatepass")
-    return run_id
-
-
-def _params(write: _Write, first: int) -> list[tuple[_Key, int, str, str]]:
-    """The ``_INSERT`` parameters of ``write``'s rows, numbered from ``first``."""
-    key = _key(write.run_id)
-    return [(key, first + n, kind, body) for n, (kind, body) in enumerate(write.rows)]
-
-
-def _run_id_of(key: object) -> str:
-    if isinstance(key, bytes):
-        return key.decode("utf-8", "surrogatepass")
-    return str(key)
-
-
-@dataclass(eq=False, slots=True)
-class _Db:
-    """One connection, and the ``synchronous`` level it was last set to."""
-
-    conn: sqlite3.Connection
-    level: int | None = _SYNCHRONOUS_FULL  # None: unknown, a pragma failed
-
-    def synchronous(self, level: int) -> None:
-        """Set ``synchronous`` for the next transaction, unless it is set already.
-
-        Only between transactions: SQLite refuses the pragma inside one.
-        """
-        if self.level != level:
-            self.level = None  # unknown until the pragma returns
-            self.conn.execute(_SET_SYNCHRONOUS[level])
-            self.level = level
-
-
-@dataclass(eq=False, slots=True)
-class _Write:
-    """The rows of one store call, and what the call means for its run."""
-
-    run_id: str
-    rows: list[_Row]
-    start: bool = False  # the run must have no row yet
-    end: bool = False  # release the run's writer lock once committed
-    barrier: bool = False  # must be fsync'd before the call returns
 
 
 @dataclass(eq=False, slots=True)
 class _Batch:
     """What one transaction learns about its writes before it commits."""
 
-    writes: Sequence[_Write]
+    writes: Sequence[Write]
     errors: _Outcome
     taken: set[str] = field(default_factory=set)  # runs whose lock this batch took
     next_seq: dict[str, int] = field(default_factory=dict)  # valid once committed
 
     @classmethod
-    def of(cls, writes: Sequence[_Write]) -> _Batch:
+    def of(cls, writes: Sequence[Write]) -> _Batch:
         return cls(writes, [None] * len(writes))
 
 
@@ -248,8 +171,8 @@ class SqliteStore:
         self._locks_dir = self._path.with_name(self._path.name + ".locks")
         # Two connections, opened together: one for worker threads, which may wait for
         # other processes, and one for inline writes, which never waits.
-        self._worker: _Db | None = None
-        self._inline: _Db | None = None
+        self._worker: Db | None = None
+        self._inline: Db | None = None
         self._held: dict[str, LockFile] = {}
         self._next_seq: dict[str, int] = {}  # of each run in ``_held`` that wrote
         self._state = WriterState()
@@ -273,7 +196,7 @@ class SqliteStore:
         cancellation propagates; once its commit has started, the call waits for it to
         end, then the cancellation is delivered.
         """
-        await self._write(_Write(record.run_id, [_row(record)], start=True, barrier=True))
+        await self._write(Write(record.run_id, [record_row(record)], start=True, barrier=True))
 
     async def write_intent(self, intent: Intent) -> None:
         """Write an intent; it is fsync'd to disk when this returns (a barrier).
@@ -281,14 +204,14 @@ class SqliteStore:
         Cancellation: as for :meth:`start_run`; a cancelled call whose commit had
         started may still have written the intent.
         """
-        await self._write(_Write(intent.run_id, [_row(intent)], barrier=True))
+        await self._write(Write(intent.run_id, [record_row(intent)], barrier=True))
 
     async def write_result(self, result: Result) -> None:
         """Write the result of a model call; committed, not necessarily fsync'd.
 
         Cancellation: as for :meth:`start_run`.
         """
-        await self._write(_Write(result.run_id, [_row(result)]))
+        await self._write(Write(result.run_id, [record_row(result)]))
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
         """Write the action result (if any) and the step record atomically; not fsync'd.
@@ -297,13 +220,13 @@ class SqliteStore:
         neither.
         """
         if action_result is None:
-            await self._write(_Write(step.run_id, [_row(step)]))
+            await self._write(Write(step.run_id, [record_row(step)]))
             return
         if action_result.run_id != step.run_id:
             raise StoreError(
                 f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
             )
-        await self._write(_Write(step.run_id, [_row(action_result), _row(step)]))
+        await self._write(Write(step.run_id, [record_row(action_result), record_row(step)]))
 
     async def end_run(self, record: RunEnded) -> None:
         """Write the run's end record (not fsync'd), then release the run's writer lock.
@@ -311,7 +234,7 @@ class SqliteStore:
         Cancellation: as for :meth:`start_run`; the lock is released together with the
         commit of the record.
         """
-        await self._write(_Write(record.run_id, [_row(record)], end=True))
+        await self._write(Write(record.run_id, [record_row(record)], end=True))
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id`` in write order; empty if the run has no row.
@@ -369,7 +292,7 @@ class SqliteStore:
 
     # -- choosing the path of a write (event loop) ----------------------------------------
 
-    async def _write(self, write: _Write) -> None:
+    async def _write(self, write: Write) -> None:
         group = self._group
         if group is None:
             (error,) = await anyio.to_thread.run_sync(self._commit_batch, [write])
@@ -378,14 +301,14 @@ class SqliteStore:
         elif not (self._inline_allowed(write, group) and await self._write_inline(write)):
             await group.submit(write)
 
-    def _inline_allowed(self, write: _Write, group: GroupCommit[_Write]) -> bool:
+    def _inline_allowed(self, write: Write, group: GroupCommit[Write]) -> bool:
         # The runs this store writes, counting this one: a second run's first write must
         # not block the loop either. Opening the database (slow, and it may wait on other
         # processes) is left to a thread.
         writing = len(self._held) + (write.run_id not in self._held)
         return self._inline is not None and group.idle and self._gate.allows(writing)
 
-    async def _write_inline(self, write: _Write) -> bool:
+    async def _write_inline(self, write: Write) -> bool:
         """Commit ``write`` on this thread; False if that would have to wait."""
         await anyio.lowlevel.checkpoint_if_cancelled()
         if not self._state.mutex.acquire(blocking=False):
@@ -405,7 +328,7 @@ class SqliteStore:
 
     # -- committing (worker thread, or inline; store mutex held) ------------------------
 
-    def _steady(self, write: _Write) -> bool:
+    def _steady(self, write: Write) -> bool:
         """Whether ``write`` continues a run with nothing to check or take first.
 
         Not a start or an end, the run not failed, and its next ``seq`` known, which
@@ -415,7 +338,7 @@ class SqliteStore:
         return (not (write.start or write.end) and write.run_id in self._next_seq
                 and write.run_id not in self._state.failed)
 
-    def _commit_steady(self, write: _Write) -> _Outcome | None:
+    def _commit_steady(self, write: Write) -> _Outcome | None:
         """Commit a :meth:`_steady` write inline: what :meth:`_commit_locked` does for it.
 
         The same statements, without the batch's bookkeeping for refusals, new runs and
@@ -426,27 +349,27 @@ class SqliteStore:
         db = self._inline
         assert db is not None  # see _steady
         first = self._next_seq[write.run_id]
-        level = _SYNCHRONOUS_FULL if write.barrier else _SYNCHRONOUS_NORMAL
+        level = SYNCHRONOUS_FULL if write.barrier else SYNCHRONOUS_NORMAL
         try:
             db.synchronous(level)
-            if not _begin(db.conn, inline=True):
+            if not begin(db.conn, inline=True):
                 return None
-            db.conn.executemany(_INSERT, _params(write, first))
+            db.conn.executemany(INSERT, params(write, first))
             self._commit(db.conn, level)
         except (sqlite3.Error, OSError) as exc:
-            _rollback_quietly(db.conn)
+            rollback_quietly(db.conn)
             return [self._state.fail(write.run_id, exc)]
         self._next_seq[write.run_id] = first + len(write.rows)
         return [None]
 
-    def _commit_batch(self, writes: Sequence[_Write]) -> _Outcome:
+    def _commit_batch(self, writes: Sequence[Write]) -> _Outcome:
         """One transaction for ``writes``, in a worker thread; one error or None each."""
         with self._state.mutex:
             outcome = self._commit_locked(writes, inline=False)
         assert outcome is not None  # only an inline commit gives up on a busy database
         return outcome
 
-    def _commit_locked(self, writes: Sequence[_Write], *, inline: bool) -> _Outcome | None:
+    def _commit_locked(self, writes: Sequence[Write], *, inline: bool) -> _Outcome | None:
         """Prepare every write, then commit the admitted ones together.
 
         Returns None, having written nothing, when ``inline`` and another connection
@@ -481,13 +404,13 @@ class SqliteStore:
             return False
         return True
 
-    def _level_for(self, writes: Sequence[_Write], admitted: Sequence[int]) -> int:
+    def _level_for(self, writes: Sequence[Write], admitted: Sequence[int]) -> int:
         if self._group is None or any(writes[i].barrier for i in admitted):
-            return _SYNCHRONOUS_FULL
-        return _SYNCHRONOUS_NORMAL
+            return SYNCHRONOUS_FULL
+        return SYNCHRONOUS_NORMAL
 
     def _transact(
-        self, db: _Db, batch: _Batch, admitted: Sequence[int], level: int, *, inline: bool
+        self, db: Db, batch: _Batch, admitted: Sequence[int], level: int, *, inline: bool
     ) -> bool:
         """Insert the admitted writes in one transaction; False if it could not begin.
 
@@ -496,13 +419,13 @@ class SqliteStore:
         conn = db.conn
         try:
             db.synchronous(level)
-            if not _begin(conn, inline=inline):
+            if not begin(conn, inline=inline):
                 return False
             for i in admitted:
                 self._insert(conn, batch, i, savepoint=len(admitted) > 1)
             self._end(conn, level, committing=any(batch.errors[i] is None for i in admitted))
         except (sqlite3.Error, OSError) as exc:
-            _rollback_quietly(conn)
+            rollback_quietly(conn)
             batch.next_seq.clear()
             for i in admitted:
                 if batch.errors[i] is None:
@@ -519,7 +442,7 @@ class SqliteStore:
             conn.execute("SAVEPOINT write")
         try:
             first = self._first_seq(conn, batch, write)
-            conn.executemany(_INSERT, _params(write, first))
+            conn.executemany(INSERT, params(write, first))
         except PolyLoopError as exc:
             batch.errors[i] = exc
         except (sqlite3.Error, OSError) as exc:
@@ -535,11 +458,11 @@ class SqliteStore:
             conn.execute("ROLLBACK TO write")
             conn.execute("RELEASE write")
 
-    def _first_seq(self, conn: sqlite3.Connection, batch: _Batch, write: _Write) -> int:
+    def _first_seq(self, conn: sqlite3.Connection, batch: _Batch, write: Write) -> int:
         """The run's next ``seq``: from this batch, from memory, or read once."""
         first = batch.next_seq.get(write.run_id, self._next_seq.get(write.run_id))
         if first is None:
-            last = conn.execute(_LAST_SEQ, (_key(write.run_id),)).fetchone()[0]
+            last = conn.execute(LAST_SEQ, (run_key(write.run_id),)).fetchone()[0]
             first = 0 if last is None else last + 1
         if write.start and first:
             raise RunAlreadyExists("the run already has records", run_id=write.run_id)
@@ -554,7 +477,7 @@ class SqliteStore:
             conn.execute("ROLLBACK")
 
     def _commit(self, conn: sqlite3.Connection, level: int) -> None:
-        if level == _SYNCHRONOUS_FULL:
+        if level == SYNCHRONOUS_FULL:
             # The fsync: timed so that a slow disk sends writes back to worker threads.
             self._gate.timed(lambda: conn.execute("COMMIT"))
         else:
@@ -592,16 +515,16 @@ class SqliteStore:
 
     def _read(self, run_id: str) -> tuple[Record, ...]:
         """Query under the store mutex, decode after releasing it."""
-        return self._decode_rows(run_id, self._select_run(run_id))
+        return decode_rows(self._path.name, run_id, self._select_run(run_id))
 
     def _select_run(self, run_id: str) -> list[tuple[Any, ...]]:
         with self._state.mutex, self._reading(run_id):
-            return self._connection(run_id).execute(_SELECT_RUN, (_key(run_id),)).fetchall()
+            return self._connection(run_id).execute(SELECT_RUN, (run_key(run_id),)).fetchall()
 
     def _select_run_ids(self) -> tuple[str, ...]:
         with self._state.mutex, self._reading(None):
-            rows = self._connection(None).execute(_SELECT_RUN_IDS).fetchall()
-        return tuple(_run_id_of(key) for (key,) in rows)
+            rows = self._connection(None).execute(SELECT_RUN_IDS).fetchall()
+        return tuple(run_id_of(key) for (key,) in rows)
 
     @contextmanager
     def _reading(self, run_id: str | None) -> Iterator[None]:
@@ -611,28 +534,6 @@ class SqliteStore:
             yield
         except sqlite3.Error as exc:
             raise StoreError(f"read failed: {type(exc).__name__}: {exc}", run_id=run_id) from exc
-
-    def _decode_rows(self, run_id: str, rows: Sequence[tuple[Any, ...]]) -> tuple[Record, ...]:
-        return tuple(self._decode_row(run_id, seq, kind, body) for seq, kind, body in rows)
-
-    def _decode_row(self, run_id: str, seq: int, kind: object, body: object) -> Record:
-        location = f"{self._path.name}: run row seq {seq}"
-        if not isinstance(body, (str, bytes)):
-            raise CorruptLog(f"the body is {type(body).__name__}, not text", run_id=run_id,
-                             location=location)
-        try:
-            record = loads(body, location=location)
-        except CorruptLog as exc:
-            if exc.run_id is not None:
-                raise
-            raise CorruptLog(exc.reason, run_id=run_id, location=location) from exc
-        if record.run_id != run_id:
-            raise CorruptLog(f"the row holds a record of run {record.run_id!r}",
-                             run_id=run_id, location=location)
-        if _KIND[type(record)] != kind:
-            raise CorruptLog(f"the row says {kind!r} but holds a {_KIND[type(record)]!r} record",
-                             run_id=run_id, location=location)
-        return record
 
     # -- the connections (worker thread, store mutex held) --------------------------------
 
@@ -644,15 +545,15 @@ class SqliteStore:
             self._worker, self._inline = self._open(run_id)
         return self._worker.conn
 
-    def _open(self, run_id: str | None) -> tuple[_Db, _Db]:
+    def _open(self, run_id: str | None) -> tuple[Db, Db]:
         """Open and check the database: the worker threads' connection, then the inline one."""
         opened: list[sqlite3.Connection] = []
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             created = not self._path.exists()
             worker = self._connect(opened, run_id)
-            _create_schema(worker)
-            _check_format(worker, self._path.name, run_id)
+            create_schema(worker)
+            check_meta_format(worker, self._path.name, run_id)
             if created:
                 fsync_directory(self._path.parent)
             # Configured while it may still wait (SQLite may be recovering the log for
@@ -667,7 +568,7 @@ class SqliteStore:
                 raise StoreError(f"cannot open {self._path.name}: {exc}",
                                  run_id=run_id) from exc
             raise
-        return _Db(worker), _Db(inline)
+        return Db(worker), Db(inline)
 
     def _connect(self, opened: list[sqlite3.Connection], run_id: str | None) -> sqlite3.Connection:
         """Open one more connection (added to ``opened``) in WAL with ``synchronous=FULL``."""
@@ -675,7 +576,7 @@ class SqliteStore:
             self._path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
         )
         opened.append(conn)
-        _configure(conn, self._path.name, run_id)
+        configure(conn, self._path.name, run_id)
         return conn
 
     def _open_now(self) -> None:
@@ -698,66 +599,3 @@ class SqliteStore:
             if failures:
                 error = failures[0]
                 raise StoreError(f"closing {self._path.name} failed: {error}") from error
-
-
-def _configure(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
-    """Switch to WAL with ``synchronous=FULL`` and make sure the database took both."""
-    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-    if str(mode).lower() != "wal":
-        raise StoreError(
-            f"{name}: SQLite refused WAL journal mode (it reports {mode!r}); the store needs "
-            f"a database file on a local file system, not an in-memory database",
-            run_id=run_id,
-        )
-    conn.execute("PRAGMA synchronous=FULL")
-    level = conn.execute("PRAGMA synchronous").fetchone()[0]
-    if level != _SYNCHRONOUS_FULL:
-        raise StoreError(
-            f"{name}: SQLite refused synchronous=FULL (it reports {level!r})", run_id=run_id
-        )
-
-
-def _begin(conn: sqlite3.Connection, *, inline: bool) -> bool:
-    """``BEGIN IMMEDIATE``; False if ``inline`` and another connection holds the write lock.
-
-    The inline connection's busy timeout is 0, so SQLite reports a busy database at once
-    instead of blocking the event loop; the worker connection waits ``BUSY_TIMEOUT_S``.
-    """
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.OperationalError as exc:
-        if inline and exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY:
-            return False
-        raise
-    return True
-
-
-def _create_schema(conn: sqlite3.Connection) -> None:
-    with _transaction(conn):
-        for statement in _DDL:
-            conn.execute(statement)
-        conn.execute(_SET_FORMAT, (FORMAT,))
-
-
-def _check_format(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
-    row = conn.execute(_GET_FORMAT).fetchone()
-    recorded = row[0] if row is not None else None
-    check_format(recorded, holder="database", run_id=run_id, location=f"{name}: meta format")
-
-
-@contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
-    """``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back if anything inside fails."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield
-        conn.execute("COMMIT")
-    except BaseException:
-        _rollback_quietly(conn)
-        raise
-
-
-def _rollback_quietly(conn: sqlite3.Connection) -> None:
-    if conn.in_transaction:
-        with suppress(sqlite3.Error):  # the original error says more
-            conn.execute("ROLLBACK")

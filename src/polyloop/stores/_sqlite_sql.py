@@ -1,0 +1,239 @@
+"""The SQLite store's schema and statements, its rows, and how its connections are set up.
+
+The schema itself, and what each row means, is described in :mod:`polyloop.stores._sqlite`.
+This module turns records into rows and back (:func:`record_row`, :func:`decode_rows`),
+binds run ids (:func:`run_key`, :func:`run_id_of`) and numbers a write's rows
+(:class:`Write`, :func:`params`). On the connection side it holds the checks a new
+connection must pass (:func:`configure`, :func:`create_schema`,
+:func:`check_meta_format`), the ``synchronous`` levels with :class:`Db`, which remembers
+the level its connection was last set to, and the pieces of a transaction the store's
+write paths share (:func:`begin`, :func:`rollback_quietly`). The store's own statements
+of a transaction (``COMMIT``, ``ROLLBACK``, savepoints) stay with the code that issues
+them.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from polyloop.serialization import dumps, loads
+from polyloop.stores._common import FORMAT, check_format
+from polyloop.types import (
+    CorruptLog,
+    Intent,
+    Record,
+    Result,
+    RunEnded,
+    RunStarted,
+    StepRecord,
+    StoreError,
+)
+
+__all__ = (
+    "INSERT",
+    "LAST_SEQ",
+    "SELECT_RUN",
+    "SELECT_RUN_IDS",
+    "SYNCHRONOUS_FULL",
+    "SYNCHRONOUS_NORMAL",
+    "Db",
+    "Write",
+    "begin",
+    "check_meta_format",
+    "configure",
+    "create_schema",
+    "decode_rows",
+    "params",
+    "record_row",
+    "rollback_quietly",
+    "run_id_of",
+    "run_key",
+)
+
+# One row to insert: (kind, body).
+_Row = tuple[str, str]
+# How the run id is bound: text, or the bytes of an id that is not valid UTF-8 text.
+_Key = str | bytes
+
+SYNCHRONOUS_NORMAL = 1
+SYNCHRONOUS_FULL = 2
+_SET_SYNCHRONOUS = {
+    SYNCHRONOUS_NORMAL: "PRAGMA synchronous=NORMAL",
+    SYNCHRONOUS_FULL: "PRAGMA synchronous=FULL",
+}
+
+_KIND: dict[type[Any], str] = {
+    RunStarted: "run_started",
+    Intent: "intent",
+    Result: "result",
+    StepRecord: "step",
+    RunEnded: "run_ended",
+}
+
+_DDL = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS records ("
+    " run_id TEXT NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL,"
+    " PRIMARY KEY (run_id, seq))",
+)
+_SET_FORMAT = "INSERT OR IGNORE INTO meta (key, value) VALUES ('format', ?)"
+_GET_FORMAT = "SELECT value FROM meta WHERE key = 'format'"
+LAST_SEQ = "SELECT MAX(seq) FROM records WHERE run_id = ?"
+INSERT = "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)"
+SELECT_RUN = "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq"
+SELECT_RUN_IDS = "SELECT run_id FROM records WHERE seq = 0 ORDER BY rowid"
+
+
+# -- records and rows -----------------------------------------------------------------------
+
+
+def record_row(record: Record) -> _Row:
+    body = dumps(record)  # refuses anything that is not a record
+    return _KIND[type(record)], body
+
+
+def run_key(run_id: str) -> _Key:
+    """The value bound for ``run_id``: the text itself when SQLite can hold it."""
+    if run_id.isascii():
+        return run_id
+    try:
+        run_id.encode("utf-8")
+    except UnicodeEncodeError:
+        return run_id.encode("utf-8", "surrogatepass")
+    return run_id
+
+
+def params(write: Write, first: int) -> list[tuple[_Key, int, str, str]]:
+    """The ``INSERT`` parameters of ``write``'s rows, numbered from ``first``."""
+    key = run_key(write.run_id)
+    return [(key, first + n, kind, body) for n, (kind, body) in enumerate(write.rows)]
+
+
+def run_id_of(key: object) -> str:
+    if isinstance(key, bytes):
+        return key.decode("utf-8", "surrogatepass")
+    return str(key)
+
+
+def decode_rows(name: str, run_id: str, rows: Sequence[tuple[Any, ...]]) -> tuple[Record, ...]:
+    """The records of ``rows`` (seq, kind, body) of ``run_id`` in the database ``name``."""
+    return tuple(_decode_row(name, run_id, seq, kind, body) for seq, kind, body in rows)
+
+
+def _decode_row(name: str, run_id: str, seq: int, kind: object, body: object) -> Record:
+    location = f"{name}: run row seq {seq}"
+    if not isinstance(body, (str, bytes)):
+        raise CorruptLog(f"the body is {type(body).__name__}, not text", run_id=run_id,
+                         location=location)
+    try:
+        record = loads(body, location=location)
+    except CorruptLog as exc:
+        if exc.run_id is not None:
+            raise
+        raise CorruptLog(exc.reason, run_id=run_id, location=location) from exc
+    if record.run_id != run_id:
+        raise CorruptLog(f"the row holds a record of run {record.run_id!r}",
+                         run_id=run_id, location=location)
+    if _KIND[type(record)] != kind:
+        raise CorruptLog(f"the row says {kind!r} but holds a {_KIND[type(record)]!r} record",
+                         run_id=run_id, location=location)
+    return record
+
+
+@dataclass(eq=False, slots=True)
+class Write:
+    """The rows of one store call, and what the call means for its run."""
+
+    run_id: str
+    rows: list[_Row]
+    start: bool = False  # the run must have no row yet
+    end: bool = False  # release the run's writer lock once committed
+    barrier: bool = False  # must be fsync'd before the call returns
+
+
+# -- connections and transactions -----------------------------------------------------------
+
+
+@dataclass(eq=False, slots=True)
+class Db:
+    """One connection, and the ``synchronous`` level it was last set to."""
+
+    conn: sqlite3.Connection
+    level: int | None = SYNCHRONOUS_FULL  # None: unknown, a pragma failed
+
+    def synchronous(self, level: int) -> None:
+        """Set ``synchronous`` for the next transaction, unless it is set already.
+
+        Only between transactions: SQLite refuses the pragma inside one.
+        """
+        if self.level != level:
+            self.level = None  # unknown until the pragma returns
+            self.conn.execute(_SET_SYNCHRONOUS[level])
+            self.level = level
+
+
+def configure(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
+    """Switch to WAL with ``synchronous=FULL`` and make sure the database took both."""
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if str(mode).lower() != "wal":
+        raise StoreError(
+            f"{name}: SQLite refused WAL journal mode (it reports {mode!r}); the store needs "
+            f"a database file on a local file system, not an in-memory database",
+            run_id=run_id,
+        )
+    conn.execute("PRAGMA synchronous=FULL")
+    level = conn.execute("PRAGMA synchronous").fetchone()[0]
+    if level != SYNCHRONOUS_FULL:
+        raise StoreError(
+            f"{name}: SQLite refused synchronous=FULL (it reports {level!r})", run_id=run_id
+        )
+
+
+def begin(conn: sqlite3.Connection, *, inline: bool) -> bool:
+    """``BEGIN IMMEDIATE``; False if ``inline`` and another connection holds the write lock.
+
+    The inline connection's busy timeout is 0, so SQLite reports a busy database at once
+    instead of blocking the event loop; the worker connection waits ``BUSY_TIMEOUT_S``.
+    """
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as exc:
+        if inline and exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY:
+            return False
+        raise
+    return True
+
+
+def create_schema(conn: sqlite3.Connection) -> None:
+    with _transaction(conn):
+        for statement in _DDL:
+            conn.execute(statement)
+        conn.execute(_SET_FORMAT, (FORMAT,))
+
+
+def check_meta_format(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
+    row = conn.execute(_GET_FORMAT).fetchone()
+    recorded = row[0] if row is not None else None
+    check_format(recorded, holder="database", run_id=run_id, location=f"{name}: meta format")
+
+
+@contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back if anything inside fails."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        rollback_quietly(conn)
+        raise
+
+
+def rollback_quietly(conn: sqlite3.Connection) -> None:
+    if conn.in_transaction:
+        with suppress(sqlite3.Error):  # the original error says more
+            conn.execute("ROLLBACK")
