@@ -415,6 +415,16 @@ class HandSqlite:
         self.conn.execute(f"INSERT INTO records VALUES {values}", params)
         return seq
 
+    @classmethod
+    async def fresh_run(cls, path: Path, sizes: LineSizes, run_id: str,
+                        steps: int) -> RunStats:
+        """One run on a new database, closed after it: only the log's growing phase."""
+        floor = cls(path, sizes)
+        try:
+            return await floor.run(run_id, steps)
+        finally:
+            floor.close()
+
     async def run(self, run_id: str, steps: int) -> RunStats:
         model, executions, sizes, commit = HandModel(steps), Counter(), self.sizes, self._commit
         seq = 0

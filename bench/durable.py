@@ -67,6 +67,7 @@ COLUMNS = [
 FSYNC = "fsync-floor"
 FLOOR = "floor-two-fsyncs"
 SQLITE_FLOOR = "floor-sqlite"
+SQLITE_FRESH = "floor-sqlite-fresh"
 SAME_BYTES = "floor-same-bytes"
 LIMIT = 1.3  # the performance issue's target
 TWO_FSYNC_LIMIT = 1.5  # the store issue's goal
@@ -136,6 +137,10 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
         variants.append(Variant(SQLITE_FLOOR,
                                 "hand-written loop on SQLite, SqliteStore's 4 commits/step",
                                 "reference", lambda rid: hand_sqlite.run(rid, steps)))
+        variants.append(Variant(
+            SQLITE_FRESH, "the same, on a new database per run (its log only grows)",
+            "reference",
+            lambda rid: HandSqlite.fresh_run(directory / f"{rid}.sqlite", sizes, rid, steps)))
         for key, name, store in (("polyloop-jsonl", "PolyLoop, JsonlStore", jsonl),
                                  ("polyloop-sqlite", "PolyLoop, SqliteStore", sqlite_store)):
             agent = Agent(store, steps=steps)

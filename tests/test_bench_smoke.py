@@ -82,8 +82,8 @@ def test_single_run_benchmarks_do_the_same_work_everywhere(
     assert {"polyloop-memory", "floor-memory", "langgraph-none", "langgraph-memory",
             "pydantic-ai"} <= keys if name == "overhead" else \
         {"fsync-floor", "floor-two-fsyncs", "floor-same-bytes", "floor-sqlite",
-         "polyloop-jsonl", "polyloop-sqlite", "polyloop-postgres", "langgraph-sqlite",
-         "langgraph-sqlite-sync"} <= keys
+         "floor-sqlite-fresh", "polyloop-jsonl", "polyloop-sqlite", "polyloop-postgres",
+         "langgraph-sqlite", "langgraph-sqlite-sync"} <= keys
     for row in rows:
         _check_skip(row)
         if row.get("skipped") or row["key"] == "fsync-floor":
