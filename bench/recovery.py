@@ -12,7 +12,9 @@ end record:
    intent, then action result and step record together), renumbered for each step.
    Writing them one by one through the store would mean 100,000 fsyncs for the largest
    log, so they go straight into the store's documented on-disk format (JSON lines;
-   the ``records`` table). Each timed resume checks that it read every record back.
+   the ``records`` table, with the run's row of the ``runs`` table moved on to match),
+   or, for ``MemoryStore``, through its own writes under a claim of the run. Each
+   timed resume checks that it read every record back.
 
 ``resume`` then has to read, decode and classify the whole log, rebuild the transcript
 from the step records, check the budget (the log holds exactly ``max_steps`` steps, so
@@ -44,6 +46,7 @@ import io
 import json
 import sqlite3
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -96,7 +99,8 @@ STORE_NAMES = {"memory": "MemoryStore", "jsonl": "JsonlStore", "sqlite": "Sqlite
 
 
 class _RefuseWrites:
-    """Passes reads to ``inner``; every write raises ``_Refused`` and is remembered."""
+    """Passes reads and claims to ``inner``; every write raises ``_Refused`` and is
+    remembered."""
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
@@ -110,6 +114,14 @@ class _RefuseWrites:
         log = await self.inner.read_log(run_id)
         self.records_read += len(log.records)
         return log
+
+    # ``resume`` claims the run before reading it and gives the claim up on its way out;
+    # neither writes a record.
+    async def claim_run(self, run_id: str) -> None:
+        await self.inner.claim_run(run_id)
+
+    async def release_run(self, run_id: str) -> None:
+        await self.inner.release_run(run_id)
 
     def __getattr__(self, name: str) -> Any:
         async def refuse(*args: Any) -> None:
@@ -255,13 +267,17 @@ async def _start(open_store: Any, run_id: str, size: int) -> RunStarted:
 async def _append(kind: str, place: Path, memory: MemoryStore | None, conninfo: str | None,
                   schema: str | None, started: RunStarted, records: list[Record]) -> None:
     if memory is not None:
-        for index in range(0, len(records), 5):
-            model_intent, model_result, action_intent, action_result, step = \
-                records[index:index + 5]
-            await memory.write_intent(model_intent)  # type: ignore[arg-type]
-            await memory.write_result(model_result)  # type: ignore[arg-type]
-            await memory.write_intent(action_intent)  # type: ignore[arg-type]
-            await memory.write_step(step, action_result)  # type: ignore[arg-type]
+        await memory.claim_run(started.run_id)
+        try:
+            for index in range(0, len(records), 5):
+                model_intent, model_result, action_intent, action_result, step = \
+                    records[index:index + 5]
+                await memory.write_intent(model_intent)  # type: ignore[arg-type]
+                await memory.write_result(model_result)  # type: ignore[arg-type]
+                await memory.write_intent(action_intent)  # type: ignore[arg-type]
+                await memory.write_step(step, action_result)  # type: ignore[arg-type]
+        finally:
+            await memory.release_run(started.run_id)
     elif kind == "jsonl":
         _append_jsonl(place, records)
     elif kind == "sqlite":
@@ -288,12 +304,18 @@ def _kind(record: Record) -> str:
 
 
 def _append_sqlite(path: Path, run_id: str, records: list[Record]) -> None:
-    """Rows of the ``records`` table: (run_id, seq, kind, body), seq 0 being the start."""
+    """Rows of the ``records`` table: (run_id, seq, kind, body), seq 0 being the start;
+    the run's row of ``runs`` moves on past them, in the same transaction."""
     rows = [(run_id, seq, _kind(record), dumps(record))
             for seq, record in enumerate(records, start=1)]
     with contextlib.closing(sqlite3.connect(path)) as conn, conn:
         conn.executemany("INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)",
                          rows)
+        moved = conn.execute(
+            "UPDATE runs SET next_seq = ?, updated_at = ? WHERE run_id = ? AND next_seq = 1",
+            (len(records) + 1, time.time(), run_id)).rowcount
+        if moved != 1:
+            raise AssertionError(f"the runs table has no row of {run_id!r} at seq 1")
 
 
 def _append_postgres(conninfo: str, schema: str, run_id: str, records: list[Record]) -> None:
@@ -305,10 +327,16 @@ def _append_postgres(conninfo: str, schema: str, run_id: str, records: list[Reco
     key = hashlib.sha256(run_id.encode()).digest()
     table = sql.Identifier(schema, "records")
     copy = sql.SQL("COPY {} (run_key, seq, run_id, kind, body) FROM STDIN").format(table)
-    with psycopg.connect(conninfo, autocommit=True) as conn, conn.cursor() as cursor, \
-            cursor.copy(copy) as writer:
-        for seq, record in enumerate(records, start=1):
-            writer.write_row((key, seq, run_id, _kind(record), dumps(record)))
+    advance = sql.SQL("UPDATE {} SET next_seq = %s, updated_at = now() "
+                      "WHERE run_key = %s AND next_seq = 1").format(
+                          sql.Identifier(schema, "runs"))
+    # One transaction: the rows, and the run's row of ``runs`` moved on past them.
+    with psycopg.connect(conninfo) as conn, conn.cursor() as cursor:
+        with cursor.copy(copy) as writer:
+            for seq, record in enumerate(records, start=1):
+                writer.write_row((key, seq, run_id, _kind(record), dumps(record)))
+        if cursor.execute(advance, (len(records) + 1, key)).rowcount != 1:
+            raise AssertionError(f"the runs table has no row of {run_id!r} at seq 1")
 
 
 async def _resume_once(open_store: Any, run_id: str, size: int, expected: int) -> float:

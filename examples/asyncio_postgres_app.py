@@ -8,9 +8,9 @@ What it shows
       store object, one connection pool), with a fresh run id per job, so the program
       can run again and again against the same database;
     * a worker that dies in the middle of a run, and a different store object taking
-      the run over: while the dead worker's connection is open, the run's writer lock
-      refuses everyone else (``RunLocked``); once the connection is gone, ``resume``
-      continues from the last durable record without repeating the finished step.
+      the run over: ``run_status`` tells that nobody drives the run any more (it is
+      ``resumable``, not ``running``), and ``resume`` continues from the last durable
+      record without repeating the finished step.
 
 The model is the scripted double from :mod:`polyloop.testing` (deterministic, offline);
 it looks up the country named in the run's binding, then submits what the tool said.
@@ -48,13 +48,13 @@ from polyloop import (
     Replay,
     Request,
     Role,
-    RunLocked,
     RunResult,
     ToolRegistry,
     ToolSpec,
     ToolStyle,
     resume,
     run,
+    run_status,
 )
 from polyloop.ports import Store
 from polyloop.stores import PostgresStore
@@ -167,7 +167,7 @@ async def serve_jobs(definition: Definition, batch: str) -> dict[str, RunResult]
     return results
 
 
-async def crash_and_take_over(conninfo: str, definition: Definition, batch: str) -> None:
+async def crash_and_take_over(conninfo: str, store: PostgresStore, batch: str) -> None:
     run_id = f"{batch}/{CRASHING_JOB}"
     request = make_request(run_id, CRASHING_JOB)
     # The dying worker has its own store object, hence its own database connections.
@@ -177,13 +177,12 @@ async def crash_and_take_over(conninfo: str, definition: Definition, batch: str)
                   request)
     except SimulatedCrash:
         print(f"  {CRASHING_JOB}: the worker died after store write {CRASH_AFTER_WRITES}")
-    try:
-        await resume(definition, request)
-    except RunLocked:
-        print(f"  {CRASHING_JOB}: while its connection is open, the run is locked (RunLocked)")
-    await dying.aclose()  # what the server does when a dead worker's connection drops
+    await dying.aclose()
+    status = await run_status(store, run_id)
+    print(f"  {CRASHING_JOB}: {status.state.value}, {status.steps} step on record, "
+          f"nobody drives it")
     print(f"  {CRASHING_JOB}: taken over by another store object: "
-          f"{describe(await resume(definition, request))}")
+          f"{describe(await resume(make_definition(store), request))}")
 
 
 async def main_async(conninfo: str) -> None:
@@ -194,7 +193,7 @@ async def main_async(conninfo: str) -> None:
         results = await serve_jobs(definition, batch)
         for country in JOBS:
             print(f"  {country}: {describe(results[country])}")
-        await crash_and_take_over(conninfo, definition, batch)
+        await crash_and_take_over(conninfo, store, batch)
 
 
 def main() -> None:

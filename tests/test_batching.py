@@ -6,6 +6,7 @@ import errno
 import threading
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -291,7 +292,8 @@ async def test_a_lone_run_appends_and_syncs_on_the_event_loop_thread(tmp_path: P
         await apply(store, writes)
         log = await store.read_log("lone")
     assert list(log.records) == expected_records(writes)
-    # start_run creates the file in a worker thread; every later write stays inline
+    # the claim creates the file and start_run writes it in a worker thread; every later
+    # write stays inline
     assert files.writes[0] is False
     assert all(files.writes[1:]) and len(files.writes) == len(writes)
     assert files.syncs[0] is False  # the start's sync, with the file's creation
@@ -307,7 +309,7 @@ async def test_several_runs_sync_in_worker_threads(tmp_path: Path) -> None:
             await apply(store, writes[:1])
         async with anyio.create_task_group() as tasks:
             for writes in runs:
-                tasks.start_soon(apply, store, writes[1:])
+                tasks.start_soon(partial(apply, store, writes[1:], claim=False))
         for index, writes in enumerate(runs):
             assert list((await store.read_log(f"run-{index}")).records) == \
                 expected_records(writes)
@@ -354,7 +356,7 @@ async def test_a_failed_shared_sync_fails_only_its_run(tmp_path: Path) -> None:
 
     async def rest(name: str) -> None:
         try:
-            await apply(store, runs[name][1:])
+            await apply(store, runs[name][1:], claim=False)
         except StoreError as exc:
             errors[name] = exc
 
@@ -387,7 +389,7 @@ async def test_with_several_runs_only_the_sync_leaves_the_event_loop_thread(
         writes_before, syncs_before = len(files.writes), len(files.syncs)
         async with anyio.create_task_group() as tasks:
             for writes in runs:
-                tasks.start_soon(apply, store, writes[1:])
+                tasks.start_soon(partial(apply, store, writes[1:], claim=False))
     # every line, intents included, was appended on the loop thread; every sync was not
     assert len(files.writes) - writes_before == 3 * (4 * 2 + 1)
     assert all(files.writes[writes_before:])

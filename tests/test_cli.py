@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,9 @@ def test_the_demo_runs_on_the_default_sqlite_store(
     backend: str,
 ) -> None:
     monkeypatch.chdir(tmp_path)
+    began = datetime.now(UTC)
     assert main(demo(backend=backend)) == 0
+    ended = datetime.now(UTC)
     out = capsys.readouterr().out
     run_id = run_id_in(out)
     assert "on sqlite:polyloop-demo/demo.db (scripted model)" in out
@@ -115,9 +118,14 @@ def test_the_demo_runs_on_the_default_sqlite_store(
 
     assert main(["runs", "sqlite:polyloop-demo/demo.db", "--json"]) == 0
     (line,) = capsys.readouterr().out.splitlines()
-    assert json.loads(line) == {"run_id": run_id, "state": "finished",
-                                "stop_reason": "submitted", "step_count": STEPS,
-                                "valid_step_count": STEPS - 1, "detail": None}
+    listed = json.loads(line)
+    # When the store took the run's last record: during the demo, in UTC.
+    last_record_at = datetime.fromisoformat(listed.pop("last_record_at"))
+    assert last_record_at.utcoffset() == timedelta(0)
+    assert began - timedelta(seconds=1) <= last_record_at <= ended + timedelta(seconds=1)
+    assert listed == {"run_id": run_id, "state": "finished",
+                      "stop_reason": "submitted", "step_count": STEPS,
+                      "valid_step_count": STEPS - 1, "detail": None}
 
 
 def test_every_demo_run_gets_a_new_run_id(
@@ -242,9 +250,10 @@ def test_a_crash_after_the_submit_intent_leaves_the_run_in_doubt(store_spec: str
     assert f"action intent '{run_id}:6:action' has no result" in done.stdout
     assert executions(done.stdout) == []
 
+    # Its end record is final, yet the run stays in doubt: nobody knows whether submit ran.
     runs = polyloop("runs", store_spec)
     (line,) = [line for line in runs.stdout.splitlines() if run_id in line]
-    assert "finished" in line and "in_doubt" in line
+    assert line.split() == [run_id, "in", "doubt", "in_doubt", "6", "5"]
 
 
 @pytest.mark.parametrize(("backend", "stop_reason"), [("asyncio", "cancelled"), ("trio", "-")])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,14 @@ def row(out: str, run_id: str) -> str:
     return line
 
 
+def recent_utc(text: object) -> bool:
+    """Whether ``text`` is an ISO time in UTC from the last few minutes (a store's clock)."""
+    assert isinstance(text, str), text
+    at = datetime.fromisoformat(text)
+    now = datetime.now(UTC)
+    return at.utcoffset() == timedelta(0) and now - timedelta(minutes=10) <= at <= now
+
+
 # -- runs --------------------------------------------------------------------------------------
 
 
@@ -128,6 +137,7 @@ def test_runs_as_json_lines(filled: str, capsys: pytest.CaptureFixture[str]) -> 
         "done": "finished", "crashed": "resumable", "doubt": "in doubt",
         "stopped": "resumable", "long": "finished"}
     assert by_id["stopped"]["stop_reason"] == "cancelled"
+    assert all(recent_utc(line.pop("last_record_at")) for line in lines)
     assert by_id["done"] == {"run_id": "done", "state": "finished", "stop_reason": "submitted",
                              "step_count": 3, "valid_step_count": 2, "detail": None}
 
@@ -390,16 +400,38 @@ def test_verify_reports_a_record_of_another_run(
     assert f"{done.name}:{last}: a record of run 'long' in the log of run 'done'" in out
 
 
-def test_runs_and_show_refuse_a_corrupt_log_in_one_line(
+def test_runs_lists_a_corrupt_log_and_show_refuses_it_in_one_line(
     jsonl_store: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = jsonl_file(jsonl_store, "done")
     edit_lines(path, lambda lines: [*lines[:3], "garbage\n", *lines[4:]])
-    for argv in (["runs", jsonl_store], ["show", jsonl_store, "done"]):
-        assert main(argv) == 1
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1
-        assert err.startswith(f"polyloop: error: run 'done', at {path.name}:4: not a JSON record")
+    problem = f"run 'done', at {path.name}:4: not a JSON record"
+    # runs marks the corrupt run, says where and why, and still lists the others.
+    assert main(["runs", jsonl_store]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    line = row(out, "done")
+    assert line.split()[:2] == ["done", "corrupt"]
+    assert problem in line
+    assert line.split()[-2:] == ["-", "-"]
+    assert row(out, "crashed").split() == ["crashed", "resumable", "-", "0", "0"]
+    assert row(out, "doubt").split() == ["doubt", "in", "doubt", "-", "0", "0"]
+    assert row(out, "stopped").split() == ["stopped", "resumable", "cancelled", "0", "0"]
+    assert row(out, "long").split() == ["long", "finished", "final_answer", "2", "1"]
+
+    assert main(["runs", jsonl_store, "--json"]) == 0
+    by_id = {line["run_id"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(by_id) == {"done", "crashed", "doubt", "stopped", "long"}
+    corrupt = by_id["done"]
+    assert corrupt.pop("detail").startswith(problem)
+    assert corrupt == {"run_id": "done", "state": "corrupt", "stop_reason": None,
+                       "step_count": None, "valid_step_count": None, "last_record_at": None}
+
+    # show has nothing to show: one line on standard error.
+    assert main(["show", jsonl_store, "done"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"polyloop: error: {problem}")
 
 
 @pytest.fixture

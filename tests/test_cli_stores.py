@@ -1,14 +1,15 @@
-"""STORE arguments, and listing the runs of a JSON-lines directory (``JsonlStore.run_ids``)."""
+"""STORE arguments, and listing the runs of a JSON-lines directory (``JsonlStore.list_runs``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import pytest
 
 from agent_kit import Ledger, answer, definition, make_tools, request
-from polyloop import CorruptLog, StoreError, run
+from polyloop import StoreError, run
 from polyloop.cli._common import CliError
 from polyloop.cli._stores import StoreSpec, parse_store, require_existing
 from polyloop.stores import JsonlStore
@@ -60,7 +61,7 @@ def test_reading_commands_never_create_a_store(tmp_path: Path) -> None:
     require_existing(parse_store(f"sqlite:{tmp_path / 'file'}"))
 
 
-# -- JsonlStore.run_ids ------------------------------------------------------------------------
+# -- JsonlStore.list_runs ----------------------------------------------------------------------
 
 
 async def start(directory: Path, *run_ids: str) -> None:
@@ -71,61 +72,81 @@ async def start(directory: Path, *run_ids: str) -> None:
 
 
 @pytest.mark.anyio
-async def test_run_ids_lists_every_run_sorted(tmp_path: Path) -> None:
+async def test_list_runs_lists_every_run_sorted(tmp_path: Path) -> None:
     awkward = ["b", "a/../../x", "ü-run", "a" * 300, ".hidden"]
     await start(tmp_path, *awkward)
     (tmp_path / "notes.txt").write_text("not a run")
     async with JsonlStore(tmp_path) as store:
-        assert await store.run_ids() == tuple(sorted(awkward))
+        listed = await store.list_runs()
+        assert tuple(run.run_id for run in listed) == tuple(sorted(awkward))
+        assert all(run.finished and not run.claimed for run in listed)
+        assert await store.list_runs(unfinished_only=True) == ()
 
 
 @pytest.mark.anyio
-async def test_run_ids_of_a_missing_directory_is_empty(tmp_path: Path) -> None:
+async def test_list_runs_of_a_missing_directory_is_empty(tmp_path: Path) -> None:
     async with JsonlStore(tmp_path / "none") as store:
-        assert await store.run_ids() == ()
+        assert await store.list_runs() == ()
     assert not (tmp_path / "none").exists()
 
 
 @pytest.mark.anyio
-async def test_run_ids_leaves_out_a_file_without_a_complete_line(tmp_path: Path) -> None:
+async def test_list_runs_leaves_out_a_file_without_a_complete_line(tmp_path: Path) -> None:
     await start(tmp_path, "kept")
     (tmp_path / f"{safe_name('torn')}.jsonl").write_bytes(b'{"schema":"polyloop/1"')
     (tmp_path / f"{safe_name('empty')}.jsonl").write_bytes(b"")
     async with JsonlStore(tmp_path) as store:
-        assert await store.run_ids() == ("kept",)
+        assert tuple(run.run_id for run in await store.list_runs()) == ("kept",)
+
+
+def left_out(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records
+            if record.name == "polyloop" and record.levelno == logging.WARNING]
 
 
 @pytest.mark.anyio
-async def test_run_ids_refuses_an_unreadable_first_line(tmp_path: Path) -> None:
+async def test_list_runs_leaves_out_an_unreadable_first_line_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     await start(tmp_path, "kept")
     name = f"{safe_name('bad')}.jsonl"
     (tmp_path / name).write_bytes(b"garbage\n")
     async with JsonlStore(tmp_path) as store:
-        with pytest.raises(CorruptLog) as raised:
-            await store.run_ids()
-    assert raised.value.location == f"{name}:1"
+        with caplog.at_level(logging.WARNING, logger="polyloop"):
+            assert tuple(run.run_id for run in await store.list_runs()) == ("kept",)
+    (warning,) = left_out(caplog)
+    assert warning.startswith(f"{name} is left out of the listing")
+    assert f"{name}:1" in warning
 
 
 @pytest.mark.anyio
-async def test_run_ids_refuses_a_file_named_for_another_run(tmp_path: Path) -> None:
-    await start(tmp_path, "kept")
+async def test_list_runs_leaves_out_a_file_named_for_another_run(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    await start(tmp_path, "kept", "other")
     original = tmp_path / f"{safe_name('kept')}.jsonl"
     original.rename(tmp_path / "renamed.jsonl")
     async with JsonlStore(tmp_path) as store:
-        with pytest.raises(CorruptLog, match="does not match the file name") as raised:
-            await store.run_ids()
-    assert raised.value.location == "renamed.jsonl:1"
-    assert raised.value.run_id == "kept"
+        with caplog.at_level(logging.WARNING, logger="polyloop"):
+            assert tuple(run.run_id for run in await store.list_runs()) == ("other",)
+    (warning,) = left_out(caplog)
+    assert warning.startswith("renamed.jsonl is left out of the listing")
+    assert "does not match the file name" in warning and "renamed.jsonl:1" in warning
 
 
 @pytest.mark.anyio
-async def test_run_ids_refuses_links_and_closed_stores(tmp_path: Path) -> None:
+async def test_list_runs_leaves_out_links_and_refuses_closed_stores(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     await start(tmp_path / "runs", "kept")
     os.symlink(tmp_path / "runs" / f"{safe_name('kept')}.jsonl",
                tmp_path / "runs" / "link.jsonl")
     store = JsonlStore(tmp_path / "runs")
-    with pytest.raises(StoreError, match=r"link\.jsonl"):
-        await store.run_ids()
+    with caplog.at_level(logging.WARNING, logger="polyloop"):
+        (listed,) = await store.list_runs()
+    assert listed.run_id == "kept" and listed.finished and not listed.claimed
+    (warning,) = left_out(caplog)
+    assert warning.startswith("link.jsonl is left out of the listing")
     await store.aclose()
     with pytest.raises(StoreError, match="closed"):
-        await store.run_ids()
+        await store.list_runs()

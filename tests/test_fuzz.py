@@ -50,8 +50,8 @@ import fuzz_budget
 from polyloop.serialization import dumps, encode, loads
 from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
 from polyloop.stores._common import safe_name
-from polyloop.stores._jsonl_reader import parse_lines
-from polyloop.testing.store_contract import expected_records, sample_run
+from polyloop.stores._jsonl_reader import decode_line, parse_lines
+from polyloop.testing.store_contract import apply, expected_records, sample_run
 from polyloop.types import (
     ActionStatus,
     CorruptLog,
@@ -69,6 +69,7 @@ from polyloop.types import (
     SchemaMajorMismatch,
     StepRecord,
     StopReason,
+    StoreError,
     UnloggableValue,
 )
 
@@ -413,22 +414,35 @@ def test_jsonl_reader_on_arbitrary_file_bytes() -> None:
     fuzz_budget.fuzz_for(fuzz_budget.seconds(0.05), valid_lines_then_a_tail)
 
 
+def listed_ids(data: bytes) -> tuple[str, ...]:
+    """What listing a directory holding only run ``r``'s file with ``data`` must show.
+
+    A run is listed once its first line is complete and is a record of it; a file whose
+    first line does not read as one is left out (never an error).
+    """
+    if b"\n" not in data:
+        return ()
+    try:
+        first = decode_line(data.split(b"\n", 1)[0], "run.jsonl:1")
+    except REFUSALS:
+        return ()
+    return ("r",) if first[0].run_id == "r" else ()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_jsonl_store_reads_arbitrary_run_files(backend: str, tmp_path: Path) -> None:
-    """``read_log`` and ``run_ids`` of a real store over a directory of arbitrary files."""
+    """``read_log`` and ``list_runs`` of a real store over a directory of arbitrary files."""
     directory = tmp_path / "runs"
     directory.mkdir()
     path = directory / f"{safe_name('r')}.jsonl"
 
-    async def read(store: JsonlStore) -> tuple[list[Record] | None, tuple[str, ...] | None]:
+    async def read(store: JsonlStore) -> tuple[list[Record] | None, tuple[str, ...]]:
         try:
             records: list[Record] | None = list((await store.read_log("r")).records)
         except REFUSALS:
             records = None
-        try:
-            ids: tuple[str, ...] | None = await store.run_ids()
-        except REFUSALS:
-            ids = None
+        # Listing never refuses: an unreadable file is left out of it.
+        ids = tuple(run.run_id for run in await store.list_runs())
         return records, ids
 
     with anyio.from_thread.start_blocking_portal(backend) as portal:
@@ -440,9 +454,9 @@ def test_jsonl_store_reads_arbitrary_run_files(backend: str, tmp_path: Path) -> 
             path.write_bytes(data)
             records, ids = portal.call(read, store)
             assert records == read_file_bytes(data)
-            if ids is not None:
-                # A run is listed once its first line is complete (and is a record of it).
-                assert ids == (("r",) if b"\n" in data else ())
+            assert ids == listed_ids(data)
+            if records:
+                assert ids == ("r",)  # a readable log is always listed
 
         try:
             fuzz_budget.fuzz_for(fuzz_budget.seconds(0.15), any_file)
@@ -543,12 +557,10 @@ async def test_line_breaking_characters_round_trip_through_every_store(
     store = open_store()
     try:
         for writes in runs.values():
-            for method, args in writes:
-                await getattr(store, method)(*args)
+            await apply(store, writes)
         for run_id, writes in runs.items():
             assert list((await store.read_log(run_id)).records) == expected_records(writes)
-        ids = store.run_ids()
-        ids = await ids if not isinstance(ids, tuple) else ids
+        ids = [run.run_id for run in await store.list_runs()]
         assert set(runs) <= set(ids)
     finally:
         if kind != "memory":
@@ -670,7 +682,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.scratch = Path(tempfile.mkdtemp(prefix="polyloop-fuzz-"))
         self.token = uuid.uuid4().hex[:10]
         self.runs: dict[str, RunModel] = {}
-        self.held: set[str] = set()  # runs whose writer lock the current object holds
+        self.held: set[str] = set()  # runs whose claim the current object holds
         self.graveyard: list[Any] = []  # abandoned objects, closed at teardown
         self.store = self.open()
 
@@ -689,8 +701,16 @@ class StoreMachine(RuleBasedStateMachine):
     def call(self, store: Any, method: str, *args: Any) -> Any:
         return self.portal.call(getattr(store, method), *args)
 
+    def claim(self, run_id: str) -> None:
+        """Make the current object the run's writer, unless it already is."""
+        if run_id not in self.held:
+            self.call(self.store, "claim_run", run_id)
+            self.held.add(run_id)
+            MACHINE_EVENTS["claim"] += 1
+
     def write(self, run_id: str, method: str, *args: Any) -> None:
-        """An acknowledged write: the model gets it once the store returns."""
+        """An acknowledged write (claimed first): the model gets it once the store returns."""
+        self.claim(run_id)
         self.call(self.store, method, *args)
         model = self.runs[run_id]
         if method == "write_step":
@@ -699,7 +719,8 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             model.records.append(args[0])
         model.lines += 1
-        self.held.add(run_id)
+        if method == "end_run":
+            self.held.discard(run_id)  # an end record gives the claim up
         MACHINE_EVENTS[f"write {method}"] += 1
         deepest = "steps of the longest run"
         MACHINE_EVENTS[deepest] = max(MACHINE_EVENTS[deepest], model.step)
@@ -732,6 +753,7 @@ class StoreMachine(RuleBasedStateMachine):
         run_id = f"{suffix}-{self.token}"
         record = RunStarted(run_id=run_id, snapshot=snapshot)
         if run_id in self.runs:
+            self.claim(run_id)  # a started (even a finished) run may be claimed
             with pytest.raises(RunAlreadyExists):
                 self.call(self.store, "start_run", record)
             MACHINE_EVENTS["second start refused"] += 1
@@ -772,13 +794,11 @@ class StoreMachine(RuleBasedStateMachine):
                 reason = data.draw(st.sampled_from(FINAL_REASONS), label="reason")
                 self.write(run_id, "end_run", _ended(run_id, reason, k))
                 model.phase = FINISHED
-                self.held.discard(run_id)
             else:
                 # A cancelled end may come anywhere; the run goes on from where it was.
                 assert what == "end_cancelled"
                 detail = data.draw(st.none() | texts, label="detail")
                 self.write(run_id, "end_run", _ended(run_id, StopReason.CANCELLED, k, detail))
-                self.held.discard(run_id)
 
     @precondition(lambda self: self.any_in(*OPEN))
     @rule(index=st.integers(0, 99), data=st.data())
@@ -786,6 +806,30 @@ class StoreMachine(RuleBasedStateMachine):
         """The same as :meth:`advance`: a second rule gives writes more of the steps
         (hypothesis picks among the enabled rules, and turns some off per example)."""
         self.advance(index, data)
+
+    @precondition(lambda self: self.held or self.any_in(FINISHED))
+    @rule(index=st.integers(0, 99), release=st.booleans())
+    def refused_write(self, index: int, release: bool) -> None:
+        """A write that must be refused and write nothing: one without the claim (after
+        ``release_run`` gave it up), or one after a final end record (claim or not)."""
+        finished = [run_id for run_id, m in self.runs.items() if m.phase == FINISHED]
+        if (release or not finished) and self.held:
+            run_id = sorted(self.held)[index % len(self.held)]
+            self.call(self.store, "release_run", run_id)
+            self.held.discard(run_id)
+            self.call(self.store, "release_run", run_id)  # nothing held: nothing happens
+            record = _ended(run_id, StopReason.CANCELLED, self.runs[run_id].step, "unclaimed")
+            with pytest.raises(RunLocked):
+                self.call(self.store, "end_run", record)
+            MACHINE_EVENTS["write without the claim refused"] += 1
+            return
+        run_id = finished[index % len(finished)]
+        self.claim(run_id)
+        record = _ended(run_id, StopReason.CANCELLED, self.runs[run_id].step, "after the end")
+        with pytest.raises(StoreError) as refused:
+            self.call(self.store, "end_run", record)
+        assert not isinstance(refused.value, RunLocked)
+        MACHINE_EVENTS["write after a final end refused"] += 1
 
     # -- crashes, reopening, a second writer --------------------------------------------
 
@@ -851,19 +895,22 @@ class StoreMachine(RuleBasedStateMachine):
 
     def second_object_writes(self, index: int) -> None:
         """Another store object reads every run, and may write one only while no object
-        holds its writer lock."""
+        holds its claim."""
         run_id = self.pick(OPEN, index)
         model = self.runs[run_id]
         record = _ended(run_id, StopReason.CANCELLED, model.step, "from another object")
         other = self.open()
         try:
             self.check_logs(other)  # readers are never locked out
+            with pytest.raises(RunLocked):  # no object writes without the claim
+                self.call(other, "end_run", record)
             if run_id in self.held:
                 with pytest.raises(RunLocked):
-                    self.call(other, "end_run", record)
+                    self.call(other, "claim_run", run_id)
                 MACHINE_EVENTS["second writer locked out"] += 1
             else:
-                self.call(other, "end_run", record)  # takes the lock, releases it at once
+                self.call(other, "claim_run", run_id)
+                self.call(other, "end_run", record)  # and gives the claim up at once
                 model.records.append(record)
                 model.lines += 1
                 MACHINE_EVENTS["second writer took over"] += 1
@@ -881,9 +928,7 @@ class StoreMachine(RuleBasedStateMachine):
             logs = {run_id: list((await store.read_log(run_id)).records)
                     for run_id in self.runs}
             unknown = list((await store.read_log(f"never-{self.token}")).records)
-            ids = store.run_ids()
-            if not isinstance(ids, tuple):
-                ids = await ids
+            ids = tuple(run.run_id for run in await store.list_runs())
             return logs, unknown, ids
 
         logs, unknown, ids = self.portal.call(read_all)

@@ -609,8 +609,10 @@ async def test_hostile_run_ids_and_bindings_are_plain_data_on_every_store(
             tables = {name for (name,) in db.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table'")}
             (runs,) = db.execute("SELECT COUNT(*) FROM records WHERE seq = 0").fetchone()
-        assert tables == {"meta", "records"}
+            (listed,) = db.execute("SELECT COUNT(*) FROM runs WHERE finished = 1").fetchone()
+        assert tables == {"meta", "records", "runs"}
         assert runs == len(HOSTILE) + 1
+        assert listed == runs  # one row per run in the table of runs, each finished
     if stores.kind == "postgresql":
         assert stores.conninfo is not None
         with psycopg.connect(stores.conninfo) as db:
@@ -618,8 +620,11 @@ async def test_hostile_run_ids_and_bindings_are_plain_data_on_every_store(
                 "SELECT tablename FROM pg_catalog.pg_tables WHERE schemaname = 'polyloop'")}
             (runs,) = db.execute(  # type: ignore[misc]
                 "SELECT COUNT(*) FROM polyloop.records WHERE seq = 0").fetchone()
-        assert tables == {"meta", "records"}
+            (listed,) = db.execute(
+                "SELECT COUNT(*) FROM polyloop.runs WHERE finished").fetchone()
+        assert tables == {"meta", "records", "runs"}
         assert runs == len(HOSTILE) + 1
+        assert listed == runs  # one row per run in the table of runs, each finished
     if stores.kind in ("memory", "postgresql"):
         assert after == before  # nothing on the local disk at all
 
@@ -759,6 +764,7 @@ BAD_LINES = bad_lines()
 
 
 async def start_only(store: Store, run_id: str = "r") -> None:
+    await store.claim_run(run_id)
     await store.start_run(RunStarted(run_id=run_id, snapshot={"k": 1}))
 
 

@@ -7,7 +7,9 @@ connection and a new store object resumes them; a cancellation before a batch st
 writes nothing; a batch holding a barrier always commits with ``synchronous_commit`` on.
 
 The tests watch commits through the store's private probe, which the batch thread calls
-just before each commit, and steer batches by keeping the only writer connection busy.
+just before each statement, and steer batches by keeping the only writer connection busy.
+Every run is claimed before its writes are queued: a claim needs the writer connection,
+which a held batch keeps busy.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from agent_kit import (
     six_step_script,
 )
 from polyloop import Replay, RunResult, resume, run
-from polyloop.stores import PostgresStore, _postgres_batch, _postgres_sql
+from polyloop.stores import PostgresStore, _postgres, _postgres_sql
 from polyloop.testing.store_contract import (
     DurableStoreContract,
     apply,
@@ -55,10 +57,11 @@ WAIT_S = 30
 
 @dataclass(frozen=True)
 class Commit:
-    """One commit as the batch thread saw it just before committing."""
+    """One statement (one transaction) as the batch thread saw it just before sending it;
+    a statement the server refused is one too."""
 
     setting: str  # SHOW synchronous_commit on the connection, inside the transaction if open
-    rows: Rows  # (run id, kind) of every row committed
+    rows: Rows  # (run id, kind) of every row the statement carries
     sent: tuple[str, ...]  # the SQL of the statements that make up the transaction
 
     @property
@@ -150,7 +153,13 @@ def started(run_id: str) -> RunStarted:
 
 
 def write(store: PostgresStore, writes: list[tuple[str, Any]]) -> Call:
-    return lambda: apply(store, writes)
+    """Make ``writes`` on a run that ``store`` has claimed already."""
+    return lambda: apply(store, writes, claim=False)
+
+
+async def claim(store: PostgresStore, *run_ids: str) -> None:
+    for run_id in run_ids:
+        await store.claim_run(run_id)
 
 
 async def until(condition: Callable[[], bool]) -> None:
@@ -179,6 +188,7 @@ class Busy:
         self.runs = [f"busy-{uuid.uuid4().hex[:8]}-{n}" for n in (1, 2)]
 
     async def start(self, group: anyio.abc.TaskGroup) -> None:
+        await claim(self.store, *self.runs)
         self.probe.hold()
         group.start_soon(self.store.start_run, started(self.runs[0]))
         assert await anyio.to_thread.run_sync(self.probe.entered.wait, WAIT_S)
@@ -251,8 +261,9 @@ async def test_each_row_is_visible_elsewhere_when_its_call_returns(
 
         async def one(run_id: str) -> None:
             writes = sample_run(run_id, steps=2)
+            await store.claim_run(run_id)
             for done in range(1, len(writes) + 1):
-                await apply(store, writes[done - 1:done])
+                await apply(store, writes[done - 1:done], claim=False)
                 assert await log_of(reader, run_id) == expected_records(writes[:done])
 
         async with anyio.create_task_group() as group:
@@ -269,7 +280,7 @@ async def test_several_writes_of_one_run_in_one_batch_get_consecutive_seqs(
         calls = [write(store, [one]) for one in writes[1:9]]
         assert await in_one_batch(store, probe, calls) == [None] * len(calls)
         assert ["m"] * len(calls) in batches
-        await apply(store, writes[9:])
+        await apply(store, writes[9:], claim=False)
         assert await log_of(store, "m") == expected_records(writes)
 
 
@@ -285,36 +296,85 @@ async def test_runs_ended_in_one_batch_are_unlocked_once_it_commits(
         assert ["e1", "e2"] in batches
         async with PostgresStore(postgres_conninfo) as other:
             for run_id in ("e1", "e2"):
-                await other.write_intent(_postgres_intent(run_id))
+                await other.claim_run(run_id)
+                with pytest.raises(StoreError, match="has ended"):  # a final end
+                    await other.write_intent(_postgres_intent(run_id))
             with pytest.raises(RunLocked):  # the run still open keeps its lock
-                await other.write_intent(_postgres_intent("open"))
+                await other.claim_run("open")
 
 
 def _postgres_intent(run_id: str) -> Any:
     return sample_run(run_id, steps=2)[5][1][0]
 
 
-async def test_a_batch_larger_than_one_statement_is_split(
-    postgres_conninfo: str, probe: Probe, monkeypatch: pytest.MonkeyPatch
+class Statements:
+    """Every statement the store's writer connections execute, in order (the probe's own
+    ``SHOW`` left out)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sent: list[str] = []
+        opened = _postgres._open_writer
+
+        def open_writer(conninfo: str, **options: Any) -> psycopg.Connection[Any]:
+            conn = opened(conninfo, **options)
+            execute = conn.execute
+
+            def counted(query: Any, *args: Any, **kwargs: Any) -> Any:
+                text = query if isinstance(query, str) else query.as_string(conn)
+                if text != "SHOW synchronous_commit":
+                    self.sent.append(text)
+                return execute(query, *args, **kwargs)
+
+            conn.execute = counted  # type: ignore[method-assign]
+            return conn
+
+        monkeypatch.setattr(_postgres, "_open_writer", open_writer)
+
+
+async def test_a_batch_of_more_than_a_thousand_rows_is_one_statement(
+    postgres_conninfo: str, probe: Probe, batches: list[list[str]],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_postgres_batch, "_MAX_ROWS_PER_STATEMENT", 3)
-    run_ids = [f"run-{n}" for n in range(12)]
+    # Each run writes one step with its action result (two rows) in the batch.
+    run_ids = [f"wide-{n:03d}" for n in range(600)]
+    steps = {run_id: sample_run(run_id, steps=1)[4] for run_id in run_ids}
+    statements = Statements(monkeypatch)
     async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
-        await _write_at_once_and_check(store, run_ids)
-    assert max(len(commit.rows) for commit in probe.commits) > 3
+        async with anyio.create_task_group() as group:
+            for run_id in run_ids:
+                group.start_soon(apply, store, [("start_run", (started(run_id),))])
+        busy = Busy(store, probe)
+        async with anyio.create_task_group() as group:
+            await busy.start(group)
+            for run_id in run_ids:
+                group.start_soon(write(store, [steps[run_id]]))
+            await until(lambda: busy.in_flight() == 2 + len(run_ids))
+            sent_before = len(statements.sent)
+            commits_before = len(probe.commits)
+            busy.release()
+        assert sorted(run_ids) in [sorted(batch) for batch in batches]
+        [wide] = [commit for commit in probe.commits[commits_before:]
+                  if len(commit.rows) > 2]
+        assert len(wide.rows) == 2 * len(run_ids) > 1000
+        assert len(wide.sent) == 1
+        # What the connection really executed meanwhile: the two held writes, one
+        # statement each, then the wide batch in one statement.
+        assert statements.sent[sent_before:] == [
+            commit.sent[0] for commit in probe.commits[commits_before:]]
+        assert len(probe.commits[commits_before:]) == 3
+        for run_id in run_ids:
+            assert await log_of(store, run_id) == expected_records(
+                [("start_run", (started(run_id),)), steps[run_id]])
 
 
 # -- durability of barriers --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rows_per_statement", [1000, 1])
 async def test_barriers_commit_with_synchronous_commit_on(
-    postgres_conninfo: str, probe: Probe, monkeypatch: pytest.MonkeyPatch,
-    rows_per_statement: int,
+    postgres_conninfo: str, probe: Probe
 ) -> None:
-    # With one row per statement, batches of several rows take the pipelined path, where
-    # the probe asks inside the open transaction.
-    monkeypatch.setattr(_postgres_batch, "_MAX_ROWS_PER_STATEMENT", rows_per_statement)
+    # Whether the setting really is off inside a lazy statement's own transaction (and
+    # only there) is checked below, on the store's own statements.
     async with watched(postgres_conninfo, probe, max_writer_connections=2) as store:
         await apply(store, sample_run("alone", steps=2))
         async with anyio.create_task_group() as group:
@@ -326,30 +386,46 @@ async def test_barriers_commit_with_synchronous_commit_on(
             assert commit.setting == "on", commit
     assert any(commit.barrier and len(commit.rows) > 1 for commit in probe.commits)
     assert any(not commit.barrier for commit in probe.commits)
-    if rows_per_statement == 1:  # SET LOCAL really is in force in such a transaction
-        assert any(commit.setting == "off" for commit in probe.commits)
+    assert all(len(commit.sent) == 1 for commit in probe.commits)
 
 
-async def test_a_lazy_insert_turns_synchronous_commit_off_for_its_own_transaction(
+async def test_a_lazy_write_turns_synchronous_commit_off_for_its_own_transaction(
     postgres_conninfo: str,
 ) -> None:
+    writes = sample_run("r", steps=1)
     async with PostgresStore(postgres_conninfo) as store:
-        await store.start_run(started("r"))  # creates the schema
-        lazy = store._queries.insert_rows(1, lazy=True)
-        row = (_postgres_sql.run_key("x"), 0, "x", "intent", "{}")
+        await apply(store, writes[:1])  # creates the schema and the run's row
+        queries = store._queries
+    # The store's own statements, appending the run's intent as its claim would; the
+    # claim above has been given up, so its epoch is still the run's.
+    key = _postgres_sql.run_key("r")
+    kind, body = _postgres_sql.record_row(writes[1][1][0])
+    runs = sql.Identifier("polyloop", "runs")
 
-    def settings() -> list[str]:
+    def settings() -> list[tuple[str, bool]]:
         with pg.admin(postgres_conninfo) as conn:
+            row = conn.execute(sql.SQL("SELECT epoch FROM {} WHERE run_key = %s").format(runs),
+                               (key,)).fetchone()
+            assert row is not None
+            params = {"run_keys": [key], "run_ids": ["r"], "epochs": [row[0]],
+                      "first_seqs": [1], "next_seqs": [2], "finals": [False],
+                      "starts": [False], "row_keys": [key], "seqs": [1], "row_ids": ["r"],
+                      "kinds": [kind], "bodies": [body]}
             seen = []
-            conn.execute("BEGIN")
-            conn.execute(lazy, row)
-            seen.append(_setting(conn))
-            conn.execute("ROLLBACK")
-            conn.execute(lazy, row)  # alone: a transaction of its own
-            seen.append(_setting(conn))
+            for query in (queries.write, queries.lazy_write):
+                conn.execute("BEGIN")
+                admitted = conn.execute(query, params).fetchall()
+                seen.append((_setting(conn), admitted == [(key,)]))
+                conn.execute("ROLLBACK")
+            admitted = conn.execute(queries.lazy_write, params).fetchall()  # alone
+            seen.append((_setting(conn), admitted == [(key,)]))
             return seen
 
-    assert await anyio.to_thread.run_sync(settings) == ["off", "on"]
+    # Barrier: on. Lazy: off inside its transaction, and on again once it committed.
+    assert await anyio.to_thread.run_sync(settings) == [("on", True), ("off", True),
+                                                          ("on", True)]
+    async with PostgresStore(postgres_conninfo) as store:
+        assert await log_of(store, "r") == expected_records(writes[:2])
 
 
 def _setting(conn: psycopg.Connection[Any]) -> str:
@@ -365,12 +441,15 @@ async def test_items_refused_on_their_own_do_not_fail_their_neighbours(
     postgres_conninfo: str, probe: Probe, batches: list[list[str]]
 ) -> None:
     async with PostgresStore(postgres_conninfo) as other:
-        await other.start_run(started("existing"))
+        await apply(other, [("start_run", (started("existing"),))])
     holder = PostgresStore(postgres_conninfo)
-    await holder.start_run(started("held"))
+    await apply(holder, [("start_run", (started("held"),))])
     ongoing = sample_run("ongoing", steps=1)
     async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
         await apply(store, ongoing[:1])
+        await claim(store, "existing", "fresh-a", "never", "fresh-b")
+        with pytest.raises(RunLocked):
+            await store.claim_run("held")
         outcomes = await in_one_batch(store, probe, [
             lambda: store.start_run(started("existing")),
             lambda: store.start_run(started("fresh-a")),
@@ -390,10 +469,15 @@ async def test_items_refused_on_their_own_do_not_fail_their_neighbours(
         assert await log_of(store, "ongoing") == expected_records(ongoing[:2])
         assert await log_of(store, "never") == []
         assert await log_of(store, "existing") == [started("existing")]
-        # A refusal keeps no lock that it took: another store object writes those runs
+        # A refusal leaves the claims as they were: this store object still holds the
+        # runs it claimed, and once it gives them up another store object writes them
         # while this one is still open.
         async with PostgresStore(postgres_conninfo) as third:
-            await third.start_run(started("never"))
+            for run_id in ("never", "existing"):
+                with pytest.raises(RunLocked):
+                    await third.claim_run(run_id)
+                await store.release_run(run_id)
+            await apply(third, [("start_run", (started("never"),))])
             await apply(third, sample_run("existing", steps=1)[1:2])
     await holder.aclose()
 
@@ -407,6 +491,15 @@ async def _conflicting_row(conninfo: str, run_id: str, seq: int) -> None:
         conn.execute(query, (_postgres_sql.run_key(run_id), seq, run_id))
 
 
+async def _row_count(conninfo: str, run_id: str) -> int:
+    records = sql.Identifier("polyloop", "records")
+    query = sql.SQL("SELECT count(*) FROM {} WHERE run_key = %s").format(records)
+    with pg.admin(conninfo) as conn:
+        row = conn.execute(query, (_postgres_sql.run_key(run_id),)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 async def test_a_row_the_server_refuses_fails_alone(
     postgres_conninfo: str, probe: Probe, batches: list[list[str]]
 ) -> None:
@@ -418,25 +511,35 @@ async def test_a_row_the_server_refuses_fails_alone(
         outcomes = await in_one_batch(store, probe, [
             write(store, runs["a"][1:2]),
             write(store, runs["bad"][1:2]),
-            write(store, runs["bad"][2:3]),  # after its run failed: refused, no gap
+            write(store, runs["bad"][2:3]),  # the same run: it fails with it, no gap
             write(store, runs["b"][1:2]),
         ])
         assert ["a", "bad", "bad", "b"] in batches
         assert outcomes[0] is None
         assert outcomes[3] is None
-        assert isinstance(outcomes[1], StoreError)
-        assert isinstance(outcomes[1].__cause__, psycopg.errors.UniqueViolation)
-        assert isinstance(outcomes[2], StoreError)
-        assert "earlier write" in str(outcomes[2])
-        assert probe.commits[-1].rows == (("a", "intent"), ("b", "intent"))
-        assert probe.commits[-1].setting == "on"
-        assert not probe.commits[-1].lazy
+        for outcome in outcomes[1:3]:
+            assert isinstance(outcome, StoreError)
+            assert isinstance(outcome.__cause__, psycopg.errors.UniqueViolation)
+        # The batch's one statement was refused; then each run went again on its own.
+        tried = [commit.rows for commit in probe.commits[-4:]]
+        assert tried == [
+            (("a", "intent"), ("bad", "intent"), ("bad", "result"), ("b", "intent")),
+            (("a", "intent"),),
+            (("bad", "intent"), ("bad", "result")),
+            (("b", "intent"),),
+        ]
+        for commit in probe.commits[-4:]:
+            assert commit.setting == "on"
+            assert not commit.lazy
+            assert len(commit.sent) == 1
         # The connection goes on serving its other runs; the failed run stays refused.
         for run_id in ("a", "b"):
-            await apply(store, runs[run_id][2:])
+            await apply(store, runs[run_id][2:], claim=False)
             assert await log_of(store, run_id) == expected_records(runs[run_id])
         with pytest.raises(StoreError, match="earlier write"):
-            await apply(store, runs["bad"][2:3])
+            await apply(store, runs["bad"][2:3], claim=False)
+        # Nothing of "bad" was written: its start and the clashing row, no more.
+        assert await _row_count(postgres_conninfo, "bad") == 2
 
 
 async def test_a_connection_lost_mid_batch_fails_its_runs_and_a_new_store_resumes_them(
@@ -455,7 +558,9 @@ async def test_a_connection_lost_mid_batch_fails_its_runs_and_a_new_store_resume
         assert isinstance(outcome.__cause__, psycopg.OperationalError)
     # r0 was not in the batch, but its lock lived on the lost connection too.
     with pytest.raises(StoreError, match="earlier write"):
-        await apply(store, runs["r0"][3:4])
+        await apply(store, runs["r0"][3:4], claim=False)
+    with pytest.raises(StoreError, match="earlier write"):  # nor can it claim them again
+        await store.claim_run("r0")
     await store.aclose()
 
     async with PostgresStore(postgres_conninfo) as fresh:
@@ -529,6 +634,7 @@ async def test_cancelled_before_its_batch_starts_writes_nothing_and_reraises(
     reached = False
     async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
         busy = Busy(store, probe)
+        await claim(store, "neighbour", "z")
         async with anyio.create_task_group() as group:
             await busy.start(group)
             group.start_soon(store.start_run, started("neighbour"))
@@ -548,9 +654,13 @@ async def test_cancelled_before_its_batch_starts_writes_nothing_and_reraises(
         assert not reached
         assert await log_of(store, "z") == []
         assert await log_of(store, "neighbour") == [started("neighbour")]
-    assert all(run_id != "z" for commit in probe.commits for run_id, _ in commit.rows)
-    async with PostgresStore(postgres_conninfo) as other:  # and it took no lock
-        await other.start_run(started("z"))
+        assert all(run_id != "z" for commit in probe.commits for run_id, _ in commit.rows)
+        # The claim is as it was: still this store object's, and the run still new.
+        async with PostgresStore(postgres_conninfo) as other:
+            with pytest.raises(RunLocked):
+                await other.claim_run("z")
+        await store.start_run(started("z"))
+        assert await log_of(store, "z") == [started("z")]
 
 
 @pytest.mark.parametrize("alone", [True, False], ids=["alone", "in-a-batch"])
@@ -559,6 +669,7 @@ async def test_cancelled_once_its_batch_started_commits_then_reraises(
 ) -> None:
     reached = False
     async with watched(postgres_conninfo, probe, max_writer_connections=1) as store:
+        await claim(store, "busy", "z")
         async with anyio.create_task_group() as group:
             probe.hold()
             if not alone:  # a write held at its commit; z's batch starts behind it
@@ -610,6 +721,7 @@ async def test_a_leader_cancelled_as_its_batch_starts_still_commits_its_neighbou
             leader = group._running.entries[0].item.slot.run_id
             scopes[leader].cancel()
 
+        await claim(store, "busy", *run_ids)
         async with anyio.create_task_group() as tasks:
             probe.hold()
             tasks.start_soon(store.start_run, started("busy"))

@@ -310,6 +310,32 @@ class SimDisk:
             raise RunLocked("another writer holds this run", run_id=run_id)
         node.lock_holder = fd
 
+    def lock_held(self, fd: int) -> bool:
+        """Whether another open description (not ``fd``'s) holds the file's writer lock."""
+        self._alive()
+        node = self._file(fd).node
+        assert isinstance(node, SimFile)
+        return node.lock_holder is not None and node.lock_holder != fd
+
+    def names_file(self, fd: int, path: Path) -> bool:
+        """Whether ``path`` names, right now, the very file open on ``fd``."""
+        self._alive()
+        return self.lookup(path) is self._file(fd).node
+
+    def unlink(self, path: Path) -> None:
+        """Remove the directory entry (durably gone only once the directory is synced).
+
+        Descriptors open on the file keep it, and its lock, as a removed file's do.
+        """
+        self._alive()
+        parent, name = self._parent(path)
+        node = parent.entries.get(name)
+        if node is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
+        if isinstance(node, SimDir):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+        del parent.entries[name]
+
     def mkdir(self, path: Path) -> None:
         self._alive()
         parent, name = self._parent(path)
@@ -398,6 +424,12 @@ class AckingStore:
 
     def parameters(self) -> Mapping[str, JSONValue]:
         return self.inner.parameters()
+
+    async def claim_run(self, run_id: str) -> None:
+        await self.inner.claim_run(run_id)
+
+    async def release_run(self, run_id: str) -> None:
+        await self.inner.release_run(run_id)
 
     async def start_run(self, record: RunStarted) -> None:
         await self.inner.start_run(record)
@@ -530,7 +562,11 @@ async def aftermath(subject: Subject, life: Life, where: str) -> Outcome:
             with pytest.raises(CorruptLog) as caught:
                 await resume(subject.definition(store), subject.request())
             assert caught.value.location == f"{RUN_FILE.name}:{genuine + 1}", where
-            assert life.image.content(RUN_FILE) == content, where  # nothing was changed
+            # Nothing was written; the only change is the claim's cut of a torn tail (bytes
+            # after the last newline, never a record), made before the log was read.
+            assert content is not None, where
+            complete = content[: content.rfind(b"\n") + 1]
+            assert life.image.content(RUN_FILE) == complete, where
             assert effects_before == len(subject.ledger.calls), where
             return Outcome("corrupt", torn)
         plan = read_plan(RunLog(run_id="r", records=tuple(durable)))
@@ -661,7 +697,7 @@ async def test_a_lost_directory_entry_makes_the_run_fresh_not_corrupt() -> None:
         if disk.image.content(RUN_FILE) is None:
             lost += 1
             assert (await store.read_log("r")).records == ()
-            assert await store.run_ids() == ()
+            assert tuple(run.run_id for run in await store.list_runs()) == ()
             with pytest.raises(RunNotFound):
                 await resume(definition(store, script=six_step_script()),
                              request("r", make_tools(Ledger())))
@@ -669,7 +705,7 @@ async def test_a_lost_directory_entry_makes_the_run_fresh_not_corrupt() -> None:
             # The file was synced before its entry: when the entry survives, so does it.
             kept += 1
             assert [type(r) for r in (await store.read_log("r")).records] == [RunStarted]
-            assert await store.run_ids() == ("r",)
+            assert tuple(run.run_id for run in await store.list_runs()) == ("r",)
         await store.aclose()
     assert lost and kept
 
@@ -691,6 +727,61 @@ def test_the_disk_model_keeps_drops_and_garbles_pending_writes() -> None:
             else:
                 fates.add("garbage")
     assert fates == {"keep", "drop", "garbage"}
+
+
+def test_the_disk_model_locks_names_and_unlinks_like_a_file_system() -> None:
+    """The lock belongs to one open description; a removed path names nothing, and a new
+    file at the path is another file; a removal is durable only once its directory is."""
+    disk = SimDisk()
+    disk.mkdir(DIRECTORY)
+    disk.fsync_directory(DIRECTORY.parent)
+    first = disk.open(RUN_FILE, os.O_RDWR | os.O_CREAT)
+    second = disk.open(RUN_FILE, os.O_RDONLY)
+    assert not disk.lock_held(first) and not disk.lock_held(second)
+    disk.lock(first, "r")
+    assert not disk.lock_held(first) and disk.lock_held(second)
+    with pytest.raises(RunLocked):
+        disk.lock(second, "r")
+    assert disk.names_file(first, RUN_FILE) and disk.names_file(second, RUN_FILE)
+    disk.fsync_directory(DIRECTORY)
+    disk.unlink(RUN_FILE)
+    assert disk.lookup(RUN_FILE) is None
+    assert not disk.names_file(first, RUN_FILE)
+    assert disk.lock_held(second)  # the removed file keeps its lock while it is open
+    with pytest.raises(FileNotFoundError):
+        disk.unlink(RUN_FILE)
+    with pytest.raises(IsADirectoryError):
+        disk.unlink(DIRECTORY)
+    successor = disk.open(RUN_FILE, os.O_RDWR | os.O_CREAT)
+    assert disk.names_file(successor, RUN_FILE) and not disk.names_file(first, RUN_FILE)
+    assert not disk.lock_held(successor)
+    disk.close(first)
+    assert not disk.lock_held(second)
+    # Before the directory is synced again, a power cut may bring the removed file back.
+    assert disk.cut_power(random.Random(0)).lookup(RUN_FILE) is not None
+
+
+async def test_a_claim_that_starts_nothing_leaves_no_entry_and_claims_are_seen() -> None:
+    disk = SimDisk()
+    holder = JsonlStore(DIRECTORY, _files=disk)
+    watcher = JsonlStore(DIRECTORY, _files=disk)
+    await holder.claim_run("r")
+    assert disk.content(RUN_FILE) == b""
+    with pytest.raises(RunLocked):
+        await watcher.claim_run("r")
+    assert await watcher.describe_run("r") is None  # claimed, never started: no run
+    await holder.release_run("r")
+    assert disk.lookup(RUN_FILE) is None
+    await holder.claim_run("r")
+    await holder.start_run(RunStarted(run_id="r", snapshot={}))
+    seen = await watcher.describe_run("r")
+    assert seen is not None and seen.claimed and not seen.finished
+    await holder.release_run("r")  # a started run keeps its file
+    assert lines_of(disk.content(RUN_FILE))
+    (seen,) = await watcher.list_runs()
+    assert seen.run_id == "r" and not seen.claimed
+    await holder.aclose()
+    await watcher.aclose()
 
 
 @pytest.mark.parametrize("first_cut", [5, 8, 14])

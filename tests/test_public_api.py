@@ -21,15 +21,16 @@ NAMES_BY_MODULE = {
         "RunStarted", "Intent", "IntentKind", "Result", "RunEnded", "RunLog", "RunResult",
         "Record", "PolyLoopError", "RunAlreadyExists", "RunNotFound", "RunIdentityMismatch",
         "CorruptLog", "SchemaMajorMismatch", "RunLocked", "InvalidRequest", "StoreError",
-        "UnloggableValue",
+        "UnloggableValue", "RunState", "RunStatus", "RecoveredRun",
     },
     ports: {
         "ModelClient", "ModelCall", "ModelReply", "Interpreter", "Decision", "Action",
         "FinalAnswer", "InvalidDecision", "ActionExecutor", "ActionOutcome", "Store",
-        "EventSink", "Event", "EventKind", "NullSink",
+        "EventSink", "Event", "EventKind", "NullSink", "ManagedStore", "StoredRun",
     },
     tools: {"ToolSpec", "ToolRegistry"},
-    session: {"Definition", "Request", "ObservationTexts", "run", "resume"},
+    session: {"Definition", "Request", "ObservationTexts", "run", "resume", "start_or_resume",
+              "run_status", "recover"},
 }
 ERRORS = {
     "PolyLoopError": Exception,

@@ -319,6 +319,7 @@ async def test_an_inline_write_switches_the_level_only_when_it_changes(
     switches = 0
     async with SqliteStore(tmp_path / "runs.db") as store:
         monkeypatch.setattr(store._gate, "limit_s", 60.0)  # however slow this disk is
+        await store.claim_run("r1")  # in a worker thread, before any write
         worker, inline = made
         worker.log.clear()
         inline.log.clear()
@@ -329,14 +330,25 @@ async def test_an_inline_write_switches_the_level_only_when_it_changes(
             expected = [] if wanted == level else [f"PRAGMA synchronous={_NAME[wanted]}"]
             switches += wanted != level
             level = wanted
-            ran = [sql for sql in inline.log if not sql.startswith("SELECT MAX(seq)")]
-            expected += ["BEGIN IMMEDIATE", "INSERT", "COMMIT"]
-            assert [sql.split(" INTO")[0] for sql in ran] == expected, method
+            # The records' rows, then the run's row moved on in the same transaction.
+            run_row = "INSERT INTO runs" if method == "start_run" else "UPDATE runs"
+            expected += ["BEGIN IMMEDIATE", "INSERT INTO records", run_row, "COMMIT"]
+            assert [_statement(sql) for sql in inline.log] == expected, method
             assert inline.execute("PRAGMA synchronous").fetchone()[0] == level
             assert not inline.in_transaction
             inline.log.clear()
-        assert worker.log == []  # a lone run never needed the worker connection
+        assert worker.log == []  # a lone run's writes never needed the worker connection
     assert 0 < switches < len(writes) - 1
+
+
+def _statement(sql: str) -> str:
+    """What a statement is, without its columns and values: ``INSERT INTO records``."""
+    words = sql.split()
+    if words[0] == "INSERT":
+        return " ".join(words[:3]).split("(")[0].strip()
+    if words[0] == "UPDATE":
+        return " ".join(words[:2])
+    return sql
 
 
 class _FailsSwitchingOnce(RecordingConnection):
@@ -360,7 +372,8 @@ async def test_a_barrier_after_a_failed_level_switch_still_commits_under_full(
     start_1, start_2 = sample_run("r1")[0], sample_run("r2")[0]
     _, (result,) = sample_run("r1", steps=1)[2]
     async with SqliteStore(tmp_path / "runs.db") as store:
-        await apply(store, [start_1, start_2])  # two runs: worker threads from now on
+        await apply(store, [start_1])
+        await apply(store, [start_2])  # two runs claimed: worker threads from now on
         with pytest.raises(StoreError, match="disk I/O error"):
             await store.write_result(result)  # the connection was left at NORMAL
         await store.write_intent(intent("r2"))
@@ -472,7 +485,13 @@ async def test_a_refused_or_failed_write_rolls_back_alone(
         # No write of ``store`` runs inline (on the event loop, which the held commit
         # would block): every sync counts as slow.
         monkeypatch.setattr(store._gate, "limit_s", 0.0)
-        await other.write_intent(intent("locked"))  # another store object holds "locked"
+        await other.claim_run("locked")  # another store object holds "locked"
+        await other.write_intent(intent("locked"))
+        with pytest.raises(RunLocked):
+            await store.claim_run("locked")
+        # Claimed before the commit is held (a claim needs the store's connection).
+        for run_id in ("held", "ok-1", "ok-2", "exists", "ghost", "doomed", "half"):
+            await store.claim_run(run_id)
 
         async def write(name: str, call: Callable[[], Any]) -> None:
             try:
@@ -601,6 +620,8 @@ async def test_a_write_cancelled_before_its_commit_starts_writes_nothing(
 
     async with SqliteStore(path) as store:
         monkeypatch.setattr(store._gate, "limit_s", 0.0)  # no inline write (see above)
+        await store.claim_run("held")
+        await store.claim_run("r1")
 
         async def cancelled_write() -> None:
             with scope:
@@ -637,6 +658,8 @@ async def test_a_started_commit_completes_when_its_leader_is_cancelled_waiting_f
     scope = anyio.CancelScope()
     async with SqliteStore(path) as store:
         monkeypatch.setattr(store._gate, "limit_s", 0.0)  # every write in a shared commit
+        await store.claim_run("r1")  # while worker threads are free
+        await store.claim_run("r2")
 
         async def lead() -> None:
             with scope:

@@ -113,6 +113,7 @@ async def started_run(directory: Path, run_id: str = "r") -> list[Any]:
     """Start ``run_id`` with one intent through a store that is then closed."""
     records: list[Any] = [started(run_id), intent(run_id)]
     async with JsonlStore(directory) as store:
+        await store.claim_run(run_id)
         await store.start_run(records[0])
         await store.write_intent(records[1])
     return records
@@ -168,6 +169,9 @@ async def test_creates_its_directory_with_parents_and_syncs_new_entries(
     monkeypatch.setattr(jsonl_module, "fsync_directory", record)
     directory = tmp_path / "a" / "b" / "runs"
     async with JsonlStore(directory) as store:
+        await store.claim_run("r")
+        # The claim made the directories (each entry synced into its parent).
+        assert synced == [tmp_path, tmp_path / "a", tmp_path / "a" / "b"]
         await store.start_run(started())
     assert run_file(directory, "r").is_file()
     # Each new directory's entry is synced into its parent, then the run file's entry.
@@ -194,6 +198,8 @@ async def test_start_run_syncs_the_file_then_its_directory_entry(
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(jsonl_module, "fsync_directory", fsync_directory)
     async with JsonlStore(directory) as store:
+        await store.claim_run("r")
+        assert events == []  # claiming a new run syncs nothing yet
         await store.start_run(started())
     assert events == ["file", "dir:runs"]
 
@@ -211,6 +217,7 @@ async def test_write_intent_syncs_the_run_file_and_a_result_does_not(
         real_fsync(fd)
 
     async with JsonlStore(directory) as store:
+        await store.claim_run("r")
         await store.start_run(started())
         monkeypatch.setattr(os, "fsync", fsync)
         await store.write_result(result())
@@ -223,6 +230,7 @@ async def test_run_ids_never_escape_the_directory(tmp_path: Path) -> None:
     directory = tmp_path / "runs"
     async with JsonlStore(directory) as store:
         for run_id in AWKWARD_RUN_IDS:
+            await store.claim_run(run_id)
             await store.start_run(started(run_id))
     assert os.listdir(tmp_path) == ["runs"]
     entries = [directory / name for name in os.listdir(directory)]
@@ -238,6 +246,7 @@ async def test_moved_directory_still_reads_and_resumes(tmp_path: Path) -> None:
     shutil.move(tmp_path / "before", tmp_path / "after")
     async with JsonlStore(tmp_path / "after") as store:
         assert list((await store.read_log("r")).records) == records
+        await store.claim_run("r")
         await store.write_result(result())
 
 
@@ -246,12 +255,21 @@ async def test_moved_directory_still_reads_and_resumes(tmp_path: Path) -> None:
 
 async def test_start_run_refuses_a_run_another_store_object_wrote(tmp_path: Path) -> None:
     await started_run(tmp_path)
-    async with JsonlStore(tmp_path) as late:
+    before = run_file(tmp_path, "r").read_bytes()
+    async with JsonlStore(tmp_path) as late, JsonlStore(tmp_path) as other:
+        await late.claim_run("r")
         with pytest.raises(RunAlreadyExists):
             await late.start_run(started())
-    # The refusal did not keep the lock: another store object can still write.
-    async with JsonlStore(tmp_path) as other:
-        await other.write_result(result())
+        assert run_file(tmp_path, "r").read_bytes() == before
+        # The refusal changed nothing about the claim: late still holds it and writes...
+        with pytest.raises(RunLocked):
+            await other.claim_run("r")
+        await late.write_result(result())
+        # ...and giving it up leaves the started run's file for the next writer.
+        await late.release_run("r")
+        await other.claim_run("r")
+        await other.write_result(result(k=1))
+        assert list((await other.read_log("r")).records)[-2:] == [result(), result(k=1)]
 
 
 @pytest.mark.parametrize("content", [b"", b'{"schema":"polyloop/1","kind":"run_sta'])
@@ -262,6 +280,7 @@ async def test_a_file_without_a_complete_line_is_reused_by_start_run(
     path.write_bytes(content)
     async with JsonlStore(tmp_path) as store:
         assert (await store.read_log("r")).records == ()
+        await store.claim_run("r")
         with pytest.raises(StoreError, match="never started"):
             await store.write_intent(intent())
         await store.start_run(started())
@@ -269,13 +288,48 @@ async def test_a_file_without_a_complete_line_is_reused_by_start_run(
     assert path.read_bytes() == (dumps(started()) + "\n").encode()
 
 
+@pytest.mark.parametrize("content", [None, b"", b'{"schema":"polyloop/1","kind":"run_sta'])
+async def test_a_claim_that_starts_nothing_leaves_no_file(
+    tmp_path: Path, content: bytes | None
+) -> None:
+    path = run_file(tmp_path, "r")
+    if content is not None:
+        path.write_bytes(content)
+    async with JsonlStore(tmp_path) as store, JsonlStore(tmp_path) as other:
+        await store.claim_run("r")
+        # The claim holds the (new or emptied) file, owner-only, locked against others.
+        assert path.read_bytes() == b""
+        if content is None:
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        with pytest.raises(RunLocked):
+            await other.claim_run("r")
+        assert await store.describe_run("r") is None
+        assert await store.list_runs() == ()
+        await store.release_run("r")
+        assert not path.exists()
+        await store.release_run("r")  # nothing held: nothing happens
+        # The id is free again, for any store object.
+        await other.claim_run("r")
+        await other.start_run(started())
+        await other.release_run("r")
+    assert path.read_bytes() == (dumps(started()) + "\n").encode()
+    # Closing a store that still holds a claim which started nothing removes that file too.
+    async with JsonlStore(tmp_path) as store:
+        await store.claim_run("unstarted")
+        assert run_file(tmp_path, "unstarted").exists()
+    assert not run_file(tmp_path, "unstarted").exists()
+
+
 async def test_writes_after_aclose_are_refused(tmp_path: Path) -> None:
     store = JsonlStore(tmp_path)
+    await store.claim_run("r")
     await store.start_run(started())
     await store.aclose()
     before = run_file(tmp_path, "r").read_bytes()
     with pytest.raises(StoreError, match="closed"):
         await store.write_intent(intent())
+    with pytest.raises(StoreError, match="closed"):
+        await store.claim_run("other")
     with pytest.raises(StoreError, match="closed"):
         await store.start_run(started("other"))
     with pytest.raises(StoreError, match="closed"):
@@ -284,25 +338,40 @@ async def test_writes_after_aclose_are_refused(tmp_path: Path) -> None:
     assert not run_file(tmp_path, "other").exists()
 
 
-async def test_a_resumed_run_is_locked_from_its_first_write_until_end_run(
+async def test_a_resumed_run_is_locked_from_its_claim_until_end_run(
     tmp_path: Path,
 ) -> None:
     await started_run(tmp_path)
+    before = run_file(tmp_path, "r").read_bytes()
     async with JsonlStore(tmp_path) as holder, JsonlStore(tmp_path) as other:
+        # Nobody writes without the claim, and nothing is written by the refusal.
+        with pytest.raises(RunLocked, match="does not hold"):
+            await holder.write_result(result())
+        assert run_file(tmp_path, "r").read_bytes() == before
+        await holder.claim_run("r")
+        with pytest.raises(RunLocked):
+            await other.claim_run("r")
+        with pytest.raises(RunLocked):  # not re-entrant either
+            await holder.claim_run("r")
         await holder.write_result(result())
         with pytest.raises(RunLocked):
             await other.write_result(result(k=1))
         await holder.end_run(RunEnded(run_id="r", stop_reason=StopReason.CANCELLED,
                                       final_answer=None, steps=0, valid_steps=0, detail=None))
+        # A cancelled end is not final: the next claimant may continue the run.
+        await other.claim_run("r")
         await other.write_result(result(k=1))
         with pytest.raises(RunLocked):
             await holder.write_result(result(k=2))
+        with pytest.raises(RunLocked):
+            await holder.claim_run("r")
 
 
 async def test_write_step_refuses_a_result_of_another_run(tmp_path: Path) -> None:
     await started_run(tmp_path)
     before = run_file(tmp_path, "r").read_bytes()
     async with JsonlStore(tmp_path) as store:
+        await store.claim_run("r")
         with pytest.raises(StoreError, match="belongs to run"):
             await store.write_step(step(), result(run_id="other"))
         await store.write_step(step(), None)
@@ -317,6 +386,7 @@ async def test_an_unloggable_value_writes_nothing_and_does_not_fail_the_run(
     bad = Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL,
                  payload={"x": float("nan")})
     async with JsonlStore(tmp_path) as store:
+        await store.claim_run("r")
         with pytest.raises(UnloggableValue):
             await store.write_result(bad)
         assert run_file(tmp_path, "r").read_bytes() == before
@@ -336,11 +406,16 @@ async def test_a_planted_symlink_is_never_followed(tmp_path: Path, dangling: boo
     run_file(directory, "r").symlink_to(target)
     async with JsonlStore(directory) as store:
         with pytest.raises(StoreError, match="symbolic link"):
+            await store.claim_run("r")
+        # The refused claim holds nothing, so no write goes through the link either.
+        with pytest.raises(RunLocked):
             await store.start_run(started())
-        with pytest.raises(StoreError, match="symbolic link"):
+        with pytest.raises(RunLocked):
             await store.write_intent(intent())
         with pytest.raises(StoreError, match="symbolic link"):
             await store.read_log("r")
+        with pytest.raises(StoreError, match="symbolic link"):
+            await store.describe_run("r")
     if dangling:
         assert not target.exists()
     else:
@@ -354,9 +429,12 @@ async def test_a_planted_fifo_is_refused_without_blocking(tmp_path: Path) -> Non
             with pytest.raises(StoreError, match="regular file"):
                 await store.read_log("r")
             with pytest.raises(StoreError, match="regular file"):
+                await store.claim_run("r")
+            with pytest.raises(RunLocked):
                 await store.write_intent(intent())
-            with pytest.raises(StoreError, match="regular file"):
+            with pytest.raises(RunLocked):
                 await store.start_run(started())
+    assert stat.S_ISFIFO(run_file(tmp_path, "r").lstat().st_mode)
 
 
 # -- torn tails ---------------------------------------------------------------------------
@@ -377,6 +455,9 @@ async def test_a_torn_tail_is_ignored_then_truncated_by_the_next_writer(
     append_bytes(path, tail)
     async with JsonlStore(tmp_path) as store:
         assert list((await store.read_log("r")).records) == records
+        assert path.read_bytes() == complete + tail  # readers leave the tail alone
+        await store.claim_run("r")
+        assert path.read_bytes() == complete  # the claim cut it off, before any write
         await store.write_result(result())
         assert list((await store.read_log("r")).records) == [*records, result()]
     assert path.read_bytes() == complete + (dumps(result()) + "\n").encode()
@@ -386,10 +467,13 @@ async def test_a_torn_tail_is_left_alone_while_another_writer_holds_the_run(
     tmp_path: Path,
 ) -> None:
     async with JsonlStore(tmp_path) as holder, JsonlStore(tmp_path) as other:
+        await holder.claim_run("r")
         await holder.start_run(started())
         path = run_file(tmp_path, "r")
         append_bytes(path, b'{"schema":"polyl')  # as if the holder were mid-write
         content = path.read_bytes()
+        with pytest.raises(RunLocked):
+            await other.claim_run("r")
         with pytest.raises(RunLocked):
             await other.write_result(result())
         assert path.read_bytes() == content
@@ -468,6 +552,7 @@ async def test_a_terminated_bad_line_is_an_error_naming_file_and_line(
     append_bytes(path, line + b"\n")
     async with JsonlStore(tmp_path) as store:
         # Lines after the bad one do not hide it.
+        await store.claim_run("r")
         await store.write_result(result())
         with pytest.raises(error_type) as caught:
             await store.read_log("r")
@@ -521,6 +606,7 @@ async def test_an_fsync_error_fails_the_run_for_this_store_object(
 ) -> None:
     path = run_file(tmp_path, "r")
     store = JsonlStore(tmp_path)
+    await store.claim_run("r")
     await store.start_run(started())
     calls = failing_fsync(monkeypatch)
     with pytest.raises(StoreError) as caught:
@@ -534,12 +620,16 @@ async def test_an_fsync_error_fails_the_run_for_this_store_object(
                   store.write_step(step(), None)):
         with pytest.raises(StoreError, match="earlier write of this run failed"):
             await write
+    with pytest.raises(StoreError, match="earlier write of this run failed"):
+        await store.claim_run("r")
     assert path.read_bytes() == content
     assert len(calls) == 1  # never retried
     # Other runs of the same store object are unaffected.
+    await store.claim_run("other")
     await store.start_run(started("other"))
     await store.aclose()
     async with JsonlStore(tmp_path) as reopened:
+        await reopened.claim_run("r")
         await reopened.write_intent(intent(k=1))
         records = (await reopened.read_log("r")).records
     assert records[0] == started() and records[-1] == intent(k=1)
@@ -555,6 +645,7 @@ async def test_runs_that_end_or_fail_leave_no_state_in_the_store_object(
         for index in range(5):
             await apply(store, sample_run(f"ended-{index}", steps=1))
         assert not store._slots
+        await store.claim_run("r")
         await store.start_run(started())
         assert set(store._slots) == {"r"}
         failing_fsync(monkeypatch)
@@ -570,12 +661,14 @@ async def test_a_failed_store_object_releases_the_run_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with JsonlStore(tmp_path) as failed:
+        await failed.claim_run("r")
         await failed.start_run(started())
         failing_fsync(monkeypatch)
         with pytest.raises(StoreError):
             await failed.write_intent(intent())
         monkeypatch.undo()
         async with JsonlStore(tmp_path) as other:
+            await other.claim_run("r")
             await other.write_result(result())
 
 
@@ -614,6 +707,7 @@ async def test_writes_to_one_run_never_interleave(
 ) -> None:
     texts = [f"task {i} " + "x" * (50 + i) for i in range(24)]
     async with JsonlStore(tmp_path) as store:
+        await store.claim_run("r")
         await store.start_run(started())
         async with anyio.create_task_group() as group:
             for i, text in enumerate(texts):
@@ -747,8 +841,8 @@ def test_the_module_never_imports_asyncio() -> None:
 
 
 def test_every_public_coroutine_documents_cancellation() -> None:
-    for name in ("start_run", "write_intent", "write_result", "write_step", "end_run",
-                 "read_log", "aclose"):
+    for name in ("claim_run", "release_run", "start_run", "write_intent", "write_result",
+                 "write_step", "end_run", "read_log", "list_runs", "describe_run", "aclose"):
         assert "Cancellation:" in (getattr(JsonlStore, name).__doc__ or ""), name
 
 

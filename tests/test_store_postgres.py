@@ -155,12 +155,12 @@ async def _terminate_lock_holder(conninfo: str, run_id: str) -> None:
     assert rows == [(True,)]
 
 
-async def _write_until_unlocked(store: PostgresStore, intent: Intent) -> None:
+async def _claim_until_unlocked(store: PostgresStore, run_id: str) -> None:
     """The server frees a dead session's locks moments after the socket closes."""
     with anyio.fail_after(20):
         while True:
             try:
-                await store.write_intent(intent)
+                await store.claim_run(run_id)
             except RunLocked:
                 await anyio.sleep(0.05)
             else:
@@ -234,6 +234,7 @@ _HOLDER = textwrap.dedent(
     async def main():
         store = PostgresStore(sys.argv[1])
         [(_, (record,))] = sample_run(sys.argv[2], steps=0, ended=False)
+        await store.claim_run(sys.argv[2])
         await store.start_run(record)
         print("holding", flush=True)
         await anyio.sleep(3600)
@@ -260,13 +261,16 @@ async def test_the_lock_of_a_killed_process_is_free_again(conninfo: str) -> None
     try:
         assert await _first_line(process) == b"holding"
         with pytest.raises(RunLocked):
+            await other.claim_run("r1")
+        with pytest.raises(RunLocked):  # and without the claim, no write either
             await other.write_intent(_intent("r1"))
     finally:
         process.send_signal(signal.SIGKILL)
         await process.wait()
         await process.aclose()
     assert process.returncode == -signal.SIGKILL
-    await _write_until_unlocked(other, _intent("r1"))
+    await _claim_until_unlocked(other, "r1")
+    await other.write_intent(_intent("r1"))
     assert len((await other.read_log("r1")).records) == 2
     await other.aclose()
 
@@ -280,7 +284,7 @@ async def test_the_lock_lives_on_a_writer_connection_never_in_the_pool(conninfo:
     assert application == "polyloop-writer"
     assert await _sessions(conninfo, "polyloop-reader") >= 1
 
-    await apply(store, writes[-1:])  # end_run releases the lock at once
+    await apply(store, writes[-1:], claim=False)  # end_run releases the lock at once
     assert await _lock_holders(conninfo, "r1") == []
     assert await _advisory_locks(conninfo) == 0
 
@@ -307,11 +311,12 @@ async def test_runs_share_a_bounded_number_of_writer_connections(conninfo: str) 
     assert await _sessions(conninfo, "polyloop-writer") == 2
     other = PostgresStore(conninfo)
     with pytest.raises(RunLocked):
-        await other.write_intent(_intent("run-7", 1))
+        await other.claim_run("run-7")
     for run_id in run_ids:
         log = await store.read_log(run_id)
         assert list(log.records) == expected_records(sample_run(run_id, steps=1, ended=False))
     await store.aclose()
+    await other.claim_run("run-7")
     await other.write_intent(_intent("run-7", 1))
     await other.aclose()
 
@@ -337,6 +342,7 @@ async def test_concurrent_first_use_from_many_processes(conninfo: str) -> None:
 
         async def main():
             async with PostgresStore(sys.argv[1]) as store:
+                await store.claim_run(sys.argv[2])
                 for method, args in sample_run(sys.argv[2], steps=1):
                     await getattr(store, method)(*args)
 
@@ -407,6 +413,7 @@ async def test_a_dropped_connection_fails_every_run_whose_lock_it_held(conninfo:
     with pytest.raises(StoreError, match="earlier write"):
         await store.write_intent(_intent("r2"))
     other = PostgresStore(conninfo)
+    await other.claim_run("r2")
     await other.write_intent(_intent("r2"))
     await other.aclose()
     await store.aclose()
@@ -416,8 +423,9 @@ async def test_an_unreachable_server_is_a_store_error() -> None:
     store = PostgresStore("postgresql://nobody@127.0.0.1:1/none", timeout=0.5)
     with pytest.raises(StoreError):
         await store.read_log("r1")
-    with pytest.raises(StoreError):
-        await store.start_run(sample_run("r1", steps=0)[0][1][0])
+    with pytest.raises(StoreError) as refused:  # the claim needs the server too
+        await store.claim_run("r1")
+    assert not isinstance(refused.value, RunLocked)
     await store.aclose()
 
 
@@ -534,8 +542,8 @@ async def test_a_schema_of_another_major_is_refused(place: Place) -> None:
     with pytest.raises(SchemaMajorMismatch) as mismatch:
         await store.read_log("r1")
     assert mismatch.value.location == f"{place.schema}.meta format"
-    with pytest.raises(SchemaMajorMismatch):
-        await store.write_intent(_intent("r1", 1))
+    with pytest.raises(SchemaMajorMismatch):  # no claim, so no write either
+        await store.claim_run("r1")
     await store.aclose()
 
 
@@ -569,7 +577,8 @@ async def test_hostile_run_ids_and_schema_names_are_plain_data(conninfo: str) ->
         for run_id in INJECTIONS + AWKWARD_RUN_IDS:
             log = await store.read_log(run_id)
             assert list(log.records) == expected_records(sample_run(run_id, steps=1))
-        assert set(await store.run_ids()) == set(INJECTIONS + AWKWARD_RUN_IDS)
+        listed = [run.run_id for run in await store.list_runs()]
+        assert sorted(listed) == sorted(INJECTIONS + AWKWARD_RUN_IDS)
         assert (await store.read_log("r")).records == ()
     schemas = {name for (name,) in await _query(conninfo, "SELECT nspname FROM pg_namespace")}
     assert {schema, "public"} <= schemas

@@ -175,7 +175,10 @@ async def test_a_database_that_refuses_wal_is_refused(
     store = SqliteStore(":memory:")  # SQLite keeps this one in memory: no WAL possible
     with pytest.raises(StoreError, match="WAL"):
         await store.read_log("r1")
+    # The claim opens the database before it takes a lock, so it is refused the same way.
     with pytest.raises(StoreError, match="WAL"):
+        await store.claim_run("r1")
+    with pytest.raises(RunLocked):  # and no claim was left behind to write under
         await store.start_run(sample_run("r1")[0][1][0])
     await store.aclose()
     assert names_in(tmp_path) == set()  # no lock taken, nothing left behind
@@ -256,6 +259,8 @@ async def test_a_database_of_another_major_is_refused(tmp_path: Path) -> None:
         await store.read_log("r1")
     assert mismatch.value.location == "runs.db: meta format"
     with pytest.raises(SchemaMajorMismatch):
+        await store.claim_run("r2")
+    with pytest.raises(RunLocked):  # the refused claim left nothing to write under
         await store.start_run(sample_run("r2")[0][1][0])
     await store.aclose()
     assert not (tmp_path / "runs.db.locks" / f"{safe_name('r2')}.lock").exists()
@@ -297,7 +302,7 @@ async def test_write_step_lands_both_rows_or_neither(tmp_path: Path) -> None:
         db.execute("CREATE TRIGGER refuse_steps BEFORE INSERT ON records WHEN NEW.kind = 'step' "
                    "BEGIN SELECT RAISE(ABORT, 'steps refused'); END")
     with pytest.raises(StoreError, match="steps refused") as failed:
-        await apply(store, step_write)
+        await apply(store, step_write, claim=False)
     assert isinstance(failed.value.__cause__, sqlite3.Error)
     assert failed.value.run_id == "r1"
     # The action result (inserted first) was rolled back with the step.
@@ -307,7 +312,10 @@ async def test_write_step_lands_both_rows_or_neither(tmp_path: Path) -> None:
         db.execute("DROP TRIGGER refuse_steps")
     # This store object writes nothing more for the run, even once the cause is gone...
     with pytest.raises(StoreError, match="earlier write"):
-        await apply(store, step_write)
+        await apply(store, step_write, claim=False)
+    # ...not even under a new claim of its own.
+    with pytest.raises(StoreError, match="earlier write"):
+        await store.claim_run("r1")
     assert list((await store.read_log("r1")).records) == expected_records(before)
     # ...while other runs go on.
     await apply(store, sample_run("r2", steps=1))
@@ -460,38 +468,56 @@ async def test_hostile_run_ids_are_plain_data_and_locks_stay_in_their_directory(
             ended = run_id == "r1"
             assert list(log.records) == expected_records(sample_run(run_id, steps=1,
                                                                     ended=ended))
-        assert await store.run_ids() == ("r1", *HOSTILE_RUN_IDS)
+        assert tuple(run.run_id for run in await store.list_runs()) == ("r1", *HOSTILE_RUN_IDS)
+        claimed = {run.run_id for run in await store.list_runs() if run.claimed}
+        assert claimed == set(HOSTILE_RUN_IDS)
         locks = home / "runs.db.locks"
         held = sorted(locks.iterdir())
-        # Every run still open holds one lock file, and every lock file is in the directory.
-        assert len(held) == len(HOSTILE_RUN_IDS) + 1  # r1's file stays after end_run
+        # Every run still claimed holds one lock file, and every lock file is in the
+        # directory; r1's went with its claim at end_run.
+        assert len(held) == len(HOSTILE_RUN_IDS)
         assert all(lock.resolve().parent == locks.resolve() for lock in held)
         assert {lock.name for lock in held} == {
-            f"{safe_name(run_id)}.lock" for run_id in ("r1", *HOSTILE_RUN_IDS)
+            f"{safe_name(run_id)}.lock" for run_id in HOSTILE_RUN_IDS
         }
+    assert names_in(locks) == set()  # closing gave every claim up, with its file
     assert names_in(home) <= {"runs.db", "runs.db-wal", "runs.db-shm", "runs.db.locks"}
     assert names_in(tmp_path) == {"home"}
     with raw(path) as db:
         tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master "
                                                  "WHERE type = 'table'")}
-        assert tables == {"meta", "records"}
+        assert tables == {"meta", "records", "runs"}
         (count,) = db.execute("SELECT COUNT(*) FROM records WHERE seq = 0").fetchone()
     assert count == len(HOSTILE_RUN_IDS) + 1
 
 
 async def test_a_refused_start_leaves_no_lock_behind(tmp_path: Path) -> None:
     path = tmp_path / "runs.db"
+    locks = tmp_path / "runs.db.locks"
     async with SqliteStore(path) as first:
-        await apply(first, sample_run("r1", steps=1))
+        await apply(first, sample_run("r1", steps=0, ended=False))
     late, other = SqliteStore(path), SqliteStore(path)
     with pytest.raises(RunAlreadyExists):
         await apply(late, sample_run("r1", steps=0))
+    # A refused write leaves the claim where it was: with ``late``, until it lets go.
+    with pytest.raises(RunLocked):
+        await other.claim_run("r1")
+    await late.release_run("r1")
+    await late.claim_run("ghost")
     with pytest.raises(StoreError):
         await late.write_intent(intent_of("ghost"))
-    # Neither refusal kept a writer lock in ``late``.
+    await late.release_run("ghost")
+    # Released, neither refusal kept a writer lock (or its file) in ``late``.
+    assert names_in(locks) == set()
+    assert await other.describe_run("ghost") is None
+    await other.claim_run("r1")
     await other.write_intent(intent_of("r1"))
     with pytest.raises(RunLocked):
         await late.write_intent(intent_of("r1"))
+    with pytest.raises(RunLocked):
+        await late.claim_run("r1")
+    assert list((await other.read_log("r1")).records) == expected_records(
+        sample_run("r1", steps=1, ended=False)[:2])
     await late.aclose()
     await other.aclose()
 
@@ -506,6 +532,7 @@ _DYING_WRITER = textwrap.dedent(
     async def main():
         store = SqliteStore(sys.argv[1])
         _, (intent,) = sample_run("r1", steps=1)[1]
+        await store.claim_run("r1")
         await store.write_intent(intent)
         os._exit(0)  # dies holding the writer lock, without closing anything
 
@@ -522,7 +549,11 @@ async def test_a_dead_writer_process_releases_the_run(tmp_path: Path) -> None:
     done = await anyio.run_process([sys.executable, "-c", _DYING_WRITER, str(path)],
                                    check=False)
     assert done.returncode == 0, done.stderr.decode(errors="replace")
+    # The dead writer's lock file is left behind, but nobody holds its lock any more.
+    assert (tmp_path / "runs.db.locks" / f"{safe_name('r1')}.lock").exists()
     async with SqliteStore(path) as store:
+        described = await store.describe_run("r1")
+        assert described is not None and not described.claimed
         await apply(store, writes[2:])
         assert list((await store.read_log("r1")).records) == expected_records(writes)
 

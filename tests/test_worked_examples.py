@@ -159,7 +159,7 @@ def _check_postgres_app(out: str) -> str:
         "  Japan: submitted 'Tokyo' in 2 steps, lookups 1, resumed False",
         "  Kenya: submitted 'Nairobi' in 2 steps, lookups 1, resumed False",
         "  Peru: the worker died after store write 5",
-        "  Peru: while its connection is open, the run is locked (RunLocked)",
+        "  Peru: resumable, 1 step on record, nobody drives it",
         "  Peru: taken over by another store object: submitted 'Lima' in 2 steps, "
         "lookups 1, resumed True",
     ]

@@ -23,6 +23,7 @@ import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from polyloop.types import (
@@ -38,6 +39,8 @@ from polyloop.types import (
     RunLog,
     RunResult,
     RunStarted,
+    RunState,
+    RunStatus,
     StepRecord,
     StopReason,
 )
@@ -121,7 +124,7 @@ def read_plan(log: RunLog) -> Plan:
 
 
 def _state(walk: _Walk) -> RecoveryState:
-    if walk.ended is not None and walk.ended.stop_reason is not StopReason.CANCELLED:
+    if walk.ended is not None and walk.ended.is_final:
         return RecoveryState.FINISHED
     if walk.open_intent is not None and walk.open_intent.replay is Replay.NEVER:
         return RecoveryState.IN_DOUBT
@@ -140,7 +143,7 @@ def _accept(walk: _Walk, record: Record, index: int) -> str | None:
     if walk.started is None:
         return "the first record is not a start record"
     if walk.ended is not None:
-        if walk.ended.stop_reason is not StopReason.CANCELLED:
+        if walk.ended.is_final:
             return "a record after the end record"
         walk.ended = None  # a cancelled run was resumed
     if isinstance(record, Intent):
@@ -206,7 +209,7 @@ def _accept_end(walk: _Walk, end: RunEnded) -> str | None:
         return "an end record between an action result and its step record"
     # A cancelled end may be written while a step write of unknown fate was in flight,
     # so only the counts of a final end are held to the log.
-    if end.stop_reason is not StopReason.CANCELLED and end.steps != len(walk.steps):
+    if end.is_final and end.steps != len(walk.steps):
         return f"end record counts {end.steps} steps, the log holds {len(walk.steps)}"
     walk.ended = end
     return None
@@ -231,6 +234,37 @@ def recorded_result(plan: Plan) -> RunResult:
         valid_step_count=end.valid_steps,
         resumed=True,
         detail=end.detail,
+    )
+
+
+def status(plan: Plan, *, claimed: bool, last_record_at: datetime | None) -> RunStatus:
+    """The public status of a started run, from its plan and the state of its claim.
+
+    A claimed run that has not finished is ``RUNNING``: an open intent then means an
+    effect in flight, not one in doubt. A run that ended ``IN_DOUBT`` stays ``IN_DOUBT``.
+    """
+    if plan.started is None:
+        raise ValueError("the plan has no start record")
+    ended = plan.ended
+    if plan.state is RecoveryState.FINISHED:
+        assert ended is not None
+        finished = ended.stop_reason is not StopReason.IN_DOUBT
+        state = RunState.FINISHED if finished else RunState.IN_DOUBT
+    elif claimed:
+        state = RunState.RUNNING
+    elif plan.state is RecoveryState.IN_DOUBT:
+        state = RunState.IN_DOUBT
+    else:
+        state = RunState.RESUMABLE
+    return RunStatus(
+        run_id=plan.started.run_id,
+        state=state,
+        stop_reason=ended.stop_reason if ended is not None else None,
+        detail=ended.detail if ended is not None else None,
+        steps=len(plan.steps),
+        valid_steps=valid_step_count(plan.steps),
+        open_intent=plan.open_intent,
+        last_record_at=last_record_at,
     )
 
 

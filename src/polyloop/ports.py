@@ -11,7 +11,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias, runtime_checkable
+from datetime import datetime
+from types import TracebackType
+from typing import Protocol, Self, TypeAlias, runtime_checkable
 
 from polyloop.types import (
     ActionStatus,
@@ -38,11 +40,13 @@ __all__ = (
     "FinalAnswer",
     "Interpreter",
     "InvalidDecision",
+    "ManagedStore",
     "ModelCall",
     "ModelClient",
     "ModelReply",
     "NullSink",
     "Store",
+    "StoredRun",
 )
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -168,6 +172,15 @@ class ActionExecutor(Protocol):
 class Store(Protocol):
     """Persists the records of runs. Every method names its run explicitly.
 
+    A run has one writer. A store object becomes a run's writer with :meth:`claim_run`,
+    and every write for that run is refused with :class:`~polyloop.types.RunLocked`
+    unless this store object holds the claim; a second claimant (another store object,
+    in this process or another, or this one again) gets ``RunLocked``. :meth:`end_run`
+    and :meth:`release_run` give the claim up, and so does closing the store or the
+    death of its process. A write for a run whose log ends with a final end record (any
+    stop reason but ``CANCELLED``) is refused with :class:`~polyloop.types.StoreError`.
+    Refused writes write nothing.
+
     ``write_intent`` is a durable barrier: when it returns, the intent survives a crash
     of the process (and, for stores that promise it, of the machine). ``write_step``
     lands the step and its action result together or not at all.
@@ -175,6 +188,25 @@ class Store(Protocol):
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """What changes the meaning of the log (kind, record format), never a path."""
+        ...
+
+    async def claim_run(self, run_id: str) -> None:
+        """Become the run's only writer; ``RunLocked`` if anyone holds it, this object too.
+
+        The run need not exist yet: ``run`` claims an id before it starts the run.
+        Records read after this returns include every record any earlier writer wrote.
+
+        Cancellation: if the call raises, this store object holds no claim on the run.
+        """
+        ...
+
+    async def release_run(self, run_id: str) -> None:
+        """Give up this store object's claim on the run, writing nothing.
+
+        Does nothing if this object holds no claim on the run.
+
+        Cancellation: the claim is given up or still held; calling again finishes it.
+        """
         ...
 
     async def start_run(self, record: RunStarted) -> None:
@@ -211,16 +243,77 @@ class Store(Protocol):
     async def read_log(self, run_id: str) -> RunLog:
         """Read every record of ``run_id`` in write order (empty if there is none).
 
+        Readers never need the claim and never disturb its holder.
+
         Cancellation: reading changes nothing on disk.
         """
         ...
 
     async def end_run(self, record: RunEnded) -> None:
-        """Write the end record of a run and release the run's writer lock.
+        """Write the end record of a run and give up the run's claim.
 
         Cancellation: either the record landed whole or not at all.
         """
         ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StoredRun:
+    """One run as a store knows it without reading its log.
+
+    ``finished`` says the log ends with a final end record (any stop reason but
+    ``CANCELLED``). ``claimed`` says a writer holds the run's claim right now: a live
+    worker drives it (or is about to). ``updated_at`` is when the store took the run's
+    last record, in UTC, or ``None`` if the store cannot tell.
+    """
+
+    run_id: str
+    finished: bool
+    claimed: bool
+    updated_at: datetime | None
+
+
+@runtime_checkable
+class ManagedStore(Store, Protocol):
+    """A store that can list its runs, describe one, and be closed.
+
+    Every store PolyLoop ships is one; :func:`polyloop.run_status`,
+    :func:`polyloop.recover` and the command line need nothing more.
+    ``polyloop.testing.store_contract`` checks a downstream implementation.
+    """
+
+    async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
+        """Every run the store holds, or only those without a final end record.
+
+        Stores that keep a table of runs answer ``unfinished_only`` without reading the
+        runs that finished, so the cost follows the number of unfinished runs.
+
+        Cancellation: listing changes nothing on disk.
+        """
+        ...
+
+    async def describe_run(self, run_id: str) -> StoredRun | None:
+        """The run ``run_id`` as :meth:`list_runs` would list it; ``None`` if it has no record.
+
+        Cancellation: describing changes nothing on disk.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Give up every claim and release every resource. Idempotent.
+
+        Cancellation: closing completes, shielded, before the cancellation goes on.
+        """
+        ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
 
 
 class EventKind(enum.StrEnum):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TypeAlias
 
 from polyloop._errors import (
@@ -39,6 +40,7 @@ __all__ = (
     "Message",
     "PolyLoopError",
     "Record",
+    "RecoveredRun",
     "Replay",
     "Result",
     "Role",
@@ -50,6 +52,8 @@ __all__ = (
     "RunNotFound",
     "RunResult",
     "RunStarted",
+    "RunState",
+    "RunStatus",
     "SchemaMajorMismatch",
     "StepRecord",
     "StopReason",
@@ -243,6 +247,11 @@ class RunEnded:
     valid_steps: int
     detail: str | None
 
+    @property
+    def is_final(self) -> bool:
+        """Whether nothing may follow this record: true for every reason but ``CANCELLED``."""
+        return self.stop_reason is not StopReason.CANCELLED
+
 
 Record: TypeAlias = RunStarted | Intent | Result | StepRecord | RunEnded
 """Anything a store persists."""
@@ -269,6 +278,59 @@ class RunResult:
     resumed: bool = False
     event_failures: int = 0
     detail: str | None = None
+
+
+class RunState(enum.StrEnum):
+    """Where a stored run stands, as :func:`polyloop.run_status` reports it."""
+
+    RUNNING = "running"
+    """A live writer holds the run's claim right now and the run has not finished."""
+    RESUMABLE = "resumable"
+    """Nobody drives the run and it has not finished: ``resume`` continues it."""
+    IN_DOUBT = "in_doubt"
+    """An effect whose replay is never allowed may or may not have happened.
+
+    The log holds an intent without its result whose replay is ``NEVER``; the run's
+    ``IN_DOUBT`` end record may already be written, or ``resume`` writes it.
+    """
+    FINISHED = "finished"
+    """The log ends with a final end record (any stop reason but ``CANCELLED``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunStatus:
+    """What a store's records and its claims say about one run, read without driving it.
+
+    ``stop_reason`` and ``detail`` come from the end record the log ends with, if it
+    ends with one (``CANCELLED`` for a cancelled run that can be resumed). ``steps`` and
+    ``valid_steps`` count the step records. ``open_intent`` is the intent of the
+    interrupted step that has no result yet, if there is one; for an ``IN_DOUBT`` run it
+    names the effect in doubt. ``last_record_at`` is when the store took the run's last
+    record (UTC), when the store knows it.
+    """
+
+    run_id: str
+    state: RunState
+    stop_reason: StopReason | None
+    detail: str | None
+    steps: int
+    valid_steps: int
+    open_intent: Intent | None
+    last_record_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecoveredRun:
+    """What :func:`polyloop.recover` did with one unfinished run.
+
+    ``result`` is set when the run was resumed to its end (or to an ``IN_DOUBT`` end);
+    ``error`` is set when it was not: :class:`RunLocked` for a run that a live writer
+    drives, or whatever building its request or resuming it raised.
+    """
+
+    run_id: str
+    result: RunResult | None = None
+    error: Exception | None = None
 
 
 def _claim_public_home() -> None:

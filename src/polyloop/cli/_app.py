@@ -17,8 +17,15 @@ from rich.text import Text
 
 from polyloop.cli import _demo, _html, _render, _verify
 from polyloop.cli._common import PROGRAM, CliError, console, print_unwrapped
-from polyloop.cli._stores import SYNTAX, StoreSpec, open_store, parse_store, require_existing
-from polyloop.cli._view import read_view, summary_json, trajectory_json, view_of
+from polyloop.cli._stores import (
+    SYNTAX,
+    StoreSpec,
+    open_store,
+    parse_store,
+    require_existing,
+    with_schema,
+)
+from polyloop.cli._view import read_view, summaries, summary_json, trajectory_json
 from polyloop.types import PolyLoopError
 
 if TYPE_CHECKING:
@@ -112,6 +119,19 @@ def _add(commands: _Commands, name: str,
 
 def _store_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("store", metavar="STORE", type=_store_type, help=SYNTAX)
+    _schema_option(parser)
+
+
+def _schema_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--schema", metavar="NAME", default=None,
+                        help="the PostgreSQL schema of a postgresql:// store "
+                             "(default: polyloop)")
+
+
+def _store_of(args: argparse.Namespace) -> StoreSpec:
+    """The STORE argument, with ``--schema`` applied."""
+    spec: StoreSpec = with_schema(args.store, args.schema)
+    return spec
 
 
 def _store_type(text: str) -> StoreSpec:
@@ -149,6 +169,7 @@ def _demo_parser(commands: _Commands) -> None:
                "Run a self-contained agent on a durable store, step by step.")
     sub.add_argument("--store", type=_store_type, default=None, metavar="STORE",
                      help=f"where the run is kept (default: {_demo.DEFAULT_STORE})")
+    _schema_option(sub)
     sub.add_argument("--resume", metavar="RUN_ID", help="finish an interrupted demo run")
     sub.add_argument("--crash-after-writes", type=_positive, metavar="N",
                      help="end the process (os._exit) right after the N-th store write")
@@ -184,7 +205,7 @@ def _demo_options(args: argparse.Namespace) -> _demo.DemoOptions:
             raise CliError(f"{', '.join(given)}: only with --model openai")
     return _demo.DemoOptions(
         run_id=args.resume or _demo.new_run_id(),
-        store=args.store or parse_store(_demo.DEFAULT_STORE),
+        store=with_schema(args.store or parse_store(_demo.DEFAULT_STORE), args.schema),
         store_given=args.store is not None,
         resume=args.resume,
         crash_after_writes=args.crash_after_writes,
@@ -207,16 +228,17 @@ def _runs_parser(commands: _Commands) -> None:
 
 
 async def _runs_command(args: argparse.Namespace, out: Console) -> int:
-    require_existing(args.store)
-    async with open_store(args.store) as store:
-        views = [view_of(await store.read_log(run_id)) for run_id in await store.run_ids()]
+    spec = _store_of(args)
+    require_existing(spec)
+    async with open_store(spec) as store:
+        listed = await summaries(store)
     if args.json:
-        for view in views:
-            _write_line(json.dumps(summary_json(view), ensure_ascii=False))
-    elif views:
-        print_unwrapped(out, _render.runs_table(views))
+        for run in listed:
+            _write_line(json.dumps(summary_json(run), ensure_ascii=False))
+    elif listed:
+        print_unwrapped(out, _render.runs_table(listed))
     else:
-        out.print(f"no runs in {args.store.shown}", markup=False)
+        out.print(f"no runs in {spec.shown}", markup=False)
     return 0
 
 
@@ -234,9 +256,10 @@ def _show_parser(commands: _Commands) -> None:
 
 
 async def _show_command(args: argparse.Namespace, out: Console) -> int:
-    require_existing(args.store)
-    async with open_store(args.store) as store:
-        view = await read_view(store, args.store, args.run_id)
+    spec = _store_of(args)
+    require_existing(spec)
+    async with open_store(spec) as store:
+        view = await read_view(store, spec, args.run_id)
     if args.json:
         _write_line(json.dumps(trajectory_json(view), ensure_ascii=False, indent=2))
     elif args.html is not None:
@@ -259,9 +282,10 @@ def _verify_parser(commands: _Commands) -> None:
 
 
 async def _verify_command(args: argparse.Namespace, out: Console) -> int:
-    require_existing(args.store)
-    async with open_store(args.store) as store:
-        checks = await _verify.verify(store, args.store, args.run_id)
+    spec = _store_of(args)
+    require_existing(spec)
+    async with open_store(spec) as store:
+        checks = await _verify.verify(store, spec, args.run_id)
     for check in checks:
         _print_check(check, out)
     errors = sum(1 for check in checks if check.errors)

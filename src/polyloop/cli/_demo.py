@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.text import Text
 
-from polyloop._recovery import Plan, RecoveryState, read_plan
 from polyloop.cli._agent import (
     TEXTS,
     Ledger,
@@ -32,9 +31,9 @@ from polyloop.cli._agent import (
 )
 from polyloop.cli._common import PROGRAM, CliError, print_line
 from polyloop.cli._render import step_line
-from polyloop.cli._stores import BrowsableStore, StoreSpec, open_store
-from polyloop.ports import Event, EventKind, ModelClient, Store
-from polyloop.session import Definition, resume, run
+from polyloop.cli._stores import StoreSpec, open_store
+from polyloop.ports import Event, EventKind, ManagedStore, ModelClient, Store
+from polyloop.session import Definition, resume, run, run_status
 from polyloop.tools import ToolRegistry
 from polyloop.types import (
     Intent,
@@ -42,8 +41,11 @@ from polyloop.types import (
     Result,
     RunEnded,
     RunLog,
+    RunNotFound,
     RunResult,
     RunStarted,
+    RunState,
+    RunStatus,
     StepRecord,
     StopReason,
 )
@@ -96,6 +98,12 @@ class CrashingStore:
     def parameters(self) -> Mapping[str, JSONValue]:
         return self._inner.parameters()
 
+    async def claim_run(self, run_id: str) -> None:
+        await self._inner.claim_run(run_id)
+
+    async def release_run(self, run_id: str) -> None:
+        await self._inner.release_run(run_id)
+
     async def start_run(self, record: RunStarted) -> None:
         await self._inner.start_run(record)
         self._count()
@@ -143,21 +151,27 @@ async def demo(options: DemoOptions, out: Console) -> int:
     return 0 if result.stop_reason in COMPLETED else UNFINISHED_EXIT_STATUS
 
 
-async def _announce(store: BrowsableStore, options: DemoOptions, out: Console) -> Plan:
+async def _announce(
+    store: ManagedStore, options: DemoOptions, out: Console
+) -> RunStatus | None:
     """Say what is about to run; on resume, show the steps already on record."""
     run_id = options.run_id
     model = "scripted model" if options.model == "scripted" else f"model {options.model_name}"
     if options.resume is None:
         _say(out, f"demo run {run_id} on {options.store.shown} ({model})", "bold")
-        return Plan(state=RecoveryState.FRESH)
-    plan = read_plan(await store.read_log(run_id))
-    if plan.started is None:
-        raise CliError(f"unknown run id {run_id!r} in {options.store.shown}")
+        return None
+    try:
+        status = await run_status(store, run_id)
+    except RunNotFound:
+        raise CliError(f"unknown run id {run_id!r} in {options.store.shown}") from None
+    if status.state is RunState.RUNNING:
+        raise CliError(f"run {run_id!r} is being driven by another process right now")
     _say(out, f"resuming {run_id} on {options.store.shown} ({model}): "
-              f"{len(plan.steps)} steps on record", "bold")
-    for step in plan.steps:
-        print_line(out, step_line(step, note="read from the log"))
-    return plan
+              f"{status.steps} steps on record", "bold")
+    for record in (await store.read_log(run_id)).records:
+        if isinstance(record, StepRecord):
+            print_line(out, step_line(record, note="read from the log"))
+    return status
 
 
 async def _drive(
@@ -210,6 +224,8 @@ def resume_command(options: DemoOptions, run_id: str) -> str:
     words = [PROGRAM, "demo", "--resume", run_id]
     if options.store_given:
         words += ["--store", options.store.text]
+    if options.store.schema is not None:
+        words += ["--schema", options.store.schema]
     if options.model != "scripted":
         words += ["--model", options.model, "--base-url", options.base_url or "",
                   "--model-name", options.model_name or ""]
@@ -254,10 +270,10 @@ def _summary(result: RunResult, out: Console) -> None:
         _say(out, f"  detail: {result.detail}")
 
 
-def _proof(result: RunResult, before: Plan, ledger: Ledger, out: Console) -> None:
+def _proof(result: RunResult, before: RunStatus | None, ledger: Ledger, out: Console) -> None:
     """Show that the resume redid nothing that was on record."""
-    recorded = len(before.steps)
-    if before.state is RecoveryState.FINISHED:
+    recorded = before.steps if before is not None else 0
+    if before is not None and before.state is RunState.FINISHED:
         _say(out, "the run had already finished: nothing ran, its result was read back")
     ran_now = [step.step for step in result.steps if step.step >= recorded]
     executed = ledger.steps()

@@ -30,7 +30,7 @@ summary { cursor: pointer; color: #6e6e73; }
 """.strip()
 
 _STYLE_CLASSES = {"green": "good", "yellow": "warn", "red": "bad"}
-_STATE_CLASSES = {"finished": "good", "resumable": "warn", "in doubt": "bad"}
+_STATE_CLASSES = {"finished": "good", "running": "warn", "resumable": "warn", "in doubt": "bad"}
 
 
 def page(view: RunView) -> str:
@@ -97,9 +97,7 @@ def _end(view: RunView) -> str:
 
 
 def _snapshot(view: RunView) -> str:
-    started = view.plan.started
-    snapshot = dict(started.snapshot) if started is not None else {}
-    text = json.dumps(snapshot, indent=2, sort_keys=True, ensure_ascii=False)
+    text = json.dumps(view.snapshot, indent=2, sort_keys=True, ensure_ascii=False)
     return (f'<section id="snapshot">\n<h2>snapshot</h2>\n'
             f"{_details('what the run was started with', text)}\n</section>")
 

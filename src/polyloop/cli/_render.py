@@ -10,7 +10,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from polyloop.cli._view import RunView
+from polyloop.cli._view import RunSummary, RunView
 from polyloop.types import ActionStatus, DecisionKind, StepRecord
 
 # How much of an observation the terminal shows; --json and --html show it whole.
@@ -18,7 +18,10 @@ OBSERVATION_CHARS = 600
 REPLY_CHARS = 240
 LINE_CHARS = 160
 
-STATE_STYLES = {"finished": "green", "resumable": "yellow", "in doubt": "red"}
+STATE_STYLES = {
+    "finished": "green", "running": "cyan", "resumable": "yellow", "in doubt": "red",
+    "corrupt": "bold red",
+}
 
 
 def status_of(step: StepRecord) -> tuple[str, str]:
@@ -77,8 +80,8 @@ def _no_action_text(step: StepRecord) -> str:
     return "(unusable reply)"
 
 
-def runs_table(views: Iterable[RunView]) -> Table:
-    """One row per run: id, state, stop reason, steps, valid steps."""
+def runs_table(views: Iterable[RunSummary]) -> Table:
+    """One row per run: id, state, stop reason, steps, valid steps (a corrupt run: why)."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     table.add_column("run", no_wrap=True)
     table.add_column("state", no_wrap=True)
@@ -89,9 +92,9 @@ def runs_table(views: Iterable[RunView]) -> Table:
         table.add_row(
             Text(view.run_id),
             Text(view.state, style=STATE_STYLES[view.state]),
-            Text(view.stop_reason or "-"),
-            str(len(view.steps)),
-            str(view.valid_steps),
+            Text(view.stop_reason or view.problem or "-"),
+            str(view.step_count) if view.step_count is not None else "-",
+            str(view.valid_steps) if view.valid_steps is not None else "-",
         )
     return table
 

@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import anyio.to_thread
 
 from polyloop.cli._common import CliError
-from polyloop.ports import Store
+from polyloop.ports import ManagedStore
 
 Kind = Literal["jsonl", "sqlite", "postgresql"]
 
@@ -24,21 +24,15 @@ _PASSWORD = re.compile(r"(://[^:/@]*):[^@/]*@")
 SYNTAX = "jsonl:DIR, sqlite:FILE or postgresql://..."
 
 
-class BrowsableStore(Store, Protocol):
-    """A store that can list its runs and be closed: what the commands need."""
-
-    async def run_ids(self) -> tuple[str, ...]: ...
-
-    async def aclose(self) -> None: ...
-
-
 @dataclass(frozen=True, slots=True)
 class StoreSpec:
-    """A parsed STORE argument. ``text`` is what the user wrote."""
+    """A parsed STORE argument. ``text`` is what the user wrote; ``schema`` is the
+    PostgreSQL schema (``None``: the store's default)."""
 
     kind: Kind
     location: str
     text: str
+    schema: str | None = None
 
     @property
     def shown(self) -> str:
@@ -61,6 +55,17 @@ def parse_store(text: str) -> StoreSpec:
     return StoreSpec(kind, rest, text)
 
 
+def with_schema(spec: StoreSpec, schema: str | None) -> StoreSpec:
+    """``spec`` with the PostgreSQL schema given by ``--schema``; refused for other stores."""
+    if schema is None:
+        return spec
+    if spec.kind != "postgresql":
+        raise CliError(f"--schema names a PostgreSQL schema; {spec.shown} is a {spec.kind} store")
+    if not schema or len(schema.encode()) > 63 or "\x00" in schema:
+        raise CliError(f"--schema {schema!r}: a schema name has 1 to 63 bytes and no NUL")
+    return StoreSpec(spec.kind, spec.location, spec.text, schema)
+
+
 def require_existing(spec: StoreSpec) -> None:
     """Refuse a JSONL directory or SQLite file that is not there (never create one)."""
     path = Path(spec.location)
@@ -73,7 +78,7 @@ def require_existing(spec: StoreSpec) -> None:
 
 
 @asynccontextmanager
-async def open_store(spec: StoreSpec) -> AsyncIterator[BrowsableStore]:
+async def open_store(spec: StoreSpec) -> AsyncIterator[ManagedStore]:
     """The store ``spec`` names, open for the length of the ``async with`` block."""
     store = _build(spec)
     if spec.kind == "postgresql":
@@ -84,7 +89,7 @@ async def open_store(spec: StoreSpec) -> AsyncIterator[BrowsableStore]:
         await store.aclose()
 
 
-def _build(spec: StoreSpec) -> BrowsableStore:
+def _build(spec: StoreSpec) -> ManagedStore:
     if spec.kind == "jsonl":
         from polyloop.stores import JsonlStore
 
@@ -99,7 +104,9 @@ def _build(spec: StoreSpec) -> BrowsableStore:
         raise CliError(
             "a postgresql:// store needs psycopg: pip install 'polyloop[postgres]'"
         ) from None
-    return PostgresStore(spec.location, timeout=POSTGRES_TIMEOUT_S)
+    if spec.schema is None:
+        return PostgresStore(spec.location, timeout=POSTGRES_TIMEOUT_S)
+    return PostgresStore(spec.location, schema=spec.schema, timeout=POSTGRES_TIMEOUT_S)
 
 
 def _probe_postgres(spec: StoreSpec) -> None:

@@ -17,27 +17,25 @@ bad row; the order check runs on every log that reads back.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import anyio.to_thread
 
-from polyloop._recovery import read_plan
 from polyloop.cli._common import CliError
-from polyloop.cli._stores import BrowsableStore, StoreSpec
+from polyloop.cli._stores import StoreSpec
+from polyloop.ports import ManagedStore
+from polyloop.session import run_status
 from polyloop.stores._common import safe_name
 from polyloop.stores._jsonl_reader import SUFFIX, decode_line
-from polyloop.types import CorruptLog, PolyLoopError, Record, RunLog, SchemaMajorMismatch
+from polyloop.types import CorruptLog, PolyLoopError, Record, SchemaMajorMismatch
 
 Level = Literal["warning", "error"]
 
 # Bad lines named one by one in a file; the rest are counted.
 MAX_LINE_ERRORS = 20
 _RECORD_INDEX = re.compile(r"record (\d+)")
-# Turns a record index into the place the record was read from.
-_Where = Callable[[int], str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +52,9 @@ class RunCheck:
     name: str
     records: int = 0
     findings: list[Finding] = field(default_factory=list)
+    run_id: str | None = None  # once a record named it
+    file: str | None = None  # a JSONL file's name
+    line_of: list[int] = field(default_factory=list)  # each record's line in that file
 
     def add(self, level: Level, location: str, message: str) -> None:
         self.findings.append(Finding(level, location, message))
@@ -63,31 +64,31 @@ class RunCheck:
         return sum(1 for finding in self.findings if finding.level == "error")
 
 
-async def verify(store: BrowsableStore, spec: StoreSpec, run_id: str | None) -> list[RunCheck]:
+async def verify(store: ManagedStore, spec: StoreSpec, run_id: str | None) -> list[RunCheck]:
     """Check every run of the store, or only ``run_id``."""
     if spec.kind == "jsonl":
-        return await anyio.to_thread.run_sync(verify_directory, Path(spec.location), run_id,
-                                              spec.shown)
-    run_ids = (run_id,) if run_id is not None else await store.run_ids()
-    checks = []
-    for each in run_ids:
-        check = await _check_stored_run(store, each)
-        if run_id is not None and check.records == 0 and not check.findings:
+        checks = await anyio.to_thread.run_sync(verify_directory, Path(spec.location), run_id,
+                                                spec.shown)
+    else:
+        run_ids = (run_id,) if run_id is not None else [
+            run.run_id for run in await store.list_runs()]
+        checks = [await _read_stored_run(store, each) for each in run_ids]
+        if run_id is not None and checks[0].records == 0 and not checks[0].findings:
             raise CliError(f"unknown run id {run_id!r} in {spec.shown}")
-        checks.append(check)
+    for check in checks:
+        if check.run_id is not None and check.records and not check.errors:
+            await _check_order(store, check)
     return checks
 
 
-async def _check_stored_run(store: BrowsableStore, run_id: str) -> RunCheck:
-    check = RunCheck(name=run_id)
+async def _read_stored_run(store: ManagedStore, run_id: str) -> RunCheck:
+    check = RunCheck(name=run_id, run_id=run_id)
     try:
         log = await store.read_log(run_id)
     except (CorruptLog, SchemaMajorMismatch) as exc:
         check.add("error", exc.location or "?", _reason(exc))
         return check
     check.records = len(log.records)
-    if log.records:
-        _check_order(check, log, None)
     return check
 
 
@@ -120,11 +121,9 @@ def check_file(path: Path) -> RunCheck:
                   f"that never finished; readers ignore it, the next writer removes it)")
     if records:
         run_id = records[0].run_id
-        check.name = run_id
+        check.name = check.run_id = run_id
+        check.file, check.line_of = path.name, line_of
         _check_owner(check, path.name, run_id, records, line_of)
-        if not check.errors:
-            _check_order(check, RunLog(run_id=run_id, records=tuple(records)),
-                         lambda index: f"{path.name}:{line_of[index]}")
     elif not check.findings:
         check.add("warning", path.name, "the file holds no record")
     check.records = len(records)
@@ -168,14 +167,16 @@ def _check_owner(
             return
 
 
-def _check_order(check: RunCheck, log: RunLog, where: _Where | None) -> None:
+async def _check_order(store: ManagedStore, check: RunCheck) -> None:
+    """The check ``resume`` makes before trusting a log: can its records follow each other?"""
+    assert check.run_id is not None
     try:
-        read_plan(log)
+        await run_status(store, check.run_id)
     except CorruptLog as exc:
         location = exc.location or "?"
         match = _RECORD_INDEX.fullmatch(location)
-        if where is not None and match is not None:
-            location = f"{where(int(match.group(1)))} ({location})"
+        if check.file is not None and match is not None:
+            location = f"{check.file}:{check.line_of[int(match.group(1))]} ({location})"
         check.add("error", location, f"records out of order: {exc.reason}")
 
 

@@ -1,105 +1,184 @@
-"""What a stored run looks like from outside: its state, its end, its steps."""
+"""What a stored run looks like from outside: its status, its end, its steps.
+
+Everything here comes through the public API: :func:`polyloop.run_status` for where a
+run stands, and the store's own ``read_log`` and ``list_runs`` for the rest.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from polyloop import serialization
-from polyloop._recovery import Plan, RecoveryState, read_plan, valid_step_count
 from polyloop.cli._common import CliError
-from polyloop.cli._stores import BrowsableStore, StoreSpec
-from polyloop.types import JSONValue, RunLog, StepRecord
+from polyloop.cli._stores import StoreSpec
+from polyloop.ports import ManagedStore
+from polyloop.session import run_status
+from polyloop.types import (
+    CorruptLog,
+    IntentKind,
+    JSONValue,
+    Result,
+    RunEnded,
+    RunLog,
+    RunStarted,
+    RunState,
+    RunStatus,
+    SchemaMajorMismatch,
+    StepRecord,
+)
 
 STATE_WORDS = {
-    RecoveryState.FINISHED: "finished",
-    RecoveryState.RESUMABLE: "resumable",
-    RecoveryState.IN_DOUBT: "in doubt",
+    RunState.RUNNING: "running",
+    RunState.RESUMABLE: "resumable",
+    RunState.IN_DOUBT: "in doubt",
+    RunState.FINISHED: "finished",
 }
+CORRUPT = "corrupt"
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """One line of ``polyloop runs``: a run's status, or why it could not be read."""
+
+    run_id: str
+    status: RunStatus | None
+    problem: str | None = None
+
+    @property
+    def state(self) -> str:
+        """``running``, ``resumable``, ``in doubt``, ``finished`` or ``corrupt``."""
+        return CORRUPT if self.status is None else STATE_WORDS[self.status.state]
+
+    @property
+    def stop_reason(self) -> str | None:
+        status = self.status
+        return status.stop_reason.value if status and status.stop_reason else None
+
+    @property
+    def step_count(self) -> int | None:
+        return self.status.steps if self.status is not None else None
+
+    @property
+    def valid_steps(self) -> int | None:
+        return self.status.valid_steps if self.status is not None else None
+
+    @property
+    def detail(self) -> str | None:
+        return self.status.detail if self.status is not None else self.problem
 
 
 @dataclass(frozen=True, slots=True)
 class RunView:
-    """One run read back from its log."""
+    """One run read back whole: its status and its log."""
 
-    run_id: str
-    plan: Plan
-    records: int
+    status: RunStatus
+    log: RunLog
+
+    @property
+    def run_id(self) -> str:
+        return self.status.run_id
 
     @property
     def state(self) -> str:
-        """``finished``, ``resumable`` or ``in doubt``."""
-        return STATE_WORDS[self.plan.state]
+        return STATE_WORDS[self.status.state]
+
+    @property
+    def records(self) -> int:
+        return len(self.log.records)
 
     @property
     def steps(self) -> tuple[StepRecord, ...]:
-        return self.plan.steps
+        return tuple(record for record in self.log.records if isinstance(record, StepRecord))
 
     @property
     def stop_reason(self) -> str | None:
         """The reason of the end record the log ends with, if it ends with one."""
-        return self.plan.ended.stop_reason.value if self.plan.ended is not None else None
+        reason = self.status.stop_reason
+        return reason.value if reason is not None else None
 
     @property
     def valid_steps(self) -> int:
-        return valid_step_count(self.plan.steps)
+        return self.status.valid_steps
 
     @property
     def final_answer(self) -> str | None:
-        return self.plan.ended.final_answer if self.plan.ended is not None else None
+        last = self.log.records[-1]
+        return last.final_answer if isinstance(last, RunEnded) else None
 
     @property
     def detail(self) -> str | None:
-        return self.plan.ended.detail if self.plan.ended is not None else None
+        return self.status.detail
+
+    @property
+    def snapshot(self) -> dict[str, JSONValue]:
+        first = self.log.records[0]
+        return dict(first.snapshot) if isinstance(first, RunStarted) else {}
 
     def interruption(self) -> str | None:
         """Where an unfinished run stopped, in words; ``None`` if it has an end record."""
-        if self.plan.ended is not None:
+        if isinstance(self.log.records[-1], RunEnded):
             return None
-        step = len(self.plan.steps)
-        intent = self.plan.open_intent
+        step = self.status.steps
+        intent = self.status.open_intent
         if intent is not None:
+            doing = " (a live writer is on it now)" if self.status.state is RunState.RUNNING \
+                else ""
             return (f"step {step}: the {intent.kind.value} intent {intent.result_id!r} has no "
-                    f"result (replay {intent.replay.value})")
-        if self.plan.model_result is not None:
+                    f"result (replay {intent.replay.value}){doing}")
+        last = self.log.records[-1]
+        if isinstance(last, Result) and last.kind is IntentKind.MODEL_CALL:
             return f"step {step}: the model replied; no action was announced yet"
         return f"after step {step - 1}: no end record" if step else "before the first step"
 
 
-def view_of(log: RunLog) -> RunView:
-    """Classify ``log``; raises ``CorruptLog`` for records that cannot follow each other."""
-    return RunView(run_id=log.run_id, plan=read_plan(log), records=len(log.records))
+async def summaries(store: ManagedStore) -> list[RunSummary]:
+    """Every run of the store; a run whose log cannot be read is marked, not fatal."""
+    listed = []
+    for run in await store.list_runs():
+        try:
+            listed.append(RunSummary(run.run_id, await run_status(store, run.run_id)))
+        except (CorruptLog, SchemaMajorMismatch) as exc:
+            listed.append(RunSummary(run.run_id, None, str(exc)))
+    return listed
 
 
-async def read_view(store: BrowsableStore, spec: StoreSpec, run_id: str) -> RunView:
+async def read_view(store: ManagedStore, spec: StoreSpec, run_id: str) -> RunView:
     """The run ``run_id`` of the store, or ``CliError`` if the store has no such run."""
     log = await store.read_log(run_id)
     if not log.records:
         raise CliError(f"unknown run id {run_id!r} in {spec.shown}")
-    return view_of(log)
+    return RunView(status=await run_status(store, run_id), log=log)
 
 
-def summary_json(view: RunView) -> dict[str, JSONValue]:
+def summary_json(run: RunSummary | RunView) -> dict[str, JSONValue]:
     """The one-line description ``runs --json`` prints for a run."""
+    if isinstance(run, RunView):
+        steps: int | None = run.status.steps
+        valid: int | None = run.valid_steps
+    else:
+        steps, valid = run.step_count, run.valid_steps
+    status = run.status
     return {
-        "run_id": view.run_id,
-        "state": view.state,
-        "stop_reason": view.stop_reason,
-        "step_count": len(view.steps),
-        "valid_step_count": view.valid_steps,
-        "detail": view.detail,
+        "run_id": run.run_id,
+        "state": run.state,
+        "stop_reason": run.stop_reason,
+        "step_count": steps,
+        "valid_step_count": valid,
+        "detail": run.detail,
+        "last_record_at": (status.last_record_at.isoformat()
+                           if status is not None and status.last_record_at else None),
     }
 
 
 def trajectory_json(view: RunView) -> dict[str, JSONValue]:
     """The whole run for machines: summary, snapshot, encoded step records, open intent."""
-    plan = view.plan
+    intent = view.status.open_intent
     return {
         **summary_json(view),
         "final_answer": view.final_answer,
         "records": view.records,
         "interrupted": view.interruption(),
-        "snapshot": dict(plan.started.snapshot) if plan.started is not None else None,
-        "open_intent": (serialization.encode(plan.open_intent)
-                        if plan.open_intent is not None else None),
-        "steps": [serialization.encode(step) for step in plan.steps],
+        "snapshot": view.snapshot,
+        "open_intent": serialization.encode(intent) if intent is not None else None,
+        "steps": [serialization.encode(step) for step in view.steps],
     }

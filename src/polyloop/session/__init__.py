@@ -3,6 +3,11 @@
 A :class:`Definition` holds what stays the same across runs (model client, interpreter,
 store, event sink, the texts the library shows the model); a :class:`Request` holds what
 one run needs (id, budget, executor, tools, context, injection, binding and policies).
+:func:`start_or_resume` is the one call a worker needs; :func:`run_status` and
+:func:`recover` serve the programs that watch and sweep a store.
+
+Before anything is read, the store object claims the run: it becomes the run's one
+writer, and keeps the claim until the run's end record is written or the call returns.
 
 One step, as the library performs it::
 
@@ -22,31 +27,36 @@ under a shielded and time-bounded scope, and then lets the cancellation go on.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from polyloop import _recovery
-from polyloop.ports import ActionExecutor, EventSink, Interpreter, ModelClient, Store
-from polyloop.session._claims import _driving
-from polyloop.session._loop import _Loop
-from polyloop.session._request import _prepare
+from polyloop.ports import ActionExecutor, EventSink, Interpreter, ManagedStore, ModelClient, Store
+from polyloop.session._driving import Mode, drive, status
+from polyloop.session._driving import recover as recover_runs
 from polyloop.tools import ToolRegistry
 from polyloop.types import (
     Budget,
     Injection,
     JSONValue,
     Message,
+    RecoveredRun,
     Replay,
-    RunAlreadyExists,
-    RunIdentityMismatch,
-    RunNotFound,
     RunResult,
-    RunStarted,
+    RunStatus,
     ToolStyle,
 )
 
-__all__ = ("Definition", "ObservationTexts", "Request", "resume", "run")
+__all__ = (
+    "Definition",
+    "ObservationTexts",
+    "Request",
+    "recover",
+    "resume",
+    "run",
+    "run_status",
+    "start_or_resume",
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,12 +119,14 @@ class Request:
 async def run(definition: Definition, request: Request) -> RunResult:
     """Start the run ``request.run_id`` and drive it until it stops.
 
-    Raises :class:`~polyloop.types.InvalidRequest` before any I/O for a request that
-    cannot run, :class:`~polyloop.types.RunAlreadyExists` if the store has any record
-    of the run, :class:`~polyloop.types.StoreError` if the store fails (nothing more is
-    written then). Every other outcome, failures of the model or the environment
-    included, is a :class:`~polyloop.types.RunResult` with its stop reason, and the
-    store holds the run's end record before this returns.
+    The store object becomes the run's one writer before anything is read or written:
+    :class:`~polyloop.types.RunLocked` if another writer holds the run. Raises
+    :class:`~polyloop.types.InvalidRequest` before any I/O for a request that cannot
+    run, :class:`~polyloop.types.RunAlreadyExists` if the store has any record of the
+    run, :class:`~polyloop.types.StoreError` if the store fails (nothing more is written
+    then). Every other outcome, failures of the model or the environment included, is a
+    :class:`~polyloop.types.RunResult` with its stop reason, and the store holds the
+    run's end record before this returns. The claim is given up on every way out.
 
     Cancellation: the run's end record (``CANCELLED``) is written under a shielded scope
     bounded by ``request.cancel_grace_s``, then the cancellation propagates. What is on
@@ -124,41 +136,75 @@ async def run(definition: Definition, request: Request) -> RunResult:
     record leaves nothing at all (no end record either), and ``resume`` raises
     :class:`~polyloop.types.RunNotFound` for it.
     """
-    snapshot = _prepare(definition, request)
-    with _driving(definition.store, request.run_id):
-        log = await definition.store.read_log(request.run_id)
-        if log.records:
-            raise RunAlreadyExists(
-                "the store already holds records for this run; use resume",
-                run_id=request.run_id,
-            )
-        loop = _Loop(definition, request, resumed=False)
-        return await loop.guarded(loop.start(RunStarted(run_id=request.run_id,
-                                                        snapshot=snapshot)))
+    return await drive(definition, request, Mode.START)
 
 
 async def resume(definition: Definition, request: Request) -> RunResult:
     """Continue the run ``request.run_id`` from its log, or return how it ended.
 
-    The request must build the same snapshot as the one the run started with
-    (:class:`~polyloop.types.RunIdentityMismatch` lists every differing key, and nothing
-    is written). A finished run returns its recorded result and writes nothing. A run
-    whose interrupted effect may not be repeated ends ``IN_DOUBT``. Otherwise finished
-    steps are read from the log, never recomputed, and the run goes on.
+    The store object becomes the run's one writer first (:class:`~polyloop.types.RunLocked`
+    if a live writer holds it: nothing is read, decided or executed then), and every
+    decision comes from the log read under that claim. The request must build the same
+    snapshot as the one the run started with (:class:`~polyloop.types.RunIdentityMismatch`
+    lists every differing key, and nothing is written). A finished run returns its
+    recorded result and writes nothing. A run whose interrupted effect may not be
+    repeated ends ``IN_DOUBT``. Otherwise finished steps are read from the log, never
+    recomputed, and the run goes on.
 
     Cancellation: as for :func:`run`: a ``CANCELLED`` end record is written within the
     grace, and the run can be resumed again later.
     """
-    snapshot = _prepare(definition, request)
-    with _driving(definition.store, request.run_id):
-        log = await definition.store.read_log(request.run_id)
-        plan = _recovery.read_plan(log)
-        if plan.started is None:
-            raise RunNotFound("the store holds no record of this run", run_id=request.run_id)
-        differences = _recovery.identity_differences(plan.started.snapshot, snapshot)
-        if differences:
-            raise RunIdentityMismatch(run_id=request.run_id, differences=differences)
-        if plan.state is _recovery.RecoveryState.FINISHED:
-            return _recovery.recorded_result(plan)
-        loop = _Loop(definition, request, resumed=True)
-        return await loop.guarded(loop.continue_from(plan))
+    return await drive(definition, request, Mode.RESUME)
+
+
+async def start_or_resume(definition: Definition, request: Request) -> RunResult:
+    """Start the run if the store has no record of it, else resume it.
+
+    One claim and one read decide which, so a worker needs no
+    ``RunAlreadyExists``/``RunNotFound`` juggling. ``RunResult.resumed`` says which it
+    was. Raises what :func:`run` and :func:`resume` raise, except those two.
+
+    Cancellation: as for :func:`run`.
+    """
+    return await drive(definition, request, Mode.EITHER)
+
+
+async def run_status(store: ManagedStore, run_id: str) -> RunStatus:
+    """Where the run ``run_id`` of ``store`` stands, without driving it.
+
+    ``RUNNING`` means a live writer holds the run's claim now; a run nobody holds is
+    ``RESUMABLE``, ``IN_DOUBT`` or ``FINISHED`` by its log. Raises
+    :class:`~polyloop.types.RunNotFound` if the store has no record of the run and
+    :class:`~polyloop.types.CorruptLog` if its records cannot follow each other.
+
+    Cancellation: nothing is written; a cancelled call leaves the store as it was.
+    """
+    return await status(store, run_id)
+
+
+async def recover(
+    definition: Definition,
+    store: ManagedStore,
+    request_for: Callable[[str], Request | Awaitable[Request]],
+    *,
+    max_concurrent: int,
+) -> tuple[RecoveredRun, ...]:
+    """Resume every unfinished run of ``store`` that no live writer holds.
+
+    Meant for a worker process at start-up or on a timer. The runs without a final end
+    record are listed; those a live writer holds are left alone (their outcome is a
+    :class:`~polyloop.types.RunLocked`); each other one gets its request from
+    ``request_for(run_id)`` (a function or a coroutine function) and is resumed through
+    ``definition``, at most ``max_concurrent`` at once. A run claimed by another worker
+    in the meantime is refused ``RunLocked`` before anything is read or run, so two
+    workers recovering at once never drive the same run. ``store`` is the store
+    ``definition.store`` writes to (usually the same object).
+
+    Returns one :class:`~polyloop.types.RecoveredRun` per listed run, in listing order:
+    its result, or the exception that building its request or resuming it raised.
+
+    Cancellation: the runs being resumed are cancelled as :func:`resume` describes
+    (each writes its ``CANCELLED`` end record within its grace); the cancellation then
+    propagates and no report is returned.
+    """
+    return await recover_runs(definition, store, request_for, max_concurrent=max_concurrent)

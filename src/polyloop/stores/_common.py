@@ -8,8 +8,13 @@ import hashlib
 import os
 import re
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import anyio
+import anyio.to_thread
 
 from polyloop.types import CorruptLog, RunLocked, SchemaMajorMismatch, StoreError
 
@@ -57,23 +62,68 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+# A reader that asks whether a run is claimed holds a shared lock for a moment; a
+# claimant that finds only such readers tries again, at most this many times.
+_LOCK_ATTEMPTS = 200
+_LOCK_PAUSE_S = 0.0005
+
+
 def try_flock(fd: int, run_id: str) -> None:
-    """Take an exclusive ``flock`` on ``fd`` without waiting, or raise ``RunLocked``.
+    """Take an exclusive ``flock`` on ``fd`` without waiting for a writer, or raise ``RunLocked``.
 
     ``flock`` locks belong to the open file description, so a second store object in the
     same process (which opens the file again) is locked out just like another process;
-    the lock goes away when the descriptor is closed or the process dies.
+    the lock goes away when the descriptor is closed or the process dies. Writers hold
+    the lock exclusively; :func:`flock_held` holds it shared for a moment, so a claimant
+    whose exclusive lock is refused tells a writer (a shared lock is refused too) from a
+    reader (it is granted) and waits the reader out.
     """
+    for _ in range(_LOCK_ATTEMPTS):
+        if _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, run_id):
+            return
+        if not _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, run_id):
+            raise RunLocked("another writer holds this run", run_id=run_id)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        time.sleep(_LOCK_PAUSE_S)
+    raise RunLocked("readers kept the run's lock busy; try again", run_id=run_id)
+
+
+def flock_held(fd: int) -> bool:
+    """Whether another open file description holds an exclusive ``flock`` on ``fd``'s file."""
+    if not _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, None):
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _flock(fd: int, operation: int, run_id: str | None) -> bool:
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, operation)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise RunLocked("another writer holds this run", run_id=run_id) from None
+            return False
         raise StoreError(f"could not lock the run: {exc}", run_id=run_id) from exc
+    return True
+
+
+def names_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open on ``fd`` (it may have been removed)."""
+    try:
+        named = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 class LockFile:
-    """An exclusive writer lock for one run, held as a ``flock`` on a small file."""
+    """An exclusive writer lock for one run: a ``flock`` on a small file that exists
+    only while someone holds it.
+
+    The holder removes the file before it lets go, so no file is left per run. A
+    claimant that locked a file just removed by its previous holder notices (the path
+    no longer names it) and locks the file that replaced it.
+    """
 
     __slots__ = ("_fd", "path", "run_id")
 
@@ -84,18 +134,62 @@ class LockFile:
 
     def acquire(self) -> None:
         """Take the lock or raise ``RunLocked``; blocking I/O, run it in a thread."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            try_flock(fd, self.run_id)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
+        for _ in range(_LOCK_ATTEMPTS):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                         0o600)
+            try:
+                try_flock(fd, self.run_id)
+                if names_file(fd, self.path):
+                    self._fd, fd = fd, -1
+                    return
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+        raise RunLocked("the run's lock file kept changing hands; try again",
+                        run_id=self.run_id)
 
     def release(self) -> None:
+        """Remove the lock file, then let go of the lock."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
+            try:
+                if names_file(fd, self.path):
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(fd)
+
+    @staticmethod
+    def held(path: Path) -> bool:
+        """Whether a writer holds the lock at ``path`` right now (this process's too)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return False
+        try:
+            return flock_held(fd)
+        finally:
             os.close(fd)
+
+
+async def claim_in_thread(claim: Callable[[], None], release: Callable[[], None]) -> None:
+    """Run a blocking ``claim`` in a worker thread; if the call then raises (its caller was
+    cancelled as the thread finished, say), run ``release`` so that no claim lingers."""
+    taken = False
+
+    def claim_and_note() -> None:
+        nonlocal taken
+        claim()
+        taken = True
+
+    try:
+        await anyio.to_thread.run_sync(claim_and_note)
+    except BaseException:
+        if taken:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(release)
+        raise
 
 
 @dataclass

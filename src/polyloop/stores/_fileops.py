@@ -2,7 +2,8 @@
 
 Everything :class:`~polyloop.stores.JsonlStore` does to the file system goes through an
 object with the methods of :class:`FileOps`: opening, writing, reading, syncing a file
-or a directory, truncating, closing, locking, creating and listing directories. The
+or a directory, truncating, closing, locking and probing locks, removing files, creating
+and listing directories. The
 store builds its durability rules out of exactly these calls, so an object that answers
 them from a model of a disk (one that can lose power, fail a write or report a full
 device) shows what the rules leave behind when the disk misbehaves, which a real file
@@ -23,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from polyloop.stores._common import fsync_directory, try_flock
+from polyloop.stores._common import flock_held, fsync_directory, names_file, try_flock
 
 __all__ = ("FileOps", "OsFileOps")
 
@@ -33,7 +34,9 @@ class FileOps(Protocol):
 
     Descriptors are plain integers that only mean something to the object that handed
     them out. ``lock`` raises :class:`~polyloop.types.RunLocked` when another open
-    description of the file holds the writer lock.
+    description of the file holds the writer lock; ``lock_held`` tells whether one does,
+    without keeping a writer out; ``names_file`` whether a path still names the file
+    open on a descriptor.
     """
 
     def open(self, path: Path, flags: int, mode: int = 0o777) -> int: ...
@@ -55,6 +58,12 @@ class FileOps(Protocol):
     def close(self, fd: int) -> None: ...
 
     def lock(self, fd: int, run_id: str) -> None: ...
+
+    def lock_held(self, fd: int) -> bool: ...
+
+    def names_file(self, fd: int, path: Path) -> bool: ...
+
+    def unlink(self, path: Path) -> None: ...
 
     def mkdir(self, path: Path) -> None: ...
 
@@ -97,6 +106,15 @@ class OsFileOps:
 
     def lock(self, fd: int, run_id: str) -> None:
         try_flock(fd, run_id)
+
+    def lock_held(self, fd: int) -> bool:
+        return flock_held(fd)
+
+    def names_file(self, fd: int, path: Path) -> bool:
+        return names_file(fd, path)
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
 
     def mkdir(self, path: Path) -> None:
         os.mkdir(path)

@@ -17,23 +17,21 @@ another run. The file is UTF-8 text made of lines, each ended by ``\\n``:
   A step written without a result is a plain one-object line.
 
 Bytes after the last ``\\n`` are a *torn tail*, the trace of a write that never
-completed. The next writer of the run removes a torn tail (truncating the file to the
-end of its last complete line) before it appends, and only once it holds the run's
-writer lock.
+completed. The next claim of the run removes a torn tail (truncating the file to the
+end of its last complete line), once it holds the run's writer lock.
 
 What readers make of each line, torn or bad: see :mod:`polyloop.stores._jsonl_reader`.
 
 Durability
 ==========
 
-* ``start_run`` creates the file exclusively (``O_EXCL``, mode ``0o600``: logs hold
-  prompts and model output), takes the writer lock, writes the first line, then syncs
-  (``fsync``) the file and after it the directory, so that both the content and the
-  directory entry survive a machine crash. If the store had to create the directory
-  itself, each new directory's entry is synced into its parent as well. A file that
-  exists but holds no complete line (a start that died before its newline) is treated
-  as empty: ``start_run`` truncates and reuses it; any complete line makes it
-  :class:`~polyloop.types.RunAlreadyExists`.
+* ``start_run`` (on a claimed run, whose file the claim created with mode ``0o600``:
+  logs hold prompts and model output) writes the first line, then syncs (``fsync``)
+  the file and after it the directory, so that both the content and the directory
+  entry survive a machine crash. If the store had to create the directory itself,
+  each new directory's entry is synced into its parent as well. A file that holds no
+  complete line (a start that died before its newline) is treated as empty; any
+  complete line makes it :class:`~polyloop.types.RunAlreadyExists`.
 * ``write_intent`` syncs the file before returning: the intent is durable before the
   effect it announces happens.
 * ``write_result``, ``write_step`` and ``end_run`` only append. Losing them in a
@@ -51,17 +49,22 @@ Durability
 Writers
 =======
 
-A store object takes a run's writer lock (an exclusive ``flock`` on the run file) at its
-first write for that run and holds it until ``end_run`` for that run, ``aclose()``, or
-the end of the process. Any other store object, in this process or another, gets
-:class:`~polyloop.types.RunLocked`. Readers never take the lock. Inside one store
-object, the writes of one run are serialized by a per-run lock held around the whole
-write, while different runs proceed in parallel.
+A store object becomes a run's writer with ``claim_run``, which opens the run file
+(creating it, mode ``0o600``, if it is new) and takes an exclusive ``flock`` on it. The
+claim cuts off a torn tail and reads the last complete line, to know whether the run
+has finished. It is held until ``end_run`` for that run, ``release_run``, ``aclose()``
+or the end of the process; releasing the claim of a run that never started removes the
+empty file. Every write needs the claim, and none may follow a final end record. Any
+other store object, in this process or another, gets :class:`~polyloop.types.RunLocked`.
+Readers never take the lock; asking whether a run is claimed holds it shared for a
+moment, which a claimant waits out. Inside one store object, the writes of one run are
+serialized by a per-run lock held around the whole write, while different runs proceed
+in parallel.
 
 Threads
 =======
 
-Opening, locking, reading, creating a run and taking a run over run in a worker thread
+Opening, locking, reading, creating a run, claiming and releasing run in a worker thread
 (``anyio.to_thread.run_sync``), which is what lets this store serve asyncio and Trio
 alike. Two kinds of call run on the event loop's own thread instead, because a thread
 hop (two wake-ups) costs as much as the disk work it would carry:
@@ -94,24 +97,36 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
 import anyio.to_thread
 
+from polyloop.ports import StoredRun
 from polyloop.serialization import dumps
 from polyloop.stores._batching import GroupCommit, InlineSyncGate
-from polyloop.stores._common import FORMAT, WriterState, fsync_directory, safe_name
+from polyloop.stores._common import (
+    FORMAT,
+    WriterState,
+    claim_in_thread,
+    fsync_directory,
+    safe_name,
+)
 from polyloop.stores._fileops import FileOps, OsFileOps
 from polyloop.stores._jsonl_reader import (
     COMMON_FLAGS,
+    READ_FLAGS,
     SUFFIX,
     complete_end,
+    ends_final,
     first_run_id,
     parse_lines,
     read_file,
@@ -119,6 +134,7 @@ from polyloop.stores._jsonl_reader import (
     require_regular,
 )
 from polyloop.types import (
+    CorruptLog,
     Intent,
     JSONValue,
     PolyLoopError,
@@ -126,8 +142,10 @@ from polyloop.types import (
     Result,
     RunAlreadyExists,
     RunEnded,
+    RunLocked,
     RunLog,
     RunStarted,
+    SchemaMajorMismatch,
     StepRecord,
     StoreError,
 )
@@ -136,11 +154,15 @@ __all__ = ("JsonlStore",)
 
 _T = TypeVar("_T")
 
+logger = logging.getLogger("polyloop")
+
 _FILE_MODE = 0o600
-_CREATE = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_APPEND | COMMON_FLAGS
-# A writer taking over an existing file also reads it (to find a torn tail) through the
-# same descriptor, so that the file it inspects is the file it locked.
-_REOPEN = os.O_RDWR | os.O_APPEND | COMMON_FLAGS
+# A claim opens (or creates) the run file and also reads it (to find a torn tail and
+# whether the run ended) through the same descriptor, so that the file it inspects is
+# the file it locked.
+_CLAIM = os.O_RDWR | os.O_CREAT | os.O_APPEND | COMMON_FLAGS
+# A claimant that locked a file its previous holder had just removed tries again.
+_CLAIM_ATTEMPTS = 100
 # Batches of syncs that may run at once, each in its own worker thread: the disk
 # overlaps syncs of different files, and 16 reached the hand-written loop's overlap in
 # the concurrency benchmark while leaving most of AnyIO's 40 default threads free.
@@ -165,11 +187,14 @@ _SYSTEM_FILES = _SystemFiles()
 
 @dataclass(eq=False)
 class _Slot:
-    """One run inside one store object: its serializing lock and its writer descriptor."""
+    """One run inside one store object: its serializing lock and, while this object holds
+    the run's claim, the locked descriptor and what the claim found in the file."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     fd: int | None = None
     users: int = 0
+    started: bool = False  # the file holds a complete line
+    finished: bool = False  # its last complete line is a final end record
 
 
 class JsonlStore:
@@ -203,16 +228,39 @@ class JsonlStore:
         """The kind and record format; never the directory, so moved data still resumes."""
         return {"kind": "jsonl", "format": FORMAT}
 
+    async def claim_run(self, run_id: str) -> None:
+        """Open (or create) the run's file and take its writer lock.
+
+        Raises :class:`~polyloop.types.RunLocked` if another store object, here or in
+        another process, or this one already, holds it. A torn tail is cut off now; a
+        file holding no complete line (a start that died before its first newline)
+        counts as empty.
+
+        Cancellation: the worker thread finishes before the cancellation is delivered,
+        and the claim is given up again if the call does not return.
+        """
+        self._check_open(run_id)
+        await claim_in_thread(partial(self._claim_sync, run_id),
+                              partial(self._release_sync, run_id))
+
+    async def release_run(self, run_id: str) -> None:
+        """Give up the claim: close the descriptor, removing the file if no run started.
+
+        Cancellation: the worker thread finishes before the cancellation is delivered.
+        """
+        slot = self._slots.get(run_id)
+        if slot is not None and slot.fd is not None:
+            await anyio.to_thread.run_sync(self._release_sync, run_id)
+
     async def start_run(self, record: RunStarted) -> None:
-        """Create the run's file, lock it, write the first record and sync file and directory.
+        """Write the claimed run's first record, then sync the file and the directory.
 
         Raises :class:`~polyloop.types.RunAlreadyExists` if the file already holds a
-        complete record. A file holding no complete line (a start that died before its
-        first newline) counts as empty: it is truncated and reused.
+        complete record.
 
-        Cancellation: the worker thread finishes creating, writing and syncing before
-        the cancellation is delivered, so a cancelled call still leaves a started run
-        whose first record and directory entry are durable.
+        Cancellation: the worker thread finishes writing and syncing before the
+        cancellation is delivered, so a cancelled call still leaves a started run whose
+        first record and directory entry are durable.
         """
         data = _line(dumps(record))
         await anyio.to_thread.run_sync(self._start_sync, record.run_id, data)
@@ -267,21 +315,31 @@ class JsonlStore:
         records = await anyio.to_thread.run_sync(self._read_sync, run_id)
         return RunLog(run_id=run_id, records=records)
 
-    async def run_ids(self) -> tuple[str, ...]:
-        """The id of every run in the directory, sorted; empty if the directory is missing.
+    async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
+        """Every run in the directory, sorted by id (only unfinished ones if asked).
 
-        The file name only hashes the run id, so each ``*.jsonl`` file's first line is
-        read for it. A file with no complete line yet (a start that never finished) holds
-        no run and is left out. A first line that is not a record, or whose run id does
-        not hash to the file's name, raises :class:`~polyloop.types.CorruptLog` naming
-        the file.
+        Each ``*.jsonl`` file is opened for its first line (the file name only hashes
+        the run id), its last line (has the run finished?) and whether a writer holds
+        its lock; ``updated_at`` is the file's modification time. A file with no
+        complete line yet (a start that never finished, a claimed id) holds no run. A
+        file whose first line is not a record of its run is left out with a warning
+        naming it (``polyloop verify`` tells more).
 
-        Cancellation: reading has no effect on disk; the worker thread finishes the
-        listing and its result is discarded.
+        Cancellation: listing has no effect on disk; the worker thread finishes and its
+        result is discarded.
         """
         if self._state.closed:
             raise StoreError("the store is closed")
-        return await anyio.to_thread.run_sync(self._run_ids_sync)
+        listed = await anyio.to_thread.run_sync(self._list_sync)
+        return tuple(run for run in listed if not (unfinished_only and run.finished))
+
+    async def describe_run(self, run_id: str) -> StoredRun | None:
+        """The run as :meth:`list_runs` lists it; ``None`` if its file holds no record.
+
+        Cancellation: as for :meth:`list_runs`.
+        """
+        self._check_open(run_id)
+        return await anyio.to_thread.run_sync(self._describe_sync, self._path(run_id), run_id)
 
     async def aclose(self) -> None:
         """Release every writer lock and refuse further use. Idempotent.
@@ -325,11 +383,10 @@ class JsonlStore:
         """Append (and sync) on this thread if the run's descriptor is held and its lock free.
 
         ``False`` (nothing done) sends the caller to a worker thread: a run this object
-        does not write yet needs a take-over (blocking reads), and a busy lock means a
-        worker thread is using the run (closing the store), which must not block the
-        event loop. Written out rather than composed from :meth:`_claimed` and
-        :meth:`_guarded`: it runs up to four times a step, right after a blocking sync,
-        when every call costs most.
+        has not claimed is refused there, and a busy lock means a worker thread is using
+        the run (closing the store), which must not block the event loop. Written out
+        rather than composed from :meth:`_claimed` and :meth:`_guarded`: it runs up to
+        four times a step, right after a blocking sync, when every call costs most.
         """
         slot = self._slots.get(run_id)
         if slot is None or not slot.lock.acquire(blocking=False):
@@ -337,10 +394,10 @@ class JsonlStore:
         try:
             # Only a holder of the lock clears the descriptor, and a slot holding one is
             # never dropped, so this slot stays the run's while we hold its lock.
-            fd = slot.fd
-            if fd is None:
+            if slot.fd is None:
                 return False
             self._state.check_writable(run_id)
+            fd = _writable_fd(slot, run_id)
             try:
                 _write_all(self._files, fd, data)
                 if sync:
@@ -368,7 +425,7 @@ class JsonlStore:
         with self._claimed(run_id) as slot:
             if slot is None or slot.fd is None:
                 return False
-            fd = slot.fd
+            fd = _writable_fd(slot, run_id)
             # A failed append raises here (and gives the descriptor up); after a
             # successful one the descriptor is still ``fd``: only we hold its lock.
             self._guarded(run_id, slot, lambda _: _write_all(self._files, fd, data))
@@ -403,7 +460,7 @@ class JsonlStore:
         files = self._files
 
         def append(slot: _Slot) -> None:
-            fd = slot.fd if slot.fd is not None else self._take_over(slot, run_id)
+            fd = _writable_fd(slot, run_id)
             _write_all(files, fd, data)
             if sync:
                 self._gate.timed(lambda: files.fsync(fd))
@@ -414,20 +471,70 @@ class JsonlStore:
 
     def _start_sync(self, run_id: str, data: bytes) -> None:
         def start(slot: _Slot) -> None:
-            if slot.fd is not None:
-                # This object only holds a run's descriptor after writing a record to it
-                # or finding one there (a failed write gives the descriptor up).
+            fd = _claimed_fd(slot, run_id)
+            if slot.started:
                 raise RunAlreadyExists("the run already has records", run_id=run_id)
-            self._ensure_directory()
-            fd, created = self._open_for_start(run_id)
-            slot.fd = fd
-            if not created:
-                _reuse_if_empty(self._files, slot, fd, run_id)
             _write_all(self._files, fd, data)
+            slot.started = True
             self._gate.timed(lambda: self._files.fsync(fd))
             self._files.fsync_directory(self._directory)
 
         self._locked(run_id, start)
+
+    def _claim_sync(self, run_id: str) -> None:
+        def claim(slot: _Slot) -> None:
+            if slot.fd is not None:
+                raise RunLocked("this store object already holds the run's claim",
+                                run_id=run_id)
+            self._ensure_directory()
+            fd = self._open_claimed(run_id)
+            try:
+                end, size = complete_end(self._files, fd)
+                if size > end:  # a torn tail: what remains of a write that never finished
+                    self._files.ftruncate(fd, end)
+                    self._files.fsync(fd)
+                finished = end > 0 and ends_final(self._files, fd, end, self._path(run_id).name)
+            except BaseException:
+                self._files.close(fd)
+                raise
+            slot.fd, slot.started, slot.finished = fd, end > 0, finished
+
+        self._locked(run_id, claim)
+
+    def _release_sync(self, run_id: str) -> None:
+        self._locked(run_id, lambda slot: self._unclaim(slot, run_id))
+
+    def _unclaim(self, slot: _Slot, run_id: str, *, quiet: bool = False) -> None:
+        """Close the claim's descriptor (its lock held); remove the file if no run started."""
+        if slot.fd is not None and not slot.started:
+            # Only a claim made the file: remove it, so no run id leaves a trace. The
+            # lock is still held, so nobody has made it a run meanwhile.
+            path = self._path(run_id)
+            with contextlib.suppress(OSError):
+                if self._files.names_file(slot.fd, path):
+                    self._files.unlink(path)
+        _release(self._files, slot, quiet=quiet)
+
+    def _open_claimed(self, run_id: str) -> int:
+        """Open or create the run file and lock it, as it is named now."""
+        files, path = self._files, self._path(run_id)
+        for _ in range(_CLAIM_ATTEMPTS):
+            try:
+                fd = files.open(path, _CLAIM, _FILE_MODE)
+            except OSError as exc:
+                refuse_link(exc, run_id)
+                raise
+            try:
+                require_regular(files, fd, run_id)
+                files.lock(fd, run_id)
+                if files.names_file(fd, path):
+                    return fd
+            except BaseException:
+                files.close(fd)
+                raise
+            # The previous holder removed the file it had claimed: lock its successor.
+            files.close(fd)
+        raise RunLocked("the run file kept changing hands; try again", run_id=run_id)
 
     def _locked(self, run_id: str, action: Callable[[_Slot], _T]) -> _T:
         """Run ``action`` holding the run's lock; map OS failures to a failed run."""
@@ -491,55 +598,6 @@ class JsonlStore:
             if slot.users == 0 and slot.fd is None and self._slots.get(run_id) is slot:
                 del self._slots[run_id]
 
-    def _take_over(self, slot: _Slot, run_id: str) -> int:
-        """Lock an existing run file, drop its torn tail, and keep it as our writer."""
-        files = self._files
-        fd = self._open_existing(run_id)
-        try:
-            end, size = complete_end(files, fd)
-            if end == 0:
-                raise StoreError("the run was never started in this store", run_id=run_id)
-            if size > end:
-                files.ftruncate(fd, end)
-                files.fsync(fd)
-        except BaseException:
-            files.close(fd)
-            raise
-        slot.fd = fd
-        return fd
-
-    def _open_for_start(self, run_id: str) -> tuple[int, bool]:
-        """Create and lock the run file; ``(fd, False)`` if it existed and we locked it."""
-        files = self._files
-        try:
-            fd = files.open(self._path(run_id), _CREATE, _FILE_MODE)
-        except FileExistsError:
-            return self._open_existing(run_id), False
-        try:
-            files.lock(fd, run_id)
-        except BaseException:
-            files.close(fd)
-            raise
-        return fd, True
-
-    def _open_existing(self, run_id: str) -> int:
-        """Open an existing run file for writing and take its writer lock."""
-        files = self._files
-        try:
-            fd = files.open(self._path(run_id), _REOPEN)
-        except FileNotFoundError:
-            raise StoreError("the run was never started in this store", run_id=run_id) from None
-        except OSError as exc:
-            refuse_link(exc, run_id)
-            raise
-        try:
-            require_regular(files, fd, run_id)
-            files.lock(fd, run_id)
-        except BaseException:
-            files.close(fd)
-            raise
-        return fd
-
     def _ensure_directory(self) -> None:
         if not self._directory_ready:
             _create_directories(self._files, self._directory)
@@ -548,10 +606,10 @@ class JsonlStore:
     def _close_sync(self) -> None:
         with self._state.mutex:
             self._state.closed = True
-            slots = list(self._slots.values())
-        for slot in slots:
+            slots = list(self._slots.items())
+        for run_id, slot in slots:
             with slot.lock:
-                _release(self._files, slot, quiet=True)
+                self._unclaim(slot, run_id, quiet=True)
 
     # -- reading (worker threads) ---------------------------------------------------------
 
@@ -560,19 +618,55 @@ class JsonlStore:
         data = read_file(self._files, path, run_id)
         return tuple(parse_lines(data, path.name, run_id))
 
-    def _run_ids_sync(self) -> tuple[str, ...]:
+    def _list_sync(self) -> list[StoredRun]:
         try:
             names = self._files.listdir(self._directory)
         except (FileNotFoundError, NotADirectoryError):
-            return ()
+            return []
         except OSError as exc:
             raise StoreError(f"could not list {self._directory}: {exc}") from exc
-        found = []
+        listed = []
         for name in sorted(name for name in names if name.endswith(SUFFIX)):
-            run_id = first_run_id(self._files, self._directory / name)
-            if run_id is not None:
-                found.append(run_id)
-        return tuple(sorted(found))
+            try:
+                run = self._describe_sync(self._directory / name, None)
+            except (CorruptLog, SchemaMajorMismatch, StoreError) as exc:
+                logger.warning("%s is left out of the listing: %s", name, exc)
+                continue
+            if run is not None:
+                listed.append(run)
+        return sorted(listed, key=lambda run: run.run_id)
+
+    def _describe_sync(self, path: Path, run_id: str | None) -> StoredRun | None:
+        """What the file at ``path`` holds; its first line names the run unless given."""
+        files = self._files
+        if run_id is None:
+            run_id = first_run_id(files, path)
+            if run_id is None:
+                return None
+        try:
+            fd = files.open(path, READ_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            refuse_link(exc, run_id)
+            raise StoreError(f"could not open the run file: {exc}", run_id=run_id) from exc
+        try:
+            require_regular(files, fd, run_id)
+            end, _ = complete_end(files, fd)
+            if end == 0:
+                return None
+            return StoredRun(
+                run_id=run_id,
+                finished=ends_final(files, fd, end, path.name),
+                claimed=files.lock_held(fd),
+                updated_at=datetime.fromtimestamp(files.fstat(fd).st_mtime, UTC),
+            )
+        except OSError as exc:
+            if isinstance(exc, PolyLoopError):
+                raise
+            raise StoreError(f"could not read the run file: {exc}", run_id=run_id) from exc
+        finally:
+            files.close(fd)
 
     def _path(self, run_id: str) -> Path:
         return self._directory / f"{safe_name(run_id)}{SUFFIX}"
@@ -616,17 +710,22 @@ def _release(files: FileOps, slot: _Slot, *, quiet: bool = False) -> None:
             raise
 
 
-def _reuse_if_empty(files: FileOps, slot: _Slot, fd: int, run_id: str) -> None:
-    """Refuse a run file that holds a record; empty one that holds only a torn line.
+def _claimed_fd(slot: _Slot, run_id: str) -> int:
+    """The run's descriptor, if this store object holds the run's claim."""
+    if slot.fd is None:
+        raise RunLocked("this store object does not hold the run's claim", run_id=run_id)
+    return slot.fd
 
-    On refusal the lock taken for this check is released again.
-    """
-    end, size = complete_end(files, fd)
-    if end > 0:
-        _release(files, slot)
-        raise RunAlreadyExists("the run already has records", run_id=run_id)
-    if size:
-        files.ftruncate(fd, 0)
+
+def _writable_fd(slot: _Slot, run_id: str) -> int:
+    """The descriptor to append to: the run is claimed, started and not ended."""
+    fd = _claimed_fd(slot, run_id)
+    if not slot.started:
+        raise StoreError("the run was never started in this store", run_id=run_id)
+    if slot.finished:
+        raise StoreError("the run has ended; nothing may follow its end record",
+                         run_id=run_id)
+    return fd
 
 
 def _create_directories(files: FileOps, directory: Path) -> None:

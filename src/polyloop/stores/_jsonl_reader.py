@@ -36,6 +36,7 @@ from polyloop.types import (
     PolyLoopError,
     Record,
     Result,
+    RunEnded,
     SchemaMajorMismatch,
     StepRecord,
     StoreError,
@@ -43,9 +44,11 @@ from polyloop.types import (
 
 __all__ = (
     "COMMON_FLAGS",
+    "READ_FLAGS",
     "SUFFIX",
     "complete_end",
     "decode_line",
+    "ends_final",
     "first_run_id",
     "parse_lines",
     "read_file",
@@ -58,7 +61,7 @@ _NOT_FOLLOWED = {errno.ELOOP, errno.EMLINK}  # what O_NOFOLLOW reports for a lin
 # O_NONBLOCK only matters if something other than a regular file was planted at the
 # path (a FIFO would otherwise block the open); regular files ignore it.
 COMMON_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_READ = os.O_RDONLY | COMMON_FLAGS
+READ_FLAGS = os.O_RDONLY | COMMON_FLAGS
 _TAIL_CHUNK = 64 * 1024
 _READ_CHUNK = 1024 * 1024
 _JSON_SPACE = " \t\r"
@@ -84,10 +87,33 @@ def complete_end(files: FileOps, fd: int) -> tuple[int, int]:
     return 0, size
 
 
+def ends_final(files: FileOps, fd: int, end: int, location: str) -> bool:
+    """Whether the last complete line (ending at ``end``) is a final end record.
+
+    A line that does not decode says no: whoever reads the whole log is told why.
+    """
+    start = end - 1
+    while start > 0:
+        begin = max(0, start - _TAIL_CHUNK)
+        newline = files.pread(fd, start - begin, begin).rfind(b"\n")
+        if newline >= 0:
+            start = begin + newline + 1
+            break
+        start = begin
+    line = files.pread(fd, end - 1 - start, start)
+    if not line.lstrip(_JSON_SPACE.encode()).startswith(b"{"):
+        return False  # a result-and-step pair, or not a record at all
+    try:
+        (record,) = decode_line(line, location)
+    except (CorruptLog, SchemaMajorMismatch):
+        return False
+    return isinstance(record, RunEnded) and record.is_final
+
+
 def read_file(files: FileOps, path: Path, run_id: str) -> bytes:
     """The whole file, or ``b""`` if there is none; refuses links and special files."""
     try:
-        fd = files.open(path, _READ)
+        fd = files.open(path, READ_FLAGS)
     except FileNotFoundError:
         return b""
     except OSError as exc:
@@ -120,7 +146,7 @@ def _read_until(files: FileOps, fd: int, stop: bytes | None) -> bytes:
 def first_run_id(files: FileOps, path: Path) -> str | None:
     """The run id of ``path``'s first complete line; ``None`` if it has none."""
     try:
-        fd = files.open(path, _READ)
+        fd = files.open(path, READ_FLAGS)
     except FileNotFoundError:
         return None  # removed while the directory was being listed
     except OSError as exc:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from types import TracebackType
 
+from polyloop.ports import StoredRun
 from polyloop.types import (
     Intent,
     JSONValue,
@@ -12,6 +14,7 @@ from polyloop.types import (
     Result,
     RunAlreadyExists,
     RunEnded,
+    RunLocked,
     RunLog,
     RunStarted,
     StepRecord,
@@ -28,26 +31,50 @@ class MemoryStore:
     store object continues it) but not the end of the process. Choosing this store is
     the visible way of saying that a run needs no crash recovery; there is no default
     store. Records are kept as the objects written, so reads are exact and cheap.
+
+    No other store object sees these runs, so a claim here only keeps out a second
+    driver of the same run through this object.
+
     """
 
-    __slots__ = ("_closed", "_runs")
+    __slots__ = ("_claims", "_closed", "_runs", "_updated")
 
     def __init__(self) -> None:
         self._runs: dict[str, list[Record]] = {}
+        self._updated: dict[str, datetime] = {}
+        self._claims: set[str] = set()
         self._closed = False
 
     def parameters(self) -> Mapping[str, JSONValue]:
         return {"kind": "memory", "format": _FORMAT}
+
+    async def claim_run(self, run_id: str) -> None:
+        """Become the run's writer; ``RunLocked`` if this store object already is.
+
+        Cancellation: the method never waits, so it completes or does not start.
+        """
+        self._check_open(run_id)
+        if run_id in self._claims:
+            raise RunLocked("another caller already holds this run's claim", run_id=run_id)
+        self._claims.add(run_id)
+
+    async def release_run(self, run_id: str) -> None:
+        """Give up the claim on the run, if this store object holds it.
+
+        Cancellation: the method never waits, so it completes or does not start.
+        """
+        self._claims.discard(run_id)
 
     async def start_run(self, record: RunStarted) -> None:
         """Keep the first record of a run.
 
         Cancellation: the method never waits, so it completes or does not start.
         """
-        self._check_open(record.run_id)
+        self._check_claimed(record.run_id)
         if self._runs.get(record.run_id):
             raise RunAlreadyExists("the run already has records", run_id=record.run_id)
         self._runs[record.run_id] = [record]
+        self._updated[record.run_id] = datetime.now(UTC)
 
     async def write_intent(self, intent: Intent) -> None:
         """Keep an intent (memory is as durable as this store gets).
@@ -66,44 +93,59 @@ class MemoryStore:
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
         """Keep a step and its action result together.
 
-        Cancellation: the method never waits, so both land or neither does.
+        Cancellation: the method never waits, so it completes or does not start.
         """
+        if action_result is not None and action_result.run_id != step.run_id:
+            raise StoreError(
+                f"the action result belongs to run {action_result.run_id!r}",
+                run_id=step.run_id,
+            )
         records = self._records(step.run_id)
         if action_result is not None:
-            if action_result.run_id != step.run_id:
-                raise StoreError(
-                    f"the action result belongs to run {action_result.run_id!r}",
-                    run_id=step.run_id,
-                )
-            records.extend((action_result, step))
-        else:
-            records.append(step)
+            records.append(action_result)
+        records.append(step)
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id``, in write order.
 
-        Cancellation: reading changes nothing.
+        Cancellation: the method never waits, so it completes or does not start.
         """
         self._check_open(run_id)
         return RunLog(run_id=run_id, records=tuple(self._runs.get(run_id, ())))
 
     async def end_run(self, record: RunEnded) -> None:
-        """Keep the end record.
+        """Keep the end record and give up the claim.
 
         Cancellation: the method never waits, so it completes or does not start.
         """
         self._records(record.run_id).append(record)
+        self._claims.discard(record.run_id)
 
-    def run_ids(self) -> tuple[str, ...]:
-        """The ids of every run this store holds, in the order they started."""
-        return tuple(self._runs)
+    async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
+        """Every run, in the order the runs started (only unfinished ones if asked).
+
+        Cancellation: the method never waits, so it completes or does not start.
+        """
+        self._check_open(None)
+        listed = (self._stored(run_id) for run_id in self._runs)
+        return tuple(run for run in listed if not (unfinished_only and run.finished))
+
+    async def describe_run(self, run_id: str) -> StoredRun | None:
+        """The run as :meth:`list_runs` lists it, or ``None``.
+
+        Cancellation: the method never waits, so it completes or does not start.
+        """
+        self._check_open(run_id)
+        return self._stored(run_id) if run_id in self._runs else None
 
     async def aclose(self) -> None:
-        """Refuse further use; idempotent. The records go with the object.
+        """Give up every claim and refuse further use; idempotent. The records go with
+        the object.
 
-        Cancellation: the method never waits.
+        Cancellation: the method never waits, so it completes or does not start.
         """
         self._closed = True
+        self._claims.clear()
 
     async def __aenter__(self) -> MemoryStore:
         return self
@@ -116,16 +158,39 @@ class MemoryStore:
     ) -> None:
         await self.aclose()
 
-    def _check_open(self, run_id: str) -> None:
+    def _stored(self, run_id: str) -> StoredRun:
+        return StoredRun(
+            run_id=run_id,
+            finished=_finished(self._runs[run_id]),
+            claimed=run_id in self._claims,
+            updated_at=self._updated[run_id],
+        )
+
+    def _check_open(self, run_id: str | None) -> None:
         if self._closed:
             raise StoreError("the store is closed", run_id=run_id)
 
-    def _records(self, run_id: str) -> list[Record]:
+    def _check_claimed(self, run_id: str) -> None:
         self._check_open(run_id)
+        if run_id not in self._claims:
+            raise RunLocked("this store object does not hold the run's claim", run_id=run_id)
+
+    def _records(self, run_id: str) -> list[Record]:
+        """The records of a claimed, started, unfinished run, its time updated."""
+        self._check_claimed(run_id)
         records = self._runs.get(run_id)
         if not records:
             raise StoreError("the run was never started in this store", run_id=run_id)
+        if _finished(records):
+            raise StoreError("the run has ended; nothing may follow its end record",
+                             run_id=run_id)
+        self._updated[run_id] = datetime.now(UTC)
         return records
 
     def __repr__(self) -> str:
         return f"MemoryStore(runs={len(self._runs)})"
+
+
+def _finished(records: list[Record]) -> bool:
+    last = records[-1]
+    return isinstance(last, RunEnded) and last.is_final

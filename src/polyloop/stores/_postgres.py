@@ -53,30 +53,42 @@ transaction, so both land or neither does. What is on disk when a call returns:
   ``resume`` then continues it by the recovery rules; no side effect runs twice unless
   its intent allows a replay.
 
-A batch is one transaction: one ``INSERT`` statement on the autocommit connection, or
-past 1,000 rows one pipelined ``BEGIN`` … ``COMMIT``. If the server refuses a row, the
-batch runs again item by item under savepoints, so that the item at fault fails alone
+A batch is one transaction: one statement on the autocommit connection, whatever its
+size (its rows travel as arrays). If the server refuses the statement, each run of the
+batch is sent again alone, so that the run at fault fails alone
 (:mod:`polyloop.stores._postgres_batch` tells how a batch is planned, sent and settled).
-(A private ``_group_commit=False`` writes each record in its own statement and thread
-hop instead, the baseline the benchmarks use.)
+(A private ``_group_commit=False`` commits each write alone in its own thread hop
+instead, the baseline the benchmarks use.)
 
-Writers. A run has one writer: a store object takes the run's lock at its first write
-with ``pg_try_advisory_lock(key)``, where the 64-bit key is the start of the sha256 of
-the schema and the run id (``False`` means another session holds it: ``RunLocked``).
-The lock is a session-level lock, so it lives on one connection; that connection is a
-*writer connection*, opened by this store object for writing only. It is never taken
-from or returned to the reader pool, so a lock can never travel to an unrelated user of
-a pooled connection. The lock is released by ``pg_advisory_unlock`` once the commit
-holding the run's ``end_run`` has ended, by ``aclose()`` (``pg_advisory_unlock_all``,
-then the connection closes), or by the server when the connection drops, for example
-because the process died. A store object opens at most ``max_writer_connections``
-writer connections: a run gets a connection of its own while there is room, after that
-it shares the least busy one. Every write of a run goes through the connection that
-holds (or will hold) its lock, and each connection commits one batch at a time, holding
-the waiting writes of all its runs; each run's next ``seq`` is given out in the batch,
-in submission order. This keeps the number of server connections bounded however many
-runs a worker drives at once, and the more runs share a connection, the more writes
-each commit carries.
+Runs. A third table, ``runs(run_key bytea PRIMARY KEY, run_id text, next_seq bigint,
+finished boolean, epoch bigint, started_at timestamptz, updated_at timestamptz)`` with the
+index ``runs_unfinished`` (only the rows whose run has not finished), holds one row per
+run. Every batch moves the rows of its runs on in the same statement that inserts their
+records; a row moves only if the writer's claim epoch is still the row's, the row's next
+seq is the one the writer expects, and the run has not finished. The records of a run
+whose row did not move are not inserted, and its writes are refused (``RunLocked`` when
+the epoch moved on, ``StoreError`` otherwise). A schema from before this table gets it,
+filled from its records, under the DDL lock.
+
+Writers. A run has one writer: a store object claims it (``claim_run``) with
+``pg_try_advisory_lock(key)``, where the 64-bit key is the start of the sha256 of the
+schema and the run id (``False`` means another session holds it: ``RunLocked``), and in
+the same statement moves the run's claim epoch on, so that any write of an earlier claim
+is refused. The lock is a session-level lock, so it lives on one connection; that
+connection is a *writer connection*, opened by this store object for writing only. It is
+never taken from or returned to the reader pool, so a lock can never travel to an
+unrelated user of a pooled connection. The lock is released by ``pg_advisory_unlock``
+once the commit holding the run's ``end_run`` has ended or by ``release_run``, by
+``aclose()`` (``pg_advisory_unlock_all``, then the connection closes), or by the server
+when the connection drops, for example because the process died. Whether a run is
+claimed is read from ``pg_locks``. A store object opens at most
+``max_writer_connections`` writer connections: a run gets a connection of its own while
+there is room, after that it shares the least busy one. Every write of a run goes
+through the connection that holds its claim, and each connection commits one batch at a
+time, holding the waiting writes of all its runs; each run's next ``seq`` is given out in
+the batch, in submission order. This keeps the number of server connections bounded
+however many runs a worker drives at once, and the more runs share a connection, the
+more writes each commit carries.
 
 Failures. A ``psycopg.Error`` during a write raises ``StoreError`` (the cause chained)
 and the store object writes nothing more for that run until it is closed and reopened.
@@ -113,6 +125,8 @@ import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from datetime import datetime
+from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -126,8 +140,9 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from polyloop import serialization
+from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
-from polyloop.stores._common import FORMAT, WriterState, check_format
+from polyloop.stores._common import FORMAT, WriterState, check_format, claim_in_thread
 from polyloop.stores._postgres_batch import (
     Claim,
     Committer,
@@ -138,14 +153,13 @@ from polyloop.stores._postgres_batch import (
     Probe,
     Slot,
     Writer,
-    check_mode,
-    statements,
 )
 from polyloop.stores._postgres_sql import (
     KIND,
     Queries,
-    Row,
     ddl_lock_key,
+    lock_halves,
+    lock_key_of,
     record_row,
     run_id_column,
     run_key,
@@ -156,7 +170,6 @@ from polyloop.types import (
     CorruptLog,
     Intent,
     JSONValue,
-    PolyLoopError,
     Record,
     Result,
     RunEnded,
@@ -248,16 +261,35 @@ class PostgresStore:
 
     # -- the Store protocol ---------------------------------------------------------------
 
+    async def claim_run(self, run_id: str) -> None:
+        """Take the run's advisory lock on a writer connection and move its claim epoch on.
+
+        Raises ``RunLocked`` if another session, or this store object already, holds it.
+
+        Cancellation: the worker thread finishes before the cancellation is delivered,
+        and the claim is given up again if the call does not return.
+        """
+        await claim_in_thread(partial(self._claim_run, run_id),
+                              partial(self._release_run, run_id))
+
+    async def release_run(self, run_id: str) -> None:
+        """Give up the claim: unlock the run on its writer connection, writing nothing.
+
+        Cancellation: the worker thread finishes before the cancellation is delivered.
+        """
+        slot = self._slots.get(run_id)
+        if slot is not None and slot.claim is not None:
+            await self._in_thread(self._release_run, run_id)
+
     async def start_run(self, record: RunStarted) -> None:
-        """Take the run's writer lock and write its first record, a durable barrier.
+        """Write the claimed run's first record, a durable barrier.
 
         When this returns the record is committed and flushed to the server's disk.
-        Raises ``RunLocked`` if another writer holds the run and ``RunAlreadyExists`` if
-        the run has any row (either way nothing is written and no lock is kept).
+        Raises ``RunAlreadyExists`` if the run has any row (nothing is written).
 
-        Cancellation: a call cancelled before its batch starts writes nothing, takes no
-        lock and re-raises. Once the batch has started the call waits for its commit
-        (shielded), then re-raises: the record is committed, or its write failed.
+        Cancellation: a call cancelled before its batch starts writes nothing and
+        re-raises. Once the batch has started the call waits for its commit (shielded),
+        then re-raises: the record is committed, or its write failed.
         """
         await self._write(record.run_id, [record], "start", barrier=True)
 
@@ -306,7 +338,7 @@ class PostgresStore:
         lock and re-raises. Once the batch has started the call waits for its commit and
         the release (shielded), then re-raises.
         """
-        await self._write(record.run_id, [record], "end")
+        await self._write(record.run_id, [record], "end", final=record.is_final)
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id`` in write order; empty if the run has no row.
@@ -321,13 +353,24 @@ class PostgresStore:
         records = await self._in_thread(self._read, run_id)
         return RunLog(run_id=run_id, records=records)
 
-    async def run_ids(self) -> tuple[str, ...]:
-        """The id of every run in the schema, in the order the runs started.
+    async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
+        """Every run, in the order the runs started (only unfinished ones if asked).
+
+        Read from the table of runs; the unfinished ones through an index that holds
+        only them, so finished runs cost nothing. Whether a run is claimed is read from
+        the server's advisory locks.
 
         Cancellation: the worker thread finishes the query before the cancellation is
         delivered.
         """
-        return await self._in_thread(self._select_run_ids)
+        return await self._in_thread(self._list, unfinished_only)
+
+    async def describe_run(self, run_id: str) -> StoredRun | None:
+        """The run as :meth:`list_runs` lists it; ``None`` if it has no row.
+
+        Cancellation: as for :meth:`list_runs`.
+        """
+        return await self._in_thread(self._describe, run_id)
 
     async def aclose(self) -> None:
         """Release every writer lock and close every connection. Idempotent.
@@ -361,22 +404,20 @@ class PostgresStore:
     # -- writing ----------------------------------------------------------------------------
 
     async def _write(self, run_id: str, records: Sequence[Record], mode: Mode, *,
-                     barrier: bool = False) -> None:
+                     barrier: bool = False, final: bool = False) -> None:
         rows = [record_row(record) for record in records]
         with self._routed(run_id) as (slot, alone):
-            if not self._grouped:
-                await self._in_thread(self._write_rows, slot, rows, mode)
-            elif alone:
+            item = Item(slot, rows, mode, barrier, final)
+            if alone or not self._grouped:
                 # Nobody could share this commit: skip the batching, keep its rules.
                 # A write that arrives meanwhile batches, and waits for writer.lock.
-                item = Item(slot, rows, mode, barrier)
                 error = (await self._in_thread(self._commit_batch, slot.writer, [item]))[0]
                 # As after a shared commit: a cancellation that came during it is raised.
                 await anyio.lowlevel.checkpoint_if_cancelled()
                 if error is not None:
                     raise error
             else:
-                await slot.writer.group.submit(Item(slot, rows, mode, barrier))
+                await slot.writer.group.submit(item)
 
     @contextmanager
     def _routed(self, run_id: str) -> Iterator[tuple[Slot, bool]]:
@@ -386,6 +427,19 @@ class PostgresStore:
         will), so that the batches of that connection order them. The slot is forgotten
         when nobody uses or claims it.
         """
+        with self._used(run_id) as slot:
+            with self._state.mutex:
+                alone = slot.writer.writing == 0
+                slot.writer.writing += 1
+            try:
+                yield slot, alone
+            finally:
+                with self._state.mutex:
+                    slot.writer.writing -= 1
+
+    @contextmanager
+    def _used(self, run_id: str) -> Iterator[Slot]:
+        """``run_id``'s slot, kept while in use; forgotten when nobody uses or claims it."""
         with self._state.mutex:
             self._state.check_writable(run_id)
             slot = self._slots.get(run_id)
@@ -393,14 +447,11 @@ class PostgresStore:
                 slot = self._slots[run_id] = Slot(run_id, self._pick_writer())
                 slot.writer.runs.add(run_id)
             slot.users += 1
-            alone = slot.writer.writing == 0
-            slot.writer.writing += 1
         try:
-            yield slot, alone
+            yield slot
         finally:
             with self._state.mutex:
                 slot.users -= 1
-                slot.writer.writing -= 1
                 if slot.users == 0 and slot.claim is None and self._slots.get(run_id) is slot:
                     del self._slots[run_id]
                     slot.writer.runs.discard(run_id)
@@ -422,46 +473,29 @@ class PostgresStore:
         writer = Writer(group=GroupCommit(commit))
         return writer
 
-    # -- one write, one statement (worker thread; without group commit) ---------------------
+    # -- claims (worker thread) -----------------------------------------------------------
 
-    def _write_rows(self, slot: Slot, rows: Sequence[Row], mode: Mode) -> None:
-        """Claim the run if needed, check it exists (or not), insert, release at the end."""
-        run_id, writer = slot.run_id, slot.writer
-        with slot.lock:
-            self._state.check_writable(run_id)
+    def _claim_run(self, run_id: str) -> None:
+        with self._used(run_id) as slot:
+            if slot.claim is not None:
+                raise RunLocked("this store object already holds the run's claim",
+                                run_id=run_id)
             self._ensure_ready(run_id)
-            fresh = slot.claim is None
-            if slot.claim is None:
-                with writer.lock:
-                    slot.claim = self._claim(writer, run_id)
-            claim = slot.claim
-            try:
-                check_mode(run_id, claim.next_seq, mode)
-            except PolyLoopError:
-                # A refusal writes nothing and leaves behind no lock that it took.
-                if fresh:
-                    self._release(slot)
-                raise
-            self._insert(claim, rows)
-            if mode == "end":
-                self._release(slot)
+            with slot.writer.lock:
+                slot.claim = self._claim(slot.writer, run_id)
 
-    def _insert(self, claim: Claim, rows: Sequence[Row]) -> None:
-        run_id, writer = claim.run_id, claim.writer
-        query, params = statements(self._queries, [(claim.run_id, claim.next_seq, rows)])[0]
-        with writer.lock:
-            try:
-                self._writer_connection(writer, run_id).execute(query, params)
-            except psycopg.Error as exc:
-                raise self._failed(run_id, writer, exc) from exc
-        claim.next_seq += len(rows)
-
-    def _release(self, slot: Slot) -> None:
-        """Give up the slot's claim: unlock the run on its writer connection."""
-        claim, slot.claim = slot.claim, None
-        if claim is not None:
-            with claim.writer.lock:
+    def _release_run(self, run_id: str) -> None:
+        slot = self._slots.get(run_id)
+        if slot is None or slot.claim is None:
+            return
+        with slot.writer.lock:
+            claim, slot.claim = slot.claim, None
+            if claim is not None:
                 self._unlock(claim.writer, [claim.key])
+        with self._state.mutex:
+            if slot.users == 0 and slot.claim is None and self._slots.get(run_id) is slot:
+                del self._slots[run_id]
+                slot.writer.runs.discard(run_id)
 
     # -- shared commits (worker thread; one batch of one writer connection at a time) -------
 
@@ -472,7 +506,7 @@ class PostgresStore:
         # to the server, building it costs nothing.
         committer = Committer(
             state=self._state, queries=self._queries, ready=self._ensure_ready,
-            claim=self._claim, connection=self._writer_connection, failed=self._failed,
+            connection=self._writer_connection, failed=self._failed,
             drop=self._drop_writer, unlock=self._unlock,
         )
         return committer.commit(writer, items, self._commit_probe)
@@ -482,19 +516,21 @@ class PostgresStore:
     def _claim(self, writer: Writer, run_id: str) -> Claim:
         """Take ``run_id``'s advisory lock on its writer connection (``writer.lock`` held).
 
-        Raises ``RunLocked`` if another session holds it, ``StoreError`` if the query fails.
+        Once the lock is held, the run's row moves to a new claim epoch and tells where
+        the run stands; every write of this claim is fenced by that epoch. Raises
+        ``RunLocked`` if another session holds the lock, ``StoreError`` if the query fails.
         """
         key = run_lock_key(self._schema, run_id)
         try:
             conn = self._writer_connection(writer, run_id)
-            locked = _scalar(conn, sql.SQL("SELECT pg_try_advisory_lock(%s)"), (key,))
-            # Read only once the lock is held: rows committed before then are all there.
-            next_seq = _scalar(conn, self._queries.next_seq, (run_key(run_id),))
+            row = conn.execute(self._queries.claim, {"key": key, "run_key": run_key(run_id)})
+            got, epoch, next_seq, finished = row.fetchone() or (False, None, None, None)
         except psycopg.Error as exc:
             raise self._failed(run_id, writer, exc) from exc
-        if not locked:
+        if not got:
             raise RunLocked("another writer holds this run", run_id=run_id)
-        return Claim(run_id=run_id, key=key, writer=writer, next_seq=int(next_seq))
+        return Claim(run_id=run_id, key=key, writer=writer, epoch=int(epoch or 0),
+                     next_seq=int(next_seq or 0), finished=bool(finished))
 
     def _writer_connection(self, writer: Writer, run_id: str) -> Connection:
         """The writer's connection, opened on first use (called with ``writer.lock`` held)."""
@@ -547,10 +583,34 @@ class PostgresStore:
             rows = conn.execute(self._queries.select_run, (run_key(run_id),)).fetchall()
         return tuple(self._decode_row(run_id, index, row) for index, row in enumerate(rows))
 
-    def _select_run_ids(self) -> tuple[str, ...]:
+    def _list(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
+        query = self._queries.list_unfinished if unfinished_only else self._queries.list_runs
         with self._reading(None) as pool, pool.connection(timeout=self._timeout) as conn:
-            rows = conn.execute(self._queries.select_run_ids).fetchall()
-        return tuple(self._run_id_of(column) for (column,) in rows)
+            rows = conn.execute(query).fetchall()
+            held = self._held_locks(conn)
+        return tuple(self._stored(row, held) for row in rows)
+
+    def _describe(self, run_id: str) -> StoredRun | None:
+        key = run_lock_key(self._schema, run_id)
+        with self._reading(run_id) as pool, pool.connection(timeout=self._timeout) as conn:
+            row = conn.execute(self._queries.describe_run, (run_key(run_id),)).fetchone()
+            if row is None:
+                return None
+            held = _scalar(conn, self._queries.advisory_lock_held, lock_halves(key))
+        return self._stored(row, {key} if held else set())
+
+    def _held_locks(self, conn: Connection) -> set[int]:
+        """The keys of every advisory lock held in this database now."""
+        rows = conn.execute(self._queries.advisory_locks).fetchall()
+        return {lock_key_of(classid, objid) for classid, objid in rows}
+
+    def _stored(self, row: TupleRow, held: set[int]) -> StoredRun:
+        column, finished, updated_at = row
+        run_id = self._run_id_of(column)
+        updated: datetime = updated_at
+        return StoredRun(run_id=run_id, finished=bool(finished),
+                         claimed=run_lock_key(self._schema, run_id) in held,
+                         updated_at=updated)
 
     def _run_id_of(self, column: str) -> str:
         """The run id whose ``run_id`` column value is ``column`` (undoes :func:`run_id_column`)."""
@@ -648,15 +708,21 @@ class PostgresStore:
             if not self._tables_exist(conn):
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_lock_key(self._schema),))
                 if not self._tables_exist(conn):  # another process may have just made them
-                    for statement in (queries.create_schema, queries.create_meta,
-                                      queries.create_records):
-                        conn.execute(statement)
-                    conn.execute(queries.set_format, (FORMAT,))
+                    self._create_tables(conn)
             recorded = _scalar(conn, queries.get_format, ())
         self._check_format(recorded, run_id)
 
+    def _create_tables(self, conn: Connection) -> None:
+        """Create what is missing; a schema from before the runs table gets one, filled."""
+        queries = self._queries
+        for statement in (queries.create_schema, queries.create_meta, queries.create_records,
+                          queries.create_runs, queries.create_unfinished_index,
+                          queries.fill_runs):
+            conn.execute(statement)
+        conn.execute(queries.set_format, (FORMAT,))
+
     def _tables_exist(self, conn: Connection) -> bool:
-        return bool(_scalar(conn, self._queries.tables, (self._schema,)) == 2)
+        return bool(_scalar(conn, self._queries.tables, (self._schema,)) == 3)
 
     def _check_format(self, recorded: object, run_id: str | None) -> None:
         check_format(recorded, holder="schema", run_id=run_id,

@@ -1,21 +1,21 @@
 """The writer connections of the PostgreSQL store, and the shared commit of a batch.
 
 A store object sends every write of a run through one writer connection
-(:class:`Writer`), the one that holds or will hold the run's lock (:class:`Claim`);
-:class:`Slot` ties a run to that connection while the run is written. The writes that
-wait on a connection at the same moment form one batch, an :class:`Item` each, which
+(:class:`Writer`), the one that holds the run's claim (:class:`Claim`); :class:`Slot`
+ties a run to that connection while the run is claimed or written. The writes that wait
+on a connection at the same moment form one batch, an :class:`Item` each, which
 :class:`Committer` commits in a worker thread in three steps: plan (refuse what must not
-be written, claim the runs new to this store object, give each item its first seq),
-send, and settle (advance each run's seq, release the locks of ended runs and of claims
-taken in vain). The claims, the connections and the failed runs stay the store's: the
-committer calls on the store for them.
+be written, give each item its first seq), send, and settle (advance each claim, give up
+the claims of ended runs).
 
-A batch of up to 1,000 rows is one ``INSERT`` statement on the autocommit connection:
-one statement, one transaction, one round trip. A larger one is sent in one pipeline,
-``BEGIN`` … ``COMMIT``. Either way a batch holding a barrier commits with
-``synchronous_commit`` on, and any other with it off for its own transaction only. If
-the server refuses a row, the whole transaction rolls back and the batch runs again,
-each item under its own ``SAVEPOINT``, so that the item at fault fails alone.
+A batch is one statement on the autocommit connection, whatever its size: the rows and
+the runs travel as arrays, and the statement moves each run's row of the ``runs`` table
+on (its fence: the claim's epoch, the seq it expects, not finished) and inserts the
+rows of exactly the runs whose row moved, in one transaction. A run whose row did not
+move (another writer claimed it since, or it ended) has written nothing, and its items
+are refused. A batch holding a barrier commits with ``synchronous_commit`` on, any other
+with it off for its own transaction only. If the server refuses the statement, each run
+of the batch is sent again on its own, so that the run at fault fails alone.
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import psycopg
-from psycopg import sql
 from psycopg.rows import TupleRow
 
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import WriterState
 from polyloop.stores._postgres_sql import Queries, Row, run_id_column, run_key
-from polyloop.types import PolyLoopError, RunAlreadyExists, StoreError
+from polyloop.types import PolyLoopError, RunAlreadyExists, RunLocked, StoreError
 
 __all__ = (
     "Claim",
@@ -45,7 +44,6 @@ __all__ = (
     "Slot",
     "Writer",
     "check_mode",
-    "statements",
 )
 
 Connection = psycopg.Connection[TupleRow]
@@ -56,17 +54,14 @@ Errors = list[BaseException | None]
 # The private test probe: the connection, (run id, kind) of each row, the SQL sent.
 Probe = Callable[[Connection, tuple[tuple[str, str], ...], tuple[str, ...]], None]
 
-# Five parameters a row: a statement stays far below the protocol's 65,535 parameters.
-_MAX_ROWS_PER_STATEMENT = 1000
-_ASYNC_COMMIT = "SET LOCAL synchronous_commit = off"
-
 
 @dataclass(eq=False)
 class Writer:
     """A writer connection of this store object and the runs routed to it.
 
-    ``runs`` holds every run whose lock lives on the connection or whose write is on its
-    way to it; ``group`` gathers the waiting writes of those runs into shared commits.
+    ``runs`` holds every run whose claim lives on the connection or whose write is on
+    its way to it; ``group`` gathers the waiting writes of those runs into shared
+    commits.
     """
 
     group: GroupCommit[Item]
@@ -79,25 +74,27 @@ class Writer:
 
 @dataclass(eq=False)
 class Claim:
-    """This store object holds ``run_id``'s lock on ``writer``; ``next_seq`` is its next row."""
+    """This store object holds ``run_id``'s claim on ``writer``.
+
+    ``key`` is the run's advisory lock, ``epoch`` the claim epoch its row had when this
+    claim moved it on (0 for a run with no row yet), ``next_seq`` the run's next row and
+    ``finished`` whether its log ends with a final end record.
+    """
 
     run_id: str
     key: int
     writer: Writer
+    epoch: int
     next_seq: int
+    finished: bool
 
 
 @dataclass(eq=False)
 class Slot:
-    """Per-run bookkeeping: the run's writer connection, its claim, and who writes now.
-
-    ``lock`` orders the run's writes when each write takes its own thread (without group
-    commit); with group commit the run's writes are ordered by its writer's batches.
-    """
+    """Per-run bookkeeping: the run's writer connection, its claim, and who uses it."""
 
     run_id: str
     writer: Writer
-    lock: threading.Lock = field(default_factory=threading.Lock)
     users: int = 0
     claim: Claim | None = None
 
@@ -110,42 +107,55 @@ class Item:
     rows: Sequence[Row]
     mode: Mode
     barrier: bool
+    final: bool = False  # ends the run with a final end record
+
+
+@dataclass(eq=False)
+class _RunWrite:
+    """What a batch writes for one run: its claim, its items, and where its rows go."""
+
+    claim: Claim
+    first_seq: int
+    items: list[tuple[int, Item]] = field(default_factory=list)
+
+    @property
+    def next_seq(self) -> int:
+        return self.first_seq + sum(len(item.rows) for _, item in self.items)
+
+    @property
+    def start(self) -> bool:
+        return self.items[0][1].mode == "start"
+
+    @property
+    def ends(self) -> bool:
+        return self.items[-1][1].mode == "end"
+
+    @property
+    def final(self) -> bool:
+        return self.items[-1][1].final
 
 
 @dataclass(eq=False)
 class _Plan:
-    """What one batch inserts, decided before anything is sent.
+    """What one batch writes, decided before anything is sent: each run's items."""
 
-    ``accepted`` holds (index in the batch, item, the item's first seq) in submission
-    order. Per run of the batch: ``claims`` is the claim it writes under (``fresh`` the
-    ones this batch took), ``seqs`` its next seq once the batch commits, and ``ended``
-    says its last accepted item ends it.
-    """
-
-    accepted: list[tuple[int, Item, int]] = field(default_factory=list)
-    claims: dict[str, Claim] = field(default_factory=dict)
-    fresh: dict[str, Claim] = field(default_factory=dict)
-    seqs: dict[str, int] = field(default_factory=dict)
-    ended: set[str] = field(default_factory=set)
+    runs: dict[str, _RunWrite] = field(default_factory=dict)
 
     @property
     def barrier(self) -> bool:
-        return any(item.barrier for _, item, _ in self.accepted)
+        return any(item.barrier for run in self.runs.values() for _, item in run.items)
 
-    def rows(self) -> tuple[tuple[str, str], ...]:
-        """(run id, kind) of every row the batch inserts, in order."""
-        return tuple((item.slot.run_id, kind) for _, item, _ in self.accepted
-                     for kind, _ in item.rows)
-
-    def accept(self, index: int, item: Item, claim: Claim, seq: int) -> None:
+    def accept(self, index: int, item: Item, claim: Claim) -> None:
         run_id = item.slot.run_id
-        self.claims[run_id] = claim
-        self.seqs[run_id] = seq + len(item.rows)
-        self.accepted.append((index, item, seq))
-        if item.mode == "end":
-            self.ended.add(run_id)
+        run = self.runs.get(run_id)
+        if run is None:
+            check_mode(run_id, claim.next_seq, item.mode, finished=claim.finished)
+            run = self.runs[run_id] = _RunWrite(claim, claim.next_seq)
         else:
-            self.ended.discard(run_id)
+            check_mode(run_id, run.next_seq, item.mode, finished=run.ends and run.final)
+            if run.ends:  # an earlier item of this batch ends the run, and its claim
+                raise RunLocked("the run's claim ends with its end record", run_id=run_id)
+        run.items.append((index, item))
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,16 +164,15 @@ class Committer:
 
     What a batch needs of its store is handed in: ``state`` (the failed runs and the
     mutex), ``queries``, and the store's steps on a writer connection. ``ready`` checks
-    (or creates) the schema, ``claim`` takes a run's lock, ``connection`` opens the
-    writer's connection, ``failed`` refuses a run after an error (and gives up a broken
-    connection), ``drop`` gives up a lost connection with every run it held, and
-    ``unlock`` releases run locks. Each is called with ``writer.lock`` held.
+    (or creates) the schema, ``connection`` opens the writer's connection, ``failed``
+    refuses a run after an error (and gives up a broken connection), ``drop`` gives up a
+    lost connection with every run it held, and ``unlock`` releases run locks. Each is
+    called with ``writer.lock`` held.
     """
 
     state: WriterState
     queries: Queries
     ready: Callable[[str], object]
-    claim: Callable[[Writer, str], Claim]
     connection: Callable[[Writer, str], Connection]
     failed: Callable[[str, Writer, Exception], StoreError]
     drop: Callable[[Writer, BaseException], None]
@@ -173,179 +182,158 @@ class Committer:
         """Commit every item that may be written in one transaction; say how each ended."""
         errors: Errors = [None] * len(items)
         with writer.lock:
-            plan = self._plan(writer, items, errors)
-            if plan.accepted:
+            plan = self._plan(items, errors)
+            if plan.runs:
                 self._commit_plan(writer, plan, errors, probe)
             self._settle(writer, plan, errors)
         return errors
 
-    def _plan(self, writer: Writer, items: Sequence[Item], errors: Errors) -> _Plan:
-        """Refuse what must not be written, claim new runs, give each item its seq."""
+    def _plan(self, items: Sequence[Item], errors: Errors) -> _Plan:
+        """Refuse what must not be written; group the rest by run, in submission order."""
         plan = _Plan()
         for index, item in enumerate(items):
             run_id = item.slot.run_id
             try:
                 self.state.check_writable(run_id)
-                self.ready(run_id)
-                claim = plan.claims.get(run_id) or item.slot.claim
+                claim = item.slot.claim
                 if claim is None:
-                    claim = plan.fresh[run_id] = plan.claims[run_id] = self.claim(writer, run_id)
-                seq = plan.seqs.get(run_id, claim.next_seq)
-                check_mode(run_id, seq, item.mode)
+                    raise RunLocked("this store object does not hold the run's claim",
+                                    run_id=run_id)
+                self.ready(run_id)
+                plan.accept(index, item, claim)
             except PolyLoopError as exc:
                 errors[index] = exc
-                continue
-            plan.accept(index, item, claim, seq)
         return plan
 
     def _commit_plan(self, writer: Writer, plan: _Plan, errors: Errors,
                      probe: Probe | None) -> None:
-        """Insert every accepted item and commit; on failure every item learns why."""
-        first = plan.accepted[0][1].slot.run_id
+        """Send the batch; on a refused statement, each run again on its own."""
+        runs = list(plan.runs.values())
         try:
-            conn = self.connection(writer, first)
+            conn = self.connection(writer, runs[0].claim.run_id)
             try:
-                _insert_all(self.queries, conn, plan, probe)
+                self._send(conn, runs, plan.barrier, errors, probe)
             except psycopg.Error:
-                if conn.broken or conn.closed:
+                if conn.broken or conn.closed or len(runs) == 1:
                     raise
-                # Nothing was committed (a server error ends the whole transaction):
-                # again, item by item, so that one bad item fails alone.
-                _roll_back(conn)
-                self._insert_each(conn, writer, plan, errors, probe)
+                for run in runs:  # nothing was committed: one statement, one transaction
+                    self._send_alone(conn, writer, run, errors, probe)
         except (psycopg.Error, StoreError) as exc:
-            self._fail_all(writer, plan, errors, exc)
+            self._fail(writer, runs, errors, exc)
         except Exception as exc:  # noqa: BLE001 - its state is unknown: give the connection up
             self.drop(writer, exc)
-            self._fail_all(writer, plan, errors, exc)
+            self._fail(writer, runs, errors, exc)
 
-    def _insert_each(self, conn: Connection, writer: Writer, plan: _Plan, errors: Errors,
-                     probe: Probe | None) -> None:
-        """The batch again, each item under a savepoint: a failing item rolls back alone."""
-        head = _begin(plan.barrier)
-        for text in head:
-            conn.execute(text)
-        sent: list[sql.Composed | str] = [*head]
-        written: list[tuple[str, str]] = []
-        for index, item, seq in plan.accepted:
-            run_id = item.slot.run_id
-            try:  # an earlier item of the run failed: writing this one would leave a gap
-                self.state.check_writable(run_id)
-            except StoreError as exc:
-                errors[index] = exc
-                continue
-            conn.execute("SAVEPOINT polyloop_item")
-            try:
-                for query, params in statements(self.queries, [(run_id, seq, item.rows)]):
-                    conn.execute(query, params)
-                    sent.append(query)
-            except psycopg.Error as exc:
-                if conn.broken or conn.closed:
-                    raise
-                conn.execute("ROLLBACK TO SAVEPOINT polyloop_item")
-                errors[index] = self.failed(run_id, writer, exc)
+    def _send_alone(self, conn: Connection, writer: Writer, run: _RunWrite, errors: Errors,
+                    probe: Probe | None) -> None:
+        barrier = any(item.barrier for _, item in run.items)
+        try:
+            self._send(conn, [run], barrier, errors, probe)
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:
+                raise
+            self._fail(writer, [run], errors, exc)
+
+    def _send(self, conn: Connection, runs: Sequence[_RunWrite], barrier: bool,
+              errors: Errors, probe: Probe | None) -> None:
+        """One statement: fence, advance and insert ``runs``; refuse those not admitted."""
+        query = self.queries.write if barrier else self.queries.lazy_write
+        if probe is not None:
+            rows = tuple((run.claim.run_id, kind) for run in runs
+                         for _, item in run.items for kind, _ in item.rows)
+            probe(conn, rows, (query.as_string(conn),))
+        admitted = {bytes(key) for (key,) in conn.execute(query, _parameters(runs)).fetchall()}
+        for run in runs:
+            if run_key(run.claim.run_id) not in admitted:
+                refusal = self._refusal(conn, run)
+                for index, _ in run.items:
+                    errors[index] = refusal
             else:
-                conn.execute("RELEASE SAVEPOINT polyloop_item")
-                written += [(run_id, kind) for kind, _ in item.rows]
-        _show(probe, conn, tuple(written), sent)
-        conn.execute("COMMIT")
+                run.claim.next_seq = run.next_seq
+                run.claim.finished = run.final
 
-    def _fail_all(self, writer: Writer, plan: _Plan, errors: Errors, exc: Exception) -> None:
-        """The commit failed or its outcome is unknown: every accepted item fails."""
+    def _refusal(self, conn: Connection, run: _RunWrite) -> PolyLoopError:
+        """Why the fence refused ``run``'s rows (nothing of them was written)."""
+        run_id = run.claim.run_id
+        row = conn.execute(self.queries.explain_refusal, (run_key(run_id),)).fetchone()
+        if run.start:
+            return RunAlreadyExists("the run already has records", run_id=run_id)
+        if row is None:
+            return StoreError("the run was never started in this database", run_id=run_id)
+        epoch, next_seq, finished = row
+        if epoch != run.claim.epoch:
+            return RunLocked("another writer claimed the run since this store object did",
+                             run_id=run_id)
+        if finished:
+            return StoreError("the run has ended; nothing may follow its end record",
+                              run_id=run_id)
+        return StoreError(f"the run's rows moved on to seq {next_seq} without this writer",
+                          run_id=run_id)
+
+    def _fail(self, writer: Writer, runs: Sequence[_RunWrite], errors: Errors,
+              exc: Exception) -> None:
+        """The statement failed or its outcome is unknown: every item of ``runs`` fails."""
         conn = writer.connection
         if conn is not None and not (conn.broken or conn.closed):
             try:
                 _roll_back(conn)
             except psycopg.Error as lost:
                 self.drop(writer, lost)
-        for index, item, _ in plan.accepted:
-            if errors[index] is None:
-                errors[index] = self.failed(item.slot.run_id, writer, exc)
+        for run in runs:
+            for index, _ in run.items:
+                if errors[index] is None:
+                    errors[index] = self.failed(run.claim.run_id, writer, exc)
 
     def _settle(self, writer: Writer, plan: _Plan, errors: Errors) -> None:
-        """After the commit: advance each run's seq, keep the new claims that wrote, and
-        unlock the runs that ended (only now: their end record is committed) and the
-        claims this batch took in vain."""
-        committed = {item.slot.run_id: item.slot for index, item, _ in plan.accepted
-                     if errors[index] is None}
+        """After the commit: the runs that ended give up their claims (only now: their
+        end record is committed)."""
         keys: list[int] = []
         with self.state.mutex:
-            for run_id, claim in plan.claims.items():
-                slot = committed.get(run_id)
-                if slot is None:
-                    if run_id in plan.fresh:
-                        keys.append(claim.key)
-                    continue
-                claim.next_seq = plan.seqs[run_id]
-                slot.claim = None if run_id in plan.ended else claim
-                if run_id in plan.ended:
-                    keys.append(claim.key)
+            for run in plan.runs.values():
+                if run.ends and all(errors[index] is None for index, _ in run.items):
+                    keys.append(run.claim.key)
+                    run.items[-1][1].slot.claim = None
         if keys:
             self.unlock(writer, keys)
 
 
-def check_mode(run_id: str, next_seq: int, mode: Mode) -> None:
-    """Refuse to start a run that has rows, or to write to one that has none."""
-    if mode == "start" and next_seq > 0:
-        raise RunAlreadyExists("the run already has records", run_id=run_id)
-    if mode != "start" and next_seq == 0:
-        raise StoreError("the run was never started in this database", run_id=run_id)
-
-
-def statements(
-    queries: Queries, writes: Sequence[tuple[str, int, Sequence[Row]]], *, lazy: bool = False
-) -> list[tuple[sql.Composed, list[object]]]:
-    """``INSERT`` statements for (run id, first seq, rows) writes, in order."""
-    params: list[object] = []
-    for run_id, seq, rows in writes:
-        key, column = run_key(run_id), run_id_column(run_id)
-        for offset, (kind, body) in enumerate(rows):
-            params += [key, seq + offset, column, kind, body]
-    width, count = 5, len(params) // 5
-    return [
-        (queries.insert_rows(min(_MAX_ROWS_PER_STATEMENT, count - start), lazy=lazy),
-         params[start * width:(start + _MAX_ROWS_PER_STATEMENT) * width])
-        for start in range(0, count, _MAX_ROWS_PER_STATEMENT)
-    ]
-
-
-def _insert_all(queries: Queries, conn: Connection, plan: _Plan, probe: Probe | None) -> None:
-    """The batch in one round trip: one transaction, committed synchronously if it
-    holds a barrier, else with ``synchronous_commit`` off for this transaction only."""
-    writes = [(item.slot.run_id, seq, item.rows) for _, item, seq in plan.accepted]
-    if sum(len(item.rows) for _, item, _ in plan.accepted) <= _MAX_ROWS_PER_STATEMENT:
-        # One statement on an autocommit connection is one transaction; the writer
-        # session's synchronous_commit is on (the store makes sure when it connects),
-        # and only a batch without a barrier turns it off, for that transaction alone.
-        [(query, params)] = statements(queries, writes, lazy=not plan.barrier)
-        _show(probe, conn, plan.rows(), [query])
-        conn.execute(query, params)
+def check_mode(run_id: str, next_seq: int, mode: Mode, *, finished: bool) -> None:
+    """Refuse to start a run that has rows, to write to one that has none or has ended."""
+    if mode == "start":
+        if next_seq > 0:
+            raise RunAlreadyExists("the run already has records", run_id=run_id)
         return
-    sent = statements(queries, writes)
-    head = _begin(plan.barrier)
-    with conn.pipeline():
-        for text in head:
-            conn.execute(text)
-        for query, params in sent:
-            conn.execute(query, params)
-        _show(probe, conn, plan.rows(), [*head, *(query for query, _ in sent)])
-        conn.execute("COMMIT")
+    if next_seq == 0:
+        raise StoreError("the run was never started in this database", run_id=run_id)
+    if finished:
+        raise StoreError("the run has ended; nothing may follow its end record", run_id=run_id)
 
 
-def _show(probe: Probe | None, conn: Connection, rows: tuple[tuple[str, str], ...],
-          sent: Sequence[sql.Composed | str]) -> None:
-    """Show the private test probe what is about to commit, and the SQL sent for it."""
-    if probe is not None:
-        texts = [text if isinstance(text, str) else text.as_string(conn) for text in sent]
-        probe(conn, rows, tuple(texts))
-
-
-def _begin(barrier: bool) -> list[str]:
-    """What opens a batch's transaction: a barrier's commits synchronously."""
-    return ["BEGIN"] if barrier else ["BEGIN", _ASYNC_COMMIT]
+def _parameters(runs: Sequence[_RunWrite]) -> dict[str, list[object]]:
+    """The arrays of the write statement: one entry per run, then one per row."""
+    params: dict[str, list[object]] = {name: [] for name in (
+        "run_keys", "run_ids", "epochs", "first_seqs", "next_seqs", "finals", "starts",
+        "row_keys", "seqs", "row_ids", "kinds", "bodies")}
+    for run in runs:
+        run_id = run.claim.run_id
+        key, column = run_key(run_id), run_id_column(run_id)
+        for name, value in (("run_keys", key), ("run_ids", column),
+                            ("epochs", run.claim.epoch), ("first_seqs", run.first_seq),
+                            ("next_seqs", run.next_seq), ("finals", run.final),
+                            ("starts", run.start)):
+            params[name].append(value)
+        seq = run.first_seq
+        for _, item in run.items:
+            for kind, body in item.rows:
+                for name, value in (("row_keys", key), ("seqs", seq), ("row_ids", column),
+                                    ("kinds", kind), ("bodies", body)):
+                    params[name].append(value)
+                seq += 1
+    return params
 
 
 def _roll_back(conn: Connection) -> None:
     """End the connection's open transaction, if any, without committing it."""
     if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         conn.execute("ROLLBACK")
+

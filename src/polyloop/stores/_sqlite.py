@@ -40,15 +40,24 @@ transaction). ``write_step`` puts the action result and the step record in one
 transaction (inside one savepoint when the commit is shared), result first, so both land
 or neither does.
 
-Writers. A store object takes a run's writer lock at its first write for that run: a
-``flock`` on a small file in the directory next to the database (``<file>.locks/``, one
-file per run, named by :func:`~polyloop.stores._common.safe_name`). It keeps the lock
-until ``end_run`` for that run, until :meth:`SqliteStore.aclose`, or until its process
-dies. Any other store object, in this process or another, gets ``RunLocked``. Readers
-never take the lock. While it holds a run's lock the store keeps the run's next ``seq``
-in memory; it reads ``MAX(seq)`` once, at the write that takes the lock. A failed write
-(``sqlite3.Error``, ``OSError``) stops every later write of that run through the same
-store object until a new one is opened.
+Runs. A third table, ``runs(run_id TEXT PRIMARY KEY, next_seq INTEGER, finished
+INTEGER, updated_at REAL)`` with the index ``runs_unfinished`` (only the rows whose run
+has not finished), holds one row per run: its next ``seq``, whether its log ends with a
+final end record, and when it was last written (seconds since the epoch). Every write
+changes the row in its own transaction, moving it on only from the ``seq`` the writer
+expects and only while the run has not finished: a write the row does not expect is
+rolled back whole. A database from before this table gets it, filled from its records,
+when a store object first opens it.
+
+Writers. A store object becomes a run's writer with ``claim_run``: an exclusive ``flock``
+on a small file next to the database (``<file>.locks/``, named by
+:func:`~polyloop.stores._common.safe_name`), which exists only while the run is claimed.
+The claim then reads the run's row, and the store keeps the run's next ``seq`` in memory
+from there. It holds the claim until ``end_run`` for that run, ``release_run``,
+:meth:`SqliteStore.aclose`, or until its process dies. Every write needs the claim; any
+other store object, in this process or another, gets ``RunLocked``. Readers never take
+the lock. A failed write (``sqlite3.Error``, ``OSError``) stops every later write of
+that run through the same store object until a new one is opened.
 
 Threads. ``sqlite3`` connections must not be used by two threads at once. A store object
 owns two connections to its database (opened together, with ``check_same_thread=False``)
@@ -68,7 +77,7 @@ statement to switch it. A write takes one of two paths (see
 * a group commit otherwise, on the worker connection: writes of any runs that wait at
   the same moment share one ``BEGIN IMMEDIATE`` ... ``COMMIT`` in a worker thread, one
   savepoint per write, so a refused write (``RunAlreadyExists``, ``RunLocked``, a run
-  never started or failed) rolls back alone and the others commit. A failed ``COMMIT``
+  never started, ended or failed) rolls back alone and the others commit. A failed ``COMMIT``
   fails every write in it and each of their runs.
 
 Reads always run in a worker thread. ``SqliteStore(path, _group_commit=False)`` (private,
@@ -80,9 +89,12 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -91,13 +103,25 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit, InlineSyncGate
-from polyloop.stores._common import FORMAT, LockFile, WriterState, fsync_directory, safe_name
+from polyloop.stores._common import (
+    FORMAT,
+    LockFile,
+    WriterState,
+    claim_in_thread,
+    fsync_directory,
+    safe_name,
+)
 from polyloop.stores._sqlite_sql import (
+    ADVANCE_RUN,
+    DESCRIBE_RUN,
     INSERT,
-    LAST_SEQ,
+    INSERT_RUN,
+    LIST_RUNS,
+    LIST_UNFINISHED,
+    SELECT_CLAIM,
     SELECT_RUN,
-    SELECT_RUN_IDS,
     SYNCHRONOUS_FULL,
     SYNCHRONOUS_NORMAL,
     Db,
@@ -121,6 +145,7 @@ from polyloop.types import (
     Result,
     RunAlreadyExists,
     RunEnded,
+    RunLocked,
     RunLog,
     RunStarted,
     StepRecord,
@@ -138,12 +163,20 @@ _NO_BUSY_WAIT = "PRAGMA busy_timeout=0"
 
 
 @dataclass(eq=False, slots=True)
+class _Claim:
+    """This store object is a run's writer: its lock, and where the run's rows stand."""
+
+    lock: LockFile
+    next_seq: int  # 0: the run has no row yet
+    finished: bool
+
+
+@dataclass(eq=False, slots=True)
 class _Batch:
     """What one transaction learns about its writes before it commits."""
 
     writes: Sequence[Write]
     errors: _Outcome
-    taken: set[str] = field(default_factory=set)  # runs whose lock this batch took
     next_seq: dict[str, int] = field(default_factory=dict)  # valid once committed
 
     @classmethod
@@ -163,8 +196,8 @@ class SqliteStore:
     with ``synchronous=FULL`` in its own worker-thread hop.
     """
 
-    __slots__ = ("_gate", "_group", "_held", "_inline", "_locks_dir", "_next_seq", "_path",
-                 "_state", "_worker")
+    __slots__ = ("_claims", "_gate", "_group", "_inline", "_locks_dir", "_path", "_state",
+                 "_worker")
 
     def __init__(self, path: str | os.PathLike[str], *, _group_commit: bool = True) -> None:
         self._path = Path(os.fspath(path))
@@ -173,8 +206,7 @@ class SqliteStore:
         # other processes, and one for inline writes, which never waits.
         self._worker: Db | None = None
         self._inline: Db | None = None
-        self._held: dict[str, LockFile] = {}
-        self._next_seq: dict[str, int] = {}  # of each run in ``_held`` that wrote
+        self._claims: dict[str, _Claim] = {}
         self._state = WriterState()
         self._gate = InlineSyncGate()
         self._group = GroupCommit(self._commit_batch) if _group_commit else None
@@ -184,6 +216,25 @@ class SqliteStore:
         return {"kind": "sqlite", "format": FORMAT}
 
     # -- the Store protocol ---------------------------------------------------------------
+
+    async def claim_run(self, run_id: str) -> None:
+        """Take the run's writer lock and read where its rows stand.
+
+        Raises ``RunLocked`` if another store object, here or in another process, or this
+        one already, holds it.
+
+        Cancellation: the worker thread finishes before the cancellation is delivered,
+        and the claim is given up again if the call does not return.
+        """
+        await claim_in_thread(partial(self._claim, run_id), partial(self._unclaim, run_id))
+
+    async def release_run(self, run_id: str) -> None:
+        """Give up the claim (its lock file goes with it), writing nothing.
+
+        Cancellation: the worker thread finishes before the cancellation is delivered.
+        """
+        if run_id in self._claims:
+            await anyio.to_thread.run_sync(self._unclaim, run_id)
 
     async def start_run(self, record: RunStarted) -> None:
         """Write the run's first record; ``RunAlreadyExists`` if the run has any row.
@@ -234,7 +285,8 @@ class SqliteStore:
         Cancellation: as for :meth:`start_run`; the lock is released together with the
         commit of the record.
         """
-        await self._write(Write(record.run_id, [record_row(record)], end=True))
+        await self._write(Write(record.run_id, [record_row(record)], end=True,
+                                final=record.is_final))
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id`` in write order; empty if the run has no row.
@@ -248,13 +300,24 @@ class SqliteStore:
         records = await anyio.to_thread.run_sync(self._read, run_id)
         return RunLog(run_id=run_id, records=records)
 
-    async def run_ids(self) -> tuple[str, ...]:
-        """The id of every run in the database, in the order the runs started.
+    async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
+        """Every run, in the order the runs started (only unfinished ones if asked).
+
+        Read from the table of runs; the unfinished ones through an index that holds
+        only them, so finished runs cost nothing. Whether a run is claimed is asked of
+        the lock files that exist (one per claimed run).
 
         Cancellation: the worker thread finishes the query before the cancellation is
         delivered.
         """
-        return await anyio.to_thread.run_sync(self._select_run_ids)
+        return await anyio.to_thread.run_sync(self._list, unfinished_only)
+
+    async def describe_run(self, run_id: str) -> StoredRun | None:
+        """The run as :meth:`list_runs` lists it; ``None`` if it has no row.
+
+        Cancellation: as for :meth:`list_runs`.
+        """
+        return await anyio.to_thread.run_sync(self._describe, run_id)
 
     async def aclose(self) -> None:
         """Release every writer lock and close both connections. Idempotent.
@@ -305,7 +368,7 @@ class SqliteStore:
         # The runs this store writes, counting this one: a second run's first write must
         # not block the loop either. Opening the database (slow, and it may wait on other
         # processes) is left to a thread.
-        writing = len(self._held) + (write.run_id not in self._held)
+        writing = len(self._claims) + (write.run_id not in self._claims)
         return self._inline is not None and group.idle and self._gate.allows(writing)
 
     async def _write_inline(self, write: Write) -> bool:
@@ -314,10 +377,7 @@ class SqliteStore:
         if not self._state.mutex.acquire(blocking=False):
             return False  # a worker thread holds the connections
         try:
-            if self._steady(write):
-                outcome = self._commit_steady(write)
-            else:
-                outcome = self._commit_locked([write], inline=True)
+            outcome = self._commit_locked([write], inline=True)
         finally:
             self._state.mutex.release()
         if outcome is None:
@@ -327,40 +387,6 @@ class SqliteStore:
         return True
 
     # -- committing (worker thread, or inline; store mutex held) ------------------------
-
-    def _steady(self, write: Write) -> bool:
-        """Whether ``write`` continues a run with nothing to check or take first.
-
-        Not a start or an end, the run not failed, and its next ``seq`` known, which
-        means its lock is held and the connections are open (releasing a run, and so
-        closing the store, forgets its ``seq``).
-        """
-        return (not (write.start or write.end) and write.run_id in self._next_seq
-                and write.run_id not in self._state.failed)
-
-    def _commit_steady(self, write: Write) -> _Outcome | None:
-        """Commit a :meth:`_steady` write inline: what :meth:`_commit_locked` does for it.
-
-        The same statements, without the batch's bookkeeping for refusals, new runs and
-        locks, none of which such a write can need. A lone run makes every write but its
-        first and last here, and the bookkeeping would cost it several percent of a step:
-        Python runs slowly right after an ``fsync`` (its caches have gone cold).
-        """
-        db = self._inline
-        assert db is not None  # see _steady
-        first = self._next_seq[write.run_id]
-        level = SYNCHRONOUS_FULL if write.barrier else SYNCHRONOUS_NORMAL
-        try:
-            db.synchronous(level)
-            if not begin(db.conn, inline=True):
-                return None
-            db.conn.executemany(INSERT, params(write, first))
-            self._commit(db.conn, level)
-        except (sqlite3.Error, OSError) as exc:
-            rollback_quietly(db.conn)
-            return [self._state.fail(write.run_id, exc)]
-        self._next_seq[write.run_id] = first + len(write.rows)
-        return [None]
 
     def _commit_batch(self, writes: Sequence[Write]) -> _Outcome:
         """One transaction for ``writes``, in a worker thread; one error or None each."""
@@ -382,25 +408,21 @@ class SqliteStore:
             assert db is not None  # _admit opened it
             level = self._level_for(writes, admitted)
             if not self._transact(db, batch, admitted, level, inline=inline):
-                self._release_unused(batch)
                 return None
         self._settle(batch)
         return batch.errors
 
     def _admit(self, batch: _Batch, i: int) -> bool:
-        """Refuse the write, or make sure the connections are open and its run locked."""
+        """Refuse the write unless its run is claimed; make sure the connections are open."""
         write = batch.writes[i]
         try:
             self._state.check_writable(write.run_id)
+            if write.run_id not in self._claims:
+                raise RunLocked("this store object does not hold the run's claim",
+                                run_id=write.run_id)
             self._connection(write.run_id)
-            if write.run_id not in self._held:
-                self._take_lock(write.run_id)
-                batch.taken.add(write.run_id)
         except PolyLoopError as exc:
             batch.errors[i] = exc
-            return False
-        except OSError as exc:  # the lock file could not be made
-            batch.errors[i] = self._state.fail(write.run_id, exc)
             return False
         return True
 
@@ -441,8 +463,9 @@ class SqliteStore:
         if savepoint:
             conn.execute("SAVEPOINT write")
         try:
-            first = self._first_seq(conn, batch, write)
+            first = self._first_seq(batch, write)
             conn.executemany(INSERT, params(write, first))
+            self._advance(conn, write, first)
         except PolyLoopError as exc:
             batch.errors[i] = exc
         except (sqlite3.Error, OSError) as exc:
@@ -458,17 +481,33 @@ class SqliteStore:
             conn.execute("ROLLBACK TO write")
             conn.execute("RELEASE write")
 
-    def _first_seq(self, conn: sqlite3.Connection, batch: _Batch, write: Write) -> int:
-        """The run's next ``seq``: from this batch, from memory, or read once."""
-        first = batch.next_seq.get(write.run_id, self._next_seq.get(write.run_id))
-        if first is None:
-            last = conn.execute(LAST_SEQ, (run_key(write.run_id),)).fetchone()[0]
-            first = 0 if last is None else last + 1
+    def _first_seq(self, batch: _Batch, write: Write) -> int:
+        """The run's next ``seq``, from this batch or from the claim."""
+        claim = self._claims[write.run_id]
+        first = batch.next_seq.get(write.run_id, claim.next_seq)
         if write.start and first:
             raise RunAlreadyExists("the run already has records", run_id=write.run_id)
         if not write.start and not first:
             raise StoreError("the run was never started in this database", run_id=write.run_id)
-        return int(first)
+        if claim.finished:
+            raise StoreError("the run has ended; nothing may follow its end record",
+                             run_id=write.run_id)
+        return first
+
+    def _advance(self, conn: sqlite3.Connection, write: Write, first: int) -> None:
+        """Move the run's row on, in the write's transaction; refuse a write the row
+        does not expect (the run ended, or someone else wrote to it)."""
+        key, following = run_key(write.run_id), first + len(write.rows)
+        if write.start:
+            try:
+                conn.execute(INSERT_RUN, (key, following, write.final, time.time()))
+            except sqlite3.IntegrityError:
+                raise RunAlreadyExists("the run already has a row", run_id=write.run_id) from None
+            return
+        moved = conn.execute(ADVANCE_RUN, (following, write.final, time.time(), key, first))
+        if moved.rowcount != 1:
+            raise StoreError("the run has ended, or its rows moved on without this writer",
+                             run_id=write.run_id)
 
     def _end(self, conn: sqlite3.Connection, level: int, *, committing: bool) -> None:
         if committing:
@@ -484,32 +523,56 @@ class SqliteStore:
             conn.execute("COMMIT")
 
     def _settle(self, batch: _Batch) -> None:
-        """After the commit: remember each run's next seq, release what is done."""
+        """After the commit: remember each run's next seq; an ended run gives up its claim."""
         for i, write in enumerate(batch.writes):
             if batch.errors[i] is None and write.end:
-                self._release(write.run_id)
+                self._unclaim_locked(write.run_id)
         for run_id, seq in batch.next_seq.items():
-            if run_id in self._held:
-                self._next_seq[run_id] = seq
-        self._release_unused(batch)
+            claim = self._claims.get(run_id)
+            if claim is not None:
+                claim.next_seq = seq
 
-    def _release_unused(self, batch: _Batch) -> None:
-        """Give back the locks this batch took for runs it wrote nothing to."""
-        for run_id in batch.taken:
-            if run_id not in batch.next_seq and run_id not in self._state.failed:
-                self._release(run_id)
+    # -- claims (worker thread) -----------------------------------------------------------
 
-    def _take_lock(self, run_id: str) -> None:
-        self._locks_dir.mkdir(parents=True, exist_ok=True)
-        lock = LockFile(self._locks_dir / f"{safe_name(run_id)}.lock", run_id)
-        lock.acquire()
-        self._held[run_id] = lock
+    def _claim(self, run_id: str) -> None:
+        with self._state.mutex:
+            self._state.check_writable(run_id)
+            if run_id in self._claims:
+                raise RunLocked("this store object already holds the run's claim",
+                                run_id=run_id)
+            conn = self._connection(run_id)
+            lock = self._lock_file(run_id)
+            try:
+                self._locks_dir.mkdir(parents=True, exist_ok=True)
+                lock.acquire()
+            except OSError as exc:
+                if isinstance(exc, PolyLoopError):
+                    raise
+                raise StoreError(f"could not lock the run: {exc}", run_id=run_id) from exc
+            try:
+                # Read only once the lock is held: every earlier writer's rows are in.
+                with self._reading(run_id):
+                    row = conn.execute(SELECT_CLAIM, (run_key(run_id),)).fetchone()
+            except BaseException:
+                lock.release()
+                raise
+            self._claims[run_id] = _Claim(
+                lock=lock,
+                next_seq=0 if row is None else int(row[0]),
+                finished=row is not None and bool(row[1]),
+            )
 
-    def _release(self, run_id: str) -> None:
-        self._next_seq.pop(run_id, None)
-        lock = self._held.pop(run_id, None)
-        if lock is not None:
-            lock.release()
+    def _unclaim(self, run_id: str) -> None:
+        with self._state.mutex:
+            self._unclaim_locked(run_id)
+
+    def _unclaim_locked(self, run_id: str) -> None:
+        claim = self._claims.pop(run_id, None)
+        if claim is not None:
+            claim.lock.release()
+
+    def _lock_file(self, run_id: str) -> LockFile:
+        return LockFile(self._locks_dir / f"{safe_name(run_id)}.lock", run_id)
 
     # -- reading (worker thread) ------------------------------------------------------------
 
@@ -521,10 +584,29 @@ class SqliteStore:
         with self._state.mutex, self._reading(run_id):
             return self._connection(run_id).execute(SELECT_RUN, (run_key(run_id),)).fetchall()
 
-    def _select_run_ids(self) -> tuple[str, ...]:
+    def _list(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
+        query = LIST_UNFINISHED if unfinished_only else LIST_RUNS
         with self._state.mutex, self._reading(None):
-            rows = self._connection(None).execute(SELECT_RUN_IDS).fetchall()
-        return tuple(run_id_of(key) for (key,) in rows)
+            rows = self._connection(None).execute(query).fetchall()
+        try:
+            locks = set(os.listdir(self._locks_dir))
+        except FileNotFoundError:
+            locks = set()
+        return tuple(self._stored(row, locks) for row in rows)
+
+    def _describe(self, run_id: str) -> StoredRun | None:
+        with self._state.mutex, self._reading(run_id):
+            row = self._connection(run_id).execute(DESCRIBE_RUN, (run_key(run_id),)).fetchone()
+        return None if row is None else self._stored(row, None)
+
+    def _stored(self, row: tuple[Any, ...], locks: set[str] | None) -> StoredRun:
+        """A row of the runs table; ``locks`` names the lock files there are, if known."""
+        key, finished, updated_at = row
+        run_id = run_id_of(key)
+        lock = self._lock_file(run_id).path
+        claimed = (locks is None or lock.name in locks) and LockFile.held(lock)
+        return StoredRun(run_id=run_id, finished=bool(finished), claimed=claimed,
+                         updated_at=datetime.fromtimestamp(updated_at, UTC))
 
     @contextmanager
     def _reading(self, run_id: str | None) -> Iterator[None]:
@@ -586,8 +668,8 @@ class SqliteStore:
     def _close(self) -> None:
         with self._state.mutex:
             self._state.closed = True
-            for run_id in list(self._held):
-                self._release(run_id)
+            for run_id in list(self._claims):
+                self._unclaim_locked(run_id)
             dbs = [db for db in (self._inline, self._worker) if db is not None]
             self._inline = self._worker = None
             failures: list[sqlite3.Error] = []

@@ -15,6 +15,7 @@ them.
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -34,10 +35,14 @@ from polyloop.types import (
 )
 
 __all__ = (
+    "ADVANCE_RUN",
+    "DESCRIBE_RUN",
     "INSERT",
-    "LAST_SEQ",
+    "INSERT_RUN",
+    "LIST_RUNS",
+    "LIST_UNFINISHED",
+    "SELECT_CLAIM",
     "SELECT_RUN",
-    "SELECT_RUN_IDS",
     "SYNCHRONOUS_FULL",
     "SYNCHRONOUS_NORMAL",
     "Db",
@@ -80,12 +85,43 @@ _DDL = (
     " run_id TEXT NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL,"
     " PRIMARY KEY (run_id, seq))",
 )
+_HAS_RUNS = "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'runs'"
+_RUNS_DDL = (
+    "CREATE TABLE IF NOT EXISTS runs ("
+    " run_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL, finished INTEGER NOT NULL,"
+    " updated_at REAL NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS runs_unfinished ON runs (run_id) WHERE finished = 0",
+)
+# A database written before the runs table existed: one row per run from its records,
+# finished when its last record is a final end record.
+_FILL_RUNS = (
+    "INSERT INTO runs (run_id, next_seq, finished, updated_at)"
+    " SELECT r.run_id, max(r.seq) + 1, coalesce((SELECT l.kind = 'run_ended'"
+    "   AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason') <> 'cancelled'"
+    "   FROM records AS l WHERE l.run_id = r.run_id ORDER BY l.seq DESC LIMIT 1), 0), ?"
+    " FROM records AS r GROUP BY r.run_id ORDER BY min(r.rowid)"
+)
 _SET_FORMAT = "INSERT OR IGNORE INTO meta (key, value) VALUES ('format', ?)"
 _GET_FORMAT = "SELECT value FROM meta WHERE key = 'format'"
-LAST_SEQ = "SELECT MAX(seq) FROM records WHERE run_id = ?"
 INSERT = "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)"
 SELECT_RUN = "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq"
-SELECT_RUN_IDS = "SELECT run_id FROM records WHERE seq = 0 ORDER BY rowid"
+SELECT_CLAIM = "SELECT next_seq, finished FROM runs WHERE run_id = ?"
+INSERT_RUN = "INSERT INTO runs (run_id, next_seq, finished, updated_at) VALUES (?, ?, ?, ?)"
+# The fence: a run's row moves on only from the seq its writer expects, and never once
+# the run has finished; a write that moves no row is refused and rolled back.
+ADVANCE_RUN = (
+    "UPDATE runs SET next_seq = ?, finished = ?, updated_at = ?"
+    " WHERE run_id = ? AND next_seq = ? AND finished = 0"
+)
+LIST_RUNS = "SELECT run_id, finished, updated_at FROM runs ORDER BY rowid"
+# Named, because without statistics SQLite would rather scan the whole table in rowid
+# order than sort the few rows the index holds; the index is what keeps finished runs
+# out of the cost.
+LIST_UNFINISHED = (
+    "SELECT run_id, finished, updated_at FROM runs INDEXED BY runs_unfinished"
+    " WHERE finished = 0 ORDER BY rowid"
+)
+DESCRIBE_RUN = "SELECT run_id, finished, updated_at FROM runs WHERE run_id = ?"
 
 
 # -- records and rows -----------------------------------------------------------------------
@@ -152,6 +188,7 @@ class Write:
     rows: list[_Row]
     start: bool = False  # the run must have no row yet
     end: bool = False  # release the run's writer lock once committed
+    final: bool = False  # a final end record: nothing may follow it
     barrier: bool = False  # must be fsync'd before the call returns
 
 
@@ -209,9 +246,15 @@ def begin(conn: sqlite3.Connection, *, inline: bool) -> bool:
 
 
 def create_schema(conn: sqlite3.Connection) -> None:
+    """Create what is missing; a database from before the runs table gets one, filled."""
     with _transaction(conn):
         for statement in _DDL:
             conn.execute(statement)
+        filled = conn.execute(_HAS_RUNS).fetchone()[0]
+        for statement in _RUNS_DDL:
+            conn.execute(statement)
+        if not filled:
+            conn.execute(_FILL_RUNS, (time.time(),))
         conn.execute(_SET_FORMAT, (FORMAT,))
 
 

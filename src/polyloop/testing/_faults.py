@@ -17,8 +17,9 @@ class FaultyStore:
 
     Write number ``fail_after_writes + 1`` and every later one raise
     :class:`SimulatedCrash` without reaching ``inner``, as if the process had died right
-    after write ``fail_after_writes``. Reads always pass. :meth:`parameters` is the inner
-    store's, so the run can be resumed on ``inner`` (or a fresh store on the same data).
+    after write ``fail_after_writes``. Reads, claims and releases always pass (a claim
+    writes no record). :meth:`parameters` is the inner store's, so the run can be resumed
+    on ``inner`` (or a fresh store on the same data).
     """
 
     def __init__(self, inner: Store, *, fail_after_writes: int) -> None:
@@ -37,6 +38,12 @@ class FaultyStore:
         if self.crashed:
             raise SimulatedCrash(f"simulated crash after write {self.fail_after_writes}")
         self.writes += 1
+
+    async def claim_run(self, run_id: str) -> None:
+        await self.inner.claim_run(run_id)
+
+    async def release_run(self, run_id: str) -> None:
+        await self.inner.release_run(run_id)
 
     async def start_run(self, record: RunStarted) -> None:
         self._admit()

@@ -10,8 +10,10 @@ store, under each ``anyio_backend`` your test session parametrizes::
         def store_factory(self, tmp_path):
             return lambda: MyStore(tmp_path / "runs")
 
-Durable stores subclass :class:`DurableStoreContract` instead, which adds reopening
-and the cross-process writer lock. Its ``store_reference`` fixture returns
+Every write goes through a claim (``claim_run``), as ``run`` and ``resume`` make them;
+:func:`apply` claims the run before it writes. Durable stores subclass
+:class:`DurableStoreContract` instead, which adds reopening and the claim across store
+objects and processes. Its ``store_reference`` fixture returns
 ``("package.module:callable", [json args])``: a child process imports the callable and
 calls it with the arguments to open the same data.
 
@@ -24,12 +26,13 @@ import json
 import sys
 import textwrap
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
 import pytest
 
-from polyloop.ports import Store
+from polyloop.ports import ManagedStore, Store
 from polyloop.types import (
     ActionStatus,
     DecisionKind,
@@ -122,7 +125,10 @@ def expected_records(writes: list[tuple[str, Any]]) -> list[Record]:
     return records
 
 
-async def apply(store: Store, writes: list[tuple[str, Any]]) -> None:
+async def apply(store: Store, writes: list[tuple[str, Any]], *, claim: bool = True) -> None:
+    """Make ``writes`` through ``store``; with ``claim``, claim their run first."""
+    if claim and writes:
+        await store.claim_run(writes[0][1][0].run_id)
     for method, args in writes:
         await getattr(store, method)(*args)
 
@@ -133,9 +139,18 @@ async def close(store: Store) -> None:
         await aclose()
 
 
+def _cancelled_end(run_id: str, steps: int) -> RunEnded:
+    return RunEnded(run_id=run_id, stop_reason=StopReason.CANCELLED, final_answer=None,
+                    steps=steps, valid_steps=steps, detail="cancelled")
+
+
 @pytest.mark.anyio
 class StoreContract:
-    """Tests every store passes. Provide a ``store_factory`` fixture."""
+    """Tests every store passes. Provide a ``store_factory`` fixture.
+
+    Stores that also offer listing (:class:`~polyloop.ports.ManagedStore`) are checked
+    for it too.
+    """
 
     async def test_unknown_run_reads_empty(self, store_factory: StoreFactory) -> None:
         store = store_factory()
@@ -168,7 +183,11 @@ class StoreContract:
         writes = sample_run("r1", steps=0, ended=False)
         await apply(store, writes)
         with pytest.raises(RunAlreadyExists):
+            await apply(store, writes, claim=False)
+        await store.release_run("r1")
+        with pytest.raises(RunAlreadyExists):
             await apply(store, writes)
+        assert list((await store.read_log("r1")).records) == expected_records(writes)
         await close(store)
 
     async def test_write_to_a_run_never_started_is_refused(
@@ -176,9 +195,66 @@ class StoreContract:
     ) -> None:
         store = store_factory()
         _, (intent,) = sample_run("ghost", steps=1)[1]
+        await store.claim_run("ghost")
         with pytest.raises(StoreError):
             await store.write_intent(intent)
         assert (await store.read_log("ghost")).records == ()
+        await close(store)
+
+    async def test_every_write_needs_the_claim(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        writes = sample_run("r1", steps=1)
+        for method, args in writes:
+            with pytest.raises(RunLocked) as refused:
+                await getattr(store, method)(*args)
+            assert refused.value.run_id == "r1"
+        assert (await store.read_log("r1")).records == ()
+        await apply(store, writes[:2])
+        await store.release_run("r1")
+        for method, args in writes[2:]:
+            with pytest.raises(RunLocked):
+                await getattr(store, method)(*args)
+        assert list((await store.read_log("r1")).records) == expected_records(writes[:2])
+        await close(store)
+
+    async def test_one_claim_per_run_even_through_one_store_object(
+        self, store_factory: StoreFactory
+    ) -> None:
+        store = store_factory()
+        await store.claim_run("r1")
+        with pytest.raises(RunLocked) as locked:
+            await store.claim_run("r1")
+        assert locked.value.run_id == "r1"
+        await store.claim_run("r2")  # other runs are not affected
+        await store.release_run("r1")
+        await store.release_run("r1")  # releasing what is not held does nothing
+        await store.claim_run("r1")
+        await apply(store, sample_run("r1", steps=1), claim=False)
+        await close(store)
+
+    async def test_end_run_gives_the_claim_up(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        writes = sample_run("r1", steps=1, ended=False)
+        await apply(store, [*writes, ("end_run", (_cancelled_end("r1", 1),))])
+        _, (intent,) = sample_run("r1", steps=2)[5]
+        with pytest.raises(RunLocked):
+            await store.write_intent(intent)
+        # A cancelled run goes on once claimed again.
+        await store.claim_run("r1")
+        await store.write_intent(intent)
+        assert (await store.read_log("r1")).records[-1] == intent
+        await close(store)
+
+    async def test_nothing_follows_a_final_end_record(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        writes = sample_run("r1", steps=1)
+        await apply(store, writes)
+        await store.claim_run("r1")  # a finished run may be claimed, and read
+        for method, args in sample_run("r1", steps=2)[5:]:
+            with pytest.raises(StoreError) as refused:
+                await getattr(store, method)(*args)
+            assert refused.value.run_id == "r1"
+        assert list((await store.read_log("r1")).records) == expected_records(writes)
         await close(store)
 
     async def test_awkward_run_ids_stay_opaque_and_isolated(
@@ -190,6 +266,9 @@ class StoreContract:
         for run_id in AWKWARD_RUN_IDS:
             log = await store.read_log(run_id)
             assert list(log.records) == expected_records(sample_run(run_id, steps=1))
+        if isinstance(store, ManagedStore):
+            listed = await store.list_runs()
+            assert sorted(run.run_id for run in listed) == sorted(AWKWARD_RUN_IDS)
         await close(store)
 
     async def test_concurrent_runs_stay_isolated(self, store_factory: StoreFactory) -> None:
@@ -219,6 +298,40 @@ class StoreContract:
         await close(store)
         await close(store)
 
+    async def test_listing_tells_finished_unfinished_and_claimed_runs(
+        self, store_factory: StoreFactory
+    ) -> None:
+        store = store_factory()
+        if not isinstance(store, ManagedStore):
+            pytest.skip("the store offers no listing")
+        assert await store.list_runs() == ()
+        before = datetime.now(UTC) - timedelta(seconds=5)
+        await apply(store, sample_run("done", steps=1))
+        await apply(store, sample_run("open", steps=1, ended=False))
+        await apply(store, [*sample_run("paused", steps=1, ended=False),
+                            ("end_run", (_cancelled_end("paused", 1),))])
+        await store.release_run("open")
+        await store.claim_run("live")  # claimed, never started: not a run
+        await apply(store, sample_run("busy", steps=0, ended=False))
+        listed = {run.run_id: run for run in await store.list_runs()}
+        assert sorted(listed) == ["busy", "done", "open", "paused"]
+        assert {run_id for run_id, run in listed.items() if run.finished} == {"done"}
+        assert {run_id for run_id, run in listed.items() if run.claimed} == {"busy"}
+        for run in listed.values():
+            assert run.updated_at is None or run.updated_at >= before
+        unfinished = await store.list_runs(unfinished_only=True)
+        assert sorted(run.run_id for run in unfinished) == ["busy", "open", "paused"]
+        assert await store.describe_run("busy") == listed["busy"]
+        assert await store.describe_run("done") == listed["done"]
+        assert await store.describe_run("live") is None
+        assert await store.describe_run("nobody") is None
+        await store.release_run("live")
+        await store.release_run("busy")
+        described = await store.describe_run("busy")
+        assert described is not None and not described.claimed
+        assert (await store.read_log("live")).records == ()
+        await close(store)
+
 
 class DurableStoreContract(StoreContract):
     """Tests for stores whose runs survive the store object and the process.
@@ -244,24 +357,60 @@ class DurableStoreContract(StoreContract):
         writes = sample_run("r1", steps=1, ended=False)
         await apply(holder, writes[:2])
         with pytest.raises(RunLocked) as locked:
-            await apply(other, writes[2:3])
+            await other.claim_run("r1")
         assert locked.value.run_id == "r1"
+        with pytest.raises(RunLocked):
+            await apply(other, writes[2:3], claim=False)
         # Readers are never locked out, and the holder may go on writing.
         assert len((await other.read_log("r1")).records) == 2
-        await apply(holder, writes[2:])
+        await apply(holder, writes[2:], claim=False)
         await close(holder)
-        # Closing the holder releases the lock.
-        await apply(other, sample_run("r1", steps=2, ended=True)[-1:])
+        # Closing the holder gives its claim up.
+        await apply(other, [("end_run", (_cancelled_end("r1", 1),))])
+        await close(other)
+
+    async def test_a_claim_on_a_new_id_keeps_other_writers_out(
+        self, store_factory: StoreFactory
+    ) -> None:
+        holder, other = store_factory(), store_factory()
+        await holder.claim_run("new")
+        with pytest.raises(RunLocked):
+            await other.claim_run("new")
+        with pytest.raises(RunLocked):
+            await apply(other, sample_run("new", steps=0, ended=False), claim=False)
+        await holder.release_run("new")
+        await apply(other, sample_run("new", steps=0, ended=False))
+        await close(holder)
         await close(other)
 
     async def test_end_run_releases_the_lock(self, store_factory: StoreFactory) -> None:
         holder, other = store_factory(), store_factory()
-        await apply(holder, sample_run("r1", steps=1, ended=True))
+        writes = sample_run("r1", steps=1, ended=False)
+        await apply(holder, [*writes, ("end_run", (_cancelled_end("r1", 1),))])
         # A cancelled run is resumed later, possibly through another store object.
         _, (intent,) = sample_run("r1", steps=2)[5]
-        await other.write_intent(intent)
+        await apply(other, [("write_intent", (intent,))])
         await close(holder)
         await close(other)
+
+    async def test_the_claim_is_visible_to_other_store_objects(
+        self, store_factory: StoreFactory
+    ) -> None:
+        holder, watcher = store_factory(), store_factory()
+        if not isinstance(watcher, ManagedStore):
+            pytest.skip("the store offers no listing")
+        await apply(holder, sample_run("r1", steps=1, ended=False))
+        seen = await watcher.describe_run("r1")
+        assert seen is not None and seen.claimed and not seen.finished
+        # Asking does not get in the holder's way, nor in a claimant's once it is free.
+        for _ in range(20):
+            await watcher.list_runs(unfinished_only=True)
+        await apply(holder, [("end_run", (_cancelled_end("r1", 1),))], claim=False)
+        seen = await watcher.describe_run("r1")
+        assert seen is not None and not seen.claimed
+        await watcher.claim_run("r1")
+        await close(holder)
+        await close(watcher)
 
     async def test_second_writer_in_another_process_is_locked_out(
         self, store_factory: StoreFactory, store_reference: tuple[str, list[Any]]
@@ -289,6 +438,7 @@ _CHILD = textwrap.dedent(
         store = factory(*args)
         _, (intent,) = sample_run(run_id, steps=1)[1]
         try:
+            await store.claim_run(run_id)
             await store.write_intent(intent)
         except RunLocked:
             print("locked")
@@ -310,4 +460,3 @@ async def _write_from_child(reference: tuple[str, list[Any]], run_id: str) -> st
     if done.returncode != 0:
         raise AssertionError(f"child process failed: {done.stderr.decode(errors='replace')}")
     return done.stdout.decode().strip()
-

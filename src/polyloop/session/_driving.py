@@ -1,0 +1,174 @@
+"""Claiming a run, reading it under the claim, and handing it to the loop.
+
+``run``, ``resume`` and ``start_or_resume`` differ only in what they accept to find in
+the log, so they share :func:`drive`. The claim comes first: the log is read only once
+this store object is the run's one writer, so nothing decided from it can be made stale
+by another writer, and a second claimant learns ``RunLocked`` before it reads, decides or
+executes anything. The claim is given up on every way out (``end_run`` gives it up on
+the normal one).
+
+:func:`status` and :func:`recover` serve the programs that watch and sweep a store.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+
+from polyloop import _recovery
+from polyloop.ports import ManagedStore, Store, StoredRun
+from polyloop.session._loop import _Loop
+from polyloop.session._request import _prepare
+from polyloop.types import (
+    InvalidRequest,
+    JSONValue,
+    RecoveredRun,
+    RunAlreadyExists,
+    RunIdentityMismatch,
+    RunLocked,
+    RunNotFound,
+    RunResult,
+    RunStarted,
+    RunStatus,
+)
+
+if TYPE_CHECKING:
+    # Only for annotations: the facade imports this module, so a runtime import would
+    # be circular.
+    from polyloop.session import Definition, Request
+
+logger = logging.getLogger("polyloop")
+
+RequestFor = Callable[[str], "Request | Awaitable[Request]"]
+
+
+class Mode(enum.Enum):
+    """What the caller accepts to find in the log."""
+
+    START = "start"  # nothing: the run is new
+    RESUME = "resume"  # a started run
+    EITHER = "either"
+
+
+async def drive(definition: Definition, request: Request, mode: Mode) -> RunResult:
+    """Check the request, claim the run, read its log, and start or continue it."""
+    snapshot = _prepare(definition, request)
+    store = definition.store
+    await store.claim_run(request.run_id)
+    try:
+        return await _drive_claimed(definition, request, snapshot, mode)
+    finally:
+        await _release(store, request)
+
+
+async def _drive_claimed(
+    definition: Definition, request: Request, snapshot: dict[str, JSONValue], mode: Mode
+) -> RunResult:
+    log = await definition.store.read_log(request.run_id)
+    if not log.records:
+        if mode is Mode.RESUME:
+            raise RunNotFound("the store holds no record of this run", run_id=request.run_id)
+        loop = _Loop(definition, request, resumed=False)
+        started = RunStarted(run_id=request.run_id, snapshot=snapshot)
+        return await loop.guarded(loop.start(started))
+    if mode is Mode.START:
+        raise RunAlreadyExists(
+            "the store already holds records for this run; use resume", run_id=request.run_id
+        )
+    plan = _recovery.read_plan(log)
+    assert plan.started is not None  # a log with records starts with its start record
+    differences = _recovery.identity_differences(plan.started.snapshot, snapshot)
+    if differences:
+        raise RunIdentityMismatch(run_id=request.run_id, differences=differences)
+    if plan.state is _recovery.RecoveryState.FINISHED:
+        return _recovery.recorded_result(plan)
+    loop = _Loop(definition, request, resumed=True)
+    return await loop.guarded(loop.continue_from(plan))
+
+
+async def _release(store: Store, request: Request) -> None:
+    """Give up the claim, shielded and bounded by the request's grace; never raise.
+
+    After ``end_run`` there is nothing left to give up. A failed release leaves the
+    claim with this store object until it is closed, which is safe: it only keeps out
+    other writers.
+    """
+    with anyio.move_on_after(request.cancel_grace_s, shield=True):
+        try:
+            await store.release_run(request.run_id)
+        except Exception:
+            logger.exception("run %r: could not give up the claim", request.run_id)
+
+
+async def status(store: ManagedStore, run_id: str) -> RunStatus:
+    """The status of ``run_id`` in ``store``; ``RunNotFound`` if it has no record."""
+    stored = await store.describe_run(run_id)
+    plan = _recovery.read_plan(await store.read_log(run_id))
+    if plan.started is None:
+        raise RunNotFound("the store holds no record of this run", run_id=run_id)
+    return _recovery.status(
+        plan,
+        claimed=stored is not None and stored.claimed,
+        last_record_at=stored.updated_at if stored is not None else None,
+    )
+
+
+async def recover(
+    definition: Definition,
+    store: ManagedStore,
+    request_for: RequestFor,
+    *,
+    max_concurrent: int,
+) -> tuple[RecoveredRun, ...]:
+    """Resume every unfinished run that no live writer holds; say what became of each."""
+    if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) \
+            or max_concurrent < 1:
+        raise InvalidRequest(f"max_concurrent must be a whole number of at least 1, "
+                             f"not {max_concurrent!r}")
+    listed = await store.list_runs(unfinished_only=True)
+    outcomes: dict[str, RecoveredRun] = {}
+    waiting = [run for run in listed if not _owned(run, outcomes)]
+    waiting.reverse()  # popped from the end, so the runs are taken in listed order
+
+    async def worker() -> None:
+        while waiting:
+            run_id = waiting.pop().run_id
+            outcomes[run_id] = await _recover_one(definition, request_for, run_id)
+
+    async with anyio.create_task_group() as group:
+        for _ in range(min(max_concurrent, len(waiting))):
+            group.start_soon(worker)
+    return tuple(outcomes[run.run_id] for run in listed)
+
+
+def _owned(run: StoredRun, outcomes: dict[str, RecoveredRun]) -> bool:
+    """Whether a live writer holds ``run``; if so its outcome says so, untouched."""
+    if not run.claimed:
+        return False
+    outcomes[run.run_id] = RecoveredRun(
+        run_id=run.run_id,
+        error=RunLocked("a live writer holds this run; left alone", run_id=run.run_id),
+    )
+    return True
+
+
+async def _recover_one(
+    definition: Definition, request_for: RequestFor, run_id: str
+) -> RecoveredRun:
+    try:
+        request = request_for(run_id)
+        if inspect.isawaitable(request):
+            request = await request
+        if request.run_id != run_id:
+            raise InvalidRequest(f"request_for returned a request for run {request.run_id!r}",
+                                 run_id=run_id)
+        result = await drive(definition, request, Mode.RESUME)
+    except Exception as exc:  # noqa: BLE001 - each run's failure is reported, not raised
+        return RecoveredRun(run_id=run_id, error=exc)
+    return RecoveredRun(run_id=run_id, result=result)
+

@@ -1,0 +1,310 @@
+"""One writer per run while two workers are alive: claim before read, and the fences.
+
+Worker A drives a run and is held at a chosen point (inside the model call, inside the
+tool, or before or after any of its store writes); worker B, another store object over
+the same data (the same object for the memory store), resumes the run meanwhile. B must
+get ``RunLocked`` before it reads, decides or executes anything; A must end normally;
+the log must read back valid; and no effect may have run twice.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import one_writer_kit as kit
+import pg
+from polyloop import (
+    Replay,
+    RunLocked,
+    RunResult,
+    RunState,
+    StopReason,
+    Store,
+    StoreError,
+    resume,
+    run,
+    run_status,
+)
+from polyloop.stores import MemoryStore, PostgresStore
+from polyloop.testing.store_contract import apply, sample_run
+
+pytestmark = pytest.mark.anyio
+
+KINDS = ["memory", "jsonl", "sqlite", "postgresql"]
+# The records of the one-step run, in order.
+RECORDS = ["RunStarted", "Intent", "Result", "Intent", "Result", "StepRecord", "RunEnded"]
+# The store calls of the one-step run, in order.
+WRITES = ["start_run", "write_intent", "write_result", "write_intent", "write_step", "end_run"]
+
+
+class Stores:
+    """Opens store objects over one set of data (the memory store: one shared object)."""
+
+    def __init__(self, kind: str, location: str, schema: str) -> None:
+        self.kind, self.location, self.schema = kind, location, schema
+        self._memory = MemoryStore()
+        self.opened: list[Any] = []
+
+    def open(self) -> Store:
+        store: Store = (self._memory if self.kind == "memory"
+                        else kit.open_store(self.kind, self.location, self.schema))
+        self.opened.append(store)
+        return store
+
+    async def close(self) -> None:
+        for store in self.opened:
+            await store.aclose()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(params=KINDS)
+def stores(request: pytest.FixtureRequest, tmp_path: Path) -> Stores:
+    kind = request.param
+    location, schema = str(tmp_path / "runs"), ""
+    if kind == "sqlite":
+        location = str(tmp_path / "runs.db")
+    elif kind == "postgresql":
+        location = request.getfixturevalue("postgres_shared")
+        schema = request.getfixturevalue("postgres_schemas")()
+    return Stores(kind, location, schema)
+
+
+class Held:
+    """A store wrapper that holds the run at one write: before it, or once it landed."""
+
+    def __init__(self, inner: Store, at: int, *, after: bool) -> None:
+        self.inner = inner
+        self.at, self.after = at, after
+        self.gate = kit.Gate()
+        self.count = 0
+
+    def parameters(self) -> Any:
+        return self.inner.parameters()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+        if name not in WRITES:
+            return method
+
+        async def held(*args: Any) -> Any:
+            self.count += 1
+            if self.count == self.at and not self.after:
+                await self.gate.hold()
+            outcome = await method(*args)
+            if self.count == self.at and self.after:
+                await self.gate.hold()
+            return outcome
+
+        return held
+
+
+async def _while_held(stores: Stores, a_store: Store, gate: kit.Gate, replay: Replay,
+                      ledger: list[str], *, a_gates: dict[str, kit.Gate]) -> tuple[
+                          RunResult, RunResult | RunLocked]:
+    """Run A until ``gate`` holds it, resume through B, let A go; both outcomes."""
+    note = ledger.append
+    registry = kit.tools(note, replay, a_gates.get("tool"))
+    a_definition = kit.definition(a_store, note, a_gates.get("model"))
+    outcomes: dict[str, Any] = {}
+
+    async def worker_a() -> None:
+        outcomes["a"] = await run(a_definition, kit.request("r", registry, replay))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(worker_a)
+        with anyio.fail_after(10):
+            await gate.entered.wait()
+        b_store = stores.open()
+        try:
+            outcomes["b"] = await resume(kit.definition(b_store, note),
+                                         kit.request("r", kit.tools(note, replay), replay))
+        except RunLocked as exc:
+            outcomes["b"] = exc
+        gate.go.set()
+    return outcomes["a"], outcomes["b"]
+
+
+async def _check_log(stores: Stores, replay: Replay = Replay.ALLOWED) -> None:
+    """The log reads back whole and valid, and a later resume only reads it."""
+    reader = stores.open()
+    status = await run_status(reader, "r")  # type: ignore[arg-type]
+    assert status.state is RunState.FINISHED
+    assert status.stop_reason is StopReason.SUBMITTED
+    log = await reader.read_log("r")
+    assert [type(record).__name__ for record in log.records] == RECORDS
+    later = await resume(kit.definition(reader, lambda _: None),
+                         kit.request("r", kit.tools(lambda _: None, replay), replay))
+    assert later.stop_reason is StopReason.SUBMITTED
+    assert (await reader.read_log("r")).records == log.records
+
+
+@pytest.mark.parametrize("effect", ["model call", "tool allowed", "tool never"])
+async def test_a_second_worker_never_touches_a_run_a_live_worker_drives(
+    stores: Stores, effect: str
+) -> None:
+    """The reproductions: B resumes while A is inside its model call or its tool."""
+    gate = kit.Gate()
+    replay = Replay.NEVER if effect == "tool never" else Replay.ALLOWED
+    ledger: list[str] = []
+    where = "model" if effect == "model call" else "tool"
+    a, b = await _while_held(stores, stores.open(), gate, replay, ledger,
+                             a_gates={where: gate})
+    assert isinstance(b, RunLocked) and b.run_id == "r"
+    assert a.stop_reason is StopReason.SUBMITTED and a.step_count == 1
+    # A alone ran each effect, once.
+    assert ledger == ["model r:0:model", "tool r:0:action"]
+    await _check_log(stores, replay)
+    await stores.close()
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
+@pytest.mark.parametrize("at", range(1, len(WRITES) + 1),
+                         ids=[f"{n}-{name}" for n, name in enumerate(WRITES, start=1)])
+async def test_every_point_of_a_step_keeps_the_second_worker_out(
+    stores: Stores, at: int, after: bool
+) -> None:
+    """B resumes while A is held before or after each of its writes, in this process."""
+    a_store = Held(stores.open(), at, after=after)
+    ledger: list[str] = []
+    a, b = await _while_held(stores, a_store, a_store.gate, Replay.ALLOWED, ledger,  # type: ignore[arg-type]
+                             a_gates={})
+    assert a.stop_reason is StopReason.SUBMITTED
+    if WRITES[at - 1] == "end_run" and after:
+        # A's end record landed, and with it A gave the claim up: B may claim the run,
+        # and finds it finished, so it only reads the recorded result.
+        assert isinstance(b, RunResult) and b.stop_reason is StopReason.SUBMITTED
+    else:
+        assert isinstance(b, RunLocked)
+    assert ledger == ["model r:0:model", "tool r:0:action"]
+    await _check_log(stores)
+    await stores.close()
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "sqlite", "postgresql"])
+@pytest.mark.parametrize("point", [(2, True), (4, True), (5, False), (6, False)],
+                         ids=["model call", "tool", "before the step", "before the end"])
+async def test_a_second_worker_in_another_process_is_kept_out(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, point: tuple[int, bool]
+) -> None:
+    """As above, with B in a child process; its effects are counted in a file."""
+    location, schema = str(tmp_path / ("runs.db" if kind == "sqlite" else "runs")), ""
+    if kind == "postgresql":
+        location = request.getfixturevalue("postgres_shared")
+        schema = request.getfixturevalue("postgres_schemas")()
+    stores = Stores(kind, location, schema)
+    at, after = point
+    a_store = Held(stores.open(), at, after=after)
+    ledger = tmp_path / "ledger"
+    note = kit.file_note(str(ledger))
+    registry = kit.tools(note, Replay.ALLOWED)
+    outcome: dict[str, RunResult] = {}
+
+    async def worker_a() -> None:
+        outcome["a"] = await run(kit.definition(a_store, note),  # type: ignore[arg-type]
+                                 kit.request("r", registry, Replay.ALLOWED))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(worker_a)
+        with anyio.fail_after(10):
+            await a_store.gate.entered.wait()
+        child = await anyio.run_process(
+            [sys.executable, kit.__file__, kind, location, schema, "r", "allowed",
+             str(ledger)], check=False)
+        a_store.gate.go.set()
+    assert child.returncode == 0, child.stderr.decode(errors="replace")
+    assert child.stdout.decode().strip() == "locked"
+    assert outcome["a"].stop_reason is StopReason.SUBMITTED
+    assert ledger.read_text().splitlines() == ["model r:0:model", "tool r:0:action"]
+    await _check_log(stores)
+    await stores.close()
+
+
+
+# -- PostgreSQL: a claim lives on a connection ----------------------------------------------
+
+
+def _terminate_writers(conninfo: str) -> int:
+    """End every writer session of this test's database (what a lost connection does)."""
+    with pg.admin(conninfo) as conn:
+        rows = conn.execute(
+            "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = 'polyloop-writer' "
+            "AND pid <> pg_backend_pid()").fetchall()
+    return len(rows)
+
+
+@pytest.mark.parametrize("replay", [Replay.ALLOWED, Replay.NEVER], ids=str)
+@pytest.mark.parametrize("at", [2, 3, 4], ids=["after the model intent", "after the model result",
+                                               "after the action intent"])
+async def test_a_terminated_writer_session_writes_nothing_after_the_next_claim(
+    postgres_conninfo: str, at: int, replay: Replay
+) -> None:
+    """A's writer session is ended between two of its writes; B claims and resumes the
+    run; A, let go, is refused at its next write, and no record of A lands after B's
+    claim. An effect A had announced before it lost its claim may still run once A is
+    let go: B treats it by its replay policy, so a ``NEVER`` effect runs at most once
+    (B ends ``IN_DOUBT`` instead), and only an ``ALLOWED`` one may run twice."""
+    first = PostgresStore(postgres_conninfo)
+    a_store = Held(first, at, after=True)
+    ledger: list[str] = []
+    note = ledger.append
+    registry = kit.tools(note, replay)
+    outcome: dict[str, Any] = {}
+    a_done = anyio.Event()
+
+    async def worker_a() -> None:
+        try:
+            outcome["a"] = await run(kit.definition(a_store, note),  # type: ignore[arg-type]
+                                     kit.request("r", registry, replay))
+        except StoreError as exc:
+            outcome["a"] = exc
+        a_done.set()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(worker_a)
+        with anyio.fail_after(10):
+            await a_store.gate.entered.wait()
+        assert await anyio.to_thread.run_sync(_terminate_writers, postgres_conninfo) == 1
+        async with PostgresStore(postgres_conninfo) as second:
+            b = await resume(kit.definition(second, note), kit.request("r", registry, replay))
+            log = (await second.read_log("r")).records
+            a_store.gate.go.set()
+            with anyio.fail_after(10):
+                await a_done.wait()
+            assert isinstance(outcome["a"], StoreError) and outcome["a"].run_id == "r"
+            # Nothing of A landed after B's claim, and A's store object stays refused.
+            assert (await second.read_log("r")).records == log
+            with pytest.raises(StoreError):
+                await first.write_result(log[2])  # type: ignore[arg-type]
+            assert (await second.read_log("r")).records == log
+            status = await run_status(second, "r")
+    in_doubt = replay is Replay.NEVER and at in (2, 4)
+    assert b.stop_reason is (StopReason.IN_DOUBT if in_doubt else StopReason.SUBMITTED)
+    assert status.state is (RunState.IN_DOUBT if in_doubt else RunState.FINISHED)
+    if not in_doubt:
+        assert [type(record).__name__ for record in log] == RECORDS
+    if replay is Replay.NEVER:
+        assert sorted(set(ledger)) == sorted(ledger)  # no effect ran twice
+    await first.aclose()
+
+
+async def test_a_write_under_a_superseded_claim_epoch_is_refused_atomically(
+    postgres_conninfo: str,
+) -> None:
+    """The second line of defence: each write checks, in its own statement, that the
+    run's claim epoch is still the writer's. A claim moved on by someone else (here by
+    hand, as a taken-over lease would) refuses the writer with nothing written."""
+    async with PostgresStore(postgres_conninfo) as store:
+        writes = sample_run("r", steps=1, ended=False)
+        await apply(store, writes[:3])
+        with pg.admin(postgres_conninfo) as conn:
+            conn.execute("UPDATE polyloop.runs SET epoch = epoch + 1")
+        before = (await store.read_log("r")).records
+        for method, args in writes[3:]:
+            with pytest.raises(RunLocked, match="another writer claimed"):
+                await getattr(store, method)(*args)
+        assert (await store.read_log("r")).records == before
