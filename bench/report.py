@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ORDER = ("overhead", "durable", "concurrency", "recovery", "scale")
+ORDER = ("overhead", "durable", "concurrency", "recovery", "scale", "listing")
 
 
 def render(results: dict[str, Any]) -> str:

@@ -30,7 +30,7 @@ if not __package__:
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
     sys.path.insert(0, str(ROOT))
 
-from bench import concurrency, durable, overhead, recovery, scale  # noqa: E402
+from bench import concurrency, durable, listing, overhead, recovery, scale  # noqa: E402
 from bench._common import (  # noqa: E402
     FULL,
     QUICK,
@@ -49,6 +49,7 @@ BENCHMARKS = {
     "concurrency": concurrency,
     "recovery": recovery,
     "scale": scale,
+    "listing": listing,
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 

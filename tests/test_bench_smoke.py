@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
+from bench import listing as bench_listing  # noqa: E402
 from bench import report as bench_report  # noqa: E402
 from bench import run as bench_run  # noqa: E402
 from bench._common import TINY, postgres_conninfo  # noqa: E402
@@ -45,7 +46,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(output.read_text())
     assert data["meta"]["mode"] == "tiny"
     assert set(data["benchmarks"]) == {"overhead", "durable", "concurrency", "recovery",
-                                       "scale"}
+                                       "scale", "listing"}
     return data
 
 
@@ -165,6 +166,38 @@ def test_scale_compares_early_and_late_steps(results: dict[str, Any]) -> None:
         assert row["us_per_step"] > 0 and row["ratio_to_first"] > 0
     (item,) = results["benchmarks"]["scale"]["targets"]
     assert item["measured"] is not None
+
+
+def test_listing_compares_stores_with_and_without_finished_runs(
+    results: dict[str, Any],
+) -> None:
+    rows = _rows(results, "listing")
+    sizes = bench_listing.TINY_SIZES
+    assert sizes.finished[0] == 0
+    for store in ("memory", "jsonl", "sqlite", "postgres"):
+        for finished in sizes.finished:
+            row = next(r for r in rows if r["key"] == f"{store}-{finished}")
+            _check_skip(row)
+            if row.get("skipped"):
+                continue
+            # Each pass checked what it listed; the row says how many runs it held.
+            assert (row["unfinished"], row["finished"]) == (sizes.unfinished, finished)
+            assert row["repeats"] == sizes.repeats
+            for field in ("list_unfinished", "status", "list_all"):
+                ratio = row[f"{field}_ratio"]
+                assert ratio > 0
+                if finished == 0:  # the baseline each ratio divides by
+                    assert ratio == pytest.approx(1.0)
+            assert row["list_unfinished_ms"] > 0 and row["status_total_ms"] > 0
+            assert row["status_us_per_run"] > 0 and row["list_all_ms"] > 0
+    measured = {row["store"] for row in rows if not row.get("skipped")}
+    targets = results["benchmarks"]["listing"]["targets"]
+    # Two targets (listing, statuses) per SQL store and number of finished runs.
+    assert len(targets) == 2 * len(measured & {"sqlite", "postgres"}) * \
+        (len(sizes.finished) - 1)
+    for item in targets:
+        assert {"target", "measured", "limit", "met"} <= item.keys()
+        assert item["measured"] is not None
 
 
 def test_profile_names_polyloop_functions(results: dict[str, Any]) -> None:
