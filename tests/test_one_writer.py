@@ -184,44 +184,57 @@ async def test_every_point_of_a_step_keeps_the_second_worker_out(
     await stores.close()
 
 
+# Where A is held while B, in a child process, resumes: inside an effect, or before or
+# after one of A's writes.
+POINTS = [("model", 0, False), ("tool", 0, False)] + [
+    ("write", at, after) for at in range(1, len(WRITES) + 1) for after in (False, True)]
+POINT_IDS = ["inside the model call", "inside the tool"] + [
+    f"{'after' if after else 'before'} {at}-{WRITES[at - 1]}"
+    for _, at, after in POINTS[2:]]
+
+
 @pytest.mark.parametrize("kind", ["jsonl", "sqlite", "postgresql"])
-@pytest.mark.parametrize("point", [(2, True), (4, True), (5, False), (6, False)],
-                         ids=["model call", "tool", "before the step", "before the end"])
+@pytest.mark.parametrize("point", POINTS, ids=POINT_IDS)
 async def test_a_second_worker_in_another_process_is_kept_out(
-    request: pytest.FixtureRequest, tmp_path: Path, kind: str, point: tuple[int, bool]
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, point: tuple[str, int, bool]
 ) -> None:
-    """As above, with B in a child process; its effects are counted in a file."""
+    """As above, with B in a child process; every effect is counted in a file."""
     location, schema = str(tmp_path / ("runs.db" if kind == "sqlite" else "runs")), ""
     if kind == "postgresql":
         location = request.getfixturevalue("postgres_shared")
         schema = request.getfixturevalue("postgres_schemas")()
     stores = Stores(kind, location, schema)
-    at, after = point
-    a_store = Held(stores.open(), at, after=after)
+    where, at, after = point
+    gate = kit.Gate()
+    a_store: Any = stores.open()
+    if where == "write":
+        a_store = Held(a_store, at, after=after)
+        gate = a_store.gate
     ledger = tmp_path / "ledger"
     note = kit.file_note(str(ledger))
-    registry = kit.tools(note, Replay.ALLOWED)
+    registry = kit.tools(note, Replay.ALLOWED, gate if where == "tool" else None)
+    definition = kit.definition(a_store, note, gate if where == "model" else None)
     outcome: dict[str, RunResult] = {}
 
     async def worker_a() -> None:
-        outcome["a"] = await run(kit.definition(a_store, note),  # type: ignore[arg-type]
-                                 kit.request("r", registry, Replay.ALLOWED))
+        outcome["a"] = await run(definition, kit.request("r", registry, Replay.ALLOWED))
 
     async with anyio.create_task_group() as group:
         group.start_soon(worker_a)
         with anyio.fail_after(10):
-            await a_store.gate.entered.wait()
+            await gate.entered.wait()
         child = await anyio.run_process(
             [sys.executable, kit.__file__, kind, location, schema, "r", "allowed",
              str(ledger)], check=False)
-        a_store.gate.go.set()
+        gate.go.set()
     assert child.returncode == 0, child.stderr.decode(errors="replace")
-    assert child.stdout.decode().strip() == "locked"
+    # Once A's end record landed, A has given the claim up: B only reads the result.
+    finished = where == "write" and at == len(WRITES) and after
+    assert child.stdout.decode().strip() == ("submitted" if finished else "locked")
     assert outcome["a"].stop_reason is StopReason.SUBMITTED
     assert ledger.read_text().splitlines() == ["model r:0:model", "tool r:0:action"]
     await _check_log(stores)
     await stores.close()
-
 
 
 # -- PostgreSQL: a claim lives on a connection ----------------------------------------------
