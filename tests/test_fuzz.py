@@ -856,8 +856,8 @@ class StoreMachine(RuleBasedStateMachine):
 
         JSON lines: every descriptor under the directory is severed (the writer locks go
         with them), and optionally a run file gets a torn, unterminated last line, the
-        trace of a write that died half way and was never acknowledged. SQLite: the lock
-        files are severed the same way; the abandoned connection is left open until the
+        trace of a write that died half way and was never acknowledged. SQLite: the owner's
+        lock file is severed the same way; the abandoned connection is left open until the
         example ends, so the write-ahead log is not checkpointed behind the new object's
         back (SQLite shares locks and shared memory between the connections of one
         process, so its own descriptors cannot be pulled away faithfully; every write
@@ -873,7 +873,7 @@ class StoreMachine(RuleBasedStateMachine):
             if torn is not None and self.runs:
                 self.tear(index, torn)
         elif self.kind == "sqlite":
-            if _sever_descriptors_under(self.scratch / "runs.db.locks"):
+            if _sever_descriptors_under(self.scratch / "runs.db.owners"):
                 self.graveyard.append(old)
             else:
                 self.call(old, "aclose")

@@ -603,14 +603,14 @@ async def test_hostile_run_ids_and_bindings_are_plain_data_on_every_store(
         }
     if stores.kind == "sqlite":
         assert {path.split("/")[0] for path, _, _ in after} <= {
-            "runs.db", "runs.db-wal", "runs.db-shm", "runs.db.locks"}
+            "runs.db", "runs.db-wal", "runs.db-shm", "runs.db.owners"}
         assert not any(link for _, link, _ in after)
         with sqlite3.connect(stores.sqlite_path) as db:
             tables = {name for (name,) in db.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table'")}
             (runs,) = db.execute("SELECT COUNT(*) FROM records WHERE seq = 0").fetchone()
             (listed,) = db.execute("SELECT COUNT(*) FROM runs WHERE finished = 1").fetchone()
-        assert tables == {"meta", "records", "runs"}
+        assert tables == {"meta", "records", "runs", "owners"}
         assert runs == len(HOSTILE) + 1
         assert listed == runs  # one row per run in the table of runs, each finished
     if stores.kind == "postgresql":
@@ -622,7 +622,7 @@ async def test_hostile_run_ids_and_bindings_are_plain_data_on_every_store(
                 "SELECT COUNT(*) FROM polyloop.records WHERE seq = 0").fetchone()
             (listed,) = db.execute(
                 "SELECT COUNT(*) FROM polyloop.runs WHERE finished").fetchone()
-        assert tables == {"meta", "records", "runs"}
+        assert tables == {"meta", "records", "runs", "owners"}
         assert runs == len(HOSTILE) + 1
         assert listed == runs  # one row per run in the table of runs, each finished
     if stores.kind in ("memory", "postgresql"):

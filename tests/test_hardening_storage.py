@@ -59,7 +59,6 @@ from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
 from polyloop.stores._common import safe_name
 from polyloop.stores._fileops import OsFileOps
-from polyloop.stores._postgres import run_lock_key
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from polyloop.types import (
     Intent,
@@ -470,20 +469,18 @@ async def _query(conninfo: str, query: str | sql.Composed, *params: object) -> l
     return await anyio.to_thread.run_sync(fetch)
 
 
-_HOLDER = (
-    "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
-    " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
-    " AND l.classid = %s::bigint::oid AND l.objid = %s::bigint::oid"
+_WRITER = (
+    "SELECT a.pid FROM pg_stat_activity a WHERE a.datname = current_database()"
+    " AND a.application_name = 'polyloop-writer'"
 )
 
 
 async def _terminate_writer(conninfo: str, schema: str, *, stalled: bool) -> None:
-    """End the server session holding run ``r``'s writer lock (once it stalls, if asked)."""
-    key = run_lock_key(schema, "r")
-    query = _HOLDER + (" AND a.wait_event = 'PgSleep'" if stalled else "")
+    """End the writer session (once it stalls, if asked); the test has only one."""
+    query = _WRITER + (" AND a.wait_event = 'PgSleep'" if stalled else "")
     with anyio.fail_after(20):
         while True:
-            rows = await _query(conninfo, query, (key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF)
+            rows = await _query(conninfo, query)
             if rows:
                 break
             await anyio.sleep(0.02)

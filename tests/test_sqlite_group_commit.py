@@ -331,7 +331,7 @@ async def test_an_inline_write_switches_the_level_only_when_it_changes(
             switches += wanted != level
             level = wanted
             # The records' rows, then the run's row moved on in the same transaction.
-            run_row = "INSERT INTO runs" if method == "start_run" else "UPDATE runs"
+            run_row = "UPDATE runs"  # the claim made the run's row, even for its start
             expected += ["BEGIN IMMEDIATE", "INSERT INTO records", run_row, "COMMIT"]
             assert [_statement(sql) for sql in inline.log] == expected, method
             assert inline.execute("PRAGMA synchronous").fetchone()[0] == level

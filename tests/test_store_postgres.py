@@ -39,7 +39,7 @@ from agent_kit import (
 from polyloop import ModelCall, Replay, RunEnded, StopReason, resume, run
 from polyloop.ports import Store
 from polyloop.stores import PostgresStore
-from polyloop.stores._postgres import _open_writer, run_lock_key
+from polyloop.stores._postgres import _open_writer
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
     DurableStoreContract,
@@ -115,16 +115,13 @@ async def _query(conninfo: str, query: str | sql.Composed, *params: object) -> l
     return await anyio.to_thread.run_sync(fetch)
 
 
-async def _lock_holders(conninfo: str, run_id: str, schema: str = "polyloop") -> list[Any]:
-    """``(pid, application_name)`` of every session holding ``run_id``'s advisory lock."""
-    key = run_lock_key(schema, run_id)
+async def _sessions_of(conninfo: str, application: str) -> list[Any]:
+    """``pid`` of every session of this database with that application name."""
     return await _query(
         conninfo,
-        "SELECT l.pid, a.application_name FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
-        " WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1"
-        " AND l.classid = %s::bigint::oid AND l.objid = %s::bigint::oid",
-        (key >> 32) & 0xFFFFFFFF,
-        key & 0xFFFFFFFF,
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND application_name = %s AND pid <> pg_backend_pid()",
+        application,
     )
 
 
@@ -148,11 +145,13 @@ async def _sessions(conninfo: str, application: str) -> int:
     return int(rows[0][0])
 
 
-async def _terminate_lock_holder(conninfo: str, run_id: str) -> None:
-    """End the server session that holds ``run_id``'s lock, and wait until it is gone."""
-    [(pid, _)] = await _lock_holders(conninfo, run_id)
-    rows = await _query(conninfo, "SELECT pg_terminate_backend(%s, 10000)", pid)
-    assert rows == [(True,)]
+async def _terminate_writers(conninfo: str) -> None:
+    """End every writer session of this database, and wait until they are gone."""
+    pids = await _sessions_of(conninfo, "polyloop-writer")
+    assert pids
+    for (pid,) in pids:
+        rows = await _query(conninfo, "SELECT pg_terminate_backend(%s, 10000)", pid)
+        assert rows == [(True,)]
 
 
 async def _claim_until_unlocked(store: PostgresStore, run_id: str) -> None:
@@ -275,31 +274,37 @@ async def test_the_lock_of_a_killed_process_is_free_again(conninfo: str) -> None
     await other.aclose()
 
 
-async def test_the_lock_lives_on_a_writer_connection_never_in_the_pool(conninfo: str) -> None:
+async def test_claims_live_with_one_owner_session_never_in_the_pool(conninfo: str) -> None:
+    """A store object holds one advisory lock, its owner's, on a session of its own; its
+    claims are rows that name it. Ending a run gives its claim up; closing the store
+    gives up every claim and the owner's lock before it returns."""
     store = PostgresStore(conninfo)
     writes = sample_run("r1", steps=1)
     await apply(store, writes[:-1])
     assert len((await store.read_log("r1")).records) == 6  # the pool is in use too
-    [(_, application)] = await _lock_holders(conninfo, "r1")
-    assert application == "polyloop-writer"
+    assert len(await _sessions_of(conninfo, "polyloop-owner")) == 1
+    assert await _advisory_locks(conninfo) == 1
     assert await _sessions(conninfo, "polyloop-reader") >= 1
+    owners = await _query(conninfo, "SELECT owner FROM polyloop.runs")
+    assert len(owners) == 1 and owners[0][0] is not None
 
-    await apply(store, writes[-1:], claim=False)  # end_run releases the lock at once
-    assert await _lock_holders(conninfo, "r1") == []
-    assert await _advisory_locks(conninfo) == 0
+    await apply(store, writes[-1:], claim=False)  # end_run gives the claim up at once
+    assert await _query(conninfo, "SELECT owner FROM polyloop.runs") == [(None,)]
 
     await apply(store, sample_run("r2", steps=1, ended=False))
-    assert len(await _lock_holders(conninfo, "r2")) == 1
     await store.aclose()  # so does closing the store, before it returns
+    assert await _query(conninfo, "SELECT count(*) FROM polyloop.runs WHERE owner IS NOT NULL"
+                        ) == [(0,)]
+    assert await _query(conninfo, "SELECT count(*) FROM polyloop.owners") == [(0,)]
     assert await _advisory_locks(conninfo) == 0
     # Server sessions end moments after their client closes them.
     for _ in range(200):
         sessions = [await _sessions(conninfo, name)
-                    for name in ("polyloop-reader", "polyloop-writer")]
-        if sessions == [0, 0]:
+                    for name in ("polyloop-reader", "polyloop-writer", "polyloop-owner")]
+        if sessions == [0, 0, 0]:
             break
         await anyio.sleep(0.05)
-    assert sessions == [0, 0]
+    assert sessions == [0, 0, 0]
 
 
 async def test_runs_share_a_bounded_number_of_writer_connections(conninfo: str) -> None:
@@ -373,10 +378,10 @@ async def test_a_dropped_connection_fails_the_run_and_a_new_store_resumes_it(
     script = six_step_script()
     tools = make_tools(Ledger(), replay=Replay.ALLOWED)
     store = PostgresStore(conninfo)
-    async def drop_lock_holder(call: ModelCall) -> None:
-        await _terminate_lock_holder(conninfo, call.run_id)
+    async def drop_writers(call: ModelCall) -> None:
+        await _terminate_writers(conninfo)
 
-    killing = definition(store, model=InterruptedModel(script, at=2, before=drop_lock_holder))
+    killing = definition(store, model=InterruptedModel(script, at=2, before=drop_writers))
     with pytest.raises(StoreError) as failed:
         await run(killing, request("r", tools, model_replay=Replay.ALLOWED))
     assert failed.value.run_id == "r"
@@ -401,21 +406,34 @@ async def test_a_dropped_connection_fails_the_run_and_a_new_store_resumes_it(
     assert same_outcome(resumed, expected)
 
 
-async def test_a_dropped_connection_fails_every_run_whose_lock_it_held(conninfo: str) -> None:
+async def test_a_dropped_writer_connection_fails_only_the_run_that_was_writing(
+    conninfo: str,
+) -> None:
+    """Claims live with the owner, not with a writer connection: after a writer session
+    dies, the run whose write met the dead connection fails (its outcome is unknown),
+    and another run of the same connection goes on writing through a new one, still
+    its claim's only writer."""
     store = PostgresStore(conninfo, max_writer_connections=1)
     for run_id in ("r1", "r2"):
         await apply(store, sample_run(run_id, steps=0, ended=False))
-    await _terminate_lock_holder(conninfo, "r1")
+    await _terminate_writers(conninfo)
     with pytest.raises(StoreError) as failed:
         await store.write_intent(_intent("r1"))
     assert isinstance(failed.value.__cause__, psycopg.OperationalError)
-    # r2's lock lived on the same connection: gone, so this store object stops writing it.
     with pytest.raises(StoreError, match="earlier write"):
-        await store.write_intent(_intent("r2"))
+        await store.write_intent(_intent("r1"))
+    await store.write_intent(_intent("r2"))  # through a new writer connection
     other = PostgresStore(conninfo)
-    await other.claim_run("r2")
-    await other.write_intent(_intent("r2"))
+    with pytest.raises(RunLocked):
+        await other.claim_run("r2")
+    with pytest.raises(RunLocked):  # the failed run stays claimed until it is given up
+        await other.claim_run("r1")
+    await store.release_run("r1")
+    await other.claim_run("r1")
+    await other.write_intent(_intent("r1"))
     await other.aclose()
+    assert [type(r).__name__ for r in (await store.read_log("r2")).records] == [
+        "RunStarted", "Intent"]
     await store.aclose()
 
 
@@ -620,7 +638,7 @@ async def test_a_writer_session_never_runs_without_synchronous_commit(
     lax = psycopg.conninfo.make_conninfo(shared_database, options="-c synchronous_commit=off")
 
     def setting() -> str:
-        with _open_writer(lax) as conn:
+        with _open_writer(lax, 30.0) as conn:
             row = conn.execute("SHOW synchronous_commit").fetchone()
             assert row is not None
             return str(row[0])

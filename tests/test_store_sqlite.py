@@ -31,7 +31,7 @@ from agent_kit import (
 from polyloop import Replay, RunEnded, StopReason, run, serialization
 from polyloop.ports import Store
 from polyloop.stores import SqliteStore
-from polyloop.stores._common import safe_name
+from polyloop.stores._common import LockFile
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
     DurableStoreContract,
@@ -263,7 +263,8 @@ async def test_a_database_of_another_major_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RunLocked):  # the refused claim left nothing to write under
         await store.start_run(sample_run("r2")[0][1][0])
     await store.aclose()
-    assert not (tmp_path / "runs.db.locks" / f"{safe_name('r2')}.lock").exists()
+    # The refused claim registered no owner: no file is left of it.
+    assert names_in(tmp_path / "runs.db.owners") == set()
 
 
 async def test_a_later_minor_of_the_format_is_read(tmp_path: Path) -> None:
@@ -471,29 +472,25 @@ async def test_hostile_run_ids_are_plain_data_and_locks_stay_in_their_directory(
         assert tuple(run.run_id for run in await store.list_runs()) == ("r1", *HOSTILE_RUN_IDS)
         claimed = {run.run_id for run in await store.list_runs() if run.claimed}
         assert claimed == set(HOSTILE_RUN_IDS)
-        locks = home / "runs.db.locks"
-        held = sorted(locks.iterdir())
-        # Every run still claimed holds one lock file, and every lock file is in the
-        # directory; r1's went with its claim at end_run.
-        assert len(held) == len(HOSTILE_RUN_IDS)
-        assert all(lock.resolve().parent == locks.resolve() for lock in held)
-        assert {lock.name for lock in held} == {
-            f"{safe_name(run_id)}.lock" for run_id in HOSTILE_RUN_IDS
-        }
-    assert names_in(locks) == set()  # closing gave every claim up, with its file
-    assert names_in(home) <= {"runs.db", "runs.db-wal", "runs.db-shm", "runs.db.locks"}
+        owners = home / "runs.db.owners"
+        # One lock file for the store object, whatever its runs are called, and none per
+        # run: the claims are rows that name the owner.
+        (held,) = owners.iterdir()
+        assert held.resolve().parent == owners.resolve() and held.suffix == ".lock"
+    assert names_in(owners) == set()  # closing gave every claim up, and the owner's file
+    assert names_in(home) <= {"runs.db", "runs.db-wal", "runs.db-shm", "runs.db.owners"}
     assert names_in(tmp_path) == {"home"}
     with raw(path) as db:
         tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master "
                                                  "WHERE type = 'table'")}
-        assert tables == {"meta", "records", "runs"}
+        assert tables == {"meta", "records", "runs", "owners"}
         (count,) = db.execute("SELECT COUNT(*) FROM records WHERE seq = 0").fetchone()
     assert count == len(HOSTILE_RUN_IDS) + 1
 
 
 async def test_a_refused_start_leaves_no_lock_behind(tmp_path: Path) -> None:
     path = tmp_path / "runs.db"
-    locks = tmp_path / "runs.db.locks"
+    owners = tmp_path / "runs.db.owners"
     async with SqliteStore(path) as first:
         await apply(first, sample_run("r1", steps=0, ended=False))
     late, other = SqliteStore(path), SqliteStore(path)
@@ -507,8 +504,9 @@ async def test_a_refused_start_leaves_no_lock_behind(tmp_path: Path) -> None:
     with pytest.raises(StoreError):
         await late.write_intent(intent_of("ghost"))
     await late.release_run("ghost")
-    # Released, neither refusal kept a writer lock (or its file) in ``late``.
-    assert names_in(locks) == set()
+    # Released, neither refusal kept a claim in ``late``; the only files are the two live
+    # owners' own, none per run.
+    assert len(names_in(owners)) == 2
     assert await other.describe_run("ghost") is None
     await other.claim_run("r1")
     await other.write_intent(intent_of("r1"))
@@ -549,8 +547,9 @@ async def test_a_dead_writer_process_releases_the_run(tmp_path: Path) -> None:
     done = await anyio.run_process([sys.executable, "-c", _DYING_WRITER, str(path)],
                                    check=False)
     assert done.returncode == 0, done.stderr.decode(errors="replace")
-    # The dead writer's lock file is left behind, but nobody holds its lock any more.
-    assert (tmp_path / "runs.db.locks" / f"{safe_name('r1')}.lock").exists()
+    # The dead writer's owner file is left behind, but nobody holds its lock any more.
+    (dead,) = (tmp_path / "runs.db.owners").iterdir()
+    assert not LockFile.held(dead)
     async with SqliteStore(path) as store:
         described = await store.describe_run("r1")
         assert described is not None and not described.claimed

@@ -23,9 +23,9 @@ import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
+from polyloop.ports import StoredRun
 from polyloop.types import (
     ActionStatus,
     CorruptLog,
@@ -237,8 +237,8 @@ def recorded_result(plan: Plan) -> RunResult:
     )
 
 
-def status(plan: Plan, *, claimed: bool, last_record_at: datetime | None) -> RunStatus:
-    """The public status of a started run, from its plan and the state of its claim.
+def status(plan: Plan, stored: StoredRun | None) -> RunStatus:
+    """The public status of a started run, from its plan and what its store says of it.
 
     A claimed run that has not finished is ``RUNNING``: an open intent then means an
     effect in flight, not one in doubt. A run that ended ``IN_DOUBT`` stays ``IN_DOUBT``.
@@ -250,7 +250,7 @@ def status(plan: Plan, *, claimed: bool, last_record_at: datetime | None) -> Run
         assert ended is not None
         finished = ended.stop_reason is not StopReason.IN_DOUBT
         state = RunState.FINISHED if finished else RunState.IN_DOUBT
-    elif claimed:
+    elif stored is not None and stored.claimed:
         state = RunState.RUNNING
     elif plan.state is RecoveryState.IN_DOUBT:
         state = RunState.IN_DOUBT
@@ -264,7 +264,9 @@ def status(plan: Plan, *, claimed: bool, last_record_at: datetime | None) -> Run
         steps=len(plan.steps),
         valid_steps=valid_step_count(plan.steps),
         open_intent=plan.open_intent,
-        last_record_at=last_record_at,
+        last_record_at=stored.updated_at if stored is not None else None,
+        owner=stored.owner if stored is not None else None,
+        lease_expires_at=stored.lease_expires_at if stored is not None else None,
     )
 
 

@@ -9,6 +9,7 @@ snapshot; the action executor belongs to one request and reports none.
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -262,20 +263,27 @@ class StoredRun:
     """One run as a store knows it without reading its log.
 
     ``finished`` says the log ends with a final end record (any stop reason but
-    ``CANCELLED``). ``claimed`` says a writer holds the run's claim right now: a live
+    ``CANCELLED``). ``claimed`` says a live writer holds the run's claim right now: a
     worker drives it (or is about to). ``updated_at`` is when the store took the run's
     last record, in UTC, or ``None`` if the store cannot tell.
+
+    Stores that give claims a lease also say whose claim the run is under, or was last
+    under while not given up: ``owner`` describes that worker (host and process), and
+    ``lease_expires_at`` is when its lease ends or ended. A run whose owner's lease has
+    ended, or whose owner's process died, is not ``claimed``: anyone may take it over.
     """
 
     run_id: str
     finished: bool
     claimed: bool
     updated_at: datetime | None
+    owner: str | None = None
+    lease_expires_at: datetime | None = None
 
 
 @runtime_checkable
 class ManagedStore(Store, Protocol):
-    """A store that can list its runs, describe one, and be closed.
+    """A store that can list its runs, describe one, prune old ones, and be closed.
 
     Every store PolyLoop ships is one; :func:`polyloop.run_status`,
     :func:`polyloop.recover` and the command line need nothing more.
@@ -296,6 +304,20 @@ class ManagedStore(Store, Protocol):
         """The run ``run_id`` as :meth:`list_runs` would list it; ``None`` if it has no record.
 
         Cancellation: describing changes nothing on disk.
+        """
+        ...
+
+    async def prune(
+        self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
+    ) -> tuple[str, ...]:
+        """Delete the runs that finished before ``finished_before``; return their ids.
+
+        Never touches a run that is unfinished, ended ``IN_DOUBT``, or claimed: each
+        run is deleted under its own claim, so pruning is safe while workers run. With
+        ``archive``, each run's log is first written durably to that directory in the
+        JSON-lines store's format (``polyloop show jsonl:DIR RUN_ID`` reads it).
+
+        Cancellation: each run is archived and deleted whole or not at all.
         """
         ...
 

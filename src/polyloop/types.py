@@ -307,6 +307,11 @@ class RunStatus:
     interrupted step that has no result yet, if there is one; for an ``IN_DOUBT`` run it
     names the effect in doubt. ``last_record_at`` is when the store took the run's last
     record (UTC), when the store knows it.
+
+    On stores whose claims have leases, ``owner`` names the worker whose claim the run
+    is under (or was, if that worker's lease ended or its process died without giving
+    the claim up) and ``lease_expires_at`` when that lease ends or ended: a run that is
+    not ``RUNNING`` but has an owner was left by a worker that stopped.
     """
 
     run_id: str
@@ -317,6 +322,8 @@ class RunStatus:
     valid_steps: int
     open_intent: Intent | None
     last_record_at: datetime | None
+    owner: str | None = None
+    lease_expires_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

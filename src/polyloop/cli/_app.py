@@ -1,4 +1,4 @@
-"""Argument parsing, the four commands, and the one place where errors become one line."""
+"""Argument parsing, the five commands, and the one place where errors become one line."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -89,7 +90,7 @@ def run_command(argv: Sequence[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROGRAM,
-        description="Run the PolyLoop demo agent; list, show and verify stored runs.",
+        description="Run the PolyLoop demo agent; list, show, verify and prune stored runs.",
         epilog=f"STORE is {SYNTAX}. Exit status: 0 success, 1 error.",
     )
     _backend_option(parser, default="asyncio")
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     _runs_parser(commands)
     _show_parser(commands)
     _verify_parser(commands)
+    _prune_parser(commands)
     return parser
 
 
@@ -311,6 +313,45 @@ def _print_check(check: _verify.RunCheck, out: Console) -> None:
         line.append(f"{finding.level:<9}", style=style)
         line.append(f"{check.name}  {finding.location}: {finding.message}")
         out.print(line, soft_wrap=True)
+
+
+# -- prune ---------------------------------------------------------------------------------
+
+
+def _prune_parser(commands: _Commands) -> None:
+    sub = _add(commands, "prune", _prune_command,
+               "Delete the runs that finished before a date, archiving them first if asked. "
+               "Runs that are unfinished, in doubt or being driven are never touched.")
+    _store_argument(sub)
+    sub.add_argument("--finished-before", required=True, type=_moment, metavar="DATE",
+                     help="an ISO date or time (UTC unless it says otherwise)")
+    sub.add_argument("--archive", metavar="DIR", type=Path,
+                     help="write each run's log to DIR first (a JSONL store: "
+                          "polyloop show jsonl:DIR RUN_ID)")
+
+
+def _moment(text: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an ISO date or time such as 2026-11-30 or 2026-11-30T12:00, "
+            f"not {text!r}") from None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+async def _prune_command(args: argparse.Namespace, out: Console) -> int:
+    spec = _store_of(args)
+    require_existing(spec)
+    async with open_store(spec) as store:
+        before = len(await store.list_runs())
+        pruned = await store.prune(finished_before=args.finished_before, archive=args.archive)
+        after = len(await store.list_runs())
+    where = f", archived to {args.archive}" if args.archive is not None else ""
+    out.print(f"pruned {len(pruned)} of {before} runs (finished before "
+              f"{args.finished_before.isoformat()}){where}; {after} left", markup=False,
+              soft_wrap=True)
+    return 0
 
 
 # -- plumbing ------------------------------------------------------------------------------

@@ -111,11 +111,7 @@ async def status(store: ManagedStore, run_id: str) -> RunStatus:
     plan = _recovery.read_plan(await store.read_log(run_id))
     if plan.started is None:
         raise RunNotFound("the store holds no record of this run", run_id=run_id)
-    return _recovery.status(
-        plan,
-        claimed=stored is not None and stored.claimed,
-        last_record_at=stored.updated_at if stored is not None else None,
-    )
+    return _recovery.status(plan, stored)
 
 
 async def recover(

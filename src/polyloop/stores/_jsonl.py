@@ -56,6 +56,9 @@ has finished. It is held until ``end_run`` for that run, ``release_run``, ``aclo
 or the end of the process; releasing the claim of a run that never started removes the
 empty file. Every write needs the claim, and none may follow a final end record. Any
 other store object, in this process or another, gets :class:`~polyloop.types.RunLocked`.
+This is a store for one host, and a claim has no lease: a process that hangs keeps its
+runs until it dies (the operating system then frees its locks at once), and one that is
+merely slow is never taken over.
 Readers never take the lock; asking whether a run is claimed holds it shared for a
 moment, which a claimant waits out. Inside one store object, the writes of one run are
 serialized by a per-run lock held around the whole write, while different runs proceed
@@ -111,7 +114,7 @@ from typing import TypeVar
 import anyio.to_thread
 
 from polyloop.ports import StoredRun
-from polyloop.serialization import dumps
+from polyloop.stores._archive import check_cutoff, prune_runs
 from polyloop.stores._batching import GroupCommit, InlineSyncGate
 from polyloop.stores._common import (
     FORMAT,
@@ -126,10 +129,12 @@ from polyloop.stores._jsonl_reader import (
     READ_FLAGS,
     SUFFIX,
     complete_end,
-    ends_final,
     first_run_id,
+    last_end,
+    pair_line,
     parse_lines,
     read_file,
+    record_line,
     refuse_link,
     require_regular,
 )
@@ -262,7 +267,7 @@ class JsonlStore:
         cancellation is delivered, so a cancelled call still leaves a started run whose
         first record and directory entry are durable.
         """
-        data = _line(dumps(record))
+        data = record_line(record)
         await anyio.to_thread.run_sync(self._start_sync, record.run_id, data)
 
     async def write_intent(self, intent: Intent) -> None:
@@ -272,7 +277,7 @@ class JsonlStore:
         finish before the cancellation is delivered, so a cancelled call still leaves a
         durable intent.
         """
-        await self._append(intent.run_id, _line(dumps(intent)), sync=True)
+        await self._append(intent.run_id, record_line(intent), sync=True)
 
     async def write_result(self, result: Result) -> None:
         """Append the result of a model call (not synced).
@@ -280,7 +285,7 @@ class JsonlStore:
         Cancellation: the append finishes before the cancellation is delivered; the
         line is complete in the file either way.
         """
-        await self._append(result.run_id, _line(dumps(result)))
+        await self._append(result.run_id, record_line(result))
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
         """Append a step and its action's result as one line, so both land or neither.
@@ -289,13 +294,13 @@ class JsonlStore:
         line is complete in the file either way.
         """
         if action_result is None:
-            await self._append(step.run_id, _line(dumps(step)))
+            await self._append(step.run_id, record_line(step))
             return
         if action_result.run_id != step.run_id:
             raise StoreError(
                 f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
             )
-        await self._append(step.run_id, _line(f"[{dumps(action_result)},{dumps(step)}]"))
+        await self._append(step.run_id, pair_line(action_result, step))
 
     async def end_run(self, record: RunEnded) -> None:
         """Append the end record, then release this run's writer lock.
@@ -303,7 +308,7 @@ class JsonlStore:
         Cancellation: the append and the release finish before the cancellation is
         delivered.
         """
-        await self._append(record.run_id, _line(dumps(record)), release=True)
+        await self._append(record.run_id, record_line(record), release=True)
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every complete record of ``run_id`` in write order; empty if it has no file.
@@ -340,6 +345,25 @@ class JsonlStore:
         """
         self._check_open(run_id)
         return await anyio.to_thread.run_sync(self._describe_sync, self._path(run_id), run_id)
+
+    async def prune(
+        self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
+    ) -> tuple[str, ...]:
+        """Delete the runs that finished before ``finished_before`` (file time); their ids.
+
+        A run that is unfinished, ended in doubt, or claimed is never touched: each run
+        is removed under its claim, its file unlinked while the writer lock is held.
+        With ``archive``, each run's log is first written durably to that directory.
+
+        Cancellation: each run is archived and removed whole or not at all.
+        """
+        cutoff = check_cutoff(finished_before)
+        candidates = [run.run_id for run in await self.list_runs() if run.finished
+                      and not run.claimed and run.updated_at is not None
+                      and run.updated_at < cutoff]
+        return await prune_runs(self, candidates,
+                                archive=Path(archive) if archive is not None else None,
+                                delete=partial(self._delete_claimed, cutoff=cutoff))
 
     async def aclose(self) -> None:
         """Release every writer lock and refuse further use. Idempotent.
@@ -493,13 +517,31 @@ class JsonlStore:
                 if size > end:  # a torn tail: what remains of a write that never finished
                     self._files.ftruncate(fd, end)
                     self._files.fsync(fd)
-                finished = end > 0 and ends_final(self._files, fd, end, self._path(run_id).name)
+                ended = last_end(self._files, fd, end, self._path(run_id).name) if end else None
+                finished = ended is not None and ended.is_final
             except BaseException:
                 self._files.close(fd)
                 raise
             slot.fd, slot.started, slot.finished = fd, end > 0, finished
 
         self._locked(run_id, claim)
+
+    async def _delete_claimed(self, run_id: str, *, cutoff: datetime) -> bool:
+        return await anyio.to_thread.run_sync(self._delete_sync, run_id, cutoff)
+
+    def _delete_sync(self, run_id: str, cutoff: datetime) -> bool:
+        def delete(slot: _Slot) -> bool:
+            fd = _claimed_fd(slot, run_id)
+            if datetime.fromtimestamp(self._files.fstat(fd).st_mtime, UTC) >= cutoff:
+                return False  # written to since it was listed
+            path = self._path(run_id)
+            if self._files.names_file(fd, path):
+                self._files.unlink(path)
+                self._files.fsync_directory(self._directory)
+            _release(self._files, slot)
+            return True
+
+        return self._locked(run_id, delete)
 
     def _release_sync(self, run_id: str) -> None:
         self._locked(run_id, lambda slot: self._unclaim(slot, run_id))
@@ -657,7 +699,7 @@ class JsonlStore:
                 return None
             return StoredRun(
                 run_id=run_id,
-                finished=ends_final(files, fd, end, path.name),
+                finished=_is_final(last_end(files, fd, end, path.name)),
                 claimed=files.lock_held(fd),
                 updated_at=datetime.fromtimestamp(files.fstat(fd).st_mtime, UTC),
             )
@@ -677,10 +719,6 @@ class JsonlStore:
 
 
 # -- file helpers -------------------------------------------------------------------------
-
-
-def _line(text: str) -> bytes:
-    return (text + "\n").encode("utf-8")
 
 
 def _write_all(files: FileOps, fd: int, data: bytes) -> None:
@@ -708,6 +746,10 @@ def _release(files: FileOps, slot: _Slot, *, quiet: bool = False) -> None:
     except OSError:
         if not quiet:
             raise
+
+
+def _is_final(end: RunEnded | None) -> bool:
+    return end is not None and end.is_final
 
 
 def _claimed_fd(slot: _Slot, run_id: str) -> int:

@@ -28,11 +28,12 @@ import os
 import stat
 from pathlib import Path
 
-from polyloop.serialization import loads
+from polyloop.serialization import dumps, loads
 from polyloop.stores._common import safe_name
 from polyloop.stores._fileops import FileOps
 from polyloop.types import (
     CorruptLog,
+    IntentKind,
     PolyLoopError,
     Record,
     Result,
@@ -48,7 +49,10 @@ __all__ = (
     "SUFFIX",
     "complete_end",
     "decode_line",
-    "ends_final",
+    "last_end",
+    "log_lines",
+    "pair_line",
+    "record_line",
     "first_run_id",
     "parse_lines",
     "read_file",
@@ -87,10 +91,10 @@ def complete_end(files: FileOps, fd: int) -> tuple[int, int]:
     return 0, size
 
 
-def ends_final(files: FileOps, fd: int, end: int, location: str) -> bool:
-    """Whether the last complete line (ending at ``end``) is a final end record.
+def last_end(files: FileOps, fd: int, end: int, location: str) -> RunEnded | None:
+    """The end record on the last complete line (ending at ``end``), if that is one.
 
-    A line that does not decode says no: whoever reads the whole log is told why.
+    A line that does not decode says ``None``: whoever reads the whole log is told why.
     """
     start = end - 1
     while start > 0:
@@ -102,12 +106,12 @@ def ends_final(files: FileOps, fd: int, end: int, location: str) -> bool:
         start = begin
     line = files.pread(fd, end - 1 - start, start)
     if not line.lstrip(_JSON_SPACE.encode()).startswith(b"{"):
-        return False  # a result-and-step pair, or not a record at all
+        return None  # a result-and-step pair, or not a record at all
     try:
         (record,) = decode_line(line, location)
     except (CorruptLog, SchemaMajorMismatch):
-        return False
-    return isinstance(record, RunEnded) and record.is_final
+        return None
+    return record if isinstance(record, RunEnded) else None
 
 
 def read_file(files: FileOps, path: Path, run_id: str) -> bytes:
@@ -188,6 +192,34 @@ def refuse_link(exc: OSError, run_id: str) -> None:
 def require_regular(files: FileOps, fd: int, run_id: str) -> None:
     if not stat.S_ISREG(files.fstat(fd).st_mode):
         raise StoreError("the run file is not a regular file", run_id=run_id)
+
+
+# -- lines --------------------------------------------------------------------------------
+
+
+def record_line(record: Record) -> bytes:
+    """The line that holds ``record`` alone."""
+    return (dumps(record) + "\n").encode("utf-8")
+
+
+def pair_line(result: Result, step: StepRecord) -> bytes:
+    """The one line that holds an action's result and its step record."""
+    return f"[{dumps(result)},{dumps(step)}]\n".encode()
+
+
+def log_lines(records: tuple[Record, ...]) -> bytes:
+    """A whole log as its run file holds it: an action result shares its step's line."""
+    lines: list[bytes] = []
+    pending: Result | None = None
+    for record in records:
+        if isinstance(record, Result) and record.kind is IntentKind.ACTION:
+            pending = record
+        elif isinstance(record, StepRecord) and pending is not None:
+            lines.append(pair_line(pending, record))
+            pending = None
+        else:
+            lines.append(record_line(record))
+    return b"".join(lines)
 
 
 # -- parsing ------------------------------------------------------------------------------

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from pathlib import Path
 from types import TracebackType
 
 from polyloop.ports import StoredRun
+from polyloop.stores._archive import check_cutoff, prune_runs
 from polyloop.types import (
     Intent,
     JSONValue,
@@ -137,6 +140,30 @@ class MemoryStore:
         """
         self._check_open(run_id)
         return self._stored(run_id) if run_id in self._runs else None
+
+    async def prune(
+        self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
+    ) -> tuple[str, ...]:
+        """Delete the finished runs last written before ``finished_before``; their ids.
+
+        A run that is unfinished, ended in doubt, or claimed is never touched. With
+        ``archive``, each run's log is first written to that directory, as a
+        :class:`~polyloop.stores.JsonlStore` keeps it.
+
+        Cancellation: each run is archived and deleted whole or not at all; the ids of
+        the runs deleted before the cancellation are lost with the return value.
+        """
+        cutoff = check_cutoff(finished_before)
+        candidates = [run_id for run_id, records in self._runs.items()
+                      if _finished(records) and self._updated[run_id] < cutoff]
+        return await prune_runs(self, candidates,
+                                archive=Path(archive) if archive is not None else None,
+                                delete=self._delete_claimed)
+
+    async def _delete_claimed(self, run_id: str) -> bool:
+        self._claims.discard(run_id)
+        del self._runs[run_id], self._updated[run_id]
+        return True
 
     async def aclose(self) -> None:
         """Give up every claim and refuse further use; idempotent. The records go with

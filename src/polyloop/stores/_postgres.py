@@ -60,31 +60,34 @@ batch is sent again alone, so that the run at fault fails alone
 (A private ``_group_commit=False`` commits each write alone in its own thread hop
 instead, the baseline the benchmarks use.)
 
-Runs. A third table, ``runs(run_key bytea PRIMARY KEY, run_id text, next_seq bigint,
-finished boolean, epoch bigint, started_at timestamptz, updated_at timestamptz)`` with the
-index ``runs_unfinished`` (only the rows whose run has not finished), holds one row per
-run. Every batch moves the rows of its runs on in the same statement that inserts their
+Runs and owners. A third table, ``runs(run_key bytea PRIMARY KEY, run_id text, next_seq
+bigint, finished boolean, epoch bigint, started_at timestamptz, updated_at timestamptz,
+owner text, stop_reason text)``, with the indexes ``runs_unfinished`` (only the rows whose
+run has not finished), ``runs_owned`` and ``runs_finished``, holds one row per run; a
+claim creates it for a run that has none yet (``next_seq`` 0 until the run starts).
+Every batch moves the rows of its runs on in the same statement that inserts their
 records; a row moves only if the writer's claim epoch is still the row's, the row's next
-seq is the one the writer expects, and the run has not finished. The records of a run
-whose row did not move are not inserted, and its writes are refused (``RunLocked`` when
-the epoch moved on, ``StoreError`` otherwise). A schema from before this table gets it,
-filled from its records, under the DDL lock.
+seq is the one the writer expects, and the run has not finished; an end record gives the
+owner up. The records of a run whose row did not move are not inserted, and its writes
+are refused (``RunLocked`` when the epoch moved on, ``StoreError`` otherwise).
+``owners(owner_id, description, lock_hi, lock_lo, lease_until, started_at)`` holds the
+store objects that claim runs. A schema from before these tables or columns gets them
+(``runs`` filled from the records) under the DDL lock.
 
-Writers. A run has one writer: a store object claims it (``claim_run``) with
-``pg_try_advisory_lock(key)``, where the 64-bit key is the start of the sha256 of the
-schema and the run id (``False`` means another session holds it: ``RunLocked``), and in
-the same statement moves the run's claim epoch on, so that any write of an earlier claim
-is refused. The lock is a session-level lock, so it lives on one connection; that
-connection is a *writer connection*, opened by this store object for writing only. It is
-never taken from or returned to the reader pool, so a lock can never travel to an
-unrelated user of a pooled connection. The lock is released by ``pg_advisory_unlock``
-once the commit holding the run's ``end_run`` has ended or by ``release_run``, by
-``aclose()`` (``pg_advisory_unlock_all``, then the connection closes), or by the server
-when the connection drops, for example because the process died. Whether a run is
-claimed is read from ``pg_locks``. A store object opens at most
-``max_writer_connections`` writer connections: a run gets a connection of its own while
-there is room, after that it shares the least busy one. Every write of a run goes
-through the connection that holds its claim, and each connection commits one batch at a
+Writers. A run has one writer: a store object claims it (``claim_run``) as an owner with
+a lease (see :mod:`polyloop.stores._lease`). At its first claim the store object opens a
+connection of its own for its lease (``polyloop-owner``), takes a session-level advisory
+lock on its owner key there (a lock the server frees when the session ends, for example
+because the process died) and writes its ``owners`` row. A claim is one statement: it
+makes the run's row name this owner and moves the claim epoch on, unless the row names a
+live owner, one whose lease has not ended and whose lock is held (``RunLocked``, naming
+it). The claim lasts until ``end_run``, ``release_run`` (sent on the owner's connection,
+which outlives any writer's), ``aclose()``, the end of the lease, or the end of the
+owner's session. Whether a run is claimed is read from ``pg_locks`` and the lease. Writes
+go through *writer connections*, opened by this store object for writing only and never
+taken from or returned to the reader pool. A store object opens at most
+``max_writer_connections`` of them: a run gets a connection of its own while there is
+room, after that it shares the least busy one. Each connection commits one batch at a
 time, holding the waiting writes of all its runs; each run's next ``seq`` is given out in
 the batch, in submission order. This keeps the number of server connections bounded
 however many runs a worker drives at once, and the more runs share a connection, the
@@ -93,18 +96,18 @@ more writes each commit carries.
 Failures. A ``psycopg.Error`` during a write raises ``StoreError`` (the cause chained)
 and the store object writes nothing more for that run until it is closed and reopened.
 A commit that fails, or a connection lost in the middle of a batch, fails every write
-of the batch that way. If the error broke the writer connection, its locks are gone
-too, so every run whose lock lived on that connection is refused in the same way:
-another worker may already have taken it over. Nothing ever reconnects silently, which
-would mean writing without the lock. A write refused on its own (``RunAlreadyExists``,
-``RunLocked``, a run never started, a run refused after a failure) writes nothing,
-keeps no lock it took, and does not affect the other writes of its batch.
+of the batch that way. A lost writer connection is replaced at the next write; the runs
+that were not writing on it keep their claims, which live with the owner. A write
+refused on its own (``RunAlreadyExists``, ``RunLocked``, a run never started or ended,
+a run refused after a failure) writes nothing and does not affect the other writes of
+its batch.
 
-Deployment. Writer connections must reach PostgreSQL itself or a session-pooling
+Deployment. The owner's connection must reach PostgreSQL itself or a session-pooling
 proxy: a proxy that pools by transaction would move the session-level lock between
-clients. A lock also outlives a vanished host until the server notices the dead TCP
-connection (its ``tcp_keepalives_*`` settings decide how soon). No statement timeout is
-set: a server that stops answering holds the writing thread until the network gives up.
+clients. Every connection of a store object runs with ``statement_timeout`` and, unless
+the connection string sets it, ``tcp_user_timeout`` at ``statement_timeout_s``, so that a
+server that stops answering, or a host or network that goes silent, becomes a
+``StoreError`` instead of a thread held for ever.
 
 Threads. psycopg 3 is used with plain blocking connections; every call runs in a worker
 thread (``anyio.to_thread.run_sync``), so the event loop never blocks and the store works
@@ -121,12 +124,16 @@ loop at a time.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import datetime
 from functools import partial
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -134,6 +141,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import psycopg
+from anyio.lowlevel import EventLoopToken
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow
@@ -141,8 +149,10 @@ from psycopg_pool import ConnectionPool
 
 from polyloop import serialization
 from polyloop.ports import StoredRun
+from polyloop.stores._archive import check_cutoff, prune_runs
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import FORMAT, WriterState, check_format, claim_in_thread
+from polyloop.stores._lease import Lease, check_lease_s
 from polyloop.stores._postgres_batch import (
     Claim,
     Committer,
@@ -156,14 +166,14 @@ from polyloop.stores._postgres_batch import (
 )
 from polyloop.stores._postgres_sql import (
     KIND,
+    LAYOUT,
     Queries,
     ddl_lock_key,
     lock_halves,
-    lock_key_of,
+    owner_lock_key,
     record_row,
     run_id_column,
     run_key,
-    run_lock_key,
     shown,
 )
 from polyloop.types import (
@@ -180,12 +190,14 @@ from polyloop.types import (
     StoreError,
 )
 
-__all__ = ("PostgresStore", "run_lock_key")
+__all__ = ("PostgresStore",)
 
 _T = TypeVar("_T")
+logger = logging.getLogger("polyloop")
 _MAX_IDENTIFIER_BYTES = 63
 _WRITER_NAME = "polyloop-writer"
 _READER_NAME = "polyloop-reader"
+_OWNER_NAME = "polyloop-owner"
 
 
 class PostgresStore:
@@ -197,11 +209,17 @@ class PostgresStore:
     used for reads and the DDL; ``max_writer_connections`` bounds the connections that
     hold writer locks (see the module documentation). ``timeout`` is how many seconds to
     wait for the pool to open or to lend a connection, and the connect timeout of every
-    connection unless ``conninfo`` sets ``connect_timeout`` itself.
+    connection unless ``conninfo`` sets ``connect_timeout`` itself. ``lease_s`` is how
+    long this store object's claims hold without a renewal (renewed every third of it
+    while its event loop runs); another worker may take over the runs of an owner whose
+    lease has ended, or whose process died. ``statement_timeout_s`` bounds every
+    statement on the server (``statement_timeout``) and how long sent data may go
+    unacknowledged (``tcp_user_timeout``, unless ``conninfo`` sets it), so a server that
+    stops answering becomes a ``StoreError`` within about that time.
 
-    The store is an async context manager; :meth:`aclose` releases every writer lock it
-    holds and closes every connection. Any worker connected to the same database resumes
-    any run; a second writer of a run gets ``RunLocked``. Needs the ``postgres`` extra
+    The store is an async context manager; :meth:`aclose` gives up every claim it holds
+    and closes every connection. Any worker connected to the same database resumes any
+    run; a second writer of a run gets ``RunLocked``. Needs the ``postgres`` extra
     (psycopg 3 and psycopg-pool).
     """
 
@@ -210,7 +228,10 @@ class PostgresStore:
         "_connect",
         "_conninfo",
         "_grouped",
+        "_lease",
         "_max_writers",
+        "_owner_conn",
+        "_owner_lock",
         "_pool",
         "_pool_size",
         "_queries",
@@ -219,6 +240,7 @@ class PostgresStore:
         "_schema",
         "_slots",
         "_state",
+        "_statement_timeout_s",
         "_timeout",
         "_writers",
     )
@@ -231,9 +253,14 @@ class PostgresStore:
         pool_size: int = 4,
         max_writer_connections: int = 8,
         timeout: float = 30.0,
+        lease_s: float = 15.0,
+        statement_timeout_s: float = 30.0,
         _group_commit: bool = True,
     ) -> None:
         _check_options(schema, pool_size, max_writer_connections, timeout)
+        check_lease_s(lease_s)
+        if not statement_timeout_s > 0:
+            raise ValueError("statement_timeout_s must be a positive number of seconds")
         # Private: ``False`` writes each record in its own autocommit statement and
         # thread hop (the one-commit-per-barrier baseline the benchmarks compare with).
         self._grouped = _group_commit
@@ -242,7 +269,8 @@ class PostgresStore:
         # the SQL text of the statements that make up the commit.
         self._commit_probe: Probe | None = None
         self._conninfo = conninfo
-        self._connect = _connect_options(conninfo, timeout)
+        self._statement_timeout_s = float(statement_timeout_s)
+        self._connect = _connect_options(conninfo, timeout, self._statement_timeout_s)
         self._schema = schema
         self._pool_size = pool_size
         self._max_writers = max_writer_connections
@@ -254,6 +282,9 @@ class PostgresStore:
         self._pool: ConnectionPool[Connection] | None = None
         self._writers: list[Writer] = []
         self._slots: dict[str, Slot] = {}
+        self._lease = Lease(lease_s, self._renew_lease)
+        self._owner_lock = threading.Lock()
+        self._owner_conn: Connection | None = None
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """The store kind and record format; never the connection string or schema."""
@@ -262,18 +293,20 @@ class PostgresStore:
     # -- the Store protocol ---------------------------------------------------------------
 
     async def claim_run(self, run_id: str) -> None:
-        """Take the run's advisory lock on a writer connection and move its claim epoch on.
+        """Make this store object's owner the run's owner and move its claim epoch on.
 
-        Raises ``RunLocked`` if another session, or this store object already, holds it.
+        Raises ``RunLocked`` (naming the holder) if a live owner, this store object's
+        included, holds it: one whose lease has not ended and whose session lives.
 
         Cancellation: the worker thread finishes before the cancellation is delivered,
         and the claim is given up again if the call does not return.
         """
-        await claim_in_thread(partial(self._claim_run, run_id),
+        token = anyio.lowlevel.current_token()
+        await claim_in_thread(partial(self._claim_run, run_id, token),
                               partial(self._release_run, run_id))
 
     async def release_run(self, run_id: str) -> None:
-        """Give up the claim: unlock the run on its writer connection, writing nothing.
+        """Give up the claim, writing no record (the row of a run never started goes).
 
         Cancellation: the worker thread finishes before the cancellation is delivered.
         """
@@ -330,15 +363,16 @@ class PostgresStore:
         await self._write(step.run_id, [action_result, step], "append")
 
     async def end_run(self, record: RunEnded) -> None:
-        """Write the run's end record, then release the run's writer lock.
+        """Write the run's end record and give up the claim, in one statement.
 
-        The record is committed (not yet flushed) and the lock released when this returns.
+        The record is committed (not yet flushed) and the claim given up when this returns.
 
         Cancellation: a call cancelled before its batch starts writes nothing, keeps the
         lock and re-raises. Once the batch has started the call waits for its commit and
         the release (shielded), then re-raises.
         """
-        await self._write(record.run_id, [record], "end", final=record.is_final)
+        await self._write(record.run_id, [record], "end", final=record.is_final,
+                          reason=record.stop_reason.value)
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id`` in write order; empty if the run has no row.
@@ -372,8 +406,27 @@ class PostgresStore:
         """
         return await self._in_thread(self._describe, run_id)
 
+    async def prune(
+        self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
+    ) -> tuple[str, ...]:
+        """Delete the runs that finished before ``finished_before``; their ids.
+
+        A run that is unfinished, ended in doubt, or claimed is never touched: each run
+        is deleted under its claim, by one statement that checks again that it finished
+        before the cutoff. With ``archive``, each run's log is first written durably to
+        that directory, as a :class:`~polyloop.stores.JsonlStore` keeps it. Safe while
+        workers run.
+
+        Cancellation: each run is archived and deleted whole or not at all.
+        """
+        cutoff = check_cutoff(finished_before)
+        candidates = await self._in_thread(self._prunable, cutoff)
+        return await prune_runs(self, candidates,
+                                archive=Path(archive) if archive is not None else None,
+                                delete=partial(self._delete_claimed, cutoff=cutoff))
+
     async def aclose(self) -> None:
-        """Release every writer lock and close every connection. Idempotent.
+        """Give up every claim, end this owner's lease, close every connection. Idempotent.
 
         Cancellation: closing runs shielded, so it completes even in a cancelled scope.
         """
@@ -404,10 +457,11 @@ class PostgresStore:
     # -- writing ----------------------------------------------------------------------------
 
     async def _write(self, run_id: str, records: Sequence[Record], mode: Mode, *,
-                     barrier: bool = False, final: bool = False) -> None:
+                     barrier: bool = False, final: bool = False,
+                     reason: str | None = None) -> None:
         rows = [record_row(record) for record in records]
         with self._routed(run_id) as (slot, alone):
-            item = Item(slot, rows, mode, barrier, final)
+            item = Item(slot, rows, mode, barrier, final, reason)
             if alone or not self._grouped:
                 # Nobody could share this commit: skip the batching, keep its rules.
                 # A write that arrives meanwhile batches, and waits for writer.lock.
@@ -473,29 +527,149 @@ class PostgresStore:
         writer = Writer(group=GroupCommit(commit))
         return writer
 
-    # -- claims (worker thread) -----------------------------------------------------------
+    # -- claims and the owner's lease (worker threads) -----------------------------------
 
-    def _claim_run(self, run_id: str) -> None:
+    def _claim_run(self, run_id: str, token: EventLoopToken) -> None:
         with self._used(run_id) as slot:
             if slot.claim is not None:
                 raise RunLocked("this store object already holds the run's claim",
                                 run_id=run_id)
             self._ensure_ready(run_id)
+            owner_id, generation = self._registered_owner(run_id, token)
             with slot.writer.lock:
-                slot.claim = self._claim(slot.writer, run_id)
+                slot.claim = self._claim(slot.writer, run_id, owner_id, generation)
 
     def _release_run(self, run_id: str) -> None:
+        """Give the claim up through the owner's connection, which outlives any writer's."""
         slot = self._slots.get(run_id)
         if slot is None or slot.claim is None:
             return
         with slot.writer.lock:
             claim, slot.claim = slot.claim, None
-            if claim is not None:
-                self._unlock(claim.writer, [claim.key])
+        if claim is not None:
+            with self._owner_lock:
+                try:
+                    self._owner_connection().execute(
+                        self._queries.release,
+                        {"run_key": run_key(run_id), "epoch": claim.epoch})
+                except (psycopg.Error, StoreError):
+                    # The row keeps this owner until the store closes or its lease ends.
+                    logger.warning("run %r: could not give its claim up", run_id,
+                                   exc_info=True)
+                    self._close_owner_connection()
         with self._state.mutex:
             if slot.users == 0 and slot.claim is None and self._slots.get(run_id) is slot:
                 del self._slots[run_id]
                 slot.writer.runs.discard(run_id)
+
+    def _prunable(self, cutoff: datetime) -> list[str]:
+        with self._reading(None) as pool, pool.connection(timeout=self._timeout) as conn:
+            rows = conn.execute(self._queries.prunable, (cutoff,)).fetchall()
+        return [self._run_id_of(column) for (column,) in rows]
+
+    async def _delete_claimed(self, run_id: str, *, cutoff: datetime) -> bool:
+        return await self._in_thread(self._delete_sync, run_id, cutoff)
+
+    def _delete_sync(self, run_id: str, cutoff: datetime) -> bool:
+        """Delete a run this store object holds the claim of, if it still may go."""
+        slot = self._slots.get(run_id)
+        claim = slot.claim if slot is not None else None
+        if slot is None or claim is None:
+            return False
+        with slot.writer.lock:
+            try:
+                conn = self._writer_connection(slot.writer, run_id)
+                gone = _scalar(conn, self._queries.prune_run, {
+                    "run_key": run_key(run_id), "epoch": claim.epoch, "before": cutoff})
+            except psycopg.Error as exc:
+                raise self._failed(run_id, slot.writer, exc) from exc
+            if gone:
+                slot.claim = None
+        if gone:
+            with self._state.mutex:
+                if slot.users == 0 and self._slots.get(run_id) is slot:
+                    del self._slots[run_id]
+                    slot.writer.runs.discard(run_id)
+        return bool(gone)
+
+    def _claim(self, writer: Writer, run_id: str, owner_id: str, generation: int) -> Claim:
+        """Make ``owner_id`` the run's owner, if no live owner holds it (``writer.lock`` held).
+
+        Raises ``RunLocked`` naming the holder, ``StoreError`` if the query fails.
+        """
+        key = run_key(run_id)
+        try:
+            conn = self._writer_connection(writer, run_id)
+            row = conn.execute(self._queries.claim, {
+                "run_key": key, "run_id": run_id_column(run_id), "owner": owner_id,
+            }).fetchone()
+            holder = None if row else conn.execute(self._queries.holder, (key,)).fetchone()
+        except psycopg.Error as exc:
+            raise self._failed(run_id, writer, exc) from exc
+        if row is None:
+            who = f"{holder[0]}, whose lease runs until {holder[1]:%Y-%m-%d %H:%M:%S %Z}" \
+                if holder else "another writer"
+            raise RunLocked(f"the run is held by {who}", run_id=run_id)
+        epoch, next_seq, finished = row
+        return Claim(run_id=run_id, writer=writer, epoch=int(epoch), generation=generation,
+                     next_seq=int(next_seq), finished=bool(finished))
+
+    def _registered_owner(self, run_id: str, token: EventLoopToken) -> tuple[str, int]:
+        """This store object's owner id and lease generation, registering it if need be.
+
+        Registering takes the owner's lock on a connection of its own (it lives as long
+        as the session), writes its row with a lease, and starts keeping the lease.
+        """
+        with self._owner_lock:
+            owner_id, generation, registered = self._lease.current()
+            if registered:
+                return owner_id, generation
+            sent_at = time.monotonic()
+            hi, lo = lock_halves(owner_lock_key(self._schema, owner_id))
+            try:
+                conn = self._owner_connection()
+                # A lapsed identity's lock goes: its lease has ended anyway.
+                conn.execute("SELECT pg_advisory_unlock_all()")
+                conn.execute("SELECT pg_advisory_lock(%s)", (owner_lock_key(self._schema,
+                                                                          owner_id),))
+                conn.execute(self._queries.forget_owners)
+                conn.execute(self._queries.register_owner,
+                             (owner_id, self._lease.description, hi, lo, self._lease.lease_s))
+            except psycopg.Error as exc:
+                self._close_owner_connection()
+                raise StoreError(f"could not register this worker as an owner of runs: "
+                                 f"{type(exc).__name__}: {exc}", run_id=run_id) from exc
+            self._lease.registered(owner_id, sent_at, token)
+            return owner_id, generation
+
+    def _renew_lease(self, owner_id: str) -> bool:
+        """Extend the owner's lease if it has not ended (the lease keeper's thread)."""
+        with self._owner_lock:
+            conn = self._owner_conn
+            if conn is None or conn.broken or conn.closed:
+                return False
+            try:
+                done = conn.execute(self._queries.renew_owner, (self._lease.lease_s, owner_id))
+            except psycopg.Error:
+                self._close_owner_connection()
+                raise
+            return done.rowcount == 1
+
+    def _owner_connection(self) -> Connection:
+        """The connection that holds the owner's lock (``_owner_lock`` held)."""
+        if self._state.closed:
+            raise StoreError("the store is closed")
+        conn = self._owner_conn
+        if conn is None or conn.broken or conn.closed:
+            self._close_owner_connection()
+            conn = self._owner_conn = _open_writer(
+                self._conninfo, self._statement_timeout_s, name=_OWNER_NAME, **self._connect)
+        return conn
+
+    def _close_owner_connection(self) -> None:
+        conn, self._owner_conn = self._owner_conn, None
+        if conn is not None:
+            conn.close()
 
     # -- shared commits (worker thread; one batch of one writer connection at a time) -------
 
@@ -505,58 +679,27 @@ class PostgresStore:
         # and keeping one would tie the store into a reference cycle. Next to a round trip
         # to the server, building it costs nothing.
         committer = Committer(
-            state=self._state, queries=self._queries, ready=self._ensure_ready,
-            connection=self._writer_connection, failed=self._failed,
-            drop=self._drop_writer, unlock=self._unlock,
+            state=self._state, queries=self._queries, lease=self._lease,
+            ready=self._ensure_ready, connection=self._writer_connection,
+            failed=self._failed, drop=self._drop_writer,
         )
         return committer.commit(writer, items, self._commit_probe)
 
     # -- claims, connections, failures (worker thread) --------------------------------------
 
-    def _claim(self, writer: Writer, run_id: str) -> Claim:
-        """Take ``run_id``'s advisory lock on its writer connection (``writer.lock`` held).
-
-        Once the lock is held, the run's row moves to a new claim epoch and tells where
-        the run stands; every write of this claim is fenced by that epoch. Raises
-        ``RunLocked`` if another session holds the lock, ``StoreError`` if the query fails.
-        """
-        key = run_lock_key(self._schema, run_id)
-        try:
-            conn = self._writer_connection(writer, run_id)
-            row = conn.execute(self._queries.claim, {"key": key, "run_key": run_key(run_id)})
-            got, epoch, next_seq, finished = row.fetchone() or (False, None, None, None)
-        except psycopg.Error as exc:
-            raise self._failed(run_id, writer, exc) from exc
-        if not got:
-            raise RunLocked("another writer holds this run", run_id=run_id)
-        return Claim(run_id=run_id, key=key, writer=writer, epoch=int(epoch or 0),
-                     next_seq=int(next_seq or 0), finished=bool(finished))
-
     def _writer_connection(self, writer: Writer, run_id: str) -> Connection:
-        """The writer's connection, opened on first use (called with ``writer.lock`` held)."""
+        """The writer's connection, opened on first use and after a loss (``writer.lock``
+        held). A new connection writes nothing unfenced: every write checks its run's claim
+        epoch, which lives in the run's row, not on a connection."""
         if writer.broken or self._state.closed:
-            raise StoreError("the writer connection is gone", run_id=run_id)
+            raise StoreError("the store is closed", run_id=run_id)
         if writer.connection is None:
-            writer.connection = _open_writer(self._conninfo, **self._connect)
+            writer.connection = _open_writer(self._conninfo, self._statement_timeout_s,
+                                             **self._connect)
         return writer.connection
 
-    def _unlock(self, writer: Writer, keys: Sequence[int]) -> None:
-        """Release run locks held on ``writer``'s connection (``writer.lock`` held)."""
-        conn = writer.connection
-        if conn is None or writer.broken:
-            return  # the locks went with the connection
-        try:
-            if len(keys) == 1:  # the usual case, and a cheaper statement
-                conn.execute(self._queries.unlock, (keys[0],))
-            else:
-                conn.execute(self._queries.unlock_all_of, (list(keys),))
-        except psycopg.Error as exc:
-            # The runs' own rows are committed; only the connection's other runs are
-            # affected (their locks went with the connection).
-            self._drop_writer(writer, exc)
-
     def _failed(self, run_id: str, writer: Writer, exc: Exception) -> StoreError:
-        """Refuse ``run_id`` from now on (and every run of a broken connection)."""
+        """Refuse ``run_id`` from now on; give a lost connection up."""
         conn = writer.connection
         with self._state.mutex:
             error = self._state.fail(run_id, exc)
@@ -565,13 +708,11 @@ class PostgresStore:
         return error
 
     def _drop_writer(self, writer: Writer, exc: BaseException) -> None:
-        """The connection is lost and so are its locks: refuse every run it held."""
-        writer.broken = True
-        with self._state.mutex:
-            for run_id in writer.runs:
-                self._state.failed.setdefault(run_id, f"{type(exc).__name__}: {exc}")
-            with suppress(ValueError):
-                self._writers.remove(writer)
+        """The writer's connection is lost: close it; the next write opens another.
+
+        Only the runs whose writes were on it when it went fail (their outcome is
+        unknown); the other runs routed to this writer keep their claims.
+        """
         conn, writer.connection = writer.connection, None
         if conn is not None:
             conn.close()
@@ -587,30 +728,18 @@ class PostgresStore:
         query = self._queries.list_unfinished if unfinished_only else self._queries.list_runs
         with self._reading(None) as pool, pool.connection(timeout=self._timeout) as conn:
             rows = conn.execute(query).fetchall()
-            held = self._held_locks(conn)
-        return tuple(self._stored(row, held) for row in rows)
+        return tuple(self._stored(row) for row in rows)
 
     def _describe(self, run_id: str) -> StoredRun | None:
-        key = run_lock_key(self._schema, run_id)
         with self._reading(run_id) as pool, pool.connection(timeout=self._timeout) as conn:
             row = conn.execute(self._queries.describe_run, (run_key(run_id),)).fetchone()
-            if row is None:
-                return None
-            held = _scalar(conn, self._queries.advisory_lock_held, lock_halves(key))
-        return self._stored(row, {key} if held else set())
+        return None if row is None else self._stored(row)
 
-    def _held_locks(self, conn: Connection) -> set[int]:
-        """The keys of every advisory lock held in this database now."""
-        rows = conn.execute(self._queries.advisory_locks).fetchall()
-        return {lock_key_of(classid, objid) for classid, objid in rows}
-
-    def _stored(self, row: TupleRow, held: set[int]) -> StoredRun:
-        column, finished, updated_at = row
-        run_id = self._run_id_of(column)
-        updated: datetime = updated_at
-        return StoredRun(run_id=run_id, finished=bool(finished),
-                         claimed=run_lock_key(self._schema, run_id) in held,
-                         updated_at=updated)
+    def _stored(self, row: TupleRow) -> StoredRun:
+        column, finished, updated_at, owner, lease_until, claimed = row
+        return StoredRun(run_id=self._run_id_of(column), finished=bool(finished),
+                         claimed=bool(claimed), updated_at=updated_at, owner=owner,
+                         lease_expires_at=lease_until)
 
     def _run_id_of(self, column: str) -> str:
         """The run id whose ``run_id`` column value is ``column`` (undoes :func:`run_id_column`)."""
@@ -691,6 +820,7 @@ class PostgresStore:
             timeout=self._timeout,
             kwargs={**self._connect, "autocommit": True,
                     "fallback_application_name": _READER_NAME},
+            configure=partial(_set_statement_timeout, seconds=self._statement_timeout_s),
             check=ConnectionPool.check_connection,
             name=f"polyloop-{self._schema}",
         )
@@ -702,27 +832,33 @@ class PostgresStore:
         return pool
 
     def _prepare_schema(self, conn: Connection, run_id: str | None) -> None:
-        """Create what is missing (under a transaction-level advisory lock), check the format."""
-        queries = self._queries
+        """Create or upgrade what is missing (under a transaction-level advisory lock), then
+        check the record format."""
         with conn.transaction():
-            if not self._tables_exist(conn):
+            meta = self._meta(conn)
+            if meta.get("layout") != LAYOUT:
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (ddl_lock_key(self._schema),))
-                if not self._tables_exist(conn):  # another process may have just made them
+                meta = self._meta(conn)
+                if meta.get("layout") != LAYOUT:  # another process may have just made them
                     self._create_tables(conn)
-            recorded = _scalar(conn, queries.get_format, ())
-        self._check_format(recorded, run_id)
+                    meta = self._meta(conn)
+        self._check_format(meta.get("format"), run_id)
 
     def _create_tables(self, conn: Connection) -> None:
         """Create what is missing; a schema from before the runs table gets one, filled."""
         queries = self._queries
-        for statement in (queries.create_schema, queries.create_meta, queries.create_records,
-                          queries.create_runs, queries.create_unfinished_index,
-                          queries.fill_runs):
+        for statement in (*queries.ddl, queries.fill_runs):
             conn.execute(statement)
-        conn.execute(queries.set_format, (FORMAT,))
+        conn.execute(queries.set_meta, ("format", FORMAT))
+        conn.execute(queries.set_meta, ("layout", LAYOUT))
 
-    def _tables_exist(self, conn: Connection) -> bool:
-        return bool(_scalar(conn, self._queries.tables, (self._schema,)) == 3)
+    def _meta(self, conn: Connection) -> dict[str, str]:
+        """The schema's meta rows (none if it has no tables yet)."""
+        exists = _scalar(conn, sql.SQL("SELECT to_regclass(%s) IS NOT NULL"),
+                         (sql.Identifier(self._schema, "meta").as_string(conn),))
+        if not exists:
+            return {}
+        return dict(conn.execute(self._queries.get_meta).fetchall())
 
     def _check_format(self, recorded: object, run_id: str | None) -> None:
         check_format(recorded, holder="schema", run_id=run_id,
@@ -734,9 +870,18 @@ class PostgresStore:
             writers, self._writers = self._writers, []
             for slot in self._slots.values():
                 slot.claim = None
+        self._lease.stop()
         for writer in writers:
             with writer.lock:
                 _close_writer(writer)
+        with self._owner_lock:
+            owner_id, _, registered = self._lease.current()
+            conn = self._owner_conn
+            if registered and conn is not None and not (conn.broken or conn.closed):
+                # Every run this owner still holds is free before this returns.
+                with suppress(psycopg.Error):
+                    conn.execute(self._queries.drop_owner, (owner_id, owner_id))
+            self._close_owner_connection()
         with self._ready_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
@@ -755,23 +900,31 @@ def _check_options(schema: str, pool_size: int, max_writers: int, timeout: float
         raise ValueError("timeout must be a positive number of seconds")
 
 
-def _connect_options(conninfo: str, timeout: float) -> dict[str, Any]:
-    """Connection options added to ``conninfo``: a connect timeout unless it sets one."""
+def _connect_options(conninfo: str, timeout: float, statement_timeout_s: float
+                     ) -> dict[str, Any]:
+    """Connection options added to ``conninfo`` unless it sets them itself: a connect
+    timeout, and how long sent data may go unacknowledged before the connection is
+    given up (so that a host or network that goes silent cannot hold a thread forever)."""
     try:
         given = conninfo_to_dict(conninfo)
     except psycopg.Error:
         # The message would quote the string, which may hold a password.
         raise ValueError("conninfo is not a valid libpq connection string or URL") from None
-    if "connect_timeout" in given:
-        return {}
-    return {"connect_timeout": max(1, math.ceil(timeout))}
+    options: dict[str, Any] = {}
+    if "connect_timeout" not in given:
+        options["connect_timeout"] = max(1, math.ceil(timeout))
+    if "tcp_user_timeout" not in given:
+        options["tcp_user_timeout"] = max(1, math.ceil(statement_timeout_s * 1000))
+    return options
 
 
-def _open_writer(conninfo: str, **options: Any) -> Connection:
-    """A connection of this store object's own, for writes and the locks they need."""
-    conn = psycopg.connect(conninfo, autocommit=True,
-                           fallback_application_name=_WRITER_NAME, **options)
+def _open_writer(conninfo: str, statement_timeout_s: float, *, name: str = _WRITER_NAME,
+                 **options: Any) -> Connection:
+    """A connection of this store object's own, for writes (or for its owner's lock)."""
+    conn = psycopg.connect(conninfo, autocommit=True, fallback_application_name=name,
+                           **options)
     try:
+        _set_statement_timeout(conn, seconds=statement_timeout_s)
         if _scalar(conn, sql.SQL("SHOW synchronous_commit"), ()) == "off":
             conn.execute("SET synchronous_commit = on")
     except BaseException:
@@ -780,25 +933,22 @@ def _open_writer(conninfo: str, **options: Any) -> Connection:
     return conn
 
 
+def _set_statement_timeout(conn: Connection, *, seconds: float) -> None:
+    conn.execute(sql.SQL("SET statement_timeout = {}").format(
+        sql.Literal(max(1, math.ceil(seconds * 1000)))))
+
+
 def _close_writer(writer: Writer) -> None:
-    """Release every lock the connection holds, then close it (called with its lock)."""
+    """Close the writer's connection (called with its lock)."""
     conn, writer.connection = writer.connection, None
     writer.broken = True
     writer.runs.clear()
-    if conn is None:
-        return
-    try:
-        # Closing alone would release the locks too, but only once the server has
-        # noticed; unlocking first makes the run available before this returns.
-        if not conn.broken:
-            conn.execute("SELECT pg_advisory_unlock_all()")
-    except psycopg.Error:
-        pass  # the connection is gone, and its locks with it
-    finally:
+    if conn is not None:
         conn.close()
 
 
-def _scalar(conn: Connection, query: sql.SQL | sql.Composed, params: Sequence[object]) -> Any:
+def _scalar(conn: Connection, query: sql.SQL | sql.Composed,
+            params: Sequence[object] | Mapping[str, object]) -> Any:
     """The first column of the first row of ``query`` (``None`` if there is no row)."""
     row = conn.execute(query, params).fetchone()
     return None if row is None else row[0]

@@ -10,8 +10,9 @@ the claims of ended runs).
 
 A batch is one statement on the autocommit connection, whatever its size: the rows and
 the runs travel as arrays, and the statement moves each run's row of the ``runs`` table
-on (its fence: the claim's epoch, the seq it expects, not finished) and inserts the
-rows of exactly the runs whose row moved, in one transaction. A run whose row did not
+on (its fence: the claim's epoch, the seq it expects, not finished; an end record also
+gives the owner up) and inserts the rows of exactly the runs whose row moved, in one
+transaction. A run whose row did not
 move (another writer claimed it since, or it ended) has written nothing, and its items
 are refused. A batch holding a barrier commits with ``synchronous_commit`` on, any other
 with it off for its own transaction only. If the server refuses the statement, each run
@@ -30,6 +31,7 @@ from psycopg.rows import TupleRow
 
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import WriterState
+from polyloop.stores._lease import Lease
 from polyloop.stores._postgres_sql import Queries, Row, run_id_column, run_key
 from polyloop.types import PolyLoopError, RunAlreadyExists, RunLocked, StoreError
 
@@ -74,17 +76,17 @@ class Writer:
 
 @dataclass(eq=False)
 class Claim:
-    """This store object holds ``run_id``'s claim on ``writer``.
+    """This store object holds ``run_id``'s claim; its writes go through ``writer``.
 
-    ``key`` is the run's advisory lock, ``epoch`` the claim epoch its row had when this
-    claim moved it on (0 for a run with no row yet), ``next_seq`` the run's next row and
-    ``finished`` whether its log ends with a final end record.
+    ``epoch`` is the claim epoch this claim gave the run's row, ``generation`` the lease
+    generation it was taken under, ``next_seq`` the run's next row and ``finished``
+    whether its log ends with a final end record.
     """
 
     run_id: str
-    key: int
     writer: Writer
     epoch: int
+    generation: int
     next_seq: int
     finished: bool
 
@@ -108,6 +110,7 @@ class Item:
     mode: Mode
     barrier: bool
     final: bool = False  # ends the run with a final end record
+    reason: str | None = None  # the stop reason of an end record
 
 
 @dataclass(eq=False)
@@ -133,6 +136,10 @@ class _RunWrite:
     @property
     def final(self) -> bool:
         return self.items[-1][1].final
+
+    @property
+    def reason(self) -> str | None:
+        return self.items[-1][1].reason
 
 
 @dataclass(eq=False)
@@ -163,20 +170,20 @@ class Committer:
     """Commits the batches of one store object's writer connections (in a worker thread).
 
     What a batch needs of its store is handed in: ``state`` (the failed runs and the
-    mutex), ``queries``, and the store's steps on a writer connection. ``ready`` checks
-    (or creates) the schema, ``connection`` opens the writer's connection, ``failed``
-    refuses a run after an error (and gives up a broken connection), ``drop`` gives up a
-    lost connection with every run it held, and ``unlock`` releases run locks. Each is
+    mutex), ``queries``, ``lease`` (whose lapse ends the claims taken under it), and the
+    store's steps on a writer connection. ``ready`` checks (or creates) the schema,
+    ``connection`` opens the writer's connection, ``failed`` refuses a run after an error
+    (and gives up a broken connection), ``drop`` gives up a lost connection. Each is
     called with ``writer.lock`` held.
     """
 
     state: WriterState
     queries: Queries
+    lease: Lease
     ready: Callable[[str], object]
     connection: Callable[[Writer, str], Connection]
     failed: Callable[[str, Writer, Exception], StoreError]
     drop: Callable[[Writer, BaseException], None]
-    unlock: Callable[[Writer, Sequence[int]], None]
 
     def commit(self, writer: Writer, items: Sequence[Item], probe: Probe | None) -> Errors:
         """Commit every item that may be written in one transaction; say how each ended."""
@@ -199,6 +206,7 @@ class Committer:
                 if claim is None:
                     raise RunLocked("this store object does not hold the run's claim",
                                     run_id=run_id)
+                self.lease.check(claim.generation, run_id)
                 self.ready(run_id)
                 plan.accept(index, item, claim)
             except PolyLoopError as exc:
@@ -256,14 +264,12 @@ class Committer:
         """Why the fence refused ``run``'s rows (nothing of them was written)."""
         run_id = run.claim.run_id
         row = conn.execute(self.queries.explain_refusal, (run_key(run_id),)).fetchone()
-        if run.start:
-            return RunAlreadyExists("the run already has records", run_id=run_id)
-        if row is None:
-            return StoreError("the run was never started in this database", run_id=run_id)
-        epoch, next_seq, finished = row
-        if epoch != run.claim.epoch:
+        if row is None or row[0] != run.claim.epoch:
             return RunLocked("another writer claimed the run since this store object did",
                              run_id=run_id)
+        _, next_seq, finished = row
+        if run.start:
+            return RunAlreadyExists("the run already has records", run_id=run_id)
         if finished:
             return StoreError("the run has ended; nothing may follow its end record",
                               run_id=run_id)
@@ -285,16 +291,12 @@ class Committer:
                     errors[index] = self.failed(run.claim.run_id, writer, exc)
 
     def _settle(self, writer: Writer, plan: _Plan, errors: Errors) -> None:
-        """After the commit: the runs that ended give up their claims (only now: their
-        end record is committed)."""
-        keys: list[int] = []
+        """After the commit: the runs that ended no longer hold their claims (their rows
+        gave the owner up in the same statement as the end record)."""
         with self.state.mutex:
             for run in plan.runs.values():
                 if run.ends and all(errors[index] is None for index, _ in run.items):
-                    keys.append(run.claim.key)
                     run.items[-1][1].slot.claim = None
-        if keys:
-            self.unlock(writer, keys)
 
 
 def check_mode(run_id: str, next_seq: int, mode: Mode, *, finished: bool) -> None:
@@ -312,15 +314,15 @@ def check_mode(run_id: str, next_seq: int, mode: Mode, *, finished: bool) -> Non
 def _parameters(runs: Sequence[_RunWrite]) -> dict[str, list[object]]:
     """The arrays of the write statement: one entry per run, then one per row."""
     params: dict[str, list[object]] = {name: [] for name in (
-        "run_keys", "run_ids", "epochs", "first_seqs", "next_seqs", "finals", "starts",
+        "run_keys", "epochs", "first_seqs", "next_seqs", "finals", "ends", "reasons",
         "row_keys", "seqs", "row_ids", "kinds", "bodies")}
     for run in runs:
         run_id = run.claim.run_id
         key, column = run_key(run_id), run_id_column(run_id)
-        for name, value in (("run_keys", key), ("run_ids", column),
-                            ("epochs", run.claim.epoch), ("first_seqs", run.first_seq),
-                            ("next_seqs", run.next_seq), ("finals", run.final),
-                            ("starts", run.start)):
+        for name, value in (("run_keys", key), ("epochs", run.claim.epoch),
+                            ("first_seqs", run.first_seq), ("next_seqs", run.next_seq),
+                            ("finals", run.final), ("ends", run.ends),
+                            ("reasons", run.reason if run.ends else None)):
             params[name].append(value)
         seq = run.first_seq
         for _, item in run.items:

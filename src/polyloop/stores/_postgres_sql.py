@@ -22,15 +22,15 @@ from polyloop.types import Intent, Record, Result, RunEnded, RunStarted, StepRec
 
 __all__ = (
     "KIND",
+    "LAYOUT",
     "Queries",
     "Row",
     "ddl_lock_key",
     "lock_halves",
-    "lock_key_of",
+    "owner_lock_key",
     "record_row",
     "run_id_column",
     "run_key",
-    "run_lock_key",
     "shown",
 )
 
@@ -47,13 +47,13 @@ KIND: dict[type[Any], str] = {
 _SHOWN_ID_CHARS = 60
 
 
-def run_lock_key(schema: str, run_id: str) -> int:
-    """The 64-bit advisory lock key of ``run_id`` in ``schema`` (a signed bigint).
+def owner_lock_key(schema: str, owner_id: str) -> int:
+    """The 64-bit advisory lock key an owner holds while it lives (a signed bigint).
 
     Advisory locks are per database, so the schema is part of the key: two schemas in one
-    database never lock each other's runs.
+    database never share a lock.
     """
-    return _key(b"polyloop run", schema, run_id)
+    return _key(b"polyloop owner", schema, owner_id)
 
 
 def ddl_lock_key(schema: str) -> int:
@@ -96,29 +96,26 @@ def record_row(record: Record) -> Row:
 
 
 # The rows of a batch, one array per column, and its runs, one array per column: one
-# statement text for any batch, so that the server plans it once per connection.
+# statement text for any batch, so that the server plans it once per connection. The
+# claim created each run's row (next_seq 0 until the run starts); a write moves it on.
 _FENCED_WRITE = """
 WITH w AS (
-    SELECT * FROM unnest(%(run_keys)s::bytea[], %(run_ids)s::text[], %(epochs)s::bigint[],
+    SELECT * FROM unnest(%(run_keys)s::bytea[], %(epochs)s::bigint[],
                          %(first_seqs)s::bigint[], %(next_seqs)s::bigint[],
-                         %(finals)s::boolean[], %(starts)s::boolean[])
-        AS w(run_key, run_id, epoch, first_seq, next_seq, final, start)
+                         %(finals)s::boolean[], %(ends)s::boolean[], %(reasons)s::text[])
+        AS w(run_key, epoch, first_seq, next_seq, final, ends, reason)
 ){lazy},
-started AS (
-    INSERT INTO {runs} AS r (run_key, run_id, next_seq, finished, epoch)
-    SELECT w.run_key, w.run_id, w.next_seq, w.final, w.epoch FROM w{lazy_join} WHERE w.start
-    ON CONFLICT (run_key) DO NOTHING
-    RETURNING r.run_key
-),
-advanced AS (
+admitted AS (
     UPDATE {runs} AS r
-    SET next_seq = w.next_seq, finished = w.final, updated_at = now()
+    SET next_seq = w.next_seq, finished = w.final, stop_reason = w.reason,
+        owner = CASE WHEN w.ends THEN NULL ELSE r.owner END,
+        started_at = CASE WHEN w.first_seq = 0 THEN now() ELSE r.started_at END,
+        updated_at = now()
     FROM w{lazy_join}
-    WHERE NOT w.start AND r.run_key = w.run_key AND r.epoch = w.epoch
-      AND r.next_seq = w.first_seq AND NOT r.finished
+    WHERE r.run_key = w.run_key AND r.epoch = w.epoch AND r.next_seq = w.first_seq
+      AND NOT r.finished
     RETURNING r.run_key
 ),
-admitted AS (SELECT run_key FROM started UNION ALL SELECT run_key FROM advanced),
 inserted AS (
     INSERT INTO {records} (run_key, seq, run_id, kind, body)
     SELECT x.run_key, x.seq, x.run_id, x.kind, x.body
@@ -130,29 +127,63 @@ SELECT run_key FROM admitted
 """
 # Without a barrier a batch commits without waiting for the flush: ``set_config(...,
 # true)`` is ``SET LOCAL`` for the statement's own transaction (the session keeps its
-# setting), evaluated once, before any row is written, by the joins that need it.
+# setting), evaluated once, before any row is written, by the join that needs it.
 _LAZY = ",\nlazy AS (SELECT set_config('synchronous_commit', 'off', true) AS setting)"
 _LAZY_JOIN = " CROSS JOIN lazy"
 
-# Take the run's advisory lock; once held, move the run's claim epoch on (if the run
-# has a row), so that a writer still holding an older epoch can write nothing.
+# The owners whose claims still hold: lease not ended, and the owner's lock held by a
+# live session (a dead process's sessions, and their locks, end with it).
+_LIVE_OWNERS = """
+held AS MATERIALIZED (
+    SELECT classid::bigint AS hi, objid::bigint AS lo FROM pg_catalog.pg_locks
+    WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND database =
+        (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
+),
+live AS (
+    SELECT o.owner_id FROM {owners} AS o JOIN held ON held.hi = o.lock_hi AND held.lo = o.lock_lo
+    WHERE o.lease_until > now()
+)"""
+
+# Claim a run: create its row (a new id), or take it over if nobody holds it, its owner
+# is dead or its owner's lease has ended; either way move the claim epoch on, so that a
+# former owner's writes are refused.
 _CLAIM = """
-WITH lock AS (SELECT pg_try_advisory_lock(%(key)s) AS got),
-bumped AS (
-    UPDATE {runs} AS r SET epoch = r.epoch + 1 FROM lock
-    WHERE lock.got AND r.run_key = %(run_key)s
-    RETURNING r.epoch, r.next_seq, r.finished
-)
-SELECT lock.got, bumped.epoch, bumped.next_seq, bumped.finished FROM lock LEFT JOIN bumped ON true
+WITH {live_owners}
+INSERT INTO {runs} AS r (run_key, run_id, next_seq, finished, epoch, owner)
+VALUES (%(run_key)s, %(run_id)s, 0, false, 1, %(owner)s)
+ON CONFLICT (run_key) DO UPDATE SET epoch = r.epoch + 1, owner = EXCLUDED.owner
+WHERE r.owner IS NULL OR r.owner NOT IN (SELECT owner_id FROM live)
+RETURNING r.epoch, r.next_seq, r.finished
 """
+
+# Give a claim up: the row of a run that never started goes, any other loses its owner.
+_RELEASE = """
+WITH gone AS (
+    DELETE FROM {runs} WHERE run_key = %(run_key)s AND epoch = %(epoch)s AND next_seq = 0
+)
+UPDATE {runs} SET owner = NULL
+WHERE run_key = %(run_key)s AND epoch = %(epoch)s AND next_seq > 0
+"""
+
+_LISTED = """
+WITH {live_owners}
+SELECT r.run_id, r.finished, r.updated_at, o.description, o.lease_until,
+       live.owner_id IS NOT NULL
+FROM {runs} AS r
+LEFT JOIN {owners} AS o ON o.owner_id = r.owner
+LEFT JOIN live ON live.owner_id = r.owner
+WHERE r.next_seq > 0 """
 
 # A schema from before the runs table: one row per run from its records, finished when
 # its last record is a final end record. Bodies are canonical JSON, in which this key
-# and value can only appear as themselves (a quote inside a string is escaped).
+# can only appear as itself (a quote inside a string is escaped).
 _FILL_RUNS = """
-INSERT INTO {runs} (run_key, run_id, next_seq, finished, epoch, started_at, updated_at)
+INSERT INTO {runs} (run_key, run_id, next_seq, finished, stop_reason, epoch, started_at,
+                    updated_at)
 SELECT l.run_key, l.run_id, l.seq + 1,
        l.kind = 'run_ended' AND strpos(l.body, '"stop_reason":"cancelled"') = 0,
+       CASE WHEN l.kind = 'run_ended'
+            THEN substring(l.body from '"stop_reason":"([a-z_]+)"') END,
        0, f.written_at, l.written_at
 FROM (SELECT DISTINCT ON (run_key) run_key, run_id, seq, kind, body, written_at
       FROM {records} ORDER BY run_key, seq DESC) AS l
@@ -160,102 +191,115 @@ JOIN {records} AS f ON f.run_key = l.run_key AND f.seq = 0
 ON CONFLICT (run_key) DO NOTHING
 """
 
+# The tables, and what a schema made by an earlier release lacks; idempotent.
+_DDL = (
+    "CREATE SCHEMA IF NOT EXISTS {schema}",
+    "CREATE TABLE IF NOT EXISTS {meta} (key text PRIMARY KEY, value text NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS {records} (run_key bytea NOT NULL, seq bigint NOT NULL, "
+    "run_id text NOT NULL, kind text NOT NULL, body text NOT NULL, "
+    "written_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (run_key, seq))",
+    "CREATE TABLE IF NOT EXISTS {runs} (run_key bytea PRIMARY KEY, run_id text NOT NULL, "
+    "next_seq bigint NOT NULL, finished boolean NOT NULL, epoch bigint NOT NULL, "
+    "started_at timestamptz NOT NULL DEFAULT now(), "
+    "updated_at timestamptz NOT NULL DEFAULT now())",
+    "ALTER TABLE {runs} ADD COLUMN IF NOT EXISTS owner text",
+    "ALTER TABLE {runs} ADD COLUMN IF NOT EXISTS stop_reason text",
+    # run_key, not the id: an index entry must fit in a third of a page.
+    "CREATE INDEX IF NOT EXISTS runs_unfinished ON {runs} (started_at, run_key) "
+    "WHERE NOT finished",
+    "CREATE INDEX IF NOT EXISTS runs_owned ON {runs} (owner) WHERE owner IS NOT NULL",
+    "CREATE INDEX IF NOT EXISTS runs_finished ON {runs} (updated_at) WHERE finished",
+    "CREATE TABLE IF NOT EXISTS {owners} (owner_id text PRIMARY KEY, "
+    "description text NOT NULL, lock_hi bigint NOT NULL, lock_lo bigint NOT NULL, "
+    "lease_until timestamptz NOT NULL, started_at timestamptz NOT NULL DEFAULT now())",
+)
+# The layout the DDL above makes; a schema with another (older) layout runs the DDL.
+LAYOUT = "3"
+
 
 @dataclass(frozen=True, slots=True)
 class Queries:
     """Every statement the store sends, with the schema quoted as an identifier."""
 
-    tables: sql.SQL
-    create_schema: sql.Composed
-    create_meta: sql.Composed
-    create_records: sql.Composed
-    create_runs: sql.Composed
-    create_unfinished_index: sql.Composed
+    ddl: tuple[sql.Composed, ...]
     fill_runs: sql.Composed
-    set_format: sql.Composed
-    get_format: sql.Composed
+    get_meta: sql.Composed
+    set_meta: sql.Composed
     claim: sql.Composed
+    release: sql.Composed
+    holder: sql.Composed
     write: sql.Composed
     lazy_write: sql.Composed
     explain_refusal: sql.Composed
-    unlock: sql.SQL
-    unlock_all_of: sql.SQL
     select_run: sql.Composed
     list_runs: sql.Composed
     list_unfinished: sql.Composed
     describe_run: sql.Composed
-    advisory_locks: sql.SQL
-    advisory_lock_held: sql.SQL
+    register_owner: sql.Composed
+    renew_owner: sql.Composed
+    drop_owner: sql.Composed
+    forget_owners: sql.Composed
+    prunable: sql.Composed
+    prune_run: sql.Composed
 
     @classmethod
     def for_schema(cls, schema: str) -> Queries:
-        name = sql.Identifier(schema)
-        meta = sql.Identifier(schema, "meta")
-        records = sql.Identifier(schema, "records")
-        runs = sql.Identifier(schema, "runs")
+        names = {
+            "schema": sql.Identifier(schema),
+            "meta": sql.Identifier(schema, "meta"),
+            "records": sql.Identifier(schema, "records"),
+            "runs": sql.Identifier(schema, "runs"),
+            "owners": sql.Identifier(schema, "owners"),
+        }
 
-        def write(lazy: bool) -> sql.Composed:
-            return sql.SQL(_FENCED_WRITE).format(
-                runs=runs, records=records,
-                lazy=sql.SQL(_LAZY if lazy else ""),
-                lazy_join=sql.SQL(_LAZY_JOIN if lazy else ""),
-            )
+        def q(text: str, **extra: sql.Composable) -> sql.Composed:
+            return sql.SQL(text).format(**names, **extra)
 
-        listed = sql.SQL("SELECT run_id, finished, updated_at FROM {} ").format(runs)
+        live_owners = q(_LIVE_OWNERS)
+        listed = q(_LISTED, live_owners=live_owners)
         return cls(
-            tables=sql.SQL(
-                "SELECT count(*) FROM pg_catalog.pg_tables WHERE schemaname = %s "
-                "AND tablename IN ('meta', 'records', 'runs')"
-            ),
-            create_schema=sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(name),
-            create_meta=sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (key text PRIMARY KEY, value text NOT NULL)"
-            ).format(meta),
-            create_records=sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (run_key bytea NOT NULL, seq bigint NOT NULL, "
-                "run_id text NOT NULL, kind text NOT NULL, body text NOT NULL, "
-                "written_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (run_key, seq))"
-            ).format(records),
-            create_runs=sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (run_key bytea PRIMARY KEY, run_id text NOT NULL, "
-                "next_seq bigint NOT NULL, finished boolean NOT NULL, epoch bigint NOT NULL, "
-                "started_at timestamptz NOT NULL DEFAULT now(), "
-                "updated_at timestamptz NOT NULL DEFAULT now())"
-            ).format(runs),
-            create_unfinished_index=sql.SQL(
-                # run_key, not the id: an index entry must fit in a third of a page
-                "CREATE INDEX IF NOT EXISTS {} ON {} (started_at, run_key) WHERE NOT finished"
-            ).format(sql.Identifier("runs_unfinished"), runs),
-            fill_runs=sql.SQL(_FILL_RUNS).format(runs=runs, records=records),
-            set_format=sql.SQL(
-                "INSERT INTO {} (key, value) VALUES ('format', %s) ON CONFLICT (key) DO NOTHING"
-            ).format(meta),
-            get_format=sql.SQL("SELECT value FROM {} WHERE key = 'format'").format(meta),
-            claim=sql.SQL(_CLAIM).format(runs=runs),
-            write=write(lazy=False),
-            lazy_write=write(lazy=True),
-            explain_refusal=sql.SQL(
-                "SELECT epoch, next_seq, finished FROM {} WHERE run_key = %s"
-            ).format(runs),
-            unlock=sql.SQL("SELECT pg_advisory_unlock(%s)"),
-            unlock_all_of=sql.SQL("SELECT pg_advisory_unlock(k) FROM unnest(%s::bigint[]) AS k"),
-            select_run=sql.SQL(
-                "SELECT seq, run_id, kind, body FROM {} WHERE run_key = %s ORDER BY seq"
-            ).format(records),
-            list_runs=listed + sql.SQL("ORDER BY started_at, run_key"),
-            list_unfinished=listed + sql.SQL("WHERE NOT finished ORDER BY started_at, run_key"),
-            describe_run=listed + sql.SQL("WHERE run_key = %s"),
-            advisory_locks=sql.SQL(
-                "SELECT classid::bigint, objid::bigint FROM pg_catalog.pg_locks "
-                "WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND database = "
-                "(SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())"
-            ),
-            advisory_lock_held=sql.SQL(
-                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_locks "
-                "WHERE locktype = 'advisory' AND objsubid = 1 AND granted "
-                "AND classid::bigint = %s AND objid::bigint = %s AND database = "
-                "(SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database()))"
-            ),
+            ddl=tuple(q(text) for text in _DDL),
+            fill_runs=q(_FILL_RUNS),
+            get_meta=q("SELECT key, value FROM {meta} WHERE key IN ('format', 'layout')"),
+            set_meta=q("INSERT INTO {meta} (key, value) VALUES (%s, %s) "
+                       "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value "
+                       "WHERE {meta}.key = 'layout'"),
+            claim=q(_CLAIM, live_owners=live_owners),
+            release=q(_RELEASE),
+            holder=q("SELECT o.description, o.lease_until FROM {runs} AS r "
+                     "JOIN {owners} AS o ON o.owner_id = r.owner WHERE r.run_key = %s"),
+            write=q(_FENCED_WRITE, lazy=sql.SQL(""), lazy_join=sql.SQL("")),
+            lazy_write=q(_FENCED_WRITE, lazy=sql.SQL(_LAZY), lazy_join=sql.SQL(_LAZY_JOIN)),
+            explain_refusal=q("SELECT epoch, next_seq, finished FROM {runs} WHERE run_key = %s"),
+            select_run=q("SELECT seq, run_id, kind, body FROM {records} WHERE run_key = %s "
+                         "ORDER BY seq"),
+            list_runs=listed + sql.SQL("ORDER BY r.started_at, r.run_key"),
+            list_unfinished=listed + sql.SQL("AND NOT r.finished "
+                                             "ORDER BY r.started_at, r.run_key"),
+            describe_run=listed + sql.SQL("AND r.run_key = %s"),
+            register_owner=q(
+                "INSERT INTO {owners} (owner_id, description, lock_hi, lock_lo, lease_until) "
+                "VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s))"),
+            # Only a lease that has not ended is renewed: once it has, others may have
+            # taken its runs over, and the owner must know it lost them.
+            renew_owner=q("UPDATE {owners} SET lease_until = now() + make_interval(secs => %s) "
+                          "WHERE owner_id = %s AND lease_until > now()"),
+            drop_owner=q("WITH freed AS (UPDATE {runs} SET owner = NULL WHERE owner = %s) "
+                         "DELETE FROM {owners} WHERE owner_id = %s"),
+            forget_owners=q(
+                "DELETE FROM {owners} AS o WHERE o.lease_until < now() - interval '1 day' "
+                "AND NOT EXISTS (SELECT 1 FROM {runs} AS r WHERE r.owner = o.owner_id)"),
+            prunable=q(
+                "SELECT run_id FROM {runs} WHERE finished AND updated_at < %s "
+                "AND owner IS NULL AND stop_reason IS DISTINCT FROM 'in_doubt' "
+                "ORDER BY updated_at"),
+            # One run the pruner holds the claim of, checked again as it goes.
+            prune_run=q(
+                "WITH gone AS (DELETE FROM {runs} WHERE run_key = %(run_key)s "
+                "AND epoch = %(epoch)s AND finished AND updated_at < %(before)s "
+                "AND stop_reason IS DISTINCT FROM 'in_doubt' RETURNING run_key), "
+                "wiped AS (DELETE FROM {records} WHERE run_key IN (SELECT run_key FROM gone)) "
+                "SELECT count(*) FROM gone"),
         )
 
 
@@ -263,9 +307,3 @@ def lock_halves(key: int) -> tuple[int, int]:
     """The two halves ``pg_locks`` shows of a bigint advisory lock key."""
     unsigned = key & ((1 << 64) - 1)
     return unsigned >> 32, unsigned & 0xFFFFFFFF
-
-
-def lock_key_of(classid: int, objid: int) -> int:
-    """The bigint key of an advisory lock, from the two halves ``pg_locks`` shows."""
-    key = (classid << 32) | objid
-    return key - (1 << 64) if key >= 1 << 63 else key

@@ -40,24 +40,28 @@ transaction). ``write_step`` puts the action result and the step record in one
 transaction (inside one savepoint when the commit is shared), result first, so both land
 or neither does.
 
-Runs. A third table, ``runs(run_id TEXT PRIMARY KEY, next_seq INTEGER, finished
-INTEGER, updated_at REAL)`` with the index ``runs_unfinished`` (only the rows whose run
-has not finished), holds one row per run: its next ``seq``, whether its log ends with a
-final end record, and when it was last written (seconds since the epoch). Every write
-changes the row in its own transaction, moving it on only from the ``seq`` the writer
-expects and only while the run has not finished: a write the row does not expect is
-rolled back whole. A database from before this table gets it, filled from its records,
-when a store object first opens it.
+Runs and owners. The table ``runs(run_id TEXT PRIMARY KEY, next_seq INTEGER, finished
+INTEGER, updated_at REAL, owner TEXT, epoch INTEGER, stop_reason TEXT)``, with the
+indexes ``runs_unfinished`` (only the rows whose run has not finished), ``runs_owned`` and
+``runs_finished``, holds one row per run: its next ``seq``, whether its log ends with a
+final end record (and its stop reason), when it was last written (seconds since the
+epoch), which owner holds its claim and the claim's epoch. Every write changes the row in
+its own transaction, moving it on only under the writer's epoch, from the ``seq`` it
+expects, while the run has not finished; an end record gives the owner up. A write the
+row does not expect is rolled back whole. ``owners(owner_id, description, lease_until,
+started_at)`` holds the store objects that claim runs. A database from before these
+tables or columns gets them (``runs`` filled from the records) when a store object first
+opens it.
 
-Writers. A store object becomes a run's writer with ``claim_run``: an exclusive ``flock``
-on a small file next to the database (``<file>.locks/``, named by
-:func:`~polyloop.stores._common.safe_name`), which exists only while the run is claimed.
-The claim then reads the run's row, and the store keeps the run's next ``seq`` in memory
-from there. It holds the claim until ``end_run`` for that run, ``release_run``,
-:meth:`SqliteStore.aclose`, or until its process dies. Every write needs the claim; any
-other store object, in this process or another, gets ``RunLocked``. Readers never take
-the lock. A failed write (``sqlite3.Error``, ``OSError``) stops every later write of
-that run through the same store object until a new one is opened.
+Writers. A store object becomes a run's writer with ``claim_run``, an owner with a lease
+(see :mod:`polyloop.stores._lease`): at its first claim it takes a ``flock`` on
+``<file>.owners/<owner id>.lock``, held while it lives, and writes its ``owners`` row. A
+claim, in one ``BEGIN IMMEDIATE`` transaction, makes the run's row name this owner and
+moves its epoch on, unless the row names a live owner (lease not ended, lock held):
+``RunLocked``. The claim lasts until ``end_run``, ``release_run``, :meth:`SqliteStore.aclose`,
+the end of the lease, or the death of the process. Readers never need a claim. A failed
+write (``sqlite3.Error``, ``OSError``) stops every later write of that run through the
+same store object until a new one is opened.
 
 Threads. ``sqlite3`` connections must not be used by two threads at once. A store object
 owns two connections to its database (opened together, with ``check_same_thread=False``)
@@ -87,6 +91,7 @@ worker-thread hop, with no inline path and no shared commits.
 
 from __future__ import annotations
 
+import logging
 import os
 import sqlite3
 import time
@@ -102,8 +107,10 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+from anyio.lowlevel import EventLoopToken
 
 from polyloop.ports import StoredRun
+from polyloop.stores._archive import check_cutoff, prune_runs
 from polyloop.stores._batching import GroupCommit, InlineSyncGate
 from polyloop.stores._common import (
     FORMAT,
@@ -111,19 +118,32 @@ from polyloop.stores._common import (
     WriterState,
     claim_in_thread,
     fsync_directory,
-    safe_name,
 )
+from polyloop.stores._lease import Lease, check_lease_s
 from polyloop.stores._sqlite_sql import (
     ADVANCE_RUN,
     DESCRIBE_RUN,
+    DROP_OWNER,
+    DROP_UNSTARTED,
+    EXPLAIN_REFUSAL,
+    FREE_OWNED,
+    FREE_RUN,
     INSERT,
-    INSERT_RUN,
     LIST_RUNS,
     LIST_UNFINISHED,
+    NEW_RUN,
+    OWNER_OF,
+    PRUNABLE,
+    PRUNE_ROWS,
+    PRUNE_RUN,
+    REGISTER_OWNER,
+    RENEW_OWNER,
     SELECT_CLAIM,
     SELECT_RUN,
+    STALE_OWNERS,
     SYNCHRONOUS_FULL,
     SYNCHRONOUS_NORMAL,
+    TAKE_RUN,
     Db,
     Write,
     begin,
@@ -154,6 +174,8 @@ from polyloop.types import (
 
 __all__ = ("SqliteStore",)
 
+logger = logging.getLogger("polyloop")
+
 # One error (or None for success) per write of a commit.
 _Outcome = list[BaseException | None]
 
@@ -162,12 +184,18 @@ BUSY_TIMEOUT_S = 30.0
 _NO_BUSY_WAIT = "PRAGMA busy_timeout=0"
 
 
+# An owner row whose lease ended this long ago, holding no run, is removed.
+_FORGET_OWNERS_AFTER_S = 86_400.0
+
+
 @dataclass(eq=False, slots=True)
 class _Claim:
-    """This store object is a run's writer: its lock, and where the run's rows stand."""
+    """This store object is a run's writer: its claim epoch, the lease generation it was
+    taken under, and where the run's rows stand."""
 
-    lock: LockFile
-    next_seq: int  # 0: the run has no row yet
+    epoch: int
+    generation: int
+    next_seq: int  # 0: the run has no record yet
     finished: bool
 
 
@@ -188,7 +216,11 @@ class SqliteStore:
     """Keeps runs in one SQLite database file (WAL; intents and starts fsync'd).
 
     ``path`` names the database file; missing parent directories are created. Writer
-    locks live in the sibling directory ``<path>.locks``. The store is an async context
+    owners' lock files live in the sibling directory ``<path>.owners`` (one per store
+    object that claims runs, removed when it closes). ``lease_s`` is how long this store
+    object's claims hold without a renewal; another process on the host may take over
+    the runs of an owner whose lease ended or whose process died. The store is an async
+    context
     manager; :meth:`aclose` releases every writer lock it holds and closes its
     connections. Runs survive the store object, the process and the machine: a new store
     object on the same file (or on a copy moved elsewhere) reads and resumes them.
@@ -196,17 +228,22 @@ class SqliteStore:
     with ``synchronous=FULL`` in its own worker-thread hop.
     """
 
-    __slots__ = ("_claims", "_gate", "_group", "_inline", "_locks_dir", "_path", "_state",
-                 "_worker")
+    __slots__ = ("_claims", "_gate", "_group", "_inline", "_lease", "_owner_lock",
+                 "_owners_dir", "_path", "_renewer", "_state", "_worker")
 
-    def __init__(self, path: str | os.PathLike[str], *, _group_commit: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, lease_s: float = 15.0,
+                 _group_commit: bool = True) -> None:
+        check_lease_s(lease_s)
         self._path = Path(os.fspath(path))
-        self._locks_dir = self._path.with_name(self._path.name + ".locks")
+        self._owners_dir = self._path.with_name(self._path.name + ".owners")
         # Two connections, opened together: one for worker threads, which may wait for
         # other processes, and one for inline writes, which never waits.
         self._worker: Db | None = None
         self._inline: Db | None = None
         self._claims: dict[str, _Claim] = {}
+        self._lease = Lease(lease_s, self._renew_lease)
+        self._owner_lock: LockFile | None = None  # held while this owner lives
+        self._renewer: sqlite3.Connection | None = None  # the lease keeper's own
         self._state = WriterState()
         self._gate = InlineSyncGate()
         self._group = GroupCommit(self._commit_batch) if _group_commit else None
@@ -218,18 +255,21 @@ class SqliteStore:
     # -- the Store protocol ---------------------------------------------------------------
 
     async def claim_run(self, run_id: str) -> None:
-        """Take the run's writer lock and read where its rows stand.
+        """Make this store object's owner the run's owner and move its claim epoch on.
 
-        Raises ``RunLocked`` if another store object, here or in another process, or this
-        one already, holds it.
+        Raises ``RunLocked`` (naming the holder) if a live owner, this store object's
+        included, holds it: one whose lease has not ended and whose process holds its
+        owner lock.
 
         Cancellation: the worker thread finishes before the cancellation is delivered,
         and the claim is given up again if the call does not return.
         """
-        await claim_in_thread(partial(self._claim, run_id), partial(self._unclaim, run_id))
+        token = anyio.lowlevel.current_token()
+        await claim_in_thread(partial(self._claim, run_id, token),
+                              partial(self._unclaim, run_id))
 
     async def release_run(self, run_id: str) -> None:
-        """Give up the claim (its lock file goes with it), writing nothing.
+        """Give up the claim, writing no record (the row of a run never started goes).
 
         Cancellation: the worker thread finishes before the cancellation is delivered.
         """
@@ -286,7 +326,7 @@ class SqliteStore:
         commit of the record.
         """
         await self._write(Write(record.run_id, [record_row(record)], end=True,
-                                final=record.is_final))
+                                final=record.is_final, reason=record.stop_reason.value))
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id`` in write order; empty if the run has no row.
@@ -305,7 +345,7 @@ class SqliteStore:
 
         Read from the table of runs; the unfinished ones through an index that holds
         only them, so finished runs cost nothing. Whether a run is claimed is asked of
-        the lock files that exist (one per claimed run).
+        the owners: a live owner's lease has not ended and its process holds its lock.
 
         Cancellation: the worker thread finishes the query before the cancellation is
         delivered.
@@ -318,6 +358,24 @@ class SqliteStore:
         Cancellation: as for :meth:`list_runs`.
         """
         return await anyio.to_thread.run_sync(self._describe, run_id)
+
+    async def prune(
+        self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
+    ) -> tuple[str, ...]:
+        """Delete the runs that finished before ``finished_before``; their ids.
+
+        A run that is unfinished, ended in doubt, or claimed is never touched: each run
+        is deleted under its claim, in one transaction that checks again that it
+        finished before the cutoff. With ``archive``, each run's log is first written
+        durably to that directory, as a :class:`~polyloop.stores.JsonlStore` keeps it.
+
+        Cancellation: each run is archived and deleted whole or not at all.
+        """
+        before = check_cutoff(finished_before).timestamp()
+        candidates = await anyio.to_thread.run_sync(self._prunable, before)
+        return await prune_runs(self, candidates,
+                                archive=Path(archive) if archive is not None else None,
+                                delete=partial(self._delete_claimed, before=before))
 
     async def aclose(self) -> None:
         """Release every writer lock and close both connections. Idempotent.
@@ -484,6 +542,7 @@ class SqliteStore:
     def _first_seq(self, batch: _Batch, write: Write) -> int:
         """The run's next ``seq``, from this batch or from the claim."""
         claim = self._claims[write.run_id]
+        self._lease.check(claim.generation, write.run_id)
         first = batch.next_seq.get(write.run_id, claim.next_seq)
         if write.start and first:
             raise RunAlreadyExists("the run already has records", run_id=write.run_id)
@@ -496,18 +555,19 @@ class SqliteStore:
 
     def _advance(self, conn: sqlite3.Connection, write: Write, first: int) -> None:
         """Move the run's row on, in the write's transaction; refuse a write the row
-        does not expect (the run ended, or someone else wrote to it)."""
+        does not expect (another writer claimed the run since, or it ended)."""
         key, following = run_key(write.run_id), first + len(write.rows)
-        if write.start:
-            try:
-                conn.execute(INSERT_RUN, (key, following, write.final, time.time()))
-            except sqlite3.IntegrityError:
-                raise RunAlreadyExists("the run already has a row", run_id=write.run_id) from None
+        epoch = self._claims[write.run_id].epoch
+        moved = conn.execute(ADVANCE_RUN, (following, write.final, write.reason, time.time(),
+                                           write.end, key, epoch, first))
+        if moved.rowcount == 1:
             return
-        moved = conn.execute(ADVANCE_RUN, (following, write.final, time.time(), key, first))
-        if moved.rowcount != 1:
-            raise StoreError("the run has ended, or its rows moved on without this writer",
-                             run_id=write.run_id)
+        row = conn.execute(EXPLAIN_REFUSAL, (key,)).fetchone()
+        if row is None or row[0] != epoch:
+            raise RunLocked("another writer claimed the run since this store object did",
+                            run_id=write.run_id)
+        raise StoreError("the run has ended, or its rows moved on without this writer",
+                         run_id=write.run_id)
 
     def _end(self, conn: sqlite3.Connection, level: int, *, committing: bool) -> None:
         if committing:
@@ -526,53 +586,141 @@ class SqliteStore:
         """After the commit: remember each run's next seq; an ended run gives up its claim."""
         for i, write in enumerate(batch.writes):
             if batch.errors[i] is None and write.end:
-                self._unclaim_locked(write.run_id)
+                # The end record's own statement gave the owner up in the run's row.
+                self._claims.pop(write.run_id, None)
         for run_id, seq in batch.next_seq.items():
             claim = self._claims.get(run_id)
             if claim is not None:
                 claim.next_seq = seq
 
-    # -- claims (worker thread) -----------------------------------------------------------
+    # -- claims and the owner's lease (worker threads) -----------------------------------
 
-    def _claim(self, run_id: str) -> None:
+    def _claim(self, run_id: str, token: EventLoopToken) -> None:
         with self._state.mutex:
             self._state.check_writable(run_id)
             if run_id in self._claims:
                 raise RunLocked("this store object already holds the run's claim",
                                 run_id=run_id)
             conn = self._connection(run_id)
-            lock = self._lock_file(run_id)
-            try:
-                self._locks_dir.mkdir(parents=True, exist_ok=True)
-                lock.acquire()
-            except OSError as exc:
-                if isinstance(exc, PolyLoopError):
-                    raise
-                raise StoreError(f"could not lock the run: {exc}", run_id=run_id) from exc
-            try:
-                # Read only once the lock is held: every earlier writer's rows are in.
-                with self._reading(run_id):
-                    row = conn.execute(SELECT_CLAIM, (run_key(run_id),)).fetchone()
-            except BaseException:
-                lock.release()
-                raise
-            self._claims[run_id] = _Claim(
-                lock=lock,
-                next_seq=0 if row is None else int(row[0]),
-                finished=row is not None and bool(row[1]),
-            )
+            owner_id, generation = self._registered_owner(conn, run_id, token)
+            key = run_key(run_id)
+            with self._reading(run_id), _immediate(conn):
+                row = conn.execute(SELECT_CLAIM, (key,)).fetchone()
+                if row is None:
+                    conn.execute(NEW_RUN, (key, time.time(), owner_id))
+                    epoch, next_seq, finished = 1, 0, False
+                else:
+                    holder, epoch, next_seq, finished = row
+                    if holder is not None and self._alive(conn, holder):
+                        raise RunLocked(f"the run is held by {self._holder(conn, holder)}",
+                                        run_id=run_id)
+                    conn.execute(TAKE_RUN, (owner_id, key))
+                    epoch += 1
+            self._claims[run_id] = _Claim(epoch=epoch, generation=generation,
+                                          next_seq=int(next_seq), finished=bool(finished))
 
     def _unclaim(self, run_id: str) -> None:
         with self._state.mutex:
             self._unclaim_locked(run_id)
 
+    def _prunable(self, before: float) -> list[str]:
+        with self._state.mutex, self._reading(None):
+            rows = self._connection(None).execute(PRUNABLE, (before,)).fetchall()
+        return [run_id_of(key) for (key,) in rows]
+
+    async def _delete_claimed(self, run_id: str, *, before: float) -> bool:
+        return await anyio.to_thread.run_sync(self._delete_sync, run_id, before)
+
+    def _delete_sync(self, run_id: str, before: float) -> bool:
+        """Delete a run this store object holds the claim of, if it still may go."""
+        with self._state.mutex:
+            claim = self._claims.get(run_id)
+            if claim is None:
+                return False
+            conn, key = self._connection(run_id), run_key(run_id)
+            with self._reading(run_id), _immediate(conn):
+                gone = conn.execute(PRUNE_RUN, (key, claim.epoch, before)).rowcount
+                if gone:
+                    conn.execute(PRUNE_ROWS, (key,))
+            if gone:
+                del self._claims[run_id]
+            return bool(gone)
+
     def _unclaim_locked(self, run_id: str) -> None:
         claim = self._claims.pop(run_id, None)
-        if claim is not None:
-            claim.lock.release()
+        conn = self._worker.conn if self._worker is not None else None
+        if claim is None or conn is None:
+            return
+        try:
+            with _immediate(conn):
+                conn.execute(DROP_UNSTARTED, (run_key(run_id), claim.epoch))
+                conn.execute(FREE_RUN, (run_key(run_id), claim.epoch))
+        except sqlite3.Error:
+            # The row keeps this owner until the store closes or its lease ends.
+            logger.warning("run %r: could not give its claim up", run_id, exc_info=True)
 
-    def _lock_file(self, run_id: str) -> LockFile:
-        return LockFile(self._locks_dir / f"{safe_name(run_id)}.lock", run_id)
+    def _registered_owner(self, conn: sqlite3.Connection, run_id: str,
+                          token: EventLoopToken) -> tuple[str, int]:
+        """This store object's owner id and lease generation, registering it if need be
+        (store mutex held): take the owner's lock, write its row, keep its lease."""
+        owner_id, generation, registered = self._lease.current()
+        if registered:
+            return owner_id, generation
+        sent_at = time.monotonic()
+        lock = LockFile(self._owners_dir / f"{owner_id}.lock", run_id)
+        try:
+            self._owners_dir.mkdir(parents=True, exist_ok=True)
+            lock.acquire()
+            if self._owner_lock is not None:  # a lapsed identity's lock goes
+                self._owner_lock.release()
+            self._owner_lock = lock
+            now = time.time()
+            with self._reading(run_id), _immediate(conn):
+                self._forget_owners(conn, now)
+                conn.execute(REGISTER_OWNER, (owner_id, self._lease.description,
+                                              now + self._lease.lease_s, now))
+        except OSError as exc:
+            if isinstance(exc, PolyLoopError):
+                raise
+            raise StoreError(f"could not register this worker as an owner of runs: {exc}",
+                             run_id=run_id) from exc
+        self._lease.registered(owner_id, sent_at, token)
+        return owner_id, generation
+
+    def _forget_owners(self, conn: sqlite3.Connection, now: float) -> None:
+        """Remove owners whose lease ended long ago and who hold nothing, with their files."""
+        for (owner_id,) in conn.execute(STALE_OWNERS, (now - _FORGET_OWNERS_AFTER_S,)).fetchall():
+            path = self._owners_dir / f"{owner_id}.lock"
+            if not LockFile.held(path):
+                with suppress(FileNotFoundError):
+                    path.unlink()
+                conn.execute(DROP_OWNER, (owner_id,))
+
+    def _alive(self, conn: sqlite3.Connection, owner_id: str) -> bool:
+        """Whether ``owner_id``'s lease has not ended and its process holds its lock."""
+        row = conn.execute(OWNER_OF, (owner_id,)).fetchone()
+        return (row is not None and row[1] > time.time()
+                and LockFile.held(self._owners_dir / f"{owner_id}.lock"))
+
+    @staticmethod
+    def _holder(conn: sqlite3.Connection, owner_id: str) -> str:
+        row = conn.execute(OWNER_OF, (owner_id,)).fetchone()
+        if row is None:
+            return "another writer"
+        until = datetime.fromtimestamp(row[1], UTC)
+        return f"{row[0]}, whose lease runs until {until:%Y-%m-%d %H:%M:%S %Z}"
+
+    def _renew_lease(self, owner_id: str) -> bool:
+        """Extend the owner's lease if it has not ended (the lease keeper's thread, on a
+        connection of its own: it must not wait behind the store's commits)."""
+        if self._state.closed:
+            return False
+        if self._renewer is None:
+            self._renewer = sqlite3.connect(self._path, timeout=self._lease.lease_s / 3,
+                                            isolation_level=None, check_same_thread=False)
+        now = time.time()
+        done = self._renewer.execute(RENEW_OWNER, (now + self._lease.lease_s, owner_id, now))
+        return done.rowcount == 1
 
     # -- reading (worker thread) ------------------------------------------------------------
 
@@ -588,25 +736,29 @@ class SqliteStore:
         query = LIST_UNFINISHED if unfinished_only else LIST_RUNS
         with self._state.mutex, self._reading(None):
             rows = self._connection(None).execute(query).fetchall()
-        try:
-            locks = set(os.listdir(self._locks_dir))
-        except FileNotFoundError:
-            locks = set()
-        return tuple(self._stored(row, locks) for row in rows)
+        return self._stored(rows)
 
     def _describe(self, run_id: str) -> StoredRun | None:
         with self._state.mutex, self._reading(run_id):
-            row = self._connection(run_id).execute(DESCRIBE_RUN, (run_key(run_id),)).fetchone()
-        return None if row is None else self._stored(row, None)
+            rows = self._connection(run_id).execute(DESCRIBE_RUN, (run_key(run_id),)).fetchall()
+        return self._stored(rows)[0] if rows else None
 
-    def _stored(self, row: tuple[Any, ...], locks: set[str] | None) -> StoredRun:
-        """A row of the runs table; ``locks`` names the lock files there are, if known."""
-        key, finished, updated_at = row
-        run_id = run_id_of(key)
-        lock = self._lock_file(run_id).path
-        claimed = (locks is None or lock.name in locks) and LockFile.held(lock)
-        return StoredRun(run_id=run_id, finished=bool(finished), claimed=claimed,
-                         updated_at=datetime.fromtimestamp(updated_at, UTC))
+    def _stored(self, rows: list[tuple[Any, ...]]) -> tuple[StoredRun, ...]:
+        """Rows of the runs table joined with their owners; each owner's lock asked once."""
+        now, alive = time.time(), {}
+        listed = []
+        for key, finished, updated_at, owner, description, lease_until in rows:
+            if owner is not None and owner not in alive:
+                alive[owner] = (lease_until is not None and lease_until > now
+                                and LockFile.held(self._owners_dir / f"{owner}.lock"))
+            listed.append(StoredRun(
+                run_id=run_id_of(key), finished=bool(finished),
+                claimed=owner is not None and alive[owner],
+                updated_at=datetime.fromtimestamp(updated_at, UTC),
+                owner=description,
+                lease_expires_at=(datetime.fromtimestamp(lease_until, UTC)
+                                  if lease_until is not None else None)))
+        return tuple(listed)
 
     @contextmanager
     def _reading(self, run_id: str | None) -> Iterator[None]:
@@ -666,10 +818,27 @@ class SqliteStore:
             self._connection(None)
 
     def _close(self) -> None:
+        self._lease.stop()
         with self._state.mutex:
             self._state.closed = True
-            for run_id in list(self._claims):
-                self._unclaim_locked(run_id)
+            owner_id, _, registered = self._lease.current()
+            worker = self._worker.conn if self._worker is not None else None
+            self._claims.clear()
+            if registered and worker is not None:
+                # Every run this owner still holds is free before this returns.
+                try:
+                    with _immediate(worker):
+                        worker.execute(FREE_OWNED, (owner_id,))
+                        worker.execute(DROP_OWNER, (owner_id,))
+                except sqlite3.Error:
+                    logger.warning("could not give up the claims of owner %s", owner_id,
+                                   exc_info=True)
+            if self._owner_lock is not None:
+                self._owner_lock.release()
+                self._owner_lock = None
+            if self._renewer is not None:
+                self._renewer.close()
+                self._renewer = None
             dbs = [db for db in (self._inline, self._worker) if db is not None]
             self._inline = self._worker = None
             failures: list[sqlite3.Error] = []
@@ -681,3 +850,15 @@ class SqliteStore:
             if failures:
                 error = failures[0]
                 raise StoreError(f"closing {self._path.name} failed: {error}") from error
+
+
+@contextmanager
+def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
+    """One ``BEGIN IMMEDIATE`` ... ``COMMIT`` on a worker-thread connection."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        rollback_quietly(conn)
+        raise

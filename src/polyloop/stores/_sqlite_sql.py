@@ -37,12 +37,25 @@ from polyloop.types import (
 __all__ = (
     "ADVANCE_RUN",
     "DESCRIBE_RUN",
+    "DROP_OWNER",
+    "DROP_UNSTARTED",
+    "EXPLAIN_REFUSAL",
+    "FREE_OWNED",
+    "FREE_RUN",
     "INSERT",
-    "INSERT_RUN",
     "LIST_RUNS",
     "LIST_UNFINISHED",
+    "NEW_RUN",
+    "OWNER_OF",
+    "PRUNABLE",
+    "PRUNE_ROWS",
+    "PRUNE_RUN",
+    "REGISTER_OWNER",
+    "RENEW_OWNER",
     "SELECT_CLAIM",
     "SELECT_RUN",
+    "STALE_OWNERS",
+    "TAKE_RUN",
     "SYNCHRONOUS_FULL",
     "SYNCHRONOUS_NORMAL",
     "Db",
@@ -91,37 +104,91 @@ _RUNS_DDL = (
     " run_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL, finished INTEGER NOT NULL,"
     " updated_at REAL NOT NULL)",
     "CREATE INDEX IF NOT EXISTS runs_unfinished ON runs (run_id) WHERE finished = 0",
+    "CREATE TABLE IF NOT EXISTS owners ("
+    " owner_id TEXT PRIMARY KEY, description TEXT NOT NULL, lease_until REAL NOT NULL,"
+    " started_at REAL NOT NULL)",
+)
+# Columns later layouts added to the runs table, with what an older row holds.
+_RUNS_COLUMNS = (
+    ("owner", "TEXT"),
+    ("epoch", "INTEGER NOT NULL DEFAULT 0"),
+    ("stop_reason", "TEXT"),
+)
+_RUNS_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS runs_owned ON runs (owner) WHERE owner IS NOT NULL",
+    "CREATE INDEX IF NOT EXISTS runs_finished ON runs (updated_at) WHERE finished = 1",
 )
 # A database written before the runs table existed: one row per run from its records,
 # finished when its last record is a final end record.
 _FILL_RUNS = (
-    "INSERT INTO runs (run_id, next_seq, finished, updated_at)"
+    "INSERT INTO runs (run_id, next_seq, finished, updated_at, stop_reason)"
     " SELECT r.run_id, max(r.seq) + 1, coalesce((SELECT l.kind = 'run_ended'"
     "   AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason') <> 'cancelled'"
-    "   FROM records AS l WHERE l.run_id = r.run_id ORDER BY l.seq DESC LIMIT 1), 0), ?"
+    "   FROM records AS l WHERE l.run_id = r.run_id ORDER BY l.seq DESC LIMIT 1), 0), ?,"
+    "  (SELECT json_extract(l.body, '$.stop_reason') FROM records AS l"
+    "   WHERE l.run_id = r.run_id AND l.kind = 'run_ended' AND json_valid(l.body)"
+    "   AND l.seq = (SELECT max(seq) FROM records WHERE run_id = r.run_id))"
     " FROM records AS r GROUP BY r.run_id ORDER BY min(r.rowid)"
 )
 _SET_FORMAT = "INSERT OR IGNORE INTO meta (key, value) VALUES ('format', ?)"
 _GET_FORMAT = "SELECT value FROM meta WHERE key = 'format'"
 INSERT = "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)"
 SELECT_RUN = "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq"
-SELECT_CLAIM = "SELECT next_seq, finished FROM runs WHERE run_id = ?"
-INSERT_RUN = "INSERT INTO runs (run_id, next_seq, finished, updated_at) VALUES (?, ?, ?, ?)"
-# The fence: a run's row moves on only from the seq its writer expects, and never once
-# the run has finished; a write that moves no row is refused and rolled back.
-ADVANCE_RUN = (
-    "UPDATE runs SET next_seq = ?, finished = ?, updated_at = ?"
-    " WHERE run_id = ? AND next_seq = ? AND finished = 0"
+# Claims: the run's row names its owner; every claim moves the epoch on, and a new id
+# gets a row with next_seq 0 until the run starts.
+SELECT_CLAIM = "SELECT owner, epoch, next_seq, finished FROM runs WHERE run_id = ?"
+TAKE_RUN = "UPDATE runs SET owner = ?, epoch = epoch + 1 WHERE run_id = ?"
+NEW_RUN = (
+    "INSERT INTO runs (run_id, next_seq, finished, updated_at, owner, epoch)"
+    " VALUES (?, 0, 0, ?, ?, 1)"
 )
-LIST_RUNS = "SELECT run_id, finished, updated_at FROM runs ORDER BY rowid"
+DROP_UNSTARTED = "DELETE FROM runs WHERE run_id = ? AND epoch = ? AND next_seq = 0"
+FREE_RUN = "UPDATE runs SET owner = NULL WHERE run_id = ? AND epoch = ? AND next_seq > 0"
+# The fence: a run's row moves on only under the writer's claim epoch, from the seq it
+# expects, and never once the run has finished; a write that moves no row is refused
+# and rolled back. An end record gives the owner up in the same statement.
+ADVANCE_RUN = (
+    "UPDATE runs SET next_seq = ?, finished = ?, stop_reason = ?, updated_at = ?,"
+    " owner = CASE WHEN ? THEN NULL ELSE owner END"
+    " WHERE run_id = ? AND epoch = ? AND next_seq = ? AND finished = 0"
+)
+EXPLAIN_REFUSAL = "SELECT epoch, finished FROM runs WHERE run_id = ?"
+OWNER_OF = "SELECT description, lease_until FROM owners WHERE owner_id = ?"
+REGISTER_OWNER = (
+    "INSERT INTO owners (owner_id, description, lease_until, started_at) VALUES (?, ?, ?, ?)"
+)
+# Only a lease that has not ended is renewed: once it has, others may have taken its
+# runs over, and the owner must know it lost them.
+RENEW_OWNER = "UPDATE owners SET lease_until = ? WHERE owner_id = ? AND lease_until > ?"
+FREE_OWNED = "UPDATE runs SET owner = NULL WHERE owner = ?"
+DROP_OWNER = "DELETE FROM owners WHERE owner_id = ?"
+# Owners whose lease ended long ago and who hold no run any more.
+STALE_OWNERS = (
+    "SELECT owner_id FROM owners AS o WHERE lease_until < ?"
+    " AND NOT EXISTS (SELECT 1 FROM runs WHERE owner = o.owner_id)"
+)
+_LISTED = (
+    "SELECT r.run_id, r.finished, r.updated_at, r.owner, o.description, o.lease_until"
+    " FROM runs AS r {index} LEFT JOIN owners AS o ON o.owner_id = r.owner"
+    " WHERE r.next_seq > 0"
+)
+LIST_RUNS = _LISTED.format(index="") + " ORDER BY r.rowid"
 # Named, because without statistics SQLite would rather scan the whole table in rowid
 # order than sort the few rows the index holds; the index is what keeps finished runs
 # out of the cost.
 LIST_UNFINISHED = (
-    "SELECT run_id, finished, updated_at FROM runs INDEXED BY runs_unfinished"
-    " WHERE finished = 0 ORDER BY rowid"
+    _LISTED.format(index="INDEXED BY runs_unfinished") + " AND r.finished = 0 ORDER BY r.rowid"
 )
-DESCRIBE_RUN = "SELECT run_id, finished, updated_at FROM runs WHERE run_id = ?"
+DESCRIBE_RUN = _LISTED.format(index="") + " AND r.run_id = ?"
+PRUNABLE = (
+    "SELECT run_id FROM runs INDEXED BY runs_finished WHERE finished = 1 AND updated_at < ?"
+    " AND owner IS NULL AND stop_reason IS NOT 'in_doubt' ORDER BY updated_at"
+)
+PRUNE_ROWS = "DELETE FROM records WHERE run_id = ?"
+PRUNE_RUN = (
+    "DELETE FROM runs WHERE run_id = ? AND epoch = ? AND finished = 1 AND updated_at < ?"
+    " AND stop_reason IS NOT 'in_doubt'"
+)
 
 
 # -- records and rows -----------------------------------------------------------------------
@@ -186,9 +253,10 @@ class Write:
 
     run_id: str
     rows: list[_Row]
-    start: bool = False  # the run must have no row yet
-    end: bool = False  # release the run's writer lock once committed
+    start: bool = False  # the run must have no record yet
+    end: bool = False  # an end record: the claim is given up with it
     final: bool = False  # a final end record: nothing may follow it
+    reason: str | None = None  # the stop reason of an end record
     barrier: bool = False  # must be fsync'd before the call returns
 
 
@@ -246,12 +314,19 @@ def begin(conn: sqlite3.Connection, *, inline: bool) -> bool:
 
 
 def create_schema(conn: sqlite3.Connection) -> None:
-    """Create what is missing; a database from before the runs table gets one, filled."""
+    """Create what is missing; a database from before the runs table gets one, filled,
+    and one from before a later column gets the column."""
     with _transaction(conn):
         for statement in _DDL:
             conn.execute(statement)
         filled = conn.execute(_HAS_RUNS).fetchone()[0]
         for statement in _RUNS_DDL:
+            conn.execute(statement)
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+        for name, declaration in _RUNS_COLUMNS:
+            if name not in columns:
+                conn.execute(f"ALTER TABLE runs ADD COLUMN {name} {declaration}")
+        for statement in _RUNS_INDEXES:
             conn.execute(statement)
         if not filled:
             conn.execute(_FILL_RUNS, (time.time(),))

@@ -27,6 +27,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -330,6 +331,42 @@ class StoreContract:
         described = await store.describe_run("busy")
         assert described is not None and not described.claimed
         assert (await store.read_log("live")).records == ()
+        await close(store)
+
+
+    async def test_prune_deletes_only_old_finished_runs_and_archives_them(
+        self, store_factory: StoreFactory, tmp_path: Path
+    ) -> None:
+        store = store_factory()
+        if not isinstance(store, ManagedStore):
+            pytest.skip("the store offers no listing")
+        old = sample_run("old", steps=1)
+        await apply(store, old)
+        await apply(store, [*sample_run("doubt", steps=1, ended=False), ("end_run", (RunEnded(
+            run_id="doubt", stop_reason=StopReason.IN_DOUBT, final_answer=None, steps=1,
+            valid_steps=1, detail="in doubt"),))])
+        await apply(store, sample_run("open", steps=1, ended=False))
+        await store.release_run("open")
+        await apply(store, sample_run("held", steps=1))
+        await store.claim_run("held")  # finished, but a worker holds it now
+        await anyio.sleep(0.05)
+        cutoff = datetime.now(UTC)
+        await anyio.sleep(0.05)
+        await apply(store, sample_run("new", steps=1))
+        archive = tmp_path / "archive"
+        assert await store.prune(finished_before=cutoff, archive=archive) == ("old",)
+        assert sorted(run.run_id for run in await store.list_runs()) == [
+            "doubt", "held", "new", "open"]
+        assert await store.describe_run("old") is None
+        assert (await store.read_log("old")).records == ()
+        from polyloop.stores import JsonlStore
+
+        async with JsonlStore(archive) as archived:
+            assert list((await archived.read_log("old")).records) == expected_records(old)
+            assert [run.run_id for run in await archived.list_runs()] == ["old"]
+        # Nothing older is left; the id is free for a new run.
+        assert await store.prune(finished_before=cutoff) == ()
+        await apply(store, sample_run("old", steps=0, ended=False))
         await close(store)
 
 

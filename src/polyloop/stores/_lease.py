@@ -1,0 +1,147 @@
+"""Owner leases: how a store object serving a fleet keeps its claims, and how it loses them.
+
+A store object that claims runs in a shared database is an *owner*: an id of its own, a
+row in the ``owners`` table saying until when its lease holds, and a lock that only a
+living process can hold (a PostgreSQL session lock, a ``flock``). Another worker may
+take a run over when its owner's lease has ended or its owner's lock is free (the
+process died). Every claim moves the run's epoch on, and every write checks the epoch
+in its own transaction, so a former owner that wakes up writes nothing.
+
+:class:`Lease` is the owner's side. A keeper thread renews the lease every third of
+its length, but only once the event loop that uses the store has run a no-op for it: a
+process whose loop is stuck (a blocking call, a debugger) or stopped (``SIGSTOP``, a
+paused machine) stops renewing, and its lease runs out, while a loop that merely awaits
+a long model call keeps it. The owner also keeps a deadline of its own, measured from
+before each renewal was sent, so it never believes in a lease the database has ended.
+Once the deadline passes, every claim taken under that lease is lost for good (writes
+get ``RunLocked``) and the store takes a new owner id for its next claim: a revived
+process never resumes its old identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import anyio.from_thread
+from anyio.lowlevel import EventLoopToken
+
+from polyloop.types import RunLocked
+
+__all__ = ("Lease", "check_lease_s")
+
+logger = logging.getLogger("polyloop")
+
+# How many renewals fit in one lease: a renewal may fail or come late twice and the
+# lease still holds.
+_RENEWALS_PER_LEASE = 3
+
+
+def check_lease_s(lease_s: float) -> None:
+    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not lease_s > 0:
+        raise ValueError(f"lease_s must be a positive number of seconds, not {lease_s!r}")
+
+
+def _nothing() -> None:
+    return None
+
+
+class Lease:
+    """One store object's lease as an owner of claims (thread-safe).
+
+    ``renew(owner_id)`` is the store's blocking renewal: it extends the owner's lease in
+    the database only if the lease has not ended there, and returns whether it did.
+    """
+
+    def __init__(self, lease_s: float, renew: Callable[[str], bool]) -> None:
+        check_lease_s(lease_s)
+        self.lease_s = float(lease_s)
+        self.description = f"{socket.gethostname()} pid {os.getpid()}"
+        self._renew = renew
+        self._mutex = threading.Lock()
+        self._owner_id = uuid.uuid4().hex
+        self._registered = False
+        self._generation = 0
+        self._deadline = 0.0
+        self._token: EventLoopToken | None = None
+        self._keeper: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def current(self) -> tuple[str, int, bool]:
+        """The owner id, the generation claims taken now belong to, and whether the
+        owner is registered (its row and lock in place, its lease running)."""
+        with self._mutex:
+            return self._owner_id, self._generation, self._registered
+
+    def registered(self, owner_id: str, sent_at: float, token: EventLoopToken) -> None:
+        """The owner row and lock of ``owner_id`` are in place (the registration was sent
+        at ``sent_at``, a ``time.monotonic()``); start keeping them."""
+        with self._mutex:
+            if owner_id != self._owner_id:
+                return
+            self._registered = True
+            self._deadline = sent_at + self.lease_s
+            self._token = token
+            if self._keeper is None:
+                self._keeper = threading.Thread(
+                    target=self._keep, name="polyloop-lease", daemon=True)
+                self._keeper.start()
+
+    def check(self, generation: int, run_id: str) -> None:
+        """Refuse a write under a claim whose lease has lapsed (``RunLocked``)."""
+        with self._mutex:
+            if generation == self._generation and time.monotonic() < self._deadline:
+                return
+            self._lapse_locked()
+        raise RunLocked(
+            f"this store object's lease ended ({self.lease_s:g} s without a renewal): "
+            f"another worker may have taken the run over, so nothing more is written",
+            run_id=run_id,
+        )
+
+    def stop(self) -> None:
+        """Stop renewing (the store is closing); returns once the keeper has stopped."""
+        self._stopping.set()
+        keeper = self._keeper
+        if keeper is not None and keeper is not threading.current_thread():
+            keeper.join(timeout=self.lease_s)
+
+    def _lapse_locked(self) -> None:
+        if self._registered:
+            self._generation += 1
+            self._registered = False
+            self._owner_id = uuid.uuid4().hex
+
+    def _keep(self) -> None:
+        """The keeper thread: renew every third of a lease while the event loop lives."""
+        while not self._stopping.wait(self.lease_s / _RENEWALS_PER_LEASE):
+            with self._mutex:
+                owner_id, token = self._owner_id, self._token
+                registered = self._registered
+            if not registered or token is None:
+                continue
+            began = time.monotonic()
+            try:
+                # Blocks while the loop is stuck or stopped: then the lease runs out.
+                anyio.from_thread.run_sync(_nothing, token=token)
+            except RuntimeError:
+                return  # the event loop has finished; nothing will write any more
+            if self._stopping.is_set():
+                return
+            try:
+                renewed = self._renew(owner_id)
+            except Exception:
+                logger.warning("could not renew the lease of owner %s", owner_id, exc_info=True)
+                continue
+            with self._mutex:
+                if owner_id != self._owner_id:
+                    continue
+                if renewed and began < self._deadline:
+                    self._deadline = began + self.lease_s
+                else:
+                    self._lapse_locked()

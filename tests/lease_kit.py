@@ -1,0 +1,100 @@
+"""A worker process for the lease tests: it drives one run and can be stopped mid-effect.
+
+Run as a script::
+
+    python lease_kit.py KIND LOCATION SCHEMA RUN_ID WHERE LEASE_S LEDGER MARKER
+
+The worker starts the run ``RUN_ID`` on the store (``sqlite`` or ``postgresql``) with the
+given lease. When the run enters its model call (``WHERE=model``) or its tool
+(``WHERE=tool``), the worker creates the file ``MARKER`` and then waits in that effect
+for a while, so that the test can stop the process there (``SIGSTOP``), let its lease
+run out, take the run over, and let it go on (``SIGCONT``). The tool notes each of its
+executions in ``LEDGER`` before it returns. The worker prints the run's stop reason, or
+``refused`` and the error if the store refused one of its writes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+import one_writer_kit as kit
+from polyloop import (
+    ModelCall,
+    ModelReply,
+    Replay,
+    RunLocked,
+    Store,
+    StoreError,
+    run,
+)
+
+# How long a held effect waits: longer than any lease the tests use.
+HOLD_S = 3.0
+
+
+class HeldModel(kit.Model):
+    """The one-writer model, which waits in its first call once it has said so."""
+
+    def __init__(self, note: kit.Note, marker: Path | None) -> None:
+        super().__init__(note)
+        self.marker = marker
+
+    async def call(self, call: ModelCall) -> ModelReply:
+        if self.marker is not None and not await anyio.Path(self.marker).exists():
+            await anyio.Path(self.marker).touch()
+            await anyio.sleep(HOLD_S)
+        return await super().call(call)
+
+
+def held_tools(note: kit.Note, marker: Path | None) -> Any:
+    """The one-writer tool (replay never), which waits once it has said so."""
+
+    class Hold(kit.Gate):
+        async def hold(self) -> None:
+            if marker is not None:
+                await anyio.Path(marker).touch()
+                await anyio.sleep(HOLD_S)
+
+    return kit.tools(note, Replay.NEVER, Hold())
+
+
+def open_store(kind: str, location: str, schema: str, lease_s: float) -> Store:
+    if kind == "sqlite":
+        from polyloop.stores import SqliteStore
+
+        return SqliteStore(location, lease_s=lease_s)
+    from polyloop.stores import PostgresStore
+
+    return PostgresStore(location, schema=schema, lease_s=lease_s)
+
+
+def definition(store: Store, note: kit.Note, model: kit.Model) -> Any:
+    from polyloop import Definition, NullSink
+    from polyloop.testing import JsonActionInterpreter
+
+    return Definition(model=model, interpreter=JsonActionInterpreter(), store=store,
+                      events=NullSink(), texts=kit.TEXTS)
+
+
+async def _worker(argv: list[str]) -> str:
+    kind, location, schema, run_id, where, lease_s, ledger, marker = argv
+    note = kit.file_note(ledger)
+    store = open_store(kind, location, schema, float(lease_s))
+    model = HeldModel(note, Path(marker) if where == "model" else None)
+    registry = held_tools(note, Path(marker) if where == "tool" else None)
+    try:
+        result = await run(definition(store, note, model),
+                           kit.request(run_id, registry, Replay.ALLOWED))
+    except (RunLocked, StoreError) as exc:
+        return f"refused {type(exc).__name__}: {exc}"
+    finally:
+        await store.aclose()  # type: ignore[attr-defined]
+    return result.stop_reason.value
+
+
+if __name__ == "__main__":
+    print(anyio.run(_worker, sys.argv[1:]), flush=True)

@@ -1,0 +1,250 @@
+"""Leases: a hung worker's runs are taken over, a revived one writes nothing, a live one
+keeps its runs however long its calls take; and a silent PostgreSQL server times out.
+
+The stopped worker is a child process (``tests/lease_kit.py``) sent ``SIGSTOP`` inside
+its model call or its tool, on SQLite and PostgreSQL: its lease runs out, ``recover`` in
+this process takes the run over, and once the child is sent ``SIGCONT`` its next write
+is refused with nothing written. Every execution of the tool, whose replay is never
+allowed, is counted in a file outside the store.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from psycopg import sql
+
+import lease_kit
+import one_writer_kit as kit
+import pg
+from polyloop import (
+    Replay,
+    RunLocked,
+    RunState,
+    StopReason,
+    StoreError,
+    recover,
+    run,
+    run_status,
+)
+from polyloop.stores import PostgresStore, SqliteStore
+
+pytestmark = pytest.mark.anyio
+
+LEASE_S = 1.0
+
+
+def _place(request: pytest.FixtureRequest, tmp_path: Path, kind: str) -> tuple[str, str]:
+    if kind == "sqlite":
+        return str(tmp_path / "runs.db"), ""
+    return request.getfixturevalue("postgres_shared"), request.getfixturevalue(
+        "postgres_schemas")()
+
+
+async def _wait_for(path: Path) -> None:
+    """Until another process creates ``path`` (no event crosses processes: poll)."""
+    with anyio.fail_after(15):
+        while not await anyio.Path(path).exists():  # noqa: ASYNC110
+            await anyio.sleep(0.02)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("where", ["model", "tool"])
+async def test_a_stopped_worker_is_taken_over_and_writes_nothing_once_revived(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, where: str
+) -> None:
+    location, schema = _place(request, tmp_path, kind)
+    ledger, marker = tmp_path / "ledger", tmp_path / "marker"
+    child = await anyio.open_process(
+        [sys.executable, lease_kit.__file__, kind, location, schema, "r", where,
+         str(LEASE_S), str(ledger), str(marker)])
+    store = lease_kit.open_store(kind, location, schema, LEASE_S)
+    note = kit.file_note(str(ledger))
+    definition = lease_kit.definition(store, note, kit.Model(note))
+
+    def request_for(run_id: str) -> Any:
+        return kit.request(run_id, lease_kit.held_tools(note, None), Replay.ALLOWED)
+
+    try:
+        await _wait_for(marker)
+        os.kill(child.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        # While the child's lease holds, the run is its own; then anyone may take it.
+        with anyio.fail_after(15):
+            # The database, not this process, decides when the lease ends: poll.
+            while (status := await run_status(store, "r")).state is RunState.RUNNING:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        assert time.monotonic() - stopped_at > LEASE_S / 3
+        assert status.owner is not None and f"pid {child.pid}" in status.owner
+        assert status.lease_expires_at is not None
+        assert status.lease_expires_at <= datetime.now(UTC)
+        (recovered,) = await recover(definition, store, request_for, max_concurrent=1)
+        assert recovered.error is None, recovered.error
+        taken_over = (await store.read_log("r")).records
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+    with anyio.fail_after(20):
+        await child.wait()
+    assert child.stdout is not None
+    out = (await child.stdout.receive()).decode().strip()
+    await child.aclose()
+    await store.aclose()  # type: ignore[attr-defined]
+
+    assert out.startswith("refused RunLocked"), out
+    reader = lease_kit.open_store(kind, location, schema, LEASE_S)
+    assert (await reader.read_log("r")).records == taken_over
+    result = recovered.result
+    assert result is not None
+    if where == "model":
+        # The model call may be repeated, the tool had not been announced: the run ends.
+        assert result.stop_reason is StopReason.SUBMITTED
+    else:
+        # The tool may not be repeated: whatever the child did inside it is in doubt.
+        assert result.stop_reason is StopReason.IN_DOUBT
+    executions = ledger.read_text().splitlines()
+    assert executions.count("tool r:0:action") == 1  # never twice, whoever ran it
+    await reader.aclose()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+async def test_a_live_worker_keeps_its_run_through_a_call_longer_than_its_lease(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str
+) -> None:
+    location, schema = _place(request, tmp_path, kind)
+    lease_s = 0.4
+    driver = lease_kit.open_store(kind, location, schema, lease_s)
+    other = lease_kit.open_store(kind, location, schema, lease_s)
+    notes: list[str] = []
+    marker = tmp_path / "marker"
+    model = lease_kit.HeldModel(notes.append, marker)  # waits HOLD_S in its first call
+    outcome: dict[str, Any] = {}
+
+    async def drive() -> None:
+        outcome["result"] = await run(
+            lease_kit.definition(driver, notes.append, model),
+            kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED))
+
+    refusals = 0
+    async with anyio.create_task_group() as group:
+        group.start_soon(drive)
+        await _wait_for(marker)
+        while "result" not in outcome:
+            with pytest.raises(RunLocked):
+                await other.claim_run("r")
+            assert (await run_status(other, "r")).state is RunState.RUNNING  # type: ignore[arg-type]
+            refusals += 1
+            await anyio.sleep(0.1)
+    assert outcome["result"].stop_reason is StopReason.SUBMITTED
+    assert refusals > lease_kit.HOLD_S / lease_s  # the call outlasted several leases
+    await driver.aclose()  # type: ignore[attr-defined]
+    await other.aclose()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+async def test_a_worker_whose_event_loop_was_stuck_past_its_lease_stops_writing(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str
+) -> None:
+    """A loop blocked by a synchronous call cannot renew; the run stops at its next
+    write (no effect starts once the loss is known), and another worker takes it over."""
+    location, schema = _place(request, tmp_path, kind)
+    lease_s = 0.4
+    store = lease_kit.open_store(kind, location, schema, lease_s)
+    notes: list[str] = []
+
+    class BlockingModel(kit.Model):
+        async def call(self, call: Any) -> Any:
+            time.sleep(lease_s * 4)  # noqa: ASYNC251 - the point: the loop is stuck
+            return await super().call(call)
+
+    with pytest.raises(RunLocked, match="lease ended"):
+        await run(lease_kit.definition(store, notes.append, BlockingModel(notes.append)),
+                  kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED))
+    assert notes == ["model r:0:model"]  # the tool never started
+    other = lease_kit.open_store(kind, location, schema, lease_s)
+    result = await run_status(other, "r")  # type: ignore[arg-type]
+    assert result.state is RunState.RESUMABLE
+    finished = await recover(
+        lease_kit.definition(other, notes.append, kit.Model(notes.append)), other,  # type: ignore[arg-type]
+        lambda run_id: kit.request(run_id, lease_kit.held_tools(notes.append, None),
+                                   Replay.ALLOWED),
+        max_concurrent=1)
+    assert [entry.result.stop_reason for entry in finished if entry.result] == [
+        StopReason.SUBMITTED]
+    assert notes.count("tool r:0:action") == 1
+    await store.aclose()  # type: ignore[attr-defined]
+    await other.aclose()  # type: ignore[attr-defined]
+
+
+def test_lease_s_must_be_a_positive_number(tmp_path: Path) -> None:
+    for bad in (0, -1.0, True, "1"):
+        with pytest.raises(ValueError, match="lease_s"):
+            SqliteStore(tmp_path / "runs.db", lease_s=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="lease_s"):
+            PostgresStore("postgresql://x@127.0.0.1:1/none", lease_s=bad)  # type: ignore[arg-type]
+
+
+# -- a server that stops answering --------------------------------------------------------------
+
+
+def _slow_inserts(conninfo: str, schema: str) -> None:
+    """Make every insert into the schema's records sleep (a server that stops answering)."""
+    name = sql.Identifier(schema)
+    with pg.admin(conninfo) as conn:
+        conn.execute(sql.SQL(
+            "CREATE FUNCTION {}.stall() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN PERFORM pg_sleep(60); RETURN NEW; END $$").format(name))
+        conn.execute(sql.SQL(
+            "CREATE TRIGGER stall BEFORE INSERT ON {}.records FOR EACH ROW "
+            "EXECUTE FUNCTION {}.stall()").format(name, name))
+
+
+async def test_a_silent_server_becomes_a_store_error_within_the_statement_timeout(
+    postgres_shared: str, postgres_schemas: Any
+) -> None:
+    schema = postgres_schemas()
+    store = PostgresStore(postgres_shared, schema=schema, statement_timeout_s=1.0)
+    notes: list[str] = []
+    await store.claim_run("r")
+    await store.release_run("r")  # the schema exists now
+    await anyio.to_thread.run_sync(_slow_inserts, postgres_shared, schema)
+    began = time.monotonic()
+    with pytest.raises(StoreError) as failed:
+        await run(lease_kit.definition(store, notes.append, kit.Model(notes.append)),
+                  kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED))
+    assert time.monotonic() - began < 5
+    assert "statement timeout" in str(failed.value)
+    assert notes == []  # nothing ran: the start record never landed
+    await store.aclose()
+
+
+async def test_a_cancelled_run_on_a_silent_server_returns_within_its_grace_and_timeout(
+    postgres_shared: str, postgres_schemas: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    schema = postgres_schemas()
+    store = PostgresStore(postgres_shared, schema=schema, statement_timeout_s=1.0)
+    notes: list[str] = []
+
+    class Stalling(kit.Model):
+        async def call(self, call: Any) -> Any:
+            await anyio.to_thread.run_sync(_slow_inserts, postgres_shared, schema)
+            await anyio.sleep(30)  # cancelled here; the end record then meets the stall
+            return await super().call(call)
+
+    began = time.monotonic()
+    with anyio.move_on_after(0.5) as scope:
+        await run(lease_kit.definition(store, notes.append, Stalling(notes.append)),
+                  kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED))
+    assert scope.cancelled_caught
+    # The grace is 5 s; the end record's statement gave up after its 1 s timeout, and the
+    # cancellation went on.
+    assert time.monotonic() - began < 4
+    assert "could not write the cancelled end record" in caplog.text
+    await store.aclose()
