@@ -101,6 +101,8 @@ async def test_a_stopped_worker_is_taken_over_and_writes_nothing_once_revived(
     assert out.startswith("refused RunLocked"), out
     reader = lease_kit.open_store(kind, location, schema, LEASE_S)
     assert (await reader.read_log("r")).records == taken_over
+    final = await run_status(reader, "r")  # type: ignore[arg-type]  # the log reads back valid
+    assert final.state in (RunState.FINISHED, RunState.IN_DOUBT)
     result = recovered.result
     assert result is not None
     if where == "model":
