@@ -276,13 +276,14 @@ def print_table(title: str, columns: Sequence[Column], rows: Sequence[Row],
 
 
 def target(name: str, measured: float | None, limit: float, *, what: str,
-           at_least: bool = False) -> Row:
-    """One target from the issue: a measured ratio against its upper (or lower) limit."""
+           at_least: bool = False, unit: str = "x") -> Row:
+    """One target from the issue: a measured value (a ratio, unless ``unit`` says
+    otherwise) against its upper (or lower) limit."""
     met = False
     if measured is not None and measured == measured:  # NaN is never met
         met = measured >= limit if at_least else measured <= limit
     return {"target": name, "what": what, "measured": measured, "limit": limit, "met": met,
-            "at_least": at_least}
+            "at_least": at_least, "unit": unit}
 
 
 def versions() -> dict[str, str | None]:

@@ -286,7 +286,8 @@ async def handwritten_durable(steps: int, path: Path, *, threaded: bool = False,
     With ``threaded``, each barrier runs in a worker thread, as a store built on AnyIO
     must do to keep the event loop free. With ``sizes``, each step writes lines as long
     as a PolyLoop log's (the model result and the step appended without a sync), so the
-    disk moves the same bytes per step as PolyLoop's ``JsonlStore`` does.
+    disk moves the same bytes per step as PolyLoop's ``JsonlStore`` does; with both,
+    those two appends run in a worker thread too, as every write of ``JsonlStore`` does.
     """
     model = model or HandModel(steps)
     executions = executions or Counter()
@@ -303,6 +304,12 @@ async def handwritten_durable(steps: int, path: Path, *, threaded: bool = False,
         else:
             _barrier(fd, data)
 
+    async def append(data: bytes) -> None:
+        if threaded:
+            await anyio.to_thread.run_sync(os.write, fd, data)
+        else:
+            os.write(fd, data)
+
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
         began = now()
@@ -311,14 +318,14 @@ async def handwritten_durable(steps: int, path: Path, *, threaded: bool = False,
             await barrier(line(index, "model_intent" if sizes else "model"))
             tool = await model.call(history, index)
             if sizes is not None:
-                os.write(fd, line(index, "model_result"))
+                await append(line(index, "model_result"))
             history.append(("assistant", tool or "final"))
             if tool is None:
                 break
             await barrier(line(index, "action_intent" if sizes else "action"))
             history.append(("user", await _hand_tool(tool, executions)))
             if sizes is not None:
-                os.write(fd, line(index, "step"))
+                await append(line(index, "step"))
         seconds = now() - began
     finally:
         os.close(fd)

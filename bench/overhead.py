@@ -10,7 +10,7 @@ instant model. Rows:
 * LangGraph without a checkpointer and with ``InMemorySaver``;
 * Pydantic AI with a ``FunctionModel``.
 
-Target: PolyLoop on ``MemoryStore`` at most 10x the floor.
+Target: PolyLoop on ``MemoryStore`` at most 15x the floor.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ COLUMNS = [
     ("repeats", "runs"),
 ]
 FLOOR = "floor-memory"
-LIMIT = 10.0
+LIMIT = 15.0  # simplicity over microseconds: one path per job (issue 14)
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -53,7 +53,7 @@ def run(ctx: Context) -> dict[str, Any]:
     rows: list[Row] = anyio.run(_measure, ctx, steps, repeats)
     add_ratio(rows, FLOOR)
     polyloop = by_key(rows, "polyloop-memory")
-    targets = [target("kernel overhead on MemoryStore <= 10x the hand-written in-memory loop",
+    targets = [target("kernel overhead on MemoryStore <= 15x the hand-written in-memory loop",
                       polyloop.get("ratio_to_floor") if polyloop else None, LIMIT,
                       what="PolyLoop MemoryStore us/step / hand-written loop us/step")]
     return {"title": TITLE, "columns": COLUMNS, "rows": rows, "targets": targets,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ORDER = ("overhead", "durable", "concurrency", "recovery", "scale", "listing")
+ORDER = ("overhead", "durable", "concurrency", "recovery", "scale", "listing", "lag")
 
 
 def render(results: dict[str, Any]) -> str:
@@ -84,9 +84,9 @@ def _cell(value: Any, digits: int | None) -> str:
 
 
 def _target(item: dict[str, Any]) -> str:
-    measured = item.get("measured")
-    shown = "not measured" if measured is None else f"{measured:.2f}x"
-    bound = ("at least " if item.get("at_least") else "at most ") + f"{item['limit']:g}x"
+    measured, unit = item.get("measured"), item.get("unit", "x")
+    shown = "not measured" if measured is None else f"{measured:.2f}{unit}"
+    bound = ("at least " if item.get("at_least") else "at most ") + f"{item['limit']:g}{unit}"
     return f"| {item['target']} | {shown} | {bound} | {'yes' if item['met'] else 'no'} |"
 
 

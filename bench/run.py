@@ -30,7 +30,7 @@ if not __package__:
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
     sys.path.insert(0, str(ROOT))
 
-from bench import concurrency, durable, listing, overhead, recovery, scale  # noqa: E402
+from bench import concurrency, durable, lag, listing, overhead, recovery, scale  # noqa: E402
 from bench._common import (  # noqa: E402
     FULL,
     QUICK,
@@ -50,6 +50,7 @@ BENCHMARKS = {
     "recovery": recovery,
     "scale": scale,
     "listing": listing,
+    "lag": lag,
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -159,11 +160,12 @@ def _plain(value: Any) -> Any:
 
 def _print_targets(targets: Any) -> None:
     for item in targets:
-        measured = item["measured"]
-        shown = "not measured" if measured is None else f"{measured:.2f}x"
+        measured, unit = item["measured"], item.get("unit", "x")
+        shown = "not measured" if measured is None else f"{measured:.2f}{unit}"
         verdict = "met" if item["met"] else "MISSED"
         bound = "at least" if item.get("at_least") else "limit"
-        print(f"  target: {item['target']}: {shown} ({bound} {item['limit']}x) -> {verdict}")
+        print(f"  target: {item['target']}: {shown} ({bound} {item['limit']}{unit}) "
+              f"-> {verdict}")
 
 
 def _print_summary(results: dict[str, Any]) -> None:

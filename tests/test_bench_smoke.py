@@ -6,16 +6,22 @@ floors and each peer made the same number of model decisions and tool calls), an
 results file is written. LangGraph and Pydantic AI are optional (the ``bench`` extra):
 when they are missing, only their rows may be skipped, never PolyLoop's. PostgreSQL
 rows run when a server answers (``POLYLOOP_TEST_POSTGRES``) and are skipped otherwise.
+
+The one-commit-per-write baselines of benchmark 3 (``bench/_baselines.py``) replace a
+private step of the stores they extend, so they are checked on their own as well: they
+keep every record, and commit each write alone.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +32,12 @@ from bench import listing as bench_listing  # noqa: E402
 from bench import report as bench_report  # noqa: E402
 from bench import run as bench_run  # noqa: E402
 from bench._common import TINY, postgres_conninfo  # noqa: E402
+
+from polyloop.testing.store_contract import (  # noqa: E402
+    apply,
+    expected_records,
+    sample_run,
+)
 
 PEERS = {"langgraph": "langgraph", "pydantic-ai": "pydantic_ai"}
 POLYLOOP_ROLES = ("floor", "polyloop", "reference")
@@ -46,7 +58,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data: dict[str, Any] = json.loads(output.read_text())
     assert data["meta"]["mode"] == "tiny"
     assert set(data["benchmarks"]) == {"overhead", "durable", "concurrency", "recovery",
-                                       "scale", "listing"}
+                                       "scale", "listing", "lag"}
     return data
 
 
@@ -200,6 +212,25 @@ def test_listing_compares_stores_with_and_without_finished_runs(
         assert item["measured"] is not None
 
 
+def test_lag_ticks_beside_every_store_and_the_idle_floor(results: dict[str, Any]) -> None:
+    rows = _rows(results, "lag")
+    for backend in TINY.backends:
+        for store in ("idle", "memory", "jsonl", "sqlite", "postgres"):
+            row = next(r for r in rows if r["key"] == f"{backend}-{store}")
+            _check_skip(row)
+            if row.get("skipped"):
+                continue
+            assert row["samples"] > 0
+            assert 0 <= row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
+    targets = results["benchmarks"]["lag"]["targets"]
+    durable = [row for row in rows if not row.get("skipped")
+               and row["store"] in ("jsonl", "sqlite", "postgres")]
+    assert durable and len(targets) == 2 * len(durable)  # p99 and largest, per store
+    for item in targets:
+        assert {"target", "measured", "limit", "met"} <= item.keys()
+        assert item["measured"] is not None
+
+
 def test_profile_names_polyloop_functions(results: dict[str, Any]) -> None:
     for kind in ("memory", "jsonl"):
         files = [item["file"] for item in results["profile"][kind]["files"]]
@@ -215,3 +246,95 @@ def test_the_report_renders_every_benchmark_table_and_target(results: dict[str, 
         for item in bench.get("targets", ()):
             assert f"| {item['target']} |" in text
     assert results["meta"]["versions"]["anyio"] in text
+
+
+# -- the one-commit-per-write baselines ---------------------------------------------------
+
+BASELINE_RUNS = 6
+
+
+async def _write_runs_at_once(store: Any) -> int:
+    """A two-step sample run per id, all at once; each log must read back whole.
+    Returns how many writes were made."""
+    runs = {f"run-{n}": sample_run(f"run-{n}", steps=2) for n in range(BASELINE_RUNS)}
+    async with anyio.create_task_group() as group:
+        for writes in runs.values():
+            group.start_soon(apply, store, writes)
+    for run_id, writes in runs.items():
+        assert list((await store.read_log(run_id)).records) == expected_records(writes)
+    return sum(len(writes) for writes in runs.values())
+
+
+class _CommitCounting(sqlite3.Connection):
+    """Notes each ``COMMIT`` of records: the ``synchronous`` level it ran under."""
+
+    levels: list[int]
+    rows: int
+
+    def executemany(self, statement: str, rows: Any, /) -> sqlite3.Cursor:
+        rows = list(rows)
+        if statement.startswith("INSERT INTO records"):
+            self.rows += len(rows)
+        return super().executemany(statement, rows)
+
+    def execute(self, statement: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        if statement == "COMMIT" and self.rows:
+            self.levels.append(super().execute("PRAGMA synchronous").fetchone()[0])
+        if statement in ("BEGIN IMMEDIATE", "COMMIT", "ROLLBACK"):
+            self.rows = 0
+        return super().execute(statement, parameters)
+
+
+@pytest.mark.anyio
+async def test_the_sqlite_baseline_commits_each_write_alone_under_full_sync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench._baselines import SqliteOneCommitPerWrite  # needs the postgres extra too
+
+    levels: list[int] = []
+    real_connect = sqlite3.connect
+
+    def connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        conn = real_connect(*args, factory=_CommitCounting, **kwargs)
+        assert isinstance(conn, _CommitCounting)
+        conn.levels, conn.rows = levels, 0
+        return conn
+
+    monkeypatch.setattr(sqlite3, "connect", connect)
+    async with SqliteOneCommitPerWrite(tmp_path / "runs.db") as store:
+        writes = await _write_runs_at_once(store)
+    assert len(levels) == writes
+    assert set(levels) == {2}  # FULL, for every commit
+
+
+@pytest.mark.anyio
+async def test_the_postgres_baseline_sends_each_write_in_a_statement_of_its_own(
+    postgres_conninfo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench._baselines import PostgresOneCommitPerWrite
+
+    from polyloop.stores import _postgres
+    from polyloop.stores._postgres_sql import Queries
+
+    queries = Queries.for_schema("polyloop")
+    sent: list[str] = []
+    opened = _postgres.open_connection
+
+    def open_connection(conninfo: str, *args: Any, **options: Any) -> Any:
+        conn = opened(conninfo, *args, **options)
+        writes = {query.as_string(conn) for query in (queries.write, queries.lazy_write)}
+        execute = conn.execute
+
+        def noted(query: Any, *args: Any, **kwargs: Any) -> Any:
+            text = query if isinstance(query, str) else query.as_string(conn)
+            if text in writes:
+                sent.append(text)
+            return execute(query, *args, **kwargs)
+
+        conn.execute = noted
+        return conn
+
+    monkeypatch.setattr(_postgres, "open_connection", open_connection)
+    async with PostgresOneCommitPerWrite(postgres_conninfo, max_writer_connections=1) as store:
+        writes = await _write_runs_at_once(store)
+    assert len(sent) == writes  # one statement, one transaction, per write

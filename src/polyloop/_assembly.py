@@ -18,9 +18,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from json.encoder import encode_basestring
 from typing import Any
 
+from polyloop._shared import canonical_json
 from polyloop.types import Injection, JSONValue, Message, Role, TextBlock, ToolStyle
 
 SYSTEM_CHANNEL = "system"
@@ -46,7 +46,7 @@ def render_tools(tools: Sequence[Mapping[str, Any]], style: ToolStyle) -> str | 
         return None
     if style is ToolStyle.JSON:
         return "\n".join(
-            _json(
+            canonical_json(
                 {
                     "name": tool["name"],
                     "description": tool["description"],
@@ -57,7 +57,7 @@ def render_tools(tools: Sequence[Mapping[str, Any]], style: ToolStyle) -> str | 
         )
     return "\n\n".join(
         f"## {tool['name']}\n\n{tool['description']}\n\n"
-        f"```json\n{_json(tool['parameters'], indent=2)}\n```"
+        f"```json\n{_indented(tool['parameters'])}\n```"
         for tool in tools
     )
 
@@ -82,7 +82,6 @@ def step_messages(
     history_text: str, observation: str | None, template: str
 ) -> tuple[Message, ...]:
     """The messages one finished step adds to the history."""
-    # Message(...) rather than Message.text(...): the same value, one call fewer, per step.
     said = Message(role=Role.ASSISTANT, content=(TextBlock(text=history_text),))
     if observation is None:
         return (said,)
@@ -97,7 +96,8 @@ def size(messages: Iterable[Message]) -> int:
 
 def canonical(value: JSONValue) -> bytes:
     """Canonical JSON bytes of ``value``: what identity hashes are computed over."""
-    return _json(value).encode("utf-8", "surrogatepass")
+    # Lone surrogates are hashed, not refused: the hash must not fail on any text.
+    return canonical_json(value).encode("utf-8", "surrogatepass")
 
 
 def message_json(message: Message) -> JSONValue:
@@ -112,8 +112,12 @@ def messages_sha256(messages: Iterable[Message]) -> str:
     """The sha256 of a message sequence, as :class:`Transcript` computes it."""
     digest = hashlib.sha256()
     for message in messages:
-        digest.update(canonical(message_json(message)) + b"\n")
+        digest.update(_digest_line(message))
     return digest.hexdigest()
+
+
+def _digest_line(message: Message) -> bytes:
+    return canonical(message_json(message)) + b"\n"
 
 
 class Transcript:
@@ -131,9 +135,9 @@ class Transcript:
         """Append messages, updating size and digest with the new ones only."""
         for message in messages:
             self._messages.append(message)
-            for block in message.content:  # size((message,)), without a generator per call
+            for block in message.content:
                 self._size += block.size()
-            self._digest.update(_line(message))
+            self._digest.update(_digest_line(message))
 
     @property
     def messages(self) -> tuple[Message, ...]:
@@ -148,38 +152,5 @@ class Transcript:
         return self._digest.copy().hexdigest()
 
 
-# Built once: json.dumps with options builds a new encoder on every call, which costs
-# more than encoding the small values assembly hashes.
-_COMPACT = json.JSONEncoder(ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-
-# Canonical lines of single-text messages, spelled out around the text (see _line):
-# keys in sorted order, strings through the very encoder _COMPACT uses for them.
-_LINE_HEAD = '{"content":[{"text":'
-_LINE_TAILS = {role: f',"type":"text"}}],"role":{encode_basestring(role.value)}}}\n'
-               for role in Role}
-
-
-def _line(message: Message) -> bytes:
-    """``canonical(message_json(message)) + b"\\n"``: the digest's line for one message.
-
-    The history grows by single-text messages every step, and for those the line is
-    assembled directly: the encoder's dict and sort machinery would cost several times
-    the hashing it feeds, for the same bytes. Anything else (several blocks, a role or
-    text of an unexpected type) takes the generic path, so it is encoded, or refused,
-    exactly as before.
-    """
-    role, blocks = message.role, message.content
-    if type(role) is Role and type(blocks) is tuple and len(blocks) == 1:
-        text = blocks[0].text
-        if type(text) is str:
-            line = _LINE_HEAD + encode_basestring(text) + _LINE_TAILS[role]
-            return line.encode("utf-8", "surrogatepass")
-    return canonical(message_json(message)) + b"\n"
-
-
-def _json(value: Any, indent: int | None = None) -> str:
-    if indent is None:
-        return _COMPACT.encode(value)
-    return json.dumps(
-        value, ensure_ascii=False, sort_keys=True, separators=(",", ": "), indent=indent
-    )
+def _indented(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ": "), indent=2)

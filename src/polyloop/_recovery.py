@@ -20,11 +20,11 @@ index when they cannot: a log is never resumed on a guess.
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from polyloop._shared import canonical_json
 from polyloop.ports import StoredRun
 from polyloop.types import (
     ActionStatus,
@@ -289,10 +289,15 @@ def identity_differences(
     differences = []
     for key in sorted(set(recorded) | set(current)):
         before, after = recorded.get(key), current.get(key)
-        if key not in recorded or key not in current or _canon(before) != _canon(after):
+        if key not in recorded or key not in current or not _same(before, after):
             differences.append((key, before, after))
     return tuple(differences)
 
 
-def _canon(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+def _same(before: Any, after: Any) -> bool:
+    try:
+        return canonical_json(before) == canonical_json(after)
+    except (TypeError, ValueError, RecursionError):
+        # Not plain JSON, so not what the library records: a store handed back something
+        # else than was written, and it matches nothing current.
+        return False

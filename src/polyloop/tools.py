@@ -16,20 +16,19 @@ resumption, or stall the run.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import math
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol, cast
+from typing import Any, NoReturn, Protocol
 
 import referencing
 import referencing.exceptions
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError, ValidationError, best_match
 
+from polyloop._shared import exception_text, plain_copy
 from polyloop.ports import Action, ActionExecutor, ActionOutcome
-from polyloop.types import ActionStatus, InvalidRequest, JSONValue, Replay
+from polyloop.types import ActionStatus, InvalidRequest, JSONValue, Replay, UnloggableValue
 
 __all__ = ("ToolRegistry", "ToolSpec")
 
@@ -90,26 +89,6 @@ _make_registry: Any = referencing.Registry
 _LOCAL_ONLY: referencing.Registry[Any] = _make_registry(retrieve=_refuse_retrieval)
 
 
-def _json_problem(value: object, path: str) -> str | None:
-    """Where ``value`` holds something a strict JSON record could not carry back."""
-    if value is None or isinstance(value, str | bool | int):
-        return None
-    if isinstance(value, float):
-        return None if math.isfinite(value) else f"{path} is {value!r}, which JSON cannot carry"
-    if isinstance(value, list):
-        children = [(f"{path}[{index}]", item) for index, item in enumerate(value)]
-    elif isinstance(value, dict):
-        if not all(isinstance(key, str) for key in value):
-            return f"{path} has a key that is not a string"
-        children = [(f"{path}[{key!r}]", item) for key, item in value.items()]
-    else:
-        return f"{path} holds a {type(value).__name__}, which is not a JSON value"
-    for child_path, child in children:
-        if (problem := _json_problem(child, child_path)) is not None:
-            return problem
-    return None
-
-
 def _check_fields(spec: object) -> ToolSpec:
     if not isinstance(spec, ToolSpec):
         raise InvalidRequest(f"a tool registry takes ToolSpec values, got {type(spec).__name__}")
@@ -132,21 +111,23 @@ def _checked_schema(name: str, parameters: object) -> dict[str, JSONValue]:
         raise InvalidRequest(
             f"tool {name!r}: parameters must be a JSON Schema dict, got {type(parameters).__name__}"
         )
-    if (problem := _json_problem(parameters, "parameters")) is not None:
-        raise InvalidRequest(f"tool {name!r}: {problem}")
     try:
-        Draft202012Validator.check_schema(parameters)
+        schema: dict[str, JSONValue] = plain_copy(parameters, root="parameters", strict=True)
+    except UnloggableValue as exc:
+        raise InvalidRequest(f"tool {name!r}: {exc.reason}") from None
+    try:
+        Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
         raise InvalidRequest(
             f"tool {name!r}: parameters is not a valid JSON Schema (draft 2020-12) at "
             f"{_clip(exc.json_path, _PATH_CHARS)}: {_clip(exc.message, _MESSAGE_CHARS)}"
         ) from exc
-    if "type" in parameters and parameters["type"] != "object":
+    if "type" in schema and schema["type"] != "object":
         raise InvalidRequest(
             f"tool {name!r}: the schema's top-level type must be 'object' (arguments are "
-            f"a JSON object), got {parameters['type']!r}"
+            f"a JSON object), got {schema['type']!r}"
         )
-    return cast(dict[str, JSONValue], copy.deepcopy(parameters))
+    return schema
 
 
 def _checked_limit(max_observation_chars: object) -> int:
@@ -192,14 +173,11 @@ class ToolRegistry:
     ``max_observation_chars`` are cut by the derived executor.
     """
 
-    __slots__ = ("_empty_accepted", "_max_observation_chars", "_specs", "_validators")
+    __slots__ = ("_max_observation_chars", "_specs", "_validators")
 
     _specs: dict[str, ToolSpec]
     _validators: dict[str, Draft202012Validator]
     _max_observation_chars: int
-    # Tools whose schema accepted the empty arguments object: a pure function of the
-    # (private, never edited) schema and that one value, so it is worked out once.
-    _empty_accepted: set[str]
 
     def __init__(self, specs: Iterable[ToolSpec], *, max_observation_chars: int) -> None:
         limit = _checked_limit(max_observation_chars)
@@ -215,7 +193,6 @@ class ToolRegistry:
         object.__setattr__(self, "_specs", checked)
         object.__setattr__(self, "_validators", validators)
         object.__setattr__(self, "_max_observation_chars", limit)
-        object.__setattr__(self, "_empty_accepted", set())
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise AttributeError(f"ToolRegistry is immutable; cannot set {name!r}")
@@ -251,7 +228,7 @@ class ToolRegistry:
         spec = self._lookup(name)
         if spec is None:
             return None
-        return dataclasses.replace(spec, parameters=copy.deepcopy(spec.parameters))
+        return dataclasses.replace(spec, parameters=plain_copy(spec.parameters))
 
     def describe(self) -> JSONValue:
         """What the model is shown and the snapshot records: one plain-JSON dict per tool."""
@@ -259,7 +236,7 @@ class ToolRegistry:
             {
                 "name": spec.name,
                 "description": spec.description,
-                "parameters": copy.deepcopy(cast(dict[str, JSONValue], spec.parameters)),
+                "parameters": plain_copy(spec.parameters),
                 "replay": spec.replay.value,
                 "completes": spec.completes,
             }
@@ -268,11 +245,15 @@ class ToolRegistry:
 
     def validate(self, name: str, arguments: object) -> str | None:
         """``None`` if the call may run, else the reason it is refused."""
-        validator = self._validators.get(name) if isinstance(name, str) else None
-        if validator is None:
+        call = self._accepted(name, arguments)
+        return call if isinstance(call, str) else None
+
+    def _accepted(
+        self, name: object, arguments: object
+    ) -> tuple[ToolSpec, dict[str, JSONValue]] | str:
+        """The spec and a private copy of the arguments of a call that may run, or why not."""
+        if not isinstance(name, str) or (validator := self._validators.get(name)) is None:
             return self._unknown(name)
-        if type(arguments) is dict and not arguments:  # exactly {}, not a look-alike
-            return self._empty_refusal(name, validator)
         if not isinstance(arguments, dict) or not all(isinstance(key, str) for key in arguments):
             return (
                 f"arguments for tool {name!r} must be a JSON object with string keys, "
@@ -280,22 +261,15 @@ class ToolRegistry:
             )
         # Checked here as well as by the library, so that a handler behind this registry
         # never sees a value (NaN, a tuple) that a strict JSON log could not carry back.
-        if (problem := _json_problem(arguments, "arguments")) is not None:
+        try:
+            copied: dict[str, JSONValue] = plain_copy(arguments, root="arguments", strict=True)
+        except UnloggableValue as exc:
             return (
-                f"arguments for tool {name!r} are not plain JSON: {_clip(problem, _MESSAGE_CHARS)}"
+                f"arguments for tool {name!r} are not plain JSON: "
+                f"{_clip(exc.reason, _MESSAGE_CHARS)}"
             )
-        return _schema_refusal(name, validator, arguments)
-
-    def _empty_refusal(self, name: str, validator: Draft202012Validator) -> str | None:
-        """:meth:`validate` for ``{}``, a common call, which passes every check but the schema."""
-        if name in self._empty_accepted:
-            return None
-        refusal = _schema_refusal(name, validator, {})
-        if refusal is None:
-            # Only an acceptance is kept: a refusal may come from the depth of the
-            # caller's stack (RecursionError), not from the schema alone.
-            self._empty_accepted.add(name)
-        return refusal
+        refusal = _schema_refusal(name, validator, copied)
+        return (self._specs[name], copied) if refusal is None else refusal
 
     def marks_completion(self, name: str) -> bool:
         """Whether calling ``name`` submits the task."""
@@ -304,7 +278,7 @@ class ToolRegistry:
 
     def executor(self) -> ActionExecutor:
         """An action executor that dispatches ``{"name", "arguments"}`` payloads here."""
-        return _RegistryExecutor(self)
+        return RegistryExecutor(self)
 
     def __copy__(self) -> ToolRegistry:
         return self
@@ -370,24 +344,18 @@ def _parse_payload(payload: JSONValue) -> tuple[str, object] | str:
     return name, payload["arguments"]
 
 
-def _exception_text(exc: Exception) -> str:
-    try:
-        message = str(exc)
-    except Exception:  # noqa: BLE001 -- a broken __str__ must not turn a tool error into a fault
-        message = "<exception message unavailable>"
-    return f"{type(exc).__name__}: {message}"
-
-
 async def _run_handler(
     spec: ToolSpec, arguments: dict[str, JSONValue], result_id: str
 ) -> tuple[str, bool]:
-    """The handler's observation and whether the library made it up."""
+    """The handler's observation and whether the library made it up.
+
+    ``arguments`` must be the handler's own copy: the payload belongs to the recorded
+    action, and a handler that edits its arguments must not rewrite the trajectory.
+    """
     try:
-        # A copy, because the payload belongs to the recorded action and a handler
-        # that edits its arguments must not rewrite what the trajectory shows.
-        result: object = await spec.handler(_copy_json(arguments), result_id=result_id)
+        result: object = await spec.handler(arguments, result_id=result_id)
     except Exception as exc:  # noqa: BLE001 -- a failing tool is an observation, not a crash
-        return _exception_text(exc), True
+        return exception_text(exc), True
     if not isinstance(result, str):
         return (
             f"TypeError: tool {spec.name!r} returned {type(result).__name__}, expected str",
@@ -396,22 +364,22 @@ async def _run_handler(
     return result, False
 
 
-def _copy_json(value: Any) -> Any:
-    """A deep copy of plain JSON (already checked), much cheaper than ``copy.deepcopy``."""
-    if isinstance(value, dict):
-        return {key: _copy_json(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_copy_json(item) for item in value]
-    return value
+class RegistryExecutor:
+    """The action executor derived from a :class:`ToolRegistry`: what its ``executor()`` returns.
 
-
-class _RegistryExecutor:
-    """The action executor derived from a :class:`ToolRegistry`."""
+    Not part of the public API; :mod:`polyloop.session` uses :attr:`registry` to refuse a
+    request whose executor runs the tools of another registry than the one the model sees.
+    """
 
     __slots__ = ("_registry",)
 
     def __init__(self, registry: ToolRegistry) -> None:
         self._registry = registry
+
+    @property
+    def registry(self) -> ToolRegistry:
+        """The registry whose tools this executor runs."""
+        return self._registry
 
     async def execute(self, action: Action, *, result_id: str) -> ActionOutcome:
         """Validate the call, run its handler, and report the outcome.
@@ -430,14 +398,10 @@ class _RegistryExecutor:
         call = _parse_payload(action.payload)
         if isinstance(call, str):
             return self._outcome(ActionStatus.NOT_EXECUTED, call, synthesized=True)
-        name, arguments = call
-        refusal = self._registry.validate(name, arguments)
-        if refusal is not None:
-            return self._outcome(ActionStatus.NOT_EXECUTED, refusal, synthesized=True)
-        # validate() accepted it, which it only does for a dict with string keys.
-        checked = cast("dict[str, JSONValue]", arguments)
-        spec = cast("ToolSpec", self._registry._lookup(name))
-        observation, synthesized = await _run_handler(spec, checked, result_id)
+        accepted = self._registry._accepted(*call)
+        if isinstance(accepted, str):
+            return self._outcome(ActionStatus.NOT_EXECUTED, accepted, synthesized=True)
+        observation, synthesized = await _run_handler(*accepted, result_id)
         return self._outcome(ActionStatus.EXECUTED, observation, synthesized=synthesized)
 
     def replay(self, action: Action) -> Replay:
@@ -460,4 +424,4 @@ class _RegistryExecutor:
         )
 
     def __repr__(self) -> str:
-        return f"_RegistryExecutor(names={self._registry.names!r})"
+        return f"RegistryExecutor(names={self._registry.names!r})"

@@ -24,28 +24,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from polyloop.serialization._lines import _DIRECT_LINES
-from polyloop.serialization._plain import _NotSimple, _walk_plain
-from polyloop.serialization._schema import (
-    _DEFAULTED,
-    _ENCODING_PLANS,
-    _FIELDS,
-    _KIND_OF,
-    _RECORD_CLASS,
-    SCHEMA,
-    _check_schema,
-    _checked,
-    _json_name,
-)
+from polyloop._shared import FORMAT, canonical_json, plain_copy, record_kind
+from polyloop.serialization._schema import FIELDS, RECORD_CLASS, check_schema, checked
 from polyloop.types import CorruptLog, JSONValue, Record, UnloggableValue
 
 __all__ = ("decode", "dumps", "encode", "loads", "plain")
 
-# Built once: json.dumps with options builds a new encoder on every call.
-_CANONICAL = json.JSONEncoder(ensure_ascii=False, allow_nan=False, sort_keys=True,
-                              separators=(",", ":"))
-_CANONICAL_ASCII = json.JSONEncoder(ensure_ascii=True, allow_nan=False, sort_keys=True,
-                                    separators=(",", ":"))
 # Line and paragraph separators are legal raw in JSON strings but split lines for
 # readers that use str.splitlines(); escaping them keeps every record on one line for all.
 _LINE_BREAKERS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
@@ -57,32 +41,20 @@ def encode(record: Record) -> dict[str, JSONValue]:
     Raises :class:`~polyloop.types.UnloggableValue` for a payload or snapshot that
     strict JSON cannot carry back exactly.
     """
-    kind = _KIND_OF.get(type(record))
-    if kind is None:
-        raise UnloggableValue(f"not a record: {type(record).__name__}")
-    run_id = getattr(record, "run_id", None)
+    kind = record_kind(record)
+    run_id = record.run_id if isinstance(record.run_id, str) else None
 
     def refuse(reason: str) -> UnloggableValue:
-        return UnloggableValue(reason, run_id=run_id if isinstance(run_id, str) else None)
+        return UnloggableValue(reason, run_id=run_id)
 
-    out: dict[str, JSONValue] = {"schema": SCHEMA, "kind": kind}
-    for field, name, check, exact in _ENCODING_PLANS[kind]:
-        value = getattr(record, field)
-        # Values of exactly the expected type are what the checks below would return
-        # unchanged (an enum member: its value), so they skip them.
-        if type(value) in exact:
-            out[name] = value
-            continue
-        if type(value) is check:
-            out[name] = value.value
-            continue
-        if check in ("json", "object"):
-            value = _plain(value, record, field)
-        # The reader checks every typed field; refuse here what it would refuse there.
-        value = _checked(kind, field, check, value, refuse)
-        if isinstance(value, enum.Enum):
-            value = value.value
-        out[name] = value
+    out: dict[str, JSONValue] = {"schema": FORMAT, "kind": kind}
+    for field in FIELDS[kind]:
+        value = getattr(record, field.name)
+        if field.check in ("json", "object"):
+            value = plain(value, owner=type(record).__name__, field=field.name, run_id=run_id)
+        # The reader checks every field; refuse here what it would refuse there.
+        value = checked(kind, field, value, refuse)
+        out[field.key] = value.value if isinstance(value, enum.Enum) else value
     return out
 
 
@@ -96,13 +68,11 @@ def plain(
     (``owner="Intent", field="payload"``), ``run_id`` which run it belongs to. This is the
     check :func:`encode` applies to payloads and snapshots, on its own.
     """
-    return _walk_plain(value, owner, field, run_id)
-
-
-def _plain(value: Any, record: Record, field: str) -> JSONValue:
-    run_id = getattr(record, "run_id", None)
-    return _walk_plain(value, type(record).__name__, field,
-                       run_id if isinstance(run_id, str) else None)
+    try:
+        copied: JSONValue = plain_copy(value, root=field)
+    except UnloggableValue as exc:
+        raise UnloggableValue(f"{owner}: {exc.reason}", run_id=run_id) from None
+    return copied
 
 
 def dumps(record: Record) -> str:
@@ -111,33 +81,19 @@ def dumps(record: Record) -> str:
     The line is valid UTF-8 text: a string holding a lone surrogate is written with
     ASCII escapes instead, so that what is written always reads back.
     """
-    direct = _DIRECT_LINES.get(type(record))
-    if direct is not None:
-        try:
-            line = direct(record)
-        except (_NotSimple, KeyError, ValueError):
-            pass  # a value the careful path must check, convert or refuse
-        else:
-            return _finished(line, record)
     data = encode(record)
     try:
-        line = _CANONICAL.encode(data)
-    except (ValueError, RecursionError) as exc:
-        raise UnloggableValue(str(exc), run_id=getattr(record, "run_id", None)) from exc
-    return _finished(line, record, data)
-
-
-def _finished(line: str, record: Record, data: dict[str, JSONValue] | None = None) -> str:
-    """``line`` made safe to write: valid UTF-8, and no character that splits lines."""
+        line = canonical_json(data)
+    except ValueError as exc:  # a float field (not walked like payloads) out of range
+        raise UnloggableValue(str(exc), run_id=record.run_id) from exc
     if line.isascii():
         return line
     try:
         line.encode("utf-8")
     except UnicodeEncodeError:
-        return _CANONICAL_ASCII.encode(encode(record) if data is None else data)
+        return canonical_json(data, ascii=True)
     for raw, escaped in _LINE_BREAKERS.items():
-        if raw in line:
-            line = line.replace(raw, escaped)
+        line = line.replace(raw, escaped)
     return line
 
 
@@ -169,19 +125,18 @@ def decode(data: Mapping[str, Any], *, location: str | None = None) -> Record:
     def corrupt(reason: str) -> CorruptLog:
         return CorruptLog(reason, run_id=run_id, location=location)
 
-    _check_schema(data.get("schema"), corrupt, run_id, location)
+    check_schema(data.get("schema"), corrupt, run_id, location)
     kind = data.get("kind")
-    if not isinstance(kind, str) or kind not in _FIELDS:
+    if not isinstance(kind, str) or kind not in FIELDS:
         raise corrupt(f"unknown record kind {kind!r}")
     values: dict[str, Any] = {}
-    for field, check in _FIELDS[kind]:
-        name = _json_name(kind, field)
-        if name not in data:
-            if (kind, field) in _DEFAULTED:
+    for field in FIELDS[kind]:
+        if field.key not in data:
+            if field.defaulted:
                 continue
-            raise corrupt(f"{kind} record has no field {name!r}")
-        values[field] = _checked(kind, field, check, data[name], corrupt)
-    record: Record = _RECORD_CLASS[kind](**values)
+            raise corrupt(f"{kind} record has no field {field.key!r}")
+        values[field.name] = checked(kind, field, data[field.key], corrupt)
+    record: Record = RECORD_CLASS[kind](**values)
     return record
 
 

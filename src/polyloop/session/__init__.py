@@ -27,25 +27,13 @@ under a shielded and time-bounded scope, and then lets the cancellation go on.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable
 
-from polyloop.ports import ActionExecutor, EventSink, Interpreter, ManagedStore, ModelClient, Store
+from polyloop.ports import ManagedStore
 from polyloop.session._driving import Mode, drive, status
 from polyloop.session._driving import recover as recover_runs
-from polyloop.tools import ToolRegistry
-from polyloop.types import (
-    Budget,
-    Injection,
-    JSONValue,
-    Message,
-    RecoveredRun,
-    Replay,
-    RunResult,
-    RunStatus,
-    ToolStyle,
-)
+from polyloop.session._values import Definition, ObservationTexts, Request
+from polyloop.types import RecoveredRun, RunResult, RunStatus
 
 __all__ = (
     "Definition",
@@ -59,61 +47,15 @@ __all__ = (
 )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ObservationTexts:
-    """The texts the library feeds back when an action was refused or the environment failed.
 
-    ``not_executed`` must contain ``{reason}`` and ``env_fault`` must contain ``{detail}``.
-    The model sees them, so they are part of every run's snapshot.
-    """
-
-    not_executed: str
-    env_fault: str
+def _claim_public_home() -> None:
+    # The values are defined in a private module so that the loop can import them; their
+    # public home is here, and reprs, pickles and docs should say so.
+    for cls in (Definition, ObservationTexts, Request):
+        cls.__module__ = __name__
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Definition:
-    """What stays the same across runs; safe to share between concurrent runs."""
-
-    model: ModelClient
-    interpreter: Interpreter
-    store: Store
-    events: EventSink
-    texts: ObservationTexts
-
-    def parameters(self) -> dict[str, JSONValue]:
-        """The reproducibility parameters of the four seams and the texts, namespaced."""
-        merged: dict[str, JSONValue] = {}
-        seams: tuple[tuple[str, Any], ...] = (
-            ("model", self.model),
-            ("interpreter", self.interpreter),
-            ("store", self.store),
-            ("events", self.events),
-        )
-        for prefix, seam in seams:
-            for key, value in seam.parameters().items():
-                merged[f"{prefix}.{key}"] = value
-        merged["texts.not_executed"] = self.texts.not_executed
-        merged["texts.env_fault"] = self.texts.env_fault
-        return merged
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Request:
-    """Everything one run needs. No field has a default; building one does no work."""
-
-    run_id: str
-    budget: Budget
-    executor: ActionExecutor
-    tools: ToolRegistry
-    run_context: tuple[Message, ...]
-    goal_context: tuple[Message, ...]
-    injection: Injection
-    binding: Mapping[str, str]
-    model_replay: Replay
-    observation_template: str
-    tool_style: ToolStyle
-    cancel_grace_s: float
+_claim_public_home()
 
 
 async def run(definition: Definition, request: Request) -> RunResult:

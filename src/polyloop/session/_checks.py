@@ -1,50 +1,23 @@
 """Checks on what the seams hand the loop, and the payloads it records of them.
 
-A model client, interpreter, executor or event sink is code the library does not own:
-what each returns is checked here before the loop trusts it, and replies and outcomes
+A model client, interpreter or executor is code the library does not own: what each
+returns is checked here before the loop trusts it, and replies and outcomes
 are turned into the plain payloads the store keeps (and back, for a reply).
 """
 
 from __future__ import annotations
 
-from polyloop.ports import (
-    Action,
-    ActionOutcome,
-    EventSink,
-    FinalAnswer,
-    InvalidDecision,
-    ModelReply,
-    NullSink,
-)
+from polyloop.ports import Action, ActionOutcome, FinalAnswer, InvalidDecision, ModelReply
 from polyloop.types import ActionStatus, CorruptLog, Intent, JSONValue
 
-# The method a NullSink discards events with, as defined (a patched class is not trusted).
-_NULL_EMIT = NullSink.emit
 
-
-def _discards(sink: EventSink) -> bool:
-    """Whether ``sink`` is a plain :class:`NullSink`, so that an event would be wasted work.
-
-    Its ``emit`` neither suspends nor fails, so skipping the call is unobservable.
-    """
-    return type(sink) is NullSink and NullSink.emit is _NULL_EMIT
-
-
-def _describe(exc: BaseException) -> str:
-    try:
-        message = str(exc)
-    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure itself
-        message = "<the exception's message could not be rendered>"
-    return f"{type(exc).__name__}: {message}"
-
-
-def _fault(detail: str) -> ActionOutcome:
+def fault(detail: str) -> ActionOutcome:
     return ActionOutcome(
         status=ActionStatus.ENV_FAULT, observation=detail, synthesized=True, done=False
     )
 
 
-def _checked_reply(reply: object) -> ModelReply:
+def checked_reply(reply: object) -> ModelReply:
     if not isinstance(reply, ModelReply):
         raise TypeError(f"the model client returned {type(reply).__name__}, not ModelReply")
     if not isinstance(reply.content, str):
@@ -59,33 +32,22 @@ def _checked_reply(reply: object) -> ModelReply:
     return reply
 
 
-def _outcome_problem(outcome: object) -> str | None:
+def outcome_problem(outcome: object) -> str | None:
     """Why an executor's return value cannot be recorded as an outcome, if it cannot."""
-    if (
-        type(outcome) is ActionOutcome
-        and type(outcome.status) is ActionStatus
-        and type(outcome.observation) is str
-        and type(outcome.synthesized) is bool
-        and type(outcome.done) is bool
-        and type(outcome.truncated_chars) is int
-        and outcome.truncated_chars >= 0
-    ):
-        return None  # every step's case, without building the list of checks below
     if not isinstance(outcome, ActionOutcome):
         return f"the executor returned {type(outcome).__name__}, not ActionOutcome"
-    wrong = [
-        name
-        for name, ok in (
-            ("status", isinstance(outcome.status, ActionStatus)),
-            ("observation", isinstance(outcome.observation, str)),
-            ("synthesized", isinstance(outcome.synthesized, bool)),
-            ("done", isinstance(outcome.done, bool)),
-            ("truncated_chars", isinstance(outcome.truncated_chars, int)
-             and not isinstance(outcome.truncated_chars, bool)
-             and outcome.truncated_chars >= 0),
-        )
-        if not ok
-    ]
+    wrong = []
+    if not isinstance(outcome.status, ActionStatus):
+        wrong.append("status")
+    if not isinstance(outcome.observation, str):
+        wrong.append("observation")
+    if not isinstance(outcome.synthesized, bool):
+        wrong.append("synthesized")
+    if not isinstance(outcome.done, bool):
+        wrong.append("done")
+    cut = outcome.truncated_chars
+    if not isinstance(cut, int) or isinstance(cut, bool) or cut < 0:
+        wrong.append("truncated_chars")
     if wrong:
         return f"the executor's outcome has ill-typed fields: {', '.join(wrong)}"
     return None
@@ -98,7 +60,7 @@ _DECISION_TEXTS: dict[type, tuple[str, ...]] = {
 }
 
 
-def _decision_problem(decision: object) -> str | None:
+def decision_problem(decision: object) -> str | None:
     """Why an interpreter's return value is not a usable decision, if it is not."""
     if not isinstance(decision, (Action, FinalAnswer, InvalidDecision)):
         return (f"the interpreter returned {type(decision).__name__}, "
@@ -110,11 +72,11 @@ def _decision_problem(decision: object) -> str | None:
     return None
 
 
-def _reply_payload(reply: ModelReply) -> JSONValue:
+def reply_payload(reply: ModelReply) -> JSONValue:
     return {"call_id": reply.call_id, "content": reply.content, "reasoning": reply.reasoning}
 
 
-def _reply_from(payload: JSONValue, run_id: str, result_id: str) -> ModelReply:
+def reply_from(payload: JSONValue, run_id: str, result_id: str) -> ModelReply:
     if (
         isinstance(payload, dict)
         and isinstance(payload.get("content"), str)
@@ -129,7 +91,7 @@ def _reply_from(payload: JSONValue, run_id: str, result_id: str) -> ModelReply:
     raise CorruptLog(f"model result {result_id!r} holds no reply", run_id=run_id)
 
 
-def _outcome_payload(outcome: ActionOutcome) -> JSONValue:
+def outcome_payload(outcome: ActionOutcome) -> JSONValue:
     return {
         "status": outcome.status.value,
         "observation": outcome.observation,
@@ -139,7 +101,7 @@ def _outcome_payload(outcome: ActionOutcome) -> JSONValue:
     }
 
 
-def _action_name(intent: Intent | None) -> str | None:
+def action_name(intent: Intent | None) -> str | None:
     if intent is None or not isinstance(intent.payload, dict):
         return None
     name = intent.payload.get("name")

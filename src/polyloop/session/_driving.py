@@ -16,14 +16,14 @@ import enum
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 import anyio
 
 from polyloop import _recovery
 from polyloop.ports import ManagedStore, Store, StoredRun
-from polyloop.session._loop import _Loop
-from polyloop.session._request import _prepare
+from polyloop.session._loop import Loop
+from polyloop.session._request import prepare
+from polyloop.session._values import Definition, Request
 from polyloop.types import (
     InvalidRequest,
     JSONValue,
@@ -37,14 +37,9 @@ from polyloop.types import (
     RunStatus,
 )
 
-if TYPE_CHECKING:
-    # Only for annotations: the facade imports this module, so a runtime import would
-    # be circular.
-    from polyloop.session import Definition, Request
-
 logger = logging.getLogger("polyloop")
 
-RequestFor = Callable[[str], "Request | Awaitable[Request]"]
+RequestFor = Callable[[str], Request | Awaitable[Request]]
 
 
 class Mode(enum.Enum):
@@ -57,7 +52,7 @@ class Mode(enum.Enum):
 
 async def drive(definition: Definition, request: Request, mode: Mode) -> RunResult:
     """Check the request, claim the run, read its log, and start or continue it."""
-    snapshot = _prepare(definition, request)
+    snapshot = prepare(definition, request)
     store = definition.store
     await store.claim_run(request.run_id)
     try:
@@ -73,7 +68,7 @@ async def _drive_claimed(
     if not log.records:
         if mode is Mode.RESUME:
             raise RunNotFound("the store holds no record of this run", run_id=request.run_id)
-        loop = _Loop(definition, request, resumed=False)
+        loop = Loop(definition, request, resumed=False)
         started = RunStarted(run_id=request.run_id, snapshot=snapshot)
         return await loop.guarded(loop.start(started))
     if mode is Mode.START:
@@ -87,7 +82,7 @@ async def _drive_claimed(
         raise RunIdentityMismatch(run_id=request.run_id, differences=differences)
     if plan.state is _recovery.RecoveryState.FINISHED:
         return _recovery.recorded_result(plan)
-    loop = _Loop(definition, request, resumed=True)
+    loop = Loop(definition, request, resumed=True)
     return await loop.guarded(loop.continue_from(plan))
 
 

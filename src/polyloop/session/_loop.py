@@ -7,14 +7,14 @@ out and, when cancelled, still leaves an end record where it can.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from polyloop import _assembly, _recovery, _stopping, serialization
+from polyloop._shared import exception_text
 from polyloop.ports import (
     Action,
     ActionOutcome,
@@ -26,18 +26,17 @@ from polyloop.ports import (
     ModelReply,
 )
 from polyloop.session._checks import (
-    _action_name,
-    _checked_reply,
-    _decision_problem,
-    _describe,
-    _discards,
-    _fault,
-    _outcome_payload,
-    _outcome_problem,
-    _reply_from,
-    _reply_payload,
+    action_name,
+    checked_reply,
+    decision_problem,
+    fault,
+    outcome_payload,
+    outcome_problem,
+    reply_from,
+    reply_payload,
 )
-from polyloop.session._request import _prefix
+from polyloop.session._request import context_prefix
+from polyloop.session._values import Definition, Request
 from polyloop.types import (
     ActionStatus,
     DecisionKind,
@@ -55,15 +54,10 @@ from polyloop.types import (
     UnloggableValue,
 )
 
-if TYPE_CHECKING:
-    # Only for annotations: the facade imports this module, so a runtime import would
-    # be circular.
-    from polyloop.session import Definition, Request
-
 logger = logging.getLogger("polyloop")
 
 
-class _Loop:
+class Loop:
     """The state of one run while it is driven: its steps, counters and transcript."""
 
     def __init__(self, definition: Definition, request: Request, *, resumed: bool) -> None:
@@ -79,8 +73,7 @@ class _Loop:
         # False until the store confirms the run's start record: a cancellation before
         # then may leave no record of the run, and so nothing for an end record to end.
         self.start_confirmed = resumed
-        self.transcript = _assembly.Transcript(_prefix(request))
-        self.silent = _discards(definition.events)
+        self.transcript = _assembly.Transcript(context_prefix(request))
 
     # -- driving ------------------------------------------------------------------------
 
@@ -113,7 +106,7 @@ class _Loop:
             step, tool = await self._finish_interrupted(plan)
         elif self.steps:
             # The last step landed but the run may not have been ended: decide again.
-            step, tool = self.steps[-1], _action_name(plan.last_action)
+            step, tool = self.steps[-1], action_name(plan.last_action)
         else:
             await self._until_stopped()
             return
@@ -138,18 +131,14 @@ class _Loop:
 
     def _stop_reason(self, step: StepRecord, tool: str | None) -> StopReason | None:
         """Why the run stops after ``step`` (``tool`` names its action's tool), if it does."""
-        facts = (
-            step.decision,
-            step.error is not None,
-            step.action_status,
-            step.observation_synthesized,
-            step.done,
-            tool is not None and self.request.tools.marks_completion(tool),
-        )
-        try:
-            return _after_step(*facts)
-        except TypeError:  # an unhashable field, in a record some store handed back
-            return _after_step.__wrapped__(*facts)
+        return _stopping.after_step(_stopping.StepFacts(
+            decision=step.decision,
+            model_failed=step.error is not None,
+            action_status=step.action_status,
+            synthesized=step.observation_synthesized,
+            done=step.done,
+            completes=tool is not None and self.request.tools.marks_completion(tool),
+        ))
 
     async def _stop_after(self, step: StepRecord, reason: StopReason) -> None:
         detail = step.error if reason is StopReason.MODEL_FAILURE else None
@@ -184,12 +173,12 @@ class _Loop:
             binding=self.request.binding,
         )
         try:
-            reply = _checked_reply(await self.definition.model.call(call))
+            reply = checked_reply(await self.definition.model.call(call))
         except Exception as exc:  # noqa: BLE001 - a failing model ends the run, by contract
-            error = _describe(exc)
+            error = exception_text(exc)
             await self._write_model_result(result_id, {"error": error})
             return await self._model_failed(index, error, began), None
-        await self._write_model_result(result_id, _reply_payload(reply))
+        await self._write_model_result(result_id, reply_payload(reply))
         return await self._decide(index, reply, began)
 
     async def _write_model_result(self, result_id: str, payload: JSONValue) -> None:
@@ -212,7 +201,7 @@ class _Loop:
         self, index: int, reply: ModelReply, began: float
     ) -> tuple[StepRecord, str | None]:
         decision = self.definition.interpreter.interpret(reply)
-        problem = _decision_problem(decision)
+        problem = decision_problem(decision)
         if problem is not None:
             # An interpreter bug, not a model error: stop here, leaving the run resumable
             # (the reply is on record and is interpreted again by a fixed interpreter).
@@ -240,7 +229,7 @@ class _Loop:
         if not isinstance(replay, Replay):
             # The executor could not say whether the action may be repeated, so it cannot
             # be announced: an environment fault, with nothing run and no intent written.
-            step = self._acted(index, reply, action, _fault(replay), began)
+            step = self._acted(index, reply, action, fault(replay), began)
             return await self._record(step, None), None
         intent = Intent(
             run_id=self.run_id,
@@ -266,14 +255,14 @@ class _Loop:
             return await self._record(self._acted(index, reply, action, outcome, began),
                                       None), None
         await self.store.write_intent(intent)
-        return await self._act(index, reply, action, began), _action_name(intent)
+        return await self._act(index, reply, action, began), action_name(intent)
 
     def _replay_policy(self, action: Action) -> Replay | str:
         """The executor's replay policy for ``action``, or why there is none."""
         try:
             replay = self.request.executor.replay(action)
         except Exception as exc:  # noqa: BLE001 - the executor's fault, reported as one
-            return _describe(exc)
+            return exception_text(exc)
         if not isinstance(replay, Replay):
             kind = type(replay).__name__
             return f"TypeError: the executor's replay() returned {kind}, not Replay"
@@ -287,7 +276,7 @@ class _Loop:
         step = self._acted(index, reply, action, outcome, began)
         result = Result(
             run_id=self.run_id, result_id=result_id, kind=IntentKind.ACTION,
-            payload=_outcome_payload(outcome),
+            payload=outcome_payload(outcome),
         )
         return await self._record(step, result)
 
@@ -295,9 +284,9 @@ class _Loop:
         try:
             outcome = await self.request.executor.execute(action, result_id=result_id)
         except Exception as exc:  # noqa: BLE001 - an escaping exception is an env fault
-            return _fault(_describe(exc))
-        problem = _outcome_problem(outcome)
-        return outcome if problem is None else _fault(f"TypeError: {problem}")
+            return fault(exception_text(exc))
+        problem = outcome_problem(outcome)
+        return outcome if problem is None else fault(f"TypeError: {problem}")
 
     def _acted(
         self, index: int, reply: ModelReply, action: Action, outcome: ActionOutcome,
@@ -370,7 +359,7 @@ class _Loop:
         payload = plan.model_result.payload
         if isinstance(payload, dict) and "error" in payload:
             return await self._model_failed(index, str(payload["error"]), began), None
-        reply = _reply_from(payload, self.run_id, plan.model_result.result_id)
+        reply = reply_from(payload, self.run_id, plan.model_result.result_id)
         if intent is None:
             # No action was announced, so nothing has happened yet: interpret again.
             return await self._decide(index, reply, began)
@@ -381,7 +370,7 @@ class _Loop:
             action_text=intent.action_text or "",
             history_text=intent.history_text or "",
         )
-        return await self._act(index, reply, action, began), _action_name(intent)
+        return await self._act(index, reply, action, began), action_name(intent)
 
     # -- ending ------------------------------------------------------------------------
 
@@ -447,8 +436,6 @@ class _Loop:
         )
 
     async def _emit(self, kind: EventKind, step: int | None, record: Record) -> None:
-        if self.silent:
-            return
         event = Event(kind=kind, run_id=self.run_id, step=step, record=record)
         try:
             await self.definition.events.emit(event)
@@ -457,19 +444,3 @@ class _Loop:
             self.event_failures += 1
             logger.exception("run %r: the event sink failed on %s", self.run_id, kind.value)
 
-
-@functools.lru_cache(maxsize=512, typed=True)
-def _after_step(
-    decision: DecisionKind, model_failed: bool, action_status: ActionStatus | None,
-    synthesized: bool, done: bool, completes: bool,
-) -> StopReason | None:
-    """:func:`_stopping.after_step` over the facts of a step, memoized.
-
-    A pure function of a few enums and flags, so every step but the first few finds its
-    answer here instead of building a StepFacts value. ``typed`` keeps apart arguments
-    that are equal but not the same (``1`` and ``True``, a string and its enum member).
-    """
-    return _stopping.after_step(_stopping.StepFacts(
-        decision=decision, model_failed=model_failed, action_status=action_status,
-        synthesized=synthesized, done=done, completes=completes,
-    ))

@@ -9,10 +9,11 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from polyloop import _assembly, serialization
-from polyloop.tools import ToolRegistry
+from polyloop.session._values import Definition, Request
+from polyloop.tools import RegistryExecutor, ToolRegistry
 from polyloop.types import (
     Budget,
     Injection,
@@ -25,13 +26,8 @@ from polyloop.types import (
     UnloggableValue,
 )
 
-if TYPE_CHECKING:
-    # Only for annotations: the facade imports this module, so a runtime import would
-    # be circular.
-    from polyloop.session import Definition, Request
 
-
-def _prepare(definition: Definition, request: Request) -> dict[str, JSONValue]:
+def prepare(definition: Definition, request: Request) -> dict[str, JSONValue]:
     """Check the request and build its snapshot; raise ``InvalidRequest`` on any problem."""
     run_id = request.run_id if isinstance(request.run_id, str) else None
     problems = _problems(definition, request)
@@ -89,6 +85,13 @@ def _shape_problems(request: Request) -> list[str]:
     problems = []
     if not isinstance(request.tools, ToolRegistry):
         problems.append("tools must be a ToolRegistry")
+    elif _other_registry(request.executor, request.tools):
+        # The model is shown request.tools; an executor of another registry would run
+        # tools it never saw and miss the completion markers it was told about.
+        problems.append(
+            "executor must run the tools the model is shown: it was derived from another "
+            "ToolRegistry than tools (build it with tools.executor())"
+        )
     for name in ("run_context", "goal_context"):
         value = getattr(request, name)
         if not isinstance(value, tuple) or not all(isinstance(m, Message) for m in value):
@@ -113,6 +116,10 @@ def _shape_problems(request: Request) -> list[str]:
     if not isinstance(grace, (int, float)) or not math.isfinite(grace) or grace < 0:
         problems.append("cancel_grace_s must be a finite number of seconds, at least 0")
     return problems
+
+
+def _other_registry(executor: object, tools: ToolRegistry) -> bool:
+    return isinstance(executor, RegistryExecutor) and executor.registry != tools
 
 
 def _request_parameters(request: Request) -> dict[str, JSONValue]:
@@ -143,7 +150,8 @@ def _sha256(value: JSONValue) -> str:
     return hashlib.sha256(_assembly.canonical(value)).hexdigest()
 
 
-def _prefix(request: Request) -> tuple[Message, ...]:
+def context_prefix(request: Request) -> tuple[Message, ...]:
+    """The messages before the history: contexts, injection and tool list, in order."""
     return _assembly.prefix(
         run_context=request.run_context,
         injection_text=_assembly.render_injection(request.injection),

@@ -1,26 +1,16 @@
-"""Where a store's blocking writes run: inline when cheap and alone, else shared commits.
-
-Two tools the durable stores share, both about paying as little as possible for the
-hand-over between the event loop and a worker thread. On a virtual machine a thread
-hop costs two wake-ups (the worker's, then the event loop's), which can take as long
-as the ``fsync`` it carries, so a store that hops once per write doubles its cost.
-
-:class:`InlineSyncGate` decides when a sync may run on the event loop's own thread:
-only while the store object writes a single run (so no other run of the store waits
-behind the blocked loop, and runs of one store never serialize on it) and while the
-syncs it has timed recently were short (a slow disk sends every sync back to worker
-threads until it is fast again). See research-wiki record 0013 for the measurements.
+"""Shared commits: the writes that wait at the same moment share one worker-thread hop.
 
 :class:`GroupCommit` lets writes of different runs that wait at the same moment share
 one commit: the first caller runs a batch in a worker thread; callers arriving while it
 runs join the next batch, which starts as soon as the running one ends (or at once, for a
 ``GroupCommit`` allowed several batches in parallel). Every caller returns only after the
-commit that holds its item, with that item's own error if it failed.
+commit that holds its item, with that item's own error if it failed. Under light load
+each item is a batch of its own; batches grow only when the threads are busy, which is
+when sharing pays.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -29,42 +19,10 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-__all__ = ("GroupCommit", "InlineSyncGate")
+__all__ = ("GroupCommit",)
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-
-# A sync shorter than this may block the event loop when a store writes a single run.
-# Two milliseconds is about what decoding a large model reply costs on the loop anyway;
-# a local SSD syncs in a tenth of that, a network or spinning disk takes far longer.
-INLINE_SYNC_LIMIT_S = 0.002
-
-
-class InlineSyncGate:
-    """Remembers how long the last sync took; allows inline syncs while short and alone."""
-
-    __slots__ = ("_clock", "_last_s", "limit_s")
-
-    def __init__(
-        self, limit_s: float = INLINE_SYNC_LIMIT_S, *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.limit_s = limit_s
-        self._clock = clock  # replaceable so that tests need not sleep or spin
-        self._last_s = 0.0
-
-    def allows(self, writing_runs: int) -> bool:
-        """Whether a sync may run on the loop thread while ``writing_runs`` runs write."""
-        return writing_runs <= 1 and self._last_s < self.limit_s
-
-    def timed(self, action: Callable[[], _R]) -> _R:
-        """Run ``action`` (blocking; any thread) and remember how long it took."""
-        began = self._clock()
-        try:
-            return action()
-        finally:
-            self._last_s = self._clock() - began
-
 
 @dataclass(eq=False)
 class _Entry(Generic[_T]):
@@ -112,7 +70,7 @@ class GroupCommit(Generic[_T]):
 
     @property
     def idle(self) -> bool:
-        """No batch runs or waits: a caller alone could write without joining one."""
+        """No batch runs or waits."""
         return self._active == 0 and self._open is None
 
     async def submit(self, item: _T) -> None:

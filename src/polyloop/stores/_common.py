@@ -16,9 +16,8 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 
+from polyloop._shared import FORMAT, exception_text
 from polyloop.types import CorruptLog, RunLocked, SchemaMajorMismatch, StoreError
-
-FORMAT = "polyloop/1"
 
 
 def check_format(recorded: object, *, holder: str, run_id: str | None, location: str) -> None:
@@ -218,7 +217,7 @@ class WriterState:
 
     def fail(self, run_id: str, exc: BaseException) -> StoreError:
         """Remember that ``run_id`` failed and build the error to raise."""
-        self.failed[run_id] = f"{type(exc).__name__}: {exc}"
+        self.failed[run_id] = exception_text(exc)
         error = StoreError(f"write failed: {type(exc).__name__}: {exc}", run_id=run_id)
         error.__cause__ = exc
         return error

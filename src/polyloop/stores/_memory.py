@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 
+from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
 from polyloop.stores._archive import check_cutoff, prune_runs
 from polyloop.types import (
@@ -24,8 +26,6 @@ from polyloop.types import (
     StoreError,
 )
 
-_FORMAT = "polyloop/1"
-
 
 class MemoryStore:
     """Keeps every run in this process's memory. NOT recoverable across processes.
@@ -38,66 +38,50 @@ class MemoryStore:
     No other store object sees these runs, so a claim here only keeps out a second
     driver of the same run through this object.
 
+    Cancellation, for every method: no method waits but :meth:`prune`, so each completes
+    or does not start; ``prune`` deletes each run whole or not at all.
     """
 
     __slots__ = ("_claims", "_closed", "_runs", "_updated")
 
     def __init__(self) -> None:
         self._runs: dict[str, list[Record]] = {}
-        self._updated: dict[str, datetime] = {}
+        self._updated: dict[str, float] = {}  # time.time() of the last write
         self._claims: set[str] = set()
         self._closed = False
 
     def parameters(self) -> Mapping[str, JSONValue]:
-        return {"kind": "memory", "format": _FORMAT}
+        return {"kind": "memory", "format": FORMAT}
 
     async def claim_run(self, run_id: str) -> None:
-        """Become the run's writer; ``RunLocked`` if this store object already is.
-
-        Cancellation: the method never waits, so it completes or does not start.
-        """
+        """Become the run's writer; ``RunLocked`` if this store object already is."""
         self._check_open(run_id)
         if run_id in self._claims:
             raise RunLocked("another caller already holds this run's claim", run_id=run_id)
         self._claims.add(run_id)
 
     async def release_run(self, run_id: str) -> None:
-        """Give up the claim on the run, if this store object holds it.
-
-        Cancellation: the method never waits, so it completes or does not start.
-        """
+        """Give up the claim on the run, if this store object holds it."""
         self._claims.discard(run_id)
 
     async def start_run(self, record: RunStarted) -> None:
-        """Keep the first record of a run.
-
-        Cancellation: the method never waits, so it completes or does not start.
-        """
+        """Keep the first record of a run."""
         self._check_claimed(record.run_id)
         if self._runs.get(record.run_id):
             raise RunAlreadyExists("the run already has records", run_id=record.run_id)
         self._runs[record.run_id] = [record]
-        self._updated[record.run_id] = datetime.now(UTC)
+        self._updated[record.run_id] = time.time()
 
     async def write_intent(self, intent: Intent) -> None:
-        """Keep an intent (memory is as durable as this store gets).
-
-        Cancellation: the method never waits, so it completes or does not start.
-        """
+        """Keep an intent (memory is as durable as this store gets)."""
         self._records(intent.run_id).append(intent)
 
     async def write_result(self, result: Result) -> None:
-        """Keep a model result.
-
-        Cancellation: the method never waits, so it completes or does not start.
-        """
+        """Keep a model result."""
         self._records(result.run_id).append(result)
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
-        """Keep a step and its action result together.
-
-        Cancellation: the method never waits, so it completes or does not start.
-        """
+        """Keep a step and its action result together."""
         if action_result is not None and action_result.run_id != step.run_id:
             raise StoreError(
                 f"the action result belongs to run {action_result.run_id!r}",
@@ -109,35 +93,23 @@ class MemoryStore:
         records.append(step)
 
     async def read_log(self, run_id: str) -> RunLog:
-        """Every record of ``run_id``, in write order.
-
-        Cancellation: the method never waits, so it completes or does not start.
-        """
+        """Every record of ``run_id``, in write order."""
         self._check_open(run_id)
         return RunLog(run_id=run_id, records=tuple(self._runs.get(run_id, ())))
 
     async def end_run(self, record: RunEnded) -> None:
-        """Keep the end record and give up the claim.
-
-        Cancellation: the method never waits, so it completes or does not start.
-        """
+        """Keep the end record and give up the claim."""
         self._records(record.run_id).append(record)
         self._claims.discard(record.run_id)
 
     async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
-        """Every run, in the order the runs started (only unfinished ones if asked).
-
-        Cancellation: the method never waits, so it completes or does not start.
-        """
+        """Every run, in the order the runs started (only unfinished ones if asked)."""
         self._check_open(None)
         listed = (self._stored(run_id) for run_id in self._runs)
         return tuple(run for run in listed if not (unfinished_only and run.finished))
 
     async def describe_run(self, run_id: str) -> StoredRun | None:
-        """The run as :meth:`list_runs` lists it, or ``None``.
-
-        Cancellation: the method never waits, so it completes or does not start.
-        """
+        """The run as :meth:`list_runs` lists it, or ``None``."""
         self._check_open(run_id)
         return self._stored(run_id) if run_id in self._runs else None
 
@@ -149,13 +121,10 @@ class MemoryStore:
         A run that is unfinished, ended in doubt, or claimed is never touched. With
         ``archive``, each run's log is first written to that directory, as a
         :class:`~polyloop.stores.JsonlStore` keeps it.
-
-        Cancellation: each run is archived and deleted whole or not at all; the ids of
-        the runs deleted before the cancellation are lost with the return value.
         """
         cutoff = check_cutoff(finished_before)
         candidates = [run_id for run_id, records in self._runs.items()
-                      if _finished(records) and self._updated[run_id] < cutoff]
+                      if _finished(records) and self._updated[run_id] < cutoff.timestamp()]
         return await prune_runs(self, candidates,
                                 archive=Path(archive) if archive is not None else None,
                                 delete=self._delete_claimed)
@@ -167,10 +136,7 @@ class MemoryStore:
 
     async def aclose(self) -> None:
         """Give up every claim and refuse further use; idempotent. The records go with
-        the object.
-
-        Cancellation: the method never waits, so it completes or does not start.
-        """
+        the object."""
         self._closed = True
         self._claims.clear()
 
@@ -190,7 +156,7 @@ class MemoryStore:
             run_id=run_id,
             finished=_finished(self._runs[run_id]),
             claimed=run_id in self._claims,
-            updated_at=self._updated[run_id],
+            updated_at=datetime.fromtimestamp(self._updated[run_id], UTC),
         )
 
     def _check_open(self, run_id: str | None) -> None:
@@ -211,7 +177,7 @@ class MemoryStore:
         if _finished(records):
             raise StoreError("the run has ended; nothing may follow its end record",
                              run_id=run_id)
-        self._updated[run_id] = datetime.now(UTC)
+        self._updated[run_id] = time.time()
         return records
 
     def __repr__(self) -> str:

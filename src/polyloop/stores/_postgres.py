@@ -1,124 +1,23 @@
 """The PostgreSQL store: one database shared by many worker processes on many hosts.
 
-Schema. Everything lives in one PostgreSQL schema (``polyloop`` unless told otherwise),
-created on first use with idempotent DDL::
+Tables in one schema: ``meta`` (the record format and the layout), ``records`` (one row
+per record, keyed by the sha256 of the run id and the record's seq, its body the line
+:func:`polyloop.serialization.dumps` writes), ``runs`` (one row per run: where its log
+stands, whether it finished, its owner and claim epoch) and ``owners`` (the store
+objects that claim runs, with their leases); ``docs/stores.md`` describes them for
+users. Starts and intents commit with ``synchronous_commit`` on; a batch without them
+commits with it off for its own transaction. Research records 0011 (durability), 0017
+(claims), 0018 (owners, leases, timeouts) and 0019 (one write path) say why.
 
-    meta(key text PRIMARY KEY, value text NOT NULL)
-        ('format', 'polyloop/1'): the record format the schema was created with.
-    records(run_key bytea NOT NULL, seq bigint NOT NULL, run_id text NOT NULL,
-            kind text NOT NULL, body text NOT NULL,
-            written_at timestamptz NOT NULL DEFAULT now(),
-            PRIMARY KEY (run_key, seq))
-
-A row is one record. ``run_key`` is the sha256 of the run id (its UTF-8 bytes), so the
-primary key stays small however long an id is (a btree entry must fit in a third of a
-page, which a long id would not). ``run_id`` is the id for people and plain SQL:
-PostgreSQL text cannot hold NUL or a lone surrogate, so it holds the id with JSON string
-escaping (quote, backslash, control characters and lone surrogates escaped), which leaves
-ordinary ids unchanged and never maps two ids to one value. ``seq`` counts the records of
-one run from 0 in write order, ``kind`` is the record kind (``run_started``, ``intent``,
-``result``, ``step``, ``run_ended``), and ``body`` is the record exactly as
-:func:`polyloop.serialization.dumps` writes it. The body is ``text``, not ``jsonb``:
-``jsonb`` refuses ``\\u0000`` and reorders keys, and a log must read back byte for byte.
-The body is the truth; readers check that it agrees with its row (same run id, same
-kind, no gap in ``seq``). Every value is a bound parameter; the schema name is quoted as
-an identifier. The DDL runs once per store object, inside a transaction that holds
-``pg_advisory_xact_lock`` so that many processes starting at once do not race; a schema
-whose tables already exist needs no DDL privilege at all. A schema recorded with another
-major of the format raises ``SchemaMajorMismatch``.
-
-Durability. Writes share commits (group commit): the writes that wait at the same moment
-for one writer connection, from any of its runs, are committed together in one
-transaction, and every call returns only after the commit that holds its rows.
-``write_step`` puts the action result and the step record (in that order) in one
-transaction, so both land or neither does. What is on disk when a call returns:
-
-* ``start_run`` and ``write_intent`` are durable barriers. A batch holding one commits
-  with ``synchronous_commit`` on, so the call returns once the server has flushed its
-  write-ahead log past the record, and with it every record committed before (the log
-  is flushed in order). An intent thus survives a crash of the server before its side
-  effect runs; a writer session whose ``synchronous_commit`` is ``off`` is switched
-  back to ``on`` for this reason.
-* A batch of only ``write_result``, ``write_step`` and ``end_run`` commits with
-  ``synchronous_commit`` off for its own transaction (``SET LOCAL``, or its function
-  form ``set_config(..., true)`` inside the one statement): when the call returns its
-  rows are committed, visible to every reader and safe from the death of this
-  process, but not yet flushed. The server flushes them within a few
-  ``wal_writer_delay`` periods, or earlier with any synchronous commit. A crash of the
-  server (or its host) before then loses the latest such records: a tail of each run's
-  log after its last barrier, never an earlier record and never a gap, because a run's
-  commits are ordered and the log is flushed in order. Recovery reads that log as if
-  the crash came before those writes (an intent without its result, a step without its
-  end record), so a run whose ``end_run`` returned may read back as unfinished and
-  ``resume`` then continues it by the recovery rules; no side effect runs twice unless
-  its intent allows a replay.
-
-A batch is one transaction: one statement on the autocommit connection, whatever its
-size (its rows travel as arrays). If the server refuses the statement, each run of the
-batch is sent again alone, so that the run at fault fails alone
-(:mod:`polyloop.stores._postgres_batch` tells how a batch is planned, sent and settled).
-(A private ``_group_commit=False`` commits each write alone in its own thread hop
-instead, the baseline the benchmarks use.)
-
-Runs and owners. A third table, ``runs(run_key bytea PRIMARY KEY, run_id text, next_seq
-bigint, finished boolean, epoch bigint, started_at timestamptz, updated_at timestamptz,
-owner text, stop_reason text)``, with the indexes ``runs_unfinished`` (only the rows whose
-run has not finished), ``runs_owned`` and ``runs_finished``, holds one row per run; a
-claim creates it for a run that has none yet (``next_seq`` 0 until the run starts).
-Every batch moves the rows of its runs on in the same statement that inserts their
-records; a row moves only if the writer's claim epoch is still the row's, the row's next
-seq is the one the writer expects, and the run has not finished; an end record gives the
-owner up. The records of a run whose row did not move are not inserted, and its writes
-are refused (``RunLocked`` when the epoch moved on, ``StoreError`` otherwise).
-``owners(owner_id, description, lock_hi, lock_lo, lease_until, started_at)`` holds the
-store objects that claim runs. A schema from before these tables or columns gets them
-(``runs`` filled from the records) under the DDL lock.
-
-Writers. A run has one writer: a store object claims it (``claim_run``) as an owner with
-a lease (see :mod:`polyloop.stores._lease`). At its first claim the store object opens a
-connection of its own for its lease (``polyloop-owner``), takes a session-level advisory
-lock on its owner key there (a lock the server frees when the session ends, for example
-because the process died) and writes its ``owners`` row. A claim is one statement: it
-makes the run's row name this owner and moves the claim epoch on, unless the row names a
-live owner, one whose lease has not ended and whose lock is held (``RunLocked``, naming
-it). The claim lasts until ``end_run``, ``release_run`` (sent on the owner's connection,
-which outlives any writer's), ``aclose()``, the end of the lease, or the end of the
-owner's session. Whether a run is claimed is read from ``pg_locks`` and the lease. Writes
-go through *writer connections*, opened by this store object for writing only and never
-taken from or returned to the reader pool. A store object opens at most
-``max_writer_connections`` of them: a run gets a connection of its own while there is
-room, after that it shares the least busy one. Each connection commits one batch at a
-time, holding the waiting writes of all its runs; each run's next ``seq`` is given out in
-the batch, in submission order. This keeps the number of server connections bounded
-however many runs a worker drives at once, and the more runs share a connection, the
-more writes each commit carries.
-
-Failures. A ``psycopg.Error`` during a write raises ``StoreError`` (the cause chained)
-and the store object writes nothing more for that run until it is closed and reopened.
-A commit that fails, or a connection lost in the middle of a batch, fails every write
-of the batch that way. A lost writer connection is replaced at the next write; the runs
-that were not writing on it keep their claims, which live with the owner. A write
-refused on its own (``RunAlreadyExists``, ``RunLocked``, a run never started or ended,
-a run refused after a failure) writes nothing and does not affect the other writes of
-its batch.
-
-Deployment. The owner's connection must reach PostgreSQL itself or a session-pooling
-proxy: a proxy that pools by transaction would move the session-level lock between
-clients. Every connection of a store object runs with ``statement_timeout`` and, unless
-the connection string sets it, ``tcp_user_timeout`` at ``statement_timeout_s``, so that a
-server that stops answering, or a host or network that goes silent, becomes a
-``StoreError`` instead of a thread held for ever.
-
-Threads. psycopg 3 is used with plain blocking connections; every call runs in a worker
-thread (``anyio.to_thread.run_sync``), so the event loop never blocks and the store works
-unchanged under asyncio and Trio (psycopg's own async API is tied to asyncio). Reads and
-the DDL use a ``psycopg_pool.ConnectionPool``, opened lazily in a worker thread at first
-use and closed by ``aclose()``. A write alone on its writer connection commits in one
-thread hop of its own; writes that arrive while another is in flight join the
-connection's next batch (:class:`~polyloop.stores._batching.GroupCommit`), which one
-thread hop commits for all of them. A writer connection is used by one thread at a
-time, under its own ``threading.Lock``. A store object must be used from one event
-loop at a time.
+A claim is the run's row naming this store object's owner id, with a claim epoch; the
+owner holds a session-level advisory lock on a connection of its own while it lives, and
+a lease that :mod:`polyloop.stores._lease` keeps. Writes go through *writer connections*
+(at most ``max_writer_connections``, never lent to the reader pool): the writes that wait
+on a connection at the same moment are one batch, one statement
+(:mod:`polyloop.stores._postgres_batch`), which moves each run's row on under its epoch
+and inserts its records, or refuses the run. Every call runs in a worker thread on plain
+blocking psycopg connections (psycopg's async API is tied to asyncio), so the store
+serves asyncio and Trio alike; a store object must be used from one event loop at a time.
 """
 
 from __future__ import annotations
@@ -148,24 +47,26 @@ from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from polyloop import serialization
+from polyloop._shared import FORMAT, record_kind
 from polyloop.ports import StoredRun
 from polyloop.stores._archive import check_cutoff, prune_runs
 from polyloop.stores._batching import GroupCommit
-from polyloop.stores._common import FORMAT, WriterState, check_format, claim_in_thread
+from polyloop.stores._common import WriterState, check_format, claim_in_thread
 from polyloop.stores._lease import Lease, check_lease_s
 from polyloop.stores._postgres_batch import (
     Claim,
     Committer,
     Connection,
-    Errors,
     Item,
     Mode,
     Probe,
     Slot,
     Writer,
+    fail_run,
+    open_connection,
+    set_statement_timeout,
 )
 from polyloop.stores._postgres_sql import (
-    KIND,
     LAYOUT,
     Queries,
     ddl_lock_key,
@@ -221,13 +122,18 @@ class PostgresStore:
     and closes every connection. Any worker connected to the same database resumes any
     run; a second writer of a run gets ``RunLocked``. Needs the ``postgres`` extra
     (psycopg 3 and psycopg-pool).
+
+    Cancellation, for every method: the worker thread a call started finishes before
+    the cancellation is delivered. A write cancelled before its batch started writes
+    nothing; once the batch started, the call waits for its commit, shielded, then lets
+    the cancellation go on (its rows are committed, or it failed). Reads change nothing;
+    closing completes even in a cancelled scope.
     """
 
     __slots__ = (
-        "_commit_probe",
+        "_committer",
         "_connect",
         "_conninfo",
-        "_grouped",
         "_lease",
         "_max_writers",
         "_owner_conn",
@@ -255,19 +161,12 @@ class PostgresStore:
         timeout: float = 30.0,
         lease_s: float = 15.0,
         statement_timeout_s: float = 30.0,
-        _group_commit: bool = True,
+        _probe: Probe | None = None,
     ) -> None:
         _check_options(schema, pool_size, max_writer_connections, timeout)
         check_lease_s(lease_s)
         if not statement_timeout_s > 0:
             raise ValueError("statement_timeout_s must be a positive number of seconds")
-        # Private: ``False`` writes each record in its own autocommit statement and
-        # thread hop (the one-commit-per-barrier baseline the benchmarks compare with).
-        self._grouped = _group_commit
-        # Private, for tests: called in the batch thread just before each commit of a
-        # batch, with the writer connection, the (run id, kind) of every row in it, and
-        # the SQL text of the statements that make up the commit.
-        self._commit_probe: Probe | None = None
         self._conninfo = conninfo
         self._statement_timeout_s = float(statement_timeout_s)
         self._connect = _connect_options(conninfo, timeout, self._statement_timeout_s)
@@ -283,6 +182,8 @@ class PostgresStore:
         self._writers: list[Writer] = []
         self._slots: dict[str, Slot] = {}
         self._lease = Lease(lease_s, self._renew_lease)
+        # ``_probe`` is a test seam: it sees each batch just before its commit.
+        self._committer = Committer(self._state, self._queries, self._lease, _probe)
         self._owner_lock = threading.Lock()
         self._owner_conn: Connection | None = None
 
@@ -297,19 +198,13 @@ class PostgresStore:
 
         Raises ``RunLocked`` (naming the holder) if a live owner, this store object's
         included, holds it: one whose lease has not ended and whose session lives.
-
-        Cancellation: the worker thread finishes before the cancellation is delivered,
-        and the claim is given up again if the call does not return.
         """
         token = anyio.lowlevel.current_token()
         await claim_in_thread(partial(self._claim_run, run_id, token),
                               partial(self._release_run, run_id))
 
     async def release_run(self, run_id: str) -> None:
-        """Give up the claim, writing no record (the row of a run never started goes).
-
-        Cancellation: the worker thread finishes before the cancellation is delivered.
-        """
+        """Give up the claim, writing no record (the row of a run never started goes)."""
         slot = self._slots.get(run_id)
         if slot is not None and slot.claim is not None:
             await self._in_thread(self._release_run, run_id)
@@ -319,39 +214,21 @@ class PostgresStore:
 
         When this returns the record is committed and flushed to the server's disk.
         Raises ``RunAlreadyExists`` if the run has any row (nothing is written).
-
-        Cancellation: a call cancelled before its batch starts writes nothing and
-        re-raises. Once the batch has started the call waits for its commit (shielded),
-        then re-raises: the record is committed, or its write failed.
         """
         await self._write(record.run_id, [record], "start", barrier=True)
 
     async def write_intent(self, intent: Intent) -> None:
-        """Write an intent, a durable barrier: committed and flushed when this returns.
-
-        Cancellation: a call cancelled before its batch starts writes nothing and
-        re-raises. Once the batch has started the call waits for its commit (shielded),
-        then re-raises: a cancelled call may have written the intent.
-        """
+        """Write an intent, a durable barrier: committed and flushed when this returns."""
         await self._write(intent.run_id, [intent], "append", barrier=True)
 
     async def write_result(self, result: Result) -> None:
-        """Write the result of a model call; committed (not yet flushed) when this returns.
-
-        Cancellation: a call cancelled before its batch starts writes nothing and
-        re-raises. Once the batch has started the call waits for its commit (shielded),
-        then re-raises.
-        """
+        """Write the result of a model call; committed (not yet flushed) when this returns."""
         await self._write(result.run_id, [result], "append")
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
         """Write the action result (if any) and the step record in one transaction.
 
         Committed (not yet flushed) when this returns: both rows, or neither.
-
-        Cancellation: a call cancelled before its batch starts writes nothing and
-        re-raises. Once the batch has started the call waits for its commit (shielded),
-        then re-raises; both rows are there afterwards, or neither.
         """
         if action_result is None:
             await self._write(step.run_id, [step], "append")
@@ -366,10 +243,6 @@ class PostgresStore:
         """Write the run's end record and give up the claim, in one statement.
 
         The record is committed (not yet flushed) and the claim given up when this returns.
-
-        Cancellation: a call cancelled before its batch starts writes nothing, keeps the
-        lock and re-raises. Once the batch has started the call waits for its commit and
-        the release (shielded), then re-raises.
         """
         await self._write(record.run_id, [record], "end", final=record.is_final,
                           reason=record.stop_reason.value)
@@ -380,9 +253,6 @@ class PostgresStore:
         Raises ``CorruptLog`` (naming the row) for a body that does not decode or does
         not belong to its row, and ``SchemaMajorMismatch`` for another record format.
         Readers never take the writer lock.
-
-        Cancellation: the worker thread finishes the query and decoding before the
-        cancellation is delivered.
         """
         records = await self._in_thread(self._read, run_id)
         return RunLog(run_id=run_id, records=records)
@@ -393,17 +263,11 @@ class PostgresStore:
         Read from the table of runs; the unfinished ones through an index that holds
         only them, so finished runs cost nothing. Whether a run is claimed is read from
         the server's advisory locks.
-
-        Cancellation: the worker thread finishes the query before the cancellation is
-        delivered.
         """
         return await self._in_thread(self._list, unfinished_only)
 
     async def describe_run(self, run_id: str) -> StoredRun | None:
-        """The run as :meth:`list_runs` lists it; ``None`` if it has no row.
-
-        Cancellation: as for :meth:`list_runs`.
-        """
+        """The run as :meth:`list_runs` lists it; ``None`` if it has no row."""
         return await self._in_thread(self._describe, run_id)
 
     async def prune(
@@ -416,8 +280,6 @@ class PostgresStore:
         before the cutoff. With ``archive``, each run's log is first written durably to
         that directory, as a :class:`~polyloop.stores.JsonlStore` keeps it. Safe while
         workers run.
-
-        Cancellation: each run is archived and deleted whole or not at all.
         """
         cutoff = check_cutoff(finished_before)
         candidates = await self._in_thread(self._prunable, cutoff)
@@ -426,20 +288,12 @@ class PostgresStore:
                                 delete=partial(self._delete_claimed, cutoff=cutoff))
 
     async def aclose(self) -> None:
-        """Give up every claim, end this owner's lease, close every connection. Idempotent.
-
-        Cancellation: closing runs shielded, so it completes even in a cancelled scope.
-        """
+        """Give up every claim, end this owner's lease, close every connection. Idempotent."""
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._close)
 
     async def __aenter__(self) -> PostgresStore:
-        """Open the pool and check (or create) the schema now rather than at first use.
-
-        Cancellation: a cancellation before the worker thread starts opens nothing; once
-        it has started, opening finishes and the cancellation reaches the ``async with``
-        body, whose exit closes the store.
-        """
+        """Open the pool and check (or create) the schema now rather than at first use."""
         await self._in_thread(self._open_now)
         return self
 
@@ -460,36 +314,8 @@ class PostgresStore:
                      barrier: bool = False, final: bool = False,
                      reason: str | None = None) -> None:
         rows = [record_row(record) for record in records]
-        with self._routed(run_id) as (slot, alone):
-            item = Item(slot, rows, mode, barrier, final, reason)
-            if alone or not self._grouped:
-                # Nobody could share this commit: skip the batching, keep its rules.
-                # A write that arrives meanwhile batches, and waits for writer.lock.
-                error = (await self._in_thread(self._commit_batch, slot.writer, [item]))[0]
-                # As after a shared commit: a cancellation that came during it is raised.
-                await anyio.lowlevel.checkpoint_if_cancelled()
-                if error is not None:
-                    raise error
-            else:
-                await slot.writer.group.submit(item)
-
-    @contextmanager
-    def _routed(self, run_id: str) -> Iterator[tuple[Slot, bool]]:
-        """Count a write in ``run_id``'s slot and its writer; say if it is the writer's only one.
-
-        A run's writes all go to one writer connection, the one its lock lives on (or
-        will), so that the batches of that connection order them. The slot is forgotten
-        when nobody uses or claims it.
-        """
         with self._used(run_id) as slot:
-            with self._state.mutex:
-                alone = slot.writer.writing == 0
-                slot.writer.writing += 1
-            try:
-                yield slot, alone
-            finally:
-                with self._state.mutex:
-                    slot.writer.writing -= 1
+            await slot.writer.group.submit(Item(slot, rows, mode, barrier, final, reason))
 
     @contextmanager
     def _used(self, run_id: str) -> Iterator[Slot]:
@@ -519,12 +345,10 @@ class PostgresStore:
         return writer
 
     def _new_writer(self) -> Writer:
-        writer: Writer
-
-        def commit(items: Sequence[Item]) -> Errors:
-            return self._commit_batch(writer, items)
-
-        writer = Writer(group=GroupCommit(commit))
+        writer = Writer(connect=partial(open_connection, self._conninfo,
+                                        self._statement_timeout_s, name=_WRITER_NAME,
+                                        **self._connect))
+        writer.group = GroupCommit(partial(self._committer.commit, writer))
         return writer
 
     # -- claims and the owner's lease (worker threads) -----------------------------------
@@ -578,11 +402,11 @@ class PostgresStore:
             return False
         with slot.writer.lock:
             try:
-                conn = self._writer_connection(slot.writer, run_id)
+                conn = slot.writer.connected(run_id)
                 gone = _scalar(conn, self._queries.prune_run, {
                     "run_key": run_key(run_id), "epoch": claim.epoch, "before": cutoff})
             except psycopg.Error as exc:
-                raise self._failed(run_id, slot.writer, exc) from exc
+                raise fail_run(self._state, slot.writer, run_id, exc) from exc
             if gone:
                 slot.claim = None
         if gone:
@@ -599,13 +423,13 @@ class PostgresStore:
         """
         key = run_key(run_id)
         try:
-            conn = self._writer_connection(writer, run_id)
+            conn = writer.connected(run_id)
             row = conn.execute(self._queries.claim, {
                 "run_key": key, "run_id": run_id_column(run_id), "owner": owner_id,
             }).fetchone()
             holder = None if row else conn.execute(self._queries.holder, (key,)).fetchone()
         except psycopg.Error as exc:
-            raise self._failed(run_id, writer, exc) from exc
+            raise fail_run(self._state, writer, run_id, exc) from exc
         if row is None:
             who = f"{holder[0]}, whose lease runs until {holder[1]:%Y-%m-%d %H:%M:%S %Z}" \
                 if holder else "another writer"
@@ -662,58 +486,12 @@ class PostgresStore:
         conn = self._owner_conn
         if conn is None or conn.broken or conn.closed:
             self._close_owner_connection()
-            conn = self._owner_conn = _open_writer(
+            conn = self._owner_conn = open_connection(
                 self._conninfo, self._statement_timeout_s, name=_OWNER_NAME, **self._connect)
         return conn
 
     def _close_owner_connection(self) -> None:
         conn, self._owner_conn = self._owner_conn, None
-        if conn is not None:
-            conn.close()
-
-    # -- shared commits (worker thread; one batch of one writer connection at a time) -------
-
-    def _commit_batch(self, writer: Writer, items: Sequence[Item]) -> Errors:
-        """Commit every item that may be written in one transaction; say how each ended."""
-        # Built per batch rather than kept: a committer holds the store's bound methods,
-        # and keeping one would tie the store into a reference cycle. Next to a round trip
-        # to the server, building it costs nothing.
-        committer = Committer(
-            state=self._state, queries=self._queries, lease=self._lease,
-            ready=self._ensure_ready, connection=self._writer_connection,
-            failed=self._failed, drop=self._drop_writer,
-        )
-        return committer.commit(writer, items, self._commit_probe)
-
-    # -- claims, connections, failures (worker thread) --------------------------------------
-
-    def _writer_connection(self, writer: Writer, run_id: str) -> Connection:
-        """The writer's connection, opened on first use and after a loss (``writer.lock``
-        held). A new connection writes nothing unfenced: every write checks its run's claim
-        epoch, which lives in the run's row, not on a connection."""
-        if writer.broken or self._state.closed:
-            raise StoreError("the store is closed", run_id=run_id)
-        if writer.connection is None:
-            writer.connection = _open_writer(self._conninfo, self._statement_timeout_s,
-                                             **self._connect)
-        return writer.connection
-
-    def _failed(self, run_id: str, writer: Writer, exc: Exception) -> StoreError:
-        """Refuse ``run_id`` from now on; give a lost connection up."""
-        conn = writer.connection
-        with self._state.mutex:
-            error = self._state.fail(run_id, exc)
-        if conn is None or conn.broken or conn.closed:
-            self._drop_writer(writer, exc)
-        return error
-
-    def _drop_writer(self, writer: Writer, exc: BaseException) -> None:
-        """The writer's connection is lost: close it; the next write opens another.
-
-        Only the runs whose writes were on it when it went fail (their outcome is
-        unknown); the other runs routed to this writer keep their claims.
-        """
-        conn, writer.connection = writer.connection, None
         if conn is not None:
             conn.close()
 
@@ -781,8 +559,8 @@ class PostgresStore:
             raise corrupt(f"the row holds a record of run {shown(record.run_id)}")
         if column != run_id_column(run_id):
             raise corrupt(f"the row's run_id column says {shown(column)}")
-        if KIND[type(record)] != kind:
-            raise corrupt(f"the row says {kind!r} but holds a {KIND[type(record)]!r} record")
+        if record_kind(record) != kind:
+            raise corrupt(f"the row says {kind!r} but holds a {record_kind(record)!r} record")
         return record
 
     # -- opening and closing (worker thread) ------------------------------------------------
@@ -820,7 +598,7 @@ class PostgresStore:
             timeout=self._timeout,
             kwargs={**self._connect, "autocommit": True,
                     "fallback_application_name": _READER_NAME},
-            configure=partial(_set_statement_timeout, seconds=self._statement_timeout_s),
+            configure=partial(set_statement_timeout, seconds=self._statement_timeout_s),
             check=ConnectionPool.check_connection,
             name=f"polyloop-{self._schema}",
         )
@@ -873,7 +651,7 @@ class PostgresStore:
         self._lease.stop()
         for writer in writers:
             with writer.lock:
-                _close_writer(writer)
+                writer.close()
         with self._owner_lock:
             owner_id, _, registered = self._lease.current()
             conn = self._owner_conn
@@ -916,35 +694,6 @@ def _connect_options(conninfo: str, timeout: float, statement_timeout_s: float
     if "tcp_user_timeout" not in given:
         options["tcp_user_timeout"] = max(1, math.ceil(statement_timeout_s * 1000))
     return options
-
-
-def _open_writer(conninfo: str, statement_timeout_s: float, *, name: str = _WRITER_NAME,
-                 **options: Any) -> Connection:
-    """A connection of this store object's own, for writes (or for its owner's lock)."""
-    conn = psycopg.connect(conninfo, autocommit=True, fallback_application_name=name,
-                           **options)
-    try:
-        _set_statement_timeout(conn, seconds=statement_timeout_s)
-        if _scalar(conn, sql.SQL("SHOW synchronous_commit"), ()) == "off":
-            conn.execute("SET synchronous_commit = on")
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _set_statement_timeout(conn: Connection, *, seconds: float) -> None:
-    conn.execute(sql.SQL("SET statement_timeout = {}").format(
-        sql.Literal(max(1, math.ceil(seconds * 1000)))))
-
-
-def _close_writer(writer: Writer) -> None:
-    """Close the writer's connection (called with its lock)."""
-    conn, writer.connection = writer.connection, None
-    writer.broken = True
-    writer.runs.clear()
-    if conn is not None:
-        conn.close()
 
 
 def _scalar(conn: Connection, query: sql.SQL | sql.Composed,

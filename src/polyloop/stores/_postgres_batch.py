@@ -21,12 +21,14 @@ of the batch is sent again on its own, so that the run at fault fails alone.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import TupleRow
 
 from polyloop.stores._batching import GroupCommit
@@ -46,6 +48,8 @@ __all__ = (
     "Slot",
     "Writer",
     "check_mode",
+    "fail_run",
+    "open_connection",
 )
 
 Connection = psycopg.Connection[TupleRow]
@@ -61,17 +65,52 @@ Probe = Callable[[Connection, tuple[tuple[str, str], ...], tuple[str, ...]], Non
 class Writer:
     """A writer connection of this store object and the runs routed to it.
 
-    ``runs`` holds every run whose claim lives on the connection or whose write is on
-    its way to it; ``group`` gathers the waiting writes of those runs into shared
-    commits.
+    ``runs`` holds every run whose claim or write is routed to the connection; ``group``
+    gathers the waiting writes of those runs into shared commits; ``connect`` opens a
+    connection. Every method but the constructor is called with ``lock`` held.
     """
 
-    group: GroupCommit[Item]
+    connect: Callable[[], Connection]
+    group: GroupCommit[Item] = field(init=False)
     connection: Connection | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     runs: set[str] = field(default_factory=set)
-    writing: int = 0  # writes of its runs in flight, counted on the event loop
-    broken: bool = False
+    closed: bool = False
+
+    def connected(self, run_id: str) -> Connection:
+        """The connection, opened on first use and after a loss. A new connection writes
+        nothing unfenced: every write checks its run's claim epoch, which lives in the
+        run's row, not on a connection."""
+        if self.closed:
+            raise StoreError("the store is closed", run_id=run_id)
+        if self.connection is None:
+            self.connection = self.connect()
+        return self.connection
+
+    def drop(self) -> None:
+        """The connection is lost: close it; the next write opens another."""
+        conn, self.connection = self.connection, None
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.runs.clear()
+        self.drop()
+
+
+def fail_run(state: WriterState, writer: Writer, run_id: str, exc: Exception) -> StoreError:
+    """Refuse ``run_id`` from now on, and give up the writer's connection if it is lost.
+
+    Only the runs whose writes met the lost connection fail (their outcome is unknown);
+    the other runs routed to the writer keep their claims.
+    """
+    conn = writer.connection
+    with state.mutex:
+        error = state.fail(run_id, exc)
+    if conn is None or conn.broken or conn.closed:
+        writer.drop()
+    return error
 
 
 @dataclass(eq=False)
@@ -165,34 +204,32 @@ class _Plan:
         run.items.append((index, item))
 
 
-@dataclass(frozen=True, slots=True)
 class Committer:
     """Commits the batches of one store object's writer connections (in a worker thread).
 
-    What a batch needs of its store is handed in: ``state`` (the failed runs and the
-    mutex), ``queries``, ``lease`` (whose lapse ends the claims taken under it), and the
-    store's steps on a writer connection. ``ready`` checks (or creates) the schema,
-    ``connection`` opens the writer's connection, ``failed`` refuses a run after an error
-    (and gives up a broken connection), ``drop`` gives up a lost connection. Each is
-    called with ``writer.lock`` held.
+    It knows the store's failed runs (``state``), its statements (``queries``) and its
+    lease (whose lapse ends the claims taken under it); each batch names its writer.
+    ``probe`` is a private test hook: called just before each commit with the
+    connection, the (run id, kind) of every row and the SQL text sent.
     """
 
-    state: WriterState
-    queries: Queries
-    lease: Lease
-    ready: Callable[[str], object]
-    connection: Callable[[Writer, str], Connection]
-    failed: Callable[[str, Writer, Exception], StoreError]
-    drop: Callable[[Writer, BaseException], None]
+    __slots__ = ("lease", "probe", "queries", "state")
 
-    def commit(self, writer: Writer, items: Sequence[Item], probe: Probe | None) -> Errors:
+    def __init__(self, state: WriterState, queries: Queries, lease: Lease,
+                 probe: Probe | None = None) -> None:
+        self.state = state
+        self.queries = queries
+        self.lease = lease
+        self.probe = probe
+
+    def commit(self, writer: Writer, items: Sequence[Item]) -> Errors:
         """Commit every item that may be written in one transaction; say how each ended."""
         errors: Errors = [None] * len(items)
         with writer.lock:
             plan = self._plan(items, errors)
             if plan.runs:
-                self._commit_plan(writer, plan, errors, probe)
-            self._settle(writer, plan, errors)
+                self._commit_plan(writer, plan, errors, self.probe)
+            self._settle(plan, errors)
         return errors
 
     def _plan(self, items: Sequence[Item], errors: Errors) -> _Plan:
@@ -207,7 +244,6 @@ class Committer:
                     raise RunLocked("this store object does not hold the run's claim",
                                     run_id=run_id)
                 self.lease.check(claim.generation, run_id)
-                self.ready(run_id)
                 plan.accept(index, item, claim)
             except PolyLoopError as exc:
                 errors[index] = exc
@@ -218,7 +254,7 @@ class Committer:
         """Send the batch; on a refused statement, each run again on its own."""
         runs = list(plan.runs.values())
         try:
-            conn = self.connection(writer, runs[0].claim.run_id)
+            conn = writer.connected(runs[0].claim.run_id)
             try:
                 self._send(conn, runs, plan.barrier, errors, probe)
             except psycopg.Error:
@@ -229,7 +265,7 @@ class Committer:
         except (psycopg.Error, StoreError) as exc:
             self._fail(writer, runs, errors, exc)
         except Exception as exc:  # noqa: BLE001 - its state is unknown: give the connection up
-            self.drop(writer, exc)
+            writer.drop()
             self._fail(writer, runs, errors, exc)
 
     def _send_alone(self, conn: Connection, writer: Writer, run: _RunWrite, errors: Errors,
@@ -283,14 +319,14 @@ class Committer:
         if conn is not None and not (conn.broken or conn.closed):
             try:
                 _roll_back(conn)
-            except psycopg.Error as lost:
-                self.drop(writer, lost)
+            except psycopg.Error:
+                writer.drop()
         for run in runs:
             for index, _ in run.items:
                 if errors[index] is None:
-                    errors[index] = self.failed(run.claim.run_id, writer, exc)
+                    errors[index] = fail_run(self.state, writer, run.claim.run_id, exc)
 
-    def _settle(self, writer: Writer, plan: _Plan, errors: Errors) -> None:
+    def _settle(self, plan: _Plan, errors: Errors) -> None:
         """After the commit: the runs that ended no longer hold their claims (their rows
         gave the owner up in the same statement as the end record)."""
         with self.state.mutex:
@@ -339,3 +375,24 @@ def _roll_back(conn: Connection) -> None:
     if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         conn.execute("ROLLBACK")
 
+
+def open_connection(conninfo: str, statement_timeout_s: float, *, name: str,
+                    **options: Any) -> Connection:
+    """An autocommit connection of the store object's own (a writer's, or its owner's),
+    with the statement timeout set and ``synchronous_commit`` on."""
+    conn = psycopg.connect(conninfo, autocommit=True, fallback_application_name=name,
+                           **options)
+    try:
+        set_statement_timeout(conn, seconds=statement_timeout_s)
+        row = conn.execute("SHOW synchronous_commit").fetchone()
+        if row is not None and row[0] == "off":
+            conn.execute("SET synchronous_commit = on")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def set_statement_timeout(conn: Connection, *, seconds: float) -> None:
+    conn.execute(sql.SQL("SET statement_timeout = {}").format(
+        sql.Literal(max(1, math.ceil(seconds * 1000)))))

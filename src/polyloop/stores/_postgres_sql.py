@@ -13,15 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
 
 from psycopg import sql
 
 from polyloop import serialization
-from polyloop.types import Intent, Record, Result, RunEnded, RunStarted, StepRecord
+from polyloop._shared import record_kind
+from polyloop.types import Record
 
 __all__ = (
-    "KIND",
     "LAYOUT",
     "Queries",
     "Row",
@@ -37,13 +36,6 @@ __all__ = (
 # One row to insert: (kind, body).
 Row = tuple[str, str]
 
-KIND: dict[type[Any], str] = {
-    RunStarted: "run_started",
-    Intent: "intent",
-    Result: "result",
-    StepRecord: "step",
-    RunEnded: "run_ended",
-}
 _SHOWN_ID_CHARS = 60
 
 
@@ -92,7 +84,7 @@ def shown(run_id: str) -> str:
 def record_row(record: Record) -> Row:
     """The (kind, body) row that holds ``record``."""
     body = serialization.dumps(record)  # refuses anything that is not a record
-    return KIND[type(record)], body
+    return record_kind(record), body
 
 
 # The rows of a batch, one array per column, and its runs, one array per column: one

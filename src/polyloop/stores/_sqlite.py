@@ -1,92 +1,19 @@
-"""The SQLite store: every run in one database file, writes committed alone or in groups.
+"""The SQLite store: every run in one database file, committed in shared transactions.
 
-Schema (created on first use with idempotent DDL)::
+Tables ``meta`` (the record format), ``records`` (one row per record, its body the line
+:func:`polyloop.serialization.dumps` writes), ``runs`` (one row per run: where its log
+stands, whether it finished, its owner and claim epoch) and ``owners`` (the store
+objects that claim runs, with their leases); ``docs/stores.md`` describes them for
+users. The database runs in WAL mode: starts and intents commit with
+``synchronous=FULL``, every other write with ``NORMAL`` unless a barrier shares its
+commit. Each write moves its run's row on in the same transaction, under the writer's
+claim epoch, or is rolled back whole. Research records 0010 (durability), 0017 (claims),
+0018 (owners and leases) and 0019 (one write path, off the event loop) say why.
 
-    meta(key TEXT PRIMARY KEY, value TEXT NOT NULL)
-        ('format', 'polyloop/1'): the record format the database was created with.
-    records(run_id TEXT NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL,
-            body TEXT NOT NULL, PRIMARY KEY (run_id, seq))
-
-A row is one record. ``seq`` counts the records of one run from 0 in write order (the
-``RunStarted`` record is row 0), ``kind`` is the record kind (``run_started``,
-``intent``, ``result``, ``step``, ``run_ended``) so that plain SQL can filter on it, and
-``body`` is the record as :func:`polyloop.serialization.dumps` writes it, the same line a
-JSON-lines log would hold. The body is the truth: readers decode it and check that it
-agrees with its row (same run, same kind). A run id that cannot be stored as SQLite text
-(it holds a lone surrogate) is stored as the BLOB of its ``surrogatepass`` UTF-8 bytes,
-which no text id can equal. Every statement binds its values; no SQL is built from data.
-
-Durability. The database runs in WAL mode. The store sets ``synchronous=FULL`` when it
-opens the database and reads both settings back, refusing a database that does not take
-them (an in-memory database, a file system on which WAL does not work). What is on disk
-when a call returns:
-
-* ``start_run`` and ``write_intent`` (the barriers): their transaction committed with
-  ``synchronous=FULL``, so the write-ahead log, with every frame before theirs, was
-  flushed to disk (``fsync``) before the call returns. They survive a crash of the
-  process and of the machine.
-* ``write_result``, ``write_step`` and ``end_run``: their transaction committed, in the
-  write-ahead log in the operating system's cache. When no barrier shares the commit it
-  runs with ``synchronous=NORMAL`` (no ``fsync``): the rows survive a crash of the
-  process, and a machine crash can lose them, but only as a suffix of the log, since the
-  next barrier's ``fsync`` flushes them first and SQLite replays the log only up to its
-  first damaged frame. Recovery already handles such a log (an open intent, or a run
-  whose stop is decided again from the same records).
-
-Every transaction sets the level it needs before its ``BEGIN``, so the level a
-connection was left at never decides a commit; each connection remembers the level it
-was last set to and issues the pragma only when it changes (SQLite refuses it inside a
-transaction). ``write_step`` puts the action result and the step record in one
-transaction (inside one savepoint when the commit is shared), result first, so both land
-or neither does.
-
-Runs and owners. The table ``runs(run_id TEXT PRIMARY KEY, next_seq INTEGER, finished
-INTEGER, updated_at REAL, owner TEXT, epoch INTEGER, stop_reason TEXT)``, with the
-indexes ``runs_unfinished`` (only the rows whose run has not finished), ``runs_owned`` and
-``runs_finished``, holds one row per run: its next ``seq``, whether its log ends with a
-final end record (and its stop reason), when it was last written (seconds since the
-epoch), which owner holds its claim and the claim's epoch. Every write changes the row in
-its own transaction, moving it on only under the writer's epoch, from the ``seq`` it
-expects, while the run has not finished; an end record gives the owner up. A write the
-row does not expect is rolled back whole. ``owners(owner_id, description, lease_until,
-started_at)`` holds the store objects that claim runs. A database from before these
-tables or columns gets them (``runs`` filled from the records) when a store object first
-opens it.
-
-Writers. A store object becomes a run's writer with ``claim_run``, an owner with a lease
-(see :mod:`polyloop.stores._lease`): at its first claim it takes a ``flock`` on
-``<file>.owners/<owner id>.lock``, held while it lives, and writes its ``owners`` row. A
-claim, in one ``BEGIN IMMEDIATE`` transaction, makes the run's row name this owner and
-moves its epoch on, unless the row names a live owner (lease not ended, lock held):
-``RunLocked``. The claim lasts until ``end_run``, ``release_run``, :meth:`SqliteStore.aclose`,
-the end of the lease, or the death of the process. Readers never need a claim. A failed
-write (``sqlite3.Error``, ``OSError``) stops every later write of that run through the
-same store object until a new one is opened.
-
-Threads. ``sqlite3`` connections must not be used by two threads at once. A store object
-owns two connections to its database (opened together, with ``check_same_thread=False``)
-and guards both, with the writer locks, the ``seq`` counters and the failed-run set, by
-one ``threading.Lock`` (the store mutex), so at most one of them is in use at a time.
-They differ only in how long they wait for another connection's write lock: the worker
-connection (reads, shared commits, opening) waits up to ``BUSY_TIMEOUT_S``; the inline
-connection never waits. Each keeps its busy timeout for good, so a write costs no
-statement to switch it. A write takes one of two paths (see
-:mod:`polyloop.stores._batching`):
-
-* inline, on the event loop's own thread, with no thread hop, on the inline connection:
-  only when the store writes a single run, its recent ``FULL`` commits were quick, no
-  group commit is running or waiting, and the store mutex is free at once. If another
-  connection holds the database's write lock, ``BEGIN IMMEDIATE`` reports it at once and
-  the write takes the other path instead of blocking the event loop.
-* a group commit otherwise, on the worker connection: writes of any runs that wait at
-  the same moment share one ``BEGIN IMMEDIATE`` ... ``COMMIT`` in a worker thread, one
-  savepoint per write, so a refused write (``RunAlreadyExists``, ``RunLocked``, a run
-  never started, ended or failed) rolls back alone and the others commit. A failed ``COMMIT``
-  fails every write in it and each of their runs.
-
-Reads always run in a worker thread. ``SqliteStore(path, _group_commit=False)`` (private,
-for the benchmarks' baseline) gives every write its own ``FULL`` transaction in its own
-worker-thread hop, with no inline path and no shared commits.
+Every blocking call runs in a worker thread, on one connection guarded by the store
+mutex: the writes waiting at the same moment share one ``BEGIN IMMEDIATE`` ... ``COMMIT``
+(:class:`~polyloop.stores._batching.GroupCommit`), one savepoint per write, so a refused
+write rolls back alone. The lease keeper renews on a connection of its own.
 """
 
 from __future__ import annotations
@@ -109,11 +36,11 @@ import anyio.lowlevel
 import anyio.to_thread
 from anyio.lowlevel import EventLoopToken
 
+from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
 from polyloop.stores._archive import check_cutoff, prune_runs
-from polyloop.stores._batching import GroupCommit, InlineSyncGate
+from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import (
-    FORMAT,
     LockFile,
     WriterState,
     claim_in_thread,
@@ -146,7 +73,6 @@ from polyloop.stores._sqlite_sql import (
     TAKE_RUN,
     Db,
     Write,
-    begin,
     check_meta_format,
     configure,
     create_schema,
@@ -180,8 +106,6 @@ logger = logging.getLogger("polyloop")
 _Outcome = list[BaseException | None]
 
 BUSY_TIMEOUT_S = 30.0
-# The inline connection never waits on the event loop's thread for another connection.
-_NO_BUSY_WAIT = "PRAGMA busy_timeout=0"
 
 
 # An owner row whose lease ended this long ago, holding no run, is removed.
@@ -215,38 +139,36 @@ class _Batch:
 class SqliteStore:
     """Keeps runs in one SQLite database file (WAL; intents and starts fsync'd).
 
-    ``path`` names the database file; missing parent directories are created. Writer
-    owners' lock files live in the sibling directory ``<path>.owners`` (one per store
-    object that claims runs, removed when it closes). ``lease_s`` is how long this store
-    object's claims hold without a renewal; another process on the host may take over
-    the runs of an owner whose lease ended or whose process died. The store is an async
-    context
-    manager; :meth:`aclose` releases every writer lock it holds and closes its
-    connections. Runs survive the store object, the process and the machine: a new store
-    object on the same file (or on a copy moved elsewhere) reads and resumes them.
-    ``_group_commit=False`` (private, the benchmarks' baseline) commits every write alone
-    with ``synchronous=FULL`` in its own worker-thread hop.
+    ``path`` names the database file; missing parent directories are created. Runs
+    survive the store object, the process and the machine: a new store object on the
+    same file (or a copy moved elsewhere) reads and resumes them. ``lease_s`` is how long
+    this store object's claims hold without a renewal; another process on the host may
+    take over the runs of an owner whose lease ended or whose process died. The owners'
+    lock files live in the sibling directory ``<path>.owners`` (one per store object
+    that claims runs, removed when it closes). The store is an async context manager;
+    :meth:`aclose` gives up every claim and closes its connections.
+
+    Cancellation, for every method: the worker thread a call started finishes before
+    the cancellation is delivered. A write cancelled before its shared commit started
+    writes nothing; once the commit started, the call waits for it, shielded, then lets
+    the cancellation go on (its rows are committed, or it failed). Reads change nothing;
+    closing completes even in a cancelled scope.
     """
 
-    __slots__ = ("_claims", "_gate", "_group", "_inline", "_lease", "_owner_lock",
-                 "_owners_dir", "_path", "_renewer", "_state", "_worker")
+    __slots__ = ("_claims", "_group", "_lease", "_owner_lock", "_owners_dir", "_path",
+                 "_renewer", "_state", "_worker")
 
-    def __init__(self, path: str | os.PathLike[str], *, lease_s: float = 15.0,
-                 _group_commit: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, lease_s: float = 15.0) -> None:
         check_lease_s(lease_s)
         self._path = Path(os.fspath(path))
         self._owners_dir = self._path.with_name(self._path.name + ".owners")
-        # Two connections, opened together: one for worker threads, which may wait for
-        # other processes, and one for inline writes, which never waits.
-        self._worker: Db | None = None
-        self._inline: Db | None = None
+        self._worker: Db | None = None  # opened at first use, in a worker thread
         self._claims: dict[str, _Claim] = {}
         self._lease = Lease(lease_s, self._renew_lease)
         self._owner_lock: LockFile | None = None  # held while this owner lives
         self._renewer: sqlite3.Connection | None = None  # the lease keeper's own
         self._state = WriterState()
-        self._gate = InlineSyncGate()
-        self._group = GroupCommit(self._commit_batch) if _group_commit else None
+        self._group = GroupCommit(self._commit_batch)
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """The store kind and record format; never the path."""
@@ -260,19 +182,13 @@ class SqliteStore:
         Raises ``RunLocked`` (naming the holder) if a live owner, this store object's
         included, holds it: one whose lease has not ended and whose process holds its
         owner lock.
-
-        Cancellation: the worker thread finishes before the cancellation is delivered,
-        and the claim is given up again if the call does not return.
         """
         token = anyio.lowlevel.current_token()
         await claim_in_thread(partial(self._claim, run_id, token),
                               partial(self._unclaim, run_id))
 
     async def release_run(self, run_id: str) -> None:
-        """Give up the claim, writing no record (the row of a run never started goes).
-
-        Cancellation: the worker thread finishes before the cancellation is delivered.
-        """
+        """Give up the claim, writing no record (the row of a run never started goes)."""
         if run_id in self._claims:
             await anyio.to_thread.run_sync(self._unclaim, run_id)
 
@@ -280,36 +196,19 @@ class SqliteStore:
         """Write the run's first record; ``RunAlreadyExists`` if the run has any row.
 
         A barrier: the row is fsync'd before this returns.
-
-        Cancellation: a call made in an already cancelled scope writes nothing. An
-        inline write completes before any cancellation is delivered; a write waiting to
-        join a shared commit that has not started is withdrawn (nothing written) and the
-        cancellation propagates; once its commit has started, the call waits for it to
-        end, then the cancellation is delivered.
         """
         await self._write(Write(record.run_id, [record_row(record)], start=True, barrier=True))
 
     async def write_intent(self, intent: Intent) -> None:
-        """Write an intent; it is fsync'd to disk when this returns (a barrier).
-
-        Cancellation: as for :meth:`start_run`; a cancelled call whose commit had
-        started may still have written the intent.
-        """
+        """Write an intent; it is fsync'd to disk when this returns (a barrier)."""
         await self._write(Write(intent.run_id, [record_row(intent)], barrier=True))
 
     async def write_result(self, result: Result) -> None:
-        """Write the result of a model call; committed, not necessarily fsync'd.
-
-        Cancellation: as for :meth:`start_run`.
-        """
+        """Write the result of a model call; committed, not necessarily fsync'd."""
         await self._write(Write(result.run_id, [record_row(result)]))
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
-        """Write the action result (if any) and the step record atomically; not fsync'd.
-
-        Cancellation: as for :meth:`start_run`; both rows are there afterwards, or
-        neither.
-        """
+        """Write the action result (if any) and the step record atomically; not fsync'd."""
         if action_result is None:
             await self._write(Write(step.run_id, [record_row(step)]))
             return
@@ -320,11 +219,7 @@ class SqliteStore:
         await self._write(Write(step.run_id, [record_row(action_result), record_row(step)]))
 
     async def end_run(self, record: RunEnded) -> None:
-        """Write the run's end record (not fsync'd), then release the run's writer lock.
-
-        Cancellation: as for :meth:`start_run`; the lock is released together with the
-        commit of the record.
-        """
+        """Write the run's end record (not fsync'd), then release the run's writer lock."""
         await self._write(Write(record.run_id, [record_row(record)], end=True,
                                 final=record.is_final, reason=record.stop_reason.value))
 
@@ -333,9 +228,6 @@ class SqliteStore:
 
         Raises ``CorruptLog`` (naming the row) for a body that does not decode or does
         not belong to its row, and ``SchemaMajorMismatch`` for another record format.
-
-        Cancellation: the worker thread finishes the query and decoding before the
-        cancellation is delivered.
         """
         records = await anyio.to_thread.run_sync(self._read, run_id)
         return RunLog(run_id=run_id, records=records)
@@ -346,17 +238,11 @@ class SqliteStore:
         Read from the table of runs; the unfinished ones through an index that holds
         only them, so finished runs cost nothing. Whether a run is claimed is asked of
         the owners: a live owner's lease has not ended and its process holds its lock.
-
-        Cancellation: the worker thread finishes the query before the cancellation is
-        delivered.
         """
         return await anyio.to_thread.run_sync(self._list, unfinished_only)
 
     async def describe_run(self, run_id: str) -> StoredRun | None:
-        """The run as :meth:`list_runs` lists it; ``None`` if it has no row.
-
-        Cancellation: as for :meth:`list_runs`.
-        """
+        """The run as :meth:`list_runs` lists it; ``None`` if it has no row."""
         return await anyio.to_thread.run_sync(self._describe, run_id)
 
     async def prune(
@@ -368,8 +254,6 @@ class SqliteStore:
         is deleted under its claim, in one transaction that checks again that it
         finished before the cutoff. With ``archive``, each run's log is first written
         durably to that directory, as a :class:`~polyloop.stores.JsonlStore` keeps it.
-
-        Cancellation: each run is archived and deleted whole or not at all.
         """
         before = check_cutoff(finished_before).timestamp()
         candidates = await anyio.to_thread.run_sync(self._prunable, before)
@@ -388,11 +272,7 @@ class SqliteStore:
             await anyio.to_thread.run_sync(self._close)
 
     async def __aenter__(self) -> SqliteStore:
-        """Open and check the database now rather than at first use.
-
-        Cancellation: the worker thread finishes opening before the cancellation is
-        delivered.
-        """
+        """Open and check the database now rather than at first use."""
         await anyio.to_thread.run_sync(self._open_now)
         return self
 
@@ -402,73 +282,27 @@ class SqliteStore:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        """Close the store (see :meth:`aclose`).
-
-        Cancellation: as for :meth:`aclose`, closing completes in a cancelled scope.
-        """
+        """Close the store (see :meth:`aclose`)."""
         await self.aclose()
 
     def __repr__(self) -> str:
         return f"SqliteStore({os.fspath(self._path)!r})"
 
-    # -- choosing the path of a write (event loop) ----------------------------------------
+    # -- committing (worker thread, store mutex held) ------------------------------------
 
     async def _write(self, write: Write) -> None:
-        group = self._group
-        if group is None:
-            (error,) = await anyio.to_thread.run_sync(self._commit_batch, [write])
-            if error is not None:
-                raise error
-        elif not (self._inline_allowed(write, group) and await self._write_inline(write)):
-            await group.submit(write)
-
-    def _inline_allowed(self, write: Write, group: GroupCommit[Write]) -> bool:
-        # The runs this store writes, counting this one: a second run's first write must
-        # not block the loop either. Opening the database (slow, and it may wait on other
-        # processes) is left to a thread.
-        writing = len(self._claims) + (write.run_id not in self._claims)
-        return self._inline is not None and group.idle and self._gate.allows(writing)
-
-    async def _write_inline(self, write: Write) -> bool:
-        """Commit ``write`` on this thread; False if that would have to wait."""
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        if not self._state.mutex.acquire(blocking=False):
-            return False  # a worker thread holds the connections
-        try:
-            outcome = self._commit_locked([write], inline=True)
-        finally:
-            self._state.mutex.release()
-        if outcome is None:
-            return False  # another connection holds the database's write lock
-        if outcome[0] is not None:
-            raise outcome[0]
-        return True
-
-    # -- committing (worker thread, or inline; store mutex held) ------------------------
+        await self._group.submit(write)
 
     def _commit_batch(self, writes: Sequence[Write]) -> _Outcome:
         """One transaction for ``writes``, in a worker thread; one error or None each."""
         with self._state.mutex:
-            outcome = self._commit_locked(writes, inline=False)
-        assert outcome is not None  # only an inline commit gives up on a busy database
-        return outcome
-
-    def _commit_locked(self, writes: Sequence[Write], *, inline: bool) -> _Outcome | None:
-        """Prepare every write, then commit the admitted ones together.
-
-        Returns None, having written nothing, when ``inline`` and another connection
-        holds the database's write lock.
-        """
-        batch = _Batch.of(writes)
-        admitted = [i for i in range(len(writes)) if self._admit(batch, i)]
-        if admitted:
-            db = self._inline if inline else self._worker
-            assert db is not None  # _admit opened it
-            level = self._level_for(writes, admitted)
-            if not self._transact(db, batch, admitted, level, inline=inline):
-                return None
-        self._settle(batch)
-        return batch.errors
+            batch = _Batch.of(writes)
+            admitted = [i for i in range(len(writes)) if self._admit(batch, i)]
+            if admitted:
+                assert self._worker is not None  # _admit opened it
+                self._transact(self._worker, batch, admitted, self._level_for(writes, admitted))
+            self._settle(batch)
+            return batch.errors
 
     def _admit(self, batch: _Batch, i: int) -> bool:
         """Refuse the write unless its run is claimed; make sure the connections are open."""
@@ -485,22 +319,19 @@ class SqliteStore:
         return True
 
     def _level_for(self, writes: Sequence[Write], admitted: Sequence[int]) -> int:
-        if self._group is None or any(writes[i].barrier for i in admitted):
+        if any(writes[i].barrier for i in admitted):
             return SYNCHRONOUS_FULL
         return SYNCHRONOUS_NORMAL
 
-    def _transact(
-        self, db: Db, batch: _Batch, admitted: Sequence[int], level: int, *, inline: bool
-    ) -> bool:
-        """Insert the admitted writes in one transaction; False if it could not begin.
+    def _transact(self, db: Db, batch: _Batch, admitted: Sequence[int], level: int) -> None:
+        """Insert the admitted writes in one transaction.
 
         A failure that ends the transaction fails every admitted write still standing.
         """
         conn = db.conn
         try:
             db.synchronous(level)
-            if not begin(conn, inline=inline):
-                return False
+            conn.execute("BEGIN IMMEDIATE")
             for i in admitted:
                 self._insert(conn, batch, i, savepoint=len(admitted) > 1)
             self._end(conn, level, committing=any(batch.errors[i] is None for i in admitted))
@@ -510,7 +341,6 @@ class SqliteStore:
             for i in admitted:
                 if batch.errors[i] is None:
                     batch.errors[i] = self._state.fail(batch.writes[i].run_id, exc)
-        return True
 
     def _insert(self, conn: sqlite3.Connection, batch: _Batch, i: int, *, savepoint: bool) -> None:
         """Insert one write's rows; a refused or failed write is undone alone.
@@ -570,17 +400,7 @@ class SqliteStore:
                          run_id=write.run_id)
 
     def _end(self, conn: sqlite3.Connection, level: int, *, committing: bool) -> None:
-        if committing:
-            self._commit(conn, level)
-        else:
-            conn.execute("ROLLBACK")
-
-    def _commit(self, conn: sqlite3.Connection, level: int) -> None:
-        if level == SYNCHRONOUS_FULL:
-            # The fsync: timed so that a slow disk sends writes back to worker threads.
-            self._gate.timed(lambda: conn.execute("COMMIT"))
-        else:
-            conn.execute("COMMIT")
+        conn.execute("COMMIT" if committing else "ROLLBACK")
 
     def _settle(self, batch: _Batch) -> None:
         """After the commit: remember each run's next seq; an ended run gives up its claim."""
@@ -776,42 +596,31 @@ class SqliteStore:
         if self._state.closed:
             raise StoreError("the store is closed", run_id=run_id)
         if self._worker is None:
-            self._worker, self._inline = self._open(run_id)
+            self._worker = self._open(run_id)
         return self._worker.conn
 
-    def _open(self, run_id: str | None) -> tuple[Db, Db]:
-        """Open and check the database: the worker threads' connection, then the inline one."""
-        opened: list[sqlite3.Connection] = []
+    def _open(self, run_id: str | None) -> Db:
+        """Open and check the database (WAL, ``synchronous=FULL``, the schema, the format)."""
+        conn: sqlite3.Connection | None = None
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             created = not self._path.exists()
-            worker = self._connect(opened, run_id)
-            create_schema(worker)
-            check_meta_format(worker, self._path.name, run_id)
+            conn = sqlite3.connect(self._path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
+                                   check_same_thread=False)
+            configure(conn, self._path.name, run_id)
+            create_schema(conn)
+            check_meta_format(conn, self._path.name, run_id)
             if created:
                 fsync_directory(self._path.parent)
-            # Configured while it may still wait (SQLite may be recovering the log for
-            # another process), then it never waits again.
-            inline = self._connect(opened, run_id)
-            inline.execute(_NO_BUSY_WAIT)
         except BaseException as exc:
-            for conn in opened:
+            if conn is not None:
                 with suppress(sqlite3.Error):  # the original error says more
                     conn.close()
             if isinstance(exc, (sqlite3.Error, OSError)) and not isinstance(exc, PolyLoopError):
                 raise StoreError(f"cannot open {self._path.name}: {exc}",
                                  run_id=run_id) from exc
             raise
-        return Db(worker), Db(inline)
-
-    def _connect(self, opened: list[sqlite3.Connection], run_id: str | None) -> sqlite3.Connection:
-        """Open one more connection (added to ``opened``) in WAL with ``synchronous=FULL``."""
-        conn = sqlite3.connect(
-            self._path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-        )
-        opened.append(conn)
-        configure(conn, self._path.name, run_id)
-        return conn
+        return Db(conn)
 
     def _open_now(self) -> None:
         with self._state.mutex, self._reading(None):
@@ -839,17 +648,12 @@ class SqliteStore:
             if self._renewer is not None:
                 self._renewer.close()
                 self._renewer = None
-            dbs = [db for db in (self._inline, self._worker) if db is not None]
-            self._inline = self._worker = None
-            failures: list[sqlite3.Error] = []
-            for db in dbs:
+            db, self._worker = self._worker, None
+            if db is not None:
                 try:
                     db.conn.close()
                 except sqlite3.Error as exc:
-                    failures.append(exc)
-            if failures:
-                error = failures[0]
-                raise StoreError(f"closing {self._path.name} failed: {error}") from error
+                    raise StoreError(f"closing {self._path.name} failed: {exc}") from exc
 
 
 @contextmanager

@@ -7,7 +7,7 @@ binds run ids (:func:`run_key`, :func:`run_id_of`) and numbers a write's rows
 connection must pass (:func:`configure`, :func:`create_schema`,
 :func:`check_meta_format`), the ``synchronous`` levels with :class:`Db`, which remembers
 the level its connection was last set to, and the pieces of a transaction the store's
-write paths share (:func:`begin`, :func:`rollback_quietly`). The store's own statements
+write paths share (:func:`rollback_quietly`). The store's own statements
 of a transaction (``COMMIT``, ``ROLLBACK``, savepoints) stay with the code that issues
 them.
 """
@@ -21,16 +21,12 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
+from polyloop._shared import FORMAT, record_kind
 from polyloop.serialization import dumps, loads
-from polyloop.stores._common import FORMAT, check_format
+from polyloop.stores._common import check_format
 from polyloop.types import (
     CorruptLog,
-    Intent,
     Record,
-    Result,
-    RunEnded,
-    RunStarted,
-    StepRecord,
     StoreError,
 )
 
@@ -60,7 +56,6 @@ __all__ = (
     "SYNCHRONOUS_NORMAL",
     "Db",
     "Write",
-    "begin",
     "check_meta_format",
     "configure",
     "create_schema",
@@ -84,13 +79,6 @@ _SET_SYNCHRONOUS = {
     SYNCHRONOUS_FULL: "PRAGMA synchronous=FULL",
 }
 
-_KIND: dict[type[Any], str] = {
-    RunStarted: "run_started",
-    Intent: "intent",
-    Result: "result",
-    StepRecord: "step",
-    RunEnded: "run_ended",
-}
 
 _DDL = (
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
@@ -196,7 +184,7 @@ PRUNE_RUN = (
 
 def record_row(record: Record) -> _Row:
     body = dumps(record)  # refuses anything that is not a record
-    return _KIND[type(record)], body
+    return record_kind(record), body
 
 
 def run_key(run_id: str) -> _Key:
@@ -241,8 +229,8 @@ def _decode_row(name: str, run_id: str, seq: int, kind: object, body: object) ->
     if record.run_id != run_id:
         raise CorruptLog(f"the row holds a record of run {record.run_id!r}",
                          run_id=run_id, location=location)
-    if _KIND[type(record)] != kind:
-        raise CorruptLog(f"the row says {kind!r} but holds a {_KIND[type(record)]!r} record",
+    if record_kind(record) != kind:
+        raise CorruptLog(f"the row says {kind!r} but holds a {record_kind(record)!r} record",
                          run_id=run_id, location=location)
     return record
 
@@ -296,21 +284,6 @@ def configure(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
         raise StoreError(
             f"{name}: SQLite refused synchronous=FULL (it reports {level!r})", run_id=run_id
         )
-
-
-def begin(conn: sqlite3.Connection, *, inline: bool) -> bool:
-    """``BEGIN IMMEDIATE``; False if ``inline`` and another connection holds the write lock.
-
-    The inline connection's busy timeout is 0, so SQLite reports a busy database at once
-    instead of blocking the event loop; the worker connection waits ``BUSY_TIMEOUT_S``.
-    """
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.OperationalError as exc:
-        if inline and exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY:
-            return False
-        raise
-    return True
 
 
 def create_schema(conn: sqlite3.Connection) -> None:

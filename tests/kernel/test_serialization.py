@@ -18,7 +18,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from polyloop.serialization import decode, dumps, encode, loads, plain
-from polyloop.serialization._lines import _DIRECT_LINES
 from polyloop.types import (
     ActionStatus,
     CorruptLog,
@@ -38,7 +37,7 @@ from polyloop.types import (
     UnloggableValue,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures" / "records" / "v1"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "records" / "v1"
 RUN = "exp-7/task-12#3"
 
 # -- realistic records, one per kind (also the expected content of the fixtures) ----------
@@ -461,7 +460,7 @@ def test_too_deep_payload_is_refused() -> None:
 
 
 class _Label(str):
-    """A str subclass: plain() keeps it, and takes its careful walk to do so."""
+    """A str subclass: plain() keeps it."""
 
 
 _plain_leaves = (
@@ -485,16 +484,14 @@ def _plain_outcome(value: Any) -> tuple[str, Any]:
 
 
 @given(_plain_values)
-def test_plain_answers_the_same_on_its_fast_and_careful_walks(value: Any) -> None:
-    # A read-only mapping at the top sends the whole value down the careful walk, the
-    # one that names paths; a dict lets plain() copy exact JSON types without them.
-    fast = _plain_outcome({"v": value})
-    careful = _plain_outcome(MappingProxyType({"v": value}))
-    assert fast == careful
+def test_plain_treats_any_mapping_as_a_dict(value: Any) -> None:
+    as_dict = _plain_outcome({"v": value})
+    as_mapping = _plain_outcome(MappingProxyType({"v": value}))
+    assert as_dict == as_mapping
 
 
 @pytest.mark.parametrize("depth", [255, 256, 257])
-def test_plain_depth_limit_is_the_same_on_both_walks(depth: int) -> None:
+def test_plain_depth_limit_is_the_same_for_any_mapping(depth: int) -> None:
     nested: Any = "leaf"
     for _ in range(depth):
         nested = {"k": [nested]}
@@ -717,15 +714,25 @@ def test_dumps_still_writes_the_fixture(name: str) -> None:
     assert dumps(EXPECTED[name]) + "\n" == text
 
 
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_every_field_of_a_record_is_written_and_read(name: str) -> None:
+    """The format's field table comes from the record dataclasses: a field added there
+    is written and read with no other edit."""
+    record = EXPECTED[name]
+    fields = {f.name for f in dataclasses.fields(record)}
+    data = encode(record)
+    assert set(data) == {"schema", "kind"} | {"intent_kind" if f == "kind" else f for f in fields}
+    assert decode(data) == record
+
+
 class _Text(str):
-    """A str subclass: its values take the careful path of encode, not the exact-type one."""
+    """A str subclass, where a record field holds a str."""
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
-def test_exact_types_and_the_careful_path_encode_alike(name: str) -> None:
-    """encode skips the checks for values of exactly the expected type; the careful path
-    (a str subclass, an enum given by its value, an int where a float is expected) must
-    produce the same object."""
+def test_values_that_merely_convert_encode_like_exact_ones(name: str) -> None:
+    """A str subclass, an enum given by its value, an int where a float is expected:
+    each is written exactly as the value of the field's own type."""
     record = EXPECTED[name]
     changes: dict[str, Any] = {}
     for field in dataclasses.fields(record):
@@ -736,7 +743,7 @@ def test_exact_types_and_the_careful_path_encode_alike(name: str) -> None:
             changes[field.name] = value.value
         elif type(value) is float and value.is_integer():
             changes[field.name] = int(value)
-    assert changes, "every fixture has a field the careful path handles"
+    assert changes, "every fixture has a field to convert"
     careful = dataclasses.replace(record, **changes)
     assert encode(careful) == encode(record)
     assert dumps(careful) == dumps(record)
@@ -761,11 +768,11 @@ def test_dumps_refuses_what_loads_would_refuse(name: str, changes: dict[str, Any
         dumps(record)
 
 
-# -- the direct lines of the step records ------------------------------------------------
+# -- the written line is canonical JSON ---------------------------------------------------
 
 
-def _careful_line(record: Record) -> str:
-    """What dumps writes when it builds the dict and lets the JSON encoder print it."""
+def _canonical_line(record: Record) -> str:
+    """The encoded record as canonical JSON, made safe for line readers."""
     data = encode(record)
     line = json.dumps(data, ensure_ascii=False, allow_nan=False, sort_keys=True,
                       separators=(",", ":"))
@@ -780,20 +787,6 @@ def _careful_line(record: Record) -> str:
 
 
 @given(st.one_of(intents, results, steps))
-def test_direct_lines_are_the_careful_lines(record: Record) -> None:
-    """Intents, results and steps are printed straight from their fields; the line must
-    be the one the dict-and-encoder path prints, for any content."""
-    assert type(record) in _DIRECT_LINES
-    assert dumps(record) == _careful_line(record)
-
-
-@pytest.mark.parametrize(
-    "name", [name for name, record in EXPECTED.items()
-             if type(record) in _DIRECT_LINES]
-)
-def test_direct_lines_name_every_field(name: str) -> None:
-    """A field added to a record kind must be added to its direct line too."""
-    record = EXPECTED[name]
-    line = _DIRECT_LINES[type(record)](record)
-    assert json.loads(line).keys() == encode(record).keys()
-    assert line == _careful_line(record)
+def test_dumps_writes_the_canonical_json_of_encode(record: Record) -> None:
+    """Sorted keys, no spaces, raw UTF-8, line separators escaped, for any content."""
+    assert dumps(record) == _canonical_line(record)

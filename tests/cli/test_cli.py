@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from chat_kit import ChatServer, Reply
 from polyloop import ActionStatus, ModelReply, StepRecord
 from polyloop.cli import main
 from polyloop.cli._agent import (
@@ -37,7 +38,6 @@ from polyloop.cli._stores import parse_store
 from polyloop.ports import Action, FinalAnswer, InvalidDecision
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.types import IntentKind, Result
-from test_adapter_openai import ChatServer, Reply
 
 BACKENDS = ["asyncio", "trio"]
 # The demo's seven steps: list, three reads, a refused calculator call, the sum, submit.

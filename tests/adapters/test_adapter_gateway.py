@@ -1,8 +1,8 @@
 """The PolyGateway adapter, against a stand-in of the gateway, under asyncio and Trio.
 
-PolyGateway cannot be installed here; ``tests/polygateway_standin`` holds a package of the
-same name that mirrors the surface the adapter relies on. It is put on the import path
-by this module only.
+PolyGateway cannot be installed here; ``polygateway_standin``, next to this file, holds a
+package of the same name that mirrors the surface the adapter relies on. It is put on the
+import path by this module only.
 """
 
 from __future__ import annotations
@@ -435,7 +435,7 @@ gateway_client = GatewayClient(gateway_settings, responder=_respond)
 
 def test_the_documented_example_runs(tmp_path: Path) -> None:
     """The PolyGateway example of docs/adapters.md, with a project module over the stand-in."""
-    docs = Path(__file__).resolve().parent.parent / "docs" / "adapters.md"
+    docs = Path(__file__).resolve().parents[2] / "docs" / "adapters.md"
     blocks = re.findall(r"```python\n(.*?)```", docs.read_text(encoding="utf-8"), re.S)
     [program] = [block for block in blocks if "through PolyGateway" in block]
     (tmp_path / "myproject").mkdir()

@@ -459,15 +459,6 @@ def test_transcript_digest_is_pinned() -> None:
     assert messages_sha256(PINNED_MESSAGES) == PINNED_SHA256
 
 
-@given(message_lists)
-def test_transcript_digest_lines_are_the_canonical_encoding(messages: list[Message]) -> None:
-    # Transcript writes single-text messages without the generic encoder; the bytes
-    # hashed must be exactly the generic encoder's.
-    for message in messages:
-        expected = canonical(message_json(message)) + b"\n"
-        assert Transcript([message]).sha256() == hashlib.sha256(expected).hexdigest()
-
-
 def test_messages_of_unexpected_shapes_are_hashed_as_before() -> None:
     listed = Message(role=Role.USER, content=[TextBlock(text="x")])  # type: ignore[arg-type]
     assert Transcript([listed]).sha256() == messages_sha256([listed])

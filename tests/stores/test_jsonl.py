@@ -1,4 +1,6 @@
-"""The JSON-lines store: the shared contract, crash recovery at every write, and its file rules."""
+"""The JSON-lines store: the shared contract, crash recovery at every write, its file rules,
+and the per-run lock under which no descriptor is closed during a write or a sync.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +41,7 @@ from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore
 from polyloop.stores._common import fsync_directory as real_fsync_directory
 from polyloop.stores._common import safe_name
+from polyloop.stores._fileops import OsFileOps
 from polyloop.testing import FaultyStore, SimulatedCrash
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
@@ -635,24 +639,47 @@ async def test_an_fsync_error_fails_the_run_for_this_store_object(
     assert records[0] == started() and records[-1] == intent(k=1)
 
 
+def files_open_under(directory: Path) -> list[str]:
+    """The names of the files under ``directory`` that this process holds open (read
+    from ``/proc/self/fd``)."""
+    descriptors = Path("/proc/self/fd")
+    if not descriptors.is_dir():
+        pytest.skip("needs /proc/self/fd to see which files are open")
+    root = str(directory.resolve())
+    found = []
+    for entry in descriptors.iterdir():
+        try:
+            target = os.readlink(entry)
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        if target.startswith(root):
+            found.append(os.path.basename(target))
+    return found
+
+
 async def test_runs_that_end_or_fail_leave_no_state_in_the_store_object(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A long-lived store object must not grow with every run it has written: the
-    inline write path forgets a run once its descriptor is given up, whether by the
-    end record or by a failed write."""
+    """A long-lived store object must not grow with every run it has written: it gives
+    a run up (its descriptor and its claim) once the end record is written or a write
+    of the run failed."""
     async with JsonlStore(tmp_path) as store:
         for index in range(5):
             await apply(store, sample_run(f"ended-{index}", steps=1))
-        assert not store._slots
+        assert files_open_under(tmp_path) == []
+        # Given up, not only closed: this store object may claim an ended run again.
+        for index in range(5):
+            await store.claim_run(f"ended-{index}")
+            await store.release_run(f"ended-{index}")
+        assert files_open_under(tmp_path) == []
         await store.claim_run("r")
         await store.start_run(started())
-        assert set(store._slots) == {"r"}
+        assert files_open_under(tmp_path) == [run_file(tmp_path, "r").name]
         failing_fsync(monkeypatch)
         with pytest.raises(StoreError):
             await store.write_intent(intent())
         monkeypatch.undo()
-        assert not store._slots
+        assert files_open_under(tmp_path) == []
         records = (await store.read_log("ended-4")).records
     assert isinstance(records[-1], RunEnded)
 
@@ -840,11 +867,72 @@ def test_the_module_never_imports_asyncio() -> None:
     assert "import asyncio" not in source and "from asyncio" not in source
 
 
-def test_every_public_coroutine_documents_cancellation() -> None:
-    for name in ("claim_run", "release_run", "start_run", "write_intent", "write_result",
-                 "write_step", "end_run", "read_log", "list_runs", "describe_run", "aclose"):
-        assert "Cancellation:" in (getattr(JsonlStore, name).__doc__ or ""), name
-
-
 def test_errors_are_polyloop_errors() -> None:
     assert issubclass(StoreError, PolyLoopError) and issubclass(RunLocked, PolyLoopError)
+
+
+# -- the per-run lock: a descriptor is never closed under a write or a sync ------------------
+#
+# An intent's append and its ``fsync`` run with the run's lock held, and so does closing the
+# run's descriptor (``end_run``, ``release_run``, ``aclose``, a failed write). Without the
+# lock, closing the store while an intent is being synced would close the descriptor under
+# the sync: the intent's caller would get an error for a line that is on disk, or, had the
+# descriptor number been reused, a sync of some other file reported as its own. The test
+# checks the order of the sync and the closes, which fails without the lock.
+
+
+class SlowSyncs(OsFileOps):
+    """Real file operations whose syncs of intents take a while once ``slow`` is set."""
+
+    def __init__(self) -> None:
+        self.slow = False
+        self.syncing = threading.Event()
+        self.events: list[str] = []
+
+    def fsync(self, fd: int) -> None:
+        if self.slow:
+            self.syncing.set()
+            time.sleep(0.3)
+        os.fsync(fd)
+        self.events.append("synced")
+
+    def close(self, fd: int) -> None:
+        self.events.append("closed")
+        os.close(fd)
+
+
+async def _close_while_syncing(tmp_path: Path) -> tuple[Any, SlowSyncs]:
+    files = SlowSyncs()
+    store = JsonlStore(tmp_path / "runs", _files=files)
+    for run_id in ("a", "b"):  # two runs: an intent's sync goes to a worker thread
+        await store.claim_run(run_id)
+        await store.start_run(sample_run(run_id)[0][1][0])
+    _, (intent,) = sample_run("a")[1]
+    files.slow = True
+    outcome: dict[str, Any] = {}
+
+    async def write() -> None:
+        try:
+            await store.write_intent(intent)
+        except StoreError as exc:
+            outcome["error"] = exc
+        else:
+            outcome["error"] = None
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(write)
+        with anyio.fail_after(5):
+            await anyio.to_thread.run_sync(files.syncing.wait)
+        await store.aclose()
+    files.slow = False
+    return outcome["error"], files
+
+
+async def test_closing_the_store_waits_for_an_intent_being_synced(tmp_path: Path) -> None:
+    error, files = await _close_while_syncing(tmp_path)
+    assert error is None
+    # The intent's sync ended before its descriptor was closed.
+    assert files.events[-3:] == ["synced", "closed", "closed"]
+    reader = JsonlStore(tmp_path / "runs")
+    _, (intent,) = sample_run("a")[1]
+    assert (await reader.read_log("a")).records[-1] == intent

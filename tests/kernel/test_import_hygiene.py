@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 SOURCE = TESTS.parent / "src" / "polyloop"
 OPTIONAL = ("polygateway", "openai", "psycopg", "psycopg_pool", "trio")
 
@@ -53,7 +53,7 @@ def test_each_adapter_pulls_in_only_its_own_package() -> None:
     assert "polygateway" not in top_level(openai_side)
 
     gateway_side = modules_after("import polyloop.adapters.gateway",
-                                 extra_path=TESTS / "polygateway_standin")
+                                 extra_path=TESTS / "adapters" / "polygateway_standin")
     assert "polygateway" in gateway_side
     assert "openai" not in top_level(gateway_side)
 

@@ -171,21 +171,31 @@ def test_value_types_are_frozen_slotted_keyword_only() -> None:
                 assert all(f.kw_only for f in dataclasses.fields(obj)), name
 
 
-def _public_coroutines() -> list[tuple[str, Any]]:
-    from polyloop.stores import MemoryStore
+# A class may state one cancellation rule for all its coroutines instead.
+CLASS_RULE = "Cancellation, for every method:"
 
-    found = [("run", polyloop.run), ("resume", polyloop.resume)]
-    classes = [getattr(polyloop, n) for n in polyloop.__all__] + [MemoryStore]
+
+def _public_coroutines() -> list[tuple[str, Any, str]]:
+    """(name, coroutine, the docstring that must state what a cancellation leaves)."""
+    from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
+
+    found = [(name, function, function.__doc__ or "") for name, function in (
+        (name, getattr(polyloop, name)) for name in polyloop.__all__)
+        if inspect.iscoroutinefunction(function)]
+    classes = [getattr(polyloop, n) for n in polyloop.__all__]
+    classes += [MemoryStore, JsonlStore, SqliteStore, PostgresStore]
     for cls in classes:
         if not inspect.isclass(cls):
             continue
+        rule = cls.__doc__ if CLASS_RULE in (cls.__doc__ or "") else None
         for attr, member in vars(cls).items():
             if not attr.startswith("_") and inspect.iscoroutinefunction(member):
-                found.append((f"{cls.__name__}.{attr}", member))
+                found.append((f"{cls.__name__}.{attr}", member, rule or member.__doc__ or ""))
     return found
 
 
-@pytest.mark.parametrize(("name", "coroutine"), _public_coroutines(),
-                         ids=[n for n, _ in _public_coroutines()])
-def test_every_public_coroutine_documents_cancellation(name: str, coroutine: Any) -> None:
-    assert "Cancellation:" in (coroutine.__doc__ or ""), name
+@pytest.mark.parametrize(("name", "coroutine", "doc"), _public_coroutines(),
+                         ids=[n for n, _, _ in _public_coroutines()])
+def test_every_public_coroutine_documents_cancellation(name: str, coroutine: Any,
+                                                       doc: str) -> None:
+    assert "Cancellation" in doc, name

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-CHILD = Path(__file__).resolve().parent / "kill_agent.py"
+CHILD = Path(__file__).resolve().parents[1] / "kill_agent.py"
 RUNS_PER_STORE = 8
 NEVER_TOOLS = ("record", "submit")
 

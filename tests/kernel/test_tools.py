@@ -455,8 +455,7 @@ def test_endlessly_recursive_schema_is_refused_not_raised() -> None:
 def test_empty_arguments_get_the_schema_verdict_on_every_call(
     parameters: dict[str, JSONValue], accepted: bool
 ) -> None:
-    # validate() remembers that a schema accepts {}; the verdict, refusals included,
-    # must stay the one jsonschema gives, call after call.
+    # The verdict on {}, refusals included, is the one jsonschema gives, call after call.
     registry = ToolRegistry([spec("t", parameters=parameters)], max_observation_chars=500)
     first = registry.validate("t", {})
     assert (first is None) == accepted

@@ -676,24 +676,51 @@ async def test_an_executor_without_a_replay_policy_is_an_environment_fault(broke
     assert not any(isinstance(r, Intent) and r.kind is IntentKind.ACTION for r in log.records)
 
 
-def test_the_memoized_stop_decision_is_the_pure_one() -> None:
-    # session keeps _stopping.after_step's answers per combination of facts; every
-    # combination, and values merely equal to the flags and enums, must get the answer
-    # the pure function gives for them.
-    from itertools import product
+# -- one source for tools ----------------------------------------------------------------------
 
-    from polyloop import _stopping
-    from polyloop.session._loop import _after_step
 
-    flags = (False, True)
-    combos = list(product(DecisionKind, flags, (None, *ActionStatus), flags, flags, flags))
-    lookalikes = [
-        (decision.value, int(failed), status and status.value, int(synth), int(done), 0)
-        for decision, failed, status, synth, done, _ in combos
-    ]
-    for facts in [*combos, *lookalikes, *combos]:
-        expected = _stopping.after_step(_stopping.StepFacts(
-            decision=facts[0], model_failed=facts[1], action_status=facts[2],  # type: ignore[arg-type]
-            synthesized=facts[3], done=facts[4], completes=facts[5],  # type: ignore[arg-type]
-        ))
-        assert _after_step(*facts) is expected, facts  # type: ignore[arg-type]
+async def test_an_executor_of_another_registry_is_refused_before_any_io() -> None:
+    # The model is shown request.tools; an executor derived from another registry would
+    # run tools it never saw and miss the completing tool it was told about.
+    ledger = Ledger()
+    tools = make_tools(ledger)
+    store = WriteLog()
+    model = ScriptedModelClient([tool_call("submit", answer="4")])
+    for executor in (make_tools(ledger).executor(), tools.subset(["double"]).executor()):
+        for drive in (run, resume):
+            with pytest.raises(InvalidRequest, match="another ToolRegistry") as refused:
+                await drive(definition(store, model=model), request("r", tools, executor=executor))
+            assert refused.value.run_id == "r"
+    assert store.writes == []
+    assert model.calls == []
+    assert ledger.calls == []
+    # Nothing was claimed either: a request that agrees with itself runs at once.
+    result = await run(definition(store, model=model), request("r", tools))
+    assert result.stop_reason is StopReason.SUBMITTED
+
+
+async def test_an_executor_of_an_equal_registry_is_accepted() -> None:
+    from polyloop import ToolRegistry
+
+    tools = make_tools(Ledger())
+    twin = ToolRegistry([spec for name in tools.names if (spec := tools.get(name))],
+                        max_observation_chars=tools.max_observation_chars)
+    assert twin == tools and twin is not tools
+    result = await run(definition(MemoryStore(), script=[tool_call("submit", answer="4")]),
+                       request("r", tools, executor=twin.executor()))
+    assert result.stop_reason is StopReason.SUBMITTED
+
+
+def test_the_values_have_their_public_home_in_session() -> None:
+    import pickle
+    import typing
+
+    from polyloop import Definition, ObservationTexts, Request, session
+    from polyloop.session import _values
+
+    for cls in (Definition, ObservationTexts, Request):
+        assert getattr(session, cls.__name__) is getattr(_values, cls.__name__) is cls
+        assert cls.__module__ == "polyloop.session"
+        assert typing.get_type_hints(cls)  # annotations resolve wherever the class is
+    texts = ObservationTexts(not_executed="{reason}", env_fault="{detail}")
+    assert pickle.loads(pickle.dumps(texts)) == texts

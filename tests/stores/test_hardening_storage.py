@@ -10,7 +10,7 @@
    and ``resume`` on a new store object finishes the run as if nothing had happened.
 2. At a failed barrier nothing later happens: no tool runs after its intent failed, the
    model is not called after its intent failed, and the store object refuses the run
-   until it is reopened. (``tests/test_store_jsonl.py`` already shows the refusal for
+   until it is reopened. (``tests/stores/test_jsonl.py`` already shows the refusal for
    direct writes, that the fsync is not retried and that other runs go on:
    ``test_an_fsync_error_fails_the_run_for_this_store_object``,
    ``test_a_failed_store_object_releases_the_run_at_once``.) Here it is checked at every

@@ -23,7 +23,7 @@ import pytest
 import pg
 from polyloop import Action, ActionStatus, Replay
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # pytest-postgresql's throw-away server, started only if no configured server answers.
 pg_fallback_proc = pg.fallback_server()

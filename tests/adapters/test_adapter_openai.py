@@ -1,9 +1,9 @@
 """The OpenAI-compatible adapter against a real HTTP server on loopback, under asyncio and Trio.
 
-The server below speaks just enough of the Chat Completions protocol: it answers
-``POST /v1/chat/completions`` with scripted bodies, records every request body, and can
-fail, send a broken body, or hold a request open to be cancelled. It runs in a thread of
-this process, on 127.0.0.1 and a port the system picks.
+The server (``tests/chat_kit.py``) speaks just enough of the Chat Completions protocol:
+it answers ``POST /v1/chat/completions`` with scripted bodies, records every request body,
+and can fail, send a broken body, or hold a request open to be cancelled. It runs in a
+thread of this process, on 127.0.0.1 and a port the system picks.
 """
 
 from __future__ import annotations
@@ -12,15 +12,10 @@ import importlib.util
 import json
 import os
 import re
-import select
-import socket
 import subprocess
 import sys
 import threading
-from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -30,6 +25,7 @@ import openai
 import pytest
 
 from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from chat_kit import ChatServer, Hold, Malformed, Mode, PlainText, Reply, Status
 from polyloop import (
     Message,
     ModelCall,
@@ -53,154 +49,6 @@ SAMPLING: dict[str, Any] = {"temperature": 0.2, "max_tokens": 64, "seed": 7,
 
 
 # -- the server ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A normal completion; ``reasoning`` adds ``reasoning_content`` to the message."""
-
-    content: str | None
-    id: str | None = "chatcmpl-1"
-    reasoning: str | None = None
-    choices: bool = True
-
-
-@dataclass(frozen=True)
-class Status:
-    """An HTTP error with an OpenAI-style error body."""
-
-    code: int
-    message: str = "the model server fell over"
-
-
-@dataclass(frozen=True)
-class Malformed:
-    """A 200 whose JSON body is cut off."""
-
-
-@dataclass(frozen=True)
-class PlainText:
-    """A 200 that is not JSON at all."""
-
-
-@dataclass(frozen=True)
-class Hold:
-    """Never answer; note when the client closes the connection."""
-
-
-Mode = Reply | Status | Malformed | PlainText | Hold
-
-
-def completion_body(reply: Reply, model: str) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
-    if reply.reasoning is not None:
-        message["reasoning_content"] = reply.reasoning
-    body: dict[str, Any] = {
-        "object": "chat.completion",
-        "created": 1_700_000_000,
-        "model": model,
-        "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
-                     "message": message}] if reply.choices else [],
-        "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
-    }
-    if reply.id is not None:
-        body["id"] = reply.id
-    return body
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128  # the default backlog of 5 refuses concurrent runs' connections
-
-
-class ChatServer:
-    """A Chat Completions server for tests: scripted answers, recorded requests."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-        self.paths: list[str] = []
-        self.script: deque[Mode] = deque()
-        self.responder: Callable[[dict[str, Any]], Mode] | None = None
-        self.holding = threading.Event()
-        self.hold_saw_close = threading.Event()
-        self.stopping = threading.Event()
-        self._lock = threading.Lock()
-        self._http = _HTTPServer(("127.0.0.1", 0), _Handler)
-        self._http.chat = self  # type: ignore[attr-defined]
-        self._thread = threading.Thread(target=self._http.serve_forever, args=(0.01,),
-                                        daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self._http.server_address[1]}/v1"
-
-    def respond(self, *modes: Mode) -> None:
-        self.script.extend(modes)
-
-    def next_mode(self, body: dict[str, Any]) -> Mode:
-        with self._lock:
-            self.requests.append(body)
-            if self.script:
-                return self.script.popleft()
-        if self.responder is not None:
-            return self.responder(body)
-        return Status(599, "the test scripted no answer for this request")
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self) -> None:
-        self.stopping.set()
-        self._http.shutdown()
-        self._http.server_close()
-        self._thread.join(timeout=5)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
-
-    def log_message(self, format: str, *args: Any) -> None:
-        return None
-
-    def do_POST(self) -> None:
-        chat: ChatServer = self.server.chat  # type: ignore[attr-defined]
-        length = int(self.headers.get("Content-Length", "0"))
-        body = json.loads(self.rfile.read(length))
-        chat.paths.append(self.path)
-        mode = chat.next_mode(body)
-        try:
-            if isinstance(mode, Hold):
-                self._hold(chat)
-            elif isinstance(mode, Reply):
-                self._send(200, json.dumps(completion_body(mode, body.get("model", ""))))
-            elif isinstance(mode, Status):
-                error = {"error": {"message": mode.message, "type": "server_error",
-                                   "param": None, "code": None}}
-                self._send(mode.code, json.dumps(error))
-            elif isinstance(mode, Malformed):
-                self._send(200, '{"id": "chatcmpl-x", "object": "chat.completion", "choices": [')
-            else:
-                self._send(200, "hello, I am not JSON", content_type="text/plain")
-        except OSError:
-            self.close_connection = True  # the client went away; nothing to report
-
-    def _send(self, code: int, text: str, *, content_type: str = "application/json") -> None:
-        data = text.encode()
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _hold(self, chat: ChatServer) -> None:
-        chat.holding.set()
-        self.close_connection = True
-        while not chat.stopping.is_set():
-            readable, _, _ = select.select([self.connection], [], [], 0.05)
-            if readable:
-                if self.connection.recv(1, socket.MSG_PEEK) == b"":
-                    chat.hold_saw_close.set()
-                return
 
 
 @pytest.fixture
@@ -490,7 +338,7 @@ async def test_one_adapter_serves_concurrent_runs_without_mixing_them(
 
 
 def load_example() -> ModuleType:
-    path = Path(__file__).resolve().parent.parent / "examples" / "openai_agent.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "openai_agent.py"
     spec = importlib.util.spec_from_file_location("polyloop_openai_agent_example", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -529,7 +377,7 @@ def _run_program(args: list[str]) -> subprocess.CompletedProcess[str]:
 def test_the_example_program_runs_from_the_command_line(server: ChatServer, backend: str) -> None:
     server.respond(Reply('{"tool": "multiply", "arguments": {"a": 6, "b": 7}}'),
                    Reply('{"tool": "submit", "arguments": {"answer": "42"}}'))
-    path = Path(__file__).resolve().parent.parent / "examples" / "openai_agent.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "openai_agent.py"
     done = _run_program([str(path), "--base-url", server.base_url, "--model", MODEL,
                          "--max-retries", "0", "--backend", backend])
     assert done.returncode == 0, done.stderr
@@ -539,7 +387,7 @@ def test_the_example_program_runs_from_the_command_line(server: ChatServer, back
 
 def test_the_documented_example_runs(server: ChatServer) -> None:
     """The Chat Completions example of docs/adapters.md, as written, against this server."""
-    docs = Path(__file__).resolve().parent.parent / "docs" / "adapters.md"
+    docs = Path(__file__).resolve().parents[2] / "docs" / "adapters.md"
     blocks = re.findall(r"```python\n(.*?)```", docs.read_text(encoding="utf-8"), re.S)
     [program] = [block for block in blocks if "Ask a model one question" in block]
     server.respond(Reply("Rayleigh scattering.", id="chatcmpl-doc", reasoning="short"))

@@ -1,0 +1,46 @@
+"""The one-commit-per-write baselines of benchmark 3: the stores without group commit.
+
+Each write commits alone, in a worker-thread hop of its own (SQLite with
+``synchronous=FULL`` for every commit), which is how a store without shared commits
+behaves. They live here, not in the library: the library has one write path per store.
+They reach into the stores' private write step on purpose, and only to replace it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio.to_thread
+
+from polyloop.stores import PostgresStore, SqliteStore
+from polyloop.stores._postgres_batch import Item
+from polyloop.stores._postgres_sql import record_row
+from polyloop.stores._sqlite_sql import SYNCHRONOUS_FULL, Write
+
+
+class SqliteOneCommitPerWrite(SqliteStore):
+    """``SqliteStore`` committing every write in a transaction of its own."""
+
+    async def _write(self, write: Write) -> None:
+        (error,) = await anyio.to_thread.run_sync(self._commit_batch, [write])
+        if error is not None:
+            raise error
+
+    def _level_for(self, writes: Sequence[Write], admitted: Sequence[int]) -> int:
+        return SYNCHRONOUS_FULL
+
+
+class PostgresOneCommitPerWrite(PostgresStore):
+    """``PostgresStore`` committing every write in a statement of its own."""
+
+    async def _write(self, run_id: str, records: Sequence[Any], mode: Any, **options: Any
+                     ) -> None:
+        rows = [record_row(record) for record in records]
+        with self._used(run_id) as slot:
+            item = Item(slot, rows, mode, options.get("barrier", False),
+                        options.get("final", False), options.get("reason"))
+            (error,) = await anyio.to_thread.run_sync(self._committer.commit, slot.writer,
+                                                      [item])
+        if error is not None:
+            raise error

@@ -1,0 +1,174 @@
+"""Small pieces that several layers need, each written once.
+
+The record format's name and the kind string of each record; the limits of a value a
+record may carry; canonical JSON; the plain-value check and copy; how an exception
+reads in a record. This module sits below :mod:`polyloop.types` and imports only the
+standard library and :mod:`polyloop._errors`, so the kernel and the stores can share it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from polyloop._errors import UnloggableValue
+
+__all__ = (
+    "FORMAT",
+    "MAX_DEPTH",
+    "MAX_INT_DIGITS",
+    "RECORD_KINDS",
+    "canonical_json",
+    "exception_text",
+    "plain_copy",
+    "record_kind",
+)
+
+FORMAT = "polyloop/1"
+"""The record format, name and major: the ``schema`` of every record, and store metadata."""
+
+RECORD_KINDS: Mapping[str, str] = MappingProxyType({
+    "RunStarted": "run_started",
+    "Intent": "intent",
+    "Result": "result",
+    "StepRecord": "step",
+    "RunEnded": "run_ended",
+})
+"""The ``kind`` of each record class of :mod:`polyloop.types`, by class name.
+
+Keyed by name because this module sits below the module that defines the classes.
+"""
+
+MAX_INT_DIGITS = 4_300
+"""The longest integer a record may hold: what Python's JSON reader accepts by default."""
+
+MAX_DEPTH = 256
+"""How deeply a payload or snapshot may nest.
+
+Deep enough for any real payload, and shallow enough that the reader (bound by the
+interpreter's recursion limit) always reads back what was written.
+"""
+
+_TOO_LONG = 10**MAX_INT_DIGITS  # the smallest integer with MAX_INT_DIGITS + 1 digits
+_TYPES_MODULE = "polyloop.types"
+
+
+def record_kind(record: object) -> str:
+    """The ``kind`` of a record; :class:`~polyloop.types.UnloggableValue` for anything else.
+
+    Only the record classes themselves count, not subclasses: a subclass could carry
+    fields that no reader of the format knows about.
+    """
+    cls = type(record)
+    kind = RECORD_KINDS.get(cls.__qualname__) if cls.__module__ == _TYPES_MODULE else None
+    if kind is None:
+        raise UnloggableValue(f"not a record: {cls.__name__}")
+    return kind
+
+
+# Built once: json.dumps with options builds a new encoder on every call. What is
+# encoded is a plain copy or a value built by the library, never one that holds itself,
+# so the encoder need not look for cycles.
+_CANONICAL = json.JSONEncoder(
+    ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":"),
+    check_circular=False,
+)
+_CANONICAL_ASCII = json.JSONEncoder(
+    ensure_ascii=True, allow_nan=False, sort_keys=True, separators=(",", ":"),
+    check_circular=False,
+)
+
+
+def canonical_json(value: Any, *, ascii: bool = False) -> str:
+    """``value`` as canonical JSON: sorted keys, no spaces, no ``NaN`` or infinities.
+
+    Raises ``ValueError`` for a non-finite number, ``TypeError`` for a value JSON has no
+    type for, and ``RecursionError`` for one that contains itself. With ``ascii``,
+    every character beyond ASCII is escaped.
+    """
+    return (_CANONICAL_ASCII if ascii else _CANONICAL).encode(value)
+
+
+def exception_text(exc: BaseException) -> str:
+    """``"ExceptionClass: message"``: how a record names a failure. Never raises."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the failure itself
+        message = "<the exception's message could not be rendered>"
+    return f"{type(exc).__name__}: {message}"
+
+
+class _Refused(Exception):
+    """A value :func:`plain_copy` refuses; the path to it is gathered as the walk unwinds."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.steps: list[str] = []
+
+
+class _TooDeep(Exception):
+    """The value nests deeper than :data:`MAX_DEPTH`."""
+
+
+def plain_copy(value: Any, *, root: str = "value", strict: bool = False) -> Any:
+    """A deep copy of ``value`` made of the JSON types it would read back as.
+
+    Raises :class:`~polyloop.types.UnloggableValue` for anything strict JSON cannot
+    carry back exactly (``NaN``, infinities, integers of more than
+    :data:`MAX_INT_DIGITS` digits, keys that are not strings, values that are not JSON,
+    nesting deeper than :data:`MAX_DEPTH`), naming the path to it from ``root``.
+
+    By default any mapping counts as an object and a tuple as an array, and both are
+    copied as the dict and list they read back as. With ``strict``, only dicts and
+    lists do: what ``json.loads`` itself would return.
+    """
+    objects, arrays = (dict, list) if strict else (Mapping, (list, tuple))
+    try:
+        return _copy(value, 0, objects, arrays)
+    except _TooDeep:
+        raise UnloggableValue(f"{root} is nested more than {MAX_DEPTH} levels deep") from None
+    except _Refused as refused:
+        path = root + "".join(reversed(refused.steps))
+        raise UnloggableValue(f"{refused.problem} at {path}") from None
+
+
+def _copy(item: Any, depth: int, objects: Any, arrays: Any) -> Any:
+    if depth > MAX_DEPTH:
+        raise _TooDeep
+    if isinstance(item, (str, bool)) or item is None:
+        return item
+    if isinstance(item, objects):
+        copied: dict[str, Any] = {}
+        for key, sub in item.items():
+            if not isinstance(key, str):
+                raise _Refused(f"key {key!r} is not a string")
+            if key in copied:  # a mapping whose items() repeats a key
+                raise _Refused(f"key {key!r} appears twice")
+            try:
+                copied[key] = _copy(sub, depth + 1, objects, arrays)
+            except _Refused as refused:
+                refused.steps.append(f".{key}")
+                raise
+        return copied
+    if isinstance(item, arrays):
+        items = []
+        for index, sub in enumerate(item):
+            try:
+                items.append(_copy(sub, depth + 1, objects, arrays))
+            except _Refused as refused:
+                refused.steps.append(f"[{index}]")
+                raise
+        return items
+    if isinstance(item, int):
+        if abs(item) >= _TOO_LONG:
+            raise _Refused(f"integer of more than {MAX_INT_DIGITS} digits")
+        return int(item)
+    if isinstance(item, float):
+        if not math.isfinite(item):
+            raise _Refused(f"{item!r} is not a JSON number")
+        return float(item)
+    raise _Refused(f"{type(item).__name__} is not a JSON value")

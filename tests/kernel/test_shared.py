@@ -1,0 +1,125 @@
+"""Tests for polyloop._shared: the pieces the kernel and the stores share.
+
+Pure synchronous code: no coroutines, no fixtures that start resources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+
+from polyloop._shared import (
+    FORMAT,
+    MAX_DEPTH,
+    MAX_INT_DIGITS,
+    RECORD_KINDS,
+    canonical_json,
+    exception_text,
+    plain_copy,
+    record_kind,
+)
+from polyloop.serialization import encode
+from polyloop.types import Record, Result, RunEnded, StopReason, UnloggableValue
+
+
+def test_every_record_class_has_one_kind() -> None:
+    classes = typing.get_args(Record)
+    assert set(RECORD_KINDS) == {cls.__name__ for cls in classes}
+    assert len(set(RECORD_KINDS.values())) == len(RECORD_KINDS)
+
+
+def test_record_kind_names_records_only() -> None:
+    ended = RunEnded(run_id="r", stop_reason=StopReason.FINAL_ANSWER, final_answer="x",
+                     steps=1, valid_steps=0, detail=None)
+    assert record_kind(ended) == "run_ended"
+    assert encode(ended)["kind"] == "run_ended"
+    assert encode(ended)["schema"] == FORMAT == "polyloop/1"
+
+    @dataclasses.dataclass(frozen=True)
+    class RunEnded2(RunEnded):  # a subclass could carry fields no reader knows
+        pass
+
+    class Impostor:
+        __qualname__ = "RunEnded"
+
+    for other in (RunEnded2(**dataclasses.asdict(ended)), {"kind": "run_ended"}, Impostor()):
+        with pytest.raises(UnloggableValue, match="not a record"):
+            record_kind(other)
+
+
+def test_canonical_json() -> None:
+    value = {"b": [1, 2.5, None], "a": "ü\u2028", "c": {"z": True, "y": False}}
+    assert canonical_json(value) == '{"a":"ü\u2028","b":[1,2.5,null],"c":{"y":false,"z":true}}'
+    assert canonical_json(value, ascii=True).isascii()
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        canonical_json({"x": math.nan})
+
+
+def test_exception_text() -> None:
+    assert exception_text(KeyError("k")) == "KeyError: 'k'"
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    assert exception_text(Unprintable()).startswith("Unprintable: <")
+
+
+def test_plain_copy_is_a_deep_copy_of_plain_types() -> None:
+    original: dict[str, Any] = {"a": [1, {"b": "c"}], "d": (1.5, True)}
+    copied = plain_copy(original)
+    assert copied == {"a": [1, {"b": "c"}], "d": [1.5, True]}
+    copied["a"][1]["b"] = "changed"
+    assert original["a"][1]["b"] == "c"
+    assert plain_copy(MappingProxyType({"k": 1})) == {"k": 1}
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ({"x": [0, math.nan]}, "nan is not a JSON number at value.x[1]"),
+        ({"x": {1: "y"}}, "key 1 is not a string at value.x"),
+        ({"x": [10**MAX_INT_DIGITS]}, f"more than {MAX_INT_DIGITS} digits at value.x[0]"),
+        ({"x": {"y": {1, 2}}}, "set is not a JSON value at value.x.y"),
+    ],
+)
+def test_plain_copy_names_the_path_to_what_it_refuses(value: Any, problem: str) -> None:
+    with pytest.raises(UnloggableValue) as refused:
+        plain_copy(value)
+    assert problem in str(refused.value)
+
+
+def test_the_digit_limit_is_exact() -> None:
+    longest = 10**MAX_INT_DIGITS - 1
+    assert plain_copy([longest, -longest]) == [longest, -longest]
+    with pytest.raises(UnloggableValue):
+        plain_copy(-(10**MAX_INT_DIGITS))
+
+
+def test_the_depth_limit() -> None:
+    nested: Any = "leaf"
+    for _ in range(MAX_DEPTH):
+        nested = [nested]
+    assert plain_copy(nested) == nested
+    with pytest.raises(UnloggableValue, match=f"payload is nested more than {MAX_DEPTH}"):
+        plain_copy([nested], root="payload")
+
+
+def test_strict_takes_only_what_json_loads_returns() -> None:
+    assert plain_copy({"a": [1]}, strict=True) == {"a": [1]}
+    for value in ({"a": (1,)}, MappingProxyType({"a": 1}), {"a": MappingProxyType({})}):
+        with pytest.raises(UnloggableValue, match="is not a JSON value"):
+            plain_copy(value, strict=True)
+
+
+def test_the_result_payload_refusal_names_its_run() -> None:
+    with pytest.raises(UnloggableValue) as refused:
+        encode(Result(run_id="r-1", result_id="r-1:0:action", kind="action",  # type: ignore[arg-type]
+                      payload={"v": math.inf}))
+    assert refused.value.run_id == "r-1"
+    assert "Result: inf is not a JSON number at payload.v" in str(refused.value)
