@@ -34,13 +34,17 @@ class SqliteOneCommitPerWrite(SqliteStore):
 class PostgresOneCommitPerWrite(PostgresStore):
     """``PostgresStore`` committing every write in a statement of its own."""
 
-    async def _write(self, run_id: str, records: Sequence[Any], mode: Any, **options: Any
-                     ) -> None:
+    async def _write(self, run_id: str, records: Sequence[Any], mode: Any, **options: Any) -> None:
         rows = [record_row(record) for record in records]
         with self._used(run_id) as slot:
-            item = Item(slot, rows, mode, options.get("barrier", False),
-                        options.get("final", False), options.get("reason"))
-            (error,) = await anyio.to_thread.run_sync(self._committer.commit, slot.writer,
-                                                      [item])
+            item = Item(
+                slot,
+                rows,
+                mode,
+                options.get("barrier", False),
+                options.get("final", False),
+                options.get("reason"),
+            )
+            (error,) = await anyio.to_thread.run_sync(self._committer.commit, slot.writer, [item])
         if error is not None:
             raise error

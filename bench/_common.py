@@ -200,8 +200,9 @@ def postgres_conninfo() -> tuple[str | None, str | None]:
             conn.execute("SELECT 1")
     except psycopg.Error as exc:
         first = next(iter(str(exc).strip().splitlines()), "")
-        return None, (f"no PostgreSQL server answers at ${POSTGRES_ENV} "
-                      f"({type(exc).__name__}: {first})")
+        return None, (
+            f"no PostgreSQL server answers at ${POSTGRES_ENV} ({type(exc).__name__}: {first})"
+        )
     return conninfo, None
 
 
@@ -245,8 +246,12 @@ def fmt(value: Any, digits: int = 1) -> str:
 Column = tuple[str, str] | tuple[str, str, int]
 
 
-def print_table(title: str, columns: Sequence[Column], rows: Sequence[Row],
-                out: Callable[[str], None] | None = None) -> None:
+def print_table(
+    title: str,
+    columns: Sequence[Column],
+    rows: Sequence[Row],
+    out: Callable[[str], None] | None = None,
+) -> None:
     """A plain-text table; skipped rows show their reason instead of numbers."""
     write = out or (lambda text: print(text, flush=True))
     cells = []
@@ -264,26 +269,46 @@ def print_table(title: str, columns: Sequence[Column], rows: Sequence[Row],
                 widths[index] = max(widths[index], len(cell))
     write("")
     write(title)
-    write("  ".join(h.ljust(widths[i]) if i == 0 else h.rjust(widths[i])
-                    for i, h in enumerate(headers)))
+    write(
+        "  ".join(
+            h.ljust(widths[i]) if i == 0 else h.rjust(widths[i]) for i, h in enumerate(headers)
+        )
+    )
     write("  ".join("-" * w for w in widths))
     for line in cells:
         if len(line) > 1 and line[1].startswith("skipped:"):
             write(f"{line[0].ljust(widths[0])}  {line[1]}")
             continue
-        write("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i])
-                        for i, c in enumerate(line)))
+        write(
+            "  ".join(
+                c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(line)
+            )
+        )
 
 
-def target(name: str, measured: float | None, limit: float, *, what: str,
-           at_least: bool = False, unit: str = "x") -> Row:
+def target(
+    name: str,
+    measured: float | None,
+    limit: float,
+    *,
+    what: str,
+    at_least: bool = False,
+    unit: str = "x",
+) -> Row:
     """One target from the issue: a measured value (a ratio, unless ``unit`` says
     otherwise) against its upper (or lower) limit."""
     met = False
     if measured is not None and measured == measured:  # NaN is never met
         met = measured >= limit if at_least else measured <= limit
-    return {"target": name, "what": what, "measured": measured, "limit": limit, "met": met,
-            "at_least": at_least, "unit": unit}
+    return {
+        "target": name,
+        "what": what,
+        "measured": measured,
+        "limit": limit,
+        "met": met,
+        "at_least": at_least,
+        "unit": unit,
+    }
 
 
 def versions() -> dict[str, str | None]:
@@ -291,8 +316,15 @@ def versions() -> dict[str, str | None]:
     from importlib import metadata
 
     found: dict[str, str | None] = {"python": sys.version.split()[0]}
-    for name in ("polyloop", "anyio", "trio", "psycopg", "langgraph",
-                 "langgraph-checkpoint-sqlite", "pydantic-ai-slim"):
+    for name in (
+        "polyloop",
+        "anyio",
+        "trio",
+        "psycopg",
+        "langgraph",
+        "langgraph-checkpoint-sqlite",
+        "pydantic-ai-slim",
+    ):
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -314,8 +346,9 @@ class Variant:
     skip: str | None = None
 
 
-async def interleave(variants: Sequence[Variant], repeats: int, *,
-                     warmup: bool = True) -> dict[str, list[RunStats]]:
+async def interleave(
+    variants: Sequence[Variant], repeats: int, *, warmup: bool = True
+) -> dict[str, list[RunStats]]:
     """Measure every variant ``repeats`` times, round-robin, so drift hits all alike.
 
     The order is reversed on every other round; one unrecorded warm-up run each first.
@@ -337,15 +370,16 @@ async def interleave(variants: Sequence[Variant], repeats: int, *,
 
 def summary_row(variant: Variant, runs: Sequence[RunStats] | None, steps: int) -> Row:
     """The median of a variant's runs, with the counts every run must agree on."""
-    row: Row = {"key": variant.key, "name": variant.name, "role": variant.role,
-                "steps": steps}
+    row: Row = {"key": variant.key, "name": variant.name, "role": variant.role, "steps": steps}
     if variant.skip or not runs:
         return skipped(row, variant.skip or "not measured")
     decisions = {r.decisions for r in runs}
     executions = {r.tool_executions for r in runs}
     if len(decisions) != 1 or len(executions) != 1:
-        raise AssertionError(f"{variant.name}: runs disagree on their work "
-                             f"(decisions {decisions}, tool calls {executions})")
+        raise AssertionError(
+            f"{variant.name}: runs disagree on their work "
+            f"(decisions {decisions}, tool calls {executions})"
+        )
     per_step = [r.us_per_step for r in runs]
     row.update(
         repeats=len(runs),
@@ -358,8 +392,12 @@ def summary_row(variant: Variant, runs: Sequence[RunStats] | None, steps: int) -
     return row
 
 
-def add_ratio(rows: Sequence[Row], floor_key: str, field_name: str = "ratio_to_floor",
-              value_key: str = "us_per_step") -> float | None:
+def add_ratio(
+    rows: Sequence[Row],
+    floor_key: str,
+    field_name: str = "ratio_to_floor",
+    value_key: str = "us_per_step",
+) -> float | None:
     """Divide every measured row's ``value_key`` by the floor row's; return the floor."""
     floor = next((r.get(value_key) for r in rows if r.get("key") == floor_key), None)
     for row in rows:

@@ -58,12 +58,15 @@ from polyloop.types import ActionStatus, JSONValue
 
 TOOL_REPLY = ModelReply(call_id=None, content="noop", reasoning=None)
 FINAL_REPLY = ModelReply(call_id=None, content="final", reasoning=None)
-NOOP_ACTION = Action(payload={"name": "noop", "arguments": {}}, action_text="noop()",
-                     history_text="noop")
+NOOP_ACTION = Action(
+    payload={"name": "noop", "arguments": {}}, action_text="noop()", history_text="noop"
+)
 FINAL_ANSWER = FinalAnswer(answer="done", history_text="final")
 TEXTS = ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}")
 NOOP_SCHEMA: dict[str, JSONValue] = {
-    "type": "object", "properties": {}, "additionalProperties": False,
+    "type": "object",
+    "properties": {},
+    "additionalProperties": False,
 }
 SYSTEM_TEXT = "You are a benchmark agent."
 GOAL_TEXT = "Call the tool until told to stop."
@@ -124,8 +127,7 @@ def noop_tools(executions: Counter) -> ToolRegistry:
         return "ok"
 
     return ToolRegistry(
-        [ToolSpec(name="noop", description="Do nothing.", parameters=NOOP_SCHEMA,
-                  handler=noop)],
+        [ToolSpec(name="noop", description="Do nothing.", parameters=NOOP_SCHEMA, handler=noop)],
         max_observation_chars=1_000,
     )
 
@@ -141,8 +143,9 @@ class BareExecutor:
 
     async def execute(self, action: Action, *, result_id: str) -> ActionOutcome:
         self.executions.n += 1
-        return ActionOutcome(status=ActionStatus.EXECUTED, observation="ok",
-                             synthesized=False, done=False)
+        return ActionOutcome(
+            status=ActionStatus.EXECUTED, observation="ok", synthesized=False, done=False
+        )
 
     def replay(self, action: Action) -> Replay:
         return Replay.NEVER
@@ -151,20 +154,30 @@ class BareExecutor:
 class Agent:
     """The PolyLoop side of a benchmark: one model, one tool, one store."""
 
-    def __init__(self, store: Store, *, steps: int | None, bare: bool = False,
-                 stamps: list[float] | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        steps: int | None,
+        bare: bool = False,
+        stamps: list[float] | None = None,
+    ) -> None:
         self.model = InstantModel(steps, stamps=stamps)
         self.executions = Counter()
         self.tools = noop_tools(self.executions)
         self.executor: Any = BareExecutor(self.executions) if bare else self.tools.executor()
-        self.definition = Definition(model=self.model, interpreter=InstantInterpreter(),
-                                     store=store, events=NullSink(), texts=TEXTS)
+        self.definition = Definition(
+            model=self.model,
+            interpreter=InstantInterpreter(),
+            store=store,
+            events=NullSink(),
+            texts=TEXTS,
+        )
 
     def request(self, run_id: str, *, max_steps: int) -> Request:
         return Request(
             run_id=run_id,
-            budget=Budget(max_steps=max_steps, max_valid_steps=max_steps,
-                          max_context_chars=10**12),
+            budget=Budget(max_steps=max_steps, max_valid_steps=max_steps, max_context_chars=10**12),
             executor=self.executor,
             tools=self.tools,
             run_context=(Message.text(Role.SYSTEM, SYSTEM_TEXT),),
@@ -187,10 +200,11 @@ class Agent:
         result = await self.run(run_id, steps)
         seconds = now() - began
         if result.step_count != steps or result.final_answer != "done":
-            raise AssertionError(f"run {run_id!r} ended {result.stop_reason} after "
-                                 f"{result.step_count} steps, not after {steps}")
-        return RunStats(seconds, self.model.decisions.n - decisions,
-                        self.executions.n - executions)
+            raise AssertionError(
+                f"run {run_id!r} ended {result.stop_reason} after "
+                f"{result.step_count} steps, not after {steps}"
+            )
+        return RunStats(seconds, self.model.decisions.n - decisions, self.executions.n - executions)
 
 
 # -- the hand-written floors ---------------------------------------------------------------
@@ -258,8 +272,9 @@ async def polyloop_line_sizes(steps: int) -> LineSizes:
     """The median length of each kind of line in a JSON-lines log of this agent's run."""
     store = MemoryStore()
     await Agent(store, steps=steps).run("polyloop-bench-probe", steps)
-    found: dict[str, list[int]] = {name: [] for name in ("model_intent", "model_result",
-                                                         "action_intent", "step")}
+    found: dict[str, list[int]] = {
+        name: [] for name in ("model_intent", "model_result", "action_intent", "step")
+    }
     pending = 0
     for record in (await store.read_log("polyloop-bench-probe")).records:
         size = len(dumps(record).encode()) + 1
@@ -276,11 +291,16 @@ async def polyloop_line_sizes(steps: int) -> LineSizes:
     return LineSizes(**{name: int(statistics.median(sizes)) for name, sizes in found.items()})
 
 
-async def handwritten_durable(steps: int, path: Path, *, threaded: bool = False,
-                              model: HandModel | None = None,
-                              executions: Counter | None = None,
-                              run_id: str = "run",
-                              sizes: LineSizes | None = None) -> RunStats:
+async def handwritten_durable(
+    steps: int,
+    path: Path,
+    *,
+    threaded: bool = False,
+    model: HandModel | None = None,
+    executions: Counter | None = None,
+    run_id: str = "run",
+    sizes: LineSizes | None = None,
+) -> RunStats:
     """The in-memory floor plus two fsync'd appends per step to one file.
 
     With ``threaded``, each barrier runs in a worker thread, as a store built on AnyIO
@@ -332,8 +352,9 @@ async def handwritten_durable(steps: int, path: Path, *, threaded: bool = False,
     return RunStats(seconds, model.decisions.n - decisions, executions.n - executed)
 
 
-async def handwritten_concurrent(runs: int, steps: int, directory: Path, *,
-                                 sequential: bool = False) -> RunStats:
+async def handwritten_concurrent(
+    runs: int, steps: int, directory: Path, *, sequential: bool = False
+) -> RunStats:
     """``runs`` durable loops sharing one model, each with its own file.
 
     Concurrent: all in one task group. Sequential: one after the other. The barriers
@@ -342,8 +363,14 @@ async def handwritten_concurrent(runs: int, steps: int, directory: Path, *,
     model, executions = HandModel(steps), Counter()
 
     async def one(index: int) -> None:
-        await handwritten_durable(steps, directory / f"run-{index}.log", threaded=True,
-                                  model=model, executions=executions, run_id=f"run-{index}")
+        await handwritten_durable(
+            steps,
+            directory / f"run-{index}.log",
+            threaded=True,
+            model=model,
+            executions=executions,
+            run_id=f"run-{index}",
+        )
 
     began = now()
     if sequential:
@@ -374,8 +401,10 @@ async def fsync_floor_run(count: int, path: Path) -> RunStats:
     return RunStats(seconds, count, 0)
 
 
-_SQLITE_ROWS = ("CREATE TABLE IF NOT EXISTS records (run_id TEXT NOT NULL, seq INTEGER NOT "
-                "NULL, kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq))")
+_SQLITE_ROWS = (
+    "CREATE TABLE IF NOT EXISTS records (run_id TEXT NOT NULL, seq INTEGER NOT "
+    "NULL, kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq))"
+)
 
 
 class HandSqlite:
@@ -408,8 +437,7 @@ class HandSqlite:
     def close(self) -> None:
         self.conn.close()
 
-    def _commit(self, wanted: str, run_id: str, seq: int,
-                rows: list[tuple[str, bytes]]) -> int:
+    def _commit(self, wanted: str, run_id: str, seq: int, rows: list[tuple[str, bytes]]) -> int:
         """Insert ``rows`` in one transaction at ``wanted``; the next ``seq``."""
         if self.level != wanted:
             self.conn.execute(f"PRAGMA synchronous={wanted}")
@@ -423,8 +451,7 @@ class HandSqlite:
         return seq
 
     @classmethod
-    async def fresh_run(cls, path: Path, sizes: LineSizes, run_id: str,
-                        steps: int) -> RunStats:
+    async def fresh_run(cls, path: Path, sizes: LineSizes, run_id: str, steps: int) -> RunStats:
         """One run on a new database, closed after it: only the log's growing phase."""
         floor = cls(path, sizes)
         try:
@@ -440,8 +467,7 @@ class HandSqlite:
         for index in range(steps):
             seq = commit("FULL", run_id, seq, [("intent", sizes.line("model_intent", index))])
             tool = await model.call(history, index)
-            seq = commit("NORMAL", run_id, seq,
-                         [("result", sizes.line("model_result", index))])
+            seq = commit("NORMAL", run_id, seq, [("result", sizes.line("model_result", index))])
             history.append(("assistant", tool or "final"))
             if tool is None:
                 break
@@ -449,7 +475,8 @@ class HandSqlite:
             history.append(("user", await _hand_tool(tool, executions)))
             step_line = sizes.line("step", index)
             half = len(step_line) // 2
-            seq = commit("NORMAL", run_id, seq,
-                         [("result", step_line[:half]), ("step", step_line[half:])])
+            seq = commit(
+                "NORMAL", run_id, seq, [("result", step_line[:half]), ("step", step_line[half:])]
+            )
         seconds = now() - began
         return RunStats(seconds, model.decisions.n, executions.n)

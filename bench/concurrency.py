@@ -106,31 +106,47 @@ def run(ctx: Context) -> dict[str, Any]:
         speedups += ups
         groups += gains
     return {
-        "title": TITLE, "columns": COLUMNS, "rows": rows,
-        "tables": [{"title": SPEEDUP_TITLE, "columns": SPEEDUP_COLUMNS, "rows": speedups},
-                   {"title": GROUP_TITLE, "columns": GROUP_COLUMNS, "rows": groups}],
-        "speedups": speedups, "group_commit": groups,
+        "title": TITLE,
+        "columns": COLUMNS,
+        "rows": rows,
+        "tables": [
+            {"title": SPEEDUP_TITLE, "columns": SPEEDUP_COLUMNS, "rows": speedups},
+            {"title": GROUP_TITLE, "columns": GROUP_COLUMNS, "rows": groups},
+        ],
+        "speedups": speedups,
+        "group_commit": groups,
         "targets": _targets(ctx, rows, speedups, groups),
     }
 
 
-def _targets(ctx: Context, rows: list[Row], speedups: list[Row],
-             groups: list[Row]) -> list[Row]:
+def _targets(ctx: Context, rows: list[Row], speedups: list[Row], groups: list[Row]) -> list[Row]:
     runs = ctx.sizes.sequential_runs
     found: list[Row] = []
     for backend in ctx.sizes.backends:
         for row in speedups:
             if row["backend"] == backend and row["store"] != "handwritten":
-                found.append(target(
-                    f"{backend}: {runs} concurrent runs on {row['store']} not slower than "
-                    f"sequential", row.get("speedup"), 1.0, at_least=True,
-                    what="sequential wall s / concurrent wall s"))
+                found.append(
+                    target(
+                        f"{backend}: {runs} concurrent runs on {row['store']} not slower than "
+                        f"sequential",
+                        row.get("speedup"),
+                        1.0,
+                        at_least=True,
+                        what="sequential wall s / concurrent wall s",
+                    )
+                )
         for row in groups:
             if row["backend"] == backend:
-                found.append(target(
-                    f"{backend}: group commit on {row['store']} >= {GROUP_LIMIT}x the steps/s "
-                    f"of one commit per write", row.get("gain"), GROUP_LIMIT, at_least=True,
-                    what="group-commit steps/s / one-commit-per-write steps/s"))
+                found.append(
+                    target(
+                        f"{backend}: group commit on {row['store']} >= {GROUP_LIMIT}x the steps/s "
+                        f"of one commit per write",
+                        row.get("gain"),
+                        GROUP_LIMIT,
+                        at_least=True,
+                        what="group-commit steps/s / one-commit-per-write steps/s",
+                    )
+                )
     return found
 
 
@@ -157,7 +173,8 @@ class _Stores:
 
         if kind == "jsonl":
             return await self.stack.enter_async_context(
-                JsonlStore(self.ctx.scratch("concurrency-jsonl")))
+                JsonlStore(self.ctx.scratch("concurrency-jsonl"))
+            )
         from bench._baselines import PostgresOneCommitPerWrite, SqliteOneCommitPerWrite
 
         single = kind.endswith("-single")
@@ -170,8 +187,7 @@ class _Stores:
         assert self.ctx.postgres is not None
         schema = self.stack.enter_context(postgres_schema(self.ctx.postgres))
         postgres = PostgresOneCommitPerWrite if single else PostgresStore
-        return await self.stack.enter_async_context(
-            postgres(self.ctx.postgres, schema=schema))
+        return await self.stack.enter_async_context(postgres(self.ctx.postgres, schema=schema))
 
     async def _warm(self, store: Any) -> None:
         """A few small runs at once, so connections and files exist before timing."""
@@ -189,29 +205,44 @@ async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row]]:
         stores = _Stores(ctx, stack)
         for kind in STORES:
             for runs in sizes.concurrency_runs:
-                steps = sizes.concurrency_steps_largest if runs == largest \
-                    else sizes.concurrency_steps
-                row: Row = {"key": f"{backend}-{kind}-{runs}", "backend": backend,
-                            "store": kind, "name": f"{backend}: {STORE_NAMES[kind]}",
-                            "runs": runs, "steps_per_run": steps}
+                steps = (
+                    sizes.concurrency_steps_largest if runs == largest else sizes.concurrency_steps
+                )
+                row: Row = {
+                    "key": f"{backend}-{kind}-{runs}",
+                    "backend": backend,
+                    "store": kind,
+                    "name": f"{backend}: {STORE_NAMES[kind]}",
+                    "runs": runs,
+                    "steps_per_run": steps,
+                }
                 if kind == "postgres" and ctx.postgres is None:
                     rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
                     continue
                 pass_ = await _pass_for(ctx, stores, kind, runs, steps)
                 walls = []
-                repeats = sizes.concurrency_repeats_largest if runs == largest \
+                repeats = (
+                    sizes.concurrency_repeats_largest
+                    if runs == largest
                     else sizes.concurrency_repeats
+                )
                 for _ in range(repeats):
                     settle()
                     stats = await pass_()
                     walls.append(stats.seconds)
                 peak = await _peak(pass_)
                 wall = median(walls)
-                row.update(repeats=len(walls), wall_s=wall, wall_s_min=min(walls),
-                           wall_s_max=max(walls), steps_per_s=runs * steps / wall,
-                           us_per_step=wall / (runs * steps) * 1e6,
-                           peak_kib_per_run=peak / runs / 1024,
-                           decisions=stats.decisions, tool_executions=stats.tool_executions)
+                row.update(
+                    repeats=len(walls),
+                    wall_s=wall,
+                    wall_s_min=min(walls),
+                    wall_s_max=max(walls),
+                    steps_per_s=runs * steps / wall,
+                    us_per_step=wall / (runs * steps) * 1e6,
+                    peak_kib_per_run=peak / runs / 1024,
+                    decisions=stats.decisions,
+                    tool_executions=stats.tool_executions,
+                )
                 rows.append(row)
                 ctx.say(f"    {row['name']}: {runs} runs x {steps} steps in {wall:.2f} s")
         speedups = await _speedups(ctx, stores, backend)
@@ -219,10 +250,12 @@ async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row]]:
     return rows, speedups, gains
 
 
-async def _pass_for(ctx: Context, stores: _Stores, kind: str, runs: int,
-                    steps: int, *, sequential: bool = False) -> Callable[[], Awaitable[RunStats]]:
+async def _pass_for(
+    ctx: Context, stores: _Stores, kind: str, runs: int, steps: int, *, sequential: bool = False
+) -> Callable[[], Awaitable[RunStats]]:
     """A coroutine function performing one pass: ``runs`` runs of ``steps`` decisions."""
     if kind == "handwritten":
+
         async def hand() -> RunStats:
             directory = ctx.scratch("concurrency-hand")
             return await handwritten_concurrent(runs, steps, directory, sequential=sequential)
@@ -273,11 +306,16 @@ async def _speedups(ctx: Context, stores: _Stores, backend: str) -> list[Row]:
             continue
         one_by_one = await _pass_for(ctx, stores, kind, runs, steps, sequential=True)
         at_once = await _pass_for(ctx, stores, kind, runs, steps)
-        walls, concurrent_walls = await _paired_walls(one_by_one, at_once,
-                                                      ctx.sizes.concurrency_repeats)
+        walls, concurrent_walls = await _paired_walls(
+            one_by_one, at_once, ctx.sizes.concurrency_repeats
+        )
         sequential, concurrent = median(walls), median(concurrent_walls)
-        row.update(sequential_s=sequential, concurrent_s=concurrent,
-                   speedup=sequential / concurrent, repeats=len(walls))
+        row.update(
+            sequential_s=sequential,
+            concurrent_s=concurrent,
+            speedup=sequential / concurrent,
+            repeats=len(walls),
+        )
         rows.append(row)
     hand = next((r for r in rows if r["store"] == "handwritten" and "speedup" in r), None)
     for row in rows:
@@ -300,8 +338,12 @@ async def _group_gains(ctx: Context, stores: _Stores, backend: str) -> list[Row]
         walls, group_walls = await _paired_walls(single, group, ctx.sizes.concurrency_repeats)
         grouped = median(group_walls)
         total = runs * steps
-        row.update(single_steps_per_s=total / median(walls), group_steps_per_s=total / grouped,
-                   gain=median(walls) / grouped, repeats=len(walls))
+        row.update(
+            single_steps_per_s=total / median(walls),
+            group_steps_per_s=total / grouped,
+            gain=median(walls) / grouped,
+            repeats=len(walls),
+        )
         rows.append(row)
     return rows
 
@@ -309,17 +351,24 @@ async def _group_gains(ctx: Context, stores: _Stores, backend: str) -> list[Row]
 def _paired_row(ctx: Context, backend: str, kind: str, table: str) -> Row:
     """The head of a row of tables 3b/3c, already marked skipped without PostgreSQL."""
     runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
-    row: Row = {"key": f"{backend}-{kind}-{table}", "backend": backend, "store": kind,
-                "name": f"{backend}: {STORE_NAMES[kind]}", "runs": runs,
-                "steps_per_run": steps}
+    row: Row = {
+        "key": f"{backend}-{kind}-{table}",
+        "backend": backend,
+        "store": kind,
+        "name": f"{backend}: {STORE_NAMES[kind]}",
+        "runs": runs,
+        "steps_per_run": steps,
+    }
     if kind == "postgres" and ctx.postgres is None:
         return skipped(row, ctx.postgres_note or "no PostgreSQL")
     return row
 
 
-async def _paired_walls(first: Callable[[], Awaitable[RunStats]],
-                        second: Callable[[], Awaitable[RunStats]],
-                        repeats: int) -> tuple[list[float], list[float]]:
+async def _paired_walls(
+    first: Callable[[], Awaitable[RunStats]],
+    second: Callable[[], Awaitable[RunStats]],
+    repeats: int,
+) -> tuple[list[float], list[float]]:
     """Wall seconds of ``repeats`` passes of each, alternating which goes first.
 
     The two sides of a ratio are measured side by side, so that a slow spell of the

@@ -101,8 +101,14 @@ def run(ctx: Context) -> dict[str, Any]:
         row["fsyncs_per_step"] = row["us_per_step"] / fsync_us
         if "sqlite" in row["key"] and sqlite_floor.get("us_per_step"):
             row["ratio_to_sqlite_floor"] = row["us_per_step"] / sqlite_floor["us_per_step"]
-    return {"title": TITLE, "columns": COLUMNS, "rows": rows, "targets": targets(rows),
-            "steps": steps, "fsync_floor_us": fsync_us}
+    return {
+        "title": TITLE,
+        "columns": COLUMNS,
+        "rows": rows,
+        "targets": targets(rows),
+        "steps": steps,
+        "fsync_floor_us": fsync_us,
+    }
 
 
 def targets(rows: list[Row]) -> list[Row]:
@@ -110,10 +116,14 @@ def targets(rows: list[Row]) -> list[Row]:
     found = []
     for key, name in (("polyloop-jsonl", "JsonlStore"), ("polyloop-sqlite", "SqliteStore")):
         fsyncs = (by_key(rows, key) or {}).get("fsyncs_per_step")
-        found.append(target(
-            f"durable step on {name} within {TWO_FSYNC_LIMIT:g}x two fsync floors",
-            None if fsyncs is None else fsyncs / 2, TWO_FSYNC_LIMIT,
-            what=f"PolyLoop {name} us/step / (2 x append+fsync floor)"))
+        found.append(
+            target(
+                f"durable step on {name} within {TWO_FSYNC_LIMIT:g}x two fsync floors",
+                None if fsyncs is None else fsyncs / 2,
+                TWO_FSYNC_LIMIT,
+                what=f"PolyLoop {name} us/step / (2 x append+fsync floor)",
+            )
+        )
     return found
 
 
@@ -122,36 +132,65 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
 
     sizes = await polyloop_line_sizes(steps)
     variants = [
-        Variant(FSYNC, "fsync floor (append + fsync, per call)", "floor",
-                lambda rid: fsync_floor_run(ctx.sizes.fsync_samples, directory / f"{rid}.log")),
-        Variant(FLOOR, "hand-written loop, 2 fsync'd appends/step (floor)", "floor",
-                lambda rid: handwritten_durable(steps, directory / f"{rid}.log")),
-        Variant(THREADED,
-                "hand-written loop, 2 fsync'd appends/step in a worker thread", "reference",
-                lambda rid: handwritten_durable(steps, directory / f"{rid}.log",
-                                                threaded=True)),
-        Variant(SAME_BYTES, "hand-written loop, PolyLoop's bytes/step (2 of 4 lines fsync'd)",
-                "reference",
-                lambda rid: handwritten_durable(steps, directory / f"{rid}.log", sizes=sizes)),
-        Variant(SAME_BYTES_THREADED,
-                "the same, every write in a worker thread (4 thread round trips/step)",
-                "reference",
-                lambda rid: handwritten_durable(steps, directory / f"{rid}.log", sizes=sizes,
-                                                threaded=True)),
+        Variant(
+            FSYNC,
+            "fsync floor (append + fsync, per call)",
+            "floor",
+            lambda rid: fsync_floor_run(ctx.sizes.fsync_samples, directory / f"{rid}.log"),
+        ),
+        Variant(
+            FLOOR,
+            "hand-written loop, 2 fsync'd appends/step (floor)",
+            "floor",
+            lambda rid: handwritten_durable(steps, directory / f"{rid}.log"),
+        ),
+        Variant(
+            THREADED,
+            "hand-written loop, 2 fsync'd appends/step in a worker thread",
+            "reference",
+            lambda rid: handwritten_durable(steps, directory / f"{rid}.log", threaded=True),
+        ),
+        Variant(
+            SAME_BYTES,
+            "hand-written loop, PolyLoop's bytes/step (2 of 4 lines fsync'd)",
+            "reference",
+            lambda rid: handwritten_durable(steps, directory / f"{rid}.log", sizes=sizes),
+        ),
+        Variant(
+            SAME_BYTES_THREADED,
+            "the same, every write in a worker thread (4 thread round trips/step)",
+            "reference",
+            lambda rid: handwritten_durable(
+                steps, directory / f"{rid}.log", sizes=sizes, threaded=True
+            ),
+        ),
     ]
-    async with JsonlStore(directory / "jsonl") as jsonl, \
-            SqliteStore(directory / "runs.sqlite") as sqlite_store:
+    async with (
+        JsonlStore(directory / "jsonl") as jsonl,
+        SqliteStore(directory / "runs.sqlite") as sqlite_store,
+    ):
         # One database for every run of the SQLite floor, open as long as the store's.
         hand_sqlite = HandSqlite(directory / "hand.sqlite", sizes)
-        variants.append(Variant(SQLITE_FLOOR,
-                                "hand-written loop on SQLite, SqliteStore's 4 commits/step",
-                                "reference", lambda rid: hand_sqlite.run(rid, steps)))
-        variants.append(Variant(
-            SQLITE_FRESH, "the same, on a new database per run (its log only grows)",
-            "reference",
-            lambda rid: HandSqlite.fresh_run(directory / f"{rid}.sqlite", sizes, rid, steps)))
-        for key, name, store in (("polyloop-jsonl", "PolyLoop, JsonlStore", jsonl),
-                                 ("polyloop-sqlite", "PolyLoop, SqliteStore", sqlite_store)):
+        variants.append(
+            Variant(
+                SQLITE_FLOOR,
+                "hand-written loop on SQLite, SqliteStore's 4 commits/step",
+                "reference",
+                lambda rid: hand_sqlite.run(rid, steps),
+            )
+        )
+        variants.append(
+            Variant(
+                SQLITE_FRESH,
+                "the same, on a new database per run (its log only grows)",
+                "reference",
+                lambda rid: HandSqlite.fresh_run(directory / f"{rid}.sqlite", sizes, rid, steps),
+            )
+        )
+        for key, name, store in (
+            ("polyloop-jsonl", "PolyLoop, JsonlStore", jsonl),
+            ("polyloop-sqlite", "PolyLoop, SqliteStore", sqlite_store),
+        ):
             agent = Agent(store, steps=steps)
             variants.append(Variant(key, name, "polyloop", _timed(agent, steps)))
         closers = [hand_sqlite.close]
@@ -163,15 +202,22 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
             if skip:
                 variants.append(Variant(key, name, "peer", skip=skip))
                 continue
-            graph = peers.LangGraphLoop("sqlite", path=directory / f"{key}.sqlite",
-                                        durability=durability)
+            graph = peers.LangGraphLoop(
+                "sqlite", path=directory / f"{key}.sqlite", durability=durability
+            )
             closers.append(graph.close)
             variants.append(Variant(key, name, "peer", _sync(graph.run, steps)))
         try:
             if ctx.postgres is None:
-                variants.insert(_after_sqlite(variants), Variant(
-                    "polyloop-postgres", "PolyLoop, PostgresStore", "polyloop",
-                    skip=ctx.postgres_note))
+                variants.insert(
+                    _after_sqlite(variants),
+                    Variant(
+                        "polyloop-postgres",
+                        "PolyLoop, PostgresStore",
+                        "polyloop",
+                        skip=ctx.postgres_note,
+                    ),
+                )
                 results = await _interleave_noted(ctx, variants, repeats)
             else:
                 results = await _with_postgres(ctx, variants, steps, repeats)
@@ -181,16 +227,19 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
     return [summary_row(v, results.get(v.key), steps) for v in variants]
 
 
-async def _with_postgres(ctx: Context, variants: list[Variant], steps: int,
-                         repeats: int) -> Any:
+async def _with_postgres(ctx: Context, variants: list[Variant], steps: int, repeats: int) -> Any:
     from polyloop.stores import PostgresStore
 
     assert ctx.postgres is not None
     with postgres_schema(ctx.postgres) as schema:
         async with PostgresStore(ctx.postgres, schema=schema) as store:
             agent = Agent(store, steps=steps)
-            variants.insert(_after_sqlite(variants), Variant(
-                "polyloop-postgres", "PolyLoop, PostgresStore", "polyloop", _timed(agent, steps)))
+            variants.insert(
+                _after_sqlite(variants),
+                Variant(
+                    "polyloop-postgres", "PolyLoop, PostgresStore", "polyloop", _timed(agent, steps)
+                ),
+            )
             return await _interleave_noted(ctx, variants, repeats)
 
 

@@ -65,12 +65,20 @@ def _summarise(stats: pstats.Stats, total_steps: int) -> dict[str, Any]:
     for (filename, line, name), (_, calls, own, cumulative, _) in raw.items():
         short = _short(filename)
         per_file[short] += own
-        functions.append({"function": f"{short}:{line}({name})", "calls_per_step":
-                          calls / total_steps, "own_share": own / total,
-                          "cumulative_share": cumulative / total})
+        functions.append(
+            {
+                "function": f"{short}:{line}({name})",
+                "calls_per_step": calls / total_steps,
+                "own_share": own / total,
+                "cumulative_share": cumulative / total,
+            }
+        )
     functions.sort(key=lambda f: f["own_share"], reverse=True)
-    files = sorted(({"file": f, "own_share": t / total} for f, t in per_file.items()),
-                   key=lambda f: f["own_share"], reverse=True)
+    files = sorted(
+        ({"file": f, "own_share": t / total} for f, t in per_file.items()),
+        key=lambda f: f["own_share"],
+        reverse=True,
+    )
     return {"functions": functions[:TOP], "files": files[:TOP]}
 
 
@@ -79,15 +87,17 @@ def _short(filename: str) -> str:
     parts = Path(filename).parts
     for anchor in ("polyloop", "anyio", "jsonschema", "asyncio", "json", "trio"):
         if anchor in parts:
-            return "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor):])
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor) :])
     return Path(filename).name or filename
 
 
 def _print(kind: str, report: dict[str, Any]) -> None:
     print(f"\nProfile of PolyLoop on {kind}: share of own time per function")
     for item in report["functions"]:
-        print(f"  {item['own_share'] * 100:5.1f}%  {item['calls_per_step']:5.2f}/step  "
-              f"{item['function']}")
+        print(
+            f"  {item['own_share'] * 100:5.1f}%  {item['calls_per_step']:5.2f}/step  "
+            f"{item['function']}"
+        )
     print(f"Profile of PolyLoop on {kind}: share of own time per file")
     for item in report["files"][:12]:
         print(f"  {item['own_share'] * 100:5.1f}%  {item['file']}")
@@ -122,8 +132,9 @@ async def _pieces(ctx: Context) -> list[dict[str, Any]]:
     lines = [dumps(record) for record in records]
     tools = agent.tools
     executor = tools.executor()
-    action = Action(payload={"name": "noop", "arguments": {}}, action_text="noop()",
-                    history_text="noop")
+    action = Action(
+        payload={"name": "noop", "arguments": {}}, action_text="noop()", history_text="noop"
+    )
     history = [records[4]] * 200  # any objects: only the copy is timed
 
     async def execute() -> None:
@@ -134,8 +145,9 @@ async def _pieces(ctx: Context) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
 
-    async def measure(name: str, per_step: float, sync: Any = None, coro: Any = None,
-                      loops: int = 2_000) -> None:
+    async def measure(
+        name: str, per_step: float, sync: Any = None, coro: Any = None, loops: int = 2_000
+    ) -> None:
         samples = []
         for _ in range(5):
             began = now()
@@ -147,26 +159,47 @@ async def _pieces(ctx: Context) -> list[dict[str, Any]]:
                     await coro()
             samples.append((now() - began) / loops * 1e6)
         value = sorted(samples)[len(samples) // 2]
-        rows.append({"piece": name, "us_per_call": value, "calls_per_step": per_step,
-                     "us_per_step": value * per_step})
+        rows.append(
+            {
+                "piece": name,
+                "us_per_call": value,
+                "calls_per_step": per_step,
+                "us_per_step": value * per_step,
+            }
+        )
 
     check = getattr(serialization, "plain", None)
     if check is not None:
-        await measure("loggability check of the action payload (every action step)", 1,
-                      lambda: check(action.payload, owner="Intent", field="payload"))
-    await measure("encode of the action intent (inside dumps, durable stores)", 1,
-                  lambda: encode(intent))
-    await measure("dumps of one step's five records (durable stores only)", 1,
-                  lambda: [dumps(r) for r in records])
-    await measure("loads of one step's five records (resume, per logged step)", 1,
-                  lambda: [loads(line) for line in lines])
+        await measure(
+            "loggability check of the action payload (every action step)",
+            1,
+            lambda: check(action.payload, owner="Intent", field="payload"),
+        )
+    await measure(
+        "encode of the action intent (inside dumps, durable stores)", 1, lambda: encode(intent)
+    )
+    await measure(
+        "dumps of one step's five records (durable stores only)",
+        1,
+        lambda: [dumps(r) for r in records],
+    )
+    await measure(
+        "loads of one step's five records (resume, per logged step)",
+        1,
+        lambda: [loads(line) for line in lines],
+    )
     await measure("ToolRegistry.validate('noop', {})", 1, lambda: tools.validate("noop", {}))
-    await measure("registry executor: execute the no-op tool (validation included)", 1,
-                  coro=execute)
-    await measure("tuple() of the message list at step 100 (the model call's copy)", 1,
-                  lambda: tuple(history))
-    await measure("sha256 copy + hexdigest (the intent's messages digest)", 1,
-                  lambda: hashlib.sha256(b"x").copy().hexdigest())
+    await measure(
+        "registry executor: execute the no-op tool (validation included)", 1, coro=execute
+    )
+    await measure(
+        "tuple() of the message list at step 100 (the model call's copy)", 1, lambda: tuple(history)
+    )
+    await measure(
+        "sha256 copy + hexdigest (the intent's messages digest)",
+        1,
+        lambda: hashlib.sha256(b"x").copy().hexdigest(),
+    )
     try:
         from polyloop import _assembly
 
@@ -177,10 +210,12 @@ async def _pieces(ctx: Context) -> list[dict[str, Any]]:
         await measure("transcript: append one step's two messages (size + digest)", 1, extend)
     except (ImportError, AttributeError, TypeError) as exc:
         rows.append({"piece": f"transcript: not measured ({type(exc).__name__}: {exc})"})
-    await measure("one suspension of the instant model (anyio checkpoint)", 1,
-                  coro=anyio.lowlevel.checkpoint)
-    await measure("one worker-thread round trip (anyio.to_thread.run_sync of a no-op)", 4,
-                  coro=hop, loops=300)
+    await measure(
+        "one suspension of the instant model (anyio checkpoint)", 1, coro=anyio.lowlevel.checkpoint
+    )
+    await measure(
+        "one worker-thread round trip (anyio.to_thread.run_sync of a no-op)", 4, coro=hop, loops=300
+    )
     del ctx
     return rows
 
@@ -192,5 +227,7 @@ def print_pieces(rows: list[dict[str, Any]]) -> None:
         if "us_per_call" not in row:
             print(f"  {'':>8}  {'':>10}  {'':>8}  {row['piece']}")
             continue
-        print(f"  {row['us_per_call']:8.2f}  {row['calls_per_step']:10.0f}  "
-              f"{row['us_per_step']:8.2f}  {row['piece']}")
+        print(
+            f"  {row['us_per_call']:8.2f}  {row['calls_per_step']:10.0f}  "
+            f"{row['us_per_step']:8.2f}  {row['piece']}"
+        )

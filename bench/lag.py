@@ -94,12 +94,24 @@ def _targets(rows: list[Row]) -> list[Row]:
     for row in rows:
         if row.get("skipped") or row["store"] in ("idle", "memory"):
             continue
-        found.append(target(f"{row['name']}: p99 event-loop lag under {P99_LIMIT_MS:g} ms",
-                            row["p99_ms"], P99_LIMIT_MS, unit=" ms",
-                            what="99th percentile of how late a 1 ms sleep woke"))
-        found.append(target(f"{row['name']}: largest event-loop lag under {MAX_LIMIT_MS:g} ms",
-                            row["max_ms"], MAX_LIMIT_MS, unit=" ms",
-                            what="the latest a 1 ms sleep woke"))
+        found.append(
+            target(
+                f"{row['name']}: p99 event-loop lag under {P99_LIMIT_MS:g} ms",
+                row["p99_ms"],
+                P99_LIMIT_MS,
+                unit=" ms",
+                what="99th percentile of how late a 1 ms sleep woke",
+            )
+        )
+        found.append(
+            target(
+                f"{row['name']}: largest event-loop lag under {MAX_LIMIT_MS:g} ms",
+                row["max_ms"],
+                MAX_LIMIT_MS,
+                unit=" ms",
+                what="the latest a 1 ms sleep woke",
+            )
+        )
     return found
 
 
@@ -107,8 +119,14 @@ async def _backend(ctx: Context, backend: str) -> list[Row]:
     runs, steps = _sizes(ctx)
     rows = []
     for store in STORES:
-        row: Row = {"key": f"{backend}-{store}", "name": f"{backend}: {STORE_NAMES[store]}",
-                    "backend": backend, "store": store, "runs": runs, "steps_per_run": steps}
+        row: Row = {
+            "key": f"{backend}-{store}",
+            "name": f"{backend}: {STORE_NAMES[store]}",
+            "backend": backend,
+            "store": store,
+            "runs": runs,
+            "steps_per_run": steps,
+        }
         if store == "postgres" and ctx.postgres is None:
             rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
             continue
@@ -121,8 +139,9 @@ async def _backend(ctx: Context, backend: str) -> list[Row]:
             finally:
                 gc.unfreeze()
         rows.append({**row, **_summary(lateness)})
-        ctx.say(f"    {row['name']}: p99 {rows[-1]['p99_ms']:.2f} ms, "
-                f"max {rows[-1]['max_ms']:.2f} ms")
+        ctx.say(
+            f"    {row['name']}: p99 {rows[-1]['p99_ms']:.2f} ms, max {rows[-1]['max_ms']:.2f} ms"
+        )
     return rows
 
 
@@ -135,7 +154,8 @@ async def _open(ctx: Context, stack: AsyncExitStack, store: str) -> Any:
         return await stack.enter_async_context(JsonlStore(ctx.scratch("lag-jsonl")))
     if store == "sqlite":
         return await stack.enter_async_context(
-            SqliteStore(ctx.scratch("lag-sqlite") / "runs.sqlite"))
+            SqliteStore(ctx.scratch("lag-sqlite") / "runs.sqlite")
+        )
     from polyloop.stores import PostgresStore
 
     assert ctx.postgres is not None
@@ -178,5 +198,9 @@ def _summary(lateness: list[float]) -> Row:
     def at(share: float) -> float:
         return ordered[min(len(ordered) - 1, int(share * len(ordered)))] * 1000
 
-    return {"samples": len(lateness), "p50_ms": at(0.5), "p99_ms": at(0.99),
-            "max_ms": ordered[-1] * 1000}
+    return {
+        "samples": len(lateness),
+        "p50_ms": at(0.5),
+        "p99_ms": at(0.99),
+        "max_ms": ordered[-1] * 1000,
+    }

@@ -70,8 +70,12 @@ COLUMNS = [
     ("list_all_ratio", "x none", 2),
     ("repeats", "repeats"),
 ]
-STORE_NAMES = {"memory": "MemoryStore", "jsonl": "JsonlStore", "sqlite": "SqliteStore",
-               "postgres": "PostgresStore"}
+STORE_NAMES = {
+    "memory": "MemoryStore",
+    "jsonl": "JsonlStore",
+    "sqlite": "SqliteStore",
+    "postgres": "PostgresStore",
+}
 # The stores whose listing of unfinished runs is meant not to read finished ones.
 FLAT = ("sqlite", "postgres")
 LIMIT = 1.5
@@ -113,16 +117,30 @@ def run(ctx: Context) -> dict[str, Any]:
         if row.get("store") not in FLAT or row.get("finished", 0) == 0:
             continue
         name = f"{STORE_NAMES[row['store']]} with {row['finished']:,} finished runs"
-        targets.append(target(f"{name}: unfinished listing <= {LIMIT}x none finished",
-                              row.get("list_unfinished_ratio"), LIMIT,
-                              what="list_runs(unfinished_only=True) time / same without "
-                                   "finished runs"))
-        targets.append(target(f"{name}: statuses of unfinished runs <= {LIMIT}x none finished",
-                              row.get("status_ratio"), LIMIT,
-                              what="run_status of every unfinished run / same without "
-                                   "finished runs"))
-    return {"title": TITLE, "columns": COLUMNS, "rows": rows, "targets": targets,
-            "notes": notes, "sizes": asdict(sizes)}
+        targets.append(
+            target(
+                f"{name}: unfinished listing <= {LIMIT}x none finished",
+                row.get("list_unfinished_ratio"),
+                LIMIT,
+                what="list_runs(unfinished_only=True) time / same without finished runs",
+            )
+        )
+        targets.append(
+            target(
+                f"{name}: statuses of unfinished runs <= {LIMIT}x none finished",
+                row.get("status_ratio"),
+                LIMIT,
+                what="run_status of every unfinished run / same without finished runs",
+            )
+        )
+    return {
+        "title": TITLE,
+        "columns": COLUMNS,
+        "rows": rows,
+        "targets": targets,
+        "notes": notes,
+        "sizes": asdict(sizes),
+    }
 
 
 async def _measure(ctx: Context, sizes: ListingSizes) -> tuple[list[Row], list[str]]:
@@ -132,8 +150,12 @@ async def _measure(ctx: Context, sizes: ListingSizes) -> tuple[list[Row], list[s
         names = [f"{STORE_NAMES[kind]}, {f:,} finished" for f in sizes.finished]
         if kind == "postgres" and ctx.postgres is None:
             for f, name in zip(sizes.finished, names, strict=True):
-                rows.append(skipped({"key": f"{kind}-{f}", "store": kind, "finished": f,
-                                     "name": name}, ctx.postgres_note or "no PostgreSQL"))
+                rows.append(
+                    skipped(
+                        {"key": f"{kind}-{f}", "store": kind, "finished": f, "name": name},
+                        ctx.postgres_note or "no PostgreSQL",
+                    )
+                )
             continue
         with contextlib.ExitStack() as schemas:
             async with contextlib.AsyncExitStack() as stack:
@@ -142,34 +164,40 @@ async def _measure(ctx: Context, sizes: ListingSizes) -> tuple[list[Row], list[s
                     store, explain = await _open(ctx, kind, stack, schemas)
                     began = now()
                     await _fill(store, sizes.unfinished, f)
-                    ctx.say(f"    {STORE_NAMES[kind]}: built {sizes.unfinished:,} unfinished "
-                            f"+ {f:,} finished runs in {now() - began:.1f} s")
+                    ctx.say(
+                        f"    {STORE_NAMES[kind]}: built {sizes.unfinished:,} unfinished "
+                        f"+ {f:,} finished runs in {now() - began:.1f} s"
+                    )
                     copies.append((store, explain, f))
-                measured = await _interleave([(s, f) for s, _, f in copies],
-                                             sizes.unfinished, sizes.repeats)
+                measured = await _interleave(
+                    [(s, f) for s, _, f in copies], sizes.unfinished, sizes.repeats
+                )
                 for (_, _, f), times, name in zip(copies, measured, names, strict=True):
                     rows.append(_row(kind, f, name, sizes.unfinished, times))
                 _, explain, f = copies[-1]
                 plan = explain()
                 if plan is not None:
-                    notes.append(f"{STORE_NAMES[kind]} plans the unfinished listing "
-                                 f"({f:,} finished runs) as: {plan}")
+                    notes.append(
+                        f"{STORE_NAMES[kind]} plans the unfinished listing "
+                        f"({f:,} finished runs) as: {plan}"
+                    )
     _ratios(rows)
     return rows, notes
 
 
-async def _open(ctx: Context, kind: str, stack: contextlib.AsyncExitStack,
-                schemas: contextlib.ExitStack) -> tuple[Any, Callable[[], str | None]]:
+async def _open(
+    ctx: Context, kind: str, stack: contextlib.AsyncExitStack, schemas: contextlib.ExitStack
+) -> tuple[Any, Callable[[], str | None]]:
     """A new, empty store of ``kind``, and how to ask its planner about the listing."""
     if kind == "memory":
         return MemoryStore(), lambda: None  # closing it would throw its runs away
     if kind == "jsonl":
-        return await stack.enter_async_context(JsonlStore(ctx.scratch("listing-jsonl"))), \
-            lambda: None
+        return await stack.enter_async_context(
+            JsonlStore(ctx.scratch("listing-jsonl"))
+        ), lambda: None
     if kind == "sqlite":
         path = ctx.scratch("listing-sqlite") / "runs.sqlite"
-        return await stack.enter_async_context(SqliteStore(path)), \
-            lambda: _sqlite_plan(path)
+        return await stack.enter_async_context(SqliteStore(path)), lambda: _sqlite_plan(path)
     from polyloop.stores import PostgresStore
 
     assert ctx.postgres is not None
@@ -195,8 +223,7 @@ async def _fill(store: Any, unfinished: int, finished: int) -> None:
         kind = "unfinished" if n in marks else "finished"
         run_id = f"{kind}-{counts[kind]:06d}"
         counts[kind] += 1
-        jobs.append(_unfinished_job(store, run_id) if n in marks
-                    else _finished_job(store, run_id))
+        jobs.append(_unfinished_job(store, run_id) if n in marks else _finished_job(store, run_id))
     pending = iter(jobs)
 
     async def builder() -> None:
@@ -239,8 +266,7 @@ class _Times:
     list_all: list[float]
 
 
-async def _interleave(copies: list[tuple[Any, int]], unfinished: int,
-                      repeats: int) -> list[_Times]:
+async def _interleave(copies: list[tuple[Any, int]], unfinished: int, repeats: int) -> list[_Times]:
     """Time each copy ``repeats`` times, round-robin, after one unrecorded pass each."""
     times = [_Times([], [], []) for _ in copies]
     for store, finished in copies:
@@ -270,23 +296,32 @@ async def _pass(store: Any, unfinished: int, finished: int) -> tuple[float, floa
     everything = await store.list_runs()
     list_all = now() - began
     if len(listed) != unfinished or len(everything) != unfinished + finished:
-        raise AssertionError(f"listed {len(listed)} unfinished and {len(everything)} runs, "
-                             f"not {unfinished} and {unfinished + finished}")
+        raise AssertionError(
+            f"listed {len(listed)} unfinished and {len(everything)} runs, "
+            f"not {unfinished} and {unfinished + finished}"
+        )
     wrong = [s for s in statuses if s.state is not RunState.RESUMABLE or s.steps != 1]
     if wrong:
-        raise AssertionError(f"{len(wrong)} unfinished runs are not resumable after one "
-                             f"step: {wrong[0]}")
+        raise AssertionError(
+            f"{len(wrong)} unfinished runs are not resumable after one step: {wrong[0]}"
+        )
     return list_unfinished, status_total, list_all
 
 
 def _row(kind: str, finished: int, name: str, unfinished: int, times: _Times) -> Row:
     statuses = median(times.statuses)
-    return {"key": f"{kind}-{finished}", "store": kind, "name": name,
-            "unfinished": unfinished, "finished": finished, "repeats": len(times.statuses),
-            "list_unfinished_ms": median(times.list_unfinished) * 1e3,
-            "status_total_ms": statuses * 1e3,
-            "status_us_per_run": statuses / max(unfinished, 1) * 1e6,
-            "list_all_ms": median(times.list_all) * 1e3}
+    return {
+        "key": f"{kind}-{finished}",
+        "store": kind,
+        "name": name,
+        "unfinished": unfinished,
+        "finished": finished,
+        "repeats": len(times.statuses),
+        "list_unfinished_ms": median(times.list_unfinished) * 1e3,
+        "status_total_ms": statuses * 1e3,
+        "status_us_per_run": statuses / max(unfinished, 1) * 1e6,
+        "list_all_ms": median(times.list_all) * 1e3,
+    }
 
 
 def _ratios(rows: list[Row]) -> None:
@@ -296,9 +331,11 @@ def _ratios(rows: list[Row]) -> None:
         first = base.get(row["store"])
         if row.get("skipped") or first is None:
             continue
-        for field, ratio in (("list_unfinished_ms", "list_unfinished_ratio"),
-                             ("status_total_ms", "status_ratio"),
-                             ("list_all_ms", "list_all_ratio")):
+        for field, ratio in (
+            ("list_unfinished_ms", "list_unfinished_ratio"),
+            ("status_total_ms", "status_ratio"),
+            ("list_all_ms", "list_all_ratio"),
+        ):
             if first[field] > 0:
                 row[ratio] = row[field] / first[field]
 

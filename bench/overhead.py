@@ -53,28 +53,46 @@ def run(ctx: Context) -> dict[str, Any]:
     rows: list[Row] = anyio.run(_measure, ctx, steps, repeats)
     add_ratio(rows, FLOOR)
     polyloop = by_key(rows, "polyloop-memory")
-    targets = [target("kernel overhead on MemoryStore <= 15x the hand-written in-memory loop",
-                      polyloop.get("ratio_to_floor") if polyloop else None, LIMIT,
-                      what="PolyLoop MemoryStore us/step / hand-written loop us/step")]
-    return {"title": TITLE, "columns": COLUMNS, "rows": rows, "targets": targets,
-            "steps": steps}
+    targets = [
+        target(
+            "kernel overhead on MemoryStore <= 15x the hand-written in-memory loop",
+            polyloop.get("ratio_to_floor") if polyloop else None,
+            LIMIT,
+            what="PolyLoop MemoryStore us/step / hand-written loop us/step",
+        )
+    ]
+    return {"title": TITLE, "columns": COLUMNS, "rows": rows, "targets": targets, "steps": steps}
 
 
 async def _measure(ctx: Context, steps: int, repeats: int) -> list[Row]:
     memory = Agent(MemoryStore(), steps=steps)
     bare = Agent(MemoryStore(), steps=steps, bare=True)
     variants = [
-        Variant(FLOOR, "hand-written asyncio loop (floor)", "floor",
-                lambda rid: handwritten_memory(steps)),
-        Variant("polyloop-memory", "PolyLoop, MemoryStore", "polyloop",
-                lambda rid: memory.timed_run(rid, steps)),
-        Variant("polyloop-memory-bare", "PolyLoop, MemoryStore, bare executor", "reference",
-                lambda rid: bare.timed_run(rid, steps)),
+        Variant(
+            FLOOR,
+            "hand-written asyncio loop (floor)",
+            "floor",
+            lambda rid: handwritten_memory(steps),
+        ),
+        Variant(
+            "polyloop-memory",
+            "PolyLoop, MemoryStore",
+            "polyloop",
+            lambda rid: memory.timed_run(rid, steps),
+        ),
+        Variant(
+            "polyloop-memory-bare",
+            "PolyLoop, MemoryStore, bare executor",
+            "reference",
+            lambda rid: bare.timed_run(rid, steps),
+        ),
     ]
     closers = []
     skip = peers.langgraph_missing()
-    for key, name, kind in (("langgraph-none", "LangGraph, no checkpointer", "none"),
-                            ("langgraph-memory", "LangGraph, InMemorySaver", "memory")):
+    for key, name, kind in (
+        ("langgraph-none", "LangGraph, no checkpointer", "none"),
+        ("langgraph-memory", "LangGraph, InMemorySaver", "memory"),
+    ):
         if skip:
             variants.append(Variant(key, name, "peer", skip=skip))
             continue
@@ -86,8 +104,11 @@ async def _measure(ctx: Context, steps: int, repeats: int) -> list[Row]:
         variants.append(Variant("pydantic-ai", "Pydantic AI, FunctionModel", "peer", skip=skip))
     else:
         agent = peers.PydanticAILoop()
-        variants.append(Variant("pydantic-ai", "Pydantic AI, FunctionModel", "peer",
-                                lambda rid: agent.run(steps)))
+        variants.append(
+            Variant(
+                "pydantic-ai", "Pydantic AI, FunctionModel", "peer", lambda rid: agent.run(steps)
+            )
+        )
     for variant in variants:
         if variant.skip:
             ctx.note(f"{variant.name}: skipped ({variant.skip})")

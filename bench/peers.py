@@ -47,8 +47,9 @@ class LangGraphLoop:
     """A compiled model-node + tool-node graph; ``checkpointer`` is ``none``, ``memory``
     or ``sqlite`` (a database file at ``path``)."""
 
-    def __init__(self, checkpointer: str, *, path: Path | None = None,
-                 durability: str | None = None) -> None:
+    def __init__(
+        self, checkpointer: str, *, path: Path | None = None, durability: str | None = None
+    ) -> None:
         from langchain_core.messages import AIMessage
         from langchain_core.tools import tool
         from langgraph.graph import START, MessagesState, StateGraph
@@ -105,8 +106,7 @@ class LangGraphLoop:
 
         self._turn, self._steps = 0, steps
         decisions, executions = self.decisions.n, self.executions.n
-        config: Any = {"recursion_limit": 4 * steps + 10,
-                       "configurable": {"thread_id": thread_id}}
+        config: Any = {"recursion_limit": 4 * steps + 10, "configurable": {"thread_id": thread_id}}
         extra: Any = {"durability": self.durability} if self.durability else {}
         graph: Any = self.graph
         began = now()
@@ -141,8 +141,9 @@ class PydanticAILoop:
             await anyio.lowlevel.checkpoint()
             if turn >= self._steps - 1:
                 return ModelResponse(parts=[TextPart("done")])
-            return ModelResponse(parts=[ToolCallPart(tool_name="noop", args={},
-                                                     tool_call_id=f"call-{turn}")])
+            return ModelResponse(
+                parts=[ToolCallPart(tool_name="noop", args={}, tool_call_id=f"call-{turn}")]
+            )
 
         self.agent: Any = Agent(FunctionModel(decide))
         executions = self.executions

@@ -92,10 +92,19 @@ SLOPE_COLUMNS = [
     ("verify_slope_us_per_step", "verify us/step"),
     ("verify_segment_ratio", "verify slope ratio", 2),
 ]
-KINDS = {"run_started": RunStarted, "intent": Intent, "result": Result, "step": StepRecord,
-         "run_ended": RunEnded}
-STORE_NAMES = {"memory": "MemoryStore", "jsonl": "JsonlStore", "sqlite": "SqliteStore",
-               "postgres": "PostgresStore"}
+KINDS = {
+    "run_started": RunStarted,
+    "intent": Intent,
+    "result": Result,
+    "step": StepRecord,
+    "run_ended": RunEnded,
+}
+STORE_NAMES = {
+    "memory": "MemoryStore",
+    "jsonl": "JsonlStore",
+    "sqlite": "SqliteStore",
+    "postgres": "PostgresStore",
+}
 
 
 class _RefuseWrites:
@@ -142,13 +151,21 @@ def run(ctx: Context) -> dict[str, Any]:
     if _verify_missing():
         notes.append(f"polyloop verify not timed: {_verify_missing()}")
     elif ctx.postgres is not None:
-        notes.append("polyloop verify not timed on PostgresStore: the command line opens the "
-                     "store's default schema, and the benchmark writes to a throw-away one")
+        notes.append(
+            "polyloop verify not timed on PostgresStore: the command line opens the "
+            "store's default schema, and the benchmark writes to a throw-away one"
+        )
     for note in notes:
         ctx.note(note)
-    return {"title": TITLE, "columns": COLUMNS, "rows": rows,
-            "tables": [{"title": SLOPE_TITLE, "columns": SLOPE_COLUMNS, "rows": slopes}],
-            "slopes": slopes, "targets": [], "notes": notes}
+    return {
+        "title": TITLE,
+        "columns": COLUMNS,
+        "rows": rows,
+        "tables": [{"title": SLOPE_TITLE, "columns": SLOPE_COLUMNS, "rows": slopes}],
+        "slopes": slopes,
+        "targets": [],
+        "notes": notes,
+    }
 
 
 async def _measure(ctx: Context) -> list[Row]:
@@ -157,8 +174,12 @@ async def _measure(ctx: Context) -> list[Row]:
     rows: list[Row] = []
     for kind in ("memory", "jsonl", "sqlite", "postgres"):
         for size in sizes:
-            row: Row = {"key": f"{kind}-{size}", "store": kind, "steps": size,
-                        "name": f"{STORE_NAMES[kind]}, {size:,} steps"}
+            row: Row = {
+                "key": f"{kind}-{size}",
+                "store": kind,
+                "steps": size,
+                "name": f"{STORE_NAMES[kind]}, {size:,} steps",
+            }
             if kind == "postgres" and ctx.postgres is None:
                 rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
                 continue
@@ -167,8 +188,7 @@ async def _measure(ctx: Context) -> list[Row]:
     return rows
 
 
-async def _one(ctx: Context, kind: str, size: int, template: Sequence[Record],
-               row: Row) -> Row:
+async def _one(ctx: Context, kind: str, size: int, template: Sequence[Record], row: Row) -> Row:
     with contextlib.ExitStack() as stack:
         schema = None
         if kind == "postgres":
@@ -195,21 +215,29 @@ async def _one(ctx: Context, kind: str, size: int, template: Sequence[Record],
         await _append(kind, place, memory, ctx.postgres, schema, started, records)
         del records
         expected = 1 + 5 * size
-        times = [await _resume_once(open_store, run_id, size, expected)
-                 for _ in range(ctx.sizes.recovery_repeats)]
+        times = [
+            await _resume_once(open_store, run_id, size, expected)
+            for _ in range(ctx.sizes.recovery_repeats)
+        ]
         # Once more with the cyclic garbage collector off: what is left is the kernel's
         # and the store's own work, without the collector's passes over a growing heap.
         fewer = max(1, ctx.sizes.recovery_repeats - 1)
         gc.disable()
         try:
-            without_gc = median([await _resume_once(open_store, run_id, size, expected)
-                                 for _ in range(fewer)])
+            without_gc = median(
+                [await _resume_once(open_store, run_id, size, expected) for _ in range(fewer)]
+            )
         finally:
             gc.enable()
         seconds = median(times)
-        row.update(records=expected, repeats=len(times), seconds=seconds,
-                   us_per_logged_step=seconds / size * 1e6, seconds_gc_off=without_gc,
-                   us_per_logged_step_gc_off=without_gc / size * 1e6)
+        row.update(
+            records=expected,
+            repeats=len(times),
+            seconds=seconds,
+            us_per_logged_step=seconds / size * 1e6,
+            seconds_gc_off=without_gc,
+            us_per_logged_step_gc_off=without_gc / size * 1e6,
+        )
         # The command line runs its own event loop, so it is called from a worker thread.
         verify = await anyio.to_thread.run_sync(_time_verify, kind, place, run_id, fewer)
         if verify is not None:
@@ -239,11 +267,18 @@ def _steps(template: Sequence[Record], run_id: str, size: int) -> Iterator[Recor
     for k in range(size):
         model_id, action_id = f"{run_id}:{k}:model", f"{run_id}:{k}:action"
         digest = hashlib.sha256(f"{run_id}/{k}".encode()).hexdigest()
-        yield dataclasses.replace(model_intent, run_id=run_id, result_id=model_id, step=k,
-                                  call_index=k, payload={"messages_sha256": digest})
+        yield dataclasses.replace(
+            model_intent,
+            run_id=run_id,
+            result_id=model_id,
+            step=k,
+            call_index=k,
+            payload={"messages_sha256": digest},
+        )
         yield dataclasses.replace(model_result, run_id=run_id, result_id=model_id)
-        yield dataclasses.replace(action_intent, run_id=run_id, result_id=action_id, step=k,
-                                  call_index=k)
+        yield dataclasses.replace(
+            action_intent, run_id=run_id, result_id=action_id, step=k, call_index=k
+        )
         yield dataclasses.replace(action_result, run_id=run_id, result_id=action_id)
         yield dataclasses.replace(step, run_id=run_id, step=k)
 
@@ -264,14 +299,22 @@ async def _start(open_store: Any, run_id: str, size: int) -> RunStarted:
     return started
 
 
-async def _append(kind: str, place: Path, memory: MemoryStore | None, conninfo: str | None,
-                  schema: str | None, started: RunStarted, records: list[Record]) -> None:
+async def _append(
+    kind: str,
+    place: Path,
+    memory: MemoryStore | None,
+    conninfo: str | None,
+    schema: str | None,
+    started: RunStarted,
+    records: list[Record],
+) -> None:
     if memory is not None:
         await memory.claim_run(started.run_id)
         try:
             for index in range(0, len(records), 5):
-                model_intent, model_result, action_intent, action_result, step = \
-                    records[index:index + 5]
+                model_intent, model_result, action_intent, action_result, step = records[
+                    index : index + 5
+                ]
                 await memory.write_intent(model_intent)  # type: ignore[arg-type]
                 await memory.write_result(model_result)  # type: ignore[arg-type]
                 await memory.write_intent(action_intent)  # type: ignore[arg-type]
@@ -292,9 +335,13 @@ def _append_jsonl(place: Path, records: list[Record]) -> None:
     (path,) = place.glob("*.jsonl")
     lines = []
     for index in range(0, len(records), 5):
-        model_intent, model_result, action_intent, action_result, step = records[index:index + 5]
-        lines += [dumps(model_intent), dumps(model_result), dumps(action_intent),
-                  f"[{dumps(action_result)},{dumps(step)}]"]
+        model_intent, model_result, action_intent, action_result, step = records[index : index + 5]
+        lines += [
+            dumps(model_intent),
+            dumps(model_result),
+            dumps(action_intent),
+            f"[{dumps(action_result)},{dumps(step)}]",
+        ]
     with path.open("a", encoding="utf-8") as handle:
         handle.write("\n".join(lines) + "\n")
 
@@ -306,14 +353,15 @@ def _kind(record: Record) -> str:
 def _append_sqlite(path: Path, run_id: str, records: list[Record]) -> None:
     """Rows of the ``records`` table: (run_id, seq, kind, body), seq 0 being the start;
     the run's row of ``runs`` moves on past them, in the same transaction."""
-    rows = [(run_id, seq, _kind(record), dumps(record))
-            for seq, record in enumerate(records, start=1)]
+    rows = [
+        (run_id, seq, _kind(record), dumps(record)) for seq, record in enumerate(records, start=1)
+    ]
     with contextlib.closing(sqlite3.connect(path)) as conn, conn:
-        conn.executemany("INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)",
-                         rows)
+        conn.executemany("INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)", rows)
         moved = conn.execute(
             "UPDATE runs SET next_seq = ?, updated_at = ? WHERE run_id = ? AND next_seq = 1",
-            (len(records) + 1, time.time(), run_id)).rowcount
+            (len(records) + 1, time.time(), run_id),
+        ).rowcount
         if moved != 1:
             raise AssertionError(f"the runs table has no row of {run_id!r} at seq 1")
 
@@ -327,9 +375,9 @@ def _append_postgres(conninfo: str, schema: str, run_id: str, records: list[Reco
     key = hashlib.sha256(run_id.encode()).digest()
     table = sql.Identifier(schema, "records")
     copy = sql.SQL("COPY {} (run_key, seq, run_id, kind, body) FROM STDIN").format(table)
-    advance = sql.SQL("UPDATE {} SET next_seq = %s, updated_at = now() "
-                      "WHERE run_key = %s AND next_seq = 1").format(
-                          sql.Identifier(schema, "runs"))
+    advance = sql.SQL(
+        "UPDATE {} SET next_seq = %s, updated_at = now() WHERE run_key = %s AND next_seq = 1"
+    ).format(sql.Identifier(schema, "runs"))
     # One transaction: the rows, and the run's row of ``runs`` moved on past them.
     with psycopg.connect(conninfo) as conn, conn.cursor() as cursor:
         with cursor.copy(copy) as writer:
@@ -406,8 +454,9 @@ def _time_verify(kind: str, place: Path, run_id: str, repeats: int) -> float | N
         status, output = _call_cli(cli.main, argv)
         times.append(now() - began)
         if status not in (0, None):
-            raise AssertionError(f"polyloop verify exited with {status} on a valid log: "
-                                 f"{output[-2000:]}")
+            raise AssertionError(
+                f"polyloop verify exited with {status} on a valid log: {output[-2000:]}"
+            )
     return median(times)
 
 
@@ -458,6 +507,8 @@ def _fit(prefix: str, xs: list[float], ys: list[float]) -> Row:
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sxx
     first = (ys[1] - ys[0]) / (xs[1] - xs[0])
     last = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return {f"{prefix}slope_us_per_step": slope * 1e6,
-            f"{prefix}intercept_ms": (mean_y - slope * mean_x) * 1e3,
-            f"{prefix}segment_ratio": last / first if first > 0 else None}
+    return {
+        f"{prefix}slope_us_per_step": slope * 1e6,
+        f"{prefix}intercept_ms": (mean_y - slope * mean_x) * 1e3,
+        f"{prefix}segment_ratio": last / first if first > 0 else None,
+    }

@@ -48,25 +48,33 @@ def _benchmark(bench: dict[str, Any]) -> str:
 def _table(columns: Sequence[Sequence[Any]], rows: Sequence[dict[str, Any]]) -> list[str]:
     keys = [column[0] for column in columns]
     # "<x>_min" and "<x>_max" columns become one spread column, "low-high"
-    spreads = [key[: -len("_min")] for key in keys
-               if key.endswith("_min") and key[: -len("_min")] + "_max" in keys]
+    spreads = [
+        key[: -len("_min")]
+        for key in keys
+        if key.endswith("_min") and key[: -len("_min")] + "_max" in keys
+    ]
     hidden = {f"{base}_{end}" for base in spreads for end in ("min", "max")}
     shown = [column for column in columns if column[0] not in hidden]
     headers = [str(column[1]) for column in shown] + ["spread (min-max)"] * len(spreads)
-    lines = ["| " + " | ".join(headers) + " |",
-             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|",
+    ]
     for row in rows:
         if row.get("skipped"):
-            lines.append(f"| {row.get('name', '')} | skipped: {row['skipped']} |"
-                         + " |" * (len(headers) - 2))
+            lines.append(
+                f"| {row.get('name', '')} | skipped: {row['skipped']} |" + " |" * (len(headers) - 2)
+            )
             continue
-        cells = [_cell(row.get(column[0]), column[2] if len(column) > 2 else None)
-                 for column in shown]
+        cells = [
+            _cell(row.get(column[0]), column[2] if len(column) > 2 else None) for column in shown
+        ]
         for base in spreads:
             low, high = row.get(f"{base}_min"), row.get(f"{base}_max")
             digits = 2 if base == "wall_s" else None
-            cells.append("" if low is None or high is None
-                         else f"{_cell(low, digits)}-{_cell(high, digits)}")
+            cells.append(
+                "" if low is None or high is None else f"{_cell(low, digits)}-{_cell(high, digits)}"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -91,16 +99,20 @@ def _target(item: dict[str, Any]) -> str:
 
 
 def _machine(meta: dict[str, Any]) -> str:
-    versions = ", ".join(f"{name} {version}" for name, version in meta["versions"].items()
-                         if version)
-    return "\n".join([
-        "### The run",
-        "",
-        f"- date: {meta['date']}; mode: {meta['mode']}; wall time {meta.get('seconds', 0):.0f} s",
-        f"- machine: {meta['platform']}, {meta['cpus']} CPUs",
-        f"- versions: {versions}",
-        "",
-    ])
+    versions = ", ".join(
+        f"{name} {version}" for name, version in meta["versions"].items() if version
+    )
+    return "\n".join(
+        [
+            "### The run",
+            "",
+            f"- date: {meta['date']}; mode: {meta['mode']}; "
+            f"wall time {meta.get('seconds', 0):.0f} s",
+            f"- machine: {meta['platform']}, {meta['cpus']} CPUs",
+            f"- versions: {versions}",
+            "",
+        ]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

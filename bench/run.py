@@ -99,22 +99,35 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Run PolyLoop's benchmarks.")
-    parser.add_argument("--quick", action="store_true",
-                        help="smaller sizes and fewer repeats (under two minutes)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="next to no work: runs every code path in seconds, measures "
-                             "nothing meaningful (the smoke test uses it)")
-    parser.add_argument("--only", default="",
-                        help=f"comma-separated benchmarks to run: {','.join(BENCHMARKS)}")
+    parser.add_argument(
+        "--quick", action="store_true", help="smaller sizes and fewer repeats (under two minutes)"
+    )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="next to no work: runs every code path in seconds, measures "
+        "nothing meaningful (the smoke test uses it)",
+    )
+    parser.add_argument(
+        "--only", default="", help=f"comma-separated benchmarks to run: {','.join(BENCHMARKS)}"
+    )
     parser.add_argument("--skip", default="", help="comma-separated benchmarks to leave out")
-    parser.add_argument("--workdir", default=None,
-                        help="directory for the scratch files (default: the system's "
-                             "temporary directory); the fsync floor is measured there too")
-    parser.add_argument("--output", default=None,
-                        help="where to write the JSON results (default: "
-                             "bench/results/latest.json)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile PolyLoop's step (cProfile) and print the hot spots")
+    parser.add_argument(
+        "--workdir",
+        default=None,
+        help="directory for the scratch files (default: the system's "
+        "temporary directory); the fsync floor is measured there too",
+    )
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="where to write the JSON results (default: bench/results/latest.json)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile PolyLoop's step (cProfile) and print the hot spots",
+    )
     return parser
 
 
@@ -123,8 +136,9 @@ def _selected(args: argparse.Namespace) -> list[str]:
         chosen = [n.strip() for n in text.split(",") if n.strip()]
         unknown = [n for n in chosen if n not in BENCHMARKS]
         if unknown:
-            raise SystemExit(f"unknown benchmark(s) {', '.join(unknown)}; "
-                             f"choose from {', '.join(BENCHMARKS)}")
+            raise SystemExit(
+                f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}"
+            )
         return chosen
 
     only, skip = names(args.only), names(args.skip)
@@ -164,8 +178,7 @@ def _print_targets(targets: Any) -> None:
         shown = "not measured" if measured is None else f"{measured:.2f}{unit}"
         verdict = "met" if item["met"] else "MISSED"
         bound = "at least" if item.get("at_least") else "limit"
-        print(f"  target: {item['target']}: {shown} ({bound} {item['limit']}{unit}) "
-              f"-> {verdict}")
+        print(f"  target: {item['target']}: {shown} ({bound} {item['limit']}{unit}) -> {verdict}")
 
 
 def _print_summary(results: dict[str, Any]) -> None:

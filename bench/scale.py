@@ -43,8 +43,14 @@ def run(ctx: Context) -> dict[str, Any]:
     first, last = ctx.sizes.scale_points[0], ctx.sizes.scale_points[-1]
     poly = {r["step"]: r for r in rows if r["key"].startswith("polyloop")}
     ratio = poly[last]["us_per_step"] / poly[first]["us_per_step"]
-    targets = [target(f"per-step overhead at step {last:,} <= 2x that at step {first}", ratio,
-                      LIMIT, what=f"PolyLoop us/step around step {last} / around step {first}")]
+    targets = [
+        target(
+            f"per-step overhead at step {last:,} <= 2x that at step {first}",
+            ratio,
+            LIMIT,
+            what=f"PolyLoop us/step around step {last} / around step {first}",
+        )
+    ]
     return {"title": TITLE, "columns": COLUMNS, "rows": rows, "targets": targets}
 
 
@@ -66,15 +72,24 @@ async def _measure(ctx: Context) -> list[Row]:
             poly[point].append(_window(stamps, point, window))
             hand[point].append(_window(hand_stamps, point, window))
     rows: list[Row] = []
-    for key, name, values in (("polyloop", "PolyLoop, MemoryStore", poly),
-                              ("floor", "hand-written asyncio loop", hand)):
+    for key, name, values in (
+        ("polyloop", "PolyLoop, MemoryStore", poly),
+        ("floor", "hand-written asyncio loop", hand),
+    ):
         first = median(values[points[0]])
         for point in points:
             value = median(values[point])
-            rows.append({"key": f"{key}-{point}", "name": name, "step": point,
-                         "us_per_step": value, "ratio_to_first": value / first,
-                         "repeats": len(values[point]),
-                         "list_build_us": _list_build_us(point) if key == "polyloop" else None})
+            rows.append(
+                {
+                    "key": f"{key}-{point}",
+                    "name": name,
+                    "step": point,
+                    "us_per_step": value,
+                    "ratio_to_first": value / first,
+                    "repeats": len(values[point]),
+                    "list_build_us": _list_build_us(point) if key == "polyloop" else None,
+                }
+            )
     return rows
 
 

@@ -75,8 +75,9 @@ SUBMITTED: dict[str, str] = {}
 def script(call: ModelCall) -> str:
     """The scripted model: look the country up, then submit the tool's answer."""
     if call.call_index == 0:
-        return json.dumps({"tool": "lookup_capital",
-                           "arguments": {"country": call.binding["country"]}})
+        return json.dumps(
+            {"tool": "lookup_capital", "arguments": {"country": call.binding["country"]}}
+        )
     last = call.messages[-1].content[0].text.removeprefix(OBSERVATION_PREFIX)
     return json.dumps({"tool": "submit", "arguments": {"capital": last}})
 
@@ -98,18 +99,30 @@ async def submit(arguments: dict[str, JSONValue], *, result_id: str) -> str:
 
 
 def _object(**properties: JSONValue) -> dict[str, JSONValue]:
-    return {"type": "object", "properties": properties, "required": list(properties),
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
 
 
 TOOLS = ToolRegistry(
     [
-        ToolSpec(name="lookup_capital", description="The capital of a country.",
-                 parameters=_object(country={"type": "string"}), handler=lookup_capital,
-                 replay=Replay.ALLOWED),
-        ToolSpec(name="submit", description="Submit the capital. Ends the task.",
-                 parameters=_object(capital={"type": "string"}), handler=submit,
-                 completes=True),
+        ToolSpec(
+            name="lookup_capital",
+            description="The capital of a country.",
+            parameters=_object(country={"type": "string"}),
+            handler=lookup_capital,
+            replay=Replay.ALLOWED,
+        ),
+        ToolSpec(
+            name="submit",
+            description="Submit the capital. Ends the task.",
+            parameters=_object(capital={"type": "string"}),
+            handler=submit,
+            completes=True,
+        ),
     ],
     max_observation_chars=500,
 )
@@ -121,8 +134,9 @@ def make_definition(store: Store) -> Definition:
         interpreter=JsonActionInterpreter(),
         store=store,
         events=NullSink(),
-        texts=ObservationTexts(not_executed="Refused: {reason}",
-                               env_fault="Environment failure: {detail}"),
+        texts=ObservationTexts(
+            not_executed="Refused: {reason}", env_fault="Environment failure: {detail}"
+        ),
     )
 
 
@@ -144,9 +158,11 @@ def make_request(run_id: str, country: str) -> Request:
 
 
 def describe(result: RunResult) -> str:
-    return (f"{result.stop_reason.value} {SUBMITTED.get(result.run_id)!r} in "
-            f"{result.step_count} steps, lookups {LOOKUPS[result.run_id]}, "
-            f"resumed {result.resumed}")
+    return (
+        f"{result.stop_reason.value} {SUBMITTED.get(result.run_id)!r} in "
+        f"{result.step_count} steps, lookups {LOOKUPS[result.run_id]}, "
+        f"resumed {result.resumed}"
+    )
 
 
 async def serve_jobs(definition: Definition, batch: str) -> dict[str, RunResult]:
@@ -173,16 +189,20 @@ async def crash_and_take_over(conninfo: str, store: PostgresStore, batch: str) -
     # The dying worker has its own store object, hence its own database connections.
     dying = PostgresStore(conninfo)
     try:
-        await run(make_definition(FaultyStore(dying, fail_after_writes=CRASH_AFTER_WRITES)),
-                  request)
+        await run(
+            make_definition(FaultyStore(dying, fail_after_writes=CRASH_AFTER_WRITES)), request
+        )
     except SimulatedCrash:
         print(f"  {CRASHING_JOB}: the worker died after store write {CRASH_AFTER_WRITES}")
     await dying.aclose()
     status = await run_status(store, run_id)
-    print(f"  {CRASHING_JOB}: {status.state.value}, {status.steps} step on record, "
-          f"nobody drives it")
-    print(f"  {CRASHING_JOB}: taken over by another store object: "
-          f"{describe(await resume(make_definition(store), request))}")
+    print(
+        f"  {CRASHING_JOB}: {status.state.value}, {status.steps} step on record, nobody drives it"
+    )
+    print(
+        f"  {CRASHING_JOB}: taken over by another store object: "
+        f"{describe(await resume(make_definition(store), request))}"
+    )
 
 
 async def main_async(conninfo: str) -> None:
@@ -198,9 +218,11 @@ async def main_async(conninfo: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conninfo",
-                        default=os.environ.get("POLYLOOP_TEST_POSTGRES") or DEFAULT_CONNINFO,
-                        help="libpq connection string or URL of the database")
+    parser.add_argument(
+        "--conninfo",
+        default=os.environ.get("POLYLOOP_TEST_POSTGRES") or DEFAULT_CONNINFO,
+        help="libpq connection string or URL of the database",
+    )
     args = parser.parse_args()
     try:
         asyncio.run(main_async(args.conninfo))

@@ -89,8 +89,10 @@ _FENCE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
 class FencedPythonInterpreter:
     """The first fenced ```python block of a reply is the action; nothing else is."""
 
-    FEEDBACK = ("No code found. Reply with exactly one fenced ```python block; "
-                "the task is finished when the environment says so, not when you do.")
+    FEEDBACK = (
+        "No code found. Reply with exactly one fenced ```python block; "
+        "the task is finished when the environment says so, not when you do."
+    )
 
     def parameters(self) -> Mapping[str, JSONValue]:
         return {"kind": "fenced-python", "version": 1}
@@ -100,8 +102,7 @@ class FencedPythonInterpreter:
         if match is None:
             return InvalidDecision(feedback=self.FEEDBACK, history_text=reply.content)
         code = match.group(1)
-        return Action(payload={"code": code}, action_text=code.strip(),
-                      history_text=reply.content)
+        return Action(payload={"code": code}, action_text=code.strip(), history_text=reply.content)
 
 
 class SubprocessPythonExecutor:
@@ -110,8 +111,7 @@ class SubprocessPythonExecutor:
     ``done`` is the environment's own verdict: ``answer.txt`` holds the expected total.
     """
 
-    def __init__(self, workdir: Path, *, time_limit: float,
-                 python: str = sys.executable) -> None:
+    def __init__(self, workdir: Path, *, time_limit: float, python: str = sys.executable) -> None:
         self.workdir = workdir
         self.time_limit = time_limit
         self.python = python
@@ -127,21 +127,34 @@ class SubprocessPythonExecutor:
         payload = action.payload
         code = payload.get("code") if isinstance(payload, dict) else None
         if not isinstance(code, str):
-            return ActionOutcome(status=ActionStatus.NOT_EXECUTED, synthesized=True,
-                                 observation="the action holds no code", done=False)
+            return ActionOutcome(
+                status=ActionStatus.NOT_EXECUTED,
+                synthesized=True,
+                observation="the action holds no code",
+                done=False,
+            )
         try:
             with anyio.fail_after(self.time_limit):
                 finished = await anyio.run_process(
-                    [self.python, "-c", code], cwd=self.workdir, check=False,
-                    stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                    [self.python, "-c", code],
+                    cwd=self.workdir,
+                    check=False,
+                    stdin=subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
                 )
         except TimeoutError:
             # The child was killed when the deadline cancelled run_process.
-            return self._outcome(f"TimeoutError: the code ran for more than "
-                                 f"{self.time_limit:g} s and was stopped", synthesized=True)
+            return self._outcome(
+                f"TimeoutError: the code ran for more than {self.time_limit:g} s and was stopped",
+                synthesized=True,
+            )
         except OSError as exc:
-            return ActionOutcome(status=ActionStatus.ENV_FAULT, synthesized=True, done=False,
-                                 observation=f"could not start Python: {exc}")
+            return ActionOutcome(
+                status=ActionStatus.ENV_FAULT,
+                synthesized=True,
+                done=False,
+                observation=f"could not start Python: {exc}",
+            )
         output = finished.stdout.decode("utf-8", "replace") or "(no output)\n"
         if finished.returncode != 0:
             output = f"[exit status {finished.returncode}]\n{output}"
@@ -150,8 +163,13 @@ class SubprocessPythonExecutor:
     def _outcome(self, text: str, *, synthesized: bool) -> ActionOutcome:
         # Long output keeps its end, where a traceback says what went wrong.
         cut = max(0, len(text) - MAX_OBSERVATION_CHARS)
-        return ActionOutcome(status=ActionStatus.EXECUTED, observation=text[cut:],
-                             synthesized=synthesized, done=self.solved(), truncated_chars=cut)
+        return ActionOutcome(
+            status=ActionStatus.EXECUTED,
+            observation=text[cut:],
+            synthesized=synthesized,
+            done=self.solved(),
+            truncated_chars=cut,
+        )
 
     def solved(self) -> bool:
         """The environment's done signal, checked after every run of the code."""
@@ -166,16 +184,22 @@ def _code(text: str, code: str) -> str:
 # What the model answers, call by call.
 SCRIPT = [
     _code("Let me look at the data first.", "print(open('sales.csv').read())\n"),
-    _code("I'll wait for the nightly export to land before summing.",
-          "import os, time\nwhile not os.path.exists('export.done'):\n    time.sleep(0.05)\n"),
-    _code("No export then. Summing the amounts.",
-          "import csv\nrows = csv.DictReader(open('sales.csv'))\n"
-          "print(sum(int(row['amount']) for row in rows))\n"),
+    _code(
+        "I'll wait for the nightly export to land before summing.",
+        "import os, time\nwhile not os.path.exists('export.done'):\n    time.sleep(0.05)\n",
+    ),
+    _code(
+        "No export then. Summing the amounts.",
+        "import csv\nrows = csv.DictReader(open('sales.csv'))\n"
+        "print(sum(int(row['amount']) for row in rows))\n",
+    ),
     "The total is 400, so I am done.",
-    _code("The column is 'units'. Writing the answer file.",
-          "import csv\nrows = csv.DictReader(open('sales.csv'))\n"
-          "total = sum(int(row['units']) for row in rows)\n"
-          "open('answer.txt', 'w').write(str(total))\nprint('wrote', total)\n"),
+    _code(
+        "The column is 'units'. Writing the answer file.",
+        "import csv\nrows = csv.DictReader(open('sales.csv'))\n"
+        "total = sum(int(row['units']) for row in rows)\n"
+        "open('answer.txt', 'w').write(str(total))\nprint('wrote', total)\n",
+    ),
 ]
 
 
@@ -185,8 +209,9 @@ def build(workdir: Path, time_limit: float) -> tuple[Definition, Request]:
         interpreter=FencedPythonInterpreter(),
         store=MemoryStore(),  # no recovery needed here; see sqlite_script.py for that
         events=NullSink(),
-        texts=ObservationTexts(not_executed="Refused: {reason}",
-                               env_fault="Environment failure: {detail}"),
+        texts=ObservationTexts(
+            not_executed="Refused: {reason}", env_fault="Environment failure: {detail}"
+        ),
     )
     no_tools = ToolRegistry([], max_observation_chars=MAX_OBSERVATION_CHARS)
     request = Request(
@@ -194,10 +219,19 @@ def build(workdir: Path, time_limit: float) -> tuple[Definition, Request]:
         budget=Budget(max_steps=8, max_valid_steps=6, max_context_chars=50_000),
         executor=SubprocessPythonExecutor(workdir, time_limit=time_limit),
         tools=no_tools,  # the action space is code, not a tool list
-        run_context=(Message.text(Role.SYSTEM, "You act by writing Python. Each fenced "
-                                               "```python block you send is run for you."),),
-        goal_context=(Message.text(Role.USER, "sales.csv is in the working directory. "
-                                              "Write the total of its units to answer.txt."),),
+        run_context=(
+            Message.text(
+                Role.SYSTEM,
+                "You act by writing Python. Each fenced ```python block you send is run for you.",
+            ),
+        ),
+        goal_context=(
+            Message.text(
+                Role.USER,
+                "sales.csv is in the working directory. "
+                "Write the total of its units to answer.txt.",
+            ),
+        ),
         injection=Injection(entries={}),
         binding={},
         model_replay=Replay.ALLOWED,
@@ -213,8 +247,9 @@ def show(result: RunResult) -> None:
         if step.action_status is None:
             status = step.decision.value
         else:
-            status = step.action_status.value + (", synthesized" if step.observation_synthesized
-                                                 else "")
+            status = step.action_status.value + (
+                ", synthesized" if step.observation_synthesized else ""
+            )
         said = step.model_output.splitlines()[0]
         lines = (step.observation or "").strip().splitlines()
         shown = " | ".join(lines)
@@ -222,14 +257,21 @@ def show(result: RunResult) -> None:
             shown = f"... {lines[-1]}"  # a traceback's last line says what went wrong
         print(f"  step {step.step} [{status}] done={step.done}: {said}")
         print(f"      -> {shown}")
-    print(f"stop reason: {result.stop_reason.value} after {result.step_count} steps "
-          f"({result.valid_step_count} valid)")
+    print(
+        f"stop reason: {result.stop_reason.value} after {result.step_count} steps "
+        f"({result.valid_step_count} valid)"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--time-limit", type=float, default=2.0, metavar="SECONDS",
-                        help="how long one snippet may run")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how long one snippet may run",
+    )
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:

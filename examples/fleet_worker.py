@@ -135,47 +135,62 @@ class AppTables:
 
     def seed(self, jobs: int, workers: int) -> None:
         """Create the tables and ``jobs`` invoices, assigned to the workers in turn."""
-        self._conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
-            sql.Identifier(self.schema)))
-        self._conn.execute(sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} (run_id text PRIMARY KEY, slot int NOT NULL, "
-            "amount_cents int NOT NULL)").format(self._jobs))
-        self._conn.execute(sql.SQL(
-            "CREATE TABLE IF NOT EXISTS {} (result_id text NOT NULL, slot int NOT NULL, "
-            "pid int NOT NULL, amount_cents int NOT NULL, "
-            "paid_at timestamptz NOT NULL DEFAULT clock_timestamp())").format(self._payments))
+        self._conn.execute(
+            sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema))
+        )
+        self._conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (run_id text PRIMARY KEY, slot int NOT NULL, "
+                "amount_cents int NOT NULL)"
+            ).format(self._jobs)
+        )
+        self._conn.execute(
+            sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (result_id text NOT NULL, slot int NOT NULL, "
+                "pid int NOT NULL, amount_cents int NOT NULL, "
+                "paid_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+            ).format(self._payments)
+        )
         with self._conn.cursor() as cursor:
             cursor.executemany(
-                sql.SQL("INSERT INTO {} VALUES (%s, %s, %s) ON CONFLICT DO NOTHING")
-                .format(self._jobs),
+                sql.SQL("INSERT INTO {} VALUES (%s, %s, %s) ON CONFLICT DO NOTHING").format(
+                    self._jobs
+                ),
                 [(f"INV-{i:04d}", i % workers, 1_000 + i * 7_919 % 90_000) for i in range(jobs)],
             )
 
     def jobs(self) -> dict[str, Job]:
-        rows = self._conn.execute(sql.SQL(
-            "SELECT run_id, slot, amount_cents FROM {} ORDER BY run_id").format(self._jobs))
+        rows = self._conn.execute(
+            sql.SQL("SELECT run_id, slot, amount_cents FROM {} ORDER BY run_id").format(self._jobs)
+        )
         return {run_id: Job(run_id, slot, amount) for run_id, slot, amount in rows}
 
     def pay(self, result_id: str, slot: int, amount_cents: int) -> None:
         self._conn.execute(
-            sql.SQL("INSERT INTO {} (result_id, slot, pid, amount_cents) VALUES (%s, %s, %s, %s)")
-            .format(self._payments), (result_id, slot, os.getpid(), amount_cents))
+            sql.SQL(
+                "INSERT INTO {} (result_id, slot, pid, amount_cents) VALUES (%s, %s, %s, %s)"
+            ).format(self._payments),
+            (result_id, slot, os.getpid(), amount_cents),
+        )
 
     def payments_by_slot(self) -> Counter[int]:
-        rows = self._conn.execute(sql.SQL("SELECT slot, count(*) FROM {} GROUP BY slot")
-                                  .format(self._payments))
+        rows = self._conn.execute(
+            sql.SQL("SELECT slot, count(*) FROM {} GROUP BY slot").format(self._payments)
+        )
         return Counter(dict(rows.fetchall()))
 
     def payment_counts(self) -> Counter[str]:
         """How many times each result id was paid, across every worker process."""
-        rows = self._conn.execute(sql.SQL("SELECT result_id, count(*) FROM {} GROUP BY result_id")
-                                  .format(self._payments))
+        rows = self._conn.execute(
+            sql.SQL("SELECT result_id, count(*) FROM {} GROUP BY result_id").format(self._payments)
+        )
         return Counter(dict(rows.fetchall()))
 
     def drop(self, store_schema: str) -> None:
         for name in (store_schema, self.schema):
-            self._conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
-                sql.Identifier(name)))
+            self._conn.execute(
+                sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name))
+            )
 
 
 async def in_thread(func: Callable[..., T], *args: object) -> T:
@@ -209,18 +224,30 @@ def make_tools(jobs: dict[str, Job], app: AppTables, slot: int) -> ToolRegistry:
         return f"paid {amount} cents"
 
     def schema(**properties: JSONValue) -> dict[str, JSONValue]:
-        return {"type": "object", "properties": properties, "required": list(properties),
-                "additionalProperties": False}
+        return {
+            "type": "object",
+            "properties": properties,
+            "required": list(properties),
+            "additionalProperties": False,
+        }
 
     return ToolRegistry(
         [
-            ToolSpec(name="check_invoice", description="The amount due on an invoice, in cents.",
-                     parameters=schema(invoice={"type": "string"}), handler=check_invoice,
-                     replay=Replay.ALLOWED),
-            ToolSpec(name="pay", description="Pay an invoice. Ends the task.",
-                     parameters=schema(invoice={"type": "string"},
-                                       amount_cents={"type": "integer"}),
-                     handler=pay, replay=Replay.NEVER, completes=True),
+            ToolSpec(
+                name="check_invoice",
+                description="The amount due on an invoice, in cents.",
+                parameters=schema(invoice={"type": "string"}),
+                handler=check_invoice,
+                replay=Replay.ALLOWED,
+            ),
+            ToolSpec(
+                name="pay",
+                description="Pay an invoice. Ends the task.",
+                parameters=schema(invoice={"type": "string"}, amount_cents={"type": "integer"}),
+                handler=pay,
+                replay=Replay.NEVER,
+                completes=True,
+            ),
         ],
         max_observation_chars=200,
     )
@@ -232,8 +259,9 @@ def make_definition(store: PostgresStore) -> Definition:
         interpreter=JsonActionInterpreter(),
         store=store,
         events=NullSink(),
-        texts=ObservationTexts(not_executed="Refused: {reason}",
-                               env_fault="Environment failure: {detail}"),
+        texts=ObservationTexts(
+            not_executed="Refused: {reason}", env_fault="Environment failure: {detail}"
+        ),
     )
 
 
@@ -287,8 +315,9 @@ class WorkerSummary:
     jobs: dict[str, int]  # "started", "resumed" (or read from the log), "left to others"
 
 
-async def sweep(definition: Definition, store: PostgresStore,
-                request_for: RequestFor, concurrency: int) -> Sweep:
+async def sweep(
+    definition: Definition, store: PostgresStore, request_for: RequestFor, concurrency: int
+) -> Sweep:
     started = time.monotonic()
     report = await recover(definition, store, request_for, max_concurrent=concurrency)
     outcome = Sweep(seconds=time.monotonic() - started, done_at=time.time())
@@ -302,8 +331,9 @@ async def sweep(definition: Definition, store: PostgresStore,
     return outcome
 
 
-async def drive_jobs(definition: Definition, jobs: list[Job], request_for: RequestFor,
-                     concurrency: int) -> Counter[str]:
+async def drive_jobs(
+    definition: Definition, jobs: list[Job], request_for: RequestFor, concurrency: int
+) -> Counter[str]:
     """Drive every job to its end, at most ``concurrency`` at once."""
     counts: Counter[str] = Counter()
     limiter = anyio.CapacityLimiter(concurrency)
@@ -370,10 +400,21 @@ class WorkerProcess:
     @classmethod
     async def start(cls, settings: Settings, slot: int) -> WorkerProcess:
         process = await anyio.open_process(
-            [sys.executable, THIS_FILE, "worker", "--schema", settings.schema,
-             "--slot", str(slot), "--concurrency", str(settings.concurrency),
-             "--backend", settings.backend],
-            stdin=subprocess.DEVNULL, stderr=None,  # a worker's errors go to our stderr
+            [
+                sys.executable,
+                THIS_FILE,
+                "worker",
+                "--schema",
+                settings.schema,
+                "--slot",
+                str(slot),
+                "--concurrency",
+                str(settings.concurrency),
+                "--backend",
+                settings.backend,
+            ],
+            stdin=subprocess.DEVNULL,
+            stderr=None,  # a worker's errors go to our stderr
             env={**os.environ, ENV_VAR: settings.conninfo},  # not on the command line
         )
         return cls(slot, process)
@@ -390,8 +431,12 @@ class WorkerProcess:
             raise RuntimeError(f"worker {self.slot} exited with status {status}")
         data = json.loads(output.decode().strip().splitlines()[-1])
         self.summary = WorkerSummary(
-            slot=data["slot"], pid=data["pid"], at_start=Sweep(**data["at_start"]),
-            at_end=Sweep(**data["at_end"]), jobs=data["jobs"])
+            slot=data["slot"],
+            pid=data["pid"],
+            at_start=Sweep(**data["at_start"]),
+            at_end=Sweep(**data["at_end"]),
+            jobs=data["jobs"],
+        )
 
 
 @dataclass(frozen=True)
@@ -420,22 +465,32 @@ class FleetReport:
     def recoveries(self) -> list[Recovery]:
         """The ``recover`` calls that resumed the dead worker's runs, each run counted once."""
         left, found = set(self.orphans), []
-        sweeps = [(summary, phase, sweep) for summary in self.summaries
-                  for phase, sweep in (("at its start", summary.at_start),
-                                       ("at the end of its jobs", summary.at_end))]
+        sweeps = [
+            (summary, phase, sweep)
+            for summary in self.summaries
+            for phase, sweep in (
+                ("at its start", summary.at_start),
+                ("at the end of its jobs", summary.at_end),
+            )
+        ]
         for summary, phase, sweep in sorted(sweeps, key=lambda item: item[2].done_at):
             runs = left & set(sweep.recovered)
             if runs:
                 left -= runs
                 restarted = "the restarted " if summary.slot == self.victim else ""
-                found.append(Recovery(f"{restarted}worker {summary.slot} {phase}", len(runs),
-                                      sweep.seconds, sweep.done_at))
+                found.append(
+                    Recovery(
+                        f"{restarted}worker {summary.slot} {phase}",
+                        len(runs),
+                        sweep.seconds,
+                        sweep.done_at,
+                    )
+                )
         return found
 
     def recovery_s(self) -> float:
         """From the kill until the last of the dead worker's runs was recovered."""
-        return max((r.done_at for r in self.recoveries()), default=self.killed_at) \
-            - self.killed_at
+        return max((r.done_at for r in self.recoveries()), default=self.killed_at) - self.killed_at
 
     def problems(self) -> list[str]:
         found = []
@@ -477,8 +532,9 @@ async def left_unfinished(store: PostgresStore, run_ids: set[str]) -> list[RunSt
     """
     with anyio.fail_after(30):
         while True:
-            listed = [run for run in await store.list_runs(unfinished_only=True)
-                      if run.run_id in run_ids]
+            listed = [
+                run for run in await store.list_runs(unfinished_only=True) if run.run_id in run_ids
+            ]
             if not any(run.claimed for run in listed):
                 return [await run_status(store, run.run_id) for run in listed]
             await anyio.sleep(0.01)
@@ -486,13 +542,17 @@ async def left_unfinished(store: PostgresStore, run_ids: set[str]) -> list[RunSt
 
 def inside_never_tool(status: RunStatus) -> bool:
     intent = status.open_intent
-    return (intent is not None and intent.kind is IntentKind.ACTION
-            and intent.replay is Replay.NEVER)
+    return intent is not None and intent.kind is IntentKind.ACTION and intent.replay is Replay.NEVER
 
 
-async def kill_and_restart(victim: WorkerProcess, settings: Settings, jobs: dict[str, Job],
-                           app: AppTables, store: PostgresStore,
-                           report: FleetReport) -> WorkerProcess | None:
+async def kill_and_restart(
+    victim: WorkerProcess,
+    settings: Settings,
+    jobs: dict[str, Job],
+    app: AppTables,
+    store: PostgresStore,
+    report: FleetReport,
+) -> WorkerProcess | None:
     """Kill the victim mid-flight, note what it left, and start a new process in its slot."""
     mine = {job.run_id for job in jobs.values() if job.slot == victim.slot}
     paid = await kill_mid_flight(victim, app, after_payments=max(1, len(mine) // 3))
@@ -529,14 +589,16 @@ async def run_fleet(settings: Settings, *, kill: bool) -> FleetReport:
         await in_thread(app.seed, settings.jobs, settings.workers)
         jobs = await in_thread(app.jobs)
         async with open_store(settings.conninfo, settings.schema) as store:
-            workers = [await WorkerProcess.start(settings, slot)
-                       for slot in range(settings.workers)]
+            workers = [
+                await WorkerProcess.start(settings, slot) for slot in range(settings.workers)
+            ]
             async with anyio.create_task_group() as group:
                 for worker in workers:
                     group.start_soon(worker.collect)
                 if kill:
-                    restarted = await kill_and_restart(workers[0], settings, jobs, app, store,
-                                                       report)
+                    restarted = await kill_and_restart(
+                        workers[0], settings, jobs, app, store, report
+                    )
                     if restarted is not None:
                         workers.append(restarted)
                         group.start_soon(restarted.collect)
@@ -550,33 +612,47 @@ async def run_fleet(settings: Settings, *, kill: bool) -> FleetReport:
 
 def print_report(report: FleetReport) -> None:
     settings = report.settings
-    print(f"fleet {settings.schema}: {settings.jobs} invoices, {settings.workers} worker "
-          f"processes, up to {settings.concurrency} runs at once in each")
+    print(
+        f"fleet {settings.schema}: {settings.jobs} invoices, {settings.workers} worker "
+        f"processes, up to {settings.concurrency} runs at once in each"
+    )
     if report.victim is not None:
-        print(f"  worker {report.victim} killed (SIGKILL) after {report.payments_before_kill} "
-              f"payments: {len(report.orphans)} runs left unfinished, "
-              f"{len(report.inside_pay)} of them inside 'pay'")
+        print(
+            f"  worker {report.victim} killed (SIGKILL) after {report.payments_before_kill} "
+            f"payments: {len(report.orphans)} runs left unfinished, "
+            f"{len(report.inside_pay)} of them inside 'pay'"
+        )
         recoveries = report.recoveries()
         if recoveries:
-            print("  recover() resumed them: "
-                  + ", ".join(f"{r.runs} in {r.who} ({r.seconds:.2f} s)" for r in recoveries)
-                  + f"; all ended {report.recovery_s():.2f} s after the kill")
+            print(
+                "  recover() resumed them: "
+                + ", ".join(f"{r.runs} in {r.who} ({r.seconds:.2f} s)" for r in recoveries)
+                + f"; all ended {report.recovery_s():.2f} s after the kill"
+            )
     elif report.kill:
         print("  worker 0 ended before it could be killed")
     reasons = report.stop_reasons
     finished = sum(reasons.values())
-    print(f"runs: {finished} finished ({reasons[StopReason.SUBMITTED.value]} submitted, "
-          f"{reasons[StopReason.IN_DOUBT.value]} in doubt), {report.unfinished} unfinished")
+    print(
+        f"runs: {finished} finished ({reasons[StopReason.SUBMITTED.value]} submitted, "
+        f"{reasons[StopReason.IN_DOUBT.value]} in doubt), {report.unfinished} unfinished"
+    )
     if report.in_doubt:
         exact = set(report.in_doubt) == set(report.inside_pay)
         print(f"  in doubt: {'exactly ' if exact else 'NOT only '}the runs killed inside 'pay'")
     twice = sorted(result_id for result_id, n in report.payments.items() if n > 1)
-    in_doubt_paid = sum(1 for run_id in report.in_doubt
-                        if report.payments[f"{run_id}:{PAY_STEP}:action"])
-    print(f"payments: {sum(report.payments.values())} on the ledger, "
-          + (f"made twice: {', '.join(twice)}" if twice else "none made twice")
-          + (f"; in-doubt runs that had paid: {in_doubt_paid} of {len(report.in_doubt)}"
-             if report.in_doubt else ""))
+    in_doubt_paid = sum(
+        1 for run_id in report.in_doubt if report.payments[f"{run_id}:{PAY_STEP}:action"]
+    )
+    print(
+        f"payments: {sum(report.payments.values())} on the ledger, "
+        + (f"made twice: {', '.join(twice)}" if twice else "none made twice")
+        + (
+            f"; in-doubt runs that had paid: {in_doubt_paid} of {len(report.in_doubt)}"
+            if report.in_doubt
+            else ""
+        )
+    )
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -617,22 +693,29 @@ def main() -> None:
     seed = commands.add_parser("seed", help="create the job and ledger tables, add jobs")
     worker = commands.add_parser("worker", help="run one worker process")
     for command in (fleet, seed, worker):
-        command.add_argument("--conninfo",
-                             default=os.environ.get(ENV_VAR) or DEFAULT_CONNINFO,
-                             help="libpq connection string or URL of the database")
-    fleet.add_argument("--schema", default=f"fleet_{uuid.uuid4().hex[:8]}",
-                       help="schema of the runs (default: a new one, dropped at the end)")
+        command.add_argument(
+            "--conninfo",
+            default=os.environ.get(ENV_VAR) or DEFAULT_CONNINFO,
+            help="libpq connection string or URL of the database",
+        )
+    fleet.add_argument(
+        "--schema",
+        default=f"fleet_{uuid.uuid4().hex[:8]}",
+        help="schema of the runs (default: a new one, dropped at the end)",
+    )
     for command in (seed, worker):
         command.add_argument("--schema", required=True, help="schema of the runs")
     for command in (fleet, seed):
         command.add_argument("--jobs", type=int, default=40, help="how many invoices")
         command.add_argument("--workers", type=int, default=4, help="how many workers")
     for command in (fleet, worker):
-        command.add_argument("--concurrency", type=int, default=16,
-                             help="runs one worker drives at once")
+        command.add_argument(
+            "--concurrency", type=int, default=16, help="runs one worker drives at once"
+        )
         command.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
-    fleet.add_argument("--kill", action="store_true",
-                       help="SIGKILL worker 0 mid-flight, then restart it")
+    fleet.add_argument(
+        "--kill", action="store_true", help="SIGKILL worker 0 mid-flight, then restart it"
+    )
     fleet.add_argument("--keep", action="store_true", help="keep the schemas")
     worker.add_argument("--slot", type=int, required=True, help="which jobs are this worker's")
     args = parser.parse_args()
@@ -640,13 +723,21 @@ def main() -> None:
     if args.command == "seed":
         anyio.run(seed_main, args.conninfo, args.schema, args.jobs, args.workers)
     elif args.command == "worker":
-        anyio.run(worker_main, args.conninfo, args.schema, args.slot, args.concurrency,
-                  backend=args.backend)
+        anyio.run(
+            worker_main,
+            args.conninfo,
+            args.schema,
+            args.slot,
+            args.concurrency,
+            backend=args.backend,
+        )
     else:
-        settings = Settings(args.conninfo, args.schema, args.jobs, args.workers,
-                            args.concurrency, args.backend)
-        problems = anyio.run(partial(fleet_main, settings, kill=args.kill, keep=args.keep),
-                             backend=args.backend)
+        settings = Settings(
+            args.conninfo, args.schema, args.jobs, args.workers, args.concurrency, args.backend
+        )
+        problems = anyio.run(
+            partial(fleet_main, settings, kill=args.kill, keep=args.keep), backend=args.backend
+        )
         if problems:
             sys.exit("problems: " + "; ".join(problems))
 

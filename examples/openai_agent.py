@@ -100,12 +100,27 @@ def build_tools() -> ToolRegistry:
 
     return ToolRegistry(
         [
-            ToolSpec(name="add", description="Add two numbers.", parameters=NUMBERS,
-                     handler=add, replay=Replay.ALLOWED),
-            ToolSpec(name="multiply", description="Multiply two numbers.", parameters=NUMBERS,
-                     handler=multiply, replay=Replay.ALLOWED),
-            ToolSpec(name="submit", description="Submit the final result.",
-                     parameters=SUBMISSION, handler=submit, completes=True),
+            ToolSpec(
+                name="add",
+                description="Add two numbers.",
+                parameters=NUMBERS,
+                handler=add,
+                replay=Replay.ALLOWED,
+            ),
+            ToolSpec(
+                name="multiply",
+                description="Multiply two numbers.",
+                parameters=NUMBERS,
+                handler=multiply,
+                replay=Replay.ALLOWED,
+            ),
+            ToolSpec(
+                name="submit",
+                description="Submit the final result.",
+                parameters=SUBMISSION,
+                handler=submit,
+                completes=True,
+            ),
         ],
         max_observation_chars=2_000,
     )
@@ -133,8 +148,11 @@ class JsonReplyInterpreter:
             arguments = data.get("arguments", {})
             if isinstance(name, str):
                 shown = json.dumps(arguments, sort_keys=True)
-                return Action(payload={"name": name, "arguments": arguments},
-                              action_text=f"{name}({shown})", history_text=reply.content)
+                return Action(
+                    payload={"name": name, "arguments": arguments},
+                    action_text=f"{name}({shown})",
+                    history_text=reply.content,
+                )
             if isinstance(data.get("answer"), str):
                 return FinalAnswer(answer=data["answer"], history_text=reply.content)
         return InvalidDecision(feedback=self.FEEDBACK, history_text=reply.content)
@@ -172,14 +190,14 @@ async def solve(
         interpreter=JsonReplyInterpreter(),
         store=MemoryStore(),
         events=NullSink(),
-        texts=ObservationTexts(not_executed="Not executed: {reason}",
-                               env_fault="Tool failure: {detail}"),
+        texts=ObservationTexts(
+            not_executed="Not executed: {reason}", env_fault="Tool failure: {detail}"
+        ),
     )
     tools = build_tools()
     request = Request(
         run_id=run_id,
-        budget=Budget(max_steps=max_steps, max_valid_steps=max_steps,
-                      max_context_chars=50_000),
+        budget=Budget(max_steps=max_steps, max_valid_steps=max_steps, max_context_chars=50_000),
         executor=tools.executor(),
         tools=tools,
         run_context=(Message.text(Role.SYSTEM, SYSTEM_PROMPT),),
@@ -206,28 +224,46 @@ def report(result: RunResult) -> str:
             lines.append(f"step {step.step}: answer {step.final_answer!r}")
         else:
             lines.append(f"step {step.step}: unusable reply, told: {step.observation}")
-    lines.append(f"stopped: {result.stop_reason.value} after {result.step_count} steps"
-                 + (f" ({result.detail})" if result.detail else ""))
+    lines.append(
+        f"stopped: {result.stop_reason.value} after {result.step_count} steps"
+        + (f" ({result.detail})" if result.detail else "")
+    )
     return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="Run a small PolyLoop agent on an OpenAI-compatible model server.")
-    parser.add_argument("--base-url", required=True,
-                        help="the server's OpenAI-compatible base URL, e.g. http://localhost:11434/v1")
+        description="Run a small PolyLoop agent on an OpenAI-compatible model server."
+    )
+    parser.add_argument(
+        "--base-url",
+        required=True,
+        help="the server's OpenAI-compatible base URL, e.g. http://localhost:11434/v1",
+    )
     parser.add_argument("--model", required=True, help="the model name the server knows")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "not-needed"),
-                        help="API key (default: $OPENAI_API_KEY)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", "not-needed"),
+        help="API key (default: $OPENAI_API_KEY)",
+    )
     parser.add_argument("--task", default=DEFAULT_TASK)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--max-steps", type=int, default=10)
-    parser.add_argument("--max-retries", type=int, default=2,
-                        help="the SDK's own retries; PolyLoop adds none")
-    parser.add_argument("--binding", action="append", default=[], metavar="KEY=VALUE",
-                        help="a coordinate of the run, sent as request metadata (repeatable)")
-    parser.add_argument("--store", action="store_true",
-                        help="send store=true (OpenAI accepts metadata only with it)")
+    parser.add_argument(
+        "--max-retries", type=int, default=2, help="the SDK's own retries; PolyLoop adds none"
+    )
+    parser.add_argument(
+        "--binding",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a coordinate of the run, sent as request metadata (repeatable)",
+    )
+    parser.add_argument(
+        "--store",
+        action="store_true",
+        help="send store=true (OpenAI accepts metadata only with it)",
+    )
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     args = parser.parse_args(argv)
     pairs = [item.partition("=") for item in args.binding]
@@ -238,11 +274,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 async def amain(args: argparse.Namespace) -> int:
-    async with openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key,
-                                  max_retries=args.max_retries) as client:
-        result = await solve(client, model=args.model, task=args.task,
-                             temperature=args.temperature, max_steps=args.max_steps,
-                             binding=args.binding, store=args.store)
+    async with openai.AsyncOpenAI(
+        base_url=args.base_url, api_key=args.api_key, max_retries=args.max_retries
+    ) as client:
+        result = await solve(
+            client,
+            model=args.model,
+            task=args.task,
+            temperature=args.temperature,
+            max_steps=args.max_steps,
+            binding=args.binding,
+            store=args.store,
+        )
     print(report(result))
     return 0 if result.stop_reason in (StopReason.SUBMITTED, StopReason.FINAL_ANSWER) else 1
 

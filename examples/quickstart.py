@@ -70,25 +70,36 @@ TOOLS = ToolRegistry(
         ToolSpec(
             name="read_file",
             description="Read one of the data files by name.",
-            parameters={"type": "object", "properties": {"name": {"type": "string"}},
-                        "required": ["name"], "additionalProperties": False},
+            parameters={
+                "type": "object",
+                "properties": {"name": {"type": "string"}},
+                "required": ["name"],
+                "additionalProperties": False,
+            },
             handler=read_file,
             replay=Replay.ALLOWED,  # reading twice is harmless
         ),
         ToolSpec(
             name="add",
             description="Add a list of numbers.",
-            parameters={"type": "object",
-                        "properties": {"numbers": {"type": "array", "items": {"type": "number"}}},
-                        "required": ["numbers"], "additionalProperties": False},
+            parameters={
+                "type": "object",
+                "properties": {"numbers": {"type": "array", "items": {"type": "number"}}},
+                "required": ["numbers"],
+                "additionalProperties": False,
+            },
             handler=add,
             replay=Replay.ALLOWED,
         ),
         ToolSpec(
             name="submit",
             description="Submit the final total. Ends the task.",
-            parameters={"type": "object", "properties": {"total": {"type": "integer"}},
-                        "required": ["total"], "additionalProperties": False},
+            parameters={
+                "type": "object",
+                "properties": {"total": {"type": "integer"}},
+                "required": ["total"],
+                "additionalProperties": False,
+            },
             handler=submit,
             completes=True,  # a successful submit ends the run as SUBMITTED
         ),
@@ -117,8 +128,9 @@ def build(store: Any, run_id: str) -> tuple[Definition, Request]:
         interpreter=JsonActionInterpreter(),
         store=store,
         events=NullSink(),
-        texts=ObservationTexts(not_executed="Refused: {reason}",
-                               env_fault="Environment failure: {detail}"),
+        texts=ObservationTexts(
+            not_executed="Refused: {reason}", env_fault="Environment failure: {detail}"
+        ),
     )
     request = Request(
         run_id=run_id,
@@ -143,8 +155,10 @@ def show(result: RunResult) -> None:
         observation = (step.observation or "").replace("\n", " | ")
         print(f"  step {step.step}: {step.action_text or step.decision.value}")
         print(f"          -> [{status}] {observation[:90]}")
-    print(f"  stop reason: {result.stop_reason.value}; steps {result.step_count}, "
-          f"valid steps {result.valid_step_count}; resumed: {result.resumed}")
+    print(
+        f"  stop reason: {result.stop_reason.value}; steps {result.step_count}, "
+        f"valid steps {result.valid_step_count}; resumed: {result.resumed}"
+    )
 
 
 async def main() -> None:
@@ -157,8 +171,11 @@ async def main() -> None:
     try:
         await run(*build(crashing, "quickstart-2"))
     except SimulatedCrash as crash:
-        done = sum(1 for r in (await store.read_log("quickstart-2")).records
-                   if type(r).__name__ == "StepRecord")
+        done = sum(
+            1
+            for r in (await store.read_log("quickstart-2")).records
+            if type(r).__name__ == "StepRecord"
+        )
         print(f"  crashed ({crash}); {done} steps were on record")
     before = len(EXECUTIONS)
     show(await resume(*build(store, "quickstart-2")))

@@ -95,16 +95,24 @@ def make_tools(submissions: Path) -> ToolRegistry:
             ToolSpec(
                 name="multiply",
                 description="Multiply two integers.",
-                parameters={"type": "object", "properties": {"a": integer, "b": integer},
-                            "required": ["a", "b"], "additionalProperties": False},
+                parameters={
+                    "type": "object",
+                    "properties": {"a": integer, "b": integer},
+                    "required": ["a", "b"],
+                    "additionalProperties": False,
+                },
                 handler=multiply,
                 replay=Replay.ALLOWED,  # no side effect: safe to run again
             ),
             ToolSpec(
                 name="submit",
                 description="Submit the final answer. Ends the task.",
-                parameters={"type": "object", "properties": {"answer": integer},
-                            "required": ["answer"], "additionalProperties": False},
+                parameters={
+                    "type": "object",
+                    "properties": {"answer": integer},
+                    "required": ["answer"],
+                    "additionalProperties": False,
+                },
                 handler=submit,
                 completes=True,
             ),
@@ -119,8 +127,9 @@ def build(store: Store, run_id: str, submissions: Path) -> tuple[Definition, Req
         interpreter=JsonActionInterpreter(),
         store=store,
         events=NullSink(),
-        texts=ObservationTexts(not_executed="Refused: {reason}",
-                               env_fault="Environment failure: {detail}"),
+        texts=ObservationTexts(
+            not_executed="Refused: {reason}", env_fault="Environment failure: {detail}"
+        ),
     )
     tools = make_tools(submissions)
     request = Request(
@@ -144,8 +153,7 @@ def show(result: RunResult, submissions: Path) -> None:
     for step in result.steps:
         print(f"  step {step.step}: {step.action_text} -> {step.observation}")
     how = "continued from the log" if result.resumed else "new run"
-    print(f"stop reason: {result.stop_reason.value} after {result.step_count} steps "
-          f"({how})")
+    print(f"stop reason: {result.stop_reason.value} after {result.step_count} steps ({how})")
     lines = submissions.read_text(encoding="utf-8").splitlines() if submissions.exists() else []
     mine = [line for line in lines if line.startswith(f"{result.run_id}:")]
     print(f"submissions of this run on file: {len(mine)}")

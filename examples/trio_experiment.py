@@ -65,8 +65,10 @@ GOAL = f"What is the sum of the squares of {NUMBERS}? Submit the number."
 CANDIDATES: dict[str, tuple[str, ...]] = {
     "baseline": (),
     "batch": ("Skill: batch\nThe square tool takes a list: square every number in one call.",),
-    "double-check": ("Skill: double-check\nBatch your calls, and repeat the addition "
-                     "once to verify it before you submit.",),
+    "double-check": (
+        "Skill: double-check\nBatch your calls, and repeat the addition "
+        "once to verify it before you submit.",
+    ),
     "guess": ("Skill: guess\nYou are good at mental arithmetic: submit right away.",),
 }
 
@@ -78,12 +80,22 @@ def _call(tool: str, **arguments: object) -> str:
 SQUARES = [n * n for n in NUMBERS]
 # What the model answers at each call, depending on the skill it was given.
 PLANS: dict[str, list[str]] = {
-    "baseline": [*(_call("square", numbers=[n]) for n in NUMBERS),
-                 _call("add", numbers=SQUARES), _call("submit", answer=EXPECTED)],
-    "batch": [_call("square", numbers=NUMBERS), _call("add", numbers=SQUARES),
-              _call("submit", answer=EXPECTED)],
-    "double-check": [_call("square", numbers=NUMBERS), _call("add", numbers=SQUARES),
-                     _call("add", numbers=SQUARES), _call("submit", answer=EXPECTED)],
+    "baseline": [
+        *(_call("square", numbers=[n]) for n in NUMBERS),
+        _call("add", numbers=SQUARES),
+        _call("submit", answer=EXPECTED),
+    ],
+    "batch": [
+        _call("square", numbers=NUMBERS),
+        _call("add", numbers=SQUARES),
+        _call("submit", answer=EXPECTED),
+    ],
+    "double-check": [
+        _call("square", numbers=NUMBERS),
+        _call("add", numbers=SQUARES),
+        _call("add", numbers=SQUARES),
+        _call("submit", answer=EXPECTED),
+    ],
     "guess": [_call("submit", answer=361)],
 }
 
@@ -113,8 +125,11 @@ class SkillFollowingModel:
         finally:
             self.in_flight -= 1
         plan = PLANS[_skill(call.messages)]
-        return ModelReply(call_id=f"{call.run_id}/{call.call_index}",
-                          content=plan[call.call_index], reasoning=None)
+        return ModelReply(
+            call_id=f"{call.run_id}/{call.call_index}",
+            content=plan[call.call_index],
+            reasoning=None,
+        )
 
 
 def _skill(messages: tuple[Message, ...]) -> str:
@@ -155,19 +170,40 @@ def make_tools(candidate: Candidate) -> ToolRegistry:
         return "received"
 
     integers: JSONValue = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
-    numbers_schema: dict[str, JSONValue] = {"type": "object", "properties": {"numbers": integers},
-                                 "required": ["numbers"], "additionalProperties": False}
+    numbers_schema: dict[str, JSONValue] = {
+        "type": "object",
+        "properties": {"numbers": integers},
+        "required": ["numbers"],
+        "additionalProperties": False,
+    }
     return ToolRegistry(
         [
-            ToolSpec(name="square", description="Square each integer of a list.",
-                     parameters=numbers_schema, handler=square, replay=Replay.ALLOWED),
-            ToolSpec(name="add", description="Add a list of integers.",
-                     parameters=numbers_schema, handler=add, replay=Replay.ALLOWED),
-            ToolSpec(name="submit", description="Submit the answer. Ends the task.",
-                     parameters={"type": "object",
-                                 "properties": {"answer": {"type": "integer"}},
-                                 "required": ["answer"], "additionalProperties": False},
-                     handler=submit, completes=True),
+            ToolSpec(
+                name="square",
+                description="Square each integer of a list.",
+                parameters=numbers_schema,
+                handler=square,
+                replay=Replay.ALLOWED,
+            ),
+            ToolSpec(
+                name="add",
+                description="Add a list of integers.",
+                parameters=numbers_schema,
+                handler=add,
+                replay=Replay.ALLOWED,
+            ),
+            ToolSpec(
+                name="submit",
+                description="Submit the answer. Ends the task.",
+                parameters={
+                    "type": "object",
+                    "properties": {"answer": {"type": "integer"}},
+                    "required": ["answer"],
+                    "additionalProperties": False,
+                },
+                handler=submit,
+                completes=True,
+            ),
         ],
         max_observation_chars=1_000,
     )
@@ -209,8 +245,9 @@ async def experiment(directory: str, backend: str) -> None:
             interpreter=JsonActionInterpreter(),
             store=store,
             events=NullSink(),
-            texts=ObservationTexts(not_executed="Refused: {reason}",
-                                   env_fault="Environment failure: {detail}"),
+            texts=ObservationTexts(
+                not_executed="Refused: {reason}", env_fault="Environment failure: {detail}"
+            ),
         )
 
         async def drive(candidate: Candidate) -> None:
@@ -221,16 +258,20 @@ async def experiment(directory: str, backend: str) -> None:
             for candidate in candidates:
                 nursery.start_soon(drive, candidate)
 
-    print(f"{len(candidates)} candidate runs under {backend}, one shared model client: "
-          f"{model.calls} calls, "
-          f"up to {model.peak_in_flight} in flight at once")
+    print(
+        f"{len(candidates)} candidate runs under {backend}, one shared model client: "
+        f"{model.calls} calls, "
+        f"up to {model.peak_in_flight} in flight at once"
+    )
     print(f"  {'candidate':<14}{'stop reason':<13}{'steps':>5}  {'submitted':<11}correct")
     for candidate in candidates:
         assert candidate.result is not None
         correct, _ = score(candidate)
         submitted = ", ".join(map(str, candidate.submissions)) or "-"
-        print(f"  {candidate.name:<14}{candidate.result.stop_reason.value:<13}"
-              f"{candidate.result.step_count:>5}  {submitted:<11}{'yes' if correct else 'no'}")
+        print(
+            f"  {candidate.name:<14}{candidate.result.stop_reason.value:<13}"
+            f"{candidate.result.step_count:>5}  {submitted:<11}{'yes' if correct else 'no'}"
+        )
     best = max(candidates, key=score)
     assert best.result is not None
     print(f"best: {best.name} (correct in {best.result.step_count} steps)")

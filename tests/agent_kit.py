@@ -92,10 +92,21 @@ def make_tools(
 
     return ToolRegistry(
         [
-            ToolSpec(name="double", description="Double a number.", parameters=NUMBER_SCHEMA,
-                     handler=double, replay=replay),
-            ToolSpec(name="submit", description="Submit the answer.", parameters=ANSWER_SCHEMA,
-                     handler=submit, replay=replay, completes=True),
+            ToolSpec(
+                name="double",
+                description="Double a number.",
+                parameters=NUMBER_SCHEMA,
+                handler=double,
+                replay=replay,
+            ),
+            ToolSpec(
+                name="submit",
+                description="Submit the answer.",
+                parameters=ANSWER_SCHEMA,
+                handler=submit,
+                replay=replay,
+                completes=True,
+            ),
         ],
         max_observation_chars=max_observation_chars,
     )
@@ -221,8 +232,9 @@ class InterruptedModel:
     For tests that break something (a connection, a lock) at a chosen point of a run.
     """
 
-    def __init__(self, script: list[str], *, at: int,
-                 before: Callable[[ModelCall], Awaitable[None]]) -> None:
+    def __init__(
+        self, script: list[str], *, at: int, before: Callable[[ModelCall], Awaitable[None]]
+    ) -> None:
         self.inner = ScriptedModelClient(script)
         self.at = at
         self.before = before
@@ -277,12 +289,15 @@ async def crash_and_resume(
     tools = make_tools(ledger, replay=replay)
     first = open_store()
     with pytest.raises(SimulatedCrash):
-        await run(definition(FaultyStore(first, fail_after_writes=k), script=script),
-                  request("r", tools, model_replay=replay))
+        await run(
+            definition(FaultyStore(first, fail_after_writes=k), script=script),
+            request("r", tools, model_replay=replay),
+        )
     await close_store(first)
     second = open_store()
-    resumed = await resume(definition(second, script=script),
-                           request("r", tools, model_replay=replay))
+    resumed = await resume(
+        definition(second, script=script), request("r", tools, model_replay=replay)
+    )
     return resumed, ledger, second
 
 
@@ -294,8 +309,9 @@ async def uninterrupted(
 
     store = open_store()
     try:
-        return await run(definition(store, script=script),
-                         request(run_id, make_tools(Ledger(), replay=replay),
-                                 model_replay=replay))
+        return await run(
+            definition(store, script=script),
+            request(run_id, make_tools(Ledger(), replay=replay), model_replay=replay),
+        )
     finally:
         await close_store(store)

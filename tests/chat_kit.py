@@ -64,8 +64,9 @@ def completion_body(reply: Reply, model: str) -> dict[str, Any]:
         "object": "chat.completion",
         "created": 1_700_000_000,
         "model": model,
-        "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
-                     "message": message}] if reply.choices else [],
+        "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None, "message": message}]
+        if reply.choices
+        else [],
         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
     }
     if reply.id is not None:
@@ -92,8 +93,7 @@ class ChatServer:
         self._lock = threading.Lock()
         self._http = _HTTPServer(("127.0.0.1", 0), _Handler)
         self._http.chat = self  # type: ignore[attr-defined]
-        self._thread = threading.Thread(target=self._http.serve_forever, args=(0.01,),
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._http.serve_forever, args=(0.01,), daemon=True)
 
     @property
     def base_url(self) -> str:
@@ -139,8 +139,14 @@ class _Handler(BaseHTTPRequestHandler):
             elif isinstance(mode, Reply):
                 self._send(200, json.dumps(completion_body(mode, body.get("model", ""))))
             elif isinstance(mode, Status):
-                error = {"error": {"message": mode.message, "type": "server_error",
-                                   "param": None, "code": None}}
+                error = {
+                    "error": {
+                        "message": mode.message,
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
                 self._send(mode.code, json.dumps(error))
             elif isinstance(mode, Malformed):
                 self._send(200, '{"id": "chatcmpl-x", "object": "chat.completion", "choices": [')

@@ -49,48 +49,99 @@ AWKWARD = LINE_BREAKERS + '\x00\t"\\/é\u2603\U0001f600 a'
 
 
 def model_intent(run_id: str, k: int, sha: str = "ab", replay: Replay = Replay.NEVER) -> Intent:
-    return Intent(run_id=run_id, result_id=f"{run_id}:{k}:model", kind=IntentKind.MODEL_CALL,
-                  step=k, call_index=k, replay=replay, payload={"messages_sha256": sha})
+    return Intent(
+        run_id=run_id,
+        result_id=f"{run_id}:{k}:model",
+        kind=IntentKind.MODEL_CALL,
+        step=k,
+        call_index=k,
+        replay=replay,
+        payload={"messages_sha256": sha},
+    )
 
 
 def model_result(run_id: str, k: int, text: str) -> Result:
-    return Result(run_id=run_id, result_id=f"{run_id}:{k}:model", kind=IntentKind.MODEL_CALL,
-                  payload={"call_id": f"c{k}", "content": text, "reasoning": None})
+    return Result(
+        run_id=run_id,
+        result_id=f"{run_id}:{k}:model",
+        kind=IntentKind.MODEL_CALL,
+        payload={"call_id": f"c{k}", "content": text, "reasoning": None},
+    )
 
 
-def action_intent(run_id: str, k: int, arguments: JSONValue,
-                   replay: Replay = Replay.ALLOWED) -> Intent:
-    return Intent(run_id=run_id, result_id=f"{run_id}:{k}:action", kind=IntentKind.ACTION,
-                  step=k, call_index=k, replay=replay,
-                  payload={"name": "tool", "arguments": arguments},
-                  action_text="tool(...)", history_text="calls the tool")
+def action_intent(
+    run_id: str, k: int, arguments: JSONValue, replay: Replay = Replay.ALLOWED
+) -> Intent:
+    return Intent(
+        run_id=run_id,
+        result_id=f"{run_id}:{k}:action",
+        kind=IntentKind.ACTION,
+        step=k,
+        call_index=k,
+        replay=replay,
+        payload={"name": "tool", "arguments": arguments},
+        action_text="tool(...)",
+        history_text="calls the tool",
+    )
 
 
 def action_result(run_id: str, k: int, text: str) -> Result:
-    return Result(run_id=run_id, result_id=f"{run_id}:{k}:action", kind=IntentKind.ACTION,
-                  payload={"status": "executed", "observation": text})
+    return Result(
+        run_id=run_id,
+        result_id=f"{run_id}:{k}:action",
+        kind=IntentKind.ACTION,
+        payload={"status": "executed", "observation": text},
+    )
 
 
 def step_record(run_id: str, k: int, text: str, *, with_action: bool) -> StepRecord:
     if with_action:
         return StepRecord(
-            run_id=run_id, step=k, call_id=f"c{k}", model_output=text, reasoning=text,
-            decision=DecisionKind.ACTION, history_text=text, action_text="tool(...)",
-            observation=text, observation_synthesized=False,
-            action_status=ActionStatus.EXECUTED, done=False, truncated_chars=0, error=None,
+            run_id=run_id,
+            step=k,
+            call_id=f"c{k}",
+            model_output=text,
+            reasoning=text,
+            decision=DecisionKind.ACTION,
+            history_text=text,
+            action_text="tool(...)",
+            observation=text,
+            observation_synthesized=False,
+            action_status=ActionStatus.EXECUTED,
+            done=False,
+            truncated_chars=0,
+            error=None,
             duration_s=0.5,
         )
     return StepRecord(
-        run_id=run_id, step=k, call_id=None, model_output=text, reasoning=None,
-        decision=DecisionKind.FINAL, history_text=text, action_text=None, observation=None,
-        observation_synthesized=False, action_status=None, done=False, truncated_chars=0,
-        error=None, final_answer=text, duration_s=0.5,
+        run_id=run_id,
+        step=k,
+        call_id=None,
+        model_output=text,
+        reasoning=None,
+        decision=DecisionKind.FINAL,
+        history_text=text,
+        action_text=None,
+        observation=None,
+        observation_synthesized=False,
+        action_status=None,
+        done=False,
+        truncated_chars=0,
+        error=None,
+        final_answer=text,
+        duration_s=0.5,
     )
 
 
 def run_ended(run_id: str, reason: StopReason, steps: int, detail: str | None = None) -> RunEnded:
-    return RunEnded(run_id=run_id, stop_reason=reason, final_answer=None, steps=steps,
-                    valid_steps=steps, detail=detail)
+    return RunEnded(
+        run_id=run_id,
+        stop_reason=reason,
+        final_answer=None,
+        steps=steps,
+        valid_steps=steps,
+        detail=detail,
+    )
 
 
 def _seed_records() -> list[Record]:
@@ -112,7 +163,8 @@ SEED_RECORDS = _seed_records()
 SEED_LINES = [dumps(record).encode() for record in SEED_RECORDS]
 # The JSON-lines store writes a step with its action result as one array line.
 SEED_PAIRS = [
-    (result, step) for result, step in itertools.pairwise(SEED_RECORDS)
+    (result, step)
+    for result, step in itertools.pairwise(SEED_RECORDS)
     if isinstance(result, Result) and isinstance(step, StepRecord)
 ]
 SEED_PAIR_LINES = [f"[{dumps(result)},{dumps(step)}]".encode() for result, step in SEED_PAIRS]
@@ -127,17 +179,61 @@ SEED_LINE_RECORDS: dict[bytes, list[Record]] = {
 # -- byte strategies ------------------------------------------------------------------------
 
 TOKENS = [
-    b'"', b"\\", b"\\u", b"\\ud800", b"\\udc00", b"\\u0000", b"\\u2028", b"[", b"]", b"{",
-    b"}", b",", b":", b" ", b"\t", b"\r", b"\n", b"0", b"-", b".5", b"e", b"1e999",
-    b"-1e999", b"9" * 40, b"1" + b"0" * 400, b"1" + b"0" * 5000, b"null", b"true", b"false",
-    b"NaN", b"Infinity", b"-Infinity", b"\xff", b"\xc3", b"\xed\xa0\x80", b"\xe2\x80\xa8",
-    b"\xc2\x85", b"\xef\xbb\xbf", b'"polyloop/2"', b'"polyloop/1.9"', b'"polyloop/01"',
-    b'"polyloop/\xd9\xa1"', b'"kind"', b'"schema"', b'"run_id"', b'"step"', b'"payload"',
-    b'"duration_s"', b'"intent_kind"', b"[" * 200, b"]" * 200, b'{"a":' * 60, b"[" * 3000,
+    b'"',
+    b"\\",
+    b"\\u",
+    b"\\ud800",
+    b"\\udc00",
+    b"\\u0000",
+    b"\\u2028",
+    b"[",
+    b"]",
+    b"{",
+    b"}",
+    b",",
+    b":",
+    b" ",
+    b"\t",
+    b"\r",
+    b"\n",
+    b"0",
+    b"-",
+    b".5",
+    b"e",
+    b"1e999",
+    b"-1e999",
+    b"9" * 40,
+    b"1" + b"0" * 400,
+    b"1" + b"0" * 5000,
+    b"null",
+    b"true",
+    b"false",
+    b"NaN",
+    b"Infinity",
+    b"-Infinity",
+    b"\xff",
+    b"\xc3",
+    b"\xed\xa0\x80",
+    b"\xe2\x80\xa8",
+    b"\xc2\x85",
+    b"\xef\xbb\xbf",
+    b'"polyloop/2"',
+    b'"polyloop/1.9"',
+    b'"polyloop/01"',
+    b'"polyloop/\xd9\xa1"',
+    b'"kind"',
+    b'"schema"',
+    b'"run_id"',
+    b'"step"',
+    b'"payload"',
+    b'"duration_s"',
+    b'"intent_kind"',
+    b"[" * 200,
+    b"]" * 200,
+    b'{"a":' * 60,
+    b"[" * 3000,
 ]
-token_soup = st.lists(st.sampled_from(TOKENS) | st.binary(max_size=4), max_size=40).map(
-    b"".join
-)
+token_soup = st.lists(st.sampled_from(TOKENS) | st.binary(max_size=4), max_size=40).map(b"".join)
 MUTATIONS = ("flip", "set", "insert", "delete", "duplicate", "truncate", "swap")
 mutation = st.tuples(
     st.sampled_from(MUTATIONS),
@@ -177,18 +273,38 @@ mutated_lines = st.builds(mutate, seed_lines, st.lists(mutation, min_size=1, max
 # Up to the digit limit (json.dumps itself refuses more; TOKENS carry longer ones).
 big_ints = st.integers(1, 4300).map(lambda digits: int("7" * digits))
 # Numbers at the edges of what floats, 64-bit integers and the digit limit can hold.
-edge_numbers = st.sampled_from([
-    0, -0.0, 2**53 + 1, 2**63, -(2**63) - 1, 2**64, 10**308, 10**309, 2**1024, -(2**1024),
-    10**4299, 1.7976931348623157e308, 5e-324, -5e-324,
-])
+edge_numbers = st.sampled_from(
+    [
+        0,
+        -0.0,
+        2**53 + 1,
+        2**63,
+        -(2**63) - 1,
+        2**64,
+        10**308,
+        10**309,
+        2**1024,
+        -(2**1024),
+        10**4299,
+        1.7976931348623157e308,
+        5e-324,
+        -5e-324,
+    ]
+)
 json_leaves = (
-    st.none() | st.booleans() | st.integers() | big_ints | edge_numbers | st.floats()
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | big_ints
+    | edge_numbers
+    | st.floats()
     | st.text(alphabet=st.sampled_from(AWKWARD) | st.characters(), max_size=8)
 )
 json_values = st.recursive(
     json_leaves,
-    lambda children: st.lists(children, max_size=3)
-    | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
+    ),
     max_leaves=8,
 )
 
@@ -217,9 +333,9 @@ NUMERIC_FIELDS = ("step", "call_index", "truncated_chars", "duration_s", "steps"
 @st.composite
 def numeric_edits(draw: st.DrawFn) -> bytes:
     """A seed record with one of its number fields set to a number at some edge."""
-    record = draw(st.sampled_from(
-        [r for r in SEED_RECORDS if any(hasattr(r, f) for f in NUMERIC_FIELDS)]
-    ))
+    record = draw(
+        st.sampled_from([r for r in SEED_RECORDS if any(hasattr(r, f) for f in NUMERIC_FIELDS)])
+    )
     data: dict[str, Any] = dict(encode(record))
     field = draw(st.sampled_from([f for f in NUMERIC_FIELDS if f in data]))
     data[field] = draw(edge_numbers | st.integers() | st.floats())
@@ -227,7 +343,11 @@ def numeric_edits(draw: st.DrawFn) -> bytes:
 
 
 any_line = (
-    st.binary(max_size=400) | token_soup | mutated_lines | field_edits() | numeric_edits()
+    st.binary(max_size=400)
+    | token_soup
+    | mutated_lines
+    | field_edits()
+    | numeric_edits()
     | seed_lines
 )
 
@@ -284,7 +404,9 @@ def fuzz_settings(batch: int) -> settings:
         max_examples=batch,
         deadline=None,
         derandomize=False,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                               HealthCheck.filter_too_much],
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.filter_too_much,
+        ],
     )
-

@@ -39,9 +39,7 @@ from polyloop import (
 )
 from polyloop.testing import JsonActionInterpreter, ScriptedModelClient
 
-SCRIPT = [
-    json.dumps({"tool": "fetch", "arguments": {"n": n}}) for n in range(1, 5)
-] + [
+SCRIPT = [json.dumps({"tool": "fetch", "arguments": {"n": n}}) for n in range(1, 5)] + [
     json.dumps({"tool": "record", "arguments": {"total": 10}}),
     json.dumps({"tool": "fetch", "arguments": {"n": 5}}),
     json.dumps({"tool": "submit", "arguments": {"total": 15}}),
@@ -81,16 +79,31 @@ def tools(side_file: str) -> ToolRegistry:
         return f"submitted {arguments['total']}"
 
     number = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    total = {"type": "object", "properties": {"total": {"type": "integer"}},
-             "required": ["total"]}
+    total = {"type": "object", "properties": {"total": {"type": "integer"}}, "required": ["total"]}
     return ToolRegistry(
         [
-            ToolSpec(name="fetch", description="Fetch a value (safe to repeat).",
-                     parameters=number, handler=fetch, replay=Replay.ALLOWED),
-            ToolSpec(name="record", description="Record a total (never repeat).",
-                     parameters=total, handler=record, replay=Replay.NEVER),
-            ToolSpec(name="submit", description="Submit (never repeat).", parameters=total,
-                     handler=submit, replay=Replay.NEVER, completes=True),
+            ToolSpec(
+                name="fetch",
+                description="Fetch a value (safe to repeat).",
+                parameters=number,
+                handler=fetch,
+                replay=Replay.ALLOWED,
+            ),
+            ToolSpec(
+                name="record",
+                description="Record a total (never repeat).",
+                parameters=total,
+                handler=record,
+                replay=Replay.NEVER,
+            ),
+            ToolSpec(
+                name="submit",
+                description="Submit (never repeat).",
+                parameters=total,
+                handler=submit,
+                replay=Replay.NEVER,
+                completes=True,
+            ),
         ],
         max_observation_chars=1_000,
     )

@@ -76,8 +76,13 @@ def definition(store: Store, note: kit.Note, model: kit.Model) -> Any:
     from polyloop import Definition, NullSink
     from polyloop.testing import JsonActionInterpreter
 
-    return Definition(model=model, interpreter=JsonActionInterpreter(), store=store,
-                      events=NullSink(), texts=kit.TEXTS)
+    return Definition(
+        model=model,
+        interpreter=JsonActionInterpreter(),
+        store=store,
+        events=NullSink(),
+        texts=kit.TEXTS,
+    )
 
 
 async def _worker(argv: list[str]) -> str:
@@ -87,8 +92,9 @@ async def _worker(argv: list[str]) -> str:
     model = HeldModel(note, Path(marker) if where == "model" else None)
     registry = held_tools(note, Path(marker) if where == "tool" else None)
     try:
-        result = await run(definition(store, note, model),
-                           kit.request(run_id, registry, Replay.ALLOWED))
+        result = await run(
+            definition(store, note, model), kit.request(run_id, registry, Replay.ALLOWED)
+        )
     except (RunLocked, StoreError) as exc:
         return f"refused {type(exc).__name__}: {exc}"
     finally:

@@ -75,8 +75,9 @@ class Model:
         self.note(f"model {call.result_id}")
         if self.gate is not None:
             await self.gate.hold()
-        return ModelReply(call_id=f"c{call.call_index}", content=SCRIPT[call.call_index],
-                          reasoning=None)
+        return ModelReply(
+            call_id=f"c{call.call_index}", content=SCRIPT[call.call_index], reasoning=None
+        )
 
 
 def tools(note: Note, replay: Replay, gate: Gate | None = None) -> ToolRegistry:
@@ -89,15 +90,28 @@ def tools(note: Note, replay: Replay, gate: Gate | None = None) -> ToolRegistry:
         return f"done {arguments['n']}"
 
     return ToolRegistry(
-        [ToolSpec(name="slow", description="A slow tool that completes the run.",
-                  parameters=SCHEMA, handler=slow, replay=replay, completes=True)],
+        [
+            ToolSpec(
+                name="slow",
+                description="A slow tool that completes the run.",
+                parameters=SCHEMA,
+                handler=slow,
+                replay=replay,
+                completes=True,
+            )
+        ],
         max_observation_chars=1_000,
     )
 
 
 def definition(store: Store, note: Note, gate: Gate | None = None) -> Definition:
-    return Definition(model=Model(note, gate), interpreter=JsonActionInterpreter(),
-                      store=store, events=NullSink(), texts=TEXTS)
+    return Definition(
+        model=Model(note, gate),
+        interpreter=JsonActionInterpreter(),
+        store=store,
+        events=NullSink(),
+        texts=TEXTS,
+    )
 
 
 def request(run_id: str, registry: ToolRegistry, replay: Replay) -> Request:
@@ -144,8 +158,9 @@ async def _second_worker(argv: list[str]) -> str:
     store = open_store(kind, location, schema)
     note = file_note(ledger)
     try:
-        result = await resume(definition(store, note),
-                              request(run_id, tools(note, Replay(replay)), Replay(replay)))
+        result = await resume(
+            definition(store, note), request(run_id, tools(note, Replay(replay)), Replay(replay))
+        )
     except RunLocked:
         return "locked"
     finally:

@@ -56,7 +56,6 @@ DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/test"
 CONNECT_TIMEOUT_S = 5
 
 
-
 def fallback_server() -> Any:
     """pytest-postgresql's process fixture for the throw-away server.
 
@@ -129,8 +128,10 @@ def unavailable(reason: str) -> None:
     """Fail (under ``CI=true``) or skip, loudly."""
     if os.environ.get("CI") == "true":
         pytest.fail(f"POSTGRESQL TESTS CANNOT RUN (CI=true): {reason}", pytrace=False)
-    pytest.skip(f"POSTGRESQL TESTS SKIPPED: {reason}. Set {ENV_VAR} to a reachable server "
-                f"(with CI=true this is a failure, not a skip)")
+    pytest.skip(
+        f"POSTGRESQL TESTS SKIPPED: {reason}. Set {ENV_VAR} to a reachable server "
+        f"(with CI=true this is a failure, not a skip)"
+    )
 
 
 def _start_fallback(request: pytest.FixtureRequest, fixture: str) -> tuple[str | None, str]:
@@ -140,10 +141,15 @@ def _start_fallback(request: pytest.FixtureRequest, fixture: str) -> tuple[str |
         executor = request.getfixturevalue(fixture)
     except Exception as exc:  # noqa: BLE001 - any failure means "no fallback server"
         return None, f"{type(exc).__name__}: {exc}"
-    url = _url({
-        "host": executor.host, "port": str(executor.port), "user": executor.user,
-        "password": executor.password or "", "dbname": executor.maintenance_dbname,
-    })
+    url = _url(
+        {
+            "host": executor.host,
+            "port": str(executor.port),
+            "user": executor.user,
+            "password": executor.password or "",
+            "dbname": executor.maintenance_dbname,
+        }
+    )
     problem = probe(url)
     return (url, "") if problem is None else (None, problem)
 

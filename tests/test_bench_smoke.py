@@ -52,13 +52,19 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One tiny run of every benchmark (and the profile) through the command line."""
     tmp = tmp_path_factory.mktemp("bench")
     output = tmp / "results.json"
-    status = bench_run.main(["--tiny", "--profile", "--workdir", str(tmp),
-                             "--output", str(output)])
+    status = bench_run.main(["--tiny", "--profile", "--workdir", str(tmp), "--output", str(output)])
     assert status == 0
     data: dict[str, Any] = json.loads(output.read_text())
     assert data["meta"]["mode"] == "tiny"
-    assert set(data["benchmarks"]) == {"overhead", "durable", "concurrency", "recovery",
-                                       "scale", "listing", "lag"}
+    assert set(data["benchmarks"]) == {
+        "overhead",
+        "durable",
+        "concurrency",
+        "recovery",
+        "scale",
+        "listing",
+        "lag",
+    }
     return data
 
 
@@ -85,24 +91,45 @@ def _check_skip(row: dict[str, Any]) -> None:
     assert not _installed(peer), f"{key} skipped although {peer} is installed"
 
 
-@pytest.mark.parametrize(("name", "steps"), [("overhead", TINY.overhead_steps),
-                                             ("durable", TINY.durable_steps)])
+@pytest.mark.parametrize(
+    ("name", "steps"), [("overhead", TINY.overhead_steps), ("durable", TINY.durable_steps)]
+)
 def test_single_run_benchmarks_do_the_same_work_everywhere(
     results: dict[str, Any], name: str, steps: int
 ) -> None:
     rows = _rows(results, name)
     keys = {row["key"] for row in rows}
-    assert {"polyloop-memory", "floor-memory", "langgraph-none", "langgraph-memory",
-            "pydantic-ai"} <= keys if name == "overhead" else \
-        {"fsync-floor", "floor-two-fsyncs", "floor-same-bytes", "floor-sqlite",
-         "floor-sqlite-fresh", "polyloop-jsonl", "polyloop-sqlite", "polyloop-postgres",
-         "langgraph-sqlite", "langgraph-sqlite-sync"} <= keys
+    assert (
+        {"polyloop-memory", "floor-memory", "langgraph-none", "langgraph-memory", "pydantic-ai"}
+        <= keys
+        if name == "overhead"
+        else {
+            "fsync-floor",
+            "floor-two-fsyncs",
+            "floor-same-bytes",
+            "floor-sqlite",
+            "floor-sqlite-fresh",
+            "polyloop-jsonl",
+            "polyloop-sqlite",
+            "polyloop-postgres",
+            "langgraph-sqlite",
+            "langgraph-sqlite-sync",
+        }
+        <= keys
+    )
     for row in rows:
         _check_skip(row)
         if row.get("skipped") or row["key"] == "fsync-floor":
             continue
-        assert {"name", "role", "us_per_step", "ratio_to_floor", "decisions",
-                "tool_executions", "repeats"} <= row.keys()
+        assert {
+            "name",
+            "role",
+            "us_per_step",
+            "ratio_to_floor",
+            "decisions",
+            "tool_executions",
+            "repeats",
+        } <= row.keys()
         # Every loop: `steps` model decisions and a tool call on each but the last.
         assert (row["decisions"], row["tool_executions"]) == (steps, steps - 1), row
     measured = {row["role"] for row in rows if not row.get("skipped")}
@@ -130,29 +157,41 @@ def test_concurrency_covers_every_store_backend_and_count(results: dict[str, Any
                 _check_skip(row)
                 if row.get("skipped"):
                     continue
-                steps = TINY.concurrency_steps_largest if runs == largest \
-                    else TINY.concurrency_steps
+                steps = (
+                    TINY.concurrency_steps_largest if runs == largest else TINY.concurrency_steps
+                )
                 assert row["steps_per_run"] == steps
-                assert (row["decisions"], row["tool_executions"]) == \
-                    (runs * steps, runs * (steps - 1))
+                assert (row["decisions"], row["tool_executions"]) == (
+                    runs * steps,
+                    runs * (steps - 1),
+                )
                 assert {"wall_s", "steps_per_s", "us_per_step", "peak_kib_per_run"} <= row.keys()
     speedups = results["benchmarks"]["concurrency"]["speedups"]
     for row in speedups:
         _check_skip(row)
         if not row.get("skipped"):
-            assert {"sequential_s", "concurrent_s", "speedup",
-                    "speedup_vs_handwritten"} <= row.keys()
-    assert {row["store"] for row in speedups if not row.get("skipped")} >= \
-        {"jsonl", "sqlite", "handwritten"}
+            assert {
+                "sequential_s",
+                "concurrent_s",
+                "speedup",
+                "speedup_vs_handwritten",
+            } <= row.keys()
+    assert {row["store"] for row in speedups if not row.get("skipped")} >= {
+        "jsonl",
+        "sqlite",
+        "handwritten",
+    }
     groups = results["benchmarks"]["concurrency"]["group_commit"]
-    assert {(row["backend"], row["store"]) for row in groups} == \
-        {(backend, store) for backend in TINY.backends for store in ("sqlite", "postgres")}
+    assert {(row["backend"], row["store"]) for row in groups} == {
+        (backend, store) for backend in TINY.backends for store in ("sqlite", "postgres")
+    }
     for row in groups:
         _check_skip(row)
         if not row.get("skipped"):
             assert row["single_steps_per_s"] > 0 and row["group_steps_per_s"] > 0
             assert row["gain"] == pytest.approx(
-                row["group_steps_per_s"] / row["single_steps_per_s"])
+                row["group_steps_per_s"] / row["single_steps_per_s"]
+            )
 
 
 def test_recovery_reads_whole_logs_and_fits_a_slope(results: dict[str, Any]) -> None:
@@ -205,8 +244,7 @@ def test_listing_compares_stores_with_and_without_finished_runs(
     measured = {row["store"] for row in rows if not row.get("skipped")}
     targets = results["benchmarks"]["listing"]["targets"]
     # Two targets (listing, statuses) per SQL store and number of finished runs.
-    assert len(targets) == 2 * len(measured & {"sqlite", "postgres"}) * \
-        (len(sizes.finished) - 1)
+    assert len(targets) == 2 * len(measured & {"sqlite", "postgres"}) * (len(sizes.finished) - 1)
     for item in targets:
         assert {"target", "measured", "limit", "met"} <= item.keys()
         assert item["measured"] is not None
@@ -223,8 +261,11 @@ def test_lag_ticks_beside_every_store_and_the_idle_floor(results: dict[str, Any]
             assert row["samples"] > 0
             assert 0 <= row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
     targets = results["benchmarks"]["lag"]["targets"]
-    durable = [row for row in rows if not row.get("skipped")
-               and row["store"] in ("jsonl", "sqlite", "postgres")]
+    durable = [
+        row
+        for row in rows
+        if not row.get("skipped") and row["store"] in ("jsonl", "sqlite", "postgres")
+    ]
     assert durable and len(targets) == 2 * len(durable)  # p99 and largest, per store
     for item in targets:
         assert {"target", "measured", "limit", "met"} <= item.keys()

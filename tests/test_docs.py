@@ -54,8 +54,9 @@ class Block:
 
 def blocks(page: Path) -> list[Block]:
     text = page.read_text(encoding="utf-8")
-    return [Block(m.group("marker"), m.group("lang"), m.group("body"))
-            for m in _BLOCK.finditer(text)]
+    return [
+        Block(m.group("marker"), m.group("lang"), m.group("body")) for m in _BLOCK.finditer(text)
+    ]
 
 
 # -- the build --------------------------------------------------------------------------------
@@ -63,9 +64,21 @@ def blocks(page: Path) -> list[Block]:
 
 def test_mkdocs_builds_in_strict_mode(tmp_path: Path) -> None:
     built = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file",
-         str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert built.returncode == 0, f"mkdocs build --strict failed:\n{built.stderr}"
     assert (tmp_path / "site" / "getting-started" / "index.html").is_file()
@@ -99,16 +112,19 @@ def _execute(command: str, cwd: Path) -> tuple[int, str]:
         assert len(argv) == 2
         return 0, (cwd / argv[1]).read_text(encoding="utf-8")
     assert argv[0] == "python", f"the docs test runs python and cat only, not {command!r}"
-    done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
+    done = subprocess.run(
+        [sys.executable, *argv[1:]], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
     assert done.returncode in (0, -signal.SIGKILL), (
-        f"{command!r} exited {done.returncode}:\n{done.stderr}")
+        f"{command!r} exited {done.returncode}:\n{done.stderr}"
+    )
     return done.returncode, done.stdout
 
 
 def _marked_pages() -> list[Path]:
-    return sorted(page for page in DOCS.rglob("*.md")
-                  if any(block.marker for block in blocks(page)))
+    return sorted(
+        page for page in DOCS.rglob("*.md") if any(block.marker for block in blocks(page))
+    )
 
 
 def _run_page(page: Path, workdir: Path) -> int:
@@ -142,8 +158,9 @@ def test_getting_started_programs_run_as_shown(tmp_path: Path) -> None:
     assert (tmp_path / "agent.py").is_file() and (tmp_path / "crash.py").is_file()
 
 
-@pytest.mark.parametrize("page", [p for p in _marked_pages() if p != GETTING_STARTED],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "page", [p for p in _marked_pages() if p != GETTING_STARTED], ids=lambda p: p.name
+)
 def test_other_marked_programs_run_as_shown(page: Path, tmp_path: Path) -> None:
     assert _run_page(page, tmp_path) >= 1
 
@@ -162,8 +179,12 @@ def test_python_blocks_compile(page: Path) -> None:
     for index, block in enumerate(blocks(page)):
         if block.lang == "python":
             # Fragments may use await at the top level, as in an async REPL.
-            compile(block.body, f"{page.name}[block {index}]", "exec",
-                    flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+            compile(
+                block.body,
+                f"{page.name}[block {index}]",
+                "exec",
+                flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+            )
 
 
 def _cited_tests() -> list[tuple[str, str, str]]:
@@ -178,8 +199,7 @@ def test_the_docs_cite_tests() -> None:
     assert len(_cited_tests()) >= 30
 
 
-@pytest.mark.parametrize(("page", "file", "name"), _cited_tests(),
-                         ids=lambda value: str(value))
+@pytest.mark.parametrize(("page", "file", "name"), _cited_tests(), ids=lambda value: str(value))
 def test_every_cited_test_exists(page: str, file: str, name: str) -> None:
     source = ROOT / "tests" / file
     assert source.is_file(), f"{page} cites a missing file tests/{file}"
@@ -187,13 +207,15 @@ def test_every_cited_test_exists(page: str, file: str, name: str) -> None:
     *classes, function = name.split("::")
     for cls in classes:
         assert re.search(rf"^class {cls}\b", text, re.MULTILINE), (
-            f"{page} cites tests/{file}::{name}, but there is no class {cls}")
+            f"{page} cites tests/{file}::{name}, but there is no class {cls}"
+        )
     if classes and not re.search(rf"^\s+(async )?def {function}\b", text, re.MULTILINE):
         # A test a contract class inherits from polyloop.testing.store_contract.
         contract = ROOT / "src" / "polyloop" / "testing" / "store_contract.py"
         text = contract.read_text(encoding="utf-8")
     assert re.search(rf"^\s*(async )?def {function}\b", text, re.MULTILINE), (
-        f"{page} cites tests/{file}::{name}, which does not exist")
+        f"{page} cites tests/{file}::{name}, which does not exist"
+    )
 
 
 # -- the performance page shows the committed reference run -------------------------------

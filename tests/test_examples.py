@@ -15,7 +15,10 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def test_quickstart_runs_crashes_and_resumes_without_repeating_steps(backend: str) -> None:
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / "quickstart.py"), "--backend", backend],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     out = done.stdout
     assert out.count("stop reason: submitted; steps 5, valid steps 4") == 2
@@ -23,8 +26,10 @@ def test_quickstart_runs_crashes_and_resumes_without_repeating_steps(backend: st
     assert "[not_executed] Refused: arguments for tool 'add'" in out
     assert "2 steps were on record" in out
     # Only the steps after the crash ran their tools again.
-    assert "tool executions after the resume: ['quickstart-2:3:action', " \
-           "'quickstart-2:4:action']" in out
+    assert (
+        "tool executions after the resume: ['quickstart-2:3:action', "
+        "'quickstart-2:4:action']" in out
+    )
 
 
 def _readme_commands() -> list[str]:
@@ -44,7 +49,11 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second() -> None:
 def test_the_main_job_runs_the_demo_to_a_submitted_stop(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "polyloop", "demo", "--pace", "0"],
-        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     assert "submitted" in done.stdout.lower()

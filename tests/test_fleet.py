@@ -49,8 +49,9 @@ def fleet() -> Iterator[ModuleType]:
 async def test_four_workers_share_400_runs_and_a_killed_workers_runs_are_recovered(
     fleet: ModuleType, postgres_conninfo: str, anyio_backend: str
 ) -> None:
-    settings = fleet.Settings(postgres_conninfo, SCHEMA, jobs=JOBS, workers=WORKERS,
-                              concurrency=16, backend=anyio_backend)
+    settings = fleet.Settings(
+        postgres_conninfo, SCHEMA, jobs=JOBS, workers=WORKERS, concurrency=16, backend=anyio_backend
+    )
     report = await fleet.run_fleet(settings, kill=True)  # the database goes with the test
 
     # The kill landed mid-flight: runs were in progress, one at least inside pay.
@@ -83,7 +84,8 @@ async def test_four_workers_share_400_runs_and_a_killed_workers_runs_are_recover
             log = await store.read_log(run.run_id)
             ends = [record for record in log.records if isinstance(record, RunEnded)]
             assert len(ends) == 1 and ends[0].is_final and log.records[-1] == ends[0], (
-                f"{run.run_id} ended {len(ends)} times")
+                f"{run.run_id} ended {len(ends)} times"
+            )
             status = await run_status(store, run.run_id)
             if status.state is RunState.IN_DOUBT:
                 in_doubt.add(run.run_id)
@@ -108,24 +110,31 @@ async def test_four_workers_share_400_runs_and_a_killed_workers_runs_are_recover
     # Every run the dead worker left unfinished was resumed through recover().
     recoveries = report.recoveries()
     assert sum(recovery.runs for recovery in recoveries) == len(orphans)
-    recovered = {run_id for summary in report.summaries
-                 for run_id in summary.at_start.recovered + summary.at_end.recovered}
+    recovered = {
+        run_id
+        for summary in report.summaries
+        for run_id in summary.at_start.recovered + summary.at_end.recovered
+    }
     assert orphans <= recovered
-    print(f"\n[{anyio_backend}] recovery of {len(orphans)} runs of the killed worker "
-          f"({len(inside_pay)} inside pay): "
-          + ", ".join(f"{r.runs} by {r.who} in {r.seconds:.2f} s" for r in recoveries)
-          + f"; all ended {report.recovery_s():.2f} s after the kill")
+    print(
+        f"\n[{anyio_backend}] recovery of {len(orphans)} runs of the killed worker "
+        f"({len(inside_pay)} inside pay): "
+        + ", ".join(f"{r.runs} by {r.who} in {r.seconds:.2f} s" for r in recoveries)
+        + f"; all ended {report.recovery_s():.2f} s after the kill"
+    )
 
 
 # -- the example as a program ---------------------------------------------------------------
 
 
 def _run_example(*args: str, env: dict[str, str] | None = None) -> str:
-    done = subprocess.run([sys.executable, str(EXAMPLE), *args],
-                          capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, (
         f"fleet_worker.py {' '.join(args)} exited {done.returncode}\n"
-        f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}")
+        f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    )
     return done.stdout
 
 
@@ -138,31 +147,60 @@ def _schemas(conninfo: str) -> set[str]:
 def test_the_example_kills_a_worker_recovers_its_runs_and_cleans_up(
     postgres_conninfo: str,
 ) -> None:
-    out = _run_example("fleet", "--conninfo", postgres_conninfo, "--jobs", "24",
-                       "--workers", "3", "--concurrency", "4", "--kill")
+    out = _run_example(
+        "fleet",
+        "--conninfo",
+        postgres_conninfo,
+        "--jobs",
+        "24",
+        "--workers",
+        "3",
+        "--concurrency",
+        "4",
+        "--kill",
+    )
     lines = out.splitlines()
-    header = re.fullmatch(r"fleet (fleet_[0-9a-f]{8}): 24 invoices, 3 worker processes, "
-                          r"up to 4 runs at once in each", lines[0])
+    header = re.fullmatch(
+        r"fleet (fleet_[0-9a-f]{8}): 24 invoices, 3 worker processes, "
+        r"up to 4 runs at once in each",
+        lines[0],
+    )
     assert header is not None, out
-    killed = re.fullmatch(r"  worker 0 killed \(SIGKILL\) after (\d+) payments: (\d+) runs "
-                          r"left unfinished, (\d+) of them inside 'pay'", lines[1])
+    killed = re.fullmatch(
+        r"  worker 0 killed \(SIGKILL\) after (\d+) payments: (\d+) runs "
+        r"left unfinished, (\d+) of them inside 'pay'",
+        lines[1],
+    )
     assert killed is not None, out
     orphans, inside_pay = int(killed.group(2)), int(killed.group(3))
     assert orphans >= inside_pay >= 1
-    resumed = re.fullmatch(r"  recover\(\) resumed them: (.+); all ended \d+\.\d\d s after "
-                           r"the kill", lines[2])
+    resumed = re.fullmatch(
+        r"  recover\(\) resumed them: (.+); all ended \d+\.\d\d s after "
+        r"the kill",
+        lines[2],
+    )
     assert resumed is not None, out
     # One "N in <which worker> <which call> (<how long>)" per recover() call that took some.
-    calls = [re.fullmatch(r"(\d+) in (the restarted )?worker \d (at its start|at the end of "
-                          r"its jobs) \(\d+\.\d\d s\)", call)
-             for call in resumed.group(1).split(", ")]
+    calls = [
+        re.fullmatch(
+            r"(\d+) in (the restarted )?worker \d (at its start|at the end of "
+            r"its jobs) \(\d+\.\d\d s\)",
+            call,
+        )
+        for call in resumed.group(1).split(", ")
+    ]
     assert all(calls), out
     assert sum(int(call.group(1)) for call in calls if call) == orphans
-    assert lines[3] == f"runs: 24 finished ({24 - inside_pay} submitted, {inside_pay} in doubt)" \
-                       ", 0 unfinished"
+    assert (
+        lines[3] == f"runs: 24 finished ({24 - inside_pay} submitted, {inside_pay} in doubt)"
+        ", 0 unfinished"
+    )
     assert lines[4] == "  in doubt: exactly the runs killed inside 'pay'"
-    assert re.fullmatch(rf"payments: \d+ on the ledger, none made twice; in-doubt runs that "
-                        rf"had paid: \d+ of {inside_pay}", lines[5]), out
+    assert re.fullmatch(
+        rf"payments: \d+ on the ledger, none made twice; in-doubt runs that "
+        rf"had paid: \d+ of {inside_pay}",
+        lines[5],
+    ), out
     assert len(lines) == 6
     assert _schemas(postgres_conninfo) == set()  # both schemas dropped at the end
 
@@ -171,9 +209,19 @@ def test_the_example_without_a_kill_pays_every_invoice_once_and_can_keep_its_tab
     postgres_conninfo: str,
 ) -> None:
     # The connection string comes from the environment this time.
-    out = _run_example("fleet", "--jobs", "12", "--workers", "2", "--schema", "fleet_kept",
-                       "--keep", "--backend", "trio",
-                       env={**os.environ, "POLYLOOP_TEST_POSTGRES": postgres_conninfo})
+    out = _run_example(
+        "fleet",
+        "--jobs",
+        "12",
+        "--workers",
+        "2",
+        "--schema",
+        "fleet_kept",
+        "--keep",
+        "--backend",
+        "trio",
+        env={**os.environ, "POLYLOOP_TEST_POSTGRES": postgres_conninfo},
+    )
     assert out.splitlines() == [
         "fleet fleet_kept: 12 invoices, 2 worker processes, up to 16 runs at once in each",
         "runs: 12 finished (12 submitted, 0 in doubt), 0 unfinished",
@@ -182,5 +230,6 @@ def test_the_example_without_a_kill_pays_every_invoice_once_and_can_keep_its_tab
     ]
     assert _schemas(postgres_conninfo) == {"fleet_kept", "fleet_kept_app"}
     with pg.admin(postgres_conninfo) as conn:
-        assert conn.execute("SELECT count(*) FROM fleet_kept.runs WHERE finished").fetchone() \
-            == (12,)
+        assert conn.execute("SELECT count(*) FROM fleet_kept.runs WHERE finished").fetchone() == (
+            12,
+        )

@@ -71,16 +71,12 @@ def prefix(
 ) -> tuple[Message, ...]:
     """The messages that come before the history, in their fixed order."""
     slots = [
-        Message.text(Role.SYSTEM, text)
-        for text in (injection_text, tools_text)
-        if text is not None
+        Message.text(Role.SYSTEM, text) for text in (injection_text, tools_text) if text is not None
     ]
     return (*run_context, *slots, *goal_context)
 
 
-def step_messages(
-    history_text: str, observation: str | None, template: str
-) -> tuple[Message, ...]:
+def step_messages(history_text: str, observation: str | None, template: str) -> tuple[Message, ...]:
     """The messages one finished step adds to the history."""
     said = Message(role=Role.ASSISTANT, content=(TextBlock(text=history_text),))
     if observation is None:

@@ -30,13 +30,15 @@ __all__ = (
 FORMAT = "polyloop/1"
 """The record format, name and major: the ``schema`` of every record, and store metadata."""
 
-RECORD_KINDS: Mapping[str, str] = MappingProxyType({
-    "RunStarted": "run_started",
-    "Intent": "intent",
-    "Result": "result",
-    "StepRecord": "step",
-    "RunEnded": "run_ended",
-})
+RECORD_KINDS: Mapping[str, str] = MappingProxyType(
+    {
+        "RunStarted": "run_started",
+        "Intent": "intent",
+        "Result": "result",
+        "StepRecord": "step",
+        "RunEnded": "run_ended",
+    }
+)
 """The ``kind`` of each record class of :mod:`polyloop.types`, by class name.
 
 Keyed by name because this module sits below the module that defines the classes.
@@ -73,11 +75,17 @@ def record_kind(record: object) -> str:
 # encoded is a plain copy or a value built by the library, never one that holds itself,
 # so the encoder need not look for cycles.
 _CANONICAL = json.JSONEncoder(
-    ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":"),
+    ensure_ascii=False,
+    allow_nan=False,
+    sort_keys=True,
+    separators=(",", ":"),
     check_circular=False,
 )
 _CANONICAL_ASCII = json.JSONEncoder(
-    ensure_ascii=True, allow_nan=False, sort_keys=True, separators=(",", ":"),
+    ensure_ascii=True,
+    allow_nan=False,
+    sort_keys=True,
+    separators=(",", ":"),
     check_circular=False,
 )
 

@@ -54,11 +54,7 @@ def after_step(facts: StepFacts) -> StopReason | None:
         return StopReason.ENV_FAILURE
     if facts.done:
         return StopReason.ENV_DONE
-    if (
-        facts.completes
-        and facts.action_status is ActionStatus.EXECUTED
-        and not facts.synthesized
-    ):
+    if facts.completes and facts.action_status is ActionStatus.EXECUTED and not facts.synthesized:
         return StopReason.SUBMITTED
     if facts.decision is DecisionKind.FINAL:
         return StopReason.FINAL_ANSWER

@@ -50,6 +50,7 @@ __all__ = (
     "StoredRun",
 )
 
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelCall:
     """One call to the model: the assembled messages and where the call belongs.
@@ -391,4 +392,3 @@ class NullSink:
 
     def __repr__(self) -> str:
         return "NullSink()"
-

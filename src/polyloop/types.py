@@ -63,10 +63,9 @@ __all__ = (
     "UnloggableValue",
 )
 
-JSONValue: TypeAlias = (
-    "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
-)
+JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
 """A value that JSON can carry: what snapshots, payloads and parameters are made of."""
+
 
 class Role(enum.StrEnum):
     """Who speaks a message."""

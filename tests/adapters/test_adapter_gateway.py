@@ -65,8 +65,9 @@ def settings(*, temperature: float = 0.0, scope: str = "polyloop-tests") -> Gate
     return GatewaySettings(
         scope=scope,
         sources=(
-            SourceSpec(provider="alpha", model="big-model", temperature=temperature,
-                       reasoning=True),
+            SourceSpec(
+                provider="alpha", model="big-model", temperature=temperature, reasoning=True
+            ),
             SourceSpec(provider="beta", model="small-model", temperature=temperature),
         ),
     )
@@ -86,8 +87,9 @@ def scripted(replies: Sequence[Reply]) -> Responder:
         if isinstance(reply, BaseException):
             raise reply
         if isinstance(reply, str):
-            return LLMResponse(call_id=f"gw-{turn(chat)}", content=reply,
-                               reasoning=f"thinking {turn(chat)}")
+            return LLMResponse(
+                call_id=f"gw-{turn(chat)}", content=reply, reasoning=f"thinking {turn(chat)}"
+            )
         return reply  # type: ignore[return-value]
 
     return respond
@@ -119,8 +121,7 @@ async def test_the_adapter_satisfies_the_model_client_seam() -> None:
     adapter, _ = gateway(scripted([answer("x")]))
     assert isinstance(adapter, ModelClient)
     chosen = settings()
-    expected = {"fingerprint": build_model_fingerprint(chosen.sources),
-                "scope": "polyloop-tests"}
+    expected = {"fingerprint": build_model_fingerprint(chosen.sources), "scope": "polyloop-tests"}
     assert adapter.parameters() == expected
     assert json.loads(json.dumps(adapter.parameters())) == expected
     params = definition(MemoryStore(), model=adapter).parameters()
@@ -140,8 +141,7 @@ async def test_the_adapter_takes_a_built_client_and_its_settings_by_keyword() ->
 
 
 async def test_the_mapping_lists_the_three_gateway_failures() -> None:
-    assert set(GATEWAY_ERRORS) == {AllSourcesExhausted, CircuitOpenError,
-                                   GovernanceBackendError}
+    assert set(GATEWAY_ERRORS) == {AllSourcesExhausted, CircuitOpenError, GovernanceBackendError}
     assert all(getattr(polygateway, cls.__name__) is cls for cls in GATEWAY_ERRORS)
 
 
@@ -165,21 +165,27 @@ async def test_a_whole_run_through_the_gateway() -> None:
     assert first.messages[2]["content"] == "Double 1, then 3, and submit 6."
     assert second.messages[:3] == first.messages
     assert second.messages[3] == {"role": "assistant", "content": tool_call("double", n=2)}
-    assert second.messages[4] == {"role": "user",
-                                  "content": "Observation: 4 (r:0:action)"}
+    assert second.messages[4] == {"role": "user", "content": "Observation: 4 (r:0:action)"}
     # The default binding has neither slot: nothing is passed for them.
     assert (first.session_id, first.parent_card_id) == (None, None)
 
 
 async def test_text_blocks_are_joined_without_a_separator() -> None:
     adapter, client = gateway(scripted([answer("x")] * 2))
-    blocks = (TextBlock(text="ab"), TextBlock(text="cd"), TextBlock(text=""),
-              TextBlock(text=" e\n"), TextBlock(text="f"))
-    await adapter.call(model_call(
-        Message.text(Role.SYSTEM, "sys"),
-        Message(role=Role.USER, content=blocks),
-        Message(role=Role.ASSISTANT, content=()),
-    ))
+    blocks = (
+        TextBlock(text="ab"),
+        TextBlock(text="cd"),
+        TextBlock(text=""),
+        TextBlock(text=" e\n"),
+        TextBlock(text="f"),
+    )
+    await adapter.call(
+        model_call(
+            Message.text(Role.SYSTEM, "sys"),
+            Message(role=Role.USER, content=blocks),
+            Message(role=Role.ASSISTANT, content=()),
+        )
+    )
     assert client.calls[0].messages == [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "abcd e\nf"},
@@ -192,8 +198,12 @@ async def test_text_blocks_are_joined_without_a_separator() -> None:
 
 async def test_only_session_id_and_parent_card_id_reach_chat() -> None:
     adapter, client = gateway(scripted([answer("x")]))
-    binding = {"session_id": "s-1", "parent_card_id": "card-9", "episode": "e3",
-               "some.unknown/key": "whatever"}
+    binding = {
+        "session_id": "s-1",
+        "parent_card_id": "card-9",
+        "episode": "e3",
+        "some.unknown/key": "whatever",
+    }
     await adapter.call(model_call(Message.text(Role.USER, "hi"), binding=binding))
     # The stand-in's chat takes no other keyword, so any other key would have failed.
     assert (client.calls[0].session_id, client.calls[0].parent_card_id) == ("s-1", "card-9")
@@ -202,19 +212,22 @@ async def test_only_session_id_and_parent_card_id_reach_chat() -> None:
 async def test_each_slot_is_passed_only_when_the_binding_has_it() -> None:
     adapter, client = gateway(scripted([answer("x")]))
     await adapter.call(model_call(Message.text(Role.USER, "a"), binding={"session_id": "s"}))
-    await adapter.call(model_call(Message.text(Role.USER, "b"),
-                                  binding={"parent_card_id": "p"}))
+    await adapter.call(model_call(Message.text(Role.USER, "b"), binding={"parent_card_id": "p"}))
     await adapter.call(model_call(Message.text(Role.USER, "c")))
     assert [(c.session_id, c.parent_card_id) for c in client.calls] == [
-        ("s", None), (None, "p"), (None, None)]
+        ("s", None),
+        (None, "p"),
+        (None, None),
+    ]
 
 
 async def test_other_binding_keys_are_recorded_by_the_snapshot_only() -> None:
     adapter, client = gateway(scripted([answer("done")]))
     store = MemoryStore()
     binding = {"session_id": "s", "parent_card_id": "p", "stage": "2", "variant": "b"}
-    result = await run(definition(store, model=adapter),
-                       request("r", make_tools(Ledger()), binding=binding))
+    result = await run(
+        definition(store, model=adapter), request("r", make_tools(Ledger()), binding=binding)
+    )
     assert result.stop_reason is StopReason.FINAL_ANSWER
     started = (await store.read_log("r")).records[0]
     assert isinstance(started, RunStarted)
@@ -227,17 +240,20 @@ async def test_other_binding_keys_are_recorded_by_the_snapshot_only() -> None:
 
 
 async def test_an_empty_call_id_becomes_none() -> None:
-    adapter, _ = gateway(scripted([
-        LLMResponse(call_id="", content="visible", reasoning="hidden", total_tokens=7),
-    ]))
+    adapter, _ = gateway(
+        scripted(
+            [
+                LLMResponse(call_id="", content="visible", reasoning="hidden", total_tokens=7),
+            ]
+        )
+    )
     reply = await adapter.call(model_call(Message.text(Role.USER, "q")))
     assert (reply.call_id, reply.content, reply.reasoning) == (None, "visible", "hidden")
 
 
 async def test_a_run_records_none_for_an_empty_call_id() -> None:
     adapter, _ = gateway(scripted([LLMResponse(call_id="", content=answer("a"))]))
-    result = await run(definition(MemoryStore(), model=adapter),
-                       request("r", make_tools(Ledger())))
+    result = await run(definition(MemoryStore(), model=adapter), request("r", make_tools(Ledger())))
     assert result.steps[0].call_id is None
     assert result.steps[0].reasoning is None
     assert result.final_answer == "a"
@@ -245,8 +261,7 @@ async def test_a_run_records_none_for_an_empty_call_id() -> None:
 
 async def test_a_response_of_another_type_is_a_model_failure() -> None:
     adapter, _ = gateway(scripted([{"call_id": "x", "content": "y"}]))
-    result = await run(definition(MemoryStore(), model=adapter),
-                       request("r", make_tools(Ledger())))
+    result = await run(definition(MemoryStore(), model=adapter), request("r", make_tools(Ledger())))
     assert result.stop_reason is StopReason.MODEL_FAILURE
     assert result.detail is not None
     assert result.detail.startswith("TypeError: the gateway returned dict")
@@ -255,8 +270,9 @@ async def test_a_response_of_another_type_is_a_model_failure() -> None:
 # -- failures ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("error_class",
-                         [AllSourcesExhausted, CircuitOpenError, GovernanceBackendError])
+@pytest.mark.parametrize(
+    "error_class", [AllSourcesExhausted, CircuitOpenError, GovernanceBackendError]
+)
 async def test_each_gateway_failure_reaches_the_result_by_its_own_name(
     error_class: type[Exception],
 ) -> None:
@@ -337,8 +353,10 @@ async def test_a_temperature_change_makes_resume_refuse() -> None:
     with pytest.raises(RunIdentityMismatch) as mismatch:
         await resume(definition(store, model=warmer), request("r", tools))
     assert [key for key, _, _ in mismatch.value.differences] == ["model.fingerprint"]
-    assert mismatch.value.differences[0][1:] == (before.parameters()["fingerprint"],
-                                                 warmer.parameters()["fingerprint"])
+    assert mismatch.value.differences[0][1:] == (
+        before.parameters()["fingerprint"],
+        warmer.parameters()["fingerprint"],
+    )
     assert warmer_client.calls == []
     assert (await store.read_log("r")).records == records
 
@@ -372,8 +390,9 @@ async def test_one_adapter_serves_100_concurrent_runs_without_mixing_them() -> N
         await anyio.sleep(0.001 * (index % 7))
         k = turn(chat)
         content = tool_call("double", n=index) if k == 0 else answer(f"{index * 2}")
-        return LLMResponse(call_id=f"{chat.session_id}/{k}", content=content,
-                           session_id=chat.session_id)
+        return LLMResponse(
+            call_id=f"{chat.session_id}/{k}", content=content, session_id=chat.session_id
+        )
 
     adapter, client = gateway(by_session)
     store, ledger = MemoryStore(), Ledger()
@@ -384,10 +403,14 @@ async def test_one_adapter_serves_100_concurrent_runs_without_mixing_them() -> N
         results[index] = await run(
             definition(store, model=adapter),
             request(
-                f"run-{index}", tools,
+                f"run-{index}",
+                tools,
                 goal_context=(Message.text(Role.USER, f"Double {index} and answer."),),
-                binding={"session_id": f"session-{index}", "parent_card_id": f"card-{index}",
-                         "episode": f"e{index}"},
+                binding={
+                    "session_id": f"session-{index}",
+                    "parent_card_id": f"card-{index}",
+                    "episode": f"e{index}",
+                },
             ),
         )
 
@@ -406,7 +429,8 @@ async def test_one_adapter_serves_100_concurrent_runs_without_mixing_them() -> N
         log = await store.read_log(f"run-{index}")
         assert {record.run_id for record in log.records} == {f"run-{index}"}
     assert sorted(rid for _, rid in ledger.calls) == sorted(
-        f"run-{index}:0:action" for index in range(runs))
+        f"run-{index}:0:action" for index in range(runs)
+    )
 
 
 # -- the documented example -------------------------------------------------------------------
@@ -442,9 +466,15 @@ def test_the_documented_example_runs(tmp_path: Path) -> None:
     (tmp_path / "myproject" / "__init__.py").write_text("")
     (tmp_path / "myproject" / "llm.py").write_text(_PROJECT_WIRING)
     path = os.pathsep.join([str(tmp_path), _STANDIN, os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60, check=False,
-                          env={**os.environ, "PYTHONPATH": path})
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONPATH": path},
+    )
     assert done.returncode == 0, done.stderr
     assert "About 2.1 million." in done.stdout
     assert "population-paris-1/3" in done.stdout

@@ -44,8 +44,12 @@ from polyloop.stores import MemoryStore
 pytestmark = pytest.mark.anyio
 
 MODEL = "test-model"
-SAMPLING: dict[str, Any] = {"temperature": 0.2, "max_tokens": 64, "seed": 7,
-                            "extra_body": {"top_k": 20}}
+SAMPLING: dict[str, Any] = {
+    "temperature": 0.2,
+    "max_tokens": 64,
+    "seed": 7,
+    "extra_body": {"top_k": 20},
+}
 
 
 # -- the server ---------------------------------------------------------------------------------
@@ -72,8 +76,13 @@ def adapter_for(client: openai.AsyncOpenAI, **overrides: Any) -> OpenAIModelClie
 
 
 def model_call(*messages: Message, binding: dict[str, str] | None = None) -> ModelCall:
-    return ModelCall(messages=messages, call_index=0, run_id="r", result_id="r:0:model",
-                     binding=binding if binding is not None else {})
+    return ModelCall(
+        messages=messages,
+        call_index=0,
+        run_id="r",
+        result_id="r:0:model",
+        binding=binding if binding is not None else {},
+    )
 
 
 async def wait_for(event: threading.Event, seconds: float = 5.0) -> None:
@@ -95,8 +104,7 @@ async def test_the_adapter_satisfies_the_model_client_seam(server: ChatServer) -
         assert adapter.parameters() == expected
         assert json.loads(json.dumps(adapter.parameters())) == expected
         sampling["extra_body"]["top_k"] = 99
-        assert adapter.parameters()["sampling"] == {"temperature": 0.2,
-                                                    "extra_body": {"top_k": 20}}
+        assert adapter.parameters()["sampling"] == {"temperature": 0.2, "extra_body": {"top_k": 20}}
         params = definition(MemoryStore(), model=adapter).parameters()
         assert params["model.base_url"] == server.base_url + "/"
         assert params["model.model"] == MODEL
@@ -105,10 +113,12 @@ async def test_the_adapter_satisfies_the_model_client_seam(server: ChatServer) -
 async def test_the_constructor_refuses_what_would_fail_every_call(server: ChatServer) -> None:
     async with client_for(server) as client:
         with pytest.raises(TypeError, match="AsyncOpenAI"):
-            OpenAIModelClient(openai.OpenAI(base_url=server.base_url, api_key="k"),  # type: ignore[arg-type]
-                              model=MODEL, sampling={})
-        for reserved in ("model", "messages", "metadata", "stream", "extra_headers",
-                         "timeout"):
+            OpenAIModelClient(
+                openai.OpenAI(base_url=server.base_url, api_key="k"),  # type: ignore[arg-type]
+                model=MODEL,
+                sampling={},
+            )
+        for reserved in ("model", "messages", "metadata", "stream", "extra_headers", "timeout"):
             with pytest.raises(ValueError, match=reserved):
                 OpenAIModelClient(client, model=MODEL, sampling={reserved: "x"})
         with pytest.raises(ValueError, match="extra_body"):
@@ -139,8 +149,9 @@ async def test_a_whole_run_over_http(server: ChatServer) -> None:
     )
     store, ledger = MemoryStore(), Ledger()
     async with client_for(server) as client:
-        result = await run(definition(store, model=adapter_for(client)),
-                           request("r", make_tools(ledger)))
+        result = await run(
+            definition(store, model=adapter_for(client)), request("r", make_tools(ledger))
+        )
 
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert result.final_answer == "4"
@@ -158,8 +169,7 @@ async def test_a_whole_run_over_http(server: ChatServer) -> None:
         assert "stream" not in body
     assert [m["role"] for m in first["messages"]] == ["system", "system", "user"]
     assert first["messages"][0] == {"role": "system", "content": "You are a careful agent."}
-    assert first["messages"][2] == {"role": "user",
-                                    "content": "Double 1, then 3, and submit 6."}
+    assert first["messages"][2] == {"role": "user", "content": "Double 1, then 3, and submit 6."}
     assert second["messages"][:3] == first["messages"]
     assert second["messages"][3:] == [
         {"role": "assistant", "content": tool_call("double", n=2)},
@@ -185,10 +195,12 @@ async def test_text_blocks_are_joined_without_a_separator(server: ChatServer) ->
     server.respond(Reply("ok"))
     blocks = (TextBlock(text="ab"), TextBlock(text="cd"), TextBlock(text=" e\n"))
     async with client_for(server) as client:
-        await adapter_for(client).call(model_call(
-            Message(role=Role.USER, content=blocks),
-            Message(role=Role.ASSISTANT, content=()),
-        ))
+        await adapter_for(client).call(
+            model_call(
+                Message(role=Role.USER, content=blocks),
+                Message(role=Role.ASSISTANT, content=()),
+            )
+        )
     assert server.requests[0]["messages"] == [
         {"role": "user", "content": "abcd e\n"},
         {"role": "assistant", "content": ""},
@@ -207,8 +219,7 @@ async def test_the_reply_mapping(server: ChatServer) -> None:
     )
     async with client_for(server) as client:
         adapter = adapter_for(client)
-        replies = [await adapter.call(model_call(Message.text(Role.USER, "q")))
-                   for _ in range(4)]
+        replies = [await adapter.call(model_call(Message.text(Role.USER, "q"))) for _ in range(4)]
     assert [(r.call_id, r.content, r.reasoning) for r in replies] == [
         ("chatcmpl-9", "visible", "hidden"),
         (None, "no id", None),
@@ -227,8 +238,9 @@ async def test_a_server_error_is_a_model_failure_under_the_sdk_name(server: Chat
         with pytest.raises(openai.InternalServerError) as caught:
             await adapter.call(model_call(Message.text(Role.USER, "q")))
         assert caught.value.status_code == 500
-        result = await run(definition(MemoryStore(), model=adapter),
-                           request("r", make_tools(Ledger())))
+        result = await run(
+            definition(MemoryStore(), model=adapter), request("r", make_tools(Ledger()))
+        )
     assert result.stop_reason is StopReason.MODEL_FAILURE
     assert result.detail is not None
     assert result.detail.startswith("InternalServerError: ")
@@ -241,8 +253,9 @@ async def test_a_malformed_body_is_a_model_failure(server: ChatServer) -> None:
         adapter = adapter_for(client)
         with pytest.raises(Exception) as caught:  # noqa: PT011 - whatever the SDK raises
             await adapter.call(model_call(Message.text(Role.USER, "q")))
-        result = await run(definition(MemoryStore(), model=adapter),
-                           request("r", make_tools(Ledger())))
+        result = await run(
+            definition(MemoryStore(), model=adapter), request("r", make_tools(Ledger()))
+        )
     # The SDK's own exception passes through: today a JSON decoding error.
     assert isinstance(caught.value, (ValueError, openai.APIError))
     assert result.stop_reason is StopReason.MODEL_FAILURE
@@ -314,8 +327,12 @@ async def test_one_adapter_serves_concurrent_runs_without_mixing_them(
         async def one(index: int) -> None:
             results[index] = await run(
                 definition(store, model=adapter),
-                request(f"run-{index}", tools, binding={"episode": f"e{index}"},
-                        goal_context=(Message.text(Role.USER, f"Double {index} and answer."),)),
+                request(
+                    f"run-{index}",
+                    tools,
+                    binding={"episode": f"e{index}"},
+                    goal_context=(Message.text(Role.USER, f"Double {index} and answer."),),
+                ),
             )
 
         with anyio.fail_after(30):
@@ -328,8 +345,7 @@ async def test_one_adapter_serves_concurrent_runs_without_mixing_them(
         result = results[index]
         assert result.stop_reason is StopReason.FINAL_ANSWER, result.detail
         assert result.final_answer == str(index * 2)
-        assert [s.call_id for s in result.steps] == [f"chatcmpl-{index}-0",
-                                                     f"chatcmpl-{index}-1"]
+        assert [s.call_id for s in result.steps] == [f"chatcmpl-{index}-0", f"chatcmpl-{index}-1"]
         log = await store.read_log(f"run-{index}")
         assert {record.run_id for record in log.records} == {f"run-{index}"}
 
@@ -356,9 +372,22 @@ async def test_the_example_agent_runs_against_the_server(
         Reply("I think the answer is 126."),
         Reply('{"tool": "submit", "arguments": {"answer": "126"}}'),
     )
-    args = example.parse_args(["--base-url", server.base_url, "--model", MODEL,
-                               "--api-key", "k", "--max-retries", "0",
-                               "--binding", "purpose=test", "--binding", "batch=7"])
+    args = example.parse_args(
+        [
+            "--base-url",
+            server.base_url,
+            "--model",
+            MODEL,
+            "--api-key",
+            "k",
+            "--max-retries",
+            "0",
+            "--binding",
+            "purpose=test",
+            "--binding",
+            "batch=7",
+        ]
+    )
     assert await example.amain(args) == 0
     printed = capsys.readouterr().out
     assert "add" in printed and "-> 42" in printed and "-> 126" in printed
@@ -369,17 +398,31 @@ async def test_the_example_agent_runs_against_the_server(
 
 def _run_program(args: list[str]) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OPENAI_API_KEY": "test-key"}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                          timeout=60, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_the_example_program_runs_from_the_command_line(server: ChatServer, backend: str) -> None:
-    server.respond(Reply('{"tool": "multiply", "arguments": {"a": 6, "b": 7}}'),
-                   Reply('{"tool": "submit", "arguments": {"answer": "42"}}'))
+    server.respond(
+        Reply('{"tool": "multiply", "arguments": {"a": 6, "b": 7}}'),
+        Reply('{"tool": "submit", "arguments": {"answer": "42"}}'),
+    )
     path = Path(__file__).resolve().parents[2] / "examples" / "openai_agent.py"
-    done = _run_program([str(path), "--base-url", server.base_url, "--model", MODEL,
-                         "--max-retries", "0", "--backend", backend])
+    done = _run_program(
+        [
+            str(path),
+            "--base-url",
+            server.base_url,
+            "--model",
+            MODEL,
+            "--max-retries",
+            "0",
+            "--backend",
+            backend,
+        ]
+    )
     assert done.returncode == 0, done.stderr
     assert "multiply" in done.stdout and "stopped: submitted after 2 steps" in done.stdout
     assert all("metadata" not in body for body in server.requests)

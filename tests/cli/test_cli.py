@@ -53,8 +53,13 @@ def demo(*args: str, backend: str = "asyncio") -> list[str]:
 
 def polyloop(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """The command in a process of its own, as a user would run it."""
-    return subprocess.run([sys.executable, "-m", "polyloop", *args], capture_output=True,
-                          text=True, timeout=120, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "polyloop", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
 
 
 def run_id_in(out: str) -> str:
@@ -73,8 +78,9 @@ def one_error_line(err: str) -> str:
 
 async def action_results(store: Any, run_id: str) -> list[str]:
     log = await store.read_log(run_id)
-    return [r.result_id for r in log.records
-            if isinstance(r, Result) and r.kind is IntentKind.ACTION]
+    return [
+        r.result_id for r in log.records if isinstance(r, Result) and r.kind is IntentKind.ACTION
+    ]
 
 
 def read_log(store_spec: str, run_id: str) -> Any:
@@ -94,7 +100,9 @@ def read_log(store_spec: str, run_id: str) -> Any:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_demo_runs_on_the_default_sqlite_store(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
     backend: str,
 ) -> None:
     monkeypatch.chdir(tmp_path)
@@ -107,7 +115,7 @@ def test_the_demo_runs_on_the_default_sqlite_store(
     assert (tmp_path / "polyloop-demo" / "demo.db").is_file()
     for step in range(STEPS):
         assert f"step  {step}  " in out
-    assert 'list_files({})' in out
+    assert "list_files({})" in out
     assert 'read_file({"name": "north.csv"})' in out
     assert "not executed  calculator" in out  # the schema refused the wordy expression
     assert "does not match '^[0-9+" in out
@@ -123,9 +131,14 @@ def test_the_demo_runs_on_the_default_sqlite_store(
     last_record_at = datetime.fromisoformat(listed.pop("last_record_at"))
     assert last_record_at.utcoffset() == timedelta(0)
     assert began - timedelta(seconds=1) <= last_record_at <= ended + timedelta(seconds=1)
-    assert listed == {"run_id": run_id, "state": "finished",
-                      "stop_reason": "submitted", "step_count": STEPS,
-                      "valid_step_count": STEPS - 1, "detail": None}
+    assert listed == {
+        "run_id": run_id,
+        "state": "finished",
+        "stop_reason": "submitted",
+        "step_count": STEPS,
+        "valid_step_count": STEPS - 1,
+        "detail": None,
+    }
 
 
 def test_every_demo_run_gets_a_new_run_id(
@@ -178,14 +191,18 @@ def test_the_demo_says_when_the_crash_point_lies_beyond_the_run(
 
 @pytest.fixture(params=["sqlite", "jsonl"])
 def store_spec(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return (f"sqlite:{tmp_path / 'demo.db'}" if request.param == "sqlite"
-            else f"jsonl:{tmp_path / 'runs'}")
+    return (
+        f"sqlite:{tmp_path / 'demo.db'}"
+        if request.param == "sqlite"
+        else f"jsonl:{tmp_path / 'runs'}"
+    )
 
 
 def crash(store_spec: str, writes: int) -> tuple[str, str]:
     """Run the demo until the process dies after write ``writes``; its run id and output."""
-    done = polyloop("demo", "--pace", "0", "--store", store_spec,
-                    "--crash-after-writes", str(writes))
+    done = polyloop(
+        "demo", "--pace", "0", "--store", store_spec, "--crash-after-writes", str(writes)
+    )
     assert done.returncode == 3, done.stderr
     assert done.stderr == ""
     run_id = run_id_in(done.stdout)
@@ -223,8 +240,7 @@ def test_a_crashed_demo_resumes_without_repeating_a_step(
     done = polyloop("demo", "--resume", run_id, "--store", store_spec, "--pace", "0")
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
-    assert f"resuming {run_id} on {store_spec} (scripted model): {recorded} steps on record" \
-        in out
+    assert f"resuming {run_id} on {store_spec} (scripted model): {recorded} steps on record" in out
     assert out.count("(read from the log)") == recorded
     assert out.count("(ran now)") == STEPS - recorded
     assert f"{recorded} steps read back from the log (not run again)" in out
@@ -262,9 +278,21 @@ def test_an_interrupted_demo_says_how_to_resume_it(
 ) -> None:
     store = f"jsonl:{tmp_path / 'runs'}"
     child = subprocess.Popen(
-        [sys.executable, "-m", "polyloop", "--backend", backend, "demo", "--pace", "0.5",
-         "--store", store],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "polyloop",
+            "--backend",
+            backend,
+            "demo",
+            "--pace",
+            "0.5",
+            "--store",
+            store,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert child.stdout is not None
@@ -274,8 +302,10 @@ def test_an_interrupted_demo_says_how_to_resume_it(
     out, err = child.communicate(timeout=60)
     assert child.returncode == 130, err
     run_id = run_id_in(seen[0])
-    assert err == f"polyloop: interrupted\nresume it with: polyloop demo --resume {run_id} " \
-                  f"--store {store}\n"
+    assert (
+        err == f"polyloop: interrupted\nresume it with: polyloop demo --resume {run_id} "
+        f"--store {store}\n"
+    )
     assert "stopped:" not in out
 
     assert main(["runs", store]) == 0
@@ -308,8 +338,18 @@ def test_resuming_with_another_model_is_refused_before_anything_is_written(
     run_id = run_id_in(capsys.readouterr().out)
     (path,) = (tmp_path / "runs").glob("*.jsonl")
     before = path.read_bytes()
-    args = ["--store", store, "--resume", run_id, "--model", "openai",
-            "--base-url", "http://127.0.0.1:9/v1", "--model-name", "m"]
+    args = [
+        "--store",
+        store,
+        "--resume",
+        run_id,
+        "--model",
+        "openai",
+        "--base-url",
+        "http://127.0.0.1:9/v1",
+        "--model-name",
+        "m",
+    ]
     assert main(demo(*args)) == 1
     line = one_error_line(capsys.readouterr().err)
     assert f"run '{run_id}': the run was started with other parameters" in line
@@ -322,8 +362,10 @@ def test_resuming_an_unknown_demo_run_is_one_error(
 ) -> None:
     assert main(demo("--store", f"jsonl:{tmp_path}", "--resume", "demo-nothere")) == 1
     captured = capsys.readouterr()
-    assert one_error_line(captured.err) == \
-        f"polyloop: error: unknown run id 'demo-nothere' in jsonl:{tmp_path}"
+    assert (
+        one_error_line(captured.err)
+        == f"polyloop: error: unknown run id 'demo-nothere' in jsonl:{tmp_path}"
+    )
 
 
 # -- a real OpenAI-compatible server ----------------------------------------------------------
@@ -345,8 +387,10 @@ def model_turns(data: dict[str, str]) -> list[str]:
     return [
         'I will look at the files first. {"tool": "list_files", "arguments": {}}',
         "Hmm, let me think about this.",  # no decision at all: fed back as a correction
-        *(f'```json\n{{"tool": "read_file", "arguments": {{"name": "{name}"}}}}\n```'
-          for name in data),
+        *(
+            f'```json\n{{"tool": "read_file", "arguments": {{"name": "{name}"}}}}\n```'
+            for name in data
+        ),
         f'Sum: ```json\n{{"tool": "calculator", "arguments": {{"expression": "{expression}"}}}}'
         "\n```",
         f'Done. {{"tool": "submit", "arguments": {{"total": {TOTAL}}}}}',
@@ -365,8 +409,18 @@ def test_the_demo_runs_on_an_openai_compatible_server(
 
     chat_server.responder = respond
     store = f"jsonl:{tmp_path / 'runs'}"
-    args = ["--store", store, "--model", "openai", "--base-url", chat_server.base_url,
-            "--model-name", "local-model", "--api-key", "k"]
+    args = [
+        "--store",
+        store,
+        "--model",
+        "openai",
+        "--base-url",
+        chat_server.base_url,
+        "--model-name",
+        "local-model",
+        "--api-key",
+        "k",
+    ]
     assert main(demo(*args, backend=backend)) == 0
     out = capsys.readouterr().out
     assert "(model local-model)" in out
@@ -391,8 +445,16 @@ def test_a_model_server_that_fails_ends_the_demo_with_a_model_failure(
     chat_server: ChatServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The server answers every request with an error: the run stops, the command does not.
-    args = ["--store", f"jsonl:{tmp_path}", "--model", "openai", "--base-url",
-            chat_server.base_url, "--model-name", "m"]
+    args = [
+        "--store",
+        f"jsonl:{tmp_path}",
+        "--model",
+        "openai",
+        "--base-url",
+        chat_server.base_url,
+        "--model-name",
+        "m",
+    ]
     assert main(demo(*args)) == 2
     out = capsys.readouterr().out
     assert "stopped: model_failure after 1 steps" in out
@@ -401,13 +463,22 @@ def test_a_model_server_that_fails_ends_the_demo_with_a_model_failure(
 
 def test_the_resume_command_names_the_same_store_and_model() -> None:
     options = DemoOptions(
-        run_id="demo-1", store=parse_store("jsonl:my runs"), store_given=True, resume=None,
-        crash_after_writes=5, model="openai", base_url="http://h:1/v1", model_name="m x",
-        api_key="secret", pace=0.0,
+        run_id="demo-1",
+        store=parse_store("jsonl:my runs"),
+        store_given=True,
+        resume=None,
+        crash_after_writes=5,
+        model="openai",
+        base_url="http://h:1/v1",
+        model_name="m x",
+        api_key="secret",
+        pace=0.0,
     )
     command = resume_command(options, "demo-1")
-    assert command == ("polyloop demo --resume demo-1 --store 'jsonl:my runs' --model openai "
-                       "--base-url http://h:1/v1 --model-name 'm x'")
+    assert command == (
+        "polyloop demo --resume demo-1 --store 'jsonl:my runs' --model openai "
+        "--base-url http://h:1/v1 --model-name 'm x'"
+    )
     assert "secret" not in command
 
 
@@ -415,13 +486,13 @@ def test_the_resume_command_names_the_same_store_and_model() -> None:
 
 
 def decide(text: str) -> Any:
-    return TextToolInterpreter().interpret(ModelReply(call_id=None, content=text,
-                                                      reasoning=None))
+    return TextToolInterpreter().interpret(ModelReply(call_id=None, content=text, reasoning=None))
 
 
 def test_the_interpreter_reads_fenced_blocks_bare_objects_and_answers() -> None:
-    action = decide('Plan: {not json}. ```json\n{"tool": "read_file", "arguments": '
-                    '{"name": "a.csv"}}\n```')
+    action = decide(
+        'Plan: {not json}. ```json\n{"tool": "read_file", "arguments": {"name": "a.csv"}}\n```'
+    )
     assert isinstance(action, Action)
     assert action.payload == {"name": "read_file", "arguments": {"name": "a.csv"}}
     assert action.action_text == 'read_file({"name": "a.csv"})'
@@ -432,7 +503,7 @@ def test_the_interpreter_reads_fenced_blocks_bare_objects_and_answers() -> None:
     assert isinstance(answer, FinalAnswer)
     assert answer.answer == "660"
     assert isinstance(decide("no braces at all"), InvalidDecision)
-    assert find_object("```\n[1, 2]\n``` then {\"tool\": \"t\"}") == {"tool": "t"}
+    assert find_object('```\n[1, 2]\n``` then {"tool": "t"}') == {"tool": "t"}
 
 
 def test_the_calculator_evaluates_arithmetic_and_nothing_else() -> None:
@@ -452,8 +523,15 @@ def test_the_scripted_model_follows_the_bundled_data() -> None:
     decisions = [decide(reply) for reply in replies]
     assert all(isinstance(d, Action) for d in decisions)
     names = [d.payload["name"] for d in decisions]
-    assert names == ["list_files", "read_file", "read_file", "read_file", "calculator",
-                     "calculator", "submit"]
+    assert names == [
+        "list_files",
+        "read_file",
+        "read_file",
+        "read_file",
+        "calculator",
+        "calculator",
+        "submit",
+    ]
     tools = build_tools(data, Ledger())
     assert tools.validate("calculator", decisions[4].payload["arguments"]) is not None
     assert tools.validate("calculator", decisions[5].payload["arguments"]) is None
@@ -500,10 +578,14 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     ("args", "message"),
     [
         (["runs", "gopher:x"], "polyloop: error: argument STORE: unknown store scheme"),
-        (["runs", "sqlite:missing.db"],
-         "polyloop: error: no SQLite store at missing.db: the file does not exist"),
-        (["verify", "jsonl:missing"],
-         "polyloop: error: no JSONL store at missing: the directory does not exist"),
+        (
+            ["runs", "sqlite:missing.db"],
+            "polyloop: error: no SQLite store at missing.db: the file does not exist",
+        ),
+        (
+            ["verify", "jsonl:missing"],
+            "polyloop: error: no JSONL store at missing: the directory does not exist",
+        ),
         (["show", "jsonl:.", "nobody"], "polyloop: error: unknown run id 'nobody' in jsonl:."),
     ],
 )
@@ -519,19 +601,21 @@ def test_errors_from_a_real_process_are_one_line(
 
 
 def test_without_rich_the_command_says_which_extra_to_install() -> None:
-    code = ("import sys; sys.modules['rich'] = None; from polyloop.cli import main; "
-            "sys.exit(main(['runs', 'jsonl:.']))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    code = (
+        "import sys; sys.modules['rich'] = None; from polyloop.cli import main; "
+        "sys.exit(main(['runs', 'jsonl:.']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "polyloop[cli]" in one_error_line(done.stderr)
 
 
 def test_without_trio_the_trio_backend_says_which_extra_to_install(tmp_path: Path) -> None:
-    code = ("import sys; sys.modules['trio'] = None; from polyloop.cli import main; "
-            f"sys.exit(main(['--backend', 'trio', 'runs', 'jsonl:{tmp_path}']))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    code = (
+        "import sys; sys.modules['trio'] = None; from polyloop.cli import main; "
+        f"sys.exit(main(['--backend', 'trio', 'runs', 'jsonl:{tmp_path}']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "polyloop[trio]" in one_error_line(done.stderr)
 
@@ -539,7 +623,6 @@ def test_without_trio_the_trio_backend_says_which_extra_to_install(tmp_path: Pat
 def test_the_console_script_is_installed() -> None:
     script_path = Path(sys.executable).parent / "polyloop"
     assert script_path.exists()
-    done = subprocess.run([str(script_path), "--help"], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([str(script_path), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     assert "usage: polyloop" in done.stdout

@@ -39,9 +39,10 @@ def long_tools(ledger: Ledger) -> ToolRegistry:
         ledger.calls.append(("echo", result_id))
         return LONG
 
-    return ToolRegistry([ToolSpec(name="echo", description="Echo.",
-                                  parameters={"type": "object"}, handler=echo)],
-                        max_observation_chars=10_000)
+    return ToolRegistry(
+        [ToolSpec(name="echo", description="Echo.", parameters={"type": "object"}, handler=echo)],
+        max_observation_chars=10_000,
+    )
 
 
 async def fill(store_factory: Callable[[], Any]) -> None:
@@ -61,8 +62,10 @@ async def fill(store_factory: Callable[[], Any]) -> None:
 
     async def crashed(store: Any, run_id: str, writes: int) -> None:
         with pytest.raises(SimulatedCrash):
-            await run(definition(FaultyStore(store, fail_after_writes=writes), script=script),
-                      request(run_id, tools))
+            await run(
+                definition(FaultyStore(store, fail_after_writes=writes), script=script),
+                request(run_id, tools),
+            )
 
     async def cancelled(store: Any) -> None:
         slow = make_tools(Ledger(), delay=30, replay=Replay.ALLOWED)
@@ -70,8 +73,10 @@ async def fill(store_factory: Callable[[], Any]) -> None:
             await run(definition(store, script=script), request("stopped", slow))
 
     async def long(store: Any) -> None:
-        await run(definition(store, script=[tool_call("echo"), answer("seen")]),
-                  request("long", long_tools(Ledger())))
+        await run(
+            definition(store, script=[tool_call("echo"), answer("seen")]),
+            request("long", long_tools(Ledger())),
+        )
 
     await with_store(finished)
     # After step 0's model result: nothing open, the run can go on.
@@ -134,12 +139,22 @@ def test_runs_as_json_lines(filled: str, capsys: pytest.CaptureFixture[str]) -> 
     by_id = {line["run_id"]: line for line in lines}
     assert set(by_id) == {"done", "crashed", "doubt", "stopped", "long"}
     assert {k: v["state"] for k, v in by_id.items()} == {
-        "done": "finished", "crashed": "resumable", "doubt": "in doubt",
-        "stopped": "resumable", "long": "finished"}
+        "done": "finished",
+        "crashed": "resumable",
+        "doubt": "in doubt",
+        "stopped": "resumable",
+        "long": "finished",
+    }
     assert by_id["stopped"]["stop_reason"] == "cancelled"
     assert all(recent_utc(line.pop("last_record_at")) for line in lines)
-    assert by_id["done"] == {"run_id": "done", "state": "finished", "stop_reason": "submitted",
-                             "step_count": 3, "valid_step_count": 2, "detail": None}
+    assert by_id["done"] == {
+        "run_id": "done",
+        "state": "finished",
+        "stop_reason": "submitted",
+        "step_count": 3,
+        "valid_step_count": 2,
+        "detail": None,
+    }
 
 
 def test_runs_on_an_empty_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -156,13 +171,19 @@ def test_runs_keeps_one_line_per_run_for_long_ids(
 
     async def build() -> None:
         async with JsonlStore(tmp_path) as store:
-            await run(definition(store, script=[answer("ok")]),
-                      request(run_id, make_tools(Ledger())))
+            await run(
+                definition(store, script=[answer("ok")]), request(run_id, make_tools(Ledger()))
+            )
 
     anyio.run(build)
     assert main(["runs", f"jsonl:{tmp_path}"]) == 0
     assert row(capsys.readouterr().out, run_id).split() == [
-        run_id, "finished", "final_answer", "1", "0"]
+        run_id,
+        "finished",
+        "final_answer",
+        "1",
+        "0",
+    ]
 
 
 # -- show --------------------------------------------------------------------------------------
@@ -201,8 +222,7 @@ def test_show_describes_where_an_unfinished_run_stopped(
     assert out.startswith("run doubt  in doubt")
     assert "the action intent 'doubt:0:action' has no result (replay never)" in flat(out)
     assert main(["show", filled, "crashed"]) == 0
-    assert "step 0: the model replied; no action was announced yet" in \
-        flat(capsys.readouterr().out)
+    assert "step 0: the model replied; no action was announced yet" in flat(capsys.readouterr().out)
 
 
 def test_show_json_is_one_document_with_the_encoded_steps(
@@ -210,12 +230,30 @@ def test_show_json_is_one_document_with_the_encoded_steps(
 ) -> None:
     assert main(["show", filled, "done", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert {k: document[k] for k in ("run_id", "state", "stop_reason", "step_count",
-                                     "valid_step_count", "final_answer", "detail",
-                                     "open_intent", "interrupted")} == {
-        "run_id": "done", "state": "finished", "stop_reason": "submitted", "step_count": 3,
-        "valid_step_count": 2, "final_answer": None, "detail": None, "open_intent": None,
-        "interrupted": None}
+    assert {
+        k: document[k]
+        for k in (
+            "run_id",
+            "state",
+            "stop_reason",
+            "step_count",
+            "valid_step_count",
+            "final_answer",
+            "detail",
+            "open_intent",
+            "interrupted",
+        )
+    } == {
+        "run_id": "done",
+        "state": "finished",
+        "stop_reason": "submitted",
+        "step_count": 3,
+        "valid_step_count": 2,
+        "final_answer": None,
+        "detail": None,
+        "open_intent": None,
+        "interrupted": None,
+    }
     steps = [serialization.decode(step) for step in document["steps"]]
     assert all(isinstance(step, StepRecord) for step in steps)
     assert [step.step for step in steps] == [0, 1, 2]
@@ -259,8 +297,9 @@ def test_show_html_is_one_self_contained_page(
     page.close()
     assert page.tags[0] == "html"
     assert {"script", "link", "img", "iframe", "object", "embed"}.isdisjoint(page.tags)
-    assert not [name for name, _ in page.attributes if name in ("src", "href") or
-                name.startswith("on")]
+    assert not [
+        name for name, _ in page.attributes if name in ("src", "href") or name.startswith("on")
+    ]
     assert not [value for _, value in page.attributes if value and "//" in value]
     assert "style" in page.tags  # the CSS is inline
     assert {"summary", "step-0", "step-1", "end"} <= set(page.ids)
@@ -270,9 +309,7 @@ def test_show_html_is_one_self_contained_page(
     assert "submitted" in text
 
 
-def test_show_html_of_a_long_observation_keeps_it_whole(
-    filled: str, tmp_path: Path
-) -> None:
+def test_show_html_of_a_long_observation_keeps_it_whole(filled: str, tmp_path: Path) -> None:
     target = tmp_path / "long.html"
     assert main(["show", filled, "long", "--html", str(target)]) == 0
     assert LONG in target.read_text(encoding="utf-8")
@@ -354,8 +391,9 @@ def test_verify_names_every_corrupt_line(
     jsonl_store: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = jsonl_file(jsonl_store, "done")
-    edit_lines(path, lambda lines: [lines[0], "this is not json\n", *lines[2:4], "{}\n",
-                                    *lines[5:]])
+    edit_lines(
+        path, lambda lines: [lines[0], "this is not json\n", *lines[2:4], "{}\n", *lines[5:]]
+    )
     assert main(["verify", jsonl_store]) == 1
     out = capsys.readouterr().out
     assert f"error    done  {path.name}:2: not a JSON record" in out
@@ -368,8 +406,7 @@ def test_verify_reports_another_schema_major(
     jsonl_store: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = jsonl_file(jsonl_store, "long")
-    edit_lines(path, lambda lines: [lines[0].replace('"polyloop/1"', '"polyloop/2"'),
-                                    *lines[1:]])
+    edit_lines(path, lambda lines: [lines[0].replace('"polyloop/1"', '"polyloop/2"'), *lines[1:]])
     assert main(["verify", jsonl_store, "long"]) == 1
     out = capsys.readouterr().out
     assert f"error    long  {path.name}:1: another major of the record format" in out
@@ -384,8 +421,10 @@ def test_verify_reports_records_out_of_order_with_their_line(
     edit_lines(path, lambda lines: [lines[0], lines[2], lines[1], *lines[3:]])
     assert main(["verify", jsonl_store, "done"]) == 1
     out = capsys.readouterr().out
-    assert f"error    done  {path.name}:2 (record 1): records out of order: " \
-           "result 'done:0:model' has no open intent" in out
+    assert (
+        f"error    done  {path.name}:2 (record 1): records out of order: "
+        "result 'done:0:model' has no open intent" in out
+    )
 
 
 def test_verify_reports_a_record_of_another_run(
@@ -424,8 +463,14 @@ def test_runs_lists_a_corrupt_log_and_show_refuses_it_in_one_line(
     assert set(by_id) == {"done", "crashed", "doubt", "stopped", "long"}
     corrupt = by_id["done"]
     assert corrupt.pop("detail").startswith(problem)
-    assert corrupt == {"run_id": "done", "state": "corrupt", "stop_reason": None,
-                       "step_count": None, "valid_step_count": None, "last_record_at": None}
+    assert corrupt == {
+        "run_id": "done",
+        "state": "corrupt",
+        "stop_reason": None,
+        "step_count": None,
+        "valid_step_count": None,
+        "last_record_at": None,
+    }
 
     # show has nothing to show: one line on standard error.
     assert main(["show", jsonl_store, "done"]) == 1
@@ -456,13 +501,21 @@ def test_verify_sqlite_finds_records_out_of_order(
     sqlite_store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with sqlite3.connect(sqlite_store) as conn:
-        rows = dict(conn.execute("SELECT seq, body FROM records WHERE run_id = 'done'"
-                                 " AND seq IN (1, 2)").fetchall())
-        kinds = dict(conn.execute("SELECT seq, kind FROM records WHERE run_id = 'done'"
-                                  " AND seq IN (1, 2)").fetchall())
+        rows = dict(
+            conn.execute(
+                "SELECT seq, body FROM records WHERE run_id = 'done' AND seq IN (1, 2)"
+            ).fetchall()
+        )
+        kinds = dict(
+            conn.execute(
+                "SELECT seq, kind FROM records WHERE run_id = 'done' AND seq IN (1, 2)"
+            ).fetchall()
+        )
         for seq, other in ((1, 2), (2, 1)):
-            conn.execute("UPDATE records SET body = ?, kind = ? WHERE run_id = 'done' AND seq = ?",
-                         (rows[other], kinds[other], seq))
+            conn.execute(
+                "UPDATE records SET body = ?, kind = ? WHERE run_id = 'done' AND seq = ?",
+                (rows[other], kinds[other], seq),
+            )
     assert main(["verify", f"sqlite:{sqlite_store}", "done"]) == 1
     out = capsys.readouterr().out
     assert "error    done  record 1: records out of order" in out
@@ -476,5 +529,7 @@ def test_verify_sqlite_reports_another_schema_major_in_one_line(
     assert main(["verify", f"sqlite:{sqlite_store}"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert err.startswith("polyloop: error: at runs.db: meta format: the database holds "
-                          "records in format 'polyloop/2'")
+    assert err.startswith(
+        "polyloop: error: at runs.db: meta format: the database holds "
+        "records in format 'polyloop/2'"
+    )

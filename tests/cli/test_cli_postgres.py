@@ -47,14 +47,24 @@ def as_url(conninfo: str) -> str:
     return f"postgresql://{auth}{host}{port}/{params.get('dbname', '')}"
 
 
-def test_the_whole_command_on_postgresql(
-    conninfo: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_whole_command_on_postgresql(conninfo: str, capsys: pytest.CaptureFixture[str]) -> None:
     url = as_url(conninfo)
     crashed = subprocess.run(
-        [sys.executable, "-m", "polyloop", "demo", "--pace", "0", "--store", url,
-         "--crash-after-writes", "16"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "polyloop",
+            "demo",
+            "--pace",
+            "0",
+            "--store",
+            url,
+            "--crash-after-writes",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert crashed.returncode == 3, crashed.stderr
     match = re.search(r"demo run (demo-[0-9a-f]{8})", crashed.stdout)
@@ -98,8 +108,11 @@ def test_verify_names_a_corrupt_row_on_postgresql(
         conn.execute("UPDATE polyloop.records SET body = 'nope' WHERE seq = 5")
     assert main(["verify", url]) == 1
     out = capsys.readouterr().out
-    assert re.search(r"error    demo-[0-9a-f]{8}  polyloop\.records run .* seq 5: "
-                     r"not a JSON record", out), out
+    assert re.search(
+        r"error    demo-[0-9a-f]{8}  polyloop\.records run .* seq 5: "
+        r"not a JSON record",
+        out,
+    ), out
 
 
 def test_an_unreachable_server_is_one_error(capsys: pytest.CaptureFixture[str]) -> None:

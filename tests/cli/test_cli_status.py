@@ -25,8 +25,10 @@ async def _fill(store: Any, run_ids: tuple[str, ...] = ("one", "two", "three")) 
         for run_id in run_ids:
             await run(definition(store, script=SCRIPT), request(run_id, make_tools(Ledger())))
         with pytest.raises(SimulatedCrash):
-            await run(definition(FaultyStore(store, fail_after_writes=5), script=SCRIPT),
-                      request("paused", make_tools(Ledger())))
+            await run(
+                definition(FaultyStore(store, fail_after_writes=5), script=SCRIPT),
+                request("paused", make_tools(Ledger())),
+            )
 
 
 def _json_lines(out: str) -> dict[str, dict[str, Any]]:
@@ -62,8 +64,9 @@ def test_runs_marks_a_corrupt_log_and_still_lists_the_others(
     assert line.split()[1] == "corrupt"
 
 
-def test_runs_marks_a_corrupt_sqlite_row(tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_runs_marks_a_corrupt_sqlite_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "runs.db"
     anyio.run(_fill, SqliteStore(path))
     with sqlite3.connect(path) as conn:
@@ -73,7 +76,10 @@ def test_runs_marks_a_corrupt_sqlite_row(tmp_path: Path,
     listed = _json_lines(capsys.readouterr().out)
     assert listed["one"]["state"] == "corrupt"
     assert [listed[run_id]["state"] for run_id in ("two", "three", "paused")] == [
-        "finished", "finished", "resumable"]
+        "finished",
+        "finished",
+        "resumable",
+    ]
 
 
 def test_a_run_another_writer_holds_shows_as_running(
@@ -96,8 +102,7 @@ def test_a_run_another_writer_holds_shows_as_running(
 
 @pytest.mark.parametrize("command", ["runs", "verify"])
 def test_schema_names_the_postgres_schema(
-    postgres_shared: str, postgres_schemas: Any, command: str,
-    capsys: pytest.CaptureFixture[str]
+    postgres_shared: str, postgres_schemas: Any, command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     mine, other = postgres_schemas(), postgres_schemas()
     anyio.run(_fill, PostgresStore(postgres_shared, schema=mine), ("a",))

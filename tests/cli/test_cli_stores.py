@@ -24,8 +24,10 @@ from polyloop.stores._common import safe_name
         ("jsonl:runs", StoreSpec("jsonl", "runs", "jsonl:runs")),
         ("jsonl:/a/b:c", StoreSpec("jsonl", "/a/b:c", "jsonl:/a/b:c")),
         ("sqlite:demo.db", StoreSpec("sqlite", "demo.db", "sqlite:demo.db")),
-        ("postgresql://u@h/db", StoreSpec("postgresql", "postgresql://u@h/db",
-                                          "postgresql://u@h/db")),
+        (
+            "postgresql://u@h/db",
+            StoreSpec("postgresql", "postgresql://u@h/db", "postgresql://u@h/db"),
+        ),
         ("postgres://h/db", StoreSpec("postgresql", "postgres://h/db", "postgres://h/db")),
     ],
 )
@@ -67,8 +69,9 @@ def test_reading_commands_never_create_a_store(tmp_path: Path) -> None:
 async def start(directory: Path, *run_ids: str) -> None:
     async with JsonlStore(directory) as store:
         for run_id in run_ids:
-            await run(definition(store, script=[answer("ok")]),
-                      request(run_id, make_tools(Ledger())))
+            await run(
+                definition(store, script=[answer("ok")]), request(run_id, make_tools(Ledger()))
+            )
 
 
 @pytest.mark.anyio
@@ -100,8 +103,11 @@ async def test_list_runs_leaves_out_a_file_without_a_complete_line(tmp_path: Pat
 
 
 def left_out(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [record.getMessage() for record in caplog.records
-            if record.name == "polyloop" and record.levelno == logging.WARNING]
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if record.name == "polyloop" and record.levelno == logging.WARNING
+    ]
 
 
 @pytest.mark.anyio
@@ -139,8 +145,7 @@ async def test_list_runs_leaves_out_links_and_refuses_closed_stores(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     await start(tmp_path / "runs", "kept")
-    os.symlink(tmp_path / "runs" / f"{safe_name('kept')}.jsonl",
-               tmp_path / "runs" / "link.jsonl")
+    os.symlink(tmp_path / "runs" / f"{safe_name('kept')}.jsonl", tmp_path / "runs" / "link.jsonl")
     store = JsonlStore(tmp_path / "runs")
     with caplog.at_level(logging.WARNING, logger="polyloop"):
         (listed,) = await store.list_runs()

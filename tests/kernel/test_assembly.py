@@ -83,15 +83,7 @@ SEARCH_MARKDOWN = (
     "```"
 )
 SUBMIT_MARKDOWN = (
-    "## submit\n"
-    "\n"
-    "Hand in the answer. Ünïcode stays.\n"
-    "\n"
-    "```json\n"
-    "{\n"
-    '  "type": "object"\n'
-    "}\n"
-    "```"
+    '## submit\n\nHand in the answer. Ünïcode stays.\n\n```json\n{\n  "type": "object"\n}\n```'
 )
 
 NO_INJECTION = Injection(entries={})
@@ -225,8 +217,12 @@ def test_empty_injection_and_no_tools_is_plain_concatenation(
 
 def test_empty_contexts_and_nothing_else_is_empty() -> None:
     messages = assemble(
-        run_context=(), injection=NO_INJECTION, tools=[], style=ToolStyle.JSON,
-        goal_context=(), history=[],
+        run_context=(),
+        injection=NO_INJECTION,
+        tools=[],
+        style=ToolStyle.JSON,
+        goal_context=(),
+        history=[],
     )
     assert messages == ()
     assert messages_sha256(messages) == hashlib.sha256(b"").hexdigest()
@@ -239,7 +235,9 @@ def test_injection_entries_make_one_system_message_joined_by_blank_lines() -> No
     injection = Injection(entries={"system": ("first", "second\nline", "third")})
     assert render_injection(injection) == "first\n\nsecond\nline\n\nthird"
     messages = prefix(
-        run_context=(), injection_text=render_injection(injection), tools_text=None,
+        run_context=(),
+        injection_text=render_injection(injection),
+        tools_text=None,
         goal_context=(),
     )
     assert messages == (Message.text(Role.SYSTEM, "first\n\nsecond\nline\n\nthird"),)

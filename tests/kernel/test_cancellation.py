@@ -68,8 +68,15 @@ class WaitTool:
             return "waited"
 
         return ToolRegistry(
-            [ToolSpec(name="wait", description="Wait.", parameters={}, handler=wait,
-                      replay=Replay.ALLOWED)],
+            [
+                ToolSpec(
+                    name="wait",
+                    description="Wait.",
+                    parameters={},
+                    handler=wait,
+                    replay=Replay.ALLOWED,
+                )
+            ],
             max_observation_chars=1000,
         )
 
@@ -118,16 +125,21 @@ async def test_cancel_during_a_model_call() -> None:
     tasks_before = len(anyio.get_running_tasks())
 
     async def drive() -> None:
-        await run(definition(store, model=model),
-                  request("r", tool.registry(), model_replay=Replay.ALLOWED))
+        await run(
+            definition(store, model=model),
+            request("r", tool.registry(), model_replay=Replay.ALLOWED),
+        )
 
     assert not await _cancel_when_entered(model.entered, drive)
     assert len(anyio.get_running_tasks()) == tasks_before
     await _check_cancelled_then_resume(store, model, tool)
     # The interrupted call was replayed under its own result id: no second intent.
     log = await store.read_log("r")
-    model_intents = [r.result_id for r in log.records
-                     if isinstance(r, Intent) and r.kind is IntentKind.MODEL_CALL]
+    model_intents = [
+        r.result_id
+        for r in log.records
+        if isinstance(r, Intent) and r.kind is IntentKind.MODEL_CALL
+    ]
     assert model_intents == ["r:0:model", "r:1:model"]
 
 
@@ -136,8 +148,10 @@ async def test_cancel_during_an_action() -> None:
     tasks_before = len(anyio.get_running_tasks())
 
     async def drive() -> None:
-        await run(definition(store, model=model),
-                  request("r", tool.registry(), model_replay=Replay.ALLOWED))
+        await run(
+            definition(store, model=model),
+            request("r", tool.registry(), model_replay=Replay.ALLOWED),
+        )
 
     assert not await _cancel_when_entered(tool.entered, drive)
     assert len(anyio.get_running_tasks()) == tasks_before
@@ -152,8 +166,10 @@ async def test_cancel_during_a_store_write() -> None:
     tasks_before = len(anyio.get_running_tasks())
 
     async def drive() -> None:
-        await run(definition(store, model=model),
-                  request("r", tool.registry(), model_replay=Replay.ALLOWED))
+        await run(
+            definition(store, model=model),
+            request("r", tool.registry(), model_replay=Replay.ALLOWED),
+        )
 
     assert not await _cancel_when_entered(store.entered, drive)
     assert len(anyio.get_running_tasks()) == tasks_before
@@ -167,8 +183,10 @@ async def test_a_run_cancelled_before_its_start_lands_leaves_nothing(
     model, tool = BlockingModel(block_at=None), WaitTool(block=False)
 
     async def drive() -> None:
-        await run(definition(store, model=model),
-                  request("r", tool.registry(), model_replay=Replay.ALLOWED))
+        await run(
+            definition(store, model=model),
+            request("r", tool.registry(), model_replay=Replay.ALLOWED),
+        )
 
     with caplog.at_level(logging.WARNING, logger="polyloop"):
         assert not await _cancel_when_entered(store.entered, drive)
@@ -178,11 +196,15 @@ async def test_a_run_cancelled_before_its_start_lands_leaves_nothing(
     assert [r.getMessage() for r in caplog.records if r.name == "polyloop"] == []
     await _assert_unclaimed(store.inner, "r")
     with pytest.raises(RunNotFound):
-        await resume(definition(store.inner, model=model),
-                     request("r", tool.registry(), model_replay=Replay.ALLOWED))
+        await resume(
+            definition(store.inner, model=model),
+            request("r", tool.registry(), model_replay=Replay.ALLOWED),
+        )
     # The id is still free: the same run can start afresh.
-    result = await run(definition(store.inner, model=model),
-                       request("r", tool.registry(), model_replay=Replay.ALLOWED))
+    result = await run(
+        definition(store.inner, model=model),
+        request("r", tool.registry(), model_replay=Replay.ALLOWED),
+    )
     assert result.stop_reason is StopReason.FINAL_ANSWER
 
 
@@ -191,8 +213,10 @@ async def test_a_start_that_landed_before_the_cancellation_is_ended() -> None:
     model, tool = BlockingModel(block_at=None), WaitTool(block=False)
 
     async def drive() -> None:
-        await run(definition(store, model=model),
-                  request("r", tool.registry(), model_replay=Replay.ALLOWED))
+        await run(
+            definition(store, model=model),
+            request("r", tool.registry(), model_replay=Replay.ALLOWED),
+        )
 
     assert not await _cancel_when_entered(store.entered, drive)
     assert model.calls == []
@@ -221,24 +245,29 @@ async def test_grace_running_out_leaves_a_log_that_resume_handles() -> None:
     model, tool = BlockingModel(block_at=0), WaitTool(block=False)
 
     async def drive() -> None:
-        await run(definition(slow_end, model=model),
-                  request("r", tool.registry(), model_replay=Replay.ALLOWED,
-                          cancel_grace_s=0.05))
+        await run(
+            definition(slow_end, model=model),
+            request("r", tool.registry(), model_replay=Replay.ALLOWED, cancel_grace_s=0.05),
+        )
 
     with anyio.fail_after(5):
         await _cancel_when_entered(model.entered, drive)
     log = await slow_end.inner.read_log("r")
     assert not any(isinstance(r, RunEnded) for r in log.records)
-    later = await resume(definition(slow_end.inner, model=model),
-                         request("r", tool.registry(), model_replay=Replay.ALLOWED))
+    later = await resume(
+        definition(slow_end.inner, model=model),
+        request("r", tool.registry(), model_replay=Replay.ALLOWED),
+    )
     assert later.stop_reason is StopReason.FINAL_ANSWER
 
 
 async def test_a_deadline_is_a_cancellation_too() -> None:
     store, model, tool = MemoryStore(), BlockingModel(block_at=1), WaitTool(block=False)
     with anyio.move_on_after(0.5) as scope:
-        await run(definition(store, model=model),
-                  request("r", tool.registry(), model_replay=Replay.ALLOWED))
+        await run(
+            definition(store, model=model),
+            request("r", tool.registry(), model_replay=Replay.ALLOWED),
+        )
     assert scope.cancelled_caught
     log = await store.read_log("r")
     assert isinstance(log.records[-1], RunEnded)

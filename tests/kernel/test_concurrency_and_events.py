@@ -43,8 +43,11 @@ class JitteryModel:
     async def call(self, call: ModelCall) -> ModelReply:
         self.calls.append(call)
         await anyio.sleep(self.random.random() / 1000)
-        return ModelReply(call_id=f"{call.run_id}#{call.call_index}",
-                          content=self.SCRIPT[call.call_index], reasoning=None)
+        return ModelReply(
+            call_id=f"{call.run_id}#{call.call_index}",
+            content=self.SCRIPT[call.call_index],
+            reasoning=None,
+        )
 
 
 async def test_200_concurrent_runs_share_one_definition_without_mixing() -> None:
@@ -86,14 +89,18 @@ async def test_events_of_a_run_and_of_its_resumption() -> None:
     tools = make_tools(Ledger())
     script = [tool_call("double", n=1), answer("2")]
     with pytest.raises(SimulatedCrash):
-        await run(definition(FaultyStore(inner, fail_after_writes=5), script=script, events=sink),
-                  request("r", tools))
+        await run(
+            definition(FaultyStore(inner, fail_after_writes=5), script=script, events=sink),
+            request("r", tools),
+        )
     assert [e.kind for e in sink.events] == [EventKind.RUN_STARTED, EventKind.STEP_FINISHED]
     assert sink.events[1].step == 0 and isinstance(sink.events[1].record, StepRecord)
     sink.events.clear()
     result = await resume(definition(inner, script=script, events=sink), request("r", tools))
     assert [e.kind for e in sink.events] == [
-        EventKind.RUN_RESUMED, EventKind.STEP_FINISHED, EventKind.RUN_ENDED,
+        EventKind.RUN_RESUMED,
+        EventKind.STEP_FINISHED,
+        EventKind.RUN_ENDED,
     ]
     assert all(e.run_id == "r" for e in sink.events)
     assert sink.events[-1].record.stop_reason is StopReason.FINAL_ANSWER  # type: ignore[union-attr]
@@ -127,12 +134,16 @@ async def test_a_failing_sink_is_counted_logged_and_not_re_entered(
     sink = FailingSink()
     script = [tool_call("double", n=1), tool_call("submit", answer="2")]
     with caplog.at_level(logging.ERROR, logger="polyloop"):
-        result = await run(definition(MemoryStore(), script=script, events=sink),
-                           request("r", make_tools(Ledger())))
+        result = await run(
+            definition(MemoryStore(), script=script, events=sink),
+            request("r", make_tools(Ledger())),
+        )
     assert result.stop_reason is StopReason.SUBMITTED
     # RUN_STARTED, two STEP_FINISHED, RUN_ENDED: each delivered once, each failing once.
     assert [e.kind for e in sink.received] == [
-        EventKind.RUN_STARTED, EventKind.STEP_FINISHED, EventKind.STEP_FINISHED,
+        EventKind.RUN_STARTED,
+        EventKind.STEP_FINISHED,
+        EventKind.STEP_FINISHED,
         EventKind.RUN_ENDED,
     ]
     assert result.event_failures == 4
@@ -172,8 +183,9 @@ async def test_concurrent_resume_of_one_run_on_one_store_is_refused() -> None:
 
     async with anyio.create_task_group() as group:
         group.start_soon(second)
-        outcomes.append((await resume(definition(store, model=model),
-                                      request("r", tools))).stop_reason)
+        outcomes.append(
+            (await resume(definition(store, model=model), request("r", tools))).stop_reason
+        )
     assert sorted(map(str, outcomes)) == ["final_answer", "locked"]
 
 
@@ -183,11 +195,15 @@ async def test_model_replay_allowed_is_part_of_identity() -> None:
     store = MemoryStore()
     tools = make_tools(Ledger())
     with pytest.raises(SimulatedCrash):
-        await run(definition(FaultyStore(store, fail_after_writes=2), script=[answer("x")]),
-                  request("r", tools))
+        await run(
+            definition(FaultyStore(store, fail_after_writes=2), script=[answer("x")]),
+            request("r", tools),
+        )
     with pytest.raises(RunIdentityMismatch) as mismatch:
-        await resume(definition(store, script=[answer("x")]),
-                     request("r", tools, model_replay=Replay.ALLOWED))
+        await resume(
+            definition(store, script=[answer("x")]),
+            request("r", tools, model_replay=Replay.ALLOWED),
+        )
     assert [key for key, _, _ in mismatch.value.differences] == ["model_replay"]
 
 
@@ -208,11 +224,16 @@ async def test_events_reach_a_null_sink_subclass_and_a_patched_null_sink(
 ) -> None:
     # Whatever the sink's class, every event reaches its emit().
     script = [tool_call("double", n=1), answer("2")]
-    expected = [EventKind.RUN_STARTED, EventKind.STEP_FINISHED, EventKind.STEP_FINISHED,
-                EventKind.RUN_ENDED]
+    expected = [
+        EventKind.RUN_STARTED,
+        EventKind.STEP_FINISHED,
+        EventKind.STEP_FINISHED,
+        EventKind.RUN_ENDED,
+    ]
     sink = CountingNullSink()
-    await run(definition(MemoryStore(), script=script, events=sink),
-              request("sub", make_tools(Ledger())))
+    await run(
+        definition(MemoryStore(), script=script, events=sink), request("sub", make_tools(Ledger()))
+    )
     assert sink.kinds == expected
 
     seen: list[EventKind] = []
@@ -221,6 +242,8 @@ async def test_events_reach_a_null_sink_subclass_and_a_patched_null_sink(
         seen.append(event.kind)
 
     monkeypatch.setattr(NullSink, "emit", spy)
-    await run(definition(MemoryStore(), script=script, events=NullSink()),
-              request("patched", make_tools(Ledger())))
+    await run(
+        definition(MemoryStore(), script=script, events=NullSink()),
+        request("patched", make_tools(Ledger())),
+    )
     assert seen == expected

@@ -96,6 +96,7 @@ def test_loads_of_mutated_canonical_lines_returns_a_record_or_refuses() -> None:
 
     fuzz_budget.fuzz_for(fuzz_budget.seconds(0.30), mutated)
 
+
 @pytest.mark.parametrize("field", ["kind", "schema", "run_id", "payload", "snapshot", "step"])
 def test_deep_nesting_anywhere_is_refused_or_read(field: str) -> None:
     """Nesting at and around the interpreter's recursion limit never escapes as RecursionError."""
@@ -136,4 +137,3 @@ def test_any_text_stays_on_one_line_for_every_reader(run_id: str, text: str, pai
         assert b"\n" not in encoded
         read = parse_lines(encoded + b"\n", "run.jsonl", run_id)
         assert read[-1] == record
-

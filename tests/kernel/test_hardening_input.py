@@ -68,8 +68,9 @@ REFUSED = "Refused: "  # the not_executed template of agent_kit.TEXTS, before {r
 
 @pytest.fixture(params=STORE_KINDS)
 async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
-    conninfo = (request.getfixturevalue("postgres_conninfo")
-                if request.param == "postgresql" else None)
+    conninfo = (
+        request.getfixturevalue("postgres_conninfo") if request.param == "postgresql" else None
+    )
     kit = Stores(request.param, tmp_path, conninfo)
     try:
         yield kit
@@ -120,8 +121,7 @@ def same_text(a: str | None, b: str) -> bool:
 
 
 async def test_empty_model_output_is_an_invalid_step_and_the_run_goes_on(stores: Stores) -> None:
-    result, records = await run_then_resume(stores, "r", ["", answer("ok")],
-                                            make_tools(Ledger()))
+    result, records = await run_then_resume(stores, "r", ["", answer("ok")], make_tools(Ledger()))
     assert result.stop_reason is StopReason.FINAL_ANSWER
     first = result.steps[0]
     assert first.model_output == "" and first.decision is DecisionKind.INVALID
@@ -253,7 +253,8 @@ async def test_arguments_nested_a_thousand_deep_are_refused_not_a_crash(
     step = result.steps[0]
     assert step.model_output == script[0]
     assert step.decision is DecisionKind.INVALID or (
-        step.action_status is ActionStatus.NOT_EXECUTED)
+        step.action_status is ActionStatus.NOT_EXECUTED
+    )
     assert action_intents(records) == [] and ledger.calls == []
 
 
@@ -270,13 +271,11 @@ async def test_a_tool_outside_the_runs_subset_is_refused(stores: Stores) -> None
     assert "unknown tool 'submit'" in (refused.observation or "")
     assert ledger.calls == [("double", "r:1:action")]
     assert [step.model_output for step in result.steps] == script
-    shown = "".join(block.text for message in model.calls[0].messages
-                    for block in message.content)
+    shown = "".join(block.text for message in model.calls[0].messages for block in message.content)
     assert '"name":"double"' in shown and '"name":"submit"' not in shown
     log = await store.read_log("r")
     read_plan(log)
-    again = await resume(definition(await stores.reopen(store), script=script),
-                         request("r", tools))
+    again = await resume(definition(await stores.reopen(store), script=script), request("r", tools))
     assert same_outcome(result, again)
 
 
@@ -303,8 +302,10 @@ def tools_with_note(ledger: Ledger) -> ToolRegistry:
     base = make_tools(ledger)
     specs = [spec for name in base.names if (spec := base.get(name)) is not None]
     return ToolRegistry(
-        [*specs, ToolSpec(name="note", description="Note a word.", parameters=NOTE_SCHEMA,
-                          handler=note)],
+        [
+            *specs,
+            ToolSpec(name="note", description="Note a word.", parameters=NOTE_SCHEMA, handler=note),
+        ],
         max_observation_chars=10_000_000,
     )
 
@@ -326,21 +327,22 @@ BAD_ARGUMENTS = {
 }
 
 
-@pytest.mark.parametrize(("name", "arguments"), list(BAD_ARGUMENTS.values()),
-                         ids=list(BAD_ARGUMENTS))
-async def test_bad_arguments_are_refused_with_a_bounded_reason(
-    name: str, arguments: Any
-) -> None:
+@pytest.mark.parametrize(
+    ("name", "arguments"), list(BAD_ARGUMENTS.values()), ids=list(BAD_ARGUMENTS)
+)
+async def test_bad_arguments_are_refused_with_a_bounded_reason(name: str, arguments: Any) -> None:
     ledger = Ledger()
     call = json.dumps({"tool": name, "arguments": arguments})
-    result = await run(definition(MemoryStore(), script=[call, answer("x")]),
-                       request("r", tools_with_note(ledger), budget=ROOMY))
+    result = await run(
+        definition(MemoryStore(), script=[call, answer("x")]),
+        request("r", tools_with_note(ledger), budget=ROOMY),
+    )
     assert result.stop_reason is StopReason.FINAL_ANSWER
     step = result.steps[0]
     assert step.action_status is ActionStatus.NOT_EXECUTED
     assert ledger.calls == []
     assert step.observation is not None and step.observation.startswith(REFUSED)
-    reason = step.observation[len(REFUSED):]
+    reason = step.observation[len(REFUSED) :]
     assert len(reason) < 2_000, reason[:300]
     assert step.truncated_chars == 0  # bounded by itself, not by the observation limit
     assert step.model_output == call  # the megabyte is still on record, whole
@@ -348,10 +350,15 @@ async def test_bad_arguments_are_refused_with_a_bounded_reason(
 
 REMOTE_SCHEMAS = {
     "top-level-ref": {"$ref": "https://example.invalid/schema.json"},
-    "property-ref": {"type": "object",
-                     "properties": {"n": {"$ref": "https://example.invalid/n.json#/$defs/n"}}},
-    "relative-to-remote-id": {"$id": "https://example.invalid/root.json", "type": "object",
-                              "properties": {"n": {"$ref": "other.json"}}},
+    "property-ref": {
+        "type": "object",
+        "properties": {"n": {"$ref": "https://example.invalid/n.json#/$defs/n"}},
+    },
+    "relative-to-remote-id": {
+        "$id": "https://example.invalid/root.json",
+        "type": "object",
+        "properties": {"n": {"$ref": "other.json"}},
+    },
     "http-ref": {"$ref": "http://127.0.0.1:9/schema.json"},
 }
 
@@ -399,10 +406,13 @@ async def test_a_remote_ref_is_never_fetched_and_the_call_is_refused(
         ran.append(result_id)
         return "ran"
 
-    tools = ToolRegistry([ToolSpec(name="t", description="", parameters=schema,
-                                   handler=handler)], max_observation_chars=10_000)
-    result = await run(definition(MemoryStore(), script=[tool_call("t", n=1), answer("x")]),
-                       request("r", tools))
+    tools = ToolRegistry(
+        [ToolSpec(name="t", description="", parameters=schema, handler=handler)],
+        max_observation_chars=10_000,
+    )
+    result = await run(
+        definition(MemoryStore(), script=[tool_call("t", n=1), answer("x")]), request("r", tools)
+    )
     assert attempts == []
     assert ran == []
     step = result.steps[0]
@@ -426,31 +436,35 @@ async def test_observations_are_cut_to_the_limit_and_the_cut_is_counted() -> Non
     produced: list[str] = []
 
     async def echo(arguments: dict[str, Any], *, result_id: str) -> str:
-        text = (arguments["char"] * arguments["size"])
+        text = arguments["char"] * arguments["size"]
         produced.append(text)
         return text
 
     async def explode(arguments: dict[str, Any], *, result_id: str) -> str:
         raise ValueError("z" * 5_000)
 
-    echo_schema = {"type": "object", "properties": {"size": {"type": "integer"},
-                                                    "char": {"type": "string"}},
-                   "required": ["size", "char"], "additionalProperties": False}
+    echo_schema = {
+        "type": "object",
+        "properties": {"size": {"type": "integer"}, "char": {"type": "string"}},
+        "required": ["size", "char"],
+        "additionalProperties": False,
+    }
     tools = ToolRegistry(
-        [ToolSpec(name="echo", description="", parameters=echo_schema, handler=echo),
-         ToolSpec(name="explode", description="", parameters={}, handler=explode)],
+        [
+            ToolSpec(name="echo", description="", parameters=echo_schema, handler=echo),
+            ToolSpec(name="explode", description="", parameters={}, handler=explode),
+        ],
         max_observation_chars=LIMIT,
     )
-    calls = [tool_call("echo", size=size, char=char)
-             for size in SIZES for char in ("y", "é", "😀")]
+    calls = [tool_call("echo", size=size, char=char) for size in SIZES for char in ("y", "é", "😀")]
     refusal = tool_call("echo", size="x" * 5_000, char="y")
     script = [*calls, tool_call("explode"), refusal, answer("x")]
-    budget = Budget(max_steps=len(script), max_valid_steps=len(script),
-                    max_context_chars=10_000_000)
-    result = await run(definition(MemoryStore(), script=script),
-                       request("r", tools, budget=budget))
+    budget = Budget(
+        max_steps=len(script), max_valid_steps=len(script), max_context_chars=10_000_000
+    )
+    result = await run(definition(MemoryStore(), script=script), request("r", tools, budget=budget))
     assert result.stop_reason is StopReason.FINAL_ANSWER
-    executed = result.steps[:len(calls)]
+    executed = result.steps[: len(calls)]
     for step, original in zip(executed, produced, strict=True):
         assert step.action_status is ActionStatus.EXECUTED
         assert step.observation is not None
@@ -481,8 +495,9 @@ UNLOGGABLE = {
 
 @pytest.mark.parametrize("value", list(UNLOGGABLE.values()), ids=list(UNLOGGABLE))
 def test_dumps_refuses_what_strict_json_cannot_carry(value: Any) -> None:
-    result = Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL,
-                    payload={"value": value})
+    result = Result(
+        run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL, payload={"value": value}
+    )
     with pytest.raises(UnloggableValue) as refused:
         dumps(result)
     assert isinstance(refused.value, PolyLoopError) and isinstance(refused.value, ValueError)
@@ -509,8 +524,12 @@ class RepeatedKeys(Mapping[str, Any]):
 
 
 def test_dumps_refuses_an_object_with_duplicate_keys() -> None:
-    result = Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL,
-                    payload={"outer": RepeatedKeys([("a", 1), ("a", 2)])})
+    result = Result(
+        run_id="r",
+        result_id="r:0:model",
+        kind=IntentKind.MODEL_CALL,
+        payload={"outer": RepeatedKeys([("a", 1), ("a", 2)])},
+    )
     with pytest.raises(UnloggableValue):
         dumps(result)
 
@@ -518,10 +537,21 @@ def test_dumps_refuses_an_object_with_duplicate_keys() -> None:
 @pytest.mark.parametrize("duration", [float("nan"), float("inf")], ids=["nan", "infinity"])
 def test_dumps_refuses_a_non_finite_typed_float(duration: float) -> None:
     step = StepRecord(
-        run_id="r", step=0, call_id=None, model_output="", reasoning=None,
-        decision=DecisionKind.INVALID, history_text="", action_text=None, observation=None,
-        observation_synthesized=False, action_status=None, done=False, truncated_chars=0,
-        error=None, duration_s=duration,
+        run_id="r",
+        step=0,
+        call_id=None,
+        model_output="",
+        reasoning=None,
+        decision=DecisionKind.INVALID,
+        history_text="",
+        action_text=None,
+        observation=None,
+        observation_synthesized=False,
+        action_status=None,
+        done=False,
+        truncated_chars=0,
+        error=None,
+        duration_s=duration,
     )
     with pytest.raises(UnloggableValue):
         dumps(step)
@@ -549,8 +579,7 @@ async def test_an_unloggable_snapshot_parameter_is_refused_before_anything_is_wr
         model = ParametrizedModel(value)
         for drive in (run, resume):
             with pytest.raises(InvalidRequest, match="snapshot"):
-                await drive(definition(store, model=model),
-                            request(name, make_tools(Ledger())))
+                await drive(definition(store, model=model), request(name, make_tools(Ledger())))
         assert model.calls == []
         assert (await store.read_log(name)).records == ()
     if stores.kind == "jsonl":

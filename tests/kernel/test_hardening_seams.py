@@ -82,8 +82,11 @@ class Stores:
     def open(self) -> Any:
         if self.kind == "memory":
             return self._memory
-        store: Any = (JsonlStore(self.tmp_path / "runs") if self.kind == "jsonl"
-                      else SqliteStore(self.tmp_path / "runs.db"))
+        store: Any = (
+            JsonlStore(self.tmp_path / "runs")
+            if self.kind == "jsonl"
+            else SqliteStore(self.tmp_path / "runs.db")
+        )
         self.opened.append(store)
         return store
 
@@ -114,8 +117,7 @@ async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 
 
 @pytest.fixture(params=["memory", "jsonl", "sqlite"])
-async def cancel_stores(request: pytest.FixtureRequest,
-                        tmp_path: Path) -> AsyncIterator[Stores]:
+async def cancel_stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
     """The stores a cancelled run is checked on (the end record is written in a thread)."""
     async for kit in _stores(request.param, tmp_path):
         yield kit
@@ -145,15 +147,17 @@ class SeamModel:
             reply: ModelReply = await self.fault()
             return reply
         await anyio.lowlevel.checkpoint()
-        return ModelReply(call_id=f"c{call.call_index}", content=SCRIPT[call.call_index],
-                          reasoning=None)
+        return ModelReply(
+            call_id=f"c{call.call_index}", content=SCRIPT[call.call_index], reasoning=None
+        )
 
 
 class SeamExecutor:
     """Runs actions through ``tools``, except that ``fault`` answers every execution."""
 
-    def __init__(self, tools: ToolRegistry, fault: Fault | None = None,
-                 *, replay: Replay = Replay.ALLOWED) -> None:
+    def __init__(
+        self, tools: ToolRegistry, fault: Fault | None = None, *, replay: Replay = Replay.ALLOWED
+    ) -> None:
         self.inner = tools.executor()
         self.fault = fault
         self.policy = replay
@@ -224,8 +228,9 @@ async def under_deadline(
         began[0] = time.monotonic()
         scope.deadline = anyio.current_time() + DEADLINE_S
 
-    async def within(deadline: AbstractContextManager[anyio.CancelScope],
-                     group: anyio.abc.TaskGroup) -> anyio.CancelScope:
+    async def within(
+        deadline: AbstractContextManager[anyio.CancelScope], group: anyio.abc.TaskGroup
+    ) -> anyio.CancelScope:
         with deadline as scope:
             if armed is not None:
                 group.start_soon(arm, scope, armed)
@@ -251,8 +256,10 @@ async def reads_back(store: Any, run_id: str = "r") -> tuple[list[Any], Recovery
 
 async def uninterrupted() -> RunResult:
     tools = make_tools(Ledger())
-    return await run(definition(MemoryStore(), model=SeamModel()),
-                     request("r", tools, executor=SeamExecutor(tools)))
+    return await run(
+        definition(MemoryStore(), model=SeamModel()),
+        request("r", tools, executor=SeamExecutor(tools)),
+    )
 
 
 # -- the model client --------------------------------------------------------------------------
@@ -292,8 +299,9 @@ async def test_a_raising_model_ends_the_run_with_model_failure(
     assert state is RecoveryState.FINISHED
     model_result = records[2]
     assert isinstance(model_result, Result) and model_result.payload == {"error": expected}
-    again = await resume(definition(await stores.reopen(store), model=SeamModel()),
-                         request("r", tools))
+    again = await resume(
+        definition(await stores.reopen(store), model=SeamModel()), request("r", tools)
+    )
     assert same_outcome(result, again)
 
 
@@ -306,8 +314,10 @@ class UnprintableError(Exception):
 
 async def test_a_model_exception_with_a_broken_str_is_still_a_model_failure() -> None:
     store = MemoryStore()
-    result = await run(definition(store, model=SeamModel(raising(UnprintableError()))),
-                       request("r", make_tools(Ledger())))
+    result = await run(
+        definition(store, model=SeamModel(raising(UnprintableError()))),
+        request("r", make_tools(Ledger())),
+    )
     assert result.stop_reason is StopReason.MODEL_FAILURE
     assert result.detail is not None and result.detail.startswith("UnprintableError")
     _, state = await reads_back(store)
@@ -332,16 +342,16 @@ async def test_a_model_returning_a_wrong_type_is_a_model_failure(
 ) -> None:
     store = stores.open()
     tools = make_tools(Ledger())
-    result = await run(definition(store, model=SeamModel(returning(reply))),
-                       request("r", tools))
+    result = await run(definition(store, model=SeamModel(returning(reply))), request("r", tools))
     assert result.stop_reason is StopReason.MODEL_FAILURE
     assert result.detail is not None and result.detail.startswith("TypeError: ")
     assert result.steps[0].error == result.detail
     assert result.steps[0].model_output == ""
     _, state = await reads_back(store)
     assert state is RecoveryState.FINISHED
-    again = await resume(definition(await stores.reopen(store), model=SeamModel()),
-                         request("r", tools))
+    again = await resume(
+        definition(await stores.reopen(store), model=SeamModel()), request("r", tools)
+    )
     assert same_outcome(result, again)
 
 
@@ -356,8 +366,10 @@ async def test_a_hanging_model_is_cancelled_by_the_callers_deadline_and_resumes(
     tasks_before = len(anyio.get_running_tasks())
 
     async def drive() -> None:
-        await run(definition(store, model=hung),
-                  request("r", tools, model_replay=Replay.ALLOWED, cancel_grace_s=GRACE_S))
+        await run(
+            definition(store, model=hung),
+            request("r", tools, model_replay=Replay.ALLOWED, cancel_grace_s=GRACE_S),
+        )
 
     elapsed = await under_deadline(deadline, drive, armed=hang.reached)
     assert elapsed < DEADLINE_S + GRACE_S
@@ -368,9 +380,10 @@ async def test_a_hanging_model_is_cancelled_by_the_callers_deadline_and_resumes(
     assert state is RecoveryState.RESUMABLE
 
     working = SeamModel()
-    later = await resume(definition(await cancel_stores.reopen(store), model=working),
-                         request("r", tools, model_replay=Replay.ALLOWED,
-                                 cancel_grace_s=GRACE_S))
+    later = await resume(
+        definition(await cancel_stores.reopen(store), model=working),
+        request("r", tools, model_replay=Replay.ALLOWED, cancel_grace_s=GRACE_S),
+    )
     assert later.stop_reason is StopReason.FINAL_ANSWER and later.final_answer == "4"
     assert working.calls == [0, 1]  # the interrupted call was made again, under its id
     assert same_outcome(later, await uninterrupted())
@@ -379,8 +392,10 @@ async def test_a_hanging_model_is_cancelled_by_the_callers_deadline_and_resumes(
 async def test_a_hanging_model_call_that_may_not_be_repeated_resumes_in_doubt() -> None:
     store = MemoryStore()
     tools = make_tools(Ledger())
-    await under_deadline("move_on_after", lambda: run(
-        definition(store, model=SeamModel(hanging)), request("r", tools)))
+    await under_deadline(
+        "move_on_after",
+        lambda: run(definition(store, model=SeamModel(hanging)), request("r", tools)),
+    )
     working = SeamModel()
     later = await resume(definition(store, model=working), request("r", tools))
     assert later.stop_reason is StopReason.IN_DOUBT
@@ -406,8 +421,10 @@ async def test_a_raising_executor_ends_the_run_with_env_failure(
     store = stores.open()
     ledger = Ledger()
     tools = make_tools(ledger)
-    result = await run(definition(store, model=SeamModel()),
-                       request("r", tools, executor=SeamExecutor(tools, raising(exc))))
+    result = await run(
+        definition(store, model=SeamModel()),
+        request("r", tools, executor=SeamExecutor(tools, raising(exc))),
+    )
     expected = f"{type(exc).__name__}: {exc}"
     assert result.stop_reason is StopReason.ENV_FAILURE
     assert result.detail == f"Fault: {expected}"
@@ -421,8 +438,10 @@ async def test_a_raising_executor_ends_the_run_with_env_failure(
     assert outcome.payload["status"] == "env_fault"
     assert outcome.payload["observation"] == expected
     assert ledger.calls == []
-    again = await resume(definition(await stores.reopen(store), model=SeamModel()),
-                         request("r", tools, executor=SeamExecutor(tools)))
+    again = await resume(
+        definition(await stores.reopen(store), model=SeamModel()),
+        request("r", tools, executor=SeamExecutor(tools)),
+    )
     assert same_outcome(result, again)
 
 
@@ -440,8 +459,13 @@ async def test_an_executor_exception_with_a_broken_str_is_still_an_env_failure()
 
 
 def outcome(**changes: Any) -> ActionOutcome:
-    fields: dict[str, Any] = {"status": ActionStatus.EXECUTED, "observation": "ok",
-                              "synthesized": False, "done": False, "truncated_chars": 0}
+    fields: dict[str, Any] = {
+        "status": ActionStatus.EXECUTED,
+        "observation": "ok",
+        "synthesized": False,
+        "done": False,
+        "truncated_chars": 0,
+    }
     fields.update(changes)
     return ActionOutcome(**fields)
 
@@ -461,15 +485,18 @@ WRONG_OUTCOMES = {
 }
 
 
-@pytest.mark.parametrize(("value", "named"), list(WRONG_OUTCOMES.values()),
-                         ids=list(WRONG_OUTCOMES))
+@pytest.mark.parametrize(
+    ("value", "named"), list(WRONG_OUTCOMES.values()), ids=list(WRONG_OUTCOMES)
+)
 async def test_an_executor_returning_a_wrong_type_is_an_env_failure(
     stores: Stores, value: Any, named: str
 ) -> None:
     store = stores.open()
     tools = make_tools(Ledger())
-    result = await run(definition(store, model=SeamModel()),
-                       request("r", tools, executor=SeamExecutor(tools, returning(value))))
+    result = await run(
+        definition(store, model=SeamModel()),
+        request("r", tools, executor=SeamExecutor(tools, returning(value))),
+    )
     assert result.stop_reason is StopReason.ENV_FAILURE
     assert result.detail is not None and result.detail.startswith("Fault: TypeError: ")
     assert named in result.detail
@@ -478,8 +505,10 @@ async def test_an_executor_returning_a_wrong_type_is_an_env_failure(
     assert (step.done, step.truncated_chars) == (False, 0)  # nothing of the bad outcome kept
     _, state = await reads_back(store)
     assert state is RecoveryState.FINISHED
-    again = await resume(definition(await stores.reopen(store), model=SeamModel()),
-                         request("r", tools, executor=SeamExecutor(tools)))
+    again = await resume(
+        definition(await stores.reopen(store), model=SeamModel()),
+        request("r", tools, executor=SeamExecutor(tools)),
+    )
     assert same_outcome(result, again)
 
 
@@ -493,8 +522,10 @@ async def test_a_hanging_executor_is_cancelled_by_the_callers_deadline_and_resum
     hung = SeamExecutor(tools, hang)
 
     async def drive() -> None:
-        await run(definition(store, model=SeamModel()),
-                  request("r", tools, executor=hung, cancel_grace_s=GRACE_S))
+        await run(
+            definition(store, model=SeamModel()),
+            request("r", tools, executor=hung, cancel_grace_s=GRACE_S),
+        )
 
     elapsed = await under_deadline(deadline, drive, armed=hang.reached)
     assert elapsed < DEADLINE_S + GRACE_S
@@ -505,8 +536,10 @@ async def test_a_hanging_executor_is_cancelled_by_the_callers_deadline_and_resum
     assert state is RecoveryState.RESUMABLE  # the open action intent may be replayed
 
     working = SeamExecutor(tools)
-    later = await resume(definition(await cancel_stores.reopen(store), model=SeamModel()),
-                         request("r", tools, executor=working, cancel_grace_s=GRACE_S))
+    later = await resume(
+        definition(await cancel_stores.reopen(store), model=SeamModel()),
+        request("r", tools, executor=working, cancel_grace_s=GRACE_S),
+    )
     assert later.stop_reason is StopReason.FINAL_ANSWER
     assert working.executions == ["r:0:action"]  # replayed under the announced id
     assert same_outcome(later, await uninterrupted())
@@ -515,12 +548,17 @@ async def test_a_hanging_executor_is_cancelled_by_the_callers_deadline_and_resum
 async def test_a_hanging_action_that_may_not_be_repeated_resumes_in_doubt() -> None:
     store = MemoryStore()
     tools = make_tools(Ledger())
-    await under_deadline("move_on_after", lambda: run(
-        definition(store, model=SeamModel()),
-        request("r", tools, executor=SeamExecutor(tools, hanging, replay=Replay.NEVER))))
+    await under_deadline(
+        "move_on_after",
+        lambda: run(
+            definition(store, model=SeamModel()),
+            request("r", tools, executor=SeamExecutor(tools, hanging, replay=Replay.NEVER)),
+        ),
+    )
     working = SeamExecutor(tools, replay=Replay.NEVER)
-    later = await resume(definition(store, model=SeamModel()),
-                         request("r", tools, executor=working))
+    later = await resume(
+        definition(store, model=SeamModel()), request("r", tools, executor=working)
+    )
     assert later.stop_reason is StopReason.IN_DOUBT
     assert later.detail is not None and "r:0:action" in later.detail
     assert working.executions == []
@@ -566,17 +604,27 @@ INTERPRETER_FAULTS: dict[str, tuple[Callable[[ModelReply], Any], type[Exception]
     "returns-the-reply": (lambda reply: reply, TypeError),
     "int-answer": (lambda reply: FinalAnswer(answer=4, history_text="x"), TypeError),  # type: ignore[arg-type]
     "none-history": (lambda reply: FinalAnswer(answer="4", history_text=None), TypeError),  # type: ignore[arg-type]
-    "none-action-text": (lambda reply: Action(payload={"name": "double",
-                                                       "arguments": {"n": 1}},
-                                              action_text=None,  # type: ignore[arg-type]
-                                              history_text="x"), TypeError),
-    "bytes-feedback": (lambda reply: InvalidDecision(feedback=b"no",  # type: ignore[arg-type]
-                                                     history_text="x"), TypeError),
+    "none-action-text": (
+        lambda reply: Action(
+            payload={"name": "double", "arguments": {"n": 1}},
+            action_text=None,  # type: ignore[arg-type]
+            history_text="x",
+        ),
+        TypeError,
+    ),
+    "bytes-feedback": (
+        lambda reply: InvalidDecision(
+            feedback=b"no",  # type: ignore[arg-type]
+            history_text="x",
+        ),
+        TypeError,
+    ),
 }
 
 
-@pytest.mark.parametrize(("fault", "raises"), list(INTERPRETER_FAULTS.values()),
-                         ids=list(INTERPRETER_FAULTS))
+@pytest.mark.parametrize(
+    ("fault", "raises"), list(INTERPRETER_FAULTS.values()), ids=list(INTERPRETER_FAULTS)
+)
 async def test_a_faulty_interpreter_propagates_writes_no_step_and_resume_finishes(
     stores: Stores, fault: Callable[[ModelReply], Any], raises: type[Exception]
 ) -> None:
@@ -584,8 +632,10 @@ async def test_a_faulty_interpreter_propagates_writes_no_step_and_resume_finishe
     ledger = Ledger()
     tools = make_tools(ledger)
     with pytest.raises(raises):
-        await run(definition(store, model=SeamModel(), interpreter=BrokenAtAnswer(fault)),
-                  request("r", tools))
+        await run(
+            definition(store, model=SeamModel(), interpreter=BrokenAtAnswer(fault)),
+            request("r", tools),
+        )
     records, state = await reads_back(store)
     assert state is RecoveryState.RESUMABLE
     assert [r.step for r in records if isinstance(r, StepRecord)] == [0]
@@ -595,9 +645,10 @@ async def test_a_faulty_interpreter_propagates_writes_no_step_and_resume_finishe
     assert ledger.calls == [("double", "r:0:action")]
 
     model = SeamModel()
-    fixed = await resume(definition(await stores.reopen(store), model=model,
-                                    interpreter=JsonActionInterpreter()),
-                         request("r", tools))
+    fixed = await resume(
+        definition(await stores.reopen(store), model=model, interpreter=JsonActionInterpreter()),
+        request("r", tools),
+    )
     assert fixed.stop_reason is StopReason.FINAL_ANSWER and fixed.final_answer == "4"
     assert model.calls == []  # the stored reply was interpreted again, not asked for again
     assert ledger.calls == [("double", "r:0:action")]
@@ -628,9 +679,13 @@ async def test_a_sink_that_hangs_on_a_step_is_cancelled_by_the_deadline() -> Non
     store = MemoryStore()
     tools = make_tools(Ledger())
     sink = HangingSink(lambda event: event.kind is EventKind.STEP_FINISHED)
-    elapsed = await under_deadline("move_on_after", lambda: run(
-        definition(store, model=SeamModel(), events=sink),
-        request("r", tools, cancel_grace_s=GRACE_S)))
+    elapsed = await under_deadline(
+        "move_on_after",
+        lambda: run(
+            definition(store, model=SeamModel(), events=sink),
+            request("r", tools, cancel_grace_s=GRACE_S),
+        ),
+    )
     assert elapsed < DEADLINE_S + GRACE_S
     records, state = await reads_back(store)
     # The step landed before its event was emitted; the end record after the cancellation.
@@ -640,8 +695,10 @@ async def test_a_sink_that_hangs_on_a_step_is_cancelled_by_the_deadline() -> Non
     assert state is RecoveryState.RESUMABLE
     assert sink.events == [EventKind.RUN_STARTED, EventKind.STEP_FINISHED, EventKind.RUN_ENDED]
 
-    later = await resume(definition(store, model=SeamModel(), events=HangingSink()),
-                         request("r", tools, cancel_grace_s=GRACE_S))
+    later = await resume(
+        definition(store, model=SeamModel(), events=HangingSink()),
+        request("r", tools, cancel_grace_s=GRACE_S),
+    )
     assert later.stop_reason is StopReason.FINAL_ANSWER
     assert same_outcome(later, await uninterrupted())
 
@@ -650,9 +707,13 @@ async def test_a_sink_that_always_hangs_costs_at_most_the_deadline_plus_the_grac
     store = MemoryStore()
     tools = make_tools(Ledger())
     sink = HangingSink(lambda event: True)
-    elapsed = await under_deadline("fail_after", lambda: run(
-        definition(store, model=SeamModel(), events=sink),
-        request("r", tools, cancel_grace_s=GRACE_S)))
+    elapsed = await under_deadline(
+        "fail_after",
+        lambda: run(
+            definition(store, model=SeamModel(), events=sink),
+            request("r", tools, cancel_grace_s=GRACE_S),
+        ),
+    )
     # RUN_ENDED hangs too, inside the shielded grace: the grace bounds it.
     assert DEADLINE_S + GRACE_S * 0.9 <= elapsed < DEADLINE_S + GRACE_S + 2.0
     records, _ = await reads_back(store)
@@ -661,7 +722,9 @@ async def test_a_sink_that_always_hangs_costs_at_most_the_deadline_plus_the_grac
     assert records[-1].stop_reason is StopReason.CANCELLED
     assert sink.events == [EventKind.RUN_STARTED, EventKind.RUN_ENDED]
 
-    later = await resume(definition(store, model=SeamModel(), events=HangingSink()),
-                         request("r", tools, cancel_grace_s=GRACE_S))
+    later = await resume(
+        definition(store, model=SeamModel(), events=HangingSink()),
+        request("r", tools, cancel_grace_s=GRACE_S),
+    )
     assert later.stop_reason is StopReason.FINAL_ANSWER
     assert same_outcome(later, await uninterrupted())

@@ -23,8 +23,9 @@ def modules_after(statement: str, *, extra_path: Path | None = None) -> set[str]
     """The names in ``sys.modules`` after running ``statement`` in a new interpreter."""
     setup = f"import sys; sys.path.insert(0, {str(extra_path)!r}); " if extra_path else ""
     code = f"{setup}{statement}; import json, sys; print(json.dumps(sorted(sys.modules)))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     return set(json.loads(done.stdout.splitlines()[-1]))
 
 
@@ -36,8 +37,9 @@ def test_import_polyloop_pulls_in_no_optional_package_store_or_adapter() -> None
     loaded = modules_after("import polyloop")
     assert "polyloop" in loaded
     assert top_level(loaded).isdisjoint(OPTIONAL), sorted(top_level(loaded) & set(OPTIONAL))
-    assert not [name for name in loaded
-                if name.startswith(("polyloop.stores", "polyloop.adapters"))]
+    assert not [
+        name for name in loaded if name.startswith(("polyloop.stores", "polyloop.adapters"))
+    ]
 
 
 def test_import_polyloop_adapters_pulls_in_neither_adapter() -> None:
@@ -52,8 +54,9 @@ def test_each_adapter_pulls_in_only_its_own_package() -> None:
     assert "openai" in openai_side
     assert "polygateway" not in top_level(openai_side)
 
-    gateway_side = modules_after("import polyloop.adapters.gateway",
-                                 extra_path=TESTS / "adapters" / "polygateway_standin")
+    gateway_side = modules_after(
+        "import polyloop.adapters.gateway", extra_path=TESTS / "adapters" / "polygateway_standin"
+    )
     assert "polygateway" in gateway_side
     assert "openai" not in top_level(gateway_side)
 
@@ -74,6 +77,7 @@ def test_only_its_adapter_module_imports_an_adapter_package(package: str) -> Non
     importers = {path for path in SOURCE.rglob("*.py") if package in _imported_roots(path)}
     if package == "openai":
         # The command line may offer a real model; it is outside the import rules.
-        importers = {path for path in importers
-                     if path.relative_to(SOURCE).parts[0] not in ("cli", "cli.py")}
+        importers = {
+            path for path in importers if path.relative_to(SOURCE).parts[0] not in ("cli", "cli.py")
+        }
     assert importers == {owner}

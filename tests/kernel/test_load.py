@@ -70,8 +70,9 @@ class InstantModel:
             self.on_call(call)
         last = call.call_index >= self.steps - 1
         content = answer(f"done {call.run_id}") if last else tool_call("noop")
-        return ModelReply(call_id=f"{call.run_id}#{call.call_index}", content=content,
-                          reasoning=None)
+        return ModelReply(
+            call_id=f"{call.run_id}#{call.call_index}", content=content, reasoning=None
+        )
 
 
 async def _noop(arguments: dict[str, Any], *, result_id: str) -> str:
@@ -79,15 +80,19 @@ async def _noop(arguments: dict[str, Any], *, result_id: str) -> str:
 
 
 NOOP_TOOLS = ToolRegistry(
-    [ToolSpec(name="noop", description="Does nothing.", parameters={"type": "object"},
-              handler=_noop)],
+    [
+        ToolSpec(
+            name="noop", description="Does nothing.", parameters={"type": "object"}, handler=_noop
+        )
+    ],
     max_observation_chars=1_000,
 )
 
 
 def _request(run_id: str, steps: int) -> Any:
     return request(
-        run_id, NOOP_TOOLS,
+        run_id,
+        NOOP_TOOLS,
         budget=Budget(max_steps=steps, max_valid_steps=steps, max_context_chars=10**9),
         binding={"who": run_id},
     )
@@ -145,10 +150,12 @@ async def test_2000_concurrent_runs_of_20_steps_in_memory(anyio_backend: str) ->
         tracemalloc.stop()
     await _check_isolated(store, results, STEPS)
     per_run_peak, per_run_kept = peak / MEMORY_RUNS, retained / MEMORY_RUNS
-    print(f"\n{MEMORY_RUNS} runs x {STEPS} steps in memory ({anyio_backend}): "
-          f"{elapsed:.1f}s under tracemalloc; peak {peak / 2**20:.1f} MiB = "
-          f"{per_run_peak / 1024:.1f} KiB per run; retained after the runs "
-          f"{per_run_kept / 1024:.1f} KiB per run (the store's 100 records and the result)")
+    print(
+        f"\n{MEMORY_RUNS} runs x {STEPS} steps in memory ({anyio_backend}): "
+        f"{elapsed:.1f}s under tracemalloc; peak {peak / 2**20:.1f} MiB = "
+        f"{per_run_peak / 1024:.1f} KiB per run; retained after the runs "
+        f"{per_run_kept / 1024:.1f} KiB per run (the store's 100 records and the result)"
+    )
     # Generous: a run's records and transient state are a few tens of KiB. A leak of the
     # history per call (quadratic) or of whole contexts would blow far past this.
     assert per_run_peak < 512 * 1024
@@ -191,9 +198,11 @@ async def test_300_concurrent_runs_of_20_steps_on_each_durable_store(
             assert len(log.records) == 1 + 5 * (STEPS - 1) + 3 + 1
     finally:
         await close_store(reopened)
-    print(f"\n{DURABLE_RUNS} runs x {STEPS} steps on {type(store).__name__} ({anyio_backend}): "
-          f"{elapsed:.1f}s "
-          f"({elapsed / (DURABLE_RUNS * STEPS) * 1e3:.2f} ms per step)")
+    print(
+        f"\n{DURABLE_RUNS} runs x {STEPS} steps on {type(store).__name__} ({anyio_backend}): "
+        f"{elapsed:.1f}s "
+        f"({elapsed / (DURABLE_RUNS * STEPS) * 1e3:.2f} ms per step)"
+    )
 
 
 # -- soak: one run of 5,000 steps ----------------------------------------------------------
@@ -243,11 +252,13 @@ async def test_one_run_of_5000_steps_keeps_no_more_than_its_history(
     encoded_step = len(log) / SOAK_STEPS  # bytes of one step's records on disk
     early = samples[EARLY] / EARLY
     late = (samples[LATE] - samples[EARLY]) / (LATE - EARLY)
-    print(f"\nsoak ({anyio_backend}): {SOAK_STEPS} steps on JsonlStore in {elapsed:.1f}s under "
-          f"tracemalloc; "
-          f"traced memory {samples[EARLY] / 2**20:.2f} MiB at step {EARLY}, "
-          f"{samples[LATE] / 2**20:.2f} MiB at step {LATE}; {early:.0f} B per step up to "
-          f"{EARLY}, {late:.0f} B per step after it; {encoded_step:.0f} B of log per step")
+    print(
+        f"\nsoak ({anyio_backend}): {SOAK_STEPS} steps on JsonlStore in {elapsed:.1f}s under "
+        f"tracemalloc; "
+        f"traced memory {samples[EARLY] / 2**20:.2f} MiB at step {EARLY}, "
+        f"{samples[LATE] / 2**20:.2f} MiB at step {LATE}; {early:.0f} B per step up to "
+        f"{EARLY}, {late:.0f} B per step after it; {encoded_step:.0f} B of log per step"
+    )
     assert late <= 2 * early
     assert late <= max(16 * 1024, 8 * encoded_step)
 
@@ -289,11 +300,13 @@ def _renumbered(template: Sequence[Record], run_id: str, k: int) -> Iterator[str
     """The lines of step ``k`` of ``run_id``, copied from ``template``."""
     intent_m, result_m, intent_a, result_a, step = template
     model_id, action_id = f"{run_id}:{k}:model", f"{run_id}:{k}:action"
-    yield dumps(dataclasses.replace(intent_m, run_id=run_id, result_id=model_id, step=k,
-                                    call_index=k))
+    yield dumps(
+        dataclasses.replace(intent_m, run_id=run_id, result_id=model_id, step=k, call_index=k)
+    )
     yield dumps(dataclasses.replace(result_m, run_id=run_id, result_id=model_id))
-    yield dumps(dataclasses.replace(intent_a, run_id=run_id, result_id=action_id, step=k,
-                                    call_index=k))
+    yield dumps(
+        dataclasses.replace(intent_a, run_id=run_id, result_id=action_id, step=k, call_index=k)
+    )
     action = dumps(dataclasses.replace(result_a, run_id=run_id, result_id=action_id))
     yield f"[{action},{dumps(dataclasses.replace(step, run_id=run_id, step=k))}]"
 
@@ -309,21 +322,20 @@ async def _logged_run(directory: Path, template: Sequence[Record], size: int) ->
     store = JsonlStore(directory)
     try:
         with pytest.raises(SimulatedCrash):
-            await run(definition(FaultyStore(store, fail_after_writes=1),
-                                 model=InstantModel(size + 1)), _request(run_id, size))
+            await run(
+                definition(FaultyStore(store, fail_after_writes=1), model=InstantModel(size + 1)),
+                _request(run_id, size),
+            )
     finally:
         await store.aclose()
     path = directory / f"{safe_name(run_id)}.jsonl"
     started = path.read_bytes()
     assert started.count(b"\n") == 1
-    body = "".join(f"{line}\n" for k in range(size)
-                   for line in _renumbered(template, run_id, k))
+    body = "".join(f"{line}\n" for k in range(size) for line in _renumbered(template, run_id, k))
     return started + body.encode("utf-8")
 
 
-async def test_resume_time_grows_linearly_with_the_log(
-    tmp_path: Path, anyio_backend: str
-) -> None:
+async def test_resume_time_grows_linearly_with_the_log(tmp_path: Path, anyio_backend: str) -> None:
     """``resume`` of logs of 1k, 5k and 20k steps: the time per logged step stays flat.
 
     Every resume reads the whole log, rebuilds the transcript from the step records,
@@ -347,8 +359,9 @@ async def test_resume_time_grows_linearly_with_the_log(
             gc.collect()
             began = time.perf_counter()
             try:
-                result = await resume(definition(store, model=InstantModel(size + 1)),
-                                      _request(run_id, size))
+                result = await resume(
+                    definition(store, model=InstantModel(size + 1)), _request(run_id, size)
+                )
             finally:
                 elapsed = time.perf_counter() - began
                 await close_store(store.inner)
@@ -364,10 +377,14 @@ async def test_resume_time_grows_linearly_with_the_log(
         (x - mean_x) ** 2 for x in xs
     )
     intercept = mean_y - slope * mean_x
-    print(f"\nresume on JsonlStore ({anyio_backend}): " + ", ".join(
-        f"{size} steps {best[size] * 1e3:.0f} ms ({per_step[size] * 1e6:.1f} us/step)"
-        for size in RESUME_SIZES
-    ) + f"; least-squares slope {slope * 1e6:.1f} us per logged step, intercept "
+    print(
+        f"\nresume on JsonlStore ({anyio_backend}): "
+        + ", ".join(
+            f"{size} steps {best[size] * 1e3:.0f} ms ({per_step[size] * 1e6:.1f} us/step)"
+            for size in RESUME_SIZES
+        )
+        + f"; least-squares slope {slope * 1e6:.1f} us per logged step, intercept "
         f"{intercept * 1e3:.1f} ms; per-step ratio 20k/1k "
-        f"{per_step[RESUME_SIZES[-1]] / per_step[RESUME_SIZES[0]]:.2f}")
+        f"{per_step[RESUME_SIZES[-1]] / per_step[RESUME_SIZES[0]]:.2f}"
+    )
     assert per_step[RESUME_SIZES[-1]] <= 2 * per_step[RESUME_SIZES[0]]

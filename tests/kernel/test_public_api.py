@@ -16,21 +16,71 @@ from polyloop import ports, serialization, session, tools, types
 # SPEC §12.1: where every public name lives.
 NAMES_BY_MODULE = {
     types: {
-        "JSONValue", "Role", "TextBlock", "ContentBlock", "Message", "Budget", "Replay",
-        "ActionStatus", "DecisionKind", "StopReason", "ToolStyle", "Injection", "StepRecord",
-        "RunStarted", "Intent", "IntentKind", "Result", "RunEnded", "RunLog", "RunResult",
-        "Record", "PolyLoopError", "RunAlreadyExists", "RunNotFound", "RunIdentityMismatch",
-        "CorruptLog", "SchemaMajorMismatch", "RunLocked", "InvalidRequest", "StoreError",
-        "UnloggableValue", "RunState", "RunStatus", "RecoveredRun",
+        "JSONValue",
+        "Role",
+        "TextBlock",
+        "ContentBlock",
+        "Message",
+        "Budget",
+        "Replay",
+        "ActionStatus",
+        "DecisionKind",
+        "StopReason",
+        "ToolStyle",
+        "Injection",
+        "StepRecord",
+        "RunStarted",
+        "Intent",
+        "IntentKind",
+        "Result",
+        "RunEnded",
+        "RunLog",
+        "RunResult",
+        "Record",
+        "PolyLoopError",
+        "RunAlreadyExists",
+        "RunNotFound",
+        "RunIdentityMismatch",
+        "CorruptLog",
+        "SchemaMajorMismatch",
+        "RunLocked",
+        "InvalidRequest",
+        "StoreError",
+        "UnloggableValue",
+        "RunState",
+        "RunStatus",
+        "RecoveredRun",
     },
     ports: {
-        "ModelClient", "ModelCall", "ModelReply", "Interpreter", "Decision", "Action",
-        "FinalAnswer", "InvalidDecision", "ActionExecutor", "ActionOutcome", "Store",
-        "EventSink", "Event", "EventKind", "NullSink", "ManagedStore", "StoredRun",
+        "ModelClient",
+        "ModelCall",
+        "ModelReply",
+        "Interpreter",
+        "Decision",
+        "Action",
+        "FinalAnswer",
+        "InvalidDecision",
+        "ActionExecutor",
+        "ActionOutcome",
+        "Store",
+        "EventSink",
+        "Event",
+        "EventKind",
+        "NullSink",
+        "ManagedStore",
+        "StoredRun",
     },
     tools: {"ToolSpec", "ToolRegistry"},
-    session: {"Definition", "Request", "ObservationTexts", "run", "resume", "start_or_resume",
-              "run_status", "recover"},
+    session: {
+        "Definition",
+        "Request",
+        "ObservationTexts",
+        "run",
+        "resume",
+        "start_or_resume",
+        "run_status",
+        "recover",
+    },
 }
 ERRORS = {
     "PolyLoopError": Exception,
@@ -46,8 +96,9 @@ ERRORS = {
 }
 
 
-@pytest.mark.parametrize("module", [polyloop, types, ports, tools, session, serialization],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [polyloop, types, ports, tools, session, serialization], ids=lambda m: m.__name__
+)
 def test_all_is_a_sorted_tuple_of_unique_existing_names(module: Any) -> None:
     exported = module.__all__
     assert isinstance(exported, tuple)
@@ -69,8 +120,7 @@ def test_top_level_reexports_the_same_objects_once() -> None:
         for name in names:
             assert getattr(polyloop, name) is getattr(module, name), name
     # Exported once: no object reachable under two public names (aliases excepted).
-    objects = [getattr(polyloop, name) for name in polyloop.__all__
-               if name not in {"ContentBlock"}]
+    objects = [getattr(polyloop, name) for name in polyloop.__all__ if name not in {"ContentBlock"}]
     assert len({id(obj) for obj in objects}) == len(objects)
 
 
@@ -91,8 +141,9 @@ def _public_callables() -> list[tuple[str, Any]]:
                 if isinstance(member, (classmethod, property)):
                     inner = member.__func__ if isinstance(member, classmethod) else member.fget
                     found.append((f"{name}.{attr}", inner))
-        elif callable(obj) and not isinstance(obj, typing.TypeAliasType if hasattr(
-                typing, "TypeAliasType") else ()):
+        elif callable(obj) and not isinstance(
+            obj, typing.TypeAliasType if hasattr(typing, "TypeAliasType") else ()
+        ):
             found.append((name, obj))
     return found
 
@@ -179,9 +230,11 @@ def _public_coroutines() -> list[tuple[str, Any, str]]:
     """(name, coroutine, the docstring that must state what a cancellation leaves)."""
     from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
 
-    found = [(name, function, function.__doc__ or "") for name, function in (
-        (name, getattr(polyloop, name)) for name in polyloop.__all__)
-        if inspect.iscoroutinefunction(function)]
+    found = [
+        (name, function, function.__doc__ or "")
+        for name, function in ((name, getattr(polyloop, name)) for name in polyloop.__all__)
+        if inspect.iscoroutinefunction(function)
+    ]
     classes = [getattr(polyloop, n) for n in polyloop.__all__]
     classes += [MemoryStore, JsonlStore, SqliteStore, PostgresStore]
     for cls in classes:
@@ -194,8 +247,8 @@ def _public_coroutines() -> list[tuple[str, Any, str]]:
     return found
 
 
-@pytest.mark.parametrize(("name", "coroutine", "doc"), _public_coroutines(),
-                         ids=[n for n, _, _ in _public_coroutines()])
-def test_every_public_coroutine_documents_cancellation(name: str, coroutine: Any,
-                                                       doc: str) -> None:
+@pytest.mark.parametrize(
+    ("name", "coroutine", "doc"), _public_coroutines(), ids=[n for n, _, _ in _public_coroutines()]
+)
+def test_every_public_coroutine_documents_cancellation(name: str, coroutine: Any, doc: str) -> None:
     assert "Cancellation" in doc, name

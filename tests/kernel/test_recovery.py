@@ -61,7 +61,13 @@ StepKind = Literal[
     "model_failure",  # the model call raised: the run stops
 ]
 STEP_KINDS: tuple[StepKind, ...] = (
-    "action", "refused", "unloggable", "env_fault", "final", "invalid", "model_failure",
+    "action",
+    "refused",
+    "unloggable",
+    "env_fault",
+    "final",
+    "invalid",
+    "model_failure",
 )
 STOPPING_KINDS = {"env_fault", "final", "model_failure"}
 WITH_ACTION_INTENT = {"action", "refused", "env_fault"}
@@ -110,8 +116,11 @@ class LogBuilder:
         if kind == "model_failure":
             payload = {"error": "TimeoutError: the model did not answer"}
         else:
-            payload = {"call_id": f"call-{self.index}", "content": f"reply {self.index}",
-                       "reasoning": None}
+            payload = {
+                "call_id": f"call-{self.index}",
+                "content": f"reply {self.index}",
+                "reasoning": None,
+            }
         result = Result(
             run_id=self.run_id,
             result_id=model_result_id(self.run_id, self.index),
@@ -239,14 +248,24 @@ def _step_record(run_id: str, index: int, kind: StepKind) -> StepRecord:
             action_status=status,
         )
     elif kind == "final":
-        common.update(decision=DecisionKind.FINAL, history_text="The answer is 42.",
-                      final_answer="42")
+        common.update(
+            decision=DecisionKind.FINAL, history_text="The answer is 42.", final_answer="42"
+        )
     elif kind == "invalid":
-        common.update(decision=DecisionKind.INVALID, history_text="garbage",
-                      observation="reply with JSON", observation_synthesized=True)
+        common.update(
+            decision=DecisionKind.INVALID,
+            history_text="garbage",
+            observation="reply with JSON",
+            observation_synthesized=True,
+        )
     else:
-        common.update(call_id=None, model_output="", decision=DecisionKind.INVALID,
-                      history_text="", error="TimeoutError: the model did not answer")
+        common.update(
+            call_id=None,
+            model_output="",
+            decision=DecisionKind.INVALID,
+            history_text="",
+            error="TimeoutError: the model did not answer",
+        )
     return StepRecord(**common)
 
 
@@ -302,13 +321,25 @@ def test_builder_writes_the_pinned_record_sequence() -> None:
     records = build_log(RUN, ["action", "action"], end=StopReason.SUBMITTED)
     assert [type(r).__name__ for r in records] == [
         "RunStarted",
-        "Intent", "Result", "Intent", "Result", "StepRecord",
-        "Intent", "Result", "Intent", "Result", "StepRecord",
+        "Intent",
+        "Result",
+        "Intent",
+        "Result",
+        "StepRecord",
+        "Intent",
+        "Result",
+        "Intent",
+        "Result",
+        "StepRecord",
         "RunEnded",
     ]
     short = build_log(RUN, ["final"])
     assert [type(r).__name__ for r in short] == [
-        "RunStarted", "Intent", "Result", "StepRecord", "RunEnded",
+        "RunStarted",
+        "Intent",
+        "Result",
+        "StepRecord",
+        "RunEnded",
     ]
     assert plan_of(records).state is RecoveryState.FINISHED
 
@@ -333,9 +364,7 @@ def test_empty_log_is_fresh() -> None:
         pytest.param(["action"], StopReason.SUBMITTED, id="submitted"),
     ],
 )
-def test_log_ending_with_a_final_end_is_finished(
-    spec: list[StepKind], reason: StopReason
-) -> None:
+def test_log_ending_with_a_final_end_is_finished(spec: list[StepKind], reason: StopReason) -> None:
     builder = LogBuilder()
     for kind in spec:
         builder.step(kind)
@@ -427,9 +456,7 @@ def test_open_action_intent(replay: Replay, state: RecoveryState) -> None:
         pytest.param(["model_failure"], False, id="model-failure-last"),
     ],
 )
-def test_completed_steps_only_is_resumable(
-    spec: list[StepKind], last_has_action: bool
-) -> None:
+def test_completed_steps_only_is_resumable(spec: list[StepKind], last_has_action: bool) -> None:
     builder = LogBuilder(model_replay=Replay.NEVER)
     intents: list[Intent | None] = []
     for kind in spec:
@@ -579,30 +606,31 @@ def _corrupt_cases() -> list[Any]:
         pytest.param(full[1:], 0, id="first-record-not-run-started"),
         pytest.param([full[0], full[0], *full[1:]], 1, id="second-run-started"),
         pytest.param(
-            [*full[:6], RunStarted(run_id=RUN, snapshot={}), *full[6:]], 6,
+            [*full[:6], RunStarted(run_id=RUN, snapshot={}), *full[6:]],
+            6,
             id="run-started-mid-log",
         ),
         pytest.param(_replace(full, 3, run_id="other"), 3, id="record-of-another-run"),
         pytest.param(_replace(full, 0, run_id="other"), 0, id="start-of-another-run"),
         pytest.param([*full, full[-1]], 12, id="second-end-after-final-end"),
-        pytest.param(
-            [*build_log(RUN, ["final"]), *full[6:8]], 5, id="intent-after-final-end"
-        ),
+        pytest.param([*build_log(RUN, ["final"]), *full[6:8]], 5, id="intent-after-final-end"),
         pytest.param(_replace(full, 10, step=2), 10, id="step-record-skips-a-number"),
         pytest.param(_replace(full, 5, step=1), 5, id="step-record-ahead"),
         pytest.param(full[:1] + full[2:], 1, id="result-without-intent"),
         pytest.param([*full[:3], full[2], *full[3:]], 3, id="second-result-for-one-intent"),
         pytest.param(
-            [*full[:3], Result(run_id=RUN, result_id=f"{RUN}:0:model",
-                               kind=IntentKind.ACTION, payload=None)],
+            [
+                *full[:3],
+                Result(
+                    run_id=RUN, result_id=f"{RUN}:0:model", kind=IntentKind.ACTION, payload=None
+                ),
+            ],
             3,
             id="result-of-the-wrong-kind",
         ),
         pytest.param(full[:1] + full[3:], 1, id="action-intent-before-model-result"),
         pytest.param(full[:2] + full[3:], 2, id="action-intent-while-model-intent-open"),
-        pytest.param(
-            _replace(full, 1, result_id=f"{RUN}:0:action"), 1, id="model-intent-wrong-id"
-        ),
+        pytest.param(_replace(full, 1, result_id=f"{RUN}:0:action"), 1, id="model-intent-wrong-id"),
         pytest.param(
             _replace(full, 3, result_id=f"{RUN}:1:action"), 3, id="action-intent-wrong-id"
         ),
@@ -611,16 +639,10 @@ def _corrupt_cases() -> list[Any]:
         ),
         pytest.param(_replace(full, 6, step=0, call_index=0), 6, id="intent-for-a-past-step"),
         pytest.param(_replace(full, 1, call_index=1), 1, id="intent-wrong-call-index"),
-        pytest.param(
-            [*full[:5], *full[6:]], 5, id="action-result-followed-by-next-intent"
-        ),
-        pytest.param(
-            [*one_step_open[:5], full[-1]], 5, id="end-between-action-result-and-step"
-        ),
+        pytest.param([*full[:5], *full[6:]], 5, id="action-result-followed-by-next-intent"),
+        pytest.param([*one_step_open[:5], full[-1]], 5, id="end-between-action-result-and-step"),
         pytest.param(one_step_open[:5], 4, id="action-result-not-followed-by-its-step"),
-        pytest.param(
-            [*full[:4], full[5]], 4, id="step-record-while-action-intent-open"
-        ),
+        pytest.param([*full[:4], full[5]], 4, id="step-record-while-action-intent-open"),
         pytest.param([*full[:2], full[5]], 2, id="step-record-without-model-result"),
         pytest.param(_replace(full, 11, steps=3), 11, id="end-counts-too-many-steps"),
         pytest.param(_replace(full, 11, steps=1), 11, id="end-counts-too-few-steps"),
@@ -805,13 +827,10 @@ def test_every_prefix_of_a_valid_log_reads(builder: LogBuilder) -> None:
         assert plan.open_intent == open_intent
 
         finished = any(
-            isinstance(r, RunEnded) and r.stop_reason is not StopReason.CANCELLED
-            for r in records
+            isinstance(r, RunEnded) and r.stop_reason is not StopReason.CANCELLED for r in records
         )
         assert finished == (plan.state is RecoveryState.FINISHED)
-        in_doubt = (
-            open_intent is not None and open_intent.replay is Replay.NEVER and not finished
-        )
+        in_doubt = open_intent is not None and open_intent.replay is Replay.NEVER and not finished
         assert in_doubt == (plan.state is RecoveryState.IN_DOUBT)
         if not finished and not in_doubt:
             assert plan.state is RecoveryState.RESUMABLE

@@ -100,8 +100,7 @@ EXPECTED: dict[str, Record] = {
         call_index=0,
         replay=Replay.ALLOWED,
         payload={
-            "messages_sha256": "2c26b46b68ffc68ff99b453c1d304134"
-            "13422d706483bfa0f98a5e886266e7ae"
+            "messages_sha256": "2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae"
         },
     ),
     "intent_action": Intent(
@@ -249,8 +248,14 @@ def test_dumps_is_canonical_json() -> None:
     data = json.loads(line)
     assert line == json.dumps(data, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
     assert "先找测试" in line  # UTF-8, not \u escapes
-    small = RunEnded(run_id="r", stop_reason=StopReason.CANCELLED, final_answer=None,
-                     steps=1, valid_steps=0, detail="é\n")
+    small = RunEnded(
+        run_id="r",
+        stop_reason=StopReason.CANCELLED,
+        final_answer=None,
+        steps=1,
+        valid_steps=0,
+        detail="é\n",
+    )
     assert dumps(small) == (
         '{"detail":"é\\n","final_answer":null,"kind":"run_ended","run_id":"r",'
         '"schema":"polyloop/1","steps":1,"stop_reason":"cancelled","valid_steps":0}'
@@ -258,8 +263,12 @@ def test_dumps_is_canonical_json() -> None:
 
 
 def test_lone_surrogate_falls_back_to_ascii_escapes() -> None:
-    record = Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL,
-                    payload={"content": "ok \ud83d then é"})
+    record = Result(
+        run_id="r",
+        result_id="r:0:model",
+        kind=IntentKind.MODEL_CALL,
+        payload={"content": "ok \ud83d then é"},
+    )
     line = dumps(record)
     line.encode("utf-8")  # valid UTF-8 text
     assert line.isascii()
@@ -269,15 +278,17 @@ def test_lone_surrogate_falls_back_to_ascii_escapes() -> None:
 
 
 def test_tuples_are_written_as_lists() -> None:
-    record = Result(run_id="r", result_id="r:0:action", kind=IntentKind.ACTION,
-                    payload={"xs": (1, (2, 3))})  # type: ignore[dict-item]
+    record = Result(
+        run_id="r", result_id="r:0:action", kind=IntentKind.ACTION, payload={"xs": (1, (2, 3))}
+    )  # type: ignore[dict-item]
     assert loads(dumps(record)).payload == {"xs": [1, [2, 3]]}  # type: ignore[union-attr]
 
 
 def test_integer_at_the_digit_limit_round_trips() -> None:
     biggest = 10**4300 - 1  # 4,300 digits
-    record = Result(run_id="r", result_id="r:0:action", kind=IntentKind.ACTION,
-                    payload=[biggest, -biggest])
+    record = Result(
+        run_id="r", result_id="r:0:action", kind=IntentKind.ACTION, payload=[biggest, -biggest]
+    )
     assert loads(dumps(record)) == record
 
 
@@ -318,8 +329,7 @@ big_ints = st.sampled_from([2**63, -(2**63) - 1, 2**64, 10**4300 - 1, -(10**4300
 finite_floats = st.floats(allow_nan=False, allow_infinity=False)
 json_values: st.SearchStrategy[JSONValue] = st.recursive(
     st.none() | st.booleans() | st.integers() | big_ints | finite_floats | texts,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(texts, children, max_size=4),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(texts, children, max_size=4),
     max_leaves=12,
 )
 snapshots = st.dictionaries(texts, json_values, max_size=5)
@@ -399,8 +409,7 @@ def test_encode_is_plain_json(record: Record) -> None:
 
 
 def _result(payload: Any) -> Result:
-    return Result(run_id="r-9", result_id="r-9:0:action", kind=IntentKind.ACTION,
-                  payload=payload)
+    return Result(run_id="r-9", result_id="r-9:0:action", kind=IntentKind.ACTION, payload=payload)
 
 
 class _Opaque:
@@ -464,14 +473,21 @@ class _Label(str):
 
 
 _plain_leaves = (
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text()
-    | st.builds(_Label, st.text()) | st.sampled_from([4299, 4300, 5000]).map(lambda n: -(10**n))
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text()
+    | st.builds(_Label, st.text())
+    | st.sampled_from([4299, 4300, 5000]).map(lambda n: -(10**n))
 )
 _plain_values = st.recursive(
     _plain_leaves,
-    lambda inner: st.lists(inner, max_size=4)
-    | st.lists(inner, max_size=3).map(tuple)
-    | st.dictionaries(st.text(max_size=3) | st.integers(0, 3), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=3) | st.integers(0, 3), inner, max_size=4)
+    ),
     max_leaves=25,
 )
 
@@ -524,12 +540,32 @@ def _payload_literal(literal: str) -> str:
 
 REQUIRED = {
     "run_started": ["run_id", "snapshot"],
-    "intent_model_call": ["run_id", "result_id", "intent_kind", "step", "call_index",
-                          "replay", "payload"],
+    "intent_model_call": [
+        "run_id",
+        "result_id",
+        "intent_kind",
+        "step",
+        "call_index",
+        "replay",
+        "payload",
+    ],
     "result_model_call": ["run_id", "result_id", "intent_kind", "payload"],
-    "step_action": ["run_id", "step", "call_id", "model_output", "reasoning", "decision",
-                    "history_text", "action_text", "observation", "observation_synthesized",
-                    "action_status", "done", "truncated_chars", "error"],
+    "step_action": [
+        "run_id",
+        "step",
+        "call_id",
+        "model_output",
+        "reasoning",
+        "decision",
+        "history_text",
+        "action_text",
+        "observation",
+        "observation_synthesized",
+        "action_status",
+        "done",
+        "truncated_chars",
+        "error",
+    ],
     "run_ended": ["run_id", "stop_reason", "final_answer", "steps", "valid_steps", "detail"],
 }
 
@@ -555,8 +591,9 @@ CORRUPT_LINES = [
     pytest.param(_payload_literal("-Infinity"), id="minus-infinity-literal"),
     pytest.param(_payload_literal("[1e400]"), id="overflowing-float"),
     pytest.param(_payload_literal("-1e400"), id="overflowing-negative-float"),
-    pytest.param(_with("step_action", duration_s="@").replace('"@"', "1e999"),
-                 id="overflowing-duration"),
+    pytest.param(
+        _with("step_action", duration_s="@").replace('"@"', "1e999"), id="overflowing-duration"
+    ),
     pytest.param(_payload_literal("1" * 5000), id="int-literal-of-5000-digits"),
     pytest.param(_payload_literal("[" * 100_000 + "]" * 100_000), id="too-deep"),
     *[
@@ -613,9 +650,7 @@ def test_invalid_utf8_bytes_are_rejected() -> None:
         loads(raw)
 
 
-@pytest.mark.parametrize(
-    "schema", ["polyloop/2", "polyloop/0", "polyloop/2.0", "polyloop/10"]
-)
+@pytest.mark.parametrize("schema", ["polyloop/2", "polyloop/0", "polyloop/2.0", "polyloop/10"])
 def test_other_major_is_schema_major_mismatch(schema: str) -> None:
     line = _with("run_ended", schema=schema)
     with pytest.raises(SchemaMajorMismatch) as caught:
@@ -774,13 +809,15 @@ def test_dumps_refuses_what_loads_would_refuse(name: str, changes: dict[str, Any
 def _canonical_line(record: Record) -> str:
     """The encoded record as canonical JSON, made safe for line readers."""
     data = encode(record)
-    line = json.dumps(data, ensure_ascii=False, allow_nan=False, sort_keys=True,
-                      separators=(",", ":"))
+    line = json.dumps(
+        data, ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":")
+    )
     try:
         line.encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(data, ensure_ascii=True, allow_nan=False, sort_keys=True,
-                          separators=(",", ":"))
+        return json.dumps(
+            data, ensure_ascii=True, allow_nan=False, sort_keys=True, separators=(",", ":")
+        )
     for raw, escaped in {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}.items():
         line = line.replace(raw, escaped)
     return line

@@ -82,16 +82,28 @@ async def test_two_step_tool_run_is_ten_writes() -> None:
     assert result.stop_reason is StopReason.SUBMITTED
     assert store.writes == [
         "start_run",
-        "write_intent", "write_result", "write_intent", "write_step",
-        "write_intent", "write_result", "write_intent", "write_step",
+        "write_intent",
+        "write_result",
+        "write_intent",
+        "write_step",
+        "write_intent",
+        "write_result",
+        "write_intent",
+        "write_step",
         "end_run",
     ]
     log = await store.inner.read_log("r")
     assert kinds(log.records) == [
         "RunStarted",
-        "Intent:model_call", "Result:model_call", "Intent:action", "Result:action",
+        "Intent:model_call",
+        "Result:model_call",
+        "Intent:action",
+        "Result:action",
         "StepRecord",
-        "Intent:model_call", "Result:model_call", "Intent:action", "Result:action",
+        "Intent:model_call",
+        "Result:model_call",
+        "Intent:action",
+        "Result:action",
         "StepRecord",
         "RunEnded",
     ]
@@ -121,8 +133,12 @@ async def test_invalid_decision_is_three_writes_and_the_run_goes_on() -> None:
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert store.writes == [
         "start_run",
-        "write_intent", "write_result", "write_step",
-        "write_intent", "write_result", "write_step",
+        "write_intent",
+        "write_result",
+        "write_step",
+        "write_intent",
+        "write_result",
+        "write_step",
         "end_run",
     ]
     invalid = result.steps[0]
@@ -136,8 +152,9 @@ async def test_context_limit_stops_before_any_model_call() -> None:
     store = WriteLog()
     model = ScriptedModelClient([answer("never")])
     budget = Budget(max_steps=5, max_valid_steps=5, max_context_chars=10)
-    result = await run(definition(store, model=model),
-                       request("r", make_tools(Ledger()), budget=budget))
+    result = await run(
+        definition(store, model=model), request("r", make_tools(Ledger()), budget=budget)
+    )
     assert result.stop_reason is StopReason.CONTEXT_LIMIT
     assert store.writes == ["start_run", "end_run"]
     assert model.calls == []
@@ -146,8 +163,10 @@ async def test_context_limit_stops_before_any_model_call() -> None:
 
 async def test_model_failure_step_record_and_detail() -> None:
     store = MemoryStore()
-    result = await run(definition(store, script=[TimeoutError("gateway timed out")]),
-                       request("r", make_tools(Ledger())))
+    result = await run(
+        definition(store, script=[TimeoutError("gateway timed out")]),
+        request("r", make_tools(Ledger())),
+    )
     assert result.detail == "TimeoutError: gateway timed out"
     (step,) = result.steps
     assert step.error == "TimeoutError: gateway timed out"
@@ -160,8 +179,9 @@ async def test_model_failure_step_record_and_detail() -> None:
 
 
 async def test_final_answer_is_on_the_step_and_the_result() -> None:
-    result = await run(definition(MemoryStore(), script=[answer("42")]),
-                       request("r", make_tools(Ledger())))
+    result = await run(
+        definition(MemoryStore(), script=[answer("42")]), request("r", make_tools(Ledger()))
+    )
     assert result.final_answer == "42"
     assert result.steps[0].final_answer == "42"
     assert result.steps[0].decision is DecisionKind.FINAL
@@ -174,8 +194,9 @@ async def test_final_answer_is_on_the_step_and_the_result() -> None:
 async def test_last_allowed_step_that_submits_ends_submitted() -> None:
     budget = Budget(max_steps=2, max_valid_steps=2, max_context_chars=100_000)
     script = [tool_call("double", n=1), tool_call("submit", answer="2")]
-    result = await run(definition(MemoryStore(), script=script),
-                       request("r", make_tools(Ledger()), budget=budget))
+    result = await run(
+        definition(MemoryStore(), script=script), request("r", make_tools(Ledger()), budget=budget)
+    )
     assert result.stop_reason is StopReason.SUBMITTED
     assert result.step_count == 2 == result.valid_step_count
 
@@ -185,22 +206,23 @@ async def test_step_limit_and_valid_step_limit() -> None:
     looping = [tool_call("double", n=1)] * 10
     by_steps = await run(
         definition(MemoryStore(), script=looping),
-        request("a", tools, budget=Budget(max_steps=3, max_valid_steps=10,
-                                          max_context_chars=100_000)),
+        request(
+            "a", tools, budget=Budget(max_steps=3, max_valid_steps=10, max_context_chars=100_000)
+        ),
     )
     assert (by_steps.stop_reason, by_steps.step_count) == (StopReason.STEP_LIMIT, 3)
     by_valid = await run(
         definition(MemoryStore(), script=looping),
-        request("b", tools, budget=Budget(max_steps=10, max_valid_steps=2,
-                                          max_context_chars=100_000)),
+        request(
+            "b", tools, budget=Budget(max_steps=10, max_valid_steps=2, max_context_chars=100_000)
+        ),
     )
     assert (by_valid.stop_reason, by_valid.valid_step_count) == (StopReason.VALID_STEP_LIMIT, 2)
 
 
 async def test_refused_and_invalid_steps_do_not_count_as_valid() -> None:
     script = [tool_call("double", n="x"), "garbage", tool_call("nope"), answer("ok")]
-    result = await run(definition(MemoryStore(), script=script),
-                       request("r", make_tools(Ledger())))
+    result = await run(definition(MemoryStore(), script=script), request("r", make_tools(Ledger())))
     assert result.step_count == 4
     assert result.valid_step_count == 0
     refused = result.steps[0]
@@ -215,11 +237,15 @@ async def test_a_tool_that_raises_counts_as_a_valid_step() -> None:
     async def broken(arguments: dict[str, Any], *, result_id: str) -> str:
         raise ValueError("cannot parse")
 
-    tools = ToolRegistry([ToolSpec(name="broken", description="", parameters={},
-                                   handler=broken)], max_observation_chars=1000)
+    tools = ToolRegistry(
+        [ToolSpec(name="broken", description="", parameters={}, handler=broken)],
+        max_observation_chars=1000,
+    )
     budget = Budget(max_steps=10, max_valid_steps=2, max_context_chars=100_000)
-    result = await run(definition(MemoryStore(), script=[tool_call("broken")] * 5),
-                       request("r", tools, budget=budget))
+    result = await run(
+        definition(MemoryStore(), script=[tool_call("broken")] * 5),
+        request("r", tools, budget=budget),
+    )
     assert result.stop_reason is StopReason.VALID_STEP_LIMIT
     assert result.steps[0].observation == "ValueError: cannot parse"
     assert result.steps[0].observation_synthesized
@@ -234,8 +260,10 @@ async def test_executor_exception_and_fault_end_with_env_failure() -> None:
             return Replay.NEVER
 
     tools = make_tools(Ledger())
-    result = await run(definition(MemoryStore(), script=[tool_call("double", n=1)]),
-                       request("r", tools, executor=Exploding()))
+    result = await run(
+        definition(MemoryStore(), script=[tool_call("double", n=1)]),
+        request("r", tools, executor=Exploding()),
+    )
     assert result.stop_reason is StopReason.ENV_FAILURE
     assert result.detail == "Fault: OSError: sandbox gone"
     assert result.steps[0].action_status is ActionStatus.ENV_FAULT
@@ -246,15 +274,20 @@ async def test_environment_done_signal_ends_the_run() -> None:
     from polyloop import ActionOutcome
     from polyloop.testing import ScriptedEnvironment
 
-    env = ScriptedEnvironment([
-        ActionOutcome(status=ActionStatus.EXECUTED, observation="ok", synthesized=False,
-                      done=False),
-        ActionOutcome(status=ActionStatus.EXECUTED, observation="all done", synthesized=False,
-                      done=True),
-    ])
+    env = ScriptedEnvironment(
+        [
+            ActionOutcome(
+                status=ActionStatus.EXECUTED, observation="ok", synthesized=False, done=False
+            ),
+            ActionOutcome(
+                status=ActionStatus.EXECUTED, observation="all done", synthesized=False, done=True
+            ),
+        ]
+    )
     script = [tool_call("anything"), tool_call("anything")]
-    result = await run(definition(MemoryStore(), script=script),
-                       request("r", make_tools(Ledger()), executor=env))
+    result = await run(
+        definition(MemoryStore(), script=script), request("r", make_tools(Ledger()), executor=env)
+    )
     assert result.stop_reason is StopReason.ENV_DONE
     assert [s.done for s in result.steps] == [False, True]
 
@@ -272,7 +305,8 @@ async def test_model_sees_plain_context_when_nothing_is_injected_and_no_tools() 
     first, second = model.calls
     assert first.messages == req.run_context + req.goal_context
     assert second.messages == (
-        *req.run_context, *req.goal_context,
+        *req.run_context,
+        *req.goal_context,
         Message.text(Role.ASSISTANT, "garbage"),
         Message.text(Role.USER, "Observation: " + second.messages[-1].content[0].text[13:]),
     )
@@ -283,8 +317,9 @@ async def test_model_sees_plain_context_when_nothing_is_injected_and_no_tools() 
 
 async def test_injection_and_tools_take_their_slots() -> None:
     model = ScriptedModelClient([answer("x")])
-    req = request("r", make_tools(Ledger()),
-                  injection=Injection(entries={"system": ("Skill A", "Skill B")}))
+    req = request(
+        "r", make_tools(Ledger()), injection=Injection(entries={"system": ("Skill A", "Skill B")})
+    )
     await run(definition(MemoryStore(), model=model), req)
     roles = [m.role for m in model.calls[0].messages]
     texts = [m.content[0].text for m in model.calls[0].messages]
@@ -299,8 +334,10 @@ async def test_injection_and_tools_take_their_slots() -> None:
 async def _uninterrupted(replay: Replay) -> Any:
     ledger = Ledger()
     tools = make_tools(ledger, replay=replay)
-    return await run(definition(MemoryStore(), script=five_step_script()),
-                     request("r", tools, model_replay=replay))
+    return await run(
+        definition(MemoryStore(), script=five_step_script()),
+        request("r", tools, model_replay=replay),
+    )
 
 
 async def _crash_then_resume(k: int, replay: Replay) -> tuple[Any, Ledger, MemoryStore]:
@@ -308,10 +345,13 @@ async def _crash_then_resume(k: int, replay: Replay) -> tuple[Any, Ledger, Memor
     tools = make_tools(ledger, replay=replay)
     inner = MemoryStore()
     with pytest.raises(SimulatedCrash):
-        await run(definition(FaultyStore(inner, fail_after_writes=k), script=five_step_script()),
-                  request("r", tools, model_replay=replay))
-    resumed = await resume(definition(inner, script=five_step_script()),
-                           request("r", tools, model_replay=replay))
+        await run(
+            definition(FaultyStore(inner, fail_after_writes=k), script=five_step_script()),
+            request("r", tools, model_replay=replay),
+        )
+    resumed = await resume(
+        definition(inner, script=five_step_script()), request("r", tools, model_replay=replay)
+    )
     return resumed, ledger, inner
 
 
@@ -379,13 +419,17 @@ async def test_allowed_model_replay_writes_no_second_intent() -> None:
     tools = make_tools(Ledger(), replay=Replay.ALLOWED)
     inner = MemoryStore()
     with pytest.raises(SimulatedCrash):
-        await run(definition(FaultyStore(inner, fail_after_writes=2), script=[answer("a")]),
-                  request("r", tools, model_replay=Replay.ALLOWED))
-    await resume(definition(inner, script=[answer("a")]),
-                 request("r", tools, model_replay=Replay.ALLOWED))
+        await run(
+            definition(FaultyStore(inner, fail_after_writes=2), script=[answer("a")]),
+            request("r", tools, model_replay=Replay.ALLOWED),
+        )
+    await resume(
+        definition(inner, script=[answer("a")]), request("r", tools, model_replay=Replay.ALLOWED)
+    )
     log = await inner.read_log("r")
-    model_intents = [r for r in log.records
-                     if isinstance(r, Intent) and r.kind is IntentKind.MODEL_CALL]
+    model_intents = [
+        r for r in log.records if isinstance(r, Intent) and r.kind is IntentKind.MODEL_CALL
+    ]
     assert len(model_intents) == 1
     results = [r for r in log.records if isinstance(r, Result)]
     assert [r.result_id for r in results] == ["r:0:model"]
@@ -405,15 +449,17 @@ class _Lenient:
 
 async def test_changing_the_interpreter_does_not_change_completed_steps() -> None:
     tools = make_tools(Ledger())
-    before = await run(definition(MemoryStore(), script=five_step_script()),
-                       request("r", tools))
+    before = await run(definition(MemoryStore(), script=five_step_script()), request("r", tools))
     inner = MemoryStore()
     with pytest.raises(SimulatedCrash):
         # Crash right after the step record of step 2 (write 12).
-        await run(definition(FaultyStore(inner, fail_after_writes=12),
-                             script=five_step_script()), request("r", tools))
-    after = await resume(definition(inner, script=five_step_script(), interpreter=_Lenient()),
-                         request("r", tools))
+        await run(
+            definition(FaultyStore(inner, fail_after_writes=12), script=five_step_script()),
+            request("r", tools),
+        )
+    after = await resume(
+        definition(inner, script=five_step_script(), interpreter=_Lenient()), request("r", tools)
+    )
     assert timeless(after.steps[:3]) == timeless(before.steps[:3])
     assert after.steps[3].decision is DecisionKind.FINAL
     assert after.final_answer == "changed"
@@ -424,10 +470,13 @@ async def test_interrupted_step_without_action_intent_is_interpreted_again() -> 
     inner = MemoryStore()
     with pytest.raises(SimulatedCrash):
         # Write 3 is the model result of step 0; the action intent never landed.
-        await run(definition(FaultyStore(inner, fail_after_writes=3),
-                             script=five_step_script()), request("r", tools))
-    after = await resume(definition(inner, script=five_step_script(), interpreter=_Lenient()),
-                         request("r", tools))
+        await run(
+            definition(FaultyStore(inner, fail_after_writes=3), script=five_step_script()),
+            request("r", tools),
+        )
+    after = await resume(
+        definition(inner, script=five_step_script(), interpreter=_Lenient()), request("r", tools)
+    )
     assert after.steps[0].decision is DecisionKind.FINAL
     assert after.stop_reason is StopReason.FINAL_ANSWER
 
@@ -438,10 +487,13 @@ async def test_interrupted_action_is_replayed_as_recorded_not_reinterpreted() ->
     inner = MemoryStore()
     with pytest.raises(SimulatedCrash):
         # Write 4 is the action intent of step 0.
-        await run(definition(FaultyStore(inner, fail_after_writes=4),
-                             script=five_step_script()), request("r", tools))
-    after = await resume(definition(inner, script=five_step_script(), interpreter=_Lenient()),
-                         request("r", tools))
+        await run(
+            definition(FaultyStore(inner, fail_after_writes=4), script=five_step_script()),
+            request("r", tools),
+        )
+    after = await resume(
+        definition(inner, script=five_step_script(), interpreter=_Lenient()), request("r", tools)
+    )
     assert after.steps[0].decision is DecisionKind.ACTION
     assert after.steps[0].action_text == 'double({"n": 1})'
     assert ledger.calls == [("double", "r:0:action"), ("double", "r:0:action")]
@@ -479,7 +531,8 @@ async def test_identity_mismatch_lists_every_differing_key_and_writes_nothing() 
         await run(definition(inner_writes, script=five_step_script()), request("r", tools))
     before = (await store.read_log("r")).records
     changed = request(
-        "r", tools,
+        "r",
+        tools,
         budget=Budget(max_steps=21, max_valid_steps=20, max_context_chars=100_000),
         binding={"episode": "e2", "extra": "x"},
         observation_template="Obs: {observation}",
@@ -487,10 +540,15 @@ async def test_identity_mismatch_lists_every_differing_key_and_writes_nothing() 
     with pytest.raises(RunIdentityMismatch) as mismatch:
         await resume(definition(store, script=["other script"]), changed)
     keys = [key for key, _, _ in mismatch.value.differences]
-    assert keys == sorted([
-        "binding.episode", "binding.extra", "budget.max_steps",
-        "model.script_sha256", "observation_template",
-    ])
+    assert keys == sorted(
+        [
+            "binding.episode",
+            "binding.extra",
+            "budget.max_steps",
+            "model.script_sha256",
+            "observation_template",
+        ]
+    )
     assert ("budget.max_steps", 20, 21) in mismatch.value.differences
     assert ("binding.extra", None, "x") in mismatch.value.differences
     for key in keys:
@@ -504,21 +562,37 @@ async def test_identity_mismatch_lists_every_differing_key_and_writes_nothing() 
 @pytest.mark.parametrize(
     ("overrides", "fragment"),
     [
-        pytest.param({"budget": Budget(max_steps=-1, max_valid_steps=1, max_context_chars=1)},
-                     "budget.max_steps", id="negative-budget"),
-        pytest.param({"budget": Budget(max_steps=1, max_valid_steps=0, max_context_chars=1)},
-                     "budget.max_valid_steps", id="zero-budget"),
-        pytest.param({"observation_template": "Observation:"}, "{observation}",
-                     id="template-without-placeholder"),
-        pytest.param({"observation_template": "{observation} {other}"}, "observation_template",
-                     id="template-with-extra-field"),
+        pytest.param(
+            {"budget": Budget(max_steps=-1, max_valid_steps=1, max_context_chars=1)},
+            "budget.max_steps",
+            id="negative-budget",
+        ),
+        pytest.param(
+            {"budget": Budget(max_steps=1, max_valid_steps=0, max_context_chars=1)},
+            "budget.max_valid_steps",
+            id="zero-budget",
+        ),
+        pytest.param(
+            {"observation_template": "Observation:"},
+            "{observation}",
+            id="template-without-placeholder",
+        ),
+        pytest.param(
+            {"observation_template": "{observation} {other}"},
+            "observation_template",
+            id="template-with-extra-field",
+        ),
         pytest.param({"run_id": ""}, "run_id", id="empty-run-id"),
-        pytest.param({"injection": Injection(entries={"user": ("x",)})}, "injection",
-                     id="unknown-injection-channel"),
+        pytest.param(
+            {"injection": Injection(entries={"user": ("x",)})},
+            "injection",
+            id="unknown-injection-channel",
+        ),
         pytest.param({"binding": {"k": 1}}, "binding", id="non-string-binding"),
         pytest.param({"cancel_grace_s": -1.0}, "cancel_grace_s", id="negative-grace"),
-        pytest.param({"run_context": [Message.text(Role.USER, "x")]}, "run_context",
-                     id="context-not-a-tuple"),
+        pytest.param(
+            {"run_context": [Message.text(Role.USER, "x")]}, "run_context", id="context-not-a-tuple"
+        ),
     ],
 )
 async def test_invalid_requests_are_refused_before_anything_is_written(
@@ -541,16 +615,16 @@ async def test_invalid_observation_texts_are_refused() -> None:
     store = WriteLog()
     texts = ObservationTexts(not_executed="no placeholder", env_fault="{detail}")
     with pytest.raises(InvalidRequest, match=r"texts\.not_executed"):
-        await run(definition(store, script=[answer("x")], texts=texts),
-                  request("r", make_tools(Ledger())))
+        await run(
+            definition(store, script=[answer("x")], texts=texts), request("r", make_tools(Ledger()))
+        )
     assert store.writes == []
 
 
 async def test_arguments_that_violate_the_schema_are_not_executed() -> None:
     ledger = Ledger()
     script = [tool_call("double", n="seven"), tool_call("double", n=1, extra=True), answer("x")]
-    result = await run(definition(MemoryStore(), script=script),
-                       request("r", make_tools(ledger)))
+    result = await run(definition(MemoryStore(), script=script), request("r", make_tools(ledger)))
     assert ledger.calls == []
     assert [s.action_status for s in result.steps[:2]] == [ActionStatus.NOT_EXECUTED] * 2
     assert all("Refused: " in (s.observation or "") for s in result.steps[:2])
@@ -566,12 +640,17 @@ async def test_payload_that_is_not_name_and_arguments_is_not_executed() -> None:
         def interpret(self, reply: ModelReply) -> Action | FinalAnswer:
             if reply.content == "stop":
                 return FinalAnswer(answer="stop", history_text="stop")
-            return Action(payload={"tool": "double", "args": {"n": 1}}, action_text="x",
-                          history_text=reply.content)
+            return Action(
+                payload={"tool": "double", "args": {"n": 1}},
+                action_text="x",
+                history_text=reply.content,
+            )
 
     ledger = Ledger()
-    result = await run(definition(MemoryStore(), script=["go", "stop"], interpreter=RawPayload()),
-                       request("r", make_tools(ledger)))
+    result = await run(
+        definition(MemoryStore(), script=["go", "stop"], interpreter=RawPayload()),
+        request("r", make_tools(ledger)),
+    )
     assert ledger.calls == []
     assert result.steps[0].action_status is ActionStatus.NOT_EXECUTED
     assert "name" in (result.steps[0].observation or "")
@@ -587,13 +666,18 @@ async def test_an_unloggable_action_payload_is_refused_without_an_intent() -> No
         def interpret(self, reply: ModelReply) -> Action | FinalAnswer:
             if reply.content == "stop":
                 return FinalAnswer(answer="stop", history_text="stop")
-            return Action(payload={"name": "double", "arguments": {"n": float("nan")}},
-                          action_text="x", history_text=reply.content)
+            return Action(
+                payload={"name": "double", "arguments": {"n": float("nan")}},
+                action_text="x",
+                history_text=reply.content,
+            )
 
     store = MemoryStore()
     ledger = Ledger()
-    result = await run(definition(store, script=["go", "stop"], interpreter=NanPayload()),
-                       request("r", make_tools(ledger)))
+    result = await run(
+        definition(store, script=["go", "stop"], interpreter=NanPayload()),
+        request("r", make_tools(ledger)),
+    )
     assert ledger.calls == []
     assert result.steps[0].action_status is ActionStatus.NOT_EXECUTED
     log = await store.read_log("r")
@@ -608,16 +692,16 @@ async def test_a_model_returning_the_wrong_type_is_a_model_failure() -> None:
         async def call(self, call: Any) -> Any:
             return "a bare string"
 
-    result = await run(definition(MemoryStore(), model=Wrong()),
-                       request("r", make_tools(Ledger())))
+    result = await run(definition(MemoryStore(), model=Wrong()), request("r", make_tools(Ledger())))
     assert result.stop_reason is StopReason.MODEL_FAILURE
     assert result.detail is not None and result.detail.startswith("TypeError: ")
 
 
 async def test_an_empty_call_id_is_recorded_as_none() -> None:
     reply = ModelReply(call_id="", content=answer("x"), reasoning="because")
-    result = await run(definition(MemoryStore(), script=[reply]),
-                       request("r", make_tools(Ledger())))
+    result = await run(
+        definition(MemoryStore(), script=[reply]), request("r", make_tools(Ledger()))
+    )
     assert result.steps[0].call_id is None
     assert result.steps[0].reasoning == "because"
 
@@ -627,8 +711,9 @@ async def test_an_empty_call_id_is_recorded_as_none() -> None:
 
 async def test_step_records_in_the_log_equal_the_result() -> None:
     store = MemoryStore()
-    result = await run(definition(store, script=five_step_script()),
-                       request("r", make_tools(Ledger())))
+    result = await run(
+        definition(store, script=five_step_script()), request("r", make_tools(Ledger()))
+    )
     log = await store.read_log("r")
     logged = [r for r in log.records if isinstance(r, StepRecord)]
     assert logged == list(result.steps)
@@ -640,8 +725,9 @@ async def test_step_records_in_the_log_equal_the_result() -> None:
 
 
 async def test_records_are_frozen_values() -> None:
-    result = await run(definition(MemoryStore(), script=[answer("x")]),
-                       request("r", make_tools(Ledger())))
+    result = await run(
+        definition(MemoryStore(), script=[answer("x")]), request("r", make_tools(Ledger()))
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         result.steps[0].step = 3  # type: ignore[misc]
 
@@ -656,8 +742,9 @@ async def test_an_executor_without_a_replay_policy_is_an_environment_fault(broke
 
         async def execute(self, action: Any, *, result_id: str) -> ActionOutcome:
             self.executed += 1
-            return ActionOutcome(status=ActionStatus.EXECUTED, observation="ran",
-                                 synthesized=False, done=False)
+            return ActionOutcome(
+                status=ActionStatus.EXECUTED, observation="ran", synthesized=False, done=False
+            )
 
         def replay(self, action: Any) -> Any:
             if broken == "raises":
@@ -665,12 +752,17 @@ async def test_an_executor_without_a_replay_policy_is_an_environment_fault(broke
             return None
 
     store, executor = MemoryStore(), NoPolicy()
-    result = await run(definition(store, script=[tool_call("double", n=1)]),
-                       request("r", make_tools(Ledger()), executor=executor))
+    result = await run(
+        definition(store, script=[tool_call("double", n=1)]),
+        request("r", make_tools(Ledger()), executor=executor),
+    )
     assert result.stop_reason is StopReason.ENV_FAILURE
     assert executor.executed == 0
-    expected = ("LookupError: no policy for this action" if broken == "raises"
-                else "TypeError: the executor's replay() returned NoneType, not Replay")
+    expected = (
+        "LookupError: no policy for this action"
+        if broken == "raises"
+        else "TypeError: the executor's replay() returned NoneType, not Replay"
+    )
     assert result.detail == f"Fault: {expected}"
     log = await store.read_log("r")
     assert not any(isinstance(r, Intent) and r.kind is IntentKind.ACTION for r in log.records)
@@ -703,11 +795,15 @@ async def test_an_executor_of_an_equal_registry_is_accepted() -> None:
     from polyloop import ToolRegistry
 
     tools = make_tools(Ledger())
-    twin = ToolRegistry([spec for name in tools.names if (spec := tools.get(name))],
-                        max_observation_chars=tools.max_observation_chars)
+    twin = ToolRegistry(
+        [spec for name in tools.names if (spec := tools.get(name))],
+        max_observation_chars=tools.max_observation_chars,
+    )
     assert twin == tools and twin is not tools
-    result = await run(definition(MemoryStore(), script=[tool_call("submit", answer="4")]),
-                       request("r", tools, executor=twin.executor()))
+    result = await run(
+        definition(MemoryStore(), script=[tool_call("submit", answer="4")]),
+        request("r", tools, executor=twin.executor()),
+    )
     assert result.stop_reason is StopReason.SUBMITTED
 
 

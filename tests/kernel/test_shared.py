@@ -34,8 +34,14 @@ def test_every_record_class_has_one_kind() -> None:
 
 
 def test_record_kind_names_records_only() -> None:
-    ended = RunEnded(run_id="r", stop_reason=StopReason.FINAL_ANSWER, final_answer="x",
-                     steps=1, valid_steps=0, detail=None)
+    ended = RunEnded(
+        run_id="r",
+        stop_reason=StopReason.FINAL_ANSWER,
+        final_answer="x",
+        steps=1,
+        valid_steps=0,
+        detail=None,
+    )
     assert record_kind(ended) == "run_ended"
     assert encode(ended)["kind"] == "run_ended"
     assert encode(ended)["schema"] == FORMAT == "polyloop/1"
@@ -119,7 +125,13 @@ def test_strict_takes_only_what_json_loads_returns() -> None:
 
 def test_the_result_payload_refusal_names_its_run() -> None:
     with pytest.raises(UnloggableValue) as refused:
-        encode(Result(run_id="r-1", result_id="r-1:0:action", kind="action",  # type: ignore[arg-type]
-                      payload={"v": math.inf}))
+        encode(
+            Result(
+                run_id="r-1",
+                result_id="r-1:0:action",
+                kind="action",  # type: ignore[arg-type]
+                payload={"v": math.inf},
+            )
+        )
     assert refused.value.run_id == "r-1"
     assert "Result: inf is not a JSON number at payload.v" in str(refused.value)

@@ -249,9 +249,7 @@ budgets = st.builds(
     max_valid_steps=st.integers(1, 50),
     max_context_chars=st.integers(1, 10_000),
 )
-counters = st.builds(
-    Counters, steps=st.integers(0, 60), valid_steps=st.integers(0, 60)
-)
+counters = st.builds(Counters, steps=st.integers(0, 60), valid_steps=st.integers(0, 60))
 sizes = st.integers(0, 12_000)
 
 
@@ -300,9 +298,7 @@ def test_after_step_is_deterministic_and_respects_the_order(step: StepFacts) -> 
         (step.action_status is ActionStatus.ENV_FAULT, StopReason.ENV_FAILURE),
         (step.done, StopReason.ENV_DONE),
         (
-            step.completes
-            and step.action_status is ActionStatus.EXECUTED
-            and not step.synthesized,
+            step.completes and step.action_status is ActionStatus.EXECUTED and not step.synthesized,
             StopReason.SUBMITTED,
         ),
         (step.decision is DecisionKind.FINAL, StopReason.FINAL_ANSWER),

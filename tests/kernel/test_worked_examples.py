@@ -29,11 +29,20 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 pg_fallback_proc = pg.fallback_server()
 
 
-def _run(script: str, *args: str, cwd: Path | None = None, status: int = 0,
-         env: dict[str, str] | None = None) -> str:
+def _run(
+    script: str,
+    *args: str,
+    cwd: Path | None = None,
+    status: int = 0,
+    env: dict[str, str] | None = None,
+) -> str:
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args],
-        capture_output=True, text=True, timeout=180, cwd=cwd, env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=cwd,
+        env=env,
     )
     assert done.returncode == status, (
         f"{script} {' '.join(args)} exited {done.returncode}\n"
@@ -71,8 +80,9 @@ def test_sqlite_script_runs_then_returns_the_recorded_run(tmp_path: Path) -> Non
 
 def test_sqlite_script_dies_mid_run_and_the_next_start_finishes_it(tmp_path: Path) -> None:
     db = str(tmp_path / "runs.db")
-    crashed = _run("sqlite_script.py", "--db", db, "--run-id", "r2",
-                   "--crash-after-writes", "6", status=3)
+    crashed = _run(
+        "sqlite_script.py", "--db", db, "--run-id", "r2", "--crash-after-writes", "6", status=3
+    )
     assert "the process dies after store write 6" in crashed
     assert "stop reason" not in crashed
 
@@ -88,8 +98,7 @@ def test_sqlite_script_never_submits_twice_after_a_crash_inside_submit(
 ) -> None:
     # Write 16 is the submit action's intent: the process dies before its result lands.
     db = str(tmp_path / "runs.db")
-    _run("sqlite_script.py", "--db", db, "--run-id", "r3", "--crash-after-writes", "16",
-         status=3)
+    _run("sqlite_script.py", "--db", db, "--run-id", "r3", "--crash-after-writes", "16", status=3)
     submissions = Path(f"{db}.submissions.txt")
     assert submissions.read_text().splitlines() == ["r3:3:action 30240"]
 
@@ -151,8 +160,9 @@ def pg_database(pg_server: str) -> Iterator[str]:
 
 def _check_postgres_app(out: str) -> str:
     lines = out.splitlines()
-    batch = re.fullmatch(r"batch (capitals-[0-9a-f]{8}): asyncio workers, PostgreSQL store",
-                         lines[0])
+    batch = re.fullmatch(
+        r"batch (capitals-[0-9a-f]{8}): asyncio workers, PostgreSQL store", lines[0]
+    )
     assert batch is not None, lines[0]
     assert lines[1:] == [
         "  France: submitted 'Paris' in 2 steps, lookups 1, resumed False",
@@ -204,8 +214,9 @@ def test_code_as_action_ends_when_the_environment_says_done(backend: str) -> Non
 
 @pytest.fixture(scope="module")
 def code_as_action() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("code_as_action_example",
-                                                  EXAMPLES / "code_as_action.py")
+    spec = importlib.util.spec_from_file_location(
+        "code_as_action_example", EXAMPLES / "code_as_action.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -221,8 +232,10 @@ async def test_code_as_action_kills_a_snippet_at_its_time_limit(
     code_as_action: ModuleType, tmp_path: Path
 ) -> None:
     executor = code_as_action.SubprocessPythonExecutor(tmp_path, time_limit=0.5)
-    snippet = ("import os, time\nopen('pid', 'w').write(str(os.getpid()))\n"
-               "while True:\n    time.sleep(0.05)\n")
+    snippet = (
+        "import os, time\nopen('pid', 'w').write(str(os.getpid()))\n"
+        "while True:\n    time.sleep(0.05)\n"
+    )
     outcome = await executor.execute(_code(snippet), result_id="r:0:action")
     assert outcome.status is ActionStatus.EXECUTED
     assert outcome.synthesized is True
@@ -238,16 +251,21 @@ async def test_code_as_action_reports_output_exit_status_and_done(
     code_as_action: ModuleType, tmp_path: Path
 ) -> None:
     executor = code_as_action.SubprocessPythonExecutor(tmp_path, time_limit=10)
-    failing = await executor.execute(_code("print('hi')\nraise SystemExit(4)\n"),
-                                     result_id="r:0:action")
+    failing = await executor.execute(
+        _code("print('hi')\nraise SystemExit(4)\n"), result_id="r:0:action"
+    )
     assert failing.status is ActionStatus.EXECUTED
     assert failing.synthesized is False
     assert failing.observation == "[exit status 4]\nhi\n"
     assert failing.done is False
-    solved = await executor.execute(_code("open('answer.txt', 'w').write('400')\n"),
-                                    result_id="r:1:action")
+    solved = await executor.execute(
+        _code("open('answer.txt', 'w').write('400')\n"), result_id="r:1:action"
+    )
     assert (solved.status, solved.observation, solved.done) == (
-        ActionStatus.EXECUTED, "(no output)\n", True)
+        ActionStatus.EXECUTED,
+        "(no output)\n",
+        True,
+    )
     assert executor.replay(_code("")) is Replay.NEVER
 
 
@@ -256,7 +274,8 @@ async def test_code_as_action_cannot_start_python_is_an_environment_fault(
     code_as_action: ModuleType, tmp_path: Path
 ) -> None:
     executor = code_as_action.SubprocessPythonExecutor(
-        tmp_path, time_limit=10, python=str(tmp_path / "no-such-python"))
+        tmp_path, time_limit=10, python=str(tmp_path / "no-such-python")
+    )
     outcome = await executor.execute(_code("print(1)\n"), result_id="r:0:action")
     assert outcome.status is ActionStatus.ENV_FAULT
     assert outcome.observation.startswith("could not start Python: ")
@@ -270,4 +289,6 @@ async def test_code_as_action_payload_without_code_is_not_executed(
     action = Action(payload={"name": "x"}, action_text="x", history_text="x")
     outcome = await executor.execute(action, result_id="r:0:action")
     assert (outcome.status, outcome.observation) == (
-        ActionStatus.NOT_EXECUTED, "the action holds no code")
+        ActionStatus.NOT_EXECUTED,
+        "the action holds no code",
+    )

@@ -161,8 +161,11 @@ async def test_cancelled_after_its_batch_started_the_item_is_committed() -> None
             try:
                 await group.submit("follower")
             except anyio.get_cancelled_exc_class():
-                outcome.append("cancelled after commit" if "follower" in commit.committed
-                               else "cancelled before commit")
+                outcome.append(
+                    "cancelled after commit"
+                    if "follower" in commit.committed
+                    else "cancelled before commit"
+                )
                 raise
 
     scope = anyio.CancelScope()
@@ -334,8 +337,23 @@ class LoopWatch:
 
         patch.setattr(os, "open", opened)
         patch.setattr(os, "close", closed)
-        for name in ("write", "read", "pread", "fstat", "fsync", "ftruncate", "stat", "lstat",
-                     "unlink", "mkdir", "listdir", "scandir", "replace", "rename", "rmdir"):
+        for name in (
+            "write",
+            "read",
+            "pread",
+            "fstat",
+            "fsync",
+            "ftruncate",
+            "stat",
+            "lstat",
+            "unlink",
+            "mkdir",
+            "listdir",
+            "scandir",
+            "replace",
+            "rename",
+            "rmdir",
+        ):
             patch.setattr(os, name, self._watched(name, getattr(os, name)))
         patch.setattr(fcntl, "flock", self._watched("flock", fcntl.flock))
 
@@ -394,11 +412,14 @@ class LoopWatch:
             return real_connect(cls, *args, **kwargs)
 
         patch.setattr(psycopg.Connection, "connect", classmethod(connect))
-        for owner, name in ((psycopg.Connection, "wait"), (psycopg.Connection, "close"),
-                            (psycopg_pool.ConnectionPool, "open"),
-                            (psycopg_pool.ConnectionPool, "close"),
-                            (psycopg_pool.ConnectionPool, "getconn"),
-                            (psycopg_pool.ConnectionPool, "putconn")):
+        for owner, name in (
+            (psycopg.Connection, "wait"),
+            (psycopg.Connection, "close"),
+            (psycopg_pool.ConnectionPool, "open"),
+            (psycopg_pool.ConnectionPool, "close"),
+            (psycopg_pool.ConnectionPool, "getconn"),
+            (psycopg_pool.ConnectionPool, "putconn"),
+        ):
             patch.setattr(owner, name, self._method(f"psycopg.{name}", getattr(owner, name)))
 
     def _method(self, what: str, real: Callable[..., Any]) -> Callable[..., Any]:
@@ -411,12 +432,25 @@ class LoopWatch:
 
 # What each store must be seen doing, so that a watch that saw nothing cannot pass.
 EXPECTED_CALLS = {
-    "jsonl": {"open", "write", "fsync", "flock", "fstat", "pread", "close", "listdir",
-              "unlink"},
-    "sqlite": {"sqlite3.connect", "sqlite3.execute", "sqlite3.step", "sqlite3.close", "open",
-               "flock", "fsync"},
-    "postgres": {"psycopg.connect", "psycopg.wait", "psycopg.getconn", "psycopg.putconn",
-                 "psycopg.close", "open", "fsync"},
+    "jsonl": {"open", "write", "fsync", "flock", "fstat", "pread", "close", "listdir", "unlink"},
+    "sqlite": {
+        "sqlite3.connect",
+        "sqlite3.execute",
+        "sqlite3.step",
+        "sqlite3.close",
+        "open",
+        "flock",
+        "fsync",
+    },
+    "postgres": {
+        "psycopg.connect",
+        "psycopg.wait",
+        "psycopg.getconn",
+        "psycopg.putconn",
+        "psycopg.close",
+        "open",
+        "fsync",
+    },
 }
 # Syncs a six-step run asks for: its start and its eleven intents (see agent_kit).
 SIX_STEP_BARRIERS = 12
@@ -438,8 +472,9 @@ async def _every_kind_of_call(store: Any, run_ids: list[str], archive: Path) -> 
     script = six_step_script()
 
     def request_for(run_id: str) -> Any:
-        return run_request(run_id, make_tools(Ledger(), replay=Replay.ALLOWED),
-                           model_replay=Replay.ALLOWED)
+        return run_request(
+            run_id, make_tools(Ledger(), replay=Replay.ALLOWED), model_replay=Replay.ALLOWED
+        )
 
     async def interrupted(run_id: str) -> None:
         with anyio.CancelScope() as scope:
@@ -455,10 +490,10 @@ async def _every_kind_of_call(store: Any, run_ids: list[str], archive: Path) -> 
     async with anyio.create_task_group() as group:
         for run_id in run_ids:
             group.start_soon(interrupted, run_id)
-    assert {stored.run_id for stored in await store.list_runs(unfinished_only=True)} == \
-        set(run_ids)
-    recovered = await recover(definition(store, script=script), store, request_for,
-                              max_concurrent=len(run_ids))
+    assert {stored.run_id for stored in await store.list_runs(unfinished_only=True)} == set(run_ids)
+    recovered = await recover(
+        definition(store, script=script), store, request_for, max_concurrent=len(run_ids)
+    )
     assert sorted(found.run_id for found in recovered) == sorted(run_ids)
     for found in recovered:
         assert found.error is None and found.result is not None
@@ -471,8 +506,9 @@ async def _every_kind_of_call(store: Any, run_ids: list[str], archive: Path) -> 
         assert again.resumed and again.stop_reason is StopReason.SUBMITTED
         assert isinstance((await store.read_log(run_id)).records[-1], RunEnded)
     assert await store.list_runs(unfinished_only=True) == ()
-    pruned = await store.prune(finished_before=datetime.now(UTC) + timedelta(minutes=5),
-                               archive=archive)
+    pruned = await store.prune(
+        finished_before=datetime.now(UTC) + timedelta(minutes=5), archive=archive
+    )
     assert sorted(pruned) == sorted(run_ids)
     assert await store.list_runs() == ()
 
@@ -480,16 +516,20 @@ async def _every_kind_of_call(store: Any, run_ids: list[str], archive: Path) -> 
 @pytest.mark.parametrize("runs", [1, 8], ids=["one-run", "eight-runs"])
 @pytest.mark.parametrize("kind", ["jsonl", "sqlite", "postgres"])
 async def test_no_blocking_call_of_a_store_runs_on_the_event_loop_thread(
-    tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
-    kind: str, runs: int,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+    runs: int,
 ) -> None:
     watch = LoopWatch(tmp_path)
     store = _open_store(kind, tmp_path, request)  # connects to nothing yet
     with monkeypatch.context() as patch:
         watch.installed(patch)
         async with store:
-            await _every_kind_of_call(store, [f"run-{n}" for n in range(runs)],
-                                      tmp_path / "archive")
+            await _every_kind_of_call(
+                store, [f"run-{n}" for n in range(runs)], tmp_path / "archive"
+            )
     assert watch.on_loop == []
     assert EXPECTED_CALLS[kind] <= set(watch.calls), watch.calls
     if kind == "jsonl":

@@ -78,15 +78,16 @@ CRASH_AFTER = 16
 async def test_a_torn_last_line_at_every_byte_offset_resumes_to_the_same_run(
     tmp_path: Path,
 ) -> None:
-    expected = await uninterrupted(lambda: JsonlStore(tmp_path / "clean"), Replay.ALLOWED,
-                                   six_step_script())
+    expected = await uninterrupted(
+        lambda: JsonlStore(tmp_path / "clean"), Replay.ALLOWED, six_step_script()
+    )
     crashed = tmp_path / "crashed"
     first = JsonlStore(crashed)
     with pytest.raises(SimulatedCrash):
-        await run(definition(FaultyStore(first, fail_after_writes=CRASH_AFTER),
-                             script=six_step_script()),
-                  request("r", make_tools(Ledger(), replay=Replay.ALLOWED),
-                          model_replay=Replay.ALLOWED))
+        await run(
+            definition(FaultyStore(first, fail_after_writes=CRASH_AFTER), script=six_step_script()),
+            request("r", make_tools(Ledger(), replay=Replay.ALLOWED), model_replay=Replay.ALLOWED),
+        )
     await first.aclose()
     name = f"{safe_name('r')}.jsonl"
     content = (crashed / name).read_bytes()
@@ -102,9 +103,12 @@ async def test_a_torn_last_line_at_every_byte_offset_resumes_to_the_same_run(
         (where / name).write_bytes(torn)
         store = JsonlStore(where)
         try:
-            resumed = await resume(definition(store, script=six_step_script()),
-                                   request("r", make_tools(Ledger(), replay=Replay.ALLOWED),
-                                           model_replay=Replay.ALLOWED))
+            resumed = await resume(
+                definition(store, script=six_step_script()),
+                request(
+                    "r", make_tools(Ledger(), replay=Replay.ALLOWED), model_replay=Replay.ALLOWED
+                ),
+            )
         finally:
             await store.aclose()
         assert same_outcome(resumed, expected), offset

@@ -58,11 +58,14 @@ def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
     return Opener(kind, location, schema)
 
 
-async def _crash(store: Any, run_id: str, after: int, ledger: Ledger,
-                 replay: Replay = Replay.ALLOWED) -> None:
+async def _crash(
+    store: Any, run_id: str, after: int, ledger: Ledger, replay: Replay = Replay.ALLOWED
+) -> None:
     with pytest.raises(SimulatedCrash):
-        await run(definition(FaultyStore(store, fail_after_writes=after), script=SCRIPT),
-                  request(run_id, make_tools(ledger, replay=replay), model_replay=replay))
+        await run(
+            definition(FaultyStore(store, fail_after_writes=after), script=SCRIPT),
+            request(run_id, make_tools(ledger, replay=replay), model_replay=replay),
+        )
 
 
 async def test_start_or_resume_starts_then_continues_then_reads(opener: Opener) -> None:
@@ -70,16 +73,19 @@ async def test_start_or_resume_starts_then_continues_then_reads(opener: Opener) 
     async with opener() as store:
         tools = make_tools(ledger, replay=Replay.ALLOWED)
         await _crash(store, "r", 5, ledger)  # the start and the whole first step
-        fresh = await start_or_resume(definition(store, script=SCRIPT),
-                                      request("new", tools, model_replay=Replay.ALLOWED))
+        fresh = await start_or_resume(
+            definition(store, script=SCRIPT), request("new", tools, model_replay=Replay.ALLOWED)
+        )
         assert not fresh.resumed and fresh.stop_reason is StopReason.SUBMITTED
-        continued = await start_or_resume(definition(store, script=SCRIPT),
-                                          request("r", tools, model_replay=Replay.ALLOWED))
+        continued = await start_or_resume(
+            definition(store, script=SCRIPT), request("r", tools, model_replay=Replay.ALLOWED)
+        )
         assert continued.resumed and continued.stop_reason is StopReason.SUBMITTED
         assert [step.step for step in continued.steps] == [0, 1]
         assert ledger.count("r:0:action") == 1  # the first step was read, not run again
-        again = await start_or_resume(definition(store, script=SCRIPT),
-                                      request("r", tools, model_replay=Replay.ALLOWED))
+        again = await start_or_resume(
+            definition(store, script=SCRIPT), request("r", tools, model_replay=Replay.ALLOWED)
+        )
         assert again.resumed and again.steps == continued.steps
 
 
@@ -95,20 +101,29 @@ async def test_run_status_tells_each_state(opener: Opener) -> None:
 
         done = await run_status(store, "done")
         assert (done.state, done.stop_reason, done.steps, done.valid_steps) == (
-            RunState.FINISHED, StopReason.SUBMITTED, 2, 2)
+            RunState.FINISHED,
+            StopReason.SUBMITTED,
+            2,
+            2,
+        )
         assert done.open_intent is None
         assert done.last_record_at is not None and done.last_record_at >= before
 
         resumable = await run_status(store, "resumable")
         assert (resumable.state, resumable.steps, resumable.stop_reason) == (
-            RunState.RESUMABLE, 1, None)
+            RunState.RESUMABLE,
+            1,
+            None,
+        )
 
         doubt = await run_status(store, "doubt")
         assert doubt.state is RunState.IN_DOUBT
         assert doubt.open_intent is not None and doubt.open_intent.result_id == "doubt:0:action"
         # Once ended in doubt, it stays in doubt, with its stop reason.
-        ended = await resume(definition(store, script=SCRIPT),
-                             request("doubt", make_tools(ledger, replay=Replay.NEVER)))
+        ended = await resume(
+            definition(store, script=SCRIPT),
+            request("doubt", make_tools(ledger, replay=Replay.NEVER)),
+        )
         assert ended.stop_reason is StopReason.IN_DOUBT
         doubt = await run_status(store, "doubt")
         assert (doubt.state, doubt.stop_reason) == (RunState.IN_DOUBT, StopReason.IN_DOUBT)
@@ -121,8 +136,9 @@ async def test_run_status_says_running_while_a_writer_drives_the_run(opener: Ope
     registry = kit.tools(note.append, Replay.NEVER, gate)
     driver, watcher = opener(), opener()
     async with anyio.create_task_group() as group:
-        group.start_soon(run, kit.definition(driver, note.append),
-                         kit.request("r", registry, Replay.NEVER))
+        group.start_soon(
+            run, kit.definition(driver, note.append), kit.request("r", registry, Replay.NEVER)
+        )
         await gate.entered.wait()
         status = await run_status(watcher, "r")
         assert status.state is RunState.RUNNING
@@ -156,11 +172,15 @@ async def test_recover_resumes_every_unfinished_run_and_leaves_live_ones_alone(
         driver = opener()
         registry = kit.tools(note.append, Replay.NEVER, gate)
         async with anyio.create_task_group() as group:
-            group.start_soon(run, kit.definition(driver, note.append),
-                             kit.request("live", registry, Replay.NEVER))
+            group.start_soon(
+                run,
+                kit.definition(driver, note.append),
+                kit.request("live", registry, Replay.NEVER),
+            )
             await gate.entered.wait()
-            report = await recover(definition(store, script=SCRIPT), store, request_for,
-                                   max_concurrent=2)
+            report = await recover(
+                definition(store, script=SCRIPT), store, request_for, max_concurrent=2
+            )
             gate.go.set()
         if driver is not store:
             await driver.aclose()
@@ -188,14 +208,16 @@ async def test_two_recoveries_at_once_never_drive_one_run_twice(opener: Opener) 
         await _crash(first, run_id, 5, ledger)
 
     def request_for(run_id: str) -> Any:
-        return request(run_id, make_tools(ledger, replay=Replay.ALLOWED),
-                       model_replay=Replay.ALLOWED)
+        return request(
+            run_id, make_tools(ledger, replay=Replay.ALLOWED), model_replay=Replay.ALLOWED
+        )
 
     reports: list[tuple[RecoveredRun, ...]] = []
 
     async def sweep(store: Any) -> None:
-        reports.append(await recover(definition(store, script=SCRIPT), store, request_for,
-                                     max_concurrent=3))
+        reports.append(
+            await recover(definition(store, script=SCRIPT), store, request_for, max_concurrent=3)
+        )
 
     async with anyio.create_task_group() as group:
         group.start_soon(sweep, first)
@@ -208,8 +230,7 @@ async def test_two_recoveries_at_once_never_drive_one_run_twice(opener: Opener) 
                 assert isinstance(entry.error, RunLocked), entry.error
             else:
                 assert entry.result.stop_reason is StopReason.SUBMITTED
-    resumed = {entry.run_id for report in reports for entry in report
-               if entry.result is not None}
+    resumed = {entry.run_id for report in reports for entry in report if entry.result is not None}
     assert resumed == set(run_ids)
     for run_id in run_ids:
         assert ledger.count(f"{run_id}:1:action") == 1
@@ -222,16 +243,21 @@ async def test_recover_checks_its_arguments(opener: Opener) -> None:
     async with opener() as store:
         for bad in (0, -1, 1.5, True):
             with pytest.raises(InvalidRequest, match="max_concurrent"):
-                await recover(definition(store), store, lambda _: None,  # type: ignore[arg-type, return-value]
-                              max_concurrent=bad)  # type: ignore[arg-type]
+                await recover(
+                    definition(store),
+                    store,
+                    lambda _: None,  # type: ignore[arg-type, return-value]
+                    max_concurrent=bad,
+                )  # type: ignore[arg-type]
         ledger = Ledger()
         await _crash(store, "r", 5, ledger)
 
         def wrong_request(run_id: str) -> Any:
             return request("other", make_tools(ledger))
 
-        (entry,) = await recover(definition(store, script=SCRIPT), store, wrong_request,
-                                 max_concurrent=1)
+        (entry,) = await recover(
+            definition(store, script=SCRIPT), store, wrong_request, max_concurrent=1
+        )
         assert isinstance(entry.error, InvalidRequest) and "other" in str(entry.error)
         assert (await run_status(store, "r")).state is RunState.RESUMABLE
 
@@ -239,7 +265,11 @@ async def test_recover_checks_its_arguments(opener: Opener) -> None:
 def test_managed_store_is_what_every_shipped_store_is(tmp_path: Path) -> None:
     from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
 
-    stores = [MemoryStore(), JsonlStore(tmp_path / "j"), SqliteStore(tmp_path / "s.db"),
-              PostgresStore("postgresql://nobody@127.0.0.1:1/none")]
+    stores = [
+        MemoryStore(),
+        JsonlStore(tmp_path / "j"),
+        SqliteStore(tmp_path / "s.db"),
+        PostgresStore("postgresql://nobody@127.0.0.1:1/none"),
+    ]
     for store in stores:
         assert isinstance(store, ManagedStore)

@@ -171,6 +171,7 @@ def test_jsonl_store_reads_arbitrary_run_files(backend: str, tmp_path: Path) -> 
         finally:
             portal.call(store.aclose)
 
+
 # -- line-breaking characters through every store --------------------------------------------
 
 
@@ -199,8 +200,10 @@ def breaker_run(run_id: str, text: str) -> list[tuple[str, tuple[Any, ...]]]:
         ("write_intent", (model_intent(run_id, 0, sha=text),)),
         ("write_result", (model_result(run_id, 0, text),)),
         ("write_intent", (action_intent(run_id, 0, {text: text}),)),
-        ("write_step", (step_record(run_id, 0, text, with_action=True),
-                        action_result(run_id, 0, text))),
+        (
+            "write_step",
+            (step_record(run_id, 0, text, with_action=True), action_result(run_id, 0, text)),
+        ),
         ("write_intent", (model_intent(run_id, 1),)),
         ("write_result", (model_result(run_id, 1, text),)),
         ("write_step", (step_record(run_id, 1, text, with_action=False), None)),
@@ -217,8 +220,10 @@ async def test_line_breaking_characters_round_trip_through_every_store(
     texts = {f"one-{ord(c):04x}": f"before{c}after" for c in LINE_BREAKERS}
     texts["all"] = f"{LINE_BREAKERS}|{LINE_BREAKERS[::-1]}\r\n\n\r"
     texts["surrogate"] = f"{LINE_BREAKERS}\ud800"
-    runs = {f"run{LINE_BREAKERS}{name}": breaker_run(f"run{LINE_BREAKERS}{name}", text)
-            for name, text in texts.items()}
+    runs = {
+        f"run{LINE_BREAKERS}{name}": breaker_run(f"run{LINE_BREAKERS}{name}", text)
+        for name, text in texts.items()
+    }
     store = open_store()
     try:
         for writes in runs.values():
@@ -254,18 +259,32 @@ async def test_line_breaking_characters_round_trip_through_every_store(
 
 # -- stateful store machines -------------------------------------------------------------------
 
-RUN_SUFFIXES = ("r", "../escape", "a/b", "nul\x00byte", "snow\u2603", "brk\u2028\r\n\x85",
-                "x" * 300)
+RUN_SUFFIXES = (
+    "r",
+    "../escape",
+    "a/b",
+    "nul\x00byte",
+    "snow\u2603",
+    "brk\u2028\r\n\x85",
+    "x" * 300,
+)
 texts = st.text(alphabet=st.sampled_from(AWKWARD) | st.characters(), max_size=12)
 small_json = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
     | texts,
     lambda children: st.lists(children, max_size=3) | st.dictionaries(texts, children, max_size=3),
     max_leaves=6,
 )
 # Where a run is in the order the kernel writes (research-wiki 0005).
 BOUNDARY, MODEL_INTENT, MODEL_RESULT, ACTION_INTENT, FINISHED = (
-    "boundary", "model_intent", "model_result", "action_intent", "finished",
+    "boundary",
+    "model_intent",
+    "model_result",
+    "action_intent",
+    "finished",
 )
 OPEN = (BOUNDARY, MODEL_INTENT, MODEL_RESULT, ACTION_INTENT)
 # The writes allowed next in each phase, repeated to make progress likelier than an end.
@@ -325,8 +344,10 @@ def _drop_server_connections(conninfo: str) -> None:
     transactions roll back and their advisory (writer) locks are released.
     """
     with psycopg.connect(conninfo, autocommit=True) as admin:
-        others = ("SELECT pid FROM pg_stat_activity "
-                  "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        others = (
+            "SELECT pid FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
         admin.execute(f"SELECT pg_terminate_backend(pid) FROM ({others}) AS o")
         deadline = time.monotonic() + 10
         while admin.execute(f"SELECT count(*) FROM ({others}) AS o").fetchone() != (0,):
@@ -412,8 +433,10 @@ class StoreMachine(RuleBasedStateMachine):
     # -- writes, in the order the kernel makes them -------------------------------------
 
     @precondition(lambda self: self.open_runs() < MAX_OPEN_RUNS)
-    @rule(suffix=st.sampled_from(RUN_SUFFIXES), snapshot=st.dictionaries(texts, small_json,
-                                                                        max_size=3))
+    @rule(
+        suffix=st.sampled_from(RUN_SUFFIXES),
+        snapshot=st.dictionaries(texts, small_json, max_size=3),
+    )
     def start_run(self, suffix: str, snapshot: dict[str, JSONValue]) -> None:
         run_id = f"{suffix}-{self.token}"
         record = RunStarted(run_id=run_id, snapshot=snapshot)
@@ -452,8 +475,12 @@ class StoreMachine(RuleBasedStateMachine):
             elif what in ("step_with_action", "step_without_action"):
                 text = data.draw(texts, label="observation")
                 action = what == "step_with_action"
-                self.write(run_id, "write_step", step_record(run_id, k, text, with_action=action),
-                           action_result(run_id, k, text) if action else None)
+                self.write(
+                    run_id,
+                    "write_step",
+                    step_record(run_id, k, text, with_action=action),
+                    action_result(run_id, k, text) if action else None,
+                )
                 model.phase, model.step = BOUNDARY, k + 1
             elif what == "end_final":
                 reason = data.draw(st.sampled_from(FINAL_REASONS), label="reason")
@@ -499,8 +526,12 @@ class StoreMachine(RuleBasedStateMachine):
     # -- crashes, reopening, a second writer --------------------------------------------
 
     @precondition(lambda self: self.durable)
-    @rule(what=st.sampled_from(["crash", "reopen", "second writer"]), index=st.integers(0, 99),
-          tear=st.booleans(), length=st.integers(1, 10_000))
+    @rule(
+        what=st.sampled_from(["crash", "reopen", "second writer"]),
+        index=st.integers(0, 99),
+        tear=st.booleans(),
+        length=st.integers(1, 10_000),
+    )
     def disrupt(self, what: str, index: int, tear: bool, length: int) -> None:
         """A crash, an orderly reopen, or a second store object on the same data.
 
@@ -590,8 +621,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def check_logs(self, store: Any) -> None:
         async def read_all() -> tuple[dict[str, list[Record]], list[Record], Any]:
-            logs = {run_id: list((await store.read_log(run_id)).records)
-                    for run_id in self.runs}
+            logs = {run_id: list((await store.read_log(run_id)).records) for run_id in self.runs}
             unknown = list((await store.read_log(f"never-{self.token}")).records)
             ids = tuple(run.run_id for run in await store.list_runs())
             return logs, unknown, ids
@@ -629,8 +659,11 @@ def test_store_keeps_every_acknowledged_write_across_crashes(
     conninfo = request.getfixturevalue("postgres_conninfo") if kind == "postgresql" else None
     MACHINE_EVENTS.clear()
     began = time.perf_counter()
-    run_state_machine_as_test(lambda: StoreMachine(kind, backend, conninfo),
-                              settings=MACHINE_SETTINGS)
-    print(f"\n{kind}/{backend}: {MACHINE_SETTINGS.max_examples} examples in "
-          f"{time.perf_counter() - began:.1f}s; " + ", ".join(
-              f"{name}: {count}" for name, count in sorted(MACHINE_EVENTS.items())))
+    run_state_machine_as_test(
+        lambda: StoreMachine(kind, backend, conninfo), settings=MACHINE_SETTINGS
+    )
+    print(
+        f"\n{kind}/{backend}: {MACHINE_SETTINGS.max_examples} examples in "
+        f"{time.perf_counter() - began:.1f}s; "
+        + ", ".join(f"{name}: {count}" for name, count in sorted(MACHINE_EVENTS.items()))
+    )

@@ -59,8 +59,9 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(params=STORE_KINDS)
 async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
-    conninfo = (request.getfixturevalue("postgres_conninfo")
-                if request.param == "postgresql" else None)
+    conninfo = (
+        request.getfixturevalue("postgres_conninfo") if request.param == "postgresql" else None
+    )
     kit = Stores(request.param, tmp_path, conninfo)
     try:
         yield kit
@@ -90,8 +91,7 @@ TWO_STEPS = [tool_call("double", n=2), tool_call("submit", answer="4")]
 def tree(root: Path) -> set[tuple[str, bool, bool]]:
     """Every path under ``root``: (relative path, is a symlink, is a regular file)."""
     return {
-        (str(path.relative_to(root)), path.is_symlink(), path.is_file())
-        for path in root.rglob("*")
+        (str(path.relative_to(root)), path.is_symlink(), path.is_file()) for path in root.rglob("*")
     }
 
 
@@ -113,8 +113,9 @@ async def test_hostile_run_ids_and_bindings_are_plain_data_on_every_store(
         # Crash after the first action intent, then finish on a new store object, then
         # resume the finished run: start, take-over, replay and read all see the id.
         with pytest.raises(SimulatedCrash):
-            await run(definition(FaultyStore(store, fail_after_writes=4), script=TWO_STEPS),
-                      req(run_id))
+            await run(
+                definition(FaultyStore(store, fail_after_writes=4), script=TWO_STEPS), req(run_id)
+            )
         store = await stores.reopen(store)
         finished = await resume(definition(store, script=TWO_STEPS), req(run_id))
         assert finished.stop_reason is StopReason.SUBMITTED
@@ -143,11 +144,17 @@ async def test_hostile_run_ids_and_bindings_are_plain_data_on_every_store(
         }
     if stores.kind == "sqlite":
         assert {path.split("/")[0] for path, _, _ in after} <= {
-            "runs.db", "runs.db-wal", "runs.db-shm", "runs.db.owners"}
+            "runs.db",
+            "runs.db-wal",
+            "runs.db-shm",
+            "runs.db.owners",
+        }
         assert not any(link for _, link, _ in after)
         with sqlite3.connect(stores.sqlite_path) as db:
-            tables = {name for (name,) in db.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'table'")}
+            tables = {
+                name
+                for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            }
             (runs,) = db.execute("SELECT COUNT(*) FROM records WHERE seq = 0").fetchone()
             (listed,) = db.execute("SELECT COUNT(*) FROM runs WHERE finished = 1").fetchone()
         assert tables == {"meta", "records", "runs", "owners"}
@@ -156,12 +163,16 @@ async def test_hostile_run_ids_and_bindings_are_plain_data_on_every_store(
     if stores.kind == "postgresql":
         assert stores.conninfo is not None
         with psycopg.connect(stores.conninfo) as db:
-            tables = {name for (name,) in db.execute(
-                "SELECT tablename FROM pg_catalog.pg_tables WHERE schemaname = 'polyloop'")}
+            tables = {
+                name
+                for (name,) in db.execute(
+                    "SELECT tablename FROM pg_catalog.pg_tables WHERE schemaname = 'polyloop'"
+                )
+            }
             (runs,) = db.execute(  # type: ignore[misc]
-                "SELECT COUNT(*) FROM polyloop.records WHERE seq = 0").fetchone()
-            (listed,) = db.execute(
-                "SELECT COUNT(*) FROM polyloop.runs WHERE finished").fetchone()
+                "SELECT COUNT(*) FROM polyloop.records WHERE seq = 0"
+            ).fetchone()
+            (listed,) = db.execute("SELECT COUNT(*) FROM polyloop.runs WHERE finished").fetchone()
         assert tables == {"meta", "records", "runs", "owners"}
         assert runs == len(HOSTILE) + 1
         assert listed == runs  # one row per run in the table of runs, each finished
@@ -198,8 +209,9 @@ async def test_a_planted_symlink_at_a_run_file_is_never_followed_by_run(
 
 def bad_lines() -> dict[str, str]:
     """Raw log lines holding what the codec never writes, each as a model result."""
-    base = dumps(Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL,
-                        payload={"n": 0}))
+    base = dumps(
+        Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL, payload={"n": 0})
+    )
     assert '"payload":{"n":0}' in base and base.count('"run_id":"r"') == 1
     return {
         "nan": base.replace('{"n":0}', '{"n":NaN}'),
@@ -235,8 +247,9 @@ async def test_a_raw_jsonl_line_the_codec_never_writes_is_corrupt(
             await store.read_log("r")
         assert corrupt.value.location == f"{path.name}:2"
         with pytest.raises(CorruptLog) as again:
-            await resume(definition(store, script=[answer("x")]),
-                         request("r", make_tools(Ledger())))
+            await resume(
+                definition(store, script=[answer("x")]), request("r", make_tools(Ledger()))
+            )
         assert again.value.location == f"{path.name}:2"
     assert path.read_bytes() == content
 
@@ -261,8 +274,10 @@ async def test_a_raw_sqlite_body_the_codec_never_writes_is_corrupt(
     async with SqliteStore(path) as store:
         await start_only(store)
     with sqlite3.connect(path) as db:
-        db.execute("INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)",
-                   ("r", 1, "result", line))
+        db.execute(
+            "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)",
+            ("r", 1, "result", line),
+        )
     async with SqliteStore(path) as store:
         with pytest.raises(CorruptLog) as corrupt:
             await store.read_log("r")
@@ -276,8 +291,10 @@ async def test_a_raw_sqlite_body_the_codec_never_writes_is_corrupt(
 async def crashed_run(store: Store, run_id: str) -> None:
     """A resumable run: start, step 0 complete (5 writes), nothing of step 1."""
     with pytest.raises(SimulatedCrash):
-        await run(definition(FaultyStore(store, fail_after_writes=5), script=TWO_STEPS),
-                  request(run_id, make_tools(Ledger())))
+        await run(
+            definition(FaultyStore(store, fail_after_writes=5), script=TWO_STEPS),
+            request(run_id, make_tools(Ledger())),
+        )
 
 
 async def refused_resume(store: Store, run_id: str) -> PolyLoopError:
@@ -332,23 +349,36 @@ async def test_a_tampered_jsonl_log_is_refused_by_resume_and_left_untouched(
 
 
 def sqlite_tamper(kind: str, db: sqlite3.Connection) -> None:
-    rows = db.execute("SELECT seq, kind, body FROM records WHERE run_id = 'a' "
-                      "ORDER BY seq").fetchall()
-    assert [kind for _, kind, _ in rows] == ["run_started", "intent", "result", "intent",
-                                              "result", "step"]
+    rows = db.execute(
+        "SELECT seq, kind, body FROM records WHERE run_id = 'a' ORDER BY seq"
+    ).fetchall()
+    assert [kind for _, kind, _ in rows] == [
+        "run_started",
+        "intent",
+        "result",
+        "intent",
+        "result",
+        "step",
+    ]
     if kind == "newer-major":
         body = rows[2][2].replace('"schema":"polyloop/1"', '"schema":"polyloop/2"')
         db.execute("UPDATE records SET body = ? WHERE run_id = 'a' AND seq = 2", (body,))
     elif kind == "out-of-order":
         for seq, source in ((1, rows[2]), (2, rows[1])):
-            db.execute("UPDATE records SET kind = ?, body = ? WHERE run_id = 'a' AND seq = ?",
-                       (source[1], source[2], seq))
+            db.execute(
+                "UPDATE records SET kind = ?, body = ? WHERE run_id = 'a' AND seq = ?",
+                (source[1], source[2], seq),
+            )
     elif kind == "line-repeated":
-        db.execute("INSERT INTO records (run_id, seq, kind, body) VALUES ('a', 6, ?, ?)",
-                   (rows[1][1], rows[1][2]))
+        db.execute(
+            "INSERT INTO records (run_id, seq, kind, body) VALUES ('a', 6, ?, ?)",
+            (rows[1][1], rows[1][2]),
+        )
     elif kind == "other-runs-file":
-        db.execute("INSERT INTO records (run_id, seq, kind, body) "
-                   "SELECT 'b', seq, kind, body FROM records WHERE run_id = 'a'")
+        db.execute(
+            "INSERT INTO records (run_id, seq, kind, body) "
+            "SELECT 'b', seq, kind, body FROM records WHERE run_id = 'a'"
+        )
 
 
 @pytest.mark.parametrize("kind", TAMPERS)
@@ -373,4 +403,3 @@ async def test_a_tampered_sqlite_log_is_refused_by_resume_and_left_untouched(
         assert isinstance(error, CorruptLog) and error.location is not None
     with sqlite3.connect(path) as db:
         assert db.execute(everything).fetchall() == before
-

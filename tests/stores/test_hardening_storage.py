@@ -118,8 +118,10 @@ _REFERENCE: list[Reference] = []
 async def reference() -> Reference:
     if not _REFERENCE:
         store, ledger = MemoryStore(), Ledger()
-        result = await run(definition(store, script=six_step_script()),
-                           request("r", make_tools(ledger, replay=REPLAY), model_replay=REPLAY))
+        result = await run(
+            definition(store, script=six_step_script()),
+            request("r", make_tools(ledger, replay=REPLAY), model_replay=REPLAY),
+        )
         writes: list[tuple[Record, ...]] = []
         pending: Record | None = None
         for record in (await store.read_log("r")).records:
@@ -179,8 +181,9 @@ async def check_failed_then_recover(
     assert error.__cause__ is not None
     assert subject.effects() == ref.effects(k - 1)
 
-    probe = Result(run_id="r", result_id="r:99:model", kind=IntentKind.MODEL_CALL,
-                   payload={"probe": True})
+    probe = Result(
+        run_id="r", result_id="r:99:model", kind=IntentKind.MODEL_CALL, payload={"probe": True}
+    )
     with pytest.raises(StoreError, match="earlier write"):
         await failed.write_result(probe)
     await _close(failed)
@@ -292,19 +295,30 @@ class OsFault:
 
 
 JSONL_FAULTS = [
-    *(pytest.param("write", k, errno.ENOSPC, True, id=f"write-ENOSPC-partial-{k}")
-      for k in EVERY_WRITE),
+    *(
+        pytest.param("write", k, errno.ENOSPC, True, id=f"write-ENOSPC-partial-{k}")
+        for k in EVERY_WRITE
+    ),
     *(pytest.param("write", k, errno.EIO, False, id=f"write-EIO-{k}") for k in EVERY_WRITE),
-    *(pytest.param("fsync", k, code, False, id=f"fsync-{errno.errorcode[code]}-{k}")
-      for k in BARRIER_WRITES for code in (errno.ENOSPC, errno.EIO)),
-    *(pytest.param("dir-fsync", 1, code, False, id=f"dir-fsync-{errno.errorcode[code]}-1")
-      for code in (errno.ENOSPC, errno.EIO)),
+    *(
+        pytest.param("fsync", k, code, False, id=f"fsync-{errno.errorcode[code]}-{k}")
+        for k in BARRIER_WRITES
+        for code in (errno.ENOSPC, errno.EIO)
+    ),
+    *(
+        pytest.param("dir-fsync", 1, code, False, id=f"dir-fsync-{errno.errorcode[code]}-1")
+        for code in (errno.ENOSPC, errno.EIO)
+    ),
 ]
 
 
 @pytest.mark.parametrize(("call", "k", "code", "partial"), JSONL_FAULTS)
 async def test_jsonl_os_error_at_every_write_point(
-    scratch: Path, monkeypatch: pytest.MonkeyPatch, call: str, k: int, code: int,
+    scratch: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    call: str,
+    k: int,
+    code: int,
     partial: bool,
 ) -> None:
     directory = scratch / "runs"
@@ -331,8 +345,9 @@ async def test_jsonl_os_error_at_every_write_point(
         landed = k - 1
     else:
         landed = k  # the bytes reached the file; only their sync failed
-    await check_failed_then_recover(subject, caught.value, store, lambda: JsonlStore(directory),
-                                    k=k, landed=landed)
+    await check_failed_then_recover(
+        subject, caught.value, store, lambda: JsonlStore(directory), k=k, landed=landed
+    )
 
 
 # -- 1 and 2: the SQLite store ------------------------------------------------------------
@@ -390,8 +405,11 @@ class FaultyConnection(sqlite3.Connection):
         fault = self.fault
         if fault is None or not fault.active:
             return super().execute(statement, parameters)
-        if (statement == "COMMIT" and fault.current == fault.number
-                and fault.stage in ("commit", "after-commit")):
+        if (
+            statement == "COMMIT"
+            and fault.current == fault.number
+            and fault.stage in ("commit", "after-commit")
+        ):
             fault.current = None
             if fault.stage == "commit":
                 raise fault.error()
@@ -425,8 +443,13 @@ def install_sqlite_fault(monkeypatch: pytest.MonkeyPatch, fault: SqliteFault) ->
 
 SQLITE_FAULTS = [
     pytest.param(stage, message, k, id=f"{stage}-{'FULL' if message == FULL else 'IOERR'}-{k}")
-    for stage, message in (("statement", FULL), ("statement", IOERR), ("commit", FULL),
-                           ("commit", IOERR), ("after-commit", IOERR))
+    for stage, message in (
+        ("statement", FULL),
+        ("statement", IOERR),
+        ("commit", FULL),
+        ("commit", IOERR),
+        ("after-commit", IOERR),
+    )
     for k in EVERY_WRITE
 ]
 
@@ -447,8 +470,9 @@ async def test_sqlite_io_error_at_every_write_point(
     cause = caught.value.__cause__
     assert isinstance(cause, sqlite3.OperationalError) and str(cause) == message
     landed = k if stage == "after-commit" else k - 1
-    await check_failed_then_recover(subject, caught.value, store, lambda: SqliteStore(path),
-                                    k=k, landed=landed)
+    await check_failed_then_recover(
+        subject, caught.value, store, lambda: SqliteStore(path), k=k, landed=landed
+    )
 
 
 # -- 1 and 2: the PostgreSQL store, the writer's session terminated -------------------------
@@ -559,19 +583,29 @@ async def _stall_at(place: tuple[str, str], seq: int | None) -> None:
     if seq is None:
         await _query(conninfo, sql.SQL("DROP TRIGGER stall ON {}.records").format(name))
         return
-    await _query(conninfo, sql.SQL(
-        "CREATE FUNCTION {}.stall() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-        "IF NEW.seq = {} THEN PERFORM pg_sleep(60); END IF; RETURN NEW; END $$"
-    ).format(name, sql.Literal(seq)))
-    await _query(conninfo, sql.SQL(
-        "CREATE TRIGGER stall BEFORE INSERT ON {}.records FOR EACH ROW EXECUTE FUNCTION {}.stall()"
-    ).format(name, name))
+    await _query(
+        conninfo,
+        sql.SQL(
+            "CREATE FUNCTION {}.stall() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.seq = {} THEN PERFORM pg_sleep(60); END IF; RETURN NEW; END $$"
+        ).format(name, sql.Literal(seq)),
+    )
+    await _query(
+        conninfo,
+        sql.SQL(
+            "CREATE TRIGGER stall BEFORE INSERT ON {}.records"
+            " FOR EACH ROW EXECUTE FUNCTION {}.stall()"
+        ).format(name, name),
+    )
 
 
-@pytest.mark.parametrize(("mode", "k"), [
-    *(("inside", k) for k in (1, 2, 3, 4, 5, 13, 25)),
-    *(("before", k) for k in (2, 10, 25)),
-])
+@pytest.mark.parametrize(
+    ("mode", "k"),
+    [
+        *(("inside", k) for k in (1, 2, 3, 4, 5, 13, 25)),
+        *(("before", k) for k in (2, 10, 25)),
+    ],
+)
 async def test_postgres_writer_session_dies_at_a_write(
     pg_place: tuple[str, str], mode: str, k: int
 ) -> None:
@@ -590,8 +624,12 @@ async def test_postgres_writer_session_dies_at_a_write(
     if mode == "inside":
         await _stall_at(pg_place, None)
     await check_failed_then_recover(
-        subject, caught.value, store.inner, lambda: PostgresStore(conninfo, schema=schema),
-        k=k, landed=k - 1,
+        subject,
+        caught.value,
+        store.inner,
+        lambda: PostgresStore(conninfo, schema=schema),
+        k=k,
+        landed=k - 1,
     )
 
 
@@ -635,8 +673,10 @@ async def crashed_with_torn_tail(directory: Path, k: int, subject: Subject) -> P
     ref = await reference()
     async with JsonlStore(directory) as first:
         with pytest.raises(SimulatedCrash):
-            await run(definition(FaultyStore(first, fail_after_writes=k), model=subject.model),
-                      subject.request())
+            await run(
+                definition(FaultyStore(first, fail_after_writes=k), model=subject.model),
+                subject.request(),
+            )
     path = directory / f"{safe_name('r')}.jsonl"
     nxt = ref.writes[k]
     line = dumps(nxt[0]) if len(nxt) == 1 else f"[{dumps(nxt[0])},{dumps(nxt[1])}]"
@@ -702,8 +742,10 @@ async def test_sqlite_read_error_during_recovery_fails_cleanly(
     subject = Subject()
     async with SqliteStore(path) as first:
         with pytest.raises(SimulatedCrash):
-            await run(definition(FaultyStore(first, fail_after_writes=k), model=subject.model),
-                      subject.request())
+            await run(
+                definition(FaultyStore(first, fail_after_writes=k), model=subject.model),
+                subject.request(),
+            )
     fault = SqliteFault("read", 1, IOERR)
     install_sqlite_fault(monkeypatch, fault)
     effects = subject.effects()
@@ -736,8 +778,10 @@ async def test_recovery_twice_is_idempotent(scratch: Path, kind: str, k: int) ->
     subject = Subject()
     first = open_store()
     with pytest.raises(SimulatedCrash):
-        await run(definition(FaultyStore(first, fail_after_writes=k), model=subject.model),
-                  subject.request())
+        await run(
+            definition(FaultyStore(first, fail_after_writes=k), model=subject.model),
+            subject.request(),
+        )
     await _close(first)
     store = open_store()
     try:

@@ -96,21 +96,43 @@ def started(run_id: str = "r") -> RunStarted:
 
 
 def intent(run_id: str = "r", k: int = 0, kind: IntentKind = IntentKind.ACTION) -> Intent:
-    return Intent(run_id=run_id, result_id=f"{run_id}:{k}:{kind.value}", kind=kind, step=k,
-                  call_index=k, replay=Replay.NEVER, payload={"name": "double", "n": k})
+    return Intent(
+        run_id=run_id,
+        result_id=f"{run_id}:{k}:{kind.value}",
+        kind=kind,
+        step=k,
+        call_index=k,
+        replay=Replay.NEVER,
+        payload={"name": "double", "n": k},
+    )
 
 
 def result(run_id: str = "r", k: int = 0, text: str = "ok") -> Result:
-    return Result(run_id=run_id, result_id=f"{run_id}:{k}:model", kind=IntentKind.MODEL_CALL,
-                  payload={"call_id": None, "content": text, "reasoning": None})
+    return Result(
+        run_id=run_id,
+        result_id=f"{run_id}:{k}:model",
+        kind=IntentKind.MODEL_CALL,
+        payload={"call_id": None, "content": text, "reasoning": None},
+    )
 
 
 def step(run_id: str = "r", k: int = 0) -> StepRecord:
-    return StepRecord(run_id=run_id, step=k, call_id=None, model_output="x", reasoning=None,
-                      decision=DecisionKind.ACTION, history_text="x", action_text="t()",
-                      observation="o", observation_synthesized=False,
-                      action_status=ActionStatus.EXECUTED, done=False, truncated_chars=0,
-                      error=None)
+    return StepRecord(
+        run_id=run_id,
+        step=k,
+        call_id=None,
+        model_output="x",
+        reasoning=None,
+        decision=DecisionKind.ACTION,
+        history_text="x",
+        action_text="t()",
+        observation="o",
+        observation_synthesized=False,
+        action_status=ActionStatus.EXECUTED,
+        done=False,
+        truncated_chars=0,
+        error=None,
+    )
 
 
 async def started_run(directory: Path, run_id: str = "r") -> list[Any]:
@@ -166,6 +188,7 @@ async def test_creates_its_directory_with_parents_and_syncs_new_entries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     synced: list[Path] = []
+
     def record(directory: Path) -> None:
         synced.append(Path(directory))
         real_fsync_directory(directory)
@@ -360,8 +383,16 @@ async def test_a_resumed_run_is_locked_from_its_claim_until_end_run(
         await holder.write_result(result())
         with pytest.raises(RunLocked):
             await other.write_result(result(k=1))
-        await holder.end_run(RunEnded(run_id="r", stop_reason=StopReason.CANCELLED,
-                                      final_answer=None, steps=0, valid_steps=0, detail=None))
+        await holder.end_run(
+            RunEnded(
+                run_id="r",
+                stop_reason=StopReason.CANCELLED,
+                final_answer=None,
+                steps=0,
+                valid_steps=0,
+                detail=None,
+            )
+        )
         # A cancelled end is not final: the next claimant may continue the run.
         await other.claim_run("r")
         await other.write_result(result(k=1))
@@ -387,8 +418,9 @@ async def test_an_unloggable_value_writes_nothing_and_does_not_fail_the_run(
 ) -> None:
     await started_run(tmp_path)
     before = run_file(tmp_path, "r").read_bytes()
-    bad = Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL,
-                 payload={"x": float("nan")})
+    bad = Result(
+        run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL, payload={"x": float("nan")}
+    )
     async with JsonlStore(tmp_path) as store:
         await store.claim_run("r")
         with pytest.raises(UnloggableValue):
@@ -489,23 +521,31 @@ async def test_resume_ignores_a_whole_intent_that_lacks_its_newline(tmp_path: Pa
     Had the reader accepted it, a NEVER-replay resume would end in doubt; the action
     never ran, so the resumed run must be the uninterrupted one.
     """
-    expected = await uninterrupted(lambda: JsonlStore(tmp_path / "u"), Replay.NEVER,
-                                   six_step_script())
+    expected = await uninterrupted(
+        lambda: JsonlStore(tmp_path / "u"), Replay.NEVER, six_step_script()
+    )
     directory = tmp_path / "c"
     ledger = Ledger()
     tools = make_tools(ledger)
     async with JsonlStore(directory) as first:
         with pytest.raises(SimulatedCrash):
             # Write 4 would be the first action intent.
-            await run(definition(FaultyStore(first, fail_after_writes=3),
-                                 script=six_step_script()), request("r", tools))
-    unacknowledged = Intent(run_id="r", result_id="r:0:action", kind=IntentKind.ACTION, step=0,
-                            call_index=0, replay=Replay.NEVER,
-                            payload={"tool": "double", "arguments": {"n": 1}})
+            await run(
+                definition(FaultyStore(first, fail_after_writes=3), script=six_step_script()),
+                request("r", tools),
+            )
+    unacknowledged = Intent(
+        run_id="r",
+        result_id="r:0:action",
+        kind=IntentKind.ACTION,
+        step=0,
+        call_index=0,
+        replay=Replay.NEVER,
+        payload={"tool": "double", "arguments": {"n": 1}},
+    )
     append_bytes(run_file(directory, "r"), dumps(unacknowledged).encode())
     async with JsonlStore(directory) as second:
-        resumed = await resume(definition(second, script=six_step_script()),
-                               request("r", tools))
+        resumed = await resume(definition(second, script=six_step_script()), request("r", tools))
     assert resumed.stop_reason is not StopReason.IN_DOUBT
     assert same_outcome(resumed, expected)
     assert all(ledger.count(rid) == 1 for _, rid in ledger.calls)
@@ -528,8 +568,10 @@ CORRUPT_LINES: dict[str, tuple[bytes, type[PolyLoopError]]] = {
     "json-number": (b"42", CorruptLog),
     "duplicate-key": (b'{"kind":"result",' + dumps(result()).encode()[1:], CorruptLog),
     "another-run": (dumps(result(run_id="other")).encode(), CorruptLog),
-    "schema-major-2": (dumps(result()).replace("polyloop/1", "polyloop/2").encode(),
-                       SchemaMajorMismatch),
+    "schema-major-2": (
+        dumps(result()).replace("polyloop/1", "polyloop/2").encode(),
+        SchemaMajorMismatch,
+    ),
     "invalid-utf8": (b'{"x":"\xff\xfe"}', CorruptLog),
     "empty-array": (b"[]", CorruptLog),
     "numbers-array": (b"[1,2]", CorruptLog),
@@ -537,11 +579,12 @@ CORRUPT_LINES: dict[str, tuple[bytes, type[PolyLoopError]]] = {
     "pair-reversed": (_pair(step(), result()), CorruptLog),
     "pair-of-two-results": (_pair(result(), result(k=1)), CorruptLog),
     "pair-trailing-text": (_pair(result(), step()) + b"x", CorruptLog),
-    "pair-three": (_pair(result(), step())[:-1] + b"," + dumps(step()).encode() + b"]",
-                   CorruptLog),
+    "pair-three": (_pair(result(), step())[:-1] + b"," + dumps(step()).encode() + b"]", CorruptLog),
     "pair-another-run": (_pair(result(run_id="other"), step()), CorruptLog),
-    "pair-schema-major-2": (_pair(result(), step()).replace(b"polyloop/1", b"polyloop/2"),
-                            SchemaMajorMismatch),
+    "pair-schema-major-2": (
+        _pair(result(), step()).replace(b"polyloop/1", b"polyloop/2"),
+        SchemaMajorMismatch,
+    ),
     "pair-duplicate-key": (b'[{"kind":"result",' + _pair(result(), step())[2:], CorruptLog),
 }
 
@@ -569,8 +612,12 @@ async def test_a_terminated_bad_line_is_an_error_naming_file_and_line(
 async def test_only_newline_ends_a_line(tmp_path: Path, breaker: str) -> None:
     """Characters that ``splitlines`` breaks on: raw in a string, and ``\\r`` as JSON space."""
     await started_run(tmp_path)
-    raw = Result(run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL,
-                 payload={"content": f"a{breaker}b"})
+    raw = Result(
+        run_id="r",
+        result_id="r:0:model",
+        kind=IntentKind.MODEL_CALL,
+        payload={"content": f"a{breaker}b"},
+    )
     line = json.dumps(json.loads(dumps(raw)), ensure_ascii=False, separators=(",", ":"))
     assert breaker in line
     append_bytes(run_file(tmp_path, "r"), ("{\r" + line[1:] + "\n").encode())
@@ -620,8 +667,11 @@ async def test_an_fsync_error_fails_the_run_for_this_store_object(
     assert caught.value.run_id == "r"
     monkeypatch.undo()
     content = path.read_bytes()
-    for write in (store.write_result(result()), store.write_intent(intent(k=1)),
-                  store.write_step(step(), None)):
+    for write in (
+        store.write_result(result()),
+        store.write_intent(intent(k=1)),
+        store.write_step(step(), None),
+    ):
         with pytest.raises(StoreError, match="earlier write of this run failed"):
             await write
     with pytest.raises(StoreError, match="earlier write of this run failed"):
@@ -702,19 +752,24 @@ async def test_a_failed_store_object_releases_the_run_at_once(
 async def test_a_run_that_hit_an_fsync_error_resumes_on_a_new_store_object(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    expected = await uninterrupted(lambda: JsonlStore(tmp_path / "u"), Replay.ALLOWED,
-                                   six_step_script())
+    expected = await uninterrupted(
+        lambda: JsonlStore(tmp_path / "u"), Replay.ALLOWED, six_step_script()
+    )
     directory = tmp_path / "c"
     tools = make_tools(Ledger(), replay=Replay.ALLOWED)
     failing_fsync(monkeypatch, after=1)  # start_run's sync passes, the first intent's fails
     async with JsonlStore(directory) as first:
         with pytest.raises(StoreError):
-            await run(definition(first, script=six_step_script()),
-                      request("r", tools, model_replay=Replay.ALLOWED))
+            await run(
+                definition(first, script=six_step_script()),
+                request("r", tools, model_replay=Replay.ALLOWED),
+            )
     monkeypatch.undo()
     async with JsonlStore(directory) as second:
-        resumed = await resume(definition(second, script=six_step_script()),
-                               request("r", tools, model_replay=Replay.ALLOWED))
+        resumed = await resume(
+            definition(second, script=six_step_script()),
+            request("r", tools, model_replay=Replay.ALLOWED),
+        )
     assert same_outcome(resumed, expected)
 
 
@@ -729,9 +784,7 @@ async def test_short_writes_are_completed(tmp_path: Path, short_writes: list[int
     assert len(short_writes) > 10 * len(writes)
 
 
-async def test_writes_to_one_run_never_interleave(
-    tmp_path: Path, short_writes: list[int]
-) -> None:
+async def test_writes_to_one_run_never_interleave(tmp_path: Path, short_writes: list[int]) -> None:
     texts = [f"task {i} " + "x" * (50 + i) for i in range(24)]
     async with JsonlStore(tmp_path) as store:
         await store.claim_run("r")
@@ -763,8 +816,11 @@ async def test_many_runs_write_concurrently_through_one_store(
 
 _text = st.text(st.characters(exclude_categories=()), max_size=12)
 _json: st.SearchStrategy[JSONValue] = st.recursive(
-    st.none() | st.booleans() | st.integers(-(10**12), 10**12)
-    | st.floats(allow_nan=False, allow_infinity=False) | _text,
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**12), 10**12)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _text,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
     max_leaves=6,
 )
@@ -777,27 +833,67 @@ def _writes(draw: st.DrawFn) -> list[tuple[str, Any]]:
         payload = draw(_json)
         choice = draw(st.sampled_from(["intent", "result", "step", "pair"]))
         if choice == "intent":
-            writes.append(("write_intent", (Intent(
-                run_id="r", result_id=draw(_text), kind=IntentKind.ACTION, step=k,
-                call_index=k, replay=Replay.ALLOWED, payload=payload),)))
+            writes.append(
+                (
+                    "write_intent",
+                    (
+                        Intent(
+                            run_id="r",
+                            result_id=draw(_text),
+                            kind=IntentKind.ACTION,
+                            step=k,
+                            call_index=k,
+                            replay=Replay.ALLOWED,
+                            payload=payload,
+                        ),
+                    ),
+                )
+            )
         elif choice == "result":
-            writes.append(("write_result", (Result(
-                run_id="r", result_id=draw(_text), kind=IntentKind.MODEL_CALL,
-                payload=payload),)))
+            writes.append(
+                (
+                    "write_result",
+                    (
+                        Result(
+                            run_id="r",
+                            result_id=draw(_text),
+                            kind=IntentKind.MODEL_CALL,
+                            payload=payload,
+                        ),
+                    ),
+                )
+            )
         else:
             record = StepRecord(
-                run_id="r", step=k, call_id=None, model_output=draw(_text), reasoning=None,
-                decision=DecisionKind.INVALID, history_text=draw(_text), action_text=None,
-                observation=draw(_text), observation_synthesized=False, action_status=None,
-                done=False, truncated_chars=0, error=None)
-            paired = Result(run_id="r", result_id=f"r:{k}:action", kind=IntentKind.ACTION,
-                            payload=payload) if choice == "pair" else None
+                run_id="r",
+                step=k,
+                call_id=None,
+                model_output=draw(_text),
+                reasoning=None,
+                decision=DecisionKind.INVALID,
+                history_text=draw(_text),
+                action_text=None,
+                observation=draw(_text),
+                observation_synthesized=False,
+                action_status=None,
+                done=False,
+                truncated_chars=0,
+                error=None,
+            )
+            paired = (
+                Result(
+                    run_id="r", result_id=f"r:{k}:action", kind=IntentKind.ACTION, payload=payload
+                )
+                if choice == "pair"
+                else None
+            )
             writes.append(("write_step", (record, paired)))
     return writes
 
 
-@settings(max_examples=50, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(writes=_writes(), offsets=st.lists(st.integers(0, 2**32), min_size=1, max_size=4))
 async def test_read_log_returns_exactly_the_complete_lines_of_any_cut(
     writes: list[tuple[str, Any]], offsets: list[int]
@@ -828,10 +924,12 @@ async def test_read_log_returns_exactly_the_complete_lines_of_any_cut(
 async def test_crash_after_every_write_resumes_to_the_uninterrupted_run(
     tmp_path: Path, k: int
 ) -> None:
-    expected = await uninterrupted(lambda: JsonlStore(tmp_path / "u"), Replay.ALLOWED,
-                                   six_step_script())
-    resumed, _, store = await crash_and_resume(lambda: JsonlStore(tmp_path / f"k{k}"), k,
-                                               Replay.ALLOWED, six_step_script())
+    expected = await uninterrupted(
+        lambda: JsonlStore(tmp_path / "u"), Replay.ALLOWED, six_step_script()
+    )
+    resumed, _, store = await crash_and_resume(
+        lambda: JsonlStore(tmp_path / f"k{k}"), k, Replay.ALLOWED, six_step_script()
+    )
     try:
         assert resumed.resumed
         assert same_outcome(resumed, expected)
@@ -845,10 +943,12 @@ async def test_crash_after_every_write_resumes_to_the_uninterrupted_run(
 async def test_crash_with_replay_never_is_in_doubt_only_after_an_intent(
     tmp_path: Path, k: int
 ) -> None:
-    expected = await uninterrupted(lambda: JsonlStore(tmp_path / "u"), Replay.NEVER,
-                                   six_step_script())
-    resumed, ledger, store = await crash_and_resume(lambda: JsonlStore(tmp_path / f"k{k}"), k,
-                                                    Replay.NEVER, six_step_script())
+    expected = await uninterrupted(
+        lambda: JsonlStore(tmp_path / "u"), Replay.NEVER, six_step_script()
+    )
+    resumed, ledger, store = await crash_and_resume(
+        lambda: JsonlStore(tmp_path / f"k{k}"), k, Replay.NEVER, six_step_script()
+    )
     try:
         if k in SIX_STEP_INTENT_WRITES:
             assert resumed.stop_reason is StopReason.IN_DOUBT

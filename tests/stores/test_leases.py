@@ -45,8 +45,7 @@ LEASE_S = 1.0
 def _place(request: pytest.FixtureRequest, tmp_path: Path, kind: str) -> tuple[str, str]:
     if kind == "sqlite":
         return str(tmp_path / "runs.db"), ""
-    return request.getfixturevalue("postgres_shared"), request.getfixturevalue(
-        "postgres_schemas")()
+    return request.getfixturevalue("postgres_shared"), request.getfixturevalue("postgres_schemas")()
 
 
 async def _wait_for(path: Path) -> None:
@@ -64,8 +63,19 @@ async def test_a_stopped_worker_is_taken_over_and_writes_nothing_once_revived(
     location, schema = _place(request, tmp_path, kind)
     ledger, marker = tmp_path / "ledger", tmp_path / "marker"
     child = await anyio.open_process(
-        [sys.executable, lease_kit.__file__, kind, location, schema, "r", where,
-         str(LEASE_S), str(ledger), str(marker)])
+        [
+            sys.executable,
+            lease_kit.__file__,
+            kind,
+            location,
+            schema,
+            "r",
+            where,
+            str(LEASE_S),
+            str(ledger),
+            str(marker),
+        ]
+    )
     store = lease_kit.open_store(kind, location, schema, LEASE_S)
     note = kit.file_note(str(ledger))
     definition = lease_kit.definition(store, note, kit.Model(note))
@@ -132,7 +142,8 @@ async def test_a_live_worker_keeps_its_run_through_a_call_longer_than_its_lease(
     async def drive() -> None:
         outcome["result"] = await run(
             lease_kit.definition(driver, notes.append, model),
-            kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED))
+            kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
+        )
 
     refusals = 0
     async with anyio.create_task_group() as group:
@@ -167,19 +178,25 @@ async def test_a_worker_whose_event_loop_was_stuck_past_its_lease_stops_writing(
             return await super().call(call)
 
     with pytest.raises(RunLocked, match="lease ended"):
-        await run(lease_kit.definition(store, notes.append, BlockingModel(notes.append)),
-                  kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED))
+        await run(
+            lease_kit.definition(store, notes.append, BlockingModel(notes.append)),
+            kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
+        )
     assert notes == ["model r:0:model"]  # the tool never started
     other = lease_kit.open_store(kind, location, schema, lease_s)
     result = await run_status(other, "r")  # type: ignore[arg-type]
     assert result.state is RunState.RESUMABLE
     finished = await recover(
-        lease_kit.definition(other, notes.append, kit.Model(notes.append)), other,  # type: ignore[arg-type]
-        lambda run_id: kit.request(run_id, lease_kit.held_tools(notes.append, None),
-                                   Replay.ALLOWED),
-        max_concurrent=1)
+        lease_kit.definition(other, notes.append, kit.Model(notes.append)),
+        other,  # type: ignore[arg-type]
+        lambda run_id: kit.request(
+            run_id, lease_kit.held_tools(notes.append, None), Replay.ALLOWED
+        ),
+        max_concurrent=1,
+    )
     assert [entry.result.stop_reason for entry in finished if entry.result] == [
-        StopReason.SUBMITTED]
+        StopReason.SUBMITTED
+    ]
     assert notes.count("tool r:0:action") == 1
     await store.aclose()  # type: ignore[attr-defined]
     await other.aclose()  # type: ignore[attr-defined]
@@ -200,12 +217,18 @@ def _slow_inserts(conninfo: str, schema: str) -> None:
     """Make every insert into the schema's records sleep (a server that stops answering)."""
     name = sql.Identifier(schema)
     with pg.admin(conninfo) as conn:
-        conn.execute(sql.SQL(
-            "CREATE FUNCTION {}.stall() RETURNS trigger LANGUAGE plpgsql AS "
-            "$$ BEGIN PERFORM pg_sleep(60); RETURN NEW; END $$").format(name))
-        conn.execute(sql.SQL(
-            "CREATE TRIGGER stall BEFORE INSERT ON {}.records FOR EACH ROW "
-            "EXECUTE FUNCTION {}.stall()").format(name, name))
+        conn.execute(
+            sql.SQL(
+                "CREATE FUNCTION {}.stall() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN PERFORM pg_sleep(60); RETURN NEW; END $$"
+            ).format(name)
+        )
+        conn.execute(
+            sql.SQL(
+                "CREATE TRIGGER stall BEFORE INSERT ON {}.records FOR EACH ROW "
+                "EXECUTE FUNCTION {}.stall()"
+            ).format(name, name)
+        )
 
 
 async def test_a_silent_server_becomes_a_store_error_within_the_statement_timeout(
@@ -219,8 +242,10 @@ async def test_a_silent_server_becomes_a_store_error_within_the_statement_timeou
     await anyio.to_thread.run_sync(_slow_inserts, postgres_shared, schema)
     began = time.monotonic()
     with pytest.raises(StoreError) as failed:
-        await run(lease_kit.definition(store, notes.append, kit.Model(notes.append)),
-                  kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED))
+        await run(
+            lease_kit.definition(store, notes.append, kit.Model(notes.append)),
+            kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
+        )
     assert time.monotonic() - began < 5
     assert "statement timeout" in str(failed.value)
     assert notes == []  # nothing ran: the start record never landed
@@ -242,8 +267,10 @@ async def test_a_cancelled_run_on_a_silent_server_returns_within_its_grace_and_t
 
     began = time.monotonic()
     with anyio.move_on_after(0.5) as scope:
-        await run(lease_kit.definition(store, notes.append, Stalling(notes.append)),
-                  kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED))
+        await run(
+            lease_kit.definition(store, notes.append, Stalling(notes.append)),
+            kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
+        )
     assert scope.cancelled_caught
     # The grace is 5 s; the end record's statement gave up after its 1 s timeout, and the
     # cancellation went on.

@@ -51,8 +51,11 @@ class Stores:
         self.opened: list[Any] = []
 
     def open(self) -> Store:
-        store: Store = (self._memory if self.kind == "memory"
-                        else kit.open_store(self.kind, self.location, self.schema))
+        store: Store = (
+            self._memory
+            if self.kind == "memory"
+            else kit.open_store(self.kind, self.location, self.schema)
+        )
         self.opened.append(store)
         return store
 
@@ -102,9 +105,15 @@ class Held:
         return held
 
 
-async def _while_held(stores: Stores, a_store: Store, gate: kit.Gate, replay: Replay,
-                      ledger: list[str], *, a_gates: dict[str, kit.Gate]) -> tuple[
-                          RunResult, RunResult | RunLocked]:
+async def _while_held(
+    stores: Stores,
+    a_store: Store,
+    gate: kit.Gate,
+    replay: Replay,
+    ledger: list[str],
+    *,
+    a_gates: dict[str, kit.Gate],
+) -> tuple[RunResult, RunResult | RunLocked]:
     """Run A until ``gate`` holds it, resume through B, let A go; both outcomes."""
     note = ledger.append
     registry = kit.tools(note, replay, a_gates.get("tool"))
@@ -120,8 +129,9 @@ async def _while_held(stores: Stores, a_store: Store, gate: kit.Gate, replay: Re
             await gate.entered.wait()
         b_store = stores.open()
         try:
-            outcomes["b"] = await resume(kit.definition(b_store, note),
-                                         kit.request("r", kit.tools(note, replay), replay))
+            outcomes["b"] = await resume(
+                kit.definition(b_store, note), kit.request("r", kit.tools(note, replay), replay)
+            )
         except RunLocked as exc:
             outcomes["b"] = exc
         gate.go.set()
@@ -136,8 +146,10 @@ async def _check_log(stores: Stores, replay: Replay = Replay.ALLOWED) -> None:
     assert status.stop_reason is StopReason.SUBMITTED
     log = await reader.read_log("r")
     assert [type(record).__name__ for record in log.records] == RECORDS
-    later = await resume(kit.definition(reader, lambda _: None),
-                         kit.request("r", kit.tools(lambda _: None, replay), replay))
+    later = await resume(
+        kit.definition(reader, lambda _: None),
+        kit.request("r", kit.tools(lambda _: None, replay), replay),
+    )
     assert later.stop_reason is StopReason.SUBMITTED
     assert (await reader.read_log("r")).records == log.records
 
@@ -151,8 +163,7 @@ async def test_a_second_worker_never_touches_a_run_a_live_worker_drives(
     replay = Replay.NEVER if effect == "tool never" else Replay.ALLOWED
     ledger: list[str] = []
     where = "model" if effect == "model call" else "tool"
-    a, b = await _while_held(stores, stores.open(), gate, replay, ledger,
-                             a_gates={where: gate})
+    a, b = await _while_held(stores, stores.open(), gate, replay, ledger, a_gates={where: gate})
     assert isinstance(b, RunLocked) and b.run_id == "r"
     assert a.stop_reason is StopReason.SUBMITTED and a.step_count == 1
     # A alone ran each effect, once.
@@ -162,16 +173,23 @@ async def test_a_second_worker_never_touches_a_run_a_live_worker_drives(
 
 
 @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
-@pytest.mark.parametrize("at", range(1, len(WRITES) + 1),
-                         ids=[f"{n}-{name}" for n, name in enumerate(WRITES, start=1)])
+@pytest.mark.parametrize(
+    "at", range(1, len(WRITES) + 1), ids=[f"{n}-{name}" for n, name in enumerate(WRITES, start=1)]
+)
 async def test_every_point_of_a_step_keeps_the_second_worker_out(
     stores: Stores, at: int, after: bool
 ) -> None:
     """B resumes while A is held before or after each of its writes, in this process."""
     a_store = Held(stores.open(), at, after=after)
     ledger: list[str] = []
-    a, b = await _while_held(stores, a_store, a_store.gate, Replay.ALLOWED, ledger,  # type: ignore[arg-type]
-                             a_gates={})
+    a, b = await _while_held(
+        stores,
+        a_store,
+        a_store.gate,
+        Replay.ALLOWED,
+        ledger,  # type: ignore[arg-type]
+        a_gates={},
+    )
     assert a.stop_reason is StopReason.SUBMITTED
     if WRITES[at - 1] == "end_run" and after:
         # A's end record landed, and with it A gave the claim up: B may claim the run,
@@ -187,10 +205,11 @@ async def test_every_point_of_a_step_keeps_the_second_worker_out(
 # Where A is held while B, in a child process, resumes: inside an effect, or before or
 # after one of A's writes.
 POINTS = [("model", 0, False), ("tool", 0, False)] + [
-    ("write", at, after) for at in range(1, len(WRITES) + 1) for after in (False, True)]
+    ("write", at, after) for at in range(1, len(WRITES) + 1) for after in (False, True)
+]
 POINT_IDS = ["inside the model call", "inside the tool"] + [
-    f"{'after' if after else 'before'} {at}-{WRITES[at - 1]}"
-    for _, at, after in POINTS[2:]]
+    f"{'after' if after else 'before'} {at}-{WRITES[at - 1]}" for _, at, after in POINTS[2:]
+]
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "sqlite", "postgresql"])
@@ -224,8 +243,9 @@ async def test_a_second_worker_in_another_process_is_kept_out(
         with anyio.fail_after(10):
             await gate.entered.wait()
         child = await anyio.run_process(
-            [sys.executable, kit.__file__, kind, location, schema, "r", "allowed",
-             str(ledger)], check=False)
+            [sys.executable, kit.__file__, kind, location, schema, "r", "allowed", str(ledger)],
+            check=False,
+        )
         gate.go.set()
     assert child.returncode == 0, child.stderr.decode(errors="replace")
     # Once A's end record landed, A has given the claim up: B only reads the result.
@@ -247,13 +267,17 @@ def _terminate_sessions(conninfo: str) -> int:
         rows = conn.execute(
             "SELECT pg_terminate_backend(pid, 10000) FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid() "
-            "AND application_name IN ('polyloop-writer', 'polyloop-owner')").fetchall()
+            "AND application_name IN ('polyloop-writer', 'polyloop-owner')"
+        ).fetchall()
     return len(rows)
 
 
 @pytest.mark.parametrize("replay", [Replay.ALLOWED, Replay.NEVER], ids=str)
-@pytest.mark.parametrize("at", [2, 3, 4], ids=["after the model intent", "after the model result",
-                                               "after the action intent"])
+@pytest.mark.parametrize(
+    "at",
+    [2, 3, 4],
+    ids=["after the model intent", "after the model result", "after the action intent"],
+)
 async def test_a_terminated_writer_session_writes_nothing_after_the_next_claim(
     postgres_conninfo: str, at: int, replay: Replay
 ) -> None:
@@ -272,8 +296,10 @@ async def test_a_terminated_writer_session_writes_nothing_after_the_next_claim(
 
     async def worker_a() -> None:
         try:
-            outcome["a"] = await run(kit.definition(a_store, note),  # type: ignore[arg-type]
-                                     kit.request("r", registry, replay))
+            outcome["a"] = await run(
+                kit.definition(a_store, note),  # type: ignore[arg-type]
+                kit.request("r", registry, replay),
+            )
         except (StoreError, RunLocked) as exc:
             outcome["a"] = exc
         a_done.set()

@@ -185,7 +185,9 @@ async def test_crash_after_every_write_resumes_like_an_uninterrupted_run(
         lambda: PostgresStore(shared_database, schema=plain), Replay.ALLOWED, six_step_script()
     )
     resumed, ledger, store = await crash_and_resume(
-        lambda: PostgresStore(shared_database, schema=crashed), k, Replay.ALLOWED,
+        lambda: PostgresStore(shared_database, schema=crashed),
+        k,
+        Replay.ALLOWED,
         six_step_script(),
     )
     try:
@@ -210,7 +212,9 @@ async def test_crash_with_replay_never_is_in_doubt_only_after_an_intent(
         lambda: PostgresStore(shared_database, schema=plain), Replay.NEVER, six_step_script()
     )
     resumed, ledger, store = await crash_and_resume(
-        lambda: PostgresStore(shared_database, schema=crashed), k, Replay.NEVER,
+        lambda: PostgresStore(shared_database, schema=crashed),
+        k,
+        Replay.NEVER,
         six_step_script(),
     )
     try:
@@ -261,9 +265,7 @@ async def _first_line(process: anyio.abc.Process) -> bytes:
 
 async def test_the_lock_of_a_killed_process_is_free_again(conninfo: str) -> None:
     other = PostgresStore(conninfo)
-    process = await anyio.open_process(
-        [sys.executable, "-c", _HOLDER, conninfo, "r1"], stderr=None
-    )
+    process = await anyio.open_process([sys.executable, "-c", _HOLDER, conninfo, "r1"], stderr=None)
     try:
         assert await _first_line(process) == b"holding"
         with pytest.raises(RunLocked):
@@ -300,14 +302,17 @@ async def test_claims_live_with_one_owner_session_never_in_the_pool(conninfo: st
 
     await apply(store, sample_run("r2", steps=1, ended=False))
     await store.aclose()  # so does closing the store, before it returns
-    assert await _query(conninfo, "SELECT count(*) FROM polyloop.runs WHERE owner IS NOT NULL"
-                        ) == [(0,)]
+    assert await _query(conninfo, "SELECT count(*) FROM polyloop.runs WHERE owner IS NOT NULL") == [
+        (0,)
+    ]
     assert await _query(conninfo, "SELECT count(*) FROM polyloop.owners") == [(0,)]
     assert await _advisory_locks(conninfo) == 0
     # Server sessions end moments after their client closes them.
     for _ in range(200):
-        sessions = [await _sessions(conninfo, name)
-                    for name in ("polyloop-reader", "polyloop-writer", "polyloop-owner")]
+        sessions = [
+            await _sessions(conninfo, name)
+            for name in ("polyloop-reader", "polyloop-writer", "polyloop-owner")
+        ]
         if sessions == [0, 0, 0]:
             break
         await anyio.sleep(0.05)
@@ -361,6 +366,7 @@ async def test_concurrent_first_use_from_many_processes(conninfo: str) -> None:
         anyio.run(main)
         """
     )
+
     async def child(run_id: str) -> None:
         done = await anyio.run_process(
             [sys.executable, "-c", script, conninfo, run_id], check=False
@@ -385,6 +391,7 @@ async def test_a_dropped_connection_fails_the_run_and_a_new_store_resumes_it(
     script = six_step_script()
     tools = make_tools(Ledger(), replay=Replay.ALLOWED)
     store = PostgresStore(conninfo)
+
     async def drop_writers(call: ModelCall) -> None:
         await _terminate_writers(conninfo)
 
@@ -398,13 +405,15 @@ async def test_a_dropped_connection_fails_the_run_and_a_new_store_resumes_it(
     with pytest.raises(StoreError, match="earlier write"):
         await store.write_intent(_intent("r", 2))
     with pytest.raises(StoreError):
-        await resume(definition(store, script=script),
-                     request("r", tools, model_replay=Replay.ALLOWED))
+        await resume(
+            definition(store, script=script), request("r", tools, model_replay=Replay.ALLOWED)
+        )
     await store.aclose()
 
     fresh = PostgresStore(conninfo)
-    resumed = await resume(definition(fresh, script=script),
-                           request("r", tools, model_replay=Replay.ALLOWED))
+    resumed = await resume(
+        definition(fresh, script=script), request("r", tools, model_replay=Replay.ALLOWED)
+    )
     await fresh.aclose()
     expected = await uninterrupted(
         lambda: PostgresStore(conninfo, schema="uninterrupted"), Replay.ALLOWED, script
@@ -440,7 +449,9 @@ async def test_a_dropped_writer_connection_fails_only_the_run_that_was_writing(
     await other.write_intent(_intent("r1"))
     await other.aclose()
     assert [type(r).__name__ for r in (await store.read_log("r2")).records] == [
-        "RunStarted", "Intent"]
+        "RunStarted",
+        "Intent",
+    ]
     await store.aclose()
 
 
@@ -535,7 +546,8 @@ async def test_a_body_of_another_major_is_a_schema_mismatch(place: Place) -> Non
     await place.write("r1")
     await place.execute(
         "UPDATE {records} SET body = replace(body, %s, %s) WHERE seq = 4",
-        '"polyloop/1"', '"polyloop/2"',
+        '"polyloop/1"',
+        '"polyloop/2"',
     )
     with pytest.raises(SchemaMajorMismatch) as mismatch:
         await place.read("r1")
@@ -576,9 +588,7 @@ async def test_long_run_ids_are_kept_whole_and_shown_short(place: Place) -> None
     # Incompressible and longer than a btree entry may be: the key is its hash.
     run_id = "".join(chr(0x4E00 + (i * 7919) % 20_000) for i in range(3_000))
     await place.write(run_id)
-    assert list((await place.read(run_id)).records) == expected_records(
-        sample_run(run_id, steps=1)
-    )
+    assert list((await place.read(run_id)).records) == expected_records(sample_run(run_id, steps=1))
     await place.execute("UPDATE {records} SET body = 'nope' WHERE seq = 0")
     with pytest.raises(CorruptLog) as corrupt:
         await place.read(run_id)
@@ -608,8 +618,11 @@ async def test_hostile_run_ids_and_schema_names_are_plain_data(conninfo: str) ->
     schemas = {name for (name,) in await _query(conninfo, "SELECT nspname FROM pg_namespace")}
     assert {schema, "public"} <= schemas
     ordinary = await _query(
-        conninfo, sql.SQL("SELECT count(*) FROM {} WHERE run_id = %s").format(
-            sql.Identifier(schema, "records")), INJECTIONS[0],
+        conninfo,
+        sql.SQL("SELECT count(*) FROM {} WHERE run_id = %s").format(
+            sql.Identifier(schema, "records")
+        ),
+        INJECTIONS[0],
     )
     assert ordinary == [(7,)]  # an ordinary id is stored as itself
 
@@ -625,8 +638,13 @@ def test_parameters_and_repr_never_show_the_connection_string() -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"schema": ""}, {"schema": "s" * 64}, {"pool_size": 0},
-     {"max_writer_connections": 0}, {"timeout": 0}],
+    [
+        {"schema": ""},
+        {"schema": "s" * 64},
+        {"pool_size": 0},
+        {"max_writer_connections": 0},
+        {"timeout": 0},
+    ],
 )
 def test_bad_options_are_refused(options: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="must be"):
@@ -828,8 +846,9 @@ async def queued(group: anyio.abc.TaskGroup, call: Callable[[], Awaitable[object
     await anyio.wait_all_tasks_blocked()
 
 
-async def in_one_batch(store: PostgresStore, probe: Probe,
-                       calls: list[Call]) -> list[BaseException | None]:
+async def in_one_batch(
+    store: PostgresStore, probe: Probe, calls: list[Call]
+) -> list[BaseException | None]:
     """Make ``calls`` one after another while the connection is busy: one batch holds
     them all, in that order. Returns each call's exception, or None."""
     outcomes: list[BaseException | None] = [None] * len(calls)
@@ -882,7 +901,7 @@ async def test_each_row_is_visible_elsewhere_when_its_call_returns(
             writes = sample_run(run_id, steps=2)
             await store.claim_run(run_id)
             for done in range(1, len(writes) + 1):
-                await apply(store, writes[done - 1:done], claim=False)
+                await apply(store, writes[done - 1 : done], claim=False)
                 assert await log_of(reader, run_id) == expected_records(writes[:done])
 
         async with anyio.create_task_group() as group:
@@ -953,7 +972,9 @@ class Statements:
 
 
 async def test_a_batch_of_more_than_a_thousand_rows_is_one_statement(
-    postgres_conninfo: str, probe: Probe, batches: list[list[str]],
+    postgres_conninfo: str,
+    probe: Probe,
+    batches: list[list[str]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Each run writes one step with its action result (two rows) in the batch.
@@ -974,18 +995,19 @@ async def test_a_batch_of_more_than_a_thousand_rows_is_one_statement(
             commits_before = len(probe.commits)
             busy.release()
         assert sorted(run_ids) in [sorted(batch) for batch in batches]
-        [wide] = [commit for commit in probe.commits[commits_before:]
-                  if len(commit.rows) > 2]
+        [wide] = [commit for commit in probe.commits[commits_before:] if len(commit.rows) > 2]
         assert len(wide.rows) == 2 * len(run_ids) > 1000
         assert len(wide.sent) == 1
         # What the connection really executed meanwhile: the held write, one statement,
         # then the wide batch in one statement.
         assert statements.sent[sent_before:] == [
-            commit.sent[0] for commit in probe.commits[commits_before:]]
+            commit.sent[0] for commit in probe.commits[commits_before:]
+        ]
         assert len(probe.commits[commits_before:]) == 2
         for run_id in run_ids:
             assert await log_of(store, run_id) == expected_records(
-                [("start_run", (started(run_id),)), steps[run_id]])
+                [("start_run", (started(run_id),)), steps[run_id]]
+            )
 
 
 # -- durability of barriers --------------------------------------------------------------------
@@ -1025,13 +1047,24 @@ async def test_a_lazy_write_turns_synchronous_commit_off_for_its_own_transaction
 
     def settings() -> list[tuple[str, bool]]:
         with pg.admin(postgres_conninfo) as conn:
-            row = conn.execute(sql.SQL("SELECT epoch FROM {} WHERE run_key = %s").format(runs),
-                               (key,)).fetchone()
+            row = conn.execute(
+                sql.SQL("SELECT epoch FROM {} WHERE run_key = %s").format(runs), (key,)
+            ).fetchone()
             assert row is not None
-            params = {"run_keys": [key], "epochs": [row[0]], "first_seqs": [1],
-                      "next_seqs": [2], "finals": [False], "ends": [False],
-                      "reasons": [None], "row_keys": [key], "seqs": [1], "row_ids": ["r"],
-                      "kinds": [kind], "bodies": [body]}
+            params = {
+                "run_keys": [key],
+                "epochs": [row[0]],
+                "first_seqs": [1],
+                "next_seqs": [2],
+                "finals": [False],
+                "ends": [False],
+                "reasons": [None],
+                "row_keys": [key],
+                "seqs": [1],
+                "row_ids": ["r"],
+                "kinds": [kind],
+                "bodies": [body],
+            }
             seen = []
             for query in (queries.write, queries.lazy_write):
                 conn.execute("BEGIN")
@@ -1043,8 +1076,7 @@ async def test_a_lazy_write_turns_synchronous_commit_off_for_its_own_transaction
             return seen
 
     # Barrier: on. Lazy: off inside its transaction, and on again once it committed.
-    assert await anyio.to_thread.run_sync(settings) == [("on", True), ("off", True),
-                                                          ("on", True)]
+    assert await anyio.to_thread.run_sync(settings) == [("on", True), ("off", True), ("on", True)]
     async with PostgresStore(postgres_conninfo) as store:
         assert await log_of(store, "r") == expected_records(writes[:2])
 
@@ -1071,20 +1103,33 @@ async def test_items_refused_on_their_own_do_not_fail_their_neighbours(
         await claim(store, "existing", "fresh-a", "never", "fresh-b")
         with pytest.raises(RunLocked):
             await store.claim_run("held")
-        outcomes = await in_one_batch(store, probe, [
-            lambda: store.start_run(started("existing")),
-            lambda: store.start_run(started("fresh-a")),
-            lambda: store.start_run(started("held")),
-            write(store, ongoing[1:2]),
-            write(store, sample_run("never", steps=1)[1:2]),
-            lambda: store.start_run(started("fresh-b")),
-        ])
+        outcomes = await in_one_batch(
+            store,
+            probe,
+            [
+                lambda: store.start_run(started("existing")),
+                lambda: store.start_run(started("fresh-a")),
+                lambda: store.start_run(started("held")),
+                write(store, ongoing[1:2]),
+                write(store, sample_run("never", steps=1)[1:2]),
+                lambda: store.start_run(started("fresh-b")),
+            ],
+        )
         assert ["existing", "fresh-a", "held", "ongoing", "never", "fresh-b"] in batches
         assert [type(outcome) for outcome in outcomes] == [
-            RunAlreadyExists, type(None), RunLocked, type(None), StoreError, type(None)]
+            RunAlreadyExists,
+            type(None),
+            RunLocked,
+            type(None),
+            StoreError,
+            type(None),
+        ]
         assert "never started" in str(outcomes[4])
         assert probe.commits[-1].rows == (
-            ("fresh-a", "run_started"), ("ongoing", "intent"), ("fresh-b", "run_started"))
+            ("fresh-a", "run_started"),
+            ("ongoing", "intent"),
+            ("fresh-b", "run_started"),
+        )
         for run_id in ("fresh-a", "fresh-b"):
             assert await log_of(store, run_id) == [started(run_id)]
         assert await log_of(store, "ongoing") == expected_records(ongoing[:2])
@@ -1106,8 +1151,9 @@ async def test_items_refused_on_their_own_do_not_fail_their_neighbours(
 async def _conflicting_row(conninfo: str, run_id: str, seq: int) -> None:
     """A row at ``seq`` that no store wrote: the store's own row there will clash."""
     records = sql.Identifier("polyloop", "records")
-    query = sql.SQL("INSERT INTO {} (run_key, seq, run_id, kind, body) "
-                    "VALUES (%s, %s, %s, 'intent', '{{}}')").format(records)
+    query = sql.SQL(
+        "INSERT INTO {} (run_key, seq, run_id, kind, body) VALUES (%s, %s, %s, 'intent', '{{}}')"
+    ).format(records)
     with pg.admin(conninfo) as conn:
         conn.execute(query, (_postgres_sql.run_key(run_id), seq, run_id))
 
@@ -1129,12 +1175,16 @@ async def test_a_row_the_server_refuses_fails_alone(
         for writes in runs.values():
             await apply(store, writes[:1])
         await _conflicting_row(postgres_conninfo, "bad", 1)
-        outcomes = await in_one_batch(store, probe, [
-            write(store, runs["a"][1:2]),
-            write(store, runs["bad"][1:2]),
-            write(store, runs["bad"][2:3]),  # the same run: it fails with it, no gap
-            write(store, runs["b"][1:2]),
-        ])
+        outcomes = await in_one_batch(
+            store,
+            probe,
+            [
+                write(store, runs["a"][1:2]),
+                write(store, runs["bad"][1:2]),
+                write(store, runs["bad"][2:3]),  # the same run: it fails with it, no gap
+                write(store, runs["b"][1:2]),
+            ],
+        )
         assert ["a", "bad", "bad", "b"] in batches
         assert outcomes[0] is None
         assert outcomes[3] is None
@@ -1172,7 +1222,8 @@ async def test_a_connection_lost_mid_batch_fails_its_runs_and_a_new_store_resume
         await apply(store, writes[:3])
     probe.kill_at("r1")
     outcomes = await in_one_batch(
-        store, probe, [write(store, runs[f"r{n}"][3:4]) for n in range(1, 5)])
+        store, probe, [write(store, runs[f"r{n}"][3:4]) for n in range(1, 5)]
+    )
     assert ["r1", "r2", "r3", "r4"] in batches
     for outcome in outcomes:
         assert isinstance(outcome, StoreError)
@@ -1220,12 +1271,15 @@ async def test_concurrent_runs_on_a_lost_connection_resume_like_uninterrupted_on
     async def one(run_id: str) -> None:
         model = None
         if run_id == "k0":
-            model = InterruptedModel(script, at=2,
-                                     before=lambda _: _kill_writers(postgres_conninfo))
+            model = InterruptedModel(
+                script, at=2, before=lambda _: _kill_writers(postgres_conninfo)
+            )
         tools = make_tools(Ledger(), replay=Replay.ALLOWED)
         try:
-            await run(definition(store, model=model, script=script),
-                      request(run_id, tools, model_replay=Replay.ALLOWED))
+            await run(
+                definition(store, model=model, script=script),
+                request(run_id, tools, model_replay=Replay.ALLOWED),
+            )
         except StoreError as exc:
             failures[run_id] = exc
 
@@ -1241,8 +1295,9 @@ async def test_concurrent_runs_on_a_lost_connection_resume_like_uninterrupted_on
     async def finish(opened: PostgresStore, run_id: str, *, again: bool) -> RunResult:
         tools = make_tools(Ledger(), replay=Replay.ALLOWED)
         go = resume if again else run
-        return await go(definition(opened, script=script),
-                        request(run_id, tools, model_replay=Replay.ALLOWED))
+        return await go(
+            definition(opened, script=script), request(run_id, tools, model_replay=Replay.ALLOWED)
+        )
 
     async with PostgresStore(postgres_conninfo) as fresh:
         resumed = [await finish(fresh, run_id, again=True) for run_id in run_ids]
@@ -1324,8 +1379,7 @@ async def test_cancelled_once_its_batch_started_commits_then_reraises(
         assert not reached
         assert await log_of(store, "z") == [started("z")]
         if neighbour:
-            assert sorted(probe.commits[-1].rows) == [("n", "run_started"),
-                                                      ("z", "run_started")]
+            assert sorted(probe.commits[-1].rows) == [("n", "run_started"), ("z", "run_started")]
             assert await log_of(store, "n") == [started("n")]
 
 

@@ -265,9 +265,7 @@ class SimDisk:
         node = self._file(fd).node
         if isinstance(node, SimDir):
             return os.stat_result((stat.S_IFDIR | 0o700, id(node), 1, 2, 0, 0, 0, 0, 0, 0))
-        return os.stat_result(
-            (stat.S_IFREG | 0o600, id(node), 1, 1, 0, 0, len(node.data), 0, 0, 0)
-        )
+        return os.stat_result((stat.S_IFREG | 0o600, id(node), 1, 1, 0, 0, len(node.data), 0, 0, 0))
 
     def fsync(self, fd: int) -> None:
         node = self._file(fd).node
@@ -490,8 +488,9 @@ class Life:
 
 async def live(subject: Subject, disk: SimDisk, *, resuming: bool, seed: int) -> Life:
     """Drive the run on ``disk`` until its power cut fires, or else cut it after the call."""
-    store = AckingStore(JsonlStore(DIRECTORY, _files=disk),
-                        initial=len(lines_of(disk.content(RUN_FILE))))
+    store = AckingStore(
+        JsonlStore(DIRECTORY, _files=disk), initial=len(lines_of(disk.content(RUN_FILE)))
+    )
     drive = resume if resuming else run
     try:
         await drive(subject.definition(store), subject.request())
@@ -619,8 +618,10 @@ async def test_the_sync_points_of_a_six_step_run() -> None:
     """Pins the enumeration below: 14 syncs, in this order, and nothing else."""
     disk = SimDisk()
     store = JsonlStore(DIRECTORY, _files=disk)
-    result = await run(definition(store, script=six_step_script()),
-                       request("r", make_tools(Ledger()), model_replay=Replay.NEVER))
+    result = await run(
+        definition(store, script=six_step_script()),
+        request("r", make_tools(Ledger()), model_replay=Replay.NEVER),
+    )
     await store.aclose()
     assert result.stop_reason is StopReason.SUBMITTED
     assert tuple(disk.syncs) == SYNC_KINDS
@@ -673,12 +674,15 @@ async def test_power_loss_on_an_ordered_file_system_never_needs_a_human(at: int 
 def test_the_ordered_model_only_shortens() -> None:
     torn = False
     for seed in range(64):
-        node = SimFile(data=bytearray(b"aaaa\nbbbb\ncccc\n"), durable=b"aaaa\n",
-                       pending=[(5, b"bbbb\n"), (10, b"cccc\n")])
+        node = SimFile(
+            data=bytearray(b"aaaa\nbbbb\ncccc\n"),
+            durable=b"aaaa\n",
+            pending=[(5, b"bbbb\n"), (10, b"cccc\n")],
+        )
         after = _after_loss(node, random.Random(seed), ordered=True)
         complete = after[: after.rfind(b"\n") + 1]
         assert complete in (b"aaaa\n", b"aaaa\nbbbb\n", b"aaaa\nbbbb\ncccc\n")
-        tail = after[len(complete):]
+        tail = after[len(complete) :]
         assert b"\n" not in tail
         torn = torn or bool(tail)
     assert torn
@@ -690,8 +694,10 @@ async def test_a_lost_directory_entry_makes_the_run_fresh_not_corrupt() -> None:
     for seed in range(16):
         disk = SimDisk(Cut(3, True, seed))  # just before the directory sync of start_run
         with pytest.raises(PowerLoss):
-            await run(definition(JsonlStore(DIRECTORY, _files=disk), script=six_step_script()),
-                      request("r", make_tools(Ledger())))
+            await run(
+                definition(JsonlStore(DIRECTORY, _files=disk), script=six_step_script()),
+                request("r", make_tools(Ledger())),
+            )
         assert disk.image is not None
         store = JsonlStore(DIRECTORY, _files=disk.image)
         if disk.image.content(RUN_FILE) is None:
@@ -699,8 +705,9 @@ async def test_a_lost_directory_entry_makes_the_run_fresh_not_corrupt() -> None:
             assert (await store.read_log("r")).records == ()
             assert tuple(run.run_id for run in await store.list_runs()) == ()
             with pytest.raises(RunNotFound):
-                await resume(definition(store, script=six_step_script()),
-                             request("r", make_tools(Ledger())))
+                await resume(
+                    definition(store, script=six_step_script()), request("r", make_tools(Ledger()))
+                )
         else:
             # The file was synced before its entry: when the entry survives, so does it.
             kept += 1
@@ -714,8 +721,11 @@ def test_the_disk_model_keeps_drops_and_garbles_pending_writes() -> None:
     """The fault model itself: durable bytes never change; the rest is kept, lost or garbled."""
     fates: set[str] = set()
     for seed in range(64):
-        node = SimFile(data=bytearray(b"aaaa\nbbbb\ncccc\n"), durable=b"aaaa\n",
-                       pending=[(5, b"bbbb\n"), (10, b"cccc\n")])
+        node = SimFile(
+            data=bytearray(b"aaaa\nbbbb\ncccc\n"),
+            durable=b"aaaa\n",
+            pending=[(5, b"bbbb\n"), (10, b"cccc\n")],
+        )
         after = _after_loss(node, random.Random(seed))
         assert after.startswith(b"aaaa\n")
         assert len(after) in (5, 10, 15)
@@ -793,16 +803,21 @@ async def test_recovery_survives_a_second_power_loss(first_cut: int) -> None:
         for at, before in ((1, True), (1, False), (2, True), (2, False)):
             subject = Subject(replay_for(seed))
             where = f"first cut {first_cut}, second cut {at} {before}, seed {seed}"
-            first = await live(subject, SimDisk(Cut(first_cut, True, seed)), resuming=False,
-                               seed=seed)
+            first = await live(
+                subject, SimDisk(Cut(first_cut, True, seed)), resuming=False, seed=seed
+            )
             content = first.image.content(RUN_FILE)
             intended = lines_of(first.disk.content(RUN_FILE))
             if not lines_of(content) or lines_of(content) != intended[: len(lines_of(content))]:
                 continue  # nothing to resume, or a corrupt line: the single-loss tests cover it
             # A second machine life on a copy of what the first reboot found.
             copy = first.image.cut_power(random.Random(0))
-            second = await live(subject, SimDisk(Cut(at, before, seed + 1000), root=copy.root),
-                                resuming=True, seed=seed)
+            second = await live(
+                subject,
+                SimDisk(Cut(at, before, seed + 1000), root=copy.root),
+                resuming=True,
+                seed=seed,
+            )
             outcome = await aftermath(subject, second, where)
             seen.add(outcome.kind)
             if not content.endswith(b"\n"):

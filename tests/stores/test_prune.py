@@ -50,11 +50,15 @@ async def test_prune_while_workers_run(opener: Any, tmp_path: Path) -> None:
             await run(definition(store, script=SCRIPT), request(f"done-{n}", make_tools(ledger)))
         for n in range(3):
             with pytest.raises(SimulatedCrash):
-                await run(definition(FaultyStore(store, fail_after_writes=5), script=SCRIPT),
-                          request(f"crashed-{n}", make_tools(ledger)))
+                await run(
+                    definition(FaultyStore(store, fail_after_writes=5), script=SCRIPT),
+                    request(f"crashed-{n}", make_tools(ledger)),
+                )
         with pytest.raises(SimulatedCrash):  # after the action intent: in doubt
-            await run(definition(FaultyStore(store, fail_after_writes=4), script=SCRIPT),
-                      request("doubt", make_tools(ledger)))
+            await run(
+                definition(FaultyStore(store, fail_after_writes=4), script=SCRIPT),
+                request("doubt", make_tools(ledger)),
+            )
     cutoff = datetime.now(UTC)
     archive = tmp_path / "archive"
     gate = kit.Gate()
@@ -62,9 +66,11 @@ async def test_prune_while_workers_run(opener: Any, tmp_path: Path) -> None:
     worker, pruner = opener(), opener()
     async with anyio.create_task_group() as group:
         # A live worker, in the middle of its tool, on a run that started before the cutoff.
-        group.start_soon(run, kit.definition(worker, notes.append),
-                         kit.request("live", kit.tools(notes.append, Replay.NEVER, gate),
-                                     Replay.NEVER))
+        group.start_soon(
+            run,
+            kit.definition(worker, notes.append),
+            kit.request("live", kit.tools(notes.append, Replay.NEVER, gate), Replay.NEVER),
+        )
         await gate.entered.wait()
         before = {run.run_id for run in await pruner.list_runs()}
         pruned = await pruner.prune(finished_before=datetime.now(UTC), archive=archive)
@@ -94,14 +100,18 @@ def test_polyloop_prune_archives_and_polyloop_show_reads_the_archive(
             for run_id in ("a", "b"):
                 await run(definition(store, script=SCRIPT), request(run_id, make_tools(Ledger())))
             with pytest.raises(SimulatedCrash):
-                await run(definition(FaultyStore(store, fail_after_writes=5), script=SCRIPT),
-                          request("c", make_tools(Ledger())))
+                await run(
+                    definition(FaultyStore(store, fail_after_writes=5), script=SCRIPT),
+                    request("c", make_tools(Ledger())),
+                )
 
     anyio.run(fill)
     archive = tmp_path / "archive"
     later = datetime.now(UTC).isoformat()
-    assert main(["prune", f"sqlite:{path}", "--finished-before", later,
-                 "--archive", str(archive)]) == 0
+    assert (
+        main(["prune", f"sqlite:{path}", "--finished-before", later, "--archive", str(archive)])
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("pruned 2 of 3 runs (finished before ")
     assert out.rstrip().endswith(f"archived to {archive}; 1 left")

@@ -32,7 +32,9 @@ NEVER_TOOLS = ("record", "submit")
 def _spawn(spec: str, run_id: str, mode: str, side: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(CHILD), spec, run_id, mode, str(side)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -113,8 +115,10 @@ def _check_outcome(resumed: dict[str, Any], reference: dict[str, Any], run_id: s
 
 def _renamed(step: dict[str, Any], reference: dict[str, Any], run_id: str) -> dict[str, Any]:
     """The reference step as it reads in ``run_id`` (observations name no run)."""
-    return {k: (v.replace(reference["steps"][0]["run_id"], run_id) if isinstance(v, str) else v)
-            for k, v in step.items()}
+    return {
+        k: (v.replace(reference["steps"][0]["run_id"], run_id) if isinstance(v, str) else v)
+        for k, v in step.items()
+    }
 
 
 def _check_no_never_action_ran_twice(side: Path) -> None:

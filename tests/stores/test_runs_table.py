@@ -23,15 +23,28 @@ from polyloop.testing.store_contract import expected_records, sample_run
 
 pytestmark = pytest.mark.anyio
 
-KIND = {"RunStarted": "run_started", "Intent": "intent", "Result": "result",
-        "StepRecord": "step", "RunEnded": "run_ended"}
+KIND = {
+    "RunStarted": "run_started",
+    "Intent": "intent",
+    "Result": "result",
+    "StepRecord": "step",
+    "RunEnded": "run_ended",
+}
 
 
 def _old_runs() -> dict[str, list[Any]]:
     """Records of three runs: finished, cancelled (resumable), and interrupted."""
     cancelled = expected_records(sample_run("cancelled", steps=1, ended=False))
-    cancelled.append(RunEnded(run_id="cancelled", stop_reason=StopReason.CANCELLED,
-                              final_answer=None, steps=1, valid_steps=1, detail="stop"))
+    cancelled.append(
+        RunEnded(
+            run_id="cancelled",
+            stop_reason=StopReason.CANCELLED,
+            final_answer=None,
+            steps=1,
+            valid_steps=1,
+            detail="stop",
+        )
+    )
     return {
         "finished": expected_records(sample_run("finished", steps=2)),
         "cancelled": cancelled,
@@ -63,13 +76,19 @@ async def test_an_old_sqlite_database_gets_its_table_of_runs(tmp_path: Path) -> 
     with sqlite3.connect(path) as conn:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-        conn.execute("CREATE TABLE records (run_id TEXT NOT NULL, seq INTEGER NOT NULL, "
-                     "kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq))")
+        conn.execute(
+            "CREATE TABLE records (run_id TEXT NOT NULL, seq INTEGER NOT NULL, "
+            "kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq))"
+        )
         conn.execute("INSERT INTO meta VALUES ('format', 'polyloop/1')")
         for run_id, records in runs.items():
-            conn.executemany("INSERT INTO records VALUES (?, ?, ?, ?)", [
-                (run_id, seq, KIND[type(record).__name__], serialization.dumps(record))
-                for seq, record in enumerate(records)])
+            conn.executemany(
+                "INSERT INTO records VALUES (?, ?, ?, ?)",
+                [
+                    (run_id, seq, KIND[type(record).__name__], serialization.dumps(record))
+                    for seq, record in enumerate(records)
+                ],
+            )
     conn.close()
     async with SqliteStore(path) as store:
         await _check(store, runs)
@@ -83,20 +102,31 @@ async def test_an_old_postgres_schema_gets_its_table_of_runs(
     with pg.admin(postgres_shared) as conn:
         name = sql.Identifier(schema)
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(name))
-        conn.execute(sql.SQL("CREATE TABLE {}.meta (key text PRIMARY KEY, value text NOT NULL)"
-                             ).format(name))
-        conn.execute(sql.SQL(
-            "CREATE TABLE {}.records (run_key bytea NOT NULL, seq bigint NOT NULL, "
-            "run_id text NOT NULL, kind text NOT NULL, body text NOT NULL, "
-            "written_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (run_key, seq))"
-        ).format(name))
+        conn.execute(
+            sql.SQL("CREATE TABLE {}.meta (key text PRIMARY KEY, value text NOT NULL)").format(name)
+        )
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {}.records (run_key bytea NOT NULL, seq bigint NOT NULL, "
+                "run_id text NOT NULL, kind text NOT NULL, body text NOT NULL, "
+                "written_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (run_key, seq))"
+            ).format(name)
+        )
         conn.execute(sql.SQL("INSERT INTO {}.meta VALUES ('format', 'polyloop/1')").format(name))
         for run_id, records in runs.items():
             for seq, record in enumerate(records):
                 conn.execute(
-                    sql.SQL("INSERT INTO {}.records (run_key, seq, run_id, kind, body) "
-                            "VALUES (%s, %s, %s, %s, %s)").format(name),
-                    (run_key(run_id), seq, run_id_column(run_id), KIND[type(record).__name__],
-                     serialization.dumps(record)))
+                    sql.SQL(
+                        "INSERT INTO {}.records (run_key, seq, run_id, kind, body) "
+                        "VALUES (%s, %s, %s, %s, %s)"
+                    ).format(name),
+                    (
+                        run_key(run_id),
+                        seq,
+                        run_id_column(run_id),
+                        KIND[type(record).__name__],
+                        serialization.dumps(record),
+                    ),
+                )
     async with PostgresStore(postgres_shared, schema=schema) as store:
         await _check(store, runs)

@@ -73,8 +73,10 @@ def raw(path: Path) -> Iterator[sqlite3.Connection]:
 
 def insert_row(path: Path, run_id: str, seq: int, kind: str, body: str) -> None:
     with raw(path) as db:
-        db.execute("INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)",
-                   (run_id, seq, kind, body))
+        db.execute(
+            "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)",
+            (run_id, seq, kind, body),
+        )
 
 
 def names_in(directory: Path) -> set[str]:
@@ -117,8 +119,9 @@ class TestSqliteContract(DurableStoreContract):
 
 
 async def _clean_run(tmp_path: Path, replay: Replay) -> Any:
-    return await uninterrupted(lambda: SqliteStore(tmp_path / "clean.db"), replay,
-                               six_step_script())
+    return await uninterrupted(
+        lambda: SqliteStore(tmp_path / "clean.db"), replay, six_step_script()
+    )
 
 
 @pytest.mark.parametrize("k", range(1, SIX_STEP_WRITES))
@@ -238,11 +241,17 @@ async def test_schema_rows_and_format_are_as_documented(tmp_path: Path) -> None:
         assert len((await store.read_log("r1")).records) == len(expected_records(writes))
     with raw(path) as db:
         assert db.execute("SELECT key, value FROM meta").fetchall() == [("format", "polyloop/1")]
-        rows = db.execute("SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq",
-                          ("r1",)).fetchall()
+        rows = db.execute(
+            "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq", ("r1",)
+        ).fetchall()
     assert [(seq, kind) for seq, kind, _ in rows] == [
-        (0, "run_started"), (1, "intent"), (2, "result"), (3, "intent"),
-        (4, "result"), (5, "step"), (6, "run_ended"),
+        (0, "run_started"),
+        (1, "intent"),
+        (2, "result"),
+        (3, "intent"),
+        (4, "result"),
+        (5, "step"),
+        (6, "run_ended"),
     ]
     assert [serialization.loads(body) for _, _, body in rows] == expected_records(writes)
 
@@ -306,8 +315,10 @@ async def test_write_step_lands_both_rows_or_neither(tmp_path: Path) -> None:
     store = SqliteStore(path)
     await apply(store, before)
     with raw(path) as db:
-        db.execute("CREATE TRIGGER refuse_steps BEFORE INSERT ON records WHEN NEW.kind = 'step' "
-                   "BEGIN SELECT RAISE(ABORT, 'steps refused'); END")
+        db.execute(
+            "CREATE TRIGGER refuse_steps BEFORE INSERT ON records WHEN NEW.kind = 'step' "
+            "BEGIN SELECT RAISE(ABORT, 'steps refused'); END"
+        )
     with pytest.raises(StoreError, match="steps refused") as failed:
         await apply(store, step_write, claim=False)
     assert isinstance(failed.value.__cause__, sqlite3.Error)
@@ -364,8 +375,10 @@ async def test_a_cancelled_write_still_commits_before_the_cancellation_lands(
     async with SqliteStore(path) as store:
         await apply(store, sample_run("r1", steps=0, ended=False))
         with raw(path) as db:
-            db.execute("CREATE TRIGGER hold_intents AFTER INSERT ON records "
-                       "WHEN NEW.kind = 'intent' BEGIN SELECT gate(); END")
+            db.execute(
+                "CREATE TRIGGER hold_intents AFTER INSERT ON records "
+                "WHEN NEW.kind = 'intent' BEGIN SELECT gate(); END"
+            )
         scope = anyio.CancelScope()
 
         async def write() -> None:
@@ -438,8 +451,9 @@ async def test_a_row_whose_kind_disagrees_with_its_body_is_corrupt(started: Path
 async def test_a_body_of_another_major_is_a_schema_mismatch(started: Path) -> None:
     body = serialization.dumps(intent_of("r1"))
     assert '"schema":"polyloop/1"' in body
-    insert_row(started, "r1", 1, "intent",
-               body.replace('"schema":"polyloop/1"', '"schema":"polyloop/2"'))
+    insert_row(
+        started, "r1", 1, "intent", body.replace('"schema":"polyloop/1"', '"schema":"polyloop/2"')
+    )
     error = await _read_error(started)
     assert isinstance(error, SchemaMajorMismatch)
     assert error.location == "runs.db: run row seq 1"
@@ -469,8 +483,7 @@ async def test_hostile_run_ids_are_plain_data_and_locks_stay_in_their_directory(
         for run_id in ("r1", *HOSTILE_RUN_IDS):
             log = await store.read_log(run_id)
             ended = run_id == "r1"
-            assert list(log.records) == expected_records(sample_run(run_id, steps=1,
-                                                                    ended=ended))
+            assert list(log.records) == expected_records(sample_run(run_id, steps=1, ended=ended))
         assert tuple(run.run_id for run in await store.list_runs()) == ("r1", *HOSTILE_RUN_IDS)
         claimed = {run.run_id for run in await store.list_runs() if run.claimed}
         assert claimed == set(HOSTILE_RUN_IDS)
@@ -483,8 +496,9 @@ async def test_hostile_run_ids_are_plain_data_and_locks_stay_in_their_directory(
     assert names_in(home) <= {"runs.db", "runs.db-wal", "runs.db-shm", "runs.db.owners"}
     assert names_in(tmp_path) == {"home"}
     with raw(path) as db:
-        tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master "
-                                                 "WHERE type = 'table'")}
+        tables = {
+            name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }
         assert tables == {"meta", "records", "runs", "owners"}
         (count,) = db.execute("SELECT COUNT(*) FROM records WHERE seq = 0").fetchone()
     assert count == len(HOSTILE_RUN_IDS) + 1
@@ -517,7 +531,8 @@ async def test_a_refused_start_leaves_no_lock_behind(tmp_path: Path) -> None:
     with pytest.raises(RunLocked):
         await late.claim_run("r1")
     assert list((await other.read_log("r1")).records) == expected_records(
-        sample_run("r1", steps=1, ended=False)[:2])
+        sample_run("r1", steps=1, ended=False)[:2]
+    )
     await late.aclose()
     await other.aclose()
 
@@ -546,8 +561,7 @@ async def test_a_dead_writer_process_releases_the_run(tmp_path: Path) -> None:
     writes = sample_run("r1", steps=1, ended=False)
     async with SqliteStore(path) as store:
         await apply(store, writes[:1])
-    done = await anyio.run_process([sys.executable, "-c", _DYING_WRITER, str(path)],
-                                   check=False)
+    done = await anyio.run_process([sys.executable, "-c", _DYING_WRITER, str(path)], check=False)
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     # The dead writer's owner file is left behind, but nobody holds its lock any more.
     (dead,) = (tmp_path / "runs.db.owners").iterdir()
@@ -567,8 +581,10 @@ async def test_many_concurrent_runs_through_one_store(tmp_path: Path) -> None:
     async with SqliteStore(tmp_path / "runs.db") as store:
 
         async def one(run_id: str) -> None:
-            results[run_id] = await run(definition(store, script=six_step_script()),
-                                        request(run_id, make_tools(ledgers[run_id])))
+            results[run_id] = await run(
+                definition(store, script=six_step_script()),
+                request(run_id, make_tools(ledgers[run_id])),
+            )
 
         async with anyio.create_task_group() as group:
             for run_id in run_ids:
@@ -662,7 +678,7 @@ class RecordingConnection(sqlite3.Connection):
         elif statement.startswith("SAVEPOINT"):
             self.marks.append(len(self.pending))
         elif statement.startswith("ROLLBACK TO"):
-            del self.pending[self.marks[-1]:]
+            del self.pending[self.marks[-1] :]
         elif statement.startswith("RELEASE"):
             self.marks.pop()
         return cursor
@@ -722,8 +738,9 @@ async def run_many(store: Any, run_ids: list[str]) -> dict[str, RunResult]:
     results: dict[str, RunResult] = {}
 
     async def one(run_id: str) -> None:
-        results[run_id] = await run(definition(store, script=six_step_script()),
-                                    request(run_id, make_tools(Ledger())))
+        results[run_id] = await run(
+            definition(store, script=six_step_script()), request(run_id, make_tools(Ledger()))
+        )
 
     async with anyio.create_task_group() as group:
         for run_id in run_ids:
@@ -893,8 +910,10 @@ class Visible:
 
     def _expect(self, records: list[Record]) -> None:
         with raw(self.path) as db:
-            found = db.execute("SELECT body FROM records WHERE run_id = ? ORDER BY seq DESC "
-                               "LIMIT ?", (records[0].run_id, len(records))).fetchall()
+            found = db.execute(
+                "SELECT body FROM records WHERE run_id = ? ORDER BY seq DESC LIMIT ?",
+                (records[0].run_id, len(records)),
+            ).fetchall()
         assert [body for (body,) in reversed(found)] == [dumps(r) for r in records]
         self.checked += 1
 
@@ -942,8 +961,10 @@ class Hold:
 
         monkeypatch.setattr(sqlite3, "connect", connect)
         with raw(path) as db:
-            db.execute("CREATE TRIGGER hold AFTER INSERT ON records WHEN NEW.kind = 'intent' "
-                       "AND NEW.run_id = 'held' BEGIN SELECT gate(); END")
+            db.execute(
+                "CREATE TRIGGER hold AFTER INSERT ON records WHEN NEW.kind = 'intent' "
+                "AND NEW.run_id = 'held' BEGIN SELECT gate(); END"
+            )
 
     async def entered_(self) -> None:
         assert await anyio.to_thread.run_sync(self.entered.wait, 5)
@@ -961,10 +982,14 @@ async def test_a_refused_or_failed_write_rolls_back_alone(
     path = tmp_path / "runs.db"
     await _started(path, "held", "ok-1", "ok-2", "exists", "locked", "doomed", "half")
     with raw(path) as db:
-        db.execute("CREATE TRIGGER doom BEFORE INSERT ON records WHEN NEW.run_id = 'doomed' "
-                   "BEGIN SELECT RAISE(ABORT, 'doomed refused'); END")
-        db.execute("CREATE TRIGGER halve BEFORE INSERT ON records WHEN NEW.run_id = 'half' "
-                   "AND NEW.kind = 'step' BEGIN SELECT RAISE(ABORT, 'steps refused'); END")
+        db.execute(
+            "CREATE TRIGGER doom BEFORE INSERT ON records WHEN NEW.run_id = 'doomed' "
+            "BEGIN SELECT RAISE(ABORT, 'doomed refused'); END"
+        )
+        db.execute(
+            "CREATE TRIGGER halve BEFORE INSERT ON records WHEN NEW.run_id = 'half' "
+            "AND NEW.kind = 'step' BEGIN SELECT RAISE(ABORT, 'steps refused'); END"
+        )
     hold = Hold()
     hold.install(monkeypatch, path)
     step_writes = sample_run("half", steps=1, ended=False)
@@ -1028,8 +1053,10 @@ async def test_a_refused_or_failed_write_rolls_back_alone(
 
         for run_id in ("held", "ok-2"):
             assert (await store.read_log(run_id)).records[-1] == intent(run_id)
-        assert list((await store.read_log("ok-1")).records)[-2:] == [intent("ok-1"),
-                                                                      intent("ok-1", 1)]
+        assert list((await store.read_log("ok-1")).records)[-2:] == [
+            intent("ok-1"),
+            intent("ok-1", 1),
+        ]
         for run_id in ("exists", "doomed", "half"):
             assert len((await store.read_log(run_id)).records) == 1  # only its start
         assert (await store.read_log("locked")).records[1:] == (intent("locked"),)  # other's
@@ -1060,8 +1087,10 @@ async def test_a_failing_commit_fails_every_run_in_it_and_the_logs_resume(
         try:
             results[run_id] = await run(
                 definition(store, script=six_step_script()),
-                request(run_id, make_tools(Ledger(), replay=Replay.ALLOWED),
-                        model_replay=Replay.ALLOWED))
+                request(
+                    run_id, make_tools(Ledger(), replay=Replay.ALLOWED), model_replay=Replay.ALLOWED
+                ),
+            )
         except StoreError as exc:
             results[run_id] = exc
 
@@ -1083,15 +1112,23 @@ async def test_a_failing_commit_fails_every_run_in_it_and_the_logs_resume(
 
     async with SqliteStore(path) as reopened:
         for run_id in run_ids:
-            clean = await uninterrupted(lambda: SqliteStore(tmp_path / "clean.db"),
-                                        Replay.ALLOWED, six_step_script(), run_id=run_id)
+            clean = await uninterrupted(
+                lambda: SqliteStore(tmp_path / "clean.db"),
+                Replay.ALLOWED,
+                six_step_script(),
+                run_id=run_id,
+            )
             result = results[run_id]
             if run_id in doomed:
                 recover = resume if (await reopened.read_log(run_id)).records else run
                 result = await recover(
                     definition(reopened, script=six_step_script()),
-                    request(run_id, make_tools(Ledger(), replay=Replay.ALLOWED),
-                            model_replay=Replay.ALLOWED))
+                    request(
+                        run_id,
+                        make_tools(Ledger(), replay=Replay.ALLOWED),
+                        model_replay=Replay.ALLOWED,
+                    ),
+                )
             assert isinstance(result, RunResult) and same_outcome(result, clean)
             log = (await reopened.read_log(run_id)).records
             assert isinstance(log[-1], RunEnded)
@@ -1130,7 +1167,8 @@ async def test_a_write_cancelled_before_its_commit_starts_writes_nothing(
             hold.release.set()
         assert scope.cancelled_caught and after_write == []
         assert list((await store.read_log("r1")).records) == expected_records(
-            sample_run("r1", steps=0, ended=False))
+            sample_run("r1", steps=0, ended=False)
+        )
         # The withdrawn write left no gap and nothing waiting behind it: the next write
         # commits at once, and the run goes on from where it was.
         with anyio.fail_after(10):
@@ -1219,7 +1257,10 @@ async def test_a_write_waits_for_another_writers_lock_without_blocking_the_loop(
         await store.write_intent(intent("r1", 1))
         started = expected_records(sample_run("r1", steps=0, ended=False))
         assert list((await store.read_log("r1")).records) == [
-            *started, intent("r1"), intent("r1", 1)]
+            *started,
+            intent("r1"),
+            intent("r1", 1),
+        ]
 
 
 # -- seq counters and writer locks -----------------------------------------------------------

@@ -102,9 +102,7 @@ class _Client(Protocol):
 
 def _check_pair(client: object, settings: object) -> None:
     if not isinstance(client, GatewayClient):
-        raise TypeError(
-            f"client must be a polygateway.GatewayClient, not {type(client).__name__}"
-        )
+        raise TypeError(f"client must be a polygateway.GatewayClient, not {type(client).__name__}")
     if not isinstance(settings, GatewaySettings):
         raise TypeError(
             f"settings must be a polygateway.GatewaySettings, not {type(settings).__name__}"

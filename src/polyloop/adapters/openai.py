@@ -41,11 +41,18 @@ from polyloop.types import JSONValue, Message
 
 __all__ = ("RESERVED_SAMPLING_KEYS", "OpenAIModelClient")
 
-RESERVED_SAMPLING_KEYS = frozenset({
-    "model", "messages", "metadata",  # set by the adapter
-    "stream", "stream_options",  # would turn the reply into a stream
-    "extra_headers", "extra_query", "timeout",  # transport: belongs on the client
-})
+RESERVED_SAMPLING_KEYS = frozenset(
+    {
+        "model",
+        "messages",
+        "metadata",  # set by the adapter
+        "stream",
+        "stream_options",  # would turn the reply into a stream
+        "extra_headers",
+        "extra_query",
+        "timeout",  # transport: belongs on the client
+    }
+)
 """Keyword arguments of ``create`` that ``sampling`` may not hold. Everything in
 ``sampling`` is recorded in every run's snapshot and checked by ``resume``: headers (which
 may carry credentials), query parameters and timeouts are set on the client instead
@@ -80,9 +87,7 @@ class OpenAIModelClient:
         sampling: Mapping[str, JSONValue],
     ) -> None:
         if not isinstance(client, openai.AsyncOpenAI):
-            raise TypeError(
-                f"client must be an openai.AsyncOpenAI, not {type(client).__name__}"
-            )
+            raise TypeError(f"client must be an openai.AsyncOpenAI, not {type(client).__name__}")
         if not isinstance(model, str) or not model:
             raise ValueError("model must be a non-empty string")
         _check_sampling(client, sampling)

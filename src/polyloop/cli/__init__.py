@@ -22,8 +22,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import rich  # noqa: F401 - only checking that the extra is installed
     except ImportError:
-        print("polyloop: error: the command needs the 'rich' package: "
-              "pip install 'polyloop[cli]'", file=sys.stderr)
+        print(
+            "polyloop: error: the command needs the 'rich' package: pip install 'polyloop[cli]'",
+            file=sys.stderr,
+        )
         return 1
     from polyloop.cli._app import run_command
 

@@ -33,8 +33,10 @@ Every reply must contain exactly one JSON object, on its own or in a ```json blo
 The tools and the JSON Schemas of their arguments are listed below. Read the data with
 the tools, do every calculation with the calculator, and finish by calling submit."""
 
-GOAL = ("How many units were sold in total, across all regions and months in the data "
-        "files? Submit that total.")
+GOAL = (
+    "How many units were sold in total, across all regions and months in the data "
+    "files? Submit that total."
+)
 
 TEXTS = ObservationTexts(
     not_executed="Refused, the tool did not run: {reason}",
@@ -42,7 +44,9 @@ TEXTS = ObservationTexts(
 )
 
 _EMPTY_OBJECT: dict[str, JSONValue] = {
-    "type": "object", "properties": {}, "additionalProperties": False,
+    "type": "object",
+    "properties": {},
+    "additionalProperties": False,
 }
 
 
@@ -102,36 +106,65 @@ def build_tools(data: Mapping[str, str], ledger: Ledger) -> ToolRegistry:
 
     return ToolRegistry(
         [
-            ToolSpec(name="list_files", description="List the data files.",
-                     parameters=_EMPTY_OBJECT, handler=list_files, replay=Replay.ALLOWED),
-            ToolSpec(name="read_file", description="Read one data file (CSV) by name.",
-                     parameters=_object({"name": {"type": "string", "minLength": 1}}),
-                     handler=read_file, replay=Replay.ALLOWED),
-            ToolSpec(name="calculator",
-                     description="Evaluate arithmetic: numbers, + - * /, parentheses.",
-                     parameters=_object({"expression": {
-                         "type": "string", "maxLength": 500,
-                         "pattern": r"^[0-9+\-*/(). ]+$"}}),
-                     handler=calculator, replay=Replay.ALLOWED),
-            ToolSpec(name="submit", description="Submit the final total. Ends the task.",
-                     parameters=_object({"total": {"type": "integer"}}),
-                     handler=submit, completes=True),
+            ToolSpec(
+                name="list_files",
+                description="List the data files.",
+                parameters=_EMPTY_OBJECT,
+                handler=list_files,
+                replay=Replay.ALLOWED,
+            ),
+            ToolSpec(
+                name="read_file",
+                description="Read one data file (CSV) by name.",
+                parameters=_object({"name": {"type": "string", "minLength": 1}}),
+                handler=read_file,
+                replay=Replay.ALLOWED,
+            ),
+            ToolSpec(
+                name="calculator",
+                description="Evaluate arithmetic: numbers, + - * /, parentheses.",
+                parameters=_object(
+                    {
+                        "expression": {
+                            "type": "string",
+                            "maxLength": 500,
+                            "pattern": r"^[0-9+\-*/(). ]+$",
+                        }
+                    }
+                ),
+                handler=calculator,
+                replay=Replay.ALLOWED,
+            ),
+            ToolSpec(
+                name="submit",
+                description="Submit the final total. Ends the task.",
+                parameters=_object({"total": {"type": "integer"}}),
+                handler=submit,
+                completes=True,
+            ),
         ],
         max_observation_chars=4_000,
     )
 
 
 def _object(properties: dict[str, JSONValue]) -> dict[str, JSONValue]:
-    return {"type": "object", "properties": properties, "required": list(properties),
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
 
 
 _BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
     ast.Div: operator.truediv,
 }
 _UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {
-    ast.UAdd: operator.pos, ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+    ast.USub: operator.neg,
 }
 
 
@@ -145,8 +178,11 @@ def evaluate(expression: str) -> float | int:
 
 
 def _value(node: ast.expr) -> float | int:
-    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) \
-            and not isinstance(node.value, bool):
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int | float)
+        and not isinstance(node.value, bool)
+    ):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         result: float | int = _BINARY[type(node.op)](_value(node.left), _value(node.right))
@@ -178,8 +214,10 @@ class TextToolInterpreter:
     correction that restates the format.
     """
 
-    FEEDBACK = ('Your reply held no usable decision. Reply with exactly one JSON object: '
-                '{"tool": "<name>", "arguments": {...}} or {"answer": "<text>"}.')
+    FEEDBACK = (
+        "Your reply held no usable decision. Reply with exactly one JSON object: "
+        '{"tool": "<name>", "arguments": {...}} or {"answer": "<text>"}.'
+    )
 
     def parameters(self) -> Mapping[str, JSONValue]:
         return {"kind": "polyloop-cli-text", "version": 1}
@@ -190,8 +228,11 @@ class TextToolInterpreter:
             name, arguments = data.get("tool"), data.get("arguments", {})
             if isinstance(name, str):
                 shown = json.dumps(arguments, ensure_ascii=False, sort_keys=True)
-                return Action(payload={"name": name, "arguments": arguments},
-                              action_text=f"{name}({shown})", history_text=reply.content)
+                return Action(
+                    payload={"name": name, "arguments": arguments},
+                    action_text=f"{name}({shown})",
+                    history_text=reply.content,
+                )
             if isinstance(data.get("answer"), str):
                 return FinalAnswer(answer=data["answer"], history_text=reply.content)
         return InvalidDecision(feedback=self.FEEDBACK, history_text=reply.content)
@@ -228,10 +269,12 @@ def script(data: Mapping[str, str]) -> list[str]:
     replies = [_say("Let me see which data files there are.", "list_files")]
     replies += [_say(f"Reading {name}.", "read_file", name=name) for name in data]
     replies += [
-        _say("Now I add up every units column.", "calculator",
-             expression="the sum of all units"),
-        _say("The calculator takes arithmetic only; here is the sum written out.",
-             "calculator", expression=" + ".join(str(n) for n in numbers)),
+        _say("Now I add up every units column.", "calculator", expression="the sum of all units"),
+        _say(
+            "The calculator takes arithmetic only; here is the sum written out.",
+            "calculator",
+            expression=" + ".join(str(n) for n in numbers),
+        ),
         _say(f"The total is {sum(numbers)}.", "submit", total=sum(numbers)),
     ]
     return replies

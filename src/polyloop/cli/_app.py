@@ -105,14 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _backend_option(parser: argparse.ArgumentParser, *, default: str | None) -> None:
     parser.add_argument(
-        "--backend", choices=("asyncio", "trio"),
+        "--backend",
+        choices=("asyncio", "trio"),
         default=default if default is not None else argparse.SUPPRESS,
         help="the async backend (default: asyncio; trio needs polyloop[trio])",
     )
 
 
-def _add(commands: _Commands, name: str,
-         command: _Command, help_text: str) -> argparse.ArgumentParser:
+def _add(
+    commands: _Commands, name: str, command: _Command, help_text: str
+) -> argparse.ArgumentParser:
     sub = commands.add_parser(name, help=help_text, description=help_text)
     sub.set_defaults(command=command)
     _backend_option(sub, default=None)
@@ -125,9 +127,12 @@ def _store_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _schema_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--schema", metavar="NAME", default=None,
-                        help="the PostgreSQL schema of a postgresql:// store "
-                             "(default: polyloop)")
+    parser.add_argument(
+        "--schema",
+        metavar="NAME",
+        default=None,
+        help="the PostgreSQL schema of a postgresql:// store (default: polyloop)",
+    )
 
 
 def _store_of(args: argparse.Namespace) -> StoreSpec:
@@ -167,23 +172,45 @@ def _seconds(text: str) -> float:
 
 
 def _demo_parser(commands: _Commands) -> None:
-    sub = _add(commands, "demo", _demo_command,
-               "Run a self-contained agent on a durable store, step by step.")
-    sub.add_argument("--store", type=_store_type, default=None, metavar="STORE",
-                     help=f"where the run is kept (default: {_demo.DEFAULT_STORE})")
+    sub = _add(
+        commands,
+        "demo",
+        _demo_command,
+        "Run a self-contained agent on a durable store, step by step.",
+    )
+    sub.add_argument(
+        "--store",
+        type=_store_type,
+        default=None,
+        metavar="STORE",
+        help=f"where the run is kept (default: {_demo.DEFAULT_STORE})",
+    )
     _schema_option(sub)
     sub.add_argument("--resume", metavar="RUN_ID", help="finish an interrupted demo run")
-    sub.add_argument("--crash-after-writes", type=_positive, metavar="N",
-                     help="end the process (os._exit) right after the N-th store write")
-    sub.add_argument("--model", choices=("scripted", "openai"), default="scripted",
-                     help="the deterministic scripted model (default) or an "
-                          "OpenAI-compatible server")
+    sub.add_argument(
+        "--crash-after-writes",
+        type=_positive,
+        metavar="N",
+        help="end the process (os._exit) right after the N-th store write",
+    )
+    sub.add_argument(
+        "--model",
+        choices=("scripted", "openai"),
+        default="scripted",
+        help="the deterministic scripted model (default) or an OpenAI-compatible server",
+    )
     sub.add_argument("--base-url", metavar="URL", help="the server's base URL (--model openai)")
     sub.add_argument("--model-name", metavar="NAME", help="the model name (--model openai)")
-    sub.add_argument("--api-key", metavar="KEY",
-                     help="API key (--model openai; default: $OPENAI_API_KEY)")
-    sub.add_argument("--pace", type=_seconds, default=0.3, metavar="SECONDS",
-                     help="how long the scripted model thinks per step (default: 0.3)")
+    sub.add_argument(
+        "--api-key", metavar="KEY", help="API key (--model openai; default: $OPENAI_API_KEY)"
+    )
+    sub.add_argument(
+        "--pace",
+        type=_seconds,
+        default=0.3,
+        metavar="SECONDS",
+        help="how long the scripted model thinks per step (default: 0.3)",
+    )
 
 
 async def _demo_command(args: argparse.Namespace, out: Console) -> int:
@@ -195,14 +222,23 @@ async def _demo_command(args: argparse.Namespace, out: Console) -> int:
 
 def _demo_options(args: argparse.Namespace) -> _demo.DemoOptions:
     if args.model == "openai":
-        missing = [flag for flag, value in (("--base-url", args.base_url),
-                                            ("--model-name", args.model_name)) if not value]
+        missing = [
+            flag
+            for flag, value in (("--base-url", args.base_url), ("--model-name", args.model_name))
+            if not value
+        ]
         if missing:
             raise CliError(f"--model openai needs {' and '.join(missing)}")
     else:
-        given = [flag for flag, value in (("--base-url", args.base_url),
-                                          ("--model-name", args.model_name),
-                                          ("--api-key", args.api_key)) if value]
+        given = [
+            flag
+            for flag, value in (
+                ("--base-url", args.base_url),
+                ("--model-name", args.model_name),
+                ("--api-key", args.api_key),
+            )
+            if value
+        ]
         if given:
             raise CliError(f"{', '.join(given)}: only with --model openai")
     return _demo.DemoOptions(
@@ -223,8 +259,12 @@ def _demo_options(args: argparse.Namespace) -> _demo.DemoOptions:
 
 
 def _runs_parser(commands: _Commands) -> None:
-    sub = _add(commands, "runs", _runs_command,
-               "List every run of a store with its state, stop reason and steps.")
+    sub = _add(
+        commands,
+        "runs",
+        _runs_command,
+        "List every run of a store with its state, stop reason and steps.",
+    )
     _store_argument(sub)
     sub.add_argument("--json", action="store_true", help="one JSON object per line and run")
 
@@ -253,8 +293,12 @@ def _show_parser(commands: _Commands) -> None:
     sub.add_argument("run_id", metavar="RUN_ID")
     form = sub.add_mutually_exclusive_group()
     form.add_argument("--json", action="store_true", help="one JSON document for machines")
-    form.add_argument("--html", metavar="FILE", type=Path,
-                      help="write a self-contained HTML page of the trajectory to FILE")
+    form.add_argument(
+        "--html",
+        metavar="FILE",
+        type=Path,
+        help="write a self-contained HTML page of the trajectory to FILE",
+    )
 
 
 async def _show_command(args: argparse.Namespace, out: Console) -> int:
@@ -276,9 +320,13 @@ async def _show_command(args: argparse.Namespace, out: Console) -> int:
 
 
 def _verify_parser(commands: _Commands) -> None:
-    sub = _add(commands, "verify", _verify_command,
-               "Check stored logs: torn tails (warnings), corrupt records, another schema "
-               "major and records out of order (errors). Exit status 1 on any error.")
+    sub = _add(
+        commands,
+        "verify",
+        _verify_command,
+        "Check stored logs: torn tails (warnings), corrupt records, another schema "
+        "major and records out of order (errors). Exit status 1 on any error.",
+    )
     _store_argument(sub)
     sub.add_argument("run_id", metavar="RUN_ID", nargs="?", help="check only this run")
 
@@ -294,8 +342,10 @@ async def _verify_command(args: argparse.Namespace, out: Console) -> int:
     warned = sum(1 for check in checks if check.findings and not check.errors)
     clean = len(checks) - errors - warned
     runs = f"{len(checks)} run{'' if len(checks) == 1 else 's'}"
-    summary = Text(f"{runs} checked: {clean} clean, {warned} with warnings, "
-                   f"{errors} with errors", style="bold red" if errors else "bold")
+    summary = Text(
+        f"{runs} checked: {clean} clean, {warned} with warnings, {errors} with errors",
+        style="bold red" if errors else "bold",
+    )
     out.print(summary, soft_wrap=True)
     return 1 if errors else 0
 
@@ -319,15 +369,27 @@ def _print_check(check: _verify.RunCheck, out: Console) -> None:
 
 
 def _prune_parser(commands: _Commands) -> None:
-    sub = _add(commands, "prune", _prune_command,
-               "Delete the runs that finished before a date, archiving them first if asked. "
-               "Runs that are unfinished, in doubt or being driven are never touched.")
+    sub = _add(
+        commands,
+        "prune",
+        _prune_command,
+        "Delete the runs that finished before a date, archiving them first if asked. "
+        "Runs that are unfinished, in doubt or being driven are never touched.",
+    )
     _store_argument(sub)
-    sub.add_argument("--finished-before", required=True, type=_moment, metavar="DATE",
-                     help="an ISO date or time (UTC unless it says otherwise)")
-    sub.add_argument("--archive", metavar="DIR", type=Path,
-                     help="write each run's log to DIR first (a JSONL store: "
-                          "polyloop show jsonl:DIR RUN_ID)")
+    sub.add_argument(
+        "--finished-before",
+        required=True,
+        type=_moment,
+        metavar="DATE",
+        help="an ISO date or time (UTC unless it says otherwise)",
+    )
+    sub.add_argument(
+        "--archive",
+        metavar="DIR",
+        type=Path,
+        help="write each run's log to DIR first (a JSONL store: polyloop show jsonl:DIR RUN_ID)",
+    )
 
 
 def _moment(text: str) -> datetime:
@@ -335,8 +397,8 @@ def _moment(text: str) -> datetime:
         moment = datetime.fromisoformat(text)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected an ISO date or time such as 2026-11-30 or 2026-11-30T12:00, "
-            f"not {text!r}") from None
+            f"expected an ISO date or time such as 2026-11-30 or 2026-11-30T12:00, not {text!r}"
+        ) from None
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
@@ -348,9 +410,12 @@ async def _prune_command(args: argparse.Namespace, out: Console) -> int:
         pruned = await store.prune(finished_before=args.finished_before, archive=args.archive)
         after = len(await store.list_runs())
     where = f", archived to {args.archive}" if args.archive is not None else ""
-    out.print(f"pruned {len(pruned)} of {before} runs (finished before "
-              f"{args.finished_before.isoformat()}){where}; {after} left", markup=False,
-              soft_wrap=True)
+    out.print(
+        f"pruned {len(pruned)} of {before} runs (finished before "
+        f"{args.finished_before.isoformat()}){where}; {after} left",
+        markup=False,
+        soft_wrap=True,
+    )
     return 0
 
 
@@ -414,4 +479,3 @@ def _quiet_logging() -> Iterator[None]:
         for logger, propagate in saved:
             logger.removeHandler(handler)
             logger.propagate = propagate
-

@@ -146,14 +146,13 @@ async def demo(options: DemoOptions, out: Console) -> int:
     _summary(result, out)
     if options.resume:
         _proof(result, before, ledger, out)
-    _say(out, f"inspect it: {PROGRAM} show {shlex.quote(options.store.text)} "
-              f"{options.run_id}", "dim")
+    _say(
+        out, f"inspect it: {PROGRAM} show {shlex.quote(options.store.text)} {options.run_id}", "dim"
+    )
     return 0 if result.stop_reason in COMPLETED else UNFINISHED_EXIT_STATUS
 
 
-async def _announce(
-    store: ManagedStore, options: DemoOptions, out: Console
-) -> RunStatus | None:
+async def _announce(store: ManagedStore, options: DemoOptions, out: Console) -> RunStatus | None:
     """Say what is about to run; on resume, show the steps already on record."""
     run_id = options.run_id
     model = "scripted model" if options.model == "scripted" else f"model {options.model_name}"
@@ -166,8 +165,11 @@ async def _announce(
         raise CliError(f"unknown run id {run_id!r} in {options.store.shown}") from None
     if status.state is RunState.RUNNING:
         raise CliError(f"run {run_id!r} is being driven by another process right now")
-    _say(out, f"resuming {run_id} on {options.store.shown} ({model}): "
-              f"{status.steps} steps on record", "bold")
+    _say(
+        out,
+        f"resuming {run_id} on {options.store.shown} ({model}): {status.steps} steps on record",
+        "bold",
+    )
     for record in (await store.read_log(run_id)).records:
         if isinstance(record, StepRecord):
             print_line(out, step_line(record, note="read from the log"))
@@ -195,9 +197,7 @@ async def _drive(
     return result, writer if isinstance(writer, CrashingStore) else None
 
 
-def _maybe_crashing(
-    store: Store, options: DemoOptions, out: Console, spinner: object
-) -> Store:
+def _maybe_crashing(store: Store, options: DemoOptions, out: Console, spinner: object) -> Store:
     if options.crash_after_writes is None:
         return store
 
@@ -205,8 +205,7 @@ def _maybe_crashing(
         stop = getattr(spinner, "stop", None)
         if callable(stop):
             stop()
-        _say(out, f"simulated crash: the process ends right after store write {writes}",
-             "bold red")
+        _say(out, f"simulated crash: the process ends right after store write {writes}", "bold red")
         _say(out, f"resume it with: {resume_command(options, options.run_id)}")
         sys.stdout.flush()
         sys.stderr.flush()
@@ -227,8 +226,14 @@ def resume_command(options: DemoOptions, run_id: str) -> str:
     if options.store.schema is not None:
         words += ["--schema", options.store.schema]
     if options.model != "scripted":
-        words += ["--model", options.model, "--base-url", options.base_url or "",
-                  "--model-name", options.model_name or ""]
+        words += [
+            "--model",
+            options.model,
+            "--base-url",
+            options.base_url or "",
+            "--model-name",
+            options.model_name or "",
+        ]
     return shlex.join(words)
 
 
@@ -244,13 +249,14 @@ async def _model(options: DemoOptions, data: Mapping[str, str]) -> AsyncIterator
 
         from polyloop.adapters.openai import OpenAIModelClient
     except ImportError:
-        raise CliError("--model openai needs the openai package: "
-                       "pip install 'polyloop[openai]'") from None
+        raise CliError(
+            "--model openai needs the openai package: pip install 'polyloop[openai]'"
+        ) from None
     api_key = options.api_key or os.environ.get("OPENAI_API_KEY") or "unused"
-    async with openai.AsyncOpenAI(base_url=options.base_url, api_key=api_key,
-                                  max_retries=0) as client:
-        yield OpenAIModelClient(client, model=options.model_name or "",
-                                sampling={"temperature": 0})
+    async with openai.AsyncOpenAI(
+        base_url=options.base_url, api_key=api_key, max_retries=0
+    ) as client:
+        yield OpenAIModelClient(client, model=options.model_name or "", sampling={"temperature": 0})
 
 
 def _summary(result: RunResult, out: Console) -> None:
@@ -260,8 +266,11 @@ def _summary(result: RunResult, out: Console) -> None:
     line.append(result.stop_reason.value, style=f"bold {style}")
     line.append(f" after {result.step_count} steps ({result.valid_step_count} valid)")
     print_line(out, line)
-    submitted = [step for step in result.steps
-                 if step.action_text is not None and step.action_text.startswith("submit(")]
+    submitted = [
+        step
+        for step in result.steps
+        if step.action_text is not None and step.action_text.startswith("submit(")
+    ]
     if result.stop_reason is StopReason.SUBMITTED and submitted:
         _say(out, f"  {submitted[-1].observation}")
     if result.final_answer is not None:
@@ -277,8 +286,11 @@ def _proof(result: RunResult, before: RunStatus | None, ledger: Ledger, out: Con
         _say(out, "the run had already finished: nothing ran, its result was read back")
     ran_now = [step.step for step in result.steps if step.step >= recorded]
     executed = ledger.steps()
-    _say(out, f"resume: {recorded} steps read back from the log (not run again), "
-              f"{len(ran_now)} steps ran now {_steps(ran_now)}")
+    _say(
+        out,
+        f"resume: {recorded} steps read back from the log (not run again), "
+        f"{len(ran_now)} steps ran now {_steps(ran_now)}",
+    )
     _say(out, f"tool executions in this process: {len(executed)} {_steps(executed)}")
     repeated = sorted({step for step in executed if step < recorded})
     if repeated:

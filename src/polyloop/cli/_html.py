@@ -41,7 +41,7 @@ def page(view: RunView) -> str:
     body.append(_end(view))
     body.append(_snapshot(view))
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>{escape(title)}</title>\n<style>\n{_CSS}\n</style>\n</head>\n<body>\n"
         + "\n".join(body)
         + "\n</body>\n</html>\n"
@@ -60,8 +60,9 @@ def _summary(view: RunView) -> str:
 
 def _step(step: StepRecord) -> str:
     status, style = status_of(step)
-    heading = (f"step {step.step} · {escape(step.decision.value)} · "
-               f"{_span(status, _STYLE_CLASSES[style])}")
+    heading = (
+        f"step {step.step} · {escape(step.decision.value)} · {_span(status, _STYLE_CLASSES[style])}"
+    )
     rows = [("decision", escape(step.decision.value))]
     if step.action_text is not None:
         rows.append(("action", _pre(step.action_text)))
@@ -79,8 +80,9 @@ def _step(step: StepRecord) -> str:
         rows.append(("reasoning", _details("reasoning", step.reasoning)))
     if step.call_id is not None:
         rows.append(("call id", escape(step.call_id)))
-    return (f'<section class="step" id="step-{step.step}">\n<h2>{heading}</h2>\n'
-            f"{_dl(rows)}\n</section>")
+    return (
+        f'<section class="step" id="step-{step.step}">\n<h2>{heading}</h2>\n{_dl(rows)}\n</section>'
+    )
 
 
 def _end(view: RunView) -> str:
@@ -98,8 +100,10 @@ def _end(view: RunView) -> str:
 
 def _snapshot(view: RunView) -> str:
     text = json.dumps(view.snapshot, indent=2, sort_keys=True, ensure_ascii=False)
-    return (f'<section id="snapshot">\n<h2>snapshot</h2>\n'
-            f"{_details('what the run was started with', text)}\n</section>")
+    return (
+        f'<section id="snapshot">\n<h2>snapshot</h2>\n'
+        f"{_details('what the run was started with', text)}\n</section>"
+    )
 
 
 def _dl(rows: list[tuple[str, str]]) -> str:

@@ -19,7 +19,10 @@ REPLY_CHARS = 240
 LINE_CHARS = 160
 
 STATE_STYLES = {
-    "finished": "green", "running": "cyan", "resumable": "yellow", "in doubt": "red",
+    "finished": "green",
+    "running": "cyan",
+    "resumable": "yellow",
+    "in doubt": "red",
     "corrupt": "bold red",
 }
 

@@ -67,11 +67,13 @@ class RunCheck:
 async def verify(store: ManagedStore, spec: StoreSpec, run_id: str | None) -> list[RunCheck]:
     """Check every run of the store, or only ``run_id``."""
     if spec.kind == "jsonl":
-        checks = await anyio.to_thread.run_sync(verify_directory, Path(spec.location), run_id,
-                                                spec.shown)
+        checks = await anyio.to_thread.run_sync(
+            verify_directory, Path(spec.location), run_id, spec.shown
+        )
     else:
-        run_ids = (run_id,) if run_id is not None else [
-            run.run_id for run in await store.list_runs()]
+        run_ids = (
+            (run_id,) if run_id is not None else [run.run_id for run in await store.list_runs()]
+        )
         checks = [await _read_stored_run(store, each) for each in run_ids]
         if run_id is not None and checks[0].records == 0 and not checks[0].findings:
             raise CliError(f"unknown run id {run_id!r} in {spec.shown}")
@@ -116,9 +118,12 @@ def check_file(path: Path) -> RunCheck:
     *lines, tail = data.split(b"\n")
     records, line_of = _decode_lines(check, path.name, lines)
     if tail:
-        check.add("warning", f"{path.name}:{len(lines) + 1}",
-                  f"torn tail: {len(tail)} bytes after the last complete line (a write "
-                  f"that never finished; readers ignore it, the next writer removes it)")
+        check.add(
+            "warning",
+            f"{path.name}:{len(lines) + 1}",
+            f"torn tail: {len(tail)} bytes after the last complete line (a write "
+            f"that never finished; readers ignore it, the next writer removes it)",
+        )
     if records:
         run_id = records[0].run_id
         check.name = check.run_id = run_id
@@ -130,9 +135,7 @@ def check_file(path: Path) -> RunCheck:
     return check
 
 
-def _decode_lines(
-    check: RunCheck, name: str, lines: list[bytes]
-) -> tuple[list[Record], list[int]]:
+def _decode_lines(check: RunCheck, name: str, lines: list[bytes]) -> tuple[list[Record], list[int]]:
     """Decode every complete line; note each bad one. Also return each record's line."""
     records: list[Record] = []
     line_of: list[int] = []
@@ -157,13 +160,18 @@ def _check_owner(
     check: RunCheck, name: str, run_id: str, records: list[Record], line_of: list[int]
 ) -> None:
     if f"{safe_name(run_id)}{SUFFIX}" != name:
-        check.add("error", f"{name}:{line_of[0]}",
-                  f"the file name does not belong to run {run_id!r}, so the store cannot "
-                  f"find this log")
+        check.add(
+            "error",
+            f"{name}:{line_of[0]}",
+            f"the file name does not belong to run {run_id!r}, so the store cannot find this log",
+        )
     for record, number in zip(records, line_of, strict=True):
         if record.run_id != run_id:
-            check.add("error", f"{name}:{number}",
-                      f"a record of run {record.run_id!r} in the log of run {run_id!r}")
+            check.add(
+                "error",
+                f"{name}:{number}",
+                f"a record of run {record.run_id!r} in the log of run {run_id!r}",
+            )
             return
 
 
@@ -184,4 +192,3 @@ def _reason(exc: PolyLoopError) -> str:
     if isinstance(exc, SchemaMajorMismatch):
         return f"another major of the record format: {exc.reason}"
     return exc.reason
-

@@ -121,10 +121,11 @@ class RunView:
         step = self.status.steps
         intent = self.status.open_intent
         if intent is not None:
-            doing = " (a live writer is on it now)" if self.status.state is RunState.RUNNING \
-                else ""
-            return (f"step {step}: the {intent.kind.value} intent {intent.result_id!r} has no "
-                    f"result (replay {intent.replay.value}){doing}")
+            doing = " (a live writer is on it now)" if self.status.state is RunState.RUNNING else ""
+            return (
+                f"step {step}: the {intent.kind.value} intent {intent.result_id!r} has no "
+                f"result (replay {intent.replay.value}){doing}"
+            )
         last = self.log.records[-1]
         if isinstance(last, Result) and last.kind is IntentKind.MODEL_CALL:
             return f"step {step}: the model replied; no action was announced yet"
@@ -165,8 +166,11 @@ def summary_json(run: RunSummary | RunView) -> dict[str, JSONValue]:
         "step_count": steps,
         "valid_step_count": valid,
         "detail": run.detail,
-        "last_record_at": (status.last_record_at.isoformat()
-                           if status is not None and status.last_record_at else None),
+        "last_record_at": (
+            status.last_record_at.isoformat()
+            if status is not None and status.last_record_at
+            else None
+        ),
     }
 
 

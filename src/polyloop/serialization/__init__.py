@@ -118,8 +118,9 @@ def loads(line: str | bytes, *, location: str | None = None) -> Record:
 def decode(data: Mapping[str, Any], *, location: str | None = None) -> Record:
     """Turn an encoded dict back into its record, checking the schema major and fields."""
     if not isinstance(data, Mapping):
-        raise CorruptLog(f"a record must be a JSON object, not {type(data).__name__}",
-                         location=location)
+        raise CorruptLog(
+            f"a record must be a JSON object, not {type(data).__name__}", location=location
+        )
     run_id = data.get("run_id") if isinstance(data.get("run_id"), str) else None
 
     def corrupt(reason: str) -> CorruptLog:

@@ -102,7 +102,9 @@ def check_schema(
 
 
 def checked(
-    kind: str, field: Field, value: Any,
+    kind: str,
+    field: Field,
+    value: Any,
     error: Callable[[str], CorruptLog | UnloggableValue],
 ) -> Any:
     """``value`` as the record holds it (an enum as its member), or ``error(reason)``."""

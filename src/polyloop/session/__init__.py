@@ -47,7 +47,6 @@ __all__ = (
 )
 
 
-
 def _claim_public_home() -> None:
     # The values are defined in a private module so that the loop can import them; their
     # public home is here, and reprs, pickles and docs should say so.

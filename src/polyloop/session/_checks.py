@@ -63,10 +63,15 @@ _DECISION_TEXTS: dict[type, tuple[str, ...]] = {
 def decision_problem(decision: object) -> str | None:
     """Why an interpreter's return value is not a usable decision, if it is not."""
     if not isinstance(decision, (Action, FinalAnswer, InvalidDecision)):
-        return (f"the interpreter returned {type(decision).__name__}, "
-                f"not Action, FinalAnswer or InvalidDecision")
-    wrong = [name for name in _DECISION_TEXTS[type(decision)]
-             if not isinstance(getattr(decision, name), str)]
+        return (
+            f"the interpreter returned {type(decision).__name__}, "
+            f"not Action, FinalAnswer or InvalidDecision"
+        )
+    wrong = [
+        name
+        for name in _DECISION_TEXTS[type(decision)]
+        if not isinstance(getattr(decision, name), str)
+    ]
     if wrong:
         return f"the interpreter's {type(decision).__name__} has non-string {', '.join(wrong)}"
     return None

@@ -117,10 +117,14 @@ async def recover(
     max_concurrent: int,
 ) -> tuple[RecoveredRun, ...]:
     """Resume every unfinished run that no live writer holds; say what became of each."""
-    if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) \
-            or max_concurrent < 1:
-        raise InvalidRequest(f"max_concurrent must be a whole number of at least 1, "
-                             f"not {max_concurrent!r}")
+    if (
+        isinstance(max_concurrent, bool)
+        or not isinstance(max_concurrent, int)
+        or max_concurrent < 1
+    ):
+        raise InvalidRequest(
+            f"max_concurrent must be a whole number of at least 1, not {max_concurrent!r}"
+        )
     listed = await store.list_runs(unfinished_only=True)
     outcomes: dict[str, RecoveredRun] = {}
     waiting = [run for run in listed if not _owned(run, outcomes)]
@@ -156,10 +160,10 @@ async def _recover_one(
         if inspect.isawaitable(request):
             request = await request
         if request.run_id != run_id:
-            raise InvalidRequest(f"request_for returned a request for run {request.run_id!r}",
-                                 run_id=run_id)
+            raise InvalidRequest(
+                f"request_for returned a request for run {request.run_id!r}", run_id=run_id
+            )
         result = await drive(definition, request, Mode.RESUME)
     except Exception as exc:  # noqa: BLE001 - each run's failure is reported, not raised
         return RecoveredRun(run_id=run_id, error=exc)
     return RecoveredRun(run_id=run_id, result=result)
-

@@ -131,14 +131,16 @@ class Loop:
 
     def _stop_reason(self, step: StepRecord, tool: str | None) -> StopReason | None:
         """Why the run stops after ``step`` (``tool`` names its action's tool), if it does."""
-        return _stopping.after_step(_stopping.StepFacts(
-            decision=step.decision,
-            model_failed=step.error is not None,
-            action_status=step.action_status,
-            synthesized=step.observation_synthesized,
-            done=step.done,
-            completes=tool is not None and self.request.tools.marks_completion(tool),
-        ))
+        return _stopping.after_step(
+            _stopping.StepFacts(
+                decision=step.decision,
+                model_failed=step.error is not None,
+                action_status=step.action_status,
+                synthesized=step.observation_synthesized,
+                done=step.done,
+                completes=tool is not None and self.request.tools.marks_completion(tool),
+            )
+        )
 
     async def _stop_after(self, step: StepRecord, reason: StopReason) -> None:
         detail = step.error if reason is StopReason.MODEL_FAILURE else None
@@ -208,14 +210,22 @@ class Loop:
             raise TypeError(f"run {self.run_id!r}: {problem}")
         if isinstance(decision, FinalAnswer):
             step = self._step_record(
-                index, reply, began, decision=DecisionKind.FINAL,
-                history_text=decision.history_text, final_answer=decision.answer,
+                index,
+                reply,
+                began,
+                decision=DecisionKind.FINAL,
+                history_text=decision.history_text,
+                final_answer=decision.answer,
             )
             return await self._record(step, None), None
         if isinstance(decision, InvalidDecision):
             step = self._step_record(
-                index, reply, began, decision=DecisionKind.INVALID,
-                history_text=decision.history_text, observation=decision.feedback,
+                index,
+                reply,
+                began,
+                decision=DecisionKind.INVALID,
+                history_text=decision.history_text,
+                observation=decision.feedback,
                 observation_synthesized=True,
             )
             return await self._record(step, None), None
@@ -244,16 +254,16 @@ class Loop:
         )
         try:
             # Only the payload can be unloggable: the texts were checked as strings.
-            serialization.plain(action.payload, owner="Intent", field="payload",
-                                run_id=self.run_id)
+            serialization.plain(action.payload, owner="Intent", field="payload", run_id=self.run_id)
         except UnloggableValue as exc:
             # Nothing may run that its intent cannot record; refuse it like a bad call.
             outcome = ActionOutcome(
-                status=ActionStatus.NOT_EXECUTED, observation=exc.reason,
-                synthesized=True, done=False,
+                status=ActionStatus.NOT_EXECUTED,
+                observation=exc.reason,
+                synthesized=True,
+                done=False,
             )
-            return await self._record(self._acted(index, reply, action, outcome, began),
-                                      None), None
+            return await self._record(self._acted(index, reply, action, outcome, began), None), None
         await self.store.write_intent(intent)
         return await self._act(index, reply, action, began), action_name(intent)
 
@@ -268,14 +278,14 @@ class Loop:
             return f"TypeError: the executor's replay() returned {kind}, not Replay"
         return replay
 
-    async def _act(
-        self, index: int, reply: ModelReply, action: Action, began: float
-    ) -> StepRecord:
+    async def _act(self, index: int, reply: ModelReply, action: Action, began: float) -> StepRecord:
         result_id = _recovery.action_result_id(self.run_id, index)
         outcome = await self._execute(action, result_id)
         step = self._acted(index, reply, action, outcome, began)
         result = Result(
-            run_id=self.run_id, result_id=result_id, kind=IntentKind.ACTION,
+            run_id=self.run_id,
+            result_id=result_id,
+            kind=IntentKind.ACTION,
             payload=outcome_payload(outcome),
         )
         return await self._record(step, result)
@@ -289,7 +299,11 @@ class Loop:
         return outcome if problem is None else fault(f"TypeError: {problem}")
 
     def _acted(
-        self, index: int, reply: ModelReply, action: Action, outcome: ActionOutcome,
+        self,
+        index: int,
+        reply: ModelReply,
+        action: Action,
+        outcome: ActionOutcome,
         began: float,
     ) -> StepRecord:
         texts = self.definition.texts
@@ -299,19 +313,35 @@ class Loop:
         elif outcome.status is ActionStatus.ENV_FAULT:
             observation, synthesized = texts.env_fault.format(detail=observation), True
         return self._step_record(
-            index, reply, began, decision=DecisionKind.ACTION,
-            history_text=action.history_text, action_text=action.action_text,
-            observation=observation, observation_synthesized=synthesized,
-            action_status=outcome.status, done=outcome.done,
+            index,
+            reply,
+            began,
+            decision=DecisionKind.ACTION,
+            history_text=action.history_text,
+            action_text=action.action_text,
+            observation=observation,
+            observation_synthesized=synthesized,
+            action_status=outcome.status,
+            done=outcome.done,
             truncated_chars=outcome.truncated_chars,
         )
 
     def _step_record(
-        self, index: int, reply: ModelReply | None, began: float, *,
-        decision: DecisionKind, history_text: str, action_text: str | None = None,
-        observation: str | None = None, observation_synthesized: bool = False,
-        action_status: ActionStatus | None = None, done: bool = False,
-        truncated_chars: int = 0, error: str | None = None, final_answer: str | None = None,
+        self,
+        index: int,
+        reply: ModelReply | None,
+        began: float,
+        *,
+        decision: DecisionKind,
+        history_text: str,
+        action_text: str | None = None,
+        observation: str | None = None,
+        observation_synthesized: bool = False,
+        action_status: ActionStatus | None = None,
+        done: bool = False,
+        truncated_chars: int = 0,
+        error: str | None = None,
+        final_answer: str | None = None,
     ) -> StepRecord:
         return StepRecord(
             run_id=self.run_id,
@@ -413,8 +443,10 @@ class Loop:
     def _limit_detail(self, reason: StopReason) -> str | None:
         budget = self.request.budget
         if reason is StopReason.CONTEXT_LIMIT:
-            return (f"the context holds {self.transcript.size} characters, more than "
-                    f"max_context_chars={budget.max_context_chars}")
+            return (
+                f"the context holds {self.transcript.size} characters, more than "
+                f"max_context_chars={budget.max_context_chars}"
+            )
         if reason is StopReason.STEP_LIMIT:
             return f"max_steps={budget.max_steps} reached"
         return f"max_valid_steps={budget.max_valid_steps} reached"
@@ -443,4 +475,3 @@ class Loop:
             # Counted and logged, never reported through the sink that just failed.
             self.event_failures += 1
             logger.exception("run %r: the event sink failed on %s", self.run_id, kind.value)
-

@@ -37,8 +37,9 @@ def prepare(definition: Definition, request: Request) -> dict[str, JSONValue]:
     try:
         encoded = serialization.encode(RunStarted(run_id=request.run_id, snapshot=snapshot))
     except UnloggableValue as exc:
-        raise InvalidRequest(f"the snapshot cannot be recorded: {exc.reason}",
-                             run_id=run_id) from exc
+        raise InvalidRequest(
+            f"the snapshot cannot be recorded: {exc.reason}", run_id=run_id
+        ) from exc
     plain = encoded["snapshot"]
     assert isinstance(plain, dict)
     return plain
@@ -49,8 +50,9 @@ def _problems(definition: Definition, request: Request) -> list[str]:
     if not isinstance(request.run_id, str) or not request.run_id:
         problems.append("run_id must be a non-empty string")
     problems += _budget_problems(request.budget)
-    problems += _template_problems("observation_template", request.observation_template,
-                                   "observation")
+    problems += _template_problems(
+        "observation_template", request.observation_template, "observation"
+    )
     problems += _template_problems("texts.not_executed", definition.texts.not_executed, "reason")
     problems += _template_problems("texts.env_fault", definition.texts.env_fault, "detail")
     problems += _shape_problems(request)
@@ -134,8 +136,7 @@ def _request_parameters(request: Request) -> dict[str, JSONValue]:
             "specs": request.tools.describe(),
         },
         "run_context.sha256": _sha256([_assembly.message_json(m) for m in request.run_context]),
-        "goal_context.sha256": _sha256([_assembly.message_json(m)
-                                        for m in request.goal_context]),
+        "goal_context.sha256": _sha256([_assembly.message_json(m) for m in request.goal_context]),
         "injection.sha256": _sha256(injection),  # type: ignore[arg-type]
         "model_replay": request.model_replay.value,
         "observation_template": request.observation_template,

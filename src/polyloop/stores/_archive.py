@@ -47,8 +47,9 @@ def check_cutoff(finished_before: datetime) -> datetime:
 def prunable(log: RunLog) -> bool:
     """Whether ``log`` ends with a final end record that does not leave the run in doubt."""
     last = log.records[-1] if log.records else None
-    return (isinstance(last, RunEnded) and last.is_final
-            and last.stop_reason is not StopReason.IN_DOUBT)
+    return (
+        isinstance(last, RunEnded) and last.is_final and last.stop_reason is not StopReason.IN_DOUBT
+    )
 
 
 def archive_path(directory: Path, run_id: str) -> Path:
@@ -64,7 +65,7 @@ def write_archive(directory: Path, log: RunLog) -> None:
     try:
         data = memoryview(log_lines(log.records))
         while data:
-            data = data[os.write(fd, data):]
+            data = data[os.write(fd, data) :]
         os.fsync(fd)
     finally:
         os.close(fd)

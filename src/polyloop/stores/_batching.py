@@ -24,6 +24,7 @@ __all__ = ("GroupCommit",)
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
+
 @dataclass(eq=False)
 class _Entry(Generic[_T]):
     item: _T

@@ -26,15 +26,18 @@ def check_format(recorded: object, *, holder: str, run_id: str | None, location:
     ``holder`` names what holds the records in the message ("database", "schema").
     """
     if not isinstance(recorded, str) or not recorded.startswith("polyloop/"):
-        raise CorruptLog(f"no readable record format in the {holder} ({recorded!r:.80})",
-                         run_id=run_id, location=location)
-    if recorded.partition(".")[0] != FORMAT.partition(".")[0]:
-        raise SchemaMajorMismatch(
-            f"the {holder} holds records in format {recorded!r}; this library reads "
-            f"{FORMAT!r}",
+        raise CorruptLog(
+            f"no readable record format in the {holder} ({recorded!r:.80})",
             run_id=run_id,
             location=location,
         )
+    if recorded.partition(".")[0] != FORMAT.partition(".")[0]:
+        raise SchemaMajorMismatch(
+            f"the {holder} holds records in format {recorded!r}; this library reads {FORMAT!r}",
+            run_id=run_id,
+            location=location,
+        )
+
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 _PREFIX_CHARS = 40
@@ -134,8 +137,7 @@ class LockFile:
     def acquire(self) -> None:
         """Take the lock or raise ``RunLocked``; blocking I/O, run it in a thread."""
         for _ in range(_LOCK_ATTEMPTS):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                         0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 try_flock(fd, self.run_id)
                 if names_file(fd, self.path):
@@ -144,8 +146,7 @@ class LockFile:
             finally:
                 if fd >= 0:
                     os.close(fd)
-        raise RunLocked("the run's lock file kept changing hands; try again",
-                        run_id=self.run_id)
+        raise RunLocked("the run's lock file kept changing hands; try again", run_id=self.run_id)
 
     def release(self) -> None:
         """Remove the lock file, then let go of the lock."""

@@ -143,17 +143,14 @@ class JsonlStore:
 
     __slots__ = ("_claims", "_directory", "_directory_ready", "_files", "_state", "_writes")
 
-    def __init__(
-        self, directory: str | os.PathLike[str], *, _files: FileOps | None = None
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, _files: FileOps | None = None) -> None:
         self._directory = Path(os.path.abspath(os.fspath(directory)))
         # Private: a model of a disk for the power-loss tests (research record 0012).
         self._files: FileOps = _SYSTEM_FILES if _files is None else _files
         self._directory_ready = False
         self._claims: dict[str, _Claim] = {}
         self._state = WriterState()
-        self._writes: GroupCommit[_Write] = GroupCommit(self._commit,
-                                                        parallel=_PARALLEL_BATCHES)
+        self._writes: GroupCommit[_Write] = GroupCommit(self._commit, parallel=_PARALLEL_BATCHES)
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """The kind and record format; never the directory, so moved data still resumes."""
@@ -168,8 +165,9 @@ class JsonlStore:
         off now; a file holding no complete line counts as empty.
         """
         self._check_open(run_id)
-        await claim_in_thread(partial(self._claim_sync, run_id),
-                              partial(self._release_sync, run_id))
+        await claim_in_thread(
+            partial(self._claim_sync, run_id), partial(self._release_sync, run_id)
+        )
 
     async def release_run(self, run_id: str) -> None:
         """Give up the claim: close the descriptor, removing the file if no run started."""
@@ -238,12 +236,20 @@ class JsonlStore:
         unlinked under its claim. With ``archive``, each log is first written there.
         """
         cutoff = check_cutoff(finished_before)
-        candidates = [run.run_id for run in await self.list_runs() if run.finished
-                      and not run.claimed and run.updated_at is not None
-                      and run.updated_at < cutoff]
-        return await prune_runs(self, candidates,
-                                archive=Path(archive) if archive is not None else None,
-                                delete=partial(self._delete_claimed, cutoff=cutoff))
+        candidates = [
+            run.run_id
+            for run in await self.list_runs()
+            if run.finished
+            and not run.claimed
+            and run.updated_at is not None
+            and run.updated_at < cutoff
+        ]
+        return await prune_runs(
+            self,
+            candidates,
+            archive=Path(archive) if archive is not None else None,
+            delete=partial(self._delete_claimed, cutoff=cutoff),
+        )
 
     async def aclose(self) -> None:
         """Give up every claim and refuse further use. Idempotent."""
@@ -278,8 +284,9 @@ class JsonlStore:
             claim = self._held(run_id)
             with claim.lock:
                 if claim.closed:
-                    raise RunLocked("this store object does not hold the run's claim",
-                                    run_id=run_id)
+                    raise RunLocked(
+                        "this store object does not hold the run's claim", run_id=run_id
+                    )
                 _check_order(claim, write)
                 try:
                     _write_all(self._files, claim.fd, write.data)
@@ -320,8 +327,7 @@ class JsonlStore:
         with self._state.mutex:
             self._state.check_writable(run_id)
             if run_id in self._claims:
-                raise RunLocked("this store object already holds the run's claim",
-                                run_id=run_id)
+                raise RunLocked("this store object already holds the run's claim", run_id=run_id)
         try:
             self._ensure_directory()
             fd = self._open_claimed(run_id)
@@ -341,8 +347,9 @@ class JsonlStore:
                 raise self._state.fail(run_id, exc) from exc
             raise
         with self._state.mutex:
-            self._claims[run_id] = _Claim(fd=fd, started=end > 0,
-                                          finished=ended is not None and ended.is_final)
+            self._claims[run_id] = _Claim(
+                fd=fd, started=end > 0, finished=ended is not None and ended.is_final
+            )
 
     def _open_claimed(self, run_id: str) -> int:
         """Open or create the run file and lock it, as it is named now."""
@@ -491,8 +498,9 @@ def _check_order(claim: _Claim, write: _Write) -> None:
     if not claim.started:
         raise StoreError("the run was never started in this store", run_id=write.run_id)
     if claim.finished:
-        raise StoreError("the run has ended; nothing may follow its end record",
-                         run_id=write.run_id)
+        raise StoreError(
+            "the run has ended; nothing may follow its end record", run_id=write.run_id
+        )
 
 
 def _write_all(files: FileOps, fd: int, data: bytes) -> None:
@@ -528,4 +536,3 @@ def _create_directories(files: FileOps, directory: Path) -> None:
         with contextlib.suppress(FileExistsError):
             files.mkdir(path)
         files.fsync_directory(path.parent)
-

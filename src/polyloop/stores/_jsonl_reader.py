@@ -154,8 +154,9 @@ def first_run_id(files: FileOps, path: Path) -> str | None:
     except FileNotFoundError:
         return None  # removed while the directory was being listed
     except OSError as exc:
-        raise StoreError(f"could not open {path.name} (links are not followed): {exc}",
-                         location=path.name) from exc
+        raise StoreError(
+            f"could not open {path.name} (links are not followed): {exc}", location=path.name
+        ) from exc
     try:
         if not stat.S_ISREG(files.fstat(fd).st_mode):
             raise StoreError("not a regular file", location=path.name)
@@ -277,8 +278,9 @@ def _decode_pair(text: str, location: str) -> tuple[Result, StepRecord]:
         parts.append(loads(text[position:end], location=location))
         position = _skip_space(text, end)
         if text[position : position + 1] != closer:
-            raise CorruptLog(f"a record pair expects {closer!r} at column {position + 1}",
-                             location=location)
+            raise CorruptLog(
+                f"a record pair expects {closer!r} at column {position + 1}", location=location
+            )
         position += 1
     if text[position:].strip(_JSON_SPACE):
         raise CorruptLog("text after a record pair", location=location)

@@ -89,7 +89,8 @@ class Lease:
             self._token = token
             if self._keeper is None:
                 self._keeper = threading.Thread(
-                    target=self._keep, name="polyloop-lease", daemon=True)
+                    target=self._keep, name="polyloop-lease", daemon=True
+                )
                 self._keeper.start()
 
     def check(self, generation: int, run_id: str) -> None:

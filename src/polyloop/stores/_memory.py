@@ -123,11 +123,17 @@ class MemoryStore:
         :class:`~polyloop.stores.JsonlStore` keeps it.
         """
         cutoff = check_cutoff(finished_before)
-        candidates = [run_id for run_id, records in self._runs.items()
-                      if _finished(records) and self._updated[run_id] < cutoff.timestamp()]
-        return await prune_runs(self, candidates,
-                                archive=Path(archive) if archive is not None else None,
-                                delete=self._delete_claimed)
+        candidates = [
+            run_id
+            for run_id, records in self._runs.items()
+            if _finished(records) and self._updated[run_id] < cutoff.timestamp()
+        ]
+        return await prune_runs(
+            self,
+            candidates,
+            archive=Path(archive) if archive is not None else None,
+            delete=self._delete_claimed,
+        )
 
     async def _delete_claimed(self, run_id: str) -> bool:
         self._claims.discard(run_id)
@@ -175,8 +181,7 @@ class MemoryStore:
         if not records:
             raise StoreError("the run was never started in this store", run_id=run_id)
         if _finished(records):
-            raise StoreError("the run has ended; nothing may follow its end record",
-                             run_id=run_id)
+            raise StoreError("the run has ended; nothing may follow its end record", run_id=run_id)
         self._updated[run_id] = time.time()
         return records
 

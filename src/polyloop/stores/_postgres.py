@@ -200,8 +200,9 @@ class PostgresStore:
         included, holds it: one whose lease has not ended and whose session lives.
         """
         token = anyio.lowlevel.current_token()
-        await claim_in_thread(partial(self._claim_run, run_id, token),
-                              partial(self._release_run, run_id))
+        await claim_in_thread(
+            partial(self._claim_run, run_id, token), partial(self._release_run, run_id)
+        )
 
     async def release_run(self, run_id: str) -> None:
         """Give up the claim, writing no record (the row of a run never started goes)."""
@@ -244,8 +245,9 @@ class PostgresStore:
 
         The record is committed (not yet flushed) and the claim given up when this returns.
         """
-        await self._write(record.run_id, [record], "end", final=record.is_final,
-                          reason=record.stop_reason.value)
+        await self._write(
+            record.run_id, [record], "end", final=record.is_final, reason=record.stop_reason.value
+        )
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id`` in write order; empty if the run has no row.
@@ -283,9 +285,12 @@ class PostgresStore:
         """
         cutoff = check_cutoff(finished_before)
         candidates = await self._in_thread(self._prunable, cutoff)
-        return await prune_runs(self, candidates,
-                                archive=Path(archive) if archive is not None else None,
-                                delete=partial(self._delete_claimed, cutoff=cutoff))
+        return await prune_runs(
+            self,
+            candidates,
+            archive=Path(archive) if archive is not None else None,
+            delete=partial(self._delete_claimed, cutoff=cutoff),
+        )
 
     async def aclose(self) -> None:
         """Give up every claim, end this owner's lease, close every connection. Idempotent."""
@@ -310,9 +315,16 @@ class PostgresStore:
 
     # -- writing ----------------------------------------------------------------------------
 
-    async def _write(self, run_id: str, records: Sequence[Record], mode: Mode, *,
-                     barrier: bool = False, final: bool = False,
-                     reason: str | None = None) -> None:
+    async def _write(
+        self,
+        run_id: str,
+        records: Sequence[Record],
+        mode: Mode,
+        *,
+        barrier: bool = False,
+        final: bool = False,
+        reason: str | None = None,
+    ) -> None:
         rows = [record_row(record) for record in records]
         with self._used(run_id) as slot:
             await slot.writer.group.submit(Item(slot, rows, mode, barrier, final, reason))
@@ -345,9 +357,15 @@ class PostgresStore:
         return writer
 
     def _new_writer(self) -> Writer:
-        writer = Writer(connect=partial(open_connection, self._conninfo,
-                                        self._statement_timeout_s, name=_WRITER_NAME,
-                                        **self._connect))
+        writer = Writer(
+            connect=partial(
+                open_connection,
+                self._conninfo,
+                self._statement_timeout_s,
+                name=_WRITER_NAME,
+                **self._connect,
+            )
+        )
         writer.group = GroupCommit(partial(self._committer.commit, writer))
         return writer
 
@@ -356,8 +374,7 @@ class PostgresStore:
     def _claim_run(self, run_id: str, token: EventLoopToken) -> None:
         with self._used(run_id) as slot:
             if slot.claim is not None:
-                raise RunLocked("this store object already holds the run's claim",
-                                run_id=run_id)
+                raise RunLocked("this store object already holds the run's claim", run_id=run_id)
             self._ensure_ready(run_id)
             owner_id, generation = self._registered_owner(run_id, token)
             with slot.writer.lock:
@@ -374,12 +391,11 @@ class PostgresStore:
             with self._owner_lock:
                 try:
                     self._owner_connection().execute(
-                        self._queries.release,
-                        {"run_key": run_key(run_id), "epoch": claim.epoch})
+                        self._queries.release, {"run_key": run_key(run_id), "epoch": claim.epoch}
+                    )
                 except (psycopg.Error, StoreError):
                     # The row keeps this owner until the store closes or its lease ends.
-                    logger.warning("run %r: could not give its claim up", run_id,
-                                   exc_info=True)
+                    logger.warning("run %r: could not give its claim up", run_id, exc_info=True)
                     self._close_owner_connection()
         with self._state.mutex:
             if slot.users == 0 and slot.claim is None and self._slots.get(run_id) is slot:
@@ -403,8 +419,11 @@ class PostgresStore:
         with slot.writer.lock:
             try:
                 conn = slot.writer.connected(run_id)
-                gone = _scalar(conn, self._queries.prune_run, {
-                    "run_key": run_key(run_id), "epoch": claim.epoch, "before": cutoff})
+                gone = _scalar(
+                    conn,
+                    self._queries.prune_run,
+                    {"run_key": run_key(run_id), "epoch": claim.epoch, "before": cutoff},
+                )
             except psycopg.Error as exc:
                 raise fail_run(self._state, slot.writer, run_id, exc) from exc
             if gone:
@@ -424,19 +443,33 @@ class PostgresStore:
         key = run_key(run_id)
         try:
             conn = writer.connected(run_id)
-            row = conn.execute(self._queries.claim, {
-                "run_key": key, "run_id": run_id_column(run_id), "owner": owner_id,
-            }).fetchone()
+            row = conn.execute(
+                self._queries.claim,
+                {
+                    "run_key": key,
+                    "run_id": run_id_column(run_id),
+                    "owner": owner_id,
+                },
+            ).fetchone()
             holder = None if row else conn.execute(self._queries.holder, (key,)).fetchone()
         except psycopg.Error as exc:
             raise fail_run(self._state, writer, run_id, exc) from exc
         if row is None:
-            who = f"{holder[0]}, whose lease runs until {holder[1]:%Y-%m-%d %H:%M:%S %Z}" \
-                if holder else "another writer"
+            who = (
+                f"{holder[0]}, whose lease runs until {holder[1]:%Y-%m-%d %H:%M:%S %Z}"
+                if holder
+                else "another writer"
+            )
             raise RunLocked(f"the run is held by {who}", run_id=run_id)
         epoch, next_seq, finished = row
-        return Claim(run_id=run_id, writer=writer, epoch=int(epoch), generation=generation,
-                     next_seq=int(next_seq), finished=bool(finished))
+        return Claim(
+            run_id=run_id,
+            writer=writer,
+            epoch=int(epoch),
+            generation=generation,
+            next_seq=int(next_seq),
+            finished=bool(finished),
+        )
 
     def _registered_owner(self, run_id: str, token: EventLoopToken) -> tuple[str, int]:
         """This store object's owner id and lease generation, registering it if need be.
@@ -454,15 +487,21 @@ class PostgresStore:
                 conn = self._owner_connection()
                 # A lapsed identity's lock goes: its lease has ended anyway.
                 conn.execute("SELECT pg_advisory_unlock_all()")
-                conn.execute("SELECT pg_advisory_lock(%s)", (owner_lock_key(self._schema,
-                                                                          owner_id),))
+                conn.execute(
+                    "SELECT pg_advisory_lock(%s)", (owner_lock_key(self._schema, owner_id),)
+                )
                 conn.execute(self._queries.forget_owners)
-                conn.execute(self._queries.register_owner,
-                             (owner_id, self._lease.description, hi, lo, self._lease.lease_s))
+                conn.execute(
+                    self._queries.register_owner,
+                    (owner_id, self._lease.description, hi, lo, self._lease.lease_s),
+                )
             except psycopg.Error as exc:
                 self._close_owner_connection()
-                raise StoreError(f"could not register this worker as an owner of runs: "
-                                 f"{type(exc).__name__}: {exc}", run_id=run_id) from exc
+                raise StoreError(
+                    f"could not register this worker as an owner of runs: "
+                    f"{type(exc).__name__}: {exc}",
+                    run_id=run_id,
+                ) from exc
             self._lease.registered(owner_id, sent_at, token)
             return owner_id, generation
 
@@ -487,7 +526,8 @@ class PostgresStore:
         if conn is None or conn.broken or conn.closed:
             self._close_owner_connection()
             conn = self._owner_conn = open_connection(
-                self._conninfo, self._statement_timeout_s, name=_OWNER_NAME, **self._connect)
+                self._conninfo, self._statement_timeout_s, name=_OWNER_NAME, **self._connect
+            )
         return conn
 
     def _close_owner_connection(self) -> None:
@@ -515,9 +555,14 @@ class PostgresStore:
 
     def _stored(self, row: TupleRow) -> StoredRun:
         column, finished, updated_at, owner, lease_until, claimed = row
-        return StoredRun(run_id=self._run_id_of(column), finished=bool(finished),
-                         claimed=bool(claimed), updated_at=updated_at, owner=owner,
-                         lease_expires_at=lease_until)
+        return StoredRun(
+            run_id=self._run_id_of(column),
+            finished=bool(finished),
+            claimed=bool(claimed),
+            updated_at=updated_at,
+            owner=owner,
+            lease_expires_at=lease_until,
+        )
 
     def _run_id_of(self, column: str) -> str:
         """The run id whose ``run_id`` column value is ``column`` (undoes :func:`run_id_column`)."""
@@ -526,8 +571,9 @@ class PostgresStore:
         except ValueError:
             run_id = None
         if not isinstance(run_id, str):
-            raise CorruptLog(f"unreadable run_id column {shown(column)}",
-                             location=f"{self._schema}.records")
+            raise CorruptLog(
+                f"unreadable run_id column {shown(column)}", location=f"{self._schema}.records"
+            )
         return run_id
 
     @contextmanager
@@ -596,8 +642,7 @@ class PostgresStore:
             max_size=self._pool_size,
             open=False,
             timeout=self._timeout,
-            kwargs={**self._connect, "autocommit": True,
-                    "fallback_application_name": _READER_NAME},
+            kwargs={**self._connect, "autocommit": True, "fallback_application_name": _READER_NAME},
             configure=partial(set_statement_timeout, seconds=self._statement_timeout_s),
             check=ConnectionPool.check_connection,
             name=f"polyloop-{self._schema}",
@@ -632,15 +677,19 @@ class PostgresStore:
 
     def _meta(self, conn: Connection) -> dict[str, str]:
         """The schema's meta rows (none if it has no tables yet)."""
-        exists = _scalar(conn, sql.SQL("SELECT to_regclass(%s) IS NOT NULL"),
-                         (sql.Identifier(self._schema, "meta").as_string(conn),))
+        exists = _scalar(
+            conn,
+            sql.SQL("SELECT to_regclass(%s) IS NOT NULL"),
+            (sql.Identifier(self._schema, "meta").as_string(conn),),
+        )
         if not exists:
             return {}
         return dict(conn.execute(self._queries.get_meta).fetchall())
 
     def _check_format(self, recorded: object, run_id: str | None) -> None:
-        check_format(recorded, holder="schema", run_id=run_id,
-                     location=f"{self._schema}.meta format")
+        check_format(
+            recorded, holder="schema", run_id=run_id, location=f"{self._schema}.meta format"
+        )
 
     def _close(self) -> None:
         with self._state.mutex:
@@ -678,8 +727,7 @@ def _check_options(schema: str, pool_size: int, max_writers: int, timeout: float
         raise ValueError("timeout must be a positive number of seconds")
 
 
-def _connect_options(conninfo: str, timeout: float, statement_timeout_s: float
-                     ) -> dict[str, Any]:
+def _connect_options(conninfo: str, timeout: float, statement_timeout_s: float) -> dict[str, Any]:
     """Connection options added to ``conninfo`` unless it sets them itself: a connect
     timeout, and how long sent data may go unacknowledged before the connection is
     given up (so that a host or network that goes silent cannot hold a thread forever)."""
@@ -696,8 +744,9 @@ def _connect_options(conninfo: str, timeout: float, statement_timeout_s: float
     return options
 
 
-def _scalar(conn: Connection, query: sql.SQL | sql.Composed,
-            params: Sequence[object] | Mapping[str, object]) -> Any:
+def _scalar(
+    conn: Connection, query: sql.SQL | sql.Composed, params: Sequence[object] | Mapping[str, object]
+) -> Any:
     """The first column of the first row of ``query`` (``None`` if there is no row)."""
     row = conn.execute(query, params).fetchone()
     return None if row is None else row[0]

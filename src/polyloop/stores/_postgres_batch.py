@@ -215,8 +215,9 @@ class Committer:
 
     __slots__ = ("lease", "probe", "queries", "state")
 
-    def __init__(self, state: WriterState, queries: Queries, lease: Lease,
-                 probe: Probe | None = None) -> None:
+    def __init__(
+        self, state: WriterState, queries: Queries, lease: Lease, probe: Probe | None = None
+    ) -> None:
         self.state = state
         self.queries = queries
         self.lease = lease
@@ -241,16 +242,18 @@ class Committer:
                 self.state.check_writable(run_id)
                 claim = item.slot.claim
                 if claim is None:
-                    raise RunLocked("this store object does not hold the run's claim",
-                                    run_id=run_id)
+                    raise RunLocked(
+                        "this store object does not hold the run's claim", run_id=run_id
+                    )
                 self.lease.check(claim.generation, run_id)
                 plan.accept(index, item, claim)
             except PolyLoopError as exc:
                 errors[index] = exc
         return plan
 
-    def _commit_plan(self, writer: Writer, plan: _Plan, errors: Errors,
-                     probe: Probe | None) -> None:
+    def _commit_plan(
+        self, writer: Writer, plan: _Plan, errors: Errors, probe: Probe | None
+    ) -> None:
         """Send the batch; on a refused statement, each run again on its own."""
         runs = list(plan.runs.values())
         try:
@@ -268,8 +271,9 @@ class Committer:
             writer.drop()
             self._fail(writer, runs, errors, exc)
 
-    def _send_alone(self, conn: Connection, writer: Writer, run: _RunWrite, errors: Errors,
-                    probe: Probe | None) -> None:
+    def _send_alone(
+        self, conn: Connection, writer: Writer, run: _RunWrite, errors: Errors, probe: Probe | None
+    ) -> None:
         barrier = any(item.barrier for _, item in run.items)
         try:
             self._send(conn, [run], barrier, errors, probe)
@@ -278,13 +282,23 @@ class Committer:
                 raise
             self._fail(writer, [run], errors, exc)
 
-    def _send(self, conn: Connection, runs: Sequence[_RunWrite], barrier: bool,
-              errors: Errors, probe: Probe | None) -> None:
+    def _send(
+        self,
+        conn: Connection,
+        runs: Sequence[_RunWrite],
+        barrier: bool,
+        errors: Errors,
+        probe: Probe | None,
+    ) -> None:
         """One statement: fence, advance and insert ``runs``; refuse those not admitted."""
         query = self.queries.write if barrier else self.queries.lazy_write
         if probe is not None:
-            rows = tuple((run.claim.run_id, kind) for run in runs
-                         for _, item in run.items for kind, _ in item.rows)
+            rows = tuple(
+                (run.claim.run_id, kind)
+                for run in runs
+                for _, item in run.items
+                for kind, _ in item.rows
+            )
             probe(conn, rows, (query.as_string(conn),))
         admitted = {bytes(key) for (key,) in conn.execute(query, _parameters(runs)).fetchall()}
         for run in runs:
@@ -301,19 +315,21 @@ class Committer:
         run_id = run.claim.run_id
         row = conn.execute(self.queries.explain_refusal, (run_key(run_id),)).fetchone()
         if row is None or row[0] != run.claim.epoch:
-            return RunLocked("another writer claimed the run since this store object did",
-                             run_id=run_id)
+            return RunLocked(
+                "another writer claimed the run since this store object did", run_id=run_id
+            )
         _, next_seq, finished = row
         if run.start:
             return RunAlreadyExists("the run already has records", run_id=run_id)
         if finished:
-            return StoreError("the run has ended; nothing may follow its end record",
-                              run_id=run_id)
-        return StoreError(f"the run's rows moved on to seq {next_seq} without this writer",
-                          run_id=run_id)
+            return StoreError("the run has ended; nothing may follow its end record", run_id=run_id)
+        return StoreError(
+            f"the run's rows moved on to seq {next_seq} without this writer", run_id=run_id
+        )
 
-    def _fail(self, writer: Writer, runs: Sequence[_RunWrite], errors: Errors,
-              exc: Exception) -> None:
+    def _fail(
+        self, writer: Writer, runs: Sequence[_RunWrite], errors: Errors, exc: Exception
+    ) -> None:
         """The statement failed or its outcome is unknown: every item of ``runs`` fails."""
         conn = writer.connection
         if conn is not None and not (conn.broken or conn.closed):
@@ -349,22 +365,46 @@ def check_mode(run_id: str, next_seq: int, mode: Mode, *, finished: bool) -> Non
 
 def _parameters(runs: Sequence[_RunWrite]) -> dict[str, list[object]]:
     """The arrays of the write statement: one entry per run, then one per row."""
-    params: dict[str, list[object]] = {name: [] for name in (
-        "run_keys", "epochs", "first_seqs", "next_seqs", "finals", "ends", "reasons",
-        "row_keys", "seqs", "row_ids", "kinds", "bodies")}
+    params: dict[str, list[object]] = {
+        name: []
+        for name in (
+            "run_keys",
+            "epochs",
+            "first_seqs",
+            "next_seqs",
+            "finals",
+            "ends",
+            "reasons",
+            "row_keys",
+            "seqs",
+            "row_ids",
+            "kinds",
+            "bodies",
+        )
+    }
     for run in runs:
         run_id = run.claim.run_id
         key, column = run_key(run_id), run_id_column(run_id)
-        for name, value in (("run_keys", key), ("epochs", run.claim.epoch),
-                            ("first_seqs", run.first_seq), ("next_seqs", run.next_seq),
-                            ("finals", run.final), ("ends", run.ends),
-                            ("reasons", run.reason if run.ends else None)):
+        for name, value in (
+            ("run_keys", key),
+            ("epochs", run.claim.epoch),
+            ("first_seqs", run.first_seq),
+            ("next_seqs", run.next_seq),
+            ("finals", run.final),
+            ("ends", run.ends),
+            ("reasons", run.reason if run.ends else None),
+        ):
             params[name].append(value)
         seq = run.first_seq
         for _, item in run.items:
             for kind, body in item.rows:
-                for name, value in (("row_keys", key), ("seqs", seq), ("row_ids", column),
-                                    ("kinds", kind), ("bodies", body)):
+                for name, value in (
+                    ("row_keys", key),
+                    ("seqs", seq),
+                    ("row_ids", column),
+                    ("kinds", kind),
+                    ("bodies", body),
+                ):
                     params[name].append(value)
                 seq += 1
     return params
@@ -376,12 +416,12 @@ def _roll_back(conn: Connection) -> None:
         conn.execute("ROLLBACK")
 
 
-def open_connection(conninfo: str, statement_timeout_s: float, *, name: str,
-                    **options: Any) -> Connection:
+def open_connection(
+    conninfo: str, statement_timeout_s: float, *, name: str, **options: Any
+) -> Connection:
     """An autocommit connection of the store object's own (a writer's, or its owner's),
     with the statement timeout set and ``synchronous_commit`` on."""
-    conn = psycopg.connect(conninfo, autocommit=True, fallback_application_name=name,
-                           **options)
+    conn = psycopg.connect(conninfo, autocommit=True, fallback_application_name=name, **options)
     try:
         set_statement_timeout(conn, seconds=statement_timeout_s)
         row = conn.execute("SHOW synchronous_commit").fetchone()
@@ -394,5 +434,6 @@ def open_connection(conninfo: str, statement_timeout_s: float, *, name: str,
 
 
 def set_statement_timeout(conn: Connection, *, seconds: float) -> None:
-    conn.execute(sql.SQL("SET statement_timeout = {}").format(
-        sql.Literal(max(1, math.ceil(seconds * 1000)))))
+    conn.execute(
+        sql.SQL("SET statement_timeout = {}").format(sql.Literal(max(1, math.ceil(seconds * 1000))))
+    )

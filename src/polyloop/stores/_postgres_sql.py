@@ -197,8 +197,7 @@ _DDL = (
     "ALTER TABLE {runs} ADD COLUMN IF NOT EXISTS owner text",
     "ALTER TABLE {runs} ADD COLUMN IF NOT EXISTS stop_reason text",
     # run_key, not the id: an index entry must fit in a third of a page.
-    "CREATE INDEX IF NOT EXISTS runs_unfinished ON {runs} (started_at, run_key) "
-    "WHERE NOT finished",
+    "CREATE INDEX IF NOT EXISTS runs_unfinished ON {runs} (started_at, run_key) WHERE NOT finished",
     "CREATE INDEX IF NOT EXISTS runs_owned ON {runs} (owner) WHERE owner IS NOT NULL",
     "CREATE INDEX IF NOT EXISTS runs_finished ON {runs} (updated_at) WHERE finished",
     "CREATE TABLE IF NOT EXISTS {owners} (owner_id text PRIMARY KEY, "
@@ -253,45 +252,57 @@ class Queries:
             ddl=tuple(q(text) for text in _DDL),
             fill_runs=q(_FILL_RUNS),
             get_meta=q("SELECT key, value FROM {meta} WHERE key IN ('format', 'layout')"),
-            set_meta=q("INSERT INTO {meta} (key, value) VALUES (%s, %s) "
-                       "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value "
-                       "WHERE {meta}.key = 'layout'"),
+            set_meta=q(
+                "INSERT INTO {meta} (key, value) VALUES (%s, %s) "
+                "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value "
+                "WHERE {meta}.key = 'layout'"
+            ),
             claim=q(_CLAIM, live_owners=live_owners),
             release=q(_RELEASE),
-            holder=q("SELECT o.description, o.lease_until FROM {runs} AS r "
-                     "JOIN {owners} AS o ON o.owner_id = r.owner WHERE r.run_key = %s"),
+            holder=q(
+                "SELECT o.description, o.lease_until FROM {runs} AS r "
+                "JOIN {owners} AS o ON o.owner_id = r.owner WHERE r.run_key = %s"
+            ),
             write=q(_FENCED_WRITE, lazy=sql.SQL(""), lazy_join=sql.SQL("")),
             lazy_write=q(_FENCED_WRITE, lazy=sql.SQL(_LAZY), lazy_join=sql.SQL(_LAZY_JOIN)),
             explain_refusal=q("SELECT epoch, next_seq, finished FROM {runs} WHERE run_key = %s"),
-            select_run=q("SELECT seq, run_id, kind, body FROM {records} WHERE run_key = %s "
-                         "ORDER BY seq"),
+            select_run=q(
+                "SELECT seq, run_id, kind, body FROM {records} WHERE run_key = %s ORDER BY seq"
+            ),
             list_runs=listed + sql.SQL("ORDER BY r.started_at, r.run_key"),
-            list_unfinished=listed + sql.SQL("AND NOT r.finished "
-                                             "ORDER BY r.started_at, r.run_key"),
+            list_unfinished=listed + sql.SQL("AND NOT r.finished ORDER BY r.started_at, r.run_key"),
             describe_run=listed + sql.SQL("AND r.run_key = %s"),
             register_owner=q(
                 "INSERT INTO {owners} (owner_id, description, lock_hi, lock_lo, lease_until) "
-                "VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s))"),
+                "VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s))"
+            ),
             # Only a lease that has not ended is renewed: once it has, others may have
             # taken its runs over, and the owner must know it lost them.
-            renew_owner=q("UPDATE {owners} SET lease_until = now() + make_interval(secs => %s) "
-                          "WHERE owner_id = %s AND lease_until > now()"),
-            drop_owner=q("WITH freed AS (UPDATE {runs} SET owner = NULL WHERE owner = %s) "
-                         "DELETE FROM {owners} WHERE owner_id = %s"),
+            renew_owner=q(
+                "UPDATE {owners} SET lease_until = now() + make_interval(secs => %s) "
+                "WHERE owner_id = %s AND lease_until > now()"
+            ),
+            drop_owner=q(
+                "WITH freed AS (UPDATE {runs} SET owner = NULL WHERE owner = %s) "
+                "DELETE FROM {owners} WHERE owner_id = %s"
+            ),
             forget_owners=q(
                 "DELETE FROM {owners} AS o WHERE o.lease_until < now() - interval '1 day' "
-                "AND NOT EXISTS (SELECT 1 FROM {runs} AS r WHERE r.owner = o.owner_id)"),
+                "AND NOT EXISTS (SELECT 1 FROM {runs} AS r WHERE r.owner = o.owner_id)"
+            ),
             prunable=q(
                 "SELECT run_id FROM {runs} WHERE finished AND updated_at < %s "
                 "AND owner IS NULL AND stop_reason IS DISTINCT FROM 'in_doubt' "
-                "ORDER BY updated_at"),
+                "ORDER BY updated_at"
+            ),
             # One run the pruner holds the claim of, checked again as it goes.
             prune_run=q(
                 "WITH gone AS (DELETE FROM {runs} WHERE run_key = %(run_key)s "
                 "AND epoch = %(epoch)s AND finished AND updated_at < %(before)s "
                 "AND stop_reason IS DISTINCT FROM 'in_doubt' RETURNING run_key), "
                 "wiped AS (DELETE FROM {records} WHERE run_key IN (SELECT run_key FROM gone)) "
-                "SELECT count(*) FROM gone"),
+                "SELECT count(*) FROM gone"
+            ),
         )
 
 

@@ -155,8 +155,17 @@ class SqliteStore:
     closing completes even in a cancelled scope.
     """
 
-    __slots__ = ("_claims", "_group", "_lease", "_owner_lock", "_owners_dir", "_path",
-                 "_renewer", "_state", "_worker")
+    __slots__ = (
+        "_claims",
+        "_group",
+        "_lease",
+        "_owner_lock",
+        "_owners_dir",
+        "_path",
+        "_renewer",
+        "_state",
+        "_worker",
+    )
 
     def __init__(self, path: str | os.PathLike[str], *, lease_s: float = 15.0) -> None:
         check_lease_s(lease_s)
@@ -184,8 +193,7 @@ class SqliteStore:
         owner lock.
         """
         token = anyio.lowlevel.current_token()
-        await claim_in_thread(partial(self._claim, run_id, token),
-                              partial(self._unclaim, run_id))
+        await claim_in_thread(partial(self._claim, run_id, token), partial(self._unclaim, run_id))
 
     async def release_run(self, run_id: str) -> None:
         """Give up the claim, writing no record (the row of a run never started goes)."""
@@ -220,8 +228,15 @@ class SqliteStore:
 
     async def end_run(self, record: RunEnded) -> None:
         """Write the run's end record (not fsync'd), then release the run's writer lock."""
-        await self._write(Write(record.run_id, [record_row(record)], end=True,
-                                final=record.is_final, reason=record.stop_reason.value))
+        await self._write(
+            Write(
+                record.run_id,
+                [record_row(record)],
+                end=True,
+                final=record.is_final,
+                reason=record.stop_reason.value,
+            )
+        )
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id`` in write order; empty if the run has no row.
@@ -257,9 +272,12 @@ class SqliteStore:
         """
         before = check_cutoff(finished_before).timestamp()
         candidates = await anyio.to_thread.run_sync(self._prunable, before)
-        return await prune_runs(self, candidates,
-                                archive=Path(archive) if archive is not None else None,
-                                delete=partial(self._delete_claimed, before=before))
+        return await prune_runs(
+            self,
+            candidates,
+            archive=Path(archive) if archive is not None else None,
+            delete=partial(self._delete_claimed, before=before),
+        )
 
     async def aclose(self) -> None:
         """Release every writer lock and close both connections. Idempotent.
@@ -310,8 +328,9 @@ class SqliteStore:
         try:
             self._state.check_writable(write.run_id)
             if write.run_id not in self._claims:
-                raise RunLocked("this store object does not hold the run's claim",
-                                run_id=write.run_id)
+                raise RunLocked(
+                    "this store object does not hold the run's claim", run_id=write.run_id
+                )
             self._connection(write.run_id)
         except PolyLoopError as exc:
             batch.errors[i] = exc
@@ -379,8 +398,9 @@ class SqliteStore:
         if not write.start and not first:
             raise StoreError("the run was never started in this database", run_id=write.run_id)
         if claim.finished:
-            raise StoreError("the run has ended; nothing may follow its end record",
-                             run_id=write.run_id)
+            raise StoreError(
+                "the run has ended; nothing may follow its end record", run_id=write.run_id
+            )
         return first
 
     def _advance(self, conn: sqlite3.Connection, write: Write, first: int) -> None:
@@ -388,16 +408,20 @@ class SqliteStore:
         does not expect (another writer claimed the run since, or it ended)."""
         key, following = run_key(write.run_id), first + len(write.rows)
         epoch = self._claims[write.run_id].epoch
-        moved = conn.execute(ADVANCE_RUN, (following, write.final, write.reason, time.time(),
-                                           write.end, key, epoch, first))
+        moved = conn.execute(
+            ADVANCE_RUN,
+            (following, write.final, write.reason, time.time(), write.end, key, epoch, first),
+        )
         if moved.rowcount == 1:
             return
         row = conn.execute(EXPLAIN_REFUSAL, (key,)).fetchone()
         if row is None or row[0] != epoch:
-            raise RunLocked("another writer claimed the run since this store object did",
-                            run_id=write.run_id)
-        raise StoreError("the run has ended, or its rows moved on without this writer",
-                         run_id=write.run_id)
+            raise RunLocked(
+                "another writer claimed the run since this store object did", run_id=write.run_id
+            )
+        raise StoreError(
+            "the run has ended, or its rows moved on without this writer", run_id=write.run_id
+        )
 
     def _end(self, conn: sqlite3.Connection, level: int, *, committing: bool) -> None:
         conn.execute("COMMIT" if committing else "ROLLBACK")
@@ -419,8 +443,7 @@ class SqliteStore:
         with self._state.mutex:
             self._state.check_writable(run_id)
             if run_id in self._claims:
-                raise RunLocked("this store object already holds the run's claim",
-                                run_id=run_id)
+                raise RunLocked("this store object already holds the run's claim", run_id=run_id)
             conn = self._connection(run_id)
             owner_id, generation = self._registered_owner(conn, run_id, token)
             key = run_key(run_id)
@@ -432,12 +455,14 @@ class SqliteStore:
                 else:
                     holder, epoch, next_seq, finished = row
                     if holder is not None and self._alive(conn, holder):
-                        raise RunLocked(f"the run is held by {self._holder(conn, holder)}",
-                                        run_id=run_id)
+                        raise RunLocked(
+                            f"the run is held by {self._holder(conn, holder)}", run_id=run_id
+                        )
                     conn.execute(TAKE_RUN, (owner_id, key))
                     epoch += 1
-            self._claims[run_id] = _Claim(epoch=epoch, generation=generation,
-                                          next_seq=int(next_seq), finished=bool(finished))
+            self._claims[run_id] = _Claim(
+                epoch=epoch, generation=generation, next_seq=int(next_seq), finished=bool(finished)
+            )
 
     def _unclaim(self, run_id: str) -> None:
         with self._state.mutex:
@@ -479,8 +504,9 @@ class SqliteStore:
             # The row keeps this owner until the store closes or its lease ends.
             logger.warning("run %r: could not give its claim up", run_id, exc_info=True)
 
-    def _registered_owner(self, conn: sqlite3.Connection, run_id: str,
-                          token: EventLoopToken) -> tuple[str, int]:
+    def _registered_owner(
+        self, conn: sqlite3.Connection, run_id: str, token: EventLoopToken
+    ) -> tuple[str, int]:
         """This store object's owner id and lease generation, registering it if need be
         (store mutex held): take the owner's lock, write its row, keep its lease."""
         owner_id, generation, registered = self._lease.current()
@@ -497,13 +523,16 @@ class SqliteStore:
             now = time.time()
             with self._reading(run_id), _immediate(conn):
                 self._forget_owners(conn, now)
-                conn.execute(REGISTER_OWNER, (owner_id, self._lease.description,
-                                              now + self._lease.lease_s, now))
+                conn.execute(
+                    REGISTER_OWNER,
+                    (owner_id, self._lease.description, now + self._lease.lease_s, now),
+                )
         except OSError as exc:
             if isinstance(exc, PolyLoopError):
                 raise
-            raise StoreError(f"could not register this worker as an owner of runs: {exc}",
-                             run_id=run_id) from exc
+            raise StoreError(
+                f"could not register this worker as an owner of runs: {exc}", run_id=run_id
+            ) from exc
         self._lease.registered(owner_id, sent_at, token)
         return owner_id, generation
 
@@ -519,8 +548,11 @@ class SqliteStore:
     def _alive(self, conn: sqlite3.Connection, owner_id: str) -> bool:
         """Whether ``owner_id``'s lease has not ended and its process holds its lock."""
         row = conn.execute(OWNER_OF, (owner_id,)).fetchone()
-        return (row is not None and row[1] > time.time()
-                and LockFile.held(self._owners_dir / f"{owner_id}.lock"))
+        return (
+            row is not None
+            and row[1] > time.time()
+            and LockFile.held(self._owners_dir / f"{owner_id}.lock")
+        )
 
     @staticmethod
     def _holder(conn: sqlite3.Connection, owner_id: str) -> str:
@@ -536,8 +568,12 @@ class SqliteStore:
         if self._state.closed:
             return False
         if self._renewer is None:
-            self._renewer = sqlite3.connect(self._path, timeout=self._lease.lease_s / 3,
-                                            isolation_level=None, check_same_thread=False)
+            self._renewer = sqlite3.connect(
+                self._path,
+                timeout=self._lease.lease_s / 3,
+                isolation_level=None,
+                check_same_thread=False,
+            )
         now = time.time()
         done = self._renewer.execute(RENEW_OWNER, (now + self._lease.lease_s, owner_id, now))
         return done.rowcount == 1
@@ -569,15 +605,25 @@ class SqliteStore:
         listed = []
         for key, finished, updated_at, owner, description, lease_until in rows:
             if owner is not None and owner not in alive:
-                alive[owner] = (lease_until is not None and lease_until > now
-                                and LockFile.held(self._owners_dir / f"{owner}.lock"))
-            listed.append(StoredRun(
-                run_id=run_id_of(key), finished=bool(finished),
-                claimed=owner is not None and alive[owner],
-                updated_at=datetime.fromtimestamp(updated_at, UTC),
-                owner=description,
-                lease_expires_at=(datetime.fromtimestamp(lease_until, UTC)
-                                  if lease_until is not None else None)))
+                alive[owner] = (
+                    lease_until is not None
+                    and lease_until > now
+                    and LockFile.held(self._owners_dir / f"{owner}.lock")
+                )
+            listed.append(
+                StoredRun(
+                    run_id=run_id_of(key),
+                    finished=bool(finished),
+                    claimed=owner is not None and alive[owner],
+                    updated_at=datetime.fromtimestamp(updated_at, UTC),
+                    owner=description,
+                    lease_expires_at=(
+                        datetime.fromtimestamp(lease_until, UTC)
+                        if lease_until is not None
+                        else None
+                    ),
+                )
+            )
         return tuple(listed)
 
     @contextmanager
@@ -605,8 +651,9 @@ class SqliteStore:
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             created = not self._path.exists()
-            conn = sqlite3.connect(self._path, timeout=BUSY_TIMEOUT_S, isolation_level=None,
-                                   check_same_thread=False)
+            conn = sqlite3.connect(
+                self._path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            )
             configure(conn, self._path.name, run_id)
             create_schema(conn)
             check_meta_format(conn, self._path.name, run_id)
@@ -617,8 +664,7 @@ class SqliteStore:
                 with suppress(sqlite3.Error):  # the original error says more
                     conn.close()
             if isinstance(exc, (sqlite3.Error, OSError)) and not isinstance(exc, PolyLoopError):
-                raise StoreError(f"cannot open {self._path.name}: {exc}",
-                                 run_id=run_id) from exc
+                raise StoreError(f"cannot open {self._path.name}: {exc}", run_id=run_id) from exc
             raise
         return Db(conn)
 
@@ -640,8 +686,9 @@ class SqliteStore:
                         worker.execute(FREE_OWNED, (owner_id,))
                         worker.execute(DROP_OWNER, (owner_id,))
                 except sqlite3.Error:
-                    logger.warning("could not give up the claims of owner %s", owner_id,
-                                   exc_info=True)
+                    logger.warning(
+                        "could not give up the claims of owner %s", owner_id, exc_info=True
+                    )
             if self._owner_lock is not None:
                 self._owner_lock.release()
                 self._owner_lock = None

@@ -218,8 +218,9 @@ def decode_rows(name: str, run_id: str, rows: Sequence[tuple[Any, ...]]) -> tupl
 def _decode_row(name: str, run_id: str, seq: int, kind: object, body: object) -> Record:
     location = f"{name}: run row seq {seq}"
     if not isinstance(body, (str, bytes)):
-        raise CorruptLog(f"the body is {type(body).__name__}, not text", run_id=run_id,
-                         location=location)
+        raise CorruptLog(
+            f"the body is {type(body).__name__}, not text", run_id=run_id, location=location
+        )
     try:
         record = loads(body, location=location)
     except CorruptLog as exc:
@@ -227,11 +228,15 @@ def _decode_row(name: str, run_id: str, seq: int, kind: object, body: object) ->
             raise
         raise CorruptLog(exc.reason, run_id=run_id, location=location) from exc
     if record.run_id != run_id:
-        raise CorruptLog(f"the row holds a record of run {record.run_id!r}",
-                         run_id=run_id, location=location)
+        raise CorruptLog(
+            f"the row holds a record of run {record.run_id!r}", run_id=run_id, location=location
+        )
     if record_kind(record) != kind:
-        raise CorruptLog(f"the row says {kind!r} but holds a {record_kind(record)!r} record",
-                         run_id=run_id, location=location)
+        raise CorruptLog(
+            f"the row says {kind!r} but holds a {record_kind(record)!r} record",
+            run_id=run_id,
+            location=location,
+        )
     return record
 
 

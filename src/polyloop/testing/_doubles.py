@@ -67,8 +67,7 @@ class ScriptedModelClient:
             raise item
         if isinstance(item, ModelReply):
             return item
-        return ModelReply(call_id=f"{call.run_id}/{call.call_index}", content=item,
-                          reasoning=None)
+        return ModelReply(call_id=f"{call.run_id}/{call.call_index}", content=item, reasoning=None)
 
     def _item(self, call: ModelCall) -> ScriptItem:
         if callable(self._script):

@@ -75,41 +75,112 @@ AWKWARD_RUN_IDS = (
 def sample_run(run_id: str, *, steps: int = 2, ended: bool = True) -> list[tuple[str, Any]]:
     """The writes of a plausible run, as ``(method name, arguments)`` pairs, in order."""
     writes: list[tuple[str, Any]] = [
-        ("start_run", (RunStarted(run_id=run_id, snapshot={
-            "model.name": "m", "budget.max_steps": 9, "nested": {"list": [1, 2.5, None]},
-        }),)),
+        (
+            "start_run",
+            (
+                RunStarted(
+                    run_id=run_id,
+                    snapshot={
+                        "model.name": "m",
+                        "budget.max_steps": 9,
+                        "nested": {"list": [1, 2.5, None]},
+                    },
+                ),
+            ),
+        ),
     ]
     for k in range(steps):
         model_id, action_id = f"{run_id}:{k}:model", f"{run_id}:{k}:action"
         writes += [
-            ("write_intent", (Intent(run_id=run_id, result_id=model_id,
-                                     kind=IntentKind.MODEL_CALL, step=k, call_index=k,
-                                     replay=Replay.NEVER, payload={"messages_sha256": "ab"}),)),
-            ("write_result", (Result(run_id=run_id, result_id=model_id,
-                                     kind=IntentKind.MODEL_CALL,
-                                     payload={"call_id": f"c{k}", "content": "é\u2028\ud800",
-                                              "reasoning": None}),)),
-            ("write_intent", (Intent(run_id=run_id, result_id=action_id, kind=IntentKind.ACTION,
-                                     step=k, call_index=k, replay=Replay.ALLOWED,
-                                     payload={"name": "t", "arguments": {"n": k}},
-                                     action_text="t(n)", history_text="call t"),)),
-            ("write_step", (_step(run_id, k), Result(
-                run_id=run_id, result_id=action_id, kind=IntentKind.ACTION,
-                payload={"status": "executed", "observation": f"o{k}"}))),
+            (
+                "write_intent",
+                (
+                    Intent(
+                        run_id=run_id,
+                        result_id=model_id,
+                        kind=IntentKind.MODEL_CALL,
+                        step=k,
+                        call_index=k,
+                        replay=Replay.NEVER,
+                        payload={"messages_sha256": "ab"},
+                    ),
+                ),
+            ),
+            (
+                "write_result",
+                (
+                    Result(
+                        run_id=run_id,
+                        result_id=model_id,
+                        kind=IntentKind.MODEL_CALL,
+                        payload={"call_id": f"c{k}", "content": "é\u2028\ud800", "reasoning": None},
+                    ),
+                ),
+            ),
+            (
+                "write_intent",
+                (
+                    Intent(
+                        run_id=run_id,
+                        result_id=action_id,
+                        kind=IntentKind.ACTION,
+                        step=k,
+                        call_index=k,
+                        replay=Replay.ALLOWED,
+                        payload={"name": "t", "arguments": {"n": k}},
+                        action_text="t(n)",
+                        history_text="call t",
+                    ),
+                ),
+            ),
+            (
+                "write_step",
+                (
+                    _step(run_id, k),
+                    Result(
+                        run_id=run_id,
+                        result_id=action_id,
+                        kind=IntentKind.ACTION,
+                        payload={"status": "executed", "observation": f"o{k}"},
+                    ),
+                ),
+            ),
         ]
     if ended:
-        writes.append(("end_run", (RunEnded(run_id=run_id, stop_reason=StopReason.SUBMITTED,
-                                            final_answer=None, steps=steps, valid_steps=steps,
-                                            detail=None),)))
+        writes.append(
+            (
+                "end_run",
+                (
+                    RunEnded(
+                        run_id=run_id,
+                        stop_reason=StopReason.SUBMITTED,
+                        final_answer=None,
+                        steps=steps,
+                        valid_steps=steps,
+                        detail=None,
+                    ),
+                ),
+            )
+        )
     return writes
 
 
 def _step(run_id: str, k: int) -> StepRecord:
     return StepRecord(
-        run_id=run_id, step=k, call_id=f"c{k}", model_output="line one\nline two \U0001f600",
-        reasoning="why", decision=DecisionKind.ACTION, history_text="call t",
-        action_text="t(n)", observation=f"o{k}", observation_synthesized=False,
-        action_status=ActionStatus.EXECUTED, done=False, truncated_chars=0, error=None,
+        run_id=run_id,
+        step=k,
+        call_id=f"c{k}",
+        model_output="line one\nline two \U0001f600",
+        reasoning="why",
+        decision=DecisionKind.ACTION,
+        history_text="call t",
+        action_text="t(n)",
+        observation=f"o{k}",
+        observation_synthesized=False,
+        action_status=ActionStatus.EXECUTED,
+        done=False,
+        truncated_chars=0,
+        error=None,
         duration_s=0.25,
     )
 
@@ -141,8 +212,14 @@ async def close(store: Store) -> None:
 
 
 def _cancelled_end(run_id: str, steps: int) -> RunEnded:
-    return RunEnded(run_id=run_id, stop_reason=StopReason.CANCELLED, final_answer=None,
-                    steps=steps, valid_steps=steps, detail="cancelled")
+    return RunEnded(
+        run_id=run_id,
+        stop_reason=StopReason.CANCELLED,
+        final_answer=None,
+        steps=steps,
+        valid_steps=steps,
+        detail="cancelled",
+    )
 
 
 @pytest.mark.anyio
@@ -309,8 +386,13 @@ class StoreContract:
         before = datetime.now(UTC) - timedelta(seconds=5)
         await apply(store, sample_run("done", steps=1))
         await apply(store, sample_run("open", steps=1, ended=False))
-        await apply(store, [*sample_run("paused", steps=1, ended=False),
-                            ("end_run", (_cancelled_end("paused", 1),))])
+        await apply(
+            store,
+            [
+                *sample_run("paused", steps=1, ended=False),
+                ("end_run", (_cancelled_end("paused", 1),)),
+            ],
+        )
         await store.release_run("open")
         await store.claim_run("live")  # claimed, never started: not a run
         await apply(store, sample_run("busy", steps=0, ended=False))
@@ -333,7 +415,6 @@ class StoreContract:
         assert (await store.read_log("live")).records == ()
         await close(store)
 
-
     async def test_prune_deletes_only_old_finished_runs_and_archives_them(
         self, store_factory: StoreFactory, tmp_path: Path
     ) -> None:
@@ -342,9 +423,25 @@ class StoreContract:
             pytest.skip("the store offers no listing")
         old = sample_run("old", steps=1)
         await apply(store, old)
-        await apply(store, [*sample_run("doubt", steps=1, ended=False), ("end_run", (RunEnded(
-            run_id="doubt", stop_reason=StopReason.IN_DOUBT, final_answer=None, steps=1,
-            valid_steps=1, detail="in doubt"),))])
+        await apply(
+            store,
+            [
+                *sample_run("doubt", steps=1, ended=False),
+                (
+                    "end_run",
+                    (
+                        RunEnded(
+                            run_id="doubt",
+                            stop_reason=StopReason.IN_DOUBT,
+                            final_answer=None,
+                            steps=1,
+                            valid_steps=1,
+                            detail="in doubt",
+                        ),
+                    ),
+                ),
+            ],
+        )
         await apply(store, sample_run("open", steps=1, ended=False))
         await store.release_run("open")
         await apply(store, sample_run("held", steps=1))
@@ -356,7 +453,11 @@ class StoreContract:
         archive = tmp_path / "archive"
         assert await store.prune(finished_before=cutoff, archive=archive) == ("old",)
         assert sorted(run.run_id for run in await store.list_runs()) == [
-            "doubt", "held", "new", "open"]
+            "doubt",
+            "held",
+            "new",
+            "open",
+        ]
         assert await store.describe_run("old") is None
         assert (await store.read_log("old")).records == ()
         from polyloop.stores import JsonlStore

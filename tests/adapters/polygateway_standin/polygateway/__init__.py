@@ -189,4 +189,3 @@ def _check_messages(messages: object) -> None:
             raise TypeError(f"each message must be a dict with role and content: {message!r}")
         if message["role"] not in _ROLES or not isinstance(message["content"], str):
             raise TypeError(f"malformed message: {message!r}")
-
