@@ -73,6 +73,7 @@ from polyloop import (
     RunResult,
     ToolRegistry,
     ToolStyle,
+    reject_incomplete,
     run,
 )
 from polyloop.stores import MemoryStore
@@ -98,6 +99,8 @@ class FencedPythonInterpreter:
         return {"kind": "fenced-python", "version": 1}
 
     def interpret(self, reply: ModelReply) -> Decision:
+        if (rejected := reject_incomplete(reply)) is not None:
+            return rejected  # cut off, filtered or refused: never acted on
         match = _FENCE.search(reply.content)
         if match is None:
             return InvalidDecision(feedback=self.FEEDBACK, history_text=reply.content)

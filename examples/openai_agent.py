@@ -56,6 +56,7 @@ from polyloop import (
     ToolRegistry,
     ToolSpec,
     ToolStyle,
+    reject_incomplete,
     run,
 )
 from polyloop.adapters.openai import OpenAIModelClient
@@ -142,6 +143,8 @@ class JsonReplyInterpreter:
         return {"kind": "example-json-reply", "version": 1}
 
     def interpret(self, reply: ModelReply) -> Decision:
+        if (rejected := reject_incomplete(reply)) is not None:
+            return rejected  # cut off, filtered or refused: never acted on
         data = _first_json_object(reply.content)
         if isinstance(data, dict):
             name = data.get("tool")

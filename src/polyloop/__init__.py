@@ -29,6 +29,7 @@ from polyloop.ports import (
     NullSink,
     Store,
     StoredRun,
+    reject_incomplete,
 )
 from polyloop.session import (
     Definition,
@@ -47,6 +48,7 @@ from polyloop.types import (
     ContentBlock,
     CorruptLog,
     DecisionKind,
+    FinishReason,
     Injection,
     Intent,
     IntentKind,
@@ -76,6 +78,7 @@ from polyloop.types import (
     TextBlock,
     ToolStyle,
     UnloggableValue,
+    Usage,
 )
 
 __version__ = "0.1.0"
@@ -95,6 +98,7 @@ __all__ = (
     "EventKind",
     "EventSink",
     "FinalAnswer",
+    "FinishReason",
     "Injection",
     "Intent",
     "IntentKind",
@@ -137,7 +141,9 @@ __all__ = (
     "ToolSpec",
     "ToolStyle",
     "UnloggableValue",
+    "Usage",
     "recover",
+    "reject_incomplete",
     "resume",
     "run",
     "run_status",

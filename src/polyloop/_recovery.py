@@ -43,6 +43,7 @@ from polyloop.types import (
     RunStatus,
     StepRecord,
     StopReason,
+    Usage,
 )
 
 
@@ -234,6 +235,7 @@ def recorded_result(plan: Plan) -> RunResult:
         valid_step_count=end.valid_steps,
         resumed=True,
         detail=end.detail,
+        usage=Usage.of_steps(plan.steps),
     )
 
 

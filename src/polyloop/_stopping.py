@@ -1,8 +1,8 @@
-"""The stop decision and the two budget counters, as plain functions over plain data.
+"""The stop decision and the budget counters, as plain functions over plain data.
 
 The order of the checks is part of the public contract: when two reasons hold at once,
 the earlier one wins. Before a model call the budget is checked (steps, then valid
-steps, then context size); after a step, what the step itself says (model failure,
+steps, then context size, then tokens); after a step, what the step itself says (model failure,
 environment fault, environment done, a completing tool, a final answer). Because the
 step's own reason is checked first, a last allowed step that also submits ends the run
 as ``SUBMITTED``, not as ``STEP_LIMIT``.
@@ -21,6 +21,7 @@ class Counters:
 
     steps: int = 0
     valid_steps: int = 0
+    tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +44,8 @@ def before_model_call(budget: Budget, used: Counters, context_chars: int) -> Sto
         return StopReason.VALID_STEP_LIMIT
     if context_chars > budget.max_context_chars:
         return StopReason.CONTEXT_LIMIT
+    if budget.max_tokens is not None and used.tokens >= budget.max_tokens:
+        return StopReason.TOKEN_LIMIT
     return None
 
 
@@ -70,9 +73,10 @@ def counts_as_valid(action_status: ActionStatus | None) -> bool:
     return action_status is ActionStatus.EXECUTED
 
 
-def settle(used: Counters, action_status: ActionStatus | None) -> Counters:
-    """The counters after one more step with the given action status."""
+def settle(used: Counters, action_status: ActionStatus | None, tokens: int = 0) -> Counters:
+    """The counters after one more step with the given action status and token count."""
     return Counters(
         steps=used.steps + 1,
         valid_steps=used.valid_steps + (1 if counts_as_valid(action_status) else 0),
+        tokens=used.tokens + tokens,
     )

@@ -18,6 +18,7 @@ from typing import Protocol, Self, TypeAlias, runtime_checkable
 
 from polyloop.types import (
     ActionStatus,
+    FinishReason,
     Intent,
     JSONValue,
     Message,
@@ -28,6 +29,7 @@ from polyloop.types import (
     RunLog,
     RunStarted,
     StepRecord,
+    Usage,
 )
 
 __all__ = (
@@ -48,6 +50,7 @@ __all__ = (
     "NullSink",
     "Store",
     "StoredRun",
+    "reject_incomplete",
 )
 
 
@@ -69,11 +72,29 @@ class ModelCall:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelReply:
-    """What the model answered. ``call_id`` is the caller's ledger key; never ``""``."""
+    """What the model answered. ``call_id`` is the caller's ledger key; never ``""``.
+
+    The optional fields say what the server reported about the reply, ``None`` where it
+    reported nothing: ``finish``, how the reply ended; ``usage``, the tokens the call
+    used; ``model``, the model the server says answered; ``refusal``, the model's refusal
+    text. A client that knows none of them leaves them out.
+    """
 
     call_id: str | None
     content: str
     reasoning: str | None
+    finish: FinishReason | None = None
+    usage: Usage | None = None
+    model: str | None = None
+    refusal: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether the reply ended normally: not cut off, filtered or refused."""
+        return self.refusal is None and self.finish not in _INCOMPLETE
+
+
+_INCOMPLETE = frozenset({FinishReason.LENGTH, FinishReason.CONTENT_FILTER, FinishReason.REFUSAL})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,6 +124,33 @@ class InvalidDecision:
 
 Decision: TypeAlias = Action | FinalAnswer | InvalidDecision
 """The three branches an interpreter can choose."""
+
+
+def reject_incomplete(reply: ModelReply) -> InvalidDecision | None:
+    """The invalid decision for a reply that did not end normally, or ``None``.
+
+    A reply cut off at the length limit may hold a half-written action, one the content
+    filter cut may miss its end, and a refusal holds no action: none may be acted on.
+    Every interpreter PolyLoop ships calls this first; an interpreter of your own should
+    too, or decide for itself on :attr:`ModelReply.finish`. The feedback tells the model
+    what happened in plain words, and the reply stays in the history as it was sent.
+    """
+    if reply.complete:
+        return None
+    if reply.refusal is not None or reply.finish is FinishReason.REFUSAL:
+        said = f": {reply.refusal}" if reply.refusal else "."
+        feedback = f"Your reply was a refusal{said} Nothing was run."
+    elif reply.finish is FinishReason.LENGTH:
+        feedback = (
+            "Your reply was cut off at the length limit before it ended, so it was not "
+            "acted on. Answer again, more briefly."
+        )
+    else:
+        feedback = (
+            "Your reply was withheld in part by the server's content filter, so it was "
+            "not acted on. Answer again."
+        )
+    return InvalidDecision(feedback=feedback, history_text=reply.content or reply.refusal or "")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

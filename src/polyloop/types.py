@@ -8,8 +8,8 @@ must decode with every later release of the same record-format major.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TypeAlias
 
@@ -32,6 +32,7 @@ __all__ = (
     "ContentBlock",
     "CorruptLog",
     "DecisionKind",
+    "FinishReason",
     "Injection",
     "Intent",
     "IntentKind",
@@ -61,7 +62,13 @@ __all__ = (
     "TextBlock",
     "ToolStyle",
     "UnloggableValue",
+    "Usage",
 )
+
+# Marks a record field added after the first release of the record format: it is left
+# out of a written record while it is None, so a record that uses none of the later
+# fields is written byte for byte as the first release wrote it.
+_WRITTEN_WHEN_SET: Mapping[str, bool] = {"written_when_set": True}
 
 JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
 """A value that JSON can carry: what snapshots, payloads and parameters are made of."""
@@ -107,10 +114,86 @@ class StopReason(enum.StrEnum):
     STEP_LIMIT = "step_limit"
     VALID_STEP_LIMIT = "valid_step_limit"
     CONTEXT_LIMIT = "context_limit"
+    TOKEN_LIMIT = "token_limit"
     MODEL_FAILURE = "model_failure"
     ENV_FAILURE = "env_failure"
     CANCELLED = "cancelled"
     IN_DOUBT = "in_doubt"
+
+
+class FinishReason(enum.StrEnum):
+    """How a model reply ended, as the server reported it.
+
+    Only ``STOP`` and ``TOOL_CALLS`` are complete replies. ``LENGTH`` means the reply was
+    cut off at the server's length limit, so whatever it holds may be half written;
+    ``CONTENT_FILTER`` that the server withheld part of it; ``REFUSAL`` that the model
+    declined. ``OTHER`` is any reason the adapter does not know.
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    CONTENT_FILTER = "content_filter"
+    TOOL_CALLS = "tool_calls"
+    REFUSAL = "refusal"
+    OTHER = "other"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Usage:
+    """The tokens one model call used, or a run's total; ``None`` where not reported.
+
+    ``output_tokens`` includes ``reasoning_tokens`` where the server counts them apart
+    (as OpenAI's API does), so a call's total is ``input_tokens + output_tokens``.
+    """
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    reasoning_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("input_tokens", "output_tokens", "reasoning_tokens"):
+            count = getattr(self, name)
+            if count is not None and (
+                not isinstance(count, int) or isinstance(count, bool) or count < 0
+            ):
+                raise ValueError(f"Usage.{name} must be None or an integer >= 0, not {count!r:.40}")
+
+    @staticmethod
+    def of_steps(steps: Iterable[StepRecord]) -> Usage | None:
+        """The tokens of the model calls that answered among ``steps``.
+
+        Each count is the sum over those steps, or ``None`` if some reply did not report
+        it; a step whose model call failed without a reply counts for nothing. ``None``
+        when no step reported usage at all. This is :attr:`RunResult.usage`.
+        """
+        total: Usage | None = None
+        reported = False
+        for step in steps:
+            if step.error is not None and step.usage is None:
+                continue  # the model call raised: there was no reply to report figures
+            reported = reported or step.usage is not None
+            usage = step.usage or Usage()
+            total = usage if total is None else total.plus(usage)
+        return total if reported else None
+
+    def plus(self, other: Usage) -> Usage:
+        """The sum of two usages; a count either side does not know stays unknown."""
+        return Usage(
+            input_tokens=_sum(self.input_tokens, other.input_tokens),
+            output_tokens=_sum(self.output_tokens, other.output_tokens),
+            reasoning_tokens=_sum(self.reasoning_tokens, other.reasoning_tokens),
+        )
+
+    @property
+    def total_tokens(self) -> int | None:
+        """``input_tokens + output_tokens``, or ``None`` if either is unknown."""
+        if self.input_tokens is None or self.output_tokens is None:
+            return None
+        return self.input_tokens + self.output_tokens
+
+
+def _sum(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a + b
 
 
 class ToolStyle(enum.StrEnum):
@@ -157,11 +240,17 @@ class Message:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Budget:
-    """The limits of one run. No defaults: every run states its own."""
+    """The limits of one run. Every run states the first three; the rest are optional.
+
+    ``max_tokens`` limits the tokens the run's model calls use, input and output
+    together, as the replies report them (:attr:`Usage.total_tokens`); with it set, a
+    reply that does not report both counts ends the run as a model failure.
+    """
 
     max_steps: int
     max_valid_steps: int
     max_context_chars: int
+    max_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -214,7 +303,9 @@ class StepRecord:
     """One decision round: the row of the trajectory.
 
     ``duration_s`` is wall-clock time and the only field that differs between a run and
-    the same run resumed after a crash.
+    the same run resumed after a crash. ``finish``, ``usage``, ``model`` and ``refusal``
+    say how the model's reply ended, what the call cost and which model the server says
+    answered, as the model client reported them (``None`` where it did not).
     """
 
     run_id: str
@@ -233,6 +324,10 @@ class StepRecord:
     error: str | None
     final_answer: str | None = None
     duration_s: float | None = None
+    finish: FinishReason | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    usage: Usage | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    model: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    refusal: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -266,7 +361,12 @@ class RunLog:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunResult:
-    """What ``run`` and ``resume`` return."""
+    """What ``run`` and ``resume`` return.
+
+    ``usage`` sums the tokens of the run's steps, those of earlier attempts included
+    (:meth:`Usage.of_steps`): a count is ``None`` if some reply of the run did not report
+    it, since a total that left calls out would understate the cost.
+    """
 
     run_id: str
     stop_reason: StopReason
@@ -277,6 +377,7 @@ class RunResult:
     resumed: bool = False
     event_failures: int = 0
     detail: str | None = None
+    usage: Usage | None = None
 
 
 class RunState(enum.StrEnum):

@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
-from polyloop import Replay, run, serialization
+from polyloop import FinishReason, ModelReply, Replay, Usage, run, serialization
 from polyloop.cli import main
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
@@ -533,3 +533,85 @@ def test_verify_sqlite_reports_another_schema_major_in_one_line(
         "polyloop: error: at runs.db: meta format: the database holds "
         "records in format 'polyloop/2'"
     )
+
+
+# -- what the model said about its replies ------------------------------------------------------
+
+
+def metered_script() -> list[ModelReply]:
+    facts: dict[str, Any] = {"call_id": None, "reasoning": None, "model": "m-2024-08-06"}
+    return [
+        ModelReply(
+            content=tool_call("double", n=1),
+            finish=FinishReason.TOOL_CALLS,
+            usage=Usage(input_tokens=1200, output_tokens=80, reasoning_tokens=30),
+            **facts,
+        ),
+        ModelReply(
+            content='{"tool": "submit", "argu',
+            finish=FinishReason.LENGTH,
+            usage=Usage(input_tokens=1300, output_tokens=4096),
+            **facts,
+        ),
+        ModelReply(
+            content="", refusal="I won't.", usage=Usage(input_tokens=1, output_tokens=2), **facts
+        ),
+        ModelReply(content=tool_call("submit", answer="2"), **facts),
+    ]
+
+
+@pytest.fixture
+def metered(tmp_path: Path) -> str:
+    """A SQLite store holding one finished run whose replies report finish, usage and model."""
+    path = tmp_path / "metered.db"
+
+    async def fill_one() -> None:
+        async with SqliteStore(path) as store:
+            await run(
+                definition(store, script=metered_script()), request("m", make_tools(Ledger()))
+            )
+
+    anyio.run(fill_one)
+    return f"sqlite:{path}"
+
+
+def test_show_prints_how_each_reply_ended_and_what_it_cost(
+    metered: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["show", metered, "m"]) == 0
+    out = flat(capsys.readouterr().out)
+    assert "finish tool calls" in out
+    assert "tokens 1,200 in, 80 out (30 reasoning)" in out
+    assert "finish cut off at the length limit" in out
+    assert "refusal I won't." in out
+    assert "model m-2024-08-06" in out
+    # The last reply reported no usage, so the run's total counts are unknown.
+    assert "tokens ? in, ? out" in out
+
+
+def test_show_json_and_html_carry_the_reply_facts(
+    metered: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["show", metered, "m", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    steps = [serialization.decode(step) for step in document["steps"]]
+    assert [step.finish for step in steps] == [  # type: ignore[union-attr]
+        FinishReason.TOOL_CALLS,
+        FinishReason.LENGTH,
+        None,
+        None,
+    ]
+    assert steps[2].refusal == "I won't."  # type: ignore[union-attr]
+    assert document["usage"] == {
+        "input_tokens": None,
+        "output_tokens": None,
+        "reasoning_tokens": None,
+    }
+    target = tmp_path / "m.html"
+    assert main(["show", metered, "m", "--html", str(target)]) == 0
+    page = _Page()
+    page.feed(target.read_text(encoding="utf-8"))
+    text = flat(" ".join(page.text))
+    assert "cut off at the length limit" in text
+    assert "1,300 in, 4,096 out" in text
+    assert "I won't." in text

@@ -50,6 +50,9 @@ NAMES_BY_MODULE = {
         "RunState",
         "RunStatus",
         "RecoveredRun",
+        # issue 15: what the model said about its reply
+        "FinishReason",
+        "Usage",
     },
     ports: {
         "ModelClient",
@@ -69,6 +72,7 @@ NAMES_BY_MODULE = {
         "NullSink",
         "ManagedStore",
         "StoredRun",
+        "reject_incomplete",
     },
     tools: {"ToolSpec", "ToolRegistry"},
     session: {

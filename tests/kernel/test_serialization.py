@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import json
 import math
+import re
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -22,6 +23,7 @@ from polyloop.types import (
     ActionStatus,
     CorruptLog,
     DecisionKind,
+    FinishReason,
     Intent,
     IntentKind,
     JSONValue,
@@ -35,6 +37,7 @@ from polyloop.types import (
     StepRecord,
     StopReason,
     UnloggableValue,
+    Usage,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "records" / "v1"
@@ -189,6 +192,62 @@ EXPECTED: dict[str, Record] = {
         error="AllSourcesExhausted: every source failed: 429, 503",
         final_answer=None,
         duration_s=30.0,
+    ),
+    # Added with the reply facts (finish, usage, model, refusal): a compatible change.
+    "result_model_call_reported": Result(
+        run_id=RUN,
+        result_id=f"{RUN}:4:model",
+        kind=IntentKind.MODEL_CALL,
+        payload={
+            "call_id": "chatcmpl-bb02",
+            "content": '{"tool": "submit", "arguments": {"patch": "--- a/x.py',
+            "reasoning": None,
+            "finish": "length",
+            "usage": {"input_tokens": 1200, "output_tokens": 256, "reasoning_tokens": 64},
+            "model": "gpt-4o-mini-2024-07-18",
+        },
+    ),
+    "step_cut_off": StepRecord(
+        run_id=RUN,
+        step=4,
+        call_id="chatcmpl-bb02",
+        model_output='{"tool": "submit", "arguments": {"patch": "--- a/x.py',
+        reasoning=None,
+        decision=DecisionKind.INVALID,
+        history_text='{"tool": "submit", "arguments": {"patch": "--- a/x.py',
+        action_text=None,
+        observation="Your reply was cut off at the length limit before it ended.",
+        observation_synthesized=True,
+        action_status=None,
+        done=False,
+        truncated_chars=0,
+        error=None,
+        final_answer=None,
+        duration_s=2.0,
+        finish=FinishReason.LENGTH,
+        usage=Usage(input_tokens=1200, output_tokens=256, reasoning_tokens=64),
+        model="gpt-4o-mini-2024-07-18",
+    ),
+    "step_refusal": StepRecord(
+        run_id=RUN,
+        step=5,
+        call_id="chatcmpl-cc03",
+        model_output="",
+        reasoning=None,
+        decision=DecisionKind.INVALID,
+        history_text="I can't help with that.",
+        action_text=None,
+        observation="Your reply was a refusal: I can't help with that. Nothing was run.",
+        observation_synthesized=True,
+        action_status=None,
+        done=False,
+        truncated_chars=0,
+        error=None,
+        final_answer=None,
+        duration_s=0.5,
+        finish=FinishReason.REFUSAL,
+        usage=Usage(input_tokens=1300, output_tokens=9),
+        refusal="I can't help with that.",
     ),
     "run_ended": RunEnded(
         run_id=RUN,
@@ -754,7 +813,12 @@ def test_every_field_of_a_record_is_written_and_read(name: str) -> None:
     """The format's field table comes from the record dataclasses: a field added there
     is written and read with no other edit."""
     record = EXPECTED[name]
-    fields = {f.name for f in dataclasses.fields(record)}
+    # Fields added after the first release are left out while None (record-format.md).
+    fields = {
+        f.name
+        for f in dataclasses.fields(record)
+        if not (f.metadata.get("written_when_set") and getattr(record, f.name) is None)
+    }
     data = encode(record)
     assert set(data) == {"schema", "kind"} | {"intent_kind" if f == "kind" else f for f in fields}
     assert decode(data) == record
@@ -827,3 +891,36 @@ def _canonical_line(record: Record) -> str:
 def test_dumps_writes_the_canonical_json_of_encode(record: Record) -> None:
     """Sorted keys, no spaces, raw UTF-8, line separators escaped, for any content."""
     assert dumps(record) == _canonical_line(record)
+
+
+# -- the reply facts added after the first release ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        pytest.param({"finish": "truncated"}, "step.finish must be", id="unknown-finish"),
+        pytest.param({"usage": [1, 2]}, "step.usage must be", id="usage-not-an-object"),
+        pytest.param({"usage": {"input_tokens": -3}}, "Usage.input_tokens", id="negative-count"),
+        pytest.param({"usage": {"output_tokens": 1.5}}, "Usage.output_tokens", id="float-count"),
+        pytest.param({"model": 7}, "step.model must be", id="model-not-a-string"),
+    ],
+)
+def test_a_bad_reply_fact_in_a_step_line_is_refused(changes: dict[str, Any], says: str) -> None:
+    with pytest.raises(CorruptLog, match=re.escape(says)) as caught:
+        loads(_with("step_cut_off", **changes), location="runs/r.jsonl:5")
+    assert caught.value.run_id == RUN
+    assert caught.value.location == "runs/r.jsonl:5"
+
+
+def test_usage_counts_a_later_minor_adds_are_ignored() -> None:
+    usage = {"input_tokens": 1, "output_tokens": 2, "reasoning_tokens": None, "cached": 9}
+    step = loads(_with("step_cut_off", usage=usage))
+    assert isinstance(step, StepRecord)
+    assert step.usage == Usage(input_tokens=1, output_tokens=2)
+
+
+def test_a_step_without_the_later_fields_reads_them_as_none() -> None:
+    step = loads((FIXTURES / "step_action.json").read_bytes())
+    assert isinstance(step, StepRecord)
+    assert (step.finish, step.usage, step.model, step.refusal) == (None, None, None, None)

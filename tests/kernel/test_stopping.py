@@ -1,4 +1,4 @@
-"""Tests for polyloop._stopping: the fixed stop order and the two budget counters.
+"""Tests for polyloop._stopping: the fixed stop order and the budget counters.
 
 Pure synchronous code: no coroutines, no fixtures that start resources.
 """
@@ -53,6 +53,38 @@ def test_before_model_call(
 ) -> None:
     used = Counters(steps=steps, valid_steps=valid_steps)
     assert before_model_call(BUDGET, used, context_chars) is expected
+
+
+TOKEN_BUDGET = dataclasses.replace(BUDGET, max_tokens=500)
+
+
+@pytest.mark.parametrize(
+    ("steps", "valid_steps", "context_chars", "tokens", "expected"),
+    [
+        pytest.param(0, 0, 0, 499, None, id="tokens-max-minus-one-passes"),
+        pytest.param(0, 0, 0, 500, StopReason.TOKEN_LIMIT, id="token-limit"),
+        pytest.param(0, 0, 0, 9_000, StopReason.TOKEN_LIMIT, id="token-limit-exceeded"),
+        pytest.param(10, 0, 0, 500, StopReason.STEP_LIMIT, id="order-steps-before-tokens"),
+        pytest.param(
+            0, 5, 0, 500, StopReason.VALID_STEP_LIMIT, id="order-valid-steps-before-tokens"
+        ),
+        pytest.param(0, 0, 1001, 500, StopReason.CONTEXT_LIMIT, id="order-context-before-tokens"),
+        pytest.param(10, 5, 1001, 500, StopReason.STEP_LIMIT, id="order-all-four-hold"),
+    ],
+)
+def test_before_model_call_with_a_token_budget(
+    steps: int, valid_steps: int, context_chars: int, tokens: int, expected: StopReason | None
+) -> None:
+    used = Counters(steps=steps, valid_steps=valid_steps, tokens=tokens)
+    assert before_model_call(TOKEN_BUDGET, used, context_chars) is expected
+
+
+def test_without_a_token_budget_tokens_never_stop_a_run() -> None:
+    assert before_model_call(BUDGET, Counters(tokens=10**12), 0) is None
+
+
+def test_settle_adds_the_step_tokens() -> None:
+    assert settle(Counters(tokens=7), None, 5) == Counters(steps=1, tokens=12)
 
 
 def test_before_model_call_minimal_budget() -> None:
@@ -248,8 +280,14 @@ budgets = st.builds(
     max_steps=st.integers(1, 50),
     max_valid_steps=st.integers(1, 50),
     max_context_chars=st.integers(1, 10_000),
+    max_tokens=st.none() | st.integers(1, 5_000),
 )
-counters = st.builds(Counters, steps=st.integers(0, 60), valid_steps=st.integers(0, 60))
+counters = st.builds(
+    Counters,
+    steps=st.integers(0, 60),
+    valid_steps=st.integers(0, 60),
+    tokens=st.integers(0, 6_000),
+)
 sizes = st.integers(0, 12_000)
 
 
@@ -261,6 +299,7 @@ def test_before_model_call_none_iff_all_under_limits(
         used.steps < budget.max_steps
         and used.valid_steps < budget.max_valid_steps
         and context_chars <= budget.max_context_chars
+        and (budget.max_tokens is None or used.tokens < budget.max_tokens)
     )
     assert (before_model_call(budget, used, context_chars) is None) == under
 
@@ -273,6 +312,10 @@ def test_before_model_call_returns_first_holding_check(
         (used.steps >= budget.max_steps, StopReason.STEP_LIMIT),
         (used.valid_steps >= budget.max_valid_steps, StopReason.VALID_STEP_LIMIT),
         (context_chars > budget.max_context_chars, StopReason.CONTEXT_LIMIT),
+        (
+            budget.max_tokens is not None and used.tokens >= budget.max_tokens,
+            StopReason.TOKEN_LIMIT,
+        ),
     ]
     expected = next((reason for holds, reason in ordered if holds), None)
     assert before_model_call(budget, used, context_chars) is expected
@@ -313,6 +356,7 @@ def test_after_step_never_returns_a_budget_reason(step: StepFacts) -> None:
         StopReason.STEP_LIMIT,
         StopReason.VALID_STEP_LIMIT,
         StopReason.CONTEXT_LIMIT,
+        StopReason.TOKEN_LIMIT,
         StopReason.CANCELLED,
         StopReason.IN_DOUBT,
     }

@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from polyloop.ports import Action, Decision, FinalAnswer, InvalidDecision, ModelReply
+from polyloop.ports import (
+    Action,
+    Decision,
+    FinalAnswer,
+    InvalidDecision,
+    ModelReply,
+    reject_incomplete,
+)
 from polyloop.session import ObservationTexts, Request
 from polyloop.tools import ToolRegistry, ToolSpec
 from polyloop.types import Budget, Injection, JSONValue, Message, Replay, Role, ToolStyle
@@ -223,6 +230,8 @@ class TextToolInterpreter:
         return {"kind": "polyloop-cli-text", "version": 1}
 
     def interpret(self, reply: ModelReply) -> Decision:
+        if (rejected := reject_incomplete(reply)) is not None:
+            return rejected  # cut off, filtered or refused: never acted on
         data = find_object(reply.content)
         if data is not None:
             name, arguments = data.get("tool"), data.get("arguments", {})

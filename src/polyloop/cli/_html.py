@@ -10,7 +10,7 @@ import json
 from html import escape
 
 from polyloop.cli._render import status_of
-from polyloop.cli._view import RunView
+from polyloop.cli._view import RunView, reply_facts, usage_text
 from polyloop.types import StepRecord
 
 _CSS = """
@@ -78,6 +78,7 @@ def _step(step: StepRecord) -> str:
     rows.append(("model output", _details("reply", step.model_output)))
     if step.reasoning is not None:
         rows.append(("reasoning", _details("reasoning", step.reasoning)))
+    rows.extend((label, escape(text)) for label, text in reply_facts(step))
     if step.call_id is not None:
         rows.append(("call id", escape(step.call_id)))
     return (
@@ -91,6 +92,8 @@ def _end(view: RunView) -> str:
         rows.append(("stop reason", escape(view.stop_reason)))
     if view.final_answer is not None:
         rows.append(("final answer", _pre(view.final_answer)))
+    if (usage := view.usage) is not None:
+        rows.append(("tokens", escape(usage_text(usage))))
     if view.detail is not None:
         rows.append(("detail", _pre(view.detail)))
     if (interruption := view.interruption()) is not None:

@@ -10,7 +10,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from polyloop.cli._view import RunSummary, RunView
+from polyloop.cli._view import RunSummary, RunView, reply_facts, usage_text
 from polyloop.types import ActionStatus, DecisionKind, StepRecord
 
 # How much of an observation the terminal shows; --json and --html show it whole.
@@ -148,6 +148,7 @@ def _step_fields(step: StepRecord) -> list[tuple[str, str]]:
         fields.append(("error", step.error))
     if step.model_output:
         fields.append(("reply", shorten(step.model_output, REPLY_CHARS)))
+    fields.extend(reply_facts(step))
     if step.duration_s is not None:
         fields.append(("time", f"{step.duration_s:.3f} s"))
     return fields
@@ -158,6 +159,8 @@ def _end_fields(view: RunView) -> list[tuple[str, str]]:
     if view.stop_reason is not None:
         fields.append(("stop reason", view.stop_reason))
     fields.append(("steps", f"{len(view.steps)} ({view.valid_steps} valid)"))
+    if (usage := view.usage) is not None:
+        fields.append(("tokens", usage_text(usage)))
     if view.final_answer is not None:
         fields.append(("final answer", view.final_answer))
     if view.detail is not None:

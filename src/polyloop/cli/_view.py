@@ -15,6 +15,7 @@ from polyloop.ports import ManagedStore
 from polyloop.session import run_status
 from polyloop.types import (
     CorruptLog,
+    FinishReason,
     IntentKind,
     JSONValue,
     Result,
@@ -25,6 +26,7 @@ from polyloop.types import (
     RunStatus,
     SchemaMajorMismatch,
     StepRecord,
+    Usage,
 )
 
 STATE_WORDS = {
@@ -110,6 +112,11 @@ class RunView:
         return self.status.detail
 
     @property
+    def usage(self) -> Usage | None:
+        """The tokens of the run's model calls, as ``RunResult.usage`` sums them."""
+        return Usage.of_steps(self.steps)
+
+    @property
     def snapshot(self) -> dict[str, JSONValue]:
         first = self.log.records[0]
         return dict(first.snapshot) if isinstance(first, RunStarted) else {}
@@ -130,6 +137,42 @@ class RunView:
         if isinstance(last, Result) and last.kind is IntentKind.MODEL_CALL:
             return f"step {step}: the model replied; no action was announced yet"
         return f"after step {step - 1}: no end record" if step else "before the first step"
+
+
+_FINISH_WORDS = {
+    FinishReason.STOP: "stop",
+    FinishReason.TOOL_CALLS: "tool calls",
+    FinishReason.LENGTH: "cut off at the length limit",
+    FinishReason.CONTENT_FILTER: "withheld by the content filter",
+    FinishReason.REFUSAL: "refused",
+    FinishReason.OTHER: "other (the server gave a reason the adapter does not know)",
+}
+
+
+def usage_text(usage: Usage) -> str:
+    """Token counts in words, ``?`` for a count the server did not report."""
+
+    def count(value: int | None) -> str:
+        return "?" if value is None else f"{value:,}"
+
+    text = f"{count(usage.input_tokens)} in, {count(usage.output_tokens)} out"
+    if usage.reasoning_tokens is not None:
+        text += f" ({count(usage.reasoning_tokens)} reasoning)"
+    return text
+
+
+def reply_facts(step: StepRecord) -> list[tuple[str, str]]:
+    """What the server reported about a step's reply, as labelled lines of text."""
+    facts = []
+    if step.finish is not None:
+        facts.append(("finish", _FINISH_WORDS[step.finish]))
+    if step.refusal is not None:
+        facts.append(("refusal", step.refusal))
+    if step.usage is not None:
+        facts.append(("tokens", usage_text(step.usage)))
+    if step.model is not None:
+        facts.append(("model", step.model))
+    return facts
 
 
 async def summaries(store: ManagedStore) -> list[RunSummary]:
@@ -184,5 +227,14 @@ def trajectory_json(view: RunView) -> dict[str, JSONValue]:
         "interrupted": view.interruption(),
         "snapshot": view.snapshot,
         "open_intent": serialization.encode(intent) if intent is not None else None,
+        "usage": None if (usage := view.usage) is None else _usage_json(usage),
         "steps": [serialization.encode(step) for step in view.steps],
+    }
+
+
+def _usage_json(usage: Usage) -> dict[str, JSONValue]:
+    return {
+        "input_tokens": usage.input_tokens,
+        "output_tokens": usage.output_tokens,
+        "reasoning_tokens": usage.reasoning_tokens,
     }

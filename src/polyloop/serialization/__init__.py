@@ -25,8 +25,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from polyloop._shared import FORMAT, canonical_json, plain_copy, record_kind
-from polyloop.serialization._schema import FIELDS, RECORD_CLASS, check_schema, checked
-from polyloop.types import CorruptLog, JSONValue, Record, UnloggableValue
+from polyloop.serialization._schema import (
+    FIELDS,
+    RECORD_CLASS,
+    check_schema,
+    checked,
+    plain_usage,
+)
+from polyloop.types import CorruptLog, JSONValue, Record, UnloggableValue, Usage
 
 __all__ = ("decode", "dumps", "encode", "loads", "plain")
 
@@ -50,11 +56,17 @@ def encode(record: Record) -> dict[str, JSONValue]:
     out: dict[str, JSONValue] = {"schema": FORMAT, "kind": kind}
     for field in FIELDS[kind]:
         value = getattr(record, field.name)
+        if value is None and field.written_when_set:
+            continue
         if field.check in ("json", "object"):
             value = plain(value, owner=type(record).__name__, field=field.name, run_id=run_id)
         # The reader checks every field; refuse here what it would refuse there.
         value = checked(kind, field, value, refuse)
-        out[field.key] = value.value if isinstance(value, enum.Enum) else value
+        if isinstance(value, enum.Enum):
+            value = value.value
+        elif isinstance(value, Usage):
+            value = plain_usage(value)
+        out[field.key] = value
     return out
 
 

@@ -23,18 +23,22 @@ from polyloop.types import (
     ActionStatus,
     CorruptLog,
     DecisionKind,
+    FinishReason,
     IntentKind,
     Record,
     Replay,
     SchemaMajorMismatch,
     StopReason,
     UnloggableValue,
+    Usage,
 )
 
 MAJOR = int(FORMAT.partition("/")[2])
 _SCHEMA_PATTERN = re.compile(r"polyloop/(0|[1-9][0-9]*)(?:\.[0-9]+)?", re.ASCII)
 
 Check = str | type[enum.Enum]
+
+USAGE_COUNTS = ("input_tokens", "output_tokens", "reasoning_tokens")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,9 +47,10 @@ class Field:
 
     name: str  # the attribute of the record
     key: str  # the key in the JSON object
-    check: Check  # "str", "int", "bool", "float", "json", "object" or an enum class
+    check: Check  # "str", "int", "bool", "float", "json", "object", "usage" or an enum
     optional: bool  # null is a value
     defaulted: bool  # may be missing: added after the first release of the major
+    written_when_set: bool  # left out of a written record while it is None
 
 
 # Annotations of record fields, as written in polyloop.types, and their checks. "json"
@@ -57,7 +62,11 @@ _CHECKS: dict[str, Check] = {
     "float": "float",
     "JSONValue": "json",
     "Mapping[str, JSONValue]": "object",
-    **{cls.__name__: cls for cls in (ActionStatus, DecisionKind, IntentKind, Replay, StopReason)},
+    "Usage": "usage",
+    **{
+        cls.__name__: cls
+        for cls in (ActionStatus, DecisionKind, FinishReason, IntentKind, Replay, StopReason)
+    },
 }
 
 
@@ -72,6 +81,7 @@ def _field(spec: dataclasses.Field[Any]) -> Field:
         check=_CHECKS[base],
         optional=base != annotation,
         defaulted=spec.default is not dataclasses.MISSING,
+        written_when_set=bool(spec.metadata.get("written_when_set")),
     )
 
 
@@ -118,6 +128,16 @@ def checked(
             expected = f"one of {[m.value for m in check]}"
     elif check == "json":
         return value
+    elif check == "usage":
+        if isinstance(value, Usage):
+            return value
+        if isinstance(value, dict):
+            try:
+                # Counts a later minor may add are ignored, like unknown fields.
+                return Usage(**{name: value.get(name) for name in USAGE_COUNTS})
+            except ValueError as exc:
+                raise error(f"{kind}.{field.name}: {exc}") from None
+        expected = "an object of token counts"
     elif check == "object":
         if isinstance(value, dict):
             return value
@@ -143,3 +163,8 @@ _IS_BASE: dict[str, Callable[[Any], bool]] = {
     "bool": lambda value: isinstance(value, bool),
     "float": lambda value: isinstance(value, int | float) and not isinstance(value, bool),
 }
+
+
+def plain_usage(usage: Usage) -> dict[str, Any]:
+    """How a :class:`Usage` is written: an object of its counts."""
+    return {name: getattr(usage, name) for name in USAGE_COUNTS}

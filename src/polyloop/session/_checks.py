@@ -7,8 +7,13 @@ are turned into the plain payloads the store keeps (and back, for a reply).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from polyloop.ports import Action, ActionOutcome, FinalAnswer, InvalidDecision, ModelReply
-from polyloop.types import ActionStatus, CorruptLog, Intent, JSONValue
+from polyloop.types import ActionStatus, CorruptLog, FinishReason, Intent, JSONValue, Usage
+
+_USAGE_COUNTS = ("input_tokens", "output_tokens", "reasoning_tokens")
 
 
 def fault(detail: str) -> ActionOutcome:
@@ -26,9 +31,16 @@ def checked_reply(reply: object) -> ModelReply:
         raise TypeError("the model reply reasoning is not a string")
     if reply.call_id is not None and not isinstance(reply.call_id, str):
         raise TypeError("the model reply call_id is not a string")
+    for name in ("model", "refusal"):
+        if getattr(reply, name) is not None and not isinstance(getattr(reply, name), str):
+            raise TypeError(f"the model reply {name} is not a string")
+    if reply.finish is not None and not isinstance(reply.finish, FinishReason):
+        raise TypeError("the model reply finish is not a FinishReason")
+    if reply.usage is not None and not isinstance(reply.usage, Usage):
+        raise TypeError(f"the model reply usage is {type(reply.usage).__name__}, not Usage")
     if reply.call_id == "":
         # An empty id looks like a valid join key and silently matches nothing.
-        return ModelReply(call_id=None, content=reply.content, reasoning=reply.reasoning)
+        return dataclasses.replace(reply, call_id=None)
     return reply
 
 
@@ -78,22 +90,59 @@ def decision_problem(decision: object) -> str | None:
 
 
 def reply_payload(reply: ModelReply) -> JSONValue:
-    return {"call_id": reply.call_id, "content": reply.content, "reasoning": reply.reasoning}
+    """The model result's payload. What the server reported beyond the text is written
+    only when reported, so a reply that reports nothing more is recorded as before."""
+    payload: dict[str, JSONValue] = {
+        "call_id": reply.call_id,
+        "content": reply.content,
+        "reasoning": reply.reasoning,
+    }
+    if reply.finish is not None:
+        payload["finish"] = reply.finish.value
+    if reply.usage is not None:
+        payload["usage"] = {name: getattr(reply.usage, name) for name in _USAGE_COUNTS}
+    if reply.model is not None:
+        payload["model"] = reply.model
+    if reply.refusal is not None:
+        payload["refusal"] = reply.refusal
+    return payload
 
 
 def reply_from(payload: JSONValue, run_id: str, result_id: str) -> ModelReply:
-    if (
+    """The reply a model result holds, as the client returned it."""
+    if not (
         isinstance(payload, dict)
         and isinstance(payload.get("content"), str)
-        and isinstance(payload.get("call_id"), (str, type(None)))
-        and isinstance(payload.get("reasoning"), (str, type(None)))
+        and all(_str_or_none(payload.get(k)) for k in ("call_id", "reasoning", "model", "refusal"))
     ):
-        return ModelReply(
-            call_id=payload["call_id"],  # type: ignore[arg-type]
-            content=payload["content"],  # type: ignore[arg-type]
-            reasoning=payload["reasoning"],  # type: ignore[arg-type]
-        )
-    raise CorruptLog(f"model result {result_id!r} holds no reply", run_id=run_id)
+        raise CorruptLog(f"model result {result_id!r} holds no reply", run_id=run_id)
+    try:
+        finish = None if payload.get("finish") is None else FinishReason(str(payload["finish"]))
+        usage = _usage_from(payload.get("usage"))
+    except (ValueError, TypeError) as exc:
+        raise CorruptLog(f"model result {result_id!r}: {exc}", run_id=run_id) from None
+    return ModelReply(
+        call_id=payload.get("call_id"),  # type: ignore[arg-type]
+        content=payload["content"],  # type: ignore[arg-type]
+        reasoning=payload.get("reasoning"),  # type: ignore[arg-type]
+        finish=finish,
+        usage=usage,
+        model=payload.get("model"),  # type: ignore[arg-type]
+        refusal=payload.get("refusal"),  # type: ignore[arg-type]
+    )
+
+
+def _str_or_none(value: object) -> bool:
+    return value is None or isinstance(value, str)
+
+
+def _usage_from(value: Any) -> Usage | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"usage must be an object, not {value!r:.80}")
+    # Counts a later minor of the format may add are ignored, like unknown fields.
+    return Usage(**{name: value.get(name) for name in _USAGE_COUNTS})
 
 
 def outcome_payload(outcome: ActionOutcome) -> JSONValue:

@@ -7,6 +7,7 @@ out and, when cancelled, still leaves an end record where it can.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -52,6 +53,7 @@ from polyloop.types import (
     StepRecord,
     StopReason,
     UnloggableValue,
+    Usage,
 )
 
 logger = logging.getLogger("polyloop")
@@ -193,15 +195,21 @@ class Loop:
             )
         )
 
-    async def _model_failed(self, index: int, error: str, began: float) -> StepRecord:
+    async def _model_failed(
+        self, index: int, error: str, began: float, reply: ModelReply | None = None
+    ) -> StepRecord:
         step = self._step_record(
-            index, None, began, decision=DecisionKind.INVALID, history_text="", error=error
+            index, reply, began, decision=DecisionKind.INVALID, history_text="", error=error
         )
         return await self._record(step, None)
 
     async def _decide(
         self, index: int, reply: ModelReply, began: float
     ) -> tuple[StepRecord, str | None]:
+        if (unmetered := self._unmetered(reply)) is not None:
+            # Recorded with unknown counts, so the run's total says it is incomplete.
+            counted = dataclasses.replace(reply, usage=reply.usage or Usage())
+            return await self._model_failed(index, unmetered, began, counted), None
         decision = self.definition.interpreter.interpret(reply)
         problem = decision_problem(decision)
         if problem is not None:
@@ -266,6 +274,20 @@ class Loop:
             return await self._record(self._acted(index, reply, action, outcome, began), None), None
         await self.store.write_intent(intent)
         return await self._act(index, reply, action, began), action_name(intent)
+
+    def _unmetered(self, reply: ModelReply) -> str | None:
+        """Why a reply cannot be counted against the token budget, if it cannot.
+
+        A budget that a reply could slip past unseen would not be a budget, so a reply
+        that does not say what it cost ends the run rather than going uncounted.
+        """
+        limit = self.request.budget.max_tokens
+        if limit is None or (reply.usage is not None and reply.usage.total_tokens is not None):
+            return None
+        return (
+            f"the model reply does not report its input and output tokens, and the run "
+            f"has a token budget (max_tokens={limit}) that cannot be kept without them"
+        )
 
     def _replay_policy(self, action: Action) -> Replay | str:
         """The executor's replay policy for ``action``, or why there is none."""
@@ -360,6 +382,10 @@ class Loop:
             error=error,
             final_answer=final_answer,
             duration_s=time.perf_counter() - began,
+            finish=reply.finish if reply else None,
+            usage=reply.usage if reply else None,
+            model=reply.model if reply else None,
+            refusal=reply.refusal if reply else None,
         )
 
     async def _record(self, step: StepRecord, action_result: Result | None) -> StepRecord:
@@ -370,7 +396,8 @@ class Loop:
 
     def _remember(self, step: StepRecord) -> None:
         self.steps.append(step)
-        self.used = _stopping.settle(self.used, step.action_status)
+        tokens = step.usage.total_tokens if step.usage is not None else None
+        self.used = _stopping.settle(self.used, step.action_status, tokens or 0)
         self.transcript.extend(
             _assembly.step_messages(
                 step.history_text, step.observation, self.request.observation_template
@@ -449,6 +476,8 @@ class Loop:
             )
         if reason is StopReason.STEP_LIMIT:
             return f"max_steps={budget.max_steps} reached"
+        if reason is StopReason.TOKEN_LIMIT:
+            return f"{self.used.tokens} tokens used, max_tokens={budget.max_tokens} reached"
         return f"max_valid_steps={budget.max_valid_steps} reached"
 
     def _result(self) -> RunResult:
@@ -465,6 +494,7 @@ class Loop:
             resumed=self.resumed,
             event_failures=self.event_failures,
             detail=end.detail,
+            usage=Usage.of_steps(self.steps),
         )
 
     async def _emit(self, kind: EventKind, step: int | None, record: Record) -> None:

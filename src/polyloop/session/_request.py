@@ -62,11 +62,16 @@ def _problems(definition: Definition, request: Request) -> list[str]:
 def _budget_problems(budget: Budget) -> list[str]:
     if not isinstance(budget, Budget):
         return [f"budget must be a Budget, not {type(budget).__name__}"]
-    return [
+    problems = [
         f"budget.{name} must be an integer of at least 1, not {value!r}"
         for name in ("max_steps", "max_valid_steps", "max_context_chars")
         if not _positive_int(value := getattr(budget, name))
     ]
+    if budget.max_tokens is not None and not _positive_int(budget.max_tokens):
+        problems.append(
+            f"budget.max_tokens must be None or an integer of at least 1, not {budget.max_tokens!r}"
+        )
+    return problems
 
 
 def _positive_int(value: object) -> bool:
@@ -131,6 +136,8 @@ def _request_parameters(request: Request) -> dict[str, JSONValue]:
         "budget.max_steps": budget.max_steps,
         "budget.max_valid_steps": budget.max_valid_steps,
         "budget.max_context_chars": budget.max_context_chars,
+        # Written only when set, so a run started before token budgets existed resumes.
+        **({} if budget.max_tokens is None else {"budget.max_tokens": budget.max_tokens}),
         "tools": {
             "max_observation_chars": request.tools.max_observation_chars,
             "specs": request.tools.describe(),

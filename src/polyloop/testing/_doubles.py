@@ -18,6 +18,7 @@ from polyloop.ports import (
     InvalidDecision,
     ModelCall,
     ModelReply,
+    reject_incomplete,
 )
 from polyloop.types import JSONValue, Replay
 
@@ -79,7 +80,17 @@ class ScriptedModelClient:
 
 def _describe_item(item: ScriptItem) -> JSONValue:
     if isinstance(item, ModelReply):
-        return [item.call_id, item.content, item.reasoning]
+        described: list[JSONValue] = [item.call_id, item.content, item.reasoning]
+        facts = {
+            "finish": str(item.finish) if item.finish is not None else None,
+            "usage": repr(item.usage) if item.usage is not None else None,
+            "model": item.model,
+            "refusal": item.refusal,
+        }
+        # Only what a reply reports beyond its text, so older scripts hash as before.
+        if any(value is not None for value in facts.values()):
+            described.append({k: v for k, v in facts.items() if v is not None})
+        return described
     if isinstance(item, Exception):
         return f"{type(item).__name__}: {item}"
     return item
@@ -102,6 +113,8 @@ class JsonActionInterpreter:
         return {"kind": "json-action", "version": 1}
 
     def interpret(self, reply: ModelReply) -> Decision:
+        if (rejected := reject_incomplete(reply)) is not None:
+            return rejected  # cut off, filtered or refused: never acted on
         try:
             data = json.loads(reply.content)
         except (ValueError, RecursionError):  # not JSON, or nested beyond the parser
