@@ -1,12 +1,15 @@
-"""The PolyGateway adapter, against a stand-in of the gateway, under asyncio and Trio.
+"""The PolyGateway adapter, against the gateway or a stand-in of it, under asyncio and Trio.
 
-PolyGateway cannot be installed here; ``polygateway_standin``, next to this file, holds a
-package of the same name that mirrors the surface the adapter relies on. It is put on the
-import path by this module only.
+Where PolyGateway is installed, these tests import it. Where it is not (it is not
+published), ``polygateway_standin``, next to this file, holds a package of the same name
+that mirrors the surface the adapter relies on; this module puts it on the import path,
+and only then, so that it never shadows the real package.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -22,6 +25,8 @@ import pytest
 
 from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
 from polyloop import (
+    DecisionKind,
+    FinishReason,
     Message,
     ModelCall,
     ModelClient,
@@ -31,13 +36,15 @@ from polyloop import (
     RunStarted,
     StopReason,
     TextBlock,
+    Usage,
     resume,
     run,
 )
 from polyloop.stores import MemoryStore
 
 _STANDIN = str(Path(__file__).resolve().parent / "polygateway_standin")
-if _STANDIN not in sys.path:
+USING_STANDIN = importlib.util.find_spec("polygateway") is None
+if USING_STANDIN and _STANDIN not in sys.path:
     sys.path.insert(0, _STANDIN)
 
 import polygateway  # noqa: E402
@@ -53,7 +60,11 @@ from polygateway import (  # noqa: E402
     build_model_fingerprint,
 )
 
-from polyloop.adapters.gateway import GATEWAY_ERRORS, GatewayModelClient  # noqa: E402
+from polyloop.adapters.gateway import (  # noqa: E402
+    GATEWAY_ERRORS,
+    REPLY_FIELDS,
+    GatewayModelClient,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -78,6 +89,22 @@ def turn(chat: ChatRequest) -> int:
     return sum(1 for message in chat.messages if message["role"] == "assistant")
 
 
+def answered(content: str, k: int, **fields: Any) -> LLMResponse:
+    """Call ``k``'s response, with everything the adapter reads from one filled in."""
+    reported: dict[str, Any] = {
+        "call_id": f"gw-{k}",
+        "content": content,
+        "reasoning": f"thinking {k}",
+        "finish_reason": "stop",
+        "prompt_tokens": 100 + k,
+        "completion_tokens": 20,
+        "reasoning_tokens": 8,
+        "total_tokens": 120 + k,
+        "model_reported": "big-model-2025-06-01",
+    }
+    return LLMResponse(**{**reported, **fields})
+
+
 def scripted(replies: Sequence[Reply]) -> Responder:
     """Answers call ``k`` of a run with ``replies[k]``; an exception is raised instead."""
 
@@ -87,9 +114,7 @@ def scripted(replies: Sequence[Reply]) -> Responder:
         if isinstance(reply, BaseException):
             raise reply
         if isinstance(reply, str):
-            return LLMResponse(
-                call_id=f"gw-{turn(chat)}", content=reply, reasoning=f"thinking {turn(chat)}"
-            )
+            return answered(reply, turn(chat))
         return reply  # type: ignore[return-value]
 
     return respond
@@ -265,6 +290,73 @@ async def test_a_response_of_another_type_is_a_model_failure() -> None:
     assert result.stop_reason is StopReason.MODEL_FAILURE
     assert result.detail is not None
     assert result.detail.startswith("TypeError: the gateway returned dict")
+
+
+# -- what the response says about the reply ----------------------------------------------------
+
+
+async def test_the_mapping_names_attributes_the_gateway_response_has() -> None:
+    names = {field.name for field in dataclasses.fields(LLMResponse)}
+    assert set(REPLY_FIELDS.values()) <= names
+
+
+async def test_finish_usage_and_model_land_in_the_trajectory() -> None:
+    adapter, _ = gateway(scripted([tool_call("double", n=2), answer("4")]))
+    result = await run(definition(MemoryStore(), model=adapter), request("r", make_tools(Ledger())))
+
+    assert result.stop_reason is StopReason.FINAL_ANSWER, result.detail
+    for k, step in enumerate(result.steps):
+        assert step.finish is FinishReason.STOP
+        assert step.usage == Usage(input_tokens=100 + k, output_tokens=20, reasoning_tokens=8)
+        assert (step.model, step.refusal) == ("big-model-2025-06-01", None)
+    assert result.usage == Usage(input_tokens=201, output_tokens=40, reasoning_tokens=16)
+
+
+@pytest.mark.parametrize(
+    ("reported", "finish"),
+    [
+        ("stop", FinishReason.STOP),
+        ("length", FinishReason.LENGTH),
+        ("content_filter", FinishReason.CONTENT_FILTER),
+        ("tool_calls", FinishReason.TOOL_CALLS),
+        ("end_turn", FinishReason.OTHER),
+        ("", None),
+    ],
+)
+async def test_the_finish_reason_mapping(reported: str, finish: FinishReason | None) -> None:
+    adapter, _ = gateway(scripted([answered("x", 0, finish_reason=reported)]))
+    reply = await adapter.call(model_call(Message.text(Role.USER, "q")))
+    assert reply.finish is finish
+
+
+async def test_a_reply_cut_at_the_length_limit_runs_no_tool() -> None:
+    cut = answered(tool_call("double", n=2), 0, finish_reason="length")
+    adapter, _ = gateway(scripted([cut, answer("done")]))
+    ledger = Ledger()
+    result = await run(definition(MemoryStore(), model=adapter), request("r", make_tools(ledger)))
+    assert [(s.decision, s.finish) for s in result.steps] == [
+        (DecisionKind.INVALID, FinishReason.LENGTH),
+        (DecisionKind.FINAL, FinishReason.STOP),
+    ]
+    assert ledger.calls == []
+
+
+async def test_counts_are_taken_as_reported_and_an_empty_model_is_none() -> None:
+    adapter, _ = gateway(
+        scripted(
+            [
+                answered("x", 0, prompt_tokens=0, completion_tokens=0, reasoning_tokens=0),
+                answered("x", 1, prompt_tokens=-3, model_reported=""),
+            ]
+        )
+    )
+    zero = await adapter.call(model_call(Message.text(Role.USER, "q")))
+    assert zero.usage == Usage(input_tokens=0, output_tokens=0, reasoning_tokens=0)
+    odd = await adapter.call(
+        model_call(Message.text(Role.USER, "q"), Message.text(Role.ASSISTANT, "x"))
+    )
+    assert odd.usage == Usage(output_tokens=20, reasoning_tokens=8)
+    assert odd.model is None
 
 
 # -- failures ---------------------------------------------------------------------------------
@@ -465,7 +557,8 @@ def test_the_documented_example_runs(tmp_path: Path) -> None:
     (tmp_path / "myproject").mkdir()
     (tmp_path / "myproject" / "__init__.py").write_text("")
     (tmp_path / "myproject" / "llm.py").write_text(_PROJECT_WIRING)
-    path = os.pathsep.join([str(tmp_path), _STANDIN, os.environ.get("PYTHONPATH", "")])
+    standin = [_STANDIN] if USING_STANDIN else []
+    path = os.pathsep.join([str(tmp_path), *standin, os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-c", program],
         cwd=tmp_path,

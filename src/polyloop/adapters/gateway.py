@@ -13,9 +13,12 @@ adapter therefore only translates, in both directions, and adds no behaviour of 
 * failures: whatever ``chat`` raises, cancellation included, reaches the library as it
   is, so a run that ends with ``MODEL_FAILURE`` names the gateway's own exception class;
   there is no retry here, which would stack a second budget on the gateway's own;
-* reply: ``call_id``, ``content`` and ``reasoning`` are kept; an empty ``call_id``
-  becomes ``None``. The other fields of the response (usage, latency, cost, the model
-  string the provider reported...) stay in the gateway's ledger, joined by ``call_id``.
+* reply: ``call_id``, ``content`` and ``reasoning`` are kept (an empty ``call_id``
+  becomes ``None``), and so is what the response says about the reply: its finish
+  reason, its token counts and the model string the provider reported (an empty one
+  becomes ``None``). The gateway reports no refusal, so ``refusal`` stays ``None``. The
+  other fields of the response (latency, cost, cache hits...) stay in the gateway's
+  ledger, joined by ``call_id``.
 
 Importing this module imports ``polygateway``; nothing else in PolyLoop does.
 """
@@ -23,12 +26,13 @@ Importing this module imports ``polygateway``; nothing else in PolyLoop does.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from polyloop.ports import ModelCall, ModelReply
-from polyloop.types import JSONValue, Message
+from polyloop.types import FinishReason, JSONValue, Message, Usage
 
-__all__ = ("GATEWAY_ERRORS", "GatewayModelClient")
+__all__ = ("GATEWAY_ERRORS", "REPLY_FIELDS", "GatewayModelClient")
 
 # ========================================================================================
 # MAPPING ONTO THE ``polygateway`` PACKAGE
@@ -64,6 +68,29 @@ GATEWAY_ERRORS: tuple[type[Exception], ...] = (
 _CHAT_SLOTS = ("session_id", "parent_card_id")
 """Binding keys that ``chat`` has keyword slots for, passed under the same names."""
 
+REPLY_FIELDS: Mapping[str, str] = MappingProxyType(
+    {
+        "call_id": "call_id",
+        "content": "content",
+        "reasoning": "reasoning",
+        "finish": "finish_reason",
+        "usage.input_tokens": "prompt_tokens",
+        "usage.output_tokens": "completion_tokens",
+        "usage.reasoning_tokens": "reasoning_tokens",
+        "model": "model_reported",
+    }
+)
+"""Which attribute of ``LLMResponse`` each :class:`~polyloop.ports.ModelReply` field is
+read from. The gateway reports no refusal; ``ModelReply.refusal`` stays ``None``."""
+
+_FINISH_REASONS: Mapping[str, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "content_filter": FinishReason.CONTENT_FILTER,
+    "tool_calls": FinishReason.TOOL_CALLS,
+}
+"""The gateway passes the provider's finish reason on in OpenAI's words; others are OTHER."""
+
 
 class _Settings(Protocol):
     """What the adapter reads from ``GatewaySettings``."""
@@ -76,7 +103,7 @@ class _Settings(Protocol):
 
 
 class _Response(Protocol):
-    """What the adapter reads from ``LLMResponse``."""
+    """What the adapter reads from ``LLMResponse``: the attributes of ``REPLY_FIELDS``."""
 
     @property
     def call_id(self) -> str: ...
@@ -86,6 +113,21 @@ class _Response(Protocol):
 
     @property
     def reasoning(self) -> str | None: ...
+
+    @property
+    def finish_reason(self) -> str: ...
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def completion_tokens(self) -> int: ...
+
+    @property
+    def reasoning_tokens(self) -> int: ...
+
+    @property
+    def model_reported(self) -> str: ...
 
 
 class _Client(Protocol):
@@ -134,10 +176,46 @@ def _reply(response: _Response) -> ModelReply:
             f"the gateway returned {type(response).__name__}, not polygateway.LLMResponse"
         )
     return ModelReply(
-        call_id=response.call_id or None,
-        content=response.content,
-        reasoning=response.reasoning,
+        call_id=_field(response, "call_id") or None,
+        content=_field(response, "content"),
+        reasoning=_field(response, "reasoning"),
+        finish=_finish(_field(response, "finish")),
+        usage=_usage(response),
+        model=_field(response, "model") or None,
     )
+
+
+def _field(response: object, reply_field: str) -> Any:
+    """The response attribute that ``reply_field`` is read from.
+
+    A response without ``call_id`` or ``content`` is an error; one without any of the
+    other attributes (a gateway release that does not report it) leaves it ``None``.
+    """
+    name = REPLY_FIELDS[reply_field]
+    if reply_field in ("call_id", "content"):
+        return getattr(response, name)
+    return getattr(response, name, None)
+
+
+def _finish(reported: object) -> FinishReason | None:
+    if not isinstance(reported, str) or not reported:
+        return None
+    return _FINISH_REASONS.get(reported, FinishReason.OTHER)
+
+
+def _usage(response: object) -> Usage | None:
+    counts = {
+        name: _count(_field(response, f"usage.{name}"))
+        for name in ("input_tokens", "output_tokens", "reasoning_tokens")
+    }
+    usage = Usage(**counts)
+    return None if usage == Usage() else usage
+
+
+def _count(value: object) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
 
 
 # ========================================================================================

@@ -8,14 +8,40 @@ and turns each model call of a run into one ``chat.completions.create`` request:
 * messages: each message becomes ``{"role", "content"}``, its text blocks joined with no
   separator;
 * binding: the request's binding, every key, goes as the request ``metadata`` (omitted
-  when the binding is empty). OpenAI's own API accepts ``metadata`` only together with
-  ``store``: against it, run with an empty binding or put ``"store": True`` in
-  ``sampling``;
-* sampling: the ``sampling`` mapping is passed as keyword arguments, as given;
-* reply: the response ``id`` becomes ``call_id`` (``None`` if empty or missing), the first
-  choice's ``message.content`` becomes ``content`` (``""`` if the server sent none), and
-  the ``reasoning_content`` field that reasoning servers add to the message, when present,
-  becomes ``reasoning``.
+  when the binding is empty, or always with ``send_binding=False``). The binding is
+  checked against OpenAI's metadata limits (at most 16 pairs, keys of at most 64
+  characters, values of at most 512) before the request is sent, on every server, so a
+  run that works against one server is not refused by another: a binding over the
+  limits fails the call with ``ValueError`` (the binding belongs to the request, so
+  ``call`` is the first place that sees it; nothing has been sent). OpenAI's own API
+  accepts ``metadata`` only together with ``store``: against it, put ``"store": True`` in
+  ``sampling`` (OpenAI then keeps the completions in your account) or build the adapter
+  with ``send_binding=False``;
+* sampling: the ``sampling`` mapping is passed as keyword arguments, as given; a key
+  whose result the adapter would throw away (``n``, native tool calling, audio output,
+  log probabilities) is refused when the adapter is built, see ``RESERVED_SAMPLING_KEYS``;
+* reply, from the first choice:
+
+  - ``call_id``: the response ``id`` (``None`` if empty or missing). It is the server's
+    id, not PolyLoop's: some servers repeat it (Ollama draws ids from 999 values, so they
+    repeat within a few dozen calls), so it is a unique key only where the server keeps
+    it unique;
+  - ``content``: ``message.content`` (``""`` if the server sent none);
+  - ``reasoning``: ``message.reasoning`` (vLLM, Ollama) or, failing that,
+    ``message.reasoning_content`` (older vLLM, llama.cpp server); neither is in OpenAI's
+    schema, and the SDK keeps them as extra fields;
+  - ``finish``: ``finish_reason`` as a :class:`~polyloop.types.FinishReason` (``stop``,
+    ``length``, ``content_filter``, ``tool_calls`` and the legacy ``function_call`` as
+    ``TOOL_CALLS``; any other value ``OTHER``; none ``None``);
+  - ``refusal``: ``message.refusal`` when not empty. A reply with a refusal is a refusal:
+    its ``finish`` reads ``REFUSAL`` where the server said ``stop`` or nothing (a reason
+    that says more, such as ``length``, is kept);
+  - ``usage``: ``prompt_tokens``, ``completion_tokens`` and
+    ``completion_tokens_details.reasoning_tokens`` as input, output and reasoning tokens;
+    a count the server did not send, or sent as something other than a whole number
+    ``>= 0``, is ``None``, and so is the whole usage when the server reported none;
+  - ``model``: the response ``model``, the name the server says answered (``None`` if
+    empty).
 
 The adapter retries nothing and translates nothing: an exception of the SDK (a status
 error, a connection error, a body that is not JSON) ends the run with ``MODEL_FAILURE``
@@ -23,7 +49,8 @@ under its own class name, and cancellation closes the request's connection and g
 The SDK retries on its own unless told otherwise: whether it does is the ``max_retries``
 you give ``AsyncOpenAI`` (``max_retries=0`` for exactly one request per model call).
 
-Importing this module imports ``openai``; nothing else in the library does.
+Needs ``openai`` 1.63 or later: earlier releases lack ``metadata`` and ``store`` or do not
+run under Trio. Importing this module imports ``openai``; nothing else in the library does.
 """
 
 from __future__ import annotations
@@ -31,32 +58,66 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, cast
 
 import openai
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 from polyloop.ports import ModelCall, ModelReply
-from polyloop.types import JSONValue, Message
+from polyloop.types import FinishReason, JSONValue, Message, Usage
 
-__all__ = ("RESERVED_SAMPLING_KEYS", "OpenAIModelClient")
-
-RESERVED_SAMPLING_KEYS = frozenset(
-    {
-        "model",
-        "messages",
-        "metadata",  # set by the adapter
-        "stream",
-        "stream_options",  # would turn the reply into a stream
-        "extra_headers",
-        "extra_query",
-        "timeout",  # transport: belongs on the client
-    }
+__all__ = (
+    "METADATA_LIMITS",
+    "RESERVED_SAMPLING_KEYS",
+    "OpenAIModelClient",
 )
-"""Keyword arguments of ``create`` that ``sampling`` may not hold. Everything in
-``sampling`` is recorded in every run's snapshot and checked by ``resume``: headers (which
-may carry credentials), query parameters and timeouts are set on the client instead
-(``default_headers``, ``default_query``, ``timeout``)."""
+
+_WHY_REFUSED: Mapping[str, str] = {
+    "model": "the adapter sets the model",
+    "messages": "the adapter sets the messages",
+    "metadata": "the adapter sends the binding as metadata",
+    "stream": "replies are read whole, not streamed",
+    "stream_options": "replies are read whole, not streamed",
+    "extra_headers": "set headers on the client (default_headers)",
+    "extra_query": "set query parameters on the client (default_query)",
+    "timeout": "set the timeout on the client",
+    "n": "only the first choice is read; leave n out (one choice is the default)",
+    "tools": "native tool calls are not read yet; describe the tools in the prompt",
+    "tool_choice": "native tool calls are not read yet; describe the tools in the prompt",
+    "parallel_tool_calls": "native tool calls are not read yet; describe the tools in the prompt",
+    "functions": "native function calls are not read; describe the tools in the prompt",
+    "function_call": "native function calls are not read; describe the tools in the prompt",
+    "modalities": "only text is read; audio output would be dropped",
+    "audio": "only text is read; audio output would be dropped",
+    "logprobs": "log probabilities are not recorded, so they would be dropped",
+    "top_logprobs": "log probabilities are not recorded, so they would be dropped",
+}
+
+RESERVED_SAMPLING_KEYS = frozenset(_WHY_REFUSED)
+"""Keyword arguments of ``create`` that ``sampling`` may not hold, each refused with its
+reason. The adapter sets some itself (``model``, ``messages``, ``metadata``). Everything
+in ``sampling`` is recorded in every run's snapshot and checked by ``resume``: headers
+(which may carry credentials), query parameters and timeouts are set on the client
+instead (``default_headers``, ``default_query``, ``timeout``). The others ask for results
+the adapter would throw away: more than one choice, native tool calls, audio output, log
+probabilities. ``response_format`` is accepted: it shapes the text that is read."""
+
+METADATA_LIMITS: Mapping[str, int] = MappingProxyType(
+    {"pairs": 16, "key_chars": 64, "value_chars": 512}
+)
+"""OpenAI's limits on request ``metadata``, which every binding sent is checked against."""
+
+_FINISH_REASONS: Mapping[str, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "content_filter": FinishReason.CONTENT_FILTER,
+    "tool_calls": FinishReason.TOOL_CALLS,
+    "function_call": FinishReason.TOOL_CALLS,  # the legacy name of tool_calls
+}
+
+# Where reasoning servers put the thinking text, newest name first.
+_REASONING_FIELDS = ("reasoning", "reasoning_content")
 
 
 class OpenAIModelClient:
@@ -67,17 +128,22 @@ class OpenAIModelClient:
     keyword arguments of ``chat.completions.create`` that shape the answer
     (``temperature``, ``top_p``, ``max_tokens``, ``seed``...); a parameter the SDK does not
     name but your server understands goes under ``"extra_body"``, e.g.
-    ``{"extra_body": {"top_k": 20}}``. A key that ``create`` does not accept is refused
-    here, with ``ValueError``, instead of failing every run later.
+    ``{"extra_body": {"top_k": 20}}``. A key that ``create`` does not accept, or that is
+    in :data:`RESERVED_SAMPLING_KEYS`, is refused here, with ``ValueError``, instead of
+    failing or losing something on every run later.
+
+    ``send_binding`` (default ``True``) sends each request's binding as ``metadata``; with
+    ``False`` no ``metadata`` is ever sent, for servers that refuse it (OpenAI without
+    ``store``) or when the server should not see the binding.
 
     ``parameters()`` reports the base URL, the model and the sampling parameters: what
     the run's snapshot records and what :func:`~polyloop.session.resume` checks. The API
-    key, timeouts and retry setting are not part of it.
+    key, timeouts, retry setting and ``send_binding`` are not part of it.
 
     One instance may serve any number of concurrent runs: it keeps no per-call state.
     """
 
-    __slots__ = ("_client", "_model", "_sampling")
+    __slots__ = ("_client", "_model", "_sampling", "_send_binding")
 
     def __init__(
         self,
@@ -85,15 +151,19 @@ class OpenAIModelClient:
         *,
         model: str,
         sampling: Mapping[str, JSONValue],
+        send_binding: bool = True,
     ) -> None:
         if not isinstance(client, openai.AsyncOpenAI):
             raise TypeError(f"client must be an openai.AsyncOpenAI, not {type(client).__name__}")
         if not isinstance(model, str) or not model:
             raise ValueError("model must be a non-empty string")
+        if not isinstance(send_binding, bool):
+            raise TypeError("send_binding must be True or False")
         _check_sampling(client, sampling)
         self._client = client
         self._model = model
         self._sampling: dict[str, Any] = copy.deepcopy(dict(sampling))
+        self._send_binding = send_binding
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """``{"base_url": ..., "model": ..., "sampling": {...}}``."""
@@ -106,7 +176,8 @@ class OpenAIModelClient:
     async def call(self, call: ModelCall) -> ModelReply:
         """Make one Chat Completions request; exceptions and cancellation pass through."""
         options: dict[str, Any] = copy.deepcopy(self._sampling)
-        if call.binding:
+        if self._send_binding and call.binding:
+            _check_metadata(call.binding)  # before sending: a refused request may still cost
             options["metadata"] = dict(call.binding)
         response = await self._client.chat.completions.create(
             model=self._model,
@@ -125,11 +196,9 @@ def _check_sampling(client: openai.AsyncOpenAI, sampling: Mapping[str, JSONValue
     keys = list(sampling)
     if bad := [key for key in keys if not isinstance(key, str)]:
         raise TypeError(f"sampling keys must be strings: {bad!r}")
-    if reserved := sorted(RESERVED_SAMPLING_KEYS.intersection(keys)):
-        raise ValueError(
-            f"sampling may not set {reserved}: model, messages and metadata are the "
-            "adapter's, replies are not streamed, and transport settings belong on the client"
-        )
+    if refused := sorted(RESERVED_SAMPLING_KEYS.intersection(keys)):
+        reasons = "; ".join(f"{key!r}: {_WHY_REFUSED[key]}" for key in refused)
+        raise ValueError(f"sampling may not set {reasons}")
     accepted = inspect.signature(client.chat.completions.create).parameters.values()
     if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in accepted):
         return
@@ -139,6 +208,29 @@ def _check_sampling(client: openai.AsyncOpenAI, sampling: Mapping[str, JSONValue
             f"chat.completions.create takes no parameter {unknown}; "
             'pass server-specific parameters under "extra_body"'
         )
+
+
+def _check_metadata(binding: Mapping[str, str]) -> None:
+    problem = _metadata_problem(binding)
+    if problem is not None:
+        raise ValueError(
+            f"the binding cannot go as request metadata: {problem} (OpenAI allows at most "
+            f"{METADATA_LIMITS['pairs']} pairs, keys of at most {METADATA_LIMITS['key_chars']} "
+            f"characters and values of at most {METADATA_LIMITS['value_chars']}, and metadata "
+            "only with store=True); shorten the binding or build the adapter with "
+            "send_binding=False"
+        )
+
+
+def _metadata_problem(binding: Mapping[str, str]) -> str | None:
+    if len(binding) > METADATA_LIMITS["pairs"]:
+        return f"it has {len(binding)} pairs"
+    for key, value in binding.items():
+        if len(key) > METADATA_LIMITS["key_chars"]:
+            return f"the key {key[:20]!r}... has {len(key)} characters"
+        if len(value) > METADATA_LIMITS["value_chars"]:
+            return f"the value of {key!r} has {len(value)} characters"
+    return None
 
 
 def _chat_message(message: Message) -> ChatCompletionMessageParam:
@@ -156,11 +248,56 @@ def _reply(response: object) -> ModelReply:
     call_id = getattr(response, "id", None)
     if not response.choices:
         raise ValueError(f"the chat completion {call_id!r} has no choices")
-    message = response.choices[0].message
-    # Not in the SDK's schema; reasoning servers add it, and the SDK keeps extra fields.
-    reasoning = (message.model_extra or {}).get("reasoning_content")
+    choice = response.choices[0]
+    message = choice.message
+    refusal = _text(getattr(message, "refusal", None))
     return ModelReply(
-        call_id=call_id if isinstance(call_id, str) and call_id else None,
+        call_id=_text(call_id),
         content=message.content if isinstance(message.content, str) else "",
-        reasoning=reasoning if isinstance(reasoning, str) else None,
+        reasoning=_reasoning(message),
+        finish=_finish(getattr(choice, "finish_reason", None), refused=refusal is not None),
+        usage=_usage(getattr(response, "usage", None)),
+        model=_text(getattr(response, "model", None)),
+        refusal=refusal,
     )
+
+
+def _text(value: object) -> str | None:
+    """A non-empty string, or ``None``: servers send null, "" or nothing alike."""
+    return value if isinstance(value, str) and value else None
+
+
+def _reasoning(message: object) -> str | None:
+    # Not in the SDK's schema; the SDK keeps extra fields as attributes.
+    for name in _REASONING_FIELDS:
+        if (text := _text(getattr(message, name, None))) is not None:
+            return text
+    return None
+
+
+def _finish(reported: object, *, refused: bool) -> FinishReason | None:
+    text = _text(reported)
+    finish = None if text is None else _FINISH_REASONS.get(text, FinishReason.OTHER)
+    # A refusal arrives with "stop": the reply ended, but as a refusal.
+    if refused and finish in (None, FinishReason.STOP):
+        return FinishReason.REFUSAL
+    return finish
+
+
+def _usage(usage: object) -> Usage | None:
+    if usage is None:
+        return None
+    details = getattr(usage, "completion_tokens_details", None)
+    counted = Usage(
+        input_tokens=_count(getattr(usage, "prompt_tokens", None)),
+        output_tokens=_count(getattr(usage, "completion_tokens", None)),
+        reasoning_tokens=_count(getattr(details, "reasoning_tokens", None)),
+    )
+    return None if counted == Usage() else counted
+
+
+def _count(value: object) -> int | None:
+    # The SDK does not validate the body: a count may arrive as anything.
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None

@@ -7,7 +7,9 @@ adapter is written against, with the same names at the top level of the package:
 * ``GatewayClient.chat(messages, *, session_id=None, parent_card_id=None)``, a coroutine
   returning an ``LLMResponse``; ``messages`` is a list of ``{"role", "content"}`` dicts;
 * ``LLMResponse``, about twenty fields, among them ``call_id: str``, the visible
-  ``content`` and the ``reasoning`` text;
+  ``content``, the ``reasoning`` text, the provider's ``finish_reason`` in OpenAI's words,
+  the token counts ``prompt_tokens``, ``completion_tokens`` and ``reasoning_tokens``, and
+  ``model_reported``, the model string the provider answered with;
 * ``GatewaySettings`` with its ``sources`` and its ``scope``;
 * ``build_model_fingerprint(sources) -> str``, which covers the models and the request
   shape (sampling parameters, reasoning switch) of every source, and nothing else;
