@@ -8,6 +8,7 @@ They reach into the stores' private write step on purpose, and only to replace i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,19 +17,30 @@ import anyio.to_thread
 from polyloop.stores import PostgresStore, SqliteStore
 from polyloop.stores._postgres_batch import Item
 from polyloop.stores._postgres_sql import record_row
+from polyloop.stores._sqlite_commit import Committer
 from polyloop.stores._sqlite_sql import SYNCHRONOUS_FULL, Write
+
+
+class _FullSyncCommitter(Committer):
+    """The store's own commit, with every transaction under ``synchronous=FULL``."""
+
+    __slots__ = ()
+
+    def level(self, writes: Sequence[Write], admitted: Sequence[int]) -> int:
+        return SYNCHRONOUS_FULL
 
 
 class SqliteOneCommitPerWrite(SqliteStore):
     """``SqliteStore`` committing every write in a transaction of its own."""
 
+    def __init__(self, path: str | os.PathLike[str], *, lease_s: float = 15.0) -> None:
+        super().__init__(path, lease_s=lease_s)
+        self._committer = _FullSyncCommitter(self._database, self._owners)
+
     async def _write(self, write: Write) -> None:
-        (error,) = await anyio.to_thread.run_sync(self._commit_batch, [write])
+        (error,) = await anyio.to_thread.run_sync(self._committer.commit, [write])
         if error is not None:
             raise error
-
-    def _level_for(self, writes: Sequence[Write], admitted: Sequence[int]) -> int:
-        return SYNCHRONOUS_FULL
 
 
 class PostgresOneCommitPerWrite(PostgresStore):

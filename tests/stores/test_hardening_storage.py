@@ -41,7 +41,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-import polyloop.stores._sqlite as sqlite_module
+import polyloop.stores._sqlite_sql as sqlite_sql
 from agent_kit import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
@@ -425,7 +425,8 @@ class FaultyConnection(sqlite3.Connection):
 
 
 def install_sqlite_fault(monkeypatch: pytest.MonkeyPatch, fault: SqliteFault) -> None:
-    """Make the SQLite store module's connections faulty (only that module's)."""
+    """Make the SQLite store's connections faulty (only those: the patch is on the
+    module that opens them)."""
 
     class Sqlite3:
         def __getattr__(self, name: str) -> Any:
@@ -438,7 +439,7 @@ def install_sqlite_fault(monkeypatch: pytest.MonkeyPatch, fault: SqliteFault) ->
             conn.fault = fault
             return conn
 
-    monkeypatch.setattr(sqlite_module, "sqlite3", Sqlite3())
+    monkeypatch.setattr(sqlite_sql, "sqlite3", Sqlite3())
 
 
 SQLITE_FAULTS = [

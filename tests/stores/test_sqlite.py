@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import anyio
 import pytest
 
-import polyloop.stores._sqlite as sqlite_module
+import polyloop.stores._sqlite_sql as sqlite_sql
 from agent_kit import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
@@ -703,7 +703,10 @@ class RecordingConnection(sqlite3.Connection):
 def install_recorder(
     monkeypatch: pytest.MonkeyPatch, factory: type[RecordingConnection] = RecordingConnection
 ) -> Recorder:
-    """Make the SQLite store module's connections (of class ``factory``) record commits."""
+    """Make the SQLite store's connections (of class ``factory``) record commits.
+
+    Its module of statements makes every connection the store opens, so it is patched there.
+    """
     found = Recorder()
 
     class Sqlite3:
@@ -717,13 +720,13 @@ def install_recorder(
             conn.recorder, conn.pending, conn.marks = found, [], []
             return conn
 
-    monkeypatch.setattr(sqlite_module, "sqlite3", Sqlite3())
+    monkeypatch.setattr(sqlite_sql, "sqlite3", Sqlite3())
     return found
 
 
 @pytest.fixture
 def recorder(monkeypatch: pytest.MonkeyPatch) -> Recorder:
-    """Make the SQLite store module's connections record their commits."""
+    """Make the SQLite store's connections record their commits."""
     return install_recorder(monkeypatch)
 
 

@@ -3,13 +3,14 @@
 The schema itself, and what each row means, is described in :mod:`polyloop.stores._sqlite`.
 This module turns records into rows and back (:func:`record_row`, :func:`decode_rows`),
 binds run ids (:func:`run_key`, :func:`run_id_of`) and numbers a write's rows
-(:class:`Write`, :func:`params`). On the connection side it holds the checks a new
-connection must pass (:func:`configure`, :func:`create_schema`,
-:func:`check_meta_format`), the ``synchronous`` levels with :class:`Db`, which remembers
-the level its connection was last set to, and the pieces of a transaction the store's
-write paths share (:func:`rollback_quietly`). The store's own statements
-of a transaction (``COMMIT``, ``ROLLBACK``, savepoints) stay with the code that issues
-them.
+(:class:`Write`, :func:`params`). On the connection side it holds :func:`connect`, the
+one place a connection is made, the checks a new connection must pass
+(:func:`configure`, :func:`create_schema`, :func:`check_meta_format`), the
+``synchronous`` levels with :class:`Db`, which remembers the level its connection was
+last set to, :class:`Database`, the file with the worker threads' connection opened and
+checked at first use, and the transactions the store's paths share (:func:`immediate`,
+:func:`rollback_quietly`). The shared commit's own statements (``COMMIT``, ``ROLLBACK``,
+savepoints) stay with :mod:`polyloop.stores._sqlite_commit`, which issues them.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from polyloop._shared import FORMAT, record_kind
 from polyloop.serialization import dumps, loads
-from polyloop.stores._common import check_format
+from polyloop.stores._common import WriterState, check_format, fsync_directory
 from polyloop.types import (
     CorruptLog,
+    PolyLoopError,
     Record,
     StoreError,
 )
@@ -54,12 +57,15 @@ __all__ = (
     "TAKE_RUN",
     "SYNCHRONOUS_FULL",
     "SYNCHRONOUS_NORMAL",
+    "Database",
     "Db",
     "Write",
     "check_meta_format",
     "configure",
+    "connect",
     "create_schema",
     "decode_rows",
+    "immediate",
     "params",
     "record_row",
     "rollback_quietly",
@@ -71,6 +77,9 @@ __all__ = (
 _Row = tuple[str, str]
 # How the run id is bound: text, or the bytes of an id that is not valid UTF-8 text.
 _Key = str | bytes
+
+# How long a statement waits for another connection's lock before it fails.
+_BUSY_TIMEOUT_S = 30.0
 
 SYNCHRONOUS_NORMAL = 1
 SYNCHRONOUS_FULL = 2
@@ -274,6 +283,82 @@ class Db:
             self.level = level
 
 
+def connect(path: Path, *, timeout: float) -> sqlite3.Connection:
+    """A new connection in autocommit mode, usable from any worker thread: the store
+    issues its own ``BEGIN`` and hands the connection between threads under its mutex."""
+    return sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False)
+
+
+class Database:
+    """The database file, and the one connection the store's worker threads share.
+
+    The connection is opened and checked at first use. Every method runs in a worker
+    thread with the store mutex (``state.mutex``) held, which is what makes one
+    connection enough; none of them is ever cancelled halfway (a worker thread runs to
+    its end).
+    """
+
+    __slots__ = ("_worker", "path", "state")
+
+    def __init__(self, path: Path, state: WriterState) -> None:
+        self.path = path
+        self.state = state
+        self._worker: Db | None = None
+
+    @property
+    def opened(self) -> Db | None:
+        """The connection if it is open; never opens it."""
+        return self._worker
+
+    def connection(self, run_id: str | None) -> Db:
+        """The connection, opening and checking the database on first use."""
+        if self.state.closed:
+            raise StoreError("the store is closed", run_id=run_id)
+        if self._worker is None:
+            self._worker = self._open(run_id)
+        return self._worker
+
+    @contextmanager
+    def reading(self, run_id: str | None) -> Iterator[None]:
+        """Refuse a closed store; report a failed statement as a ``StoreError``."""
+        if self.state.closed:
+            raise StoreError("the store is closed", run_id=run_id)
+        try:
+            yield
+        except sqlite3.Error as exc:
+            raise StoreError(f"read failed: {type(exc).__name__}: {exc}", run_id=run_id) from exc
+
+    def close(self) -> None:
+        db, self._worker = self._worker, None
+        if db is not None:
+            try:
+                db.conn.close()
+            except sqlite3.Error as exc:
+                raise StoreError(f"closing {self.path.name} failed: {exc}") from exc
+
+    def _open(self, run_id: str | None) -> Db:
+        """Open and check the database (WAL, ``synchronous=FULL``, the schema, the format)."""
+        path = self.path
+        conn: sqlite3.Connection | None = None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            created = not path.exists()
+            conn = connect(path, timeout=_BUSY_TIMEOUT_S)
+            configure(conn, path.name, run_id)
+            create_schema(conn)
+            check_meta_format(conn, path.name, run_id)
+            if created:
+                fsync_directory(path.parent)
+        except BaseException as exc:
+            if conn is not None:
+                with suppress(sqlite3.Error):  # the original error says more
+                    conn.close()
+            if isinstance(exc, (sqlite3.Error, OSError)) and not isinstance(exc, PolyLoopError):
+                raise StoreError(f"cannot open {path.name}: {exc}", run_id=run_id) from exc
+            raise
+        return Db(conn)
+
+
 def configure(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
     """Switch to WAL with ``synchronous=FULL`` and make sure the database took both."""
     mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
@@ -294,7 +379,7 @@ def configure(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
 def create_schema(conn: sqlite3.Connection) -> None:
     """Create what is missing; a database from before the runs table gets one, filled,
     and one from before a later column gets the column."""
-    with _transaction(conn):
+    with immediate(conn):
         for statement in _DDL:
             conn.execute(statement)
         filled = conn.execute(_HAS_RUNS).fetchone()[0]
@@ -318,7 +403,7 @@ def check_meta_format(conn: sqlite3.Connection, name: str, run_id: str | None) -
 
 
 @contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+def immediate(conn: sqlite3.Connection) -> Iterator[None]:
     """``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back if anything inside fails."""
     conn.execute("BEGIN IMMEDIATE")
     try:

@@ -1,0 +1,104 @@
+"""The writes of the JSON-lines store: one line appended to a claimed run's file.
+
+:class:`Appender` applies a batch of writes from the store's
+:class:`~polyloop.stores._batching.GroupCommit`, each under its run's claim lock: it
+appends the line whole, syncs the file for a start or an intent (and the directory
+entry for a start), and gives the claim up with an end record. A failed write or sync
+fails its run for this store object: a sync is never retried, since the kernel may have
+dropped the data. ``docs/stores.md`` states the guarantees; research records 0009
+(durability) and 0019 (one write path, off the event loop) say why.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from polyloop.stores._fileops import FileOps
+from polyloop.stores._jsonl_claims import Claim, Claims, close_claim
+from polyloop.types import PolyLoopError, RunAlreadyExists, RunLocked, StoreError
+
+__all__ = ("Appender", "Write")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Write:
+    """One line to append to a claimed run, and what comes with it."""
+
+    run_id: str
+    data: bytes
+    sync: bool = False  # the line is synced before the call returns
+    start: bool = False  # the run's first line: the directory entry is synced too
+    end: bool = False  # the claim ends with the line
+
+
+class Appender:
+    """Appends the lines of one store object's writes to the files it holds claims on.
+
+    :meth:`commit` is blocking: the store runs it in a worker thread. Cancellation never
+    reaches it: once a batch has started, each of its lines is appended (and synced, if
+    asked) or fails, whatever happens to the callers.
+    """
+
+    __slots__ = ("_claims",)
+
+    def __init__(self, claims: Claims) -> None:
+        self._claims = claims
+
+    def commit(self, writes: Sequence[Write]) -> list[BaseException | None]:
+        """Apply a batch of writes in this worker thread; each one's own outcome."""
+        return [self._apply(write) for write in writes]
+
+    def _apply(self, write: Write) -> BaseException | None:
+        claims, files, run_id = self._claims, self._claims.files, write.run_id
+        try:
+            claim = claims.held(run_id)
+            with claim.lock:
+                if claim.closed:
+                    raise RunLocked(
+                        "this store object does not hold the run's claim", run_id=run_id
+                    )
+                _check_order(claim, write)
+                try:
+                    _write_all(files, claim.fd, write.data)
+                    claim.started = True
+                    if write.sync:
+                        files.fsync(claim.fd)
+                    if write.start:
+                        files.fsync_directory(claims.directory)
+                    if write.end:
+                        claims.forget(run_id, claim)
+                        close_claim(files, claim)
+                except OSError as exc:
+                    # An fsync is never retried: the kernel may have dropped the data.
+                    claims.forget(run_id, claim)
+                    close_claim(files, claim, quiet=True)
+                    return claims.state.fail(run_id, exc)
+        except PolyLoopError as exc:
+            return exc
+        return None
+
+
+def _check_order(claim: Claim, write: Write) -> None:
+    """Refuse a start of a run that has records, and any write before or after the run."""
+    if write.start:
+        if claim.started:
+            raise RunAlreadyExists("the run already has records", run_id=write.run_id)
+        return
+    if not claim.started:
+        raise StoreError("the run was never started in this store", run_id=write.run_id)
+    if claim.finished:
+        raise StoreError(
+            "the run has ended; nothing may follow its end record", run_id=write.run_id
+        )
+
+
+def _write_all(files: FileOps, fd: int, data: bytes) -> None:
+    """Append ``data`` completely; a write may take only part of it per call."""
+    view = memoryview(data)
+    while view:
+        written = files.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.EIO, "a write made no progress")
+        view = view[written:]
