@@ -56,9 +56,10 @@ from polyloop import (
     run,
     run_status,
 )
+from polyloop.interpreters import JsonToolCallInterpreter
 from polyloop.ports import Store
 from polyloop.stores import PostgresStore
-from polyloop.testing import FaultyStore, JsonActionInterpreter, ScriptedModelClient, SimulatedCrash
+from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 
 DEFAULT_CONNINFO = "postgresql://postgres@127.0.0.1:5432/test"
 CAPITALS = {"France": "Paris", "Japan": "Tokyo", "Kenya": "Nairobi", "Peru": "Lima"}
@@ -131,7 +132,7 @@ TOOLS = ToolRegistry(
 def make_definition(store: Store) -> Definition:
     return Definition(
         model=ScriptedModelClient(script, name="capitals"),
-        interpreter=JsonActionInterpreter(),
+        interpreter=JsonToolCallInterpreter(),
         store=store,
         events=NullSink(),
         texts=ObservationTexts(

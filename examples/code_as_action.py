@@ -1,9 +1,11 @@
 """Code as action: the model writes Python, a subprocess runs it, the environment decides.
 
 What it shows
-    * an :class:`~polyloop.Interpreter` of your own: it takes the first fenced Python
-      block of a reply as the action; a reply without one is an invalid decision, and
-      the feedback tells the model what was expected;
+    * the ready-made :class:`~polyloop.interpreters.CodeBlockInterpreter`: a reply's one
+      fenced ``python`` block is the action, with the payload ``{"code": ...}``; a reply
+      without one (or with two, or with text after the block) is an invalid decision,
+      and the feedback tells the model what was wrong. It has no final-answer marker
+      here, so the model has no way to declare the task finished;
     * an :class:`~polyloop.ActionExecutor` of your own, not derived from a tool
       registry: it runs the code with ``anyio.run_process([sys.executable, "-c", code])``
       in the task's working directory, under ``anyio.fail_after(time_limit)``, and feeds
@@ -44,11 +46,9 @@ How to run it::
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 
 import anyio
@@ -58,13 +58,9 @@ from polyloop import (
     ActionOutcome,
     ActionStatus,
     Budget,
-    Decision,
     Definition,
     Injection,
-    InvalidDecision,
-    JSONValue,
     Message,
-    ModelReply,
     NullSink,
     ObservationTexts,
     Replay,
@@ -73,9 +69,9 @@ from polyloop import (
     RunResult,
     ToolRegistry,
     ToolStyle,
-    reject_incomplete,
     run,
 )
+from polyloop.interpreters import CodeBlockInterpreter
 from polyloop.stores import MemoryStore
 from polyloop.testing import ScriptedModelClient
 
@@ -83,29 +79,6 @@ SALES_CSV = "region,units\nnorth,120\nnorth,80\nsouth,45\nsouth,55\nsouth,100\n"
 EXPECTED_TOTAL = "400"
 ANSWER_FILE = "answer.txt"
 MAX_OBSERVATION_CHARS = 2_000
-
-_FENCE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
-
-
-class FencedPythonInterpreter:
-    """The first fenced ```python block of a reply is the action; nothing else is."""
-
-    FEEDBACK = (
-        "No code found. Reply with exactly one fenced ```python block; "
-        "the task is finished when the environment says so, not when you do."
-    )
-
-    def parameters(self) -> Mapping[str, JSONValue]:
-        return {"kind": "fenced-python", "version": 1}
-
-    def interpret(self, reply: ModelReply) -> Decision:
-        if (rejected := reject_incomplete(reply)) is not None:
-            return rejected  # cut off, filtered or refused: never acted on
-        match = _FENCE.search(reply.content)
-        if match is None:
-            return InvalidDecision(feedback=self.FEEDBACK, history_text=reply.content)
-        code = match.group(1)
-        return Action(payload={"code": code}, action_text=code.strip(), history_text=reply.content)
 
 
 class SubprocessPythonExecutor:
@@ -209,7 +182,8 @@ SCRIPT = [
 def build(workdir: Path, time_limit: float) -> tuple[Definition, Request]:
     definition = Definition(
         model=ScriptedModelClient(SCRIPT, name="code-as-action"),
-        interpreter=FencedPythonInterpreter(),
+        # No final_marker: the task is over when the environment says so, never the model.
+        interpreter=CodeBlockInterpreter(language="python", aliases=("py",)),
         store=MemoryStore(),  # no recovery needed here; see sqlite_script.py for that
         events=NullSink(),
         texts=ObservationTexts(

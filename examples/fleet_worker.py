@@ -89,8 +89,9 @@ from polyloop import (
     run_status,
     start_or_resume,
 )
+from polyloop.interpreters import JsonToolCallInterpreter
 from polyloop.stores import PostgresStore
-from polyloop.testing import JsonActionInterpreter, ScriptedModelClient
+from polyloop.testing import ScriptedModelClient
 
 ENV_VAR = "POLYLOOP_TEST_POSTGRES"
 DEFAULT_CONNINFO = "postgresql://postgres@127.0.0.1:5432/test"
@@ -256,7 +257,7 @@ def make_tools(jobs: dict[str, Job], app: AppTables, slot: int) -> ToolRegistry:
 def make_definition(store: PostgresStore) -> Definition:
     return Definition(
         model=ScriptedModelClient(script, delay=MODEL_DELAY_S, name="invoices"),
-        interpreter=JsonActionInterpreter(),
+        interpreter=JsonToolCallInterpreter(),
         store=store,
         events=NullSink(),
         texts=ObservationTexts(

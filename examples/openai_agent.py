@@ -1,8 +1,10 @@
 """A small PolyLoop agent on any OpenAI-compatible model server.
 
 The model gets three tools (``add``, ``multiply`` and ``submit``) and a task; it answers
-with one JSON object per turn, which the interpreter below turns into a tool call or a
-final answer. The run ends when the model submits (``SUBMITTED``), answers directly
+with one JSON object per turn, which the ready-made
+:class:`~polyloop.interpreters.JsonToolCallInterpreter` turns into a tool call or a final
+answer (the object may sit in a ```json block with prose around it, as models often
+write it). The run ends when the model submits (``SUBMITTED``), answers directly
 (``FINAL_ANSWER``) or runs out of steps.
 
 Usage (any server that speaks Chat Completions)::
@@ -26,7 +28,6 @@ the process ends. Swap in ``SqliteStore("runs.db")`` or ``JsonlStore("runs/")`` 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -36,16 +37,11 @@ import anyio
 import openai
 
 from polyloop import (
-    Action,
     Budget,
-    Decision,
     Definition,
-    FinalAnswer,
     Injection,
-    InvalidDecision,
     JSONValue,
     Message,
-    ModelReply,
     NullSink,
     ObservationTexts,
     Replay,
@@ -56,15 +52,16 @@ from polyloop import (
     ToolRegistry,
     ToolSpec,
     ToolStyle,
-    reject_incomplete,
     run,
 )
 from polyloop.adapters.openai import OpenAIModelClient
+from polyloop.interpreters import JsonToolCallInterpreter
 from polyloop.stores import MemoryStore
 
 DEFAULT_TASK = "Compute (17 + 25) * 3 with the tools, then submit the result."
 
-SYSTEM_PROMPT = """You solve tasks with tools. Every reply is exactly one JSON object:
+SYSTEM_PROMPT = """You solve tasks with tools. Every reply holds exactly one JSON object,
+on its own or in one ```json block:
   {"tool": "<tool name>", "arguments": {...}}   to call a tool, or
   {"answer": "<text>"}                          to answer without a tool.
 The tools and their JSON Schemas follow. Use submit to hand in your final result."""
@@ -127,52 +124,6 @@ def build_tools() -> ToolRegistry:
     )
 
 
-class JsonReplyInterpreter:
-    """Reads one JSON object out of the reply, tolerating code fences and chatter around it.
-
-    ``{"tool": NAME, "arguments": {...}}`` is an action, ``{"answer": TEXT}`` a final
-    answer; anything else is fed back to the model as a correction.
-    """
-
-    FEEDBACK = (
-        'Reply with exactly one JSON object: {"tool": "<name>", "arguments": {...}} '
-        'or {"answer": "<text>"}.'
-    )
-
-    def parameters(self) -> Mapping[str, JSONValue]:
-        return {"kind": "example-json-reply", "version": 1}
-
-    def interpret(self, reply: ModelReply) -> Decision:
-        if (rejected := reject_incomplete(reply)) is not None:
-            return rejected  # cut off, filtered or refused: never acted on
-        data = _first_json_object(reply.content)
-        if isinstance(data, dict):
-            name = data.get("tool")
-            arguments = data.get("arguments", {})
-            if isinstance(name, str):
-                shown = json.dumps(arguments, sort_keys=True)
-                return Action(
-                    payload={"name": name, "arguments": arguments},
-                    action_text=f"{name}({shown})",
-                    history_text=reply.content,
-                )
-            if isinstance(data.get("answer"), str):
-                return FinalAnswer(answer=data["answer"], history_text=reply.content)
-        return InvalidDecision(feedback=self.FEEDBACK, history_text=reply.content)
-
-
-def _first_json_object(text: str) -> Any:
-    decoder = json.JSONDecoder()
-    for start, char in enumerate(text):
-        if char == "{":
-            try:
-                value, _ = decoder.raw_decode(text, start)
-            except ValueError:
-                continue
-            return value
-    return None
-
-
 async def solve(
     client: openai.AsyncOpenAI,
     *,
@@ -190,7 +141,7 @@ async def solve(
         sampling["store"] = True
     definition = Definition(
         model=OpenAIModelClient(client, model=model, sampling=sampling),
-        interpreter=JsonReplyInterpreter(),
+        interpreter=JsonToolCallInterpreter(),
         store=MemoryStore(),
         events=NullSink(),
         texts=ObservationTexts(

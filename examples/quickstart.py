@@ -34,8 +34,9 @@ from polyloop import (
     resume,
     run,
 )
+from polyloop.interpreters import JsonToolCallInterpreter
 from polyloop.stores import MemoryStore
-from polyloop.testing import FaultyStore, JsonActionInterpreter, ScriptedModelClient, SimulatedCrash
+from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 
 FILES = {
     "north.csv": "region,units\nnorth,120\nnorth,80\n",
@@ -125,7 +126,7 @@ SCRIPT = [
 def build(store: Any, run_id: str) -> tuple[Definition, Request]:
     definition = Definition(
         model=ScriptedModelClient(SCRIPT, name="quickstart-script"),
-        interpreter=JsonActionInterpreter(),
+        interpreter=JsonToolCallInterpreter(),
         store=store,
         events=NullSink(),
         texts=ObservationTexts(

@@ -2,8 +2,8 @@
 
 What it shows
     * the smallest durable set-up: a :class:`~polyloop.stores.SqliteStore` file, a tool
-      registry whose ``submit`` tool completes the task, a scripted model and the example
-      JSON interpreter from :mod:`polyloop.testing`;
+      registry whose ``submit`` tool completes the task, a scripted model and the JSON
+      tool-call interpreter from :mod:`polyloop.interpreters`;
     * driving a run from synchronous code with ``anyio.run(run, definition, request)``,
       no ``async def main`` needed;
     * "start or continue": when the store already holds the run,
@@ -54,9 +54,10 @@ from polyloop import (
     resume,
     run,
 )
+from polyloop.interpreters import JsonToolCallInterpreter
 from polyloop.ports import Store
 from polyloop.stores import SqliteStore
-from polyloop.testing import FaultyStore, JsonActionInterpreter, ScriptedModelClient, SimulatedCrash
+from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 
 CRASH_STATUS = 3
 
@@ -124,7 +125,7 @@ def make_tools(submissions: Path) -> ToolRegistry:
 def build(store: Store, run_id: str, submissions: Path) -> tuple[Definition, Request]:
     definition = Definition(
         model=ScriptedModelClient(SCRIPT, name="sqlite-script"),
-        interpreter=JsonActionInterpreter(),
+        interpreter=JsonToolCallInterpreter(),
         store=store,
         events=NullSink(),
         texts=ObservationTexts(

@@ -54,8 +54,8 @@ from polyloop import (
     ToolStyle,
     run,
 )
+from polyloop.interpreters import JsonToolCallInterpreter
 from polyloop.stores import JsonlStore
-from polyloop.testing import JsonActionInterpreter
 
 NUMBERS = [3, 4, 12]
 EXPECTED = sum(n * n for n in NUMBERS)  # 169
@@ -242,7 +242,7 @@ async def experiment(directory: str, backend: str) -> None:
     async with JsonlStore(directory) as store:
         definition = Definition(  # built once, shared by every candidate run
             model=model,
-            interpreter=JsonActionInterpreter(),
+            interpreter=JsonToolCallInterpreter(),
             store=store,
             events=NullSink(),
             texts=ObservationTexts(

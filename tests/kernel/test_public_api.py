@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import polyloop
-from polyloop import ports, serialization, session, tools, types
+from polyloop import interpreters, ports, serialization, session, tools, types
 
 # SPEC §12.1: where every public name lives.
 NAMES_BY_MODULE = {
@@ -86,6 +86,11 @@ NAMES_BY_MODULE = {
         "recover",
     },
 }
+# Modules imported by name, never re-exported at the top level.
+NAMED_MODULES = {
+    # issue 17, part 5: ready-made interpreters, one per action language
+    interpreters: {"CodeBlockInterpreter", "JsonToolCallInterpreter"},
+}
 ERRORS = {
     "PolyLoopError": Exception,
     "InvalidRequest": ValueError,
@@ -101,7 +106,9 @@ ERRORS = {
 
 
 @pytest.mark.parametrize(
-    "module", [polyloop, types, ports, tools, session, serialization], ids=lambda m: m.__name__
+    "module",
+    [polyloop, types, ports, tools, session, serialization, interpreters],
+    ids=lambda m: m.__name__,
 )
 def test_all_is_a_sorted_tuple_of_unique_existing_names(module: Any) -> None:
     exported = module.__all__
@@ -115,6 +122,18 @@ def test_all_is_a_sorted_tuple_of_unique_existing_names(module: Any) -> None:
 @pytest.mark.parametrize("module", list(NAMES_BY_MODULE), ids=lambda m: m.__name__)
 def test_each_module_exports_exactly_its_spec_names(module: Any) -> None:
     assert set(module.__all__) == NAMES_BY_MODULE[module]
+
+
+@pytest.mark.parametrize("module", list(NAMED_MODULES), ids=lambda m: m.__name__)
+def test_each_named_module_exports_exactly_its_names_and_stays_off_the_top_level(
+    module: Any,
+) -> None:
+    assert set(module.__all__) == NAMED_MODULES[module]
+    for name in module.__all__:
+        assert name not in polyloop.__all__, name
+        # Defined in a private module, but reprs, pickles and docs name the public one.
+        assert getattr(module, name).__module__ == module.__name__, name
+        assert not _is_private(getattr(module, name)), name
 
 
 def test_top_level_reexports_the_same_objects_once() -> None:
@@ -216,7 +235,7 @@ def test_identity_mismatch_message_names_every_key() -> None:
 
 
 def test_value_types_are_frozen_slotted_keyword_only() -> None:
-    for module in (types, ports, session):
+    for module in (types, ports, session, interpreters):
         for name in module.__all__:
             obj = getattr(module, name)
             if inspect.isclass(obj) and dataclasses.is_dataclass(obj):

@@ -203,8 +203,9 @@ def test_code_as_action_ends_when_the_environment_says_done(backend: str) -> Non
         "  step 2 [executed] done=False: No export then. Summing the amounts.",
         "      -> ... KeyError: 'amount'",
         "  step 3 [invalid] done=False: The total is 400, so I am done.",
-        "      -> No code found. Reply with exactly one fenced ```python block; the task "
-        "is finished when the environment says so, not when you do.",
+        "      -> Your reply holds no code block. Reply with exactly one ```python block "
+        "holding the code to run, at the end of your reply (text before the block is fine). "
+        "No reply ends the task: the environment says when it is done.",
         "  step 4 [executed] done=True: The column is 'units'. Writing the answer file.",
         "      -> wrote 400",
         "stop reason: env_done after 5 steps (4 valid)",

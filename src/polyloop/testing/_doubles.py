@@ -97,11 +97,15 @@ def _describe_item(item: ScriptItem) -> JSONValue:
 
 
 class JsonActionInterpreter:
-    """An example interpreter: the reply is one JSON object.
+    """A test double: the reply is one JSON object, and nothing else.
 
     ``{"tool": NAME, "arguments": {...}}`` is an action with the payload
     ``{"name": NAME, "arguments": {...}}``; ``{"answer": TEXT}`` is a final answer;
-    anything else is an invalid decision whose feedback says what was expected.
+    anything else is an invalid decision with one fixed feedback. It is kept as it is
+    because tests pin its behaviour and its parameters; applications should name an
+    interpreter from :mod:`polyloop.interpreters` instead, such as
+    :class:`~polyloop.interpreters.JsonToolCallInterpreter`, which also reads a fenced
+    block and tells the model precisely what was wrong.
     """
 
     FEEDBACK = (

@@ -1,0 +1,252 @@
+"""The JSON tool-call action language: one JSON object per reply."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from polyloop.interpreters._fences import FencedBlock, clip, scan_fences
+from polyloop.ports import (
+    Action,
+    Decision,
+    FinalAnswer,
+    InvalidDecision,
+    ModelReply,
+    reject_incomplete,
+)
+from polyloop.types import JSONValue
+
+_FORMAT = (
+    "Reply with one JSON object, on its own or inside one ```json block (text around the "
+    'block is fine): {"tool": "<name>", "arguments": {...}} to call a tool, or '
+    '{"answer": "<text>"} to answer.'
+)
+_MAX_ATTEMPTS = 64
+_BLOCK_TAGS = frozenset({"", "json"})
+_TOOL_KEYS = frozenset({"tool", "arguments"})
+_ANSWER_KEYS = frozenset({"answer"})
+
+
+def _refuse_constant(name: str) -> Any:
+    # Python's parser reads NaN and Infinity, which are not JSON and which a strict
+    # JSON log could not carry: refused here, where the model can be told.
+    raise ValueError(name)
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JsonToolCallInterpreter:
+    """Reads a decision written as one JSON object.
+
+    The action language:
+
+    * ``{"tool": NAME, "arguments": {...}}`` calls the tool ``NAME``: an
+      :class:`~polyloop.Action` whose payload is ``{"name": NAME, "arguments": {...}}``,
+      the shape :meth:`polyloop.ToolRegistry.executor` runs. ``"arguments"`` may be left
+      out for a tool that takes none (it is then ``{}``).
+    * ``{"answer": TEXT}`` answers: a :class:`~polyloop.FinalAnswer`.
+    * The object stands alone in the reply (whitespace around it is fine), or it is the
+      whole content of the reply's one fenced code block, tagged ``json`` or untagged;
+      text before and after that block is allowed and ignored, so the model may explain
+      itself. Text around an object that is *not* in a block is refused: without the
+      fence it is guesswork where the object starts and ends.
+    * Nothing else is accepted: keys other than those above, a second object, a second
+      block, a block in another language, an unclosed block. Each is an
+      :class:`~polyloop.InvalidDecision` whose feedback names the fault (with the line
+      and column of the reply where there is one) and restates the format.
+
+    A reply that did not end normally (cut off, filtered, refused) is never read: see
+    :func:`polyloop.reject_incomplete`.
+    """
+
+    def parameters(self) -> Mapping[str, JSONValue]:
+        """``{"kind": "json-tool-call", "version": 1}``: this language has no settings."""
+        return {"kind": "json-tool-call", "version": 1}
+
+    def interpret(self, reply: ModelReply) -> Decision:
+        """The action, answer or correction that ``reply`` amounts to."""
+        if (rejected := reject_incomplete(reply)) is not None:
+            return rejected  # cut off, filtered or refused: never acted on
+        text = reply.content
+        found = _find_object(text)
+        if isinstance(found, str):
+            return _invalid(found, text)
+        return _decide(found, text)
+
+
+def _invalid(problem: str, text: str) -> InvalidDecision:
+    return InvalidDecision(feedback=f"{problem} {_FORMAT}", history_text=text)
+
+
+def _find_object(text: str) -> dict[str, Any] | str:
+    """The reply's one JSON object, or what is wrong with the reply."""
+    scan = scan_fences(text)
+    if scan.unclosed is not None:
+        return (
+            f"Your reply opens a code block on line {scan.unclosed.opening_line} and never "
+            "closes it: end the block with a line of three backticks."
+        )
+    if len(scan.blocks) > 1:
+        lines = ", ".join(str(block.opening_line) for block in scan.blocks)
+        return (
+            f"Your reply holds {len(scan.blocks)} code blocks (opening on lines {lines}); "
+            "send exactly one decision, in one block."
+        )
+    if not scan.blocks:
+        return _parse(text, first_line=1, block=None)
+    [block] = scan.blocks
+    if block.tag.lower() not in _BLOCK_TAGS:
+        return (
+            f"Your code block on line {block.opening_line} is tagged {clip(block.tag)!r}; "
+            "a decision goes in a ```json block."
+        )
+    return _parse(block.body, first_line=block.opening_line + 1, block=block)
+
+
+def _parse(source: str, *, first_line: int, block: FencedBlock | None) -> dict[str, Any] | str:
+    where = "Your reply" if block is None else f"Your code block on line {block.opening_line}"
+
+    def at(position: int) -> str:
+        line = source.count("\n", 0, position)
+        column = position - (source.rfind("\n", 0, position) + 1) + 1
+        return f"line {first_line + line}, column {column}"
+
+    start = len(source) - len(source.lstrip())
+    if start == len(source):
+        return f"{where} is empty."
+    try:
+        value, end = _DECODER.raw_decode(source, start)
+    except json.JSONDecodeError as exc:
+        if source[start] in "{[":
+            return f"{where} is not valid JSON: {exc.msg} at {at(exc.pos)}."
+        return _prose_before_object(source, where, at, fenced=block is not None)
+    except ValueError as exc:  # NaN or Infinity, refused by _refuse_constant
+        return f"{where} uses {exc}, which is not JSON: write numbers as numbers."
+    except RecursionError:
+        return f"{where} holds JSON nested too deeply to read."
+    rest = len(source) - len(source[end:].lstrip())
+    if rest < len(source) and not isinstance(value, dict | list):
+        # A reply such as "3 tools left: {...}" starts with a number but is prose.
+        return _prose_before_object(source, where, at, fenced=block is not None)
+    if rest < len(source):
+        if isinstance(_try_decode(source, rest), dict | list):
+            return (
+                f"{where} holds more than one JSON value (the second starts at {at(rest)}); "
+                "send exactly one object: one decision per reply."
+            )
+        outside = "write text outside the block"
+        if block is None:
+            outside = f"put it in a ```json block and {outside}"
+        return (
+            f"{where} goes on after the JSON, at {at(rest)}: send the object alone, or {outside}."
+        )
+    if not isinstance(value, dict):
+        return f"{where} is JSON, but {_kind(value)}, not an object."
+    return value
+
+
+def _try_decode(source: str, position: int) -> object:
+    """The JSON value at ``position``, or ``None`` if there is none."""
+    try:
+        value, _ = _DECODER.raw_decode(source, position)
+    except (ValueError, RecursionError):
+        return None
+    return value
+
+
+def _prose_before_object(source: str, where: str, at: Callable[[int], str], *, fenced: bool) -> str:
+    """What to say about a text that does not start with JSON."""
+    instead = "write text outside the block"
+    if not fenced:
+        instead = f"put it in a ```json block and {instead}"
+    brace = source.find("{")
+    broken: tuple[int, json.JSONDecodeError] | None = None
+    # Each attempt may read to the end of the text; a bound keeps a reply full of
+    # braces from costing quadratic time.
+    for _ in range(_MAX_ATTEMPTS):
+        if brace < 0:
+            break
+        try:
+            value, _ = _DECODER.raw_decode(source, brace)
+        except json.JSONDecodeError as exc:
+            broken = broken or (brace, exc)
+        except (ValueError, RecursionError):
+            pass
+        else:
+            if isinstance(value, dict):
+                return (
+                    f"{where} has text before the JSON object (which starts at {at(brace)}): "
+                    f"send the object alone, or {instead}."
+                )
+        brace = source.find("{", brace + 1)
+    if broken is not None:
+        opening, error = broken
+        return (
+            f"{where} holds no valid JSON object: the one starting at {at(opening)} breaks "
+            f"off with {error.msg} at {at(error.pos)}."
+        )
+    return f"{where} holds no JSON object."
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    return "a number"
+
+
+def _keys(keys: Iterable[str]) -> str:
+    shown = sorted(keys)
+    listed = ", ".join(repr(clip(str(key))) for key in shown[:5])
+    return listed + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
+
+
+def _decide(data: dict[str, Any], text: str) -> Decision:
+    if "tool" in data and "answer" in data:
+        return _invalid(
+            'Your JSON object has both "tool" and "answer": send a tool call or an answer, '
+            "not both.",
+            text,
+        )
+    if "answer" in data:
+        if extra := data.keys() - _ANSWER_KEYS:
+            return _invalid(
+                f'Your answer object has keys other than "answer": {_keys(extra)}; '
+                "write any other text outside the JSON.",
+                text,
+            )
+        answer = data["answer"]
+        if not isinstance(answer, str):
+            return _invalid(f'"answer" must be a string, not {_kind(answer)}.', text)
+        return FinalAnswer(answer=answer, history_text=text)
+    if "tool" not in data:
+        keys = f"its keys are {_keys(data)}" if data else "it is empty"
+        return _invalid(f'Your JSON object has neither "tool" nor "answer" ({keys}).', text)
+    name, arguments = data["tool"], data.get("arguments", {})
+    if not isinstance(name, str):
+        return _invalid(f'"tool" must be the tool\'s name as a string, not {_kind(name)}.', text)
+    if not name:
+        return _invalid('"tool" is empty: name the tool to call.', text)
+    if not isinstance(arguments, dict):
+        return _invalid(f'"arguments" must be a JSON object, not {_kind(arguments)}.', text)
+    if extra := data.keys() - _TOOL_KEYS:
+        return _invalid(
+            f'Your tool call has keys other than "tool" and "arguments": {_keys(extra)}; '
+            'put the tool\'s arguments inside "arguments" and any other text outside the JSON.',
+            text,
+        )
+    shown = json.dumps(arguments, ensure_ascii=False, sort_keys=True)
+    return Action(
+        payload={"name": name, "arguments": arguments},
+        action_text=f"{name}({shown})",
+        history_text=text,
+    )
