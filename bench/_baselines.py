@@ -48,7 +48,7 @@ class PostgresOneCommitPerWrite(PostgresStore):
 
     async def _write(self, run_id: str, records: Sequence[Any], mode: Any, **options: Any) -> None:
         rows = [record_row(record) for record in records]
-        with self._used(run_id) as slot:
+        with self._writers.used(run_id) as slot:
             item = Item(
                 slot,
                 rows,
@@ -57,6 +57,7 @@ class PostgresOneCommitPerWrite(PostgresStore):
                 options.get("final", False),
                 options.get("reason"),
             )
-            (error,) = await anyio.to_thread.run_sync(self._committer.commit, slot.writer, [item])
+            commit = self._writers.committer.commit
+            (error,) = await anyio.to_thread.run_sync(commit, slot.writer, [item])
         if error is not None:
             raise error

@@ -42,8 +42,9 @@ from agent_kit import (
 )
 from polyloop import ModelCall, Replay, RunEnded, RunResult, StopReason, resume, run
 from polyloop.ports import Store
-from polyloop.stores import PostgresStore, _postgres, _postgres_sql
-from polyloop.stores._postgres_batch import Committer, open_connection
+from polyloop.stores import PostgresStore, _postgres_connect, _postgres_sql
+from polyloop.stores._postgres_batch import Committer
+from polyloop.stores._postgres_connect import open_connection
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
     DurableStoreContract,
@@ -951,7 +952,7 @@ class Statements:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.sent: list[str] = []
-        opened = _postgres.open_connection
+        opened = _postgres_connect.open_connection
 
         def open_writer(conninfo: str, *args: Any, **options: Any) -> psycopg.Connection[Any]:
             conn = opened(conninfo, *args, **options)
@@ -968,7 +969,7 @@ class Statements:
             conn.execute = counted  # type: ignore[method-assign]
             return conn
 
-        monkeypatch.setattr(_postgres, "open_connection", open_writer)
+        monkeypatch.setattr(_postgres_connect, "open_connection", open_writer)
 
 
 async def test_a_batch_of_more_than_a_thousand_rows_is_one_statement(

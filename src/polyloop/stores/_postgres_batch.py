@@ -21,26 +21,23 @@ of the batch is sent again on its own, so that the run at fault fails alone.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import psycopg
-from psycopg import sql
-from psycopg.rows import TupleRow
 
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import WriterState
 from polyloop.stores._lease import Lease
+from polyloop.stores._postgres_connect import Connection
 from polyloop.stores._postgres_sql import Queries, Row, run_id_column, run_key
 from polyloop.types import PolyLoopError, RunAlreadyExists, RunLocked, StoreError
 
 __all__ = (
     "Claim",
     "Committer",
-    "Connection",
     "Errors",
     "Item",
     "Mode",
@@ -49,10 +46,8 @@ __all__ = (
     "Writer",
     "check_mode",
     "fail_run",
-    "open_connection",
 )
 
-Connection = psycopg.Connection[TupleRow]
 # What a write does to the run: start it, append to it, or end it.
 Mode = Literal["start", "append", "end"]
 # One outcome per item of a batch: None (committed) or the error its caller sees.
@@ -414,26 +409,3 @@ def _roll_back(conn: Connection) -> None:
     """End the connection's open transaction, if any, without committing it."""
     if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         conn.execute("ROLLBACK")
-
-
-def open_connection(
-    conninfo: str, statement_timeout_s: float, *, name: str, **options: Any
-) -> Connection:
-    """An autocommit connection of the store object's own (a writer's, or its owner's),
-    with the statement timeout set and ``synchronous_commit`` on."""
-    conn = psycopg.connect(conninfo, autocommit=True, fallback_application_name=name, **options)
-    try:
-        set_statement_timeout(conn, seconds=statement_timeout_s)
-        row = conn.execute("SHOW synchronous_commit").fetchone()
-        if row is not None and row[0] == "off":
-            conn.execute("SET synchronous_commit = on")
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def set_statement_timeout(conn: Connection, *, seconds: float) -> None:
-    conn.execute(
-        sql.SQL("SET statement_timeout = {}").format(sql.Literal(max(1, math.ceil(seconds * 1000))))
-    )

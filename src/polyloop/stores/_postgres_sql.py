@@ -3,7 +3,7 @@
 :class:`Queries` holds every statement of one schema, with the schema quoted as an
 identifier and every value left to a bound parameter. The helpers compute what the store
 puts in a row (:func:`run_key`, :func:`run_id_column`, :func:`record_row`), the advisory
-lock keys (:func:`run_lock_key`, :func:`ddl_lock_key`), and how an id appears in an
+lock keys (:func:`owner_lock_key`, :func:`ddl_lock_key`), and how an id appears in an
 error (:func:`shown`). The store's module documentation describes the schema these
 serve.
 """
