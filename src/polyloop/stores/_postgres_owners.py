@@ -219,8 +219,8 @@ class Claims:
                 slot.claim = None
         if gone:
             with self._state.mutex:
-                if slot.users == 0:
-                    self._writers.remove(slot)
+                # forget() keeps a slot that a claim made since the delete now holds.
+                self._writers.forget(slot)
         return bool(gone)
 
     def _claim(self, writer: Writer, run_id: str, owner_id: str, generation: int) -> Claim:
