@@ -97,7 +97,8 @@ async def mcp_tools(
     :class:`ToolOverride`.
 
     Raises :class:`~polyloop.types.InvalidRequest` for an ill-typed argument, an override
-    naming a tool the server does not list, a name listed twice, or a tool whose schema
+    naming a tool the server does not list, a name listed twice, a listing whose pages
+    never end (a cursor handed back twice), or a tool whose schema
     or description a :class:`~polyloop.tools.ToolRegistry` would refuse (the message
     names the tool). Errors of the session itself (``mcp.MCPError`` and the like)
     propagate as raised.
@@ -150,6 +151,7 @@ def _check_arguments(prefix: object, trusted: object, overrides: object) -> None
 async def _list_all(session: mcp.ClientSession) -> list[mcp_types.Tool]:
     listed: list[mcp_types.Tool] = []
     cursor: str | None = None
+    seen: set[str] = set()
     while True:
         params = None if cursor is None else mcp_types.PaginatedRequestParams(cursor=cursor)
         page = await session.list_tools(params=params)
@@ -157,6 +159,10 @@ async def _list_all(session: mcp.ClientSession) -> list[mcp_types.Tool]:
         cursor = page.next_cursor
         if cursor is None:
             return listed
+        # A server that hands back a cursor twice would keep this loop going for ever.
+        if cursor in seen:
+            raise InvalidRequest(f"the MCP server's tool listing repeats the cursor {cursor!r}")
+        seen.add(cursor)
 
 
 def _spec(

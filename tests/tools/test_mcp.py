@@ -361,6 +361,15 @@ async def test_every_page_of_the_listing_is_mounted() -> None:
     assert [spec.name for spec in specs] == names
 
 
+async def test_a_listing_that_never_ends_is_refused() -> None:
+    class Looping(StandInSession):
+        async def list_tools(self, *, params: Any = None) -> mcp_types.ListToolsResult:
+            return mcp_types.ListToolsResult(tools=[], next_cursor="again")
+
+    with pytest.raises(InvalidRequest, match="repeats the cursor 'again'"):
+        await mcp_tools(Looping([]))
+
+
 @pytest.mark.parametrize(
     ("arguments", "complaint"),
     [
