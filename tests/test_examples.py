@@ -32,6 +32,24 @@ def test_quickstart_runs_crashes_and_resumes_without_repeating_steps(backend: st
     )
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_mcp_tools_mounts_a_servers_tools_and_runs_them_durably(backend: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "mcp_tools.py"), "--backend", backend],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.splitlines() == [
+        "mounted multiply: replay allowed",
+        "mounted submit: replay never, completes",
+        '  step 0: multiply({"a": 7, "b": 24}) -> 168',
+        '  step 1: submit({"answer": 168}) -> accepted 168 (idempotency key mcp-demo:1:action)',
+        "stop reason: submitted after 2 steps",
+    ]
+
+
 def _readme_commands() -> list[str]:
     readme = (EXAMPLES.parent / "README.md").read_text()
     blocks = readme.split("```sh\n")[1:]

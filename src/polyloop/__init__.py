@@ -41,7 +41,7 @@ from polyloop.session import (
     run_status,
     start_or_resume,
 )
-from polyloop.tools import ToolRegistry, ToolSpec
+from polyloop.tools import EnvironmentFault, ToolRegistry, ToolSpec
 from polyloop.types import (
     ActionStatus,
     Budget,
@@ -94,6 +94,7 @@ __all__ = (
     "Decision",
     "DecisionKind",
     "Definition",
+    "EnvironmentFault",
     "Event",
     "EventKind",
     "EventSink",

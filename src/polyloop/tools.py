@@ -30,7 +30,7 @@ from polyloop._shared import exception_text, plain_copy
 from polyloop.ports import Action, ActionExecutor, ActionOutcome
 from polyloop.types import ActionStatus, InvalidRequest, JSONValue, Replay, UnloggableValue
 
-__all__ = ("ToolRegistry", "ToolSpec")
+__all__ = ("EnvironmentFault", "ToolRegistry", "ToolSpec")
 
 # Refusal reasons are fed back to the model; a multi-megabyte argument must not turn
 # into a multi-megabyte reason, so every part that echoes caller data is clipped.
@@ -45,10 +45,22 @@ class ToolHandler(Protocol):
     """What performs a tool call: ``async (arguments, *, result_id) -> str``.
 
     ``result_id`` is stable across a replay after a crash, so a handler can use it as an
-    idempotency key. The returned text is the observation the model will see.
+    idempotency key. The returned text is the observation the model will see. A handler
+    that raises :class:`EnvironmentFault` reports that the environment behind the tool
+    broke; any other ``Exception`` is the tool's own failure, shown to the model.
     """
 
     def __call__(self, arguments: dict[str, JSONValue], /, *, result_id: str) -> Awaitable[str]: ...
+
+
+class EnvironmentFault(Exception):
+    """Raised by a tool handler when the environment behind the tool failed, not the tool.
+
+    A lost connection or a closed session says nothing about the tool's own answer, so
+    the registry's executor reports ``ActionStatus.ENV_FAULT`` with ``str(exc)`` as the
+    detail, and the run ends ``ENV_FAILURE``. Any other ``Exception`` from a handler is the
+    tool's own failure: an observation the model sees.
+    """
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,7 +69,10 @@ class ToolSpec:
 
     ``parameters`` is a JSON Schema (draft 2020-12) for the arguments object.
     ``replay`` says whether a call whose outcome was lost in a crash may run again;
-    ``completes`` marks a tool whose call submits the task.
+    ``completes`` marks a tool whose call submits the task. ``annotations``, a plain-JSON
+    dict, is where the tool came from and why it is configured as it is (an MCP server's
+    hints, say): the run's snapshot records it, so a change between a crash and the
+    resume is caught, but the model is not shown it.
     """
 
     name: str
@@ -66,6 +81,7 @@ class ToolSpec:
     handler: ToolHandler
     replay: Replay = Replay.NEVER
     completes: bool = False
+    annotations: Mapping[str, JSONValue] | None = None
 
 
 def _clip(text: str, limit: int) -> str:
@@ -130,6 +146,21 @@ def _checked_schema(name: str, parameters: object) -> dict[str, JSONValue]:
     return schema
 
 
+def _checked_annotations(name: str, annotations: object) -> dict[str, JSONValue] | None:
+    """A private deep copy of the annotations, or ``None`` when the tool has none."""
+    if annotations is None:
+        return None
+    if not isinstance(annotations, dict):
+        raise InvalidRequest(
+            f"tool {name!r}: annotations must be a dict or None, got {type(annotations).__name__}"
+        )
+    try:
+        copied: dict[str, JSONValue] = plain_copy(annotations, root="annotations", strict=True)
+    except UnloggableValue as exc:
+        raise InvalidRequest(f"tool {name!r}: {exc.reason}") from None
+    return copied
+
+
 def _checked_limit(max_observation_chars: object) -> int:
     if (
         not isinstance(max_observation_chars, int)
@@ -188,7 +219,10 @@ class ToolRegistry:
             if spec.name in checked:
                 raise InvalidRequest(f"tool {spec.name!r} is registered twice")
             schema = _checked_schema(spec.name, spec.parameters)
-            checked[spec.name] = dataclasses.replace(spec, parameters=schema)
+            annotations = _checked_annotations(spec.name, spec.annotations)
+            checked[spec.name] = dataclasses.replace(
+                spec, parameters=schema, annotations=annotations
+            )
             validators[spec.name] = Draft202012Validator(schema, registry=_LOCAL_ONLY)
         object.__setattr__(self, "_specs", checked)
         object.__setattr__(self, "_validators", validators)
@@ -228,20 +262,32 @@ class ToolRegistry:
         spec = self._lookup(name)
         if spec is None:
             return None
-        return dataclasses.replace(spec, parameters=plain_copy(spec.parameters))
+        return dataclasses.replace(
+            spec,
+            parameters=plain_copy(spec.parameters),
+            annotations=None if spec.annotations is None else plain_copy(spec.annotations),
+        )
 
     def describe(self) -> JSONValue:
-        """What the model is shown and the snapshot records: one plain-JSON dict per tool."""
-        return [
-            {
+        """What the model is shown and the snapshot records: one plain-JSON dict per tool.
+
+        ``annotations`` is present only for a tool that has them, so the description of
+        every other tool, and the identity of runs started before the field existed, is
+        unchanged.
+        """
+        described: list[JSONValue] = []
+        for spec in self._specs.values():
+            tool: dict[str, JSONValue] = {
                 "name": spec.name,
                 "description": spec.description,
                 "parameters": plain_copy(spec.parameters),
                 "replay": spec.replay.value,
                 "completes": spec.completes,
             }
-            for spec in self._specs.values()
-        ]
+            if spec.annotations is not None:
+                tool["annotations"] = plain_copy(spec.annotations)
+            described.append(tool)
+        return described
 
     def validate(self, name: str, arguments: object) -> str | None:
         """``None`` if the call may run, else the reason it is refused."""
@@ -346,22 +392,32 @@ def _parse_payload(payload: JSONValue) -> tuple[str, object] | str:
 
 async def _run_handler(
     spec: ToolSpec, arguments: dict[str, JSONValue], result_id: str
-) -> tuple[str, bool]:
-    """The handler's observation and whether the library made it up.
+) -> tuple[ActionStatus, str, bool]:
+    """The call's status, the handler's observation and whether the library made it up.
 
     ``arguments`` must be the handler's own copy: the payload belongs to the recorded
     action, and a handler that edits its arguments must not rewrite the trajectory.
     """
     try:
         result: object = await spec.handler(arguments, result_id=result_id)
+    except EnvironmentFault as exc:
+        return ActionStatus.ENV_FAULT, _fault_detail(exc), True
     except Exception as exc:  # noqa: BLE001 -- a failing tool is an observation, not a crash
-        return exception_text(exc), True
+        return ActionStatus.EXECUTED, exception_text(exc), True
     if not isinstance(result, str):
         return (
+            ActionStatus.EXECUTED,
             f"TypeError: tool {spec.name!r} returned {type(result).__name__}, expected str",
             True,
         )
-    return result, False
+    return ActionStatus.EXECUTED, result, False
+
+
+def _fault_detail(exc: EnvironmentFault) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 -- a broken __str__ must not hide the fault itself
+        return exception_text(exc)
 
 
 class RegistryExecutor:
@@ -386,9 +442,11 @@ class RegistryExecutor:
 
         A malformed payload, an unknown tool or arguments the tool's schema refuses give
         ``NOT_EXECUTED`` with the reason, and the handler is not called. A handler that
-        returns gives ``EXECUTED`` with its text; one that raises an ``Exception`` gives
-        ``EXECUTED`` with ``"ExceptionClass: message"``, marked synthesized. ``done`` is
-        always ``False``: a registry has no environment done signal.
+        returns gives ``EXECUTED`` with its text; one that raises
+        :class:`EnvironmentFault` gives ``ENV_FAULT`` with the exception's message; one
+        that raises any other ``Exception`` gives ``EXECUTED`` with
+        ``"ExceptionClass: message"``, marked synthesized. ``done`` is always ``False``: a
+        registry has no environment done signal.
 
         Cancellation: cancellation raised while the handler runs propagates out of this
         coroutine untouched (only ``Exception`` is caught, never ``BaseException``). The
@@ -401,8 +459,8 @@ class RegistryExecutor:
         accepted = self._registry._accepted(*call)
         if isinstance(accepted, str):
             return self._outcome(ActionStatus.NOT_EXECUTED, accepted, synthesized=True)
-        observation, synthesized = await _run_handler(*accepted, result_id)
-        return self._outcome(ActionStatus.EXECUTED, observation, synthesized=synthesized)
+        status, observation, synthesized = await _run_handler(*accepted, result_id)
+        return self._outcome(status, observation, synthesized=synthesized)
 
     def replay(self, action: Action) -> Replay:
         """The named tool's replay policy; ``NEVER`` for anything this registry cannot run."""

@@ -16,7 +16,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 SOURCE = TESTS.parent / "src" / "polyloop"
-OPTIONAL = ("polygateway", "openai", "psycopg", "psycopg_pool", "trio")
+OPTIONAL = ("polygateway", "openai", "psycopg", "psycopg_pool", "trio", "mcp")
 
 
 def modules_after(statement: str, *, extra_path: Path | None = None) -> set[str]:
@@ -81,3 +81,11 @@ def test_only_its_adapter_module_imports_an_adapter_package(package: str) -> Non
             path for path in importers if path.relative_to(SOURCE).parts[0] not in ("cli", "cli.py")
         }
     assert importers == {owner}
+
+
+def test_only_polyloop_mcp_imports_the_mcp_sdk() -> None:
+    importers = {path for path in SOURCE.rglob("*.py") if "mcp" in _imported_roots(path)}
+    assert importers == {SOURCE / "mcp.py"}
+    loaded = modules_after("import polyloop.mcp")
+    assert "mcp" in top_level(loaded)
+    assert top_level(loaded).isdisjoint(set(OPTIONAL) - {"mcp", "trio"})

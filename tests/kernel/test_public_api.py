@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import polyloop
+import polyloop.mcp
 from polyloop import interpreters, ports, serialization, session, tools, types
 
 # SPEC §12.1: where every public name lives.
@@ -74,7 +75,8 @@ NAMES_BY_MODULE = {
         "StoredRun",
         "reject_incomplete",
     },
-    tools: {"ToolSpec", "ToolRegistry"},
+    # issue 20: a handler reports a broken environment
+    tools: {"ToolSpec", "ToolRegistry", "EnvironmentFault"},
     session: {
         "Definition",
         "Request",
@@ -88,9 +90,11 @@ NAMES_BY_MODULE = {
 }
 # Modules imported by name, never re-exported at the top level.
 NAMED_MODULES = {
-    # issue 17, part 5: ready-made interpreters, one per action language
+    # issue 16, part 5: ready-made interpreters, one per action language
     interpreters: {"CodeBlockInterpreter", "JsonToolCallInterpreter"},
 }
+# issue 20: tools from MCP servers; imported explicitly, never re-exported at the top.
+MCP_NAMES = {"RESULT_ID_META_KEY", "MCPToolError", "ToolOverride", "mcp_tools"}
 ERRORS = {
     "PolyLoopError": Exception,
     "InvalidRequest": ValueError,
@@ -107,7 +111,7 @@ ERRORS = {
 
 @pytest.mark.parametrize(
     "module",
-    [polyloop, types, ports, tools, session, serialization, interpreters],
+    [polyloop, types, ports, tools, session, serialization, interpreters, polyloop.mcp],
     ids=lambda m: m.__name__,
 )
 def test_all_is_a_sorted_tuple_of_unique_existing_names(module: Any) -> None:
@@ -147,6 +151,11 @@ def test_top_level_reexports_the_same_objects_once() -> None:
     assert len({id(obj) for obj in objects}) == len(objects)
 
 
+def test_the_mcp_module_exports_its_names_and_the_top_level_none_of_them() -> None:
+    assert set(polyloop.mcp.__all__) == MCP_NAMES
+    assert MCP_NAMES.isdisjoint(polyloop.__all__)
+
+
 def test_codec_stays_in_serialization() -> None:
     for name in serialization.__all__:
         assert not hasattr(polyloop, name) or name not in polyloop.__all__
@@ -154,8 +163,9 @@ def test_codec_stays_in_serialization() -> None:
 
 def _public_callables() -> list[tuple[str, Any]]:
     found: list[tuple[str, Any]] = []
-    for name in polyloop.__all__:
-        obj = getattr(polyloop, name)
+    public = [(name, getattr(polyloop, name)) for name in polyloop.__all__]
+    public += [(name, getattr(polyloop.mcp, name)) for name in polyloop.mcp.__all__]
+    for name, obj in public:
         if inspect.isclass(obj):
             found.append((name, obj))
             for attr, member in vars(obj).items():
@@ -200,9 +210,10 @@ def test_no_private_type_appears_in_a_public_signature() -> None:
             target = obj.__init__
         else:
             target = obj
-        hints = typing.get_type_hints(target, localns=vars(polyloop))
+        scope = {**vars(polyloop), **vars(polyloop.mcp)}
+        hints = typing.get_type_hints(target, localns=scope)
         if dataclasses.is_dataclass(obj):
-            hints.update(typing.get_type_hints(obj, localns=vars(polyloop)))
+            hints.update(typing.get_type_hints(obj, localns=scope))
         for where, annotation in hints.items():
             for cls in _named_types(annotation):
                 if _is_private(cls) and cls.__module__.startswith("polyloop"):
@@ -235,7 +246,7 @@ def test_identity_mismatch_message_names_every_key() -> None:
 
 
 def test_value_types_are_frozen_slotted_keyword_only() -> None:
-    for module in (types, ports, session, interpreters):
+    for module in (types, ports, session, interpreters, polyloop.mcp):
         for name in module.__all__:
             obj = getattr(module, name)
             if inspect.isclass(obj) and dataclasses.is_dataclass(obj):
@@ -258,6 +269,7 @@ def _public_coroutines() -> list[tuple[str, Any, str]]:
         for name, function in ((name, getattr(polyloop, name)) for name in polyloop.__all__)
         if inspect.iscoroutinefunction(function)
     ]
+    found += [("mcp_tools", polyloop.mcp.mcp_tools, polyloop.mcp.mcp_tools.__doc__ or "")]
     classes = [getattr(polyloop, n) for n in polyloop.__all__]
     classes += [MemoryStore, JsonlStore, SqliteStore, PostgresStore]
     for cls in classes:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polyloop.ports import Action, ActionExecutor, ActionOutcome
-from polyloop.tools import ToolRegistry, ToolSpec
+from polyloop.tools import EnvironmentFault, ToolRegistry, ToolSpec
 from polyloop.types import ActionStatus, InvalidRequest, JSONValue, Replay
 
 pytestmark = pytest.mark.anyio
@@ -282,6 +282,38 @@ def test_get_returns_the_spec_or_none() -> None:
     assert registry.describe()[0]["parameters"]["type"] == "object"  # type: ignore[call-overload,index]
 
 
+def test_annotations_are_described_only_when_set() -> None:
+    hints: dict[str, JSONValue] = {"source": "mcp", "hints": {"readOnlyHint": True}}
+    registry = ToolRegistry(
+        [spec("plain"), spec("mounted", annotations=hints)], max_observation_chars=5
+    )
+    plain, mounted = registry.describe()  # type: ignore[misc]
+    assert "annotations" not in plain
+    assert mounted["annotations"] == hints
+    # Private copies: edits on either side change nothing in the registry.
+    hints["source"] = "edited"
+    got = registry.get("mounted")
+    assert got is not None and got.annotations is not None
+    got.annotations["source"] = "edited too"  # type: ignore[index]
+    assert registry.describe()[1]["annotations"]["source"] == "mcp"  # type: ignore[call-overload,index]
+    assert registry != ToolRegistry(
+        [spec("plain"), spec("mounted", handler=got.handler)], max_observation_chars=5
+    )
+
+
+@pytest.mark.parametrize(
+    ("annotations", "message"),
+    [
+        (["a"], "annotations must be a dict or None"),
+        ({"x": float("nan")}, "annotations"),
+        ({1: "x"}, "annotations"),
+    ],
+)
+def test_bad_annotations_are_refused(annotations: Any, message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        ToolRegistry([spec("a", annotations=annotations)], max_observation_chars=5)
+
+
 def test_marks_completion() -> None:
     registry = ToolRegistry(
         [spec("search"), spec("submit", completes=True)], max_observation_chars=5
@@ -522,6 +554,21 @@ async def test_handler_exception_becomes_a_synthesized_observation() -> None:
         observation="ValueError: boom",
         synthesized=True,
         done=False,
+    )
+
+
+async def test_an_environment_fault_from_a_handler_is_an_env_fault() -> None:
+    async def unreachable(arguments: dict[str, JSONValue], *, result_id: str) -> str:
+        raise EnvironmentFault("the server went away")
+
+    registry = ToolRegistry([spec("far", unreachable, completes=True)], max_observation_chars=12)
+    outcome = await registry.executor().execute(call("far", {}), result_id="r")
+    assert outcome == ActionOutcome(
+        status=ActionStatus.ENV_FAULT,
+        observation="the server w",
+        synthesized=True,
+        done=False,
+        truncated_chars=len("the server went away") - 12,
     )
 
 
