@@ -456,12 +456,24 @@ class FleetReport:
     payments_before_kill: int = 0
     orphans: tuple[str, ...] = ()  # the victim's runs left unfinished when it died
     inside_pay: tuple[str, ...] = ()  # of those, the ones killed between pay's intent and result
+    victim_runs: frozenset[str] = frozenset()  # every run of the victim's slot
     killed_at: float = 0.0  # time.time()
     summaries: list[WorkerSummary] = field(default_factory=list)  # of the workers not killed
     stop_reasons: Counter[str] = field(default_factory=Counter)
     in_doubt: tuple[str, ...] = ()
     unfinished: int = 0
     payments: Counter[str] = field(default_factory=Counter)  # result id -> executions
+
+    def add_orphans_recovered_before_the_count(self) -> None:
+        """Add the victim's runs that a live worker resumed to their end before they were
+        counted: the kill left them unfinished too."""
+        recovered = {
+            run_id
+            for summary in self.summaries
+            for run_id in summary.at_start.recovered + summary.at_end.recovered
+        }
+        missed = (recovered & self.victim_runs) - set(self.orphans)
+        self.orphans += tuple(sorted(missed))
 
     def recoveries(self) -> list[Recovery]:
         """The ``recover`` calls that resumed the dead worker's runs, each run counted once."""
@@ -525,19 +537,21 @@ async def kill_mid_flight(victim: WorkerProcess, app: AppTables, after_payments:
         await anyio.sleep(0.005)
 
 
-async def left_unfinished(store: PostgresStore, run_ids: set[str]) -> list[RunStatus]:
-    """The runs among ``run_ids`` left unfinished, once the server has dropped their claims.
+async def left_by_the_kill(store: PostgresStore, run_ids: set[str]) -> list[RunStatus]:
+    """The runs among ``run_ids`` the kill left unfinished, once their claims are gone.
 
     A dead worker's claims go when the server closes its sessions, which it does as
     soon as it notices the closed connections; until then the runs read as running.
+    Another worker's ``recover()`` may already have taken some of them up: a run that
+    ended in doubt can only have been left by the kill, so it counts here; one already
+    resumed to a normal end shows up later, in that worker's report.
     """
     with anyio.fail_after(30):
         while True:
-            listed = [
-                run for run in await store.list_runs(unfinished_only=True) if run.run_id in run_ids
-            ]
+            listed = [run for run in await store.list_runs() if run.run_id in run_ids]
             if not any(run.claimed for run in listed):
-                return [await run_status(store, run.run_id) for run in listed]
+                statuses = [await run_status(store, run.run_id) for run in listed]
+                return [status for status in statuses if status.state is not RunState.FINISHED]
             await anyio.sleep(0.01)
 
 
@@ -561,7 +575,8 @@ async def kill_and_restart(
         return None
     report.killed_at = time.time()
     report.victim, report.payments_before_kill = victim.slot, paid
-    orphans = await left_unfinished(store, mine)
+    report.victim_runs = frozenset(mine)
+    orphans = await left_by_the_kill(store, mine)
     report.orphans = tuple(status.run_id for status in orphans)
     report.inside_pay = tuple(status.run_id for status in orphans if inside_never_tool(status))
     return await WorkerProcess.start(settings, victim.slot)
@@ -604,6 +619,7 @@ async def run_fleet(settings: Settings, *, kill: bool) -> FleetReport:
                         workers.append(restarted)
                         group.start_soon(restarted.collect)
             report.summaries = [w.summary for w in workers if w.summary is not None]
+            report.add_orphans_recovered_before_the_count()
             await read_outcome(store, jobs, report)
         report.payments = await in_thread(app.payment_counts)
     finally:
