@@ -266,7 +266,6 @@ async def test_one_run_of_5000_steps_keeps_no_more_than_its_history(
 # -- resume time against log length --------------------------------------------------------
 
 RESUME_SIZES = (1_000, 5_000, 20_000)
-RESUME_REPEATS = 3
 
 
 class CountingStore:
@@ -335,56 +334,28 @@ async def _logged_run(directory: Path, template: Sequence[Record], size: int) ->
     return started + body.encode("utf-8")
 
 
-async def test_resume_time_grows_linearly_with_the_log(tmp_path: Path, anyio_backend: str) -> None:
-    """``resume`` of logs of 1k, 5k and 20k steps: the time per logged step stays flat.
+async def test_resume_reads_a_log_once_whatever_its_length(tmp_path: Path) -> None:
+    """Every resume reads the whole log once, rebuilds the transcript from the step
+    records, finds the budget spent and writes the end record, at 1k, 5k and 20k steps.
 
-    Every resume reads the whole log, rebuilds the transcript from the step records,
-    finds the budget spent and writes the end record. Repeats are interleaved across the
-    sizes (so that a busy moment on the machine hits all of them alike) and the fastest
-    of each size counts. The check is generous and one-sided: the time per logged step
-    at 20k may be at most twice that at 1k, which also carries the fixed cost of a
-    resume. A structural check does not depend on timing at all: every resume reads the
-    log exactly once, whatever its length.
+    How resume time grows with the log is a speed figure, measured by benchmark 4
+    (``bench/recovery.py``), not here: timed assertions fail on a busy machine.
     """
     template = await _step_template()
     directory = tmp_path / "runs"
-    logs = {size: await _logged_run(directory, template, size) for size in RESUME_SIZES}
-    best: dict[int, float] = {}
-    for _ in range(RESUME_REPEATS):
-        for size in RESUME_SIZES:
-            run_id = f"resume-{size}"
-            path = directory / f"{safe_name(run_id)}.jsonl"
-            path.write_bytes(logs[size])
-            store = CountingStore(JsonlStore(directory))
-            gc.collect()
-            began = time.perf_counter()
-            try:
-                result = await resume(
-                    definition(store, model=InstantModel(size + 1)), _request(run_id, size)
-                )
-            finally:
-                elapsed = time.perf_counter() - began
-                await close_store(store.inner)
-            assert result.resumed
-            assert result.stop_reason is StopReason.STEP_LIMIT
-            assert result.step_count == size
-            assert store.reads == 1, f"resume read a log of {size} steps {store.reads} times"
-            best[size] = min(best.get(size, elapsed), elapsed)
-    per_step = {size: best[size] / size for size in RESUME_SIZES}
-    xs, ys = list(RESUME_SIZES), [best[size] for size in RESUME_SIZES]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum(
-        (x - mean_x) ** 2 for x in xs
-    )
-    intercept = mean_y - slope * mean_x
-    print(
-        f"\nresume on JsonlStore ({anyio_backend}): "
-        + ", ".join(
-            f"{size} steps {best[size] * 1e3:.0f} ms ({per_step[size] * 1e6:.1f} us/step)"
-            for size in RESUME_SIZES
-        )
-        + f"; least-squares slope {slope * 1e6:.1f} us per logged step, intercept "
-        f"{intercept * 1e3:.1f} ms; per-step ratio 20k/1k "
-        f"{per_step[RESUME_SIZES[-1]] / per_step[RESUME_SIZES[0]]:.2f}"
-    )
-    assert per_step[RESUME_SIZES[-1]] <= 2 * per_step[RESUME_SIZES[0]]
+    for size in RESUME_SIZES:
+        run_id = f"resume-{size}"
+        path = directory / f"{safe_name(run_id)}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(await _logged_run(directory, template, size))
+        store = CountingStore(JsonlStore(directory))
+        try:
+            result = await resume(
+                definition(store, model=InstantModel(size + 1)), _request(run_id, size)
+            )
+        finally:
+            await close_store(store.inner)
+        assert result.resumed
+        assert result.stop_reason is StopReason.STEP_LIMIT
+        assert result.step_count == size
+        assert store.reads == 1, f"resume read a log of {size} steps {store.reads} times"
