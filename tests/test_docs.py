@@ -210,9 +210,9 @@ def test_every_cited_test_exists(page: str, file: str, name: str) -> None:
             f"{page} cites tests/{file}::{name}, but there is no class {cls}"
         )
     if classes and not re.search(rf"^\s+(async )?def {function}\b", text, re.MULTILINE):
-        # A test a contract class inherits from polyloop.testing.store_contract.
-        contract = ROOT / "src" / "polyloop" / "testing" / "store_contract.py"
-        text = contract.read_text(encoding="utf-8")
+        # A test a contract class inherits from one of the suites in polyloop.testing.
+        contracts = (ROOT / "src" / "polyloop" / "testing").glob("*_contract.py")
+        text = "\n".join(contract.read_text(encoding="utf-8") for contract in contracts)
     assert re.search(rf"^\s*(async )?def {function}\b", text, re.MULTILINE), (
         f"{page} cites tests/{file}::{name}, which does not exist"
     )

@@ -172,7 +172,10 @@ class ActionOutcome:
 
 @runtime_checkable
 class ModelClient(Protocol):
-    """Calls a model. Failure is an exception; the library never retries."""
+    """Calls a model. Failure is an exception; the library never retries.
+
+    ``polyloop.testing.model_client_contract`` checks a downstream implementation.
+    """
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """The reproducibility parameters of this client (model identity, sampling)."""
@@ -190,7 +193,10 @@ class ModelClient(Protocol):
 
 @runtime_checkable
 class Interpreter(Protocol):
-    """Turns a model reply into a decision. Pure and synchronous."""
+    """Turns a model reply into a decision. Pure and synchronous.
+
+    ``polyloop.testing.interpreter_contract`` checks a downstream implementation.
+    """
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """The reproducibility parameters of this interpreter."""
@@ -203,7 +209,10 @@ class Interpreter(Protocol):
 
 @runtime_checkable
 class ActionExecutor(Protocol):
-    """Performs actions for one run. Discrimination is by status, never by exception."""
+    """Performs actions for one run. Discrimination is by status, never by exception.
+
+    ``polyloop.testing.executor_contract`` checks a downstream implementation.
+    """
 
     async def execute(self, action: Action, *, result_id: str) -> ActionOutcome:
         """Perform ``action``; ``result_id`` is stable across a replay after a crash.
@@ -408,7 +417,10 @@ class Event:
 
 @runtime_checkable
 class EventSink(Protocol):
-    """Receives progress events. A failing sink is counted, logged and never re-entered."""
+    """Receives progress events. A failing sink is counted, logged and never re-entered.
+
+    ``polyloop.testing.event_sink_contract`` checks a downstream implementation.
+    """
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """The reproducibility parameters of this sink (usually none)."""

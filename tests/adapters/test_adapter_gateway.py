@@ -43,7 +43,7 @@ from polyloop import (
 from polyloop.stores import MemoryStore
 
 _STANDIN = str(Path(__file__).resolve().parent / "polygateway_standin")
-USING_STANDIN = importlib.util.find_spec("polygateway") is None
+USING_STANDIN = _STANDIN in sys.path or importlib.util.find_spec("polygateway") is None
 if USING_STANDIN and _STANDIN not in sys.path:
     sys.path.insert(0, _STANDIN)
 

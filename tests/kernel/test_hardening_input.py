@@ -34,12 +34,17 @@ from agent_kit import (
     tool_call,
 )
 from polyloop import (
+    Action,
     ActionStatus,
     Budget,
+    Decision,
     DecisionKind,
     Intent,
     IntentKind,
+    Interpreter,
     InvalidRequest,
+    JSONValue,
+    ModelReply,
     PolyLoopError,
     Result,
     RunEnded,
@@ -55,7 +60,7 @@ from polyloop import (
 from polyloop._recovery import RecoveryState, read_plan
 from polyloop.serialization import dumps
 from polyloop.stores import MemoryStore
-from polyloop.testing import ScriptedModelClient
+from polyloop.testing import JsonActionInterpreter, ScriptedModelClient
 from store_kit import STORE_KINDS, Stores
 
 pytestmark = pytest.mark.anyio
@@ -83,6 +88,7 @@ async def run_then_resume(
     run_id: str,
     script: Sequence[Any],
     tools: ToolRegistry,
+    interpreter: Interpreter | None = None,
     **overrides: Any,
 ) -> tuple[RunResult, list[Any]]:
     """Run to the end, check the log reads back, resume the finished run on a new object.
@@ -90,7 +96,10 @@ async def run_then_resume(
     Returns the result and the records as read back from the store.
     """
     store = stores.open()
-    result = await run(definition(store, script=script), request(run_id, tools, **overrides))
+    result = await run(
+        definition(store, script=script, interpreter=interpreter),
+        request(run_id, tools, **overrides),
+    )
     log = await store.read_log(run_id)
     plan = read_plan(log)
     assert plan.state is RecoveryState.FINISHED
@@ -98,7 +107,10 @@ async def run_then_resume(
     logged_steps = [record for record in log.records if isinstance(record, StepRecord)]
     assert timeless(logged_steps) == timeless(result.steps)
     again_on = await stores.reopen(store)
-    again = await resume(definition(again_on, script=script), request(run_id, tools, **overrides))
+    again = await resume(
+        definition(again_on, script=script, interpreter=interpreter),
+        request(run_id, tools, **overrides),
+    )
     assert again.resumed
     assert same_outcome(result, again)
     return result, list(log.records)
@@ -202,6 +214,31 @@ NON_FINITE = {
 }
 
 
+class LenientInterpreter:
+    """Reads replies as the test double does, but with Python's own lenient JSON parser.
+
+    Every interpreter PolyLoop ships refuses NaN and Infinity itself; one of your own
+    may not, and the loop must still refuse what it cannot record.
+    """
+
+    def parameters(self) -> Mapping[str, JSONValue]:
+        return {"kind": "lenient-json"}
+
+    def interpret(self, reply: ModelReply) -> Decision:
+        try:
+            data = json.loads(reply.content)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("tool"), str):
+            name = data["tool"]
+            return Action(
+                payload={"name": name, "arguments": data.get("arguments", {})},
+                action_text=name,
+                history_text=reply.content,
+            )
+        return JsonActionInterpreter().interpret(reply)
+
+
 async def test_non_finite_numbers_in_arguments_are_refused_without_an_action_intent(
     stores: Stores,
 ) -> None:
@@ -210,7 +247,9 @@ async def test_non_finite_numbers_in_arguments_are_refused_without_an_action_int
     # itself, so that reply is an invalid decision rather than an action.
     huge_int = '{"tool": "double", "arguments": {"n": ' + "7" * 5_000 + "}}"
     script = [*NON_FINITE.values(), huge_int, tool_call("double", n=2), answer("4")]
-    result, records = await run_then_resume(stores, "r", script, make_tools(ledger))
+    result, records = await run_then_resume(
+        stores, "r", script, make_tools(ledger), interpreter=LenientInterpreter()
+    )
     assert result.stop_reason is StopReason.FINAL_ANSWER
     refused = result.steps[:4]
     for step in refused:

@@ -179,6 +179,11 @@ JSON_FAILURES = [
         '{"tool": "add", "arguments": {"a": NaN}}',
         "Your reply uses NaN, which is not JSON: write numbers as numbers.",
     ),
+    (
+        "number beyond a float",
+        '{"tool": "add", "arguments": {"a": 1e400}}',
+        "Your reply holds the number 1e400, too large to use: write a smaller number.",
+    ),
     ("too deep", "[" * 100_000 + "]" * 100_000, "Your reply holds JSON nested too deeply to read."),
     (
         "unclosed fence",

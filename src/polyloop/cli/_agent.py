@@ -14,6 +14,7 @@ import ast
 import csv
 import io
 import json
+import math
 import operator
 import re
 from collections.abc import Callable, Mapping
@@ -209,7 +210,21 @@ def _number(value: float | int) -> str:
 # -- the interpreter ------------------------------------------------------------------------
 
 _FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)```", re.DOTALL)
-_DECODER = json.JSONDecoder()
+
+
+def _not_json(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    # NaN, Infinity and numbers beyond a float would make a payload no log can carry.
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text} is too large for a float")
+    return number
+
+
+_DECODER = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
 
 
 class TextToolInterpreter:

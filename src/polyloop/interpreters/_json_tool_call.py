@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,19 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(name)
 
 
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+class _OutOfRange(ValueError):
+    """A JSON number too large for a float."""
+
+
+def _finite_float(text: str) -> float:
+    # "1e400" is JSON, but Python reads it as infinity, which the log cannot carry either.
+    number = float(text)
+    if not math.isfinite(number):
+        raise _OutOfRange(text)
+    return number
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,6 +137,8 @@ def _parse(source: str, *, first_line: int, block: FencedBlock | None) -> dict[s
         if source[start] in "{[":
             return f"{where} is not valid JSON: {exc.msg} at {at(exc.pos)}."
         return _prose_before_object(source, where, at, fenced=block is not None)
+    except _OutOfRange as exc:
+        return f"{where} holds the number {exc}, too large to use: write a smaller number."
     except ValueError as exc:  # NaN or Infinity, refused by _refuse_constant
         return f"{where} uses {exc}, which is not JSON: write numbers as numbers."
     except RecursionError:

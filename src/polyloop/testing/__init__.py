@@ -6,6 +6,12 @@
 * :class:`ScriptedEnvironment`: an action executor that answers from a script, by step.
 * :class:`FaultyStore`: wraps a store and simulates a crash after the k-th write.
 * :class:`RecordingSink`: an event sink that keeps every event.
+
+The contract every implementation of a seam keeps is a pytest suite to subclass, in a
+submodule of its own, imported by name because it needs pytest:
+:mod:`~polyloop.testing.store_contract`, :mod:`~polyloop.testing.model_client_contract`,
+:mod:`~polyloop.testing.interpreter_contract` (which also needs Hypothesis),
+:mod:`~polyloop.testing.executor_contract` and :mod:`~polyloop.testing.event_sink_contract`.
 """
 
 from polyloop.testing._doubles import (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import anyio
@@ -120,7 +121,7 @@ class JsonActionInterpreter:
         if (rejected := reject_incomplete(reply)) is not None:
             return rejected  # cut off, filtered or refused: never acted on
         try:
-            data = json.loads(reply.content)
+            data = json.loads(reply.content, parse_constant=_not_json, parse_float=_finite)
         except (ValueError, RecursionError):  # not JSON, or nested beyond the parser
             data = None
         if isinstance(data, dict):
@@ -135,6 +136,18 @@ class JsonActionInterpreter:
                     history_text=reply.content,
                 )
         return InvalidDecision(feedback=self.FEEDBACK, history_text=reply.content)
+
+
+def _not_json(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    # NaN, Infinity and numbers beyond a float would make a payload no log can carry.
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text} is too large for a float")
+    return number
 
 
 class ScriptedEnvironment:
