@@ -2,8 +2,10 @@
 
 The messages of a model call are, in this order: the run context; one system message
 with the injected entries (only if there is one); one system message with the tool list
-(only if there are tools); the goal context; then, per finished step, the assistant's
-history text and, if the step produced one, the observation wrapped in the template.
+(only if there are tools and the tool style renders them); the goal context; then, per
+finished step, the assistant's history text and, if the step produced one, the
+observation wrapped in the template. A step that answered a native tool call keeps the
+call as a block of the assistant message and its observation as the call's result.
 
 With nothing injected and no tools the result is exactly ``run_context + goal_context +
 history``: an experiment's baseline must not change because an empty slot exists.
@@ -21,7 +23,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from polyloop._shared import canonical_json
-from polyloop.types import Injection, JSONValue, Message, Role, TextBlock, ToolStyle
+from polyloop.types import (
+    ContentBlock,
+    Injection,
+    JSONValue,
+    Message,
+    Role,
+    TextBlock,
+    ToolCallBlock,
+    ToolResultBlock,
+    ToolStyle,
+)
 
 SYSTEM_CHANNEL = "system"
 
@@ -38,11 +50,12 @@ def unknown_channels(injection: Injection) -> tuple[str, ...]:
 
 
 def render_tools(tools: Sequence[Mapping[str, Any]], style: ToolStyle) -> str | None:
-    """The text of the tool-list message, or ``None`` when there are no tools.
+    """The text of the tool-list message, or ``None`` when there is none to show.
 
-    Only what the model needs is shown: name, description and the parameter schema.
+    Only what the model needs is shown: name, description and the parameter schema. The
+    native style shows nothing: the model client sends the tools in its API's form.
     """
-    if not tools:
+    if not tools or style is ToolStyle.NATIVE:
         return None
     if style is ToolStyle.JSON:
         return "\n".join(
@@ -76,13 +89,32 @@ def prefix(
     return (*run_context, *slots, *goal_context)
 
 
-def step_messages(history_text: str, observation: str | None, template: str) -> tuple[Message, ...]:
-    """The messages one finished step adds to the history."""
-    said = Message(role=Role.ASSISTANT, content=(TextBlock(text=history_text),))
+def step_messages(
+    history_text: str,
+    observation: str | None,
+    template: str,
+    tool_call: ToolCallBlock | None = None,
+) -> tuple[Message, ...]:
+    """The messages one finished step adds to the history.
+
+    With a native ``tool_call``, the assistant message holds the call after its text (no
+    text block when the text is empty, as APIs send such a reply), and the observation
+    answers the call as its result.
+    """
+    if tool_call is None:
+        said: tuple[ContentBlock, ...] = (TextBlock(text=history_text),)
+    else:
+        said = (TextBlock(text=history_text), tool_call) if history_text else (tool_call,)
+    spoken = Message(role=Role.ASSISTANT, content=said)
     if observation is None:
-        return (said,)
+        return (spoken,)
     seen = template.format(observation=observation)
-    return (said, Message(role=Role.USER, content=(TextBlock(text=seen),)))
+    answer: ContentBlock = (
+        TextBlock(text=seen)
+        if tool_call is None
+        else ToolResultBlock(call_id=tool_call.call_id, text=seen)
+    )
+    return (spoken, Message(role=Role.USER, content=(answer,)))
 
 
 def size(messages: Iterable[Message]) -> int:
@@ -98,10 +130,21 @@ def canonical(value: JSONValue) -> bytes:
 
 def message_json(message: Message) -> JSONValue:
     """A message as plain JSON (role and typed blocks)."""
-    return {
-        "role": message.role.value,
-        "content": [{"type": "text", "text": block.text} for block in message.content],
-    }
+    return {"role": message.role.value, "content": [block_json(b) for b in message.content]}
+
+
+def block_json(block: ContentBlock) -> JSONValue:
+    """A content block as plain JSON, tagged with its type."""
+    if isinstance(block, ToolCallBlock):
+        return {
+            "type": "tool_call",
+            "call_id": block.call_id,
+            "name": block.name,
+            "arguments": block.arguments,
+        }
+    if isinstance(block, ToolResultBlock):
+        return {"type": "tool_result", "call_id": block.call_id, "text": block.text}
+    return {"type": "text", "text": block.text}
 
 
 def messages_sha256(messages: Iterable[Message]) -> str:

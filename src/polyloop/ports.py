@@ -29,6 +29,7 @@ from polyloop.types import (
     RunLog,
     RunStarted,
     StepRecord,
+    ToolCallBlock,
     Usage,
 )
 
@@ -60,7 +61,9 @@ class ModelCall:
 
     ``call_index`` counts model calls within the run from 0; ``result_id`` is the id the
     library allocated for this call's result before making it; ``binding`` is the
-    request's binding, passed through untouched.
+    request's binding, passed through untouched. ``tools`` is empty unless the request's
+    tool style is ``NATIVE``: then it holds each tool's ``name``, ``description`` and
+    ``parameters`` (a JSON Schema), for the client to send in its API's own form.
     """
 
     messages: tuple[Message, ...]
@@ -68,6 +71,7 @@ class ModelCall:
     run_id: str
     result_id: str
     binding: Mapping[str, str]
+    tools: tuple[Mapping[str, JSONValue], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,7 +81,8 @@ class ModelReply:
     The optional fields say what the server reported about the reply, ``None`` where it
     reported nothing: ``finish``, how the reply ended; ``usage``, the tokens the call
     used; ``model``, the model the server says answered; ``refusal``, the model's refusal
-    text. A client that knows none of them leaves them out.
+    text. A client that knows none of them leaves them out. ``tool_calls`` holds the
+    native tool calls of the reply, in the order the model made them.
     """
 
     call_id: str | None
@@ -87,6 +92,7 @@ class ModelReply:
     usage: Usage | None = None
     model: str | None = None
     refusal: str | None = None
+    tool_calls: tuple[ToolCallBlock, ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -99,11 +105,16 @@ _INCOMPLETE = frozenset({FinishReason.LENGTH, FinishReason.CONTENT_FILTER, Finis
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Action:
-    """Run this action. ``payload`` goes to the executor; the texts go to the trajectory."""
+    """Run this action. ``payload`` goes to the executor; the texts go to the trajectory.
+
+    ``tool_call`` is the native tool call the action answers, if it came from one: the
+    history then holds the call as structured content and the observation as its result.
+    """
 
     payload: JSONValue
     action_text: str
     history_text: str
+    tool_call: ToolCallBlock | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -25,6 +25,7 @@ from polyloop._errors import (
     StoreError,
     UnloggableValue,
 )
+from polyloop._shared import canonical_json
 
 __all__ = (
     "ActionStatus",
@@ -60,6 +61,8 @@ __all__ = (
     "StopReason",
     "StoreError",
     "TextBlock",
+    "ToolCallBlock",
+    "ToolResultBlock",
     "ToolStyle",
     "UnloggableValue",
     "Usage",
@@ -197,10 +200,17 @@ def _sum(a: int | None, b: int | None) -> int | None:
 
 
 class ToolStyle(enum.StrEnum):
-    """How the tool list is rendered into the prompt."""
+    """How the model is told about the tools.
+
+    ``JSON`` and ``MARKDOWN`` render the tool list into the prompt; ``NATIVE`` renders
+    nothing and hands the tools to the model client (:attr:`ModelCall.tools`), which
+    sends them in its API's own form, and the calls come back as
+    :class:`ToolCallBlock` values.
+    """
 
     JSON = "json"
     MARKDOWN = "markdown"
+    NATIVE = "native"
 
 
 class IntentKind(enum.StrEnum):
@@ -221,8 +231,38 @@ class TextBlock:
         return len(self.text)
 
 
-ContentBlock: TypeAlias = TextBlock
-"""One block of a message. Only text exists today; code must handle blocks one by one."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCallBlock:
+    """A native tool call the model made: the server's call id, the tool and its arguments.
+
+    ``arguments`` is the parsed arguments object; a model client that received text it
+    could not parse passes that text on as a string, for the interpreter to refuse.
+    """
+
+    call_id: str
+    name: str
+    arguments: JSONValue
+
+    def size(self) -> int:
+        """Its share of the context-size metric: the characters of the name and of the
+        arguments as canonical JSON (what the model wrote, give or take the spacing)."""
+        return len(self.name) + len(canonical_json(self.arguments))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolResultBlock:
+    """What a native tool call gave back, sent with the id of the call it answers."""
+
+    call_id: str
+    text: str
+
+    def size(self) -> int:
+        """Its share of the context-size metric: the length of the text in characters."""
+        return len(self.text)
+
+
+ContentBlock: TypeAlias = TextBlock | ToolCallBlock | ToolResultBlock
+"""One block of a message. The union grows; code must handle blocks one by one."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -272,7 +312,8 @@ class RunStarted:
 class Intent:
     """Written, and made durable, before a side effect is performed.
 
-    ``action_text`` and ``history_text`` are set on action intents only: they let a run
+    ``action_text``, ``history_text`` and, for a native tool call, ``tool_call`` are set
+    on action intents only: they let a run
     resumed after a crash replay an interrupted action without interpreting the model
     reply again.
     """
@@ -286,6 +327,7 @@ class Intent:
     payload: JSONValue
     action_text: str | None = None
     history_text: str | None = None
+    tool_call: ToolCallBlock | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -306,6 +348,8 @@ class StepRecord:
     the same run resumed after a crash. ``finish``, ``usage``, ``model`` and ``refusal``
     say how the model's reply ended, what the call cost and which model the server says
     answered, as the model client reported them (``None`` where it did not).
+    ``tool_call`` is the native tool call the step's action came from, if it came from
+    one: the history holds it as structured content, and the observation answers it.
     """
 
     run_id: str
@@ -328,6 +372,7 @@ class StepRecord:
     usage: Usage | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     model: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     refusal: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    tool_call: ToolCallBlock | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -291,7 +291,15 @@ def test_render_no_tools_is_none(style: ToolStyle) -> None:
     assert render_tools([], style) is None
 
 
-@pytest.mark.parametrize("style", list(ToolStyle), ids=lambda s: s.value)
+RENDERED_STYLES = [style for style in ToolStyle if style is not ToolStyle.NATIVE]
+
+
+def test_the_native_style_renders_no_tool_list() -> None:
+    """The model client sends the tools in its API's form; the prompt holds none."""
+    assert render_tools([SEARCH, SUBMIT], ToolStyle.NATIVE) is None
+
+
+@pytest.mark.parametrize("style", RENDERED_STYLES, ids=lambda s: s.value)
 def test_render_tools_shows_only_name_description_parameters(style: ToolStyle) -> None:
     plain = {"name": "t", "description": "d", "parameters": {"type": "object"}}
     extended = {**plain, "replay": "allowed", "completes": True, "secret": "xyzzy"}

@@ -54,6 +54,9 @@ NAMES_BY_MODULE = {
         # issue 15: what the model said about its reply
         "FinishReason",
         "Usage",
+        # issue 16: native tool calls as content blocks
+        "ToolCallBlock",
+        "ToolResultBlock",
     },
     ports: {
         "ModelClient",
@@ -91,7 +94,7 @@ NAMES_BY_MODULE = {
 # Modules imported by name, never re-exported at the top level.
 NAMED_MODULES = {
     # issue 16, part 5: ready-made interpreters, one per action language
-    interpreters: {"CodeBlockInterpreter", "JsonToolCallInterpreter"},
+    interpreters: {"CodeBlockInterpreter", "JsonToolCallInterpreter", "NativeToolCallInterpreter"},
 }
 # issue 20: tools from MCP servers; imported explicitly, never re-exported at the top.
 MCP_NAMES = {"RESULT_ID_META_KEY", "MCPToolError", "ToolOverride", "mcp_tools"}

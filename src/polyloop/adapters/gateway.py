@@ -30,7 +30,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from polyloop.ports import ModelCall, ModelReply
-from polyloop.types import FinishReason, JSONValue, Message, Usage
+from polyloop.types import FinishReason, JSONValue, Message, TextBlock, Usage
 
 __all__ = ("GATEWAY_ERRORS", "REPLY_FIELDS", "GatewayModelClient")
 
@@ -157,9 +157,12 @@ def _identity(settings: _Settings) -> dict[str, JSONValue]:
 
 
 def _gateway_message(message: Message) -> dict[str, Any]:
+    texts = [block.text for block in message.content if isinstance(block, TextBlock)]
+    if len(texts) != len(message.content):
+        raise ValueError("the gateway adapter sends text blocks only; this message has others")
     return {
         "role": message.role.value,  # "system" | "user" | "assistant", as the gateway spells them
-        "content": "".join(block.text for block in message.content),
+        "content": "".join(texts),
     }
 
 
@@ -255,7 +258,16 @@ class GatewayModelClient:
         return dict(self._parameters)
 
     async def call(self, call: ModelCall) -> ModelReply:
-        """Make one call through ``chat``; its exceptions and cancellation pass through."""
+        """Make one call through ``chat``; its exceptions and cancellation pass through.
+
+        The native tool style is refused (``ValueError``): how the gateway carries tool
+        calls is not known yet, so it is not guessed at.
+        """
+        if call.tools:
+            raise ValueError(
+                "the gateway adapter does not support the native tool style yet (the "
+                "gateway's tool protocol is not known): use ToolStyle.JSON or MARKDOWN"
+            )
         messages = [_gateway_message(message) for message in call.messages]
         return _reply(await _chat(self._client, messages, call.binding))
 

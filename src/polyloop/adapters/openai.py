@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, cast
@@ -65,7 +66,15 @@ import openai
 from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 from polyloop.ports import ModelCall, ModelReply
-from polyloop.types import FinishReason, JSONValue, Message, Usage
+from polyloop.types import (
+    FinishReason,
+    JSONValue,
+    Message,
+    TextBlock,
+    ToolCallBlock,
+    ToolResultBlock,
+    Usage,
+)
 
 __all__ = (
     "METADATA_LIMITS",
@@ -83,11 +92,11 @@ _WHY_REFUSED: Mapping[str, str] = {
     "extra_query": "set query parameters on the client (default_query)",
     "timeout": "set the timeout on the client",
     "n": "only the first choice is read; leave n out (one choice is the default)",
-    "tools": "native tool calls are not read yet; describe the tools in the prompt",
-    "tool_choice": "native tool calls are not read yet; describe the tools in the prompt",
-    "parallel_tool_calls": "native tool calls are not read yet; describe the tools in the prompt",
-    "functions": "native function calls are not read; describe the tools in the prompt",
-    "function_call": "native function calls are not read; describe the tools in the prompt",
+    "tools": "the adapter sends the tools itself with ToolStyle.NATIVE",
+    "tool_choice": "the loop decides what a reply without a tool call means",
+    "parallel_tool_calls": "the adapter asks for one tool call per step with ToolStyle.NATIVE",
+    "functions": "the legacy function calls are not read; use ToolStyle.NATIVE",
+    "function_call": "the legacy function calls are not read; use ToolStyle.NATIVE",
     "modalities": "only text is read; audio output would be dropped",
     "audio": "only text is read; audio output would be dropped",
     "logprobs": "log probabilities are not recorded, so they would be dropped",
@@ -179,12 +188,16 @@ class OpenAIModelClient:
         if self._send_binding and call.binding:
             _check_metadata(call.binding)  # before sending: a refused request may still cost
             options["metadata"] = dict(call.binding)
+        if call.tools:
+            options["tools"] = [_native_tool(tool) for tool in call.tools]
+            # One action per step: servers that honour it make one call at most.
+            options["parallel_tool_calls"] = False
         response = await self._client.chat.completions.create(
             model=self._model,
-            messages=[_chat_message(message) for message in call.messages],
+            messages=[chat for message in call.messages for chat in _chat_messages(message)],
             **options,
         )
-        return _reply(response)
+        return _reply(response, call.result_id)
 
     def __repr__(self) -> str:
         return f"OpenAIModelClient(base_url={str(self._client.base_url)!r}, model={self._model!r})"
@@ -233,13 +246,55 @@ def _metadata_problem(binding: Mapping[str, str]) -> str | None:
     return None
 
 
-def _chat_message(message: Message) -> ChatCompletionMessageParam:
-    content = "".join(block.text for block in message.content)
+def _native_tool(tool: Mapping[str, JSONValue]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": tool["name"],
+            "description": tool["description"],
+            "parameters": tool["parameters"],
+        },
+    }
+
+
+def _chat_messages(message: Message) -> list[ChatCompletionMessageParam]:
+    """The Chat Completions messages for one message: one, or one per tool result."""
+    results = [block for block in message.content if isinstance(block, ToolResultBlock)]
+    if results:
+        if len(results) != len(message.content):
+            raise ValueError("a message holding a tool result may hold nothing else")
+        return [
+            cast(
+                "ChatCompletionMessageParam",
+                {"role": "tool", "tool_call_id": block.call_id, "content": block.text},
+            )
+            for block in results
+        ]
+    text = "".join(block.text for block in message.content if isinstance(block, TextBlock))
+    calls = [block for block in message.content if isinstance(block, ToolCallBlock)]
+    chat: dict[str, Any] = {"role": message.role.value, "content": text}
+    if calls:
+        chat["content"] = text or None  # what the API itself sends with a bare tool call
+        chat["tool_calls"] = [
+            {
+                "id": call.call_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _arguments_text(call.arguments)},
+            }
+            for call in calls
+        ]
     # The SDK types each role's dict separately; this one dict fits the role it names.
-    return cast("ChatCompletionMessageParam", {"role": message.role.value, "content": content})
+    return [cast("ChatCompletionMessageParam", chat)]
 
 
-def _reply(response: object) -> ModelReply:
+def _arguments_text(arguments: JSONValue) -> str:
+    # Sent back as received: unparsable text stays that text.
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def _reply(response: object, result_id: str) -> ModelReply:
     if not isinstance(response, ChatCompletion):
         raise TypeError(
             f"the server's answer is not a chat completion but {type(response).__name__}"
@@ -259,7 +314,47 @@ def _reply(response: object) -> ModelReply:
         usage=_usage(getattr(response, "usage", None)),
         model=_text(getattr(response, "model", None)),
         refusal=refusal,
+        tool_calls=_tool_calls(getattr(message, "tool_calls", None), result_id),
     )
+
+
+def _tool_calls(calls: object, result_id: str) -> tuple[ToolCallBlock, ...]:
+    """The reply's native tool calls; arguments that are not a JSON object are passed on
+    as their text, for the interpreter to refuse with a reason the model can act on."""
+    if not isinstance(calls, list):
+        return ()
+    found = []
+    for index, call in enumerate(calls):
+        function = getattr(call, "function", None)
+        name = getattr(function, "name", None)
+        # A call without an id still needs one its result can name: stable per call.
+        call_id = _text(getattr(call, "id", None)) or f"{result_id}:{index}"
+        found.append(
+            ToolCallBlock(
+                call_id=call_id,
+                name=name if isinstance(name, str) else "",
+                arguments=_parsed_arguments(getattr(function, "arguments", None)),
+            )
+        )
+    return tuple(found)
+
+
+def _parsed_arguments(raw: object) -> JSONValue:
+    if isinstance(raw, dict):  # some servers send an object rather than its text
+        return cast("JSONValue", raw)
+    if not isinstance(raw, str):
+        return ""
+    if not raw.strip():
+        return {}  # a call with no arguments, as several servers send it
+    try:
+        parsed = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return raw
+    return cast("JSONValue", parsed) if isinstance(parsed, dict) else raw
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _text(value: object) -> str | None:

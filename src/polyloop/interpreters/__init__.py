@@ -10,23 +10,25 @@ These are ready to name:
 * :class:`CodeBlockInterpreter`: one fenced code block per reply (``python`` unless
   configured otherwise), for agents that act by writing code; its actions carry
   ``{"code": TEXT}`` for an executor of your own.
+* :class:`NativeToolCallInterpreter`: the tool calls of the model API itself, for
+  requests with ``ToolStyle.NATIVE``; its actions are what the registry's executor runs.
 
-Both are pure, synchronous and immutable, never act on a reply that did not end
+All are pure, synchronous and immutable, never act on a reply that did not end
 normally (:func:`polyloop.reject_incomplete`), and tell the model precisely what was
-wrong with a reply they cannot use. An interpreter for the native tool calls of model
-APIs is planned; it needs native tool calls in the kernel first.
+wrong with a reply they cannot use.
 """
 
 from polyloop.interpreters._code_block import CodeBlockInterpreter
 from polyloop.interpreters._json_tool_call import JsonToolCallInterpreter
+from polyloop.interpreters._native_tool_call import NativeToolCallInterpreter
 
-__all__ = ("CodeBlockInterpreter", "JsonToolCallInterpreter")
+__all__ = ("CodeBlockInterpreter", "JsonToolCallInterpreter", "NativeToolCallInterpreter")
 
 
 def _claim_public_home() -> None:
     # Defined in private modules to keep each language in its own file; their public
     # home is here, and reprs, pickles and docs should say so.
-    for cls in (CodeBlockInterpreter, JsonToolCallInterpreter):
+    for cls in (CodeBlockInterpreter, JsonToolCallInterpreter, NativeToolCallInterpreter):
         cls.__module__ = __name__
 
 

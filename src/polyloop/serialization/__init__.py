@@ -30,9 +30,10 @@ from polyloop.serialization._schema import (
     RECORD_CLASS,
     check_schema,
     checked,
+    plain_tool_call,
     plain_usage,
 )
-from polyloop.types import CorruptLog, JSONValue, Record, UnloggableValue, Usage
+from polyloop.types import CorruptLog, JSONValue, Record, ToolCallBlock, UnloggableValue, Usage
 
 __all__ = ("decode", "dumps", "encode", "loads", "plain")
 
@@ -60,12 +61,20 @@ def encode(record: Record) -> dict[str, JSONValue]:
             continue
         if field.check in ("json", "object"):
             value = plain(value, owner=type(record).__name__, field=field.name, run_id=run_id)
+        elif isinstance(value, ToolCallBlock):
+            # The arguments are the model's, not the library's: walked like a payload.
+            arguments = plain(
+                value.arguments, owner=type(record).__name__, field=field.name, run_id=run_id
+            )
+            value = ToolCallBlock(call_id=value.call_id, name=value.name, arguments=arguments)
         # The reader checks every field; refuse here what it would refuse there.
         value = checked(kind, field, value, refuse)
         if isinstance(value, enum.Enum):
             value = value.value
         elif isinstance(value, Usage):
             value = plain_usage(value)
+        elif isinstance(value, ToolCallBlock):
+            value = plain_tool_call(value)
         out[field.key] = value
     return out
 

@@ -29,6 +29,7 @@ from polyloop.types import (
     Replay,
     SchemaMajorMismatch,
     StopReason,
+    ToolCallBlock,
     UnloggableValue,
     Usage,
 )
@@ -47,7 +48,9 @@ class Field:
 
     name: str  # the attribute of the record
     key: str  # the key in the JSON object
-    check: Check  # "str", "int", "bool", "float", "json", "object", "usage" or an enum
+    check: (
+        Check  # "str", "int", "bool", "float", "json", "object", "usage", "tool_call", or an enum
+    )
     optional: bool  # null is a value
     defaulted: bool  # may be missing: added after the first release of the major
     written_when_set: bool  # left out of a written record while it is None
@@ -63,6 +66,7 @@ _CHECKS: dict[str, Check] = {
     "JSONValue": "json",
     "Mapping[str, JSONValue]": "object",
     "Usage": "usage",
+    "ToolCallBlock": "tool_call",
     **{
         cls.__name__: cls
         for cls in (ActionStatus, DecisionKind, FinishReason, IntentKind, Replay, StopReason)
@@ -138,6 +142,11 @@ def checked(
             except ValueError as exc:
                 raise error(f"{kind}.{field.name}: {exc}") from None
         expected = "an object of token counts"
+    elif check == "tool_call":
+        call = value if isinstance(value, ToolCallBlock) else tool_call_from(value)
+        if call is not None and isinstance(call.call_id, str) and isinstance(call.name, str):
+            return call
+        expected = 'an object with string "call_id" and "name", and "arguments"'
     elif check == "object":
         if isinstance(value, dict):
             return value
@@ -168,3 +177,15 @@ _IS_BASE: dict[str, Callable[[Any], bool]] = {
 def plain_usage(usage: Usage) -> dict[str, Any]:
     """How a :class:`Usage` is written: an object of its counts."""
     return {name: getattr(usage, name) for name in USAGE_COUNTS}
+
+
+def plain_tool_call(call: ToolCallBlock) -> dict[str, Any]:
+    """How a :class:`ToolCallBlock` is written: an object of its three fields."""
+    return {"call_id": call.call_id, "name": call.name, "arguments": call.arguments}
+
+
+def tool_call_from(value: Any) -> ToolCallBlock | None:
+    """The tool call an encoded object holds, or ``None`` if it holds none."""
+    if not isinstance(value, dict) or not {"call_id", "name", "arguments"} <= set(value):
+        return None
+    return ToolCallBlock(call_id=value["call_id"], name=value["name"], arguments=value["arguments"])

@@ -10,8 +10,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from polyloop._shared import plain_copy
 from polyloop.ports import Action, ActionOutcome, FinalAnswer, InvalidDecision, ModelReply
-from polyloop.types import ActionStatus, CorruptLog, FinishReason, Intent, JSONValue, Usage
+from polyloop.serialization._schema import plain_tool_call, tool_call_from
+from polyloop.types import (
+    ActionStatus,
+    CorruptLog,
+    FinishReason,
+    Intent,
+    JSONValue,
+    ToolCallBlock,
+    Usage,
+)
 
 _USAGE_COUNTS = ("input_tokens", "output_tokens", "reasoning_tokens")
 
@@ -38,10 +48,23 @@ def checked_reply(reply: object) -> ModelReply:
         raise TypeError("the model reply finish is not a FinishReason")
     if reply.usage is not None and not isinstance(reply.usage, Usage):
         raise TypeError(f"the model reply usage is {type(reply.usage).__name__}, not Usage")
+    _check_tool_calls(reply.tool_calls)
     if reply.call_id == "":
         # An empty id looks like a valid join key and silently matches nothing.
         return dataclasses.replace(reply, call_id=None)
     return reply
+
+
+def _check_tool_calls(calls: object) -> None:
+    if not isinstance(calls, tuple) or not all(isinstance(c, ToolCallBlock) for c in calls):
+        raise TypeError("the model reply tool_calls is not a tuple of ToolCallBlock")
+    for call in calls:
+        if not isinstance(call.call_id, str) or not call.call_id:
+            raise TypeError("a tool call of the model reply has no call_id string")
+        if not isinstance(call.name, str):
+            raise TypeError("a tool call of the model reply has no name string")
+        # The arguments go into records: refuse what the log could not carry back.
+        plain_copy(call.arguments, root=f"tool call {call.call_id!r} arguments")
 
 
 def outcome_problem(outcome: object) -> str | None:
@@ -86,6 +109,8 @@ def decision_problem(decision: object) -> str | None:
     ]
     if wrong:
         return f"the interpreter's {type(decision).__name__} has non-string {', '.join(wrong)}"
+    if isinstance(decision, Action) and not isinstance(decision.tool_call, ToolCallBlock | None):
+        return "the interpreter's Action has a tool_call that is not a ToolCallBlock"
     return None
 
 
@@ -105,6 +130,8 @@ def reply_payload(reply: ModelReply) -> JSONValue:
         payload["model"] = reply.model
     if reply.refusal is not None:
         payload["refusal"] = reply.refusal
+    if reply.tool_calls:
+        payload["tool_calls"] = [plain_tool_call(call) for call in reply.tool_calls]
     return payload
 
 
@@ -119,6 +146,7 @@ def reply_from(payload: JSONValue, run_id: str, result_id: str) -> ModelReply:
     try:
         finish = None if payload.get("finish") is None else FinishReason(str(payload["finish"]))
         usage = _usage_from(payload.get("usage"))
+        tool_calls = _tool_calls_from(payload.get("tool_calls", []))
     except (ValueError, TypeError) as exc:
         raise CorruptLog(f"model result {result_id!r}: {exc}", run_id=run_id) from None
     return ModelReply(
@@ -129,7 +157,19 @@ def reply_from(payload: JSONValue, run_id: str, result_id: str) -> ModelReply:
         usage=usage,
         model=payload.get("model"),  # type: ignore[arg-type]
         refusal=payload.get("refusal"),  # type: ignore[arg-type]
+        tool_calls=tool_calls,
     )
+
+
+def _tool_calls_from(value: Any) -> tuple[ToolCallBlock, ...]:
+    if not isinstance(value, list):
+        raise TypeError(f"tool_calls must be a list, not {value!r:.80}")
+    calls = tuple(tool_call_from(item) for item in value)
+    if not all(
+        c is not None and isinstance(c.call_id, str) and isinstance(c.name, str) for c in calls
+    ):
+        raise TypeError(f"tool_calls holds something that is not a tool call: {value!r:.80}")
+    return calls  # type: ignore[return-value]
 
 
 def _str_or_none(value: object) -> bool:

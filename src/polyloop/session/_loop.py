@@ -36,7 +36,7 @@ from polyloop.session._checks import (
     reply_from,
     reply_payload,
 )
-from polyloop.session._request import context_prefix
+from polyloop.session._request import context_prefix, native_tools
 from polyloop.session._values import Definition, Request
 from polyloop.types import (
     ActionStatus,
@@ -52,6 +52,7 @@ from polyloop.types import (
     RunStarted,
     StepRecord,
     StopReason,
+    ToolCallBlock,
     UnloggableValue,
     Usage,
 )
@@ -76,6 +77,7 @@ class Loop:
         # then may leave no record of the run, and so nothing for an end record to end.
         self.start_confirmed = resumed
         self.transcript = _assembly.Transcript(context_prefix(request))
+        self.native_tools = native_tools(request)
 
     # -- driving ------------------------------------------------------------------------
 
@@ -175,6 +177,7 @@ class Loop:
             run_id=self.run_id,
             result_id=result_id,
             binding=self.request.binding,
+            tools=self.native_tools,
         )
         try:
             reply = checked_reply(await self.definition.model.call(call))
@@ -259,6 +262,7 @@ class Loop:
             payload=action.payload,
             action_text=action.action_text,
             history_text=action.history_text,
+            tool_call=action.tool_call,
         )
         try:
             # Only the payload can be unloggable: the texts were checked as strings.
@@ -346,6 +350,7 @@ class Loop:
             action_status=outcome.status,
             done=outcome.done,
             truncated_chars=outcome.truncated_chars,
+            tool_call=action.tool_call,
         )
 
     def _step_record(
@@ -364,6 +369,7 @@ class Loop:
         truncated_chars: int = 0,
         error: str | None = None,
         final_answer: str | None = None,
+        tool_call: ToolCallBlock | None = None,
     ) -> StepRecord:
         return StepRecord(
             run_id=self.run_id,
@@ -386,6 +392,7 @@ class Loop:
             usage=reply.usage if reply else None,
             model=reply.model if reply else None,
             refusal=reply.refusal if reply else None,
+            tool_call=tool_call,
         )
 
     async def _record(self, step: StepRecord, action_result: Result | None) -> StepRecord:
@@ -400,7 +407,10 @@ class Loop:
         self.used = _stopping.settle(self.used, step.action_status, tokens or 0)
         self.transcript.extend(
             _assembly.step_messages(
-                step.history_text, step.observation, self.request.observation_template
+                step.history_text,
+                step.observation,
+                self.request.observation_template,
+                step.tool_call,
             )
         )
 
@@ -426,6 +436,7 @@ class Loop:
             payload=intent.payload,
             action_text=intent.action_text or "",
             history_text=intent.history_text or "",
+            tool_call=intent.tool_call,
         )
         return await self._act(index, reply, action, began), action_name(intent)
 

@@ -168,6 +168,16 @@ def context_prefix(request: Request) -> tuple[Message, ...]:
     )
 
 
+def native_tools(request: Request) -> tuple[Mapping[str, JSONValue], ...]:
+    """The tools a native-style model call carries: name, description and schema each."""
+    if request.tool_style is not ToolStyle.NATIVE:
+        return ()
+    return tuple(
+        {"name": tool["name"], "description": tool["description"], "parameters": tool["parameters"]}
+        for tool in _tool_list(request.tools)
+    )
+
+
 def _tool_list(tools: ToolRegistry) -> list[dict[str, Any]]:
     described = tools.describe()
     assert isinstance(described, list)

@@ -1,0 +1,126 @@
+"""Native tool calls through the OpenAI-compatible adapter, against a loopback server, under
+asyncio and Trio: the tools go out in the API's form with one call per step asked for,
+calls come back with their arguments as text, as an object or malformed, and the history
+goes back as assistant tool calls and tool messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from chat_shapes import BodyServer, openai_body
+
+from agent_kit import Ledger, definition, make_tools, request
+from polyloop import DecisionKind, StopReason, ToolStyle, run
+from polyloop.adapters.openai import OpenAIModelClient
+from polyloop.interpreters import NativeToolCallInterpreter
+from polyloop.stores import MemoryStore
+
+pytestmark = pytest.mark.anyio
+
+MODEL = "test-model"
+
+
+@pytest.fixture
+def server() -> Iterator[BodyServer]:
+    loopback = BodyServer()
+    loopback.start()
+    try:
+        yield loopback
+    finally:
+        loopback.close()
+
+
+def calls_body(*calls: tuple[str, str, Any], content: str | None = None) -> dict[str, Any]:
+    """A completion whose message makes the given (id, name, arguments) calls."""
+    body = openai_body(content, finish_reason="tool_calls")
+    body["choices"][0]["message"]["tool_calls"] = [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        for call_id, name, arguments in calls
+    ]
+    return body
+
+
+async def native_run(server: BodyServer, ledger: Ledger) -> Any:
+    async with openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client:
+        adapter = OpenAIModelClient(client, model=MODEL, sampling={}, send_binding=False)
+        return await run(
+            definition(
+                MemoryStore(),
+                model=adapter,
+                interpreter=NativeToolCallInterpreter(answer_in_text=False),
+            ),
+            request("r", make_tools(ledger), tool_style=ToolStyle.NATIVE),
+        )
+
+
+async def test_a_native_run_submits_through_a_tool_and_sends_the_history_back(
+    server: BodyServer,
+) -> None:
+    server.respond(
+        calls_body(("call_a", "double", '{"n": 1}'), content="Doubling one."),
+        calls_body(("call_b", "submit", {"answer": "2"})),  # an object, as some servers send
+    )
+    ledger = Ledger()
+    result = await native_run(server, ledger)
+    assert result.stop_reason is StopReason.SUBMITTED, result.detail
+    assert [rid for _, rid in ledger.calls] == ["r:0:action", "r:1:action"]
+    first, second = server.requests
+    assert [tool["function"]["name"] for tool in first["tools"]] == ["double", "submit"]
+    assert first["tools"][0]["type"] == "function"
+    assert first["parallel_tool_calls"] is False
+    assert not any("submit" in str(m.get("content")) for m in first["messages"][:1])
+    assistant, tool = second["messages"][-2:]
+    assert assistant == {
+        "role": "assistant",
+        "content": "Doubling one.",
+        "tool_calls": [
+            {
+                "id": "call_a",
+                "type": "function",
+                "function": {"name": "double", "arguments": '{"n":1}'},
+            }
+        ],
+    }
+    assert tool["role"] == "tool" and tool["tool_call_id"] == "call_a"
+    assert "2" in tool["content"]
+
+
+@pytest.mark.parametrize(
+    ("calls", "says"),
+    [
+        ((("x", "double", '{"n": 1}'), ("y", "submit", '{"answer": "2"}')), "called 2 tools"),
+        ((("x", "double", '{"n": 1'),), "are not valid JSON"),
+        ((("x", "double", "[1, 2]"),), "are not valid JSON"),
+    ],
+)
+async def test_a_reply_the_loop_cannot_run_is_an_invalid_step_not_a_crash(
+    server: BodyServer, calls: tuple[tuple[str, str, Any], ...], says: str
+) -> None:
+    server.respond(calls_body(*calls), calls_body(("z", "submit", '{"answer": "2"}')))
+    ledger = Ledger()
+    result = await native_run(server, ledger)
+    first = result.steps[0]
+    assert first.decision is DecisionKind.INVALID
+    assert first.observation is not None and says in first.observation
+    assert [rid for _, rid in ledger.calls] == ["r:1:action"]  # only the submit ran
+    # The refused calls are not in the history sent next: the API would want answers.
+    assert "tool_calls" not in server.requests[1]["messages"][-2]
+
+
+async def test_a_call_without_arguments_or_an_id_still_runs(server: BodyServer) -> None:
+    body = calls_body(("", "submit", ""))
+    server.respond(body)
+    result = await native_run(server, Ledger())
+    # submit's schema asks for an answer: the empty arguments are refused by the registry.
+    assert result.steps[0].tool_call is not None
+    assert result.steps[0].tool_call.call_id == "r:0:model:0"
+    assert result.steps[0].tool_call.arguments == {}
+
+
+def test_tools_in_sampling_are_refused_with_the_way_to_native_calls() -> None:
+    client = openai.AsyncOpenAI(base_url="http://127.0.0.1:1/v1", api_key="k")
+    with pytest.raises(ValueError, match=r"ToolStyle\.NATIVE"):
+        OpenAIModelClient(client, model=MODEL, sampling={"tools": []})
