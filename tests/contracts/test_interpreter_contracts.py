@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from polyloop import Interpreter, ModelReply
+from polyloop import Interpreter, ModelReply, ToolCallBlock
 from polyloop.cli._agent import TextToolInterpreter
-from polyloop.interpreters import CodeBlockInterpreter, JsonToolCallInterpreter
+from polyloop.interpreters import (
+    CodeBlockInterpreter,
+    JsonToolCallInterpreter,
+    NativeToolCallInterpreter,
+)
 from polyloop.testing import JsonActionInterpreter
 from polyloop.testing.interpreter_contract import InterpreterContract
 
@@ -58,3 +62,17 @@ class TestTextToolInterpreter(InterpreterContract):
         return replies(
             TOOL_CALL, f"Reading the files.\n```json\n{TOOL_CALL}\n```", f"x {TOOL_CALL}"
         )
+
+
+class TestNativeToolCallInterpreter(InterpreterContract):
+    @pytest.fixture
+    def interpreter(self) -> Interpreter:
+        return NativeToolCallInterpreter()
+
+    @pytest.fixture
+    def valid_replies(self) -> list[ModelReply]:
+        search = ToolCallBlock(call_id="c1", name="search", arguments={"query": "anyio"})
+        return [
+            ModelReply(call_id=None, content="", reasoning=None, tool_calls=(search,)),
+            ModelReply(call_id="x", content="Looking.", reasoning=None, tool_calls=(search,)),
+        ]

@@ -48,7 +48,7 @@ from polyloop.testing._contract_checks import (
     assert_plain_parameters,
     credential_keys,
 )
-from polyloop.types import FinishReason, Message, Role, Usage
+from polyloop.types import FinishReason, Message, Role, ToolCallBlock, Usage
 
 __all__ = ("ModelClientContract", "assert_well_formed_reply", "contract_call")
 
@@ -83,6 +83,11 @@ def assert_well_formed_reply(reply: object) -> ModelReply:
     assert reply.usage is None or isinstance(reply.usage, Usage), "usage"
     assert reply.model is None or isinstance(reply.model, str), "model"
     assert reply.refusal is None or isinstance(reply.refusal, str), "refusal"
+    assert isinstance(reply.tool_calls, tuple), "tool_calls must be a tuple"
+    for call in reply.tool_calls:
+        assert isinstance(call, ToolCallBlock), f"a tool call is {type(call).__name__}"
+        assert isinstance(call.call_id, str) and call.call_id, "a tool call needs an id"
+        assert isinstance(call.name, str), "a tool call's name must be a string"
     return reply
 
 
