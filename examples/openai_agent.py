@@ -55,7 +55,7 @@ from polyloop import (
     run,
 )
 from polyloop.adapters.openai import OpenAIModelClient
-from polyloop.interpreters import JsonToolCallInterpreter
+from polyloop.interpreters import JsonToolCallInterpreter, NativeToolCallInterpreter
 from polyloop.stores import MemoryStore
 
 DEFAULT_TASK = "Compute (17 + 25) * 3 with the tools, then submit the result."
@@ -134,14 +134,20 @@ async def solve(
     run_id: str = "example-run",
     binding: Mapping[str, str] | None = None,
     store: bool = False,
+    native: bool = False,
 ) -> RunResult:
-    """Run the agent once on ``task`` and return how the run ended."""
+    """Run the agent once on ``task`` and return how the run ended.
+
+    With ``native``, the tools go to the server in its own tool-calling form and the
+    model's tool calls are read as such; otherwise they are described in the prompt and
+    the model answers with a JSON object.
+    """
     sampling: dict[str, JSONValue] = {"temperature": temperature}
     if store:
         sampling["store"] = True
     definition = Definition(
         model=OpenAIModelClient(client, model=model, sampling=sampling),
-        interpreter=JsonToolCallInterpreter(),
+        interpreter=NativeToolCallInterpreter() if native else JsonToolCallInterpreter(),
         store=MemoryStore(),
         events=NullSink(),
         texts=ObservationTexts(
@@ -160,7 +166,7 @@ async def solve(
         binding=dict(binding or {}),
         model_replay=Replay.ALLOWED,
         observation_template="Tool result: {observation}",
-        tool_style=ToolStyle.JSON,
+        tool_style=ToolStyle.NATIVE if native else ToolStyle.JSON,
         cancel_grace_s=5.0,
     )
     return await run(definition, request)
@@ -218,6 +224,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="send store=true (OpenAI accepts metadata only with it)",
     )
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="use the server's own tool calling instead of JSON in the reply text",
+    )
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     args = parser.parse_args(argv)
     pairs = [item.partition("=") for item in args.binding]
@@ -239,6 +250,7 @@ async def amain(args: argparse.Namespace) -> int:
             max_steps=args.max_steps,
             binding=args.binding,
             store=args.store,
+            native=args.native,
         )
     print(report(result))
     return 0 if result.stop_reason in (StopReason.SUBMITTED, StopReason.FINAL_ANSWER) else 1

@@ -235,3 +235,18 @@ def test_performance_page_holds_the_report_of_the_reference_run() -> None:
     shown = page.split(REPORT_START, 1)[1].split(REPORT_END, 1)[0].strip()
     reference = json.loads((ROOT / "bench" / "results" / "reference.json").read_text())
     assert shown == render(reference).strip()
+
+
+def test_the_readme_program_runs_as_written() -> None:
+    """The README's first program, with a scripted model as its ``my_model``."""
+    from polyloop import StopReason
+    from polyloop.testing import ScriptedModelClient
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    program = text.split("## Using it", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    model = ScriptedModelClient(['{"tool": "submit", "arguments": {"answer": "42"}}'])
+    namespace: dict[str, object] = {"my_model": model}
+    exec(compile(program, "README.md", "exec"), namespace)
+    result = namespace["result"]
+    assert getattr(result, "stop_reason", None) is StopReason.SUBMITTED
+    assert getattr(result, "steps", ())[0].observation == "submitted 42"

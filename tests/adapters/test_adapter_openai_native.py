@@ -5,7 +5,10 @@ goes back as assistant tool calls and tool messages."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import openai
@@ -124,3 +127,28 @@ def test_tools_in_sampling_are_refused_with_the_way_to_native_calls() -> None:
     client = openai.AsyncOpenAI(base_url="http://127.0.0.1:1/v1", api_key="k")
     with pytest.raises(ValueError, match=r"ToolStyle\.NATIVE"):
         OpenAIModelClient(client, model=MODEL, sampling={"tools": []})
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_agent.py"
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("polyloop_openai_agent_native", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
+async def test_the_example_agent_runs_with_native_tool_calls(server: BodyServer) -> None:
+    example = load_example()
+    server.respond(
+        calls_body(("c1", "add", '{"a": 17, "b": 25}')),
+        calls_body(("c2", "multiply", '{"a": 42, "b": 3}'), content="Now the product."),
+        calls_body(("c3", "submit", '{"answer": "126"}')),
+    )
+    async with openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client:
+        result = await example.solve(client, model=MODEL, task="(17 + 25) * 3", native=True)
+    assert result.stop_reason is StopReason.SUBMITTED, example.report(result)
+    assert [step.tool_call.name for step in result.steps] == ["add", "multiply", "submit"]
+    assert server.requests[0]["tools"][0]["function"]["name"] == "add"
