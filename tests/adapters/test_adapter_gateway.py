@@ -36,6 +36,7 @@ from polyloop import (
     RunStarted,
     StopReason,
     TextBlock,
+    ToolCallBlock,
     Usage,
     resume,
     run,
@@ -216,6 +217,20 @@ async def test_text_blocks_are_joined_without_a_separator() -> None:
         {"role": "user", "content": "abcd e\nf"},
         {"role": "assistant", "content": ""},
     ]
+
+
+async def test_the_native_tool_style_is_refused_until_the_gateway_protocol_is_known() -> None:
+    adapter, client = gateway(scripted([answer("x")]))
+    native = dataclasses.replace(
+        model_call(Message.text(Role.USER, "hi")),
+        tools=({"name": "t", "description": "d", "parameters": {"type": "object"}},),
+    )
+    with pytest.raises(ValueError, match="native tool style"):
+        await adapter.call(native)
+    call = ToolCallBlock(call_id="c", name="t", arguments={})
+    with pytest.raises(ValueError, match="text blocks only"):
+        await adapter.call(model_call(Message(role=Role.ASSISTANT, content=(call,))))
+    assert client.calls == []  # nothing reached the gateway
 
 
 # -- the binding ----------------------------------------------------------------------------
