@@ -99,6 +99,18 @@ class RunNotFound(PolyLoopError, LookupError):
     """``resume`` was asked to continue a run that has no record in the store."""
 
 
+def _difference(key: str, recorded: Any, current: Any) -> str:
+    """One differing key in words: a hashed input changed, or its value then and now."""
+    if key.endswith(".sha256"):
+        return f"{key} (the {key.removesuffix('.sha256').replace('_', ' ')} is not the same)"
+    return f"{key} ({_clipped(recorded)} then, {_clipped(current)} now)"
+
+
+def _clipped(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
 class RunIdentityMismatch(PolyLoopError, ValueError):
     """The snapshot recorded when the run started differs from the one built now.
 
@@ -118,8 +130,11 @@ class RunIdentityMismatch(PolyLoopError, ValueError):
     ) -> None:
         self.differences = tuple(differences)
         if reason is None:
-            keys = ", ".join(key for key, _, _ in self.differences)
-            reason = f"the run was started with other parameters; differing keys: {keys}"
+            keys = ", ".join(_difference(*difference) for difference in self.differences)
+            reason = (
+                f"the run was started with other parameters; differing keys: {keys}. Resume "
+                f"it with the inputs it was started with, or start a new run under a new run id"
+            )
         super().__init__(reason, run_id=run_id, location=location)
 
     def _fields(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ resumption, or stall the run.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
@@ -112,13 +113,26 @@ def _check_fields(spec: object) -> ToolSpec:
         raise InvalidRequest(f"a tool name must be a non-empty string, got {spec.name!r}")
     if not isinstance(spec.description, str):
         raise InvalidRequest(f"tool {spec.name!r}: description must be a string")
-    if not callable(spec.handler):
-        raise InvalidRequest(f"tool {spec.name!r}: handler must be callable")
+    if not _is_async_callable(spec.handler):
+        raise InvalidRequest(
+            f"tool {spec.name!r}: handler must be an async function "
+            f"(async def handler(arguments, *, result_id) -> str), got {spec.handler!r:.80}"
+        )
     if not isinstance(spec.replay, Replay):
         raise InvalidRequest(f"tool {spec.name!r}: replay must be a Replay, got {spec.replay!r}")
     if not isinstance(spec.completes, bool):
         raise InvalidRequest(f"tool {spec.name!r}: completes must be a bool")
     return spec
+
+
+def _is_async_callable(handler: object) -> bool:
+    # A plain function would fail only at the first call, as an observation the model
+    # sees; refusing it here fails at start-up instead. Partials of async functions and
+    # objects with an async __call__ are async callables too.
+    if inspect.iscoroutinefunction(handler):
+        return True
+    call = getattr(handler, "__call__", None)  # noqa: B004 -- the method itself is tested
+    return callable(handler) and inspect.iscoroutinefunction(call)
 
 
 def _checked_schema(name: str, parameters: object) -> dict[str, JSONValue]:

@@ -248,6 +248,14 @@ def test_identity_mismatch_message_names_every_key() -> None:
     assert pickle.loads(pickle.dumps(error)).differences == error.differences
 
 
+def test_identity_mismatch_says_what_differs_and_what_to_do() -> None:
+    differences = [("budget.max_steps", 20, 30), ("goal_context.sha256", "ab12", "cd34")]
+    text = str(types.RunIdentityMismatch(run_id="r", differences=differences))
+    assert "budget.max_steps (20 then, 30 now)" in text
+    assert "goal_context.sha256 (the goal context is not the same)" in text
+    assert "start a new run under a new run id" in text
+
+
 def test_value_types_are_frozen_slotted_keyword_only() -> None:
     for module in (types, ports, session, interpreters, polyloop.mcp):
         for name in module.__all__:

@@ -121,7 +121,8 @@ def test_entries_must_be_tool_specs() -> None:
     ("field", "value", "message"),
     [
         ("description", None, "description must be a string"),
-        ("handler", "not callable", "handler must be callable"),
+        ("handler", "not callable", "handler must be an async function"),
+        ("handler", lambda arguments, *, result_id: "sync", "handler must be an async function"),
         ("replay", "never", "replay must be a Replay"),
         ("completes", 1, "completes must be a bool"),
     ],
@@ -729,3 +730,21 @@ async def test_base_exceptions_are_not_swallowed() -> None:
     executor = ToolRegistry([spec("halt", halting)], max_observation_chars=50).executor()
     with pytest.raises(Halt):
         await executor.execute(call("halt", {}), result_id="r")
+
+
+async def test_an_async_callable_object_or_partial_is_a_handler() -> None:
+    """What awaits like an async function is accepted; a plain function is refused when the
+    registry is built, not when the model first calls the tool."""
+    import functools
+
+    async def shout(arguments: dict[str, Any], *, result_id: str, prefix: str) -> str:
+        return prefix + str(arguments["text"]).upper()
+
+    class Shouter:
+        async def __call__(self, arguments: dict[str, Any], *, result_id: str) -> str:
+            return str(arguments["text"]).upper()
+
+    for handler, expected in ((functools.partial(shout, prefix=">"), ">HI"), (Shouter(), "HI")):
+        registry = ToolRegistry([spec("shout", handler)], max_observation_chars=100)
+        outcome = await registry.executor().execute(call("shout", {"text": "hi"}), result_id="r")
+        assert outcome.observation == expected
