@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from html.parser import HTMLParser
@@ -615,3 +617,51 @@ def test_show_json_and_html_carry_the_reply_facts(
     assert "cut off at the length limit" in text
     assert "1,300 in, 4,096 out" in text
     assert "I won't." in text
+
+
+# -- output into a pipe ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def crowded(tmp_path: Path) -> str:
+    """A SQLite store holding 1,000 finished runs: their listing is more than a pipe holds."""
+    path = tmp_path / "crowded.db"
+
+    async def fill_many() -> None:
+        async with SqliteStore(path) as store:
+            tools = make_tools(Ledger())
+            shared = definition(store, script=[answer("x")])
+            async with anyio.create_task_group() as group:
+                for i in range(1_000):
+                    group.start_soon(run, shared, request(f"run-{i:04d}", tools))
+
+    anyio.run(fill_many)
+    return f"sqlite:{path}"
+
+
+def test_a_reader_that_stops_early_gets_no_broken_pipe_message(crowded: str) -> None:
+    """``polyloop runs --json | head -1``: the rest of the listing has nowhere to go, and
+    the command stops without a word on stderr."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "polyloop", "runs", crowded, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as process:
+        assert process.stdout is not None and process.stderr is not None
+        assert process.stdout.readline().startswith(b"{")
+        process.stdout.close()
+        errors = process.stderr.read().decode()
+        assert process.wait(timeout=60) == 1
+    assert errors == ""
+
+
+def test_piped_show_has_no_trailing_spaces(filled: str) -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "polyloop", "show", filled, "done"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    assert "step 0" in shown
+    assert all(line == line.rstrip(" ") for line in shown.splitlines())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -84,6 +85,8 @@ def run_command(argv: Sequence[str]) -> int:
                 print(hint, file=sys.stderr)
             return INTERRUPTED_EXIT_STATUS
         except Exception as exc:  # noqa: BLE001 - the command never shows a traceback
+            if isinstance(_single(exc), BrokenPipeError):
+                return _reader_went_away()
             return _fail(_describe(_single(exc)))
 
 
@@ -425,6 +428,22 @@ async def _prune_command(args: argparse.Namespace, out: Console) -> int:
 def _write_line(text: str) -> None:
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+def _reader_went_away() -> int:
+    """The reader of standard output stopped (``polyloop runs | head``): say nothing.
+
+    What is still buffered goes to the null device, so that Python's own flush at exit
+    does not fail on the closed pipe a second time; the status is 1, as Python's own.
+    """
+    try:
+        target = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (a test's capture): nothing to silence
+        return 1
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, target)
+    os.close(devnull)
+    return 1
 
 
 def _fail(message: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import sys
 from typing import TextIO
 
@@ -16,8 +17,42 @@ class CliError(Exception):
 
 
 def console(stream: TextIO | None = None) -> Console:
-    """A console on ``stream`` (standard output by default), with no auto-highlighting."""
-    return Console(file=stream if stream is not None else sys.stdout, highlight=False)
+    """A console on ``stream`` (standard output by default), with no auto-highlighting.
+
+    Written to a file or a pipe, each line loses the trailing spaces rich pads table
+    cells with, so that piped output compares and greps cleanly.
+    """
+    target = stream if stream is not None else sys.stdout
+    if not target.isatty():
+        target = TrailingSpaceStripper(target)
+    return Console(file=target, highlight=False)
+
+
+class TrailingSpaceStripper(io.TextIOBase):
+    """A text stream that writes each complete line to ``target`` without trailing spaces."""
+
+    def __init__(self, target: TextIO) -> None:
+        super().__init__()
+        self._target = target
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        if lines:
+            self._target.write("".join(line.rstrip(" ") + "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        # Rich ends what it prints with a newline; a line still open is written as it
+        # is rather than held back, so nothing printed is ever lost.
+        if self._partial:
+            self._target.write(self._partial)
+            self._partial = ""
+        self._target.flush()
+
+    def isatty(self) -> bool:
+        return False
 
 
 def print_unwrapped(out: Console, renderable: RenderableType) -> None:
