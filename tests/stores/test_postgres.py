@@ -1426,3 +1426,24 @@ async def test_writes_cancelled_once_their_batch_started_waiting_for_a_thread_al
         assert sorted(run_ids) in [sorted(batch) for batch in batches]
         for run_id in run_ids:  # the batch committed every item, the leader's too
             assert await log_of(store, run_id) == [started(run_id)]
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"dbname": "polyloop_no_such_database"}, "does not exist"),
+        ({"host": "127.0.0.1", "port": "1"}, "refused"),
+    ],
+    ids=["missing-database", "closed-port"],
+)
+async def test_an_unreachable_database_fails_at_once_with_the_servers_message(
+    conninfo: str, change: dict[str, str], says: str
+) -> None:
+    """Not after the pool's timeout with only "couldn't get a connection": the first
+    connection is made outside the pool, so its error is the server's own."""
+    wrong = psycopg.conninfo.make_conninfo(conninfo, **change)
+    began = anyio.current_time()
+    with pytest.raises(StoreError, match=says):
+        async with PostgresStore(wrong, timeout=30.0):
+            pass
+    assert anyio.current_time() - began < 20  # the pool alone waits its full 30 s

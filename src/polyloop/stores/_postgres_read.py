@@ -182,6 +182,10 @@ class Reader:
 
     def _open_pool(self) -> ConnectionPool[Connection]:
         settings = self._settings
+        # One connection first, outside the pool: a missing database, a closed port or a
+        # refused login fails now with the server's own message, where the pool would
+        # retry in the background until its timeout and report only that it timed out.
+        psycopg.connect(settings.conninfo, **settings.options).close()
         pool: ConnectionPool[Connection] = ConnectionPool(
             settings.conninfo,
             min_size=1,
