@@ -137,8 +137,7 @@ def checked(
             return value
         if isinstance(value, dict):
             try:
-                # Counts a later minor may add are ignored, like unknown fields.
-                return Usage(**{name: value.get(name) for name in USAGE_COUNTS})
+                return usage_from(value)
             except ValueError as exc:
                 raise error(f"{kind}.{field.name}: {exc}") from None
         expected = "an object of token counts"
@@ -172,6 +171,14 @@ _IS_BASE: dict[str, Callable[[Any], bool]] = {
     "bool": lambda value: isinstance(value, bool),
     "float": lambda value: isinstance(value, int | float) and not isinstance(value, bool),
 }
+
+
+def usage_from(value: dict[str, Any]) -> Usage:
+    """The usage an encoded object holds; ``ValueError`` for a count that is not one.
+
+    Counts a later minor of the format may add are ignored, like unknown fields.
+    """
+    return Usage(**{name: value.get(name) for name in USAGE_COUNTS})
 
 
 def plain_usage(usage: Usage) -> dict[str, Any]:

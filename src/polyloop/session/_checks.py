@@ -12,7 +12,12 @@ from typing import Any
 
 from polyloop._shared import plain_copy
 from polyloop.ports import Action, ActionOutcome, FinalAnswer, InvalidDecision, ModelReply
-from polyloop.serialization._schema import plain_tool_call, tool_call_from
+from polyloop.serialization._schema import (
+    plain_tool_call,
+    plain_usage,
+    tool_call_from,
+    usage_from,
+)
 from polyloop.types import (
     ActionStatus,
     CorruptLog,
@@ -22,8 +27,6 @@ from polyloop.types import (
     ToolCallBlock,
     Usage,
 )
-
-_USAGE_COUNTS = ("input_tokens", "output_tokens", "reasoning_tokens")
 
 
 def fault(detail: str) -> ActionOutcome:
@@ -125,7 +128,7 @@ def reply_payload(reply: ModelReply) -> JSONValue:
     if reply.finish is not None:
         payload["finish"] = reply.finish.value
     if reply.usage is not None:
-        payload["usage"] = {name: getattr(reply.usage, name) for name in _USAGE_COUNTS}
+        payload["usage"] = plain_usage(reply.usage)
     if reply.model is not None:
         payload["model"] = reply.model
     if reply.refusal is not None:
@@ -181,8 +184,7 @@ def _usage_from(value: Any) -> Usage | None:
         return None
     if not isinstance(value, dict):
         raise TypeError(f"usage must be an object, not {value!r:.80}")
-    # Counts a later minor of the format may add are ignored, like unknown fields.
-    return Usage(**{name: value.get(name) for name in _USAGE_COUNTS})
+    return usage_from(value)
 
 
 def outcome_payload(outcome: ActionOutcome) -> JSONValue:
