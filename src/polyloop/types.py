@@ -72,8 +72,8 @@ __all__ = (
 # out of a written record while it is None, so a record that uses none of the later
 # fields is written byte for byte as the first release wrote it.
 _WRITTEN_WHEN_SET: Mapping[str, bool] = {"written_when_set": True}
-# Marks a field that says when or how long: wall-clock facts, which are the only fields
-# allowed to differ between a run and the same run resumed after a crash.
+# Marks a field that says when, how long, or in which attempt: the only fields allowed
+# to differ between a run and the same run resumed after a crash.
 _TIMING: Mapping[str, bool] = {"timing": True}
 _TIMING_WHEN_SET: Mapping[str, bool] = {**_WRITTEN_WHEN_SET, **_TIMING}
 
@@ -361,9 +361,10 @@ class StepRecord:
 
     ``duration_s`` is the step's wall-clock time, ``model_duration_s`` and
     ``action_duration_s`` those of its model call and of its action (``None`` where the
-    step had none, or the call ran in an earlier attempt of the run), and ``at`` when the
-    record was written: these timing fields are the only ones that differ between a run
-    and the same run resumed after a crash. ``finish``, ``usage``, ``model`` and ``refusal``
+    step had none, or the call ran in an earlier attempt of the run), ``at`` when the
+    record was written, and ``resumed`` is ``True`` when a process that resumed the run
+    wrote it: these fields are the only ones that differ between a run and the same run
+    resumed after a crash. ``finish``, ``usage``, ``model`` and ``refusal``
     say how the model's reply ended, what the call cost and which model the server says
     answered, as the model client reported them (``None`` where it did not).
     ``tool_call`` is the native tool call the step's action came from, if it came from
@@ -394,6 +395,7 @@ class StepRecord:
     at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
     model_duration_s: float | None = field(default=None, metadata=_TIMING_WHEN_SET)
     action_duration_s: float | None = field(default=None, metadata=_TIMING_WHEN_SET)
+    resumed: bool | None = field(default=None, metadata=_TIMING_WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -356,6 +356,7 @@ EXPECTED: dict[str, Record] = {
         at=_AT,
         model_duration_s=0.8125,
         action_duration_s=0.0625,
+        resumed=True,
     ),
     "run_ended_timed": RunEnded(
         run_id=RUN,
@@ -1081,7 +1082,7 @@ def test_a_naive_time_is_refused_on_the_way_out() -> None:
 def test_records_without_times_are_written_as_before() -> None:
     for name in ("run_started", "intent_action", "result_action", "step_action", "run_ended"):
         data = encoded(name)
-        assert not {"at", "model_duration_s", "action_duration_s"} & set(data)
+        assert not {"at", "model_duration_s", "action_duration_s", "resumed"} & set(data)
         if name.startswith("result"):
             assert "duration_s" not in data
 
@@ -1093,7 +1094,7 @@ def test_without_timing_leaves_exactly_the_timing_fields_out(name: str) -> None:
     assert timeless != record
     for field in dataclasses.fields(record):
         value = getattr(timeless, field.name)
-        if field.name == "at" or field.name.endswith("duration_s"):
+        if field.name in ("at", "resumed") or field.name.endswith("duration_s"):
             assert value is None, field.name
         else:
             assert value == getattr(record, field.name), field.name

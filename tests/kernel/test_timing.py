@@ -7,17 +7,27 @@ time its call slept, and the step's at least the sum. Times are aware UTC, in wr
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from agent_kit import Ledger, definition, five_step_script, make_tools, request
+from agent_kit import (
+    Ledger,
+    crash_and_resume,
+    definition,
+    five_step_script,
+    make_tools,
+    request,
+    same_outcome,
+    uninterrupted,
+)
 from polyloop import run
 from polyloop.ports import EventKind, ModelCall, ModelReply
-from polyloop.stores import MemoryStore
+from polyloop.stores import MemoryStore, SqliteStore
 from polyloop.testing import RecordingSink, ScriptedModelClient
-from polyloop.types import Intent, IntentKind, Result, StepRecord
+from polyloop.types import Intent, IntentKind, Replay, Result, StepRecord
 
 pytestmark = pytest.mark.anyio
 
@@ -96,3 +106,21 @@ async def test_a_finished_step_event_names_the_intent_of_its_action() -> None:
     }
     others = [e for e in sink.events if e.kind is not EventKind.STEP_FINISHED]
     assert others and all(e.intent is None for e in others)
+
+
+async def test_steps_written_after_a_resume_say_so_and_earlier_ones_do_not(
+    tmp_path: Path,
+) -> None:
+    def open_store() -> SqliteStore:
+        return SqliteStore(tmp_path / "runs.db")
+
+    # Writes: the start, then per step a model intent, its result, an action intent and
+    # the step: the crash lands after the second step is written.
+    resumed, _, store = await crash_and_resume(open_store, 9, Replay.ALLOWED, five_step_script())
+    steps = [r for r in (await store.read_log("r")).records if isinstance(r, StepRecord)]
+    await store.aclose()  # type: ignore[attr-defined]
+    assert [s.resumed for s in steps] == [None, None, True, True, True]
+    assert resumed.steps == tuple(steps)
+    plain = await uninterrupted(MemoryStore, Replay.ALLOWED, five_step_script())
+    assert all(s.resumed is None for s in plain.steps)
+    assert same_outcome(resumed, plain)  # the fields that differ are the timing ones

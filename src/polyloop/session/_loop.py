@@ -426,6 +426,7 @@ class Loop:
             at=now(),
             model_duration_s=times.model_s,
             action_duration_s=times.action_s,
+            resumed=True if self.resumed else None,
         )
 
     async def _record(

@@ -13,7 +13,8 @@ _R = TypeVar("_R", bound=Record)
 
 
 def without_timing(record: _R) -> _R:
-    """``record`` with its timing fields (``at`` and the durations) set to ``None``.
+    """``record`` with its timing fields set to ``None``: ``at``, the durations, and
+    the step record's ``resumed`` (which attempt of the run wrote it).
 
     Those are the only fields allowed to differ between a run and the same run resumed
     after a crash, so two trajectories are the same run when their records are equal
