@@ -141,7 +141,7 @@ def _doubt_banner(doubt: Doubt) -> list[RenderableType]:
     banner = Text()
     banner.append(" IN DOUBT ", style="bold white on red")
     banner.append(" " + doubt.headline().removeprefix("IN DOUBT: "), style="bold red")
-    return [banner, _fields(doubt.fields())]
+    return [banner, _fields(doubt.fields()), Rule(style="red")]
 
 
 def _step_title(step: StepRecord) -> Text:
