@@ -32,8 +32,9 @@ from agent_kit import (
 )
 from polyloop import ModelReply, Replay, Usage, run
 from polyloop.cli import main
-from polyloop.stores import SqliteStore
+from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.stores._common import safe_name
+from polyloop.testing import FaultyStore, SimulatedCrash
 
 BACKENDS = ["asyncio", "trio"]
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "records" / "v1"
@@ -76,6 +77,20 @@ async def _write_runs(directory: Path) -> None:
     await close_store(doubt)
 
 
+async def _write_held(directory: Path) -> None:
+    """An action intent left open by a crash, its replay never; a model call likewise, resumed."""
+    async with JsonlStore(directory / "held") as store:
+        with pytest.raises(SimulatedCrash):
+            await run(
+                definition(FaultyStore(store, fail_after_writes=4), script=five_step_script()),
+                request("held", make_tools(Ledger())),
+            )
+    _, _, resumed = await crash_and_resume(
+        lambda: SqliteStore(directory / "model.db"), 2, Replay.NEVER, five_step_script()
+    )
+    await close_store(resumed)
+
+
 def _write_old_log(directory: Path) -> None:
     """A run cut short after step 0, in records as the first release wrote them."""
     names = ["run_started", "intent_model_call", "result_model_call", "step_action"]
@@ -89,14 +104,17 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The STORE argument of each run, by run id (the crashed runs are both ``r``)."""
     directory = tmp_path_factory.mktemp("show")
     anyio.run(_write_runs, directory)
+    anyio.run(_write_held, directory)
     _write_old_log(directory / "old")
     shown = {name: f"sqlite:{directory / name}.db" for name in ("done", "partial", "stopped")}
     shown |= {name: f"sqlite:{directory / name}.db" for name in ("resumed", "doubt")}
     shown["old"] = f"jsonl:{directory / 'old'}"
+    shown["held"] = f"jsonl:{directory / 'held'}"
+    shown["model"] = f"sqlite:{directory / 'model.db'}"
     return shown
 
 
-RUN_IDS = {"resumed": "r", "doubt": "r", "old": OLD_RUN}
+RUN_IDS = {"resumed": "r", "doubt": "r", "model": "r", "old": OLD_RUN}
 
 
 def show(stores: dict[str, str], name: str, *options: str, backend: str = "asyncio") -> list[str]:
@@ -165,6 +183,33 @@ def test_text_puts_the_effect_in_doubt_first(
     assert "result id r:0:action" in banner
     assert UTC_TIME.search(banner)  # when the intent was written
     assert "finished" not in out
+
+
+def test_text_of_a_model_call_in_doubt(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(show(stores, "model")) == 0
+    out = text_of(capsys)
+    assert "IN DOUBT step 0's model call was announced and has no result" in out
+    assert "kind model_call result id r:0:model" in out
+
+
+def test_an_open_intent_under_a_live_writer_is_running_not_in_doubt(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    holder = JsonlStore(stores["held"].removeprefix("jsonl:"))
+    anyio.run(holder.claim_run, "held")  # a worker is driving it now
+    try:
+        assert main(show(stores, "held")) == 0
+        out = text_of(capsys)
+        assert out.startswith("run held running")
+        assert "state running: a live worker" in out
+        assert "IN DOUBT" not in out
+    finally:
+        anyio.run(holder.aclose)
+    assert main(show(stores, "held")) == 0  # nobody holds it: the action is in doubt
+    out = text_of(capsys)
+    assert out.startswith("run held in doubt (4 records) IN DOUBT step 0's action double was")
 
 
 def test_text_of_a_cancelled_run_says_resume_goes_on(
