@@ -1,124 +1,26 @@
-"""``polyloop show`` tells the truth about time, tokens, resumes and an effect in doubt.
-
-The runs are written by the kernel (a crash by ``FaultyStore``, then ``resume``), except
-the old log, which is put together from the first release's record fixtures: it has
-none of the later facts, and show must say so rather than fail. The HTML page is
-rendered by headless Chromium, so what is checked is the text a reader sees.
+"""``polyloop show`` tells the truth about time, tokens, resumes and an effect in doubt:
+the terminal view and ``--json``, on the runs of ``show_kit``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
-from html.parser import HTMLParser
-from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
-from agent_kit import (
-    Ledger,
-    close_store,
-    crash_and_resume,
-    definition,
-    five_step_script,
-    make_tools,
-    request,
-    tool_call,
-)
-from polyloop import ModelReply, Replay, Usage, run
 from polyloop.cli import main
-from polyloop.stores import JsonlStore, SqliteStore
-from polyloop.stores._common import safe_name
-from polyloop.testing import FaultyStore, SimulatedCrash
+from polyloop.stores import JsonlStore
+from show_kit import UTC_TIME, show, write_stores
 
 BACKENDS = ["asyncio", "trio"]
-FIXTURES = Path(__file__).parent.parent / "fixtures" / "records" / "v1"
-OLD_RUN = "exp-7/task-12#3"
-# A time in UTC as the terminal and the page show it.
-UTC_TIME = re.compile(r"20\d\d-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}Z")
-
-
-def reply(content: str, usage: Usage | None) -> ModelReply:
-    return ModelReply(content=content, call_id=None, reasoning=None, usage=usage)
-
-
-async def _write_runs(directory: Path) -> None:
-    """Finished, partly metered, cancelled, resumed and in-doubt runs, one store each."""
-    async with SqliteStore(directory / "done.db") as store:
-        script = [
-            reply(tool_call("double", n=1), Usage(input_tokens=100, output_tokens=20)),
-            reply(tool_call("submit", answer="2"), Usage(input_tokens=130, output_tokens=10)),
-        ]
-        await run(definition(store, script=script), request("done", make_tools(Ledger())))
-    async with SqliteStore(directory / "partial.db") as store:
-        script = [
-            reply(tool_call("double", n=1), Usage(input_tokens=100, output_tokens=20)),
-            reply(tool_call("submit", answer="2"), None),
-        ]
-        await run(definition(store, script=script), request("partial", make_tools(Ledger())))
-    async with SqliteStore(directory / "stopped.db") as store:
-        slow = make_tools(Ledger(), delay=30, replay=Replay.ALLOWED)
-        with anyio.move_on_after(0.3):
-            await run(definition(store, script=five_step_script()), request("stopped", slow))
-    # Crash once step 1's model intent is written; the resumed process writes steps 1-4.
-    _, _, resumed = await crash_and_resume(
-        lambda: SqliteStore(directory / "resumed.db"), 7, Replay.ALLOWED, five_step_script()
-    )
-    await close_store(resumed)
-    # Crash once step 0's action intent is written; its replay is never: in doubt.
-    _, _, doubt = await crash_and_resume(
-        lambda: SqliteStore(directory / "doubt.db"), 4, Replay.NEVER, five_step_script()
-    )
-    await close_store(doubt)
-
-
-async def _write_held(directory: Path) -> None:
-    """An action intent left open by a crash, its replay never; a model call likewise, resumed."""
-    async with JsonlStore(directory / "held") as store:
-        with pytest.raises(SimulatedCrash):
-            await run(
-                definition(FaultyStore(store, fail_after_writes=4), script=five_step_script()),
-                request("held", make_tools(Ledger())),
-            )
-    _, _, resumed = await crash_and_resume(
-        lambda: SqliteStore(directory / "model.db"), 2, Replay.NEVER, five_step_script()
-    )
-    await close_store(resumed)
-
-
-def _write_old_log(directory: Path) -> None:
-    """A run cut short after step 0, in records as the first release wrote them."""
-    names = ["run_started", "intent_model_call", "result_model_call", "step_action"]
-    lines = [(FIXTURES / f"{name}.json").read_text(encoding="utf-8") for name in names]
-    directory.mkdir()
-    (directory / f"{safe_name(OLD_RUN)}.jsonl").write_text("".join(lines), encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The STORE argument of each run, by run id (the crashed runs are both ``r``)."""
-    directory = tmp_path_factory.mktemp("show")
-    anyio.run(_write_runs, directory)
-    anyio.run(_write_held, directory)
-    _write_old_log(directory / "old")
-    shown = {name: f"sqlite:{directory / name}.db" for name in ("done", "partial", "stopped")}
-    shown |= {name: f"sqlite:{directory / name}.db" for name in ("resumed", "doubt")}
-    shown["old"] = f"jsonl:{directory / 'old'}"
-    shown["held"] = f"jsonl:{directory / 'held'}"
-    shown["model"] = f"sqlite:{directory / 'model.db'}"
-    return shown
-
-
-RUN_IDS = {"resumed": "r", "doubt": "r", "model": "r", "old": OLD_RUN}
-
-
-def show(stores: dict[str, str], name: str, *options: str, backend: str = "asyncio") -> list[str]:
-    return ["--backend", backend, "show", stores[name], RUN_IDS.get(name, name), *options]
+    return write_stores(tmp_path_factory.mktemp("show"))
 
 
 def text_of(capsys: pytest.CaptureFixture[str]) -> str:
@@ -319,98 +221,3 @@ def test_json_of_an_old_log_has_nulls(
             "total_tokens": None,
         }
     ]
-
-
-# -- HTML, as a browser renders it -------------------------------------------------------------
-
-
-def chromium() -> str:
-    """The browser; missing, the test fails under CI (which installs it) and skips elsewhere."""
-    found = shutil.which("chromium")
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is not installed; CI installs it before the tests")
-        pytest.skip("chromium is not installed")
-    return found
-
-
-class _Text(HTMLParser):
-    """The text of a rendered DOM, without the style sheet's."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.parts: list[str] = []
-        self._in_style = False
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        self._in_style = tag == "style"
-
-    def handle_endtag(self, tag: str) -> None:
-        self._in_style = False
-
-    def handle_data(self, data: str) -> None:
-        if not self._in_style:
-            self.parts.append(data)
-
-
-def headless(browser: str, tmp_path: Path) -> list[str]:
-    return [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path}/p"]
-
-
-@pytest.fixture
-def rendered(stores: dict[str, str], tmp_path: Path) -> Any:
-    browser = chromium()
-
-    def render(name: str) -> tuple[str, str]:
-        """The page's text as rendered, and its DOM."""
-        page = tmp_path / f"{name}.html"
-        assert main(show(stores, name, "--html", str(page))) == 0
-        dom = subprocess.run(
-            [*headless(browser, tmp_path), "--dump-dom", page.as_uri()],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
-        parser = _Text()
-        parser.feed(dom)
-        parser.close()
-        return " ".join(" ".join(parser.parts).split()), dom
-
-    return render
-
-
-def test_html_of_a_finished_run_in_a_browser(
-    rendered: Any, capsys: pytest.CaptureFixture[str]
-) -> None:
-    text, _ = rendered("done")
-    assert "state finished meaning finished (submitted)" in text
-    assert len(UTC_TIME.findall(text)) == 4
-    assert re.search(r"time \d+\.\d{3} s \(model \d+\.\d{3} s, tool \d+\.\d{3} s\)", text)
-    assert "tokens 230 in, 30 out, 260 total" in text
-    assert "IN DOUBT" not in text and "resumed" not in text
-
-
-def test_html_of_a_resumed_run_in_a_browser(rendered: Any) -> None:
-    text, _ = rendered("resumed")
-    assert "resumed after step 0 (at least 2 attempts)" in text
-    assert "step 0 · action · executed decision" in text
-    assert "step 1 · action · not executed resumed" in text
-    assert text.count("written by a process that resumed the run") == 4
-
-
-def test_html_of_an_in_doubt_run_in_a_browser_is_never_green(rendered: Any) -> None:
-    text, dom = rendered("doubt")
-    # The title, then the heading, then at once the banner.
-    assert text.startswith("polyloop run r polyloop run r IN DOUBT step 0's action double was")
-    banner = text[: text.index("state")]
-    assert 'tool double arguments {"n": 1}' in banner and "result id r:0:action" in banner
-    assert "finished" not in text
-    assert 'class="good"' not in dom
-
-
-def test_html_of_an_old_log_in_a_browser(rendered: Any) -> None:
-    text, _ = rendered("old")
-    assert "started — last record — wall time —" in text
-    assert "time 1.500 s" in text
-    assert not UTC_TIME.search(text)
