@@ -146,7 +146,7 @@ def resumed_text(view: RunView) -> str | None:
     points = resumed_after(view)
     if not points:
         return None
-    where = ", ".join("before step 0" if n < 0 else f"after step {n}" for n in points)
+    where = ", ".join("before any step record" if n < 0 else f"after step {n}" for n in points)
     return f"{where} (at least {len(points) + 1} attempts)"
 
 
