@@ -131,7 +131,6 @@ class _Attempt:
     context: Context
     start_ns: int
     last_ns: int
-    resumed: bool
 
 
 @dataclass(slots=True)
@@ -241,7 +240,6 @@ class OpenTelemetrySink:
             context=trace.set_span_in_context(span),
             start_ns=start_ns,
             last_ns=start_ns,
-            resumed=resumed,
         )
 
     def _step(self, run_id: str, step: StepRecord, intent: Intent | None) -> None:
