@@ -140,9 +140,7 @@ def summary(result: RunResult) -> dict[str, Any]:
         "stop_reason": result.stop_reason.value,
         "final_answer": result.final_answer,
         "detail": result.detail,
-        "steps": [
-            serialization.encode(without_timing(step)) for step in result.steps
-        ],
+        "steps": [serialization.encode(without_timing(step)) for step in result.steps],
     }
 
 
