@@ -266,6 +266,6 @@ async def test_a_run_resumes_with_another_event_sink() -> None:
         request("r", tools, model_replay=Replay.ALLOWED),
     )
     assert result.stop_reason is StopReason.FINAL_ANSWER
-    assert [event.kind for event in sink.events][0] is EventKind.RUN_RESUMED
+    assert sink.events[0].kind is EventKind.RUN_RESUMED
     (started,) = [r for r in (await store.read_log("r")).records if isinstance(r, RunStarted)]
     assert started.snapshot["events.kind"] == "null"  # what the run started with stays
