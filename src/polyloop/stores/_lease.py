@@ -8,7 +8,7 @@ process died). Every claim moves the run's epoch on, and every write checks the 
 in its own transaction, so a former owner that wakes up writes nothing.
 
 :class:`Lease` is the owner's side. A keeper thread renews the lease every third of
-its length, but only once the event loop that uses the store has run a no-op for it: a
+its length (and again soon after a renewal that failed), but only once the event loop that uses the store has run a no-op for it: a
 process whose loop is stuck (a blocking call, a debugger) or stopped (``SIGSTOP``, a
 paused machine) stops renewing, and its lease runs out, while a loop that merely awaits
 a long model call keeps it. The owner also keeps a deadline of its own, measured from
@@ -40,6 +40,8 @@ logger = logging.getLogger("polyloop")
 # How many renewals fit in one lease: a renewal may fail or come late twice and the
 # lease still holds.
 _RENEWALS_PER_LEASE = 3
+# How soon a failed renewal is tried again, as a fraction of the lease.
+_RETRIES_PER_LEASE = 12
 
 
 def check_lease_s(lease_s: float) -> None:
@@ -119,8 +121,12 @@ class Lease:
             self._owner_id = uuid.uuid4().hex
 
     def _keep(self) -> None:
-        """The keeper thread: renew every third of a lease while the event loop lives."""
-        while not self._stopping.wait(self.lease_s / _RENEWALS_PER_LEASE):
+        """The keeper thread: renew every third of a lease while the event loop lives,
+        and soon again after a renewal that failed (a busy database, a lost connection)
+        rather than a third of a lease later."""
+        pause = self.lease_s / _RENEWALS_PER_LEASE
+        while not self._stopping.wait(pause):
+            pause = self.lease_s / _RENEWALS_PER_LEASE
             with self._mutex:
                 owner_id, token = self._owner_id, self._token
                 registered = self._registered
@@ -138,6 +144,7 @@ class Lease:
                 renewed = self._renew(owner_id)
             except Exception:
                 logger.warning("could not renew the lease of owner %s", owner_id, exc_info=True)
+                pause = self.lease_s / _RETRIES_PER_LEASE
                 continue
             with self._mutex:
                 if owner_id != self._owner_id:
