@@ -22,6 +22,7 @@ import enum
 import json
 import math
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 from polyloop._shared import FORMAT, canonical_json, plain_copy, record_kind
@@ -30,6 +31,7 @@ from polyloop.serialization._schema import (
     RECORD_CLASS,
     check_schema,
     checked,
+    plain_time,
     plain_tool_call,
     plain_usage,
 )
@@ -75,6 +77,8 @@ def encode(record: Record) -> dict[str, JSONValue]:
             value = plain_usage(value)
         elif isinstance(value, ToolCallBlock):
             value = plain_tool_call(value)
+        elif isinstance(value, datetime):
+            value = plain_time(value)
         out[field.key] = value
     return out
 

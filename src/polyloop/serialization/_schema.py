@@ -16,6 +16,7 @@ import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from polyloop._shared import FORMAT, RECORD_KINDS
@@ -49,7 +50,8 @@ class Field:
     name: str  # the attribute of the record
     key: str  # the key in the JSON object
     check: (
-        Check  # "str", "int", "bool", "float", "json", "object", "usage", "tool_call", or an enum
+        Check  # "str", "int", "bool", "float", "json", "object", "usage", "tool_call",
+        # "time", or an enum
     )
     optional: bool  # null is a value
     defaulted: bool  # may be missing: added after the first release of the major
@@ -67,6 +69,7 @@ _CHECKS: dict[str, Check] = {
     "Mapping[str, JSONValue]": "object",
     "Usage": "usage",
     "ToolCallBlock": "tool_call",
+    "datetime": "time",
     **{
         cls.__name__: cls
         for cls in (ActionStatus, DecisionKind, FinishReason, IntentKind, Replay, StopReason)
@@ -150,6 +153,11 @@ def checked(
         if isinstance(value, dict):
             return value
         expected = "an object"
+    elif check == "time":
+        moment = value if isinstance(value, datetime) else time_from(value)
+        if moment is not None and moment.utcoffset() is not None:
+            return moment.astimezone(UTC)
+        expected = "an RFC 3339 date and time with its offset"
     elif not _IS_BASE[check](value):
         expected = f"a {check}"
     elif check != "float":
@@ -184,6 +192,21 @@ def usage_from(value: dict[str, Any]) -> Usage:
 def plain_usage(usage: Usage) -> dict[str, Any]:
     """How a :class:`Usage` is written: an object of its counts."""
     return {name: getattr(usage, name) for name in USAGE_COUNTS}
+
+
+def plain_time(moment: datetime) -> str:
+    """How a time is written: RFC 3339 in UTC, to the microsecond, with a ``Z``."""
+    return moment.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def time_from(value: Any) -> datetime | None:
+    """The time an RFC 3339 string holds, or ``None`` if it holds none."""
+    if not isinstance(value, str) or "T" not in value:
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
 
 
 def plain_tool_call(call: ToolCallBlock) -> dict[str, Any]:
