@@ -10,6 +10,7 @@ import enum
 import json
 import math
 import re
+from datetime import UTC, datetime
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -28,17 +29,20 @@ from polyloop.types import (
     IntentKind,
     JSONValue,
     PolyLoopError,
+    Proposal,
     Record,
     Replay,
     Result,
     RunEnded,
     RunStarted,
     SchemaMajorMismatch,
+    Settlement,
     StepRecord,
     StopReason,
     ToolCallBlock,
     UnloggableValue,
     Usage,
+    Verdict,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "records" / "v1"
@@ -304,6 +308,76 @@ EXPECTED: dict[str, Record] = {
         detail=None,
     ),
 }
+
+# issue 19: a person in the loop. Added later, under the same rule as the others.
+_AT = datetime(2026, 12, 1, 22, 0, 0, 123456, tzinfo=UTC)
+EXPECTED.update(
+    {
+        "proposal": Proposal(
+            run_id=RUN,
+            result_id=f"{RUN}:2:action",
+            step=2,
+            replay=Replay.NEVER,
+            payload={"name": "deploy", "arguments": {"env": "prod"}},
+            action_text='deploy({"env": "prod"})',
+            history_text="Deploying now.",
+            description="Deploy the build to an environment.",
+            at=_AT,
+        ),
+        "verdict_approved": Verdict(
+            run_id=RUN,
+            result_id=f"{RUN}:2:action",
+            approved=True,
+            by="alice",
+            payload={"name": "deploy", "arguments": {"env": "staging"}},
+            reason=None,
+            at=_AT,
+        ),
+        "verdict_rejected": Verdict(
+            run_id=RUN,
+            result_id=f"{RUN}:2:action",
+            approved=False,
+            by="bob",
+            payload=None,
+            reason="not on a Friday",
+            at=_AT,
+        ),
+        "settlement": Settlement(
+            run_id=RUN,
+            result_id=f"{RUN}:1:action",
+            ran=True,
+            observation="paid: receipt 7731",
+            by="carol",
+            at=_AT,
+        ),
+        "step_settled": StepRecord(
+            run_id=RUN,
+            step=1,
+            call_id="c-2",
+            model_output="Paying.",
+            reasoning=None,
+            decision=DecisionKind.ACTION,
+            history_text="Paying.",
+            action_text='pay({"amount": 5})',
+            observation="paid: receipt 7731",
+            observation_synthesized=False,
+            action_status=ActionStatus.EXECUTED,
+            done=False,
+            truncated_chars=0,
+            error=None,
+            duration_s=0.5,
+            settled_by="carol",
+        ),
+        "run_ended_awaiting_approval": RunEnded(
+            run_id=RUN,
+            stop_reason=StopReason.AWAITING_APPROVAL,
+            final_answer=None,
+            steps=2,
+            valid_steps=1,
+            detail="action waits for a person",
+        ),
+    }
+)
 
 
 def one_of_each() -> list[Any]:
