@@ -409,7 +409,16 @@ def test_round_trip_each_kind(record: Record) -> None:
 def test_encoded_shape(record: Record) -> None:
     data = encode(record)
     assert data["schema"] == "polyloop/1"
-    assert data["kind"] in {"run_started", "intent", "result", "step", "run_ended"}
+    assert data["kind"] in {
+        "run_started",
+        "intent",
+        "result",
+        "step",
+        "run_ended",
+        "proposal",
+        "verdict",
+        "settlement",
+    }
     assert json.loads(dumps(record)) == data
     # A plain JSON document: it survives the stdlib's own strict round trip.
     assert json.loads(json.dumps(data, allow_nan=False)) == data

@@ -23,6 +23,7 @@ STATE_STYLES = {
     "running": "cyan",
     "resumable": "yellow",
     "in doubt": "red",
+    "awaiting approval": "magenta",
     "corrupt": "bold red",
 }
 

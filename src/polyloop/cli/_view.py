@@ -33,6 +33,7 @@ STATE_WORDS = {
     RunState.RUNNING: "running",
     RunState.RESUMABLE: "resumable",
     RunState.IN_DOUBT: "in doubt",
+    RunState.AWAITING_APPROVAL: "awaiting approval",
     RunState.FINISHED: "finished",
 }
 CORRUPT = "corrupt"

@@ -155,9 +155,7 @@ async def recover(
     return await recover_runs(definition, store, request_for, max_concurrent=max_concurrent)
 
 
-async def approve(
-    store: Store, run_id: str, *, by: str, arguments: JSONValue | None = None
-) -> Verdict:
+async def approve(store: Store, run_id: str, *, by: str, arguments: JSONValue = None) -> Verdict:
     """Approve the action the run ``run_id`` waits on; ``resume`` then runs it.
 
     ``by`` names the person approving. ``arguments``, if given, replace the arguments

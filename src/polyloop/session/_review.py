@@ -40,7 +40,7 @@ logger = logging.getLogger("polyloop")
 _RELEASE_GRACE_S = 10.0
 
 
-async def approve(store: Store, run_id: str, *, by: str, arguments: JSONValue | None) -> Verdict:
+async def approve(store: Store, run_id: str, *, by: str, arguments: JSONValue) -> Verdict:
     _check_text("by", by, run_id)
 
     def verdict(plan: _recovery.Plan) -> Verdict:
