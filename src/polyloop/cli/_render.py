@@ -10,7 +10,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from polyloop.cli._view import RunSummary, RunView, reply_facts, usage_text
+from polyloop.cli._view import RunSummary, RunView, reply_facts, review_facts, usage_text
 from polyloop.types import ActionStatus, DecisionKind, StepRecord
 
 # How much of an observation the terminal shows; --json and --html show it whole.
@@ -106,9 +106,10 @@ def runs_table(views: Iterable[RunSummary]) -> Table:
 def trajectory(view: RunView) -> RenderableType:
     """The run as blocks: a header, one block per step, and how it ended."""
     parts: list[RenderableType] = [_header(view)]
+    reviews = view.reviews()
     for step in view.steps:
         parts.append(Rule(_step_title(step), align="left", style="dim"))
-        parts.append(_fields(_step_fields(step)))
+        parts.append(_fields(_step_fields(step) + review_facts(reviews.get(step.step, []))))
     parts.append(Rule(Text("end", style="bold"), align="left", style="dim"))
     parts.append(_fields(_end_fields(view)))
     return Group(*parts)
@@ -166,6 +167,7 @@ def _end_fields(view: RunView) -> list[tuple[str, str]]:
         fields.append(("final answer", view.final_answer))
     if view.detail is not None:
         fields.append(("detail", view.detail))
+    fields.extend(review_facts(view.reviews().get(len(view.steps), [])))
     if (interruption := view.interruption()) is not None:
         fields.append(("interrupted", interruption))
     return fields
