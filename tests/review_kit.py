@@ -76,6 +76,18 @@ def review_tools(ledger: Ledger, *, needs_approval: bool = True) -> ToolRegistry
     )
 
 
+def observed(payload: Any) -> str:
+    """What the tool of ``payload`` returns when it runs: what a person who checked would
+    report for a call in doubt."""
+    name, arguments = payload["name"], payload["arguments"]
+    return {
+        "double": lambda: str(arguments.get("n", 0) * 2),
+        "deploy": lambda: f"deployed to {arguments.get('env')}",
+        "pay": lambda: f"paid {arguments.get('n')}",
+        "submit": lambda: f"accepted {arguments.get('answer')}",
+    }[name]()
+
+
 def approval_script() -> list[str]:
     """Double, deploy to prod (needs approval), then answer."""
     return [tool_call("double", n=1), tool_call("deploy", env="prod"), answer("done")]
