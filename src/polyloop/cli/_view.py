@@ -53,7 +53,8 @@ class RunSummary:
 
     @property
     def state(self) -> str:
-        """``running``, ``resumable``, ``in doubt``, ``finished`` or ``corrupt``."""
+        """``running``, ``resumable``, ``in doubt``, ``awaiting approval``, ``finished``
+        or ``corrupt``."""
         return CORRUPT if self.status is None else STATE_WORDS[self.status.state]
 
     @property
