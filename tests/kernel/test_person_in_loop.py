@@ -259,3 +259,28 @@ async def test_records_of_a_person_are_kept_in_the_log() -> None:
     assert kinds_ == ["Proposal", "Verdict"]
     assert isinstance(reviews(await store.read_log("r"))[0], Proposal)
     assert Settlement.__name__ == "Settlement"
+
+
+async def test_cancelled_while_recording_a_proposal_the_run_still_waits_after() -> None:
+    import anyio
+
+    from agent_kit import SlowStore
+
+    store, ledger = SlowStore("write_review", after=True), Ledger()
+    tools = review_tools(ledger)
+    with anyio.move_on_after(5) as scope:
+        async with anyio.create_task_group() as group:
+
+            async def drive() -> None:
+                await run(definition(store, script=approval_script()), request("r", tools))  # type: ignore[arg-type]
+
+            group.start_soon(drive)
+            await store.entered.wait()
+            group.cancel_scope.cancel()
+    assert not scope.cancelled_caught
+    log = await store.inner.read_log("r")
+    assert kinds(log.records)[-2:] == ["Proposal", "RunEnded"]
+    assert log.records[-1].stop_reason is StopReason.CANCELLED  # type: ignore[union-attr]
+    result = await resume(definition(store.inner, script=approval_script()), request("r", tools))
+    assert result.stop_reason is StopReason.AWAITING_APPROVAL
+    assert ledger.calls == [("double", "r:0:action")]
