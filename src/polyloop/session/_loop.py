@@ -59,7 +59,6 @@ from polyloop.types import (
     ToolCallBlock,
     UnloggableValue,
     Usage,
-    Verdict,
 )
 
 logger = logging.getLogger("polyloop")
@@ -470,7 +469,7 @@ class Loop:
             return await self._model_failed(index, str(payload["error"]), began), None
         reply = reply_from(payload, self.run_id, plan.model_result.result_id)
         if intent is None and plan.verdict is not None:
-            return await self._after_verdict(index, reply, plan.verdict, began, plan.proposal)
+            return await self._after_verdict(index, reply, plan, began)
         if intent is None:
             # No action was announced, so nothing has happened yet: interpret again.
             return await self._decide(index, reply, began)
@@ -482,23 +481,18 @@ class Loop:
             history_text=intent.history_text or "",
             tool_call=intent.tool_call,
         )
+        tool = action_name(intent)
         if plan.settlement is not None:
-            return await self._settled(index, reply, action, plan.settlement, began), action_name(
-                intent
-            )
-        return await self._act(index, reply, action, began), action_name(intent)
+            return await self._settled(index, reply, action, plan.settlement, began), tool
+        return await self._act(index, reply, action, began), tool
 
     async def _after_verdict(
-        self,
-        index: int,
-        reply: ModelReply,
-        verdict: Verdict,
-        began: float,
-        proposal: Proposal | None,
+        self, index: int, reply: ModelReply, plan: _recovery.Plan, began: float
     ) -> Stepped:
         """Go on from a person's verdict: announce and run the approved action (with the
         arguments as approved), or record the rejected one as not executed."""
-        assert proposal is not None  # a verdict only follows a proposal
+        verdict, proposal = plan.verdict, plan.proposal
+        assert verdict is not None and proposal is not None  # a verdict answers a proposal
         action = Action(
             payload=verdict.payload if verdict.approved else proposal.payload,
             action_text=proposal.action_text,

@@ -112,6 +112,8 @@ _R = TypeVar("_R", Verdict, Settlement)
 
 async def _answer(store: Store, run_id: str, build: Callable[[_recovery.Plan], _R]) -> _R:
     """Claim the run, build the answer from the log read under the claim, write it."""
+    if not isinstance(run_id, str) or not run_id:
+        raise InvalidRequest(f"run_id must be a non-empty string, not {run_id!r:.40}")
     await store.claim_run(run_id)
     try:
         plan = _recovery.read_plan(await store.read_log(run_id))
