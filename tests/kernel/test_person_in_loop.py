@@ -284,3 +284,38 @@ async def test_cancelled_while_recording_a_proposal_the_run_still_waits_after() 
     result = await resume(definition(store.inner, script=approval_script()), request("r", tools))
     assert result.stop_reason is StopReason.AWAITING_APPROVAL
     assert ledger.calls == [("double", "r:0:action")]
+
+
+async def test_a_native_tool_call_waits_for_approval_and_resumes_with_the_same_messages() -> None:
+    from native_kit import INTERPRETER, NATIVE, HashingModel, call
+    from polyloop import ModelReply
+
+    def script() -> list[ModelReply]:
+        return [
+            call("deploy", "c0", env="prod"),
+            ModelReply(call_id=None, content="done", reasoning=None),
+        ]
+
+    whole = HashingModel(script())
+    reference_tools = review_tools(Ledger(), needs_approval=False)
+    reference = await run(
+        definition(MemoryStore(), model=whole, interpreter=INTERPRETER),
+        request("r", reference_tools, **NATIVE),
+    )
+    store, ledger = MemoryStore(), Ledger()
+    tools = review_tools(ledger)
+    first, second = HashingModel(script()), HashingModel(script())
+    paused = await run(
+        definition(store, model=first, interpreter=INTERPRETER), request("r", tools, **NATIVE)
+    )
+    assert paused.stop_reason is StopReason.AWAITING_APPROVAL
+    status = await run_status(store, "r")
+    assert status.proposal is not None and status.proposal.tool_call is not None
+    await approve(store, "r", by="alice")
+    result = await resume(
+        definition(store, model=second, interpreter=INTERPRETER), request("r", tools, **NATIVE)
+    )
+    assert result.stop_reason is reference.stop_reason
+    assert plain_steps(result.steps) == plain_steps(reference.steps)
+    assert first.digests + second.digests == whole.digests  # the same messages, each once
+    assert [name for name, _ in ledger.calls] == ["deploy"]
