@@ -104,4 +104,9 @@ def reviews(log: RunLog) -> list[Proposal | Verdict | Settlement]:
 
 def plain_steps(steps: Sequence[StepRecord]) -> list[StepRecord]:
     """Step records without timing or who settled them: what two runs share."""
-    return [dataclasses.replace(s, duration_s=None, settled_by=None) for s in steps]
+    cleared = {
+        f.name: None
+        for f in dataclasses.fields(StepRecord)
+        if f.metadata.get("timing") or f.name in ("duration_s", "settled_by")
+    }
+    return [dataclasses.replace(step, **cleared) for step in steps]
