@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -32,7 +31,7 @@ from polyloop import (
     ToolSpec,
     ToolStyle,
 )
-from polyloop.testing import JsonActionInterpreter, ScriptedModelClient
+from polyloop.testing import JsonActionInterpreter, ScriptedModelClient, without_timing
 
 TEXTS = ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}")
 NUMBER_SCHEMA = {
@@ -162,7 +161,7 @@ def request(run_id: str, tools: ToolRegistry, /, **overrides: Any) -> Request:
 
 def timeless(steps: Sequence[StepRecord]) -> list[StepRecord]:
     """Step records without their wall-clock timing, for equivalence checks."""
-    return [dataclasses.replace(step, duration_s=None) for step in steps]
+    return [without_timing(step) for step in steps]
 
 
 def same_outcome(a: RunResult, b: RunResult) -> bool:

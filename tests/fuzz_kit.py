@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -144,6 +145,9 @@ def run_ended(run_id: str, reason: StopReason, steps: int, detail: str | None = 
     )
 
 
+TIMED_AT = datetime(2026, 12, 1, 21, 40, 5, 123456, tzinfo=UTC)
+
+
 def _seed_records() -> list[Record]:
     """One of each record shape the kernel writes, with awkward text in them."""
     records = expected_records(sample_run("r", steps=2))
@@ -155,6 +159,13 @@ def _seed_records() -> list[Record]:
         dataclasses.replace(step_record("r", 3, "\ud800 lone", with_action=True), error="E: x"),
         run_ended("r", StopReason.IN_DOUBT, 3, detail="action r:3:action"),
         RunStarted(run_id="r", snapshot={AWKWARD: [AWKWARD, 1.5, {"": None}]}),
+        # The timing fields: a time with microseconds, and durations.
+        dataclasses.replace(model_result("r", 4, "timed"), at=TIMED_AT, duration_s=0.75),
+        dataclasses.replace(
+            step_record("r", 4, "timed", with_action=False),
+            at=TIMED_AT,
+            model_duration_s=0.75,
+        ),
     ]
     return records
 
@@ -327,14 +338,22 @@ def field_edits(draw: st.DrawFn) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-NUMERIC_FIELDS = ("step", "call_index", "truncated_chars", "duration_s", "steps", "valid_steps")
+NUMERIC_FIELDS = (
+    "step",
+    "call_index",
+    "truncated_chars",
+    "duration_s",
+    "model_duration_s",
+    "steps",
+    "valid_steps",
+)
 
 
 @st.composite
 def numeric_edits(draw: st.DrawFn) -> bytes:
     """A seed record with one of its number fields set to a number at some edge."""
     record = draw(
-        st.sampled_from([r for r in SEED_RECORDS if any(hasattr(r, f) for f in NUMERIC_FIELDS)])
+        st.sampled_from([r for r in SEED_RECORDS if any(f in encode(r) for f in NUMERIC_FIELDS)])
     )
     data: dict[str, Any] = dict(encode(record))
     field = draw(st.sampled_from([f for f in NUMERIC_FIELDS if f in data]))

@@ -37,7 +37,7 @@ from polyloop import (
     run,
     serialization,
 )
-from polyloop.testing import JsonActionInterpreter, ScriptedModelClient
+from polyloop.testing import JsonActionInterpreter, ScriptedModelClient, without_timing
 
 SCRIPT = [json.dumps({"tool": "fetch", "arguments": {"n": n}}) for n in range(1, 5)] + [
     json.dumps({"tool": "record", "arguments": {"total": 10}}),
@@ -140,10 +140,7 @@ def summary(result: RunResult) -> dict[str, Any]:
         "stop_reason": result.stop_reason.value,
         "final_answer": result.final_answer,
         "detail": result.detail,
-        "steps": [
-            {k: v for k, v in serialization.encode(step).items() if k != "duration_s"}
-            for step in result.steps
-        ],
+        "steps": [serialization.encode(without_timing(step)) for step in result.steps],
     }
 
 

@@ -433,12 +433,17 @@ class EventKind(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Event:
-    """A progress notification; ``record`` is the record the event is about."""
+    """A progress notification; ``record`` is the record the event is about.
+
+    ``intent`` is, on a ``STEP_FINISHED`` event whose step ran an action, the action's
+    intent: what was run (its payload) and under which result id.
+    """
 
     kind: EventKind
     run_id: str
     step: int | None
     record: Record
+    intent: Intent | None = None
 
 
 @runtime_checkable

@@ -80,8 +80,8 @@ __all__ = (
 # out of a written record while it is None, so a record that uses none of the later
 # fields is written byte for byte as the first release wrote it.
 _WRITTEN_WHEN_SET: Mapping[str, bool] = {"written_when_set": True}
-# Marks a field that says when or how long: wall-clock facts, which are the only fields
-# allowed to differ between a run and the same run resumed after a crash.
+# Marks a field that says when, how long, or in which attempt: the only fields allowed
+# to differ between a run and the same run resumed after a crash.
 _TIMING: Mapping[str, bool] = {"timing": True}
 _TIMING_WHEN_SET: Mapping[str, bool] = {**_WRITTEN_WHEN_SET, **_TIMING}
 
@@ -315,10 +315,15 @@ class Injection:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunStarted:
-    """The first record of every run: the frozen reproducibility snapshot."""
+    """The first record of every run: the frozen reproducibility snapshot.
+
+    ``at``, on this and every other record, is the aware UTC time the record was
+    written (``None`` in records written before the field existed).
+    """
 
     run_id: str
     snapshot: Mapping[str, JSONValue]
+    at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -341,24 +346,34 @@ class Intent:
     action_text: str | None = None
     history_text: str | None = None
     tool_call: ToolCallBlock | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Result:
-    """The outcome of the effect announced by the intent with the same ``result_id``."""
+    """The outcome of the effect announced by the intent with the same ``result_id``.
+
+    ``duration_s`` is how long the model call or the action took, wall-clock time.
+    """
 
     run_id: str
     result_id: str
     kind: IntentKind
     payload: JSONValue
+    at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
+    duration_s: float | None = field(default=None, metadata=_TIMING_WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepRecord:
     """One decision round: the row of the trajectory.
 
-    ``duration_s`` is wall-clock time and the only field that differs between a run and
-    the same run resumed after a crash. ``finish``, ``usage``, ``model`` and ``refusal``
+    ``duration_s`` is the step's wall-clock time, ``model_duration_s`` and
+    ``action_duration_s`` those of its model call and of its action (``None`` where the
+    step had none, or the call ran in an earlier attempt of the run), ``at`` when the
+    record was written, and ``resumed`` is ``True`` when a process that resumed the run
+    wrote it: these fields are the only ones that differ between a run and the same run
+    resumed after a crash. ``finish``, ``usage``, ``model`` and ``refusal``
     say how the model's reply ended, what the call cost and which model the server says
     answered, as the model client reported them (``None`` where it did not).
     ``tool_call`` is the native tool call the step's action came from, if it came from
@@ -382,12 +397,16 @@ class StepRecord:
     truncated_chars: int
     error: str | None
     final_answer: str | None = None
-    duration_s: float | None = None
+    duration_s: float | None = field(default=None, metadata=_TIMING)
     finish: FinishReason | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     usage: Usage | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     model: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     refusal: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     tool_call: ToolCallBlock | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
+    model_duration_s: float | None = field(default=None, metadata=_TIMING_WHEN_SET)
+    action_duration_s: float | None = field(default=None, metadata=_TIMING_WHEN_SET)
+    resumed: bool | None = field(default=None, metadata=_TIMING_WHEN_SET)
     settled_by: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
 
 
@@ -406,6 +425,7 @@ class RunEnded:
     steps: int
     valid_steps: int
     detail: str | None
+    at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
 
     @property
     def is_final(self) -> bool:

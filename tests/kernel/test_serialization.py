@@ -10,7 +10,7 @@ import enum
 import json
 import math
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from polyloop.serialization import decode, dumps, encode, loads, plain
+from polyloop.testing import without_timing
 from polyloop.types import (
     ActionStatus,
     CorruptLog,
@@ -49,6 +50,8 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "records" / "v1"
 RUN = "exp-7/task-12#3"
 
 # -- realistic records, one per kind (also the expected content of the fixtures) ----------
+
+_AT = datetime(2026, 12, 1, 9, 30, 15, 250000, tzinfo=UTC)
 
 EXPECTED: dict[str, Record] = {
     "run_started": RunStarted(
@@ -307,10 +310,70 @@ EXPECTED: dict[str, Record] = {
         valid_steps=2,
         detail=None,
     ),
+    # When each record was written, and how long the calls took (added later).
+    "run_started_timed": RunStarted(run_id=RUN, snapshot={"model.name": "gpt-4o-mini"}, at=_AT),
+    "intent_action_timed": Intent(
+        run_id=RUN,
+        result_id=f"{RUN}:7:action",
+        kind=IntentKind.ACTION,
+        step=7,
+        call_index=7,
+        replay=Replay.NEVER,
+        payload={"name": "submit", "arguments": {"patch": ""}},
+        action_text="submit()",
+        history_text="Submitting.",
+        at=_AT,
+    ),
+    "result_model_call_timed": Result(
+        run_id=RUN,
+        result_id=f"{RUN}:7:model",
+        kind=IntentKind.MODEL_CALL,
+        payload={"call_id": "chatcmpl-ee05", "content": "Submitting.", "reasoning": None},
+        at=_AT,
+        duration_s=0.8125,
+    ),
+    "result_action_timed": Result(
+        run_id=RUN,
+        result_id=f"{RUN}:7:action",
+        kind=IntentKind.ACTION,
+        payload={"status": "executed", "observation": "submitted", "done": True},
+        at=_AT,
+        duration_s=0.0625,
+    ),
+    "step_timed": StepRecord(
+        run_id=RUN,
+        step=7,
+        call_id="chatcmpl-ee05",
+        model_output="Submitting.",
+        reasoning=None,
+        decision=DecisionKind.ACTION,
+        history_text="Submitting.",
+        action_text="submit()",
+        observation="submitted",
+        observation_synthesized=False,
+        action_status=ActionStatus.EXECUTED,
+        done=True,
+        truncated_chars=0,
+        error=None,
+        duration_s=0.875,
+        at=_AT,
+        model_duration_s=0.8125,
+        action_duration_s=0.0625,
+        resumed=True,
+    ),
+    "run_ended_timed": RunEnded(
+        run_id=RUN,
+        stop_reason=StopReason.SUBMITTED,
+        final_answer=None,
+        steps=8,
+        valid_steps=8,
+        detail=None,
+        at=_AT,
+    ),
 }
 
 # issue 19: a person in the loop. Added later, under the same rule as the others.
-_AT = datetime(2026, 12, 1, 22, 0, 0, 123456, tzinfo=UTC)
+_PERSON_AT = datetime(2026, 12, 1, 22, 0, 0, 123456, tzinfo=UTC)
 EXPECTED.update(
     {
         "proposal": Proposal(
@@ -322,7 +385,7 @@ EXPECTED.update(
             action_text='deploy({"env": "prod"})',
             history_text="Deploying now.",
             description="Deploy the build to an environment.",
-            at=_AT,
+            at=_PERSON_AT,
         ),
         "verdict_approved": Verdict(
             run_id=RUN,
@@ -331,7 +394,7 @@ EXPECTED.update(
             by="alice",
             payload={"name": "deploy", "arguments": {"env": "staging"}},
             reason=None,
-            at=_AT,
+            at=_PERSON_AT,
         ),
         "verdict_rejected": Verdict(
             run_id=RUN,
@@ -340,7 +403,7 @@ EXPECTED.update(
             by="bob",
             payload=None,
             reason="not on a Friday",
-            at=_AT,
+            at=_PERSON_AT,
         ),
         "settlement": Settlement(
             run_id=RUN,
@@ -348,7 +411,7 @@ EXPECTED.update(
             ran=True,
             observation="paid: receipt 7731",
             by="carol",
-            at=_AT,
+            at=_PERSON_AT,
         ),
         "step_settled": StepRecord(
             run_id=RUN,
@@ -1053,3 +1116,67 @@ def test_a_step_without_the_later_fields_reads_them_as_none() -> None:
     step = loads((FIXTURES / "step_action.json").read_bytes())
     assert isinstance(step, StepRecord)
     assert (step.finish, step.usage, step.model, step.refusal) == (None, None, None, None)
+
+
+# -- times ---------------------------------------------------------------------------------
+
+
+def test_a_time_is_written_in_utc_to_the_microsecond_with_a_z() -> None:
+    assert encoded("step_timed")["at"] == "2026-12-01T09:30:15.250000Z"
+    plus_two = timezone(timedelta(hours=2))
+    shifted = dataclasses.replace(EXPECTED["run_ended_timed"], at=_AT.astimezone(plus_two))
+    assert encode(shifted)["at"] == "2026-12-01T09:30:15.250000Z"
+
+
+@pytest.mark.parametrize(
+    "text", ["2026-12-01T11:30:15.25+02:00", "2026-12-01T09:30:15.250000+00:00"]
+)
+def test_a_time_with_any_offset_reads_back_as_the_same_moment_in_utc(text: str) -> None:
+    record = loads(_with("run_ended_timed", at=text))
+    assert isinstance(record, RunEnded)
+    assert record.at == _AT
+    assert record.at is not None and record.at.tzinfo is UTC
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "2026-12-01T09:30:15",  # no offset: which moment it was is unknown
+        "2026-12-01",
+        "yesterday",
+        "2026-13-01T09:30:15Z",
+        1764581415,
+        True,
+        {"t": 1},
+    ],
+)
+def test_a_time_that_is_not_an_rfc_3339_moment_is_refused(value: Any) -> None:
+    with pytest.raises(CorruptLog, match=r"run_ended\.at must be null or an RFC 3339"):
+        loads(_with("run_ended_timed", at=value))
+
+
+def test_a_naive_time_is_refused_on_the_way_out() -> None:
+    naive = dataclasses.replace(EXPECTED["step_timed"], at=datetime(2026, 12, 1, 9, 30))
+    with pytest.raises(UnloggableValue, match=r"step\.at"):
+        dumps(naive)
+
+
+def test_records_without_times_are_written_as_before() -> None:
+    for name in ("run_started", "intent_action", "result_action", "step_action", "run_ended"):
+        data = encoded(name)
+        assert not {"at", "model_duration_s", "action_duration_s", "resumed"} & set(data)
+        if name.startswith("result"):
+            assert "duration_s" not in data
+
+
+@pytest.mark.parametrize("name", [name for name in EXPECTED if name.endswith("_timed")])
+def test_without_timing_leaves_exactly_the_timing_fields_out(name: str) -> None:
+    record = EXPECTED[name]
+    timeless = without_timing(record)
+    assert timeless != record
+    for field in dataclasses.fields(record):
+        value = getattr(timeless, field.name)
+        if field.name in ("at", "resumed") or field.name.endswith("duration_s"):
+            assert value is None, field.name
+        else:
+            assert value == getattr(record, field.name), field.name

@@ -21,7 +21,7 @@ import anyio
 
 from polyloop import _recovery
 from polyloop.ports import ManagedStore, Store, StoredRun
-from polyloop.session._loop import Loop
+from polyloop.session._loop import Loop, now
 from polyloop.session._request import prepare
 from polyloop.session._values import Definition, Request
 from polyloop.types import (
@@ -69,7 +69,7 @@ async def _drive_claimed(
         if mode is Mode.RESUME:
             raise RunNotFound("the store holds no record of this run", run_id=request.run_id)
         loop = Loop(definition, request, resumed=False)
-        started = RunStarted(run_id=request.run_id, snapshot=snapshot)
+        started = RunStarted(run_id=request.run_id, snapshot=snapshot, at=now())
         return await loop.guarded(loop.start(started))
     if mode is Mode.START:
         raise RunAlreadyExists(

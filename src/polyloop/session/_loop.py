@@ -68,6 +68,21 @@ logger = logging.getLogger("polyloop")
 Stepped: TypeAlias = tuple[StepRecord, str | None] | None
 
 
+def now() -> datetime:
+    """The time a record is written at."""
+    return datetime.now(UTC)
+
+
+@dataclasses.dataclass(slots=True)
+class StepTimes:
+    """The clock readings of the step being taken: when it began (``perf_counter``) and
+    how long its model call and its action took, once they have."""
+
+    began: float = dataclasses.field(default_factory=time.perf_counter)
+    model_s: float | None = None
+    action_s: float | None = None
+
+
 class Loop:
     """The state of one run while it is driven: its steps, counters and transcript."""
 
@@ -183,11 +198,12 @@ class Loop:
                 call_index=index,
                 replay=self.request.model_replay,
                 payload={"messages_sha256": self.transcript.sha256()},
+                at=now(),
             )
         )
-        return await self._call_model(index, time.perf_counter())
+        return await self._call_model(index, StepTimes())
 
-    async def _call_model(self, index: int, began: float) -> Stepped:
+    async def _call_model(self, index: int, times: StepTimes) -> Stepped:
         result_id = _recovery.model_result_id(self.run_id, index)
         call = ModelCall(
             messages=self.transcript.messages,
@@ -197,38 +213,45 @@ class Loop:
             binding=self.request.binding,
             tools=self.native_tools,
         )
+        began = time.perf_counter()
         try:
             reply = checked_reply(await self.definition.model.call(call))
         except Exception as exc:  # noqa: BLE001 - a failing model ends the run, by contract
+            times.model_s = time.perf_counter() - began
             error = exception_text(exc)
-            await self._write_model_result(result_id, {"error": error})
-            return await self._model_failed(index, error, began), None
-        await self._write_model_result(result_id, reply_payload(reply))
-        return await self._decide(index, reply, began)
+            await self._write_model_result(result_id, {"error": error}, times.model_s)
+            return await self._model_failed(index, error, times), None
+        times.model_s = time.perf_counter() - began
+        await self._write_model_result(result_id, reply_payload(reply), times.model_s)
+        return await self._decide(index, reply, times)
 
-    async def _write_model_result(self, result_id: str, payload: JSONValue) -> None:
+    async def _write_model_result(
+        self, result_id: str, payload: JSONValue, duration_s: float
+    ) -> None:
         await self.store.write_result(
             Result(
                 run_id=self.run_id,
                 result_id=result_id,
                 kind=IntentKind.MODEL_CALL,
                 payload=payload,
+                at=now(),
+                duration_s=duration_s,
             )
         )
 
     async def _model_failed(
-        self, index: int, error: str, began: float, reply: ModelReply | None = None
+        self, index: int, error: str, times: StepTimes, reply: ModelReply | None = None
     ) -> StepRecord:
         step = self._step_record(
-            index, reply, began, decision=DecisionKind.INVALID, history_text="", error=error
+            index, reply, times, decision=DecisionKind.INVALID, history_text="", error=error
         )
         return await self._record(step, None)
 
-    async def _decide(self, index: int, reply: ModelReply, began: float) -> Stepped:
+    async def _decide(self, index: int, reply: ModelReply, times: StepTimes) -> Stepped:
         if (unmetered := self._unmetered(reply)) is not None:
             # Recorded with unknown counts, so the run's total says it is incomplete.
             counted = dataclasses.replace(reply, usage=reply.usage or Usage())
-            return await self._model_failed(index, unmetered, began, counted), None
+            return await self._model_failed(index, unmetered, times, counted), None
         decision = self.definition.interpreter.interpret(reply)
         problem = decision_problem(decision)
         if problem is not None:
@@ -239,7 +262,7 @@ class Loop:
             step = self._step_record(
                 index,
                 reply,
-                began,
+                times,
                 decision=DecisionKind.FINAL,
                 history_text=decision.history_text,
                 final_answer=decision.answer,
@@ -249,7 +272,7 @@ class Loop:
             step = self._step_record(
                 index,
                 reply,
-                began,
+                times,
                 decision=DecisionKind.INVALID,
                 history_text=decision.history_text,
                 observation=decision.feedback,
@@ -257,16 +280,22 @@ class Loop:
             )
             return await self._record(step, None), None
         assert isinstance(decision, Action)
-        return await self._announce_and_act(index, reply, decision, began)
+        return await self._announce_and_act(index, reply, decision, times)
 
     async def _announce_and_act(
-        self, index: int, reply: ModelReply, action: Action, began: float, *, approved: bool = False
+        self,
+        index: int,
+        reply: ModelReply,
+        action: Action,
+        times: StepTimes,
+        *,
+        approved: bool = False,
     ) -> Stepped:
         replay = self._replay_policy(action)
         if not isinstance(replay, Replay):
             # The executor could not say whether the action may be repeated, so it cannot
             # be announced: an environment fault, with nothing run and no intent written.
-            step = self._acted(index, reply, action, fault(replay), began)
+            step = self._acted(index, reply, action, fault(replay), times)
             return await self._record(step, None), None
         intent = Intent(
             run_id=self.run_id,
@@ -279,6 +308,7 @@ class Loop:
             action_text=action.action_text,
             history_text=action.history_text,
             tool_call=action.tool_call,
+            at=now(),
         )
         try:
             # Only the payload can be unloggable: the texts were checked as strings.
@@ -291,13 +321,13 @@ class Loop:
                 synthesized=True,
                 done=False,
             )
-            return await self._record(self._acted(index, reply, action, outcome, began), None), None
+            return await self._record(self._acted(index, reply, action, outcome, times), None), None
         name = action_name(intent)
         if not approved and name is not None and self.request.tools.needs_approval(name):
             await self._propose(intent, name)
             return None
         await self.store.write_intent(intent)
-        return await self._act(index, reply, action, began), action_name(intent)
+        return await self._act(index, reply, action, times, intent), action_name(intent)
 
     async def _propose(self, intent: Intent, name: str) -> None:
         """Record the action for a person to judge, durably, and stop the run to wait."""
@@ -312,7 +342,7 @@ class Loop:
             history_text=intent.history_text or "",
             description=spec.description if spec is not None else "",
             tool_call=intent.tool_call,
-            at=datetime.now(UTC),
+            at=now(),
         )
         await self.store.write_review(proposal)
         await self._pause(proposal)
@@ -345,17 +375,22 @@ class Loop:
             return f"TypeError: the executor's replay() returned {kind}, not Replay"
         return replay
 
-    async def _act(self, index: int, reply: ModelReply, action: Action, began: float) -> StepRecord:
-        result_id = _recovery.action_result_id(self.run_id, index)
-        outcome = await self._execute(action, result_id)
-        step = self._acted(index, reply, action, outcome, began)
+    async def _act(
+        self, index: int, reply: ModelReply, action: Action, times: StepTimes, intent: Intent
+    ) -> StepRecord:
+        began = time.perf_counter()
+        outcome = await self._execute(action, intent.result_id)
+        times.action_s = time.perf_counter() - began
+        step = self._acted(index, reply, action, outcome, times)
         result = Result(
             run_id=self.run_id,
-            result_id=result_id,
+            result_id=intent.result_id,
             kind=IntentKind.ACTION,
             payload=outcome_payload(outcome),
+            at=step.at,
+            duration_s=times.action_s,
         )
-        return await self._record(step, result)
+        return await self._record(step, result, intent)
 
     async def _execute(self, action: Action, result_id: str) -> ActionOutcome:
         try:
@@ -371,7 +406,7 @@ class Loop:
         reply: ModelReply,
         action: Action,
         outcome: ActionOutcome,
-        began: float,
+        times: StepTimes,
     ) -> StepRecord:
         texts = self.definition.texts
         observation, synthesized = outcome.observation, outcome.synthesized
@@ -382,7 +417,7 @@ class Loop:
         return self._step_record(
             index,
             reply,
-            began,
+            times,
             decision=DecisionKind.ACTION,
             history_text=action.history_text,
             action_text=action.action_text,
@@ -398,7 +433,7 @@ class Loop:
         self,
         index: int,
         reply: ModelReply | None,
-        began: float,
+        times: StepTimes,
         *,
         decision: DecisionKind,
         history_text: str,
@@ -428,18 +463,24 @@ class Loop:
             truncated_chars=truncated_chars,
             error=error,
             final_answer=final_answer,
-            duration_s=time.perf_counter() - began,
+            duration_s=time.perf_counter() - times.began,
             finish=reply.finish if reply else None,
             usage=reply.usage if reply else None,
             model=reply.model if reply else None,
             refusal=reply.refusal if reply else None,
             tool_call=tool_call,
+            at=now(),
+            model_duration_s=times.model_s,
+            action_duration_s=times.action_s,
+            resumed=True if self.resumed else None,
         )
 
-    async def _record(self, step: StepRecord, action_result: Result | None) -> StepRecord:
+    async def _record(
+        self, step: StepRecord, action_result: Result | None, intent: Intent | None = None
+    ) -> StepRecord:
         await self.store.write_step(step, action_result)
         self._remember(step)
-        await self._emit(EventKind.STEP_FINISHED, step.step, step)
+        await self._emit(EventKind.STEP_FINISHED, step.step, step, intent)
         return step
 
     def _remember(self, step: StepRecord) -> None:
@@ -458,21 +499,21 @@ class Loop:
     # -- the step a crash interrupted ---------------------------------------------------
 
     async def _finish_interrupted(self, plan: _recovery.Plan) -> Stepped:
-        index, began = len(self.steps), time.perf_counter()
+        index, times = len(self.steps), StepTimes()
         intent = plan.open_intent
         if plan.model_result is None:
             # The model call was announced and its result lost; its replay is allowed,
             # and it reuses the intent on disk rather than writing a second one.
-            return await self._call_model(index, began)
+            return await self._call_model(index, times)
         payload = plan.model_result.payload
         if isinstance(payload, dict) and "error" in payload:
-            return await self._model_failed(index, str(payload["error"]), began), None
+            return await self._model_failed(index, str(payload["error"]), times), None
         reply = reply_from(payload, self.run_id, plan.model_result.result_id)
         if intent is None and plan.verdict is not None:
-            return await self._after_verdict(index, reply, plan, began)
+            return await self._after_verdict(index, reply, plan, times)
         if intent is None:
             # No action was announced, so nothing has happened yet: interpret again.
-            return await self._decide(index, reply, began)
+            return await self._decide(index, reply, times)
         # The action was announced: replay exactly the recorded action, whatever the
         # interpreter would say today.
         action = Action(
@@ -483,11 +524,11 @@ class Loop:
         )
         tool = action_name(intent)
         if plan.settlement is not None:
-            return await self._settled(index, reply, action, plan.settlement, began), tool
-        return await self._act(index, reply, action, began), tool
+            return await self._settled(index, reply, action, plan.settlement, times, intent), tool
+        return await self._act(index, reply, action, times, intent), tool
 
     async def _after_verdict(
-        self, index: int, reply: ModelReply, plan: _recovery.Plan, began: float
+        self, index: int, reply: ModelReply, plan: _recovery.Plan, times: StepTimes
     ) -> Stepped:
         """Go on from a person's verdict: announce and run the approved action (with the
         arguments as approved), or record the rejected one as not executed."""
@@ -500,18 +541,24 @@ class Loop:
             tool_call=proposal.tool_call,
         )
         if verdict.approved:
-            return await self._announce_and_act(index, reply, action, began, approved=True)
+            return await self._announce_and_act(index, reply, action, times, approved=True)
         outcome = ActionOutcome(
             status=ActionStatus.NOT_EXECUTED,
             observation=verdict.reason or "",
             synthesized=True,
             done=False,
         )
-        step = self._acted(index, reply, action, outcome, began)
+        step = self._acted(index, reply, action, outcome, times)
         return await self._record(step, None), action_name_of(proposal.payload)
 
     async def _settled(
-        self, index: int, reply: ModelReply, action: Action, settlement: Settlement, began: float
+        self,
+        index: int,
+        reply: ModelReply,
+        action: Action,
+        settlement: Settlement,
+        times: StepTimes,
+        intent: Intent,
     ) -> StepRecord:
         """Close the action in doubt the way the person who settled it says it ended."""
         outcome = ActionOutcome(
@@ -520,14 +567,17 @@ class Loop:
             synthesized=not settlement.ran,
             done=False,
         )
-        step = self._acted(index, reply, action, outcome, began)
+        step = self._acted(index, reply, action, outcome, times)
         result = Result(
             run_id=self.run_id,
             result_id=settlement.result_id,
             kind=IntentKind.ACTION,
             payload=outcome_payload(outcome),
+            at=step.at,
         )
-        return await self._record(dataclasses.replace(step, settled_by=settlement.by), result)
+        return await self._record(
+            dataclasses.replace(step, settled_by=settlement.by), result, intent
+        )
 
     # -- ending ------------------------------------------------------------------------
 
@@ -541,6 +591,7 @@ class Loop:
             steps=self.used.steps,
             valid_steps=self.used.valid_steps,
             detail=detail,
+            at=now(),
         )
         await self.store.end_run(end)
         self.end = end
@@ -597,8 +648,10 @@ class Loop:
             usage=Usage.of_steps(self.steps),
         )
 
-    async def _emit(self, kind: EventKind, step: int | None, record: Record) -> None:
-        event = Event(kind=kind, run_id=self.run_id, step=step, record=record)
+    async def _emit(
+        self, kind: EventKind, step: int | None, record: Record, intent: Intent | None = None
+    ) -> None:
+        event = Event(kind=kind, run_id=self.run_id, step=step, record=record, intent=intent)
         try:
             await self.definition.events.emit(event)
         except Exception:

@@ -6,6 +6,7 @@
 * :class:`ScriptedEnvironment`: an action executor that answers from a script, by step.
 * :class:`FaultyStore`: wraps a store and simulates a crash after the k-th write.
 * :class:`RecordingSink`: an event sink that keeps every event.
+* :func:`without_timing`: a record without its times and durations, to compare runs.
 
 The contract every implementation of a seam keeps is a pytest suite to subclass, in a
 submodule of its own, imported by name because it needs pytest:
@@ -22,6 +23,7 @@ from polyloop.testing._doubles import (
     ScriptExhausted,
 )
 from polyloop.testing._faults import FaultyStore, SimulatedCrash
+from polyloop.testing._timing import without_timing
 
 __all__ = (
     "FaultyStore",
@@ -31,4 +33,5 @@ __all__ = (
     "ScriptedEnvironment",
     "ScriptedModelClient",
     "SimulatedCrash",
+    "without_timing",
 )
