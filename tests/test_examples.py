@@ -111,7 +111,8 @@ def _polyloop(*args: str) -> subprocess.CompletedProcess[str]:
 def _steps(store: str, run_id: str) -> list[dict[str, object]]:
     shown = _polyloop("show", store, run_id, "--json")
     assert shown.returncode == 0, shown.stderr
-    timing = {"duration_s", "at", "model_duration_s", "action_duration_s", "run_id", "call_id"}
+    timing = {"duration_s", "at", "model_duration_s", "action_duration_s", "resumed"}
+    timing |= {"run_id", "call_id"}  # the two runs differ in id, so in these too
     return [
         {key: value for key, value in step.items() if key not in timing}
         for step in json.loads(shown.stdout)["steps"]
