@@ -7,8 +7,9 @@ comments, invisible on the rendered page:
   the file ``NAME``. Blocks of one name are joined in page order into one file, so the
   page can build a program piece by piece and still be checked whole.
 * ``<!-- run -->`` right before a ```` ```console ```` block: every line starting with
-  ``$ `` is a command (``python ...`` or ``cat FILE``), and the lines up to the next
-  command are exactly what it prints. A last line ``Killed`` (what a shell prints for a
+  ``$ `` is a command (``.venv/bin/python ...``, the interpreter of the environment the
+  install commands create, or ``cat FILE``), and the lines up to the next command are
+  exactly what it prints. A last line ``Killed`` (what a shell prints for a
   process that died of ``SIGKILL``) means the command must die of ``SIGKILL``.
 
 For each page, all its files are written to a fresh directory first, then its run
@@ -37,6 +38,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 GETTING_STARTED = DOCS / "getting-started.md"
+VENV_PYTHON = ".venv/bin/python"
 
 _BLOCK = re.compile(
     r"^(?:<!--\s*(?P<marker>[^>]*?)\s*-->\n)?```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```\s*$",
@@ -111,7 +113,9 @@ def _execute(command: str, cwd: Path) -> tuple[int, str]:
     if argv[0] == "cat":
         assert len(argv) == 2
         return 0, (cwd / argv[1]).read_text(encoding="utf-8")
-    assert argv[0] == "python", f"the docs test runs python and cat only, not {command!r}"
+    # The pages name the environment's interpreter, so they work as written without an
+    # activated environment; here that is the interpreter running the tests.
+    assert argv[0] == VENV_PYTHON, f"the docs test runs {VENV_PYTHON} and cat only: {command!r}"
     done = subprocess.run(
         [sys.executable, *argv[1:]], capture_output=True, text=True, timeout=120, cwd=cwd
     )
@@ -154,8 +158,50 @@ def _run_page(page: Path, workdir: Path) -> int:
 
 
 def test_getting_started_programs_run_as_shown(tmp_path: Path) -> None:
-    assert _run_page(GETTING_STARTED, tmp_path) >= 6
+    # first.py twice, agent.py twice, crash.py, the resume and the two cats.
+    assert _run_page(GETTING_STARTED, tmp_path) >= 8
     assert (tmp_path / "agent.py").is_file() and (tmp_path / "crash.py").is_file()
+    # The second runs read the finished runs back: each submit happened once.
+    assert (tmp_path / "submitted.txt").read_text().splitlines() == [
+        "task-1:2:action 1173",
+        "task-2:2:action 1173",
+    ]
+
+
+def test_getting_started_agent_refuses_changed_inputs_in_one_line(tmp_path: Path) -> None:
+    """Changed inputs on a second run: one line, as the page shows it, and no traceback."""
+    _run_page(GETTING_STARTED, tmp_path)
+    agent = tmp_path / "agent.py"
+    source = agent.read_text(encoding="utf-8")
+    assert source.count("max_steps=10") == 1
+    agent.write_text(source.replace("max_steps=10", "max_steps=20"), encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "agent.py"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert "Traceback" not in done.stderr
+    [line] = done.stderr.splitlines()
+    assert "budget.max_steps (10 then, 20 now)" in line
+    assert "start a new run under a new run id" in line
+    assert line in GETTING_STARTED.read_text(encoding="utf-8")
+    # Nothing was written for the refused attempt: with the budget put back, the run
+    # reads as it ended.
+    agent.write_text(source, encoding="utf-8")
+    again = subprocess.run(
+        [sys.executable, "agent.py"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == "submitted after 3 steps (resumed: True)\n"
+
+
+def test_marked_pages_run_the_environments_python() -> None:
+    """A bare ``python`` on a page would not find PolyLoop outside an activated venv."""
+    for page in _marked_pages():
+        for block in blocks(page):
+            if block.marker == "run":
+                for command, _ in _commands(block.body):
+                    assert command.startswith((f"{VENV_PYTHON} ", "cat ")), (page.name, command)
 
 
 @pytest.mark.parametrize(

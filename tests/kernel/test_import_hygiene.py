@@ -89,3 +89,16 @@ def test_only_polyloop_mcp_imports_the_mcp_sdk() -> None:
     loaded = modules_after("import polyloop.mcp")
     assert "mcp" in top_level(loaded)
     assert top_level(loaded).isdisjoint(set(OPTIONAL) - {"mcp", "trio"})
+
+
+def test_only_polyloop_otel_imports_opentelemetry() -> None:
+    importers = {path for path in SOURCE.rglob("*.py") if "opentelemetry" in _imported_roots(path)}
+    assert importers == {SOURCE / "otel.py"}
+    loaded = modules_after("import polyloop.otel")
+    assert "opentelemetry" in top_level(loaded)
+    # The API only: the SDK is the application's choice.
+    assert "opentelemetry.sdk" not in loaded
+    assert top_level(loaded).isdisjoint(set(OPTIONAL) - {"trio"})
+    # The MCP SDK imports OpenTelemetry itself, so the kernel's freedom of it is checked
+    # apart from the other optional packages.
+    assert "opentelemetry" not in top_level(modules_after("import polyloop, polyloop.stores"))

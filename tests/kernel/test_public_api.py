@@ -12,6 +12,7 @@ import pytest
 
 import polyloop
 import polyloop.mcp
+import polyloop.otel
 from polyloop import interpreters, ports, serialization, session, tools, types
 
 # SPEC §12.1: where every public name lives.
@@ -109,6 +110,8 @@ NAMED_MODULES = {
 }
 # issue 20: tools from MCP servers; imported explicitly, never re-exported at the top.
 MCP_NAMES = {"RESULT_ID_META_KEY", "MCPToolError", "ToolOverride", "mcp_tools"}
+# issue 18: spans for OpenTelemetry; imported explicitly, never re-exported at the top.
+OTEL_NAMES = {"OpenTelemetrySink"}
 ERRORS = {
     "PolyLoopError": Exception,
     "InvalidRequest": ValueError,
@@ -125,7 +128,17 @@ ERRORS = {
 
 @pytest.mark.parametrize(
     "module",
-    [polyloop, types, ports, tools, session, serialization, interpreters, polyloop.mcp],
+    [
+        polyloop,
+        types,
+        ports,
+        tools,
+        session,
+        serialization,
+        interpreters,
+        polyloop.mcp,
+        polyloop.otel,
+    ],
     ids=lambda m: m.__name__,
 )
 def test_all_is_a_sorted_tuple_of_unique_existing_names(module: Any) -> None:
@@ -170,6 +183,11 @@ def test_the_mcp_module_exports_its_names_and_the_top_level_none_of_them() -> No
     assert MCP_NAMES.isdisjoint(polyloop.__all__)
 
 
+def test_the_otel_module_exports_its_names_and_the_top_level_none_of_them() -> None:
+    assert set(polyloop.otel.__all__) == OTEL_NAMES
+    assert OTEL_NAMES.isdisjoint(polyloop.__all__)
+
+
 def test_codec_stays_in_serialization() -> None:
     for name in serialization.__all__:
         assert not hasattr(polyloop, name) or name not in polyloop.__all__
@@ -179,6 +197,7 @@ def _public_callables() -> list[tuple[str, Any]]:
     found: list[tuple[str, Any]] = []
     public = [(name, getattr(polyloop, name)) for name in polyloop.__all__]
     public += [(name, getattr(polyloop.mcp, name)) for name in polyloop.mcp.__all__]
+    public += [(name, getattr(polyloop.otel, name)) for name in polyloop.otel.__all__]
     for name, obj in public:
         if inspect.isclass(obj):
             found.append((name, obj))
@@ -224,7 +243,7 @@ def test_no_private_type_appears_in_a_public_signature() -> None:
             target = obj.__init__
         else:
             target = obj
-        scope = {**vars(polyloop), **vars(polyloop.mcp)}
+        scope = {**vars(polyloop), **vars(polyloop.mcp), **vars(polyloop.otel)}
         hints = typing.get_type_hints(target, localns=scope)
         if dataclasses.is_dataclass(obj):
             hints.update(typing.get_type_hints(obj, localns=scope))
@@ -268,7 +287,7 @@ def test_identity_mismatch_says_what_differs_and_what_to_do() -> None:
 
 
 def test_value_types_are_frozen_slotted_keyword_only() -> None:
-    for module in (types, ports, session, interpreters, polyloop.mcp):
+    for module in (types, ports, session, interpreters, polyloop.mcp, polyloop.otel):
         for name in module.__all__:
             obj = getattr(module, name)
             if inspect.isclass(obj) and dataclasses.is_dataclass(obj):
@@ -293,7 +312,13 @@ def _public_coroutines() -> list[tuple[str, Any, str]]:
     ]
     found += [("mcp_tools", polyloop.mcp.mcp_tools, polyloop.mcp.mcp_tools.__doc__ or "")]
     classes = [getattr(polyloop, n) for n in polyloop.__all__]
-    classes += [MemoryStore, JsonlStore, SqliteStore, PostgresStore]
+    classes += [
+        MemoryStore,
+        JsonlStore,
+        SqliteStore,
+        PostgresStore,
+        polyloop.otel.OpenTelemetrySink,
+    ]
     for cls in classes:
         if not inspect.isclass(cls):
             continue

@@ -205,6 +205,28 @@ async def test_creates_its_directory_with_parents_and_syncs_new_entries(
     assert synced == [tmp_path, tmp_path / "a", tmp_path / "a" / "b", directory]
 
 
+@pytest.mark.parametrize("inside", ["", "runs"])
+async def test_a_directory_that_cannot_be_made_is_refused_naming_it(
+    tmp_path: Path, inside: str
+) -> None:
+    (tmp_path / "a").write_text("a file, not a directory")
+    directory = tmp_path / "a" / inside if inside else tmp_path / "a"
+    async with JsonlStore(directory) as store:
+        with pytest.raises(StoreError) as error:
+            await store.claim_run("r")
+        assert str(tmp_path / "a") in str(error.value)
+        assert "directory" in str(error.value)
+    assert (tmp_path / "a").read_text() == "a file, not a directory"
+
+
+async def test_listing_or_reading_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
+    directory = tmp_path / "typo" / "runs"
+    async with JsonlStore(directory) as store:
+        assert await store.list_runs() == ()
+        assert (await store.read_log("r")).records == ()
+    assert not (tmp_path / "typo").exists()
+
+
 async def test_start_run_syncs_the_file_then_its_directory_entry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

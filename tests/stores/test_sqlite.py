@@ -225,11 +225,36 @@ async def test_a_file_that_is_not_a_database_is_a_store_error(tmp_path: Path) ->
     await store.aclose()
 
 
-async def test_missing_parent_directories_are_created(tmp_path: Path) -> None:
+async def test_missing_parent_directories_are_created_and_synced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[Path] = []
+    real_fsync_directory = sqlite_sql.fsync_directory
+
+    def record(directory: Path) -> None:
+        synced.append(Path(directory))
+        real_fsync_directory(directory)
+
+    monkeypatch.setattr(sqlite_sql, "fsync_directory", record)
     path = tmp_path / "a" / "b" / "runs.db"
     async with SqliteStore(path) as store:
         await apply(store, sample_run("r1", steps=1))
+        assert len((await store.read_log("r1")).records) > 0
     assert path.is_file()
+    # Each new directory's entry is synced into its parent, then the new file's entry.
+    assert synced == [tmp_path, tmp_path / "a", tmp_path / "a" / "b"]
+
+
+@pytest.mark.parametrize("inside", ["runs.db", "b/runs.db"])
+async def test_a_parent_that_is_a_file_is_refused_naming_it(tmp_path: Path, inside: str) -> None:
+    (tmp_path / "a").write_text("a file, not a directory")
+    store = SqliteStore(tmp_path / "a" / inside)
+    with pytest.raises(StoreError) as error:
+        await store.read_log("r1")
+    assert str(tmp_path / "a") in str(error.value)
+    assert "directory" in str(error.value)
+    await store.aclose()
+    assert (tmp_path / "a").read_text() == "a file, not a directory"
 
 
 async def test_schema_rows_and_format_are_as_documented(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import anyio
 from rich.console import Console
 from rich.text import Text
 
-from polyloop.cli import _demo, _html, _people, _render, _verify
+from polyloop.cli import _demo, _facts, _html, _people, _render, _verify
 from polyloop.cli._common import PROGRAM, CliError, console, print_unwrapped
 from polyloop.cli._stores import (
     SYNTAX,
@@ -27,7 +27,7 @@ from polyloop.cli._stores import (
     require_existing,
     with_schema,
 )
-from polyloop.cli._view import read_view, summaries, summary_json, trajectory_json
+from polyloop.cli._view import read_view, summaries, summary_json
 from polyloop.types import PolyLoopError
 
 if TYPE_CHECKING:
@@ -317,7 +317,7 @@ async def _show_command(args: argparse.Namespace, out: Console) -> int:
     async with open_store(spec) as store:
         view = await read_view(store, spec, args.run_id)
     if args.json:
-        _write_line(json.dumps(trajectory_json(view), ensure_ascii=False, indent=2))
+        _write_line(json.dumps(_facts.show_json(view), ensure_ascii=False, indent=2))
     elif args.html is not None:
         await anyio.Path(args.html).write_text(_html.page(view), encoding="utf-8")
         out.print(f"wrote {args.html}", markup=False)

@@ -9,8 +9,16 @@ from __future__ import annotations
 import json
 from html import escape
 
+from polyloop.cli._facts import (
+    Doubt,
+    in_doubt,
+    run_facts,
+    run_tokens_text,
+    state_text,
+    step_facts,
+)
 from polyloop.cli._render import status_of
-from polyloop.cli._view import RunView, reply_facts, usage_text
+from polyloop.cli._view import RunView, reply_facts
 from polyloop.types import StepRecord
 
 _CSS = """
@@ -27,6 +35,10 @@ pre { white-space: pre-wrap; word-break: break-word; margin: 0; font-size: 0.9re
       background: #f4f4f6; padding: 0.4rem; border-radius: 4px; }
 .good { color: #1a7f37; } .warn { color: #9a6700; } .bad { color: #cf222e; }
 summary { cursor: pointer; color: #6e6e73; }
+#in-doubt { border: 2px solid #cf222e; background: #fff1f0; }
+#in-doubt h2 { color: #cf222e; font-size: 1.25rem; }
+.tag { font-size: 0.8rem; padding: 0.05rem 0.4rem; border-radius: 3px;
+       background: #ddf4ff; color: #0550ae; }
 """.strip()
 
 _STYLE_CLASSES = {"green": "good", "yellow": "warn", "red": "bad"}
@@ -42,7 +54,10 @@ _STATE_CLASSES = {
 def page(view: RunView) -> str:
     """The whole HTML document for ``view``."""
     title = f"polyloop run {view.run_id}"
-    body = [f"<h1>{escape(title)}</h1>", _summary(view)]
+    body = [f"<h1>{escape(title)}</h1>"]
+    if (doubt := in_doubt(view)) is not None:
+        body.append(_doubt(doubt))  # first, before anything that could read as a success
+    body.append(_summary(view))
     body.extend(_step(step) for step in view.steps)
     body.append(_end(view))
     body.append(_snapshot(view))
@@ -54,13 +69,27 @@ def page(view: RunView) -> str:
     )
 
 
+def _doubt(doubt: Doubt) -> str:
+    rows = [
+        (label, _pre(text) if label == "arguments" else escape(text))
+        for label, text in doubt.fields()
+    ]
+    return (
+        f'<section id="in-doubt">\n<h2>IN DOUBT</h2>\n'
+        f"<p><strong>{escape(doubt.headline().removeprefix('IN DOUBT: '))}</strong></p>\n"
+        f"{_dl(rows)}\n</section>"
+    )
+
+
 def _summary(view: RunView) -> str:
     rows = [
         ("state", _span(view.state, _STATE_CLASSES[view.state])),
+        ("meaning", escape(state_text(view))),
         ("stop reason", escape(view.stop_reason or "-")),
         ("steps", escape(f"{len(view.steps)} ({view.valid_steps} valid)")),
         ("records", escape(str(view.records))),
     ]
+    rows.extend((label, escape(text)) for label, text in run_facts(view))
     return f'<section id="summary">\n{_dl(rows)}\n</section>'
 
 
@@ -69,6 +98,8 @@ def _step(step: StepRecord) -> str:
     heading = (
         f"step {step.step} · {escape(step.decision.value)} · {_span(status, _STYLE_CLASSES[style])}"
     )
+    if step.resumed:
+        heading += ' <span class="tag">resumed</span>'
     rows = [("decision", escape(step.decision.value))]
     if step.action_text is not None:
         rows.append(("action", _pre(step.action_text)))
@@ -85,6 +116,7 @@ def _step(step: StepRecord) -> str:
     if step.reasoning is not None:
         rows.append(("reasoning", _details("reasoning", step.reasoning)))
     rows.extend((label, escape(text)) for label, text in reply_facts(step))
+    rows.extend((label, escape(text)) for label, text in step_facts(step))
     if step.settled_by is not None:
         rows.append(("settled by", escape(step.settled_by)))
     if step.call_id is not None:
@@ -100,8 +132,8 @@ def _end(view: RunView) -> str:
         rows.append(("stop reason", escape(view.stop_reason)))
     if view.final_answer is not None:
         rows.append(("final answer", _pre(view.final_answer)))
-    if (usage := view.usage) is not None:
-        rows.append(("tokens", escape(usage_text(usage))))
+    if (tokens := run_tokens_text(view)) is not None:
+        rows.append(("tokens", escape(tokens)))
     if view.detail is not None:
         rows.append(("detail", _pre(view.detail)))
     if (interruption := view.interruption()) is not None:

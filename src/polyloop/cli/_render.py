@@ -10,7 +10,15 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from polyloop.cli._view import RunSummary, RunView, reply_facts, review_facts, usage_text
+from polyloop.cli._facts import (
+    Doubt,
+    in_doubt,
+    run_facts,
+    run_tokens_text,
+    state_text,
+    step_facts,
+)
+from polyloop.cli._view import RunSummary, RunView, reply_facts, review_facts
 from polyloop.types import ActionStatus, DecisionKind, StepRecord
 
 # How much of an observation the terminal shows; --json and --html show it whole.
@@ -104,8 +112,14 @@ def runs_table(views: Iterable[RunSummary]) -> Table:
 
 
 def trajectory(view: RunView) -> RenderableType:
-    """The run as blocks: a header, one block per step, and how it ended."""
+    """The run as blocks: a header, one block per step, and how it ended.
+
+    An effect in doubt comes first, before anything that could read as a success.
+    """
     parts: list[RenderableType] = [_header(view)]
+    if (doubt := in_doubt(view)) is not None:
+        parts.extend(_doubt_banner(doubt))
+    parts.append(_fields([("state", state_text(view)), *run_facts(view)]))
     reviews = view.reviews()
     for step in view.steps:
         parts.append(Rule(_step_title(step), align="left", style="dim"))
@@ -125,12 +139,21 @@ def _header(view: RunView) -> Text:
     return header
 
 
+def _doubt_banner(doubt: Doubt) -> list[RenderableType]:
+    banner = Text()
+    banner.append(" IN DOUBT ", style="bold white on red")
+    banner.append(" " + doubt.headline().removeprefix("IN DOUBT: "), style="bold red")
+    return [banner, _fields(doubt.fields()), Rule(style="red")]
+
+
 def _step_title(step: StepRecord) -> Text:
     status, style = status_of(step)
     title = Text()
     title.append(f"step {step.step}", style="bold")
     title.append(f" · {step.decision.value} · ")
     title.append(status, style=style)
+    if step.resumed:
+        title.append(" · resumed", style="cyan")
     return title
 
 
@@ -151,8 +174,7 @@ def _step_fields(step: StepRecord) -> list[tuple[str, str]]:
     if step.model_output:
         fields.append(("reply", shorten(step.model_output, REPLY_CHARS)))
     fields.extend(reply_facts(step))
-    if step.duration_s is not None:
-        fields.append(("time", f"{step.duration_s:.3f} s"))
+    fields.extend(step_facts(step))
     return fields
 
 
@@ -161,8 +183,8 @@ def _end_fields(view: RunView) -> list[tuple[str, str]]:
     if view.stop_reason is not None:
         fields.append(("stop reason", view.stop_reason))
     fields.append(("steps", f"{len(view.steps)} ({view.valid_steps} valid)"))
-    if (usage := view.usage) is not None:
-        fields.append(("tokens", usage_text(usage)))
+    if (tokens := run_tokens_text(view)) is not None:
+        fields.append(("tokens", tokens))
     if view.final_answer is not None:
         fields.append(("final answer", view.final_answer))
     if view.detail is not None:

@@ -167,7 +167,7 @@ _FINISH_WORDS = {
 
 
 def usage_text(usage: Usage) -> str:
-    """Token counts in words, ``?`` for a count the server did not report."""
+    """Token counts in words with their total, ``?`` for a count the server did not report."""
 
     def count(value: int | None) -> str:
         return "?" if value is None else f"{value:,}"
@@ -175,7 +175,7 @@ def usage_text(usage: Usage) -> str:
     text = f"{count(usage.input_tokens)} in, {count(usage.output_tokens)} out"
     if usage.reasoning_tokens is not None:
         text += f" ({count(usage.reasoning_tokens)} reasoning)"
-    return text
+    return f"{text}, {count(usage.total_tokens)} total"
 
 
 def review_facts(reviews: list[Review]) -> list[tuple[str, str]]:

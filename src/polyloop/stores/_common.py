@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -12,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import anyio
 import anyio.to_thread
@@ -222,3 +224,39 @@ class WriterState:
         error = StoreError(f"write failed: {type(exc).__name__}: {exc}", run_id=run_id)
         error.__cause__ = exc
         return error
+
+
+class DirectoryOps(Protocol):
+    """The three directory operations :func:`create_directories` needs."""
+
+    def mkdir(self, path: Path) -> None: ...
+
+    def is_dir(self, path: Path) -> bool: ...
+
+    def fsync_directory(self, directory: Path) -> None: ...
+
+
+def create_directories(files: DirectoryOps, directory: Path, *, run_id: str | None) -> None:
+    """Create ``directory`` and its missing parents, syncing each new entry into its parent.
+
+    The entries are synced because a directory that vanishes in a power loss takes the
+    files written into it along (research record 0024). A path that cannot be made (a
+    parent that is a file, no permission) is a ``StoreError`` naming it.
+    """
+    missing: list[Path] = []
+    current = directory
+    while not files.is_dir(current) and current != current.parent:
+        missing.append(current)
+        current = current.parent
+    try:
+        for path in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # made by someone else meanwhile
+                files.mkdir(path)
+            files.fsync_directory(path.parent)
+    except OSError as exc:
+        if isinstance(exc, StoreError):
+            raise
+        reason = exc.strerror or type(exc).__name__
+        raise StoreError(f"cannot create the directory {path}: {reason}", run_id=run_id) from exc
+    if not files.is_dir(directory):
+        raise StoreError(f"{directory} exists and is not a directory", run_id=run_id)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from polyloop.stores._common import WriterState, safe_name
+from polyloop.stores._common import WriterState, create_directories, safe_name
 from polyloop.stores._fileops import FileOps
 from polyloop.stores._jsonl_reader import (
     COMMON_FLAGS,
@@ -85,7 +85,7 @@ class Claims:
                 raise RunLocked("this store object already holds the run's claim", run_id=run_id)
         files = self.files
         try:
-            self._ensure_directory()
+            self._ensure_directory(run_id)
             fd = self._open_locked(run_id)
         except OSError as exc:
             if isinstance(exc, PolyLoopError):
@@ -186,9 +186,9 @@ class Claims:
                     self.files.unlink(path)
         close_claim(self.files, claim, quiet=True)
 
-    def _ensure_directory(self) -> None:
+    def _ensure_directory(self, run_id: str) -> None:
         if not self._directory_ready:
-            _create_directories(self.files, self.directory)
+            create_directories(self.files, self.directory, run_id=run_id)
             self._directory_ready = True
 
 
@@ -202,16 +202,3 @@ def close_claim(files: FileOps, claim: Claim, *, quiet: bool = False) -> None:
     except OSError:
         if not quiet:
             raise
-
-
-def _create_directories(files: FileOps, directory: Path) -> None:
-    """Create ``directory`` and missing parents, syncing each new entry into its parent."""
-    missing: list[Path] = []
-    current = directory
-    while not files.is_dir(current) and current != current.parent:
-        missing.append(current)
-        current = current.parent
-    for path in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            files.mkdir(path)
-        files.fsync_directory(path.parent)

@@ -73,9 +73,10 @@ __all__ = ("SqliteStore",)
 class SqliteStore:
     """Keeps runs in one SQLite database file (WAL; intents and starts fsync'd).
 
-    ``path`` names the database file; missing parent directories are created. Runs
-    survive the store object, the process and the machine: a new store object on the
-    same file (or a copy moved elsewhere) reads and resumes them. ``lease_s`` is how long
+    ``path`` names the database file; missing parent directories are created, each
+    synced into its parent, and one that cannot be made is a ``StoreError`` naming it.
+    Runs survive the store object, the process and the machine: a new store object on
+    the same file (or a copy moved elsewhere) reads and resumes them. ``lease_s`` is how long
     this store object's claims hold without a renewal; another process on the host may
     take over the runs of an owner whose lease ended or whose process died. The owners'
     lock files live in the sibling directory ``<path>.owners`` (one per store object

@@ -25,7 +25,12 @@ from typing import Any
 
 from polyloop._shared import FORMAT, record_kind
 from polyloop.serialization import dumps, loads
-from polyloop.stores._common import WriterState, check_format, fsync_directory
+from polyloop.stores._common import (
+    WriterState,
+    check_format,
+    create_directories,
+    fsync_directory,
+)
 from polyloop.types import (
     CorruptLog,
     PolyLoopError,
@@ -290,6 +295,24 @@ def connect(path: Path, *, timeout: float) -> sqlite3.Connection:
     return sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False)
 
 
+class _Directories:
+    """Directory operations on the real file system, for :func:`create_directories`."""
+
+    __slots__ = ()
+
+    def mkdir(self, path: Path) -> None:
+        path.mkdir()
+
+    def is_dir(self, path: Path) -> bool:
+        return path.is_dir()
+
+    def fsync_directory(self, directory: Path) -> None:
+        fsync_directory(directory)
+
+
+_DIRECTORIES = _Directories()
+
+
 class Database:
     """The database file, and the one connection the store's worker threads share.
 
@@ -342,7 +365,7 @@ class Database:
         path = self.path
         conn: sqlite3.Connection | None = None
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            create_directories(_DIRECTORIES, path.absolute().parent, run_id=run_id)
             created = not path.exists()
             conn = connect(path, timeout=_BUSY_TIMEOUT_S)
             configure(conn, path.name, run_id)

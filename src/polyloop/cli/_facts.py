@@ -1,0 +1,274 @@
+"""What a trajectory tells besides its records' content: times, tokens, resumes, doubt.
+
+Shared by the terminal, JSON and HTML views so the three say the same thing. A log
+written before a fact was recorded has ``None`` there; every function here turns that
+into "not known" (``—``) or leaves the fact out, never a guess.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from polyloop.cli._view import RunView, trajectory_json, usage_text
+from polyloop.types import (
+    Intent,
+    IntentKind,
+    JSONValue,
+    Result,
+    RunEnded,
+    RunStarted,
+    RunState,
+    StepRecord,
+    StopReason,
+)
+
+UNKNOWN = "—"
+
+
+def utc_text(at: datetime | None) -> str:
+    """``at`` in UTC to the millisecond, as ``2026-12-01 21:40:05.250Z``; ``—`` if unknown."""
+    if at is None:
+        return UNKNOWN
+    return at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + "Z"
+
+
+def utc_iso(at: datetime | None) -> str | None:
+    return None if at is None else at.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def seconds_text(seconds: float | None) -> str:
+    if seconds is None:
+        return UNKNOWN
+    return f"{seconds:.3f} s" if seconds < 60 else f"{seconds:.1f} s"
+
+
+# -- steps -------------------------------------------------------------------------------------
+
+
+def step_time_text(step: StepRecord) -> str | None:
+    """The step's wall time with its model call's and tool's inside, or ``None`` if unknown."""
+    if step.duration_s is None:
+        return None
+    parts = []
+    if step.model_duration_s is not None:
+        parts.append(f"model {seconds_text(step.model_duration_s)}")
+    if step.action_duration_s is not None:
+        parts.append(f"tool {seconds_text(step.action_duration_s)}")
+    inside = f" ({', '.join(parts)})" if parts else ""
+    return f"{seconds_text(step.duration_s)}{inside}"
+
+
+def step_facts(step: StepRecord) -> list[tuple[str, str]]:
+    """When and how long, and whether a resumed process wrote it; only what is known."""
+    facts = []
+    if (time := step_time_text(step)) is not None:
+        facts.append(("time", time))
+    if step.at is not None:
+        facts.append(("written", utc_text(step.at)))
+    if step.resumed:
+        facts.append(("resumed", "written by a process that resumed the run"))
+    return facts
+
+
+def step_json(step: StepRecord) -> dict[str, JSONValue]:
+    """The step's timing and token facts under fixed keys, ``null`` where not known."""
+    usage = step.usage
+    return {
+        "step": step.step,
+        "at": utc_iso(step.at),
+        "duration_s": step.duration_s,
+        "model_duration_s": step.model_duration_s,
+        "action_duration_s": step.action_duration_s,
+        "resumed": bool(step.resumed),
+        "total_tokens": usage.total_tokens if usage is not None else None,
+    }
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def started_at(view: RunView) -> datetime | None:
+    first = view.log.records[0]
+    return first.at if isinstance(first, RunStarted) else None
+
+
+def last_at(view: RunView) -> datetime | None:
+    return view.log.records[-1].at
+
+
+def wall_time_s(view: RunView) -> float | None:
+    """From the start record to the last record written; ``None`` if either time is unknown."""
+    start, last = started_at(view), last_at(view)
+    return None if start is None or last is None else (last - start).total_seconds()
+
+
+def unreported_steps(view: RunView) -> list[int]:
+    """Steps whose model replied without token counts: the run's total cannot be known."""
+    return [s.step for s in view.steps if s.error is None and s.usage is None]
+
+
+def run_tokens_text(view: RunView) -> str | None:
+    """The run's tokens, saying which steps keep the total unknown; ``None`` with no steps."""
+    usage = view.usage
+    if usage is None:
+        return "not reported" if view.steps else None
+    text = usage_text(usage)
+    missing = unreported_steps(view)
+    if missing:
+        named = ", ".join(str(step) for step in missing)
+        text += f"; unknown, as the reply of step {named} reported no counts"
+    return text
+
+
+def resumed_after(view: RunView) -> list[int]:
+    """Each step ``N`` after which a resumed process went on (``-1``: before step 0).
+
+    A step record says whether a resumed process wrote it; an ``in_doubt`` end is only
+    ever written by a resume. Two resumes in a row without a step between cannot be
+    told apart in the log, so these are the resumes the log shows, at least.
+    """
+    points = []
+    previous = False
+    for step in view.steps:
+        if step.resumed and not previous:
+            points.append(step.step - 1)
+        previous = bool(step.resumed)
+    last = view.log.records[-1]
+    ended_in_doubt = isinstance(last, RunEnded) and last.stop_reason is StopReason.IN_DOUBT
+    if ended_in_doubt and not previous:
+        points.append(len(view.steps) - 1)
+    return points
+
+
+def resumed_text(view: RunView) -> str | None:
+    points = resumed_after(view)
+    if not points:
+        return None
+    where = ", ".join("before any step record" if n < 0 else f"after step {n}" for n in points)
+    return f"{where} (at least {len(points) + 1} attempts)"
+
+
+def run_facts(view: RunView) -> list[tuple[str, str]]:
+    """When the run started and last wrote, its wall time, tokens and resumes."""
+    facts = [("started", utc_text(started_at(view)))]
+    ended = isinstance(view.log.records[-1], RunEnded)
+    facts.append(("ended" if ended else "last record", utc_text(last_at(view))))
+    facts.append(("wall time", seconds_text(wall_time_s(view))))
+    if (tokens := run_tokens_text(view)) is not None:
+        facts.append(("tokens", tokens))
+    if (resumed := resumed_text(view)) is not None:
+        facts.append(("resumed", resumed))
+    return facts
+
+
+def show_json(view: RunView) -> dict[str, JSONValue]:
+    """``show --json``: the trajectory document, with these facts added under new keys."""
+    return {**trajectory_json(view), **run_json(view)}
+
+
+def run_json(view: RunView) -> dict[str, JSONValue]:
+    """The run's facts as fields added to ``show --json``."""
+    usage = view.usage
+    doubt = in_doubt(view)
+    unreported: list[JSONValue] = [*unreported_steps(view)]
+    resumes: list[JSONValue] = [*resumed_after(view)]
+    return {
+        "state_text": state_text(view),
+        "in_doubt": doubt.json() if doubt is not None else None,
+        "started_at": utc_iso(started_at(view)),
+        "last_record_at_in_log": utc_iso(last_at(view)),
+        "wall_time_s": wall_time_s(view),
+        "total_tokens": usage.total_tokens if usage is not None else None,
+        "tokens_unreported_steps": unreported,
+        "resumed_after_steps": resumes,
+        "timeline": [step_json(step) for step in view.steps],
+    }
+
+
+def state_text(view: RunView) -> str:
+    """The run's state from its recovery plan, with what it means for ``resume``."""
+    state = view.status.state
+    if state is RunState.FINISHED:
+        return f"finished ({view.stop_reason})"
+    if state is RunState.IN_DOUBT:
+        return (
+            "IN DOUBT: an effect may or may not have happened; resume will not replay it "
+            "(polyloop settle says what happened)"
+        )
+    if state is RunState.AWAITING_APPROVAL:
+        return "awaiting approval: nothing ran; polyloop approve or reject, then resume"
+    if state is RunState.RUNNING:
+        owner = f" ({view.status.owner})" if view.status.owner else ""
+        return f"running: a live worker{owner} holds the run now"
+    if view.stop_reason == StopReason.CANCELLED.value:
+        return "resumable: cancelled; resume goes on"
+    return "resumable: not finished; resume goes on"
+
+
+# -- the effect in doubt -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Doubt:
+    """The intent of an in-doubt run, and when it was announced."""
+
+    intent: Intent
+
+    @property
+    def tool(self) -> str | None:
+        if self.intent.tool_call is not None:
+            return self.intent.tool_call.name
+        payload = self.intent.payload
+        name = payload.get("name") if isinstance(payload, dict) else None
+        return name if isinstance(name, str) else None
+
+    @property
+    def arguments(self) -> JSONValue:
+        if self.intent.tool_call is not None:
+            return self.intent.tool_call.arguments
+        payload = self.intent.payload
+        return payload.get("arguments", payload) if isinstance(payload, dict) else payload
+
+    def headline(self) -> str:
+        intent = self.intent
+        what = "model call" if intent.kind is IntentKind.MODEL_CALL else f"action {self.tool or ''}"
+        return (
+            f"IN DOUBT: step {intent.step}'s {what.rstrip()} was announced and has no result; "
+            f"it may or may not have happened, and is never replayed: check it by hand"
+        )
+
+    def fields(self) -> list[tuple[str, str]]:
+        rows = [("step", str(self.intent.step)), ("kind", self.intent.kind.value)]
+        if self.intent.kind is IntentKind.ACTION:
+            rows.append(("tool", self.tool or UNKNOWN))
+            rows.append(("arguments", json.dumps(self.arguments, ensure_ascii=False)))
+        if self.intent.action_text is not None:
+            rows.append(("action", self.intent.action_text))
+        rows.append(("result id", self.intent.result_id))
+        rows.append(("announced", utc_text(self.intent.at)))
+        return rows
+
+    def json(self) -> dict[str, JSONValue]:
+        return {
+            "step": self.intent.step,
+            "kind": self.intent.kind.value,
+            "tool": self.tool,
+            "arguments": self.arguments,
+            "action_text": self.intent.action_text,
+            "result_id": self.intent.result_id,
+            "replay": self.intent.replay.value,
+            "announced_at": utc_iso(self.intent.at),
+        }
+
+
+def in_doubt(view: RunView) -> Doubt | None:
+    """The effect in doubt of an in-doubt run: its last intent that has no result."""
+    if view.status.state is not RunState.IN_DOUBT:
+        return None
+    if view.status.open_intent is not None:
+        return Doubt(view.status.open_intent)
+    answered = {r.result_id for r in view.log.records if isinstance(r, Result)}
+    open_ = [r for r in view.log.records if isinstance(r, Intent) and r.result_id not in answered]
+    return Doubt(open_[-1]) if open_ else None

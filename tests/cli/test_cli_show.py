@@ -1,0 +1,223 @@
+"""``polyloop show`` tells the truth about time, tokens, resumes and an effect in doubt:
+the terminal view and ``--json``, on the runs of ``show_kit``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import anyio
+import pytest
+
+from polyloop.cli import main
+from polyloop.stores import JsonlStore
+from show_kit import UTC_TIME, show, write_stores
+
+BACKENDS = ["asyncio", "trio"]
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return write_stores(tmp_path_factory.mktemp("show"))
+
+
+def text_of(capsys: pytest.CaptureFixture[str]) -> str:
+    """Standard output with every run of whitespace as one space (terminal wrapping too)."""
+    return " ".join(capsys.readouterr().out.split())
+
+
+def document(stores: dict[str, str], name: str, capsys: pytest.CaptureFixture[str]) -> Any:
+    assert main(show(stores, name, "--json")) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# -- the terminal ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_text_of_a_finished_run_has_times_and_tokens(
+    stores: dict[str, str], backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(show(stores, "done", backend=backend)) == 0
+    out = text_of(capsys)
+    assert out.startswith("run done finished")
+    assert "state finished (submitted)" in out
+    assert len(UTC_TIME.findall(out)) == 4  # started, ended, and each step's record
+    assert re.search(r"wall time \d+\.\d{3} s", out)
+    assert re.search(r"time \d+\.\d{3} s \(model \d+\.\d{3} s, tool \d+\.\d{3} s\)", out)
+    assert "tokens 100 in, 20 out, 120 total" in out
+    assert out.count("tokens 230 in, 30 out, 260 total") == 2  # the summary and the end
+    assert "resumed" not in out and "IN DOUBT" not in out
+
+
+def test_text_says_a_total_is_unknown_rather_than_understate_it(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(show(stores, "partial")) == 0
+    out = text_of(capsys)
+    assert "tokens ? in, ? out, ? total; unknown, as the reply of step 1 reported no counts" in out
+    assert "120 total" in out  # step 0's own count is still shown
+
+
+def test_text_marks_the_steps_a_resumed_process_wrote(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(show(stores, "resumed")) == 0
+    out = text_of(capsys)
+    assert "resumed after step 0 (at least 2 attempts)" in out
+    assert "step 0 · action · executed ─" in out
+    for step in (1, 2, 3, 4):
+        assert re.search(rf"step {step} · \w+ · [\w ]+ · resumed", out), step
+    assert out.count("written by a process that resumed the run") == 4
+
+
+def test_text_puts_the_effect_in_doubt_first(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(show(stores, "doubt")) == 0
+    out = text_of(capsys)
+    assert out.startswith("run r in doubt")
+    banner = out[: out.index("started")]
+    assert "IN DOUBT step 0's action double was announced and has no result" in banner
+    assert 'tool double arguments {"n": 1}' in banner
+    assert "result id r:0:action" in banner
+    assert UTC_TIME.search(banner)  # when the intent was written
+    assert "finished" not in out
+
+
+def test_text_of_a_model_call_in_doubt(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(show(stores, "model")) == 0
+    out = text_of(capsys)
+    assert "IN DOUBT step 0's model call was announced and has no result" in out
+    assert "kind model_call result id r:0:model" in out
+
+
+def test_an_open_intent_under_a_live_writer_is_running_not_in_doubt(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    holder = JsonlStore(stores["held"].removeprefix("jsonl:"))
+    anyio.run(holder.claim_run, "held")  # a worker is driving it now
+    try:
+        assert main(show(stores, "held")) == 0
+        out = text_of(capsys)
+        assert out.startswith("run held running")
+        assert "state running: a live worker" in out
+        assert "IN DOUBT" not in out
+    finally:
+        anyio.run(holder.aclose)
+    assert main(show(stores, "held")) == 0  # nobody holds it: the action is in doubt
+    out = text_of(capsys)
+    assert out.startswith("run held in doubt (4 records) IN DOUBT step 0's action double was")
+
+
+def test_text_of_a_cancelled_run_says_resume_goes_on(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(show(stores, "stopped")) == 0
+    out = text_of(capsys)
+    assert out.startswith("run stopped resumable")
+    assert "state resumable: cancelled; resume goes on" in out
+
+
+def test_text_of_an_old_log_without_times(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(show(stores, "old")) == 0
+    out = text_of(capsys)
+    assert "state resumable: not finished; resume goes on" in out
+    assert "started — last record — wall time —" in out
+    assert "time 1.500 s" in out  # the first release already wrote a step's duration
+    assert not UTC_TIME.search(out)
+    assert "written" not in out and "resumed" not in out
+
+
+# -- JSON --------------------------------------------------------------------------------------
+
+OLD_KEYS = {
+    "run_id",
+    "state",
+    "stop_reason",
+    "step_count",
+    "valid_step_count",
+    "detail",
+    "last_record_at",
+    "final_answer",
+    "records",
+    "interrupted",
+    "snapshot",
+    "open_intent",
+    "usage",
+    "steps",
+}
+
+
+def test_json_of_a_finished_run_adds_the_facts(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    shown = document(stores, "done", capsys)
+    assert set(shown) >= OLD_KEYS
+    assert shown["usage"] == {"input_tokens": 230, "output_tokens": 30, "reasoning_tokens": None}
+    assert shown["total_tokens"] == 260
+    assert shown["tokens_unreported_steps"] == []
+    assert shown["in_doubt"] is None and shown["resumed_after_steps"] == []
+    assert shown["started_at"].endswith("Z") and shown["wall_time_s"] > 0
+    (first, second) = shown["timeline"]
+    assert first["step"] == 0 and first["total_tokens"] == 120 and first["resumed"] is False
+    assert first["duration_s"] >= first["model_duration_s"] >= 0
+    assert first["at"] < second["at"]
+
+
+def test_json_of_a_partly_metered_run_has_no_total(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    shown = document(stores, "partial", capsys)
+    assert shown["total_tokens"] is None
+    assert shown["tokens_unreported_steps"] == [1]
+
+
+def test_json_of_a_resumed_run(stores: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    shown = document(stores, "resumed", capsys)
+    assert shown["resumed_after_steps"] == [0]
+    assert [step["resumed"] for step in shown["timeline"]] == [False, True, True, True, True]
+
+
+def test_json_of_an_in_doubt_run_names_the_effect(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    shown = document(stores, "doubt", capsys)
+    assert shown["state"] == "in doubt"
+    doubt = shown["in_doubt"]
+    assert {k: doubt[k] for k in ("step", "kind", "tool", "arguments", "result_id", "replay")} == {
+        "step": 0,
+        "kind": "action",
+        "tool": "double",
+        "arguments": {"n": 1},
+        "result_id": "r:0:action",
+        "replay": "never",
+    }
+    assert doubt["announced_at"].endswith("Z")
+    assert shown["state_text"].startswith("IN DOUBT")
+
+
+def test_json_of_an_old_log_has_nulls(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    shown = document(stores, "old", capsys)
+    assert set(shown) >= OLD_KEYS
+    assert shown["started_at"] is None and shown["wall_time_s"] is None
+    assert shown["total_tokens"] is None and shown["in_doubt"] is None
+    assert shown["timeline"] == [
+        {
+            "step": 0,
+            "at": None,
+            "duration_s": 1.5,
+            "model_duration_s": None,
+            "action_duration_s": None,
+            "resumed": False,
+            "total_tokens": None,
+        }
+    ]

@@ -1,0 +1,115 @@
+"""``polyloop show --html`` as a browser renders it: headless Chromium dumps the DOM after
+rendering, and the tests read the text a reader would see.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from polyloop.cli import main
+from show_kit import UTC_TIME, show, write_stores
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return write_stores(tmp_path_factory.mktemp("show"))
+
+
+def chromium() -> str:
+    """The browser; missing, the test fails under CI (which installs it) and skips elsewhere."""
+    found = shutil.which("chromium")
+    if found is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("chromium is not installed; CI installs it before the tests")
+        pytest.skip("chromium is not installed")
+    return found
+
+
+class _Text(HTMLParser):
+    """The text of a rendered DOM, without the style sheet's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+        self._in_style = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self._in_style = tag == "style"
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in_style = False
+
+    def handle_data(self, data: str) -> None:
+        if not self._in_style:
+            self.parts.append(data)
+
+
+def headless(browser: str, tmp_path: Path) -> list[str]:
+    return [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path}/p"]
+
+
+@pytest.fixture
+def rendered(stores: dict[str, str], tmp_path: Path) -> Any:
+    browser = chromium()
+
+    def render(name: str) -> tuple[str, str]:
+        """The page's text as rendered, and its DOM."""
+        page = tmp_path / f"{name}.html"
+        assert main(show(stores, name, "--html", str(page))) == 0
+        dom = subprocess.run(
+            [*headless(browser, tmp_path), "--dump-dom", page.as_uri()],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+        parser = _Text()
+        parser.feed(dom)
+        parser.close()
+        return " ".join(" ".join(parser.parts).split()), dom
+
+    return render
+
+
+def test_html_of_a_finished_run_in_a_browser(
+    rendered: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text, _ = rendered("done")
+    assert "state finished meaning finished (submitted)" in text
+    assert len(UTC_TIME.findall(text)) == 4
+    assert re.search(r"time \d+\.\d{3} s \(model \d+\.\d{3} s, tool \d+\.\d{3} s\)", text)
+    assert "tokens 230 in, 30 out, 260 total" in text
+    assert "IN DOUBT" not in text and "resumed" not in text
+
+
+def test_html_of_a_resumed_run_in_a_browser(rendered: Any) -> None:
+    text, _ = rendered("resumed")
+    assert "resumed after step 0 (at least 2 attempts)" in text
+    assert "step 0 · action · executed decision" in text
+    assert "step 1 · action · not executed resumed" in text
+    assert text.count("written by a process that resumed the run") == 4
+
+
+def test_html_of_an_in_doubt_run_in_a_browser_is_never_green(rendered: Any) -> None:
+    text, dom = rendered("doubt")
+    # The title, then the heading, then at once the banner.
+    assert text.startswith("polyloop run r polyloop run r IN DOUBT step 0's action double was")
+    banner = text[: text.index("state")]
+    assert 'tool double arguments {"n": 1}' in banner and "result id r:0:action" in banner
+    assert "finished" not in text
+    assert 'class="good"' not in dom
+
+
+def test_html_of_an_old_log_in_a_browser(rendered: Any) -> None:
+    text, _ = rendered("old")
+    assert "started — last record — wall time —" in text
+    assert "time 1.500 s" in text
+    assert not UTC_TIME.search(text)

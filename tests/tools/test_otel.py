@@ -1,0 +1,613 @@
+"""Runs as OpenTelemetry spans: the tree, names, kinds, attributes, times and links.
+
+Spans go to the SDK's in-memory exporter through a provider handed to the sink, never
+the global one; one test sends them over OTLP/HTTP to a receiver on 127.0.0.1 started
+here, and reads them back from the protobuf the exporter sent.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import threading
+from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from agent_kit import (
+    Ledger,
+    answer,
+    close_store,
+    definition,
+    five_step_script,
+    make_tools,
+    request,
+    tool_call,
+)
+from native_kit import INTERPRETER, NATIVE, native_script
+from polyloop import (
+    EnvironmentFault,
+    FinishReason,
+    ModelReply,
+    Replay,
+    StopReason,
+    ToolRegistry,
+    ToolSpec,
+    Usage,
+    resume,
+    run,
+)
+from polyloop.otel import OpenTelemetrySink
+from polyloop.stores import MemoryStore, SqliteStore
+from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
+from polyloop.testing.event_sink_contract import EventSinkContract
+
+pytestmark = pytest.mark.anyio
+
+
+class Traced:
+    """A tracer provider of its own, whose finished spans an in-memory exporter keeps."""
+
+    def __init__(self) -> None:
+        self.exporter = InMemorySpanExporter()
+        self.provider = TracerProvider()
+        self.provider.add_span_processor(SimpleSpanProcessor(self.exporter))
+        self.sink = OpenTelemetrySink(tracer_provider=self.provider)
+
+    def spans(self) -> list[ReadableSpan]:
+        return list(self.exporter.get_finished_spans())
+
+    def named(self, prefix: str) -> list[ReadableSpan]:
+        return [span for span in self.spans() if span.name.startswith(prefix)]
+
+
+@pytest.fixture
+def traced() -> Iterator[Traced]:
+    kit = Traced()
+    yield kit
+    kit.provider.shutdown()
+
+
+def run_ids(run_id: str) -> tuple[int, int]:
+    """The trace id and span id the sink derives from a run id, computed independently."""
+    digest = hashlib.sha256(f"polyloop run\x00{run_id}".encode()).digest()
+    return int.from_bytes(digest[:16], "big"), int.from_bytes(digest[16:24], "big")
+
+
+def reply(content: str, index: int, *, tokens: tuple[int, int] = (11, 7)) -> ModelReply:
+    return ModelReply(
+        call_id=f"chatcmpl-{index}",
+        content=content,
+        reasoning=None,
+        finish=FinishReason.STOP,
+        usage=Usage(input_tokens=tokens[0], output_tokens=tokens[1]),
+        model="test-model-1",
+    )
+
+
+def attrs(span: ReadableSpan) -> dict[str, Any]:
+    return dict(span.attributes or {})
+
+
+def parent_id(span: ReadableSpan) -> int | None:
+    return span.parent.span_id if span.parent is not None else None
+
+
+# -- the contract -------------------------------------------------------------------------
+
+
+class TestOpenTelemetrySinkContract(EventSinkContract):
+    @pytest.fixture
+    def event_sink(self, traced: Traced) -> OpenTelemetrySink:
+        return traced.sink
+
+
+async def test_parameters_say_only_the_kind(traced: Traced) -> None:
+    # They join the run's identity, so they must be the same in every process.
+    assert dict(traced.sink.parameters()) == {"kind": "opentelemetry"}
+    assert dict(OpenTelemetrySink().parameters()) == {"kind": "opentelemetry"}
+
+
+# -- the span tree --------------------------------------------------------------------------
+
+
+async def test_a_run_is_one_agent_span_with_a_chat_and_a_tool_span_per_step(
+    traced: Traced,
+) -> None:
+    script = [reply(tool_call("double", n=1), 0), reply(tool_call("submit", answer="2"), 1)]
+    ledger = Ledger()
+    result = await run(
+        definition(MemoryStore(), script=script, events=traced.sink),
+        request("r1", make_tools(ledger)),
+    )
+    assert result.stop_reason is StopReason.SUBMITTED and result.event_failures == 0
+
+    (agent,) = traced.named("invoke_agent")
+    chats, tools_run = traced.named("chat"), traced.named("execute_tool")
+    assert [span.name for span in chats] == ["chat test-model-1"] * 2
+    assert [span.name for span in tools_run] == ["execute_tool double", "execute_tool submit"]
+    assert len(traced.spans()) == 5
+    assert agent.kind is SpanKind.INTERNAL
+    assert all(span.kind is SpanKind.CLIENT for span in chats)
+    assert all(span.kind is SpanKind.INTERNAL for span in tools_run)
+    for child in chats + tools_run:
+        assert parent_id(child) == agent.context.span_id
+        assert child.context.trace_id == agent.context.trace_id
+
+    assert attrs(agent) == {
+        "gen_ai.operation.name": "invoke_agent",
+        "gen_ai.conversation.id": "r1",
+        "polyloop.run.id": "r1",
+        "polyloop.run.resumed": False,
+        "polyloop.run.stop_reason": "submitted",
+        "polyloop.run.steps": 2,
+        "polyloop.run.valid_steps": 2,
+    }
+    assert agent.status.status_code is StatusCode.UNSET
+    first_chat = attrs(chats[0])
+    assert first_chat["gen_ai.operation.name"] == "chat"
+    assert first_chat["gen_ai.conversation.id"] == "r1"
+    assert first_chat["gen_ai.response.model"] == "test-model-1"
+    assert first_chat["gen_ai.response.id"] == "chatcmpl-0"
+    assert first_chat["gen_ai.usage.input_tokens"] == 11
+    assert first_chat["gen_ai.usage.output_tokens"] == 7
+    assert tuple(first_chat["gen_ai.response.finish_reasons"]) == ("stop",)
+    assert first_chat["polyloop.step"] == 0
+    double = attrs(tools_run[0])
+    assert double["gen_ai.operation.name"] == "execute_tool"
+    assert double["gen_ai.tool.name"] == "double"
+    assert double["gen_ai.conversation.id"] == "r1"
+    assert double["polyloop.action.status"] == "executed"
+    assert double["polyloop.action.result_id"] == ledger.calls[0][1]
+    assert "gen_ai.tool.call.id" not in double  # not a native call
+    assert tools_run[0].status.status_code is StatusCode.UNSET
+
+
+async def test_span_times_come_from_the_records_and_nest(traced: Traced) -> None:
+    tools = make_tools(Ledger(), delay=0.02)
+    result = await run(
+        definition(MemoryStore(), script=five_step_script(), events=traced.sink),
+        request("r1", tools),
+    )
+    assert result.stop_reason is StopReason.SUBMITTED
+    (agent,) = traced.named("invoke_agent")
+    assert agent.start_time is not None and agent.end_time is not None
+    for child in traced.named("chat") + traced.named("execute_tool"):
+        assert child.start_time is not None and child.end_time is not None
+        assert agent.start_time <= child.start_time <= child.end_time <= agent.end_time
+    chats = {attrs(span)["polyloop.step"]: span for span in traced.named("chat")}
+    for tool in traced.named("execute_tool"):
+        chat = chats[attrs(tool)["polyloop.step"]]
+        assert chat.start_time is not None and tool.start_time is not None
+        assert chat.start_time <= tool.start_time
+    # A tool that slept 20 ms shows at least that long; its step ends when the tool does.
+    slept = [
+        span
+        for span in traced.named("execute_tool double")
+        if attrs(span)["polyloop.action.status"] == "executed"
+    ]
+    assert len(slept) == 2
+    for span in slept:
+        assert span.end_time is not None and span.start_time is not None
+        assert span.end_time - span.start_time >= 15_000_000
+    steps_end = {step.step: step.at for step in result.steps}
+    for tool in traced.named("execute_tool"):
+        at = steps_end[attrs(tool)["polyloop.step"]]
+        assert at is not None and tool.end_time is not None
+        assert abs(tool.end_time - int(at.timestamp() * 1e9)) < 10_000
+
+
+async def test_a_refused_action_is_an_error_of_its_tool_span_only(traced: Traced) -> None:
+    await run(
+        definition(MemoryStore(), script=five_step_script(), events=traced.sink),
+        request("r1", make_tools(Ledger())),
+    )
+    refused = [
+        span
+        for span in traced.named("execute_tool")
+        if attrs(span)["polyloop.action.status"] == "not_executed"
+    ]
+    assert len(refused) == 1
+    assert refused[0].status.status_code is StatusCode.ERROR
+    assert attrs(refused[0])["error.type"] == "not_executed"
+    assert "Refused" in (refused[0].status.description or "")
+    # The unusable reply has a chat span and no tool span.
+    steps_with_tools = {attrs(span)["polyloop.step"] for span in traced.named("execute_tool")}
+    assert steps_with_tools == {0, 1, 3, 4}
+    assert len(traced.named("chat")) == 5
+    (agent,) = traced.named("invoke_agent")
+    assert agent.status.status_code is StatusCode.UNSET
+
+
+# -- failures and unusual ends ------------------------------------------------------------
+
+
+async def test_a_model_failure_ends_the_run_span_in_error(traced: Traced) -> None:
+    script: list[Any] = [tool_call("double", n=1), ConnectionError("the server went away")]
+    result = await run(
+        definition(MemoryStore(), script=script, events=traced.sink),
+        request("r1", make_tools(Ledger())),
+    )
+    assert result.stop_reason is StopReason.MODEL_FAILURE
+    (agent,) = traced.named("invoke_agent")
+    assert agent.status.status_code is StatusCode.ERROR
+    assert "the server went away" in (agent.status.description or "")
+    assert attrs(agent)["error.type"] == "model_failure"
+    failed_chat = next(span for span in traced.named("chat") if attrs(span)["polyloop.step"] == 1)
+    assert failed_chat.status.status_code is StatusCode.ERROR
+    assert attrs(failed_chat)["error.type"] == "ConnectionError"
+
+
+async def test_an_environment_failure_ends_the_run_span_in_error(traced: Traced) -> None:
+    async def broken(arguments: dict[str, Any], *, result_id: str) -> str:
+        raise EnvironmentFault("the sandbox is gone")
+
+    tools = ToolRegistry(
+        [
+            ToolSpec(
+                name="probe",
+                description="Probe the sandbox.",
+                parameters={"type": "object"},
+                handler=broken,
+                replay=Replay.NEVER,
+            )
+        ],
+        max_observation_chars=1_000,
+    )
+    result = await run(
+        definition(MemoryStore(), script=[tool_call("probe")], events=traced.sink),
+        request("r1", tools),
+    )
+    assert result.stop_reason is StopReason.ENV_FAILURE
+    (agent,) = traced.named("invoke_agent")
+    assert agent.status.status_code is StatusCode.ERROR
+    assert attrs(agent)["error.type"] == "env_failure"
+    (probe,) = traced.named("execute_tool probe")
+    assert probe.status.status_code is StatusCode.ERROR
+    assert attrs(probe)["error.type"] == "env_fault"
+    assert "the sandbox is gone" in (probe.status.description or "")
+
+
+async def test_a_cancelled_run_says_so_on_its_span(traced: Traced) -> None:
+    tools = make_tools(Ledger(), delay=30.0)
+    with anyio.move_on_after(0.3) as scope:
+        await run(
+            definition(MemoryStore(), script=[tool_call("double", n=1)], events=traced.sink),
+            request("r1", tools),
+        )
+    assert scope.cancelled_caught
+    (agent,) = traced.named("invoke_agent")
+    assert attrs(agent)["polyloop.run.stop_reason"] == "cancelled"
+    assert attrs(agent)["error.type"] == "cancelled"
+    assert agent.status.status_code is StatusCode.ERROR
+
+
+class FailingExporter(SpanExporter):
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        raise OSError("the collector is down")
+
+    def shutdown(self) -> None:
+        return None
+
+
+class FailingProcessor(SpanProcessor):
+    def on_end(self, span: ReadableSpan) -> None:
+        raise RuntimeError("a broken span processor")
+
+
+@pytest.mark.parametrize("broken", ["exporter", "processor"])
+async def test_a_failing_exporter_or_processor_does_not_disturb_the_run(
+    broken: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    provider = TracerProvider()
+    if broken == "exporter":
+        provider.add_span_processor(SimpleSpanProcessor(FailingExporter()))
+    else:
+        provider.add_span_processor(FailingProcessor())
+    try:
+        result = await run(
+            definition(
+                MemoryStore(),
+                script=five_step_script(),
+                events=OpenTelemetrySink(tracer_provider=provider),
+            ),
+            request("r1", make_tools(Ledger())),
+        )
+    finally:
+        provider.shutdown()
+    assert result.stop_reason is StopReason.SUBMITTED
+    assert result.step_count == 5
+    assert result.event_failures == 0
+    assert any(record.exc_info for record in caplog.records)
+
+
+# -- attempts of one run, and the caller's span --------------------------------------------
+
+
+async def test_a_crashed_and_resumed_run_is_one_trace_and_the_resume_links_to_it(
+    traced: Traced, tmp_path: Path
+) -> None:
+    path = tmp_path / "runs.db"
+    tools = make_tools(Ledger())
+    first = SqliteStore(path)
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(
+                FaultyStore(first, fail_after_writes=5),
+                script=five_step_script(),
+                events=traced.sink,
+            ),
+            request("r", tools),
+        )
+    await close_store(first)
+    second = SqliteStore(path)
+    try:
+        result = await resume(
+            definition(second, script=five_step_script(), events=traced.sink),
+            request("r", tools),
+        )
+    finally:
+        await close_store(second)
+    assert result.stop_reason is StopReason.SUBMITTED and result.resumed
+
+    crashed, resumed = sorted(traced.named("invoke_agent"), key=lambda span: span.start_time or 0)
+    trace_id, span_id = run_ids("r")
+    for span in (crashed, resumed):
+        assert span.context.trace_id == trace_id
+        assert parent_id(span) == span_id
+        assert span.parent is not None and span.parent.is_remote
+    # The crashed attempt never ended through the library; the resume ended it.
+    assert attrs(crashed)["polyloop.run.abandoned"] is True
+    assert crashed.status.status_code is StatusCode.ERROR
+    assert attrs(resumed)["polyloop.run.resumed"] is True
+    assert attrs(resumed)["polyloop.run.stop_reason"] == "submitted"
+    assert not crashed.links
+    (link,) = resumed.links
+    assert (link.context.trace_id, link.context.span_id) == (trace_id, span_id)
+    assert dict(link.attributes or {}) == {"polyloop.link": "continues"}
+    # Steps land under the attempt that took them.
+    by_parent = {crashed.context.span_id: set(), resumed.context.span_id: set()}
+    for span in traced.named("chat"):
+        by_parent[parent_id(span)].add(attrs(span)["polyloop.step"])
+    assert by_parent[crashed.context.span_id] == {0}
+    assert by_parent[resumed.context.span_id] == {1, 2, 3, 4}
+    assert {attrs(span).get("polyloop.step.resumed") for span in traced.named("chat")} == {
+        None,
+        True,
+    }
+
+
+async def test_attempts_in_two_processes_meet_in_one_trace(tmp_path: Path) -> None:
+    """Two sinks on two providers stand for two processes: the same trace all the same."""
+    path = tmp_path / "runs.db"
+    tools = make_tools(Ledger())
+    before, after = Traced(), Traced()
+    first = SqliteStore(path)
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(
+                FaultyStore(first, fail_after_writes=5),
+                script=five_step_script(),
+                events=before.sink,
+            ),
+            request("r", tools),
+        )
+    await close_store(first)
+    assert before.named("invoke_agent") == []  # still open: the run raised
+    before.sink.close()
+    before.sink.close()  # a second close finds nothing left to end
+    second = SqliteStore(path)
+    try:
+        await resume(
+            definition(second, script=five_step_script(), events=after.sink),
+            request("r", tools),
+        )
+    finally:
+        await close_store(second)
+        before.provider.shutdown()
+        after.provider.shutdown()
+    (crashed,) = before.named("invoke_agent")
+    (resumed,) = after.named("invoke_agent")
+    assert attrs(crashed)["error.type"] == "abandoned"
+    assert crashed.context.trace_id == resumed.context.trace_id == run_ids("r")[0]
+    assert parent_id(crashed) == parent_id(resumed) == run_ids("r")[1]
+
+
+async def test_an_in_doubt_resume_is_marked(traced: Traced, tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    tools = make_tools(Ledger(), replay=Replay.NEVER)
+    first = SqliteStore(path)
+    # Write 4 is the action intent of step 0: a crash right after leaves it open.
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(
+                FaultyStore(first, fail_after_writes=4),
+                script=five_step_script(),
+                # Another sink of the same kind: its parameters are part of the run identity.
+                events=OpenTelemetrySink(tracer_provider=TracerProvider()),
+            ),
+            request("r", tools),
+        )
+    await close_store(first)
+    second = SqliteStore(path)
+    try:
+        result = await resume(
+            definition(second, script=five_step_script(), events=traced.sink),
+            request("r", tools),
+        )
+    finally:
+        await close_store(second)
+    assert result.stop_reason is StopReason.IN_DOUBT
+    (agent,) = traced.named("invoke_agent")
+    assert attrs(agent)["polyloop.run.in_doubt"] is True
+    assert attrs(agent)["error.type"] == "in_doubt"
+    assert agent.status.status_code is StatusCode.ERROR
+
+
+async def test_the_callers_current_span_is_the_parent(traced: Traced) -> None:
+    tracer = traced.provider.get_tracer("the-caller")
+    with tracer.start_as_current_span("handle request") as outer:
+        await run(
+            definition(MemoryStore(), script=five_step_script(), events=traced.sink),
+            request("r1", make_tools(Ledger())),
+        )
+    (agent,) = traced.named("invoke_agent")
+    assert agent.context.trace_id == outer.get_span_context().trace_id
+    assert parent_id(agent) == outer.get_span_context().span_id
+    (link,) = agent.links
+    assert (link.context.trace_id, link.context.span_id) == run_ids("r1")
+    for child in traced.named("chat"):
+        assert parent_id(child) == agent.context.span_id
+
+
+async def test_close_ends_the_span_of_a_run_that_raised(traced: Traced) -> None:
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(
+                FaultyStore(MemoryStore(), fail_after_writes=6),
+                script=five_step_script(),
+                events=traced.sink,
+            ),
+            request("r1", make_tools(Ledger())),
+        )
+    assert "open_runs=1" in repr(traced.sink)
+    traced.sink.close()
+    assert "open_runs=0" in repr(traced.sink)
+    (agent,) = traced.named("invoke_agent")
+    assert attrs(agent)["polyloop.run.abandoned"] is True
+    assert agent.end_time is not None
+    for child in traced.named("chat"):
+        assert child.end_time is not None and child.end_time <= agent.end_time
+
+
+async def test_native_tool_calls_carry_their_call_id(traced: Traced) -> None:
+    result = await run(
+        definition(
+            MemoryStore(), script=native_script(), interpreter=INTERPRETER, events=traced.sink
+        ),
+        request("r1", make_tools(Ledger()), **NATIVE),
+    )
+    assert result.stop_reason is StopReason.SUBMITTED
+    called = {
+        attrs(span)["gen_ai.tool.call.id"]: span.name for span in traced.named("execute_tool")
+    }
+    assert called == {
+        "c0": "execute_tool double",
+        "c1": "execute_tool double",
+        "c3": "execute_tool double",
+        "c4": "execute_tool submit",
+    }
+
+
+# -- a real OTLP receiver -------------------------------------------------------------------
+
+
+class Receiver(BaseHTTPRequestHandler):
+    received: list[ExportTraceServiceRequest]
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        message = ExportTraceServiceRequest()
+        message.ParseFromString(body)
+        if self.path == "/v1/traces":
+            self.server.received.append(message)  # type: ignore[attr-defined]
+        answer_body = ExportTraceServiceResponse().SerializeToString()
+        self.send_response(200 if self.path == "/v1/traces" else 404)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", str(len(answer_body)))
+        self.end_headers()
+        self.wfile.write(answer_body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+
+@pytest.fixture
+def otlp_receiver() -> Iterator[tuple[str, list[ExportTraceServiceRequest]]]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    server.received = []  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        yield f"http://{host}:{port}/v1/traces", server.received  # type: ignore[attr-defined]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+async def test_spans_reach_an_otlp_receiver(
+    otlp_receiver: tuple[str, list[ExportTraceServiceRequest]],
+) -> None:
+    endpoint, received = otlp_receiver
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+    script = [reply(tool_call("double", n=1), 0), reply(answer("2"), 1, tokens=(5, 3))]
+    try:
+        result = await run(
+            definition(
+                MemoryStore(),
+                model=ScriptedModelClient(script),
+                events=OpenTelemetrySink(tracer_provider=provider),
+            ),
+            request("otlp-run", make_tools(Ledger())),
+        )
+    finally:
+        await anyio.to_thread.run_sync(provider.shutdown)  # flushes the batch
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+
+    spans = [
+        span
+        for message in received
+        for resource in message.resource_spans
+        for scope in resource.scope_spans
+        for span in scope.spans
+    ]
+    names = sorted(span.name for span in spans)
+    assert names == [
+        "chat test-model-1",
+        "chat test-model-1",
+        "execute_tool double",
+        "invoke_agent",
+    ]
+
+    def values(span: Any) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        for item in span.attributes:
+            kind = item.value.WhichOneof("value")
+            value = getattr(item.value, kind)
+            found[item.key] = list(value.values) if kind == "array_value" else value
+        return found
+
+    by_name = {span.name: values(span) for span in spans}
+    agent = by_name["invoke_agent"]
+    assert agent["gen_ai.conversation.id"] == "otlp-run"
+    assert agent["polyloop.run.stop_reason"] == "final_answer"
+    tool = by_name["execute_tool double"]
+    assert tool["gen_ai.tool.name"] == "double"
+    assert tool["polyloop.action.result_id"]
+    chats = [values(span) for span in spans if span.name.startswith("chat")]
+    assert sorted(chat["gen_ai.usage.input_tokens"] for chat in chats) == [5, 11]
+    trace_ids = {span.trace_id for span in spans}
+    assert trace_ids == {run_ids("otlp-run")[0].to_bytes(16, "big")}
