@@ -406,6 +406,10 @@ def in_doubt_detail(intent: Intent) -> str:
     )
 
 
+# Snapshot keys of the event sink: kept in the start record, left out of the identity.
+OBSERVING_PREFIX = "events."
+
+
 def identity_differences(
     recorded: Mapping[str, JSONValue], current: Mapping[str, JSONValue]
 ) -> tuple[tuple[str, JSONValue, JSONValue], ...]:
@@ -413,9 +417,14 @@ def identity_differences(
 
     Values are compared as canonical JSON, so a tuple equals the list it was written
     as, while ``1``, ``1.0`` and ``true`` stay different. A missing key reads ``None``.
+    The event sink's keys (``events.``) are recorded but not compared: events are never
+    persisted and change nothing a run does, so a run may be resumed with another sink
+    (tracing added to a fleet, say).
     """
     differences = []
     for key in sorted(set(recorded) | set(current)):
+        if key.startswith(OBSERVING_PREFIX):
+            continue
         before, after = recorded.get(key), current.get(key)
         if key not in recorded or key not in current or not _same(before, after):
             differences.append((key, before, after))

@@ -167,7 +167,7 @@ class OpenTelemetrySink:
         self._lock = threading.Lock()
 
     def parameters(self) -> Mapping[str, JSONValue]:
-        # Part of the run's identity: nothing here may differ between processes.
+        # Written into the start record: nothing here may differ between processes.
         return {"kind": "opentelemetry"}
 
     async def emit(self, event: Event) -> None:

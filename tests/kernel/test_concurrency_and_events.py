@@ -17,6 +17,7 @@ from polyloop import (
     ModelReply,
     NullSink,
     Replay,
+    RunStarted,
     StepRecord,
     StopReason,
     resume,
@@ -247,3 +248,24 @@ async def test_events_reach_a_null_sink_subclass_and_a_patched_null_sink(
         request("patched", make_tools(Ledger())),
     )
     assert seen == expected
+
+
+async def test_a_run_resumes_with_another_event_sink() -> None:
+    """The sink is recorded in the start record but is not part of the identity: events
+    change nothing a run does, and tracing may be added to runs already under way."""
+    store = MemoryStore()
+    tools = make_tools(Ledger())
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(FaultyStore(store, fail_after_writes=2), script=[answer("x")]),
+            request("r", tools, model_replay=Replay.ALLOWED),
+        )
+    sink = RecordingSink()
+    result = await resume(
+        definition(store, script=[answer("x")], events=sink),
+        request("r", tools, model_replay=Replay.ALLOWED),
+    )
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert sink.events[0].kind is EventKind.RUN_RESUMED
+    (started,) = [r for r in (await store.read_log("r")).records if isinstance(r, RunStarted)]
+    assert started.snapshot["events.kind"] == "null"  # what the run started with stays

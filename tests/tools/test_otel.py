@@ -121,7 +121,7 @@ class TestOpenTelemetrySinkContract(EventSinkContract):
 
 
 async def test_parameters_say_only_the_kind(traced: Traced) -> None:
-    # They join the run's identity, so they must be the same in every process.
+    # They are written into the start record: the same in every process.
     assert dict(traced.sink.parameters()) == {"kind": "opentelemetry"}
     assert dict(OpenTelemetrySink().parameters()) == {"kind": "opentelemetry"}
 
@@ -441,7 +441,7 @@ async def test_an_in_doubt_resume_is_marked(traced: Traced, tmp_path: Path) -> N
             definition(
                 FaultyStore(first, fail_after_writes=4),
                 script=five_step_script(),
-                # Another sink of the same kind: its parameters are part of the run identity.
+                # Another sink object of the same kind, as another process would have.
                 events=OpenTelemetrySink(tracer_provider=TracerProvider()),
             ),
             request("r", tools),
