@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,108 @@ def test_the_main_job_runs_the_demo_to_a_submitted_stop(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "submitted" in done.stdout.lower()
     assert (tmp_path / "polyloop-demo").is_dir()
+
+
+def _approvals(tmp_path: Path, backend: str, *args: str, check: bool = True) -> str:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "approvals.py"),
+            "--db",
+            str(tmp_path / "runs.db"),
+            "--backend",
+            backend,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=check,
+    )
+    return done.stdout
+
+
+def _polyloop(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "polyloop", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def _steps(store: str, run_id: str) -> list[dict[str, object]]:
+    shown = _polyloop("show", store, run_id, "--json")
+    assert shown.returncode == 0, shown.stderr
+    timing = {"duration_s", "at", "model_duration_s", "action_duration_s", "resumed"}
+    timing |= {"run_id", "call_id"}  # the two runs differ in id, so in these too
+    return [
+        {key: value for key, value in step.items() if key not in timing}
+        for step in json.loads(shown.stdout)["steps"]
+    ]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_approvals_pause_approve_from_another_process_and_resume_in_a_third(
+    tmp_path: Path, backend: str
+) -> None:
+    store = f"sqlite:{tmp_path / 'runs.db'}"
+    auto = _approvals(tmp_path, backend, "--run-id", "auto", "--auto-approve")
+    assert "stop reason: submitted after 3 steps" in auto
+    # Process one: the run stops at the proposed deploy; nothing has run.
+    first = _approvals(tmp_path, backend)
+    assert "stop reason: awaiting_approval after 0 steps" in first
+    pending = _polyloop("pending", store)
+    assert 'release-1  awaiting approval  release-1:0:action  deploy({"env": "prod"})' in (
+        pending.stdout
+    )
+    assert "Deploy the release to an environment" in pending.stdout
+    # Process two, a person: a bad answer writes nothing; a good one is recorded.
+    bad = _polyloop("approve", store, "release-1", "--by", "alice", "--arguments", "{")
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1
+    approved = _polyloop("approve", store, "release-1", "--by", "alice")
+    assert approved.returncode == 0, approved.stderr
+    again = _polyloop("approve", store, "release-1", "--by", "bob")
+    assert again.returncode == 1 and "already approved by 'alice'" in again.stderr
+    # Process three: the run goes on and ends as the auto-approved one did.
+    third = _approvals(tmp_path, backend)
+    assert "stop reason: submitted after 3 steps" in third
+    effects = (tmp_path / "runs.db.effects.txt").read_text().splitlines()
+    assert [line for line in effects if "release-1:" in line] == [
+        "deploy prod release-1:0:action",
+        "pay 5 release-1:1:action",
+        "submit release-1:2:action",
+    ]
+    assert _steps(store, "release-1") == _steps(store, "auto")
+    shown = _polyloop("show", store, "release-1")
+    assert "approved     by alice" in shown.stdout
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_approvals_a_payment_in_doubt_is_settled_and_the_run_finishes(
+    tmp_path: Path, backend: str
+) -> None:
+    store = f"sqlite:{tmp_path / 'runs.db'}"
+    args = ("--run-id", "release-2", "--auto-approve")
+    crashed = _approvals(tmp_path, backend, *args, "--crash-after-paying", check=False)
+    assert "dies after paying" in crashed
+    assert "stop reason: in_doubt after 1 steps" in _approvals(tmp_path, backend, *args)
+    assert "release-2  in doubt  release-2:1:action" in _polyloop("pending", store).stdout
+    missing = _polyloop("settle", store, "release-2", "--by", "carol", "--ran")
+    assert missing.returncode == 1 and "--ran needs --observation" in missing.stderr
+    settled = _polyloop(
+        "settle", store, "release-2", "--by", "carol", "--ran", "--observation", "paid 5"
+    )
+    assert settled.returncode == 0, settled.stderr
+    twice = _polyloop(
+        "settle", store, "release-2", "--by", "dave", "--did-not-run", "--reason", "no"
+    )
+    assert twice.returncode == 1 and "already settled by 'carol'" in twice.stderr
+    done = _approvals(tmp_path, backend, *args)
+    assert 'step 1: pay({"amount": 5}) -> paid 5 (settled by carol)' in done
+    assert "stop reason: submitted after 3 steps" in done
+    effects = (tmp_path / "runs.db.effects.txt").read_text().splitlines()
+    assert sum(line.startswith("pay ") for line in effects) == 1
+    assert "settled      by carol" in _polyloop("show", store, "release-2").stdout
+    assert _polyloop("pending", store).stdout.startswith("nothing waits for a person")

@@ -11,6 +11,8 @@ The hierarchy::
     ├── SchemaMajorMismatch (ValueError)   a record written by another major of the format
     ├── UnloggableValue (ValueError)       a value strict JSON cannot carry back exactly
     ├── RunLocked (BlockingIOError)        another writer holds the run
+    ├── NotInDoubt (ValueError)            a settlement for a run with no effect in doubt
+    ├── NotAwaitingApproval (ValueError)   a verdict for a run with no proposal waiting
     └── StoreError (OSError)               the store could not write or read; the run stops
 
 Each leaf also subclasses the builtin it resembles, so code that already catches
@@ -30,6 +32,8 @@ from typing import Any
 __all__ = (
     "CorruptLog",
     "InvalidRequest",
+    "NotAwaitingApproval",
+    "NotInDoubt",
     "PolyLoopError",
     "RunAlreadyExists",
     "RunIdentityMismatch",
@@ -97,6 +101,16 @@ class RunAlreadyExists(PolyLoopError, FileExistsError):
 
 class RunNotFound(PolyLoopError, LookupError):
     """``resume`` was asked to continue a run that has no record in the store."""
+
+
+class NotInDoubt(PolyLoopError, ValueError):
+    """``settle`` was asked about a run that has no effect in doubt, or about another
+    effect than the one in doubt (already settled, never announced, or not an action)."""
+
+
+class NotAwaitingApproval(PolyLoopError, ValueError):
+    """``approve`` or ``reject`` was asked about a run that waits for no approval (none
+    was asked for, or a verdict was already given)."""
 
 
 def _difference(key: str, recorded: Any, current: Any) -> str:

@@ -1,11 +1,13 @@
 """Reading a log back: its recovery state, what is left to do, and the identity check.
 
-A log is one of four things:
+A log is one of five things:
 
 * ``FRESH``: no records at all;
-* ``FINISHED``: it ends with an end record whose reason is not ``CANCELLED``;
-* ``IN_DOUBT``: an intent has no result and its replay is ``NEVER``: the effect may or
-  may not have happened, and only a person can tell;
+* ``FINISHED``: it ends with a final end record (any reason but ``CANCELLED``,
+  ``IN_DOUBT`` and ``AWAITING_APPROVAL``);
+* ``IN_DOUBT``: an action or model-call intent has no result, its replay is ``NEVER``
+  and no settlement says what became of it: only a person can tell;
+* ``AWAITING_APPROVAL``: an action was proposed and no verdict on it is recorded;
 * ``RESUMABLE``: anything else; :class:`Plan` says exactly where the run stopped.
 
 Finished steps are taken from their step records and never recomputed. The step that
@@ -32,6 +34,7 @@ from polyloop.types import (
     Intent,
     IntentKind,
     JSONValue,
+    Proposal,
     Record,
     Replay,
     Result,
@@ -41,9 +44,11 @@ from polyloop.types import (
     RunStarted,
     RunState,
     RunStatus,
+    Settlement,
     StepRecord,
     StopReason,
     Usage,
+    Verdict,
 )
 
 
@@ -52,6 +57,7 @@ class RecoveryState(enum.StrEnum):
     FINISHED = "finished"
     RESUMABLE = "resumable"
     IN_DOUBT = "in_doubt"
+    AWAITING_APPROVAL = "awaiting_approval"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +68,9 @@ class Plan:
     interrupted step); ``model_result`` is the interrupted step's model result when it
     landed; ``ended`` is the last end record, if the log ends with one;
     ``last_action`` is the action intent of the last finished step, if it had one.
+    ``proposal``, ``verdict`` and ``settlement`` belong to the interrupted step: the
+    action proposed for approval and the verdict on it, and the settlement of its
+    action intent in doubt.
     """
 
     state: RecoveryState
@@ -71,6 +80,9 @@ class Plan:
     model_result: Result | None = None
     ended: RunEnded | None = None
     last_action: Intent | None = None
+    proposal: Proposal | None = None
+    verdict: Verdict | None = None
+    settlement: Settlement | None = None
 
 
 def model_result_id(run_id: str, step: int) -> str:
@@ -96,6 +108,9 @@ class _Walk:
     ended: RunEnded | None = None
     step_action: Intent | None = None
     last_action: Intent | None = None
+    proposal: Proposal | None = None
+    verdict: Verdict | None = None
+    settlement: Settlement | None = None
 
 
 def read_plan(log: RunLog) -> Plan:
@@ -121,15 +136,24 @@ def read_plan(log: RunLog) -> Plan:
         model_result=walk.model_result,
         ended=walk.ended,
         last_action=walk.last_action if walk.steps else None,
+        proposal=walk.proposal,
+        verdict=walk.verdict,
+        settlement=walk.settlement,
     )
 
 
 def _state(walk: _Walk) -> RecoveryState:
     if walk.ended is not None and walk.ended.is_final:
         return RecoveryState.FINISHED
-    if walk.open_intent is not None and walk.open_intent.replay is Replay.NEVER:
+    if _in_doubt(walk.open_intent, walk.settlement):
         return RecoveryState.IN_DOUBT
+    if walk.proposal is not None and walk.verdict is None:
+        return RecoveryState.AWAITING_APPROVAL
     return RecoveryState.RESUMABLE
+
+
+def _in_doubt(intent: Intent | None, settlement: Settlement | None) -> bool:
+    return intent is not None and intent.replay is Replay.NEVER and settlement is None
 
 
 def _accept(walk: _Walk, record: Record, index: int) -> str | None:
@@ -144,16 +168,80 @@ def _accept(walk: _Walk, record: Record, index: int) -> str | None:
     if walk.started is None:
         return "the first record is not a start record"
     if walk.ended is not None:
-        if walk.ended.is_final:
-            return "a record after the end record"
-        walk.ended = None  # a cancelled run was resumed
+        problem = _after_end(walk.ended, record)
+        if problem is not None:
+            return problem
+        walk.ended = None  # a cancelled run was resumed, or a person answered
     if isinstance(record, Intent):
         return _accept_intent(walk, record)
     if isinstance(record, Result):
         return _accept_result(walk, record)
     if isinstance(record, StepRecord):
         return _accept_step(walk, record)
-    return _accept_end(walk, record)
+    if isinstance(record, RunEnded):
+        return _accept_end(walk, record)
+    return _accept_review(walk, record)
+
+
+def _after_end(ended: RunEnded, record: Record) -> str | None:
+    """Why ``record`` may not follow the end record ``ended``, if it may not.
+
+    An in-doubt end is reopened only by a settlement, a paused run only by a verdict:
+    a person's answer is what lets either go on.
+    """
+    reason = ended.stop_reason
+    if ended.is_final:
+        return "a record after the end record"
+    if reason is StopReason.IN_DOUBT and not isinstance(record, Settlement):
+        return "a record after an in-doubt end that is not a settlement"
+    if reason is StopReason.AWAITING_APPROVAL and not isinstance(record, Verdict):
+        return "a record after an awaiting-approval end that is not a verdict"
+    return None
+
+
+def _accept_review(walk: _Walk, record: Proposal | Verdict | Settlement) -> str | None:
+    if isinstance(record, Proposal):
+        return _accept_proposal(walk, record)
+    if isinstance(record, Verdict):
+        return _accept_verdict(walk, record)
+    return _accept_settlement(walk, record)
+
+
+def _accept_proposal(walk: _Walk, proposal: Proposal) -> str | None:
+    step = len(walk.steps)
+    if proposal.step != step:
+        return f"proposal for step {proposal.step} where step {step} was expected"
+    if walk.model_result is None or walk.open_intent is not None:
+        return "a proposal where no action could be announced"
+    if walk.proposal is not None:
+        return "a second proposal in one step"
+    expected = action_result_id(walk.run_id, step)
+    if proposal.result_id != expected:
+        return f"proposal result id {proposal.result_id!r}, expected {expected!r}"
+    walk.proposal = proposal
+    return None
+
+
+def _accept_verdict(walk: _Walk, verdict: Verdict) -> str | None:
+    proposal = walk.proposal
+    if proposal is None or proposal.result_id != verdict.result_id:
+        return f"verdict on {verdict.result_id!r} with no such proposal waiting"
+    if walk.verdict is not None:
+        return f"a second verdict on {verdict.result_id!r}"
+    walk.verdict = verdict
+    return None
+
+
+def _accept_settlement(walk: _Walk, settlement: Settlement) -> str | None:
+    intent = walk.open_intent
+    if intent is None or intent.result_id != settlement.result_id:
+        return f"settlement of {settlement.result_id!r}, which is not the open intent"
+    if intent.kind is not IntentKind.ACTION or intent.replay is not Replay.NEVER:
+        return f"settlement of {settlement.result_id!r}, which is not an action in doubt"
+    if walk.settlement is not None:
+        return f"a second settlement of {settlement.result_id!r}"
+    walk.settlement = settlement
+    return None
 
 
 def _accept_intent(walk: _Walk, intent: Intent) -> str | None:
@@ -169,6 +257,8 @@ def _accept_intent(walk: _Walk, intent: Intent) -> str | None:
     else:
         if walk.model_result is None:
             return "an action intent before the step's model result"
+        if walk.proposal is not None and (walk.verdict is None or not walk.verdict.approved):
+            return "an action intent for a proposal that was not approved"
         expected = action_result_id(walk.run_id, step)
     if intent.result_id != expected:
         return f"intent result id {intent.result_id!r}, expected {expected!r}"
@@ -197,11 +287,14 @@ def _accept_step(walk: _Walk, step: StepRecord) -> str | None:
         return f"step record {step.step} without a model result"
     if walk.open_intent is not None:
         return f"step record {step.step} while {walk.open_intent.result_id!r} is open"
+    if walk.proposal is not None and walk.verdict is None:
+        return f"step record {step.step} while its proposal waits for a verdict"
     walk.steps.append(step)
     walk.last_action = walk.step_action
     walk.model_result = None
     walk.action_result = None
     walk.step_action = None
+    walk.proposal = walk.verdict = walk.settlement = None
     return None
 
 
@@ -212,6 +305,12 @@ def _accept_end(walk: _Walk, end: RunEnded) -> str | None:
     # so only the counts of a final end are held to the log.
     if end.is_final and end.steps != len(walk.steps):
         return f"end record counts {end.steps} steps, the log holds {len(walk.steps)}"
+    if end.stop_reason is StopReason.IN_DOUBT and not _in_doubt(walk.open_intent, walk.settlement):
+        return "an in-doubt end with no effect in doubt"
+    if end.stop_reason is StopReason.AWAITING_APPROVAL and (
+        walk.proposal is None or walk.verdict is not None
+    ):
+        return "an awaiting-approval end with no proposal waiting"
     walk.ended = end
     return None
 
@@ -243,21 +342,13 @@ def status(plan: Plan, stored: StoredRun | None) -> RunStatus:
     """The public status of a started run, from its plan and what its store says of it.
 
     A claimed run that has not finished is ``RUNNING``: an open intent then means an
-    effect in flight, not one in doubt. A run that ended ``IN_DOUBT`` stays ``IN_DOUBT``.
+    effect in flight, not one in doubt. A run whose log ends ``IN_DOUBT`` or
+    ``AWAITING_APPROVAL`` says so even while claimed (someone reads or answers it).
     """
     if plan.started is None:
         raise ValueError("the plan has no start record")
     ended = plan.ended
-    if plan.state is RecoveryState.FINISHED:
-        assert ended is not None
-        finished = ended.stop_reason is not StopReason.IN_DOUBT
-        state = RunState.FINISHED if finished else RunState.IN_DOUBT
-    elif stored is not None and stored.claimed:
-        state = RunState.RUNNING
-    elif plan.state is RecoveryState.IN_DOUBT:
-        state = RunState.IN_DOUBT
-    else:
-        state = RunState.RESUMABLE
+    state = _run_state(plan, stored is not None and stored.claimed)
     return RunStatus(
         run_id=plan.started.run_id,
         state=state,
@@ -269,6 +360,41 @@ def status(plan: Plan, stored: StoredRun | None) -> RunStatus:
         last_record_at=stored.updated_at if stored is not None else None,
         owner=stored.owner if stored is not None else None,
         lease_expires_at=stored.lease_expires_at if stored is not None else None,
+        proposal=plan.proposal if state is RunState.AWAITING_APPROVAL else None,
+    )
+
+
+_STATES = {
+    RecoveryState.FINISHED: RunState.FINISHED,
+    RecoveryState.IN_DOUBT: RunState.IN_DOUBT,
+    RecoveryState.AWAITING_APPROVAL: RunState.AWAITING_APPROVAL,
+    RecoveryState.RESUMABLE: RunState.RESUMABLE,
+}
+
+
+def _run_state(plan: Plan, claimed: bool) -> RunState:
+    stopped = plan.ended is not None and plan.ended.stop_reason is not StopReason.CANCELLED
+    if claimed and not stopped:
+        return RunState.RUNNING
+    return _STATES[plan.state]
+
+
+def waits_for_person(plan: Plan) -> bool:
+    """Whether the log ends with an in-doubt or awaiting-approval end that no person has
+    answered yet: resuming it then has nothing to do and nothing to write."""
+    ended = plan.ended
+    return ended is not None and ended.stop_reason in (
+        StopReason.IN_DOUBT,
+        StopReason.AWAITING_APPROVAL,
+    )
+
+
+def awaiting_detail(proposal: Proposal) -> str:
+    """What an ``AWAITING_APPROVAL`` end says: the tool and the result id it waits on."""
+    payload = proposal.payload
+    name = payload.get("name") if isinstance(payload, dict) else None
+    return (
+        f"action {proposal.result_id!r} (tool {name!r}) waits for a person to approve or reject it"
     )
 
 

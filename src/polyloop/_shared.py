@@ -37,6 +37,9 @@ RECORD_KINDS: Mapping[str, str] = MappingProxyType(
         "Result": "result",
         "StepRecord": "step",
         "RunEnded": "run_ended",
+        "Proposal": "proposal",
+        "Verdict": "verdict",
+        "Settlement": "settlement",
     }
 )
 """The ``kind`` of each record class of :mod:`polyloop.types`, by class name.

@@ -25,6 +25,7 @@ from polyloop.types import (
     Record,
     Replay,
     Result,
+    Review,
     RunEnded,
     RunLog,
     RunStarted,
@@ -248,7 +249,8 @@ class Store(Protocol):
     in this process or another, or this one again) gets ``RunLocked``. :meth:`end_run`
     and :meth:`release_run` give the claim up, and so does closing the store or the
     death of its process. A write for a run whose log ends with a final end record (any
-    stop reason but ``CANCELLED``) is refused with :class:`~polyloop.types.StoreError`.
+    stop reason but ``CANCELLED``, ``IN_DOUBT`` and ``AWAITING_APPROVAL``) is refused
+    with :class:`~polyloop.types.StoreError`.
     Refused writes write nothing.
 
     ``write_intent`` is a durable barrier: when it returns, the intent survives a crash
@@ -310,6 +312,17 @@ class Store(Protocol):
         """
         ...
 
+    async def write_review(self, record: Review) -> None:
+        """Write a proposal awaiting approval, a verdict on one, or a settlement, and make
+        it durable before returning (a barrier, like :meth:`write_intent`).
+
+        These are the records that stop a run for a person and hold the person's answer;
+        they are refused, like every write, unless this store object holds the claim.
+
+        Cancellation: either the record landed whole or not at all.
+        """
+        ...
+
     async def read_log(self, run_id: str) -> RunLog:
         """Read every record of ``run_id`` in write order (empty if there is none).
 
@@ -332,8 +345,10 @@ class StoredRun:
     """One run as a store knows it without reading its log.
 
     ``finished`` says the log ends with a final end record (any stop reason but
-    ``CANCELLED``). ``claimed`` says a live writer holds the run's claim right now: a
-    worker drives it (or is about to). ``updated_at`` is when the store took the run's
+    ``CANCELLED``, ``IN_DOUBT`` and ``AWAITING_APPROVAL``: a run in doubt or waiting
+    for approval is unfinished, since a person's answer lets it go on). ``claimed``
+    says a live writer holds the run's claim right now: a worker drives it (or is about
+    to). ``updated_at`` is when the store took the run's
     last record, in UTC, or ``None`` if the store cannot tell.
 
     Stores that give claims a lease also say whose claim the run is under, or was last

@@ -73,7 +73,9 @@ class ToolSpec:
     ``completes`` marks a tool whose call submits the task. ``annotations``, a plain-JSON
     dict, is where the tool came from and why it is configured as it is (an MCP server's
     hints, say): the run's snapshot records it, so a change between a crash and the
-    resume is caught, but the model is not shown it.
+    resume is caught, but the model is not shown it. ``needs_approval`` makes a run stop
+    ``AWAITING_APPROVAL`` when the model calls the tool, before anything runs: the call
+    runs only once a person approves it (:func:`polyloop.approve`).
     """
 
     name: str
@@ -83,6 +85,7 @@ class ToolSpec:
     replay: Replay = Replay.NEVER
     completes: bool = False
     annotations: Mapping[str, JSONValue] | None = None
+    needs_approval: bool = False
 
 
 def _clip(text: str, limit: int) -> str:
@@ -122,6 +125,8 @@ def _check_fields(spec: object) -> ToolSpec:
         raise InvalidRequest(f"tool {spec.name!r}: replay must be a Replay, got {spec.replay!r}")
     if not isinstance(spec.completes, bool):
         raise InvalidRequest(f"tool {spec.name!r}: completes must be a bool")
+    if not isinstance(spec.needs_approval, bool):
+        raise InvalidRequest(f"tool {spec.name!r}: needs_approval must be a bool")
     return spec
 
 
@@ -285,9 +290,9 @@ class ToolRegistry:
     def describe(self) -> JSONValue:
         """What the model is shown and the snapshot records: one plain-JSON dict per tool.
 
-        ``annotations`` is present only for a tool that has them, so the description of
-        every other tool, and the identity of runs started before the field existed, is
-        unchanged.
+        ``annotations`` is present only for a tool that has them, and ``needs_approval``
+        only for a tool that needs it, so the description of every other tool, and the
+        identity of runs started before the fields existed, is unchanged.
         """
         described: list[JSONValue] = []
         for spec in self._specs.values():
@@ -300,6 +305,8 @@ class ToolRegistry:
             }
             if spec.annotations is not None:
                 tool["annotations"] = plain_copy(spec.annotations)
+            if spec.needs_approval:
+                tool["needs_approval"] = True
             described.append(tool)
         return described
 
@@ -330,6 +337,11 @@ class ToolRegistry:
             )
         refusal = _schema_refusal(name, validator, copied)
         return (self._specs[name], copied) if refusal is None else refusal
+
+    def needs_approval(self, name: str) -> bool:
+        """Whether a call of ``name`` waits for a person's approval before it runs."""
+        spec = self._lookup(name)
+        return spec is not None and spec.needs_approval
 
     def marks_completion(self, name: str) -> bool:
         """Whether calling ``name`` submits the task."""
@@ -497,3 +509,27 @@ class RegistryExecutor:
 
     def __repr__(self) -> str:
         return f"RegistryExecutor(names={self._registry.names!r})"
+
+
+def described_call_refusal(described: JSONValue, name: str, arguments: object) -> str | None:
+    """Why a call of ``name`` with ``arguments`` does not fit the tool as ``described``
+    (the ``describe()`` list a run's snapshot holds), or ``None`` if it fits.
+
+    Lets a call be checked against a run's tools long after the registry that described
+    them is gone: a person editing the arguments of a proposed call, say.
+    """
+    specs = described if isinstance(described, list) else []
+    for tool in specs:
+        if isinstance(tool, dict) and tool.get("name") == name:
+            schema = tool.get("parameters")
+            if not isinstance(schema, dict):
+                break
+            if not isinstance(arguments, dict):
+                return f"arguments for tool {name!r} must be a JSON object"
+            try:
+                copied = plain_copy(arguments, root="arguments", strict=True)
+            except UnloggableValue as exc:
+                return f"arguments for tool {name!r} are not plain JSON: {exc.reason}"
+            validator = Draft202012Validator(schema, registry=_LOCAL_ONLY)
+            return _schema_refusal(name, validator, copied)
+    return f"the run's tools hold no tool {name!r} with a schema"

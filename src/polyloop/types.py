@@ -16,6 +16,8 @@ from typing import TypeAlias
 from polyloop._errors import (
     CorruptLog,
     InvalidRequest,
+    NotAwaitingApproval,
+    NotInDoubt,
     PolyLoopError,
     RunAlreadyExists,
     RunIdentityMismatch,
@@ -40,11 +42,15 @@ __all__ = (
     "InvalidRequest",
     "JSONValue",
     "Message",
+    "NotAwaitingApproval",
+    "NotInDoubt",
     "PolyLoopError",
+    "Proposal",
     "Record",
     "RecoveredRun",
     "Replay",
     "Result",
+    "Review",
     "Role",
     "RunAlreadyExists",
     "RunEnded",
@@ -57,6 +63,7 @@ __all__ = (
     "RunState",
     "RunStatus",
     "SchemaMajorMismatch",
+    "Settlement",
     "StepRecord",
     "StopReason",
     "StoreError",
@@ -66,6 +73,7 @@ __all__ = (
     "ToolStyle",
     "UnloggableValue",
     "Usage",
+    "Verdict",
 )
 
 # Marks a record field added after the first release of the record format: it is left
@@ -126,6 +134,7 @@ class StopReason(enum.StrEnum):
     ENV_FAILURE = "env_failure"
     CANCELLED = "cancelled"
     IN_DOUBT = "in_doubt"
+    AWAITING_APPROVAL = "awaiting_approval"
 
 
 class FinishReason(enum.StrEnum):
@@ -369,6 +378,8 @@ class StepRecord:
     answered, as the model client reported them (``None`` where it did not).
     ``tool_call`` is the native tool call the step's action came from, if it came from
     one: the history holds it as structured content, and the observation answers it.
+    ``settled_by`` names the person whose :class:`Settlement` says how the step's action
+    ended: the action's outcome was then not observed by the library but told by them.
     """
 
     run_id: str
@@ -396,11 +407,17 @@ class StepRecord:
     model_duration_s: float | None = field(default=None, metadata=_TIMING_WHEN_SET)
     action_duration_s: float | None = field(default=None, metadata=_TIMING_WHEN_SET)
     resumed: bool | None = field(default=None, metadata=_TIMING_WHEN_SET)
+    settled_by: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunEnded:
-    """The last record of a run (a ``CANCELLED`` end may be followed by a resumed run)."""
+    """The last record of a run, or of one attempt of it.
+
+    A ``CANCELLED`` end may be followed by a resumed run; an ``IN_DOUBT`` end by the
+    :class:`Settlement` of the effect in doubt; an ``AWAITING_APPROVAL`` end by the
+    :class:`Verdict` on the proposed action. Every other end is final.
+    """
 
     run_id: str
     stop_reason: StopReason
@@ -412,11 +429,77 @@ class RunEnded:
 
     @property
     def is_final(self) -> bool:
-        """Whether nothing may follow this record: true for every reason but ``CANCELLED``."""
-        return self.stop_reason is not StopReason.CANCELLED
+        """Whether nothing may follow this record: true for every reason but
+        ``CANCELLED``, ``IN_DOUBT`` and ``AWAITING_APPROVAL``."""
+        return self.stop_reason not in _REOPENABLE
 
 
-Record: TypeAlias = RunStarted | Intent | Result | StepRecord | RunEnded
+_REOPENABLE = frozenset({StopReason.CANCELLED, StopReason.IN_DOUBT, StopReason.AWAITING_APPROVAL})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Proposal:
+    """An action that waits for a person's approval before it may run.
+
+    Written, durably, in place of the action's intent when the model chose a tool that
+    needs approval; the run then stops ``AWAITING_APPROVAL``. It holds what the intent
+    would have held, and what a person needs to judge it: the tool's ``description``.
+    ``result_id`` is the id the action's intent and result get once approved.
+    """
+
+    run_id: str
+    result_id: str
+    step: int
+    replay: Replay
+    payload: JSONValue
+    action_text: str
+    history_text: str
+    description: str
+    tool_call: ToolCallBlock | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Verdict:
+    """A person's answer to a :class:`Proposal`: approved, or rejected with a reason.
+
+    ``payload`` is what runs once approved: the proposed payload, with the arguments
+    the person edited if they did (``None`` when rejected). ``reason`` is set when
+    rejected; the model is told it as the reason the action was not executed.
+    """
+
+    run_id: str
+    result_id: str
+    approved: bool
+    by: str
+    payload: JSONValue
+    reason: str | None
+    at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settlement:
+    """What a person says became of an effect in doubt: it ran, or it did not.
+
+    ``result_id`` names the open action intent. With ``ran``, ``observation`` is what
+    the model is shown as the action's output; without, it is the reason the model is
+    told the action was not executed. ``by`` names who settled it.
+    """
+
+    run_id: str
+    result_id: str
+    ran: bool
+    observation: str
+    by: str
+    at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
+
+
+Review: TypeAlias = Proposal | Verdict | Settlement
+"""The records that ask a person something or hold the answer."""
+
+Record: TypeAlias = (
+    RunStarted | Intent | Result | StepRecord | RunEnded | Proposal | Verdict | Settlement
+)
 """Anything a store persists."""
 
 
@@ -462,8 +545,11 @@ class RunState(enum.StrEnum):
     The log holds an intent without its result whose replay is ``NEVER``; the run's
     ``IN_DOUBT`` end record may already be written, or ``resume`` writes it.
     """
+    AWAITING_APPROVAL = "awaiting_approval"
+    """The run stopped at a proposed action that a person must approve or reject first."""
     FINISHED = "finished"
-    """The log ends with a final end record (any stop reason but ``CANCELLED``)."""
+    """The log ends with a final end record (any stop reason but ``CANCELLED``,
+    ``IN_DOUBT`` and ``AWAITING_APPROVAL``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -481,6 +567,9 @@ class RunStatus:
     is under (or was, if that worker's lease ended or its process died without giving
     the claim up) and ``lease_expires_at`` when that lease ends or ended: a run that is
     not ``RUNNING`` but has an owner was left by a worker that stopped.
+
+    ``proposal`` is, for a run ``AWAITING_APPROVAL``, the action waiting for a verdict:
+    its tool, arguments and the tool's description.
     """
 
     run_id: str
@@ -493,6 +582,7 @@ class RunStatus:
     last_record_at: datetime | None
     owner: str | None = None
     lease_expires_at: datetime | None = None
+    proposal: Proposal | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -515,6 +605,8 @@ def _claim_public_home() -> None:
     for cls in (
         CorruptLog,
         InvalidRequest,
+        NotAwaitingApproval,
+        NotInDoubt,
         PolyLoopError,
         RunAlreadyExists,
         RunIdentityMismatch,

@@ -58,6 +58,13 @@ NAMES_BY_MODULE = {
         # issue 16: native tool calls as content blocks
         "ToolCallBlock",
         "ToolResultBlock",
+        # issue 19: a person in the loop
+        "Proposal",
+        "Verdict",
+        "Settlement",
+        "Review",
+        "NotInDoubt",
+        "NotAwaitingApproval",
     },
     ports: {
         "ModelClient",
@@ -90,6 +97,10 @@ NAMES_BY_MODULE = {
         "start_or_resume",
         "run_status",
         "recover",
+        # issue 19: a person in the loop
+        "approve",
+        "reject",
+        "settle",
     },
 }
 # Modules imported by name, never re-exported at the top level.

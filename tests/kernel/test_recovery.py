@@ -546,7 +546,7 @@ def test_resumed_run_still_open_after_cancel_is_resumable() -> None:
     assert plan.open_intent is not None
 
 
-def test_in_doubt_end_is_finished() -> None:
+def test_an_in_doubt_end_leaves_the_run_in_doubt_until_a_settlement() -> None:
     builder = LogBuilder()
     builder.step("action")
     builder.model_intent()
@@ -556,7 +556,8 @@ def test_in_doubt_end_is_finished() -> None:
     detail = in_doubt_detail(intent)
     builder.end(StopReason.IN_DOUBT, detail=detail)
     plan = read_plan(builder.log())
-    assert plan.state is RecoveryState.FINISHED
+    assert plan.state is RecoveryState.IN_DOUBT
+    assert plan.ended is not None and plan.ended.stop_reason is StopReason.IN_DOUBT
     result = recorded_result(plan)
     assert result.stop_reason is StopReason.IN_DOUBT
     assert result.detail == detail
@@ -826,9 +827,7 @@ def test_every_prefix_of_a_valid_log_reads(builder: LogBuilder) -> None:
         open_intent = open_intents[-1] if open_intents else None
         assert plan.open_intent == open_intent
 
-        finished = any(
-            isinstance(r, RunEnded) and r.stop_reason is not StopReason.CANCELLED for r in records
-        )
+        finished = any(isinstance(r, RunEnded) and r.is_final for r in records)
         assert finished == (plan.state is RecoveryState.FINISHED)
         in_doubt = open_intent is not None and open_intent.replay is Replay.NEVER and not finished
         assert in_doubt == (plan.state is RecoveryState.IN_DOUBT)

@@ -30,17 +30,20 @@ from polyloop.types import (
     IntentKind,
     JSONValue,
     PolyLoopError,
+    Proposal,
     Record,
     Replay,
     Result,
     RunEnded,
     RunStarted,
     SchemaMajorMismatch,
+    Settlement,
     StepRecord,
     StopReason,
     ToolCallBlock,
     UnloggableValue,
     Usage,
+    Verdict,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "records" / "v1"
@@ -369,6 +372,76 @@ EXPECTED: dict[str, Record] = {
     ),
 }
 
+# issue 19: a person in the loop. Added later, under the same rule as the others.
+_PERSON_AT = datetime(2026, 12, 1, 22, 0, 0, 123456, tzinfo=UTC)
+EXPECTED.update(
+    {
+        "proposal": Proposal(
+            run_id=RUN,
+            result_id=f"{RUN}:2:action",
+            step=2,
+            replay=Replay.NEVER,
+            payload={"name": "deploy", "arguments": {"env": "prod"}},
+            action_text='deploy({"env": "prod"})',
+            history_text="Deploying now.",
+            description="Deploy the build to an environment.",
+            at=_PERSON_AT,
+        ),
+        "verdict_approved": Verdict(
+            run_id=RUN,
+            result_id=f"{RUN}:2:action",
+            approved=True,
+            by="alice",
+            payload={"name": "deploy", "arguments": {"env": "staging"}},
+            reason=None,
+            at=_PERSON_AT,
+        ),
+        "verdict_rejected": Verdict(
+            run_id=RUN,
+            result_id=f"{RUN}:2:action",
+            approved=False,
+            by="bob",
+            payload=None,
+            reason="not on a Friday",
+            at=_PERSON_AT,
+        ),
+        "settlement": Settlement(
+            run_id=RUN,
+            result_id=f"{RUN}:1:action",
+            ran=True,
+            observation="paid: receipt 7731",
+            by="carol",
+            at=_PERSON_AT,
+        ),
+        "step_settled": StepRecord(
+            run_id=RUN,
+            step=1,
+            call_id="c-2",
+            model_output="Paying.",
+            reasoning=None,
+            decision=DecisionKind.ACTION,
+            history_text="Paying.",
+            action_text='pay({"amount": 5})',
+            observation="paid: receipt 7731",
+            observation_synthesized=False,
+            action_status=ActionStatus.EXECUTED,
+            done=False,
+            truncated_chars=0,
+            error=None,
+            duration_s=0.5,
+            settled_by="carol",
+        ),
+        "run_ended_awaiting_approval": RunEnded(
+            run_id=RUN,
+            stop_reason=StopReason.AWAITING_APPROVAL,
+            final_answer=None,
+            steps=2,
+            valid_steps=1,
+            detail="action waits for a person",
+        ),
+    }
+)
+
 
 def one_of_each() -> list[Any]:
     return [pytest.param(record, id=name) for name, record in EXPECTED.items()]
@@ -399,7 +472,16 @@ def test_round_trip_each_kind(record: Record) -> None:
 def test_encoded_shape(record: Record) -> None:
     data = encode(record)
     assert data["schema"] == "polyloop/1"
-    assert data["kind"] in {"run_started", "intent", "result", "step", "run_ended"}
+    assert data["kind"] in {
+        "run_started",
+        "intent",
+        "result",
+        "step",
+        "run_ended",
+        "proposal",
+        "verdict",
+        "settlement",
+    }
     assert json.loads(dumps(record)) == data
     # A plain JSON document: it survives the stdlib's own strict round trip.
     assert json.loads(json.dumps(data, allow_nan=False)) == data

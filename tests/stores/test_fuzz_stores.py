@@ -294,7 +294,13 @@ NEXT_WRITES = {
     MODEL_RESULT: ["action_intent"] * 3 + ["step_without_action"] * 2 + ["end_cancelled"],
     ACTION_INTENT: ["step_with_action"] * 4 + ["end_cancelled"],
 }
-FINAL_REASONS = [reason for reason in StopReason if reason is not StopReason.CANCELLED]
+# The reasons nothing may follow (an in-doubt or awaiting-approval end waits for a
+# person's answer, so it is not among them).
+FINAL_REASONS = [
+    reason
+    for reason in StopReason
+    if run_ended("x", reason, 0).is_final  # the record's own rule, not a list kept here
+]
 MAX_OPEN_RUNS = 3
 # How often each interesting thing happened, printed by the machine tests (run with -s):
 # proof that the rules reach deep runs, crashes, torn tails and both lock outcomes.

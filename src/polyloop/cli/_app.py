@@ -1,4 +1,4 @@
-"""Argument parsing, the five commands, and the one place where errors become one line."""
+"""Argument parsing, the commands, and the one place where errors become one line."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 from rich.console import Console
 from rich.text import Text
 
-from polyloop.cli import _demo, _facts, _html, _render, _verify
+from polyloop.cli import _demo, _facts, _html, _people, _render, _verify
 from polyloop.cli._common import PROGRAM, CliError, console, print_unwrapped
 from polyloop.cli._stores import (
     SYNTAX,
@@ -93,7 +93,10 @@ def run_command(argv: Sequence[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROGRAM,
-        description="Run the PolyLoop demo agent; list, show, verify and prune stored runs.",
+        description=(
+            "Run the PolyLoop demo agent; list, show, verify and prune stored runs; "
+            "approve, reject and settle what waits for a person."
+        ),
         epilog=f"STORE is {SYNTAX}. Exit status: 0 success, 1 error.",
     )
     _backend_option(parser, default="asyncio")
@@ -103,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     _show_parser(commands)
     _verify_parser(commands)
     _prune_parser(commands)
+    _pending_parser(commands)
+    _approve_parser(commands)
+    _reject_parser(commands)
+    _settle_parser(commands)
     return parser
 
 
@@ -420,6 +427,109 @@ async def _prune_command(args: argparse.Namespace, out: Console) -> int:
         soft_wrap=True,
     )
     return 0
+
+
+# -- a person in the loop ------------------------------------------------------------------
+
+
+def _pending_parser(commands: _Commands) -> None:
+    sub = _add(
+        commands,
+        "pending",
+        _pending_command,
+        "List the runs that wait for a person: an action to approve or reject, or an "
+        "action in doubt to settle.",
+    )
+    _store_argument(sub)
+    sub.add_argument("--json", action="store_true", help="one JSON object per line and run")
+
+
+async def _pending_command(args: argparse.Namespace, out: Console) -> int:
+    spec = _store_of(args)
+    require_existing(spec)
+    return await _people.pending(spec, out, as_json=args.json)
+
+
+def _answer_parser(commands: _Commands, name: str, command: _Command, help_text: str) -> Any:
+    sub = _add(commands, name, command, help_text)
+    _store_argument(sub)
+    sub.add_argument("run_id", metavar="RUN_ID")
+    sub.add_argument("--by", required=True, metavar="NAME", help="who answers (recorded)")
+    return sub
+
+
+def _approve_parser(commands: _Commands) -> None:
+    sub = _answer_parser(
+        commands,
+        "approve",
+        _approve_command,
+        "Approve the action a run waits on; resuming the run then runs it.",
+    )
+    sub.add_argument(
+        "--arguments",
+        metavar="JSON",
+        help="run it with these arguments instead (a JSON object, checked against the "
+        "tool's schema)",
+    )
+
+
+async def _approve_command(args: argparse.Namespace, out: Console) -> int:
+    given = _people.Answer(
+        by=args.by, approve=True, arguments=_people.parse_arguments(args.arguments)
+    )
+    return await _answer(args, given, out)
+
+
+def _reject_parser(commands: _Commands) -> None:
+    sub = _answer_parser(
+        commands,
+        "reject",
+        _reject_command,
+        "Reject the action a run waits on; the model is told it was not executed, and why.",
+    )
+    sub.add_argument("--reason", required=True, metavar="TEXT", help="told to the model")
+
+
+async def _reject_command(args: argparse.Namespace, out: Console) -> int:
+    return await _answer(args, _people.Answer(by=args.by, approve=False, reason=args.reason), out)
+
+
+def _settle_parser(commands: _Commands) -> None:
+    sub = _answer_parser(
+        commands,
+        "settle",
+        _settle_command,
+        "Say what became of the action a run is in doubt about: it ran (--ran "
+        "--observation TEXT) or it did not (--did-not-run --reason TEXT).",
+    )
+    how = sub.add_mutually_exclusive_group(required=True)
+    how.add_argument("--ran", action="store_true", help="the action ran")
+    how.add_argument("--did-not-run", action="store_true", help="the action did not run")
+    sub.add_argument("--observation", metavar="TEXT", help="what the action gave (--ran)")
+    sub.add_argument("--reason", metavar="TEXT", help="why it did not run (--did-not-run)")
+    sub.add_argument(
+        "--intent", metavar="RESULT_ID", help="the result id of the intent in doubt (checked)"
+    )
+
+
+async def _settle_command(args: argparse.Namespace, out: Console) -> int:
+    if args.ran and (args.observation is None or args.reason is not None):
+        raise CliError("--ran needs --observation TEXT (and takes no --reason)")
+    if args.did_not_run and (args.reason is None or args.observation is not None):
+        raise CliError("--did-not-run needs --reason TEXT (and takes no --observation)")
+    given = _people.Answer(
+        by=args.by,
+        ran=bool(args.ran),
+        observation=args.observation if args.ran else args.reason,
+        result_id=args.intent,
+    )
+    return await _answer(args, given, out)
+
+
+async def _answer(args: argparse.Namespace, given: _people.Answer, out: Console) -> int:
+    spec = _store_of(args)
+    require_existing(spec)
+    return await _people.answer(spec, args.run_id, given, out)
 
 
 # -- plumbing ------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from polyloop.types import (
     Intent,
     JSONValue,
     Result,
+    Review,
     RunEnded,
     RunLog,
     RunNotFound,
@@ -118,6 +119,10 @@ class CrashingStore:
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
         await self._inner.write_step(step, action_result)
+        self._count()
+
+    async def write_review(self, record: Review) -> None:
+        await self._inner.write_review(record)
         self._count()
 
     async def end_run(self, record: RunEnded) -> None:

@@ -193,7 +193,12 @@ def state_text(view: RunView) -> str:
     if state is RunState.FINISHED:
         return f"finished ({view.stop_reason})"
     if state is RunState.IN_DOUBT:
-        return "IN DOUBT: an effect may or may not have happened; resume will not replay it"
+        return (
+            "IN DOUBT: an effect may or may not have happened; resume will not replay it "
+            "(polyloop settle says what happened)"
+        )
+    if state is RunState.AWAITING_APPROVAL:
+        return "awaiting approval: nothing ran; polyloop approve or reject, then resume"
     if state is RunState.RUNNING:
         owner = f" ({view.status.owner})" if view.status.owner else ""
         return f"running: a live worker{owner} holds the run now"

@@ -42,7 +42,13 @@ summary { cursor: pointer; color: #6e6e73; }
 """.strip()
 
 _STYLE_CLASSES = {"green": "good", "yellow": "warn", "red": "bad"}
-_STATE_CLASSES = {"finished": "good", "running": "warn", "resumable": "warn", "in doubt": "bad"}
+_STATE_CLASSES = {
+    "finished": "good",
+    "running": "warn",
+    "resumable": "warn",
+    "in doubt": "bad",
+    "awaiting approval": "warn",
+}
 
 
 def page(view: RunView) -> str:
@@ -111,6 +117,8 @@ def _step(step: StepRecord) -> str:
         rows.append(("reasoning", _details("reasoning", step.reasoning)))
     rows.extend((label, escape(text)) for label, text in reply_facts(step))
     rows.extend((label, escape(text)) for label, text in step_facts(step))
+    if step.settled_by is not None:
+        rows.append(("settled by", escape(step.settled_by)))
     if step.call_id is not None:
         rows.append(("call id", escape(step.call_id)))
     return (

@@ -18,7 +18,7 @@ from polyloop.cli._facts import (
     state_text,
     step_facts,
 )
-from polyloop.cli._view import RunSummary, RunView, reply_facts
+from polyloop.cli._view import RunSummary, RunView, reply_facts, review_facts
 from polyloop.types import ActionStatus, DecisionKind, StepRecord
 
 # How much of an observation the terminal shows; --json and --html show it whole.
@@ -31,6 +31,7 @@ STATE_STYLES = {
     "running": "cyan",
     "resumable": "yellow",
     "in doubt": "red",
+    "awaiting approval": "magenta",
     "corrupt": "bold red",
 }
 
@@ -119,9 +120,10 @@ def trajectory(view: RunView) -> RenderableType:
     if (doubt := in_doubt(view)) is not None:
         parts.extend(_doubt_banner(doubt))
     parts.append(_fields([("state", state_text(view)), *run_facts(view)]))
+    reviews = view.reviews()
     for step in view.steps:
         parts.append(Rule(_step_title(step), align="left", style="dim"))
-        parts.append(_fields(_step_fields(step)))
+        parts.append(_fields(_step_fields(step) + review_facts(reviews.get(step.step, []))))
     parts.append(Rule(Text("end", style="bold"), align="left", style="dim"))
     parts.append(_fields(_end_fields(view)))
     return Group(*parts)
@@ -187,6 +189,7 @@ def _end_fields(view: RunView) -> list[tuple[str, str]]:
         fields.append(("final answer", view.final_answer))
     if view.detail is not None:
         fields.append(("detail", view.detail))
+    fields.extend(review_facts(view.reviews().get(len(view.steps), [])))
     if (interruption := view.interruption()) is not None:
         fields.append(("interrupted", interruption))
     return fields

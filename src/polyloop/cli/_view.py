@@ -18,21 +18,26 @@ from polyloop.types import (
     FinishReason,
     IntentKind,
     JSONValue,
+    Proposal,
     Result,
+    Review,
     RunEnded,
     RunLog,
     RunStarted,
     RunState,
     RunStatus,
     SchemaMajorMismatch,
+    Settlement,
     StepRecord,
     Usage,
+    Verdict,
 )
 
 STATE_WORDS = {
     RunState.RUNNING: "running",
     RunState.RESUMABLE: "resumable",
     RunState.IN_DOUBT: "in doubt",
+    RunState.AWAITING_APPROVAL: "awaiting approval",
     RunState.FINISHED: "finished",
 }
 CORRUPT = "corrupt"
@@ -48,7 +53,8 @@ class RunSummary:
 
     @property
     def state(self) -> str:
-        """``running``, ``resumable``, ``in doubt``, ``finished`` or ``corrupt``."""
+        """``running``, ``resumable``, ``in doubt``, ``awaiting approval``, ``finished``
+        or ``corrupt``."""
         return CORRUPT if self.status is None else STATE_WORDS[self.status.state]
 
     @property
@@ -91,6 +97,17 @@ class RunView:
     @property
     def steps(self) -> tuple[StepRecord, ...]:
         return tuple(record for record in self.log.records if isinstance(record, StepRecord))
+
+    def reviews(self) -> dict[int, list[Review]]:
+        """The proposals, verdicts and settlements of the log, by the step they belong to."""
+        by_step: dict[int, list[Review]] = {}
+        step = 0
+        for record in self.log.records:
+            if isinstance(record, StepRecord):
+                step = record.step + 1
+            elif isinstance(record, Proposal | Verdict | Settlement):
+                by_step.setdefault(step, []).append(record)
+        return by_step
 
     @property
     def stop_reason(self) -> str | None:
@@ -161,6 +178,27 @@ def usage_text(usage: Usage) -> str:
     return f"{text}, {count(usage.total_tokens)} total"
 
 
+def review_facts(reviews: list[Review]) -> list[tuple[str, str]]:
+    """What people were asked and answered in a step, as labelled lines of text."""
+    facts = []
+    for review in reviews:
+        when = f" at {review.at.isoformat()}" if review.at is not None else ""
+        if isinstance(review, Proposal):
+            facts.append(("proposed", f"waits for approval{when}: {review.description}"))
+        elif isinstance(review, Verdict):
+            if review.approved:
+                edited = ""
+                if isinstance(review.payload, dict):
+                    edited = f" with arguments {review.payload.get('arguments')!r}"
+                facts.append(("approved", f"by {review.by}{when}{edited}"))
+            else:
+                facts.append(("rejected", f"by {review.by}{when}: {review.reason}"))
+        else:
+            how = "ran" if review.ran else "did not run"
+            facts.append(("settled", f"by {review.by}{when}: {how}"))
+    return facts
+
+
 def reply_facts(step: StepRecord) -> list[tuple[str, str]]:
     """What the server reported about a step's reply, as labelled lines of text."""
     facts = []
@@ -227,6 +265,14 @@ def trajectory_json(view: RunView) -> dict[str, JSONValue]:
         "interrupted": view.interruption(),
         "snapshot": view.snapshot,
         "open_intent": serialization.encode(intent) if intent is not None else None,
+        "proposal": (
+            serialization.encode(view.status.proposal) if view.status.proposal is not None else None
+        ),
+        "reviews": [
+            serialization.encode(review)
+            for reviews in view.reviews().values()
+            for review in reviews
+        ],
         "usage": None if (usage := view.usage) is None else _usage_json(usage),
         "steps": [serialization.encode(step) for step in view.steps],
     }

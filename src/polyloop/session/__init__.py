@@ -29,20 +29,24 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from polyloop.ports import ManagedStore
+from polyloop.ports import ManagedStore, Store
+from polyloop.session import _review
 from polyloop.session._driving import Mode, drive, status
 from polyloop.session._driving import recover as recover_runs
 from polyloop.session._values import Definition, ObservationTexts, Request
-from polyloop.types import RecoveredRun, RunResult, RunStatus
+from polyloop.types import JSONValue, RecoveredRun, RunResult, RunStatus, Settlement, Verdict
 
 __all__ = (
     "Definition",
     "ObservationTexts",
     "Request",
+    "approve",
     "recover",
+    "reject",
     "resume",
     "run",
     "run_status",
+    "settle",
     "start_or_resume",
 )
 
@@ -149,3 +153,64 @@ async def recover(
     propagates and no report is returned.
     """
     return await recover_runs(definition, store, request_for, max_concurrent=max_concurrent)
+
+
+async def approve(store: Store, run_id: str, *, by: str, arguments: JSONValue = None) -> Verdict:
+    """Approve the action the run ``run_id`` waits on; ``resume`` then runs it.
+
+    ``by`` names the person approving. ``arguments``, if given, replace the arguments
+    the model proposed; they are checked against the tool's schema as the run's snapshot
+    recorded it (:class:`~polyloop.types.InvalidRequest` if they do not fit). The run's
+    claim is taken first (:class:`~polyloop.types.RunLocked` if a worker or another
+    person holds it) and the :class:`~polyloop.types.Verdict` is written durably under
+    it. :class:`~polyloop.types.NotAwaitingApproval` if the run waits for no approval
+    (never asked for one, or was already answered), :class:`~polyloop.types.RunNotFound`
+    if the store has no record of it. A refused call writes nothing. Returns the verdict.
+
+    Cancellation: the verdict landed whole or not at all (``run_status`` tells which);
+    the claim is given up under a shielded, time-bounded scope either way.
+    """
+    return await _review.approve(store, run_id, by=by, arguments=arguments)
+
+
+async def reject(store: Store, run_id: str, *, by: str, reason: str) -> Verdict:
+    """Reject the action the run ``run_id`` waits on; ``resume`` then goes on without it.
+
+    The model is told the action was not executed, with ``reason`` (through the
+    definition's ``texts.not_executed``); the step does not count as a valid step. The
+    rest is as for :func:`approve`.
+
+    Cancellation: as for :func:`approve`.
+    """
+    return await _review.reject(store, run_id, by=by, reason=reason)
+
+
+async def settle(
+    store: Store,
+    run_id: str,
+    *,
+    by: str,
+    ran: bool,
+    observation: str,
+    result_id: str | None = None,
+) -> Settlement:
+    """Say what became of the action the run ``run_id`` is in doubt about.
+
+    With ``ran=True`` the action ran and ``observation`` is what the model is shown as
+    its output (a valid step); with ``ran=False`` it did not run and ``observation`` is
+    the reason the model is told (through ``texts.not_executed``). ``resume`` then goes
+    on exactly as if the action had ended that way, and the step record names ``by``.
+    ``result_id``, if given, must name the intent in doubt. The run's claim is taken
+    first (:class:`~polyloop.types.RunLocked` if anyone holds it) and the
+    :class:`~polyloop.types.Settlement` is written durably under it.
+    :class:`~polyloop.types.NotInDoubt` if the run is not in doubt about an action
+    (already settled, never in doubt, or ``result_id`` names another intent),
+    :class:`~polyloop.types.RunNotFound` if the store has no record of it. A refused call
+    writes nothing. Returns the settlement.
+
+    Cancellation: the settlement landed whole or not at all (``run_status`` tells
+    which); the claim is given up under a shielded, time-bounded scope either way.
+    """
+    return await _review.settle(
+        store, run_id, by=by, ran=ran, observation=observation, result_id=result_id
+    )

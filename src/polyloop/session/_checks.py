@@ -198,7 +198,12 @@ def outcome_payload(outcome: ActionOutcome) -> JSONValue:
 
 
 def action_name(intent: Intent | None) -> str | None:
-    if intent is None or not isinstance(intent.payload, dict):
+    return None if intent is None else action_name_of(intent.payload)
+
+
+def action_name_of(payload: JSONValue) -> str | None:
+    """The tool a ``{"name", "arguments"}`` payload calls, if it names one."""
+    if not isinstance(payload, dict):
         return None
-    name = intent.payload.get("name")
+    name = payload.get("name")
     return name if isinstance(name, str) else None

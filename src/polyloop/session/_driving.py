@@ -80,7 +80,8 @@ async def _drive_claimed(
     differences = _recovery.identity_differences(plan.started.snapshot, snapshot)
     if differences:
         raise RunIdentityMismatch(run_id=request.run_id, differences=differences)
-    if plan.state is _recovery.RecoveryState.FINISHED:
+    if plan.state is _recovery.RecoveryState.FINISHED or _recovery.waits_for_person(plan):
+        # Nothing to do until a person answers: the recorded end stands, nothing is written.
         return _recovery.recorded_result(plan)
     loop = Loop(definition, request, resumed=True)
     return await loop.guarded(loop.continue_from(plan))

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeAlias
 
 import anyio
 
@@ -29,6 +29,7 @@ from polyloop.ports import (
 )
 from polyloop.session._checks import (
     action_name,
+    action_name_of,
     checked_reply,
     decision_problem,
     fault,
@@ -45,12 +46,14 @@ from polyloop.types import (
     Intent,
     IntentKind,
     JSONValue,
+    Proposal,
     Record,
     Replay,
     Result,
     RunEnded,
     RunResult,
     RunStarted,
+    Settlement,
     StepRecord,
     StopReason,
     ToolCallBlock,
@@ -59,6 +62,10 @@ from polyloop.types import (
 )
 
 logger = logging.getLogger("polyloop")
+
+# A finished step and the tool its action called, or None when the run stopped at a
+# proposal to wait for a person's approval (its end record is then written).
+Stepped: TypeAlias = tuple[StepRecord, str | None] | None
 
 
 def now() -> datetime:
@@ -122,8 +129,15 @@ class Loop:
             assert plan.open_intent is not None
             await self._finish(StopReason.IN_DOUBT, _recovery.in_doubt_detail(plan.open_intent))
             return
+        if plan.state is _recovery.RecoveryState.AWAITING_APPROVAL:
+            assert plan.proposal is not None
+            await self._pause(plan.proposal)
+            return
         if plan.model_result is not None or plan.open_intent is not None:
-            step, tool = await self._finish_interrupted(plan)
+            stepped = await self._finish_interrupted(plan)
+            if stepped is None:
+                return
+            step, tool = stepped
         elif self.steps:
             # The last step landed but the run may not have been ended: decide again.
             step, tool = self.steps[-1], action_name(plan.last_action)
@@ -144,7 +158,10 @@ class Loop:
             if reason is not None:
                 await self._finish(reason, self._limit_detail(reason))
                 return
-            step, tool = await self._step()
+            stepped = await self._step()
+            if stepped is None:
+                return
+            step, tool = stepped
             if (reason := self._stop_reason(step, tool)) is not None:
                 await self._stop_after(step, reason)
                 return
@@ -170,7 +187,7 @@ class Loop:
 
     # -- one step -----------------------------------------------------------------------
 
-    async def _step(self) -> tuple[StepRecord, str | None]:
+    async def _step(self) -> Stepped:
         index = self.used.steps
         await self.store.write_intent(
             Intent(
@@ -186,7 +203,7 @@ class Loop:
         )
         return await self._call_model(index, StepTimes())
 
-    async def _call_model(self, index: int, times: StepTimes) -> tuple[StepRecord, str | None]:
+    async def _call_model(self, index: int, times: StepTimes) -> Stepped:
         result_id = _recovery.model_result_id(self.run_id, index)
         call = ModelCall(
             messages=self.transcript.messages,
@@ -230,9 +247,7 @@ class Loop:
         )
         return await self._record(step, None)
 
-    async def _decide(
-        self, index: int, reply: ModelReply, times: StepTimes
-    ) -> tuple[StepRecord, str | None]:
+    async def _decide(self, index: int, reply: ModelReply, times: StepTimes) -> Stepped:
         if (unmetered := self._unmetered(reply)) is not None:
             # Recorded with unknown counts, so the run's total says it is incomplete.
             counted = dataclasses.replace(reply, usage=reply.usage or Usage())
@@ -268,8 +283,14 @@ class Loop:
         return await self._announce_and_act(index, reply, decision, times)
 
     async def _announce_and_act(
-        self, index: int, reply: ModelReply, action: Action, times: StepTimes
-    ) -> tuple[StepRecord, str | None]:
+        self,
+        index: int,
+        reply: ModelReply,
+        action: Action,
+        times: StepTimes,
+        *,
+        approved: bool = False,
+    ) -> Stepped:
         replay = self._replay_policy(action)
         if not isinstance(replay, Replay):
             # The executor could not say whether the action may be repeated, so it cannot
@@ -301,8 +322,33 @@ class Loop:
                 done=False,
             )
             return await self._record(self._acted(index, reply, action, outcome, times), None), None
+        name = action_name(intent)
+        if not approved and name is not None and self.request.tools.needs_approval(name):
+            await self._propose(intent, name)
+            return None
         await self.store.write_intent(intent)
         return await self._act(index, reply, action, times, intent), action_name(intent)
+
+    async def _propose(self, intent: Intent, name: str) -> None:
+        """Record the action for a person to judge, durably, and stop the run to wait."""
+        spec = self.request.tools.get(name)
+        proposal = Proposal(
+            run_id=self.run_id,
+            result_id=intent.result_id,
+            step=intent.step,
+            replay=intent.replay,
+            payload=intent.payload,
+            action_text=intent.action_text or "",
+            history_text=intent.history_text or "",
+            description=spec.description if spec is not None else "",
+            tool_call=intent.tool_call,
+            at=now(),
+        )
+        await self.store.write_review(proposal)
+        await self._pause(proposal)
+
+    async def _pause(self, proposal: Proposal) -> None:
+        await self._finish(StopReason.AWAITING_APPROVAL, _recovery.awaiting_detail(proposal))
 
     def _unmetered(self, reply: ModelReply) -> str | None:
         """Why a reply cannot be counted against the token budget, if it cannot.
@@ -452,7 +498,7 @@ class Loop:
 
     # -- the step a crash interrupted ---------------------------------------------------
 
-    async def _finish_interrupted(self, plan: _recovery.Plan) -> tuple[StepRecord, str | None]:
+    async def _finish_interrupted(self, plan: _recovery.Plan) -> Stepped:
         index, times = len(self.steps), StepTimes()
         intent = plan.open_intent
         if plan.model_result is None:
@@ -463,6 +509,8 @@ class Loop:
         if isinstance(payload, dict) and "error" in payload:
             return await self._model_failed(index, str(payload["error"]), times), None
         reply = reply_from(payload, self.run_id, plan.model_result.result_id)
+        if intent is None and plan.verdict is not None:
+            return await self._after_verdict(index, reply, plan, times)
         if intent is None:
             # No action was announced, so nothing has happened yet: interpret again.
             return await self._decide(index, reply, times)
@@ -474,7 +522,62 @@ class Loop:
             history_text=intent.history_text or "",
             tool_call=intent.tool_call,
         )
-        return await self._act(index, reply, action, times, intent), action_name(intent)
+        tool = action_name(intent)
+        if plan.settlement is not None:
+            return await self._settled(index, reply, action, plan.settlement, times, intent), tool
+        return await self._act(index, reply, action, times, intent), tool
+
+    async def _after_verdict(
+        self, index: int, reply: ModelReply, plan: _recovery.Plan, times: StepTimes
+    ) -> Stepped:
+        """Go on from a person's verdict: announce and run the approved action (with the
+        arguments as approved), or record the rejected one as not executed."""
+        verdict, proposal = plan.verdict, plan.proposal
+        assert verdict is not None and proposal is not None  # a verdict answers a proposal
+        action = Action(
+            payload=verdict.payload if verdict.approved else proposal.payload,
+            action_text=proposal.action_text,
+            history_text=proposal.history_text,
+            tool_call=proposal.tool_call,
+        )
+        if verdict.approved:
+            return await self._announce_and_act(index, reply, action, times, approved=True)
+        outcome = ActionOutcome(
+            status=ActionStatus.NOT_EXECUTED,
+            observation=verdict.reason or "",
+            synthesized=True,
+            done=False,
+        )
+        step = self._acted(index, reply, action, outcome, times)
+        return await self._record(step, None), action_name_of(proposal.payload)
+
+    async def _settled(
+        self,
+        index: int,
+        reply: ModelReply,
+        action: Action,
+        settlement: Settlement,
+        times: StepTimes,
+        intent: Intent,
+    ) -> StepRecord:
+        """Close the action in doubt the way the person who settled it says it ended."""
+        outcome = ActionOutcome(
+            status=ActionStatus.EXECUTED if settlement.ran else ActionStatus.NOT_EXECUTED,
+            observation=settlement.observation,
+            synthesized=not settlement.ran,
+            done=False,
+        )
+        step = self._acted(index, reply, action, outcome, times)
+        result = Result(
+            run_id=self.run_id,
+            result_id=settlement.result_id,
+            kind=IntentKind.ACTION,
+            payload=outcome_payload(outcome),
+            at=step.at,
+        )
+        return await self._record(
+            dataclasses.replace(step, settled_by=settlement.by), result, intent
+        )
 
     # -- ending ------------------------------------------------------------------------
 

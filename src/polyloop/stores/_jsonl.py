@@ -59,6 +59,7 @@ from polyloop.types import (
     PolyLoopError,
     Record,
     Result,
+    Review,
     RunEnded,
     RunLog,
     RunStarted,
@@ -162,6 +163,10 @@ class JsonlStore:
                 f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
             )
         await self._write(Write(run_id=step.run_id, data=pair_line(action_result, step)))
+
+    async def write_review(self, record: Review) -> None:
+        """Append a proposal, verdict or settlement and sync the file before returning."""
+        await self._write(Write(run_id=record.run_id, data=record_line(record), sync=True))
 
     async def end_run(self, record: RunEnded) -> None:
         """Append the end record (not synced) and give up the claim."""

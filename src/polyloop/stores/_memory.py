@@ -17,6 +17,7 @@ from polyloop.types import (
     JSONValue,
     Record,
     Result,
+    Review,
     RunAlreadyExists,
     RunEnded,
     RunLocked,
@@ -91,6 +92,10 @@ class MemoryStore:
         if action_result is not None:
             records.append(action_result)
         records.append(step)
+
+    async def write_review(self, record: Review) -> None:
+        """Keep a proposal, a verdict or a settlement."""
+        self._records(record.run_id).append(record)
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id``, in write order."""

@@ -57,6 +57,7 @@ from polyloop.types import (
     JSONValue,
     Record,
     Result,
+    Review,
     RunEnded,
     RunLog,
     RunStarted,
@@ -181,6 +182,10 @@ class PostgresStore:
                 f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
             )
         await self._write(step.run_id, [action_result, step], "append")
+
+    async def write_review(self, record: Review) -> None:
+        """Write a proposal, verdict or settlement, a durable barrier like an intent."""
+        await self._write(record.run_id, [record], "append", barrier=True)
 
     async def end_run(self, record: RunEnded) -> None:
         """Write the run's end record and give up the claim, in one statement.

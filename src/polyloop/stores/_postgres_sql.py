@@ -173,7 +173,8 @@ _FILL_RUNS = """
 INSERT INTO {runs} (run_key, run_id, next_seq, finished, stop_reason, epoch, started_at,
                     updated_at)
 SELECT l.run_key, l.run_id, l.seq + 1,
-       l.kind = 'run_ended' AND strpos(l.body, '"stop_reason":"cancelled"') = 0,
+       l.kind = 'run_ended' AND strpos(l.body, '"stop_reason":"cancelled"') = 0
+         AND strpos(l.body, '"stop_reason":"in_doubt"') = 0,
        CASE WHEN l.kind = 'run_ended'
             THEN substring(l.body from '"stop_reason":"([a-z_]+)"') END,
        0, f.written_at, l.written_at

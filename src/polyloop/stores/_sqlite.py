@@ -59,6 +59,7 @@ from polyloop.types import (
     JSONValue,
     Record,
     Result,
+    Review,
     RunEnded,
     RunLog,
     RunStarted,
@@ -146,6 +147,10 @@ class SqliteStore:
                 f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
             )
         await self._write(Write(step.run_id, [record_row(action_result), record_row(step)]))
+
+    async def write_review(self, record: Review) -> None:
+        """Write a proposal, verdict or settlement; fsync'd when this returns (a barrier)."""
+        await self._write(Write(record.run_id, [record_row(record)], barrier=True))
 
     async def end_run(self, record: RunEnded) -> None:
         """Write the run's end record (not fsync'd), then release the run's writer lock."""

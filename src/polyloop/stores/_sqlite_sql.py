@@ -125,7 +125,8 @@ _RUNS_INDEXES = (
 _FILL_RUNS = (
     "INSERT INTO runs (run_id, next_seq, finished, updated_at, stop_reason)"
     " SELECT r.run_id, max(r.seq) + 1, coalesce((SELECT l.kind = 'run_ended'"
-    "   AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason') <> 'cancelled'"
+    "   AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason')"
+    "   NOT IN ('cancelled', 'in_doubt', 'awaiting_approval')"
     "   FROM records AS l WHERE l.run_id = r.run_id ORDER BY l.seq DESC LIMIT 1), 0), ?,"
     "  (SELECT json_extract(l.body, '$.stop_reason') FROM records AS l"
     "   WHERE l.run_id = r.run_id AND l.kind = 'run_ended' AND json_valid(l.body)"

@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from polyloop.ports import Store
-from polyloop.types import Intent, JSONValue, Result, RunEnded, RunLog, RunStarted, StepRecord
+from polyloop.types import (
+    Intent,
+    JSONValue,
+    Result,
+    Review,
+    RunEnded,
+    RunLog,
+    RunStarted,
+    StepRecord,
+)
 
 
 class SimulatedCrash(Exception):
@@ -60,6 +69,10 @@ class FaultyStore:
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
         self._admit()
         await self.inner.write_step(step, action_result)
+
+    async def write_review(self, record: Review) -> None:
+        self._admit()
+        await self.inner.write_review(record)
 
     async def read_log(self, run_id: str) -> RunLog:
         return await self.inner.read_log(run_id)

@@ -39,6 +39,7 @@ from polyloop.types import (
     DecisionKind,
     Intent,
     IntentKind,
+    Proposal,
     Record,
     Replay,
     Result,
@@ -46,9 +47,11 @@ from polyloop.types import (
     RunEnded,
     RunLocked,
     RunStarted,
+    Settlement,
     StepRecord,
     StopReason,
     StoreError,
+    Verdict,
 )
 
 __all__ = ("DurableStoreContract", "StoreContract", "sample_run")
@@ -211,6 +214,55 @@ async def close(store: Store) -> None:
         await aclose()
 
 
+def awaiting_run(run_id: str) -> list[tuple[str, Any]]:
+    """The writes of a run that stopped at step 1 to wait for a person's approval."""
+    writes = sample_run(run_id, steps=2, ended=False)[:7]  # up to step 1's model result
+    _, (intent,) = sample_run(run_id, steps=2)[7]
+    proposal = Proposal(
+        run_id=run_id,
+        result_id=intent.result_id,
+        step=1,
+        replay=Replay.NEVER,
+        payload=intent.payload,
+        action_text="t(n)",
+        history_text="call t",
+        description="Does t.",
+        at=datetime(2026, 12, 1, 22, 0, tzinfo=UTC),
+    )
+    return [
+        *writes,
+        ("write_review", (proposal,)),
+        ("end_run", (_end(run_id, StopReason.AWAITING_APPROVAL, 1),)),
+    ]
+
+
+def in_doubt_run(run_id: str) -> list[tuple[str, Any]]:
+    """The writes of a run that ended in doubt about step 1's action."""
+    writes = sample_run(run_id, steps=2, ended=False)[:7]
+    _, (intent,) = sample_run(run_id, steps=2)[7]
+    never = Intent(**{**_fields(intent), "replay": Replay.NEVER})
+    return [
+        *writes,
+        ("write_intent", (never,)),
+        ("end_run", (_end(run_id, StopReason.IN_DOUBT, 1),)),
+    ]
+
+
+def _fields(record: Any) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in record.__dataclass_fields__}
+
+
+def _end(run_id: str, reason: StopReason, steps: int) -> RunEnded:
+    return RunEnded(
+        run_id=run_id,
+        stop_reason=reason,
+        final_answer=None,
+        steps=steps,
+        valid_steps=steps,
+        detail=reason.value,
+    )
+
+
 def _cancelled_end(run_id: str, steps: int) -> RunEnded:
     return RunEnded(
         run_id=run_id,
@@ -333,6 +385,58 @@ class StoreContract:
                 await getattr(store, method)(*args)
             assert refused.value.run_id == "r1"
         assert list((await store.read_log("r1")).records) == expected_records(writes)
+        await close(store)
+
+    async def test_a_paused_run_takes_a_verdict_and_goes_on(
+        self, store_factory: StoreFactory
+    ) -> None:
+        store = store_factory()
+        writes = awaiting_run("r1")
+        await apply(store, writes)
+        verdict = Verdict(
+            run_id="r1",
+            result_id="r1:1:action",
+            approved=True,
+            by="alice",
+            payload={"name": "t", "arguments": {"n": 1}},
+            reason=None,
+        )
+        with pytest.raises(RunLocked):  # the end record gave the claim up
+            await store.write_review(verdict)
+        if isinstance(store, ManagedStore):
+            described = await store.describe_run("r1")
+            assert described is not None and not described.finished
+        await apply(store, [("write_review", (verdict,)), *sample_run("r1", steps=2)[7:]])
+        log = await store.read_log("r1")
+        expected = [*expected_records(writes), verdict]
+        expected += expected_records(sample_run("r1", steps=2)[7:])
+        assert list(log.records) == expected
+        await close(store)
+
+    async def test_an_in_doubt_end_is_reopened_by_a_settlement(
+        self, store_factory: StoreFactory
+    ) -> None:
+        store = store_factory()
+        writes = in_doubt_run("r1")
+        await apply(store, writes)
+        if isinstance(store, ManagedStore):
+            unfinished = await store.list_runs(unfinished_only=True)
+            assert [run.run_id for run in unfinished] == ["r1"]
+        settlement = Settlement(
+            run_id="r1",
+            result_id="r1:1:action",
+            ran=True,
+            observation="o1",
+            by="carol",
+            at=datetime(2026, 12, 1, 22, 0, tzinfo=UTC),
+        )
+        rest = [("write_review", (settlement,)), *sample_run("r1", steps=2)[8:]]
+        await apply(store, rest)
+        log = await store.read_log("r1")
+        assert list(log.records) == expected_records(writes) + expected_records(rest)
+        await store.claim_run("r1")
+        with pytest.raises(StoreError):  # the final end record closes it for good
+            await store.write_review(settlement)
         await close(store)
 
     async def test_awkward_run_ids_stay_opaque_and_isolated(
@@ -482,6 +586,17 @@ class DurableStoreContract(StoreContract):
     ) -> None:
         first = store_factory()
         writes = sample_run("r1", steps=2)
+        await apply(first, writes)
+        await close(first)
+        second = store_factory()
+        assert list((await second.read_log("r1")).records) == expected_records(writes)
+        await close(second)
+
+    async def test_a_record_of_a_person_is_read_by_a_new_store_object(
+        self, store_factory: StoreFactory
+    ) -> None:
+        first = store_factory()
+        writes = awaiting_run("r1")
         await apply(first, writes)
         await close(first)
         second = store_factory()

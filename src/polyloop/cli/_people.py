@@ -1,0 +1,145 @@
+"""``pending``, ``approve``, ``reject`` and ``settle``: what waits for a person, and the
+person's answer.
+
+The answers go through :func:`polyloop.approve`, :func:`polyloop.reject` and
+:func:`polyloop.settle`, which check everything against the run's log under its claim
+before writing: a refused answer writes nothing and says why in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from polyloop import serialization
+from polyloop.cli._common import CliError
+from polyloop.cli._stores import StoreSpec, open_store
+from polyloop.session import approve, reject, run_status, settle
+from polyloop.types import (
+    CorruptLog,
+    JSONValue,
+    RunState,
+    RunStatus,
+    SchemaMajorMismatch,
+)
+
+WAITING = (RunState.AWAITING_APPROVAL, RunState.IN_DOUBT)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One person's answer, as the command line gave it."""
+
+    by: str
+    approve: bool | None = None  # approve (True) or reject (False); None: a settlement
+    arguments: JSONValue = None
+    reason: str | None = None
+    ran: bool | None = None
+    observation: str | None = None
+    result_id: str | None = None
+
+
+async def pending(spec: StoreSpec, out: Console, *, as_json: bool) -> int:
+    """Print every run that waits for a person: to approve an action, or to settle one."""
+    async with open_store(spec) as store:
+        waiting: list[RunStatus] = []
+        for run in await store.list_runs(unfinished_only=True):
+            try:
+                status = await run_status(store, run.run_id)
+            except (CorruptLog, SchemaMajorMismatch):
+                continue  # 'polyloop verify' is the command that reports those
+            if status.state in WAITING:
+                waiting.append(status)
+    for status in waiting:
+        if as_json:
+            sys.stdout.write(json.dumps(pending_json(status), ensure_ascii=False) + "\n")
+            sys.stdout.flush()
+        else:
+            out.print(pending_line(status), markup=False, soft_wrap=True, highlight=False)
+    if not waiting and not as_json:
+        out.print(f"nothing waits for a person in {spec.shown}", markup=False)
+    return 0
+
+
+def pending_json(status: RunStatus) -> dict[str, JSONValue]:
+    proposal = status.proposal
+    intent = status.open_intent
+    return {
+        "run_id": status.run_id,
+        "state": status.state.value,
+        "proposal": serialization.encode(proposal) if proposal is not None else None,
+        "open_intent": (
+            serialization.encode(intent)
+            if intent is not None and status.state is RunState.IN_DOUBT
+            else None
+        ),
+    }
+
+
+def pending_line(status: RunStatus) -> str:
+    """One line (or two) saying what the run waits for."""
+    if status.proposal is not None:
+        proposal = status.proposal
+        return (
+            f"{status.run_id}  awaiting approval  {proposal.result_id}  "
+            f"{_call(proposal.payload)}\n    {proposal.description}"
+        )
+    intent = status.open_intent
+    what = _call(intent.payload) if intent is not None else "?"
+    where = intent.result_id if intent is not None else "?"
+    return f"{status.run_id}  in doubt  {where}  {what}"
+
+
+def _call(payload: JSONValue) -> str:
+    if isinstance(payload, dict) and isinstance(payload.get("name"), str):
+        arguments = json.dumps(payload.get("arguments"), ensure_ascii=False, sort_keys=True)
+        return f"{payload['name']}({arguments})"
+    return json.dumps(payload, ensure_ascii=False, sort_keys=True)
+
+
+async def answer(spec: StoreSpec, run_id: str, given: Answer, out: Console) -> int:
+    """Write one person's answer for ``run_id`` and say in one line what was written."""
+    async with open_store(spec) as store:
+        if given.approve is True:
+            verdict = await approve(store, run_id, by=given.by, arguments=given.arguments)
+            said = f"approved {verdict.result_id}"
+        elif given.approve is False:
+            assert given.reason is not None
+            verdict = await reject(store, run_id, by=given.by, reason=given.reason)
+            said = f"rejected {verdict.result_id}"
+        else:
+            assert given.ran is not None and given.observation is not None
+            settlement = await settle(
+                store,
+                run_id,
+                by=given.by,
+                ran=given.ran,
+                observation=given.observation,
+                result_id=given.result_id,
+            )
+            how = "ran" if settlement.ran else "did not run"
+            said = f"settled {settlement.result_id}: {how}"
+    out.print(
+        f"{said} (by {given.by}); resume run {run_id!r} to go on",
+        markup=False,
+        soft_wrap=True,
+        highlight=False,
+    )
+    return 0
+
+
+def parse_arguments(text: str | None) -> JSONValue:
+    """The ``--arguments`` JSON object, or ``CliError`` saying what is wrong with it."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise CliError(f"--arguments is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise CliError("--arguments must be a JSON object")
+    arguments: JSONValue = value
+    return arguments

@@ -1,0 +1,127 @@
+"""``polyloop pending``, ``approve``, ``reject`` and ``settle``: what they print, and that
+bad input is one line on stderr, exit status 1, and nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from agent_kit import Ledger, definition, request
+from polyloop import Replay, run, start_or_resume
+from polyloop.cli import main
+from polyloop.stores import JsonlStore, SqliteStore
+from polyloop.testing import FaultyStore, SimulatedCrash
+from review_kit import approval_script, payment_script, review_tools
+
+
+async def _fill(store: Any) -> None:
+    """``paused`` waits for approval of a deploy; ``doubt`` is in doubt about a payment."""
+    async with store:
+        tools = review_tools(Ledger())
+        await run(definition(store, script=approval_script()), request("paused", tools))
+        with pytest.raises(SimulatedCrash):
+            await run(
+                definition(FaultyStore(store, fail_after_writes=8), script=payment_script()),
+                request("doubt", tools, model_replay=Replay.ALLOWED),
+            )
+        await start_or_resume(
+            definition(store, script=payment_script()),
+            request("doubt", tools, model_replay=Replay.ALLOWED),
+        )
+
+
+async def _log(store: Any, run_id: str) -> tuple[Any, ...]:
+    async with store:
+        return (await store.read_log(run_id)).records
+
+
+@pytest.fixture
+def sqlite(tmp_path: Path) -> str:
+    anyio.run(_fill, SqliteStore(tmp_path / "runs.db"))
+    return f"sqlite:{tmp_path / 'runs.db'}"
+
+
+def _records(spec: str, run_id: str) -> tuple[Any, ...]:
+    return anyio.run(_log, SqliteStore(spec.removeprefix("sqlite:")), run_id)
+
+
+def test_pending_lists_approvals_and_doubts(
+    sqlite: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["pending", sqlite]) == 0
+    out = capsys.readouterr().out
+    assert 'paused  awaiting approval  paused:1:action  deploy({"env": "prod"})' in out
+    assert "Deploy the build to an environment." in out
+    assert 'doubt  in doubt  doubt:1:action  pay({"n": 5})' in out
+    assert main(["pending", sqlite, "--json"]) == 0
+    lines = {d["run_id"]: d for d in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert lines["paused"]["state"] == "awaiting_approval"
+    assert lines["paused"]["proposal"]["payload"]["name"] == "deploy"
+    assert lines["doubt"]["open_intent"]["result_id"] == "doubt:1:action"
+    assert main(["runs", sqlite]) == 0
+    assert "awaiting approval" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["approve", "{store}", "paused", "--by", "a", "--arguments", "[1]"], "JSON object"),
+        (["approve", "{store}", "paused", "--by", "a", "--arguments", "{x"], "not JSON"),
+        (["approve", "{store}", "paused", "--by", "a", "--arguments", '{"env": 1}'], "schema"),
+        (["approve", "{store}", "paused", "--by", " "], "by must be a non-empty"),
+        (["approve", "{store}", "doubt", "--by", "a"], "waits for no approval"),
+        (["approve", "{store}", "nobody", "--by", "a"], "no record of this run"),
+        (["reject", "{store}", "paused", "--by", "a"], "--reason"),
+        (["settle", "{store}", "paused", "--by", "a", "--ran", "--observation", "x"], "doubt"),
+        (["settle", "{store}", "doubt", "--by", "a", "--ran"], "--observation"),
+        (["settle", "{store}", "doubt", "--by", "a", "--did-not-run"], "--reason"),
+        (["settle", "{store}", "doubt", "--by", "a", "--ran", "--did-not-run"], "not allowed"),
+        (
+            [
+                "settle",
+                "{store}",
+                "doubt",
+                "--by",
+                "a",
+                "--ran",
+                "--observation",
+                "x",
+                "--intent",
+                "doubt:0:action",
+            ],
+            "not 'doubt:0:action'",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(
+    sqlite: str, argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = {run_id: _records(sqlite, run_id) for run_id in ("paused", "doubt")}
+    assert main([part.replace("{store}", sqlite) for part in argv]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err
+    assert {run_id: _records(sqlite, run_id) for run_id in ("paused", "doubt")} == before
+
+
+def test_answers_are_written_once(sqlite: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["approve", sqlite, "paused", "--by", "alice", "--arguments", '{"env": "staging"}']
+    assert main(argv) == 0
+    assert "approved paused:1:action (by alice)" in capsys.readouterr().out
+    assert main(["reject", sqlite, "paused", "--by", "bob", "--reason", "no"]) == 1
+    assert "already approved by 'alice'" in capsys.readouterr().err
+    argv = ["settle", sqlite, "doubt", "--by", "carol", "--did-not-run", "--reason", "declined"]
+    assert main(argv) == 0
+    assert "settled doubt:1:action: did not run (by carol)" in capsys.readouterr().out
+    assert main(["pending", sqlite]) == 0
+    assert "nothing waits for a person" in capsys.readouterr().out
+
+
+def test_pending_on_a_jsonl_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    anyio.run(_fill, JsonlStore(tmp_path / "runs"))
+    assert main(["pending", f"jsonl:{tmp_path / 'runs'}"]) == 0
+    out = capsys.readouterr().out
+    assert "paused  awaiting approval" in out and "doubt  in doubt" in out

@@ -1,0 +1,259 @@
+"""The log grammar around a person's answers (issue 19): proposals, verdicts and
+settlements, and the in-doubt and awaiting-approval ends they reopen. Pure: plain
+records in, a plan or ``CorruptLog`` out, for every sequence."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from polyloop._recovery import RecoveryState, read_plan, status
+from polyloop.ports import StoredRun
+from polyloop.types import (
+    ActionStatus,
+    CorruptLog,
+    DecisionKind,
+    Intent,
+    IntentKind,
+    Proposal,
+    Record,
+    Replay,
+    Result,
+    RunEnded,
+    RunLog,
+    RunStarted,
+    RunState,
+    Settlement,
+    StepRecord,
+    StopReason,
+    Verdict,
+)
+
+RUN = "r"
+ACTION = f"{RUN}:0:action"
+PAYLOAD = {"name": "deploy", "arguments": {"env": "prod"}}
+
+START = RunStarted(run_id=RUN, snapshot={})
+MODEL_INTENT = Intent(
+    run_id=RUN,
+    result_id=f"{RUN}:0:model",
+    kind=IntentKind.MODEL_CALL,
+    step=0,
+    call_index=0,
+    replay=Replay.ALLOWED,
+    payload={},
+)
+MODEL_RESULT = Result(
+    run_id=RUN, result_id=f"{RUN}:0:model", kind=IntentKind.MODEL_CALL, payload={"content": "x"}
+)
+PROPOSAL = Proposal(
+    run_id=RUN,
+    result_id=ACTION,
+    step=0,
+    replay=Replay.NEVER,
+    payload=PAYLOAD,
+    action_text="deploy(prod)",
+    history_text="x",
+    description="Deploy.",
+)
+APPROVED = Verdict(
+    run_id=RUN, result_id=ACTION, approved=True, by="alice", payload=PAYLOAD, reason=None
+)
+REJECTED = Verdict(
+    run_id=RUN, result_id=ACTION, approved=False, by="bob", payload=None, reason="no"
+)
+ACTION_INTENT = Intent(
+    run_id=RUN,
+    result_id=ACTION,
+    kind=IntentKind.ACTION,
+    step=0,
+    call_index=0,
+    replay=Replay.NEVER,
+    payload=PAYLOAD,
+)
+SETTLED = Settlement(run_id=RUN, result_id=ACTION, ran=True, observation="ok", by="carol")
+ACTION_RESULT = Result(
+    run_id=RUN, result_id=ACTION, kind=IntentKind.ACTION, payload={"status": "executed"}
+)
+STEP = StepRecord(
+    run_id=RUN,
+    step=0,
+    call_id=None,
+    model_output="x",
+    reasoning=None,
+    decision=DecisionKind.ACTION,
+    history_text="x",
+    action_text="deploy(prod)",
+    observation="ok",
+    observation_synthesized=False,
+    action_status=ActionStatus.EXECUTED,
+    done=False,
+    truncated_chars=0,
+    error=None,
+)
+
+
+def end(reason: StopReason, steps: int = 0) -> RunEnded:
+    return RunEnded(
+        run_id=RUN, stop_reason=reason, final_answer=None, steps=steps, valid_steps=0, detail=None
+    )
+
+
+AWAITING = end(StopReason.AWAITING_APPROVAL)
+IN_DOUBT = end(StopReason.IN_DOUBT)
+CANCELLED = end(StopReason.CANCELLED)
+BEFORE_ACTION = [START, MODEL_INTENT, MODEL_RESULT]
+
+
+def plan_of(records: list[Record]) -> Any:
+    return read_plan(RunLog(run_id=RUN, records=tuple(records)))
+
+
+@pytest.mark.parametrize(
+    ("records", "state"),
+    [
+        pytest.param([*BEFORE_ACTION, PROPOSAL], RecoveryState.AWAITING_APPROVAL, id="proposed"),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, AWAITING], RecoveryState.AWAITING_APPROVAL),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, CANCELLED], RecoveryState.AWAITING_APPROVAL),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, AWAITING, APPROVED], RecoveryState.RESUMABLE),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, APPROVED], RecoveryState.RESUMABLE),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, AWAITING, REJECTED], RecoveryState.RESUMABLE),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, APPROVED, ACTION_INTENT], RecoveryState.IN_DOUBT),
+        pytest.param(
+            [*BEFORE_ACTION, PROPOSAL, APPROVED, ACTION_INTENT, ACTION_RESULT, STEP],
+            RecoveryState.RESUMABLE,
+        ),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, REJECTED, STEP], RecoveryState.RESUMABLE),
+        pytest.param([*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT], RecoveryState.IN_DOUBT),
+        pytest.param([*BEFORE_ACTION, ACTION_INTENT, SETTLED], RecoveryState.RESUMABLE),
+        pytest.param([*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, SETTLED], RecoveryState.RESUMABLE),
+        pytest.param(
+            [*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, SETTLED, CANCELLED],
+            RecoveryState.RESUMABLE,
+        ),
+        pytest.param(
+            [*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, SETTLED, ACTION_RESULT, STEP],
+            RecoveryState.RESUMABLE,
+        ),
+        pytest.param(
+            [
+                *BEFORE_ACTION,
+                ACTION_INTENT,
+                IN_DOUBT,
+                SETTLED,
+                ACTION_RESULT,
+                STEP,
+                end(StopReason.FINAL_ANSWER, 1),
+            ],
+            RecoveryState.FINISHED,
+        ),
+    ],
+)
+def test_valid_logs_with_a_person_in_them(records: list[Record], state: RecoveryState) -> None:
+    assert plan_of(records).state is state
+
+
+def test_the_plan_names_the_proposal_verdict_and_settlement() -> None:
+    plan = plan_of([*BEFORE_ACTION, PROPOSAL, AWAITING, APPROVED])
+    assert (plan.proposal, plan.verdict, plan.ended) == (PROPOSAL, APPROVED, None)
+    plan = plan_of([*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, SETTLED])
+    assert (plan.open_intent, plan.settlement) == (ACTION_INTENT, SETTLED)
+    plan = plan_of([*BEFORE_ACTION, PROPOSAL, REJECTED, STEP])
+    assert (plan.proposal, plan.verdict, plan.settlement) == (None, None, None)
+
+
+def test_status_of_a_paused_run_shows_its_proposal_even_while_claimed() -> None:
+    plan = plan_of([*BEFORE_ACTION, PROPOSAL, AWAITING])
+    stored = StoredRun(run_id=RUN, finished=False, claimed=True, updated_at=None)
+    shown = status(plan, stored)
+    assert shown.state is RunState.AWAITING_APPROVAL
+    assert shown.proposal == PROPOSAL
+    unanswered = status(plan_of([*BEFORE_ACTION, PROPOSAL]), stored)
+    assert unanswered.state is RunState.RUNNING  # a worker is writing its end record
+    assert status(plan_of([*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT]), None).state is (
+        RunState.IN_DOUBT
+    )
+
+
+@pytest.mark.parametrize(
+    ("records", "bad_index"),
+    [
+        pytest.param([*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, SETTLED, SETTLED], 6, id="twice"),
+        pytest.param(
+            [*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, dataclasses.replace(SETTLED, result_id="x")],
+            5,
+            id="settles-another-intent",
+        ),
+        pytest.param([*BEFORE_ACTION, SETTLED], 3, id="settles-nothing-open"),
+        pytest.param([START, MODEL_INTENT, SETTLED], 2, id="settles-a-model-call"),
+        pytest.param(
+            [*BEFORE_ACTION, dataclasses.replace(ACTION_INTENT, replay=Replay.ALLOWED), SETTLED],
+            4,
+            id="settles-a-replayable-action",
+        ),
+        pytest.param(
+            [*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, ACTION_RESULT], 5, id="result-after-doubt"
+        ),
+        pytest.param([*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, IN_DOUBT], 5, id="doubt-twice"),
+        pytest.param([*BEFORE_ACTION, IN_DOUBT], 3, id="doubt-about-nothing"),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, AWAITING, STEP], 5, id="step-after-pause"),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, STEP], 4, id="step-without-verdict"),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, ACTION_INTENT], 4, id="intent-without-verdict"),
+        pytest.param(
+            [*BEFORE_ACTION, PROPOSAL, REJECTED, ACTION_INTENT], 5, id="intent-after-rejection"
+        ),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, APPROVED, APPROVED], 5, id="verdict-twice"),
+        pytest.param([*BEFORE_ACTION, APPROVED], 3, id="verdict-without-proposal"),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, PROPOSAL], 4, id="proposal-twice"),
+        pytest.param([START, MODEL_INTENT, PROPOSAL], 2, id="proposal-before-model-result"),
+        pytest.param(
+            [*BEFORE_ACTION, dataclasses.replace(PROPOSAL, step=1)], 3, id="proposal-wrong-step"
+        ),
+        pytest.param(
+            [*BEFORE_ACTION, dataclasses.replace(PROPOSAL, result_id="x")], 3, id="proposal-id"
+        ),
+        pytest.param([*BEFORE_ACTION, AWAITING], 3, id="pause-without-proposal"),
+        pytest.param([*BEFORE_ACTION, PROPOSAL, APPROVED, AWAITING], 5, id="pause-after-verdict"),
+        pytest.param([*BEFORE_ACTION, ACTION_INTENT, PROPOSAL], 4, id="proposal-after-intent"),
+    ],
+)
+def test_what_a_person_may_not_write_is_corrupt(records: list[Record], bad_index: int) -> None:
+    with pytest.raises(CorruptLog) as caught:
+        plan_of(records)
+    assert caught.value.location == f"record {bad_index}"
+    plan_of(records[:bad_index])  # everything before the bad record reads
+
+
+POOL: list[Record] = [
+    START,
+    MODEL_INTENT,
+    MODEL_RESULT,
+    PROPOSAL,
+    APPROVED,
+    REJECTED,
+    ACTION_INTENT,
+    ACTION_RESULT,
+    SETTLED,
+    STEP,
+    AWAITING,
+    IN_DOUBT,
+    CANCELLED,
+    end(StopReason.FINAL_ANSWER, 1),
+]
+
+
+@given(st.lists(st.sampled_from(POOL), max_size=12))
+def test_classification_is_total(records: list[Record]) -> None:
+    """Any sequence reads to a plan or is refused as corrupt: nothing else escapes."""
+    try:
+        plan = plan_of(records)
+    except CorruptLog:
+        return
+    if plan.state is RecoveryState.AWAITING_APPROVAL:
+        assert plan.proposal is not None and plan.verdict is None
+    if plan.state is RecoveryState.IN_DOUBT:
+        assert plan.open_intent is not None and plan.settlement is None

@@ -1,0 +1,250 @@
+"""A person in the loop on every durable store, under asyncio and Trio (issue 19): a crash
+after every write around an approval and around a settlement, each followed by the
+restart a real deployment would do, never runs the approved tool twice, never runs a
+rejected one, never records two settlements, and ends where an uninterrupted run ends.
+Two people answering at once through two store objects: exactly one is recorded."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from agent_kit import Ledger, close_store, definition, request
+from polyloop import (
+    NotAwaitingApproval,
+    NotInDoubt,
+    Replay,
+    RunLocked,
+    RunResult,
+    Settlement,
+    StopReason,
+    Store,
+    Verdict,
+    approve,
+    reject,
+    run_status,
+    settle,
+    start_or_resume,
+)
+from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
+from polyloop.testing import FaultyStore, SimulatedCrash
+from review_kit import (
+    approval_script,
+    observed,
+    payment_script,
+    plain_steps,
+    review_tools,
+    reviews,
+)
+
+pytestmark = pytest.mark.anyio
+
+APPROVAL_WRITES = 16  # run to the pause: 9; the verdict: 1; the rest of the run: 6
+SETTLEMENT_WRITES = 7  # in-doubt end, settlement, the step, one more step, the end
+
+
+@pytest.fixture(params=["jsonl", "sqlite", "postgresql"])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
+    if request.param == "jsonl":
+        return lambda: JsonlStore(tmp_path / "runs")
+    if request.param == "sqlite":
+        return lambda: SqliteStore(tmp_path / "runs.db")
+    conninfo = request.getfixturevalue("postgres_conninfo")
+    return lambda: PostgresStore(conninfo)
+
+
+@dataclasses.dataclass
+class Life:
+    """A run driven to its end through crashes and people, one process at a time.
+
+    Every call (a worker's ``start_or_resume``, a person's answer) opens a new store
+    object, as a new process would, and closes it after. The first ``crash_after``
+    writes, counted over all calls, land; the next one is a simulated crash, and the
+    crashed call's store object is closed like a dead process's.
+    """
+
+    open_store: Callable[[], Store]
+    ledger: Ledger
+    script: list[str]
+    crash_after: int | None
+    verdict: str = "approve"
+    written: int = 0
+    crashed: bool = False
+
+    async def call(self, operation: Callable[[Store], Any]) -> Any:
+        store = self.open_store()
+        faulty = None
+        target: Store = store
+        if not self.crashed and self.crash_after is not None:
+            faulty = FaultyStore(store, fail_after_writes=self.crash_after - self.written)
+            target = faulty
+        try:
+            return await operation(target)
+        except SimulatedCrash:
+            self.crashed = True
+            return None
+        finally:
+            if faulty is not None:
+                self.written += faulty.writes
+            await close_store(store)
+
+    async def drive(self, store: Store) -> RunResult:
+        tools = review_tools(self.ledger)
+        the_request = request("r", tools, model_replay=Replay.ALLOWED)
+        return await start_or_resume(definition(store, script=self.script), the_request)
+
+    async def answer(self, result: RunResult) -> None:
+        if result.stop_reason is StopReason.AWAITING_APPROVAL:
+            if self.verdict == "approve":
+                await self.call(lambda store: approve(store, "r", by="alice"))
+            else:
+                await self.call(lambda store: reject(store, "r", by="bob", reason="no"))
+            return
+        assert result.stop_reason is StopReason.IN_DOUBT
+        reader = self.open_store()
+        try:
+            intent = (await run_status(reader, "r")).open_intent  # type: ignore[arg-type]
+        finally:
+            await close_store(reader)
+        assert intent is not None
+        # The person finds out what happened: the ledger is the world.
+        ran = self.ledger.count(intent.result_id) > 0
+        observation = observed(intent.payload) if ran else "never reached"
+        await self.call(
+            lambda store: settle(store, "r", by="carol", ran=ran, observation=observation)
+        )
+
+    async def to_the_end(self) -> RunResult:
+        for _ in range(12):
+            result = await self.call(self.drive)
+            if result is None:
+                continue  # crashed: the next process starts over from the log
+            if result.stop_reason in (StopReason.AWAITING_APPROVAL, StopReason.IN_DOUBT):
+                await self.answer(result)
+                continue
+            return result  # type: ignore[no-any-return]
+        raise AssertionError("the run never ended")
+
+
+async def _reference(tmp_path: Path, script: list[str]) -> RunResult:
+    """The same run, uninterrupted, with nothing waiting for approval."""
+    async with JsonlStore(tmp_path / "reference") as store:
+        tools = review_tools(Ledger(), needs_approval=False)
+        return await start_or_resume(
+            definition(store, script=script), request("r", tools, model_replay=Replay.ALLOWED)
+        )
+
+
+async def _reviews(open_store: Callable[[], Store]) -> list[Any]:
+    store = open_store()
+    try:
+        return reviews(await store.read_log("r"))
+    finally:
+        await close_store(store)
+
+
+@pytest.mark.parametrize("k", range(APPROVAL_WRITES + 1))
+async def test_a_crash_after_every_write_around_an_approval(
+    open_store: Callable[[], Store], k: int, tmp_path: Path
+) -> None:
+    ledger = Ledger()
+    life = Life(open_store, ledger, approval_script(), crash_after=k)
+    result = await life.to_the_end()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert ledger.count("r:1:action") == 1  # the approved deploy ran exactly once
+    reference = await _reference(tmp_path, approval_script())
+    assert plain_steps(result.steps) == plain_steps(reference.steps)
+    recorded = await _reviews(open_store)
+    assert sum(isinstance(r, Verdict) for r in recorded) == 1
+    assert sum(isinstance(r, Settlement) for r in recorded) <= 1
+
+
+@pytest.mark.parametrize("k", range(0, APPROVAL_WRITES + 1, 2))
+async def test_a_crash_after_every_other_write_around_a_rejection(
+    open_store: Callable[[], Store], k: int
+) -> None:
+    ledger = Ledger()
+    life = Life(open_store, ledger, approval_script(), crash_after=k, verdict="reject")
+    result = await life.to_the_end()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert ledger.count("r:1:action") == 0  # the rejected deploy never ran
+    assert result.steps[1].observation == "Refused: no"
+    recorded = await _reviews(open_store)
+    assert [type(r).__name__ for r in recorded] == ["Proposal", "Verdict"]
+
+
+@pytest.mark.parametrize("k", range(SETTLEMENT_WRITES + 1))
+async def test_a_crash_after_every_write_around_a_settlement(
+    open_store: Callable[[], Store], k: int, tmp_path: Path
+) -> None:
+    ledger = Ledger()
+    # First a crash right after the payment's intent: the payment ran, its result is lost.
+    in_doubt = Life(open_store, ledger, payment_script(), crash_after=8)
+    assert await in_doubt.call(in_doubt.drive) is None
+    assert ledger.count("r:1:action") == 1
+    life = Life(open_store, ledger, payment_script(), crash_after=k)
+    result = await life.to_the_end()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert ledger.count("r:1:action") == 1  # never paid twice
+    assert result.steps[1].settled_by == "carol"
+    reference = await _reference(tmp_path, payment_script())
+    assert plain_steps(result.steps) == plain_steps(reference.steps)
+    recorded = await _reviews(open_store)
+    assert [type(r).__name__ for r in recorded] == ["Settlement"]
+
+
+async def test_two_people_settling_at_once_exactly_one_wins(
+    open_store: Callable[[], Store],
+) -> None:
+    ledger = Ledger()
+    in_doubt = Life(open_store, ledger, payment_script(), crash_after=8)
+    await in_doubt.call(in_doubt.drive)
+    outcomes: list[object] = []
+    stores = [open_store(), open_store()]
+
+    async def one(store: Store, by: str) -> None:
+        try:
+            outcomes.append(await settle(store, "r", by=by, ran=True, observation="paid 5"))
+        except (RunLocked, NotInDoubt) as exc:
+            outcomes.append(exc)
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(one, stores[0], "alice")
+            group.start_soon(one, stores[1], "bob")
+    finally:
+        for store in stores:
+            await close_store(store)
+    assert sum(isinstance(o, Settlement) for o in outcomes) == 1
+    assert [type(r).__name__ for r in await _reviews(open_store)] == ["Settlement"]
+
+
+async def test_two_people_approving_at_once_exactly_one_wins(
+    open_store: Callable[[], Store],
+) -> None:
+    life = Life(open_store, Ledger(), approval_script(), crash_after=None)
+    paused = await life.call(life.drive)
+    assert paused.stop_reason is StopReason.AWAITING_APPROVAL
+    outcomes: list[object] = []
+    stores = [open_store(), open_store()]
+
+    async def one(store: Store, by: str) -> None:
+        try:
+            outcomes.append(await approve(store, "r", by=by))
+        except (RunLocked, NotAwaitingApproval) as exc:
+            outcomes.append(exc)
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(one, stores[0], "alice")
+            group.start_soon(one, stores[1], "bob")
+    finally:
+        for store in stores:
+            await close_store(store)
+    assert sum(isinstance(o, Verdict) for o in outcomes) == 1
+    assert [type(r).__name__ for r in await _reviews(open_store)] == ["Proposal", "Verdict"]
