@@ -8,14 +8,14 @@ process died). Every claim moves the run's epoch on, and every write checks the 
 in its own transaction, so a former owner that wakes up writes nothing.
 
 :class:`Lease` is the owner's side. A keeper thread renews the lease every third of
-its length (and again soon after a renewal that failed), but only once the event loop that uses the store has run a no-op for it: a
-process whose loop is stuck (a blocking call, a debugger) or stopped (``SIGSTOP``, a
-paused machine) stops renewing, and its lease runs out, while a loop that merely awaits
-a long model call keeps it. The owner also keeps a deadline of its own, measured from
-before each renewal was sent, so it never believes in a lease the database has ended.
-Once the deadline passes, every claim taken under that lease is lost for good (writes
-get ``RunLocked``) and the store takes a new owner id for its next claim: a revived
-process never resumes its old identity.
+its length (and again soon after a renewal that failed), but only once the event loop
+that uses the store has run a no-op for it: a process whose loop is stuck (a blocking
+call, a debugger) or stopped (``SIGSTOP``, a paused machine) stops renewing, and its
+lease runs out, while a loop that merely awaits a long model call keeps it. The owner
+also keeps a deadline of its own, measured from before each renewal was sent, so it
+never believes in a lease the database has ended. Once the deadline passes, every claim
+taken under that lease is lost for good (writes get ``RunLocked``) and the store takes
+a new owner id for its next claim: a revived process never resumes its old identity.
 """
 
 from __future__ import annotations
