@@ -7,11 +7,13 @@ Two people answering at once through two store objects: exactly one is recorded.
 from __future__ import annotations
 
 import dataclasses
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
+import psycopg
 import pytest
 
 from agent_kit import Ledger, close_store, definition, request
@@ -248,3 +250,45 @@ async def test_two_people_approving_at_once_exactly_one_wins(
             await close_store(store)
     assert sum(isinstance(o, Verdict) for o in outcomes) == 1
     assert [type(r).__name__ for r in await _reviews(open_store)] == ["Proposal", "Verdict"]
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+async def test_a_run_in_doubt_in_a_database_of_an_earlier_release_can_be_settled(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str
+) -> None:
+    """Earlier releases marked a run that ended in doubt finished in the runs table; a
+    store opening such a database reopens those runs, once, so they can be settled."""
+    if kind == "sqlite":
+        path = tmp_path / "runs.db"
+
+        def open_store() -> Store:
+            return SqliteStore(path)
+
+        def as_an_earlier_release() -> None:
+            with sqlite3.connect(path) as conn:
+                conn.execute("UPDATE runs SET finished = 1")
+                conn.execute("DELETE FROM meta WHERE key = 'in_doubt_reopened'")
+            conn.close()
+    else:
+        conninfo = request.getfixturevalue("postgres_conninfo")
+
+        def open_store() -> Store:
+            return PostgresStore(conninfo)
+
+        def as_an_earlier_release() -> None:
+            with psycopg.connect(conninfo, autocommit=True) as conn:
+                conn.execute("UPDATE polyloop.runs SET finished = true")
+                conn.execute("UPDATE polyloop.meta SET value = '3' WHERE key = 'layout'")
+
+    ledger = Ledger()
+    in_doubt = Life(open_store, ledger, payment_script(), crash_after=8)
+    assert await in_doubt.call(in_doubt.drive) is None
+    ended = Life(open_store, ledger, payment_script(), crash_after=None)
+    result = await ended.call(ended.drive)
+    assert result.stop_reason is StopReason.IN_DOUBT
+    await anyio.to_thread.run_sync(as_an_earlier_release)
+
+    result = await Life(open_store, ledger, payment_script(), crash_after=None).to_the_end()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert ledger.count("r:1:action") == 1
+    assert result.steps[1].settled_by == "carol"

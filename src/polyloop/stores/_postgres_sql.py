@@ -204,9 +204,15 @@ _DDL = (
     "CREATE TABLE IF NOT EXISTS {owners} (owner_id text PRIMARY KEY, "
     "description text NOT NULL, lock_hi bigint NOT NULL, lock_lo bigint NOT NULL, "
     "lease_until timestamptz NOT NULL, started_at timestamptz NOT NULL DEFAULT now())",
+    # Layouts before 4 marked a run that ended in doubt finished; a settlement reopens
+    # such a run, so their rows are reopened (a no-op once done).
+    "UPDATE {runs} AS r SET finished = false FROM (SELECT DISTINCT ON (run_key) run_key,"
+    " kind, body FROM {records} ORDER BY run_key, seq DESC) AS l WHERE r.finished"
+    " AND l.run_key = r.run_key AND l.kind = 'run_ended'"
+    ' AND strpos(l.body, \'"stop_reason":"in_doubt"\') > 0',
 )
 # The layout the DDL above makes; a schema with another (older) layout runs the DDL.
-LAYOUT = "3"
+LAYOUT = "4"
 
 
 @dataclass(frozen=True, slots=True)

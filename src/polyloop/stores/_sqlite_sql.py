@@ -134,6 +134,15 @@ _FILL_RUNS = (
     " FROM records AS r GROUP BY r.run_id ORDER BY min(r.rowid)"
 )
 _SET_FORMAT = "INSERT OR IGNORE INTO meta (key, value) VALUES ('format', ?)"
+# Releases before settlements marked a run that ended in doubt finished; a settlement
+# reopens such a run, so a database written by them has those rows reopened, once.
+_IN_DOUBT_REOPENED = "SELECT count(*) FROM meta WHERE key = 'in_doubt_reopened'"
+_REOPEN_IN_DOUBT = (
+    "UPDATE runs SET finished = 0 WHERE finished = 1 AND (SELECT l.kind = 'run_ended'"
+    "   AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason') = 'in_doubt'"
+    "   FROM records AS l WHERE l.run_id = runs.run_id ORDER BY l.seq DESC LIMIT 1)"
+)
+_SET_IN_DOUBT_REOPENED = "INSERT OR IGNORE INTO meta (key, value) VALUES ('in_doubt_reopened', '1')"
 _GET_FORMAT = "SELECT value FROM meta WHERE key = 'format'"
 INSERT = "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)"
 SELECT_RUN = "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq"
@@ -417,6 +426,9 @@ def create_schema(conn: sqlite3.Connection) -> None:
             conn.execute(statement)
         if not filled:
             conn.execute(_FILL_RUNS, (time.time(),))
+        if not conn.execute(_IN_DOUBT_REOPENED).fetchone()[0]:
+            conn.execute(_REOPEN_IN_DOUBT)
+            conn.execute(_SET_IN_DOUBT_REOPENED)
         conn.execute(_SET_FORMAT, (FORMAT,))
 
 
