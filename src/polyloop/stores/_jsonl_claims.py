@@ -1,15 +1,15 @@
 """The claims of the JSON-lines store: one locked byte per run in a shared lock file.
 
-To claim run ``R`` is to take the write lock on byte ``claim_offset(R)`` of
-``<directory>/.claims.lock``, through the one descriptor this store object keeps open
-on that file; the claim then opens (or creates) the run file, cuts off a torn tail,
-notes whether the run started and whether it ended, and closes it again. So a store
-object holds two descriptors however many runs it claims (the lock file, and a probe of
-it for listing), and opens a run file only for the moment of a write or a read. Giving
-the claim up lets go of the byte, and removes a file that no run was started in, so a
-claim alone leaves no trace but the lock file. Pruning unlinks a run file under its
-claim. ``docs/stores.md`` describes the rules for users; research records 0009
-(durability), 0017 (claims) and 0027 (bounded open files) say why.
+To claim run ``R`` is to take the write lock on byte ``claim_offset(R)`` of one of the
+directory's 16 lock files, ``.claims-<shard>.lock``, through the descriptor this store
+object keeps open on that file; the claim then opens (or creates) the run file, cuts off
+a torn tail, notes whether the run started and whether it ended, and closes it again. So
+a store object holds at most 16 descriptors however many runs it claims, and opens a run
+file only for the moment of a write or a read. Giving the claim up lets go of the byte,
+and removes a file that no run was started in, so a claim alone leaves no trace but the
+lock files. Pruning unlinks a run file under its claim. ``docs/stores.md`` describes the
+rules for users; research records 0009 (durability), 0017 (claims) and 0027 (bounded
+open files) say why.
 """
 
 from __future__ import annotations
@@ -39,15 +39,19 @@ from polyloop.stores._jsonl_reader import (
 )
 from polyloop.types import PolyLoopError, RunLocked, StoreError
 
-__all__ = ("LOCK_FILE", "WRITE_FLAGS", "Claim", "Claims", "open_failed")
+__all__ = ("WRITE_FLAGS", "Claim", "Claims", "open_failed")
 
-LOCK_FILE = ".claims.lock"  # a dot first: no run file name starts with one
+# The kernel keeps a file's byte locks in one list that each lock and unlock walks, so
+# the claims are spread over a few files: at 10,000 claims a lock call stays in the tens
+# of microseconds instead of milliseconds, for 16 descriptors per store object.
+SHARDS = 16
 _FILE_MODE = 0o600
 # A claim opens (or creates) the run file to read it (for a torn tail, and whether the
 # run ended); a write opens it again, never creating it: the claim made it.
 _CLAIM_FLAGS = os.O_RDWR | os.O_CREAT | os.O_APPEND | COMMON_FLAGS
 WRITE_FLAGS = os.O_WRONLY | os.O_APPEND | COMMON_FLAGS
 _LOCK_FLAGS = os.O_RDWR | os.O_CREAT | COMMON_FLAGS
+_PROBE_FLAGS = os.O_RDONLY | COMMON_FLAGS
 
 
 @dataclass(eq=False)
@@ -58,6 +62,7 @@ class Claim:
     a claim never ends under a write or a sync.
     """
 
+    shard: int
     offset: int
     started: bool  # the file holds a complete line
     finished: bool  # its last complete line is a final end record
@@ -74,7 +79,7 @@ class Claims:
     runs to its end.
     """
 
-    __slots__ = ("_directory_ready", "_held", "_lock_fd", "directory", "files", "state")
+    __slots__ = ("_directory_ready", "_held", "_lock_fds", "directory", "files", "state")
 
     def __init__(self, directory: Path, files: FileOps, state: WriterState) -> None:
         self.directory = directory
@@ -82,7 +87,7 @@ class Claims:
         self.state = state
         self._directory_ready = False  # created, with its parents, by the first claim
         self._held: dict[str, Claim] = {}
-        self._lock_fd: int | None = None  # opened by the first claim, closed with the store
+        self._lock_fds: dict[int, int] = {}  # by shard, opened when first needed
 
     def path(self, run_id: str) -> Path:
         return self.directory / f"{safe_name(run_id)}{SUFFIX}"
@@ -98,6 +103,7 @@ class Claims:
             if run_id in self._held:
                 raise RunLocked("this store object already holds the run's claim", run_id=run_id)
         files, offset = self.files, claim_offset(run_id)
+        shard = offset % SHARDS
         try:
             self._ensure_directory(run_id)
         except StoreError as exc:
@@ -107,7 +113,7 @@ class Claims:
                 raise limit from cause
             raise
         try:
-            lock_fd = self._lock_descriptor()
+            lock_fd = self._lock_descriptor(shard)
         except OSError as exc:
             raise open_failed(exc, run_id, "the claims lock file") from exc
         files.lock_range(lock_fd, offset, run_id)
@@ -117,7 +123,9 @@ class Claims:
             files.unlock_range(lock_fd, offset)
             raise
         with self.state.mutex:
-            self._held[run_id] = Claim(offset=offset, started=started, finished=finished)
+            self._held[run_id] = Claim(
+                shard=shard, offset=offset, started=started, finished=finished
+            )
 
     def held(self, run_id: str) -> Claim:
         """The run's claim, if the store may write and this object holds it."""
@@ -169,8 +177,8 @@ class Claims:
             with claim.lock:
                 self._unclaim(run_id, claim)
         with self.state.mutex:
-            lock_fd, self._lock_fd = self._lock_fd, None
-            if lock_fd is not None:
+            lock_fds, self._lock_fds = self._lock_fds, {}
+            for lock_fd in lock_fds.values():
                 with contextlib.suppress(OSError):
                     self.files.close(lock_fd)
 
@@ -180,15 +188,19 @@ class Claims:
         Asks through a description of the lock file of its own, so this object's claims
         count, and takes no lock, so no writer is kept out.
         """
-        files = self.files
-        try:
-            probe = files.open(self.directory / LOCK_FILE, os.O_RDONLY | COMMON_FLAGS)
-        except FileNotFoundError:
-            return [False] * len(run_ids)  # nobody ever claimed a run here
-        try:
-            return [files.range_held(probe, claim_offset(run_id)) for run_id in run_ids]
-        finally:
-            files.close(probe)
+        files, answers = self.files, []
+        for run_id in run_ids:
+            offset = claim_offset(run_id)
+            try:
+                probe = files.open(_lock_path(self.directory, offset % SHARDS), _PROBE_FLAGS)
+            except FileNotFoundError:
+                answers.append(False)  # nobody ever claimed a run of this shard here
+                continue
+            try:
+                answers.append(files.range_held(probe, offset))
+            finally:
+                files.close(probe)
+        return answers
 
     def _inspect(self, run_id: str) -> tuple[bool, bool]:
         """Open or create the run file, cut a torn tail, note what it holds, close it."""
@@ -213,11 +225,13 @@ class Claims:
             files.close(fd)
         return end > 0, ended is not None and ended.is_final
 
-    def _lock_descriptor(self) -> int:
+    def _lock_descriptor(self, shard: int) -> int:
         with self.state.mutex:
-            if self._lock_fd is None:
-                self._lock_fd = self.files.open(self.directory / LOCK_FILE, _LOCK_FLAGS, _FILE_MODE)
-            return self._lock_fd
+            lock_fd = self._lock_fds.get(shard)
+            if lock_fd is None:
+                path = _lock_path(self.directory, shard)
+                lock_fd = self._lock_fds[shard] = self.files.open(path, _LOCK_FLAGS, _FILE_MODE)
+            return lock_fd
 
     def _unclaim(self, run_id: str, claim: Claim) -> None:
         """Give up the claim (its lock held); remove the file if no run started in it."""
@@ -235,14 +249,19 @@ class Claims:
         # Under the mutex: the lock file's descriptor is closed under it too, and its
         # number must not be reused by another file while a byte is being let go.
         with self.state.mutex:
-            if self._lock_fd is not None:
+            lock_fd = self._lock_fds.get(claim.shard)
+            if lock_fd is not None:
                 with contextlib.suppress(OSError):
-                    self.files.unlock_range(self._lock_fd, claim.offset)
+                    self.files.unlock_range(lock_fd, claim.offset)
 
     def _ensure_directory(self, run_id: str) -> None:
         if not self._directory_ready:
             create_directories(self.files, self.directory, run_id=run_id)
             self._directory_ready = True
+
+
+def _lock_path(directory: Path, shard: int) -> Path:
+    return directory / f".claims-{shard:x}.lock"  # a dot first: no run file's name has one
 
 
 def open_failed(exc: OSError, run_id: str, what: str) -> StoreError:

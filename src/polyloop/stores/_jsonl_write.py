@@ -7,7 +7,8 @@ opens the run's file, appends the line whole, syncs the file for a start or an i
 record. A failed write or sync fails its run for this store object: a sync is never
 retried, since the kernel may have dropped the data. ``docs/stores.md`` states the
 guarantees; research records 0009 (durability) and 0019 (one write path, off the event
-loop) say why."""
+loop) say why.
+"""
 
 from __future__ import annotations
 
