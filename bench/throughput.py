@@ -13,7 +13,8 @@ last call). So the ideal wall time of a run, and of all runs at once, is
 
 Each (store, backend, number of runs) cell runs in a child process of its own, so its
 memory, descriptors and CPU time are its own; ``--nofile`` lowers the child's open-file
-limit first. Reported per cell:
+limit first, and ``--lease-s`` sets the lease of the stores that keep one (research
+record 0018: a process whose event loop stalls longer than its lease loses its runs). Reported per cell:
 
 * ``wall / ideal``: from the first ``run`` started to the last one returned, over the
   ideal above;
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": args.steps,
                 "ideal_s": args.steps * (args.latency_ms / 1000 + TOOL_S),
                 "nofile": args.nofile,
+                "lease_s": args.lease_s,
                 "cpu_count": os.cpu_count(),
                 "rows": rows,
             },
@@ -156,6 +158,8 @@ def _spawn(
         str(args.steps),
         "--nofile",
         str(args.nofile),
+        "--lease-s",
+        str(args.lease_s),
     ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -179,6 +183,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--nofile", type=int, default=0, help="the children's open-file limit (0: unchanged)"
     )
+    parser.add_argument(
+        "--lease-s",
+        type=float,
+        default=15.0,
+        help="lease of SqliteStore and PostgresStore (their default: 15 s)",
+    )
     parser.add_argument("--workdir", default=None, help="where the durable stores write")
     parser.add_argument("--output", default=None, help="JSON results (bench/results/...)")
     parser.add_argument("--one", nargs=4, metavar=("STORE", "BACKEND", "RUNS", "WHERE"))
@@ -197,7 +207,7 @@ def _child(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open_store(kind: str, where: str) -> Any:
+def _open_store(kind: str, where: str, lease_s: float) -> Any:
     from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
 
     if kind == "memory":
@@ -205,9 +215,9 @@ def _open_store(kind: str, where: str) -> Any:
     if kind == "jsonl":
         return JsonlStore(Path(where) / "runs")
     if kind == "sqlite":
-        return SqliteStore(Path(where) / "runs.sqlite")
+        return SqliteStore(Path(where) / "runs.sqlite", lease_s=lease_s)
     conninfo, _, schema = where.partition("#")
-    return PostgresStore(conninfo, schema=schema)
+    return PostgresStore(conninfo, schema=schema, lease_s=lease_s)
 
 
 async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -218,7 +228,7 @@ async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) 
     lateness: list[float] = []
     peak_fds = 0
     errors: list[str] = []
-    async with _open_store(kind, where) as store:
+    async with _open_store(kind, where, args.lease_s) as store:
         workload = Workload(store, steps=steps, latency_s=latency_s, tool_s=TOOL_S)
         await workload.warm()
 
