@@ -93,6 +93,7 @@ class SimFile:
     pending: list[tuple[int, bytes | None]] = field(default_factory=list)
     written: bytearray = field(default_factory=bytearray)
     locks: dict[int, int] = field(default_factory=dict)  # locked byte: holding descriptor
+    claims_lock: bool = False  # a claims lock file: no data, made again when missing
 
 
 @dataclass(eq=False)
@@ -155,9 +156,11 @@ class SimDisk:
         def surviving(node: SimFile | SimDir) -> SimFile | SimDir:
             if id(node) in copies:
                 return copies[id(node)]
-            if isinstance(node, SimFile):
+            if isinstance(node, SimFile) and node.claims_lock:
+                copy: SimFile | SimDir = SimFile(claims_lock=True)  # no data, no draws
+            elif isinstance(node, SimFile):
                 content = _after_loss(node, rng, ordered=self.ordered)
-                copy: SimFile | SimDir = SimFile(data=bytearray(content), durable=content)
+                copy = SimFile(data=bytearray(content), durable=content)
             else:
                 kept = dict(node.durable)
                 for name in sorted(set(node.entries) - set(node.durable)):
@@ -222,8 +225,8 @@ class SimDisk:
         if node is None:
             if not flags & os.O_CREAT:
                 raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
-            node = parent.entries[name] = SimFile()
-            if name.startswith(".claims-"):
+            node = parent.entries[name] = SimFile(claims_lock=name.startswith(".claims-"))
+            if node.claims_lock:
                 # A claims lock file holds no data and is made again when missing, so
                 # whether a power cut keeps it does not matter: the model keeps it, and
                 # the random draws of a power cut stay the run files'.
