@@ -14,7 +14,8 @@ last call). So the ideal wall time of a run, and of all runs at once, is
 Each (store, backend, number of runs) cell runs in a child process of its own, so its
 memory, descriptors and CPU time are its own; ``--nofile`` lowers the child's open-file
 limit first, and ``--lease-s`` sets the lease of the stores that keep one (research
-record 0018: a process whose event loop stalls longer than its lease loses its runs). Reported per cell:
+record 0018: a process whose event loop stalls longer than its lease loses its runs).
+Reported per cell:
 
 * ``wall / ideal``: from the first ``run`` started to the last one returned, over the
   ideal above;
