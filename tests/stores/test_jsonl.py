@@ -282,7 +282,10 @@ async def test_run_ids_never_escape_the_directory(tmp_path: Path) -> None:
             await store.claim_run(run_id)
             await store.start_run(started(run_id))
     assert os.listdir(tmp_path) == ["runs"]
-    entries = [directory / name for name in os.listdir(directory)]
+    names = os.listdir(directory)
+    locks = [name for name in names if name.startswith(".claims-")]  # the claims' own files
+    assert 0 < len(locks) <= 16 and all(name.endswith(".lock") for name in locks)
+    entries = [directory / name for name in names if name not in locks]
     assert len(entries) == len(AWKWARD_RUN_IDS)
     assert {p.name for p in entries} == {f"{safe_name(i)}.jsonl" for i in AWKWARD_RUN_IDS}
     for entry in entries:
@@ -729,29 +732,36 @@ def files_open_under(directory: Path) -> list[str]:
     return found
 
 
+def run_files_open_under(directory: Path) -> list[str]:
+    """The run files (not the claim lock files) this process holds open."""
+    return [name for name in files_open_under(directory) if not name.startswith(".claims-")]
+
+
 async def test_runs_that_end_or_fail_leave_no_state_in_the_store_object(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A long-lived store object must not grow with every run it has written: it gives
-    a run up (its descriptor and its claim) once the end record is written or a write
-    of the run failed."""
+    a run up (its claim) once the end record is written or a write of the run failed.
+    No run file stays open even while its run is claimed: only the claim lock files
+    (at most 16, whatever the number of runs) do."""
     async with JsonlStore(tmp_path) as store:
         for index in range(5):
             await apply(store, sample_run(f"ended-{index}", steps=1))
-        assert files_open_under(tmp_path) == []
+        assert run_files_open_under(tmp_path) == []
         # Given up, not only closed: this store object may claim an ended run again.
         for index in range(5):
             await store.claim_run(f"ended-{index}")
             await store.release_run(f"ended-{index}")
-        assert files_open_under(tmp_path) == []
+        assert run_files_open_under(tmp_path) == []
         await store.claim_run("r")
         await store.start_run(started())
-        assert files_open_under(tmp_path) == [run_file(tmp_path, "r").name]
+        assert run_files_open_under(tmp_path) == []  # claimed, and no file held for it
         failing_fsync(monkeypatch)
         with pytest.raises(StoreError):
             await store.write_intent(intent())
         monkeypatch.undo()
-        assert files_open_under(tmp_path) == []
+        assert run_files_open_under(tmp_path) == []
+        assert 0 < len(files_open_under(tmp_path)) <= 16
         records = (await store.read_log("ended-4")).records
     assert isinstance(records[-1], RunEnded)
 

@@ -92,7 +92,8 @@ class SimFile:
     durable: bytes = b""
     pending: list[tuple[int, bytes | None]] = field(default_factory=list)
     written: bytearray = field(default_factory=bytearray)
-    lock_holder: int | None = None
+    locks: dict[int, int] = field(default_factory=dict)  # locked byte: holding descriptor
+    claims_lock: bool = False  # a claims lock file: no data, made again when missing
 
 
 @dataclass(eq=False)
@@ -155,9 +156,11 @@ class SimDisk:
         def surviving(node: SimFile | SimDir) -> SimFile | SimDir:
             if id(node) in copies:
                 return copies[id(node)]
-            if isinstance(node, SimFile):
+            if isinstance(node, SimFile) and node.claims_lock:
+                copy: SimFile | SimDir = SimFile(claims_lock=True)  # no data, no draws
+            elif isinstance(node, SimFile):
                 content = _after_loss(node, rng, ordered=self.ordered)
-                copy: SimFile | SimDir = SimFile(data=bytearray(content), durable=content)
+                copy = SimFile(data=bytearray(content), durable=content)
             else:
                 kept = dict(node.durable)
                 for name in sorted(set(node.entries) - set(node.durable)):
@@ -222,7 +225,12 @@ class SimDisk:
         if node is None:
             if not flags & os.O_CREAT:
                 raise FileNotFoundError(errno.ENOENT, "no such file", str(path))
-            node = parent.entries[name] = SimFile()
+            node = parent.entries[name] = SimFile(claims_lock=name.startswith(".claims-"))
+            if node.claims_lock:
+                # A claims lock file holds no data and is made again when missing, so
+                # whether a power cut keeps it does not matter: the model keeps it, and
+                # the random draws of a power cut stay the run files'.
+                parent.durable[name] = node
         elif flags & os.O_CREAT and flags & os.O_EXCL:
             raise FileExistsError(errno.EEXIST, "file exists", str(path))
         elif isinstance(node, SimDir) and flags & os.O_ACCMODE != os.O_RDONLY:
@@ -297,23 +305,30 @@ class SimDisk:
             if self.image is not None:
                 return  # closing after the power went out changes nothing
             raise OSError(errno.EBADF, "bad file descriptor")
-        if isinstance(handle.node, SimFile) and handle.node.lock_holder == fd:
-            handle.node.lock_holder = None
+        if isinstance(handle.node, SimFile):
+            for offset in [at for at, holder in handle.node.locks.items() if holder == fd]:
+                del handle.node.locks[offset]
 
-    def lock(self, fd: int, run_id: str) -> None:
+    def lock_range(self, fd: int, offset: int, run_id: str) -> None:
         self._alive()
         node = self._file(fd).node
         assert isinstance(node, SimFile)
-        if node.lock_holder is not None and node.lock_holder != fd:
+        if node.locks.get(offset, fd) != fd:
             raise RunLocked("another writer holds this run", run_id=run_id)
-        node.lock_holder = fd
+        node.locks[offset] = fd
 
-    def lock_held(self, fd: int) -> bool:
-        """Whether another open description (not ``fd``'s) holds the file's writer lock."""
+    def unlock_range(self, fd: int, offset: int) -> None:
+        node = self._file(fd).node
+        assert isinstance(node, SimFile)
+        if node.locks.get(offset) == fd:
+            del node.locks[offset]
+
+    def range_held(self, fd: int, offset: int) -> bool:
+        """Whether another open description (not ``fd``'s) holds the byte's lock."""
         self._alive()
         node = self._file(fd).node
         assert isinstance(node, SimFile)
-        return node.lock_holder is not None and node.lock_holder != fd
+        return node.locks.get(offset, fd) != fd
 
     def names_file(self, fd: int, path: Path) -> bool:
         """Whether ``path`` names, right now, the very file open on ``fd``."""
@@ -740,33 +755,37 @@ def test_the_disk_model_keeps_drops_and_garbles_pending_writes() -> None:
 
 
 def test_the_disk_model_locks_names_and_unlinks_like_a_file_system() -> None:
-    """The lock belongs to one open description; a removed path names nothing, and a new
-    file at the path is another file; a removal is durable only once its directory is."""
+    """A byte's lock belongs to one open description; a removed path names nothing, and a
+    new file at the path is another file; a removal is durable only once its directory is."""
     disk = SimDisk()
     disk.mkdir(DIRECTORY)
     disk.fsync_directory(DIRECTORY.parent)
     first = disk.open(RUN_FILE, os.O_RDWR | os.O_CREAT)
     second = disk.open(RUN_FILE, os.O_RDONLY)
-    assert not disk.lock_held(first) and not disk.lock_held(second)
-    disk.lock(first, "r")
-    assert not disk.lock_held(first) and disk.lock_held(second)
+    assert not disk.range_held(first, 7) and not disk.range_held(second, 7)
+    disk.lock_range(first, 7, "r")
+    assert not disk.range_held(first, 7) and disk.range_held(second, 7)
+    assert not disk.range_held(second, 8)  # another byte is another run
     with pytest.raises(RunLocked):
-        disk.lock(second, "r")
+        disk.lock_range(second, 7, "r")
+    disk.lock_range(second, 8, "s")
+    disk.unlock_range(second, 8)
+    assert not disk.range_held(first, 8)
     assert disk.names_file(first, RUN_FILE) and disk.names_file(second, RUN_FILE)
     disk.fsync_directory(DIRECTORY)
     disk.unlink(RUN_FILE)
     assert disk.lookup(RUN_FILE) is None
     assert not disk.names_file(first, RUN_FILE)
-    assert disk.lock_held(second)  # the removed file keeps its lock while it is open
+    assert disk.range_held(second, 7)  # the removed file keeps its lock while it is open
     with pytest.raises(FileNotFoundError):
         disk.unlink(RUN_FILE)
     with pytest.raises(IsADirectoryError):
         disk.unlink(DIRECTORY)
     successor = disk.open(RUN_FILE, os.O_RDWR | os.O_CREAT)
     assert disk.names_file(successor, RUN_FILE) and not disk.names_file(first, RUN_FILE)
-    assert not disk.lock_held(successor)
+    assert not disk.range_held(successor, 7)
     disk.close(first)
-    assert not disk.lock_held(second)
+    assert not disk.range_held(second, 7)
     # Before the directory is synced again, a power cut may bring the removed file back.
     assert disk.cut_power(random.Random(0)).lookup(RUN_FILE) is not None
 

@@ -8,6 +8,8 @@ import fcntl
 import hashlib
 import os
 import re
+import resource
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -108,6 +110,85 @@ def _flock(fd: int, operation: int, run_id: str | None) -> bool:
             return False
         raise StoreError(f"could not lock the run: {exc}", run_id=run_id) from exc
     return True
+
+
+# A run's claim in a directory of run files is a write lock on one byte of a shared lock
+# file, at an offset drawn from the run id: one descriptor per store object holds every
+# claim it has, instead of one open file per claimed run. Open-file-description locks
+# (``F_OFD_*``) belong, like ``flock``, to the description rather than the process, so a
+# second store object in the same process is locked out like another process, and they
+# go when the description is closed or the process dies.
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
+_RANGE_BITS = 62  # offsets stay positive in a signed 64-bit off_t
+
+
+def claim_offset(run_id: str) -> int:
+    """The byte of the lock file that stands for ``run_id``: 62 bits of its sha256.
+
+    Two runs share a byte only if their hashes agree in 62 bits, which for 10,000 claims
+    held at once has a chance of about one in 10**10; the cost would be a spurious
+    ``RunLocked``, never two writers.
+    """
+    digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") >> (64 - _RANGE_BITS)
+
+
+def lock_range(fd: int, offset: int, run_id: str) -> None:
+    """Take the write lock on byte ``offset`` of ``fd``'s file, or raise ``RunLocked``."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise RunLocked("another writer holds this run", run_id=run_id) from None
+        raise StoreError(f"could not lock the run: {exc}", run_id=run_id) from exc
+
+
+def unlock_range(fd: int, offset: int) -> None:
+    """Let go of the lock on byte ``offset`` that ``fd``'s description holds."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
+
+
+def range_held(fd: int, offset: int) -> bool:
+    """Whether another open description holds the lock on byte ``offset`` (asks only)."""
+    query = _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, offset, 1, 0)
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query)
+    return bool(_FLOCK.unpack(answer)[0] != fcntl.F_UNLCK)
+
+
+def open_files_error(exc: BaseException, run_id: str | None) -> StoreError | None:
+    """A ``StoreError`` that names the open-file limit ``exc`` hit and what to do; else
+    ``None``. libpq reports the limit in its message, SQLite only as "unable to open",
+    so for an error without an errno the process is asked whether it can open a file."""
+    number = getattr(exc, "errno", None)
+    text = str(exc).lower()
+    if number is None and not isinstance(exc, OSError):
+        number = _open_probe()
+    if number == errno.ENFILE or "file table overflow" in text:
+        what = (
+            "too many open files on this machine (the system-wide limit, fs.file-max): "
+            "raise it with `sysctl fs.file-max` or run fewer processes"
+        )
+    elif number == errno.EMFILE or "too many open files" in text:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        what = (
+            f"too many open files (the process's open-file limit, RLIMIT_NOFILE = {soft}): "
+            f"raise it with `ulimit -n` or run fewer concurrent runs per process"
+        )
+    else:
+        return None
+    error = StoreError(f"{what}; nothing was written, so the run can be resumed", run_id=run_id)
+    error.__cause__ = exc
+    return error
+
+
+def _open_probe() -> int | None:
+    """The errno of opening a file now (``None`` if it opens): tells an error met at the
+    open-file limit from one with another cause."""
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        return exc.errno
+    return None
 
 
 def names_file(fd: int, path: Path) -> bool:

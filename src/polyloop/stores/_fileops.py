@@ -2,12 +2,11 @@
 
 Everything :class:`~polyloop.stores.JsonlStore` does to the file system goes through an
 object with the methods of :class:`FileOps`: opening, writing, reading, syncing a file
-or a directory, truncating, closing, locking and probing locks, removing files, creating
-and listing directories. The
-store builds its durability rules out of exactly these calls, so an object that answers
-them from a model of a disk (one that can lose power, fail a write or report a full
-device) shows what the rules leave behind when the disk misbehaves, which a real file
-system will not do on request.
+or a directory, truncating, closing, locking a byte of a file and probing such locks,
+removing files, creating and listing directories. The store builds its durability rules
+out of exactly these calls, so an object that answers them from a model of a disk (one
+that can lose power, fail a write or report a full device) shows what the rules leave
+behind when the disk misbehaves, which a real file system will not do on request.
 
 :class:`OsFileOps` is the real thing: every method is the ``os`` function of the same
 name (looked up when it is called, not when this module is imported), the directory
@@ -24,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from polyloop.stores._common import flock_held, fsync_directory, names_file, try_flock
+from polyloop.stores._common import fsync_directory, lock_range, range_held, unlock_range
 
 __all__ = ("FileOps", "OsFileOps")
 
@@ -33,10 +32,11 @@ class FileOps(Protocol):
     """What the JSON-lines store asks of a file system; errors are ``OSError``.
 
     Descriptors are plain integers that only mean something to the object that handed
-    them out. ``lock`` raises :class:`~polyloop.types.RunLocked` when another open
-    description of the file holds the writer lock; ``lock_held`` tells whether one does,
-    without keeping a writer out; ``names_file`` whether a path still names the file
-    open on a descriptor.
+    them out. ``lock_range`` takes the write lock on one byte of a file for the open
+    description ``fd`` is on, and raises :class:`~polyloop.types.RunLocked` when another
+    description holds it; ``unlock_range`` lets it go; ``range_held`` tells whether
+    another description holds it, without keeping a writer out. Closing a descriptor
+    lets go of every lock its description holds.
     """
 
     def open(self, path: Path, flags: int, mode: int = 0o777) -> int: ...
@@ -57,11 +57,11 @@ class FileOps(Protocol):
 
     def close(self, fd: int) -> None: ...
 
-    def lock(self, fd: int, run_id: str) -> None: ...
+    def lock_range(self, fd: int, offset: int, run_id: str) -> None: ...
 
-    def lock_held(self, fd: int) -> bool: ...
+    def unlock_range(self, fd: int, offset: int) -> None: ...
 
-    def names_file(self, fd: int, path: Path) -> bool: ...
+    def range_held(self, fd: int, offset: int) -> bool: ...
 
     def unlink(self, path: Path) -> None: ...
 
@@ -104,14 +104,14 @@ class OsFileOps:
     def close(self, fd: int) -> None:
         os.close(fd)
 
-    def lock(self, fd: int, run_id: str) -> None:
-        try_flock(fd, run_id)
+    def lock_range(self, fd: int, offset: int, run_id: str) -> None:
+        lock_range(fd, offset, run_id)
 
-    def lock_held(self, fd: int) -> bool:
-        return flock_held(fd)
+    def unlock_range(self, fd: int, offset: int) -> None:
+        unlock_range(fd, offset)
 
-    def names_file(self, fd: int, path: Path) -> bool:
-        return names_file(fd, path)
+    def range_held(self, fd: int, offset: int) -> bool:
+        return range_held(fd, offset)
 
     def unlink(self, path: Path) -> None:
         os.unlink(path)

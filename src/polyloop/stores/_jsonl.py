@@ -4,17 +4,20 @@ Run ``R`` lives in ``<directory>/<safe_name(R)>.jsonl``, one record per line; an
 action's result and its step record share one line, so ``write_step`` lands whole or
 not at all; bytes after the last newline are a torn tail that readers ignore and the
 next claim cuts off (:mod:`polyloop.stores._jsonl_reader` reads the format). A claim
-is an exclusive ``flock`` on the run file; intents and starts are synced before the
-call returns. ``docs/stores.md`` describes the store for its users; research records
-0009 (durability), 0012 (the file-operation layer), 0017 (claims) and 0019 (one write
-path, off the event loop) say why it is built this way.
+is a write lock on one byte of the directory's shared lock file, held through one
+descriptor per store object, and a run file is open only while it is read or written,
+so the open files do not grow with the runs claimed; intents and starts are synced
+before the call returns. ``docs/stores.md`` describes the store for its users; research
+records 0009 (durability), 0012 (the file-operation layer), 0017 (claims), 0019 (one
+write path, off the event loop) and 0027 (bounded open files) say why it is built this
+way.
 
 Every blocking call runs in a worker thread: a write joins a shared batch
 (:class:`~polyloop.stores._batching.GroupCommit`), which appends and syncs the items of
 many runs in one thread hop, with up to 16 such batches at once so that the syncs of
 different files overlap on the disk. A run's own lock is held around each of its
-writes and around closing its descriptor, so a descriptor is never closed under a
-write or a sync. The store class keeps the public methods and the reads;
+writes and around giving its claim up, so a claim never ends under a write or a sync.
+The store class keeps the public methods and the reads;
 :mod:`~polyloop.stores._jsonl_claims` takes and gives up claims, and
 :mod:`~polyloop.stores._jsonl_write` appends the lines.
 """
@@ -35,7 +38,12 @@ from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
 from polyloop.stores._archive import check_cutoff, prune_runs
 from polyloop.stores._batching import GroupCommit
-from polyloop.stores._common import WriterState, claim_in_thread, fsync_directory
+from polyloop.stores._common import (
+    WriterState,
+    claim_in_thread,
+    fsync_directory,
+    open_files_error,
+)
 from polyloop.stores._fileops import FileOps, OsFileOps
 from polyloop.stores._jsonl_claims import Claims
 from polyloop.stores._jsonl_reader import (
@@ -124,7 +132,7 @@ class JsonlStore:
     # -- the Store protocol ---------------------------------------------------------------
 
     async def claim_run(self, run_id: str) -> None:
-        """Open (or create, mode ``0o600``) the run's file and take its writer lock.
+        """Take the run's writer lock, then create (mode ``0o600``) or inspect its file.
 
         ``RunLocked`` if anyone holds it, this store object included. A torn tail is cut
         off now; a file holding no complete line counts as empty.
@@ -135,7 +143,7 @@ class JsonlStore:
         )
 
     async def release_run(self, run_id: str) -> None:
-        """Give up the claim: close the descriptor, removing the file if no run started."""
+        """Give up the claim, removing the run's file if no run started in it."""
         if self._claims.holds(run_id):
             await anyio.to_thread.run_sync(self._claims.release, run_id)
 
@@ -287,7 +295,9 @@ class JsonlStore:
             return None
         except OSError as exc:
             refuse_link(exc, run_id)
-            raise StoreError(f"could not open the run file: {exc}", run_id=run_id) from exc
+            raise open_files_error(exc, run_id) or StoreError(
+                f"could not open the run file: {exc}", run_id=run_id
+            ) from exc
         try:
             require_regular(files, fd, run_id)
             end, _ = complete_end(files, fd)
@@ -297,7 +307,7 @@ class JsonlStore:
             return StoredRun(
                 run_id=run_id,
                 finished=ended is not None and ended.is_final,
-                claimed=files.lock_held(fd),
+                claimed=self._claims.claimed([run_id])[0],
                 updated_at=datetime.fromtimestamp(files.fstat(fd).st_mtime, UTC),
             )
         except OSError as exc:

@@ -29,7 +29,7 @@ import stat
 from pathlib import Path
 
 from polyloop.serialization import dumps, loads
-from polyloop.stores._common import safe_name
+from polyloop.stores._common import open_files_error, safe_name
 from polyloop.stores._fileops import FileOps
 from polyloop.types import (
     CorruptLog,
@@ -122,7 +122,9 @@ def read_file(files: FileOps, path: Path, run_id: str) -> bytes:
         return b""
     except OSError as exc:
         refuse_link(exc, run_id)
-        raise StoreError(f"could not open the run file: {exc}", run_id=run_id) from exc
+        raise open_files_error(exc, run_id) or StoreError(
+            f"could not open the run file: {exc}", run_id=run_id
+        ) from exc
     try:
         require_regular(files, fd, run_id)
         return _read_until(files, fd, None)

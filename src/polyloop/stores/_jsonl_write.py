@@ -2,11 +2,12 @@
 
 :class:`Appender` applies a batch of writes from the store's
 :class:`~polyloop.stores._batching.GroupCommit`, each under its run's claim lock: it
-appends the line whole, syncs the file for a start or an intent (and the directory
-entry for a start), and gives the claim up with an end record. A failed write or sync
-fails its run for this store object: a sync is never retried, since the kernel may have
-dropped the data. ``docs/stores.md`` states the guarantees; research records 0009
-(durability) and 0019 (one write path, off the event loop) say why.
+opens the run's file, appends the line whole, syncs the file for a start or an intent
+(and the directory entry for a start), closes it, and gives the claim up with an end
+record. A failed write or sync fails its run for this store object: a sync is never
+retried, since the kernel may have dropped the data. ``docs/stores.md`` states the
+guarantees; research records 0009 (durability) and 0019 (one write path, off the event
+loop) say why.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from polyloop.stores._fileops import FileOps
-from polyloop.stores._jsonl_claims import Claim, Claims, close_claim
+from polyloop.stores._jsonl_claims import WRITE_FLAGS, Claim, Claims, open_failed
 from polyloop.types import PolyLoopError, RunAlreadyExists, RunLocked, StoreError
 
 __all__ = ("Appender", "Write")
@@ -60,20 +61,28 @@ class Appender:
                         "this store object does not hold the run's claim", run_id=run_id
                     )
                 _check_order(claim, write)
+                # The file is open only for this write, so a process holds as many
+                # run files open as writes run at once, however many runs it claims.
                 try:
-                    _write_all(files, claim.fd, write.data)
+                    fd = files.open(claims.path(run_id), WRITE_FLAGS)
+                except OSError as exc:
+                    return open_failed(exc, run_id, "the run file")  # nothing written
+                try:
+                    _write_all(files, fd, write.data)
                     claim.started = True
                     if write.sync:
-                        files.fsync(claim.fd)
+                        files.fsync(fd)
+                    files.close(fd)
+                    fd = -1
                     if write.start:
                         files.fsync_directory(claims.directory)
                     if write.end:
-                        claims.forget(run_id, claim)
-                        close_claim(files, claim)
+                        claims.end(run_id, claim)
                 except OSError as exc:
                     # An fsync is never retried: the kernel may have dropped the data.
-                    claims.forget(run_id, claim)
-                    close_claim(files, claim, quiet=True)
+                    if fd >= 0:
+                        files.close(fd)
+                    claims.end(run_id, claim)
                     return claims.state.fail(run_id, exc)
         except PolyLoopError as exc:
             return exc

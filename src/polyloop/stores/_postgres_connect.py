@@ -20,6 +20,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow
 
+from polyloop.stores._common import open_files_error
 from polyloop.stores._lease import check_lease_s
 
 __all__ = ("Connection", "Settings", "open_connection", "scalar", "set_statement_timeout")
@@ -107,7 +108,13 @@ def open_connection(
 ) -> Connection:
     """An autocommit connection of the store object's own (a writer's, or its owner's),
     with the statement timeout set and ``synchronous_commit`` on."""
-    conn = psycopg.connect(conninfo, autocommit=True, fallback_application_name=name, **options)
+    try:
+        conn = psycopg.connect(conninfo, autocommit=True, fallback_application_name=name, **options)
+    except psycopg.OperationalError as exc:
+        limit = open_files_error(exc, None)  # a socket is a file too
+        if limit is not None:
+            raise limit from exc
+        raise
     try:
         set_statement_timeout(conn, seconds=statement_timeout_s)
         row = conn.execute("SHOW synchronous_commit").fetchone()

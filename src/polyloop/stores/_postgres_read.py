@@ -25,7 +25,7 @@ from psycopg_pool import ConnectionPool
 from polyloop import serialization
 from polyloop._shared import FORMAT, record_kind
 from polyloop.ports import StoredRun
-from polyloop.stores._common import WriterState, check_format
+from polyloop.stores._common import WriterState, check_format, open_files_error
 from polyloop.stores._postgres_connect import (
     Connection,
     Settings,
@@ -106,7 +106,7 @@ class Reader:
                         self._prepare_schema(conn, run_id)
                     self._ready = True
             except psycopg.Error as exc:
-                raise StoreError(
+                raise open_files_error(exc, run_id) or StoreError(
                     f"cannot prepare the {self._settings.schema!r} schema: "
                     f"{type(exc).__name__}: {exc}",
                     run_id=run_id,

@@ -30,6 +30,7 @@ from polyloop.stores._common import (
     check_format,
     create_directories,
     fsync_directory,
+    open_files_error,
 )
 from polyloop.types import (
     CorruptLog,
@@ -387,7 +388,9 @@ class Database:
                 with suppress(sqlite3.Error):  # the original error says more
                     conn.close()
             if isinstance(exc, (sqlite3.Error, OSError)) and not isinstance(exc, PolyLoopError):
-                raise StoreError(f"cannot open {path.name}: {exc}", run_id=run_id) from exc
+                raise open_files_error(exc, run_id) or StoreError(
+                    f"cannot open {path.name}: {exc}", run_id=run_id
+                ) from exc
             raise
         return Db(conn)
 
