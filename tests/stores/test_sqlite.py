@@ -265,7 +265,10 @@ async def test_schema_rows_and_format_are_as_documented(tmp_path: Path) -> None:
     async with SqliteStore(path) as store:  # the DDL runs again on an existing file
         assert len((await store.read_log("r1")).records) == len(expected_records(writes))
     with raw(path) as db:
-        assert db.execute("SELECT key, value FROM meta").fetchall() == [("format", "polyloop/1")]
+        assert sorted(db.execute("SELECT key, value FROM meta").fetchall()) == [
+            ("format", "polyloop/1"),
+            ("in_doubt_reopened", "1"),
+        ]
         rows = db.execute(
             "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq", ("r1",)
         ).fetchall()
