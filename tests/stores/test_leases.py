@@ -191,7 +191,8 @@ async def test_a_worker_whose_event_loop_was_stuck_past_its_lease_stops_writing(
             time.sleep(lease_s * 4)  # noqa: ASYNC251 - the point: the loop is stuck
             return await super().call(call)
 
-    with pytest.raises(RunLocked, match="lease ended"):
+    # The message says what happened: the loop, not the database, held the renewal up.
+    with pytest.raises(RunLocked, match=r"lease ended .* event loop once took \d"):
         await run(
             lease_kit.definition(store, notes.append, BlockingModel(notes.append)),
             kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
@@ -320,3 +321,29 @@ async def test_a_failed_renewal_is_tried_again_well_before_the_lease_ends() -> N
         lease.stop()
     assert len(attempts) >= 3
     assert attempts[2] - began < lease_s * 0.75
+
+
+async def test_a_loop_slow_to_let_the_lease_renew_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stall of a third of a lease or more is logged with what to do about it; an
+    event loop that answers at once is not."""
+    from polyloop.stores._lease import Lease
+
+    lease_s = 1.2
+    lease = Lease(lease_s, lambda owner_id: True)
+    owner_id, _, _ = lease.current()
+    lease.registered(owner_id, time.monotonic(), anyio.lowlevel.current_token())
+    try:
+        await anyio.sleep(lease_s * 0.8)  # two renewals, answered at once
+        assert "event loop took" not in caplog.text
+        # A renewal starts waiting within a third of a lease of the stall's start, so
+        # a stall of two thirds and more keeps it waiting at least a third.
+        time.sleep(lease_s * 0.85)  # noqa: ASYNC251 - the point: the loop is stuck
+        await anyio.sleep(0.3)  # the keeper, answered now, notes how long it waited
+    finally:
+        lease.stop()
+    warnings = [r for r in caplog.records if "event loop took" in r.getMessage()]
+    assert len(warnings) == 1
+    assert warnings[0].levelname == "WARNING"
+    assert "raise lease_s above the longest stall" in warnings[0].getMessage()

@@ -16,6 +16,11 @@ also keeps a deadline of its own, measured from before each renewal was sent, so
 never believes in a lease the database has ended. Once the deadline passes, every claim
 taken under that lease is lost for good (writes get ``RunLocked``) and the store takes
 a new owner id for its next claim: a revived process never resumes its old identity.
+
+A loop that is merely overloaded (thousands of runs ready at once) stalls too. The
+keeper logs a warning when the loop took a third of a lease or more to run its no-op,
+and ``RunLocked`` says how long the loop kept the renewal waiting, so an operator can
+tell an overloaded process from a lost database and size the lease or the load.
 """
 
 from __future__ import annotations
@@ -73,6 +78,10 @@ class Lease:
         self._token: EventLoopToken | None = None
         self._keeper: threading.Thread | None = None
         self._stopping = threading.Event()
+        # The longest the event loop took to run the keeper's no-op, and when the
+        # keeper began waiting for it now (None when it is not waiting): for messages.
+        self._longest_wait_s = 0.0
+        self._waiting_since: float | None = None
 
     def current(self) -> tuple[str, int, bool]:
         """The owner id, the generation claims taken now belong to, and whether the
@@ -101,8 +110,16 @@ class Lease:
             if generation == self._generation and time.monotonic() < self._deadline:
                 return
             self._lapse_locked()
+            stalled = self._longest_wait_s
+            if self._waiting_since is not None:
+                stalled = max(stalled, time.monotonic() - self._waiting_since)
+        hint = (
+            f"; the event loop once took {stalled:.1f} s to let the lease be renewed"
+            if stalled >= self.lease_s / _RENEWALS_PER_LEASE
+            else ""
+        )
         raise RunLocked(
-            f"this store object's lease ended ({self.lease_s:g} s without a renewal): "
+            f"this store object's lease ended ({self.lease_s:g} s without a renewal{hint}): "
             f"another worker may have taken the run over, so nothing more is written",
             run_id=run_id,
         )
@@ -113,6 +130,21 @@ class Lease:
         keeper = self._keeper
         if keeper is not None and keeper is not threading.current_thread():
             keeper.join(timeout=self.lease_s)
+
+    def _note_answer(self, owner_id: str, waited_s: float) -> None:
+        """Warn when the event loop took a third of a lease or more to run the keeper's
+        no-op: one more stall of that kind and every run of this owner is lost."""
+        with self._mutex:
+            self._longest_wait_s = max(self._longest_wait_s, waited_s)
+        if waited_s >= self.lease_s / _RENEWALS_PER_LEASE:
+            logger.warning(
+                "the event loop took %.1f s to let owner %s renew its %g s lease: a stall "
+                "as long as the lease loses every run this store object holds (drive "
+                "fewer runs per process, or raise lease_s above the longest stall)",
+                waited_s,
+                owner_id,
+                self.lease_s,
+            )
 
     def _lapse_locked(self) -> None:
         if self._registered:
@@ -133,13 +165,19 @@ class Lease:
             if not registered or token is None:
                 continue
             began = time.monotonic()
+            with self._mutex:
+                self._waiting_since = began
             try:
                 # Blocks while the loop is stuck or stopped: then the lease runs out.
                 anyio.from_thread.run_sync(_nothing, token=token)
             except RuntimeError:
                 return  # the event loop has finished; nothing will write any more
+            finally:
+                with self._mutex:
+                    self._waiting_since = None
             if self._stopping.is_set():
                 return
+            self._note_answer(owner_id, time.monotonic() - began)
             try:
                 renewed = self._renew(owner_id)
             except Exception:
