@@ -18,11 +18,9 @@ fields without breaking older readers.
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 from polyloop._shared import FORMAT, canonical_json, plain_copy, record_kind
@@ -31,11 +29,8 @@ from polyloop.serialization._schema import (
     RECORD_CLASS,
     check_schema,
     checked,
-    plain_time,
-    plain_tool_call,
-    plain_usage,
 )
-from polyloop.types import CorruptLog, JSONValue, Record, ToolCallBlock, UnloggableValue, Usage
+from polyloop.types import CorruptLog, JSONValue, Record, ToolCallBlock, UnloggableValue
 
 __all__ = ("decode", "dumps", "encode", "loads", "plain")
 
@@ -71,15 +66,7 @@ def encode(record: Record) -> dict[str, JSONValue]:
             value = ToolCallBlock(call_id=value.call_id, name=value.name, arguments=arguments)
         # The reader checks every field; refuse here what it would refuse there.
         value = checked(kind, field, value, refuse)
-        if isinstance(value, enum.Enum):
-            value = value.value
-        elif isinstance(value, Usage):
-            value = plain_usage(value)
-        elif isinstance(value, ToolCallBlock):
-            value = plain_tool_call(value)
-        elif isinstance(value, datetime):
-            value = plain_time(value)
-        out[field.key] = value
+        out[field.key] = None if value is None else field.write(value)
     return out
 
 

@@ -56,6 +56,19 @@ class Field:
     optional: bool  # null is a value
     defaulted: bool  # may be missing: added after the first release of the major
     written_when_set: bool  # left out of a written record while it is None
+    # The check's converter and writer, chosen once from ``check`` (see _converters).
+    convert: Callable[[Any], Any] = dataclasses.field(repr=False, compare=False)
+    write: Callable[[Any], Any] = dataclasses.field(repr=False, compare=False)
+
+
+class _Mismatch(Exception):
+    """A value a check refuses: ``expected`` says what the check wanted, or ``detail``
+    what is wrong inside a value of the right shape."""
+
+    def __init__(self, expected: str, *, detail: str | None = None) -> None:
+        super().__init__(expected)
+        self.expected = expected
+        self.detail = detail
 
 
 # Annotations of record fields, as written in polyloop.types, and their checks. "json"
@@ -80,25 +93,20 @@ _CHECKS: dict[str, Check] = {
 def _field(spec: dataclasses.Field[Any]) -> Field:
     annotation = str(spec.type)
     base = annotation.removesuffix(" | None")
+    check = _CHECKS[base]
+    convert, write = _converters(check)
     return Field(
         name=spec.name,
         # "kind" is the record's own kind in the JSON object; the intent kind of an
         # intent or result goes under another key.
         key="intent_kind" if spec.name == "kind" else spec.name,
-        check=_CHECKS[base],
+        check=check,
         optional=base != annotation,
         defaulted=spec.default is not dataclasses.MISSING,
         written_when_set=bool(spec.metadata.get("written_when_set")),
+        convert=convert,
+        write=write,
     )
-
-
-RECORD_CLASS: dict[str, type[Any]] = {
-    RECORD_KINDS[cls.__name__]: cls for cls in typing.get_args(Record)
-}
-FIELDS: dict[str, tuple[Field, ...]] = {
-    kind: tuple(_field(spec) for spec in dataclasses.fields(cls))
-    for kind, cls in RECORD_CLASS.items()
-}
 
 
 def check_schema(
@@ -125,60 +133,17 @@ def checked(
     error: Callable[[str], CorruptLog | UnloggableValue],
 ) -> Any:
     """``value`` as the record holds it (an enum as its member), or ``error(reason)``."""
-    check = field.check
     if value is None and field.optional:
         return None
-    if isinstance(check, type):
-        try:
-            return check(value)
-        except ValueError:
-            expected = f"one of {[m.value for m in check]}"
-    elif check == "json":
-        return value
-    elif check == "usage":
-        if isinstance(value, Usage):
-            return value
-        if isinstance(value, dict):
-            try:
-                return usage_from(value)
-            except ValueError as exc:
-                raise error(f"{kind}.{field.name}: {exc}") from None
-        expected = "an object of token counts"
-    elif check == "tool_call":
-        call = value if isinstance(value, ToolCallBlock) else tool_call_from(value)
-        if call is not None and isinstance(call.call_id, str) and isinstance(call.name, str):
-            return call
-        expected = 'an object with string "call_id" and "name", and "arguments"'
-    elif check == "object":
-        if isinstance(value, dict):
-            return value
-        expected = "an object"
-    elif check == "time":
-        moment = value if isinstance(value, datetime) else time_from(value)
-        if moment is not None and moment.utcoffset() is not None:
-            return moment.astimezone(UTC)
-        expected = "an RFC 3339 date and time with its offset"
-    elif not _IS_BASE[check](value):
-        expected = f"a {check}"
-    elif check != "float":
-        return value
-    else:
-        try:
-            return float(value)
-        except OverflowError:  # an integer beyond any float: not a readable duration
-            expected = "a number a float can hold"
+    try:
+        return field.convert(value)
+    except _Mismatch as mismatch:
+        if mismatch.detail is not None:
+            raise error(f"{kind}.{field.name}: {mismatch.detail}") from None
+        expected = mismatch.expected
     if field.optional:
         expected = f"null or {expected}"
     raise error(f"{kind}.{field.name} must be {expected}, not {value!r:.80}")
-
-
-# The scalar checks, one per base name (a bool is an int, but not a number here).
-_IS_BASE: dict[str, Callable[[Any], bool]] = {
-    "str": lambda value: isinstance(value, str),
-    "int": lambda value: isinstance(value, int) and not isinstance(value, bool),
-    "bool": lambda value: isinstance(value, bool),
-    "float": lambda value: isinstance(value, int | float) and not isinstance(value, bool),
-}
 
 
 def usage_from(value: dict[str, Any]) -> Usage:
@@ -219,3 +184,113 @@ def tool_call_from(value: Any) -> ToolCallBlock | None:
     if not isinstance(value, dict) or not {"call_id", "name", "arguments"} <= set(value):
         return None
     return ToolCallBlock(call_id=value["call_id"], name=value["name"], arguments=value["arguments"])
+
+
+# Each check is a converter (the value as the record holds it, or _Mismatch) and a
+# writer (the held value as the JSON object carries it), chosen once per field: the
+# codec runs for every record written and read, so it looks nothing up per value.
+
+
+def _converters(check: Check) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    if isinstance(check, type):
+        return _enum_converter(check), _enum_value
+    return _BY_NAME[check]
+
+
+def _enum_converter(cls: type[enum.Enum]) -> Callable[[Any], Any]:
+    expected = f"one of {[m.value for m in cls]}"
+
+    def convert(value: Any) -> Any:
+        try:
+            return cls(value)
+        except ValueError:
+            raise _Mismatch(expected) from None
+
+    return convert
+
+
+def _enum_value(member: enum.Enum) -> Any:
+    return member.value
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _to_usage(value: Any) -> Usage:
+    if isinstance(value, Usage):
+        return value
+    if isinstance(value, dict):
+        try:
+            return usage_from(value)
+        except ValueError as exc:
+            raise _Mismatch("an object of token counts", detail=str(exc)) from None
+    raise _Mismatch("an object of token counts")
+
+
+def _to_tool_call(value: Any) -> ToolCallBlock:
+    call = value if isinstance(value, ToolCallBlock) else tool_call_from(value)
+    if call is not None and isinstance(call.call_id, str) and isinstance(call.name, str):
+        return call
+    raise _Mismatch('an object with string "call_id" and "name", and "arguments"')
+
+
+def _to_object(value: Any) -> Any:
+    if isinstance(value, dict):
+        return value
+    raise _Mismatch("an object")
+
+
+def _to_time(value: Any) -> datetime:
+    moment = value if isinstance(value, datetime) else time_from(value)
+    if moment is not None and moment.utcoffset() is not None:
+        return moment.astimezone(UTC)
+    raise _Mismatch("an RFC 3339 date and time with its offset")
+
+
+def _to_str(value: Any) -> Any:
+    if isinstance(value, str):
+        return value
+    raise _Mismatch("a str")
+
+
+def _to_int(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):  # a bool is not a count
+        return value
+    raise _Mismatch("a int")
+
+
+def _to_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    raise _Mismatch("a bool")
+
+
+def _to_float(value: Any) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise _Mismatch("a float")
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float: not a readable duration
+        raise _Mismatch("a number a float can hold") from None
+
+
+_BY_NAME: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
+    "str": (_to_str, _same),
+    "int": (_to_int, _same),
+    "bool": (_to_bool, _same),
+    "float": (_to_float, _same),
+    "json": (_same, _same),
+    "object": (_to_object, _same),
+    "usage": (_to_usage, plain_usage),
+    "tool_call": (_to_tool_call, plain_tool_call),
+    "time": (_to_time, plain_time),
+}
+
+RECORD_CLASS: dict[str, type[Any]] = {
+    RECORD_KINDS[cls.__name__]: cls for cls in typing.get_args(Record)
+}
+FIELDS: dict[str, tuple[Field, ...]] = {
+    kind: tuple(_field(spec) for spec in dataclasses.fields(cls))
+    for kind, cls in RECORD_CLASS.items()
+}
