@@ -347,3 +347,31 @@ async def test_a_loop_slow_to_let_the_lease_renew_is_warned_of(
     assert len(warnings) == 1
     assert warnings[0].levelname == "WARNING"
     assert "raise lease_s above the longest stall" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("writing", [True, False])
+async def test_a_loop_too_busy_to_answer_keeps_its_lease_while_its_writes_go_on(
+    writing: bool,
+) -> None:
+    """Thousands of ready runs can keep the keeper's no-op waiting for seconds; the
+    writes that go on meanwhile show the loop is alive, so the lease holds. A loop as
+    late that writes nothing is stuck, and loses it."""
+    from polyloop.stores._lease import Lease
+
+    lease_s = 0.6
+    lease = Lease(lease_s, lambda owner_id: True)
+    owner_id, generation, _ = lease.current()
+    lease.registered(owner_id, time.monotonic(), anyio.lowlevel.current_token())
+    try:
+        busy_until = time.monotonic() + lease_s * 4
+        while time.monotonic() < busy_until:  # never yields: the no-op cannot run
+            time.sleep(0.02)  # noqa: ASYNC251 - the point: the loop is busy
+            if writing:
+                lease.beat()
+        if writing:
+            lease.check(generation, "r")  # the lease still holds
+        else:
+            with pytest.raises(RunLocked, match="event loop once took"):
+                lease.check(generation, "r")
+    finally:
+        lease.stop()

@@ -8,10 +8,14 @@ process died). Every claim moves the run's epoch on, and every write checks the 
 in its own transaction, so a former owner that wakes up writes nothing.
 
 :class:`Lease` is the owner's side. A keeper thread renews the lease every third of
-its length (and again soon after a renewal that failed), but only once the event loop
-that uses the store has run a no-op for it: a process whose loop is stuck (a blocking
-call, a debugger) or stopped (``SIGSTOP``, a paused machine) stops renewing, and its
-lease runs out, while a loop that merely awaits a long model call keeps it. The owner
+its length (and again soon after a renewal that failed), but only while the event loop
+that uses the store shows it is running: either the store's write path ran on it since
+the last renewal (each write calls :meth:`Lease.beat`), or, when no write came, the loop
+ran a no-op the keeper sent it. A process whose loop is stuck (a blocking call, a
+debugger) or stopped (``SIGSTOP``, a paused machine) stops renewing and its lease runs
+out, at most one renewal later than its last write; a loop that merely awaits a long
+model call keeps it, and so does a loop so busy with thousands of runs that the no-op
+would wait its turn for seconds (research record 0029). The owner
 also keeps a deadline of its own, measured from before each renewal was sent, so it
 never believes in a lease the database has ended. Once the deadline passes, every claim
 taken under that lease is lost for good (writes get ``RunLocked``) and the store takes
@@ -82,6 +86,9 @@ class Lease:
         # keeper began waiting for it now (None when it is not waiting): for messages.
         self._longest_wait_s = 0.0
         self._waiting_since: float | None = None
+        # Counted up on the event loop by every write; read by the keeper thread. An
+        # int read or written whole needs no lock: only its change matters.
+        self._beats = 0
 
     def current(self) -> tuple[str, int, bool]:
         """The owner id, the generation claims taken now belong to, and whether the
@@ -103,6 +110,10 @@ class Lease:
                     target=self._keep, name="polyloop-lease", daemon=True
                 )
                 self._keeper.start()
+
+    def beat(self) -> None:
+        """The event loop is running: called on it by the store for every write."""
+        self._beats += 1
 
     def check(self, generation: int, run_id: str) -> None:
         """Refuse a write under a claim whose lease has lapsed (``RunLocked``)."""
@@ -157,6 +168,7 @@ class Lease:
         and soon again after a renewal that failed (a busy database, a lost connection)
         rather than a third of a lease later."""
         pause = self.lease_s / _RENEWALS_PER_LEASE
+        beats = self._beats
         while not self._stopping.wait(pause):
             pause = self.lease_s / _RENEWALS_PER_LEASE
             with self._mutex:
@@ -165,19 +177,9 @@ class Lease:
             if not registered or token is None:
                 continue
             began = time.monotonic()
-            with self._mutex:
-                self._waiting_since = began
-            try:
-                # Blocks while the loop is stuck or stopped: then the lease runs out.
-                anyio.from_thread.run_sync(_nothing, token=token)
-            except RuntimeError:
-                return  # the event loop has finished; nothing will write any more
-            finally:
-                with self._mutex:
-                    self._waiting_since = None
-            if self._stopping.is_set():
-                return
-            self._note_answer(owner_id, time.monotonic() - began)
+            if self._beats == beats and not self._loop_answers(owner_id, token, began):
+                return  # the event loop has finished, or the store is closing
+            beats = self._beats
             try:
                 renewed = self._renew(owner_id)
             except Exception:
@@ -191,3 +193,20 @@ class Lease:
                     self._deadline = began + self.lease_s
                 else:
                     self._lapse_locked()
+
+    def _loop_answers(self, owner_id: str, token: EventLoopToken, began: float) -> bool:
+        """Wait until the event loop runs a no-op; ``False`` if it never will."""
+        with self._mutex:
+            self._waiting_since = began
+        try:
+            # Blocks while the loop is stuck or stopped: then the lease runs out.
+            anyio.from_thread.run_sync(_nothing, token=token)
+        except RuntimeError:
+            return False  # the event loop has finished; nothing will write any more
+        finally:
+            with self._mutex:
+                self._waiting_since = None
+        if self._stopping.is_set():
+            return False
+        self._note_answer(owner_id, time.monotonic() - began)
+        return True

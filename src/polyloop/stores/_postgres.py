@@ -273,6 +273,7 @@ class PostgresStore:
         reason: str | None = None,
     ) -> None:
         rows = [record_row(record) for record in records]
+        self._owner.lease.beat()
         with self._writers.used(run_id) as slot:
             await slot.writer.group.submit(Item(slot, rows, mode, barrier, final, reason))
 

@@ -235,6 +235,7 @@ class SqliteStore:
     # -- writing, pruning, closing (worker threads) -----------------------------------------
 
     async def _write(self, write: Write) -> None:
+        self._owners.lease.beat()
         await self._group.submit(write)
 
     async def _delete_claimed(self, run_id: str, *, before: float) -> bool:
