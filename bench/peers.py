@@ -313,7 +313,8 @@ class PydanticAIWorkload:
 
     ``Agent(FunctionModel(...))``: the model function sleeps the latency and answers the
     step's tool call with its arguments as JSON text, which Pydantic AI decodes and
-    validates against the tool's signature (the same constraints as the JSON Schemas).
+    validates against the tool's signature (the same constraints as the JSON Schemas),
+    and with a token usage, as a provider's reply has.
     ``search`` is a tool; ``submit`` is the agent's output function, so calling it ends
     the run as the submit tool does elsewhere. Pydantic AI has no durable store.
     """
@@ -322,6 +323,7 @@ class PydanticAIWorkload:
         from pydantic_ai import Agent, ToolOutput
         from pydantic_ai.messages import ModelMessage, ModelResponse, ToolCallPart
         from pydantic_ai.models.function import AgentInfo, FunctionModel
+        from pydantic_ai.usage import RequestUsage
 
         self.steps = steps
         self.counts = Counts()
@@ -337,7 +339,10 @@ class PydanticAIWorkload:
                 args=json.dumps(reply["arguments"]),
                 tool_call_id=f"call-{index}",
             )
-            return ModelResponse(parts=[call])
+            # With usage, as a provider's reply carries it: without, FunctionModel would
+            # estimate it by splitting the whole transcript into words on every call,
+            # a cost of the test model that no real client has.
+            return ModelResponse(parts=[call], usage=RequestUsage(input_tokens=1, output_tokens=1))
 
         async def submit(summary: str) -> str:
             """Submit the summary; ends the task."""
