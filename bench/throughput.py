@@ -329,6 +329,7 @@ def _combine(parts: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
     cpu = sum(part["cpu_s"] for part in parts)
     lateness = sorted(sample for part in parts for sample in part["lateness_ms"])
     ideal = args.steps * (args.latency_ms / 1000 + TOOL_S)
+    first = min(part["began"] for part in parts)
     return {
         "runs": runs,
         "workers": len(parts),
@@ -347,6 +348,16 @@ def _combine(parts: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "tool_executions": steps,
         "errors": sum(part["errors"] for part in parts),
         "first_errors": sorted({e for part in parts for e in part["first_errors"]})[:3],
+        # Each worker's own window and CPU, to see whether they overlapped.
+        "per_worker": [
+            {
+                "runs": part["runs"],
+                "start_s": part["began"] - first,
+                "wall_s": part["ended"] - part["began"],
+                "cpu_s": part["cpu_s"],
+            }
+            for part in parts
+        ],
     }
 
 
