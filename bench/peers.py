@@ -274,12 +274,15 @@ async def langgraph_workload(
     """A :class:`LangGraphWorkload` with LangGraph's async checkpointer: ``sqlite`` (a file
     in the directory ``where``) or ``postgres`` (``where`` is ``conninfo#schema``; the
     schema is created here, and its tables by the checkpointer)."""
-    sizes = {"steps": steps, "latency_s": latency_s, "tool_s": tool_s}
+
+    def workload(saver: Any) -> LangGraphWorkload:
+        return LangGraphWorkload(saver, steps=steps, latency_s=latency_s, tool_s=tool_s)
+
     if checkpointer == "sqlite":
         from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
-        async with AsyncSqliteSaver.from_conn_string(str(Path(where) / "graph.sqlite")) as saver:
-            yield LangGraphWorkload(saver, **sizes)
+        async with AsyncSqliteSaver.from_conn_string(str(Path(where) / "graph.sqlite")) as lite:
+            yield workload(lite)
         return
     if checkpointer != "postgres":
         raise ValueError(f"unknown checkpointer {checkpointer!r}")
@@ -305,7 +308,7 @@ async def langgraph_workload(
     async with pool:
         saver = AsyncPostgresSaver(pool)
         await saver.setup()
-        yield LangGraphWorkload(saver, **sizes)
+        yield workload(saver)
 
 
 class PydanticAIWorkload:

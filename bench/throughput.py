@@ -77,11 +77,11 @@ if not __package__:
 import anyio  # noqa: E402
 
 from bench import peers  # noqa: E402
-from bench._common import postgres_conninfo, postgres_schema, print_table  # noqa: E402
+from bench._common import Column, postgres_conninfo, postgres_schema, print_table  # noqa: E402
 from bench.workload import Driver, HandWorkload, Workload, warm  # noqa: E402
 
 TITLE = "8. Throughput: concurrent runs of realistic shape"
-COLUMNS = [
+COLUMNS: list[Column] = [
     ("name", "backend / store"),
     ("runs", "runs"),
     ("workers", "workers"),

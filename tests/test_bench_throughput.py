@@ -26,6 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
 from bench import throughput  # noqa: E402
+from bench.workload import HandWorkload  # noqa: E402
 
 KEYS = {
     "wall_s",
@@ -176,7 +177,7 @@ def test_workers_combine_from_the_first_start_to_the_last_end() -> None:
 def test_a_cell_whose_work_falls_short_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    class SkipsATool(throughput.HandWorkload):
+    class SkipsATool(HandWorkload):
         async def run(self, run_id: str) -> None:
             await super().run(run_id)
             self.counts.executions -= 1
