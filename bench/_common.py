@@ -323,6 +323,7 @@ def versions() -> dict[str, str | None]:
         "psycopg",
         "langgraph",
         "langgraph-checkpoint-sqlite",
+        "langgraph-checkpoint-postgres",
         "pydantic-ai-slim",
     ):
         try:

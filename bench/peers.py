@@ -17,18 +17,33 @@ Pydantic AI: ``Agent(FunctionModel(fn))`` with one trivial ``async`` tool; ``fn`
 ``async`` function that suspends once (like PolyLoop's instant model) and returns a
 ``ToolCallPart`` or, on the last turn, a ``TextPart``. Driven with ``agent.run(...)``
 with the request limit raised above the number of steps.
+
+The end of the file holds the same two peers on the realistic workload of benchmark 8
+(``bench/throughput.py``): model latency, tool arguments, a growing transcript, many runs
+at once, and LangGraph with its async SQLite or PostgreSQL checkpointer.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import sqlite3
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import anyio.lowlevel
 
 from bench._common import RunStats, missing, now
 from bench.agents import Counter
+from bench.workload import GOAL, SUBMITTED, SYSTEM_PROMPT, Counts, decision, observation
+
+# The peers read their tools' argument constraints from the signatures, which name
+# ``Field`` as text (postponed annotations), so it must be a name of this module.
+# pydantic comes with either peer; both are optional.
+with contextlib.suppress(ImportError):
+    from pydantic import Field
 
 
 def langgraph_missing() -> str | None:
@@ -166,3 +181,197 @@ class PydanticAILoop:
         if result.output != "done":
             raise AssertionError("the Pydantic AI run did not end with the final text")
         return RunStats(seconds, self.decisions.n - decisions, self.executions.n - executions)
+
+
+# -- the realistic workload of benchmark 8 (bench/throughput.py) --------------------------
+
+
+def langgraph_postgres_missing() -> str | None:
+    return langgraph_missing() or missing("langgraph.checkpoint.postgres")
+
+
+class LangGraphWorkload:
+    """The workload of ``bench/workload.py`` as a LangGraph graph, driven with ``ainvoke``.
+
+    A model node (an ``async`` function that sleeps the latency and answers the step's tool
+    call, encoded and decoded as a provider's reply would be) and the prebuilt
+    ``ToolNode`` with ``search`` and ``submit``, whose arguments LangChain validates with a
+    model built from their signatures (the same constraints as the JSON Schemas). After
+    ``submit`` the graph ends. ``checkpointer`` keeps every step, with LangGraph's
+    default durability.
+    """
+
+    def __init__(self, checkpointer: Any, *, steps: int, latency_s: float, tool_s: float) -> None:
+        from langchain_core.messages import AIMessage
+        from langchain_core.tools import tool
+        from langgraph.graph import END, START, MessagesState, StateGraph
+        from langgraph.prebuilt import ToolNode
+
+        self.steps = steps
+        self.counts = Counts()
+        counts = self.counts
+
+        @tool
+        async def search(
+            query: Annotated[str, Field(min_length=1)], page: Annotated[int, Field(ge=0)]
+        ) -> str:
+            """Search the corpus; one page of results."""
+            await anyio.sleep(tool_s)
+            counts.executions += 1
+            return observation({"query": query, "page": page})
+
+        @tool
+        async def submit(summary: str) -> str:
+            """Submit the summary; ends the task."""
+            await anyio.sleep(tool_s)
+            counts.executions += 1
+            return SUBMITTED
+
+        # ``Any``, not ``MessagesState``: LangGraph reads these hints, and a name imported
+        # here is not one it can resolve.
+        async def model(state: Any) -> dict[str, Any]:
+            await anyio.sleep(latency_s)
+            counts.decisions += 1
+            index = sum(isinstance(message, AIMessage) for message in state["messages"])
+            reply = json.loads(json.dumps(decision(index, steps)))
+            call = {
+                "name": reply["tool"],
+                "args": reply["arguments"],
+                "id": f"call-{index}",
+                "type": "tool_call",
+            }
+            return {"messages": [AIMessage(content="", tool_calls=[call])]}
+
+        def after_tools(state: Any) -> str:
+            return END if state["messages"][-1].name == "submit" else "model"
+
+        graph = StateGraph(MessagesState)
+        graph.add_node("model", model)
+        graph.add_node("tools", ToolNode([search, submit]))
+        graph.add_edge(START, "model")
+        graph.add_edge("model", "tools")
+        graph.add_conditional_edges("tools", after_tools, ["model", END])
+        self.graph: Any = graph.compile(checkpointer=checkpointer)
+
+    async def run(self, run_id: str) -> None:
+        from langchain_core.messages import HumanMessage, SystemMessage
+
+        config: Any = {
+            "recursion_limit": 2 * self.steps + 10,
+            "configurable": {"thread_id": run_id},
+        }
+        start = {"messages": [SystemMessage(content=SYSTEM_PROMPT), HumanMessage(content=GOAL)]}
+        state = await self.graph.ainvoke(start, config)
+        last = state["messages"][-1]
+        if last.name != "submit" or last.content != SUBMITTED:
+            raise AssertionError(f"the LangGraph run {run_id!r} did not end by submitting")
+
+
+@asynccontextmanager
+async def langgraph_workload(
+    checkpointer: str, where: str, *, steps: int, latency_s: float, tool_s: float
+) -> AsyncIterator[LangGraphWorkload]:
+    """A :class:`LangGraphWorkload` with LangGraph's async checkpointer: ``sqlite`` (a file
+    in the directory ``where``) or ``postgres`` (``where`` is ``conninfo#schema``; the
+    schema is created here, and its tables by the checkpointer)."""
+
+    def workload(saver: Any) -> LangGraphWorkload:
+        return LangGraphWorkload(saver, steps=steps, latency_s=latency_s, tool_s=tool_s)
+
+    if checkpointer == "sqlite":
+        from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
+
+        async with AsyncSqliteSaver.from_conn_string(str(Path(where) / "graph.sqlite")) as lite:
+            yield workload(lite)
+        return
+    if checkpointer != "postgres":
+        raise ValueError(f"unknown checkpointer {checkpointer!r}")
+    import psycopg
+    from langgraph.checkpoint.postgres.aio import AsyncPostgresSaver
+    from psycopg import sql
+    from psycopg.conninfo import make_conninfo
+    from psycopg.rows import dict_row
+    from psycopg_pool import AsyncConnectionPool
+
+    conninfo, _, schema = where.partition("#")
+    async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+        await conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+    # The settings LangGraph's documentation gives for a pool; as many connections as
+    # PostgresStore may open (4 readers, 8 writers, its owner).
+    pool: Any = AsyncConnectionPool(
+        make_conninfo(conninfo, options=f"-c search_path={schema}"),
+        min_size=1,
+        max_size=13,
+        open=False,
+        kwargs={"autocommit": True, "prepare_threshold": 0, "row_factory": dict_row},
+    )
+    async with pool:
+        saver = AsyncPostgresSaver(pool)
+        await saver.setup()
+        yield workload(saver)
+
+
+class PydanticAIWorkload:
+    """The workload of ``bench/workload.py`` as a Pydantic AI agent, in memory.
+
+    ``Agent(FunctionModel(...))``: the model function sleeps the latency and answers the
+    step's tool call with its arguments as JSON text, which Pydantic AI decodes and
+    validates against the tool's signature (the same constraints as the JSON Schemas),
+    and with a token usage, as a provider's reply has.
+    ``search`` is a tool; ``submit`` is the agent's output function, so calling it ends
+    the run as the submit tool does elsewhere. Pydantic AI has no durable store.
+    """
+
+    def __init__(self, *, steps: int, latency_s: float, tool_s: float) -> None:
+        from pydantic_ai import Agent, ToolOutput
+        from pydantic_ai.messages import ModelMessage, ModelResponse, ToolCallPart
+        from pydantic_ai.models.function import AgentInfo, FunctionModel
+        from pydantic_ai.usage import RequestUsage
+
+        self.steps = steps
+        self.counts = Counts()
+        counts = self.counts
+
+        async def model(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+            await anyio.sleep(latency_s)
+            counts.decisions += 1
+            index = sum(isinstance(message, ModelResponse) for message in messages)
+            reply = decision(index, steps)
+            call = ToolCallPart(
+                tool_name=reply["tool"],
+                args=json.dumps(reply["arguments"]),
+                tool_call_id=f"call-{index}",
+            )
+            # With usage, as a provider's reply carries it: without, FunctionModel would
+            # estimate it by splitting the whole transcript into words on every call,
+            # a cost of the test model that no real client has.
+            return ModelResponse(parts=[call], usage=RequestUsage(input_tokens=1, output_tokens=1))
+
+        async def submit(summary: str) -> str:
+            """Submit the summary; ends the task."""
+            await anyio.sleep(tool_s)
+            counts.executions += 1
+            return SUBMITTED
+
+        self.agent: Any = Agent(
+            FunctionModel(model),
+            output_type=ToolOutput(submit, name="submit"),
+            instructions=SYSTEM_PROMPT,
+        )
+
+        @self.agent.tool_plain
+        async def search(
+            query: Annotated[str, Field(min_length=1)], page: Annotated[int, Field(ge=0)]
+        ) -> str:
+            """Search the corpus; one page of results."""
+            await anyio.sleep(tool_s)
+            counts.executions += 1
+            return observation({"query": query, "page": page})
+
+    async def run(self, run_id: str) -> None:
+        from pydantic_ai.usage import UsageLimits
+
+        limits = UsageLimits(request_limit=self.steps + 10, tool_calls_limit=None)
+        result = await self.agent.run(GOAL, usage_limits=limits)
+        if result.output != SUBMITTED:
+            raise AssertionError(f"the Pydantic AI run {run_id!r} did not end by submitting")

@@ -1,7 +1,11 @@
-"""Benchmark 8: many concurrent runs of realistic shape, in one process.
+"""Benchmark 8: many concurrent runs of realistic shape, side by side with a hand-written
+floor and with peers, in one process or in several sharing one database.
 
     python bench/throughput.py --runs 100,1000
     python bench/throughput.py --runs 10000 --stores memory,jsonl --nofile 1024
+    python bench/throughput.py --runs 1000 --backends asyncio \
+        --stores hand,memory,pydantic-ai,sqlite,langgraph-sqlite,postgres,langgraph-postgres
+    python bench/throughput.py --runs 1000 --stores postgres --backends asyncio --workers 1,2
 
 Every run makes ``--steps`` steps (10 by default); each step is a call to a model
 client shared by all runs, which waits ``--latency-ms`` (200 by default, an
@@ -11,22 +15,34 @@ completes the run. The transcript grows with every observation (about 30 KB by t
 last call). So the ideal wall time of a run, and of all runs at once, is
 ``steps x (latency + 10 ms)``: 2.1 s by default.
 
-Each (store, backend, number of runs) cell runs in a child process of its own, so its
-memory, descriptors and CPU time are its own; ``--nofile`` lowers the child's open-file
-limit first, and ``--lease-s`` sets the lease of the stores that keep one (research
-record 0018: a process whose event loop stalls longer than its lease loses its runs).
-Reported per cell:
+``--stores`` picks what runs the workload (``bench/workload.py``, ``bench/peers.py``):
+PolyLoop on ``memory``, ``jsonl``, ``sqlite`` or ``postgres`` (the default: all four);
+``hand``, the same work written by hand with no kernel and nothing durable (the floor:
+what the event loop, JSON and validation cost by themselves), and ``hand-novalidate``,
+the same without the JSON Schema check; ``langgraph-sqlite`` and ``langgraph-postgres``,
+a LangGraph graph with its async checkpointer; ``pydantic-ai``, a Pydantic AI agent (in
+memory: it has no durable store). The peers run on asyncio only. Every cell counts the
+model decisions and tool executions and fails if they are not runs x steps.
 
-* ``wall / ideal``: from the first ``run`` started to the last one returned, over the
-  ideal above;
-* steps per second;
-* process CPU per step: user + system time of the whole process (worker threads
-  included) over the cell, divided by the steps;
-* event-loop lag: a ticker task sleeps 10 ms again and again and notes how late it
-  woke; p50, p99 and max;
-* peak memory per run: the process's peak resident set (``VmHWM``) above its resident
-  set just before the runs, divided by the runs (C allocations included);
-* peak open descriptors: the most entries ``/proc/self/fd`` had during the cell.
+Each (store, backend, number of runs, workers) cell runs in child processes of its own,
+so its memory, descriptors and CPU time are its own: one child, or with ``--workers K``
+K children that share the cell's database (``postgres`` or ``sqlite``), each driving its
+share of the runs under run ids of its own. Every child opens its store and warms up,
+then waits until all are ready, so they start together. ``--nofile`` lowers the
+children's open-file limit first, and ``--lease-s`` sets the lease of the stores that
+keep one (research record 0018: a process whose event loop stalls longer than its lease
+loses its runs). Reported per cell:
+
+* ``wall / ideal``: from the first ``run`` started (in any worker) to the last one
+  returned, over the ideal above;
+* steps per second: all workers' steps over that wall time;
+* process CPU per step: user + system time of the processes (worker threads included)
+  over the cell, summed over the workers, divided by the steps;
+* event-loop lag: a ticker task in each process sleeps 10 ms again and again and notes
+  how late it woke; p50, p99 and max over all samples;
+* peak memory per run: each process's peak resident set (``VmHWM``) above its resident
+  set just before the runs, summed, divided by the runs (C allocations included);
+* peak open descriptors: the most entries ``/proc/self/fd`` had in one process.
 
 Ratios and per-step figures, not absolute times, are what carry over between machines.
 The goals of the throughput issue are checked against the table in
@@ -36,6 +52,7 @@ The goals of the throughput issue are checked against the table in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -45,6 +62,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +76,15 @@ if not __package__:
 
 import anyio  # noqa: E402
 
-from bench._common import postgres_conninfo, postgres_schema, print_table  # noqa: E402
+from bench import peers  # noqa: E402
+from bench._common import Column, postgres_conninfo, postgres_schema, print_table  # noqa: E402
+from bench.workload import Driver, HandWorkload, Workload, warm  # noqa: E402
 
-TITLE = "8. Throughput: concurrent runs of realistic shape in one process"
-COLUMNS = [
+TITLE = "8. Throughput: concurrent runs of realistic shape"
+COLUMNS: list[Column] = [
     ("name", "backend / store"),
     ("runs", "runs"),
+    ("workers", "workers"),
     ("wall_s", "wall s", 2),
     ("wall_over_ideal", "wall / ideal", 2),
     ("steps_per_s", "steps/s"),
@@ -73,39 +96,89 @@ COLUMNS = [
     ("peak_fds", "peak fds"),
     ("errors", "errors"),
 ]
-STORES = ("memory", "jsonl", "sqlite", "postgres")
-STORE_NAMES = {
-    "memory": "MemoryStore",
-    "jsonl": "JsonlStore",
-    "sqlite": "SqliteStore",
-    "postgres": "PostgresStore",
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a ``--stores`` entry runs, and where it can run."""
+
+    name: str  # as the table shows it
+    postgres: bool = False  # needs the server, and a schema of its own
+    shared: bool = False  # several worker processes can share it (``--workers``)
+    asyncio_only: bool = False
+    missing: Callable[[], str | None] | None = None  # why it cannot run, if it cannot
+
+
+KINDS = {
+    "hand": Kind("hand-written"),
+    "hand-novalidate": Kind("hand-written, no validation"),
+    "memory": Kind("MemoryStore"),
+    "jsonl": Kind("JsonlStore"),
+    "sqlite": Kind("SqliteStore", shared=True),
+    "postgres": Kind("PostgresStore", postgres=True, shared=True),
+    "langgraph-sqlite": Kind(
+        "LangGraph + AsyncSqliteSaver", asyncio_only=True, missing=peers.langgraph_sqlite_missing
+    ),
+    "langgraph-postgres": Kind(
+        "LangGraph + AsyncPostgresSaver",
+        postgres=True,
+        asyncio_only=True,
+        missing=peers.langgraph_postgres_missing,
+    ),
+    "pydantic-ai": Kind(
+        "Pydantic AI (in memory)", asyncio_only=True, missing=peers.pydantic_ai_missing
+    ),
 }
+STORES = ("memory", "jsonl", "sqlite", "postgres")  # the default: PolyLoop's stores
 TOOL_S = 0.010
 TICK_S = 0.010
-OBSERVATION_CHARS = 3_000
+POLL_S = 0.002  # how often a waiting worker looks for the start signal
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-# -- the parent: one child per cell ------------------------------------------------------
+# -- the parent: one child per cell, or one per worker -----------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.one:
         return _child(args)
+    stores = [store for store in args.stores.split(",") if store]
+    unknown = sorted(set(stores) - set(KINDS))
+    if unknown:
+        parser.error(f"unknown --stores {', '.join(unknown)} (known: {', '.join(KINDS)})")
     conninfo, pg_note = postgres_conninfo()
+    worker_counts = _numbers(args.workers)
+    if any(workers > 1 for workers in worker_counts) and any(
+        not KINDS[store].shared for store in stores
+    ):
+        print("note: more than one worker applies to sqlite and postgres only", flush=True)
     rows: list[dict[str, Any]] = []
     began = datetime.datetime.now(datetime.UTC)
     for count in _numbers(args.runs):
-        for store in args.stores.split(","):
+        for store in stores:
+            kind = KINDS[store]
             for backend in args.backends.split(","):
-                name = f"{backend} / {STORE_NAMES[store]}"
-                if store == "postgres" and conninfo is None:
-                    rows.append({"name": name, "runs": count, "skipped": pg_note})
-                    continue
-                row = _cell(args, store, backend, count, conninfo)
-                rows.append({"name": name, **row})
-                print_table(TITLE, COLUMNS, rows[-1:])
+                reason = _why_not(kind, backend, conninfo, pg_note)
+                for workers in worker_counts if kind.shared else [1]:
+                    row: dict[str, Any] = {
+                        "name": f"{backend} / {kind.name}",
+                        "store": store,
+                        "backend": backend,
+                        "runs": count,
+                        "workers": workers,
+                    }
+                    if reason is None and workers > count:
+                        row["skipped"] = "fewer runs than worker processes"
+                    elif reason is None:
+                        row.update(_cell(args, store, backend, count, workers, conninfo))
+                    else:
+                        row["skipped"] = reason
+                    rows.append(row)
+                    print_table(TITLE, COLUMNS, rows[-1:])
+                    if reason is not None:
+                        break  # the same reason for every number of workers
     print_table(TITLE, COLUMNS, rows)
     output = Path(args.output) if args.output else RESULTS / "throughput.json"
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -131,21 +204,100 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _why_not(kind: Kind, backend: str, conninfo: str | None, pg_note: str | None) -> str | None:
+    """Why a store's cells cannot run here, or ``None``."""
+    if kind.asyncio_only and backend != "asyncio":
+        return "LangGraph and Pydantic AI run on asyncio only"
+    problem = kind.missing() if kind.missing else None
+    if problem is not None:
+        return problem
+    if kind.postgres and conninfo is None:
+        return pg_note
+    return None
+
+
 def _cell(
-    args: argparse.Namespace, store: str, backend: str, count: int, conninfo: str | None
+    args: argparse.Namespace,
+    store: str,
+    backend: str,
+    count: int,
+    workers: int,
+    conninfo: str | None,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="polyloop-throughput-", dir=args.workdir) as scratch:
-        if store == "postgres":
+        if KINDS[store].postgres:
             assert conninfo is not None
             with postgres_schema(conninfo) as schema:
-                return _spawn(args, store, backend, count, f"{conninfo}#{schema}")
-        return _spawn(args, store, backend, count, scratch)
+                where = f"{conninfo}#{schema}"
+                return _spawn(args, store, backend, count, workers, where, Path(scratch))
+        return _spawn(args, store, backend, count, workers, scratch, Path(scratch))
 
 
 def _spawn(
-    args: argparse.Namespace, store: str, backend: str, count: int, where: str
+    args: argparse.Namespace,
+    store: str,
+    backend: str,
+    count: int,
+    workers: int,
+    where: str,
+    scratch: Path,
 ) -> dict[str, Any]:
-    command = [
+    """Start one child per worker, each with its share of the runs; once every child has
+    opened its store and warmed up, signal them all to start; combine what they report."""
+    barrier = scratch / "barrier"
+    barrier.mkdir()
+    shares = [count // workers + (index < count % workers) for index in range(workers)]
+    children: list[subprocess.Popen[bytes]] = []
+    with contextlib.ExitStack() as files:
+        try:
+            for index, share in enumerate(shares):
+                out = files.enter_context(open(barrier / f"stdout-{index}", "wb"))
+                err = files.enter_context(open(barrier / f"stderr-{index}", "wb"))
+                command = _child_command(args, store, backend, share, where, index, barrier)
+                children.append(subprocess.Popen(command, stdout=out, stderr=err))
+            if _all_ready(children, barrier):
+                (barrier / "go").touch()
+            for child in children:
+                child.wait()
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+    parts = []
+    for index, child in enumerate(children):
+        if child.returncode != 0:
+            lines = (barrier / f"stderr-{index}").read_text(errors="replace").strip().splitlines()
+            return {"skipped": f"the child failed: {(lines or ['no output'])[-1]}"}
+        lines = (barrier / f"stdout-{index}").read_text().strip().splitlines()
+        parts.append(json.loads(lines[-1]))
+    return _combine(parts, args)
+
+
+def _all_ready(children: list[subprocess.Popen[bytes]], barrier: Path) -> bool:
+    """Wait until every child is ready to start (``True``) or one has exited (``False``,
+    and the others are stopped)."""
+    while True:
+        if all((barrier / f"ready-{index}").exists() for index in range(len(children))):
+            return True
+        if any(child.poll() is not None for child in children):
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+            return False
+        time.sleep(POLL_S)
+
+
+def _child_command(
+    args: argparse.Namespace,
+    store: str,
+    backend: str,
+    count: int,
+    where: str,
+    worker: int,
+    barrier: Path,
+) -> list[str]:
+    return [
         sys.executable,
         str(Path(__file__).resolve()),
         "--one",
@@ -153,6 +305,10 @@ def _spawn(
         backend,
         str(count),
         where,
+        "--worker",
+        str(worker),
+        "--barrier",
+        str(barrier),
         "--latency-ms",
         str(args.latency_ms),
         "--steps",
@@ -162,12 +318,47 @@ def _spawn(
         "--lease-s",
         str(args.lease_s),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"runs": count, "skipped": f"the child failed: {last}"}
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+
+
+def _combine(parts: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """One row from the workers' reports: wall time from the first start to the last end,
+    CPU summed over the processes, lag quantiles over every worker's samples."""
+    runs = sum(part["runs"] for part in parts)
+    steps = sum(part["tool_executions"] for part in parts)
+    wall = max(part["ended"] for part in parts) - min(part["began"] for part in parts)
+    cpu = sum(part["cpu_s"] for part in parts)
+    lateness = sorted(sample for part in parts for sample in part["lateness_ms"])
+    ideal = args.steps * (args.latency_ms / 1000 + TOOL_S)
+    first = min(part["began"] for part in parts)
+    return {
+        "runs": runs,
+        "workers": len(parts),
+        "steps_per_run": args.steps,
+        "wall_s": wall,
+        "wall_over_ideal": wall / ideal,
+        "steps_per_s": steps / wall,
+        "cpu_us_per_step": cpu / max(steps, 1) * 1e6,
+        "lag_p50_ms": _quantile(lateness, 0.50),
+        "lag_p99_ms": _quantile(lateness, 0.99),
+        "lag_max_ms": lateness[-1] if lateness else None,
+        "peak_kib_per_run": sum(part["peak_kib"] for part in parts) / max(runs, 1),
+        "peak_fds": max(part["peak_fds"] for part in parts),
+        "nofile": parts[0]["nofile"],
+        "decisions": sum(part["decisions"] for part in parts),
+        "tool_executions": steps,
+        "errors": sum(part["errors"] for part in parts),
+        "first_errors": sorted({e for part in parts for e in part["first_errors"]})[:3],
+        # Each worker's own window and CPU, to see whether they overlapped.
+        "per_worker": [
+            {
+                "runs": part["runs"],
+                "start_s": part["began"] - first,
+                "wall_s": part["ended"] - part["began"],
+                "cpu_s": part["cpu_s"],
+            }
+            for part in parts
+        ],
+    }
 
 
 def _numbers(text: str) -> list[int]:
@@ -177,8 +368,13 @@ def _numbers(text: str) -> list[int]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default="100,1000", help="numbers of concurrent runs")
-    parser.add_argument("--stores", default=",".join(STORES))
+    parser.add_argument("--stores", default=",".join(STORES), help=f"any of {', '.join(KINDS)}")
     parser.add_argument("--backends", default="asyncio,trio")
+    parser.add_argument(
+        "--workers",
+        default="1",
+        help="numbers of worker processes sharing the runs and one database (1,2: both)",
+    )
     parser.add_argument("--latency-ms", type=float, default=200.0, help="model latency")
     parser.add_argument("--steps", type=int, default=10, help="steps (tool calls) per run")
     parser.add_argument(
@@ -193,18 +389,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workdir", default=None, help="where the durable stores write")
     parser.add_argument("--output", default=None, help="JSON results (bench/results/...)")
     parser.add_argument("--one", nargs=4, metavar=("STORE", "BACKEND", "RUNS", "WHERE"))
+    parser.add_argument("--worker", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--barrier", default=None, help=argparse.SUPPRESS)
     return parser
 
 
-# -- the child: one cell -----------------------------------------------------------------
+# -- the child: one worker of a cell -----------------------------------------------------
 
 
 def _child(args: argparse.Namespace) -> int:
     store, backend, count, where = args.one
     if args.nofile:
         resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
-    row = anyio.run(_measure, store, int(count), where, args, backend=backend)
-    print(json.dumps(row), flush=True)
+    part = anyio.run(_measure, store, int(count), where, args, backend=backend)
+    print(json.dumps(part), flush=True)
     return 0
 
 
@@ -221,21 +419,51 @@ def _open_store(kind: str, where: str, lease_s: float) -> Any:
     return PostgresStore(conninfo, schema=schema, lease_s=lease_s)
 
 
-async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) -> dict[str, Any]:
-    from bench.workload import Workload
+@asynccontextmanager
+async def _open_driver(kind: str, where: str, args: argparse.Namespace) -> AsyncIterator[Driver]:
+    """The cell's runs: PolyLoop on a store, the hand-written floor, or a peer."""
+    sizes: dict[str, Any] = {
+        "steps": args.steps,
+        "latency_s": args.latency_ms / 1000,
+        "tool_s": TOOL_S,
+    }
+    if kind in ("hand", "hand-novalidate"):
+        yield HandWorkload(**sizes, validate=kind == "hand")
+    elif kind == "pydantic-ai":
+        yield peers.PydanticAIWorkload(**sizes)
+    elif kind.startswith("langgraph-"):
+        checkpointer = kind.removeprefix("langgraph-")
+        async with peers.langgraph_workload(checkpointer, where, **sizes) as driver:
+            yield driver
+    else:
+        async with _open_store(kind, where, args.lease_s) as store:
+            yield Workload(store, **sizes)
 
-    steps, latency_s = args.steps, args.latency_ms / 1000
-    ideal = steps * (latency_s + TOOL_S)
+
+async def _start_signal(args: argparse.Namespace) -> None:
+    """Say this worker is ready, then wait until the parent says every worker is."""
+    if args.barrier is None:
+        return
+    barrier = anyio.Path(args.barrier)
+    await (barrier / f"ready-{args.worker}").touch()
+    # A file, polled: the signal comes from another process, which no Event can span.
+    while not await (barrier / "go").exists():  # noqa: ASYNC110
+        await anyio.sleep(POLL_S)
+
+
+async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) -> dict[str, Any]:
+    steps = args.steps
     lateness: list[float] = []
     peak_fds = 0
     errors: list[str] = []
-    async with _open_store(kind, where, args.lease_s) as store:
-        workload = Workload(store, steps=steps, latency_s=latency_s, tool_s=TOOL_S)
-        await workload.warm()
+    prefix = f"w{args.worker}"  # run ids of their own for workers sharing a database
+    async with _open_driver(kind, where, args) as driver:
+        await warm(driver, f"warm-{prefix}")
+        await _start_signal(args)
 
         async def one(index: int) -> None:
             try:
-                await workload.run(f"run-{index}")
+                await driver.run(f"run-{prefix}-{index}")
             except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
                 errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -249,29 +477,32 @@ async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) 
 
         base_rss = _status_kib("VmRSS")
         cpu_before = _cpu_s()
-        began = time.perf_counter()
+        # The monotonic clock is the system's, so workers' times compare.
+        began = time.monotonic()
         async with anyio.create_task_group() as outer:
             outer.start_soon(ticker)
             async with anyio.create_task_group() as group:
                 for index in range(count):
                     group.start_soon(one, index)
-            wall = time.perf_counter() - began
+            ended = time.monotonic()
             cpu = _cpu_s() - cpu_before
             outer.cancel_scope.cancel()
         peak_rss = _status_kib("VmHWM")
-    done_steps = workload.steps_done
-    lateness.sort()
+    counts = driver.counts
+    if not errors and (counts.decisions, counts.executions) != (count * steps, count * steps):
+        raise AssertionError(
+            f"{kind}: {counts.decisions} model decisions and {counts.executions} tool "
+            f"executions for {count} runs of {steps} steps"
+        )
     return {
         "runs": count,
-        "steps_per_run": steps,
-        "wall_s": wall,
-        "wall_over_ideal": wall / ideal,
-        "steps_per_s": done_steps / wall,
-        "cpu_us_per_step": cpu / max(done_steps, 1) * 1e6,
-        "lag_p50_ms": _quantile(lateness, 0.50) * 1000,
-        "lag_p99_ms": _quantile(lateness, 0.99) * 1000,
-        "lag_max_ms": lateness[-1] * 1000 if lateness else None,
-        "peak_kib_per_run": max(peak_rss - base_rss, 0) / count,
+        "began": began,
+        "ended": ended,
+        "cpu_s": cpu,
+        "decisions": counts.decisions,
+        "tool_executions": counts.executions,
+        "lateness_ms": [round(late * 1000, 3) for late in lateness],
+        "peak_kib": max(peak_rss - base_rss, 0),
         "peak_fds": peak_fds,
         "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
         "errors": len(errors),

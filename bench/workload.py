@@ -6,15 +6,23 @@ tool validates those arguments against a JSON Schema, waits ``tool_s`` and retur
 observation of about 3 KB that differs from step to step, so the transcript the model
 is shown grows by that much each step. The last step calls a tool that completes the
 run. Nothing here is PolyLoop's own code but the run itself.
+
+The script (:func:`decision`), the observation (:func:`observation`) and the schemas are
+shared with the hand-written floor (:class:`HandWorkload`, the same work with no kernel
+and nothing durable) and with the peers in ``bench/peers.py``, so every cell does the
+same work. Every driver counts its model decisions and tool executions in a
+:class:`Counts`, which the benchmark checks against runs x steps.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import anyio
+from jsonschema import Draft202012Validator
 
 from polyloop import (
     Budget,
@@ -52,36 +60,77 @@ SUBMIT_SCHEMA: dict[str, JSONValue] = {
     "required": ["summary"],
     "additionalProperties": False,
 }
+SUBMITTED = "submitted"
+SYSTEM_PROMPT = "You are a research agent."
+GOAL = "Search the corpus, then submit a summary."
 _TEXT = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+
+
+def decision(index: int, steps: int) -> dict[str, Any]:
+    """The tool call the model asks for at step ``index``: search, and submit on the last."""
+    if index >= steps - 1:
+        return {"tool": "submit", "arguments": {"summary": f"done after {index + 1} steps"}}
+    return {"tool": "search", "arguments": {"query": f"topic {index}", "page": index}}
+
+
+def observation(arguments: Mapping[str, Any]) -> str:
+    """The search tool's result: about 3 KB, different on every page."""
+    head = f"results for {arguments['query']!r}, page {arguments['page']}: "
+    body = (_TEXT * (OBSERVATION_CHARS // len(_TEXT) + 1))[: OBSERVATION_CHARS - len(head)]
+    return head + body
+
+
+@dataclass
+class Counts:
+    """Model decisions and tool executions, counted where they happen."""
+
+    decisions: int = 0
+    executions: int = 0
+
+
+class Driver(Protocol):
+    """What a benchmark cell drives: one run at a time, many at once, counted."""
+
+    counts: Counts
+
+    async def run(self, run_id: str) -> None: ...
+
+
+async def warm(driver: Driver, prefix: str = "warm", runs: int = 4) -> None:
+    """A few short runs first, so connections and files exist before timing; their
+    decisions and tool executions are not counted. ``prefix`` keeps the run ids of
+    processes that share a database apart."""
+    async with anyio.create_task_group() as group:
+        for index in range(runs):
+            group.start_soon(driver.run, f"{prefix}-{index}")
+    driver.counts.decisions = driver.counts.executions = 0
 
 
 class LatencyModel:
     """A model client shared by all runs: waits, then asks for the step's tool."""
 
-    def __init__(self, steps: int, latency_s: float) -> None:
+    def __init__(self, steps: int, latency_s: float, counts: Counts) -> None:
         self.steps = steps
         self.latency_s = latency_s
+        self.counts = counts
 
     def parameters(self) -> Mapping[str, JSONValue]:
         return {"kind": "bench-latency", "steps": self.steps, "latency_s": self.latency_s}
 
     async def call(self, call: ModelCall) -> ModelReply:
         await anyio.sleep(self.latency_s)
-        index = call.call_index
-        if index >= self.steps - 1:
-            reply = {"tool": "submit", "arguments": {"summary": f"done after {index + 1} steps"}}
-        else:
-            reply = {"tool": "search", "arguments": {"query": f"topic {index}", "page": index}}
+        self.counts.decisions += 1
+        reply = decision(call.call_index, self.steps)
         return ModelReply(call_id=None, content=json.dumps(reply), reasoning=None)
 
 
 class Workload:
-    """One definition and tool set, shared by every run of a cell; counts steps done."""
+    """One definition and tool set, shared by every run of a cell."""
 
     def __init__(self, store: Store, *, steps: int, latency_s: float, tool_s: float) -> None:
         self.steps = steps
         self.tool_s = tool_s
-        self.steps_done = 0
+        self.counts = Counts()
         self.tools = ToolRegistry(
             [
                 ToolSpec(
@@ -104,7 +153,7 @@ class Workload:
         )
         self.executor = self.tools.executor()
         self.definition = Definition(
-            model=LatencyModel(steps, latency_s),
+            model=LatencyModel(steps, latency_s, self.counts),
             interpreter=JsonActionInterpreter(),
             store=store,
             events=NullSink(),
@@ -113,15 +162,13 @@ class Workload:
 
     async def _search(self, arguments: dict[str, Any], *, result_id: str) -> str:
         await anyio.sleep(self.tool_s)
-        self.steps_done += 1
-        head = f"results for {arguments['query']!r}, page {arguments['page']}: "
-        body = (_TEXT * (OBSERVATION_CHARS // len(_TEXT) + 1))[: OBSERVATION_CHARS - len(head)]
-        return head + body
+        self.counts.executions += 1
+        return observation(arguments)
 
     async def _submit(self, arguments: dict[str, Any], *, result_id: str) -> str:
         await anyio.sleep(self.tool_s)
-        self.steps_done += 1
-        return "submitted"
+        self.counts.executions += 1
+        return SUBMITTED
 
     def request(self, run_id: str) -> Request:
         return Request(
@@ -133,8 +180,8 @@ class Workload:
             ),
             executor=self.executor,
             tools=self.tools,
-            run_context=(Message.text(Role.SYSTEM, "You are a research agent."),),
-            goal_context=(Message.text(Role.USER, "Search the corpus, then submit a summary."),),
+            run_context=(Message.text(Role.SYSTEM, SYSTEM_PROMPT),),
+            goal_context=(Message.text(Role.USER, GOAL),),
             injection=Injection(entries={}),
             binding={},
             model_replay=Replay.ALLOWED,
@@ -150,10 +197,47 @@ class Workload:
                 f"run {run_id!r} ended {result.stop_reason} after {result.step_count} steps"
             )
 
-    async def warm(self) -> None:
-        """A few short runs first, so connections and files exist before timing."""
-        done = self.steps_done
-        async with anyio.create_task_group() as group:
-            for index in range(4):
-                group.start_soon(self.run, f"warm-{index}")
-        self.steps_done = done
+
+class HandWorkload:
+    """The same work written by hand: no kernel, no store, nothing durable.
+
+    Each step sleeps the model's latency, encodes and decodes the tool call as the model
+    client and a JSON interpreter do, validates its arguments with a validator built
+    once (unless ``validate`` is false), sleeps the tool's time, builds the same
+    observation and appends both to the run's transcript. This is the floor: the CPU a
+    step costs with no kernel at all (event loop, JSON, validation).
+    """
+
+    def __init__(
+        self, *, steps: int, latency_s: float, tool_s: float, validate: bool = True
+    ) -> None:
+        self.steps = steps
+        self.latency_s = latency_s
+        self.tool_s = tool_s
+        self.counts = Counts()
+        self.validators = (
+            {
+                "search": Draft202012Validator(SEARCH_SCHEMA),
+                "submit": Draft202012Validator(SUBMIT_SCHEMA),
+            }
+            if validate
+            else {}
+        )
+
+    async def run(self, run_id: str) -> None:
+        transcript = [SYSTEM_PROMPT, GOAL]
+        for index in range(self.steps):
+            await anyio.sleep(self.latency_s)
+            self.counts.decisions += 1
+            content = json.dumps(decision(index, self.steps))
+            reply = json.loads(content)
+            tool, arguments = reply["tool"], reply["arguments"]
+            validator = self.validators.get(tool)
+            if validator is not None:
+                validator.validate(arguments)
+            await anyio.sleep(self.tool_s)
+            self.counts.executions += 1
+            result = observation(arguments) if tool == "search" else SUBMITTED
+            transcript += (content, f"Observation: {result}")
+        if tool != "submit":
+            raise AssertionError(f"run {run_id!r} ended without submitting")

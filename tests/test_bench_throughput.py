@@ -1,16 +1,24 @@
-"""Smoke test of ``bench/throughput.py``: every store and backend at a tiny size.
+"""Smoke test of ``bench/throughput.py``: every store and backend at a tiny size, the
+hand-written floor, the peers and several workers sharing one database.
 
 No timing is asserted (speed targets live in ``bench/``). What is checked: each cell
-runs in its child process, completes every run without an error, did the steps it
-claims, and reports every column; the results file is written.
+runs in its child processes, completes every run without an error, made as many model
+decisions and tool executions as runs x steps, and reports every column; the results
+file is written. LangGraph and Pydantic AI are optional (the ``bench`` extra): a peer's
+row may be skipped only when its library is not installed. The tests that need
+PostgreSQL take the server from ``tests/pg.py``, so under ``CI=true`` they fail rather
+than skip without one.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
 from bench import throughput  # noqa: E402
+from bench.workload import HandWorkload  # noqa: E402
 
 KEYS = {
     "wall_s",
@@ -65,3 +74,115 @@ def test_every_store_and_backend_runs_a_tiny_cell(tmp_path: Path) -> None:
         assert row["errors"] == 0, row
         assert row["runs"] == 3 and row["nofile"] == 256
         assert row["steps_per_s"] * row["wall_s"] == pytest.approx(3 * 2)
+
+
+def _cells(tmp_path: Path, *flags: str) -> list[dict[str, Any]]:
+    """Run the benchmark with 3 runs of 2 steps (unless ``flags`` say otherwise)."""
+    output = tmp_path / "throughput.json"
+    common = ["--runs", "3", "--steps", "2", "--latency-ms", "1", "--workdir", str(tmp_path)]
+    assert throughput.main([*common, "--output", str(output), *flags]) == 0
+    rows: list[dict[str, Any]] = json.loads(output.read_text())["rows"]
+    return rows
+
+
+def _did_the_work(row: dict[str, Any], runs: int = 3, steps: int = 2, workers: int = 1) -> None:
+    assert "skipped" not in row, row
+    assert set(row) >= KEYS, row
+    assert row["errors"] == 0, row
+    assert (row["runs"], row["workers"]) == (runs, workers), row
+    assert row["decisions"] == row["tool_executions"] == runs * steps, row
+    assert row["steps_per_s"] * row["wall_s"] == pytest.approx(runs * steps)
+    assert row["cpu_us_per_step"] > 0
+
+
+def _use_server(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """Point the benchmark at the tests' PostgreSQL server (fails under CI=true if none)."""
+    monkeypatch.setenv("POLYLOOP_TEST_POSTGRES", request.getfixturevalue("postgres_server"))
+
+
+def test_the_hand_written_floor_runs_with_and_without_validation(tmp_path: Path) -> None:
+    rows = _cells(tmp_path, "--stores", "hand,hand-novalidate")
+    assert [row["name"] for row in rows] == [
+        "asyncio / hand-written",
+        "trio / hand-written",
+        "asyncio / hand-written, no validation",
+        "trio / hand-written, no validation",
+    ]
+    for row in rows:
+        _did_the_work(row)
+
+
+PEERS = {
+    "langgraph-sqlite": "langgraph.checkpoint.sqlite",
+    "langgraph-postgres": "langgraph.checkpoint.postgres",
+    "pydantic-ai": "pydantic_ai",
+}
+
+
+@pytest.mark.parametrize("store", sorted(PEERS))
+def test_a_peer_does_the_same_work_on_asyncio_and_is_skipped_on_trio(
+    tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    if "postgres" in store:
+        _use_server(monkeypatch, request)
+    on_asyncio, on_trio = _cells(tmp_path, "--stores", store)
+    assert on_trio["skipped"] == "LangGraph and Pydantic AI run on asyncio only"
+    if on_asyncio.get("skipped"):
+        assert importlib.util.find_spec(PEERS[store]) is None, on_asyncio
+        pytest.skip(f"{store}: {on_asyncio['skipped']}")
+    _did_the_work(on_asyncio)
+
+
+@pytest.mark.parametrize("store", ["postgres", "sqlite"])
+def test_one_and_two_workers_share_one_database(
+    tmp_path: Path, store: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    if store == "postgres":
+        _use_server(monkeypatch, request)
+    rows = _cells(
+        tmp_path, "--runs", "5", "--stores", store, "--backends", "asyncio", "--workers", "1,2"
+    )
+    assert [row["workers"] for row in rows] == [1, 2]
+    for row in rows:
+        _did_the_work(row, runs=5, workers=row["workers"])
+
+
+def test_workers_combine_from_the_first_start_to_the_last_end() -> None:
+    def part(began: float, ended: float, runs: int, lateness: list[float]) -> dict[str, Any]:
+        return {
+            "runs": runs,
+            "began": began,
+            "ended": ended,
+            "cpu_s": 1.0,
+            "decisions": runs * 10,
+            "tool_executions": runs * 10,
+            "lateness_ms": lateness,
+            "peak_kib": 100 * runs,
+            "peak_fds": 10 + runs,
+            "nofile": 1024,
+            "errors": 0,
+            "first_errors": [],
+        }
+
+    args = throughput._parser().parse_args(["--steps", "10", "--latency-ms", "200"])
+    row = throughput._combine([part(1.0, 4.0, 3, [1.0, 3.0]), part(2.0, 5.0, 2, [2.0])], args)
+    assert row["workers"] == 2 and row["runs"] == 5
+    assert row["wall_s"] == 4.0 and row["wall_over_ideal"] == pytest.approx(4.0 / 2.1)
+    assert row["steps_per_s"] == 50 / 4.0
+    assert row["cpu_us_per_step"] == pytest.approx(2.0 / 50 * 1e6)
+    assert (row["lag_p50_ms"], row["lag_max_ms"]) == (2.0, 3.0)
+    assert (row["peak_kib_per_run"], row["peak_fds"]) == (100, 13)
+
+
+def test_a_cell_whose_work_falls_short_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class SkipsATool(HandWorkload):
+        async def run(self, run_id: str) -> None:
+            await super().run(run_id)
+            self.counts.executions -= 1
+
+    monkeypatch.setattr(throughput, "HandWorkload", SkipsATool)
+    args = throughput._parser().parse_args(["--steps", "2", "--latency-ms", "1"])
+    with pytest.raises(AssertionError, match="6 model decisions and 3 tool executions"):
+        anyio.run(throughput._measure, "hand", 3, str(tmp_path), args)
