@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import resource
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ideal_s": args.steps * (args.latency_ms / 1000 + TOOL_S),
                 "nofile": args.nofile,
                 "lease_s": args.lease_s,
+                "gc_threshold": args.gc_threshold or None,
                 "cpu_count": os.cpu_count(),
                 "rows": rows,
             },
@@ -317,6 +319,8 @@ def _child_command(
         str(args.nofile),
         "--lease-s",
         str(args.lease_s),
+        "--gc-threshold",
+        str(args.gc_threshold),
     ]
 
 
@@ -344,6 +348,7 @@ def _combine(parts: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "peak_kib_per_run": sum(part["peak_kib"] for part in parts) / max(runs, 1),
         "peak_fds": max(part["peak_fds"] for part in parts),
         "nofile": parts[0]["nofile"],
+        "gc_threshold": parts[0]["gc_threshold"],
         "decisions": sum(part["decisions"] for part in parts),
         "tool_executions": steps,
         "errors": sum(part["errors"] for part in parts),
@@ -386,6 +391,12 @@ def _parser() -> argparse.ArgumentParser:
         default=15.0,
         help="lease of SqliteStore and PostgresStore (their default: 15 s)",
     )
+    parser.add_argument(
+        "--gc-threshold",
+        type=int,
+        default=0,
+        help="the children's first-generation garbage-collection threshold (0: Python's)",
+    )
     parser.add_argument("--workdir", default=None, help="where the durable stores write")
     parser.add_argument("--output", default=None, help="JSON results (bench/results/...)")
     parser.add_argument("--one", nargs=4, metavar=("STORE", "BACKEND", "RUNS", "WHERE"))
@@ -401,6 +412,11 @@ def _child(args: argparse.Namespace) -> int:
     store, backend, count, where = args.one
     if args.nofile:
         resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))
+    if args.gc_threshold:
+        # A process holding thousands of runs collects its young objects often; a
+        # larger threshold is the application's choice, measured here, never the
+        # library's (it would change the whole process).
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
     part = anyio.run(_measure, store, int(count), where, args, backend=backend)
     print(json.dumps(part), flush=True)
     return 0
@@ -505,6 +521,7 @@ async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) 
         "peak_kib": max(peak_rss - base_rss, 0),
         "peak_fds": peak_fds,
         "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        "gc_threshold": gc.get_threshold()[0],
         "errors": len(errors),
         "first_errors": sorted(set(errors))[:3],
     }

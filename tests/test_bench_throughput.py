@@ -12,6 +12,7 @@ than skip without one.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import sys
@@ -112,6 +113,18 @@ def test_the_hand_written_floor_runs_with_and_without_validation(tmp_path: Path)
         _did_the_work(row)
 
 
+def test_the_children_take_the_garbage_collection_threshold_asked_for(tmp_path: Path) -> None:
+    (tmp_path / "default").mkdir()
+    (tmp_path / "raised").mkdir()
+    default, raised = (
+        _cells(tmp_path / name, "--stores", "memory", "--backends", "asyncio", *flags)[0]
+        for name, flags in (("default", ()), ("raised", ("--gc-threshold", "50000")))
+    )
+    _did_the_work(raised)
+    assert raised["gc_threshold"] == 50_000
+    assert default["gc_threshold"] == gc.get_threshold()[0] != 50_000
+
+
 PEERS = {
     "langgraph-sqlite": "langgraph.checkpoint.sqlite",
     "langgraph-postgres": "langgraph.checkpoint.postgres",
@@ -160,6 +173,7 @@ def test_workers_combine_from_the_first_start_to_the_last_end() -> None:
             "peak_kib": 100 * runs,
             "peak_fds": 10 + runs,
             "nofile": 1024,
+            "gc_threshold": 700,
             "errors": 0,
             "first_errors": [],
         }
