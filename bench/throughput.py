@@ -53,10 +53,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import datetime
 import gc
 import json
 import os
+import pstats
 import resource
 import statistics
 import subprocess
@@ -134,6 +136,7 @@ STORES = ("memory", "jsonl", "sqlite", "postgres")  # the default: PolyLoop's st
 TOOL_S = 0.010
 TICK_S = 0.010
 POLL_S = 0.002  # how often a waiting worker looks for the start signal
+PROFILE_ROWS = 15
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -178,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                         row["skipped"] = reason
                     rows.append(row)
                     print_table(TITLE, COLUMNS, rows[-1:])
+                    _print_profile(row)
                     if reason is not None:
                         break  # the same reason for every number of workers
     print_table(TITLE, COLUMNS, rows)
@@ -321,7 +325,15 @@ def _child_command(
         str(args.lease_s),
         "--gc-threshold",
         str(args.gc_threshold),
+        *(["--profile"] if args.profile else []),
     ]
+
+
+def _print_profile(row: dict[str, Any]) -> None:
+    if row.get("profile"):
+        print(f"\n{row['name']}, {row['runs']:,} runs: the event-loop thread's own time per file")
+        for share, name in row["profile"]:
+            print(f"  {share:5.1f}%  {name}")
 
 
 def _combine(parts: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -353,6 +365,8 @@ def _combine(parts: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "tool_executions": steps,
         "errors": sum(part["errors"] for part in parts),
         "first_errors": sorted({e for part in parts for e in part["first_errors"]})[:3],
+        # The first worker's profile, if one was asked for (--profile).
+        **({"profile": parts[0]["profile"]} if "profile" in parts[0] else {}),
         # Each worker's own window and CPU, to see whether they overlapped.
         "per_worker": [
             {
@@ -397,6 +411,11 @@ def _parser() -> argparse.ArgumentParser:
         default=0,
         help="the children's first-generation garbage-collection threshold (0: Python's)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile each cell's event-loop thread (cProfile) and print its shares per file",
+    )
     parser.add_argument("--workdir", default=None, help="where the durable stores write")
     parser.add_argument("--output", default=None, help="JSON results (bench/results/...)")
     parser.add_argument("--one", nargs=4, metavar=("STORE", "BACKEND", "RUNS", "WHERE"))
@@ -420,6 +439,39 @@ def _child(args: argparse.Namespace) -> int:
     part = anyio.run(_measure, store, int(count), where, args, backend=backend)
     print(json.dumps(part), flush=True)
     return 0
+
+
+# Waiting for something to do, and the profiler's own switch (the time from enabling
+# it to disabling it is booked to that call): not work of the loop.
+_NOT_WORK = frozenset(
+    (
+        "<method 'poll' of 'select.epoll' objects>",
+        "<built-in method select.select>",
+        "<method 'enable' of '_lsprof.Profiler' objects>",
+        "<method 'disable' of '_lsprof.Profiler' objects>",
+    )
+)
+
+
+def _shares(stats: pstats.Stats) -> list[list[Any]]:
+    """The event-loop thread's own time per source file, as shares of its busy time.
+
+    cProfile sees only the thread it runs in (worker threads are not in it) and slows
+    every Python call, so these are shares of the loop's work, not durations. Time
+    waiting in ``epoll``/``select`` for something to do is left out.
+    """
+    by_file: dict[str, float] = {}
+    for (path, _, function), row in stats.stats.items():  # type: ignore[attr-defined]
+        if function in _NOT_WORK:
+            continue
+        if path == "~":
+            path = "built-in functions (C)"
+        name = path.split("site-packages/")[-1].split("/lib/python3")[-1]
+        name = name.split("/src/")[-1].lstrip("/0123456789.")
+        by_file[name] = by_file.get(name, 0.0) + row[2]
+    busy = sum(by_file.values()) or 1.0
+    top = sorted(by_file.items(), key=lambda item: -item[1])[:PROFILE_ROWS]
+    return [[round(seconds / busy * 100, 1), name] for name, seconds in top]
 
 
 def _open_store(kind: str, where: str, lease_s: float) -> Any:
@@ -495,11 +547,16 @@ async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) 
         cpu_before = _cpu_s()
         # The monotonic clock is the system's, so workers' times compare.
         began = time.monotonic()
+        profiler = cProfile.Profile() if args.profile else None
         async with anyio.create_task_group() as outer:
             outer.start_soon(ticker)
+            if profiler is not None:
+                profiler.enable()
             async with anyio.create_task_group() as group:
                 for index in range(count):
                     group.start_soon(one, index)
+            if profiler is not None:
+                profiler.disable()
             ended = time.monotonic()
             cpu = _cpu_s() - cpu_before
             outer.cancel_scope.cancel()
@@ -524,6 +581,7 @@ async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) 
         "gc_threshold": gc.get_threshold()[0],
         "errors": len(errors),
         "first_errors": sorted(set(errors))[:3],
+        **({"profile": _shares(pstats.Stats(profiler))} if profiler is not None else {}),
     }
 
 

@@ -125,6 +125,17 @@ def test_the_children_take_the_garbage_collection_threshold_asked_for(tmp_path: 
     assert default["gc_threshold"] == gc.get_threshold()[0] != 50_000
 
 
+def test_a_profiled_cell_reports_the_loop_threads_shares_per_file(tmp_path: Path) -> None:
+    flags = ("--stores", "sqlite", "--backends", "asyncio", "--runs", "20", "--profile")
+    row = _cells(tmp_path, *flags)[0]
+    _did_the_work(row, runs=20)
+    shares = [share for share, _ in row["profile"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 100.5
+    names = [name for _, name in row["profile"]]
+    assert any(name.startswith("polyloop/") for name in names), names
+    assert not any(name.startswith("/") for name in names), names  # no machine paths
+
+
 PEERS = {
     "langgraph-sqlite": "langgraph.checkpoint.sqlite",
     "langgraph-postgres": "langgraph.checkpoint.postgres",
