@@ -80,7 +80,13 @@ if not __package__:
 import anyio  # noqa: E402
 
 from bench import peers  # noqa: E402
-from bench._common import Column, postgres_conninfo, postgres_schema, print_table  # noqa: E402
+from bench._common import (  # noqa: E402
+    Column,
+    fmt,
+    postgres_conninfo,
+    postgres_schema,
+    print_table,
+)
 from bench.workload import Driver, HandWorkload, Workload, warm  # noqa: E402
 
 TITLE = "8. Throughput: concurrent runs of realistic shape"
@@ -146,6 +152,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.render:
+        print("\n\n".join(render(json.loads(Path(name).read_text())) for name in args.render))
+        return 0
     if args.one:
         return _child(args)
     stores = [store for store in args.stores.split(",") if store]
@@ -329,6 +338,34 @@ def _child_command(
     ]
 
 
+def render(results: dict[str, Any]) -> str:
+    """A results file as Markdown: the command that made it, then its table."""
+    shown = [column for column in COLUMNS if column[0] != "wall_s"]
+    lines = [
+        f"`{_without_output(results['command'])}` ({results['date'][:10]}; "
+        f"lease {results['lease_s']:g} s"
+        + (f", GC threshold {results['gc_threshold']:,}" if results.get("gc_threshold") else "")
+        + ")",
+        "",
+        "| " + " | ".join(str(column[1]) for column in shown) + " |",
+        "|---|" + "--:|" * (len(shown) - 1),
+    ]
+    for row in results["rows"]:
+        if row.get("skipped"):
+            cells = [row["name"], f"skipped: {row['skipped']}"] + [""] * (len(shown) - 2)
+        else:
+            cells = [fmt(row.get(c[0]), c[2] if len(c) > 2 else 1) for c in shown]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _without_output(command: str) -> str:
+    """The command without ``--output FILE``: where a file went is not how it was made."""
+    words = command.split()
+    kept = [w for i, w in enumerate(words) if w != "--output" and words[i - 1 : i] != ["--output"]]
+    return " ".join(kept)
+
+
 def _print_profile(row: dict[str, Any]) -> None:
     if row.get("profile"):
         print(f"\n{row['name']}, {row['runs']:,} runs: the event-loop thread's own time per file")
@@ -415,6 +452,9 @@ def _parser() -> argparse.ArgumentParser:
         "--profile",
         action="store_true",
         help="profile each cell's event-loop thread (cProfile) and print its shares per file",
+    )
+    parser.add_argument(
+        "--render", nargs="+", metavar="RESULTS", help="print results files as Markdown tables"
     )
     parser.add_argument("--workdir", default=None, help="where the durable stores write")
     parser.add_argument("--output", default=None, help="JSON results (bench/results/...)")

@@ -136,6 +136,42 @@ def test_a_profiled_cell_reports_the_loop_threads_shares_per_file(tmp_path: Path
     assert not any(name.startswith("/") for name in names), names  # no machine paths
 
 
+def test_results_render_as_markdown_without_where_they_were_written() -> None:
+    results = {
+        "command": "python bench/throughput.py --runs 3 --output /somewhere/t.json --steps 2",
+        "date": "2026-12-02T01:00:00+00:00",
+        "lease_s": 15.0,
+        "gc_threshold": 50000,
+        "rows": [
+            {
+                "name": "asyncio / MemoryStore",
+                "runs": 3,
+                "workers": 1,
+                "wall_over_ideal": 1.5,
+                "steps_per_s": 12.0,
+                "cpu_us_per_step": 350.0,
+                "lag_p50_ms": 0.4,
+                "lag_p99_ms": 2.0,
+                "lag_max_ms": 3.0,
+                "peak_kib_per_run": 90.0,
+                "peak_fds": 6,
+                "errors": 0,
+            },
+            {"name": "trio / LangGraph", "runs": 3, "skipped": "asyncio only"},
+        ],
+    }
+    lines = throughput.render(results).splitlines()
+    assert lines[0] == (
+        "`python bench/throughput.py --runs 3 --steps 2` "
+        "(2026-12-02; lease 15 s, GC threshold 50,000)"
+    )
+    assert lines[4] == (
+        "| asyncio / MemoryStore | 3 | 1 | 1.50 | 12.0 | 350 | 0.4 | 2.0 | 3.0 | 90.0 | 6 | 0 |"
+    )
+    assert lines[5].startswith("| trio / LangGraph | skipped: asyncio only |")
+    assert len(lines) == 6
+
+
 PEERS = {
     "langgraph-sqlite": "langgraph.checkpoint.sqlite",
     "langgraph-postgres": "langgraph.checkpoint.postgres",
