@@ -201,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "title": TITLE,
                 "date": began.isoformat(timespec="seconds"),
-                "command": " ".join(["python", "bench/throughput.py", *sys.argv[1:]]),
+                "command": _without_output(
+                    " ".join(["python", "bench/throughput.py", *sys.argv[1:]])
+                ),
                 "latency_ms": args.latency_ms,
                 "steps": args.steps,
                 "ideal_s": args.steps * (args.latency_ms / 1000 + TOOL_S),
@@ -356,6 +358,18 @@ def render(results: dict[str, Any]) -> str:
         else:
             cells = [fmt(row.get(c[0]), c[2] if len(c) > 2 else 1) for c in shown]
         lines.append("| " + " | ".join(cells) + " |")
+    profiled = [row for row in results["rows"] if row.get("profile")]
+    if profiled:
+        lines += ["", "| file | " + " | ".join(row["name"] for row in profiled) + " |"]
+        lines.append("|---|" + "--:|" * len(profiled))
+        shares = [{name: share for share, name in row["profile"]} for row in profiled]
+        names = sorted(
+            {name for row in shares for name in row},
+            key=lambda n: -max(row.get(n, 0.0) for row in shares),
+        )
+        for name in names:
+            cells = [f"{row[name]:.1f}%" if name in row else "" for row in shares]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -493,21 +507,33 @@ _NOT_WORK = frozenset(
 )
 
 
+def _source_name(path: str) -> str:
+    """A profiled file as the table names it: by package, never by where it lies."""
+    if path == "~":
+        return "built-in functions (C)"
+    if "site-packages/" in path:
+        return path.rsplit("site-packages/", 1)[1]
+    if path.startswith(str(ROOT) + "/"):
+        return path[len(str(ROOT)) + 1 :].removeprefix("src/")
+    if "/lib/python3" in path:
+        return path.rsplit("/lib/python3", 1)[1].lstrip("0123456789.").lstrip("/")
+    return Path(path).name
+
+
 def _shares(stats: pstats.Stats) -> list[list[Any]]:
     """The event-loop thread's own time per source file, as shares of its busy time.
 
     cProfile sees only the thread it runs in (worker threads are not in it) and slows
     every Python call, so these are shares of the loop's work, not durations. Time
-    waiting in ``epoll``/``select`` for something to do is left out.
+    waiting in ``epoll``/``select`` for something to do is left out; a built-in that
+    lets go of the interpreter lock (a socket read, a directory listing) is charged
+    the wait to take it back while worker threads run Python code.
     """
     by_file: dict[str, float] = {}
     for (path, _, function), row in stats.stats.items():  # type: ignore[attr-defined]
         if function in _NOT_WORK:
             continue
-        if path == "~":
-            path = "built-in functions (C)"
-        name = path.split("site-packages/")[-1].split("/lib/python3")[-1]
-        name = name.split("/src/")[-1].lstrip("/0123456789.")
+        name = _source_name(path)
         by_file[name] = by_file.get(name, 0.0) + row[2]
     busy = sum(by_file.values()) or 1.0
     top = sorted(by_file.items(), key=lambda item: -item[1])[:PROFILE_ROWS]

@@ -283,6 +283,28 @@ def test_performance_page_holds_the_report_of_the_reference_run() -> None:
     assert shown == render(reference).strip()
 
 
+THROUGHPUT_BLOCK = re.compile(
+    r"<!-- python bench/throughput.py --render (?P<file>\S+) -->\n(?P<shown>.*?)"
+    r"<!-- end of throughput results -->",
+    re.DOTALL,
+)
+
+
+def test_performance_page_holds_the_committed_throughput_results() -> None:
+    """Every throughput table on the page is the rendering of a committed results file,
+    and every committed results file is shown."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from bench.throughput import render
+
+    page = (DOCS / "performance.md").read_text(encoding="utf-8")
+    blocks = {match["file"]: match["shown"].strip() for match in THROUGHPUT_BLOCK.finditer(page)}
+    committed = sorted((ROOT / "bench" / "results" / "throughput").glob("*.json"))
+    assert sorted(blocks) == [path.relative_to(ROOT).as_posix() for path in committed]
+    for name, shown in blocks.items():
+        assert shown == render(json.loads((ROOT / name).read_text())), name
+
+
 def test_the_readme_program_runs_as_written() -> None:
     """The README's first program, with a scripted model as its ``my_model``."""
     from polyloop import StopReason
