@@ -58,6 +58,13 @@ def pydantic_ai_missing() -> str | None:
     return missing("pydantic_ai")
 
 
+async def _search(counts: Counts, tool_s: float, query: str, page: int) -> str:
+    """The search tool's work, the same in every peer: wait, count, answer."""
+    await anyio.sleep(tool_s)
+    counts.executions += 1
+    return observation({"query": query, "page": page})
+
+
 class LangGraphLoop:
     """A compiled model-node + tool-node graph; ``checkpointer`` is ``none``, ``memory``
     or ``sqlite`` (a database file at ``path``)."""
@@ -216,9 +223,7 @@ class LangGraphWorkload:
             query: Annotated[str, Field(min_length=1)], page: Annotated[int, Field(ge=0)]
         ) -> str:
             """Search the corpus; one page of results."""
-            await anyio.sleep(tool_s)
-            counts.executions += 1
-            return observation({"query": query, "page": page})
+            return await _search(counts, tool_s, query, page)
 
         @tool
         async def submit(summary: str) -> str:
@@ -364,9 +369,7 @@ class PydanticAIWorkload:
             query: Annotated[str, Field(min_length=1)], page: Annotated[int, Field(ge=0)]
         ) -> str:
             """Search the corpus; one page of results."""
-            await anyio.sleep(tool_s)
-            counts.executions += 1
-            return observation({"query": query, "page": page})
+            return await _search(counts, tool_s, query, page)
 
     async def run(self, run_id: str) -> None:
         from pydantic_ai.usage import UsageLimits
