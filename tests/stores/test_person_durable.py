@@ -43,6 +43,7 @@ from review_kit import (
     review_tools,
     reviews,
 )
+from store_kit import DURABLE_KINDS, durable_opener
 
 pytestmark = pytest.mark.anyio
 
@@ -50,14 +51,9 @@ APPROVAL_WRITES = 16  # run to the pause: 9; the verdict: 1; the rest of the run
 SETTLEMENT_WRITES = 7  # in-doubt end, settlement, the step, one more step, the end
 
 
-@pytest.fixture(params=["jsonl", "sqlite", "postgresql"])
+@pytest.fixture(params=DURABLE_KINDS)
 def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
-    if request.param == "jsonl":
-        return lambda: JsonlStore(tmp_path / "runs")
-    if request.param == "sqlite":
-        return lambda: SqliteStore(tmp_path / "runs.db")
-    conninfo = request.getfixturevalue("postgres_conninfo")
-    return lambda: PostgresStore(conninfo)
+    return durable_opener(request, tmp_path)
 
 
 @dataclasses.dataclass
