@@ -16,11 +16,11 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+import record_kit as kit
 from polyloop.serialization import dumps, encode, loads
 from polyloop.stores._jsonl_reader import parse_lines
 from polyloop.testing.store_contract import expected_records, sample_run
 from polyloop.types import (
-    ActionStatus,
     CorruptLog,
     DecisionKind,
     Intent,
@@ -50,85 +50,54 @@ AWKWARD = LINE_BREAKERS + '\x00\t"\\/é\u2603\U0001f600 a'
 
 
 def model_intent(run_id: str, k: int, sha: str = "ab", replay: Replay = Replay.NEVER) -> Intent:
-    return Intent(
-        run_id=run_id,
-        result_id=f"{run_id}:{k}:model",
-        kind=IntentKind.MODEL_CALL,
-        step=k,
-        call_index=k,
-        replay=replay,
-        payload={"messages_sha256": sha},
-    )
+    return kit.intent(run_id, k, IntentKind.MODEL_CALL, {"messages_sha256": sha}, replay=replay)
 
 
 def model_result(run_id: str, k: int, text: str) -> Result:
-    return Result(
-        run_id=run_id,
-        result_id=f"{run_id}:{k}:model",
-        kind=IntentKind.MODEL_CALL,
-        payload={"call_id": f"c{k}", "content": text, "reasoning": None},
-    )
+    payload: JSONValue = {"call_id": f"c{k}", "content": text, "reasoning": None}
+    return kit.result(run_id, k, IntentKind.MODEL_CALL, payload)
 
 
 def action_intent(
     run_id: str, k: int, arguments: JSONValue, replay: Replay = Replay.ALLOWED
 ) -> Intent:
-    return Intent(
-        run_id=run_id,
-        result_id=f"{run_id}:{k}:action",
-        kind=IntentKind.ACTION,
-        step=k,
-        call_index=k,
+    return kit.intent(
+        run_id,
+        k,
+        IntentKind.ACTION,
+        {"name": "tool", "arguments": arguments},
         replay=replay,
-        payload={"name": "tool", "arguments": arguments},
         action_text="tool(...)",
         history_text="calls the tool",
     )
 
 
 def action_result(run_id: str, k: int, text: str) -> Result:
-    return Result(
-        run_id=run_id,
-        result_id=f"{run_id}:{k}:action",
-        kind=IntentKind.ACTION,
-        payload={"status": "executed", "observation": text},
-    )
+    return kit.result(run_id, k, IntentKind.ACTION, {"status": "executed", "observation": text})
 
 
 def step_record(run_id: str, k: int, text: str, *, with_action: bool) -> StepRecord:
     if with_action:
-        return StepRecord(
-            run_id=run_id,
-            step=k,
+        return kit.step(
+            run_id,
+            k,
             call_id=f"c{k}",
             model_output=text,
             reasoning=text,
-            decision=DecisionKind.ACTION,
             history_text=text,
             action_text="tool(...)",
             observation=text,
-            observation_synthesized=False,
-            action_status=ActionStatus.EXECUTED,
-            done=False,
-            truncated_chars=0,
-            error=None,
             duration_s=0.5,
         )
-    return StepRecord(
-        run_id=run_id,
-        step=k,
-        call_id=None,
+    return kit.step(
+        run_id,
+        k,
         model_output=text,
-        reasoning=None,
         decision=DecisionKind.FINAL,
         history_text=text,
         action_text=None,
         observation=None,
-        observation_synthesized=False,
         action_status=None,
-        done=False,
-        truncated_chars=0,
-        error=None,
         final_answer=text,
         duration_s=0.5,
     )

@@ -18,42 +18,26 @@ from typing import Any
 
 import anyio
 
+import child_agent_kit as kit
 from polyloop import (
-    Budget,
     Definition,
-    Injection,
-    Message,
-    NullSink,
-    ObservationTexts,
     Replay,
     Request,
-    Role,
     RunResult,
     Store,
     ToolRegistry,
     ToolSpec,
-    ToolStyle,
     resume,
     run,
     serialization,
 )
-from polyloop.testing import JsonActionInterpreter, ScriptedModelClient, without_timing
+from polyloop.testing import ScriptedModelClient, without_timing
 
 SCRIPT = [json.dumps({"tool": "fetch", "arguments": {"n": n}}) for n in range(1, 5)] + [
     json.dumps({"tool": "record", "arguments": {"total": 10}}),
     json.dumps({"tool": "fetch", "arguments": {"n": 5}}),
     json.dumps({"tool": "submit", "arguments": {"total": 15}}),
 ]
-
-
-def open_store(spec: str) -> Store:
-    from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
-
-    if spec.startswith("jsonl:"):
-        return JsonlStore(spec.removeprefix("jsonl:"))
-    if spec.startswith("sqlite:"):
-        return SqliteStore(spec.removeprefix("sqlite:"))
-    return PostgresStore(spec)
 
 
 def tools(side_file: str) -> ToolRegistry:
@@ -110,29 +94,10 @@ def tools(side_file: str) -> ToolRegistry:
 
 
 def build(store: Store, run_id: str, side_file: str) -> tuple[Definition, Request]:
-    registry = tools(side_file)
-    definition = Definition(
-        model=ScriptedModelClient(SCRIPT, delay=0.03, name="kill-test"),
-        interpreter=JsonActionInterpreter(),
-        store=store,
-        events=NullSink(),
-        texts=ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}"),
+    model = ScriptedModelClient(SCRIPT, delay=0.03, name="kill-test")
+    return kit.build(
+        store, run_id, model, tools(side_file), max_steps=20, instructions="Fetch, record, submit."
     )
-    request = Request(
-        run_id=run_id,
-        budget=Budget(max_steps=20, max_valid_steps=20, max_context_chars=100_000),
-        executor=registry.executor(),
-        tools=registry,
-        run_context=(Message.text(Role.SYSTEM, "Fetch, record, submit."),),
-        goal_context=(Message.text(Role.USER, "Go."),),
-        injection=Injection(entries={}),
-        binding={},
-        model_replay=Replay.ALLOWED,
-        observation_template="Observation: {observation}",
-        tool_style=ToolStyle.JSON,
-        cancel_grace_s=1.0,
-    )
-    return definition, request
 
 
 def summary(result: RunResult) -> dict[str, Any]:
@@ -145,7 +110,7 @@ def summary(result: RunResult) -> dict[str, Any]:
 
 
 async def main(spec: str, run_id: str, mode: str, side_file: str) -> None:
-    store = open_store(spec)
+    store = kit.open_store(spec)
     try:
         drive = run if mode == "run" else resume
         result = await drive(*build(store, run_id, side_file))

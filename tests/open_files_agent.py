@@ -24,41 +24,24 @@ from typing import Any
 
 import anyio
 
+import child_agent_kit as kit
 from polyloop import (
-    Budget,
     Definition,
-    Injection,
-    Message,
-    NullSink,
-    ObservationTexts,
-    Replay,
     Request,
-    Role,
     Store,
     StoreError,
     ToolRegistry,
     ToolSpec,
-    ToolStyle,
     resume,
     run,
 )
 from polyloop.ports import ModelCall
-from polyloop.testing import JsonActionInterpreter, ScriptedModelClient
+from polyloop.testing import ScriptedModelClient
 
 STEPS = 2
 NOOP = json.dumps({"tool": "noop", "arguments": {}})
 FINISH = json.dumps({"tool": "finish", "arguments": {}})
 HELD: list[int] = []  # the descriptors ``exhaust`` fills
-
-
-def open_store(spec: str) -> Store:
-    from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
-
-    if spec.startswith("jsonl:"):
-        return JsonlStore(spec.removeprefix("jsonl:"))
-    if spec.startswith("sqlite:"):
-        return SqliteStore(spec.removeprefix("sqlite:"))
-    return PostgresStore(spec)
 
 
 def fill_descriptors() -> None:
@@ -93,28 +76,10 @@ def build(store: Store, run_id: str, *, exhaust: bool) -> tuple[Definition, Requ
         ],
         max_observation_chars=1_000,
     )
-    definition = Definition(
-        model=ScriptedModelClient(script, delay=0.05, name="open-files"),
-        interpreter=JsonActionInterpreter(),
-        store=store,
-        events=NullSink(),
-        texts=ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}"),
+    model = ScriptedModelClient(script, delay=0.05, name="open-files")
+    return kit.build(
+        store, run_id, model, registry, max_steps=10, instructions="Call noop, then finish."
     )
-    request = Request(
-        run_id=run_id,
-        budget=Budget(max_steps=10, max_valid_steps=10, max_context_chars=100_000),
-        executor=registry.executor(),
-        tools=registry,
-        run_context=(Message.text(Role.SYSTEM, "Call noop, then finish."),),
-        goal_context=(Message.text(Role.USER, "Go."),),
-        injection=Injection(entries={}),
-        binding={},
-        model_replay=Replay.ALLOWED,
-        observation_template="Observation: {observation}",
-        tool_style=ToolStyle.JSON,
-        cancel_grace_s=1.0,
-    )
-    return definition, request
 
 
 async def many(store: Store, count: int) -> dict[str, Any]:
@@ -167,7 +132,7 @@ async def exhaust(store: Store, run_id: str, *, first: bool) -> dict[str, Any]:
 
 async def main(spec: str, limit: str, mode: str, argument: str) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(limit), int(limit)))
-    store = open_store(spec)
+    store = kit.open_store(spec)
     try:
         if mode == "many":
             outcome = await many(store, int(argument))

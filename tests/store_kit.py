@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from polyloop import Store
 from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
 
 STORE_KINDS = ("memory", "jsonl", "sqlite", "postgresql")
+DURABLE_KINDS = ("jsonl", "sqlite", "postgresql")
+
+
+def durable_opener(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
+    """What opens store objects over one durable store, of the kind the fixture's param names.
+
+    Each call opens another object on the same data, as a new process would; the PostgreSQL
+    server is asked for only when that kind runs.
+    """
+    if request.param == "jsonl":
+        return lambda: JsonlStore(tmp_path / "runs")
+    if request.param == "sqlite":
+        return lambda: SqliteStore(tmp_path / "runs.db")
+    conninfo = request.getfixturevalue("postgres_conninfo")
+    return lambda: PostgresStore(conninfo)
 
 
 class Stores:

@@ -38,9 +38,10 @@ from polyloop import (
     run,
 )
 from polyloop.serialization import dumps
-from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
+from polyloop.stores import JsonlStore, MemoryStore
 from polyloop.stores._common import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
+from store_kit import DURABLE_KINDS, durable_opener
 
 pytestmark = pytest.mark.anyio
 
@@ -168,14 +169,9 @@ async def test_2000_concurrent_runs_of_20_steps_in_memory(anyio_backend: str) ->
 DURABLE_RUNS = 300
 
 
-@pytest.fixture(params=["jsonl", "sqlite", "postgresql"])
+@pytest.fixture(params=DURABLE_KINDS)
 def open_durable(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
-    if request.param == "jsonl":
-        return lambda: JsonlStore(tmp_path / "runs")
-    if request.param == "sqlite":
-        return lambda: SqliteStore(tmp_path / "runs.db")
-    conninfo = request.getfixturevalue("postgres_conninfo")
-    return lambda: PostgresStore(conninfo)
+    return durable_opener(request, tmp_path)
 
 
 async def test_300_concurrent_runs_of_20_steps_on_each_durable_store(

@@ -18,6 +18,7 @@ from polyloop import (
     RunState,
     Settlement,
     StopReason,
+    ToolRegistry,
     Verdict,
     approve,
     reject,
@@ -150,15 +151,23 @@ async def test_a_verdict_is_refused_while_a_worker_holds_the_run() -> None:
     assert len(reviews(await store.read_log("r"))) == 1
 
 
-async def _in_doubt(store: MemoryStore, ledger: Ledger) -> None:
-    tools = review_tools(ledger)
-    # Crash right after the pay intent: the payment ran, its result is lost.
+async def _crash_paying(store: MemoryStore, tools: ToolRegistry, writes: int) -> None:
+    """Run the payment script to a simulated crash after ``writes`` writes.
+
+    The crashed worker's claim on the run is released, as the end of its process would.
+    """
     with pytest.raises(SimulatedCrash):
         await run(
-            definition(FaultyStore(store, fail_after_writes=8), script=payment_script()),
+            definition(FaultyStore(store, fail_after_writes=writes), script=payment_script()),
             request("r", tools),
         )
     await store.release_run("r")
+
+
+async def _in_doubt(store: MemoryStore, ledger: Ledger) -> None:
+    tools = review_tools(ledger)
+    # Crash right after the pay intent: the payment ran, its result is lost.
+    await _crash_paying(store, tools, 8)
     result = await resume(definition(store, script=payment_script()), request("r", tools))
     assert result.stop_reason is StopReason.IN_DOUBT
     assert [name for name, _ in ledger.calls] == ["double", "pay"]
@@ -217,12 +226,7 @@ async def test_settling_a_run_not_in_doubt_is_refused_and_writes_nothing() -> No
 async def test_a_model_call_in_doubt_cannot_be_settled() -> None:
     store, ledger = MemoryStore(), Ledger()
     tools = review_tools(ledger)
-    with pytest.raises(SimulatedCrash):
-        await run(
-            definition(FaultyStore(store, fail_after_writes=2), script=payment_script()),
-            request("r", tools),
-        )
-    await store.release_run("r")
+    await _crash_paying(store, tools, 2)
     with pytest.raises(NotInDoubt, match="only an action can be settled"):
         await settle(store, "r", by="carol", ran=False, observation="x")
 

@@ -11,24 +11,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import record_kit as kit
 from polyloop._recovery import RecoveryState, read_plan, status
 from polyloop.ports import StoredRun
 from polyloop.types import (
-    ActionStatus,
     CorruptLog,
-    DecisionKind,
-    Intent,
     IntentKind,
     Proposal,
     Record,
     Replay,
-    Result,
     RunEnded,
     RunLog,
     RunStarted,
     RunState,
     Settlement,
-    StepRecord,
     StopReason,
     Verdict,
 )
@@ -38,18 +34,8 @@ ACTION = f"{RUN}:0:action"
 PAYLOAD = {"name": "deploy", "arguments": {"env": "prod"}}
 
 START = RunStarted(run_id=RUN, snapshot={})
-MODEL_INTENT = Intent(
-    run_id=RUN,
-    result_id=f"{RUN}:0:model",
-    kind=IntentKind.MODEL_CALL,
-    step=0,
-    call_index=0,
-    replay=Replay.ALLOWED,
-    payload={},
-)
-MODEL_RESULT = Result(
-    run_id=RUN, result_id=f"{RUN}:0:model", kind=IntentKind.MODEL_CALL, payload={"content": "x"}
-)
+MODEL_INTENT = kit.intent(RUN, 0, IntentKind.MODEL_CALL, {}, replay=Replay.ALLOWED)
+MODEL_RESULT = kit.result(RUN, 0, IntentKind.MODEL_CALL, {"content": "x"})
 PROPOSAL = Proposal(
     run_id=RUN,
     result_id=ACTION,
@@ -66,35 +52,10 @@ APPROVED = Verdict(
 REJECTED = Verdict(
     run_id=RUN, result_id=ACTION, approved=False, by="bob", payload=None, reason="no"
 )
-ACTION_INTENT = Intent(
-    run_id=RUN,
-    result_id=ACTION,
-    kind=IntentKind.ACTION,
-    step=0,
-    call_index=0,
-    replay=Replay.NEVER,
-    payload=PAYLOAD,
-)
+ACTION_INTENT = kit.intent(RUN, 0, IntentKind.ACTION, PAYLOAD)
 SETTLED = Settlement(run_id=RUN, result_id=ACTION, ran=True, observation="ok", by="carol")
-ACTION_RESULT = Result(
-    run_id=RUN, result_id=ACTION, kind=IntentKind.ACTION, payload={"status": "executed"}
-)
-STEP = StepRecord(
-    run_id=RUN,
-    step=0,
-    call_id=None,
-    model_output="x",
-    reasoning=None,
-    decision=DecisionKind.ACTION,
-    history_text="x",
-    action_text="deploy(prod)",
-    observation="ok",
-    observation_synthesized=False,
-    action_status=ActionStatus.EXECUTED,
-    done=False,
-    truncated_chars=0,
-    error=None,
-)
+ACTION_RESULT = kit.result(RUN, 0, IntentKind.ACTION, {"status": "executed"})
+STEP = kit.step(RUN, 0, action_text="deploy(prod)", observation="ok")
 
 
 def end(reason: StopReason, steps: int = 0) -> RunEnded:

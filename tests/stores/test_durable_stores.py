@@ -22,21 +22,17 @@ from agent_kit import (
     uninterrupted,
 )
 from polyloop import Replay, RunEnded, StepRecord, StopReason, Store, resume, run
-from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
+from polyloop.stores import JsonlStore
 from polyloop.stores._common import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
+from store_kit import DURABLE_KINDS, durable_opener
 
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(params=["jsonl", "sqlite", "postgresql"])
+@pytest.fixture(params=DURABLE_KINDS)
 def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
-    if request.param == "jsonl":
-        return lambda: JsonlStore(tmp_path / "runs")
-    if request.param == "sqlite":
-        return lambda: SqliteStore(tmp_path / "runs.db")
-    conninfo = request.getfixturevalue("postgres_conninfo")
-    return lambda: PostgresStore(conninfo)
+    return durable_opener(request, tmp_path)
 
 
 async def test_300_concurrent_runs_on_one_store_object(open_store: Callable[[], Store]) -> None:

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import polyloop.stores._jsonl as jsonl_module
+import record_kit as kit
 from agent_kit import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
@@ -51,7 +52,6 @@ from polyloop.testing.store_contract import (
     sample_run,
 )
 from polyloop.types import (
-    ActionStatus,
     CorruptLog,
     DecisionKind,
     Intent,
@@ -70,6 +70,7 @@ from polyloop.types import (
     StoreError,
     UnloggableValue,
 )
+from record_kit import step
 
 pytestmark = pytest.mark.anyio
 
@@ -96,42 +97,12 @@ def started(run_id: str = "r") -> RunStarted:
 
 
 def intent(run_id: str = "r", k: int = 0, kind: IntentKind = IntentKind.ACTION) -> Intent:
-    return Intent(
-        run_id=run_id,
-        result_id=f"{run_id}:{k}:{kind.value}",
-        kind=kind,
-        step=k,
-        call_index=k,
-        replay=Replay.NEVER,
-        payload={"name": "double", "n": k},
-    )
+    return kit.intent(run_id, k, kind, {"name": "double", "n": k})
 
 
 def result(run_id: str = "r", k: int = 0, text: str = "ok") -> Result:
-    return Result(
-        run_id=run_id,
-        result_id=f"{run_id}:{k}:model",
-        kind=IntentKind.MODEL_CALL,
-        payload={"call_id": None, "content": text, "reasoning": None},
-    )
-
-
-def step(run_id: str = "r", k: int = 0) -> StepRecord:
-    return StepRecord(
-        run_id=run_id,
-        step=k,
-        call_id=None,
-        model_output="x",
-        reasoning=None,
-        decision=DecisionKind.ACTION,
-        history_text="x",
-        action_text="t()",
-        observation="o",
-        observation_synthesized=False,
-        action_status=ActionStatus.EXECUTED,
-        done=False,
-        truncated_chars=0,
-        error=None,
+    return kit.result(
+        run_id, k, IntentKind.MODEL_CALL, {"call_id": None, "content": text, "reasoning": None}
     )
 
 

@@ -12,8 +12,9 @@ import pytest
 from agent_kit import Ledger, close_store, definition, make_tools, request, same_outcome
 from native_kit import INTERPRETER, NATIVE, HashingModel, native_script
 from polyloop import Replay, RunResult, StopReason, Store, resume, run
-from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
+from polyloop.stores import JsonlStore
 from polyloop.testing import FaultyStore, SimulatedCrash
+from store_kit import DURABLE_KINDS, durable_opener
 
 pytestmark = pytest.mark.anyio
 
@@ -21,14 +22,9 @@ TOTAL_WRITES = 21  # 1 + 4 + 4 + 3 + 4 + 4 + 1
 ACTION_INTENTS = {4, 8, 15, 19}
 
 
-@pytest.fixture(params=["jsonl", "sqlite", "postgresql"])
+@pytest.fixture(params=DURABLE_KINDS)
 def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
-    if request.param == "jsonl":
-        return lambda: JsonlStore(tmp_path / "runs")
-    if request.param == "sqlite":
-        return lambda: SqliteStore(tmp_path / "runs.db")
-    conninfo = request.getfixturevalue("postgres_conninfo")
-    return lambda: PostgresStore(conninfo)
+    return durable_opener(request, tmp_path)
 
 
 async def _crash_and_resume(

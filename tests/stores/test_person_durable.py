@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from review_kit import (
     review_tools,
     reviews,
 )
+from store_kit import DURABLE_KINDS, durable_opener
 
 pytestmark = pytest.mark.anyio
 
@@ -50,14 +51,9 @@ APPROVAL_WRITES = 16  # run to the pause: 9; the verdict: 1; the rest of the run
 SETTLEMENT_WRITES = 7  # in-doubt end, settlement, the step, one more step, the end
 
 
-@pytest.fixture(params=["jsonl", "sqlite", "postgresql"])
+@pytest.fixture(params=DURABLE_KINDS)
 def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
-    if request.param == "jsonl":
-        return lambda: JsonlStore(tmp_path / "runs")
-    if request.param == "sqlite":
-        return lambda: SqliteStore(tmp_path / "runs.db")
-    conninfo = request.getfixturevalue("postgres_conninfo")
-    return lambda: PostgresStore(conninfo)
+    return durable_opener(request, tmp_path)
 
 
 @dataclasses.dataclass
@@ -150,6 +146,34 @@ async def _reviews(open_store: Callable[[], Store]) -> list[Any]:
         await close_store(store)
 
 
+async def _two_at_once(
+    open_store: Callable[[], Store],
+    answer: Callable[[Store, str], Awaitable[object]],
+    refused: tuple[type[Exception], ...],
+) -> list[object]:
+    """Alice and Bob give the same answer at once, each through a store object of their own.
+
+    Returns what each call gave back, or the refusal it met, in the order they finished.
+    """
+    outcomes: list[object] = []
+    stores = [open_store(), open_store()]
+
+    async def one(store: Store, by: str) -> None:
+        try:
+            outcomes.append(await answer(store, by))
+        except refused as exc:
+            outcomes.append(exc)
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(one, stores[0], "alice")
+            group.start_soon(one, stores[1], "bob")
+    finally:
+        for store in stores:
+            await close_store(store)
+    return outcomes
+
+
 @pytest.mark.parametrize("k", range(APPROVAL_WRITES + 1))
 async def test_a_crash_after_every_write_around_an_approval(
     open_store: Callable[[], Store], k: int, tmp_path: Path
@@ -206,22 +230,11 @@ async def test_two_people_settling_at_once_exactly_one_wins(
     ledger = Ledger()
     in_doubt = Life(open_store, ledger, payment_script(), crash_after=8)
     await in_doubt.call(in_doubt.drive)
-    outcomes: list[object] = []
-    stores = [open_store(), open_store()]
-
-    async def one(store: Store, by: str) -> None:
-        try:
-            outcomes.append(await settle(store, "r", by=by, ran=True, observation="paid 5"))
-        except (RunLocked, NotInDoubt) as exc:
-            outcomes.append(exc)
-
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(one, stores[0], "alice")
-            group.start_soon(one, stores[1], "bob")
-    finally:
-        for store in stores:
-            await close_store(store)
+    outcomes = await _two_at_once(
+        open_store,
+        lambda store, by: settle(store, "r", by=by, ran=True, observation="paid 5"),
+        (RunLocked, NotInDoubt),
+    )
     assert sum(isinstance(o, Settlement) for o in outcomes) == 1
     assert [type(r).__name__ for r in await _reviews(open_store)] == ["Settlement"]
 
@@ -232,22 +245,9 @@ async def test_two_people_approving_at_once_exactly_one_wins(
     life = Life(open_store, Ledger(), approval_script(), crash_after=None)
     paused = await life.call(life.drive)
     assert paused.stop_reason is StopReason.AWAITING_APPROVAL
-    outcomes: list[object] = []
-    stores = [open_store(), open_store()]
-
-    async def one(store: Store, by: str) -> None:
-        try:
-            outcomes.append(await approve(store, "r", by=by))
-        except (RunLocked, NotAwaitingApproval) as exc:
-            outcomes.append(exc)
-
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(one, stores[0], "alice")
-            group.start_soon(one, stores[1], "bob")
-    finally:
-        for store in stores:
-            await close_store(store)
+    outcomes = await _two_at_once(
+        open_store, lambda store, by: approve(store, "r", by=by), (RunLocked, NotAwaitingApproval)
+    )
     assert sum(isinstance(o, Verdict) for o in outcomes) == 1
     assert [type(r).__name__ for r in await _reviews(open_store)] == ["Proposal", "Verdict"]
 

@@ -45,9 +45,11 @@ from agent_kit import (
 from native_kit import INTERPRETER, NATIVE, native_script
 from polyloop import (
     EnvironmentFault,
+    EventSink,
     FinishReason,
     ModelReply,
     Replay,
+    RunResult,
     StopReason,
     ToolRegistry,
     ToolSpec,
@@ -342,30 +344,42 @@ async def test_a_failing_exporter_or_processor_does_not_disturb_the_run(
 # -- attempts of one run, and the caller's span --------------------------------------------
 
 
+async def _crash_on_sqlite(path: Path, tools: ToolRegistry, writes: int, events: EventSink) -> None:
+    """Run "r" on the SQLite file until a simulated crash after ``writes`` writes.
+
+    The crashed store object is closed, as the death of its process would close it.
+    """
+    first = SqliteStore(path)
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(
+                FaultyStore(first, fail_after_writes=writes),
+                script=five_step_script(),
+                events=events,
+            ),
+            request("r", tools),
+        )
+    await close_store(first)
+
+
+async def _resume_on_sqlite(path: Path, tools: ToolRegistry, events: EventSink) -> RunResult:
+    """Resume "r" on a new store object over the same SQLite file, closed after."""
+    second = SqliteStore(path)
+    try:
+        return await resume(
+            definition(second, script=five_step_script(), events=events), request("r", tools)
+        )
+    finally:
+        await close_store(second)
+
+
 async def test_a_crashed_and_resumed_run_is_one_trace_and_the_resume_links_to_it(
     traced: Traced, tmp_path: Path
 ) -> None:
     path = tmp_path / "runs.db"
     tools = make_tools(Ledger())
-    first = SqliteStore(path)
-    with pytest.raises(SimulatedCrash):
-        await run(
-            definition(
-                FaultyStore(first, fail_after_writes=5),
-                script=five_step_script(),
-                events=traced.sink,
-            ),
-            request("r", tools),
-        )
-    await close_store(first)
-    second = SqliteStore(path)
-    try:
-        result = await resume(
-            definition(second, script=five_step_script(), events=traced.sink),
-            request("r", tools),
-        )
-    finally:
-        await close_store(second)
+    await _crash_on_sqlite(path, tools, 5, traced.sink)
+    result = await _resume_on_sqlite(path, tools, traced.sink)
     assert result.stop_reason is StopReason.SUBMITTED and result.resumed
 
     crashed, resumed = sorted(traced.named("invoke_agent"), key=lambda span: span.start_time or 0)
@@ -400,28 +414,13 @@ async def test_attempts_in_two_processes_meet_in_one_trace(tmp_path: Path) -> No
     path = tmp_path / "runs.db"
     tools = make_tools(Ledger())
     before, after = Traced(), Traced()
-    first = SqliteStore(path)
-    with pytest.raises(SimulatedCrash):
-        await run(
-            definition(
-                FaultyStore(first, fail_after_writes=5),
-                script=five_step_script(),
-                events=before.sink,
-            ),
-            request("r", tools),
-        )
-    await close_store(first)
+    await _crash_on_sqlite(path, tools, 5, before.sink)
     assert before.named("invoke_agent") == []  # still open: the run raised
     before.sink.close()
     before.sink.close()  # a second close finds nothing left to end
-    second = SqliteStore(path)
     try:
-        await resume(
-            definition(second, script=five_step_script(), events=after.sink),
-            request("r", tools),
-        )
+        await _resume_on_sqlite(path, tools, after.sink)
     finally:
-        await close_store(second)
         before.provider.shutdown()
         after.provider.shutdown()
     (crashed,) = before.named("invoke_agent")
@@ -434,27 +433,10 @@ async def test_attempts_in_two_processes_meet_in_one_trace(tmp_path: Path) -> No
 async def test_an_in_doubt_resume_is_marked(traced: Traced, tmp_path: Path) -> None:
     path = tmp_path / "runs.db"
     tools = make_tools(Ledger(), replay=Replay.NEVER)
-    first = SqliteStore(path)
-    # Write 4 is the action intent of step 0: a crash right after leaves it open.
-    with pytest.raises(SimulatedCrash):
-        await run(
-            definition(
-                FaultyStore(first, fail_after_writes=4),
-                script=five_step_script(),
-                # Another sink object of the same kind, as another process would have.
-                events=OpenTelemetrySink(tracer_provider=TracerProvider()),
-            ),
-            request("r", tools),
-        )
-    await close_store(first)
-    second = SqliteStore(path)
-    try:
-        result = await resume(
-            definition(second, script=five_step_script(), events=traced.sink),
-            request("r", tools),
-        )
-    finally:
-        await close_store(second)
+    # Write 4 is the action intent of step 0: a crash right after leaves it open. The
+    # crashed attempt has another sink object of the same kind, as another process would.
+    await _crash_on_sqlite(path, tools, 4, OpenTelemetrySink(tracer_provider=TracerProvider()))
+    result = await _resume_on_sqlite(path, tools, traced.sink)
     assert result.stop_reason is StopReason.IN_DOUBT
     (agent,) = traced.named("invoke_agent")
     assert attrs(agent)["polyloop.run.in_doubt"] is True
