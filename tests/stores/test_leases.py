@@ -272,26 +272,42 @@ async def test_a_cancelled_run_on_a_silent_server_returns_within_its_grace_and_t
 ) -> None:
     schema = postgres_schemas()
     store = PostgresStore(postgres_shared, schema=schema, statement_timeout_s=1.0)
+    # The schema and the connections exist before the clock starts, so the cancellation
+    # comes during the model call however slow the machine, never before the run began.
+    await store.claim_run("warm")
+    await store.release_run("warm")
     notes: list[str] = []
+    stalled = anyio.Event()
 
     class Stalling(kit.Model):
         async def call(self, call: Any) -> Any:
             await anyio.to_thread.run_sync(_slow_inserts, postgres_shared, schema)
+            stalled.set()
             await anyio.sleep(30)  # cancelled here; the end record then meets the stall
             return await super().call(call)
 
-    began = time.monotonic()
-    with anyio.move_on_after(0.5) as scope:
-        await run(
-            lease_kit.definition(store, notes.append, Stalling(notes.append)),
-            kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
-        )
-    assert scope.cancelled_caught
-    # The grace is 5 s; the end record's statement gave up after its 1 s timeout, and the
-    # cancellation went on.
-    assert time.monotonic() - began < 4
-    assert "could not write the cancelled end record" in caplog.text
-    await store.aclose()
+    cancelled_at = 0.0
+
+    async def cancel_once_stalled(scope: anyio.CancelScope) -> None:
+        nonlocal cancelled_at
+        await stalled.wait()
+        cancelled_at = time.monotonic()
+        scope.cancel()
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(cancel_once_stalled, group.cancel_scope)
+            await run(
+                lease_kit.definition(store, notes.append, Stalling(notes.append)),
+                kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
+            )
+        assert group.cancel_scope.cancelled_caught
+        # The grace is 5 s; the end record's statement gave up after its 1 s timeout, and
+        # the cancellation went on.
+        assert time.monotonic() - cancelled_at < 4
+        assert "could not write the cancelled end record" in caplog.text
+    finally:
+        await store.aclose()
 
 
 async def test_a_failed_renewal_is_tried_again_well_before_the_lease_ends() -> None:

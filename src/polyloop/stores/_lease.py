@@ -180,6 +180,8 @@ class Lease:
             if self._beats == beats and not self._loop_answers(owner_id, token, began):
                 return  # the event loop has finished, or the store is closing
             beats = self._beats
+            if self._stopping.is_set():
+                return  # the store is closing: its connections may be gone
             try:
                 renewed = self._renew(owner_id)
             except Exception:
