@@ -339,6 +339,27 @@ async def test_a_failed_renewal_is_tried_again_well_before_the_lease_ends() -> N
     assert attempts[2] - began < lease_s * 0.75
 
 
+async def test_a_sqlite_renewal_does_not_wait_for_the_disk(tmp_path: Path) -> None:
+    """A renewal commits without an fsync, so it never holds the write lock through a
+    slow disk while another owner's renewal waits behind it (and that lease runs out)."""
+    store = SqliteStore(tmp_path / "runs.db", lease_s=3.0)
+    try:
+        await store.claim_run("r")
+        owners = store._owners
+        owner_id, _, registered = owners.lease.current()
+        assert registered
+        assert await anyio.to_thread.run_sync(owners._renew, owner_id)
+        renewer = owners._renewer
+        assert renewer is not None
+        (level,) = await anyio.to_thread.run_sync(
+            lambda: renewer.execute("PRAGMA synchronous").fetchone()
+        )
+        assert level == 1  # NORMAL: in WAL mode a commit does not sync the log
+        await store.release_run("r")
+    finally:
+        await store.aclose()
+
+
 async def test_a_loop_slow_to_let_the_lease_renew_is_warned_of(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

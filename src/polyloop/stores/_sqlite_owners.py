@@ -35,8 +35,10 @@ from polyloop.stores._sqlite_sql import (
     RENEW_OWNER,
     SELECT_CLAIM,
     STALE_OWNERS,
+    SYNCHRONOUS_NORMAL,
     TAKE_RUN,
     Database,
+    Db,
     connect,
     immediate,
     run_id_of,
@@ -236,7 +238,13 @@ class Owners:
         if self._database.state.closed:
             return False
         if self._renewer is None:
-            self._renewer = connect(self._database.path, timeout=self.lease.lease_s / 3)
+            renewer = connect(self._database.path, timeout=self.lease.lease_s / 3)
+            # A renewal need not reach the disk before it counts: only a crash of the
+            # machine undoes it, and that ends the leaseholder too. Without the fsync, a
+            # renewal never holds the write lock through a slow disk, where another
+            # owner's renewal would wait and its lease could run out.
+            Db(renewer).synchronous(SYNCHRONOUS_NORMAL)
+            self._renewer = renewer
         now = time.time()
         done = self._renewer.execute(RENEW_OWNER, (now + self.lease.lease_s, owner_id, now))
         return done.rowcount == 1
