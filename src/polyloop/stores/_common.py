@@ -6,6 +6,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import re
 import resource
@@ -42,6 +43,11 @@ def check_format(recorded: object, *, holder: str, run_id: str | None, location:
             location=location,
         )
 
+
+logger = logging.getLogger("polyloop")
+
+# How long giving a claim back after a failed ``claim_in_thread`` may keep its caller.
+RELEASE_GRACE_S = 10.0
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 _PREFIX_CHARS = 40
@@ -256,9 +262,12 @@ class LockFile:
             os.close(fd)
 
 
-async def claim_in_thread(claim: Callable[[], None], release: Callable[[], None]) -> None:
-    """Run a blocking ``claim`` in a worker thread; if the call then raises (its caller was
-    cancelled as the thread finished, say), run ``release`` so that no claim lingers."""
+async def claim_in_thread(
+    claim: Callable[[], None], release: Callable[[], None], *, run_id: str
+) -> None:
+    """Run a blocking ``claim`` of ``run_id`` in a worker thread; if the call then raises
+    (its caller was cancelled as the thread finished, say), run ``release`` so that no
+    claim lingers."""
     taken = False
 
     def claim_and_note() -> None:
@@ -270,8 +279,16 @@ async def claim_in_thread(claim: Callable[[], None], release: Callable[[], None]
         await anyio.to_thread.run_sync(claim_and_note)
     except BaseException:
         if taken:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(release)
+            # Bounded: past the grace the release goes on in its thread, unwaited for,
+            # and the caller's error or cancellation is not held up behind the store.
+            with anyio.move_on_after(RELEASE_GRACE_S, shield=True) as scope:
+                await anyio.to_thread.run_sync(release, abandon_on_cancel=True)
+            if scope.cancelled_caught:
+                logger.warning(
+                    "run %r: giving its claim back took over %g s; it goes on in the background",
+                    run_id,
+                    RELEASE_GRACE_S,
+                )
         raise
 
 

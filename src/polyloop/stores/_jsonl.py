@@ -139,7 +139,7 @@ class JsonlStore:
         """
         self._check_open(run_id)
         await claim_in_thread(
-            partial(self._claims.take, run_id), partial(self._claims.release, run_id)
+            partial(self._claims.take, run_id), partial(self._claims.release, run_id), run_id=run_id
         )
 
     async def release_run(self, run_id: str) -> None:

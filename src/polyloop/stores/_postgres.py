@@ -145,7 +145,9 @@ class PostgresStore:
         """
         token = anyio.lowlevel.current_token()
         await claim_in_thread(
-            partial(self._claims.claim, run_id, token), partial(self._claims.release, run_id)
+            partial(self._claims.claim, run_id, token),
+            partial(self._claims.release, run_id),
+            run_id=run_id,
         )
 
     async def release_run(self, run_id: str) -> None:

@@ -115,7 +115,9 @@ class SqliteStore:
         """
         token = anyio.lowlevel.current_token()
         owners = self._owners
-        await claim_in_thread(partial(owners.claim, run_id, token), partial(owners.unclaim, run_id))
+        await claim_in_thread(
+            partial(owners.claim, run_id, token), partial(owners.unclaim, run_id), run_id=run_id
+        )
 
     async def release_run(self, run_id: str) -> None:
         """Give up the claim, writing no record (the row of a run never started goes)."""
