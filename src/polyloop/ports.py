@@ -269,6 +269,8 @@ class Store(Protocol):
         Records read after this returns include every record any earlier writer wrote.
 
         Cancellation: if the call raises, this store object holds no claim on the run.
+        (The built-in stores wait up to 10 s for a claim taken just before the failure
+        to be given back; past that it is given back in the background, with a warning.)
         """
         ...
 
