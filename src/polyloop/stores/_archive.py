@@ -25,14 +25,11 @@ import anyio
 import anyio.to_thread
 
 from polyloop.ports import Store
-from polyloop.stores._common import fsync_directory, safe_name
+from polyloop.stores._common import RELEASE_GRACE_S, fsync_directory, safe_name
 from polyloop.stores._jsonl_reader import SUFFIX, log_lines
 from polyloop.types import RunEnded, RunLocked, RunLog, StopReason
 
 __all__ = ("archive_path", "check_cutoff", "prunable", "prune_runs", "write_archive")
-
-# How long releasing a claim after a failed prune may take before the store gives up.
-_RELEASE_GRACE_S = 10.0
 
 
 def check_cutoff(finished_before: datetime) -> datetime:
@@ -101,7 +98,7 @@ async def prune_runs(
                 deleted = await delete(run_id)
         finally:
             if not deleted:
-                with anyio.move_on_after(_RELEASE_GRACE_S, shield=True):
+                with anyio.move_on_after(RELEASE_GRACE_S, shield=True):
                     await store.release_run(run_id)
         if deleted:
             pruned.append(run_id)

@@ -46,7 +46,7 @@ def check_format(recorded: object, *, holder: str, run_id: str | None, location:
 
 logger = logging.getLogger("polyloop")
 
-# How long giving a claim back after a failed ``claim_in_thread`` may keep its caller.
+# How long giving a claim back after a failed claim or prune may keep its caller.
 RELEASE_GRACE_S = 10.0
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
