@@ -1,11 +1,15 @@
 """The store and the run that the child-process agents share.
 
-``kill_agent.py`` and ``open_files_agent.py`` each open the store their parent names on
-the command line and drive one JSON-action run of a scripted model; only the script, the
-tools, the step budget and the instructions differ, so the rest is built once, here.
+``kill_agent.py``, ``open_files_agent.py`` and ``paused_worker_agent.py`` each open the
+store their parent names on the command line and drive one JSON-action run of a scripted
+model; only the script, the tools, the step budget, the instructions and the model's
+replay policy differ, so the rest is built once, here, as is the synced side file in
+which their effects are noted.
 """
 
 from __future__ import annotations
+
+import os
 
 from agent_kit import definition, request
 from polyloop import (
@@ -40,6 +44,7 @@ def build(
     *,
     max_steps: int,
     instructions: str,
+    model_replay: Replay = Replay.ALLOWED,
 ) -> tuple[Definition, Request]:
     """A run of ``model`` with ``registry``'s tools, to be run or resumed as given."""
     return definition(store, model=model), request(
@@ -49,6 +54,20 @@ def build(
         run_context=(Message.text(Role.SYSTEM, instructions),),
         goal_context=(Message.text(Role.USER, "Go."),),
         binding={},
-        model_replay=Replay.ALLOWED,
+        model_replay=model_replay,
         cancel_grace_s=1.0,
     )
+
+
+def append_synced(path: str, line: str) -> None:
+    """Append ``line`` to the side file ``path`` and sync it before returning.
+
+    The side file lives outside the store: what a child noted there happened, whatever
+    becomes of the child (killed, stopped) or of its store's records afterwards.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)

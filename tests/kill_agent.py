@@ -12,7 +12,6 @@ success the child prints the run's result as one JSON line.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
@@ -42,12 +41,7 @@ SCRIPT = [json.dumps({"tool": "fetch", "arguments": {"n": n}}) for n in range(1,
 
 def tools(side_file: str) -> ToolRegistry:
     def note(line: str) -> None:
-        fd = os.open(side_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (line + "\n").encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        kit.append_synced(side_file, line)
 
     async def fetch(arguments: dict[str, Any], *, result_id: str) -> str:
         note(f"fetch {result_id}")

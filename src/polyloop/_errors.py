@@ -11,6 +11,7 @@ The hierarchy::
     ├── SchemaMajorMismatch (ValueError)   a record written by another major of the format
     ├── UnloggableValue (ValueError)       a value strict JSON cannot carry back exactly
     ├── RunLocked (BlockingIOError)        another writer holds the run
+    │   └── LeaseLost                      this worker's lease ended: it starts and writes nothing
     ├── NotInDoubt (ValueError)            a settlement for a run with no effect in doubt
     ├── NotAwaitingApproval (ValueError)   a verdict for a run with no proposal waiting
     └── StoreError (OSError)               the store could not write or read; the run stops
@@ -32,6 +33,7 @@ from typing import Any
 __all__ = (
     "CorruptLog",
     "InvalidRequest",
+    "LeaseLost",
     "NotAwaitingApproval",
     "NotInDoubt",
     "PolyLoopError",
@@ -169,6 +171,15 @@ class UnloggableValue(PolyLoopError, ValueError):
 
 class RunLocked(PolyLoopError, BlockingIOError):
     """Another writer (another store object, here or in another process) holds the run."""
+
+
+class LeaseLost(RunLocked):
+    """This store object's lease on the run ended, or would have too little left when the
+    next effect started: another worker may have taken the run over.
+
+    Raised before anything starts: no model call or action is begun under a lease that
+    may have ended, and nothing more is written for the run through this store object.
+    """
 
 
 class StoreError(PolyLoopError, OSError):

@@ -283,6 +283,22 @@ class Store(Protocol):
         """
         ...
 
+    async def check_claim(self, run_id: str) -> None:
+        """Return only if an effect of the run may start now under this object's claim.
+
+        The kernel calls it after an intent is durable and right before the effect that
+        intent announces (a model call, an action). It raises ``RunLocked`` when this
+        object holds no claim on the run, ``StoreError`` when the store is closed or an
+        earlier write of the run failed, and ``LeaseLost`` when the claim's lease has
+        ended or has less than its safety margin left. A store whose claims have a lease
+        answers from its own clock (no round trip) and may first wait, never past the
+        lease's end, for a renewal already under way; a store without leases answers at
+        once.
+
+        Cancellation: nothing changes; the effect has not started.
+        """
+        ...
+
     async def start_run(self, record: RunStarted) -> None:
         """Write the first record of a run; ``RunAlreadyExists`` if it has records.
 

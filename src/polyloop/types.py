@@ -16,6 +16,7 @@ from typing import TypeAlias
 from polyloop._errors import (
     CorruptLog,
     InvalidRequest,
+    LeaseLost,
     NotAwaitingApproval,
     NotInDoubt,
     PolyLoopError,
@@ -41,6 +42,7 @@ __all__ = (
     "IntentKind",
     "InvalidRequest",
     "JSONValue",
+    "LeaseLost",
     "Message",
     "NotAwaitingApproval",
     "NotInDoubt",
@@ -605,6 +607,7 @@ def _claim_public_home() -> None:
     for cls in (
         CorruptLog,
         InvalidRequest,
+        LeaseLost,
         NotAwaitingApproval,
         NotInDoubt,
         PolyLoopError,

@@ -46,6 +46,7 @@ NAMES_BY_MODULE = {
         "CorruptLog",
         "SchemaMajorMismatch",
         "RunLocked",
+        "LeaseLost",
         "InvalidRequest",
         "StoreError",
         "UnloggableValue",
@@ -122,6 +123,7 @@ ERRORS = {
     "SchemaMajorMismatch": ValueError,
     "UnloggableValue": ValueError,
     "RunLocked": BlockingIOError,
+    "LeaseLost": BlockingIOError,
     "StoreError": OSError,
 }
 
@@ -334,3 +336,8 @@ def _public_coroutines() -> list[tuple[str, Any, str]]:
 )
 def test_every_public_coroutine_documents_cancellation(name: str, coroutine: Any, doc: str) -> None:
     assert "Cancellation" in doc, name
+
+
+def test_a_lost_lease_is_a_kind_of_run_locked() -> None:
+    """Code that already treats ``RunLocked`` as "someone else has the run" keeps working."""
+    assert issubclass(types.LeaseLost, types.RunLocked)

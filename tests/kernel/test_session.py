@@ -29,6 +29,7 @@ from polyloop import (
     IntentKind,
     InvalidDecision,
     InvalidRequest,
+    LeaseLost,
     Message,
     ModelReply,
     Replay,
@@ -55,6 +56,7 @@ class WriteLog:
     def __init__(self) -> None:
         self.inner = MemoryStore()
         self.writes: list[str] = []
+        self.calls: list[str] = []  # every call, claim checks and reads included
 
     def parameters(self) -> Any:
         return self.inner.parameters()
@@ -63,11 +65,29 @@ class WriteLog:
         method = getattr(self.inner, name)
 
         async def noted(*args: Any) -> Any:
-            if name not in ("read_log", "claim_run", "release_run"):
+            self.calls.append(name)
+            if name not in ("read_log", "claim_run", "release_run", "check_claim"):
                 self.writes.append(name)
             return await method(*args)
 
         return noted
+
+
+class LosingStore(WriteLog):
+    """A ``WriteLog`` whose claim is lost (as if the process slept past its lease)
+    from the ``lose_at``-th claim check on."""
+
+    def __init__(self, lose_at: int) -> None:
+        super().__init__()
+        self.lose_at = lose_at
+        self.checks = 0
+
+    async def check_claim(self, run_id: str) -> None:
+        self.calls.append("check_claim")
+        self.checks += 1
+        if self.checks >= self.lose_at:
+            raise LeaseLost("this store object's lease ended", run_id=run_id)
+        await self.inner.check_claim(run_id)
 
 
 # -- the exact write sequences ---------------------------------------------------------------
@@ -110,6 +130,40 @@ async def test_two_step_tool_run_is_ten_writes() -> None:
 
 
 SHORT_STEP = ["start_run", "write_intent", "write_result", "write_step", "end_run"]
+
+
+async def test_every_effect_starts_right_after_its_intent_and_a_claim_check() -> None:
+    """Each intent is followed at once by the claim check, and the check by nothing but
+    the effect: the next store call is the effect's result."""
+    store = WriteLog()
+    script = [tool_call("double", n=2), tool_call("submit", answer="4")]
+    await run(definition(store, script=script), request("r", make_tools(Ledger())))
+
+    calls = [c for c in store.calls if c not in ("claim_run", "read_log", "release_run")]
+    assert calls.count("check_claim") == calls.count("write_intent") == 4
+    for i, call in enumerate(calls):
+        if call == "write_intent":
+            assert calls[i + 1] == "check_claim"
+            assert calls[i + 2] in ("write_result", "write_step")
+
+
+@pytest.mark.parametrize(("lose_at", "intents"), [(1, 1), (2, 2), (3, 3)])
+async def test_a_lost_claim_starts_nothing_and_writes_nothing_more(
+    lose_at: int, intents: int
+) -> None:
+    """The check refuses (lost at the first, second, third effect): the model is not
+    called, the tool does not run, and nothing follows the intent, not even an end
+    record; ``run`` raises the lease error naming the run."""
+    store, ledger = LosingStore(lose_at), Ledger()
+    model = ScriptedModelClient([tool_call("double", n=2), tool_call("submit", answer="4")])
+    with pytest.raises(LeaseLost) as lost:
+        await run(definition(store, model=model), request("r", make_tools(ledger)))
+    assert lost.value.run_id == "r"
+    assert len(model.calls) == lose_at // 2
+    assert len(ledger.calls) == (lose_at - 1) // 2
+    assert store.writes[-1] == "write_intent"
+    assert store.writes.count("write_intent") == intents
+    assert "end_run" not in store.writes
 
 
 @pytest.mark.parametrize(

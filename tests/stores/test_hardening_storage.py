@@ -535,6 +535,9 @@ class TerminatingStore:
     async def release_run(self, run_id: str) -> None:
         await self.inner.release_run(run_id)
 
+    async def check_claim(self, run_id: str) -> None:
+        await self.inner.check_claim(run_id)
+
     async def read_log(self, run_id: str) -> RunLog:
         return await self.inner.read_log(run_id)
 

@@ -27,6 +27,7 @@ import lease_kit
 import one_writer_kit as kit
 import pg
 from polyloop import (
+    InvalidRequest,
     Replay,
     RunLocked,
     RunState,
@@ -109,7 +110,7 @@ async def test_a_stopped_worker_is_taken_over_and_writes_nothing_once_revived(
     await child.aclose()
     await store.aclose()  # type: ignore[attr-defined]
 
-    assert out.startswith("refused RunLocked"), out
+    assert out.startswith("refused LeaseLost"), out
     reader = lease_kit.open_store(kind, location, schema, LEASE_S)
     assert (await reader.read_log("r")).records == taken_over
     final = await run_status(reader, "r")  # type: ignore[arg-type]  # the log reads back valid
@@ -219,9 +220,9 @@ async def test_a_worker_whose_event_loop_was_stuck_past_its_lease_stops_writing(
 
 def test_lease_s_must_be_a_positive_number(tmp_path: Path) -> None:
     for bad in (0, -1.0, True, "1"):
-        with pytest.raises(ValueError, match="lease_s"):
+        with pytest.raises(InvalidRequest, match="lease_s"):
             SqliteStore(tmp_path / "runs.db", lease_s=bad)  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="lease_s"):
+        with pytest.raises(InvalidRequest, match="lease_s"):
             PostgresStore("postgresql://x@127.0.0.1:1/none", lease_s=bad)  # type: ignore[arg-type]
 
 

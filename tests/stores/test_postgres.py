@@ -55,6 +55,7 @@ from polyloop.testing.store_contract import (
 from polyloop.types import (
     CorruptLog,
     Intent,
+    InvalidRequest,
     Record,
     RunAlreadyExists,
     RunLocked,
@@ -642,18 +643,20 @@ def test_parameters_and_repr_never_show_the_connection_string() -> None:
     [
         {"schema": ""},
         {"schema": "s" * 64},
+        {"schema": "nul\x00"},
+        {"schema": "é" * 32},
         {"pool_size": 0},
         {"max_writer_connections": 0},
         {"timeout": 0},
     ],
 )
 def test_bad_options_are_refused(options: dict[str, Any]) -> None:
-    with pytest.raises(ValueError, match="must be"):
+    with pytest.raises(InvalidRequest, match="must be"):
         PostgresStore("postgresql://", **options)
 
 
 def test_a_bad_connection_string_is_refused_without_repeating_it() -> None:
-    with pytest.raises(ValueError, match="not a valid") as refused:
+    with pytest.raises(InvalidRequest, match="not a valid") as refused:
         PostgresStore("host=db password=secret nonsense")
     assert "secret" not in str(refused.value)
 

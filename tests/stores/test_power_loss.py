@@ -444,6 +444,9 @@ class AckingStore:
     async def release_run(self, run_id: str) -> None:
         await self.inner.release_run(run_id)
 
+    async def check_claim(self, run_id: str) -> None:
+        await self.inner.check_claim(run_id)
+
     async def start_run(self, record: RunStarted) -> None:
         await self.inner.start_run(record)
         self.returned += 1

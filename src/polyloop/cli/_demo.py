@@ -105,6 +105,9 @@ class CrashingStore:
     async def release_run(self, run_id: str) -> None:
         await self._inner.release_run(run_id)
 
+    async def check_claim(self, run_id: str) -> None:
+        await self._inner.check_claim(run_id)
+
     async def start_run(self, record: RunStarted) -> None:
         await self._inner.start_run(record)
         self._count()

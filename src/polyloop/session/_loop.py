@@ -213,6 +213,7 @@ class Loop:
             binding=self.request.binding,
             tools=self.native_tools,
         )
+        await self._before_effect()
         began = time.perf_counter()
         try:
             reply = checked_reply(await self.definition.model.call(call))
@@ -378,6 +379,7 @@ class Loop:
     async def _act(
         self, index: int, reply: ModelReply, action: Action, times: StepTimes, intent: Intent
     ) -> StepRecord:
+        await self._before_effect()
         began = time.perf_counter()
         outcome = await self._execute(action, intent.result_id)
         times.action_s = time.perf_counter() - began
@@ -391,6 +393,13 @@ class Loop:
             duration_s=times.action_s,
         )
         return await self._record(step, result, intent)
+
+    async def _before_effect(self) -> None:
+        """The last thing before an effect starts: its intent is durable, and the store
+        must still hold the run's claim with time to spare. If it does not (a lease
+        lost while this process was paused, say), nothing starts and nothing more is
+        written: ``LeaseLost`` goes up to the caller, past the end-record paths."""
+        await self.store.check_claim(self.run_id)
 
     async def _execute(self, action: Action, result_id: str) -> ActionOutcome:
         try:

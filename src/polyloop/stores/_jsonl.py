@@ -147,6 +147,11 @@ class JsonlStore:
         if self._claims.holds(run_id):
             await anyio.to_thread.run_sync(self._claims.release, run_id)
 
+    async def check_claim(self, run_id: str) -> None:
+        """Pass if this store object holds the run's claim: the claim is a lock that only
+        this living process holds, with no lease to run out."""
+        self._claims.held(run_id)
+
     async def start_run(self, record: RunStarted) -> None:
         """Write the claimed run's first line, then sync the file and the directory."""
         await self._write(

@@ -17,9 +17,12 @@ out, at most one renewal later than its last write; a loop that merely awaits a 
 model call keeps it, and so does a loop so busy with thousands of runs that the no-op
 would wait its turn for seconds (research record 0029). The owner
 also keeps a deadline of its own, measured from before each renewal was sent, so it
-never believes in a lease the database has ended. Once the deadline passes, every claim
-taken under that lease is lost for good (writes get ``RunLocked``) and the store takes
-a new owner id for its next claim: a revived process never resumes its old identity.
+never believes in a lease the database has ended: :mod:`~polyloop.stores._lease_state`
+holds that reckoning as a state machine (held, renewing, late, lost) on an injectable
+clock. No effect starts unless the lease is held with a margin to spare
+(:meth:`Lease.confirm`); once the deadline passes, every claim taken under that lease
+is lost for good (writes and effects get ``LeaseLost``) and the store takes a new owner
+id for its next claim: a revived process never resumes its old identity.
 
 A loop that is merely overloaded (thousands of runs ready at once) stalls too. The
 keeper logs a warning when the loop took a third of a lease or more to run its no-op,
@@ -37,25 +40,41 @@ import time
 import uuid
 from collections.abc import Callable
 
+import anyio
 import anyio.from_thread
 from anyio.lowlevel import EventLoopToken
 
-from polyloop.types import RunLocked
+from polyloop.stores._lease_state import LeasePhase, LeaseState
+from polyloop.types import InvalidRequest, LeaseLost
 
-__all__ = ("Lease", "check_lease_s")
+__all__ = ("Clock", "Lease", "check_lease_s", "lease_clock")
 
 logger = logging.getLogger("polyloop")
+
+Clock = Callable[[], float]
 
 # How many renewals fit in one lease: a renewal may fail or come late twice and the
 # lease still holds.
 _RENEWALS_PER_LEASE = 3
 # How soon a failed renewal is tried again, as a fraction of the lease.
 _RETRIES_PER_LEASE = 12
+# How often an effect waiting on a late lease looks again, as a fraction of the lease.
+_LOOKS_PER_LEASE = 48
+
+
+def lease_clock() -> float:
+    """Seconds on a clock that never goes back and keeps counting while the machine
+    sleeps (``CLOCK_BOOTTIME`` where there is one): a process paused or suspended past
+    its lease must see that its lease has run out."""
+    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
 
 
 def check_lease_s(lease_s: float) -> None:
     if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not lease_s > 0:
-        raise ValueError(f"lease_s must be a positive number of seconds, not {lease_s!r}")
+        raise InvalidRequest(f"lease_s must be a positive number of seconds, not {lease_s!r}")
 
 
 def _nothing() -> None:
@@ -67,18 +86,21 @@ class Lease:
 
     ``renew(owner_id)`` is the store's blocking renewal: it extends the owner's lease in
     the database only if the lease has not ended there, and returns whether it did.
+    ``clock`` is read for every deadline (a test passes a fake one).
     """
 
-    def __init__(self, lease_s: float, renew: Callable[[str], bool]) -> None:
+    def __init__(
+        self, lease_s: float, renew: Callable[[str], bool], *, clock: Clock = lease_clock
+    ) -> None:
         check_lease_s(lease_s)
         self.lease_s = float(lease_s)
+        self.clock = clock
         self.description = f"{socket.gethostname()} pid {os.getpid()}"
         self._renew = renew
         self._mutex = threading.Lock()
         self._owner_id = uuid.uuid4().hex
-        self._registered = False
         self._generation = 0
-        self._deadline = 0.0
+        self._state: LeaseState | None = None  # None: the owner is not registered
         self._token: EventLoopToken | None = None
         self._keeper: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -94,16 +116,15 @@ class Lease:
         """The owner id, the generation claims taken now belong to, and whether the
         owner is registered (its row and lock in place, its lease running)."""
         with self._mutex:
-            return self._owner_id, self._generation, self._registered
+            return self._owner_id, self._generation, self._state is not None
 
     def registered(self, owner_id: str, sent_at: float, token: EventLoopToken) -> None:
         """The owner row and lock of ``owner_id`` are in place (the registration was sent
-        at ``sent_at``, a ``time.monotonic()``); start keeping them."""
+        at ``sent_at``, a reading of :attr:`clock`); start keeping them."""
         with self._mutex:
             if owner_id != self._owner_id:
                 return
-            self._registered = True
-            self._deadline = sent_at + self.lease_s
+            self._state = LeaseState.granted(self.lease_s, sent_at)
             self._token = token
             if self._keeper is None:
                 self._keeper = threading.Thread(
@@ -111,29 +132,38 @@ class Lease:
                 )
                 self._keeper.start()
 
+    def phase(self, generation: int) -> LeasePhase:
+        """Where the lease that claims of ``generation`` were taken under stands now."""
+        with self._mutex:
+            return self._phase_locked(generation)
+
     def beat(self) -> None:
         """The event loop is running: called on it by the store for every write."""
         self._beats += 1
 
     def check(self, generation: int, run_id: str) -> None:
-        """Refuse a write under a claim whose lease has lapsed (``RunLocked``)."""
+        """Refuse a write under a claim whose lease has lapsed (``LeaseLost``)."""
         with self._mutex:
-            if generation == self._generation and time.monotonic() < self._deadline:
+            if self._phase_locked(generation) is not LeasePhase.LOST:
                 return
-            self._lapse_locked()
-            stalled = self._longest_wait_s
-            if self._waiting_since is not None:
-                stalled = max(stalled, time.monotonic() - self._waiting_since)
-        hint = (
-            f"; the event loop once took {stalled:.1f} s to let the lease be renewed"
-            if stalled >= self.lease_s / _RENEWALS_PER_LEASE
-            else ""
-        )
-        raise RunLocked(
-            f"this store object's lease ended ({self.lease_s:g} s without a renewal{hint}): "
-            f"another worker may have taken the run over, so nothing more is written",
-            run_id=run_id,
-        )
+        raise self._lost_error(run_id)
+
+    async def confirm(self, generation: int, run_id: str) -> None:
+        """Return once an effect may start under the claim of ``run_id`` taken under
+        ``generation``: the lease is held with the margin to spare. A late lease is
+        waited on (its keeper is renewing it) until it is held again or lost.
+
+        Raises ``LeaseLost`` when the lease ended or may end too soon. Reads no database.
+
+        Cancellation: nothing is written or changed; the effect has not started.
+        """
+        while True:
+            phase = self.phase(generation)
+            if phase is LeasePhase.HELD or phase is LeasePhase.RENEWING:
+                return
+            if phase is LeasePhase.LOST:
+                raise self._lost_error(run_id)
+            await anyio.sleep(self.lease_s / _LOOKS_PER_LEASE)
 
     def stop(self) -> None:
         """Stop renewing (the store is closing); returns once the keeper has stopped."""
@@ -141,6 +171,32 @@ class Lease:
         keeper = self._keeper
         if keeper is not None and keeper is not threading.current_thread():
             keeper.join(timeout=self.lease_s)
+
+    def _phase_locked(self, generation: int) -> LeasePhase:
+        state = self._state
+        if generation != self._generation or state is None:
+            return LeasePhase.LOST
+        phase = state.phase(self.clock())
+        if phase is LeasePhase.LOST:
+            self._lapse_locked()
+        return phase
+
+    def _lost_error(self, run_id: str) -> LeaseLost:
+        with self._mutex:
+            stalled = self._longest_wait_s
+            if self._waiting_since is not None:
+                stalled = max(stalled, self.clock() - self._waiting_since)
+        hint = (
+            f"; the event loop once took {stalled:.1f} s to let the lease be renewed"
+            if stalled >= self.lease_s / _RENEWALS_PER_LEASE
+            else ""
+        )
+        return LeaseLost(
+            f"this store object's lease ended ({self.lease_s:g} s without a renewal{hint}): "
+            f"another worker may have taken the run over, so nothing more is started or "
+            f"written",
+            run_id=run_id,
+        )
 
     def _note_answer(self, owner_id: str, waited_s: float) -> None:
         """Warn when the event loop took a third of a lease or more to run the keeper's
@@ -158,9 +214,10 @@ class Lease:
             )
 
     def _lapse_locked(self) -> None:
-        if self._registered:
+        """The lease is lost: its claims with it, and the owner id, for good."""
+        if self._state is not None:
             self._generation += 1
-            self._registered = False
+            self._state = None
             self._owner_id = uuid.uuid4().hex
 
     def _keep(self) -> None:
@@ -173,28 +230,49 @@ class Lease:
             pause = self.lease_s / _RENEWALS_PER_LEASE
             with self._mutex:
                 owner_id, token = self._owner_id, self._token
-                registered = self._registered
+                registered = self._state is not None
             if not registered or token is None:
                 continue
-            began = time.monotonic()
+            began = self.clock()
             if self._beats == beats and not self._loop_answers(owner_id, token, began):
                 return  # the event loop has finished, or the store is closing
             beats = self._beats
             if self._stopping.is_set():
                 return  # the store is closing: its connections may be gone
-            try:
-                renewed = self._renew(owner_id)
-            except Exception:
-                logger.warning("could not renew the lease of owner %s", owner_id, exc_info=True)
+            if not self._renew_once(owner_id):
                 pause = self.lease_s / _RETRIES_PER_LEASE
-                continue
-            with self._mutex:
-                if owner_id != self._owner_id:
-                    continue
-                if renewed and began < self._deadline:
-                    self._deadline = began + self.lease_s
-                else:
-                    self._lapse_locked()
+
+    def _renew_once(self, owner_id: str) -> bool:
+        """Send one renewal and move the lease on by its answer; whether it got one."""
+        with self._mutex:
+            if owner_id != self._owner_id or self._state is None:
+                return True
+            self._state = self._state.renewal_sent(self.clock())
+        try:
+            renewed = self._renew(owner_id)
+        except Exception:
+            logger.warning("could not renew the lease of owner %s", owner_id, exc_info=True)
+            self._answered(owner_id, None)
+            return False
+        self._answered(owner_id, renewed)
+        return True
+
+    def _answered(self, owner_id: str, renewed: bool | None) -> None:
+        """Apply a renewal's answer: extended, refused, or none (``None``)."""
+        with self._mutex:
+            state = self._state
+            if owner_id != self._owner_id or state is None:
+                return
+            now = self.clock()
+            if renewed is None:
+                state = state.renewal_failed(now)
+            elif renewed:
+                state = state.renewal_confirmed(now)
+            else:
+                state = state.renewal_refused(now)
+            self._state = state
+            if state.phase(now) is LeasePhase.LOST:
+                self._lapse_locked()
 
     def _loop_answers(self, owner_id: str, token: EventLoopToken, began: float) -> bool:
         """Wait until the event loop runs a no-op; ``False`` if it never will."""
@@ -210,5 +288,5 @@ class Lease:
                 self._waiting_since = None
         if self._stopping.is_set():
             return False
-        self._note_answer(owner_id, time.monotonic() - began)
+        self._note_answer(owner_id, self.clock() - began)
         return True

@@ -65,6 +65,10 @@ class MemoryStore:
         """Give up the claim on the run, if this store object holds it."""
         self._claims.discard(run_id)
 
+    async def check_claim(self, run_id: str) -> None:
+        """Pass if this store object holds the run's claim: a claim here has no lease."""
+        self._check_claimed(run_id)
+
     async def start_run(self, record: RunStarted) -> None:
         """Keep the first record of a run."""
         self._check_claimed(record.run_id)

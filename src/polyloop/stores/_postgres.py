@@ -155,6 +155,13 @@ class PostgresStore:
         if self._claims.held(run_id):
             await self._in_thread(self._claims.release, run_id)
 
+    async def check_claim(self, run_id: str) -> None:
+        """Pass if this store object holds the run's claim with its lease's margin to
+        spare, by this process's clock (``LeaseLost`` otherwise): no statement is sent.
+        A late lease is waited on while its renewal may still come."""
+        claim = self._claims.claim_of(run_id)
+        await self._owner.lease.confirm(claim.generation, run_id)
+
     async def start_run(self, record: RunStarted) -> None:
         """Write the claimed run's first record, a durable barrier.
 

@@ -22,6 +22,7 @@ from psycopg.rows import TupleRow
 
 from polyloop.stores._common import open_files_error
 from polyloop.stores._lease import check_lease_s
+from polyloop.types import InvalidRequest
 
 __all__ = ("Connection", "Settings", "open_connection", "scalar", "set_statement_timeout")
 
@@ -59,16 +60,24 @@ class Settings:
         lease_s: float,
         statement_timeout_s: float,
     ) -> Settings:
-        """The settings, or ``ValueError`` naming the first option that is wrong."""
-        if not schema or len(schema.encode()) > _MAX_IDENTIFIER_BYTES or "\x00" in schema:
-            raise ValueError(f"schema must be 1 to {_MAX_IDENTIFIER_BYTES} bytes without NUL")
+        """The settings, or ``InvalidRequest`` naming the first option that is wrong."""
+        if (
+            not isinstance(schema, str)
+            or not schema
+            or len(schema.encode("utf-8", "surrogatepass")) > _MAX_IDENTIFIER_BYTES
+            or "\x00" in schema
+        ):
+            raise InvalidRequest(
+                f"schema must be a PostgreSQL name of 1 to {_MAX_IDENTIFIER_BYTES} bytes "
+                f"without NUL, not {schema!r:.80}"
+            )
         if pool_size < 1 or max_writers < 1:
-            raise ValueError("pool_size and max_writer_connections must be at least 1")
+            raise InvalidRequest("pool_size and max_writer_connections must be at least 1")
         if not timeout > 0:
-            raise ValueError("timeout must be a positive number of seconds")
+            raise InvalidRequest("timeout must be a positive number of seconds")
         check_lease_s(lease_s)
         if not statement_timeout_s > 0:
-            raise ValueError("statement_timeout_s must be a positive number of seconds")
+            raise InvalidRequest("statement_timeout_s must be a positive number of seconds")
         return cls(
             conninfo=conninfo,
             schema=schema,
@@ -94,7 +103,7 @@ def _connect_options(conninfo: str, timeout: float, statement_timeout_s: float) 
         given = conninfo_to_dict(conninfo)
     except psycopg.Error:
         # The message would quote the string, which may hold a password.
-        raise ValueError("conninfo is not a valid libpq connection string or URL") from None
+        raise InvalidRequest("conninfo is not a valid libpq connection string or URL") from None
     options: dict[str, Any] = {}
     if "connect_timeout" not in given:
         options["connect_timeout"] = max(1, math.ceil(timeout))

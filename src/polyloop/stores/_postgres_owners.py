@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from contextlib import suppress
 from datetime import datetime
 
@@ -71,7 +70,7 @@ class Owner:
             owner_id, generation, registered = self.lease.current()
             if registered:
                 return owner_id, generation
-            sent_at = time.monotonic()
+            sent_at = self.lease.clock()
             key = owner_lock_key(self._settings.schema, owner_id)
             hi, lo = lock_halves(key)
             try:
@@ -176,6 +175,16 @@ class Claims:
         """Whether this store object holds ``run_id``'s claim."""
         slot = self._writers.slot(run_id)
         return slot is not None and slot.claim is not None
+
+    def claim_of(self, run_id: str) -> Claim:
+        """The run's claim, if the store may write and this object holds it."""
+        with self._state.mutex:
+            self._state.check_writable(run_id)
+        slot = self._writers.slot(run_id)
+        claim = slot.claim if slot is not None else None
+        if claim is None:
+            raise RunLocked("this store object does not hold the run's claim", run_id=run_id)
+        return claim
 
     def claim(self, run_id: str, token: EventLoopToken) -> None:
         """Make the owner the run's owner and move its claim epoch on, or ``RunLocked``."""

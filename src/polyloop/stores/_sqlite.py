@@ -124,6 +124,13 @@ class SqliteStore:
         if run_id in self._owners.claims:
             await anyio.to_thread.run_sync(self._owners.unclaim, run_id)
 
+    async def check_claim(self, run_id: str) -> None:
+        """Pass if this store object holds the run's claim with its lease's margin to
+        spare, by this process's clock (``LeaseLost`` otherwise); a late lease is waited
+        on while its renewal may still come."""
+        claim = self._owners.held(run_id)
+        await self._owners.lease.confirm(claim.generation, run_id)
+
     async def start_run(self, record: RunStarted) -> None:
         """Write the run's first record; ``RunAlreadyExists`` if the run has any row.
 

@@ -112,6 +112,19 @@ class Owners:
                 epoch=epoch, generation=generation, next_seq=int(next_seq), finished=bool(finished)
             )
 
+    def held(self, run_id: str) -> Claim:
+        """The run's claim, if the store may write and this object holds it.
+
+        Called on the event loop, so it does not wait for the store mutex (held through
+        commits): each lookup reads one value whole, and a write it races is still
+        checked by its own commit.
+        """
+        self._database.state.check_writable(run_id)
+        claim = self.claims.get(run_id)
+        if claim is None:
+            raise RunLocked("this store object does not hold the run's claim", run_id=run_id)
+        return claim
+
     def unclaim(self, run_id: str) -> None:
         """Give the claim up; the row of a run that never started goes with it."""
         with self._database.state.mutex:
@@ -187,7 +200,7 @@ class Owners:
         owner_id, generation, registered = self.lease.current()
         if registered:
             return owner_id, generation
-        sent_at = time.monotonic()
+        sent_at = self.lease.clock()
         lock = LockFile(self._directory / f"{owner_id}.lock", run_id)
         try:
             self._directory.mkdir(parents=True, exist_ok=True)

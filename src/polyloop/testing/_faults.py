@@ -54,6 +54,9 @@ class FaultyStore:
     async def release_run(self, run_id: str) -> None:
         await self.inner.release_run(run_id)
 
+    async def check_claim(self, run_id: str) -> None:
+        await self.inner.check_claim(run_id)
+
     async def start_run(self, record: RunStarted) -> None:
         self._admit()
         await self.inner.start_run(record)

@@ -347,6 +347,32 @@ class StoreContract:
         assert list((await store.read_log("r1")).records) == expected_records(writes[:2])
         await close(store)
 
+    async def test_an_effect_may_start_only_under_the_claim(
+        self, store_factory: StoreFactory
+    ) -> None:
+        """``check_claim`` passes while this object holds the run's claim, and refuses
+        once the claim is given up, ended or closed: an effect must not start then."""
+        store = store_factory()
+        with pytest.raises(RunLocked) as refused:
+            await store.check_claim("r1")
+        assert refused.value.run_id == "r1"
+        writes = sample_run("r1", steps=1, ended=False)
+        await apply(store, writes[:2])
+        await store.check_claim("r1")
+        await store.release_run("r1")
+        with pytest.raises(RunLocked):
+            await store.check_claim("r1")
+        await store.claim_run("r1")
+        await store.check_claim("r1")
+        await store.end_run(_cancelled_end("r1", 0))
+        with pytest.raises(RunLocked):
+            await store.check_claim("r1")
+        await store.claim_run("r1")
+        await close(store)
+        with pytest.raises((StoreError, RunLocked)) as closed:
+            await store.check_claim("r1")
+        assert closed.value.run_id == "r1"
+
     async def test_one_claim_per_run_even_through_one_store_object(
         self, store_factory: StoreFactory
     ) -> None:
