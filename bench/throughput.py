@@ -548,7 +548,7 @@ def _open_store(kind: str, where: str, lease_s: float) -> Any:
     if kind == "jsonl":
         return JsonlStore(Path(where) / "runs")
     if kind == "sqlite":
-        return SqliteStore(Path(where) / "runs.sqlite", lease_s=lease_s)
+        return SqliteStore(Path(where) / "runs.sqlite")
     conninfo, _, schema = where.partition("#")
     return PostgresStore(conninfo, schema=schema, lease_s=lease_s)
 

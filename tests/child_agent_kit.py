@@ -71,3 +71,16 @@ def append_synced(path: str, line: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def stopped_or_ended(pid: int) -> str | None:
+    """``"stopped"`` or ``"ended"`` once child ``pid`` is either, else ``None``; the child
+    is left for its owner (anyio) to reap. Nothing wakes a parent when its child stops,
+    so callers poll this."""
+    try:
+        change = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already: it ended
+        return "ended"
+    if change is None:
+        return None
+    return "stopped" if change.si_code == os.CLD_STOPPED else "ended"

@@ -2,10 +2,10 @@
 
 Run as a script::
 
-    python lease_kit.py KIND LOCATION SCHEMA RUN_ID WHERE LEASE_S LEDGER MARKER
+    python lease_kit.py CONNINFO SCHEMA RUN_ID WHERE LEASE_S LEDGER MARKER
 
-The worker starts the run ``RUN_ID`` on the store (``sqlite`` or ``postgresql``) with the
-given lease. When the run enters its model call (``WHERE=model``) or its tool
+The worker starts the run ``RUN_ID`` on a PostgreSQL store (the store whose claims have
+leases) with the given lease. When the run enters its model call (``WHERE=model``) or its tool
 (``WHERE=tool``), the worker creates the file ``MARKER`` and then waits in that effect
 for a while, so that the test can stop the process there (``SIGSTOP``), let its lease
 run out, take the run over, and let it go on (``SIGCONT``). The tool notes each of its
@@ -62,11 +62,7 @@ def held_tools(note: kit.Note, marker: Path | None) -> Any:
     return kit.tools(note, Replay.NEVER, Hold())
 
 
-def open_store(kind: str, location: str, schema: str, lease_s: float) -> Store:
-    if kind == "sqlite":
-        from polyloop.stores import SqliteStore
-
-        return SqliteStore(location, lease_s=lease_s)
+def open_store(location: str, schema: str, lease_s: float) -> Store:
     from polyloop.stores import PostgresStore
 
     return PostgresStore(location, schema=schema, lease_s=lease_s)
@@ -86,9 +82,9 @@ def definition(store: Store, note: kit.Note, model: kit.Model) -> Any:
 
 
 async def _worker(argv: list[str]) -> str:
-    kind, location, schema, run_id, where, lease_s, ledger, marker = argv
+    location, schema, run_id, where, lease_s, ledger, marker = argv
     note = kit.file_note(ledger)
-    store = open_store(kind, location, schema, float(lease_s))
+    store = open_store(location, schema, float(lease_s))
     model = HeldModel(note, Path(marker) if where == "model" else None)
     registry = held_tools(note, Path(marker) if where == "tool" else None)
     try:

@@ -24,9 +24,9 @@ tools and request, so the snapshot matches and B may resume what A started.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
+import threading
 from typing import Any
 
 import anyio
@@ -126,7 +126,9 @@ class StoppingStore(PostgresStore):
         if intent.kind is self._stop_after and not self._stopped:
             self._stopped = True
             kit.append_synced(self._ledger, f"stop {WORKER} {intent.result_id}")
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # This very thread stops before it goes on (a signal sent to the process
+            # could be taken by another thread first).
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 async def _drive(conninfo: str, run_id: str, stop_after: str, ledger: str) -> tuple[str, int]:

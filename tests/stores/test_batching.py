@@ -445,7 +445,7 @@ EXPECTED_CALLS = {
         "sqlite3.step",
         "sqlite3.close",
         "open",
-        "flock",
+        "fcntl",
         "fsync",
     },
     "postgres": {

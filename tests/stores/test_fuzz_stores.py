@@ -575,7 +575,7 @@ class StoreMachine(RuleBasedStateMachine):
             if torn is not None and self.runs:
                 self.tear(index, torn)
         elif self.kind == "sqlite":
-            if _sever_descriptors_under(self.scratch / "runs.db.owners"):
+            if _sever_descriptors_under(self.scratch / "runs.db.claims"):
                 self.graveyard.append(old)
             else:
                 self.call(old, "aclose")

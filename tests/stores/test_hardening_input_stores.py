@@ -150,7 +150,7 @@ async def test_hostile_run_ids_and_bindings_are_plain_data_on_every_store(
             "runs.db",
             "runs.db-wal",
             "runs.db-shm",
-            "runs.db.owners",
+            "runs.db.claims",
         }
         assert not any(link for _, link, _ in after)
         with sqlite3.connect(stores.sqlite_path) as db:
@@ -160,7 +160,7 @@ async def test_hostile_run_ids_and_bindings_are_plain_data_on_every_store(
             }
             (runs,) = db.execute("SELECT COUNT(*) FROM records WHERE seq = 0").fetchone()
             (listed,) = db.execute("SELECT COUNT(*) FROM runs WHERE finished = 1").fetchone()
-        assert tables == {"meta", "records", "runs", "owners"}
+        assert tables == {"meta", "records", "runs"}
         assert runs == len(HOSTILE) + 1
         assert listed == runs  # one row per run in the table of runs, each finished
     if stores.kind == "postgresql":

@@ -1,10 +1,11 @@
 """Leases: a hung worker's runs are taken over, a revived one writes nothing, a live one
 keeps its runs however long its calls take; and a silent PostgreSQL server times out.
 
-The stopped worker is a child process (``tests/lease_kit.py``) sent ``SIGSTOP`` inside
-its model call or its tool, on SQLite and PostgreSQL: its lease runs out, ``recover`` in
-this process takes the run over, and once the child is sent ``SIGCONT`` its next write
-is refused with nothing written. Every execution of the tool, whose replay is never
+Leases are PostgreSQL's: SQLite, a store for one host, claims by locks
+(``tests/stores/test_sqlite_claims.py``). The stopped worker is a child process
+(``tests/lease_kit.py``) sent ``SIGSTOP`` inside its model call or its tool: its lease
+runs out, ``recover`` in this process takes the run over, and once the child is sent
+``SIGCONT`` its next write is refused with nothing written. Every execution of the tool, whose replay is never
 allowed, is counted in a file outside the store.
 """
 
@@ -44,9 +45,8 @@ pytestmark = pytest.mark.anyio
 LEASE_S = 1.0
 
 
-def _place(request: pytest.FixtureRequest, tmp_path: Path, kind: str) -> tuple[str, str]:
-    if kind == "sqlite":
-        return str(tmp_path / "runs.db"), ""
+def _place(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """A database and a schema of its own for the test."""
     return request.getfixturevalue("postgres_shared"), request.getfixturevalue("postgres_schemas")()
 
 
@@ -57,18 +57,16 @@ async def _wait_for(path: Path) -> None:
             await anyio.sleep(0.02)
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 @pytest.mark.parametrize("where", ["model", "tool"])
 async def test_a_stopped_worker_is_taken_over_and_writes_nothing_once_revived(
-    request: pytest.FixtureRequest, tmp_path: Path, kind: str, where: str
+    request: pytest.FixtureRequest, tmp_path: Path, where: str
 ) -> None:
-    location, schema = _place(request, tmp_path, kind)
+    location, schema = _place(request)
     ledger, marker = tmp_path / "ledger", tmp_path / "marker"
     child = await anyio.open_process(
         [
             sys.executable,
             lease_kit.__file__,
-            kind,
             location,
             schema,
             "r",
@@ -78,7 +76,7 @@ async def test_a_stopped_worker_is_taken_over_and_writes_nothing_once_revived(
             str(marker),
         ]
     )
-    store = lease_kit.open_store(kind, location, schema, LEASE_S)
+    store = lease_kit.open_store(location, schema, LEASE_S)
     note = kit.file_note(str(ledger))
     definition = lease_kit.definition(store, note, kit.Model(note))
 
@@ -111,7 +109,7 @@ async def test_a_stopped_worker_is_taken_over_and_writes_nothing_once_revived(
     await store.aclose()  # type: ignore[attr-defined]
 
     assert out.startswith("refused LeaseLost"), out
-    reader = lease_kit.open_store(kind, location, schema, LEASE_S)
+    reader = lease_kit.open_store(location, schema, LEASE_S)
     assert (await reader.read_log("r")).records == taken_over
     final = await run_status(reader, "r")  # type: ignore[arg-type]  # the log reads back valid
     assert final.state in (RunState.FINISHED, RunState.IN_DOUBT)
@@ -128,16 +126,15 @@ async def test_a_stopped_worker_is_taken_over_and_writes_nothing_once_revived(
     await reader.aclose()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 async def test_a_live_worker_keeps_its_run_through_a_call_longer_than_its_lease(
-    request: pytest.FixtureRequest, tmp_path: Path, kind: str
+    request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    location, schema = _place(request, tmp_path, kind)
+    location, schema = _place(request)
     # Long enough that a busy machine's late renewal does not end it, short enough
     # that the held call outlasts it several times.
     lease_s = 1.0
-    driver = lease_kit.open_store(kind, location, schema, lease_s)
-    other = lease_kit.open_store(kind, location, schema, lease_s)
+    driver = lease_kit.open_store(location, schema, lease_s)
+    other = lease_kit.open_store(location, schema, lease_s)
     notes: list[str] = []
     marker = tmp_path / "marker"
     model = lease_kit.HeldModel(notes.append, marker)  # waits HOLD_S in its first call
@@ -176,15 +173,14 @@ async def test_a_live_worker_keeps_its_run_through_a_call_longer_than_its_lease(
     await other.aclose()  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
 async def test_a_worker_whose_event_loop_was_stuck_past_its_lease_stops_writing(
-    request: pytest.FixtureRequest, tmp_path: Path, kind: str
+    request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     """A loop blocked by a synchronous call cannot renew; the run stops at its next
     write (no effect starts once the loss is known), and another worker takes it over."""
-    location, schema = _place(request, tmp_path, kind)
+    location, schema = _place(request)
     lease_s = 0.4
-    store = lease_kit.open_store(kind, location, schema, lease_s)
+    store = lease_kit.open_store(location, schema, lease_s)
     notes: list[str] = []
 
     class BlockingModel(kit.Model):
@@ -199,7 +195,7 @@ async def test_a_worker_whose_event_loop_was_stuck_past_its_lease_stops_writing(
             kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
         )
     assert notes == ["model r:0:model"]  # the tool never started
-    other = lease_kit.open_store(kind, location, schema, lease_s)
+    other = lease_kit.open_store(location, schema, lease_s)
     result = await run_status(other, "r")  # type: ignore[arg-type]
     assert result.state is RunState.RESUMABLE
     finished = await recover(
@@ -218,12 +214,16 @@ async def test_a_worker_whose_event_loop_was_stuck_past_its_lease_stops_writing(
     await other.aclose()  # type: ignore[attr-defined]
 
 
-def test_lease_s_must_be_a_positive_number(tmp_path: Path) -> None:
+def test_lease_s_must_be_a_positive_number() -> None:
     for bad in (0, -1.0, True, "1"):
         with pytest.raises(InvalidRequest, match="lease_s"):
-            SqliteStore(tmp_path / "runs.db", lease_s=bad)  # type: ignore[arg-type]
-        with pytest.raises(InvalidRequest, match="lease_s"):
             PostgresStore("postgresql://x@127.0.0.1:1/none", lease_s=bad)  # type: ignore[arg-type]
+
+
+def test_a_sqlite_store_has_no_lease(tmp_path: Path) -> None:
+    """SQLite is a store for one host: its claims are locks, with no lease to set."""
+    with pytest.raises(TypeError, match="lease_s"):
+        SqliteStore(tmp_path / "runs.db", lease_s=15.0)  # type: ignore[call-arg]
 
 
 # -- a server that stops answering --------------------------------------------------------------
@@ -338,27 +338,6 @@ async def test_a_failed_renewal_is_tried_again_well_before_the_lease_ends() -> N
         lease.stop()
     assert len(attempts) >= 3
     assert attempts[2] - began < lease_s * 0.75
-
-
-async def test_a_sqlite_renewal_does_not_wait_for_the_disk(tmp_path: Path) -> None:
-    """A renewal commits without an fsync, so it never holds the write lock through a
-    slow disk while another owner's renewal waits behind it (and that lease runs out)."""
-    store = SqliteStore(tmp_path / "runs.db", lease_s=3.0)
-    try:
-        await store.claim_run("r")
-        owners = store._owners
-        owner_id, _, registered = owners.lease.current()
-        assert registered
-        assert await anyio.to_thread.run_sync(owners._renew, owner_id)
-        renewer = owners._renewer
-        assert renewer is not None
-        (level,) = await anyio.to_thread.run_sync(
-            lambda: renewer.execute("PRAGMA synchronous").fetchone()
-        )
-        assert level == 1  # NORMAL: in WAL mode a commit does not sync the log
-        await store.release_run("r")
-    finally:
-        await store.aclose()
 
 
 async def test_a_loop_slow_to_let_the_lease_renew_is_warned_of(

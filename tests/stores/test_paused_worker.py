@@ -29,6 +29,7 @@ import anyio
 import anyio.abc
 import pytest
 
+import child_agent_kit as kit
 import paused_worker_agent as agent
 from polyloop import (
     ActionStatus,
@@ -86,22 +87,11 @@ async def all_of(stream: anyio.abc.ByteReceiveStream | None) -> str:
     return b"".join([chunk async for chunk in stream]).decode().strip()
 
 
-def _stopped_or_ended(pid: int) -> str | None:
-    """``"stopped"`` or ``"ended"`` once the child is either, leaving it for anyio to reap."""
-    try:
-        change = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:  # anyio reaped it already: it ended
-        return "ended"
-    if change is None:
-        return None
-    return "stopped" if change.si_code == os.CLD_STOPPED else "ended"
-
-
 async def _until_stopped(worker: anyio.abc.Process) -> None:
     """Until worker A has stopped itself; fail at once, with its stderr, if it ended."""
     with anyio.fail_after(STOP_TIMEOUT_S):
         # Nothing wakes a parent when its child stops, but the child's state: poll it.
-        while (change := _stopped_or_ended(worker.pid)) is None:  # noqa: ASYNC110
+        while (change := kit.stopped_or_ended(worker.pid)) is None:  # noqa: ASYNC110
             await anyio.sleep(0.02)
     if change != "stopped":
         pytest.fail(f"worker A ended before it stopped itself: {await all_of(worker.stderr)}")

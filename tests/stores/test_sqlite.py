@@ -37,7 +37,6 @@ from polyloop import Replay, RunEnded, StopReason, resume, run, serialization
 from polyloop.ports import Store
 from polyloop.serialization import dumps
 from polyloop.stores import SqliteStore
-from polyloop.stores._common import LockFile
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
     DurableStoreContract,
@@ -306,8 +305,6 @@ async def test_a_database_of_another_major_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RunLocked):  # the refused claim left nothing to write under
         await store.start_run(sample_run("r2")[0][1][0])
     await store.aclose()
-    # The refused claim registered no owner: no file is left of it.
-    assert names_in(tmp_path / "runs.db.owners") == set()
 
 
 async def test_a_later_minor_of_the_format_is_read(tmp_path: Path) -> None:
@@ -515,26 +512,27 @@ async def test_hostile_run_ids_are_plain_data_and_locks_stay_in_their_directory(
         assert tuple(run.run_id for run in await store.list_runs()) == ("r1", *HOSTILE_RUN_IDS)
         claimed = {run.run_id for run in await store.list_runs() if run.claimed}
         assert claimed == set(HOSTILE_RUN_IDS)
-        owners = home / "runs.db.owners"
-        # One lock file for the store object, whatever its runs are called, and none per
-        # run: the claims are rows that name the owner.
-        (held,) = owners.iterdir()
-        assert held.resolve().parent == owners.resolve() and held.suffix == ".lock"
-    assert names_in(owners) == set()  # closing gave every claim up, and the owner's file
-    assert names_in(home) <= {"runs.db", "runs.db-wal", "runs.db-shm", "runs.db.owners"}
+        claims = home / "runs.db.claims"
+        # A few shared lock files, whatever the runs are called, and none per run: a
+        # claim is a locked byte of one of them.
+        held = list(claims.iterdir())
+        assert 1 <= len(held) <= 16
+        for lock_file in held:
+            assert lock_file.resolve().parent == claims.resolve()
+            assert lock_file.name.startswith(".claims-") and lock_file.suffix == ".lock"
+    assert names_in(home) <= {"runs.db", "runs.db-wal", "runs.db-shm", "runs.db.claims"}
     assert names_in(tmp_path) == {"home"}
     with raw(path) as db:
         tables = {
             name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
         }
-        assert tables == {"meta", "records", "runs", "owners"}
+        assert tables == {"meta", "records", "runs"}
         (count,) = db.execute("SELECT COUNT(*) FROM records WHERE seq = 0").fetchone()
     assert count == len(HOSTILE_RUN_IDS) + 1
 
 
 async def test_a_refused_start_leaves_no_lock_behind(tmp_path: Path) -> None:
     path = tmp_path / "runs.db"
-    owners = tmp_path / "runs.db.owners"
     async with SqliteStore(path) as first:
         await apply(first, sample_run("r1", steps=0, ended=False))
     late, other = SqliteStore(path), SqliteStore(path)
@@ -548,9 +546,7 @@ async def test_a_refused_start_leaves_no_lock_behind(tmp_path: Path) -> None:
     with pytest.raises(StoreError):
         await late.write_intent(intent_of("ghost"))
     await late.release_run("ghost")
-    # Released, neither refusal kept a claim in ``late``; the only files are the two live
-    # owners' own, none per run.
-    assert len(names_in(owners)) == 2
+    # Released, neither refusal kept a claim in ``late``.
     assert await other.describe_run("ghost") is None
     await other.claim_run("r1")
     await other.write_intent(intent_of("r1"))
@@ -591,9 +587,7 @@ async def test_a_dead_writer_process_releases_the_run(tmp_path: Path) -> None:
         await apply(store, writes[:1])
     done = await anyio.run_process([sys.executable, "-c", _DYING_WRITER, str(path)], check=False)
     assert done.returncode == 0, done.stderr.decode(errors="replace")
-    # The dead writer's owner file is left behind, but nobody holds its lock any more.
-    (dead,) = (tmp_path / "runs.db.owners").iterdir()
-    assert not LockFile.held(dead)
+    # The dead writer's row still names it, but its lock died with it.
     async with SqliteStore(path) as store:
         described = await store.describe_run("r1")
         assert described is not None and not described.claimed

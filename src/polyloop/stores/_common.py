@@ -12,7 +12,6 @@ import re
 import resource
 import struct
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,50 +71,6 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# A reader that asks whether a run is claimed holds a shared lock for a moment; a
-# claimant that finds only such readers tries again, at most this many times.
-_LOCK_ATTEMPTS = 200
-_LOCK_PAUSE_S = 0.0005
-
-
-def try_flock(fd: int, run_id: str) -> None:
-    """Take an exclusive ``flock`` on ``fd`` without waiting for a writer, or raise ``RunLocked``.
-
-    ``flock`` locks belong to the open file description, so a second store object in the
-    same process (which opens the file again) is locked out just like another process;
-    the lock goes away when the descriptor is closed or the process dies. Writers hold
-    the lock exclusively; :func:`flock_held` holds it shared for a moment, so a claimant
-    whose exclusive lock is refused tells a writer (a shared lock is refused too) from a
-    reader (it is granted) and waits the reader out.
-    """
-    for _ in range(_LOCK_ATTEMPTS):
-        if _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, run_id):
-            return
-        if not _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, run_id):
-            raise RunLocked("another writer holds this run", run_id=run_id)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        time.sleep(_LOCK_PAUSE_S)
-    raise RunLocked("readers kept the run's lock busy; try again", run_id=run_id)
-
-
-def flock_held(fd: int) -> bool:
-    """Whether another open file description holds an exclusive ``flock`` on ``fd``'s file."""
-    if not _flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, None):
-        return True
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    return False
-
-
-def _flock(fd: int, operation: int, run_id: str | None) -> bool:
-    try:
-        fcntl.flock(fd, operation)
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        raise StoreError(f"could not lock the run: {exc}", run_id=run_id) from exc
-    return True
 
 
 # A run's claim in a directory of run files is a write lock on one byte of a shared lock
@@ -195,71 +150,6 @@ def _open_probe() -> int | None:
     except OSError as exc:
         return exc.errno
     return None
-
-
-def names_file(fd: int, path: Path) -> bool:
-    """Whether ``path`` still names the file open on ``fd`` (it may have been removed)."""
-    try:
-        named = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
-
-
-class LockFile:
-    """An exclusive writer lock for one run: a ``flock`` on a small file that exists
-    only while someone holds it.
-
-    The holder removes the file before it lets go, so no file is left per run. A
-    claimant that locked a file just removed by its previous holder notices (the path
-    no longer names it) and locks the file that replaced it.
-    """
-
-    __slots__ = ("_fd", "path", "run_id")
-
-    def __init__(self, path: Path, run_id: str) -> None:
-        self.path = path
-        self.run_id = run_id
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        """Take the lock or raise ``RunLocked``; blocking I/O, run it in a thread."""
-        for _ in range(_LOCK_ATTEMPTS):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            try:
-                try_flock(fd, self.run_id)
-                if names_file(fd, self.path):
-                    self._fd, fd = fd, -1
-                    return
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-        raise RunLocked("the run's lock file kept changing hands; try again", run_id=self.run_id)
-
-    def release(self) -> None:
-        """Remove the lock file, then let go of the lock."""
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            try:
-                if names_file(fd, self.path):
-                    os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            finally:
-                os.close(fd)
-
-    @staticmethod
-    def held(path: Path) -> bool:
-        """Whether a writer holds the lock at ``path`` right now (this process's too)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return False
-        try:
-            return flock_held(fd)
-        finally:
-            os.close(fd)
 
 
 async def claim_in_thread(

@@ -1,28 +1,28 @@
 """The SQLite store: every run in one database file, committed in shared transactions.
 
 Tables ``meta`` (the record format), ``records`` (one row per record, its body the line
-:func:`polyloop.serialization.dumps` writes), ``runs`` (one row per run: where its log
-stands, whether it finished, its owner and claim epoch) and ``owners`` (the store
-objects that claim runs, with their leases); ``docs/stores.md`` describes them for
-users. The database runs in WAL mode: starts and intents commit with
+:func:`polyloop.serialization.dumps` writes) and ``runs`` (one row per run: where its
+log stands, whether it finished, its writer and claim epoch); ``docs/stores.md``
+describes them for users. The database runs in WAL mode: starts and intents commit with
 ``synchronous=FULL``, every other write with ``NORMAL`` unless a barrier shares its
 commit. Each write moves its run's row on in the same transaction, under the writer's
-claim epoch, or is rolled back whole. Research records 0010 (durability), 0017 (claims),
-0018 (owners and leases) and 0019 (one write path, off the event loop) say why.
+claim epoch, or is rolled back whole. SQLite is a store for one host: a claim is a lock
+the operating system keeps for a living process, with no lease. Research records 0010
+(durability), 0017 (claims), 0019 (one write path, off the event loop) and 0032 (claims
+by locks) say why.
 
 Every blocking call runs in a worker thread, on one connection guarded by the store
 mutex: the writes waiting at the same moment share one ``BEGIN IMMEDIATE`` ... ``COMMIT``
 (:class:`~polyloop.stores._batching.GroupCommit`), one savepoint per write, so a refused
-write rolls back alone. The lease keeper renews on a connection of its own. The store
-class keeps the public methods; :mod:`~polyloop.stores._sqlite_commit` commits,
-:mod:`~polyloop.stores._sqlite_owners` keeps the claims and the owner's lease, and
-:mod:`~polyloop.stores._sqlite_sql` holds the statements and opens the database.
+write rolls back alone. The store class keeps the public methods;
+:mod:`~polyloop.stores._sqlite_commit` commits, :mod:`~polyloop.stores._sqlite_claims`
+keeps the claims, and :mod:`~polyloop.stores._sqlite_sql` holds the statements and
+opens the database.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from functools import partial
@@ -31,7 +31,6 @@ from types import TracebackType
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 
 from polyloop._shared import FORMAT
@@ -39,9 +38,8 @@ from polyloop.ports import StoredRun
 from polyloop.stores._archive import check_cutoff, prune_runs
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import WriterState, claim_in_thread
-from polyloop.stores._lease import check_lease_s
+from polyloop.stores._sqlite_claims import Claims
 from polyloop.stores._sqlite_commit import Committer
-from polyloop.stores._sqlite_owners import Owners
 from polyloop.stores._sqlite_sql import (
     DESCRIBE_RUN,
     LIST_RUNS,
@@ -76,12 +74,12 @@ class SqliteStore:
     ``path`` names the database file; missing parent directories are created, each
     synced into its parent, and one that cannot be made is a ``StoreError`` naming it.
     Runs survive the store object, the process and the machine: a new store object on
-    the same file (or a copy moved elsewhere) reads and resumes them. ``lease_s`` is how long
-    this store object's claims hold without a renewal; another process on the host may
-    take over the runs of an owner whose lease ended or whose process died. The owners'
-    lock files live in the sibling directory ``<path>.owners`` (one per store object
-    that claims runs, removed when it closes). The store is an async context manager;
-    :meth:`aclose` gives up every claim and closes its connections.
+    the same file (or a copy moved elsewhere) reads and resumes them. It is a store for
+    one host: a claim is a lock on one byte of a lock file in the sibling directory
+    ``<path>.claims``, which the operating system keeps for the living process that
+    took it. A killed process's runs are free at once; a hung one keeps them until it
+    is killed. The store is an async context manager; :meth:`aclose` gives up every
+    claim and closes its connection.
 
     Cancellation, for every method: the worker thread a call started finishes before
     the cancellation is delivered. A write cancelled before its shared commit started
@@ -90,14 +88,13 @@ class SqliteStore:
     closing completes even in a cancelled scope.
     """
 
-    __slots__ = ("_committer", "_database", "_group", "_owners", "_state")
+    __slots__ = ("_claims", "_committer", "_database", "_group", "_state")
 
-    def __init__(self, path: str | os.PathLike[str], *, lease_s: float = 15.0) -> None:
-        check_lease_s(lease_s)
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self._state = WriterState()
         self._database = Database(Path(os.fspath(path)), self._state)  # opened at first use
-        self._owners = Owners(self._database, lease_s)
-        self._committer = Committer(self._database, self._owners)
+        self._claims = Claims(self._database)
+        self._committer = Committer(self._database, self._claims)
         self._group = GroupCommit(self._committer.commit)
 
     def parameters(self) -> Mapping[str, JSONValue]:
@@ -107,29 +104,23 @@ class SqliteStore:
     # -- the Store protocol ---------------------------------------------------------------
 
     async def claim_run(self, run_id: str) -> None:
-        """Make this store object's owner the run's owner and move its claim epoch on.
-
-        Raises ``RunLocked`` (naming the holder) if a live owner, this store object's
-        included, holds it: one whose lease has not ended and whose process holds its
-        owner lock.
-        """
-        token = anyio.lowlevel.current_token()
-        owners = self._owners
+        """Take the run's lock, then name this store object in the run's row and move
+        its claim epoch on; ``RunLocked`` if a living process, this store object
+        included, holds it."""
+        claims = self._claims
         await claim_in_thread(
-            partial(owners.claim, run_id, token), partial(owners.unclaim, run_id), run_id=run_id
+            partial(claims.claim, run_id), partial(claims.unclaim, run_id), run_id=run_id
         )
 
     async def release_run(self, run_id: str) -> None:
         """Give up the claim, writing no record (the row of a run never started goes)."""
-        if run_id in self._owners.claims:
-            await anyio.to_thread.run_sync(self._owners.unclaim, run_id)
+        if run_id in self._claims.claims:
+            await anyio.to_thread.run_sync(self._claims.unclaim, run_id)
 
     async def check_claim(self, run_id: str) -> None:
-        """Pass if this store object holds the run's claim with its lease's margin to
-        spare, by this process's clock (``LeaseLost`` otherwise); a late lease is waited
-        on while its renewal may still come."""
-        claim = self._owners.held(run_id)
-        await self._owners.lease.confirm(claim.generation, run_id)
+        """Pass if this store object holds the run's claim: a lock with no lease, held
+        as long as this process lives."""
+        self._claims.held(run_id)
 
     async def start_run(self, record: RunStarted) -> None:
         """Write the run's first record; ``RunAlreadyExists`` if the run has any row.
@@ -187,7 +178,7 @@ class SqliteStore:
 
         Read from the table of runs; the unfinished ones through an index that holds
         only them, so finished runs cost nothing. Whether a run is claimed is asked of
-        the owners: a live owner's lease has not ended and its process holds its lock.
+        the locks: a claim is held while a living process holds the run's lock.
         """
         return await anyio.to_thread.run_sync(self._list, unfinished_only)
 
@@ -206,7 +197,7 @@ class SqliteStore:
         durably to that directory, as a :class:`~polyloop.stores.JsonlStore` keeps it.
         """
         before = check_cutoff(finished_before).timestamp()
-        candidates = await anyio.to_thread.run_sync(self._owners.prunable, before)
+        candidates = await anyio.to_thread.run_sync(self._claims.prunable, before)
         return await prune_runs(
             self,
             candidates,
@@ -244,21 +235,19 @@ class SqliteStore:
     # -- writing, pruning, closing (worker threads) -----------------------------------------
 
     async def _write(self, write: Write) -> None:
-        self._owners.lease.beat()
         await self._group.submit(write)
 
     async def _delete_claimed(self, run_id: str, *, before: float) -> bool:
-        return await anyio.to_thread.run_sync(self._owners.delete, run_id, before)
+        return await anyio.to_thread.run_sync(self._claims.delete, run_id, before)
 
     def _open_now(self) -> None:
         with self._state.mutex, self._database.reading(None):
             self._database.connection(None)
 
     def _close(self) -> None:
-        self._owners.lease.stop()
         with self._state.mutex:
             self._state.closed = True
-            self._owners.close()  # every claim given up before the connection goes
+            self._claims.close()  # every claim given up before the connection goes
             self._database.close()
 
     # -- reading (worker thread) ------------------------------------------------------------
@@ -281,24 +270,16 @@ class SqliteStore:
             return self._database.connection(run_id).conn.execute(query, parameters).fetchall()
 
     def _stored(self, rows: list[tuple[Any, ...]]) -> tuple[StoredRun, ...]:
-        """Rows of the runs table joined with their owners; each owner's lock asked once."""
-        now, alive = time.time(), {}
-        listed = []
-        for key, finished, updated_at, owner, description, lease_until in rows:
-            if owner is not None and owner not in alive:
-                alive[owner] = self._owners.lives(owner, lease_until, now)
-            listed.append(
-                StoredRun(
-                    run_id=run_id_of(key),
-                    finished=bool(finished),
-                    claimed=owner is not None and alive[owner],
-                    updated_at=datetime.fromtimestamp(updated_at, UTC),
-                    owner=description,
-                    lease_expires_at=(
-                        datetime.fromtimestamp(lease_until, UTC)
-                        if lease_until is not None
-                        else None
-                    ),
-                )
+        """Rows of the runs table; a run whose row names a writer is asked of its lock."""
+        named = [run_id_of(key) for key, _, _, owner in rows if owner is not None]
+        claimed = dict(zip(named, self._claims.claimed(named), strict=True))
+        return tuple(
+            StoredRun(
+                run_id=run_id_of(key),
+                finished=bool(finished),
+                claimed=claimed.get(run_id_of(key), False),
+                updated_at=datetime.fromtimestamp(updated_at, UTC),
+                owner=owner,
             )
-        return tuple(listed)
+            for key, finished, updated_at, owner in rows
+        )

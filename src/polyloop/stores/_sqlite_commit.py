@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from polyloop.stores._sqlite_owners import Owners
+from polyloop.stores._sqlite_claims import Claims
 from polyloop.stores._sqlite_sql import (
     ADVANCE_RUN,
     EXPLAIN_REFUSAL,
@@ -60,11 +60,11 @@ class Committer:
     started, its thread runs to its end and every write learns its outcome.
     """
 
-    __slots__ = ("_database", "_owners")
+    __slots__ = ("_claims", "_database")
 
-    def __init__(self, database: Database, owners: Owners) -> None:
+    def __init__(self, database: Database, claims: Claims) -> None:
         self._database = database
-        self._owners = owners
+        self._claims = claims
 
     def commit(self, writes: Sequence[Write]) -> Outcome:
         """One transaction for ``writes``; one error or None each."""
@@ -89,7 +89,7 @@ class Committer:
         write = batch.writes[i]
         try:
             self._database.state.check_writable(write.run_id)
-            if write.run_id not in self._owners.claims:
+            if write.run_id not in self._claims.claims:
                 raise RunLocked(
                     "this store object does not hold the run's claim", run_id=write.run_id
                 )
@@ -148,8 +148,7 @@ class Committer:
 
     def _first_seq(self, batch: _Batch, write: Write) -> int:
         """The run's next ``seq``, from this batch or from the claim."""
-        claim = self._owners.claims[write.run_id]
-        self._owners.lease.check(claim.generation, write.run_id)
+        claim = self._claims.claims[write.run_id]
         first = batch.next_seq.get(write.run_id, claim.next_seq)
         if write.start and first:
             raise RunAlreadyExists("the run already has records", run_id=write.run_id)
@@ -165,7 +164,7 @@ class Committer:
         """Move the run's row on, in the write's transaction; refuse a write the row
         does not expect (another writer claimed the run since, or it ended)."""
         key, following = run_key(write.run_id), first + len(write.rows)
-        epoch = self._owners.claims[write.run_id].epoch
+        epoch = self._claims.claims[write.run_id].epoch
         moved = conn.execute(
             ADVANCE_RUN,
             (following, write.final, write.reason, time.time(), write.end, key, epoch, first),
@@ -183,11 +182,11 @@ class Committer:
 
     def _settle(self, batch: _Batch) -> None:
         """After the commit: remember each run's next seq; an ended run gives up its claim."""
-        claims = self._owners.claims
         for i, write in enumerate(batch.writes):
             if batch.errors[i] is None and write.end:
-                # The end record's own statement gave the owner up in the run's row.
-                claims.pop(write.run_id, None)
+                # The end record's own statement gave the writer up in the run's row.
+                self._claims.ended(write.run_id)
+        claims = self._claims.claims
         for run_id, seq in batch.next_seq.items():
             claim = claims.get(run_id)
             if claim is not None:

@@ -42,24 +42,18 @@ from polyloop.types import (
 __all__ = (
     "ADVANCE_RUN",
     "DESCRIBE_RUN",
-    "DROP_OWNER",
     "DROP_UNSTARTED",
     "EXPLAIN_REFUSAL",
-    "FREE_OWNED",
     "FREE_RUN",
     "INSERT",
     "LIST_RUNS",
     "LIST_UNFINISHED",
     "NEW_RUN",
-    "OWNER_OF",
     "PRUNABLE",
     "PRUNE_ROWS",
     "PRUNE_RUN",
-    "REGISTER_OWNER",
-    "RENEW_OWNER",
     "SELECT_CLAIM",
     "SELECT_RUN",
-    "STALE_OWNERS",
     "TAKE_RUN",
     "SYNCHRONOUS_FULL",
     "SYNCHRONOUS_NORMAL",
@@ -107,9 +101,19 @@ _RUNS_DDL = (
     " run_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL, finished INTEGER NOT NULL,"
     " updated_at REAL NOT NULL)",
     "CREATE INDEX IF NOT EXISTS runs_unfinished ON runs (run_id) WHERE finished = 0",
-    "CREATE TABLE IF NOT EXISTS owners ("
-    " owner_id TEXT PRIMARY KEY, description TEXT NOT NULL, lease_until REAL NOT NULL,"
-    " started_at REAL NOT NULL)",
+)
+# Releases before 0032 kept owners with leases in a table of that name. A view stands in
+# its place: such a release can open the database but cannot register as an owner, so it
+# never claims a run behind the locks of a current one.
+_OWNERS_KIND = "SELECT type FROM sqlite_master WHERE name = 'owners'"
+_LIVE_LEASED_OWNER = "SELECT description, lease_until FROM owners WHERE lease_until > ? LIMIT 1"
+_RETIRE_OWNERS = (
+    "UPDATE runs SET owner = NULL WHERE owner IN (SELECT owner_id FROM owners)",
+    "DROP TABLE owners",
+)
+_FENCE_OLD_RELEASES = (
+    "CREATE VIEW IF NOT EXISTS owners AS SELECT NULL AS owner_id, NULL AS description,"
+    " NULL AS lease_until, NULL AS started_at WHERE 0"
 )
 # Columns later layouts added to the runs table, with what an older row holds.
 _RUNS_COLUMNS = (
@@ -118,7 +122,7 @@ _RUNS_COLUMNS = (
     ("stop_reason", "TEXT"),
 )
 _RUNS_INDEXES = (
-    "CREATE INDEX IF NOT EXISTS runs_owned ON runs (owner) WHERE owner IS NOT NULL",
+    "DROP INDEX IF EXISTS runs_owned",  # served the owners' leases, gone with them
     "CREATE INDEX IF NOT EXISTS runs_finished ON runs (updated_at) WHERE finished = 1",
 )
 # A database written before the runs table existed: one row per run from its records,
@@ -147,9 +151,9 @@ _SET_IN_DOUBT_REOPENED = "INSERT OR IGNORE INTO meta (key, value) VALUES ('in_do
 _GET_FORMAT = "SELECT value FROM meta WHERE key = 'format'"
 INSERT = "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)"
 SELECT_RUN = "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq"
-# Claims: the run's row names its owner; every claim moves the epoch on, and a new id
+# Claims: the run's row names its writer; every claim moves the epoch on, and a new id
 # gets a row with next_seq 0 until the run starts.
-SELECT_CLAIM = "SELECT owner, epoch, next_seq, finished FROM runs WHERE run_id = ?"
+SELECT_CLAIM = "SELECT epoch, next_seq, finished FROM runs WHERE run_id = ?"
 TAKE_RUN = "UPDATE runs SET owner = ?, epoch = epoch + 1 WHERE run_id = ?"
 NEW_RUN = (
     "INSERT INTO runs (run_id, next_seq, finished, updated_at, owner, epoch)"
@@ -166,24 +170,8 @@ ADVANCE_RUN = (
     " WHERE run_id = ? AND epoch = ? AND next_seq = ? AND finished = 0"
 )
 EXPLAIN_REFUSAL = "SELECT epoch, finished FROM runs WHERE run_id = ?"
-OWNER_OF = "SELECT description, lease_until FROM owners WHERE owner_id = ?"
-REGISTER_OWNER = (
-    "INSERT INTO owners (owner_id, description, lease_until, started_at) VALUES (?, ?, ?, ?)"
-)
-# Only a lease that has not ended is renewed: once it has, others may have taken its
-# runs over, and the owner must know it lost them.
-RENEW_OWNER = "UPDATE owners SET lease_until = ? WHERE owner_id = ? AND lease_until > ?"
-FREE_OWNED = "UPDATE runs SET owner = NULL WHERE owner = ?"
-DROP_OWNER = "DELETE FROM owners WHERE owner_id = ?"
-# Owners whose lease ended long ago and who hold no run any more.
-STALE_OWNERS = (
-    "SELECT owner_id FROM owners AS o WHERE lease_until < ?"
-    " AND NOT EXISTS (SELECT 1 FROM runs WHERE owner = o.owner_id)"
-)
 _LISTED = (
-    "SELECT r.run_id, r.finished, r.updated_at, r.owner, o.description, o.lease_until"
-    " FROM runs AS r {index} LEFT JOIN owners AS o ON o.owner_id = r.owner"
-    " WHERE r.next_seq > 0"
+    "SELECT r.run_id, r.finished, r.updated_at, r.owner FROM runs AS r {index} WHERE r.next_seq > 0"
 )
 LIST_RUNS = _LISTED.format(index="") + " ORDER BY r.rowid"
 # Named, because without statistics SQLite would rather scan the whole table in rowid
@@ -379,7 +367,7 @@ class Database:
             created = not path.exists()
             conn = connect(path, timeout=_BUSY_TIMEOUT_S)
             configure(conn, path.name, run_id)
-            create_schema(conn)
+            create_schema(conn, path.name, run_id)
             check_meta_format(conn, path.name, run_id)
             if created:
                 fsync_directory(path.parent)
@@ -412,9 +400,10 @@ def configure(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
         )
 
 
-def create_schema(conn: sqlite3.Connection) -> None:
+def create_schema(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
     """Create what is missing; a database from before the runs table gets one, filled,
-    and one from before a later column gets the column."""
+    one from before a later column gets the column, and one from before claims were
+    locks has its owners retired."""
     with immediate(conn):
         for statement in _DDL:
             conn.execute(statement)
@@ -432,7 +421,26 @@ def create_schema(conn: sqlite3.Connection) -> None:
         if not conn.execute(_IN_DOUBT_REOPENED).fetchone()[0]:
             conn.execute(_REOPEN_IN_DOUBT)
             conn.execute(_SET_IN_DOUBT_REOPENED)
+        _retire_owners(conn, name, run_id)
         conn.execute(_SET_FORMAT, (FORMAT,))
+
+
+def _retire_owners(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
+    """Replace the owners table of an earlier release by the view that fences it out;
+    refuse while one of its owners still holds a lease (its process may be running)."""
+    row = conn.execute(_OWNERS_KIND).fetchone()
+    if row is not None and row[0] == "table":
+        live = conn.execute(_LIVE_LEASED_OWNER, (time.time(),)).fetchone()
+        if live is not None:
+            raise StoreError(
+                f"{name}: a process of an earlier PolyLoop release ({live[0]}) holds runs "
+                f"in this database under a lease; stop it before opening the database with "
+                f"this release, which claims runs by locks instead",
+                run_id=run_id,
+            )
+        for statement in _RETIRE_OWNERS:
+            conn.execute(statement)
+    conn.execute(_FENCE_OLD_RELEASES)
 
 
 def check_meta_format(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:

@@ -1,0 +1,48 @@
+"""Why a store refuses a call, written once for every store.
+
+Each function builds the error a store raises (or returns, for a write of a shared
+commit) for one reason, with the run it is about; :func:`check_order` is the order rule
+every store keeps: a run starts once, nothing is written before its start, nothing
+after its final end record.
+"""
+
+from __future__ import annotations
+
+from polyloop.types import RunAlreadyExists, RunLocked, StoreError
+
+__all__ = (
+    "check_order",
+    "claimed_already",
+    "claimed_since",
+    "not_claimed",
+    "store_closed",
+)
+
+
+def store_closed(run_id: str | None = None) -> StoreError:
+    return StoreError("the store is closed", run_id=run_id)
+
+
+def not_claimed(run_id: str) -> RunLocked:
+    return RunLocked("this store object does not hold the run's claim", run_id=run_id)
+
+
+def claimed_already(run_id: str) -> RunLocked:
+    return RunLocked("this store object already holds the run's claim", run_id=run_id)
+
+
+def claimed_since(run_id: str) -> RunLocked:
+    return RunLocked("another writer claimed the run since this store object did", run_id=run_id)
+
+
+def check_order(run_id: str, *, start: bool, started: bool, finished: bool) -> None:
+    """Refuse a start of a run that has records, and any other write before its start
+    or after its final end record."""
+    if start:
+        if started:
+            raise RunAlreadyExists("the run already has records", run_id=run_id)
+        return
+    if not started:
+        raise StoreError("the run was never started in this store", run_id=run_id)
+    if finished:
+        raise StoreError("the run has ended; nothing may follow its end record", run_id=run_id)
