@@ -5,8 +5,8 @@ Leases are PostgreSQL's: SQLite, a store for one host, claims by locks
 (``tests/stores/test_sqlite_claims.py``). The stopped worker is a child process
 (``tests/lease_kit.py``) sent ``SIGSTOP`` inside its model call or its tool: its lease
 runs out, ``recover`` in this process takes the run over, and once the child is sent
-``SIGCONT`` its next write is refused with nothing written. Every execution of the tool, whose replay is never
-allowed, is counted in a file outside the store.
+``SIGCONT`` its next write is refused with nothing written. Every execution of the tool,
+whose replay is never allowed, is counted in a file outside the store.
 """
 
 from __future__ import annotations

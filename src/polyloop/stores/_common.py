@@ -21,6 +21,7 @@ import anyio
 import anyio.to_thread
 
 from polyloop._shared import FORMAT, exception_text
+from polyloop.stores._refusals import store_closed
 from polyloop.types import CorruptLog, RunLocked, SchemaMajorMismatch, StoreError
 
 
@@ -197,7 +198,7 @@ class WriterState:
 
     def check_writable(self, run_id: str) -> None:
         if self.closed:
-            raise StoreError("the store is closed", run_id=run_id)
+            raise store_closed(run_id)
         reason = self.failed.get(run_id)
         if reason is not None:
             raise StoreError(

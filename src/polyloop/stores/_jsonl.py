@@ -60,6 +60,7 @@ from polyloop.stores._jsonl_reader import (
     require_regular,
 )
 from polyloop.stores._jsonl_write import Appender, Write
+from polyloop.stores._refusals import store_closed
 from polyloop.types import (
     CorruptLog,
     Intent,
@@ -202,7 +203,7 @@ class JsonlStore:
         first line is not a record of its run is left out with a warning naming it.
         """
         if self._state.closed:
-            raise StoreError("the store is closed")
+            raise store_closed()
         listed = await anyio.to_thread.run_sync(self._list_sync)
         return tuple(run for run in listed if not (unfinished_only and run.finished))
 
@@ -324,4 +325,4 @@ class JsonlStore:
 
     def _check_open(self, run_id: str) -> None:
         if self._state.closed:
-            raise StoreError("the store is closed", run_id=run_id)
+            raise store_closed(run_id)

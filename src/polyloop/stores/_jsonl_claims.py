@@ -31,7 +31,8 @@ from polyloop.stores._jsonl_reader import (
     refuse_link,
     require_regular,
 )
-from polyloop.types import PolyLoopError, RunLocked, StoreError
+from polyloop.stores._refusals import claimed_already, not_claimed
+from polyloop.types import PolyLoopError, StoreError
 
 __all__ = ("WRITE_FLAGS", "Claim", "Claims", "open_failed")
 
@@ -88,7 +89,7 @@ class Claims:
         with self.state.mutex:
             self.state.check_writable(run_id)
             if run_id in self._held:
-                raise RunLocked("this store object already holds the run's claim", run_id=run_id)
+                raise claimed_already(run_id)
         try:
             self._ensure_directory(run_id)
         except StoreError as exc:
@@ -112,7 +113,7 @@ class Claims:
             self.state.check_writable(run_id)
             claim = self._held.get(run_id)
         if claim is None:
-            raise RunLocked("this store object does not hold the run's claim", run_id=run_id)
+            raise not_claimed(run_id)
         return claim
 
     def end(self, run_id: str, claim: Claim) -> None:

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from polyloop.stores._fileops import FileOps
-from polyloop.stores._jsonl_claims import WRITE_FLAGS, Claim, Claims, open_failed
-from polyloop.types import PolyLoopError, RunAlreadyExists, RunLocked, StoreError
+from polyloop.stores._jsonl_claims import WRITE_FLAGS, Claims, open_failed
+from polyloop.stores._refusals import check_order, not_claimed
+from polyloop.types import PolyLoopError
 
 __all__ = ("Appender", "Write")
 
@@ -57,10 +58,10 @@ class Appender:
             claim = claims.held(run_id)
             with claim.lock:
                 if claim.closed:
-                    raise RunLocked(
-                        "this store object does not hold the run's claim", run_id=run_id
-                    )
-                _check_order(claim, write)
+                    raise not_claimed(run_id)
+                check_order(
+                    run_id, start=write.start, started=claim.started, finished=claim.finished
+                )
                 # The file is open only for this write, so a process holds as many
                 # run files open as writes run at once, however many runs it claims.
                 try:
@@ -87,20 +88,6 @@ class Appender:
         except PolyLoopError as exc:
             return exc
         return None
-
-
-def _check_order(claim: Claim, write: Write) -> None:
-    """Refuse a start of a run that has records, and any write before or after the run."""
-    if write.start:
-        if claim.started:
-            raise RunAlreadyExists("the run already has records", run_id=write.run_id)
-        return
-    if not claim.started:
-        raise StoreError("the run was never started in this store", run_id=write.run_id)
-    if claim.finished:
-        raise StoreError(
-            "the run has ended; nothing may follow its end record", run_id=write.run_id
-        )
 
 
 def _write_all(files: FileOps, fd: int, data: bytes) -> None:

@@ -12,15 +12,14 @@ from types import TracebackType
 from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
 from polyloop.stores._archive import check_cutoff, prune_runs
+from polyloop.stores._refusals import check_order, claimed_already, not_claimed, store_closed
 from polyloop.types import (
     Intent,
     JSONValue,
     Record,
     Result,
     Review,
-    RunAlreadyExists,
     RunEnded,
-    RunLocked,
     RunLog,
     RunStarted,
     StepRecord,
@@ -58,7 +57,7 @@ class MemoryStore:
         """Become the run's writer; ``RunLocked`` if this store object already is."""
         self._check_open(run_id)
         if run_id in self._claims:
-            raise RunLocked("another caller already holds this run's claim", run_id=run_id)
+            raise claimed_already(run_id)
         self._claims.add(run_id)
 
     async def release_run(self, run_id: str) -> None:
@@ -72,8 +71,8 @@ class MemoryStore:
     async def start_run(self, record: RunStarted) -> None:
         """Keep the first record of a run."""
         self._check_claimed(record.run_id)
-        if self._runs.get(record.run_id):
-            raise RunAlreadyExists("the run already has records", run_id=record.run_id)
+        records = self._runs.get(record.run_id)
+        check_order(record.run_id, start=True, started=bool(records), finished=False)
         self._runs[record.run_id] = [record]
         self._updated[record.run_id] = time.time()
 
@@ -176,21 +175,18 @@ class MemoryStore:
 
     def _check_open(self, run_id: str | None) -> None:
         if self._closed:
-            raise StoreError("the store is closed", run_id=run_id)
+            raise store_closed(run_id)
 
     def _check_claimed(self, run_id: str) -> None:
         self._check_open(run_id)
         if run_id not in self._claims:
-            raise RunLocked("this store object does not hold the run's claim", run_id=run_id)
+            raise not_claimed(run_id)
 
     def _records(self, run_id: str) -> list[Record]:
         """The records of a claimed, started, unfinished run, its time updated."""
         self._check_claimed(run_id)
-        records = self._runs.get(run_id)
-        if not records:
-            raise StoreError("the run was never started in this store", run_id=run_id)
-        if _finished(records):
-            raise StoreError("the run has ended; nothing may follow its end record", run_id=run_id)
+        records = self._runs.get(run_id, [])
+        check_order(run_id, start=False, started=bool(records), finished=_finished(records))
         self._updated[run_id] = time.time()
         return records
 
@@ -199,5 +195,4 @@ class MemoryStore:
 
 
 def _finished(records: list[Record]) -> bool:
-    last = records[-1]
-    return isinstance(last, RunEnded) and last.is_final
+    return bool(records) and isinstance(records[-1], RunEnded) and records[-1].is_final

@@ -33,7 +33,8 @@ from polyloop.stores._common import WriterState
 from polyloop.stores._lease import Lease
 from polyloop.stores._postgres_connect import Connection
 from polyloop.stores._postgres_sql import Queries, Row, run_id_column, run_key
-from polyloop.types import PolyLoopError, RunAlreadyExists, RunLocked, StoreError
+from polyloop.stores._refusals import check_order, fence_refusal, not_claimed, store_closed
+from polyloop.types import PolyLoopError, RunLocked, StoreError
 
 __all__ = (
     "Claim",
@@ -44,7 +45,6 @@ __all__ = (
     "Probe",
     "Slot",
     "Writer",
-    "check_mode",
     "fail_run",
 )
 
@@ -77,7 +77,7 @@ class Writer:
         nothing unfenced: every write checks its run's claim epoch, which lives in the
         run's row, not on a connection."""
         if self.closed:
-            raise StoreError("the store is closed", run_id=run_id)
+            raise store_closed(run_id)
         if self.connection is None:
             self.connection = self.connect()
         return self.connection
@@ -190,10 +190,17 @@ class _Plan:
         run_id = item.slot.run_id
         run = self.runs.get(run_id)
         if run is None:
-            check_mode(run_id, claim.next_seq, item.mode, finished=claim.finished)
+            check_order(
+                run_id,
+                start=item.mode == "start",
+                started=claim.next_seq > 0,
+                finished=claim.finished,
+            )
             run = self.runs[run_id] = _RunWrite(claim, claim.next_seq)
         else:
-            check_mode(run_id, run.next_seq, item.mode, finished=run.ends and run.final)
+            check_order(
+                run_id, start=item.mode == "start", started=True, finished=run.ends and run.final
+            )
             if run.ends:  # an earlier item of this batch ends the run, and its claim
                 raise RunLocked("the run's claim ends with its end record", run_id=run_id)
         run.items.append((index, item))
@@ -237,9 +244,7 @@ class Committer:
                 self.state.check_writable(run_id)
                 claim = item.slot.claim
                 if claim is None:
-                    raise RunLocked(
-                        "this store object does not hold the run's claim", run_id=run_id
-                    )
+                    raise not_claimed(run_id)
                 self.lease.check(claim.generation, run_id)
                 plan.accept(index, item, claim)
             except PolyLoopError as exc:
@@ -309,18 +314,7 @@ class Committer:
         """Why the fence refused ``run``'s rows (nothing of them was written)."""
         run_id = run.claim.run_id
         row = conn.execute(self.queries.explain_refusal, (run_key(run_id),)).fetchone()
-        if row is None or row[0] != run.claim.epoch:
-            return RunLocked(
-                "another writer claimed the run since this store object did", run_id=run_id
-            )
-        _, next_seq, finished = row
-        if run.start:
-            return RunAlreadyExists("the run already has records", run_id=run_id)
-        if finished:
-            return StoreError("the run has ended; nothing may follow its end record", run_id=run_id)
-        return StoreError(
-            f"the run's rows moved on to seq {next_seq} without this writer", run_id=run_id
-        )
+        return fence_refusal(run_id, epoch=run.claim.epoch, row=row, start=run.start)
 
     def _fail(
         self, writer: Writer, runs: Sequence[_RunWrite], errors: Errors, exc: Exception
@@ -344,18 +338,6 @@ class Committer:
             for run in plan.runs.values():
                 if run.ends and all(errors[index] is None for index, _ in run.items):
                     run.items[-1][1].slot.claim = None
-
-
-def check_mode(run_id: str, next_seq: int, mode: Mode, *, finished: bool) -> None:
-    """Refuse to start a run that has rows, to write to one that has none or has ended."""
-    if mode == "start":
-        if next_seq > 0:
-            raise RunAlreadyExists("the run already has records", run_id=run_id)
-        return
-    if next_seq == 0:
-        raise StoreError("the run was never started in this database", run_id=run_id)
-    if finished:
-        raise StoreError("the run has ended; nothing may follow its end record", run_id=run_id)
 
 
 def _parameters(runs: Sequence[_RunWrite]) -> dict[str, list[object]]:

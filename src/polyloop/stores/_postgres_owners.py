@@ -33,6 +33,7 @@ from polyloop.stores._postgres_sql import (
     run_key,
 )
 from polyloop.stores._postgres_writers import Writers
+from polyloop.stores._refusals import claimed_already, not_claimed, store_closed
 from polyloop.types import RunLocked, StoreError
 
 __all__ = ("Claims", "Owner")
@@ -133,7 +134,7 @@ class Owner:
     def _connection(self) -> Connection:
         """The connection that holds the owner's lock, opened again after a loss."""
         if self._state.closed:
-            raise StoreError("the store is closed")
+            raise store_closed()
         conn = self._conn
         if conn is None or conn.broken or conn.closed:
             self._close_connection()
@@ -183,14 +184,14 @@ class Claims:
         slot = self._writers.slot(run_id)
         claim = slot.claim if slot is not None else None
         if claim is None:
-            raise RunLocked("this store object does not hold the run's claim", run_id=run_id)
+            raise not_claimed(run_id)
         return claim
 
     def claim(self, run_id: str, token: EventLoopToken) -> None:
         """Make the owner the run's owner and move its claim epoch on, or ``RunLocked``."""
         with self._writers.used(run_id) as slot:
             if slot.claim is not None:
-                raise RunLocked("this store object already holds the run's claim", run_id=run_id)
+                raise claimed_already(run_id)
             self._reader.ready(run_id)
             owner_id, generation = self._owner.registered(run_id, token)
             with slot.writer.lock:

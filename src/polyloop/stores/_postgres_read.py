@@ -40,6 +40,7 @@ from polyloop.stores._postgres_sql import (
     run_key,
     shown,
 )
+from polyloop.stores._refusals import store_closed
 from polyloop.types import CorruptLog, Record, StoreError
 
 __all__ = ("Reader",)
@@ -96,7 +97,7 @@ class Reader:
         """The open pool, after checking (or creating) the schema once per store object."""
         with self._lock:
             if self._state.closed:
-                raise StoreError("the store is closed", run_id=run_id)
+                raise store_closed(run_id)
             pool = self._pool
             try:
                 if pool is None:
@@ -123,7 +124,7 @@ class Reader:
     def _reading(self, run_id: str | None) -> Iterator[Connection]:
         """A connection of the pool; a failed query becomes a ``StoreError``."""
         if self._state.closed:
-            raise StoreError("the store is closed", run_id=run_id)
+            raise store_closed(run_id)
         pool = self.ready(run_id)
         try:
             with pool.connection(timeout=self._settings.timeout) as conn:

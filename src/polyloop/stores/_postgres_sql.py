@@ -272,7 +272,7 @@ class Queries:
             ),
             write=q(_FENCED_WRITE, lazy=sql.SQL(""), lazy_join=sql.SQL("")),
             lazy_write=q(_FENCED_WRITE, lazy=sql.SQL(_LAZY), lazy_join=sql.SQL(_LAZY_JOIN)),
-            explain_refusal=q("SELECT epoch, next_seq, finished FROM {runs} WHERE run_key = %s"),
+            explain_refusal=q("SELECT epoch, finished FROM {runs} WHERE run_key = %s"),
             select_run=q(
                 "SELECT seq, run_id, kind, body FROM {records} WHERE run_key = %s ORDER BY seq"
             ),

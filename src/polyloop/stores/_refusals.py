@@ -8,10 +8,11 @@ after its final end record.
 
 from __future__ import annotations
 
-from polyloop.types import RunAlreadyExists, RunLocked, StoreError
+from polyloop.types import PolyLoopError, RunAlreadyExists, RunLocked, StoreError
 
 __all__ = (
     "check_order",
+    "fence_refusal",
     "claimed_already",
     "claimed_since",
     "not_claimed",
@@ -46,3 +47,17 @@ def check_order(run_id: str, *, start: bool, started: bool, finished: bool) -> N
         raise StoreError("the run was never started in this store", run_id=run_id)
     if finished:
         raise StoreError("the run has ended; nothing may follow its end record", run_id=run_id)
+
+
+def fence_refusal(
+    run_id: str, *, epoch: int, row: tuple[int, bool] | None, start: bool
+) -> PolyLoopError:
+    """Why a database's fence moved no row for a write under claim ``epoch``, given the
+    run's row as it is now (its epoch and whether it finished; ``None`` if it is gone)."""
+    if row is None or row[0] != epoch:
+        return claimed_since(run_id)
+    try:
+        check_order(run_id, start=start, started=True, finished=bool(row[1]))
+    except PolyLoopError as refusal:
+        return refusal
+    return StoreError("the run's rows moved on without this writer", run_id=run_id)

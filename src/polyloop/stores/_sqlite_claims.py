@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from polyloop.stores._byte_locks import ByteLocks
 from polyloop.stores._fileops import OsFileOps
+from polyloop.stores._refusals import claimed_already, not_claimed
 from polyloop.stores._sqlite_sql import (
     DROP_UNSTARTED,
     FREE_RUN,
@@ -34,7 +35,7 @@ from polyloop.stores._sqlite_sql import (
     run_id_of,
     run_key,
 )
-from polyloop.types import RunLocked, StoreError
+from polyloop.types import StoreError
 
 __all__ = ("Claim", "Claims")
 
@@ -82,7 +83,7 @@ class Claims:
         self._database.state.check_writable(run_id)
         claim = self.claims.get(run_id)
         if claim is None:
-            raise RunLocked("this store object does not hold the run's claim", run_id=run_id)
+            raise not_claimed(run_id)
         return claim
 
     def claim(self, run_id: str) -> None:
@@ -92,7 +93,7 @@ class Claims:
         with database.state.mutex:
             database.state.check_writable(run_id)
             if run_id in self.claims:
-                raise RunLocked("this store object already holds the run's claim", run_id=run_id)
+                raise claimed_already(run_id)
             conn = database.connection(run_id).conn
             if not self._ready:
                 self._make_directory(run_id)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from polyloop.stores._refusals import check_order, fence_refusal, not_claimed
 from polyloop.stores._sqlite_claims import Claims
 from polyloop.stores._sqlite_sql import (
     ADVANCE_RUN,
@@ -31,7 +32,7 @@ from polyloop.stores._sqlite_sql import (
     rollback_quietly,
     run_key,
 )
-from polyloop.types import PolyLoopError, RunAlreadyExists, RunLocked, StoreError
+from polyloop.types import PolyLoopError
 
 __all__ = ("Committer", "Outcome")
 
@@ -90,9 +91,7 @@ class Committer:
         try:
             self._database.state.check_writable(write.run_id)
             if write.run_id not in self._claims.claims:
-                raise RunLocked(
-                    "this store object does not hold the run's claim", run_id=write.run_id
-                )
+                raise not_claimed(write.run_id)
             self._database.connection(write.run_id)
         except PolyLoopError as exc:
             batch.errors[i] = exc
@@ -150,14 +149,7 @@ class Committer:
         """The run's next ``seq``, from this batch or from the claim."""
         claim = self._claims.claims[write.run_id]
         first = batch.next_seq.get(write.run_id, claim.next_seq)
-        if write.start and first:
-            raise RunAlreadyExists("the run already has records", run_id=write.run_id)
-        if not write.start and not first:
-            raise StoreError("the run was never started in this database", run_id=write.run_id)
-        if claim.finished:
-            raise StoreError(
-                "the run has ended; nothing may follow its end record", run_id=write.run_id
-            )
+        check_order(write.run_id, start=write.start, started=first > 0, finished=claim.finished)
         return first
 
     def _advance(self, conn: sqlite3.Connection, write: Write, first: int) -> None:
@@ -172,13 +164,7 @@ class Committer:
         if moved.rowcount == 1:
             return
         row = conn.execute(EXPLAIN_REFUSAL, (key,)).fetchone()
-        if row is None or row[0] != epoch:
-            raise RunLocked(
-                "another writer claimed the run since this store object did", run_id=write.run_id
-            )
-        raise StoreError(
-            "the run has ended, or its rows moved on without this writer", run_id=write.run_id
-        )
+        raise fence_refusal(write.run_id, epoch=epoch, row=row, start=write.start)
 
     def _settle(self, batch: _Batch) -> None:
         """After the commit: remember each run's next seq; an ended run gives up its claim."""

@@ -32,6 +32,7 @@ from polyloop.stores._common import (
     fsync_directory,
     open_files_error,
 )
+from polyloop.stores._refusals import store_closed
 from polyloop.types import (
     CorruptLog,
     PolyLoopError,
@@ -335,7 +336,7 @@ class Database:
     def connection(self, run_id: str | None) -> Db:
         """The connection, opening and checking the database on first use."""
         if self.state.closed:
-            raise StoreError("the store is closed", run_id=run_id)
+            raise store_closed(run_id)
         if self._worker is None:
             self._worker = self._open(run_id)
         return self._worker
@@ -344,7 +345,7 @@ class Database:
     def reading(self, run_id: str | None) -> Iterator[None]:
         """Refuse a closed store; report a failed statement as a ``StoreError``."""
         if self.state.closed:
-            raise StoreError("the store is closed", run_id=run_id)
+            raise store_closed(run_id)
         try:
             yield
         except sqlite3.Error as exc:
