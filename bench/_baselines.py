@@ -3,22 +3,24 @@
 Each write commits alone, in a worker-thread hop of its own (SQLite with
 ``synchronous=FULL`` for every commit), which is how a store without shared commits
 behaves. They live here, not in the library: the library has one write path per store.
-They reach into the stores' private write step on purpose, and only to replace it.
+They reach into the stores' private dialects on purpose, and only to replace the step
+that submits a write.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
 
 import anyio.to_thread
 
 from polyloop.stores import PostgresStore, SqliteStore
+from polyloop.stores._common import Write
+from polyloop.stores._postgres import Postgres
 from polyloop.stores._postgres_batch import Item
-from polyloop.stores._postgres_sql import record_row
+from polyloop.stores._sqlite import Sqlite
 from polyloop.stores._sqlite_commit import Committer
-from polyloop.stores._sqlite_sql import SYNCHRONOUS_FULL, Write
+from polyloop.stores._sqlite_sql import SYNCHRONOUS_FULL
 
 
 class _FullSyncCommitter(Committer):
@@ -30,15 +32,32 @@ class _FullSyncCommitter(Committer):
         return SYNCHRONOUS_FULL
 
 
+class _SqliteAlone(Sqlite):
+    __slots__ = ("_alone",)
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._alone = _FullSyncCommitter(self._database, self._claims)
+
+    async def submit(self, write: Write) -> None:
+        (error,) = await anyio.to_thread.run_sync(self._alone.commit, [write])
+        if error is not None:
+            raise error
+
+
 class SqliteOneCommitPerWrite(SqliteStore):
     """``SqliteStore`` committing every write in a transaction of its own."""
 
-    def __init__(self, path: str | os.PathLike[str], *, lease_s: float = 15.0) -> None:
-        super().__init__(path, lease_s=lease_s)
-        self._committer = _FullSyncCommitter(self._database, self._owners)
+    _DIALECT = _SqliteAlone
 
-    async def _write(self, write: Write) -> None:
-        (error,) = await anyio.to_thread.run_sync(self._committer.commit, [write])
+
+class _PostgresAlone(Postgres):
+    __slots__ = ()
+
+    async def submit(self, write: Write) -> None:
+        with self._writers.used(write.run_id) as slot:
+            commit = self._writers.committer.commit
+            (error,) = await anyio.to_thread.run_sync(commit, slot.writer, [Item(slot, write)])
         if error is not None:
             raise error
 
@@ -46,18 +65,4 @@ class SqliteOneCommitPerWrite(SqliteStore):
 class PostgresOneCommitPerWrite(PostgresStore):
     """``PostgresStore`` committing every write in a statement of its own."""
 
-    async def _write(self, run_id: str, records: Sequence[Any], mode: Any, **options: Any) -> None:
-        rows = [record_row(record) for record in records]
-        with self._writers.used(run_id) as slot:
-            item = Item(
-                slot,
-                rows,
-                mode,
-                options.get("barrier", False),
-                options.get("final", False),
-                options.get("reason"),
-            )
-            commit = self._writers.committer.commit
-            (error,) = await anyio.to_thread.run_sync(commit, slot.writer, [item])
-        if error is not None:
-            raise error
+    _DIALECT = _PostgresAlone

@@ -43,6 +43,7 @@ from agent_kit import (
 from polyloop import ModelCall, Replay, RunEnded, RunResult, StopReason, resume, run
 from polyloop.ports import Store
 from polyloop.stores import PostgresStore, _postgres_connect, _postgres_sql
+from polyloop.stores._common import record_row
 from polyloop.stores._postgres_batch import Committer
 from polyloop.stores._postgres_connect import open_connection
 from polyloop.testing.store_contract import (
@@ -1046,7 +1047,7 @@ async def test_a_lazy_write_turns_synchronous_commit_off_for_its_own_transaction
     # The store's own statements, appending the run's intent as its claim would; the
     # claim above has been given up, so its epoch is still the run's.
     key = _postgres_sql.run_key("r")
-    kind, body = _postgres_sql.record_row(writes[1][1][0])
+    kind, body = record_row(writes[1][1][0])
     runs = sql.Identifier("polyloop", "runs")
 
     def settings() -> list[tuple[str, bool]]:

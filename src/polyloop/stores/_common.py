@@ -20,9 +20,10 @@ from typing import Protocol
 import anyio
 import anyio.to_thread
 
-from polyloop._shared import FORMAT, exception_text
+from polyloop._shared import FORMAT, exception_text, record_kind
+from polyloop.serialization import dumps
 from polyloop.stores._refusals import store_closed
-from polyloop.types import CorruptLog, RunLocked, SchemaMajorMismatch, StoreError
+from polyloop.types import CorruptLog, Record, RunLocked, SchemaMajorMismatch, StoreError
 
 
 def check_format(recorded: object, *, holder: str, run_id: str | None, location: str) -> None:
@@ -181,6 +182,25 @@ async def claim_in_thread(
                     RELEASE_GRACE_S,
                 )
         raise
+
+
+def record_row(record: Record) -> tuple[str, str]:
+    """The (kind, body) row that holds ``record`` in a database store."""
+    return record_kind(record), dumps(record)  # dumps refuses anything not a record
+
+
+@dataclass(eq=False, slots=True)
+class Write:
+    """The rows of one store call, and what the call means for its run: the one value
+    every database store's write path takes."""
+
+    run_id: str
+    rows: list[tuple[str, str]]  # (kind, body) of each record, in order
+    start: bool = False  # the run must have no record yet
+    end: bool = False  # an end record: the claim is given up with it
+    final: bool = False  # a final end record: nothing may follow it
+    reason: str | None = None  # the stop reason of an end record
+    barrier: bool = False  # must be fsync'd before the call returns
 
 
 @dataclass

@@ -19,7 +19,9 @@ worker thread on plain blocking psycopg connections (psycopg's async API is tied
 asyncio), so the store serves asyncio and Trio alike; a store object must be used from
 one event loop at a time.
 
-The class below only delegates. Its collaborators each hold one job:
+The public methods are the database stores' shared engine
+(:class:`~polyloop.stores._sql_store.SqlStore`); this module is PostgreSQL's dialect of
+it, which only delegates. Its collaborators each hold one job:
 :mod:`~polyloop.stores._postgres_connect` (the checked options, opening a connection),
 :mod:`~polyloop.stores._postgres_read` (the reader pool, the schema, reading),
 :mod:`~polyloop.stores._postgres_owners` (the owner, its lease, its claims),
@@ -30,47 +32,26 @@ The class below only delegates. Its collaborators each hold one job:
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from functools import partial
-from pathlib import Path
-from types import TracebackType
-from typing import TypeVar
+from typing import ClassVar
 
-import anyio
-import anyio.lowlevel
-import anyio.to_thread
+from anyio.lowlevel import EventLoopToken
 
-from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
-from polyloop.stores._archive import check_cutoff, prune_runs
-from polyloop.stores._common import WriterState, claim_in_thread
-from polyloop.stores._postgres_batch import Committer, Item, Mode, Probe
+from polyloop.stores._common import Write, WriterState
+from polyloop.stores._postgres_batch import Committer, Item, Probe
 from polyloop.stores._postgres_connect import Settings
 from polyloop.stores._postgres_owners import Claims, Owner
 from polyloop.stores._postgres_read import Reader
-from polyloop.stores._postgres_sql import Queries, record_row
+from polyloop.stores._postgres_sql import Queries
 from polyloop.stores._postgres_writers import Writers
-from polyloop.types import (
-    Intent,
-    JSONValue,
-    Record,
-    Result,
-    Review,
-    RunEnded,
-    RunLog,
-    RunStarted,
-    StepRecord,
-    StoreError,
-)
+from polyloop.stores._sql_store import SqlStore
+from polyloop.types import Record
 
 __all__ = ("PostgresStore",)
 
-_T = TypeVar("_T")
 
-
-class PostgresStore:
+class PostgresStore(SqlStore):
     """Keeps runs in a PostgreSQL database that many workers on many hosts can share.
 
     ``conninfo`` is a libpq connection string or URL (it is never reported: not by
@@ -99,7 +80,7 @@ class PostgresStore:
     closing completes even in a cancelled scope.
     """
 
-    __slots__ = ("_claims", "_owner", "_reader", "_settings", "_writers")
+    __slots__ = ("_schema",)
 
     def __init__(
         self,
@@ -113,7 +94,7 @@ class PostgresStore:
         statement_timeout_s: float = 30.0,
         _probe: Probe | None = None,
     ) -> None:
-        self._settings = settings = Settings.checked(
+        settings = Settings.checked(
             conninfo,
             schema=schema,
             pool_size=pool_size,
@@ -122,176 +103,74 @@ class PostgresStore:
             lease_s=lease_s,
             statement_timeout_s=statement_timeout_s,
         )
-        queries = Queries.for_schema(schema)
+        self._schema = schema
+        super().__init__(self._DIALECT(settings, _probe))
+
+    def __repr__(self) -> str:
+        return f"PostgresStore(schema={self._schema!r})"
+
+    # The dialect the store runs on; a benchmark baseline swaps in a variant.
+    _DIALECT: ClassVar[type[Postgres]]
+
+
+class Postgres:
+    """PostgreSQL's dialect: a reader pool, writer connections that share commits, and
+    owners with leases. Every method but the two coroutines and :meth:`holds` runs in a
+    worker thread."""
+
+    kind = "postgresql"
+
+    __slots__ = ("_claims", "_owner", "_reader", "_writers")
+
+    def __init__(self, settings: Settings, probe: Probe | None) -> None:
+        queries = Queries.for_schema(settings.schema)
         state = WriterState()  # the runs that failed, and whether the store is closed
         self._reader = Reader(settings, queries, state)
         self._owner = Owner(settings, queries, state)
-        # ``_probe`` is a test seam: it sees each batch just before its commit.
-        committer = Committer(state, queries, self._owner.lease, _probe)
+        # ``probe`` is a test seam: it sees each batch just before its commit.
+        committer = Committer(state, queries, self._owner.lease, probe)
         self._writers = Writers(settings, state, committer)
         self._claims = Claims(self._owner, self._writers, self._reader, queries, state)
 
-    def parameters(self) -> Mapping[str, JSONValue]:
-        """The store kind and record format; never the connection string or schema."""
-        return {"kind": "postgresql", "format": FORMAT}
+    def claim(self, run_id: str, token: EventLoopToken) -> None:
+        self._claims.claim(run_id, token)
 
-    # -- the Store protocol ---------------------------------------------------------------
+    def release(self, run_id: str) -> None:
+        self._claims.release(run_id)
 
-    async def claim_run(self, run_id: str) -> None:
-        """Make this store object's owner the run's owner and move its claim epoch on.
+    def holds(self, run_id: str) -> bool:
+        return self._claims.held(run_id)
 
-        Raises ``RunLocked`` (naming the holder) if a live owner, this store object's
-        included, holds it: one whose lease has not ended and whose session lives.
-        """
-        token = anyio.lowlevel.current_token()
-        await claim_in_thread(
-            partial(self._claims.claim, run_id, token),
-            partial(self._claims.release, run_id),
-            run_id=run_id,
-        )
-
-    async def release_run(self, run_id: str) -> None:
-        """Give up the claim, writing no record (the row of a run never started goes)."""
-        if self._claims.held(run_id):
-            await self._in_thread(self._claims.release, run_id)
-
-    async def check_claim(self, run_id: str) -> None:
-        """Pass if this store object holds the run's claim with its lease's margin to
-        spare, by this process's clock (``LeaseLost`` otherwise): no statement is sent.
-        A late lease is waited on while its renewal may still come."""
+    async def confirm(self, run_id: str) -> None:
+        # By this process's clock against the lease's last confirmed renewal, with the
+        # margin to spare; a late lease is waited on while its renewal may still come.
         claim = self._claims.claim_of(run_id)
         await self._owner.lease.confirm(claim.generation, run_id)
 
-    async def start_run(self, record: RunStarted) -> None:
-        """Write the claimed run's first record, a durable barrier.
-
-        When this returns the record is committed and flushed to the server's disk.
-        Raises ``RunAlreadyExists`` if the run has any row (nothing is written).
-        """
-        await self._write(record.run_id, [record], "start", barrier=True)
-
-    async def write_intent(self, intent: Intent) -> None:
-        """Write an intent, a durable barrier: committed and flushed when this returns."""
-        await self._write(intent.run_id, [intent], "append", barrier=True)
-
-    async def write_result(self, result: Result) -> None:
-        """Write the result of a model call; committed (not yet flushed) when this returns."""
-        await self._write(result.run_id, [result], "append")
-
-    async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
-        """Write the action result (if any) and the step record in one transaction.
-
-        Committed (not yet flushed) when this returns: both rows, or neither.
-        """
-        if action_result is None:
-            await self._write(step.run_id, [step], "append")
-            return
-        if action_result.run_id != step.run_id:
-            raise StoreError(
-                f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
-            )
-        await self._write(step.run_id, [action_result, step], "append")
-
-    async def write_review(self, record: Review) -> None:
-        """Write a proposal, verdict or settlement, a durable barrier like an intent."""
-        await self._write(record.run_id, [record], "append", barrier=True)
-
-    async def end_run(self, record: RunEnded) -> None:
-        """Write the run's end record and give up the claim, in one statement.
-
-        The record is committed (not yet flushed) and the claim given up when this returns.
-        """
-        await self._write(
-            record.run_id, [record], "end", final=record.is_final, reason=record.stop_reason.value
-        )
-
-    async def read_log(self, run_id: str) -> RunLog:
-        """Every record of ``run_id`` in write order; empty if the run has no row.
-
-        Raises ``CorruptLog`` (naming the row) for a body that does not decode or does
-        not belong to its row, and ``SchemaMajorMismatch`` for another record format.
-        Readers never take the writer lock.
-        """
-        records = await self._in_thread(self._reader.read, run_id)
-        return RunLog(run_id=run_id, records=records)
-
-    async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
-        """Every run, in the order the runs started (only unfinished ones if asked).
-
-        Read from the table of runs; the unfinished ones through an index that holds
-        only them, so finished runs cost nothing. Whether a run is claimed is read from
-        the server's advisory locks.
-        """
-        return await self._in_thread(self._reader.runs, unfinished_only)
-
-    async def describe_run(self, run_id: str) -> StoredRun | None:
-        """The run as :meth:`list_runs` lists it; ``None`` if it has no row."""
-        return await self._in_thread(self._reader.describe, run_id)
-
-    async def prune(
-        self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
-    ) -> tuple[str, ...]:
-        """Delete the runs that finished before ``finished_before``; their ids.
-
-        A run that is unfinished, ended in doubt, or claimed is never touched: each run
-        is deleted under its claim, by one statement that checks again that it finished
-        before the cutoff. With ``archive``, each run's log is first written durably to
-        that directory, as a :class:`~polyloop.stores.JsonlStore` keeps it. Safe while
-        workers run.
-        """
-        cutoff = check_cutoff(finished_before)
-        candidates = await self._in_thread(self._reader.prunable, cutoff)
-        return await prune_runs(
-            self,
-            candidates,
-            archive=Path(archive) if archive is not None else None,
-            delete=partial(self._delete_claimed, cutoff=cutoff),
-        )
-
-    async def aclose(self) -> None:
-        """Give up every claim, end this owner's lease, close every connection. Idempotent."""
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._close)
-
-    async def __aenter__(self) -> PostgresStore:
-        """Open the pool and check (or create) the schema now rather than at first use."""
-        await self._in_thread(self._reader.open)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    def __repr__(self) -> str:
-        return f"PostgresStore(schema={self._settings.schema!r})"
-
-    # -- the one write path -----------------------------------------------------------------
-
-    async def _write(
-        self,
-        run_id: str,
-        records: Sequence[Record],
-        mode: Mode,
-        *,
-        barrier: bool = False,
-        final: bool = False,
-        reason: str | None = None,
-    ) -> None:
-        rows = [record_row(record) for record in records]
+    async def submit(self, write: Write) -> None:
         self._owner.lease.beat()
-        with self._writers.used(run_id) as slot:
-            await slot.writer.group.submit(Item(slot, rows, mode, barrier, final, reason))
+        with self._writers.used(write.run_id) as slot:
+            await slot.writer.group.submit(Item(slot, write))
 
-    # -- worker threads ---------------------------------------------------------------------
+    def read(self, run_id: str) -> tuple[Record, ...]:
+        return self._reader.read(run_id)
 
-    async def _delete_claimed(self, run_id: str, *, cutoff: datetime) -> bool:
-        return await self._in_thread(self._claims.delete, run_id, cutoff)
+    def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
+        return self._reader.runs(unfinished_only)
 
-    def _close(self) -> None:
+    def describe(self, run_id: str) -> StoredRun | None:
+        return self._reader.describe(run_id)
+
+    def prunable(self, cutoff: datetime) -> list[str]:
+        return self._reader.prunable(cutoff)
+
+    def delete(self, run_id: str, cutoff: datetime) -> bool:
+        return self._claims.delete(run_id, cutoff)
+
+    def open(self) -> None:
+        self._reader.open()
+
+    def close(self) -> None:
         """Refuse new work, stop the lease, close the writers, free the owner's runs,
         close the pool: in this order, so that nothing is written once the runs are free."""
         writers = self._writers.close()
@@ -302,5 +181,5 @@ class PostgresStore:
         self._owner.close()
         self._reader.close()
 
-    async def _in_thread(self, func: Callable[..., _T], *args: object) -> _T:
-        return await anyio.to_thread.run_sync(func, *args)
+
+PostgresStore._DIALECT = Postgres

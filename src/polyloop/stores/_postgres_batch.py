@@ -24,15 +24,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import psycopg
 
 from polyloop.stores._batching import GroupCommit
-from polyloop.stores._common import WriterState
+from polyloop.stores._common import Write, WriterState
 from polyloop.stores._lease import Lease
 from polyloop.stores._postgres_connect import Connection
-from polyloop.stores._postgres_sql import Queries, Row, run_id_column, run_key
+from polyloop.stores._postgres_sql import Queries, run_id_column, run_key
 from polyloop.stores._refusals import check_order, fence_refusal, not_claimed, store_closed
 from polyloop.types import PolyLoopError, RunLocked, StoreError
 
@@ -41,15 +40,12 @@ __all__ = (
     "Committer",
     "Errors",
     "Item",
-    "Mode",
     "Probe",
     "Slot",
     "Writer",
     "fail_run",
 )
 
-# What a write does to the run: start it, append to it, or end it.
-Mode = Literal["start", "append", "end"]
 # One outcome per item of a batch: None (committed) or the error its caller sees.
 Errors = list[BaseException | None]
 # The private test probe: the connection, (run id, kind) of each row, the SQL sent.
@@ -137,14 +133,10 @@ class Slot:
 
 @dataclass(eq=False, slots=True)
 class Item:
-    """One write waiting for a shared commit: its run's slot, its rows, what it does."""
+    """One write waiting for a shared commit, and its run's slot."""
 
     slot: Slot
-    rows: Sequence[Row]
-    mode: Mode
-    barrier: bool
-    final: bool = False  # ends the run with a final end record
-    reason: str | None = None  # the stop reason of an end record
+    write: Write
 
 
 @dataclass(eq=False)
@@ -157,23 +149,23 @@ class _RunWrite:
 
     @property
     def next_seq(self) -> int:
-        return self.first_seq + sum(len(item.rows) for _, item in self.items)
+        return self.first_seq + sum(len(item.write.rows) for _, item in self.items)
 
     @property
     def start(self) -> bool:
-        return self.items[0][1].mode == "start"
+        return self.items[0][1].write.start
 
     @property
     def ends(self) -> bool:
-        return self.items[-1][1].mode == "end"
+        return self.items[-1][1].write.end
 
     @property
     def final(self) -> bool:
-        return self.items[-1][1].final
+        return self.items[-1][1].write.final
 
     @property
     def reason(self) -> str | None:
-        return self.items[-1][1].reason
+        return self.items[-1][1].write.reason
 
 
 @dataclass(eq=False)
@@ -184,7 +176,7 @@ class _Plan:
 
     @property
     def barrier(self) -> bool:
-        return any(item.barrier for run in self.runs.values() for _, item in run.items)
+        return any(item.write.barrier for run in self.runs.values() for _, item in run.items)
 
     def accept(self, index: int, item: Item, claim: Claim) -> None:
         run_id = item.slot.run_id
@@ -192,14 +184,14 @@ class _Plan:
         if run is None:
             check_order(
                 run_id,
-                start=item.mode == "start",
+                start=item.write.start,
                 started=claim.next_seq > 0,
                 finished=claim.finished,
             )
             run = self.runs[run_id] = _RunWrite(claim, claim.next_seq)
         else:
             check_order(
-                run_id, start=item.mode == "start", started=True, finished=run.ends and run.final
+                run_id, start=item.write.start, started=True, finished=run.ends and run.final
             )
             if run.ends:  # an earlier item of this batch ends the run, and its claim
                 raise RunLocked("the run's claim ends with its end record", run_id=run_id)
@@ -274,7 +266,7 @@ class Committer:
     def _send_alone(
         self, conn: Connection, writer: Writer, run: _RunWrite, errors: Errors, probe: Probe | None
     ) -> None:
-        barrier = any(item.barrier for _, item in run.items)
+        barrier = any(item.write.barrier for _, item in run.items)
         try:
             self._send(conn, [run], barrier, errors, probe)
         except psycopg.Error as exc:
@@ -297,7 +289,7 @@ class Committer:
                 (run.claim.run_id, kind)
                 for run in runs
                 for _, item in run.items
-                for kind, _ in item.rows
+                for kind, _ in item.write.rows
             )
             probe(conn, rows, (query.as_string(conn),))
         admitted = {bytes(key) for (key,) in conn.execute(query, _parameters(runs)).fetchall()}
@@ -374,7 +366,7 @@ def _parameters(runs: Sequence[_RunWrite]) -> dict[str, list[object]]:
             params[name].append(value)
         seq = run.first_seq
         for _, item in run.items:
-            for kind, body in item.rows:
+            for kind, body in item.write.rows:
                 for name, value in (
                     ("row_keys", key),
                     ("seqs", seq),

@@ -2,7 +2,7 @@
 
 :class:`Queries` holds every statement of one schema, with the schema quoted as an
 identifier and every value left to a bound parameter. The helpers compute what the store
-puts in a row (:func:`run_key`, :func:`run_id_column`, :func:`record_row`), the advisory
+puts in a row (:func:`run_key`, :func:`run_id_column`), the advisory
 lock keys (:func:`owner_lock_key`, :func:`ddl_lock_key`), and how an id appears in an
 error (:func:`shown`). The store's module documentation describes the schema these
 serve.
@@ -16,10 +16,6 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
-from polyloop import serialization
-from polyloop._shared import record_kind
-from polyloop.types import Record
-
 __all__ = (
     "LAYOUT",
     "Queries",
@@ -27,7 +23,6 @@ __all__ = (
     "ddl_lock_key",
     "lock_halves",
     "owner_lock_key",
-    "record_row",
     "run_id_column",
     "run_key",
     "shown",
@@ -79,12 +74,6 @@ def shown(run_id: str) -> str:
     """``run_id`` quoted and cut short, for error locations."""
     text = repr(run_id)
     return text if len(text) <= _SHOWN_ID_CHARS else text[: _SHOWN_ID_CHARS - 3] + "..."
-
-
-def record_row(record: Record) -> Row:
-    """The (kind, body) row that holds ``record``."""
-    body = serialization.dumps(record)  # refuses anything that is not a record
-    return record_kind(record), body
 
 
 # The rows of a batch, one array per column, and its runs, one array per column: one

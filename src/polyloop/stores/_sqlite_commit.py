@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from polyloop.stores._common import Write
 from polyloop.stores._refusals import check_order, fence_refusal, not_claimed
 from polyloop.stores._sqlite_claims import Claims
 from polyloop.stores._sqlite_sql import (
@@ -27,7 +28,6 @@ from polyloop.stores._sqlite_sql import (
     SYNCHRONOUS_NORMAL,
     Database,
     Db,
-    Write,
     params,
     rollback_quietly,
     run_key,

@@ -1,16 +1,16 @@
 """The SQLite store's schema and statements, its rows, and how its connections are set up.
 
 The schema itself, and what each row means, is described in :mod:`polyloop.stores._sqlite`.
-This module turns records into rows and back (:func:`record_row`, :func:`decode_rows`),
-binds run ids (:func:`run_key`, :func:`run_id_of`) and numbers a write's rows
-(:class:`Write`, :func:`params`). On the connection side it holds :func:`connect`, the
-one place a connection is made, the checks a new connection must pass
-(:func:`configure`, :func:`create_schema`, :func:`check_meta_format`), the
-``synchronous`` levels with :class:`Db`, which remembers the level its connection was
-last set to, :class:`Database`, the file with the worker threads' connection opened and
-checked at first use, and the transactions the store's paths share (:func:`immediate`,
-:func:`rollback_quietly`). The shared commit's own statements (``COMMIT``, ``ROLLBACK``,
-savepoints) stay with :mod:`polyloop.stores._sqlite_commit`, which issues them.
+This module turns rows back into records (:func:`decode_rows`), binds run ids
+(:func:`run_key`, :func:`run_id_of`) and numbers a write's rows (:func:`params`). On the
+connection side it holds :func:`connect`, the one place a connection is made, the checks
+a new connection must pass (:func:`configure`, :func:`create_schema`,
+:func:`check_meta_format`), the ``synchronous`` levels with :class:`Db`, which remembers
+the level its connection was last set to, :class:`Database`, the file with the worker
+threads' connection opened and checked at first use, and the transactions the store's
+paths share (:func:`immediate`, :func:`rollback_quietly`). The shared commit's own
+statements (``COMMIT``, ``ROLLBACK``, savepoints) stay with
+:mod:`polyloop.stores._sqlite_commit`, which issues them.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from polyloop._shared import FORMAT, record_kind
-from polyloop.serialization import dumps, loads
+from polyloop.serialization import loads
 from polyloop.stores._common import (
+    Write,
     WriterState,
     check_format,
     create_directories,
@@ -60,7 +61,6 @@ __all__ = (
     "SYNCHRONOUS_NORMAL",
     "Database",
     "Db",
-    "Write",
     "check_meta_format",
     "configure",
     "connect",
@@ -68,7 +68,6 @@ __all__ = (
     "decode_rows",
     "immediate",
     "params",
-    "record_row",
     "rollback_quietly",
     "run_id_of",
     "run_key",
@@ -196,11 +195,6 @@ PRUNE_RUN = (
 # -- records and rows -----------------------------------------------------------------------
 
 
-def record_row(record: Record) -> _Row:
-    body = dumps(record)  # refuses anything that is not a record
-    return record_kind(record), body
-
-
 def run_key(run_id: str) -> _Key:
     """The value bound for ``run_id``: the text itself when SQLite can hold it."""
     if run_id.isascii():
@@ -252,19 +246,6 @@ def _decode_row(name: str, run_id: str, seq: int, kind: object, body: object) ->
             location=location,
         )
     return record
-
-
-@dataclass(eq=False, slots=True)
-class Write:
-    """The rows of one store call, and what the call means for its run."""
-
-    run_id: str
-    rows: list[_Row]
-    start: bool = False  # the run must have no record yet
-    end: bool = False  # an end record: the claim is given up with it
-    final: bool = False  # a final end record: nothing may follow it
-    reason: str | None = None  # the stop reason of an end record
-    barrier: bool = False  # must be fsync'd before the call returns
 
 
 # -- connections and transactions -----------------------------------------------------------
