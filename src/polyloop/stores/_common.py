@@ -21,7 +21,7 @@ import anyio
 import anyio.to_thread
 
 from polyloop._shared import FORMAT, exception_text, record_kind
-from polyloop.serialization import dumps
+from polyloop.serialization import dumps, loads
 from polyloop.stores._refusals import store_closed
 from polyloop.types import CorruptLog, Record, RunLocked, SchemaMajorMismatch, StoreError
 
@@ -182,6 +182,38 @@ async def claim_in_thread(
                     RELEASE_GRACE_S,
                 )
         raise
+
+
+_SHOWN_ID_CHARS = 60
+
+
+def shown(run_id: str) -> str:
+    """``run_id`` quoted and cut short, for messages and record locations."""
+    text = repr(run_id)
+    return text if len(text) <= _SHOWN_ID_CHARS else text[: _SHOWN_ID_CHARS - 3] + "..."
+
+
+def decode_row(body: object, *, run_id: str, kind: object, location: str) -> Record:
+    """The record a database row holds, checked against the row: its body is text that
+    decodes, the record is of ``run_id`` and of the row's ``kind``; else ``CorruptLog``
+    naming the run and the row."""
+
+    def corrupt(reason: str) -> CorruptLog:
+        return CorruptLog(reason, run_id=run_id, location=location)
+
+    if not isinstance(body, (str, bytes)):
+        raise corrupt(f"the body is {type(body).__name__}, not text")
+    try:
+        record = loads(body, location=location)
+    except CorruptLog as exc:
+        if exc.run_id is not None:
+            raise
+        raise corrupt(exc.reason) from exc
+    if record.run_id != run_id:
+        raise corrupt(f"the row holds a record of run {shown(record.run_id)}")
+    if record_kind(record) != kind:
+        raise corrupt(f"the row says {kind!r} but holds a {record_kind(record)!r} record")
+    return record
 
 
 def record_row(record: Record) -> tuple[str, str]:

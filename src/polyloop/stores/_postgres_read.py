@@ -22,10 +22,15 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from polyloop import serialization
-from polyloop._shared import FORMAT, record_kind
+from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
-from polyloop.stores._common import WriterState, check_format, open_files_error
+from polyloop.stores._common import (
+    WriterState,
+    check_format,
+    decode_row,
+    open_files_error,
+    shown,
+)
 from polyloop.stores._postgres_connect import (
     Connection,
     Settings,
@@ -38,7 +43,6 @@ from polyloop.stores._postgres_sql import (
     ddl_lock_key,
     run_id_column,
     run_key,
-    shown,
 )
 from polyloop.stores._refusals import store_closed
 from polyloop.types import CorruptLog, Record, StoreError
@@ -159,25 +163,17 @@ class Reader:
     def _decode_row(self, run_id: str, index: int, row: TupleRow) -> Record:
         seq, column, kind, body = row
         location = f"{self._settings.schema}.records run {shown(run_id)} seq {seq}"
-
-        def corrupt(reason: str) -> CorruptLog:
-            return CorruptLog(reason, run_id=run_id, location=location)
-
         if seq != index:
-            raise corrupt(f"seq {index} is missing: the run's rows have a gap")
-        try:
-            record = serialization.loads(body, location=location)
-        except CorruptLog as exc:
-            if exc.run_id is not None:
-                raise
-            raise corrupt(exc.reason) from exc
-        if record.run_id != run_id:
-            raise corrupt(f"the row holds a record of run {shown(record.run_id)}")
+            raise CorruptLog(
+                f"seq {index} is missing: the run's rows have a gap",
+                run_id=run_id,
+                location=location,
+            )
         if column != run_id_column(run_id):
-            raise corrupt(f"the row's run_id column says {shown(column)}")
-        if record_kind(record) != kind:
-            raise corrupt(f"the row says {kind!r} but holds a {record_kind(record)!r} record")
-        return record
+            raise CorruptLog(
+                f"the row's run_id column says {shown(column)}", run_id=run_id, location=location
+            )
+        return decode_row(body, run_id=run_id, kind=kind, location=location)
 
     # -- the pool and the schema ------------------------------------------------------------
 

@@ -2,10 +2,9 @@
 
 :class:`Queries` holds every statement of one schema, with the schema quoted as an
 identifier and every value left to a bound parameter. The helpers compute what the store
-puts in a row (:func:`run_key`, :func:`run_id_column`), the advisory
-lock keys (:func:`owner_lock_key`, :func:`ddl_lock_key`), and how an id appears in an
-error (:func:`shown`). The store's module documentation describes the schema these
-serve.
+puts in a row (:func:`run_key`, :func:`run_id_column`) and the advisory lock keys
+(:func:`owner_lock_key`, :func:`ddl_lock_key`). The store's module documentation
+describes the schema these serve.
 """
 
 from __future__ import annotations
@@ -25,13 +24,10 @@ __all__ = (
     "owner_lock_key",
     "run_id_column",
     "run_key",
-    "shown",
 )
 
 # One row to insert: (kind, body).
 Row = tuple[str, str]
-
-_SHOWN_ID_CHARS = 60
 
 
 def owner_lock_key(schema: str, owner_id: str) -> int:
@@ -68,12 +64,6 @@ def run_id_column(run_id: str) -> str:
     except UnicodeEncodeError:  # a lone surrogate: escape everything outside ASCII
         text = json.dumps(run_id)[1:-1]
     return text
-
-
-def shown(run_id: str) -> str:
-    """``run_id`` quoted and cut short, for error locations."""
-    text = repr(run_id)
-    return text if len(text) <= _SHOWN_ID_CHARS else text[: _SHOWN_ID_CHARS - 3] + "..."
 
 
 # The rows of a batch, one array per column, and its runs, one array per column: one

@@ -23,19 +23,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from polyloop._shared import FORMAT, record_kind
-from polyloop.serialization import loads
+from polyloop._shared import FORMAT
 from polyloop.stores._common import (
     Write,
     WriterState,
     check_format,
     create_directories,
+    decode_row,
     fsync_directory,
     open_files_error,
 )
 from polyloop.stores._refusals import store_closed
 from polyloop.types import (
-    CorruptLog,
     PolyLoopError,
     Record,
     StoreError,
@@ -224,28 +223,7 @@ def decode_rows(name: str, run_id: str, rows: Sequence[tuple[Any, ...]]) -> tupl
 
 
 def _decode_row(name: str, run_id: str, seq: int, kind: object, body: object) -> Record:
-    location = f"{name}: run row seq {seq}"
-    if not isinstance(body, (str, bytes)):
-        raise CorruptLog(
-            f"the body is {type(body).__name__}, not text", run_id=run_id, location=location
-        )
-    try:
-        record = loads(body, location=location)
-    except CorruptLog as exc:
-        if exc.run_id is not None:
-            raise
-        raise CorruptLog(exc.reason, run_id=run_id, location=location) from exc
-    if record.run_id != run_id:
-        raise CorruptLog(
-            f"the row holds a record of run {record.run_id!r}", run_id=run_id, location=location
-        )
-    if record_kind(record) != kind:
-        raise CorruptLog(
-            f"the row says {kind!r} but holds a {record_kind(record)!r} record",
-            run_id=run_id,
-            location=location,
-        )
-    return record
+    return decode_row(body, run_id=run_id, kind=kind, location=f"{name}: run row seq {seq}")
 
 
 # -- connections and transactions -----------------------------------------------------------
