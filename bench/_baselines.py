@@ -9,16 +9,17 @@ that submits a write.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import anyio.to_thread
 
 from polyloop.stores import PostgresStore, SqliteStore
 from polyloop.stores._common import Write
+from polyloop.stores._planning import Plan
 from polyloop.stores._postgres import Postgres
 from polyloop.stores._postgres_batch import Item
 from polyloop.stores._sqlite import Sqlite
+from polyloop.stores._sqlite_claims import Claim
 from polyloop.stores._sqlite_commit import Committer
 from polyloop.stores._sqlite_sql import SYNCHRONOUS_FULL
 
@@ -28,7 +29,7 @@ class _FullSyncCommitter(Committer):
 
     __slots__ = ()
 
-    def level(self, writes: Sequence[Write], admitted: Sequence[int]) -> int:
+    def level(self, batch: Plan[Claim]) -> int:
         return SYNCHRONOUS_FULL
 
 

@@ -1057,10 +1057,11 @@ async def test_a_refused_or_failed_write_rolls_back_alone(
             await anyio.wait_all_tasks_blocked()
             hold.release.set()
         # Two transactions: the held write's, then one that all the others shared, each
-        # write that reached it in a savepoint of its own ("locked" is refused before).
+        # run that reached it in a savepoint of its own ("locked", "exists" and "ghost"
+        # are refused by the batch's plan, before anything is sent).
         shared = statements[begun:]
         assert shared.count("BEGIN IMMEDIATE") == 2
-        assert shared.count("SAVEPOINT write") == len(calls) - 1
+        assert shared.count("SAVEPOINT run") == len(calls) - 3
 
         assert outcomes["held"] is None and outcomes["ok-1"] is None and outcomes["ok-2"] is None
         assert isinstance(outcomes["exists"], RunAlreadyExists)

@@ -30,15 +30,15 @@ import psycopg
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import Write, WriterState
 from polyloop.stores._lease import Lease
+from polyloop.stores._planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._postgres_connect import Connection
 from polyloop.stores._postgres_sql import Queries, run_id_column, run_key
-from polyloop.stores._refusals import check_order, fence_refusal, not_claimed, store_closed
-from polyloop.types import PolyLoopError, RunLocked, StoreError
+from polyloop.stores._refusals import fence_refusal, not_claimed, store_closed
+from polyloop.types import PolyLoopError, StoreError
 
 __all__ = (
     "Claim",
     "Committer",
-    "Errors",
     "Item",
     "Probe",
     "Slot",
@@ -46,8 +46,6 @@ __all__ = (
     "fail_run",
 )
 
-# One outcome per item of a batch: None (committed) or the error its caller sees.
-Errors = list[BaseException | None]
 # The private test probe: the connection, (run id, kind) of each row, the SQL sent.
 Probe = Callable[[Connection, tuple[tuple[str, str], ...], tuple[str, ...]], None]
 
@@ -139,65 +137,6 @@ class Item:
     write: Write
 
 
-@dataclass(eq=False)
-class _RunWrite:
-    """What a batch writes for one run: its claim, its items, and where its rows go."""
-
-    claim: Claim
-    first_seq: int
-    items: list[tuple[int, Item]] = field(default_factory=list)
-
-    @property
-    def next_seq(self) -> int:
-        return self.first_seq + sum(len(item.write.rows) for _, item in self.items)
-
-    @property
-    def start(self) -> bool:
-        return self.items[0][1].write.start
-
-    @property
-    def ends(self) -> bool:
-        return self.items[-1][1].write.end
-
-    @property
-    def final(self) -> bool:
-        return self.items[-1][1].write.final
-
-    @property
-    def reason(self) -> str | None:
-        return self.items[-1][1].write.reason
-
-
-@dataclass(eq=False)
-class _Plan:
-    """What one batch writes, decided before anything is sent: each run's items."""
-
-    runs: dict[str, _RunWrite] = field(default_factory=dict)
-
-    @property
-    def barrier(self) -> bool:
-        return any(item.write.barrier for run in self.runs.values() for _, item in run.items)
-
-    def accept(self, index: int, item: Item, claim: Claim) -> None:
-        run_id = item.slot.run_id
-        run = self.runs.get(run_id)
-        if run is None:
-            check_order(
-                run_id,
-                start=item.write.start,
-                started=claim.next_seq > 0,
-                finished=claim.finished,
-            )
-            run = self.runs[run_id] = _RunWrite(claim, claim.next_seq)
-        else:
-            check_order(
-                run_id, start=item.write.start, started=True, finished=run.ends and run.final
-            )
-            if run.ends:  # an earlier item of this batch ends the run, and its claim
-                raise RunLocked("the run's claim ends with its end record", run_id=run_id)
-        run.items.append((index, item))
-
-
 class Committer:
     """Commits the batches of one store object's writer connections (in a worker thread).
 
@@ -219,99 +158,90 @@ class Committer:
 
     def commit(self, writer: Writer, items: Sequence[Item]) -> Errors:
         """Commit every item that may be written in one transaction; say how each ended."""
-        errors: Errors = [None] * len(items)
         with writer.lock:
-            plan = self._plan(items, errors)
-            if plan.runs:
-                self._commit_plan(writer, plan, errors, self.probe)
-            self._settle(plan, errors)
-        return errors
+            batch = plan([item.write for item in items], lambda index: self._admit(items[index]))
+            if batch.runs:
+                self._commit_plan(writer, batch, self.probe)
+            ended = batch.settle()
+            if ended:
+                # Their rows gave the owner up in the same statement as the end record.
+                slots = {item.write.run_id: item.slot for item in items}
+                with self.state.mutex:
+                    for run_id in ended:
+                        slots[run_id].claim = None
+        return batch.errors
 
-    def _plan(self, items: Sequence[Item], errors: Errors) -> _Plan:
-        """Refuse what must not be written; group the rest by run, in submission order."""
-        plan = _Plan()
-        for index, item in enumerate(items):
-            run_id = item.slot.run_id
-            try:
-                self.state.check_writable(run_id)
-                claim = item.slot.claim
-                if claim is None:
-                    raise not_claimed(run_id)
-                self.lease.check(claim.generation, run_id)
-                plan.accept(index, item, claim)
-            except PolyLoopError as exc:
-                errors[index] = exc
-        return plan
+    def _admit(self, item: Item) -> Claim:
+        """The claim the item is written under, unless the run failed, is not claimed
+        here, or its lease lapsed."""
+        run_id = item.write.run_id
+        self.state.check_writable(run_id)
+        claim = item.slot.claim
+        if claim is None:
+            raise not_claimed(run_id)
+        self.lease.check(claim.generation, run_id)
+        return claim
 
-    def _commit_plan(
-        self, writer: Writer, plan: _Plan, errors: Errors, probe: Probe | None
-    ) -> None:
+    def _commit_plan(self, writer: Writer, batch: Plan[Claim], probe: Probe | None) -> None:
         """Send the batch; on a refused statement, each run again on its own."""
-        runs = list(plan.runs.values())
+        runs = list(batch.runs.values())
         try:
-            conn = writer.connected(runs[0].claim.run_id)
+            conn = writer.connected(runs[0].run_id)
             try:
-                self._send(conn, runs, plan.barrier, errors, probe)
+                self._send(conn, runs, batch.barrier, batch, probe)
             except psycopg.Error:
                 if conn.broken or conn.closed or len(runs) == 1:
                     raise
                 for run in runs:  # nothing was committed: one statement, one transaction
-                    self._send_alone(conn, writer, run, errors, probe)
+                    self._send_alone(conn, writer, run, batch, probe)
         except (psycopg.Error, StoreError) as exc:
-            self._fail(writer, runs, errors, exc)
+            self._fail(writer, runs, batch, exc)
         except Exception as exc:  # noqa: BLE001 - its state is unknown: give the connection up
             writer.drop()
-            self._fail(writer, runs, errors, exc)
+            self._fail(writer, runs, batch, exc)
 
     def _send_alone(
-        self, conn: Connection, writer: Writer, run: _RunWrite, errors: Errors, probe: Probe | None
+        self,
+        conn: Connection,
+        writer: Writer,
+        run: RunPlan[Claim],
+        batch: Plan[Claim],
+        probe: Probe | None,
     ) -> None:
-        barrier = any(item.write.barrier for _, item in run.items)
         try:
-            self._send(conn, [run], barrier, errors, probe)
+            self._send(conn, [run], run.barrier, batch, probe)
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 raise
-            self._fail(writer, [run], errors, exc)
+            self._fail(writer, [run], batch, exc)
 
     def _send(
         self,
         conn: Connection,
-        runs: Sequence[_RunWrite],
+        runs: Sequence[RunPlan[Claim]],
         barrier: bool,
-        errors: Errors,
+        batch: Plan[Claim],
         probe: Probe | None,
     ) -> None:
         """One statement: fence, advance and insert ``runs``; refuse those not admitted."""
         query = self.queries.write if barrier else self.queries.lazy_write
         if probe is not None:
-            rows = tuple(
-                (run.claim.run_id, kind)
-                for run in runs
-                for _, item in run.items
-                for kind, _ in item.write.rows
-            )
+            rows = tuple((run.run_id, kind) for run in runs for _, kind, _ in run.rows())
             probe(conn, rows, (query.as_string(conn),))
         admitted = {bytes(key) for (key,) in conn.execute(query, _parameters(runs)).fetchall()}
         for run in runs:
-            if run_key(run.claim.run_id) not in admitted:
-                refusal = self._refusal(conn, run)
-                for index, _ in run.items:
-                    errors[index] = refusal
-            else:
-                run.claim.next_seq = run.next_seq
-                run.claim.finished = run.final
+            if run_key(run.run_id) not in admitted:
+                batch.refuse(run, self._refusal(conn, run))
 
-    def _refusal(self, conn: Connection, run: _RunWrite) -> PolyLoopError:
+    def _refusal(self, conn: Connection, run: RunPlan[Claim]) -> PolyLoopError:
         """Why the fence refused ``run``'s rows (nothing of them was written)."""
-        run_id = run.claim.run_id
-        row = conn.execute(self.queries.explain_refusal, (run_key(run_id),)).fetchone()
-        return fence_refusal(run_id, epoch=run.claim.epoch, row=row, start=run.start)
+        row = conn.execute(self.queries.explain_refusal, (run_key(run.run_id),)).fetchone()
+        return fence_refusal(run.run_id, epoch=run.claim.epoch, row=row, start=run.start)
 
     def _fail(
-        self, writer: Writer, runs: Sequence[_RunWrite], errors: Errors, exc: Exception
+        self, writer: Writer, runs: Sequence[RunPlan[Claim]], batch: Plan[Claim], exc: Exception
     ) -> None:
-        """The statement failed or its outcome is unknown: every item of ``runs`` fails."""
+        """The statement failed or its outcome is unknown: every write of ``runs`` fails."""
         conn = writer.connection
         if conn is not None and not (conn.broken or conn.closed):
             try:
@@ -319,63 +249,22 @@ class Committer:
             except psycopg.Error:
                 writer.drop()
         for run in runs:
-            for index, _ in run.items:
-                if errors[index] is None:
-                    errors[index] = fail_run(self.state, writer, run.claim.run_id, exc)
-
-    def _settle(self, plan: _Plan, errors: Errors) -> None:
-        """After the commit: the runs that ended no longer hold their claims (their rows
-        gave the owner up in the same statement as the end record)."""
-        with self.state.mutex:
-            for run in plan.runs.values():
-                if run.ends and all(errors[index] is None for index, _ in run.items):
-                    run.items[-1][1].slot.claim = None
+            batch.refuse(run, fail_run(self.state, writer, run.run_id, exc))
 
 
-def _parameters(runs: Sequence[_RunWrite]) -> dict[str, list[object]]:
+def _parameters(runs: Sequence[RunPlan[Claim]]) -> dict[str, list[object]]:
     """The arrays of the write statement: one entry per run, then one per row."""
-    params: dict[str, list[object]] = {
-        name: []
-        for name in (
-            "run_keys",
-            "epochs",
-            "first_seqs",
-            "next_seqs",
-            "finals",
-            "ends",
-            "reasons",
-            "row_keys",
-            "seqs",
-            "row_ids",
-            "kinds",
-            "bodies",
-        )
-    }
+    columns = ("run_keys", "epochs", "first_seqs", "next_seqs", "finals", "ends", "reasons")
+    rows = ("row_keys", "seqs", "row_ids", "kinds", "bodies")
+    params: dict[str, list[object]] = {name: [] for name in (*columns, *rows)}
     for run in runs:
-        run_id = run.claim.run_id
-        key, column = run_key(run_id), run_id_column(run_id)
-        for name, value in (
-            ("run_keys", key),
-            ("epochs", run.claim.epoch),
-            ("first_seqs", run.first_seq),
-            ("next_seqs", run.next_seq),
-            ("finals", run.final),
-            ("ends", run.ends),
-            ("reasons", run.reason if run.ends else None),
-        ):
+        key, column = run_key(run.run_id), run_id_column(run.run_id)
+        each: tuple[object, ...] = (key, run.claim.epoch, run.first_seq, run.next_seq)
+        for name, value in zip(columns, (*each, run.final, run.ends, run.reason), strict=True):
             params[name].append(value)
-        seq = run.first_seq
-        for _, item in run.items:
-            for kind, body in item.write.rows:
-                for name, value in (
-                    ("row_keys", key),
-                    ("seqs", seq),
-                    ("row_ids", column),
-                    ("kinds", kind),
-                    ("bodies", body),
-                ):
-                    params[name].append(value)
-                seq += 1
+        for seq, kind, body in run.rows():
+            for name, cell in zip(rows, (key, seq, column, kind, body), strict=True):
+                params[name].append(cell)
     return params
 
 

@@ -1,16 +1,16 @@
 """The SQLite store's schema and statements, its rows, and how its connections are set up.
 
 The schema itself, and what each row means, is described in :mod:`polyloop.stores._sqlite`.
-This module turns rows back into records (:func:`decode_rows`), binds run ids
-(:func:`run_key`, :func:`run_id_of`) and numbers a write's rows (:func:`params`). On the
-connection side it holds :func:`connect`, the one place a connection is made, the checks
-a new connection must pass (:func:`configure`, :func:`create_schema`,
-:func:`check_meta_format`), the ``synchronous`` levels with :class:`Db`, which remembers
-the level its connection was last set to, :class:`Database`, the file with the worker
-threads' connection opened and checked at first use, and the transactions the store's
-paths share (:func:`immediate`, :func:`rollback_quietly`). The shared commit's own
-statements (``COMMIT``, ``ROLLBACK``, savepoints) stay with
-:mod:`polyloop.stores._sqlite_commit`, which issues them.
+This module turns rows back into records (:func:`decode_rows`) and binds run ids
+(:func:`run_key`, :func:`run_id_of`). On the connection side it holds :func:`connect`,
+the one place a connection is made, the checks a new connection must pass
+(:func:`configure`, :func:`create_schema`, :func:`check_meta_format`), the
+``synchronous`` levels with :class:`Db`, which remembers the level its connection was
+last set to, :class:`Database`, the file with the worker threads' connection opened and
+checked at first use, and the transactions the store's paths share (:func:`immediate`,
+:func:`rollback_quietly`). The shared commit's own statements (``COMMIT``,
+``ROLLBACK``, savepoints) stay with :mod:`polyloop.stores._sqlite_commit`, which
+issues them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Any
 
 from polyloop._shared import FORMAT
 from polyloop.stores._common import (
-    Write,
     WriterState,
     check_format,
     create_directories,
@@ -66,7 +65,6 @@ __all__ = (
     "create_schema",
     "decode_rows",
     "immediate",
-    "params",
     "rollback_quietly",
     "run_id_of",
     "run_key",
@@ -203,12 +201,6 @@ def run_key(run_id: str) -> _Key:
     except UnicodeEncodeError:
         return run_id.encode("utf-8", "surrogatepass")
     return run_id
-
-
-def params(write: Write, first: int) -> list[tuple[_Key, int, str, str]]:
-    """The ``INSERT`` parameters of ``write``'s rows, numbered from ``first``."""
-    key = run_key(write.run_id)
-    return [(key, first + n, kind, body) for n, (kind, body) in enumerate(write.rows)]
 
 
 def run_id_of(key: object) -> str:

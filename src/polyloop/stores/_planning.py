@@ -1,0 +1,143 @@
+"""What a shared commit of a database store writes, decided before anything is sent.
+
+Both database stores commit the writes waiting at one moment together
+(:class:`~polyloop.stores._batching.GroupCommit`). :func:`plan` turns such a batch into
+a :class:`Plan`: the writes refused outright (no claim, the order rule), and each
+other run's writes in submission order with the seq of their first row. A dialect then
+sends the plan its own way (SQLite: one savepoint per run in one transaction;
+PostgreSQL: one statement), refusing whole the runs its fence did not move, and
+:meth:`Plan.settle` moves each written run's claim on. What a run of a plan writes
+lands whole or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from polyloop.stores._common import Write
+from polyloop.stores._refusals import check_order
+from polyloop.types import PolyLoopError, RunLocked
+
+__all__ = ("ClaimState", "Errors", "Plan", "RunPlan", "plan")
+
+# One outcome per write of a batch: None (committed) or the error its caller sees.
+Errors = list[BaseException | None]
+
+
+class ClaimState(Protocol):
+    """What a plan reads and moves on of a claim: its epoch, where the run's rows stand,
+    whether its log ends with a final end record."""
+
+    epoch: int
+    next_seq: int
+    finished: bool
+
+
+_C = TypeVar("_C", bound=ClaimState)
+
+
+@dataclass(eq=False)
+class RunPlan(Generic[_C]):
+    """One run's writes in a batch: its claim, where its rows begin, and the writes
+    (with their index in the batch)."""
+
+    run_id: str
+    claim: _C
+    first_seq: int
+    writes: list[tuple[int, Write]] = field(default_factory=list)
+
+    @property
+    def next_seq(self) -> int:
+        return self.first_seq + sum(len(write.rows) for _, write in self.writes)
+
+    @property
+    def start(self) -> bool:
+        return self.writes[0][1].start
+
+    @property
+    def ends(self) -> bool:
+        return self.writes[-1][1].end
+
+    @property
+    def final(self) -> bool:
+        return self.writes[-1][1].final
+
+    @property
+    def reason(self) -> str | None:
+        return self.writes[-1][1].reason if self.ends else None
+
+    @property
+    def barrier(self) -> bool:
+        return any(write.barrier for _, write in self.writes)
+
+    def rows(self) -> Iterator[tuple[int, str, str]]:
+        """(seq, kind, body) of every row, numbered from :attr:`first_seq`."""
+        seq = self.first_seq
+        for _, write in self.writes:
+            for kind, body in write.rows:
+                yield seq, kind, body
+                seq += 1
+
+
+@dataclass(eq=False)
+class Plan(Generic[_C]):
+    """A batch as it will be sent: each run's writes, and every write's outcome so far."""
+
+    errors: Errors
+    runs: dict[str, RunPlan[_C]] = field(default_factory=dict)
+
+    @property
+    def barrier(self) -> bool:
+        return any(run.barrier for run in self.runs.values())
+
+    def refuse(self, run: RunPlan[_C], error: BaseException) -> None:
+        """Every write of ``run`` that has no outcome yet ends with ``error``."""
+        for index, _ in run.writes:
+            if self.errors[index] is None:
+                self.errors[index] = error
+
+    def written(self, run: RunPlan[_C]) -> bool:
+        return all(self.errors[index] is None for index, _ in run.writes)
+
+    def settle(self) -> list[str]:
+        """Move the claim of every run written whole on; the runs that ended with it."""
+        ended = []
+        for run in self.runs.values():
+            if self.written(run):
+                run.claim.next_seq = run.next_seq
+                run.claim.finished = run.final if run.ends else run.claim.finished
+                if run.ends:
+                    ended.append(run.run_id)
+        return ended
+
+    def _accept(self, index: int, write: Write, claim: _C) -> None:
+        run = self.runs.get(write.run_id)
+        if run is None:
+            check_order(
+                write.run_id,
+                start=write.start,
+                started=claim.next_seq > 0,
+                finished=claim.finished,
+            )
+            run = self.runs[write.run_id] = RunPlan(write.run_id, claim, claim.next_seq)
+        else:
+            check_order(
+                write.run_id, start=write.start, started=True, finished=run.ends and run.final
+            )
+            if run.ends:  # an earlier write of this batch ends the run, and its claim
+                raise RunLocked("the run's claim ends with its end record", run_id=write.run_id)
+        run.writes.append((index, write))
+
+
+def plan(writes: Sequence[Write], admit: Callable[[int], _C]) -> Plan[_C]:
+    """The plan of a batch. ``admit(index)`` returns the claim the write at ``index``
+    is made under, or raises why it may not be made (it is then refused alone)."""
+    result: Plan[_C] = Plan([None] * len(writes))
+    for index, write in enumerate(writes):
+        try:
+            result._accept(index, write, admit(index))
+        except PolyLoopError as exc:
+            result.errors[index] = exc
+    return result
