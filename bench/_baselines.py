@@ -15,13 +15,13 @@ import anyio.to_thread
 
 from polyloop.stores import PostgresStore, SqliteStore
 from polyloop.stores._common import Write
-from polyloop.stores._planning import Plan
-from polyloop.stores._postgres import Postgres
-from polyloop.stores._postgres_batch import Item
-from polyloop.stores._sqlite import Sqlite
-from polyloop.stores._sqlite_claims import Claim
-from polyloop.stores._sqlite_commit import Committer
-from polyloop.stores._sqlite_sql import SYNCHRONOUS_FULL
+from polyloop.stores._sql.planning import Plan
+from polyloop.stores._sql.postgres.batch import Item
+from polyloop.stores._sql.postgres.store import Postgres
+from polyloop.stores._sql.sqlite.claims import Claim
+from polyloop.stores._sql.sqlite.commit import Committer
+from polyloop.stores._sql.sqlite.sql import SYNCHRONOUS_FULL
+from polyloop.stores._sql.sqlite.store import Sqlite
 
 
 class _FullSyncCommitter(Committer):

@@ -189,7 +189,7 @@ def missing(module: str) -> str | None:
 
 def postgres_conninfo() -> tuple[str | None, str | None]:
     """``(conninfo, None)`` if PostgresStore imports and the server answers, else why not."""
-    problem = missing("polyloop.stores._postgres")
+    problem = missing("polyloop.stores._sql.postgres.store")
     if problem is not None:
         return None, f"PostgresStore is not available ({problem})"
     import psycopg

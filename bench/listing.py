@@ -345,7 +345,7 @@ def _ratios(rows: list[Row]) -> None:
 
 def _sqlite_plan(path: Path) -> str | None:
     """SQLite's plan for the store's own unfinished listing, on a read-only connection."""
-    from polyloop.stores._sqlite_sql import LIST_UNFINISHED
+    from polyloop.stores._sql.sqlite.sql import LIST_UNFINISHED
 
     try:
         with contextlib.closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)) as conn:
@@ -360,7 +360,7 @@ def _postgres_plan(conninfo: str, schema: str) -> str | None:
     import psycopg
     from psycopg import sql
 
-    from polyloop.stores._postgres_sql import Queries
+    from polyloop.stores._sql.postgres.sql import Queries
 
     query = sql.SQL("EXPLAIN ") + Queries.for_schema(schema).list_unfinished
     try:

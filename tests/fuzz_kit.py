@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import record_kit as kit
 from polyloop.serialization import dumps, encode, loads
-from polyloop.stores._jsonl_reader import parse_lines
+from polyloop.stores._jsonl.reader import parse_lines
 from polyloop.testing.store_contract import expected_records, sample_run
 from polyloop.types import (
     CorruptLog,

@@ -354,8 +354,8 @@ async def test_the_postgres_baseline_sends_each_write_in_a_statement_of_its_own(
 ) -> None:
     from bench._baselines import PostgresOneCommitPerWrite
 
-    from polyloop.stores import _postgres_connect
-    from polyloop.stores._postgres_sql import Queries
+    from polyloop.stores._sql.postgres import connect as _postgres_connect
+    from polyloop.stores._sql.postgres.sql import Queries
 
     queries = Queries.for_schema("polyloop")
     sent: list[str] = []

@@ -36,7 +36,7 @@ from fuzz_kit import (
     token_soup,
 )
 from polyloop.serialization import dumps, encode, loads
-from polyloop.stores._jsonl_reader import parse_lines
+from polyloop.stores._jsonl.reader import parse_lines
 from polyloop.types import (
     CorruptLog,
     Record,

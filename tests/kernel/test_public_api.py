@@ -325,8 +325,9 @@ def _public_coroutines() -> list[tuple[str, Any, str]]:
         if not inspect.isclass(cls):
             continue
         rule = cls.__doc__ if CLASS_RULE in (cls.__doc__ or "") else None
-        for attr, member in vars(cls).items():
-            if not attr.startswith("_") and inspect.iscoroutinefunction(member):
+        # Inherited coroutines too: the database stores take theirs from one engine.
+        for attr, member in inspect.getmembers(cls, inspect.iscoroutinefunction):
+            if not attr.startswith("_"):
                 found.append((f"{cls.__name__}.{attr}", member, rule or member.__doc__ or ""))
     return found
 

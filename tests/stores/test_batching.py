@@ -28,7 +28,7 @@ from agent_kit import request as run_request
 from polyloop import RunState, recover, run, run_status, start_or_resume
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.stores._batching import GroupCommit
-from polyloop.stores._fileops import OsFileOps
+from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.testing.store_contract import apply, expected_records, sample_run
 from polyloop.types import Replay, RunEnded, StopReason, StoreError
 

@@ -41,7 +41,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-import polyloop.stores._sqlite_sql as sqlite_sql
+import polyloop.stores._sql.sqlite.sql as sqlite_sql
 from agent_kit import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
@@ -58,7 +58,7 @@ from polyloop.ports import Store
 from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
 from polyloop.stores._common import safe_name
-from polyloop.stores._fileops import OsFileOps
+from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from polyloop.types import (
     Intent,

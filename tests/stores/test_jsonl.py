@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import polyloop.stores._jsonl as jsonl_module
+import polyloop.stores._jsonl.store as jsonl_module
 import record_kit as kit
 from agent_kit import (
     SIX_STEP_INTENT_WRITES,
@@ -42,7 +42,7 @@ from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore
 from polyloop.stores._common import fsync_directory as real_fsync_directory
 from polyloop.stores._common import safe_name
-from polyloop.stores._fileops import OsFileOps
+from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.testing import FaultyStore, SimulatedCrash
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,

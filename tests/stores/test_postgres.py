@@ -42,10 +42,12 @@ from agent_kit import (
 )
 from polyloop import ModelCall, Replay, RunEnded, RunResult, StopReason, resume, run
 from polyloop.ports import Store
-from polyloop.stores import PostgresStore, _postgres_connect, _postgres_sql
+from polyloop.stores import PostgresStore
 from polyloop.stores._common import record_row
-from polyloop.stores._postgres_batch import Committer
-from polyloop.stores._postgres_connect import open_connection
+from polyloop.stores._sql.postgres import connect as _postgres_connect
+from polyloop.stores._sql.postgres import sql as _postgres_sql
+from polyloop.stores._sql.postgres.batch import Committer
+from polyloop.stores._sql.postgres.connect import open_connection
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
     DurableStoreContract,

@@ -18,7 +18,7 @@ from psycopg import sql
 import pg
 from polyloop import RunEnded, StopReason, serialization
 from polyloop.stores import PostgresStore, SqliteStore
-from polyloop.stores._postgres_sql import run_id_column, run_key
+from polyloop.stores._sql.postgres.sql import run_id_column, run_key
 from polyloop.testing.store_contract import expected_records, sample_run
 
 pytestmark = pytest.mark.anyio

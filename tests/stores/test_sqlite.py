@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import anyio
 import pytest
 
-import polyloop.stores._sqlite_sql as sqlite_sql
+import polyloop.stores._sql.sqlite.sql as sqlite_sql
 from agent_kit import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,

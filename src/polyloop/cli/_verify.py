@@ -28,7 +28,7 @@ from polyloop.cli._stores import StoreSpec
 from polyloop.ports import ManagedStore
 from polyloop.session import run_status
 from polyloop.stores._common import safe_name
-from polyloop.stores._jsonl_reader import SUFFIX, decode_line
+from polyloop.stores._jsonl.reader import SUFFIX, decode_line
 from polyloop.types import CorruptLog, PolyLoopError, Record, SchemaMajorMismatch
 
 Level = Literal["warning", "error"]

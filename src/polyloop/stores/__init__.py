@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any
 from polyloop.stores._memory import MemoryStore
 
 if TYPE_CHECKING:
-    from polyloop.stores._jsonl import JsonlStore
-    from polyloop.stores._postgres import PostgresStore
-    from polyloop.stores._sqlite import SqliteStore
+    from polyloop.stores._jsonl.store import JsonlStore
+    from polyloop.stores._sql.postgres.store import PostgresStore
+    from polyloop.stores._sql.sqlite.store import SqliteStore
 
 __all__ = ("JsonlStore", "MemoryStore", "PostgresStore", "SqliteStore")
 
 _LAZY = {
-    "JsonlStore": "polyloop.stores._jsonl",
-    "SqliteStore": "polyloop.stores._sqlite",
-    "PostgresStore": "polyloop.stores._postgres",
+    "JsonlStore": "polyloop.stores._jsonl.store",
+    "SqliteStore": "polyloop.stores._sql.sqlite.store",
+    "PostgresStore": "polyloop.stores._sql.postgres.store",
 }
 
 

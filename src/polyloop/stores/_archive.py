@@ -26,7 +26,7 @@ import anyio.to_thread
 
 from polyloop.ports import Store
 from polyloop.stores._common import RELEASE_GRACE_S, fsync_directory, safe_name
-from polyloop.stores._jsonl_reader import SUFFIX, log_lines
+from polyloop.stores._jsonl.reader import SUFFIX, log_lines
 from polyloop.types import RunEnded, RunLocked, RunLog, StopReason
 
 __all__ = ("archive_path", "check_cutoff", "prunable", "prune_runs", "write_archive")

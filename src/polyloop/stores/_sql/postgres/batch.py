@@ -30,10 +30,10 @@ import psycopg
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import Write, WriterState
 from polyloop.stores._lease import Lease
-from polyloop.stores._planning import Errors, Plan, RunPlan, plan
-from polyloop.stores._postgres_connect import Connection
-from polyloop.stores._postgres_sql import Queries, run_id_column, run_key
 from polyloop.stores._refusals import fence_refusal, not_claimed, store_closed
+from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
+from polyloop.stores._sql.postgres.connect import Connection
+from polyloop.stores._sql.postgres.sql import Queries, run_id_column, run_key
 from polyloop.types import PolyLoopError, StoreError
 
 __all__ = (

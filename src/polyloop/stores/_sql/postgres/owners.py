@@ -22,18 +22,18 @@ from anyio.lowlevel import EventLoopToken
 
 from polyloop.stores._common import WriterState
 from polyloop.stores._lease import Lease
-from polyloop.stores._postgres_batch import Claim, Writer, fail_run
-from polyloop.stores._postgres_connect import Connection, Settings, scalar
-from polyloop.stores._postgres_read import Reader
-from polyloop.stores._postgres_sql import (
+from polyloop.stores._refusals import claimed_already, not_claimed, store_closed
+from polyloop.stores._sql.postgres.batch import Claim, Writer, fail_run
+from polyloop.stores._sql.postgres.connect import Connection, Settings, scalar
+from polyloop.stores._sql.postgres.read import Reader
+from polyloop.stores._sql.postgres.sql import (
     Queries,
     lock_halves,
     owner_lock_key,
     run_id_column,
     run_key,
 )
-from polyloop.stores._postgres_writers import Writers
-from polyloop.stores._refusals import claimed_already, not_claimed, store_closed
+from polyloop.stores._sql.postgres.writers import Writers
 from polyloop.types import RunLocked, StoreError
 
 __all__ = ("Claims", "Owner")

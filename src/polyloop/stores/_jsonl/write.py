@@ -16,8 +16,8 @@ import errno
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from polyloop.stores._fileops import FileOps
-from polyloop.stores._jsonl_claims import WRITE_FLAGS, Claims, open_failed
+from polyloop.stores._jsonl.claims import WRITE_FLAGS, Claims, open_failed
+from polyloop.stores._jsonl.fileops import FileOps
 from polyloop.stores._refusals import check_order, not_claimed
 from polyloop.types import PolyLoopError
 

@@ -3,7 +3,7 @@
 Run ``R`` lives in ``<directory>/<safe_name(R)>.jsonl``, one record per line; an
 action's result and its step record share one line, so ``write_step`` lands whole or
 not at all; bytes after the last newline are a torn tail that readers ignore and the
-next claim cuts off (:mod:`polyloop.stores._jsonl_reader` reads the format). A claim
+next claim cuts off (:mod:`polyloop.stores._jsonl.reader` reads the format). A claim
 is a write lock on one byte of the directory's shared lock file, held through one
 descriptor per store object, and a run file is open only while it is read or written,
 so the open files do not grow with the runs claimed; intents and starts are synced
@@ -18,8 +18,8 @@ many runs in one thread hop, with up to 16 such batches at once so that the sync
 different files overlap on the disk. A run's own lock is held around each of its
 writes and around giving its claim up, so a claim never ends under a write or a sync.
 The store class keeps the public methods and the reads;
-:mod:`~polyloop.stores._jsonl_claims` takes and gives up claims, and
-:mod:`~polyloop.stores._jsonl_write` appends the lines.
+:mod:`~polyloop.stores._jsonl.claims` takes and gives up claims, and
+:mod:`~polyloop.stores._jsonl.write` appends the lines.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from polyloop.stores._common import (
     fsync_directory,
     open_files_error,
 )
-from polyloop.stores._fileops import FileOps, OsFileOps
-from polyloop.stores._jsonl_claims import Claims
-from polyloop.stores._jsonl_reader import (
+from polyloop.stores._jsonl.claims import Claims
+from polyloop.stores._jsonl.fileops import FileOps, OsFileOps
+from polyloop.stores._jsonl.reader import (
     READ_FLAGS,
     SUFFIX,
     complete_end,
@@ -59,7 +59,7 @@ from polyloop.stores._jsonl_reader import (
     refuse_link,
     require_regular,
 )
-from polyloop.stores._jsonl_write import Appender, Write
+from polyloop.stores._jsonl.write import Appender, Write
 from polyloop.stores._refusals import store_closed
 from polyloop.types import (
     CorruptLog,

@@ -3,7 +3,7 @@
 :class:`Committer` takes a batch of writes from the store's
 :class:`~polyloop.stores._batching.GroupCommit` and commits them in one ``BEGIN
 IMMEDIATE`` ... ``COMMIT``. The batch is planned as every database store plans one
-(:mod:`~polyloop.stores._planning`); then, under one savepoint per run, each run's rows
+(:mod:`~polyloop.stores._sql.planning`); then, under one savepoint per run, each run's rows
 are inserted and its row moved on under the writer's claim epoch, or the run writes
 nothing and rolls back alone. A batch holding a barrier (a start, an intent) commits with
 ``synchronous=FULL``, any other with ``NORMAL``. ``docs/stores.md`` describes the
@@ -18,10 +18,10 @@ import time
 from collections.abc import Sequence
 
 from polyloop.stores._common import Write
-from polyloop.stores._planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._refusals import fence_refusal, not_claimed
-from polyloop.stores._sqlite_claims import Claim, Claims
-from polyloop.stores._sqlite_sql import (
+from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
+from polyloop.stores._sql.sqlite.claims import Claim, Claims
+from polyloop.stores._sql.sqlite.sql import (
     ADVANCE_RUN,
     EXPLAIN_REFUSAL,
     INSERT,

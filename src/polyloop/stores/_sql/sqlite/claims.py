@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass
 
 from polyloop.stores._byte_locks import ByteLocks
-from polyloop.stores._fileops import OsFileOps
+from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._refusals import claimed_already, not_claimed
-from polyloop.stores._sqlite_sql import (
+from polyloop.stores._sql.sqlite.sql import (
     DROP_UNSTARTED,
     FREE_RUN,
     NEW_RUN,

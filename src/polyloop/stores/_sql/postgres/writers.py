@@ -4,7 +4,7 @@
 ``max_writer_connections``, never lent to the reader pool) and the :class:`Slot` of
 every run that is claimed or being written, which ties the run to one of them. Each
 writer gathers the writes of its runs into shared commits that
-:class:`~polyloop.stores._postgres_batch.Committer` sends. ``docs/stores.md`` describes
+:class:`~polyloop.stores._sql.postgres.batch.Committer` sends. ``docs/stores.md`` describes
 the connections for users; research record 0019 (one write path) says why writes share
 commits.
 """
@@ -17,8 +17,8 @@ from functools import partial
 
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import WriterState
-from polyloop.stores._postgres_batch import Committer, Slot, Writer
-from polyloop.stores._postgres_connect import Settings
+from polyloop.stores._sql.postgres.batch import Committer, Slot, Writer
+from polyloop.stores._sql.postgres.connect import Settings
 
 __all__ = ("Writers",)
 

@@ -6,7 +6,7 @@ characters some tools break lines on are part of the line. Whatever follows the 
 ``\\n`` is a *torn tail*, what remains of a write that never finished and whose caller
 was never told it had succeeded: readers ignore it, even when it happens to be a whole
 JSON object, and the next writer of the run cuts it off (see
-:mod:`polyloop.stores._jsonl_claims`). A terminated line is never passed over. If it does not
+:mod:`polyloop.stores._jsonl.claims`). A terminated line is never passed over. If it does not
 decode to a record of the run (``{}``, invalid UTF-8, a duplicate key, a record of
 another run, a malformed result-and-step pair), it raises
 :class:`~polyloop.types.CorruptLog` naming the file and the line, counted from 1; a
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from polyloop.serialization import dumps, loads
 from polyloop.stores._common import open_files_error, safe_name
-from polyloop.stores._fileops import FileOps
+from polyloop.stores._jsonl.fileops import FileOps
 from polyloop.types import (
     CorruptLog,
     IntentKind,

@@ -20,14 +20,14 @@ asyncio), so the store serves asyncio and Trio alike; a store object must be use
 one event loop at a time.
 
 The public methods are the database stores' shared engine
-(:class:`~polyloop.stores._sql_store.SqlStore`); this module is PostgreSQL's dialect of
+(:class:`~polyloop.stores._sql.engine.SqlStore`); this module is PostgreSQL's dialect of
 it, which only delegates. Its collaborators each hold one job:
-:mod:`~polyloop.stores._postgres_connect` (the checked options, opening a connection),
-:mod:`~polyloop.stores._postgres_read` (the reader pool, the schema, reading),
-:mod:`~polyloop.stores._postgres_owners` (the owner, its lease, its claims),
-:mod:`~polyloop.stores._postgres_writers` (which writer connection a run uses),
-:mod:`~polyloop.stores._postgres_batch` (committing a batch) and
-:mod:`~polyloop.stores._postgres_sql` (the statements).
+:mod:`~polyloop.stores._sql.postgres.connect` (the checked options, opening a connection),
+:mod:`~polyloop.stores._sql.postgres.read` (the reader pool, the schema, reading),
+:mod:`~polyloop.stores._sql.postgres.owners` (the owner, its lease, its claims),
+:mod:`~polyloop.stores._sql.postgres.writers` (which writer connection a run uses),
+:mod:`~polyloop.stores._sql.postgres.batch` (committing a batch) and
+:mod:`~polyloop.stores._sql.postgres.sql` (the statements).
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from anyio.lowlevel import EventLoopToken
 
 from polyloop.ports import StoredRun
 from polyloop.stores._common import Write, WriterState
-from polyloop.stores._postgres_batch import Committer, Item, Probe
-from polyloop.stores._postgres_connect import Settings
-from polyloop.stores._postgres_owners import Claims, Owner
-from polyloop.stores._postgres_read import Reader
-from polyloop.stores._postgres_sql import Queries
-from polyloop.stores._postgres_writers import Writers
-from polyloop.stores._sql_store import SqlStore
+from polyloop.stores._sql.engine import SqlStore
+from polyloop.stores._sql.postgres.batch import Committer, Item, Probe
+from polyloop.stores._sql.postgres.connect import Settings
+from polyloop.stores._sql.postgres.owners import Claims, Owner
+from polyloop.stores._sql.postgres.read import Reader
+from polyloop.stores._sql.postgres.sql import Queries
+from polyloop.stores._sql.postgres.writers import Writers
 from polyloop.types import Record
 
 __all__ = ("PostgresStore",)

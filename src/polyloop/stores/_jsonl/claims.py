@@ -22,8 +22,8 @@ from pathlib import Path
 
 from polyloop.stores._byte_locks import ByteLocks, open_failed
 from polyloop.stores._common import WriterState, create_directories, open_files_error, safe_name
-from polyloop.stores._fileops import FileOps
-from polyloop.stores._jsonl_reader import (
+from polyloop.stores._jsonl.fileops import FileOps
+from polyloop.stores._jsonl.reader import (
     COMMON_FLAGS,
     SUFFIX,
     complete_end,

@@ -31,20 +31,20 @@ from polyloop.stores._common import (
     open_files_error,
     shown,
 )
-from polyloop.stores._postgres_connect import (
+from polyloop.stores._refusals import store_closed
+from polyloop.stores._sql.postgres.connect import (
     Connection,
     Settings,
     scalar,
     set_statement_timeout,
 )
-from polyloop.stores._postgres_sql import (
+from polyloop.stores._sql.postgres.sql import (
     LAYOUT,
     Queries,
     ddl_lock_key,
     run_id_column,
     run_key,
 )
-from polyloop.stores._refusals import store_closed
 from polyloop.types import CorruptLog, Record, StoreError
 
 __all__ = ("Reader",)

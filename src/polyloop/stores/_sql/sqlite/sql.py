@@ -1,16 +1,16 @@
 """The SQLite store's schema and statements, its rows, and how its connections are set up.
 
-The schema itself, and what each row means, is described in :mod:`polyloop.stores._sqlite`.
-This module turns rows back into records (:func:`decode_rows`) and binds run ids
-(:func:`run_key`, :func:`run_id_of`). On the connection side it holds :func:`connect`,
-the one place a connection is made, the checks a new connection must pass
-(:func:`configure`, :func:`create_schema`, :func:`check_meta_format`), the
-``synchronous`` levels with :class:`Db`, which remembers the level its connection was
-last set to, :class:`Database`, the file with the worker threads' connection opened and
-checked at first use, and the transactions the store's paths share (:func:`immediate`,
-:func:`rollback_quietly`). The shared commit's own statements (``COMMIT``,
-``ROLLBACK``, savepoints) stay with :mod:`polyloop.stores._sqlite_commit`, which
-issues them.
+The schema itself, and what each row means, is described in
+:mod:`polyloop.stores._sql.sqlite.store`. This module turns rows back into records
+(:func:`decode_rows`) and binds run ids (:func:`run_key`, :func:`run_id_of`). On the
+connection side it holds :func:`connect`, the one place a connection is made, the
+checks a new connection must pass (:func:`configure`, :func:`create_schema`,
+:func:`check_meta_format`), the ``synchronous`` levels with :class:`Db`, which
+remembers the level its connection was last set to, :class:`Database`, the file with
+the worker threads' connection opened and checked at first use, and the transactions
+the store's paths share (:func:`immediate`, :func:`rollback_quietly`). The shared
+commit's own statements (``COMMIT``, ``ROLLBACK``, savepoints) stay with
+:mod:`polyloop.stores._sql.sqlite.commit`, which issues them.
 """
 
 from __future__ import annotations

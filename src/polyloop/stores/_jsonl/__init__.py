@@ -1,0 +1,1 @@
+"""The JSON-lines store: one append-only file per run."""

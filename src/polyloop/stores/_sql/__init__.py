@@ -1,0 +1,1 @@
+"""The database stores: one engine (``engine``) and its dialects (``sqlite``, ``postgres``)."""

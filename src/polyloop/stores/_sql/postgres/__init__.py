@@ -1,0 +1,1 @@
+"""PostgreSQL's dialect of the database stores' engine."""

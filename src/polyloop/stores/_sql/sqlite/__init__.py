@@ -1,0 +1,1 @@
+"""SQLite's dialect of the database stores' engine."""
