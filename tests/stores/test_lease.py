@@ -1,8 +1,8 @@
 """The lease keeper's answers to writes and effects, on a fake clock.
 
-A real keeper thread is started (it renews every third of a lease of real time), but
-every deadline is read from a clock the test sets, and each renewal below is sent by
-the test, so the outcome never depends on how busy the machine is.
+Every deadline is read from a clock the test sets, and the keeper thread is stopped as
+soon as it starts: each renewal below is sent by the test, so the outcome never depends
+on how busy the machine is.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def _registered(clock: FakeClock, renew: object = None) -> tuple[Lease, str, int
     lease = Lease(LEASE_S, answers, clock=clock)
     owner_id, generation, _ = lease.current()
     lease.registered(owner_id, clock(), anyio.lowlevel.current_token())
+    lease.stop()  # the keeper renews on real time; here the test renews, by hand
     return lease, owner_id, generation
 
 
