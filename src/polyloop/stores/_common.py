@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Protocol
 
 import anyio
@@ -233,6 +234,24 @@ class Write:
     final: bool = False  # a final end record: nothing may follow it
     reason: str | None = None  # the stop reason of an end record
     barrier: bool = False  # must be fsync'd before the call returns
+
+
+class ClosedOnExit:
+    """A store as an async context manager: leaving the block closes it (``aclose``)."""
+
+    __slots__ = ()
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close the store (see :meth:`aclose`)."""
+        await self.aclose()
 
 
 @dataclass

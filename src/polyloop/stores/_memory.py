@@ -7,11 +7,11 @@ import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from types import TracebackType
 
 from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
 from polyloop.stores._archive import check_cutoff, prune_runs
+from polyloop.stores._common import ClosedOnExit
 from polyloop.stores._refusals import check_order, claimed_already, not_claimed, store_closed
 from polyloop.types import (
     Intent,
@@ -27,7 +27,7 @@ from polyloop.types import (
 )
 
 
-class MemoryStore:
+class MemoryStore(ClosedOnExit):
     """Keeps every run in this process's memory. NOT recoverable across processes.
 
     A run written here survives a failure inside the process (``resume`` with the same
@@ -156,14 +156,6 @@ class MemoryStore:
 
     async def __aenter__(self) -> MemoryStore:
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     def _stored(self, run_id: str) -> StoredRun:
         return StoredRun(

@@ -46,6 +46,7 @@ from polyloop.types import (
 __all__ = (
     "COMMON_FLAGS",
     "READ_FLAGS",
+    "open_run_file",
     "SUFFIX",
     "complete_end",
     "decode_line",
@@ -114,17 +115,25 @@ def last_end(files: FileOps, fd: int, end: int, location: str) -> RunEnded | Non
     return record if isinstance(record, RunEnded) else None
 
 
-def read_file(files: FileOps, path: Path, run_id: str) -> bytes:
-    """The whole file, or ``b""`` if there is none; refuses links and special files."""
+def open_run_file(files: FileOps, path: Path, run_id: str) -> int | None:
+    """A descriptor to read the run file at ``path``, or ``None`` if there is none;
+    refuses links, and names the open-file limit when it is met."""
     try:
-        fd = files.open(path, READ_FLAGS)
+        return files.open(path, READ_FLAGS)
     except FileNotFoundError:
-        return b""
+        return None
     except OSError as exc:
         refuse_link(exc, run_id)
         raise open_files_error(exc, run_id) or StoreError(
             f"could not open the run file: {exc}", run_id=run_id
         ) from exc
+
+
+def read_file(files: FileOps, path: Path, run_id: str) -> bytes:
+    """The whole file, or ``b""`` if there is none; refuses links and special files."""
+    fd = open_run_file(files, path, run_id)
+    if fd is None:
+        return b""
     try:
         require_regular(files, fd, run_id)
         return _read_until(files, fd, None)

@@ -30,7 +30,6 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
-from types import TracebackType
 
 import anyio.to_thread
 
@@ -39,24 +38,23 @@ from polyloop.ports import StoredRun
 from polyloop.stores._archive import check_cutoff, prune_runs
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import (
+    ClosedOnExit,
     WriterState,
     claim_in_thread,
     fsync_directory,
-    open_files_error,
 )
 from polyloop.stores._jsonl.claims import Claims
 from polyloop.stores._jsonl.fileops import FileOps, OsFileOps
 from polyloop.stores._jsonl.reader import (
-    READ_FLAGS,
     SUFFIX,
     complete_end,
     first_run_id,
     last_end,
+    open_run_file,
     pair_line,
     parse_lines,
     read_file,
     record_line,
-    refuse_link,
     require_regular,
 )
 from polyloop.stores._jsonl.write import Appender, Write
@@ -99,7 +97,7 @@ class _SystemFiles(OsFileOps):
 _SYSTEM_FILES = _SystemFiles()
 
 
-class JsonlStore:
+class JsonlStore(ClosedOnExit):
     """Keeps every run in an append-only JSON-lines file in ``directory``.
 
     The directory (with its parents) is created when the first run is claimed in it.
@@ -244,14 +242,6 @@ class JsonlStore:
     async def __aenter__(self) -> JsonlStore:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     def __repr__(self) -> str:
         return f"JsonlStore({str(self._directory)!r})"
 
@@ -295,15 +285,9 @@ class JsonlStore:
             run_id = first_run_id(files, path)
             if run_id is None:
                 return None
-        try:
-            fd = files.open(path, READ_FLAGS)
-        except FileNotFoundError:
+        fd = open_run_file(files, path, run_id)
+        if fd is None:
             return None
-        except OSError as exc:
-            refuse_link(exc, run_id)
-            raise open_files_error(exc, run_id) or StoreError(
-                f"could not open the run file: {exc}", run_id=run_id
-            ) from exc
         try:
             require_regular(files, fd, run_id)
             end, _ = complete_end(files, fd)

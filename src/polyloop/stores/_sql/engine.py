@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from datetime import datetime
 from functools import partial
 from pathlib import Path
-from types import TracebackType
 from typing import Protocol, Self
 
 import anyio
@@ -25,7 +24,7 @@ from anyio.lowlevel import EventLoopToken
 from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
 from polyloop.stores._archive import check_cutoff, prune_runs
-from polyloop.stores._common import Write, claim_in_thread, record_row
+from polyloop.stores._common import ClosedOnExit, Write, claim_in_thread, record_row
 from polyloop.types import (
     Intent,
     JSONValue,
@@ -85,7 +84,7 @@ class Dialect(Protocol):
         """Give up every claim, then release every resource."""
 
 
-class SqlStore:
+class SqlStore(ClosedOnExit):
     """The store port over a :class:`Dialect`; ``SqliteStore`` and ``PostgresStore``
     only choose their dialect and say what their database promises."""
 
@@ -217,15 +216,6 @@ class SqlStore:
         """Open and check the database now rather than at first use."""
         await anyio.to_thread.run_sync(self._dialect.open)
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the store (see :meth:`aclose`)."""
-        await self.aclose()
 
     async def _delete_claimed(self, run_id: str, *, cutoff: datetime) -> bool:
         return await anyio.to_thread.run_sync(self._dialect.delete, run_id, cutoff)
