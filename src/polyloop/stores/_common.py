@@ -236,6 +236,26 @@ class Write:
     barrier: bool = False  # must be fsync'd before the call returns
 
 
+@dataclass(eq=False, slots=True)
+class Claim:
+    """This store object is ``run_id``'s writer: the one claim value of every durable
+    store. ``epoch`` is the claim epoch it gave the run's row (a database fences every
+    write with it), ``next_seq`` the seq of the run's next record (0 until the run
+    starts; a file store, which does not number records, counts from 1 once it has
+    any), ``finished`` whether the log ends with a final end record. ``offset`` is the
+    locked byte that holds the claim in a store for one host, ``generation`` the lease
+    generation it was taken under in a shared database; ``lock`` is held around each
+    write of the run where writes of different runs run in parallel."""
+
+    run_id: str
+    epoch: int = 0
+    next_seq: int = 0
+    finished: bool = False
+    offset: int = -1
+    generation: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 class ClosedOnExit:
     """A store as an async context manager: leaving the block closes it (``aclose``)."""
 

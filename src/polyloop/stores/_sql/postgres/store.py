@@ -20,7 +20,7 @@ asyncio), so the store serves asyncio and Trio alike; a store object must be use
 one event loop at a time.
 
 The public methods are the database stores' shared engine
-(:class:`~polyloop.stores._sql.engine.SqlStore`); this module is PostgreSQL's dialect of
+(:class:`~polyloop.stores._engine.EngineStore`); this module is PostgreSQL's dialect of
 it, which only delegates. Its collaborators each hold one job:
 :mod:`~polyloop.stores._sql.postgres.connect` (the checked options, opening a connection),
 :mod:`~polyloop.stores._sql.postgres.read` (the reader pool, the schema, reading),
@@ -39,7 +39,7 @@ from anyio.lowlevel import EventLoopToken
 
 from polyloop.ports import StoredRun
 from polyloop.stores._common import Write, WriterState
-from polyloop.stores._sql.engine import SqlStore
+from polyloop.stores._engine import EngineStore
 from polyloop.stores._sql.postgres.batch import Committer, Item, Probe
 from polyloop.stores._sql.postgres.connect import Settings
 from polyloop.stores._sql.postgres.owners import Claims, Owner
@@ -51,7 +51,7 @@ from polyloop.types import Record
 __all__ = ("PostgresStore",)
 
 
-class PostgresStore(SqlStore):
+class PostgresStore(EngineStore):
     """Keeps runs in a PostgreSQL database that many workers on many hosts can share.
 
     ``conninfo`` is a libpq connection string or URL (it is never reported: not by

@@ -15,7 +15,7 @@ Every blocking call runs in a worker thread, on one connection guarded by the st
 mutex: the writes waiting at the same moment share one ``BEGIN IMMEDIATE`` ... ``COMMIT``
 (:class:`~polyloop.stores._batching.GroupCommit`), one savepoint per write, so a refused
 write rolls back alone. The public methods are the database stores' shared engine
-(:class:`~polyloop.stores._sql.engine.SqlStore`); this module is SQLite's dialect of it:
+(:class:`~polyloop.stores._engine.EngineStore`); this module is SQLite's dialect of it:
 :mod:`~polyloop.stores._sql.sqlite.commit` commits, :mod:`~polyloop.stores._sql.sqlite.claims`
 keeps the claims, and :mod:`~polyloop.stores._sql.sqlite.sql` holds the statements and
 opens the database.
@@ -33,7 +33,7 @@ from anyio.lowlevel import EventLoopToken
 from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import Write, WriterState
-from polyloop.stores._sql.engine import SqlStore
+from polyloop.stores._engine import EngineStore
 from polyloop.stores._sql.sqlite.claims import Claims
 from polyloop.stores._sql.sqlite.commit import Committer
 from polyloop.stores._sql.sqlite.sql import (
@@ -51,7 +51,7 @@ from polyloop.types import Record
 __all__ = ("SqliteStore",)
 
 
-class SqliteStore(SqlStore):
+class SqliteStore(EngineStore):
     """Keeps runs in one SQLite database file (WAL; intents and starts fsync'd).
 
     ``path`` names the database file; missing parent directories are created, each

@@ -38,10 +38,10 @@ from polyloop.types import (
     StoreError,
 )
 
-__all__ = ("Dialect", "SqlStore")
+__all__ = ("Backend", "EngineStore")
 
 
-class Dialect(Protocol):
+class Backend(Protocol):
     """What a database store needs of its database. Every method but :meth:`submit`,
     :meth:`confirm` and :meth:`holds` blocks, and runs in a worker thread."""
 
@@ -84,13 +84,13 @@ class Dialect(Protocol):
         """Give up every claim, then release every resource."""
 
 
-class SqlStore(ClosedOnExit):
-    """The store port over a :class:`Dialect`; ``SqliteStore`` and ``PostgresStore``
+class EngineStore(ClosedOnExit):
+    """The store port over a :class:`Backend`; ``SqliteStore`` and ``PostgresStore``
     only choose their dialect and say what their database promises."""
 
     __slots__ = ("_dialect",)
 
-    def __init__(self, dialect: Dialect) -> None:
+    def __init__(self, dialect: Backend) -> None:
         self._dialect = dialect
 
     def parameters(self) -> Mapping[str, JSONValue]:
