@@ -14,11 +14,10 @@ from pathlib import Path
 import anyio.to_thread
 
 from polyloop.stores import PostgresStore, SqliteStore
-from polyloop.stores._common import Write
+from polyloop.stores._common import Claim, Write
 from polyloop.stores._sql.planning import Plan
 from polyloop.stores._sql.postgres.batch import Item
 from polyloop.stores._sql.postgres.store import Postgres
-from polyloop.stores._sql.sqlite.claims import Claim
 from polyloop.stores._sql.sqlite.commit import Committer
 from polyloop.stores._sql.sqlite.sql import SYNCHRONOUS_FULL
 from polyloop.stores._sql.sqlite.store import Sqlite
@@ -38,7 +37,7 @@ class _SqliteAlone(Sqlite):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
-        self._alone = _FullSyncCommitter(self._database, self._claims)
+        self._alone = _FullSyncCommitter(self._database, self.claims)
 
     async def submit(self, write: Write) -> None:
         (error,) = await anyio.to_thread.run_sync(self._alone.commit, [write])

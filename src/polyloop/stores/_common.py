@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import logging
 import os
 import re
 import resource
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +22,7 @@ import anyio.to_thread
 from polyloop._shared import FORMAT, exception_text, record_kind
 from polyloop.serialization import dumps, loads
 from polyloop.stores._refusals import store_closed
-from polyloop.types import CorruptLog, Record, RunLocked, SchemaMajorMismatch, StoreError
+from polyloop.types import CorruptLog, Record, SchemaMajorMismatch, StoreError
 
 
 def check_format(recorded: object, *, holder: str, run_id: str | None, location: str) -> None:
@@ -74,49 +72,6 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# A run's claim in a directory of run files is a write lock on one byte of a shared lock
-# file, at an offset drawn from the run id: one descriptor per store object holds every
-# claim it has, instead of one open file per claimed run. Open-file-description locks
-# (``F_OFD_*``) belong, like ``flock``, to the description rather than the process, so a
-# second store object in the same process is locked out like another process, and they
-# go when the description is closed or the process dies.
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
-_RANGE_BITS = 62  # offsets stay positive in a signed 64-bit off_t
-
-
-def claim_offset(run_id: str) -> int:
-    """The byte of the lock file that stands for ``run_id``: 62 bits of its sha256.
-
-    Two runs share a byte only if their hashes agree in 62 bits, which for 10,000 claims
-    held at once has a chance of about one in 10**10; the cost would be a spurious
-    ``RunLocked``, never two writers.
-    """
-    digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).digest()
-    return int.from_bytes(digest[:8], "big") >> (64 - _RANGE_BITS)
-
-
-def lock_range(fd: int, offset: int, run_id: str) -> None:
-    """Take the write lock on byte ``offset`` of ``fd``'s file, or raise ``RunLocked``."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise RunLocked("another writer holds this run", run_id=run_id) from None
-        raise StoreError(f"could not lock the run: {exc}", run_id=run_id) from exc
-
-
-def unlock_range(fd: int, offset: int) -> None:
-    """Let go of the lock on byte ``offset`` that ``fd``'s description holds."""
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
-
-
-def range_held(fd: int, offset: int) -> bool:
-    """Whether another open description holds the lock on byte ``offset`` (asks only)."""
-    query = _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, offset, 1, 0)
-    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query)
-    return bool(_FLOCK.unpack(answer)[0] != fcntl.F_UNLCK)
 
 
 def open_files_error(exc: BaseException, run_id: str | None) -> StoreError | None:
@@ -337,6 +292,8 @@ def create_directories(files: DirectoryOps, directory: Path, *, run_id: str | No
         if isinstance(exc, StoreError):
             raise
         reason = exc.strerror or type(exc).__name__
-        raise StoreError(f"cannot create the directory {path}: {reason}", run_id=run_id) from exc
+        raise open_files_error(exc, run_id) or StoreError(
+            f"cannot create the directory {path}: {reason}", run_id=run_id
+        ) from exc
     if not files.is_dir(directory):
         raise StoreError(f"{directory} exists and is not a directory", run_id=run_id)

@@ -1,10 +1,10 @@
-"""The one engine of the database stores: the store port over a dialect.
+"""The one engine of the durable stores: the store port over a backend.
 
-What ``SqliteStore`` and ``PostgresStore`` do alike is written here once: the public
-methods, the one value each write becomes (:class:`Write`), the hops to worker threads,
-pruning under claims, closing. A dialect supplies what differs: its connections, its SQL
-and its claims (SQLite: a locked byte per run; PostgreSQL: owners with leases). Every
-blocking call of a dialect runs in a worker thread, never on the event loop.
+What ``JsonlStore``, ``SqliteStore`` and ``PostgresStore`` do alike is written here once:
+the public methods, the one value each write becomes (:class:`Write`), the hops to worker
+threads, pruning under claims, closing. A backend supplies what differs: where records
+live (files, a database), how they are read, and how a run is claimed (a locked byte, or
+an owner with a lease). Every blocking call of a backend runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = ("Backend", "EngineStore")
 
 
 class Backend(Protocol):
-    """What a database store needs of its database. Every method but :meth:`submit`,
+    """What the engine needs of a store's backend. Every method but :meth:`submit`,
     :meth:`confirm` and :meth:`holds` blocks, and runs in a worker thread."""
 
     kind: str
@@ -63,7 +63,7 @@ class Backend(Protocol):
         """Commit ``write``, in a shared commit, before returning."""
 
     def read(self, run_id: str) -> tuple[Record, ...]:
-        """Every record of the run, checked against its row."""
+        """Every record of the run, each checked against where it is kept."""
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
         """Every started run (only unfinished ones if asked), in the order they started."""
@@ -78,24 +78,25 @@ class Backend(Protocol):
         """Delete a run this object holds the claim of, if it still may go."""
 
     def open(self) -> None:
-        """Open and check the database now rather than at first use."""
+        """Open and check the store now rather than at first use."""
 
     def close(self) -> None:
         """Give up every claim, then release every resource."""
 
 
 class EngineStore(ClosedOnExit):
-    """The store port over a :class:`Backend`; ``SqliteStore`` and ``PostgresStore``
-    only choose their dialect and say what their database promises."""
+    """The store port over a :class:`Backend`; each durable store only chooses its
+    backend and says what it promises."""
 
-    __slots__ = ("_dialect",)
+    __slots__ = ("_backend",)
 
-    def __init__(self, dialect: Backend) -> None:
-        self._dialect = dialect
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
 
     def parameters(self) -> Mapping[str, JSONValue]:
-        """The store kind and record format; never where the data is."""
-        return {"kind": self._dialect.kind, "format": FORMAT}
+        """The store kind and record format; never where the data is, so moved data
+        still resumes."""
+        return {"kind": self._backend.kind, "format": FORMAT}
 
     # -- the Store protocol ---------------------------------------------------------------
 
@@ -103,56 +104,56 @@ class EngineStore(ClosedOnExit):
         """Become the run's writer and move its claim epoch on; ``RunLocked`` (naming the
         holder where the database knows it) if a living writer, this object included,
         holds it."""
-        dialect, token = self._dialect, anyio.lowlevel.current_token()
+        backend, token = self._backend, anyio.lowlevel.current_token()
         await claim_in_thread(
-            partial(dialect.claim, run_id, token), partial(dialect.release, run_id), run_id=run_id
+            partial(backend.claim, run_id, token), partial(backend.release, run_id), run_id=run_id
         )
 
     async def release_run(self, run_id: str) -> None:
-        """Give up the claim, writing no record (the row of a run never started goes)."""
-        if self._dialect.holds(run_id):
-            await anyio.to_thread.run_sync(self._dialect.release, run_id)
+        """Give up the claim, writing no record (a run never started leaves no trace)."""
+        if self._backend.holds(run_id):
+            await anyio.to_thread.run_sync(self._backend.release, run_id)
 
     async def check_claim(self, run_id: str) -> None:
         """Return only if an effect of the run may start now under this object's claim
         (``RunLocked``, ``LeaseLost`` or ``StoreError`` otherwise); sends no statement."""
-        await self._dialect.confirm(run_id)
+        await self._backend.confirm(run_id)
 
     async def start_run(self, record: RunStarted) -> None:
         """Write the run's first record, a durable barrier; ``RunAlreadyExists`` if the
-        run has any row."""
-        await self._dialect.submit(
+        run has any record."""
+        await self._backend.submit(
             Write(record.run_id, [record_row(record)], start=True, barrier=True)
         )
 
     async def write_intent(self, intent: Intent) -> None:
         """Write an intent, a durable barrier."""
-        await self._dialect.submit(Write(intent.run_id, [record_row(intent)], barrier=True))
+        await self._backend.submit(Write(intent.run_id, [record_row(intent)], barrier=True))
 
     async def write_result(self, result: Result) -> None:
         """Write the result of a model call; committed, not necessarily durable."""
-        await self._dialect.submit(Write(result.run_id, [record_row(result)]))
+        await self._backend.submit(Write(result.run_id, [record_row(result)]))
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
         """Write the action result (if any) and the step record in one transaction."""
         if action_result is None:
-            await self._dialect.submit(Write(step.run_id, [record_row(step)]))
+            await self._backend.submit(Write(step.run_id, [record_row(step)]))
             return
         if action_result.run_id != step.run_id:
             raise StoreError(
                 f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
             )
-        await self._dialect.submit(
+        await self._backend.submit(
             Write(step.run_id, [record_row(action_result), record_row(step)])
         )
 
     async def write_review(self, record: Review) -> None:
         """Write a proposal, verdict or settlement, a durable barrier like an intent."""
-        await self._dialect.submit(Write(record.run_id, [record_row(record)], barrier=True))
+        await self._backend.submit(Write(record.run_id, [record_row(record)], barrier=True))
 
     async def end_run(self, record: RunEnded) -> None:
         """Write the run's end record and give up the claim, in one transaction."""
-        await self._dialect.submit(
+        await self._backend.submit(
             Write(
                 record.run_id,
                 [record_row(record)],
@@ -163,26 +164,24 @@ class EngineStore(ClosedOnExit):
         )
 
     async def read_log(self, run_id: str) -> RunLog:
-        """Every record of ``run_id`` in write order; empty if the run has no row.
+        """Every record of ``run_id`` in write order; empty if the run has none.
 
-        Raises ``CorruptLog`` (naming the row) for a row that does not decode or does not
-        belong where it is, and ``SchemaMajorMismatch`` for another record format.
-        Readers never need the claim.
+        Raises ``CorruptLog`` (naming the line or row) for a record that does not decode
+        or does not belong where it is, and ``SchemaMajorMismatch`` for another record
+        format. Readers never need the claim.
         """
-        records = await anyio.to_thread.run_sync(self._dialect.read, run_id)
+        records = await anyio.to_thread.run_sync(self._backend.read, run_id)
         return RunLog(run_id=run_id, records=records)
 
     async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
-        """Every run, in the order the runs started (only unfinished ones if asked).
-
-        Read from the table of runs; the unfinished ones through an index that holds only
-        them, so finished runs cost nothing.
-        """
-        return await anyio.to_thread.run_sync(self._dialect.runs, unfinished_only)
+        """Every run (only unfinished ones if asked): in the order the runs started in a
+        database, where the unfinished ones come from an index that holds only them; by
+        id in a directory of run files."""
+        return await anyio.to_thread.run_sync(self._backend.runs, unfinished_only)
 
     async def describe_run(self, run_id: str) -> StoredRun | None:
-        """The run as :meth:`list_runs` lists it; ``None`` if it has no row."""
-        return await anyio.to_thread.run_sync(self._dialect.describe, run_id)
+        """The run as :meth:`list_runs` lists it; ``None`` if it has no record."""
+        return await anyio.to_thread.run_sync(self._backend.describe, run_id)
 
     async def prune(
         self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
@@ -196,7 +195,7 @@ class EngineStore(ClosedOnExit):
         workers run.
         """
         cutoff = check_cutoff(finished_before)
-        candidates = await anyio.to_thread.run_sync(self._dialect.prunable, cutoff)
+        candidates = await anyio.to_thread.run_sync(self._backend.prunable, cutoff)
         return await prune_runs(
             self,
             candidates,
@@ -205,17 +204,17 @@ class EngineStore(ClosedOnExit):
         )
 
     async def aclose(self) -> None:
-        """Give up every claim and close every connection. Idempotent.
+        """Give up every claim and close every connection or file. Idempotent.
 
         Cancellation: closing runs shielded, so it completes even in a cancelled scope.
         """
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._dialect.close)
+            await anyio.to_thread.run_sync(self._backend.close)
 
     async def __aenter__(self) -> Self:
-        """Open and check the database now rather than at first use."""
-        await anyio.to_thread.run_sync(self._dialect.open)
+        """Open and check the store now rather than at first use."""
+        await anyio.to_thread.run_sync(self._backend.open)
         return self
 
     async def _delete_claimed(self, run_id: str, *, cutoff: datetime) -> bool:
-        return await anyio.to_thread.run_sync(self._dialect.delete, run_id, cutoff)
+        return await anyio.to_thread.run_sync(self._backend.delete, run_id, cutoff)

@@ -1,20 +1,11 @@
 """The file operations of the JSON-lines store, behind one narrow, replaceable object.
 
-Everything :class:`~polyloop.stores.JsonlStore` does to the file system goes through an
-object with the methods of :class:`FileOps`: opening, writing, reading, syncing a file
-or a directory, truncating, closing, locking a byte of a file and probing such locks,
-removing files, creating and listing directories. The store builds its durability rules
-out of exactly these calls, so an object that answers them from a model of a disk (one
-that can lose power, fail a write or report a full device) shows what the rules leave
-behind when the disk misbehaves, which a real file system will not do on request.
-
-:class:`OsFileOps` is the real thing: every method is the ``os`` function of the same
-name (looked up when it is called, not when this module is imported), the directory
-sync and the lock are the helpers the durable stores share. It adds no behaviour of its
-own: the store with it behaves as it did before the layer existed.
-
-The layer is private. The store takes another implementation through a private keyword
-argument; no public signature mentions it.
+Everything the store does to the file system goes through an object with the methods of
+:class:`FileOps`, so the power-loss tests can answer them from a model of a disk that
+loses power, fails a write or fills up (research record 0012). :class:`OsFileOps` is the
+real thing: each method calls the ``os`` function of the same name when it is called, so
+a test that patches ``os`` still sees it. The store takes another one only through a
+private keyword argument.
 """
 
 from __future__ import annotations
@@ -23,21 +14,17 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from polyloop.stores._common import fsync_directory, lock_range, range_held, unlock_range
+from polyloop.stores._byte_locks import lock_range, range_held, unlock_range
+from polyloop.stores._common import fsync_directory
 
 __all__ = ("FileOps", "OsFileOps")
 
 
 class FileOps(Protocol):
-    """What the JSON-lines store asks of a file system; errors are ``OSError``.
-
-    Descriptors are plain integers that only mean something to the object that handed
-    them out. ``lock_range`` takes the write lock on one byte of a file for the open
-    description ``fd`` is on, and raises :class:`~polyloop.types.RunLocked` when another
-    description holds it; ``unlock_range`` lets it go; ``range_held`` tells whether
-    another description holds it, without keeping a writer out. Closing a descriptor
-    lets go of every lock its description holds.
-    """
+    """What the JSON-lines store asks of a file system; errors are ``OSError``, and a
+    descriptor means something only to the object that handed it out. The byte locks
+    are those of :mod:`polyloop.stores._byte_locks`; closing a descriptor lets go of
+    every lock its description holds."""
 
     def open(self, path: Path, flags: int, mode: int = 0o777) -> int: ...
 

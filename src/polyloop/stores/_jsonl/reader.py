@@ -1,23 +1,12 @@
 """Reading the JSON-lines store's run files: where the complete lines end, what they hold.
 
-The rule every reader here applies: a record exists only once the ``\\n`` that ends its
-line is in the file. Nothing else ends a line; ``\\r``, U+2028, U+0085 and the other
-characters some tools break lines on are part of the line. Whatever follows the last
-``\\n`` is a *torn tail*, what remains of a write that never finished and whose caller
-was never told it had succeeded: readers ignore it, even when it happens to be a whole
-JSON object, and the next writer of the run cuts it off (see
-:mod:`polyloop.stores._jsonl.claims`). A terminated line is never passed over. If it does not
-decode to a record of the run (``{}``, invalid UTF-8, a duplicate key, a record of
-another run, a malformed result-and-step pair), it raises
-:class:`~polyloop.types.CorruptLog` naming the file and the line, counted from 1; a
-record written in another major of the format raises
-:class:`~polyloop.types.SchemaMajorMismatch`.
-
-:func:`parse_lines` applies the rule to a file's bytes, :func:`decode_line` to one line.
-:func:`read_file` reads a whole run file and :func:`first_run_id` only as far as its
-first line. :func:`complete_end` finds where the complete lines end, which is where a
-writer taking a run over truncates. The open flags and the link and file-type checks
-live here as well, since the writer opens run files under the same rules.
+A record exists only once the ``\\n`` that ends its line is in the file; nothing else
+ends a line (``\\r``, U+2028 and U+0085 are part of it). What follows the last ``\\n``
+is a torn tail, a write whose caller was never told it succeeded: readers ignore it, even
+when it is a whole JSON object, and the next claim cuts it off. A terminated line that
+does not decode to a record of the run is a ``CorruptLog`` naming the file and the line
+(from 1); a record of another format major is a ``SchemaMajorMismatch``. Research records
+0009 (durability) and 0012 (the file-operation layer) say why.
 """
 
 from __future__ import annotations
@@ -26,10 +15,13 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from polyloop.serialization import dumps, loads
-from polyloop.stores._common import open_files_error, safe_name
+from polyloop.stores._byte_locks import open_failed
+from polyloop.stores._common import safe_name
 from polyloop.stores._jsonl.fileops import FileOps
 from polyloop.types import (
     CorruptLog,
@@ -45,20 +37,18 @@ from polyloop.types import (
 
 __all__ = (
     "COMMON_FLAGS",
-    "READ_FLAGS",
-    "open_run_file",
     "SUFFIX",
     "complete_end",
     "decode_line",
-    "last_end",
-    "log_lines",
-    "pair_line",
-    "record_line",
     "first_run_id",
+    "last_end",
+    "line",
+    "log_lines",
     "parse_lines",
     "read_file",
     "refuse_link",
     "require_regular",
+    "run_file",
 )
 
 SUFFIX = ".jsonl"
@@ -66,7 +56,7 @@ _NOT_FOLLOWED = {errno.ELOOP, errno.EMLINK}  # what O_NOFOLLOW reports for a lin
 # O_NONBLOCK only matters if something other than a regular file was planted at the
 # path (a FIFO would otherwise block the open); regular files ignore it.
 COMMON_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-READ_FLAGS = os.O_RDONLY | COMMON_FLAGS
+_READ_FLAGS = os.O_RDONLY | COMMON_FLAGS
 _TAIL_CHUNK = 64 * 1024
 _READ_CHUNK = 1024 * 1024
 _JSON_SPACE = " \t\r"
@@ -115,34 +105,36 @@ def last_end(files: FileOps, fd: int, end: int, location: str) -> RunEnded | Non
     return record if isinstance(record, RunEnded) else None
 
 
-def open_run_file(files: FileOps, path: Path, run_id: str) -> int | None:
-    """A descriptor to read the run file at ``path``, or ``None`` if there is none;
-    refuses links, and names the open-file limit when it is met."""
+@contextmanager
+def run_file(files: FileOps, path: Path, run_id: str | None) -> Iterator[int | None]:
+    """A descriptor to read the run file at ``path`` (``None`` if there is none), closed
+    after; refuses links and special files, and a failed read is a ``StoreError`` naming
+    the run (or the file, when the run is not known yet)."""
     try:
-        return files.open(path, READ_FLAGS)
+        fd = files.open(path, _READ_FLAGS)
     except FileNotFoundError:
-        return None
+        yield None
+        return
     except OSError as exc:
         refuse_link(exc, run_id)
-        raise open_files_error(exc, run_id) or StoreError(
-            f"could not open the run file: {exc}", run_id=run_id
-        ) from exc
-
-
-def read_file(files: FileOps, path: Path, run_id: str) -> bytes:
-    """The whole file, or ``b""`` if there is none; refuses links and special files."""
-    fd = open_run_file(files, path, run_id)
-    if fd is None:
-        return b""
+        raise open_failed(exc, run_id, "the run file") from exc
     try:
         require_regular(files, fd, run_id)
-        return _read_until(files, fd, None)
+        yield fd
     except OSError as exc:
         if isinstance(exc, PolyLoopError):
             raise
-        raise StoreError(f"could not read the run file: {exc}", run_id=run_id) from exc
+        raise StoreError(
+            f"could not read the run file: {exc}", run_id=run_id, location=path.name
+        ) from exc
     finally:
         files.close(fd)
+
+
+def read_file(files: FileOps, path: Path, run_id: str) -> bytes:
+    """The whole file, or ``b""`` if there is none."""
+    with run_file(files, path, run_id) as fd:
+        return b"" if fd is None else _read_until(files, fd, None)
 
 
 def _read_until(files: FileOps, fd: int, stop: bytes | None) -> bytes:
@@ -160,24 +152,10 @@ def _read_until(files: FileOps, fd: int, stop: bytes | None) -> bytes:
 
 def first_run_id(files: FileOps, path: Path) -> str | None:
     """The run id of ``path``'s first complete line; ``None`` if it has none."""
-    try:
-        fd = files.open(path, READ_FLAGS)
-    except FileNotFoundError:
-        return None  # removed while the directory was being listed
-    except OSError as exc:
-        raise StoreError(
-            f"could not open {path.name} (links are not followed): {exc}", location=path.name
-        ) from exc
-    try:
-        if not stat.S_ISREG(files.fstat(fd).st_mode):
-            raise StoreError("not a regular file", location=path.name)
+    with run_file(files, path, None) as fd:
+        if fd is None:
+            return None  # removed while the directory was being listed
         head = _read_until(files, fd, b"\n")
-    except OSError as exc:
-        if isinstance(exc, PolyLoopError):
-            raise
-        raise StoreError(f"could not read the file: {exc}", location=path.name) from exc
-    finally:
-        files.close(fd)
     newline = head.find(b"\n")
     line = head if newline < 0 else head[: newline + 1]
     if not line.endswith(b"\n"):
@@ -194,14 +172,14 @@ def first_run_id(files: FileOps, path: Path) -> str | None:
     return run_id
 
 
-def refuse_link(exc: OSError, run_id: str) -> None:
+def refuse_link(exc: OSError, run_id: str | None) -> None:
     if exc.errno in _NOT_FOLLOWED:
         raise StoreError(
             "the run file is a symbolic link; refusing to follow it", run_id=run_id
         ) from exc
 
 
-def require_regular(files: FileOps, fd: int, run_id: str) -> None:
+def require_regular(files: FileOps, fd: int, run_id: str | None) -> None:
     if not stat.S_ISREG(files.fstat(fd).st_mode):
         raise StoreError("the run file is not a regular file", run_id=run_id)
 
@@ -209,14 +187,12 @@ def require_regular(files: FileOps, fd: int, run_id: str) -> None:
 # -- lines --------------------------------------------------------------------------------
 
 
-def record_line(record: Record) -> bytes:
-    """The line that holds ``record`` alone."""
-    return (dumps(record) + "\n").encode("utf-8")
-
-
-def pair_line(result: Result, step: StepRecord) -> bytes:
-    """The one line that holds an action's result and its step record."""
-    return f"[{dumps(result)},{dumps(step)}]\n".encode()
+def line(bodies: Iterable[str]) -> bytes:
+    """The line that holds records written as ``bodies``: one record alone, or an
+    action's result and its step as a pair."""
+    parts = list(bodies)
+    text = parts[0] if len(parts) == 1 else f"[{','.join(parts)}]"
+    return f"{text}\n".encode()
 
 
 def log_lines(records: tuple[Record, ...]) -> bytes:
@@ -227,10 +203,10 @@ def log_lines(records: tuple[Record, ...]) -> bytes:
         if isinstance(record, Result) and record.kind is IntentKind.ACTION:
             pending = record
         elif isinstance(record, StepRecord) and pending is not None:
-            lines.append(pair_line(pending, record))
+            lines.append(line((dumps(pending), dumps(record))))
             pending = None
         else:
-            lines.append(record_line(record))
+            lines.append(line((dumps(record),)))
     return b"".join(lines)
 
 

@@ -17,10 +17,10 @@ import sqlite3
 import time
 from collections.abc import Sequence
 
-from polyloop.stores._common import Write
-from polyloop.stores._refusals import fence_refusal, not_claimed
+from polyloop.stores._byte_locks import HostClaims
+from polyloop.stores._common import Claim, Write
+from polyloop.stores._refusals import fence_refusal
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
-from polyloop.stores._sql.sqlite.claims import Claim, Claims
 from polyloop.stores._sql.sqlite.sql import (
     ADVANCE_RUN,
     EXPLAIN_REFUSAL,
@@ -47,7 +47,7 @@ class Committer:
 
     __slots__ = ("_claims", "_database")
 
-    def __init__(self, database: Database, claims: Claims) -> None:
+    def __init__(self, database: Database, claims: HostClaims) -> None:
         self._database = database
         self._claims = claims
 
@@ -61,7 +61,7 @@ class Committer:
                 self._transact(db, batch, self.level(batch))
             for run_id in batch.settle():
                 # The end record's own statement gave the writer up in the run's row.
-                self._claims.ended(run_id)
+                self._claims.ended(batch.runs[run_id].claim)
             return batch.errors
 
     def level(self, batch: Plan[Claim]) -> int:
@@ -70,10 +70,7 @@ class Committer:
 
     def _admit(self, write: Write) -> Claim:
         """The claim the write is made under; make sure the connection is open."""
-        self._database.state.check_writable(write.run_id)
-        claim = self._claims.claims.get(write.run_id)
-        if claim is None:
-            raise not_claimed(write.run_id)
+        claim = self._claims.held(write.run_id)
         self._database.connection(write.run_id)
         return claim
 

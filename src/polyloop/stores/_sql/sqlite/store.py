@@ -23,7 +23,11 @@ opens the database.
 
 from __future__ import annotations
 
+import logging
 import os
+import socket
+import sqlite3
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,23 +36,36 @@ from anyio.lowlevel import EventLoopToken
 
 from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
-from polyloop.stores._common import Write, WriterState
+from polyloop.stores._byte_locks import HostClaims, OneHost
+from polyloop.stores._common import Claim, WriterState
 from polyloop.stores._engine import EngineStore
-from polyloop.stores._sql.sqlite.claims import Claims
+from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._sql.sqlite.commit import Committer
 from polyloop.stores._sql.sqlite.sql import (
     DESCRIBE_RUN,
+    DROP_UNSTARTED,
+    FREE_RUN,
     LIST_RUNS,
     LIST_UNFINISHED,
+    NEW_RUN,
+    PRUNABLE,
+    PRUNE_ROWS,
+    PRUNE_RUN,
+    SELECT_CLAIM,
     SELECT_RUN,
+    TAKE_RUN,
     Database,
     decode_rows,
+    immediate,
     run_id_of,
     run_key,
 )
 from polyloop.types import Record
 
 __all__ = ("SqliteStore",)
+
+logger = logging.getLogger("polyloop")
+_FILES = OsFileOps()
 
 
 class SqliteStore(EngineStore):
@@ -85,36 +102,28 @@ class SqliteStore(EngineStore):
     _DIALECT: ClassVar[type[Sqlite]]
 
 
-class Sqlite:
-    """SQLite's dialect: one connection under the store mutex, shared commits, claims
-    by locked bytes. Every method but the two coroutines and :meth:`holds` runs in a
-    worker thread."""
+class Sqlite(OneHost):
+    """SQLite's dialect: one connection under the store mutex, shared commits, claims by
+    locked bytes. Every method but the two coroutines and :meth:`holds` runs in a worker
+    thread; those that touch the database hold the store mutex (``state.mutex``)."""
 
     kind = "sqlite"
 
-    __slots__ = ("_claims", "_database", "_group", "_state")
+    __slots__ = ("_database", "_owner", "claims", "group", "state")
 
     def __init__(self, path: Path) -> None:
-        self._state = WriterState()
-        self._database = Database(path, self._state)  # opened at first use
-        self._claims = Claims(self._database)
-        self._group = GroupCommit(Committer(self._database, self._claims).commit)
+        self.state = WriterState()
+        self._database = Database(path, self.state)  # opened at first use
+        directory = path.with_name(path.name + ".claims")
+        self.claims = HostClaims(directory, _FILES, self.state, inspect=self._take, free=self._free)
+        # What the rows of the runs this object claims say about their writer.
+        self._owner = f"{socket.gethostname()} pid {os.getpid()}"
+        self.group = GroupCommit(Committer(self._database, self.claims).commit)
 
     def claim(self, run_id: str, token: EventLoopToken) -> None:
-        self._claims.claim(run_id)
-
-    def release(self, run_id: str) -> None:
-        self._claims.unclaim(run_id)
-
-    def holds(self, run_id: str) -> bool:
-        return run_id in self._claims.claims
-
-    async def confirm(self, run_id: str) -> None:
-        # A lock with no lease, held as long as this process lives.
-        self._claims.held(run_id)
-
-    async def submit(self, write: Write) -> None:
-        await self._group.submit(write)
+        with self.state.mutex:  # first: an error names the database, not its claims
+            self._database.connection(run_id)
+        self.claims.take(run_id)
 
     def read(self, run_id: str) -> tuple[Record, ...]:
         """Query under the store mutex, decode after releasing it."""
@@ -128,31 +137,74 @@ class Sqlite:
         return self._stored(rows)[0] if rows else None
 
     def prunable(self, cutoff: datetime) -> list[str]:
-        return self._claims.prunable(cutoff.timestamp())
+        rows = self._select(PRUNABLE, None, cutoff.timestamp())
+        return [run_id_of(key) for (key,) in rows]
 
     def delete(self, run_id: str, cutoff: datetime) -> bool:
-        return self._claims.delete(run_id, cutoff.timestamp())
+        with self.state.mutex:
+            if not self.claims.holds(run_id):
+                return False
+            claim = self.claims.held(run_id)
+            conn, key = self._database.connection(run_id).conn, run_key(run_id)
+            with self._database.reading(run_id), immediate(conn):
+                gone = conn.execute(PRUNE_RUN, (key, claim.epoch, cutoff.timestamp())).rowcount
+                if gone:
+                    conn.execute(PRUNE_ROWS, (key,))
+            if gone:
+                self.claims.ended(claim)
+            return bool(gone)
 
     def open(self) -> None:
-        with self._state.mutex, self._database.reading(None):
+        with self.state.mutex, self._database.reading(None):
             self._database.connection(None)
 
     def close(self) -> None:
-        with self._state.mutex:
-            self._state.closed = True
-            self._claims.close()  # every claim given up before the connection goes
+        self.state.closed = True  # no claim or write is admitted from here on
+        self.claims.close()  # every claim given up before the connection goes
+        with self.state.mutex:
             self._database.close()
 
-    def _select(self, query: str, run_id: str | None = None) -> list[tuple[Any, ...]]:
+    def _take(self, run_id: str) -> Claim:
+        """Name this object in the run's row and move its epoch on (its byte locked); a
+        new id gets a row with no record yet."""
+        with self.state.mutex, self._database.reading(run_id):
+            conn, key = self._database.connection(run_id).conn, run_key(run_id)
+            with immediate(conn):
+                row = conn.execute(SELECT_CLAIM, (key,)).fetchone()
+                if row is None:
+                    conn.execute(NEW_RUN, (key, time.time(), self._owner))
+                    return Claim(run_id=run_id, epoch=1)
+                epoch, next_seq, finished = row
+                conn.execute(TAKE_RUN, (self._owner, key))
+        return Claim(run_id=run_id, epoch=epoch + 1, next_seq=next_seq, finished=bool(finished))
+
+    def _free(self, claim: Claim) -> None:
+        """Clear this writer from the run's row (a run never started loses it), whatever
+        the database says after: the byte, let go next, is the claim."""
+        key = run_key(claim.run_id)
+        try:
+            with self.state.mutex:
+                db = self._database.opened
+                if db is not None:
+                    with immediate(db.conn):
+                        db.conn.execute(DROP_UNSTARTED, (key, claim.epoch))
+                        db.conn.execute(FREE_RUN, (key, claim.epoch))
+        except sqlite3.Error:
+            # The row names this writer until its next claim; it holds nothing.
+            logger.warning("run %r: could not clear its row's writer", claim.run_id, exc_info=True)
+
+    def _select(
+        self, query: str, run_id: str | None = None, *more: object
+    ) -> list[tuple[Any, ...]]:
         """The rows of ``query`` (about ``run_id``, if given), under the store mutex."""
-        parameters = () if run_id is None else (run_key(run_id),)
-        with self._state.mutex, self._database.reading(run_id):
+        parameters = (() if run_id is None else (run_key(run_id),)) + more
+        with self.state.mutex, self._database.reading(run_id):
             return self._database.connection(run_id).conn.execute(query, parameters).fetchall()
 
     def _stored(self, rows: list[tuple[Any, ...]]) -> tuple[StoredRun, ...]:
         """Rows of the runs table; a run whose row names a writer is asked of its lock."""
         named = [run_id_of(key) for key, _, _, owner in rows if owner is not None]
-        claimed = dict(zip(named, self._claims.claimed(named), strict=True))
+        claimed = dict(zip(named, self.claims.claimed(named), strict=True))
         return tuple(
             StoredRun(
                 run_id=run_id_of(key),
