@@ -18,9 +18,8 @@ from polyloop.stores._common import Claim, Write
 from polyloop.stores._sql.planning import Plan
 from polyloop.stores._sql.postgres.batch import Item
 from polyloop.stores._sql.postgres.store import Postgres
-from polyloop.stores._sql.sqlite.commit import Committer
 from polyloop.stores._sql.sqlite.sql import SYNCHRONOUS_FULL
-from polyloop.stores._sql.sqlite.store import Sqlite
+from polyloop.stores._sql.sqlite.store import Committer, Sqlite
 
 
 class _FullSyncCommitter(Committer):

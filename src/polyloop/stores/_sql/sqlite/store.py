@@ -1,24 +1,14 @@
 """The SQLite store: every run in one database file, committed in shared transactions.
 
-Tables ``meta`` (the record format), ``records`` (one row per record, its body the line
-:func:`polyloop.serialization.dumps` writes) and ``runs`` (one row per run: where its
-log stands, whether it finished, its writer and claim epoch); ``docs/stores.md``
-describes them for users. The database runs in WAL mode: starts and intents commit with
-``synchronous=FULL``, every other write with ``NORMAL`` unless a barrier shares its
-commit. Each write moves its run's row on in the same transaction, under the writer's
-claim epoch, or is rolled back whole. SQLite is a store for one host: a claim is a lock
-the operating system keeps for a living process, with no lease. Research records 0010
-(durability), 0017 (claims), 0019 (one write path, off the event loop) and 0032 (claims
-by locks) say why.
-
-Every blocking call runs in a worker thread, on one connection guarded by the store
-mutex: the writes waiting at the same moment share one ``BEGIN IMMEDIATE`` ... ``COMMIT``
-(:class:`~polyloop.stores._batching.GroupCommit`), one savepoint per write, so a refused
-write rolls back alone. The public methods are the database stores' shared engine
-(:class:`~polyloop.stores._engine.EngineStore`); this module is SQLite's dialect of it:
-:mod:`~polyloop.stores._sql.sqlite.commit` commits, :mod:`~polyloop.stores._sql.sqlite.claims`
-keeps the claims, and :mod:`~polyloop.stores._sql.sqlite.sql` holds the statements and
-opens the database.
+Tables ``meta`` (the record format and the layout), ``records`` (one row per record, its
+body the line :func:`polyloop.serialization.dumps` writes) and ``runs`` (one row per run:
+where its log stands, whether it finished, its writer and claim epoch); ``docs/stores.md``
+describes them. The database runs in WAL mode on one connection, used by worker threads
+under the store mutex. The writes waiting at one moment share one transaction
+(:class:`Committer`), and each moves its run's row on under the writer's claim epoch or
+rolls back alone. A claim is a lock the operating system keeps for a living process, with
+no lease. Research records 0010 (durability), 0017 (claims), 0019 (one write path) and
+0032 (claims by locks) say why.
 """
 
 from __future__ import annotations
@@ -28,6 +18,7 @@ import os
 import socket
 import sqlite3
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,14 +28,18 @@ from anyio.lowlevel import EventLoopToken
 from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._byte_locks import HostClaims, OneHost
-from polyloop.stores._common import Claim, WriterState
+from polyloop.stores._common import Claim, Write, WriterState
 from polyloop.stores._engine import EngineStore
 from polyloop.stores._jsonl.fileops import OsFileOps
-from polyloop.stores._sql.sqlite.commit import Committer
+from polyloop.stores._refusals import fence_refusal
+from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.sqlite.sql import (
+    ADVANCE_RUN,
     DESCRIBE_RUN,
     DROP_UNSTARTED,
+    EXPLAIN_REFUSAL,
     FREE_RUN,
+    INSERT,
     LIST_RUNS,
     LIST_UNFINISHED,
     NEW_RUN,
@@ -53,14 +48,18 @@ from polyloop.stores._sql.sqlite.sql import (
     PRUNE_RUN,
     SELECT_CLAIM,
     SELECT_RUN,
+    SYNCHRONOUS_FULL,
+    SYNCHRONOUS_NORMAL,
     TAKE_RUN,
     Database,
+    Db,
     decode_rows,
     immediate,
+    rollback_quietly,
     run_id_of,
     run_key,
 )
-from polyloop.types import Record
+from polyloop.types import PolyLoopError, Record
 
 __all__ = ("SqliteStore",)
 
@@ -215,6 +214,107 @@ class Sqlite(OneHost):
             )
             for key, finished, updated_at, owner in rows
         )
+
+
+class Committer:
+    """Commits one store object's batches of writes, each in one ``BEGIN IMMEDIATE`` ...
+    ``COMMIT`` under the store mutex, in a worker thread that runs to its end once
+    started. The batch is planned as every database store plans one
+    (:mod:`~polyloop.stores._sql.planning`); each run then writes under a savepoint of its
+    own, so a run refused by the fence rolls back alone. A batch holding a barrier
+    commits with ``synchronous=FULL``, any other with ``NORMAL``."""
+
+    __slots__ = ("_claims", "_database")
+
+    def __init__(self, database: Database, claims: HostClaims) -> None:
+        self._database = database
+        self._claims = claims
+
+    def commit(self, writes: Sequence[Write]) -> Errors:
+        """One transaction for ``writes``; one error or None each."""
+        with self._database.state.mutex:
+            batch = plan(writes, lambda index: self._admit(writes[index]))
+            if batch.runs:
+                db = self._database.opened
+                assert db is not None  # _admit opened it
+                self._transact(db, batch, self.level(batch))
+            for run_id in batch.settle():
+                # The end record's own statement gave the writer up in the run's row.
+                self._claims.ended(batch.runs[run_id].claim)
+            return batch.errors
+
+    def level(self, batch: Plan[Claim]) -> int:
+        """The ``synchronous`` level of the transaction: ``FULL`` if a barrier is in it."""
+        return SYNCHRONOUS_FULL if batch.barrier else SYNCHRONOUS_NORMAL
+
+    def _admit(self, write: Write) -> Claim:
+        """The claim the write is made under; make sure the connection is open."""
+        claim = self._claims.held(write.run_id)
+        self._database.connection(write.run_id)
+        return claim
+
+    def _transact(self, db: Db, batch: Plan[Claim], level: int) -> None:
+        """Write the planned runs in one transaction, each under a savepoint when there
+        are several, so that a refused or failed run is undone alone. A failure that
+        ends the transaction fails every run still standing."""
+        conn, savepoints = db.conn, len(batch.runs) > 1
+        try:
+            db.synchronous(level)
+            conn.execute("BEGIN IMMEDIATE")
+            for run in batch.runs.values():
+                self._write_run(conn, batch, run, savepoint=savepoints)
+            written = any(batch.written(run) for run in batch.runs.values())
+            conn.execute("COMMIT" if written else "ROLLBACK")
+        except (sqlite3.Error, OSError) as exc:
+            rollback_quietly(conn)
+            for run in batch.runs.values():
+                batch.refuse(run, self._database.state.fail(run.run_id, exc))
+
+    def _write_run(
+        self, conn: sqlite3.Connection, batch: Plan[Claim], run: RunPlan[Claim], *, savepoint: bool
+    ) -> None:
+        """Insert one run's rows and move its row on; raises only when the failure ended
+        the whole transaction."""
+        if savepoint:
+            conn.execute("SAVEPOINT run")
+        key = run_key(run.run_id)
+        try:
+            conn.executemany(INSERT, [(key, seq, kind, body) for seq, kind, body in run.rows()])
+            self._advance(conn, run, key)
+        except PolyLoopError as refused:  # by the fence: nothing of the run may stay
+            batch.refuse(run, refused)
+        except sqlite3.Error as exc:
+            batch.refuse(run, self._database.state.fail(run.run_id, exc))
+            if not conn.in_transaction:
+                raise
+        else:
+            if savepoint:
+                conn.execute("RELEASE run")
+            return
+        if savepoint:  # alone in its transaction, the run is undone by its rollback
+            conn.execute("ROLLBACK TO run")
+            conn.execute("RELEASE run")
+
+    def _advance(self, conn: sqlite3.Connection, run: RunPlan[Claim], key: object) -> None:
+        """Move the run's row on, in the run's transaction; refuse what the row does not
+        expect (another writer claimed the run since, or it ended)."""
+        epoch = run.claim.epoch
+        moved = conn.execute(
+            ADVANCE_RUN,
+            (
+                run.next_seq,
+                run.final,
+                run.reason,
+                time.time(),
+                run.ends,
+                key,
+                epoch,
+                run.first_seq,
+            ),
+        )
+        if moved.rowcount != 1:
+            row = conn.execute(EXPLAIN_REFUSAL, (key,)).fetchone()
+            raise fence_refusal(run.run_id, epoch=epoch, row=row, start=run.start)
 
 
 SqliteStore._DIALECT = Sqlite
