@@ -120,7 +120,7 @@ def test_the_margin_is_one_renewal_interval() -> None:
     state = _granted_at_zero()
     assert state.may_start_effect(LEASE_S - effect_margin(LEASE_S) - 1e-9)
     assert not state.may_start_effect(LEASE_S - effect_margin(LEASE_S) + 1e-9)
-    assert state.remaining(LEASE_S + 1) == 0.0
+    assert not state.may_write(LEASE_S)
 
 
 # -- the property: the owner never believes in a lease the database has ended -------------
