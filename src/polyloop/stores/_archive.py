@@ -22,6 +22,8 @@ from polyloop.types import RunEnded, RunLocked, RunLog, StopReason
 
 __all__ = ("check_cutoff", "prune_runs")
 
+Delete = Callable[[str], Awaitable[bool]]
+
 
 def check_cutoff(finished_before: datetime) -> datetime:
     """``finished_before`` as an aware UTC time; a naive one is taken as UTC."""
@@ -46,11 +48,7 @@ def _write_archive(directory: Path, log: RunLog) -> None:
 
 
 async def prune_runs(
-    store: Store,
-    candidates: Iterable[str],
-    *,
-    archive: Path | None,
-    delete: Callable[[str], Awaitable[bool]],
+    store: Store, candidates: Iterable[str], *, archive: Path | None, delete: Delete
 ) -> tuple[str, ...]:
     """Prune each finished candidate under its claim; the ids of the runs deleted.
 

@@ -76,18 +76,16 @@ class GroupCommit(Generic[_T]):
         try:
             await batch.turn.wait()
         except anyio.get_cancelled_exc_class():
-            if batch.started:
-                await self._wait_shielded(batch)
-            else:
+            if not batch.started:
                 batch.entries.remove(entry)
                 if not batch.entries and self._open is batch:
                     self._open = None  # an empty batch would keep ``idle`` false
-            raise
-        if batch.started:
-            await self._wait_shielded(batch)
-        else:
+                raise
+        if not batch.started:
             await self._lead(batch)
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        with anyio.CancelScope(shield=True):
+            await batch.done.wait()
+        await anyio.lowlevel.checkpoint_if_cancelled()  # a cancellation held off comes now
         if entry.error is not None:
             raise entry.error
 
@@ -116,8 +114,3 @@ class GroupCommit(Generic[_T]):
         if len(errors) == len(entries):
             for entry, error in zip(entries, errors, strict=True):
                 entry.error = error
-
-    @staticmethod
-    async def _wait_shielded(batch: _Batch[_T]) -> None:
-        with anyio.CancelScope(shield=True):
-            await batch.done.wait()

@@ -41,9 +41,8 @@ _ANSWERS = {
     None: LeaseState.renewal_failed,
 }
 _STALL_WARNING = (
-    "the event loop took %.1f s to let owner %s renew its %g s lease: a stall as long as "
-    "the lease loses every run this store object holds (drive fewer runs per process, or "
-    "raise lease_s above the longest stall)"
+    "the event loop took %.1f s to let owner %s renew its %g s lease: a stall as long as the "
+    "lease loses every run (drive fewer runs per process, or raise lease_s above the longest stall)"
 )
 
 
@@ -138,9 +137,8 @@ class Lease:
     def stop(self) -> None:
         """Stop renewing (the store is closing); returns once the keeper has stopped."""
         self._stopping.set()
-        keeper = self._keeper
-        if keeper is not None and keeper is not threading.current_thread():
-            keeper.join(timeout=self.lease_s)
+        if self._keeper is not None:
+            self._keeper.join(timeout=self.lease_s)
 
     def _move_locked(self, state: LeaseState, now: float) -> LeasePhase:
         """Keep ``state``; a lost one takes its claims and the owner id with it, for good."""
@@ -215,10 +213,8 @@ class Lease:
             return False  # the loop has finished: nothing will write any more
         finally:
             with self._mutex:
-                self._waiting_since = None
-        waited = self.clock() - began
-        with self._mutex:
-            self._longest_wait_s = max(self._longest_wait_s, waited)
+                waited, self._waiting_since = self.clock() - began, None
+                self._longest_wait_s = max(self._longest_wait_s, waited)
         if waited >= self.lease_s / _RENEWALS_PER_LEASE:
             logger.warning(_STALL_WARNING, waited, owner_id, self.lease_s)
         return True

@@ -55,12 +55,6 @@ class LeaseState:
             return LeasePhase.LATE
         return LeasePhase.HELD if self.renewal_sent_at is None else LeasePhase.RENEWING
 
-    def may_write(self, now: float) -> bool:
-        return self.phase(now) is not LeasePhase.LOST
-
-    def may_start_effect(self, now: float) -> bool:
-        return self.phase(now) in (LeasePhase.HELD, LeasePhase.RENEWING)
-
     def renewal_sent(self, now: float) -> LeaseState:
         return self._lost_at(now) or dataclasses.replace(self, renewal_sent_at=now)
 

@@ -1,8 +1,4 @@
-"""Why a store refuses a call, written once for every store (research record 0033, point 4).
-
-Each function builds the error one refusal raises, about one run; :func:`check_order` is
-the rule every store keeps: a run starts once, nothing before its start or after its end.
-"""
+"""Why a store refuses a call, written once for every store (research record 0033, point 4)."""
 
 from __future__ import annotations
 
@@ -24,6 +20,8 @@ def claimed_already(run_id: str) -> RunLocked:
 
 
 def check_order(run_id: str, *, start: bool, started: bool, finished: bool) -> None:
+    """The rule every store keeps: a run starts once, nothing before its start or after
+    its final end record."""
     if start and started:
         raise RunAlreadyExists("the run already has records", run_id=run_id)
     if not start and not started:
