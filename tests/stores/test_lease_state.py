@@ -111,16 +111,14 @@ def test_each_transition_on_a_fake_clock(
     for event, at in events:
         state = _apply(state, event, at)
     assert state.phase(now) is phase
-    assert state.may_write(now) is (phase is not LeasePhase.LOST)
-    assert state.may_start_effect(now) is (phase in (LeasePhase.HELD, LeasePhase.RENEWING))
 
 
 def test_the_margin_is_one_renewal_interval() -> None:
     assert effect_margin(LEASE_S) == pytest.approx(LEASE_S / 3)
     state = _granted_at_zero()
-    assert state.may_start_effect(LEASE_S - effect_margin(LEASE_S) - 1e-9)
-    assert not state.may_start_effect(LEASE_S - effect_margin(LEASE_S) + 1e-9)
-    assert state.remaining(LEASE_S + 1) == 0.0
+    assert state.phase(LEASE_S - effect_margin(LEASE_S) - 1e-9) is LeasePhase.HELD
+    assert state.phase(LEASE_S - effect_margin(LEASE_S) + 1e-9) is LeasePhase.LATE
+    assert state.phase(LEASE_S) is LeasePhase.LOST
 
 
 # -- the property: the owner never believes in a lease the database has ended -------------
@@ -181,10 +179,11 @@ def test_no_effect_may_start_once_the_database_could_have_ended_the_lease(
         ):
             owner = owner.renewal_failed(now)
             database.answer, database.pending_sent_at = None, None
-        if owner.may_start_effect(now):
+        phase = owner.phase(now)
+        if phase in (LeasePhase.HELD, LeasePhase.RENEWING):  # an effect may start
             assert database.expires_at - now >= effect_margin(LEASE_S)
-        if owner.may_write(now):
+        if phase is not LeasePhase.LOST:  # a write may go
             assert database.expires_at > now
-        lost = owner.phase(now) is LeasePhase.LOST
+        lost = phase is LeasePhase.LOST
         assert not (was_lost and not lost), "a lost lease came back"
         was_lost = was_lost or lost

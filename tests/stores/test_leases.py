@@ -1,12 +1,12 @@
-"""Leases: a hung worker's runs are taken over, a revived one writes nothing, a live one
-keeps its runs however long its calls take; and a silent PostgreSQL server times out.
+"""Leases end to end, on PostgreSQL and real time; and a silent PostgreSQL server times out.
 
-Leases are PostgreSQL's: SQLite, a store for one host, claims by locks
-(``tests/stores/test_sqlite_claims.py``). The stopped worker is a child process
-(``tests/lease_kit.py``) sent ``SIGSTOP`` inside its model call or its tool: its lease
-runs out, ``recover`` in this process takes the run over, and once the child is sent
-``SIGCONT`` its next write is refused with nothing written. Every execution of the tool,
-whose replay is never allowed, is counted in a file outside the store.
+Only what needs two workers and a real clock is here: a stopped worker's run is taken
+over and the revived worker writes nothing, a live worker keeps its run through a call
+longer than its lease, and a stuck event loop loses its run. Every step of the lease
+itself (renewals, failures, stalls, lapses, new owner ids) is tested on a fake clock in
+``test_lease.py``. The stopped worker is a child process (``tests/lease_kit.py``) sent
+``SIGSTOP`` inside its model call or its tool; every execution of the tool, whose replay
+is never allowed, is counted in a file outside the store.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import pytest
 from psycopg import sql
 
@@ -28,7 +27,6 @@ import lease_kit
 import one_writer_kit as kit
 import pg
 from polyloop import (
-    InvalidRequest,
     Replay,
     RunLocked,
     RunState,
@@ -38,7 +36,7 @@ from polyloop import (
     run,
     run_status,
 )
-from polyloop.stores import PostgresStore, SqliteStore
+from polyloop.stores import PostgresStore
 
 pytestmark = pytest.mark.anyio
 
@@ -214,18 +212,6 @@ async def test_a_worker_whose_event_loop_was_stuck_past_its_lease_stops_writing(
     await other.aclose()  # type: ignore[attr-defined]
 
 
-def test_lease_s_must_be_a_positive_number() -> None:
-    for bad in (0, -1.0, True, "1"):
-        with pytest.raises(InvalidRequest, match="lease_s"):
-            PostgresStore("postgresql://x@127.0.0.1:1/none", lease_s=bad)  # type: ignore[arg-type]
-
-
-def test_a_sqlite_store_has_no_lease(tmp_path: Path) -> None:
-    """SQLite is a store for one host: its claims are locks, with no lease to set."""
-    with pytest.raises(TypeError, match="lease_s"):
-        SqliteStore(tmp_path / "runs.db", lease_s=15.0)  # type: ignore[call-arg]
-
-
 # -- a server that stops answering --------------------------------------------------------------
 
 
@@ -309,86 +295,3 @@ async def test_a_cancelled_run_on_a_silent_server_returns_within_its_grace_and_t
         assert "could not write the cancelled end record" in caplog.text
     finally:
         await store.aclose()
-
-
-async def test_a_failed_renewal_is_tried_again_well_before_the_lease_ends() -> None:
-    """Two failed renewals in a row (a busy database) must not end a live owner's lease:
-    the keeper tries again soon after a failure, not a third of a lease later."""
-    from polyloop.stores._lease import Lease
-
-    lease_s = 3.0
-    attempts: list[float] = []
-
-    def renew(owner_id: str) -> bool:
-        attempts.append(time.monotonic())
-        if len(attempts) <= 2:
-            raise OSError("database is locked")
-        return True
-
-    lease = Lease(lease_s, renew)
-    owner_id, generation, _ = lease.current()
-    began = time.monotonic()
-    lease.registered(owner_id, began, anyio.lowlevel.current_token())
-    try:
-        # Renewing only every third of a lease, the first success would come at the
-        # lease's end, too late; with prompt retries it comes well before.
-        await anyio.sleep(lease_s * 1.5)
-        lease.check(generation, "r")  # raises RunLocked if the lease had lapsed
-    finally:
-        lease.stop()
-    assert len(attempts) >= 3
-    assert attempts[2] - began < lease_s * 0.75
-
-
-async def test_a_loop_slow_to_let_the_lease_renew_is_warned_of(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """A stall of a third of a lease or more is logged with what to do about it; an
-    event loop that answers at once is not."""
-    from polyloop.stores._lease import Lease
-
-    lease_s = 1.2
-    lease = Lease(lease_s, lambda owner_id: True)
-    owner_id, _, _ = lease.current()
-    lease.registered(owner_id, time.monotonic(), anyio.lowlevel.current_token())
-    try:
-        await anyio.sleep(lease_s * 0.8)  # two renewals, answered at once
-        assert "event loop took" not in caplog.text
-        # A renewal starts waiting within a third of a lease of the stall's start, so
-        # a stall of two thirds and more keeps it waiting at least a third.
-        time.sleep(lease_s * 0.85)  # noqa: ASYNC251 - the point: the loop is stuck
-        await anyio.sleep(0.3)  # the keeper, answered now, notes how long it waited
-    finally:
-        lease.stop()
-    warnings = [r for r in caplog.records if "event loop took" in r.getMessage()]
-    assert len(warnings) == 1
-    assert warnings[0].levelname == "WARNING"
-    assert "raise lease_s above the longest stall" in warnings[0].getMessage()
-
-
-@pytest.mark.parametrize("writing", [True, False])
-async def test_a_loop_too_busy_to_answer_keeps_its_lease_while_its_writes_go_on(
-    writing: bool,
-) -> None:
-    """Thousands of ready runs can keep the keeper's no-op waiting for seconds; the
-    writes that go on meanwhile show the loop is alive, so the lease holds. A loop as
-    late that writes nothing is stuck, and loses it."""
-    from polyloop.stores._lease import Lease
-
-    lease_s = 0.6
-    lease = Lease(lease_s, lambda owner_id: True)
-    owner_id, generation, _ = lease.current()
-    lease.registered(owner_id, time.monotonic(), anyio.lowlevel.current_token())
-    try:
-        busy_until = time.monotonic() + lease_s * 4
-        while time.monotonic() < busy_until:  # never yields: the no-op cannot run
-            time.sleep(0.02)  # noqa: ASYNC251 - the point: the loop is busy
-            if writing:
-                lease.beat()
-        if writing:
-            lease.check(generation, "r")  # the lease still holds
-        else:
-            with pytest.raises(RunLocked, match="event loop once took"):
-                lease.check(generation, "r")
-    finally:
-        lease.stop()

@@ -1,17 +1,8 @@
-"""Pruning finished runs, and the archive a pruned run's log goes to first.
+"""Pruning finished runs, each under its claim, and the archive a pruned run's log goes to first.
 
-A store prunes one run at a time, under the run's claim: while the pruning store object
-holds it, no worker can resume the run, so its log cannot change between the moment it
-is found finished, written to the archive, and deleted. A run some worker holds is left
-alone (its claim is refused), and so is one that is unfinished, ended in doubt, or
-written to after the cutoff; the store's own deletion checks the last two again, in the
-same step as the delete.
-
-The archive is a directory in the JSON-lines store's format, one file per run, so
-``polyloop show jsonl:ARCHIVE RUN_ID`` (or a ``JsonlStore`` over it) reads a pruned run
-back. Each file is written whole to a temporary name, synced, renamed into place, and
-the directory synced, before the run is deleted from its store: a crash in between
-leaves the run in both places, and pruning again writes the same file again.
+The archive is a directory in the JSON-lines store's format, one file per run, written
+whole and synced before the run is deleted: a crash in between leaves the run in both
+places. Research record 0018 (point 7) says why.
 """
 
 from __future__ import annotations
@@ -29,7 +20,9 @@ from polyloop.stores._common import RELEASE_GRACE_S, fsync_directory, safe_name
 from polyloop.stores._jsonl.reader import SUFFIX, log_lines
 from polyloop.types import RunEnded, RunLocked, RunLog, StopReason
 
-__all__ = ("archive_path", "check_cutoff", "prunable", "prune_runs", "write_archive")
+__all__ = ("check_cutoff", "prune_runs")
+
+Delete = Callable[[str], Awaitable[bool]]
 
 
 def check_cutoff(finished_before: datetime) -> datetime:
@@ -41,47 +34,26 @@ def check_cutoff(finished_before: datetime) -> datetime:
     return finished_before.astimezone(UTC)
 
 
-def prunable(log: RunLog) -> bool:
-    """Whether ``log`` ends with a final end record that does not leave the run in doubt."""
-    last = log.records[-1] if log.records else None
-    return (
-        isinstance(last, RunEnded) and last.is_final and last.stop_reason is not StopReason.IN_DOUBT
-    )
-
-
-def archive_path(directory: Path, run_id: str) -> Path:
-    return directory / f"{safe_name(run_id)}{SUFFIX}"
-
-
-def write_archive(directory: Path, log: RunLog) -> None:
-    """Write ``log`` durably into the archive ``directory`` (blocking; a worker thread)."""
+def _write_archive(directory: Path, log: RunLog) -> None:
+    """Write ``log`` durably into the archive ``directory`` (blocking)."""
     directory.mkdir(parents=True, exist_ok=True)
-    final = archive_path(directory, log.run_id)
+    final = directory / f"{safe_name(log.run_id)}{SUFFIX}"
     partial = final.with_name(final.name + ".partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        data = memoryview(log_lines(log.records))
-        while data:
-            data = data[os.write(fd, data) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with open(partial, "wb", opener=lambda path, flags: os.open(path, flags, 0o600)) as file:
+        file.write(log_lines(log.records))
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(partial, final)
     fsync_directory(directory)
 
 
 async def prune_runs(
-    store: Store,
-    candidates: Iterable[str],
-    *,
-    archive: Path | None,
-    delete: Callable[[str], Awaitable[bool]],
+    store: Store, candidates: Iterable[str], *, archive: Path | None, delete: Delete
 ) -> tuple[str, ...]:
-    """Prune each candidate under its claim; the ids of the runs deleted, in order.
+    """Prune each finished candidate under its claim; the ids of the runs deleted.
 
-    ``delete(run_id)`` is the store's own deletion of a run it holds the claim of: it
-    checks what it can check in the same step (finished, not in doubt, last written
-    before the cutoff), gives the claim up with the run, and says whether it deleted it.
+    ``delete(run_id)`` is the store's own deletion under the claim: it checks again what
+    it can in the same step, gives the claim up with the run, and says whether it did.
     """
     pruned: list[str] = []
     for run_id in candidates:
@@ -92,9 +64,10 @@ async def prune_runs(
         deleted = False
         try:
             log = await store.read_log(run_id)
-            if prunable(log):
+            ends = [end for end in log.records[-1:] if isinstance(end, RunEnded) and end.is_final]
+            if ends and ends[0].stop_reason is not StopReason.IN_DOUBT:
                 if archive is not None:
-                    await anyio.to_thread.run_sync(write_archive, archive, log)
+                    await anyio.to_thread.run_sync(_write_archive, archive, log)
                 deleted = await delete(run_id)
         finally:
             if not deleted:

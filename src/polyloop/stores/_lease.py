@@ -1,33 +1,9 @@
 """Owner leases: how a store object serving a fleet keeps its claims, and how it loses them.
 
-A store object that claims runs in a shared database is an *owner*: an id of its own, a
-row in the ``owners`` table saying until when its lease holds, and a lock that only a
-living process can hold (a PostgreSQL session lock, a ``flock``). Another worker may
-take a run over when its owner's lease has ended or its owner's lock is free (the
-process died). Every claim moves the run's epoch on, and every write checks the epoch
-in its own transaction, so a former owner that wakes up writes nothing.
-
-:class:`Lease` is the owner's side. A keeper thread renews the lease every third of
-its length (and again soon after a renewal that failed), but only while the event loop
-that uses the store shows it is running: either the store's write path ran on it since
-the last renewal (each write calls :meth:`Lease.beat`), or, when no write came, the loop
-ran a no-op the keeper sent it. A process whose loop is stuck (a blocking call, a
-debugger) or stopped (``SIGSTOP``, a paused machine) stops renewing and its lease runs
-out, at most one renewal later than its last write; a loop that merely awaits a long
-model call keeps it, and so does a loop so busy with thousands of runs that the no-op
-would wait its turn for seconds (research record 0029). The owner
-also keeps a deadline of its own, measured from before each renewal was sent, so it
-never believes in a lease the database has ended: :mod:`~polyloop.stores._lease_state`
-holds that reckoning as a state machine (held, renewing, late, lost) on an injectable
-clock. No effect starts unless the lease is held with a margin to spare
-(:meth:`Lease.confirm`); once the deadline passes, every claim taken under that lease
-is lost for good (writes and effects get ``LeaseLost``) and the store takes a new owner
-id for its next claim: a revived process never resumes its old identity.
-
-A loop that is merely overloaded (thousands of runs ready at once) stalls too. The
-keeper logs a warning when the loop took a third of a lease or more to run its no-op,
-and ``RunLocked`` says how long the loop kept the renewal waiting, so an operator can
-tell an overloaded process from a lost database and size the lease or the load.
+A keeper thread renews the lease while the event loop shows it lives; once the lease's
+deadline passes, its claims are lost for good and the store takes a new owner id.
+Research records 0018 (owners), 0029 (signs of life) and 0031 (no effect without the
+lease, and the state machine in :mod:`~polyloop.stores._lease_state`) say why.
 """
 
 from __future__ import annotations
@@ -47,29 +23,33 @@ from anyio.lowlevel import EventLoopToken
 from polyloop.stores._lease_state import LeasePhase, LeaseState
 from polyloop.types import InvalidRequest, LeaseLost
 
-__all__ = ("Clock", "Lease", "check_lease_s", "lease_clock")
+__all__ = ("Clock", "Lease", "Wait", "check_lease_s", "lease_clock")
 
 logger = logging.getLogger("polyloop")
 
 Clock = Callable[[], float]
+Renew = Callable[[str], bool]
+Wait = Callable[[float], bool]
 
-# How many renewals fit in one lease: a renewal may fail or come late twice and the
-# lease still holds.
-_RENEWALS_PER_LEASE = 3
-# How soon a failed renewal is tried again, as a fraction of the lease.
-_RETRIES_PER_LEASE = 12
-# How often an effect waiting on a late lease looks again, as a fraction of the lease.
-_LOOKS_PER_LEASE = 48
+_RENEWALS_PER_LEASE = 3  # a renewal may fail or come late twice and the lease still holds
+_RETRIES_PER_LEASE = 12  # a failed renewal is tried again after this part of a lease
+_LOOKS_PER_LEASE = 48  # an effect waiting on a late lease looks again this often
+_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+_ANSWERS = {
+    True: LeaseState.renewal_confirmed,
+    False: LeaseState.renewal_refused,
+    None: LeaseState.renewal_failed,
+}
+_STALL_WARNING = (
+    "the event loop took %.1f s to let owner %s renew its %g s lease: a stall as long as the "
+    "lease loses every run (drive fewer runs per process, or raise lease_s above the longest stall)"
+)
 
 
 def lease_clock() -> float:
-    """Seconds on a clock that never goes back and keeps counting while the machine
-    sleeps (``CLOCK_BOOTTIME`` where there is one): a process paused or suspended past
-    its lease must see that its lease has run out."""
-    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
-
-
-_BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+    """Seconds that keep counting while the machine sleeps (``CLOCK_BOOTTIME`` where there
+    is one): a process suspended past its lease must see that its lease has run out."""
+    return time.monotonic() if _BOOTTIME is None else time.clock_gettime(_BOOTTIME)
 
 
 def check_lease_s(lease_s: float) -> None:
@@ -77,50 +57,43 @@ def check_lease_s(lease_s: float) -> None:
         raise InvalidRequest(f"lease_s must be a positive number of seconds, not {lease_s!r}")
 
 
-def _nothing() -> None:
-    return None
-
-
 class Lease:
     """One store object's lease as an owner of claims (thread-safe).
 
-    ``renew(owner_id)`` is the store's blocking renewal: it extends the owner's lease in
-    the database only if the lease has not ended there, and returns whether it did.
-    ``clock`` is read for every deadline (a test passes a fake one).
+    ``renew(owner_id)`` blocks, extends the lease in the database unless it ended there,
+    and says whether it did. ``clock`` is read for every deadline; ``wait(seconds)`` is
+    the keeper's pause, true once stopping (by default the stop event's wait).
     """
 
     def __init__(
-        self, lease_s: float, renew: Callable[[str], bool], *, clock: Clock = lease_clock
+        self, lease_s: float, renew: Renew, *, clock: Clock = lease_clock, wait: Wait | None = None
     ) -> None:
         check_lease_s(lease_s)
         self.lease_s = float(lease_s)
         self.clock = clock
         self.description = f"{socket.gethostname()} pid {os.getpid()}"
         self._renew = renew
+        self._stopping = threading.Event()
+        self._wait = wait or self._stopping.wait
         self._mutex = threading.Lock()
         self._owner_id = uuid.uuid4().hex
         self._generation = 0
         self._state: LeaseState | None = None  # None: the owner is not registered
         self._token: EventLoopToken | None = None
         self._keeper: threading.Thread | None = None
-        self._stopping = threading.Event()
-        # The longest the event loop took to run the keeper's no-op, and when the
-        # keeper began waiting for it now (None when it is not waiting): for messages.
+        # For messages: the longest the loop kept a renewal waiting, and since when it waits.
         self._longest_wait_s = 0.0
         self._waiting_since: float | None = None
-        # Counted up on the event loop by every write; read by the keeper thread. An
-        # int read or written whole needs no lock: only its change matters.
-        self._beats = 0
+        self._beats = 0  # counted up by writes on the loop, only compared by the keeper
 
     def current(self) -> tuple[str, int, bool]:
-        """The owner id, the generation claims taken now belong to, and whether the
-        owner is registered (its row and lock in place, its lease running)."""
+        """The owner id, the generation of claims taken now, and whether it is registered."""
         with self._mutex:
             return self._owner_id, self._generation, self._state is not None
 
     def registered(self, owner_id: str, sent_at: float, token: EventLoopToken) -> None:
-        """The owner row and lock of ``owner_id`` are in place (the registration was sent
-        at ``sent_at``, a reading of :attr:`clock`); start keeping them."""
+        """The owner row and lock of ``owner_id`` are in place, registered at ``sent_at``
+        (a reading of :attr:`clock`): keep them from the loop ``token`` names."""
         with self._mutex:
             if owner_id != self._owner_id:
                 return
@@ -135,7 +108,9 @@ class Lease:
     def phase(self, generation: int) -> LeasePhase:
         """Where the lease that claims of ``generation`` were taken under stands now."""
         with self._mutex:
-            return self._phase_locked(generation)
+            if generation != self._generation or self._state is None:
+                return LeasePhase.LOST
+            return self._move_locked(self._state, self.clock())
 
     def beat(self) -> None:
         """The event loop is running: called on it by the store for every write."""
@@ -143,49 +118,42 @@ class Lease:
 
     def check(self, generation: int, run_id: str) -> None:
         """Refuse a write under a claim whose lease has lapsed (``LeaseLost``)."""
-        with self._mutex:
-            if self._phase_locked(generation) is not LeasePhase.LOST:
-                return
-        raise self._lost_error(run_id)
+        if self.phase(generation) is LeasePhase.LOST:
+            raise self._lost_error(run_id)
 
     async def confirm(self, generation: int, run_id: str) -> None:
-        """Return once an effect may start under the claim of ``run_id`` taken under
-        ``generation``: the lease is held with the margin to spare. A late lease is
-        waited on (its keeper is renewing it) until it is held again or lost.
-
-        Raises ``LeaseLost`` when the lease ended or may end too soon. Reads no database.
+        """Return once an effect may start under a claim of ``generation``: the lease is
+        held with the margin to spare. A late lease is waited on until it is renewed;
+        ``LeaseLost`` when it ended or ends before that. Reads no database.
 
         Cancellation: nothing is written or changed; the effect has not started.
         """
-        while True:
-            phase = self.phase(generation)
-            if phase is LeasePhase.HELD or phase is LeasePhase.RENEWING:
-                return
-            if phase is LeasePhase.LOST:
-                raise self._lost_error(run_id)
+        # Polled: the keeper thread moves the lease on, and no event crosses to the loop.
+        while (phase := self.phase(generation)) is LeasePhase.LATE:  # noqa: ASYNC110
             await anyio.sleep(self.lease_s / _LOOKS_PER_LEASE)
+        if phase is LeasePhase.LOST:
+            raise self._lost_error(run_id)
 
     def stop(self) -> None:
         """Stop renewing (the store is closing); returns once the keeper has stopped."""
         self._stopping.set()
-        keeper = self._keeper
-        if keeper is not None and keeper is not threading.current_thread():
-            keeper.join(timeout=self.lease_s)
+        if self._keeper is not None:
+            self._keeper.join(timeout=self.lease_s)
 
-    def _phase_locked(self, generation: int) -> LeasePhase:
-        state = self._state
-        if generation != self._generation or state is None:
-            return LeasePhase.LOST
-        phase = state.phase(self.clock())
+    def _move_locked(self, state: LeaseState, now: float) -> LeasePhase:
+        """Keep ``state``; a lost one takes its claims and the owner id with it, for good."""
+        self._state = state
+        phase = state.phase(now)
         if phase is LeasePhase.LOST:
-            self._lapse_locked()
+            self._generation += 1
+            self._state = None
+            self._owner_id = uuid.uuid4().hex
         return phase
 
     def _lost_error(self, run_id: str) -> LeaseLost:
         with self._mutex:
-            stalled = self._longest_wait_s
-            if self._waiting_since is not None:
-                stalled = max(stalled, self.clock() - self._waiting_since)
+            since = self._waiting_since
+            stalled = max(self._longest_wait_s, 0.0 if since is None else self.clock() - since)
         hint = (
             f"; the event loop once took {stalled:.1f} s to let the lease be renewed"
             if stalled >= self.lease_s / _RENEWALS_PER_LEASE
@@ -193,100 +161,60 @@ class Lease:
         )
         return LeaseLost(
             f"this store object's lease ended ({self.lease_s:g} s without a renewal{hint}): "
-            f"another worker may have taken the run over, so nothing more is started or "
-            f"written",
+            "another worker may have taken the run over, so nothing more is started or written",
             run_id=run_id,
         )
 
-    def _note_answer(self, owner_id: str, waited_s: float) -> None:
-        """Warn when the event loop took a third of a lease or more to run the keeper's
-        no-op: one more stall of that kind and every run of this owner is lost."""
-        with self._mutex:
-            self._longest_wait_s = max(self._longest_wait_s, waited_s)
-        if waited_s >= self.lease_s / _RENEWALS_PER_LEASE:
-            logger.warning(
-                "the event loop took %.1f s to let owner %s renew its %g s lease: a stall "
-                "as long as the lease loses every run this store object holds (drive "
-                "fewer runs per process, or raise lease_s above the longest stall)",
-                waited_s,
-                owner_id,
-                self.lease_s,
-            )
-
-    def _lapse_locked(self) -> None:
-        """The lease is lost: its claims with it, and the owner id, for good."""
-        if self._state is not None:
-            self._generation += 1
-            self._state = None
-            self._owner_id = uuid.uuid4().hex
-
     def _keep(self) -> None:
-        """The keeper thread: renew every third of a lease while the event loop lives,
-        and soon again after a renewal that failed (a busy database, a lost connection)
-        rather than a third of a lease later."""
+        """The keeper thread: renew while the event loop lives, sooner after a failure."""
         pause = self.lease_s / _RENEWALS_PER_LEASE
         beats = self._beats
-        while not self._stopping.wait(pause):
+        while not self._wait(pause) and not self._stopping.is_set():
             pause = self.lease_s / _RENEWALS_PER_LEASE
             with self._mutex:
-                owner_id, token = self._owner_id, self._token
-                registered = self._state is not None
-            if not registered or token is None:
+                owner_id, token, registered = self._owner_id, self._token, self._state
+            if registered is None or token is None:
                 continue
-            began = self.clock()
-            if self._beats == beats and not self._loop_answers(owner_id, token, began):
-                return  # the event loop has finished, or the store is closing
+            alive = self._beats != beats or self._loop_answers(owner_id, token)
+            if not alive or self._stopping.is_set():
+                return  # the loop has finished, or the store is closing (connections may go)
             beats = self._beats
-            if self._stopping.is_set():
-                return  # the store is closing: its connections may be gone
             if not self._renew_once(owner_id):
                 pause = self.lease_s / _RETRIES_PER_LEASE
 
     def _renew_once(self, owner_id: str) -> bool:
-        """Send one renewal and move the lease on by its answer; whether it got one."""
+        """Send one renewal, unless the lease is lost, and apply its answer; False when
+        the renewal got none (an error, a lost connection)."""
         with self._mutex:
             if owner_id != self._owner_id or self._state is None:
                 return True
-            self._state = self._state.renewal_sent(self.clock())
+            now = self.clock()
+            if self._move_locked(self._state.renewal_sent(now), now) is LeasePhase.LOST:
+                return True
+        renewed: bool | None = None
         try:
             renewed = self._renew(owner_id)
         except Exception:
             logger.warning("could not renew the lease of owner %s", owner_id, exc_info=True)
-            self._answered(owner_id, None)
-            return False
-        self._answered(owner_id, renewed)
-        return True
-
-    def _answered(self, owner_id: str, renewed: bool | None) -> None:
-        """Apply a renewal's answer: extended, refused, or none (``None``)."""
         with self._mutex:
-            state = self._state
-            if owner_id != self._owner_id or state is None:
-                return
-            now = self.clock()
-            if renewed is None:
-                state = state.renewal_failed(now)
-            elif renewed:
-                state = state.renewal_confirmed(now)
-            else:
-                state = state.renewal_refused(now)
-            self._state = state
-            if state.phase(now) is LeasePhase.LOST:
-                self._lapse_locked()
+            if owner_id == self._owner_id and self._state is not None:
+                now = self.clock()
+                self._move_locked(_ANSWERS[renewed](self._state, now), now)
+        return renewed is not None
 
-    def _loop_answers(self, owner_id: str, token: EventLoopToken, began: float) -> bool:
-        """Wait until the event loop runs a no-op; ``False`` if it never will."""
+    def _loop_answers(self, owner_id: str, token: EventLoopToken) -> bool:
+        """Wait until the event loop runs a no-op, which a stuck loop never does; warn
+        when it took a third of a lease. False if the loop has finished."""
         with self._mutex:
-            self._waiting_since = began
+            began = self._waiting_since = self.clock()
         try:
-            # Blocks while the loop is stuck or stopped: then the lease runs out.
-            anyio.from_thread.run_sync(_nothing, token=token)
+            anyio.from_thread.run_sync(lambda: None, token=token)
         except RuntimeError:
-            return False  # the event loop has finished; nothing will write any more
+            return False  # the loop has finished: nothing will write any more
         finally:
             with self._mutex:
-                self._waiting_since = None
-        if self._stopping.is_set():
-            return False
-        self._note_answer(owner_id, self.clock() - began)
+                waited, self._waiting_since = self.clock() - began, None
+                self._longest_wait_s = max(self._longest_wait_s, waited)
+        if waited >= self.lease_s / _RENEWALS_PER_LEASE:
+            logger.warning(_STALL_WARNING, waited, owner_id, self.lease_s)
         return True

@@ -1,23 +1,10 @@
-"""Why a store refuses a call, written once for every store.
-
-Each function builds the error a store raises (or returns, for a write of a shared
-commit) for one reason, with the run it is about; :func:`check_order` is the order rule
-every store keeps: a run starts once, nothing is written before its start, nothing
-after its final end record.
-"""
+"""Why a store refuses a call, written once for every store (research record 0033, point 4)."""
 
 from __future__ import annotations
 
 from polyloop.types import PolyLoopError, RunAlreadyExists, RunLocked, StoreError
 
-__all__ = (
-    "check_order",
-    "fence_refusal",
-    "claimed_already",
-    "claimed_since",
-    "not_claimed",
-    "store_closed",
-)
+__all__ = ("check_order", "claimed_already", "fence_refusal", "not_claimed", "store_closed")
 
 
 def store_closed(run_id: str | None = None) -> StoreError:
@@ -32,20 +19,14 @@ def claimed_already(run_id: str) -> RunLocked:
     return RunLocked("this store object already holds the run's claim", run_id=run_id)
 
 
-def claimed_since(run_id: str) -> RunLocked:
-    return RunLocked("another writer claimed the run since this store object did", run_id=run_id)
-
-
 def check_order(run_id: str, *, start: bool, started: bool, finished: bool) -> None:
-    """Refuse a start of a run that has records, and any other write before its start
-    or after its final end record."""
-    if start:
-        if started:
-            raise RunAlreadyExists("the run already has records", run_id=run_id)
-        return
-    if not started:
+    """The rule every store keeps: a run starts once, nothing before its start or after
+    its final end record."""
+    if start and started:
+        raise RunAlreadyExists("the run already has records", run_id=run_id)
+    if not start and not started:
         raise StoreError("the run was never started in this store", run_id=run_id)
-    if finished:
+    if not start and finished:
         raise StoreError("the run has ended; nothing may follow its end record", run_id=run_id)
 
 
@@ -53,9 +34,11 @@ def fence_refusal(
     run_id: str, *, epoch: int, row: tuple[int, bool] | None, start: bool
 ) -> PolyLoopError:
     """Why a database's fence moved no row for a write under claim ``epoch``, given the
-    run's row as it is now (its epoch and whether it finished; ``None`` if it is gone)."""
+    run's row now (its epoch and whether it finished; ``None`` when it is gone)."""
     if row is None or row[0] != epoch:
-        return claimed_since(run_id)
+        return RunLocked(
+            "another writer claimed the run since this store object did", run_id=run_id
+        )
     try:
         check_order(run_id, start=start, started=True, finished=bool(row[1]))
     except PolyLoopError as refusal:
