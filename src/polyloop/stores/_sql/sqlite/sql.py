@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from polyloop.stores._common import (
     open_files_error,
 )
 from polyloop.stores._refusals import store_closed
-from polyloop.stores._sql.schema import Layout, Step, prepare
+from polyloop.stores._sql.schema import Layout, Steps, prepare
 from polyloop.types import (
     PolyLoopError,
     Record,
@@ -84,65 +85,50 @@ _SET_SYNCHRONOUS = {
 
 
 # The tables, as migration steps (see :mod:`polyloop.stores._sql.schema`).
-_STEPS: tuple[Step, ...] = (
-    (
-        1,
-        (
-            "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-            "CREATE TABLE IF NOT EXISTS records (run_id TEXT NOT NULL, seq INTEGER NOT NULL,"
-            " kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq))",
-        ),
+_STEPS: Steps = {
+    1: (
+        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS records (run_id TEXT NOT NULL, seq INTEGER NOT NULL,"
+        " kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq))",
     ),
-    (
-        2,
-        (
-            "CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL,"
-            " finished INTEGER NOT NULL, updated_at REAL NOT NULL, owner TEXT,"
-            " epoch INTEGER NOT NULL DEFAULT 0, stop_reason TEXT)",
-            "CREATE INDEX IF NOT EXISTS runs_unfinished ON runs (run_id) WHERE finished = 0",
-            # One row per run of the records, finished if its last record is a final end.
-            "INSERT OR IGNORE INTO runs (run_id, next_seq, finished, updated_at, stop_reason)"
-            " SELECT r.run_id, max(r.seq) + 1, coalesce((SELECT l.kind = 'run_ended'"
-            "   AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason')"
-            "   NOT IN ('cancelled', 'in_doubt', 'awaiting_approval')"
-            "   FROM records AS l WHERE l.run_id = r.run_id ORDER BY l.seq DESC LIMIT 1), 0),"
-            "  (julianday('now') - 2440587.5) * 86400.0,"
-            "  (SELECT json_extract(l.body, '$.stop_reason') FROM records AS l"
-            "   WHERE l.run_id = r.run_id AND l.kind = 'run_ended' AND json_valid(l.body)"
-            "   AND l.seq = (SELECT max(seq) FROM records WHERE run_id = r.run_id))"
-            " FROM records AS r GROUP BY r.run_id ORDER BY min(r.rowid)",
-        ),
+    2: (
+        "CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL,"
+        " finished INTEGER NOT NULL, updated_at REAL NOT NULL, owner TEXT,"
+        " epoch INTEGER NOT NULL DEFAULT 0, stop_reason TEXT)",
+        "CREATE INDEX IF NOT EXISTS runs_unfinished ON runs (run_id) WHERE finished = 0",
+        # One row per run of the records, finished if its last record is a final end.
+        "INSERT OR IGNORE INTO runs (run_id, next_seq, finished, updated_at, stop_reason)"
+        " SELECT r.run_id, max(r.seq) + 1, coalesce((SELECT l.kind = 'run_ended'"
+        "   AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason')"
+        "   NOT IN ('cancelled', 'in_doubt', 'awaiting_approval')"
+        "   FROM records AS l WHERE l.run_id = r.run_id ORDER BY l.seq DESC LIMIT 1), 0),"
+        "  (julianday('now') - 2440587.5) * 86400.0,"
+        "  (SELECT json_extract(l.body, '$.stop_reason') FROM records AS l"
+        "   WHERE l.run_id = r.run_id AND l.kind = 'run_ended' AND json_valid(l.body)"
+        "   AND l.seq = (SELECT max(seq) FROM records WHERE run_id = r.run_id))"
+        " FROM records AS r GROUP BY r.run_id ORDER BY min(r.rowid)",
     ),
-    (
-        3,
-        (
-            lambda conn, name, run_id: _add_columns(conn),
-            "DROP INDEX IF EXISTS runs_owned",  # served the owners' leases, gone with them
-            "CREATE INDEX IF NOT EXISTS runs_finished ON runs (updated_at) WHERE finished = 1",
-        ),
+    3: (
+        lambda conn, name, run_id: _add_columns(conn),
+        "DROP INDEX IF EXISTS runs_owned",  # served the owners' leases, gone with them
+        "CREATE INDEX IF NOT EXISTS runs_finished ON runs (updated_at) WHERE finished = 1",
     ),
     # Releases before settlements marked a run that ended in doubt finished; a
     # settlement reopens such a run.
-    (
-        4,
-        (
-            "UPDATE runs SET finished = 0 WHERE finished = 1 AND (SELECT l.kind = 'run_ended'"
-            " AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason') = 'in_doubt'"
-            " FROM records AS l WHERE l.run_id = runs.run_id ORDER BY l.seq DESC LIMIT 1)",
-        ),
+    4: (
+        "UPDATE runs SET finished = 0 WHERE finished = 1 AND (SELECT l.kind = 'run_ended'"
+        " AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason') = 'in_doubt'"
+        " FROM records AS l WHERE l.run_id = runs.run_id ORDER BY l.seq DESC LIMIT 1)",
     ),
     # Releases before 0032 kept owners with leases in a table of that name. A view stands
     # in its place: such a release can open the database but cannot register as an
     # owner, so it never claims a run behind the locks of a current one.
-    (
-        5,
-        (
-            lambda conn, name, run_id: _retire_owners(conn, name, run_id),
-            "CREATE VIEW IF NOT EXISTS owners AS SELECT NULL AS owner_id, NULL AS description,"
-            " NULL AS lease_until, NULL AS started_at WHERE 0",
-        ),
+    5: (
+        lambda conn, name, run_id: _retire_owners(conn, name, run_id),
+        "CREATE VIEW IF NOT EXISTS owners AS SELECT NULL AS owner_id, NULL AS description,"
+        " NULL AS lease_until, NULL AS started_at WHERE 0",
     ),
-)
+}
 # Columns the runs table gained after it was first made, with what an older row holds.
 _RUNS_COLUMNS = (
     ("owner", "TEXT"),
@@ -404,10 +390,8 @@ def rollback_quietly(conn: sqlite3.Connection) -> None:
 # SQLite's tables, upgraded under ``BEGIN IMMEDIATE``, the database's write lock.
 _LAYOUT = Layout(
     steps=_STEPS,
+    compose=partial(str.format, meta="meta"),
     exists="SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?",
-    get_meta="SELECT key, value FROM meta WHERE key IN ('format', 'layout')",
-    set_format="INSERT OR IGNORE INTO meta (key, value) VALUES ('format', ?)",
-    set_layout="INSERT OR REPLACE INTO meta (key, value) VALUES ('layout', ?)",
     locked=immediate,
     holder="database",
 )
