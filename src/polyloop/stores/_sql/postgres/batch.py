@@ -103,6 +103,8 @@ class Committer:
         return claim
 
     def _send_plan(self, writer: Writer, batch: Plan[Claim]) -> None:
+        """Send the batch in one statement; if the server refuses it, each run alone, so
+        that only the run at fault fails."""
         runs = list(batch.runs.values())
         try:
             conn = writer.connected(runs[0].run_id)
