@@ -15,8 +15,8 @@ import anyio.to_thread
 
 from polyloop.stores import PostgresStore, SqliteStore
 from polyloop.stores._common import Claim, Write
+from polyloop.stores._refusals import not_claimed
 from polyloop.stores._sql.planning import Plan
-from polyloop.stores._sql.postgres.batch import Item
 from polyloop.stores._sql.postgres.store import Postgres
 from polyloop.stores._sql.sqlite.sql import SYNCHRONOUS_FULL
 from polyloop.stores._sql.sqlite.store import Committer, Sqlite
@@ -54,9 +54,10 @@ class _PostgresAlone(Postgres):
     __slots__ = ()
 
     async def submit(self, write: Write) -> None:
-        with self._writers.used(write.run_id) as slot:
-            commit = self._writers.committer.commit
-            (error,) = await anyio.to_thread.run_sync(commit, slot.writer, [Item(slot, write)])
+        route = self._route(write.run_id)
+        if route is None:
+            raise not_claimed(write.run_id)
+        (error,) = await anyio.to_thread.run_sync(self._committer.commit, route[0], [write])
         if error is not None:
             raise error
 

@@ -362,7 +362,7 @@ def _postgres_plan(conninfo: str, schema: str) -> str | None:
 
     from polyloop.stores._sql.postgres.sql import Queries
 
-    query = sql.SQL("EXPLAIN ") + Queries.for_schema(schema).list_unfinished
+    query = sql.SQL("EXPLAIN ") + Queries(schema).list_unfinished
     try:
         with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as conn:
             found = conn.execute(query).fetchall()

@@ -267,7 +267,7 @@ async def test_a_run_in_doubt_in_a_database_of_an_earlier_release_can_be_settled
         def as_an_earlier_release() -> None:
             with sqlite3.connect(path) as conn:
                 conn.execute("UPDATE runs SET finished = 1")
-                conn.execute("DELETE FROM meta WHERE key = 'in_doubt_reopened'")
+                conn.execute("DELETE FROM meta WHERE key = 'layout'")
             conn.close()
     else:
         conninfo = request.getfixturevalue("postgres_conninfo")

@@ -44,10 +44,10 @@ from polyloop import ModelCall, Replay, RunEnded, RunResult, StopReason, resume,
 from polyloop.ports import Store
 from polyloop.stores import PostgresStore
 from polyloop.stores._common import record_row
-from polyloop.stores._sql.postgres import connect as _postgres_connect
 from polyloop.stores._sql.postgres import sql as _postgres_sql
+from polyloop.stores._sql.postgres import store as _postgres_store
 from polyloop.stores._sql.postgres.batch import Committer
-from polyloop.stores._sql.postgres.connect import open_connection
+from polyloop.stores._sql.postgres.store import open_connection
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
     DurableStoreContract,
@@ -787,9 +787,9 @@ def batches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     seen: list[list[str]] = []
     original = Committer.commit
 
-    def spy(self: Committer, writer: Any, items: Any) -> Any:
-        seen.append([item.slot.run_id for item in items])
-        return original(self, writer, items)
+    def spy(self: Committer, writer: Any, writes: Any) -> Any:
+        seen.append([write.run_id for write in writes])
+        return original(self, writer, writes)
 
     monkeypatch.setattr(Committer, "commit", spy)
     return seen
@@ -958,7 +958,7 @@ class Statements:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.sent: list[str] = []
-        opened = _postgres_connect.open_connection
+        opened = _postgres_store.open_connection
 
         def open_writer(conninfo: str, *args: Any, **options: Any) -> psycopg.Connection[Any]:
             conn = opened(conninfo, *args, **options)
@@ -975,7 +975,7 @@ class Statements:
             conn.execute = counted  # type: ignore[method-assign]
             return conn
 
-        monkeypatch.setattr(_postgres_connect, "open_connection", open_writer)
+        monkeypatch.setattr(_postgres_store, "open_connection", open_writer)
 
 
 async def test_a_batch_of_more_than_a_thousand_rows_is_one_statement(
@@ -1045,7 +1045,7 @@ async def test_a_lazy_write_turns_synchronous_commit_off_for_its_own_transaction
     writes = sample_run("r", steps=1)
     async with PostgresStore(postgres_conninfo) as store:
         await apply(store, writes[:1])  # creates the schema and the run's row
-    queries = _postgres_sql.Queries.for_schema("polyloop")  # the store's statements
+    queries = _postgres_sql.Queries("polyloop")  # the store's statements
     # The store's own statements, appending the run's intent as its claim would; the
     # claim above has been given up, so its epoch is still the run's.
     key = _postgres_sql.run_key("r")

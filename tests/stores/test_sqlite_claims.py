@@ -122,6 +122,7 @@ def _as_written_by_a_leased_release(path: Path, lease_until: float) -> None:
         )
         db.execute("INSERT INTO owners VALUES ('o1', 'old-host pid 7', ?, 0)", (lease_until,))
         db.execute("UPDATE runs SET owner = 'o1' WHERE run_id = 'r1'")
+        db.execute("DELETE FROM meta WHERE key = 'layout'")  # such a release never wrote it
     sqlite3.connect(path).close()
 
 

@@ -1,54 +1,128 @@
 """The PostgreSQL store: one database shared by many worker processes on many hosts.
 
-Tables in one schema: ``meta`` (the record format and the layout), ``records`` (one row
-per record, keyed by the sha256 of the run id and the record's seq, its body the line
-:func:`polyloop.serialization.dumps` writes), ``runs`` (one row per run: where its log
-stands, whether it finished, its owner and claim epoch) and ``owners`` (the store
-objects that claim runs, with their leases); ``docs/stores.md`` describes them for
-users. Starts and intents commit with ``synchronous_commit`` on; a batch without them
-commits with it off for its own transaction. Research records 0011 (durability), 0017
-(claims), 0018 (owners, leases, timeouts) and 0019 (one write path) say why.
-
-A claim is the run's row naming this store object's owner id, with a claim epoch; the
-owner holds a session-level advisory lock on a connection of its own while it lives, and
-a lease that :mod:`polyloop.stores._lease` keeps. Writes go through *writer connections*
-(at most ``max_writer_connections``, never lent to the reader pool): the writes that wait
-on a connection at the same moment are one batch, one statement, which moves each run's
-row on under its epoch and inserts its records, or refuses the run. Every call runs in a
-worker thread on plain blocking psycopg connections (psycopg's async API is tied to
-asyncio), so the store serves asyncio and Trio alike; a store object must be used from
-one event loop at a time.
-
-The public methods are the database stores' shared engine
-(:class:`~polyloop.stores._engine.EngineStore`); this module is PostgreSQL's dialect of
-it, which only delegates. Its collaborators each hold one job:
-:mod:`~polyloop.stores._sql.postgres.connect` (the checked options, opening a connection),
-:mod:`~polyloop.stores._sql.postgres.read` (the reader pool, the schema, reading),
-:mod:`~polyloop.stores._sql.postgres.owners` (the owner, its lease, its claims),
-:mod:`~polyloop.stores._sql.postgres.writers` (which writer connection a run uses),
-:mod:`~polyloop.stores._sql.postgres.batch` (committing a batch) and
-:mod:`~polyloop.stores._sql.postgres.sql` (the statements).
+A claim is the run's row naming this store object's owner (a row of the ``owners`` table
+with a lease), with a claim epoch that fences every write; writes share commits on
+writer connections (:mod:`~polyloop.stores._sql.postgres.batch`). ``docs/stores.md``
+describes the tables. Research records 0011 (durability), 0017 (claims), 0018 (owners,
+leases, timeouts), 0019 (one write path) and 0033 (one engine) say why.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
+import threading
+from collections.abc import Mapping
+from contextlib import suppress
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import ClassVar
+from functools import partial
+from typing import Any, ClassVar
 
+import psycopg
 from anyio.lowlevel import EventLoopToken
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import TupleRow
+from psycopg_pool import ConnectionPool
 
 from polyloop.ports import StoredRun
-from polyloop.stores._common import Write, WriterState
+from polyloop.stores._batching import GroupCommit
+from polyloop.stores._common import Claim, Write, WriterState, decode_row, open_files_error, shown
 from polyloop.stores._engine import EngineStore
-from polyloop.stores._sql.postgres.batch import Committer, Item, Probe
-from polyloop.stores._sql.postgres.connect import Settings
-from polyloop.stores._sql.postgres.owners import Claims, Owner
-from polyloop.stores._sql.postgres.read import Reader
-from polyloop.stores._sql.postgres.sql import Queries
-from polyloop.stores._sql.postgres.writers import Writers
-from polyloop.types import Record
+from polyloop.stores._lease import Lease, check_lease_s
+from polyloop.stores._refusals import claimed_already, not_claimed, store_closed
+from polyloop.stores._sql.postgres.batch import Committer, Link, Probe, Writer
+from polyloop.stores._sql.postgres.sql import (
+    Connection,
+    Queries,
+    owner_lock,
+    run_id_column,
+    run_key,
+)
+from polyloop.stores._sql.schema import prepare
+from polyloop.types import CorruptLog, InvalidRequest, Record, RunLocked, StoreError
 
 __all__ = ("PostgresStore",)
+
+logger = logging.getLogger("polyloop")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    """The options of a :class:`PostgresStore`, checked (``InvalidRequest`` names the
+    first that is wrong). ``options`` are added to ``conninfo`` for every connection;
+    ``conninfo`` stays out of ``repr``, since it may hold a password."""
+
+    conninfo: str = field(repr=False)
+    schema: str
+    pool_size: int
+    max_writers: int
+    timeout: float
+    lease_s: float
+    statement_timeout_s: float
+    options: Mapping[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        schema = self.schema
+        name = schema.encode("utf-8", "surrogatepass") if isinstance(schema, str) else b""
+        if not 0 < len(name) <= 63 or b"\x00" in name:  # a PostgreSQL name has 63 bytes
+            raise InvalidRequest(
+                f"schema must be a PostgreSQL name of 1 to 63 bytes without NUL, not {schema!r:.80}"
+            )
+        if self.pool_size < 1 or self.max_writers < 1:
+            raise InvalidRequest("pool_size and max_writer_connections must be at least 1")
+        if not self.timeout > 0:
+            raise InvalidRequest("timeout must be a positive number of seconds")
+        check_lease_s(self.lease_s)
+        if not self.statement_timeout_s > 0:
+            raise InvalidRequest("statement_timeout_s must be a positive number of seconds")
+        object.__setattr__(self, "statement_timeout_s", float(self.statement_timeout_s))
+        try:
+            given = conninfo_to_dict(self.conninfo)
+        except psycopg.Error:
+            # The message would quote the string, which may hold a password.
+            raise InvalidRequest("conninfo is not a valid libpq connection string or URL") from None
+        # A connect timeout, and how long sent data may go unacknowledged (so a silent
+        # host cannot hold a thread forever), unless ``conninfo`` sets them itself.
+        options: dict[str, Any] = {}
+        if "connect_timeout" not in given:
+            options["connect_timeout"] = max(1, math.ceil(self.timeout))
+        if "tcp_user_timeout" not in given:
+            options["tcp_user_timeout"] = max(1, math.ceil(self.statement_timeout_s * 1000))
+        object.__setattr__(self, "options", options)
+
+    def connect(self, name: str) -> Connection:
+        """A new connection of the store object's own, named ``name`` on the server."""
+        return open_connection(self.conninfo, self.statement_timeout_s, name=name, **self.options)
+
+
+def open_connection(
+    conninfo: str, statement_timeout_s: float, *, name: str, **options: Any
+) -> Connection:
+    """An autocommit connection, its statement timeout set, ``synchronous_commit`` on."""
+    try:
+        conn = psycopg.connect(conninfo, autocommit=True, fallback_application_name=name, **options)
+    except psycopg.OperationalError as exc:
+        limit = open_files_error(exc, None)  # a socket is a file too
+        if limit is not None:
+            raise limit from exc
+        raise
+    try:
+        _set_statement_timeout(conn, seconds=statement_timeout_s)
+        row = conn.execute("SHOW synchronous_commit").fetchone()
+        if row is not None and row[0] == "off":
+            conn.execute("SET synchronous_commit = on")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _set_statement_timeout(conn: Connection, *, seconds: float) -> None:
+    milliseconds = sql.Literal(max(1, math.ceil(seconds * 1000)))
+    conn.execute(sql.SQL("SET statement_timeout = {}").format(milliseconds))
 
 
 class PostgresStore(EngineStore):
@@ -94,8 +168,8 @@ class PostgresStore(EngineStore):
         statement_timeout_s: float = 30.0,
         _probe: Probe | None = None,
     ) -> None:
-        settings = Settings.checked(
-            conninfo,
+        settings = Settings(
+            conninfo=conninfo,
             schema=schema,
             pool_size=pool_size,
             max_writers=max_writer_connections,
@@ -114,72 +188,331 @@ class PostgresStore(EngineStore):
 
 
 class Postgres:
-    """PostgreSQL's dialect: a reader pool, writer connections that share commits, and
-    owners with leases. Every method but the two coroutines and :meth:`holds` runs in a
-    worker thread."""
+    """PostgreSQL's dialect: a reader pool, writers that share commits, and the claims of
+    an owner with a lease. Every method but the coroutines and :meth:`holds` blocks."""
 
     kind = "postgresql"
 
-    __slots__ = ("_claims", "_owner", "_reader", "_writers")
-
     def __init__(self, settings: Settings, probe: Probe | None) -> None:
-        queries = Queries.for_schema(settings.schema)
-        state = WriterState()  # the runs that failed, and whether the store is closed
-        self._reader = Reader(settings, queries, state)
-        self._owner = Owner(settings, queries, state)
+        self._settings = settings
+        self._queries = Queries(settings.schema)
+        self._state = WriterState()  # the runs that failed, and whether the store is closed
+        self._owner = Owner(settings, self._queries, self._state)
         # ``probe`` is a test seam: it sees each batch just before its commit.
-        committer = Committer(state, queries, self._owner.lease, probe)
-        self._writers = Writers(settings, state, committer)
-        self._claims = Claims(self._owner, self._writers, self._reader, queries, state)
+        self._committer = Committer(self._state, self._queries, self._owner.lease, probe)
+        self._writers: list[Writer] = []
+        self._lock = threading.Lock()  # opens the reader pool and the schema once
+        self._pool: ConnectionPool[Connection] | None = None
 
     def claim(self, run_id: str, token: EventLoopToken) -> None:
-        self._claims.claim(run_id, token)
+        with self._state.mutex:
+            self._state.check_writable(run_id)
+            if self._route(run_id) is not None:
+                raise claimed_already(run_id)
+            writer = self._pick()
+            writer.claiming += 1
+        try:
+            self._ready_pool(run_id)
+            owner_id, generation = self._owner.registered(run_id, token)
+            with writer.lock:
+                claim = self._take(writer, run_id, owner_id, generation)
+                with self._state.mutex:
+                    writer.claims[run_id] = claim
+        finally:
+            with self._state.mutex:
+                writer.claiming -= 1
 
     def release(self, run_id: str) -> None:
-        self._claims.release(run_id)
+        with self._state.mutex:
+            route = self._route(run_id)
+        if route is not None:
+            with route[0].lock, self._state.mutex:  # after any commit of the run in flight
+                claim = route[0].claims.pop(run_id, None)
+            if claim is not None:
+                self._owner.release(run_id, claim.epoch)
 
     def holds(self, run_id: str) -> bool:
-        return self._claims.held(run_id)
+        return self._route(run_id) is not None
 
     async def confirm(self, run_id: str) -> None:
         # By this process's clock against the lease's last confirmed renewal, with the
         # margin to spare; a late lease is waited on while its renewal may still come.
-        claim = self._claims.claim_of(run_id)
-        await self._owner.lease.confirm(claim.generation, run_id)
+        with self._state.mutex:
+            self._state.check_writable(run_id)
+            route = self._route(run_id)
+        if route is None:
+            raise not_claimed(run_id)
+        await self._owner.lease.confirm(route[1].generation, run_id)
 
     async def submit(self, write: Write) -> None:
         self._owner.lease.beat()
-        with self._writers.used(write.run_id) as slot:
-            await slot.writer.group.submit(Item(slot, write))
-
-    def read(self, run_id: str) -> tuple[Record, ...]:
-        return self._reader.read(run_id)
-
-    def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
-        return self._reader.runs(unfinished_only)
-
-    def describe(self, run_id: str) -> StoredRun | None:
-        return self._reader.describe(run_id)
-
-    def prunable(self, cutoff: datetime) -> list[str]:
-        return self._reader.prunable(cutoff)
+        with self._state.mutex:
+            self._state.check_writable(write.run_id)
+            route = self._route(write.run_id)
+            # A write of a run not claimed here is refused in its batch, like any other.
+            writer = route[0] if route is not None else self._pick()
+        await writer.group.submit(write)
 
     def delete(self, run_id: str, cutoff: datetime) -> bool:
-        return self._claims.delete(run_id, cutoff)
+        with self._state.mutex:
+            route = self._route(run_id)
+        if route is None:
+            return False
+        writer, claim = route
+        params = {"run_key": run_key(run_id), "epoch": claim.epoch, "before": cutoff}
+        with writer.lock:
+            try:
+                row = writer.connected(run_id).execute(self._queries.prune_run, params).fetchone()
+            except psycopg.Error as exc:
+                raise writer.fail(self._state, run_id, exc) from exc
+            gone = bool(row and row[0])
+            if gone:
+                with self._state.mutex:
+                    writer.claims.pop(run_id, None)
+        return gone
+
+    def _take(self, writer: Writer, run_id: str, owner_id: str, generation: int) -> Claim:
+        """Make ``owner_id`` the run's owner, or ``RunLocked`` naming its live holder."""
+        key = run_key(run_id)
+        params = {"run_key": key, "run_id": run_id_column(run_id), "owner": owner_id}
+        try:
+            conn = writer.connected(run_id)
+            row = conn.execute(self._queries.claim, params).fetchone()
+            holder = None if row else conn.execute(self._queries.holder, (key,)).fetchone()
+        except psycopg.Error as exc:
+            raise writer.fail(self._state, run_id, exc) from exc
+        if row is None:
+            who = "another writer"
+            if holder:
+                who = f"{holder[0]}, whose lease runs until {holder[1]:%Y-%m-%d %H:%M:%S %Z}"
+            raise RunLocked(f"the run is held by {who}", run_id=run_id)
+        epoch, next_seq, finished = row
+        return Claim(run_id, int(epoch), int(next_seq), bool(finished), generation=generation)
+
+    def _route(self, run_id: str) -> tuple[Writer, Claim] | None:
+        """The writer and claim of ``run_id``, if this object holds its claim."""
+        for writer in self._writers:
+            claim = writer.claims.get(run_id)
+            if claim is not None:
+                return writer, claim
+        return None
+
+    def _pick(self) -> Writer:
+        """An idle writer, a new one, or the least busy (``state.mutex`` held)."""
+        writer = min(self._writers, key=lambda w: len(w.claims) + w.claiming, default=None)
+        busy = writer is not None and (writer.claims or writer.claiming)
+        if writer is None or (busy and len(self._writers) < self._settings.max_writers):
+            writer = Writer(connect=partial(self._settings.connect, "polyloop-writer"))
+            writer.group = GroupCommit(partial(self._committer.commit, writer))
+            self._writers.append(writer)
+        return writer
+
+    def read(self, run_id: str) -> tuple[Record, ...]:
+        rows = self._select(run_id, self._queries.select_run, (run_key(run_id),))
+        return tuple(self._record(run_id, index, row) for index, row in enumerate(rows))
+
+    def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
+        query = self._queries.list_unfinished if unfinished_only else self._queries.list_runs
+        return tuple(self._stored(row) for row in self._select(None, query, ()))
+
+    def describe(self, run_id: str) -> StoredRun | None:
+        rows = self._select(run_id, self._queries.describe_run, (run_key(run_id),))
+        return self._stored(rows[0]) if rows else None
+
+    def prunable(self, cutoff: datetime) -> list[str]:
+        rows = self._select(None, self._queries.prunable, (cutoff,))
+        return [self._run_id_of(column) for (column,) in rows]
+
+    def _select(self, run_id: str | None, query: sql.Composed, params: Any) -> list[TupleRow]:
+        """The rows of ``query`` on a reader connection; a failure is a ``StoreError``."""
+        if self._state.closed:
+            raise store_closed(run_id)
+        pool = self._ready_pool(run_id)
+        try:
+            with pool.connection(timeout=self._settings.timeout) as conn:
+                return conn.execute(query, params).fetchall()
+        except psycopg.Error as exc:
+            raise StoreError(f"read failed: {type(exc).__name__}: {exc}", run_id=run_id) from exc
+
+    def _stored(self, row: TupleRow) -> StoredRun:
+        column, finished, updated_at, owner, lease_until, claimed = row
+        return StoredRun(
+            run_id=self._run_id_of(column),
+            finished=bool(finished),
+            claimed=bool(claimed),
+            updated_at=updated_at,
+            owner=owner,
+            lease_expires_at=lease_until,
+        )
+
+    def _run_id_of(self, column: str) -> str:
+        """The run id whose ``run_id`` column is ``column`` (undoes :func:`run_id_column`)."""
+        with suppress(ValueError):
+            run_id = json.loads(f'"{column}"')
+            if isinstance(run_id, str):
+                return run_id
+        where = f"{self._settings.schema}.records"
+        raise CorruptLog(f"unreadable run_id column {shown(column)}", location=where)
+
+    def _record(self, run_id: str, index: int, row: TupleRow) -> Record:
+        seq, column, kind, body = row
+        location = f"{self._settings.schema}.records run {shown(run_id)} seq {seq}"
+        if seq != index:
+            reason = f"seq {index} is missing: the run's rows have a gap"
+            raise CorruptLog(reason, run_id=run_id, location=location)
+        if column != run_id_column(run_id):
+            reason = f"the row's run_id column says {shown(column)}"
+            raise CorruptLog(reason, run_id=run_id, location=location)
+        return decode_row(body, run_id=run_id, kind=kind, location=location)
 
     def open(self) -> None:
-        self._reader.open()
+        self._ready_pool(None)
 
     def close(self) -> None:
         """Refuse new work, stop the lease, close the writers, free the owner's runs,
-        close the pool: in this order, so that nothing is written once the runs are free."""
-        writers = self._writers.close()
+        close the pool: in this order, so nothing is written once the runs are free."""
+        with self._state.mutex:
+            self._state.closed = True
+            writers, self._writers = self._writers, []
+            for writer in writers:
+                writer.claims.clear()
         self._owner.lease.stop()
         for writer in writers:
-            with writer.lock:
-                writer.close()
+            with writer.lock:  # after the commit in flight, if any
+                writer.closed = True
+                writer.drop()
         self._owner.close()
-        self._reader.close()
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def _ready_pool(self, run_id: str | None) -> ConnectionPool[Connection]:
+        """The reader pool (never used for writes), opened with the schema made current."""
+        with self._lock:
+            if self._state.closed:
+                raise store_closed(run_id)
+            if self._pool is None:
+                self._pool = self._open_pool(run_id)
+            return self._pool
+
+    def _open_pool(self, run_id: str | None) -> ConnectionPool[Connection]:
+        settings, schema = self._settings, self._settings.schema
+        try:
+            # One connection first, outside the pool: a missing database or a refused
+            # login fails now with the server's message, where the pool would time out.
+            psycopg.connect(settings.conninfo, **settings.options).close()
+            pool: ConnectionPool[Connection] = ConnectionPool(
+                settings.conninfo,
+                min_size=1,
+                max_size=settings.pool_size,
+                open=False,
+                timeout=settings.timeout,
+                kwargs={
+                    **settings.options,
+                    "autocommit": True,
+                    "fallback_application_name": "polyloop-reader",
+                },
+                configure=partial(_set_statement_timeout, seconds=settings.statement_timeout_s),
+                check=ConnectionPool.check_connection,
+                name=f"polyloop-{schema}",
+            )
+            try:
+                pool.open(wait=True, timeout=settings.timeout)
+                with pool.connection(timeout=settings.timeout) as conn:
+                    layout = self._queries.layout
+                    prepare(conn, layout, name=schema, where=f"{schema}.meta", run_id=run_id)
+            except BaseException:
+                pool.close()
+                raise
+        except psycopg.Error as exc:
+            raise open_files_error(exc, run_id) or StoreError(
+                f"cannot prepare the {schema!r} schema: {type(exc).__name__}: {exc}",
+                run_id=run_id,
+            ) from exc
+        return pool
+
+
+class Owner:
+    """This store object as an owner of runs: a row of ``owners`` with a lease, and an
+    advisory lock held while it lives on a connection of its own, used with ``_lock``
+    held. Every method blocks (in a worker thread; the lease keeper's for a renewal)."""
+
+    __slots__ = ("_link", "_lock", "_queries", "_settings", "_state", "lease")
+
+    def __init__(self, settings: Settings, queries: Queries, state: WriterState) -> None:
+        self._settings = settings
+        self._queries = queries
+        self._state = state
+        self._lock = threading.Lock()
+        self._link = Link(partial(settings.connect, "polyloop-owner"))
+        self.lease = Lease(settings.lease_s, self._renew)
+
+    def registered(self, run_id: str, token: EventLoopToken) -> tuple[str, int]:
+        """The owner id and lease generation; registers the owner (lock, row, lease) once."""
+        with self._lock:
+            owner_id, generation, registered = self.lease.current()
+            if registered:
+                return owner_id, generation
+            sent_at = self.lease.clock()
+            key, hi, lo = owner_lock(self._settings.schema, owner_id)
+            if self._state.closed:
+                raise store_closed()
+            try:
+                conn = self._link.connected()
+                # A lapsed identity's lock goes: its lease has ended anyway.
+                conn.execute("SELECT pg_advisory_unlock_all()")
+                conn.execute("SELECT pg_advisory_lock(%s)", (key,))
+                conn.execute(self._queries.forget_owners)
+                conn.execute(
+                    self._queries.register_owner,
+                    (owner_id, self.lease.description, hi, lo, self.lease.lease_s),
+                )
+            except psycopg.Error as exc:
+                self._link.drop()
+                what = f"could not register this worker as an owner of runs: {type(exc).__name__}"
+                raise StoreError(f"{what}: {exc}", run_id=run_id) from exc
+            self.lease.registered(owner_id, sent_at, token)
+            return owner_id, generation
+
+    def release(self, run_id: str, epoch: int) -> None:
+        """Give up a claim on the owner's connection; a failure is logged, not raised."""
+        with self._lock:
+            try:
+                if self._state.closed:
+                    raise store_closed()
+                self._link.connected().execute(
+                    self._queries.release, {"run_key": run_key(run_id), "epoch": epoch}
+                )
+            except (psycopg.Error, StoreError):
+                # The row keeps this owner until the store closes or its lease ends.
+                logger.warning("run %r: could not give its claim up", run_id, exc_info=True)
+                self._link.drop()
+
+    def close(self) -> None:
+        """Free every run this owner still holds, drop its row, close its connection."""
+        with self._lock:
+            owner_id, _, registered = self.lease.current()
+            conn = self._link.connection
+            if registered and conn is not None and not (conn.broken or conn.closed):
+                # Every run this owner still holds is free before this returns.
+                with suppress(psycopg.Error):
+                    conn.execute(self._queries.drop_owner, (owner_id, owner_id))
+            self._link.closed = True
+            self._link.drop()
+
+    def _renew(self, owner_id: str) -> bool:
+        """Extend the owner's lease if it has not ended (the lease keeper's thread)."""
+        with self._lock:
+            conn = self._link.connection
+            if conn is None or conn.broken or conn.closed:
+                return False
+            try:
+                done = conn.execute(self._queries.renew_owner, (self.lease.lease_s, owner_id))
+            except psycopg.Error:
+                self._link.drop()
+                raise
+            return done.rowcount == 1
 
 
 PostgresStore._DIALECT = Postgres

@@ -1,15 +1,15 @@
 """The SQLite store's schema and statements, its rows, and how its connections are set up.
 
 The schema itself, and what each row means, is described in
-:mod:`polyloop.stores._sql.sqlite.store`. This module turns rows back into records
+:mod:`polyloop.stores._sql.sqlite.store`; its migration steps are SQLite's
+:class:`~polyloop.stores._sql.schema.Layout`. This module turns rows back into records
 (:func:`decode_rows`) and binds run ids (:func:`run_key`, :func:`run_id_of`). On the
-connection side it holds :func:`connect`, the one place a connection is made, the
-checks a new connection must pass (:func:`configure`, :func:`create_schema`,
-:func:`check_meta_format`), the ``synchronous`` levels with :class:`Db`, which
-remembers the level its connection was last set to, :class:`Database`, the file with
-the worker threads' connection opened and checked at first use, and the transactions
-the store's paths share (:func:`immediate`, :func:`rollback_quietly`). The shared
-commit's own statements (``COMMIT``, ``ROLLBACK``, savepoints) stay with
+connection side it holds :func:`connect`, the one place a connection is made,
+:func:`configure`, the ``synchronous`` levels with :class:`Db`, which remembers the
+level its connection was last set to, :class:`Database`, the file with the worker
+threads' connection opened and checked at first use, and the transactions the store's
+paths share (:func:`immediate`, :func:`rollback_quietly`). The shared commit's own
+statements (``COMMIT``, ``ROLLBACK``, savepoints) stay with
 :mod:`polyloop.stores._sql.sqlite.commit`, which issues them.
 """
 
@@ -20,19 +20,19 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from polyloop._shared import FORMAT
 from polyloop.stores._common import (
     WriterState,
-    check_format,
     create_directories,
     decode_row,
     fsync_directory,
     open_files_error,
 )
 from polyloop.stores._refusals import store_closed
+from polyloop.stores._sql.schema import Layout, Steps, prepare
 from polyloop.types import (
     PolyLoopError,
     Record,
@@ -59,10 +59,8 @@ __all__ = (
     "SYNCHRONOUS_NORMAL",
     "Database",
     "Db",
-    "check_meta_format",
     "configure",
     "connect",
-    "create_schema",
     "decode_rows",
     "immediate",
     "rollback_quietly",
@@ -86,66 +84,57 @@ _SET_SYNCHRONOUS = {
 }
 
 
-_DDL = (
-    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS records ("
-    " run_id TEXT NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, body TEXT NOT NULL,"
-    " PRIMARY KEY (run_id, seq))",
-)
-_HAS_RUNS = "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'runs'"
-_RUNS_DDL = (
-    "CREATE TABLE IF NOT EXISTS runs ("
-    " run_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL, finished INTEGER NOT NULL,"
-    " updated_at REAL NOT NULL)",
-    "CREATE INDEX IF NOT EXISTS runs_unfinished ON runs (run_id) WHERE finished = 0",
-)
-# Releases before 0032 kept owners with leases in a table of that name. A view stands in
-# its place: such a release can open the database but cannot register as an owner, so it
-# never claims a run behind the locks of a current one.
-_OWNERS_KIND = "SELECT type FROM sqlite_master WHERE name = 'owners'"
-_LIVE_LEASED_OWNER = "SELECT description, lease_until FROM owners WHERE lease_until > ? LIMIT 1"
-_RETIRE_OWNERS = (
-    "UPDATE runs SET owner = NULL WHERE owner IN (SELECT owner_id FROM owners)",
-    "DROP TABLE owners",
-)
-_FENCE_OLD_RELEASES = (
-    "CREATE VIEW IF NOT EXISTS owners AS SELECT NULL AS owner_id, NULL AS description,"
-    " NULL AS lease_until, NULL AS started_at WHERE 0"
-)
-# Columns later layouts added to the runs table, with what an older row holds.
+# The tables, as migration steps (see :mod:`polyloop.stores._sql.schema`).
+_STEPS: Steps = {
+    1: (
+        "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS records (run_id TEXT NOT NULL, seq INTEGER NOT NULL,"
+        " kind TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq))",
+    ),
+    2: (
+        "CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL,"
+        " finished INTEGER NOT NULL, updated_at REAL NOT NULL, owner TEXT,"
+        " epoch INTEGER NOT NULL DEFAULT 0, stop_reason TEXT)",
+        "CREATE INDEX IF NOT EXISTS runs_unfinished ON runs (run_id) WHERE finished = 0",
+        # One row per run of the records, finished if its last record is a final end.
+        "INSERT OR IGNORE INTO runs (run_id, next_seq, finished, updated_at, stop_reason)"
+        " SELECT r.run_id, max(r.seq) + 1, coalesce((SELECT l.kind = 'run_ended'"
+        "   AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason')"
+        "   NOT IN ('cancelled', 'in_doubt', 'awaiting_approval')"
+        "   FROM records AS l WHERE l.run_id = r.run_id ORDER BY l.seq DESC LIMIT 1), 0),"
+        "  (julianday('now') - 2440587.5) * 86400.0,"
+        "  (SELECT json_extract(l.body, '$.stop_reason') FROM records AS l"
+        "   WHERE l.run_id = r.run_id AND l.kind = 'run_ended' AND json_valid(l.body)"
+        "   AND l.seq = (SELECT max(seq) FROM records WHERE run_id = r.run_id))"
+        " FROM records AS r GROUP BY r.run_id ORDER BY min(r.rowid)",
+    ),
+    3: (
+        lambda conn, name, run_id: _add_columns(conn),
+        "DROP INDEX IF EXISTS runs_owned",  # served the owners' leases, gone with them
+        "CREATE INDEX IF NOT EXISTS runs_finished ON runs (updated_at) WHERE finished = 1",
+    ),
+    # Releases before settlements marked a run that ended in doubt finished; a
+    # settlement reopens such a run.
+    4: (
+        "UPDATE runs SET finished = 0 WHERE finished = 1 AND (SELECT l.kind = 'run_ended'"
+        " AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason') = 'in_doubt'"
+        " FROM records AS l WHERE l.run_id = runs.run_id ORDER BY l.seq DESC LIMIT 1)",
+    ),
+    # Releases before 0032 kept owners with leases in a table of that name. A view stands
+    # in its place: such a release can open the database but cannot register as an
+    # owner, so it never claims a run behind the locks of a current one.
+    5: (
+        lambda conn, name, run_id: _retire_owners(conn, name, run_id),
+        "CREATE VIEW IF NOT EXISTS owners AS SELECT NULL AS owner_id, NULL AS description,"
+        " NULL AS lease_until, NULL AS started_at WHERE 0",
+    ),
+}
+# Columns the runs table gained after it was first made, with what an older row holds.
 _RUNS_COLUMNS = (
     ("owner", "TEXT"),
     ("epoch", "INTEGER NOT NULL DEFAULT 0"),
     ("stop_reason", "TEXT"),
 )
-_RUNS_INDEXES = (
-    "DROP INDEX IF EXISTS runs_owned",  # served the owners' leases, gone with them
-    "CREATE INDEX IF NOT EXISTS runs_finished ON runs (updated_at) WHERE finished = 1",
-)
-# A database written before the runs table existed: one row per run from its records,
-# finished when its last record is a final end record.
-_FILL_RUNS = (
-    "INSERT INTO runs (run_id, next_seq, finished, updated_at, stop_reason)"
-    " SELECT r.run_id, max(r.seq) + 1, coalesce((SELECT l.kind = 'run_ended'"
-    "   AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason')"
-    "   NOT IN ('cancelled', 'in_doubt', 'awaiting_approval')"
-    "   FROM records AS l WHERE l.run_id = r.run_id ORDER BY l.seq DESC LIMIT 1), 0), ?,"
-    "  (SELECT json_extract(l.body, '$.stop_reason') FROM records AS l"
-    "   WHERE l.run_id = r.run_id AND l.kind = 'run_ended' AND json_valid(l.body)"
-    "   AND l.seq = (SELECT max(seq) FROM records WHERE run_id = r.run_id))"
-    " FROM records AS r GROUP BY r.run_id ORDER BY min(r.rowid)"
-)
-_SET_FORMAT = "INSERT OR IGNORE INTO meta (key, value) VALUES ('format', ?)"
-# Releases before settlements marked a run that ended in doubt finished; a settlement
-# reopens such a run, so a database written by them has those rows reopened, once.
-_IN_DOUBT_REOPENED = "SELECT count(*) FROM meta WHERE key = 'in_doubt_reopened'"
-_REOPEN_IN_DOUBT = (
-    "UPDATE runs SET finished = 0 WHERE finished = 1 AND (SELECT l.kind = 'run_ended'"
-    "   AND json_valid(l.body) AND json_extract(l.body, '$.stop_reason') = 'in_doubt'"
-    "   FROM records AS l WHERE l.run_id = runs.run_id ORDER BY l.seq DESC LIMIT 1)"
-)
-_SET_IN_DOUBT_REOPENED = "INSERT OR IGNORE INTO meta (key, value) VALUES ('in_doubt_reopened', '1')"
-_GET_FORMAT = "SELECT value FROM meta WHERE key = 'format'"
 INSERT = "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)"
 SELECT_RUN = "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq"
 # Claims: the run's row names its writer; every claim moves the epoch on, and a new id
@@ -319,8 +308,7 @@ class Database:
             created = not path.exists()
             conn = connect(path, timeout=_BUSY_TIMEOUT_S)
             configure(conn, path.name, run_id)
-            create_schema(conn, path.name, run_id)
-            check_meta_format(conn, path.name, run_id)
+            prepare(conn, _LAYOUT, name=path.name, where=f"{path.name}: meta", run_id=run_id)
             if created:
                 fsync_directory(path.parent)
         except BaseException as exc:
@@ -352,53 +340,33 @@ def configure(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
         )
 
 
-def create_schema(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
-    """Create what is missing; a database from before the runs table gets one, filled,
-    one from before a later column gets the column, and one from before claims were
-    locks has its owners retired."""
-    with immediate(conn):
-        for statement in _DDL:
-            conn.execute(statement)
-        filled = conn.execute(_HAS_RUNS).fetchone()[0]
-        for statement in _RUNS_DDL:
-            conn.execute(statement)
-        columns = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
-        for name, declaration in _RUNS_COLUMNS:
-            if name not in columns:
-                conn.execute(f"ALTER TABLE runs ADD COLUMN {name} {declaration}")
-        for statement in _RUNS_INDEXES:
-            conn.execute(statement)
-        if not filled:
-            conn.execute(_FILL_RUNS, (time.time(),))
-        if not conn.execute(_IN_DOUBT_REOPENED).fetchone()[0]:
-            conn.execute(_REOPEN_IN_DOUBT)
-            conn.execute(_SET_IN_DOUBT_REOPENED)
-        _retire_owners(conn, name, run_id)
-        conn.execute(_SET_FORMAT, (FORMAT,))
+def _add_columns(conn: sqlite3.Connection) -> None:
+    """Add the columns an older runs table lacks (SQLite has no ADD COLUMN IF NOT EXISTS)."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+    for column, declaration in _RUNS_COLUMNS:
+        if column not in columns:
+            conn.execute(f"ALTER TABLE runs ADD COLUMN {column} {declaration}")
 
 
 def _retire_owners(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
-    """Replace the owners table of an earlier release by the view that fences it out;
-    refuse while one of its owners still holds a lease (its process may be running)."""
-    row = conn.execute(_OWNERS_KIND).fetchone()
-    if row is not None and row[0] == "table":
-        live = conn.execute(_LIVE_LEASED_OWNER, (time.time(),)).fetchone()
-        if live is not None:
-            raise StoreError(
-                f"{name}: a process of an earlier PolyLoop release ({live[0]}) holds runs "
-                f"in this database under a lease; stop it before opening the database with "
-                f"this release, which claims runs by locks instead",
-                run_id=run_id,
-            )
-        for statement in _RETIRE_OWNERS:
-            conn.execute(statement)
-    conn.execute(_FENCE_OLD_RELEASES)
-
-
-def check_meta_format(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
-    row = conn.execute(_GET_FORMAT).fetchone()
-    recorded = row[0] if row is not None else None
-    check_format(recorded, holder="database", run_id=run_id, location=f"{name}: meta format")
+    """Drop the owners table of an earlier release, its runs freed; refuse while one of
+    its owners still holds a lease (its process may be running)."""
+    row = conn.execute("SELECT type FROM sqlite_master WHERE name = 'owners'").fetchone()
+    if row is None or row[0] != "table":
+        return
+    live = conn.execute(
+        "SELECT description, lease_until FROM owners WHERE lease_until > ? LIMIT 1",
+        (time.time(),),
+    ).fetchone()
+    if live is not None:
+        raise StoreError(
+            f"{name}: a process of an earlier PolyLoop release ({live[0]}) holds runs "
+            f"in this database under a lease; stop it before opening the database with "
+            f"this release, which claims runs by locks instead",
+            run_id=run_id,
+        )
+    conn.execute("UPDATE runs SET owner = NULL WHERE owner IN (SELECT owner_id FROM owners)")
+    conn.execute("DROP TABLE owners")
 
 
 @contextmanager
@@ -417,3 +385,13 @@ def rollback_quietly(conn: sqlite3.Connection) -> None:
     if conn.in_transaction:
         with suppress(sqlite3.Error):  # the original error says more
             conn.execute("ROLLBACK")
+
+
+# SQLite's tables, upgraded under ``BEGIN IMMEDIATE``, the database's write lock.
+_LAYOUT = Layout(
+    steps=_STEPS,
+    compose=partial(str.format, meta="meta"),
+    exists="SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?",
+    locked=immediate,
+    holder="database",
+)
