@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio.to_thread
 
 from polyloop.stores import PostgresStore, SqliteStore
-from polyloop.stores._common import Claim, Write
+from polyloop.stores._common import Write
 from polyloop.stores._refusals import not_claimed
 from polyloop.stores._sql.planning import Plan
 from polyloop.stores._sql.postgres.store import Postgres
@@ -27,7 +27,7 @@ class _FullSyncCommitter(Committer):
 
     __slots__ = ()
 
-    def level(self, batch: Plan[Claim]) -> int:
+    def level(self, batch: Plan) -> int:
         return SYNCHRONOUS_FULL
 
 

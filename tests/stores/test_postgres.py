@@ -247,7 +247,8 @@ _HOLDER = textwrap.dedent(
     from polyloop.testing.store_contract import sample_run
 
     async def main():
-        store = PostgresStore(sys.argv[1])
+        # A short lease: a killed owner's runs are free once a sixth of it is left.
+        store = PostgresStore(sys.argv[1], lease_s=3)
         [(_, (record,))] = sample_run(sys.argv[2], steps=0, ended=False)
         await store.claim_run(sys.argv[2])
         await store.start_run(record)

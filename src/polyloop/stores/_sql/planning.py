@@ -14,37 +14,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
 
-from polyloop.stores._common import Write
+from polyloop.stores._common import Claim, Write
 from polyloop.stores._refusals import check_order
 from polyloop.types import PolyLoopError, RunLocked
 
-__all__ = ("ClaimState", "Errors", "Plan", "RunPlan", "plan")
+__all__ = ("Errors", "Plan", "RunPlan", "plan")
 
 # One outcome per write of a batch: None (committed) or the error its caller sees.
 Errors = list[BaseException | None]
 
 
-class ClaimState(Protocol):
-    """What a plan reads and moves on of a claim: its epoch, where the run's rows stand,
-    whether its log ends with a final end record."""
-
-    epoch: int
-    next_seq: int
-    finished: bool
-
-
-_C = TypeVar("_C", bound=ClaimState)
-
-
 @dataclass(eq=False)
-class RunPlan(Generic[_C]):
+class RunPlan:
     """One run's writes in a batch: its claim, where its rows begin, and the writes
     (with their index in the batch)."""
 
     run_id: str
-    claim: _C
+    claim: Claim
     first_seq: int
     writes: list[tuple[int, Write]] = field(default_factory=list)
 
@@ -82,23 +69,23 @@ class RunPlan(Generic[_C]):
 
 
 @dataclass(eq=False)
-class Plan(Generic[_C]):
+class Plan:
     """A batch as it will be sent: each run's writes, and every write's outcome so far."""
 
     errors: Errors
-    runs: dict[str, RunPlan[_C]] = field(default_factory=dict)
+    runs: dict[str, RunPlan] = field(default_factory=dict)
 
     @property
     def barrier(self) -> bool:
         return any(run.barrier for run in self.runs.values())
 
-    def refuse(self, run: RunPlan[_C], error: BaseException) -> None:
+    def refuse(self, run: RunPlan, error: BaseException) -> None:
         """Every write of ``run`` that has no outcome yet ends with ``error``."""
         for index, _ in run.writes:
             if self.errors[index] is None:
                 self.errors[index] = error
 
-    def written(self, run: RunPlan[_C]) -> bool:
+    def written(self, run: RunPlan) -> bool:
         return all(self.errors[index] is None for index, _ in run.writes)
 
     def settle(self) -> list[str]:
@@ -112,7 +99,7 @@ class Plan(Generic[_C]):
                     ended.append(run.run_id)
         return ended
 
-    def _accept(self, index: int, write: Write, claim: _C) -> None:
+    def _accept(self, index: int, write: Write, claim: Claim) -> None:
         run = self.runs.get(write.run_id)
         if run is None:
             check_order(
@@ -131,10 +118,10 @@ class Plan(Generic[_C]):
         run.writes.append((index, write))
 
 
-def plan(writes: Sequence[Write], admit: Callable[[int], _C]) -> Plan[_C]:
+def plan(writes: Sequence[Write], admit: Callable[[int], Claim]) -> Plan:
     """The plan of a batch. ``admit(index)`` returns the claim the write at ``index``
     is made under, or raises why it may not be made (it is then refused alone)."""
-    result: Plan[_C] = Plan([None] * len(writes))
+    result: Plan = Plan([None] * len(writes))
     for index, write in enumerate(writes):
         try:
             result._accept(index, write, admit(index))

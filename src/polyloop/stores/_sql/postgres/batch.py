@@ -102,7 +102,7 @@ class Committer:
         self.lease.check(claim.generation, run_id)
         return claim
 
-    def _send_plan(self, writer: Writer, batch: Plan[Claim]) -> None:
+    def _send_plan(self, writer: Writer, batch: Plan) -> None:
         """Send the batch in one statement; if the server refuses it, each run alone, so
         that only the run at fault fails."""
         runs = list(batch.runs.values())
@@ -125,9 +125,7 @@ class Committer:
                 writer.drop()  # its state is unknown: give the connection up
             self._fail(writer, runs, batch, exc)
 
-    def _send(
-        self, conn: Connection, runs: Sequence[RunPlan[Claim]], barrier: bool, batch: Plan[Claim]
-    ) -> None:
+    def _send(self, conn: Connection, runs: Sequence[RunPlan], barrier: bool, batch: Plan) -> None:
         """One statement: fence, advance and insert ``runs``; refuse those not admitted."""
         query = self.queries.write if barrier else self.queries.lazy_write
         if self.probe is not None:
@@ -140,9 +138,7 @@ class Committer:
                 why = fence_refusal(run.run_id, epoch=run.claim.epoch, row=row, start=run.start)
                 batch.refuse(run, why)
 
-    def _fail(
-        self, writer: Writer, runs: Sequence[RunPlan[Claim]], batch: Plan[Claim], exc: Exception
-    ) -> None:
+    def _fail(self, writer: Writer, runs: Sequence[RunPlan], batch: Plan, exc: Exception) -> None:
         """The statement failed or its outcome is unknown: every write of ``runs`` fails."""
         conn = writer.connection
         if conn is not None and not (conn.broken or conn.closed):
@@ -155,7 +151,7 @@ class Committer:
             batch.refuse(run, writer.fail(self.state, run.run_id, exc))
 
 
-def _parameters(runs: Sequence[RunPlan[Claim]]) -> dict[str, list[object]]:
+def _parameters(runs: Sequence[RunPlan]) -> dict[str, list[object]]:
     """The arrays of the write statement: one entry per run, then one per row."""
     columns = ("run_keys", "epochs", "first_seqs", "next_seqs", "finals", "ends", "reasons")
     rows = ("row_keys", "seqs", "row_ids", "kinds", "bodies")

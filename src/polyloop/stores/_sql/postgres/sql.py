@@ -86,8 +86,11 @@ SELECT run_key FROM admitted
 _LAZY = ",\nlazy AS (SELECT set_config('synchronous_commit', 'off', true) AS setting)"
 _LAZY_JOIN = " CROSS JOIN lazy"
 
-# The owners whose claims still hold: lease not ended, and the owner's lock held by a
-# live session (a dead process's sessions, and their locks, end with it).
+# The owners whose claims still hold: lease not ended, and either the owner's lock held
+# by a live session or more than its lock margin of the lease left. A session can end
+# while its process lives (a restart, a dropped connection), and until the margin the
+# owner may still start effects (research record 0034). A row of an earlier release
+# has no margin: without its lock, it is not live.
 _LIVE_OWNERS = """
 held AS MATERIALIZED (
     SELECT classid::bigint AS hi, objid::bigint AS lo FROM pg_catalog.pg_locks
@@ -95,8 +98,10 @@ held AS MATERIALIZED (
         (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())
 ),
 live AS (
-    SELECT o.owner_id FROM {owners} AS o JOIN held ON held.hi = o.lock_hi AND held.lo = o.lock_lo
-    WHERE o.lease_until > now()
+    SELECT o.owner_id FROM {owners} AS o
+    LEFT JOIN held ON held.hi = o.lock_hi AND held.lo = o.lock_lo
+    WHERE o.lease_until > now() AND (held.hi IS NOT NULL
+        OR o.lease_until > now() + make_interval(secs => o.lock_margin_s))
 )"""
 
 # Claim a run: create its row, or take it over if nobody holds it, its owner is dead or
@@ -174,6 +179,7 @@ _STEPS: dict[int, tuple[str, ...]] = {
         " AND l.run_key = r.run_key AND l.kind = 'run_ended'"
         ' AND strpos(l.body, \'"stop_reason":"in_doubt"\') > 0',
     ),
+    5: ("ALTER TABLE {owners} ADD COLUMN IF NOT EXISTS lock_margin_s double precision",),
 }
 
 
@@ -218,14 +224,17 @@ class Queries:
         self.list_unfinished = listed + sql.SQL("AND NOT r.finished " + order)
         self.describe_run = listed + sql.SQL("AND r.run_key = %s")
         self.register_owner = q(
-            "INSERT INTO {owners} (owner_id, description, lock_hi, lock_lo, lease_until)"
-            " VALUES (%s, %s, %s, %s, now() + make_interval(secs => %s))"
+            "INSERT INTO {owners} (owner_id, description, lock_hi, lock_lo, lease_until,"
+            " lock_margin_s) VALUES (%(owner)s, %(description)s, %(hi)s, %(lo)s,"
+            " now() + make_interval(secs => %(lease_s)s), %(margin_s)s)"
         )
-        # Only a lease that has not ended is renewed: once it has, others may have
-        # taken its runs over, and the owner must know it lost them.
+        # A lease is renewed only while more than its lock margin is left: past it, a
+        # worker may have taken a run over if the owner's lock was lost meanwhile, and
+        # the owner must learn that it lost its runs.
         self.renew_owner = q(
-            "UPDATE {owners} SET lease_until = now() + make_interval(secs => %s)"
-            " WHERE owner_id = %s AND lease_until > now()"
+            "UPDATE {owners} SET lease_until = now() + make_interval(secs => %(lease_s)s)"
+            " WHERE owner_id = %(owner)s"
+            " AND lease_until > now() + make_interval(secs => lock_margin_s)"
         )
         self.drop_owner = q(
             "WITH freed AS (UPDATE {runs} SET owner = NULL WHERE owner = %s)"

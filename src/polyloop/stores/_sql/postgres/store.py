@@ -32,6 +32,7 @@ from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import Claim, Write, WriterState, decode_row, open_files_error, shown
 from polyloop.stores._engine import EngineStore
 from polyloop.stores._lease import Lease, check_lease_s
+from polyloop.stores._lease_state import effect_margin
 from polyloop.stores._refusals import claimed_already, not_claimed, store_closed
 from polyloop.stores._sql.postgres.batch import Committer, Link, Probe, Writer
 from polyloop.stores._sql.postgres.sql import (
@@ -464,10 +465,7 @@ class Owner:
                 conn.execute("SELECT pg_advisory_unlock_all()")
                 conn.execute("SELECT pg_advisory_lock(%s)", (key,))
                 conn.execute(self._queries.forget_owners)
-                conn.execute(
-                    self._queries.register_owner,
-                    (owner_id, self.lease.description, hi, lo, self.lease.lease_s),
-                )
+                conn.execute(self._queries.register_owner, self._lease_params(owner_id, hi, lo))
             except psycopg.Error as exc:
                 self._link.drop()
                 what = f"could not register this worker as an owner of runs: {type(exc).__name__}"
@@ -493,26 +491,50 @@ class Owner:
         """Free every run this owner still holds, drop its row, close its connection."""
         with self._lock:
             owner_id, _, registered = self.lease.current()
-            conn = self._link.connection
-            if registered and conn is not None and not (conn.broken or conn.closed):
-                # Every run this owner still holds is free before this returns.
-                with suppress(psycopg.Error):
+            # Every run this owner still holds is free before this returns; a connection
+            # whose session ended fails once, then a new one is tried.
+            for _ in range(2 if registered else 0):
+                try:
+                    conn = self._link.connected()
                     conn.execute(self._queries.drop_owner, (owner_id, owner_id))
+                    break
+                except (psycopg.Error, StoreError):
+                    self._link.drop()
             self._link.closed = True
             self._link.drop()
 
     def _renew(self, owner_id: str) -> bool:
-        """Extend the owner's lease if it has not ended (the lease keeper's thread)."""
+        """Extend the owner's lease while more than its lock margin is left (the lease
+        keeper's thread). A lost connection is opened again and the owner's lock taken
+        again (unless a session of this owner the server has not yet seen end still
+        holds it): the margin held every other worker off meanwhile."""
         with self._lock:
             conn = self._link.connection
-            if conn is None or conn.broken or conn.closed:
-                return False
+            lost = conn is None or conn.broken or conn.closed
             try:
-                done = conn.execute(self._queries.renew_owner, (self.lease.lease_s, owner_id))
+                if self._state.closed:
+                    return False
+                conn = self._link.connected()
+                if lost:
+                    key, _, _ = owner_lock(self._settings.schema, owner_id)
+                    conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
+                done = conn.execute(self._queries.renew_owner, self._lease_params(owner_id))
             except psycopg.Error:
                 self._link.drop()
                 raise
             return done.rowcount == 1
+
+    def _lease_params(self, owner_id: str, hi: int = 0, lo: int = 0) -> dict[str, object]:
+        return {
+            "owner": owner_id,
+            "description": self.lease.description,
+            "hi": hi,
+            "lo": lo,
+            "lease_s": self.lease.lease_s,
+            # Half the effect margin: the other half covers clock rates and the moment
+            # between the effect check and the effect (research record 0034).
+            "margin_s": effect_margin(self.lease.lease_s) / 2,
+        }
 
 
 PostgresStore._DIALECT = Postgres

@@ -243,7 +243,7 @@ class Committer:
                 self._claims.ended(batch.runs[run_id].claim)
             return batch.errors
 
-    def level(self, batch: Plan[Claim]) -> int:
+    def level(self, batch: Plan) -> int:
         """The ``synchronous`` level of the transaction: ``FULL`` if a barrier is in it."""
         return SYNCHRONOUS_FULL if batch.barrier else SYNCHRONOUS_NORMAL
 
@@ -253,7 +253,7 @@ class Committer:
         self._database.connection(write.run_id)
         return claim
 
-    def _transact(self, db: Db, batch: Plan[Claim], level: int) -> None:
+    def _transact(self, db: Db, batch: Plan, level: int) -> None:
         """Write the planned runs in one transaction, each under a savepoint when there
         are several, so that a refused or failed run is undone alone. A failure that
         ends the transaction fails every run still standing."""
@@ -271,7 +271,7 @@ class Committer:
                 batch.refuse(run, self._database.state.fail(run.run_id, exc))
 
     def _write_run(
-        self, conn: sqlite3.Connection, batch: Plan[Claim], run: RunPlan[Claim], *, savepoint: bool
+        self, conn: sqlite3.Connection, batch: Plan, run: RunPlan, *, savepoint: bool
     ) -> None:
         """Insert one run's rows and move its row on; raises only when the failure ended
         the whole transaction."""
@@ -295,7 +295,7 @@ class Committer:
             conn.execute("ROLLBACK TO run")
             conn.execute("RELEASE run")
 
-    def _advance(self, conn: sqlite3.Connection, run: RunPlan[Claim], key: object) -> None:
+    def _advance(self, conn: sqlite3.Connection, run: RunPlan, key: object) -> None:
         """Move the run's row on, in the run's transaction; refuse what the row does not
         expect (another writer claimed the run since, or it ended)."""
         epoch = run.claim.epoch
