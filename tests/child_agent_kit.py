@@ -33,7 +33,9 @@ def open_store(spec: str) -> Store:
         return JsonlStore(spec.removeprefix("jsonl:"))
     if spec.startswith("sqlite:"):
         return SqliteStore(spec.removeprefix("sqlite:"))
-    return PostgresStore(spec)
+    # A short lease: a killed worker's runs are free once a sixth of it is left (research
+    # record 0034), so the next process resumes them within a few seconds.
+    return PostgresStore(spec, lease_s=3.0)
 
 
 def build(

@@ -22,6 +22,7 @@ from polyloop import (
     Definition,
     Replay,
     Request,
+    RunLocked,
     RunResult,
     Store,
     ToolRegistry,
@@ -106,8 +107,17 @@ def summary(result: RunResult) -> dict[str, Any]:
 async def main(spec: str, run_id: str, mode: str, side_file: str) -> None:
     store = kit.open_store(spec)
     try:
-        drive = run if mode == "run" else resume
-        result = await drive(*build(store, run_id, side_file))
+        if mode == "run":
+            result = await run(*build(store, run_id, side_file))
+        else:
+            # A killed PostgreSQL worker's lease holds its runs for a few seconds more.
+            with anyio.fail_after(30):
+                while True:
+                    try:
+                        result = await resume(*build(store, run_id, side_file))
+                        break
+                    except RunLocked:
+                        await anyio.sleep(0.1)
     finally:
         await store.aclose()  # type: ignore[attr-defined]
     print(json.dumps(summary(result)), flush=True)
