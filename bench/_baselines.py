@@ -9,37 +9,24 @@ that submits a write.
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 
 import anyio.to_thread
 
 from polyloop.stores import PostgresStore, SqliteStore
 from polyloop.stores._common import Write
 from polyloop.stores._refusals import not_claimed
-from polyloop.stores._sql.planning import Plan
 from polyloop.stores._sql.postgres.store import Postgres
-from polyloop.stores._sql.sqlite.sql import SYNCHRONOUS_FULL
-from polyloop.stores._sql.sqlite.store import Committer, Sqlite
-
-
-class _FullSyncCommitter(Committer):
-    """The store's own commit, with every transaction under ``synchronous=FULL``."""
-
-    __slots__ = ()
-
-    def level(self, batch: Plan) -> int:
-        return SYNCHRONOUS_FULL
+from polyloop.stores._sql.sqlite.store import Sqlite
 
 
 class _SqliteAlone(Sqlite):
-    __slots__ = ("_alone",)
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self._alone = _FullSyncCommitter(self._database, self.claims)
+    __slots__ = ()
 
     async def submit(self, write: Write) -> None:
-        (error,) = await anyio.to_thread.run_sync(self._alone.commit, [write])
+        # As a barrier: the store's own commit then runs under ``synchronous=FULL``.
+        barrier = dataclasses.replace(write, barrier=True)
+        (error,) = await anyio.to_thread.run_sync(self.commit, [barrier])
         if error is not None:
             raise error
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -40,7 +41,9 @@ SCRIPT = [json.dumps({"tool": "fetch", "arguments": {"n": n}}) for n in range(1,
 ]
 
 
-def tools(side_file: str) -> ToolRegistry:
+def tools(side_file: str, gate: Callable[[], Awaitable[None]] | None = None) -> ToolRegistry:
+    """The run's tools; ``record`` first waits for ``gate``, if given."""
+
     def note(line: str) -> None:
         kit.append_synced(side_file, line)
 
@@ -50,6 +53,8 @@ def tools(side_file: str) -> ToolRegistry:
         return f"value {arguments['n']}"
 
     async def record(arguments: dict[str, Any], *, result_id: str) -> str:
+        if gate is not None:
+            await gate()
         note(f"record {result_id}")
         return f"recorded {arguments['total']}"
 
@@ -88,10 +93,13 @@ def tools(side_file: str) -> ToolRegistry:
     )
 
 
-def build(store: Store, run_id: str, side_file: str) -> tuple[Definition, Request]:
+def build(
+    store: Store, run_id: str, side_file: str, gate: Callable[[], Awaitable[None]] | None = None
+) -> tuple[Definition, Request]:
     model = ScriptedModelClient(SCRIPT, delay=0.03, name="kill-test")
+    registry = tools(side_file, gate)
     return kit.build(
-        store, run_id, model, tools(side_file), max_steps=20, instructions="Fetch, record, submit."
+        store, run_id, model, registry, max_steps=20, instructions="Fetch, record, submit."
     )
 
 

@@ -1,6 +1,6 @@
 """A worker process of the single-host SQLite tests: several runs at once on one file.
 
-    python single_host_agent.py DB WORKER RUNS SIDE_FILE work|hold=W1,W2,...
+    python single_host_agent.py DB WORKER RUNS SIDE_FILE work|hold=W1,W2,...|after=W
 
 The worker drives ``RUNS`` runs at once (``<WORKER>-0`` ...) on the SQLite database
 ``DB``, each the agent of ``kill_agent.py`` (slow tools, an action that must never run
@@ -9,8 +9,10 @@ run of those workers (itself among them) has executed a tool, so that all of the
 under way, it takes SQLite's write lock on a connection of its own
 (``BEGIN IMMEDIATE``), notes ``holding <WORKER>`` and stops itself (``SIGSTOP``): the
 worst moment for a process to hang, since every other process's writes now wait. Once
-continued, it lets the lock go and finishes its runs. It prints one JSON object: each
-run's stop reason, or the error that ended it.
+continued, it lets the lock go and finishes its runs. With ``hold=...`` or ``after=W``,
+no run records before ``holding`` (of itself or of ``W``) is noted: however the
+processes are scheduled, every run still has writes to make when the lock is taken. It
+prints one JSON object: each run's stop reason, or the error that ended it.
 """
 
 from __future__ import annotations
@@ -20,12 +22,20 @@ import signal
 import sqlite3
 import sys
 import threading
+from functools import partial
 
 import anyio
 
 import child_agent_kit as kit
 import kill_agent
 from polyloop import PolyLoopError, run
+
+
+async def _noted(side_file: str, line: str) -> None:
+    """Until ``line`` is noted in ``side_file``."""
+    path = anyio.Path(side_file)
+    while not (await path.exists() and line in (await path.read_text()).splitlines()):  # noqa: ASYNC110
+        await anyio.sleep(0.02)
 
 
 async def _ran_a_tool(side_file: str, run_ids: list[str]) -> None:
@@ -52,15 +62,18 @@ def _hold_the_write_lock_and_stop(db: str, side_file: str, worker: str) -> None:
         conn.close()
 
 
-async def main(db: str, worker: str, runs: int, side_file: str, hold: list[str]) -> None:
+async def main(
+    db: str, worker: str, runs: int, side_file: str, hold: list[str], holder: str | None
+) -> None:
     store = kit.open_store(f"sqlite:{db}")
+    gate = partial(_noted, side_file, f"holding {holder}") if holder else None
     run_ids = [f"{worker}-{i}" for i in range(runs)]
     busy = [f"{other}-{i}" for other in hold for i in range(runs)]
     outcomes: dict[str, str] = {}
 
     async def drive(run_id: str) -> None:
         try:
-            result = await run(*kill_agent.build(store, run_id, side_file))
+            result = await run(*kill_agent.build(store, run_id, side_file, gate))
         except PolyLoopError as exc:
             outcomes[run_id] = f"{type(exc).__name__}: {exc}"
         else:
@@ -81,4 +94,5 @@ async def main(db: str, worker: str, runs: int, side_file: str, hold: list[str])
 if __name__ == "__main__":
     db, worker, runs, side_file, mode = sys.argv[1:6]
     hold = mode.removeprefix("hold=").split(",") if mode.startswith("hold=") else []
-    anyio.run(main, db, worker, int(runs), side_file, hold)
+    holder = worker if hold else mode.removeprefix("after=") if mode.startswith("after=") else None
+    anyio.run(main, db, worker, int(runs), side_file, hold, holder)

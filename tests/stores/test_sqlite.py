@@ -37,6 +37,7 @@ from polyloop import Replay, RunEnded, StopReason, resume, run, serialization
 from polyloop.ports import Store
 from polyloop.serialization import dumps
 from polyloop.stores import SqliteStore
+from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
     DurableStoreContract,
@@ -228,20 +229,22 @@ async def test_missing_parent_directories_are_created_and_synced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     synced: list[Path] = []
-    real_fsync_directory = sqlite_sql.fsync_directory
+    real_fsync_directory = OsFileOps.fsync_directory
 
-    def record(directory: Path) -> None:
+    def record(files: OsFileOps, directory: Path) -> None:
         synced.append(Path(directory))
-        real_fsync_directory(directory)
+        real_fsync_directory(files, directory)
 
-    monkeypatch.setattr(sqlite_sql, "fsync_directory", record)
+    monkeypatch.setattr(OsFileOps, "fsync_directory", record)
     path = tmp_path / "a" / "b" / "runs.db"
     async with SqliteStore(path) as store:
         await apply(store, sample_run("r1", steps=1))
         assert len((await store.read_log("r1")).records) > 0
     assert path.is_file()
-    # Each new directory's entry is synced into its parent, then the new file's entry.
-    assert synced == [tmp_path, tmp_path / "a", tmp_path / "a" / "b"]
+    # Each new directory's entry is synced into its parent, then the new file's entry,
+    # then, at the first claim, the entry of the claims directory beside it.
+    b = tmp_path / "a" / "b"
+    assert synced == [tmp_path, tmp_path / "a", b, b]
 
 
 @pytest.mark.parametrize("inside", ["runs.db", "b/runs.db"])

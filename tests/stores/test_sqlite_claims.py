@@ -67,7 +67,8 @@ async def test_a_worker_hung_with_the_write_lock_costs_the_others_a_wait_and_nob
     outcomes: dict[str, str] = {}
     try:
         for worker in WORKERS:
-            mode = "hold=" + ",".join(WORKERS) if worker == "A" else "work"
+            # No run records before the lock is held, so every run waits behind it.
+            mode = "hold=" + ",".join(WORKERS) if worker == "A" else "after=A"
             command = [sys.executable, single_host_agent.__file__, str(db), worker, str(RUNS)]
             workers[worker] = await anyio.open_process([*command, str(side_file), mode])
         try:
@@ -80,8 +81,10 @@ async def test_a_worker_hung_with_the_write_lock_costs_the_others_a_wait_and_nob
                 assert described is not None
                 assert (described.claimed, described.finished) == (True, False)
             # The others were under way when the lock was taken, and wait for it now.
-            waiting = [await reader.describe_run(f"{w}-{i}") for w in "BC" for i in range(RUNS)]
-            assert any(run is not None and not run.finished for run in waiting)
+            for i in range(RUNS):
+                for w in "BC":
+                    described = await reader.describe_run(f"{w}-{i}")
+                    assert described is not None and not described.finished
             await anyio.sleep(max(0.0, HANG_S - (time.monotonic() - hung_at)))
             assert [process.returncode for process in workers.values()] == [None, None, None]
         finally:

@@ -2,13 +2,12 @@
 
 Tables ``meta`` (the record format and the layout), ``records`` (one row per record, its
 body the line :func:`polyloop.serialization.dumps` writes) and ``runs`` (one row per run:
-where its log stands, whether it finished, its writer and claim epoch); ``docs/stores.md``
-describes them. The database runs in WAL mode on one connection, used by worker threads
-under the store mutex. The writes waiting at one moment share one transaction
-(:class:`Committer`), and each moves its run's row on under the writer's claim epoch or
-rolls back alone. A claim is a lock the operating system keeps for a living process, with
-no lease. Research records 0010 (durability), 0017 (claims), 0019 (one write path) and
-0032 (claims by locks) say why.
+where its log stands, whether it finished, its writer and claim epoch), described in
+``docs/stores.md``. One connection serves the worker threads under the store mutex; the
+writes waiting at one moment share a transaction, each run under a savepoint, moved on
+under the writer's claim epoch or rolled back alone; a claim is a locked byte. Research
+records 0010 (durability), 0017 (claims), 0019 (one write path), 0032 (claims by locks)
+and 0033 (one engine) say why.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -28,43 +28,15 @@ from anyio.lowlevel import EventLoopToken
 from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._byte_locks import HostClaims, OneHost
-from polyloop.stores._common import Claim, Write, WriterState
+from polyloop.stores._common import Claim, Write, WriterState, decode_row
 from polyloop.stores._engine import EngineStore
 from polyloop.stores._jsonl.fileops import OsFileOps
-from polyloop.stores._refusals import fence_refusal
+from polyloop.stores._refusals import fence_refusal, store_closed
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
-from polyloop.stores._sql.sqlite.sql import (
-    ADVANCE_RUN,
-    DESCRIBE_RUN,
-    DROP_UNSTARTED,
-    EXPLAIN_REFUSAL,
-    FREE_RUN,
-    INSERT,
-    LIST_RUNS,
-    LIST_UNFINISHED,
-    NEW_RUN,
-    PRUNABLE,
-    PRUNE_ROWS,
-    PRUNE_RUN,
-    SELECT_CLAIM,
-    SELECT_RUN,
-    SYNCHRONOUS_FULL,
-    SYNCHRONOUS_NORMAL,
-    TAKE_RUN,
-    Database,
-    Db,
-    decode_rows,
-    immediate,
-    rollback_quietly,
-    run_id_of,
-    run_key,
-)
-from polyloop.types import PolyLoopError, Record
-
-__all__ = ("SqliteStore",)
+from polyloop.stores._sql.sqlite import sql
+from polyloop.types import PolyLoopError, Record, StoreError
 
 logger = logging.getLogger("polyloop")
-_FILES = OsFileOps()
 
 
 class SqliteStore(EngineStore):
@@ -102,189 +74,214 @@ class SqliteStore(EngineStore):
 
 
 class Sqlite(OneHost):
-    """SQLite's dialect: one connection under the store mutex, shared commits, claims by
-    locked bytes. Every method but the two coroutines and :meth:`holds` runs in a worker
-    thread; those that touch the database hold the store mutex (``state.mutex``)."""
+    """SQLite's dialect: one connection, opened and checked at first use, shared commits,
+    claims by locked bytes. Every method but the two coroutines and :meth:`holds` runs in
+    a worker thread, to its end once started; those that touch the database hold the
+    store mutex (``state.mutex``), which is what makes one connection enough."""
 
     kind = "sqlite"
 
-    __slots__ = ("_database", "_owner", "claims", "group", "state")
+    __slots__ = ("_conn", "_full", "_owner", "_path", "claims", "group", "state")
 
     def __init__(self, path: Path) -> None:
         self.state = WriterState()
-        self._database = Database(path, self.state)  # opened at first use
+        self._path = path
+        self._conn: sqlite3.Connection | None = None
+        self._full: bool | None = True  # synchronous=FULL; None: unknown, a pragma failed
         directory = path.with_name(path.name + ".claims")
-        self.claims = HostClaims(directory, _FILES, self.state, inspect=self._take, free=self._free)
+        self.claims = HostClaims(
+            directory, OsFileOps(), self.state, inspect=self._take, free=self._free
+        )
         # What the rows of the runs this object claims say about their writer.
         self._owner = f"{socket.gethostname()} pid {os.getpid()}"
-        self.group = GroupCommit(Committer(self._database, self.claims).commit)
+        self.group = GroupCommit(self.commit)
 
     def claim(self, run_id: str, token: EventLoopToken) -> None:
-        with self.state.mutex:  # first: an error names the database, not its claims
-            self._database.connection(run_id)
+        self.open(run_id)  # first: an error names the database, not its claims
         self.claims.take(run_id)
 
     def read(self, run_id: str) -> tuple[Record, ...]:
         """Query under the store mutex, decode after releasing it."""
-        return decode_rows(self._database.path.name, run_id, self._select(SELECT_RUN, run_id))
+        rows, where = self._select(sql.SELECT_RUN, run_id), self._path.name
+        return tuple(
+            decode_row(body, run_id=run_id, kind=kind, location=f"{where}: run row seq {seq}")
+            for seq, kind, body in rows
+        )
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
-        return self._stored(self._select(LIST_UNFINISHED if unfinished_only else LIST_RUNS))
+        return self._stored(self._select(sql.LIST_UNFINISHED if unfinished_only else sql.LIST_RUNS))
 
     def describe(self, run_id: str) -> StoredRun | None:
-        rows = self._select(DESCRIBE_RUN, run_id)
+        rows = self._select(sql.DESCRIBE_RUN, run_id)
         return self._stored(rows)[0] if rows else None
 
     def prunable(self, cutoff: datetime) -> list[str]:
-        rows = self._select(PRUNABLE, None, cutoff.timestamp())
-        return [run_id_of(key) for (key,) in rows]
+        return [
+            sql.run_id_of(key) for (key,) in self._select(sql.PRUNABLE, None, cutoff.timestamp())
+        ]
 
     def delete(self, run_id: str, cutoff: datetime) -> bool:
         with self.state.mutex:
             if not self.claims.holds(run_id):
                 return False
-            claim = self.claims.held(run_id)
-            conn, key = self._database.connection(run_id).conn, run_key(run_id)
-            with self._database.reading(run_id), immediate(conn):
-                gone = conn.execute(PRUNE_RUN, (key, claim.epoch, cutoff.timestamp())).rowcount
+            claim, key = self.claims.held(run_id), sql.run_key(run_id)
+            with self._reading(run_id) as conn, sql.immediate(conn):
+                gone = conn.execute(sql.PRUNE_RUN, (key, claim.epoch, cutoff.timestamp())).rowcount
                 if gone:
-                    conn.execute(PRUNE_ROWS, (key,))
+                    conn.execute(sql.PRUNE_ROWS, (key,))
             if gone:
                 self.claims.ended(claim)
             return bool(gone)
 
-    def open(self) -> None:
-        with self.state.mutex, self._database.reading(None):
-            self._database.connection(None)
+    def open(self, run_id: str | None = None) -> None:
+        with self.state.mutex:
+            self._connection(run_id)
 
     def close(self) -> None:
         self.state.closed = True  # no claim or write is admitted from here on
         self.claims.close()  # every claim given up before the connection goes
         with self.state.mutex:
-            self._database.close()
+            conn, self._conn = self._conn, None
+            try:
+                if conn is not None:
+                    conn.close()
+            except sqlite3.Error as exc:
+                raise StoreError(f"closing {self._path.name} failed: {exc}") from exc
 
-    def _take(self, run_id: str) -> Claim:
-        """Name this object in the run's row and move its epoch on (its byte locked); a
-        new id gets a row with no record yet."""
-        with self.state.mutex, self._database.reading(run_id):
-            conn, key = self._database.connection(run_id).conn, run_key(run_id)
-            with immediate(conn):
-                row = conn.execute(SELECT_CLAIM, (key,)).fetchone()
-                if row is None:
-                    conn.execute(NEW_RUN, (key, time.time(), self._owner))
-                    return Claim(run_id=run_id, epoch=1)
-                epoch, next_seq, finished = row
-                conn.execute(TAKE_RUN, (self._owner, key))
-        return Claim(run_id=run_id, epoch=epoch + 1, next_seq=next_seq, finished=bool(finished))
+    def commit(self, writes: Sequence[Write]) -> Errors:
+        """One transaction for the writes waiting at one moment; one error or None each."""
+        with self.state.mutex:
+            batch = plan(writes, lambda index: self._admit(writes[index]))
+            if batch.runs:
+                self._transact(batch)
+            for run_id in batch.settle():
+                # The end record's own statement gave the writer up in the run's row.
+                self.claims.ended(batch.runs[run_id].claim)
+            return batch.errors
 
-    def _free(self, claim: Claim) -> None:
-        """Clear this writer from the run's row (a run never started loses it), whatever
-        the database says after: the byte, let go next, is the claim."""
-        key = run_key(claim.run_id)
+    def _connection(self, run_id: str | None) -> sqlite3.Connection:
+        if self.state.closed:
+            raise store_closed(run_id)
+        if self._conn is None:
+            self._conn = sql.connect(self._path, run_id)
+        return self._conn
+
+    @contextmanager
+    def _reading(self, run_id: str | None) -> Iterator[sqlite3.Connection]:
+        """The connection; a statement that fails is a ``StoreError``."""
         try:
-            with self.state.mutex:
-                db = self._database.opened
-                if db is not None:
-                    with immediate(db.conn):
-                        db.conn.execute(DROP_UNSTARTED, (key, claim.epoch))
-                        db.conn.execute(FREE_RUN, (key, claim.epoch))
-        except sqlite3.Error:
-            # The row names this writer until its next claim; it holds nothing.
-            logger.warning("run %r: could not clear its row's writer", claim.run_id, exc_info=True)
+            yield self._connection(run_id)
+        except sqlite3.Error as exc:
+            raise StoreError(f"read failed: {type(exc).__name__}: {exc}", run_id=run_id) from exc
 
     def _select(
         self, query: str, run_id: str | None = None, *more: object
     ) -> list[tuple[Any, ...]]:
         """The rows of ``query`` (about ``run_id``, if given), under the store mutex."""
-        parameters = (() if run_id is None else (run_key(run_id),)) + more
-        with self.state.mutex, self._database.reading(run_id):
-            return self._database.connection(run_id).conn.execute(query, parameters).fetchall()
+        parameters = (() if run_id is None else (sql.run_key(run_id),)) + more
+        with self.state.mutex, self._reading(run_id) as conn:
+            return conn.execute(query, parameters).fetchall()
 
     def _stored(self, rows: list[tuple[Any, ...]]) -> tuple[StoredRun, ...]:
         """Rows of the runs table; a run whose row names a writer is asked of its lock."""
-        named = [run_id_of(key) for key, _, _, owner in rows if owner is not None]
+        named = [sql.run_id_of(key) for key, _, _, owner in rows if owner is not None]
         claimed = dict(zip(named, self.claims.claimed(named), strict=True))
         return tuple(
             StoredRun(
-                run_id=run_id_of(key),
+                run_id=sql.run_id_of(key),
                 finished=bool(finished),
-                claimed=claimed.get(run_id_of(key), False),
+                claimed=claimed.get(sql.run_id_of(key), False),
                 updated_at=datetime.fromtimestamp(updated_at, UTC),
                 owner=owner,
             )
             for key, finished, updated_at, owner in rows
         )
 
+    def _take(self, run_id: str) -> Claim:
+        """Name this object in the run's row and move its epoch on (its byte locked); a
+        new id gets a row with no record yet."""
+        key = sql.run_key(run_id)
+        with self.state.mutex, self._reading(run_id) as conn, sql.immediate(conn):
+            row = conn.execute(sql.SELECT_CLAIM, (key,)).fetchone()
+            if row is None:
+                conn.execute(sql.NEW_RUN, (key, time.time(), self._owner))
+                return Claim(run_id=run_id, epoch=1)
+            conn.execute(sql.TAKE_RUN, (self._owner, key))
+        epoch, finished, next_seq = row
+        return Claim(run_id=run_id, epoch=epoch + 1, next_seq=next_seq, finished=bool(finished))
 
-class Committer:
-    """Commits one store object's batches of writes, each in one ``BEGIN IMMEDIATE`` ...
-    ``COMMIT`` under the store mutex, in a worker thread that runs to its end once
-    started. The batch is planned as every database store plans one
-    (:mod:`~polyloop.stores._sql.planning`); each run then writes under a savepoint of its
-    own, so a run refused by the fence rolls back alone. A batch holding a barrier
-    commits with ``synchronous=FULL``, any other with ``NORMAL``."""
-
-    __slots__ = ("_claims", "_database")
-
-    def __init__(self, database: Database, claims: HostClaims) -> None:
-        self._database = database
-        self._claims = claims
-
-    def commit(self, writes: Sequence[Write]) -> Errors:
-        """One transaction for ``writes``; one error or None each."""
-        with self._database.state.mutex:
-            batch = plan(writes, lambda index: self._admit(writes[index]))
-            if batch.runs:
-                db = self._database.opened
-                assert db is not None  # _admit opened it
-                self._transact(db, batch, self.level(batch))
-            for run_id in batch.settle():
-                # The end record's own statement gave the writer up in the run's row.
-                self._claims.ended(batch.runs[run_id].claim)
-            return batch.errors
-
-    def level(self, batch: Plan) -> int:
-        """The ``synchronous`` level of the transaction: ``FULL`` if a barrier is in it."""
-        return SYNCHRONOUS_FULL if batch.barrier else SYNCHRONOUS_NORMAL
+    def _free(self, claim: Claim) -> None:
+        """Clear this writer from the run's row (a run never started loses it), whatever
+        the database says after: the byte, let go next, is the claim."""
+        key = sql.run_key(claim.run_id)
+        try:
+            with self.state.mutex:
+                if (conn := self._conn) is not None:
+                    with sql.immediate(conn):
+                        conn.execute(sql.DROP_UNSTARTED, (key, claim.epoch))
+                        conn.execute(sql.FREE_RUN, (key, claim.epoch))
+        except sqlite3.Error:
+            # The row names this writer until its next claim; it holds nothing.
+            logger.warning("run %r: could not clear its row's writer", claim.run_id, exc_info=True)
 
     def _admit(self, write: Write) -> Claim:
-        """The claim the write is made under; make sure the connection is open."""
-        claim = self._claims.held(write.run_id)
-        self._database.connection(write.run_id)
+        """The claim the write is made under, the connection opened."""
+        claim = self.claims.held(write.run_id)
+        self._connection(write.run_id)
         return claim
 
-    def _transact(self, db: Db, batch: Plan, level: int) -> None:
-        """Write the planned runs in one transaction, each under a savepoint when there
-        are several, so that a refused or failed run is undone alone. A failure that
-        ends the transaction fails every run still standing."""
-        conn, savepoints = db.conn, len(batch.runs) > 1
+    def _transact(self, batch: Plan) -> None:
+        """Write the planned runs in one transaction, with ``synchronous=FULL`` if a
+        barrier is among them, else ``NORMAL``. A failure that ends the transaction fails
+        every run still standing."""
+        conn = self._conn
+        assert conn is not None  # _admit opened it
         try:
-            db.synchronous(level)
+            if self._full is not batch.barrier:  # SQLite takes it only between transactions
+                self._full = None  # unknown until the pragma returns
+                conn.execute(f"PRAGMA synchronous={'FULL' if batch.barrier else 'NORMAL'}")
+                self._full = batch.barrier
             conn.execute("BEGIN IMMEDIATE")
             for run in batch.runs.values():
-                self._write_run(conn, batch, run, savepoint=savepoints)
+                self._write_run(conn, batch, run, savepoint=len(batch.runs) > 1)
             written = any(batch.written(run) for run in batch.runs.values())
             conn.execute("COMMIT" if written else "ROLLBACK")
         except (sqlite3.Error, OSError) as exc:
-            rollback_quietly(conn)
+            sql.rollback_quietly(conn)
             for run in batch.runs.values():
-                batch.refuse(run, self._database.state.fail(run.run_id, exc))
+                batch.refuse(run, self.state.fail(run.run_id, exc))
 
     def _write_run(
         self, conn: sqlite3.Connection, batch: Plan, run: RunPlan, *, savepoint: bool
     ) -> None:
-        """Insert one run's rows and move its row on; raises only when the failure ended
-        the whole transaction."""
+        """Insert one run's rows and move its row on past the fence, under a savepoint when
+        the run is not alone, so that it is undone alone. Raises only when the failure
+        ended the whole transaction."""
         if savepoint:
             conn.execute("SAVEPOINT run")
-        key = run_key(run.run_id)
+        key, epoch = sql.run_key(run.run_id), run.claim.epoch
         try:
-            conn.executemany(INSERT, [(key, seq, kind, body) for seq, kind, body in run.rows()])
-            self._advance(conn, run, key)
+            conn.executemany(sql.INSERT, [(key, *row) for row in run.rows()])
+            moved = conn.execute(
+                sql.ADVANCE_RUN,
+                (
+                    run.next_seq,
+                    run.final,
+                    run.reason,
+                    time.time(),
+                    run.ends,
+                    key,
+                    epoch,
+                    run.first_seq,
+                ),
+            )
+            if moved.rowcount != 1:  # another writer claimed the run since, or it ended
+                row = conn.execute(sql.SELECT_CLAIM, (key,)).fetchone()
+                raise fence_refusal(run.run_id, epoch=epoch, row=row, start=run.start)
         except PolyLoopError as refused:  # by the fence: nothing of the run may stay
             batch.refuse(run, refused)
         except sqlite3.Error as exc:
-            batch.refuse(run, self._database.state.fail(run.run_id, exc))
+            batch.refuse(run, self.state.fail(run.run_id, exc))
             if not conn.in_transaction:
                 raise
         else:
@@ -294,27 +291,6 @@ class Committer:
         if savepoint:  # alone in its transaction, the run is undone by its rollback
             conn.execute("ROLLBACK TO run")
             conn.execute("RELEASE run")
-
-    def _advance(self, conn: sqlite3.Connection, run: RunPlan, key: object) -> None:
-        """Move the run's row on, in the run's transaction; refuse what the row does not
-        expect (another writer claimed the run since, or it ended)."""
-        epoch = run.claim.epoch
-        moved = conn.execute(
-            ADVANCE_RUN,
-            (
-                run.next_seq,
-                run.final,
-                run.reason,
-                time.time(),
-                run.ends,
-                key,
-                epoch,
-                run.first_seq,
-            ),
-        )
-        if moved.rowcount != 1:
-            row = conn.execute(EXPLAIN_REFUSAL, (key,)).fetchone()
-            raise fence_refusal(run.run_id, epoch=epoch, row=row, start=run.start)
 
 
 SqliteStore._DIALECT = Sqlite
