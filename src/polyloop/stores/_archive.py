@@ -1,9 +1,6 @@
-"""Pruning finished runs, each under its claim, and the archive a pruned run's log goes to first.
-
-The archive is a directory in the JSON-lines store's format, one file per run, written
-whole and synced before the run is deleted: a crash in between leaves the run in both
-places. Research record 0018 (point 7) says why.
-"""
+"""Pruning finished runs, each under its claim, archived first if asked: into a directory
+in the JSON-lines store's format, each file written whole and synced before the run is
+deleted, so a crash in between leaves the run in both places (research record 0018)."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ from polyloop.stores._common import RELEASE_GRACE_S, fsync_directory, safe_name
 from polyloop.stores._jsonl.reader import SUFFIX, log_lines
 from polyloop.types import RunEnded, RunLocked, RunLog, StopReason
 
-__all__ = ("check_cutoff", "prune_runs")
-
+Archive = str | os.PathLike[str] | None
 Delete = Callable[[str], Awaitable[bool]]
 
 
@@ -35,7 +31,6 @@ def check_cutoff(finished_before: datetime) -> datetime:
 
 
 def _write_archive(directory: Path, log: RunLog) -> None:
-    """Write ``log`` durably into the archive ``directory`` (blocking)."""
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"{safe_name(log.run_id)}{SUFFIX}"
     partial = final.with_name(final.name + ".partial")
@@ -48,7 +43,7 @@ def _write_archive(directory: Path, log: RunLog) -> None:
 
 
 async def prune_runs(
-    store: Store, candidates: Iterable[str], *, archive: Path | None, delete: Delete
+    store: Store, candidates: Iterable[str], *, archive: Archive, delete: Delete
 ) -> tuple[str, ...]:
     """Prune each finished candidate under its claim; the ids of the runs deleted.
 
@@ -67,7 +62,7 @@ async def prune_runs(
             ends = [end for end in log.records[-1:] if isinstance(end, RunEnded) and end.is_final]
             if ends and ends[0].stop_reason is not StopReason.IN_DOUBT:
                 if archive is not None:
-                    await anyio.to_thread.run_sync(_write_archive, archive, log)
+                    await anyio.to_thread.run_sync(_write_archive, Path(archive), log)
                 deleted = await delete(run_id)
         finally:
             if not deleted:

@@ -1,8 +1,6 @@
 """Shared commits: the writes that wait at the same moment share one worker-thread hop.
-
-Under light load each write is a batch of its own; batches grow only while the worker
-threads are busy, which is when sharing pays. Research records 0013 and 0019 say why.
-"""
+Batches grow only while the worker threads are busy, which is when sharing pays
+(research records 0013 and 0019)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,6 @@ from typing import Generic, TypeVar
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-
-__all__ = ("GroupCommit",)
 
 _T = TypeVar("_T")
 

@@ -1,10 +1,9 @@
-"""The one engine of the durable stores: the store port over a backend.
+"""The one engine of the durable stores: the store port over a backend (research record 0033).
 
 What ``JsonlStore``, ``SqliteStore`` and ``PostgresStore`` do alike is written here once:
 the public methods, the one value each write becomes (:class:`Write`), the hops to worker
 threads, pruning under claims, closing. A backend supplies what differs: where records
-live (files, a database), how they are read, and how a run is claimed (a locked byte, or
-an owner with a lease). Every blocking call of a backend runs in a worker thread.
+live, how they are read, and how a run is claimed (a locked byte, or an owner with a lease).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import os
 from collections.abc import Mapping
 from datetime import datetime
 from functools import partial
-from pathlib import Path
 from typing import Protocol, Self
 
 import anyio
@@ -38,50 +36,31 @@ from polyloop.types import (
     StoreError,
 )
 
-__all__ = ("Backend", "EngineStore")
-
 
 class Backend(Protocol):
-    """What the engine needs of a store's backend. Every method but :meth:`submit`,
-    :meth:`confirm` and :meth:`holds` blocks, and runs in a worker thread."""
+    """What the engine needs of a store's backend. Every call blocks, and runs in a worker
+    thread, but the coroutines and :meth:`holds` (which does no I/O). ``claim`` raises
+    ``RunLocked`` if anyone holds the run; ``release`` gives it up writing no record;
+    ``confirm`` returns only if an effect of the run may start now; ``submit`` commits a
+    write in a shared commit; ``read`` checks each record against where it is kept;
+    ``prunable`` lists the runs nobody holds that finished, not in doubt, before the
+    cutoff; ``delete`` deletes one this object holds, if it still may go; ``close`` gives
+    up every claim, then every resource."""
 
     kind: str
 
-    def claim(self, run_id: str, token: EventLoopToken) -> None:
-        """Become the run's writer, or raise ``RunLocked``."""
-
-    def release(self, run_id: str) -> None:
-        """Give the claim up, writing no record."""
-
-    def holds(self, run_id: str) -> bool:
-        """Whether this store object holds the run's claim (no I/O)."""
-
-    async def confirm(self, run_id: str) -> None:
-        """Return only if an effect of the run may start now (``check_claim``)."""
-
-    async def submit(self, write: Write) -> None:
-        """Commit ``write``, in a shared commit, before returning."""
-
-    def read(self, run_id: str) -> tuple[Record, ...]:
-        """Every record of the run, each checked against where it is kept."""
-
-    def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
-        """Every started run (only unfinished ones if asked), in the order they started."""
-
-    def describe(self, run_id: str) -> StoredRun | None:
-        """The run as :meth:`runs` lists it."""
-
-    def prunable(self, cutoff: datetime) -> list[str]:
-        """The runs nobody holds that finished, not in doubt, before ``cutoff``."""
-
-    def delete(self, run_id: str, cutoff: datetime) -> bool:
-        """Delete a run this object holds the claim of, if it still may go."""
-
-    def open(self) -> None:
-        """Open and check the store now rather than at first use."""
-
-    def close(self) -> None:
-        """Give up every claim, then release every resource."""
+    def claim(self, run_id: str, token: EventLoopToken) -> None: ...
+    def release(self, run_id: str) -> None: ...
+    def holds(self, run_id: str) -> bool: ...
+    async def confirm(self, run_id: str) -> None: ...
+    async def submit(self, write: Write) -> None: ...
+    def read(self, run_id: str) -> tuple[Record, ...]: ...
+    def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]: ...
+    def describe(self, run_id: str) -> StoredRun | None: ...
+    def prunable(self, cutoff: datetime) -> list[str]: ...
+    def delete(self, run_id: str, cutoff: datetime) -> bool: ...
+    def open(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class EngineStore(ClosedOnExit):
@@ -98,16 +77,13 @@ class EngineStore(ClosedOnExit):
         still resumes."""
         return {"kind": self._backend.kind, "format": FORMAT}
 
-    # -- the Store protocol ---------------------------------------------------------------
-
     async def claim_run(self, run_id: str) -> None:
         """Become the run's writer and move its claim epoch on; ``RunLocked`` (naming the
         holder where the database knows it) if a living writer, this object included,
         holds it."""
         backend, token = self._backend, anyio.lowlevel.current_token()
-        await claim_in_thread(
-            partial(backend.claim, run_id, token), partial(backend.release, run_id), run_id=run_id
-        )
+        claim, release = partial(backend.claim, run_id, token), partial(backend.release, run_id)
+        await claim_in_thread(claim, release, run_id=run_id)
 
     async def release_run(self, run_id: str) -> None:
         """Give up the claim, writing no record (a run never started leaves no trace)."""
@@ -122,46 +98,34 @@ class EngineStore(ClosedOnExit):
     async def start_run(self, record: RunStarted) -> None:
         """Write the run's first record, a durable barrier; ``RunAlreadyExists`` if the
         run has any record."""
-        await self._backend.submit(
-            Write(record.run_id, [record_row(record)], start=True, barrier=True)
-        )
+        await self._write(record, start=True, barrier=True)
 
     async def write_intent(self, intent: Intent) -> None:
         """Write an intent, a durable barrier."""
-        await self._backend.submit(Write(intent.run_id, [record_row(intent)], barrier=True))
+        await self._write(intent, barrier=True)
 
     async def write_result(self, result: Result) -> None:
         """Write the result of a model call; committed, not necessarily durable."""
-        await self._backend.submit(Write(result.run_id, [record_row(result)]))
+        await self._write(result)
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
         """Write the action result (if any) and the step record in one transaction."""
         if action_result is None:
-            await self._backend.submit(Write(step.run_id, [record_row(step)]))
-            return
-        if action_result.run_id != step.run_id:
+            await self._write(step)
+        elif action_result.run_id != step.run_id:
             raise StoreError(
                 f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
             )
-        await self._backend.submit(
-            Write(step.run_id, [record_row(action_result), record_row(step)])
-        )
+        else:
+            await self._write(action_result, step)
 
     async def write_review(self, record: Review) -> None:
         """Write a proposal, verdict or settlement, a durable barrier like an intent."""
-        await self._backend.submit(Write(record.run_id, [record_row(record)], barrier=True))
+        await self._write(record, barrier=True)
 
     async def end_run(self, record: RunEnded) -> None:
         """Write the run's end record and give up the claim, in one transaction."""
-        await self._backend.submit(
-            Write(
-                record.run_id,
-                [record_row(record)],
-                end=True,
-                final=record.is_final,
-                reason=record.stop_reason.value,
-            )
-        )
+        await self._write(record)
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id`` in write order; empty if the run has none.
@@ -199,8 +163,8 @@ class EngineStore(ClosedOnExit):
         return await prune_runs(
             self,
             candidates,
-            archive=Path(archive) if archive is not None else None,
-            delete=partial(self._delete_claimed, cutoff=cutoff),
+            archive=archive,
+            delete=lambda run_id: anyio.to_thread.run_sync(self._backend.delete, run_id, cutoff),
         )
 
     async def aclose(self) -> None:
@@ -216,5 +180,9 @@ class EngineStore(ClosedOnExit):
         await anyio.to_thread.run_sync(self._backend.open)
         return self
 
-    async def _delete_claimed(self, run_id: str, *, cutoff: datetime) -> bool:
-        return await anyio.to_thread.run_sync(self._backend.delete, run_id, cutoff)
+    async def _write(self, *records: Record, start: bool = False, barrier: bool = False) -> None:
+        last = records[-1]
+        write = Write(last.run_id, [record_row(r) for r in records], start=start, barrier=barrier)
+        if isinstance(last, RunEnded):  # the claim is given up with it
+            write.end, write.final, write.reason = True, last.is_final, last.stop_reason.value
+        await self._backend.submit(write)

@@ -1,10 +1,7 @@
-"""Owner leases: how a store object serving a fleet keeps its claims, and how it loses them.
-
-A keeper thread renews the lease while the event loop shows it lives; once the lease's
-deadline passes, its claims are lost for good and the store takes a new owner id.
-Research records 0018 (owners), 0029 (signs of life) and 0031 (no effect without the
-lease, and the state machine in :mod:`~polyloop.stores._lease_state`) say why.
-"""
+"""Owner leases: a keeper thread renews the lease while the event loop shows it lives;
+once the deadline passes, the claims are lost for good and the store takes a new owner
+id. Research records 0018 (owners), 0029 (signs of life) and 0031 (no effect without the
+lease; the state machine is :mod:`~polyloop.stores._lease_state`) say why."""
 
 from __future__ import annotations
 
@@ -23,8 +20,6 @@ from anyio.lowlevel import EventLoopToken
 from polyloop.stores._lease_state import LeasePhase, LeaseState
 from polyloop.types import InvalidRequest, LeaseLost
 
-__all__ = ("Clock", "Lease", "Wait", "check_lease_s", "lease_clock")
-
 logger = logging.getLogger("polyloop")
 
 Clock = Callable[[], float]
@@ -35,15 +30,15 @@ _RENEWALS_PER_LEASE = 3  # a renewal may fail or come late twice and the lease s
 _RETRIES_PER_LEASE = 12  # a failed renewal is tried again after this part of a lease
 _LOOKS_PER_LEASE = 48  # an effect waiting on a late lease looks again this often
 _BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+_STALL = (
+    "the event loop took %.1f s to let owner %s renew its %g s lease: a stall as long as the "
+    "lease loses every run (drive fewer runs per process, or raise lease_s above the longest stall)"
+)
 _ANSWERS = {
     True: LeaseState.renewal_confirmed,
     False: LeaseState.renewal_refused,
     None: LeaseState.renewal_failed,
 }
-_STALL_WARNING = (
-    "the event loop took %.1f s to let owner %s renew its %g s lease: a stall as long as the "
-    "lease loses every run (drive fewer runs per process, or raise lease_s above the longest stall)"
-)
 
 
 def lease_clock() -> float:
@@ -216,5 +211,5 @@ class Lease:
                 waited, self._waiting_since = self.clock() - began, None
                 self._longest_wait_s = max(self._longest_wait_s, waited)
         if waited >= self.lease_s / _RENEWALS_PER_LEASE:
-            logger.warning(_STALL_WARNING, waited, owner_id, self.lease_s)
+            logger.warning(_STALL, waited, owner_id, self.lease_s)
         return True

@@ -6,7 +6,6 @@ import os
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from pathlib import Path
 
 from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
@@ -70,35 +69,30 @@ class MemoryStore(ClosedOnExit):
 
     async def start_run(self, record: RunStarted) -> None:
         """Keep the first record of a run."""
-        self._check_claimed(record.run_id)
-        records = self._runs.get(record.run_id)
-        check_order(record.run_id, start=True, started=bool(records), finished=False)
-        self._runs[record.run_id] = [record]
-        self._updated[record.run_id] = time.time()
+        self._keep(record, start=True)
 
     async def write_intent(self, intent: Intent) -> None:
         """Keep an intent (memory is as durable as this store gets)."""
-        self._records(intent.run_id).append(intent)
+        self._keep(intent)
 
     async def write_result(self, result: Result) -> None:
         """Keep a model result."""
-        self._records(result.run_id).append(result)
+        self._keep(result)
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
         """Keep a step and its action result together."""
-        if action_result is not None and action_result.run_id != step.run_id:
+        if action_result is None:
+            self._keep(step)
+        elif action_result.run_id != step.run_id:
             raise StoreError(
-                f"the action result belongs to run {action_result.run_id!r}",
-                run_id=step.run_id,
+                f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
             )
-        records = self._records(step.run_id)
-        if action_result is not None:
-            records.append(action_result)
-        records.append(step)
+        else:
+            self._keep(action_result, step)
 
     async def write_review(self, record: Review) -> None:
         """Keep a proposal, a verdict or a settlement."""
-        self._records(record.run_id).append(record)
+        self._keep(record)
 
     async def read_log(self, run_id: str) -> RunLog:
         """Every record of ``run_id``, in write order."""
@@ -107,7 +101,7 @@ class MemoryStore(ClosedOnExit):
 
     async def end_run(self, record: RunEnded) -> None:
         """Keep the end record and give up the claim."""
-        self._records(record.run_id).append(record)
+        self._keep(record)
         self._claims.discard(record.run_id)
 
     async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
@@ -136,12 +130,7 @@ class MemoryStore(ClosedOnExit):
             for run_id, records in self._runs.items()
             if _finished(records) and self._updated[run_id] < cutoff.timestamp()
         ]
-        return await prune_runs(
-            self,
-            candidates,
-            archive=Path(archive) if archive is not None else None,
-            delete=self._delete_claimed,
-        )
+        return await prune_runs(self, candidates, archive=archive, delete=self._delete_claimed)
 
     async def _delete_claimed(self, run_id: str) -> bool:
         self._claims.discard(run_id)
@@ -153,9 +142,6 @@ class MemoryStore(ClosedOnExit):
         the object."""
         self._closed = True
         self._claims.clear()
-
-    async def __aenter__(self) -> MemoryStore:
-        return self
 
     def _stored(self, run_id: str) -> StoredRun:
         return StoredRun(
@@ -174,13 +160,14 @@ class MemoryStore(ClosedOnExit):
         if run_id not in self._claims:
             raise not_claimed(run_id)
 
-    def _records(self, run_id: str) -> list[Record]:
-        """The records of a claimed, started, unfinished run, its time updated."""
+    def _keep(self, *records: Record, start: bool = False) -> None:
+        """Append to a claimed run, in the order every store keeps."""
+        run_id = records[0].run_id
         self._check_claimed(run_id)
-        records = self._runs.get(run_id, [])
-        check_order(run_id, start=False, started=bool(records), finished=_finished(records))
+        kept = self._runs.get(run_id, [])
+        check_order(run_id, start=start, started=bool(kept), finished=_finished(kept))
+        self._runs.setdefault(run_id, []).extend(records)
         self._updated[run_id] = time.time()
-        return records
 
     def __repr__(self) -> str:
         return f"MemoryStore(runs={len(self._runs)})"

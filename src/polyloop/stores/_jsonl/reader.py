@@ -20,8 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from polyloop.serialization import dumps, loads
-from polyloop.stores._byte_locks import open_failed
-from polyloop.stores._common import safe_name
+from polyloop.stores._common import open_failed, safe_name
 from polyloop.stores._jsonl.fileops import FileOps
 from polyloop.types import (
     CorruptLog,
@@ -35,68 +34,42 @@ from polyloop.types import (
     StoreError,
 )
 
-__all__ = (
-    "COMMON_FLAGS",
-    "SUFFIX",
-    "complete_end",
-    "decode_line",
-    "first_run_id",
-    "last_end",
-    "line",
-    "log_lines",
-    "parse_lines",
-    "read_file",
-    "refuse_link",
-    "require_regular",
-    "run_file",
-)
-
 SUFFIX = ".jsonl"
-_NOT_FOLLOWED = {errno.ELOOP, errno.EMLINK}  # what O_NOFOLLOW reports for a link
 # O_NONBLOCK only matters if something other than a regular file was planted at the
 # path (a FIFO would otherwise block the open); regular files ignore it.
 COMMON_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_READ_FLAGS = os.O_RDONLY | COMMON_FLAGS
-_TAIL_CHUNK = 64 * 1024
-_READ_CHUNK = 1024 * 1024
-_JSON_SPACE = " \t\r"
+_CHUNK = 64 * 1024
+_SPACE = " \t\r"  # what JSON skips between tokens on one line
 _DECODER = json.JSONDecoder()
 
 
-# -- reading files ------------------------------------------------------------------------
-
-
 def complete_end(files: FileOps, fd: int) -> tuple[int, int]:
-    """``(end of the last complete line, file size)``, scanning back from the end."""
+    """``(end of the last complete line, file size)``."""
     size = files.fstat(fd).st_size
-    position = size
+    return _line_start(files, fd, size), size
+
+
+def _line_start(files: FileOps, fd: int, end: int) -> int:
+    """Just after the last ``\\n`` before ``end`` (0 if none), scanning back in chunks."""
+    position = end
     while position > 0:
-        start = max(0, position - _TAIL_CHUNK)
+        start = max(0, position - _CHUNK)
         chunk = files.pread(fd, position - start, start)
         if len(chunk) != position - start:
             raise OSError(errno.EIO, "the run file shrank while it was being read")
         newline = chunk.rfind(b"\n")
         if newline >= 0:
-            return start + newline + 1, size
+            return start + newline + 1
         position = start
-    return 0, size
+    return 0
 
 
 def last_end(files: FileOps, fd: int, end: int, location: str) -> RunEnded | None:
-    """The end record on the last complete line (ending at ``end``), if that is one.
-
-    A line that does not decode says ``None``: whoever reads the whole log is told why.
-    """
-    start = end - 1
-    while start > 0:
-        begin = max(0, start - _TAIL_CHUNK)
-        newline = files.pread(fd, start - begin, begin).rfind(b"\n")
-        if newline >= 0:
-            start = begin + newline + 1
-            break
-        start = begin
+    """The end record on the last complete line (ending at ``end``), if that is one; a
+    line that does not decode says ``None`` (whoever reads the whole log is told why)."""
+    start = _line_start(files, fd, end - 1)
     line = files.pread(fd, end - 1 - start, start)
-    if not line.lstrip(_JSON_SPACE.encode()).startswith(b"{"):
+    if not line.lstrip(_SPACE.encode()).startswith(b"{"):
         return None  # a result-and-step pair, or not a record at all
     try:
         (record,) = decode_line(line, location)
@@ -108,16 +81,14 @@ def last_end(files: FileOps, fd: int, end: int, location: str) -> RunEnded | Non
 @contextmanager
 def run_file(files: FileOps, path: Path, run_id: str | None) -> Iterator[int | None]:
     """A descriptor to read the run file at ``path`` (``None`` if there is none), closed
-    after; refuses links and special files, and a failed read is a ``StoreError`` naming
-    the run (or the file, when the run is not known yet)."""
+    after; a failed read is a ``StoreError`` naming the run (or else the file)."""
     try:
-        fd = files.open(path, _READ_FLAGS)
+        fd = files.open(path, os.O_RDONLY | COMMON_FLAGS)
     except FileNotFoundError:
         yield None
         return
     except OSError as exc:
-        refuse_link(exc, run_id)
-        raise open_failed(exc, run_id, "the run file") from exc
+        raise cannot_open(exc, run_id) from exc
     try:
         require_regular(files, fd, run_id)
         yield fd
@@ -140,10 +111,7 @@ def read_file(files: FileOps, path: Path, run_id: str) -> bytes:
 def _read_until(files: FileOps, fd: int, stop: bytes | None) -> bytes:
     """Read from the descriptor's position to the end, or until a chunk holds ``stop``."""
     chunks: list[bytes] = []
-    while True:
-        chunk = files.read(fd, _READ_CHUNK)
-        if not chunk:
-            break
+    while chunk := files.read(fd, 1024 * 1024):
         chunks.append(chunk)
         if stop is not None and stop in chunk:
             break
@@ -156,13 +124,10 @@ def first_run_id(files: FileOps, path: Path) -> str | None:
         if fd is None:
             return None  # removed while the directory was being listed
         head = _read_until(files, fd, b"\n")
-    newline = head.find(b"\n")
-    line = head if newline < 0 else head[: newline + 1]
-    if not line.endswith(b"\n"):
+    if b"\n" not in head:
         return None
     location = f"{path.name}:1"
-    records = decode_line(line[:-1], location)
-    run_id = records[0].run_id
+    run_id = decode_line(head[: head.index(b"\n")], location)[0].run_id
     if f"{safe_name(run_id)}{SUFFIX}" != path.name:
         raise CorruptLog(
             "the file holds a run whose id does not match the file name",
@@ -172,19 +137,16 @@ def first_run_id(files: FileOps, path: Path) -> str | None:
     return run_id
 
 
-def refuse_link(exc: OSError, run_id: str | None) -> None:
-    if exc.errno in _NOT_FOLLOWED:
-        raise StoreError(
-            "the run file is a symbolic link; refusing to follow it", run_id=run_id
-        ) from exc
+def cannot_open(exc: OSError, run_id: str | None) -> StoreError:
+    """Why the run file would not open; a symbolic link is refused by name."""
+    if exc.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW reports for a link
+        return StoreError("the run file is a symbolic link; refusing to follow it", run_id=run_id)
+    return open_failed(exc, run_id, "the run file")
 
 
 def require_regular(files: FileOps, fd: int, run_id: str | None) -> None:
     if not stat.S_ISREG(files.fstat(fd).st_mode):
         raise StoreError("the run file is not a regular file", run_id=run_id)
-
-
-# -- lines --------------------------------------------------------------------------------
 
 
 def line(bodies: Iterable[str]) -> bytes:
@@ -208,9 +170,6 @@ def log_lines(records: tuple[Record, ...]) -> bytes:
         else:
             lines.append(line((dumps(record),)))
     return b"".join(lines)
-
-
-# -- parsing ------------------------------------------------------------------------------
 
 
 def parse_lines(data: bytes, file_name: str, run_id: str) -> list[Record]:
@@ -246,7 +205,7 @@ def decode_line(piece: bytes, location: str) -> list[Record]:
         text = piece.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CorruptLog(f"the line is not UTF-8: {exc}", location=location) from exc
-    stripped = text.lstrip(_JSON_SPACE)
+    stripped = text.lstrip(_SPACE)
     if stripped.startswith("["):
         return list(_decode_pair(stripped, location))
     return [loads(text, location=location)]
@@ -269,7 +228,7 @@ def _decode_pair(text: str, location: str) -> tuple[Result, StepRecord]:
                 f"a record pair expects {closer!r} at column {position + 1}", location=location
             )
         position += 1
-    if text[position:].strip(_JSON_SPACE):
+    if text[position:].strip(_SPACE):
         raise CorruptLog("text after a record pair", location=location)
     result, step = parts
     if not isinstance(result, Result) or not isinstance(step, StepRecord):
@@ -278,6 +237,6 @@ def _decode_pair(text: str, location: str) -> tuple[Result, StepRecord]:
 
 
 def _skip_space(text: str, position: int) -> int:
-    while position < len(text) and text[position] in _JSON_SPACE:
+    while position < len(text) and text[position] in _SPACE:
         position += 1
     return position
