@@ -39,8 +39,7 @@ from agent_kit import (
 )
 from polyloop import resume, run
 from polyloop.serialization import dumps
-from polyloop.stores import JsonlStore
-from polyloop.stores import _common
+from polyloop.stores import JsonlStore, _common
 from polyloop.stores._common import fsync_directory as real_fsync_directory
 from polyloop.stores._common import safe_name
 from polyloop.stores._jsonl.fileops import OsFileOps

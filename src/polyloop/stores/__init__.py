@@ -6,9 +6,8 @@
 * :class:`PostgresStore`: a PostgreSQL database shared by many workers on many hosts
   (needs the ``postgres`` extra: psycopg 3 and psycopg-pool).
 
-The durable stores are imported on first use, so ``import polyloop.stores`` needs no
-optional package.
-"""
+The durable stores are imported on first use: ``import polyloop.stores`` needs no
+optional package."""
 
 from __future__ import annotations
 

@@ -45,11 +45,8 @@ def _write_archive(directory: Path, log: RunLog) -> None:
 async def prune_runs(
     store: Store, candidates: Iterable[str], *, archive: Archive, delete: Delete
 ) -> tuple[str, ...]:
-    """Prune each finished candidate under its claim; the ids of the runs deleted.
-
-    ``delete(run_id)`` is the store's own deletion under the claim: it checks again what
-    it can in the same step, gives the claim up with the run, and says whether it did.
-    """
+    """Prune each finished candidate under its claim; the ids deleted. ``delete(run_id)``
+    checks again, gives the claim up with the run, and says whether it deleted it."""
     pruned: list[str] = []
     for run_id in candidates:
         try:

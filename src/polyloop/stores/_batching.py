@@ -34,8 +34,7 @@ class GroupCommit(Generic[_T]):
 
     ``commit(items)`` blocks and returns, per item, ``None`` once it is durable or the
     error its caller must see; what it raises is every item's error. Up to ``parallel``
-    batches run at once (more than one for files, whose syncs the disk can overlap).
-    """
+    batches run at once."""
 
     __slots__ = ("_active", "_commit", "_open", "_parallel")
 
@@ -102,7 +101,6 @@ class GroupCommit(Generic[_T]):
                 self._open.turn.set()
 
     def _commit_all(self, entries: Sequence[_Entry[_T]]) -> None:
-        """Run the commit (in a worker thread) and give each entry its outcome."""
         try:
             errors = list(self._commit([entry.item for entry in entries]))
         except Exception as exc:  # noqa: BLE001 -- every item shares the fate of the commit

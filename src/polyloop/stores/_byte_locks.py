@@ -1,12 +1,9 @@
-"""Claims held by the operating system, for the stores of one host (JSON lines, SQLite).
+"""Claims the operating system holds, for the stores of one host (JSON lines, SQLite).
 
 Run ``R`` is claimed by the write lock on one byte, drawn from ``R``, of one of 16 lock
-files ``.claims-<shard>.lock``, taken through a descriptor the store object keeps open.
-The lock belongs to the open description: a second store object, in this process or
-another, is refused, and the kernel lets it go when the description is closed or the
-process dies. A hung process keeps it. Research records 0027 (bounded open files) and
-0032 (SQLite, a store for one host) say why.
-"""
+files, through a descriptor the store object keeps open: a second store object is
+refused, and the kernel lets the lock go when the process dies (a hung one keeps it).
+Research records 0027 (bounded open files) and 0032 (SQLite claims) say why."""
 
 from __future__ import annotations
 
@@ -16,36 +13,18 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 from anyio.lowlevel import EventLoopToken
 
 from polyloop.stores._batching import GroupCommit
-from polyloop.stores._common import (
-    Claim,
-    DirectoryOps,
-    Write,
-    WriterState,
-    create_directories,
-    open_failed,
-)
+from polyloop.stores._common import Claim, Write, WriterState, create_directories, open_failed
+from polyloop.stores._jsonl.fileops import FileOps
 from polyloop.stores._refusals import claimed_already, not_claimed
 
 # The kernel keeps a file's byte locks in one list that each lock call walks: spread over
 # 16 files, a lock stays in the tens of microseconds at 10,000 claims.
 _SHARDS = 16
 _FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-
-
-class LockFiles(DirectoryOps, Protocol):
-    """The file operations the claims need; ``lock_range`` raises ``RunLocked`` when
-    another description holds the byte, which ``range_held`` only asks."""
-
-    def open(self, path: Path, flags: int, mode: int = 0o777) -> int: ...
-    def close(self, fd: int) -> None: ...
-    def lock_range(self, fd: int, offset: int, run_id: str) -> None: ...
-    def unlock_range(self, fd: int, offset: int) -> None: ...
-    def range_held(self, fd: int, offset: int) -> bool: ...
 
 
 def claim_offset(run_id: str) -> int:
@@ -56,16 +35,15 @@ def claim_offset(run_id: str) -> int:
 
 
 class HostClaims:
-    """One store object's claims, by run id, each held by a locked byte (blocking: call
-    it from a worker thread). ``inspect(run_id)`` reads the run's :class:`Claim` with its
-    byte locked; ``free(claim)`` clears the store's own trace of a claim given up (a row
-    naming the writer, a file no run started in) before the byte goes. The map changes
-    under its own mutex, never held while a file or the database is touched."""
+    """One store object's claims, each held by a locked byte (blocking: worker threads
+    only). ``inspect(run_id)`` reads the run's :class:`Claim` with its byte locked;
+    ``free(claim)`` clears the store's own trace of a claim given up before the byte
+    goes. The mutex is never held while a file or the database is touched."""
 
     def __init__(
         self,
         directory: Path,
-        files: LockFiles,
+        files: FileOps,
         state: WriterState,
         *,
         inspect: Callable[[str], Claim],
@@ -105,7 +83,7 @@ class HostClaims:
                 self._taking.discard(run_id)
 
     def held(self, run_id: str) -> Claim:
-        """The run's claim, if the store may write and this object holds it."""
+        """The run's claim, if the store may write it."""
         self._state.check_writable(run_id)
         claim = self._held.get(run_id)
         if claim is None:
@@ -135,8 +113,7 @@ class HostClaims:
         self._unlock(claim.offset)
 
     def claimed(self, run_ids: list[str]) -> list[bool]:
-        """Whether anyone (this object included) holds each run now: asked through a
-        description of its own, taking no lock, so no claimant is kept out."""
+        """Whether anyone holds each run now, asked through a description of its own."""
         answers = []
         for run_id in run_ids:
             offset = claim_offset(run_id)
@@ -152,7 +129,6 @@ class HostClaims:
         return answers
 
     def close(self) -> None:
-        """Give up every claim, then close the lock files."""
         with self._mutex:
             claims, self._held = self._held, {}
         for claim in claims.values():
@@ -184,8 +160,7 @@ class HostClaims:
         return offset
 
     def _unlock(self, offset: int) -> None:
-        # Under the mutex: a descriptor closes under it too, and its number must not be
-        # reused by another file meanwhile.
+        # Under the mutex, as closing is: a descriptor's number must not be reused meanwhile.
         with self._mutex:
             fd = self._descriptors.get(offset % _SHARDS)
             if fd is not None:
@@ -198,8 +173,7 @@ class HostClaims:
 
 
 class OneHost:
-    """The backend calls of a store for one host: its claims are :class:`HostClaims`,
-    its writes go through one :class:`GroupCommit`."""
+    """The backend calls of a store for one host, over its claims and its writes' group."""
 
     __slots__ = ()
 

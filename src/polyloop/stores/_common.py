@@ -1,6 +1,5 @@
-"""What the durable stores share: safe file names, directories, the write and claim
-values, the failed-run guard and the open-file limit's message (research records 0024,
-0027 and 0033)."""
+"""What the durable stores share: file names, directories, the write and claim values,
+the failed-run guard, the open-file limit's message (research records 0024, 0027, 0033)."""
 
 from __future__ import annotations
 
@@ -23,38 +22,30 @@ import anyio.to_thread
 from polyloop._shared import FORMAT, exception_text, record_kind
 from polyloop.serialization import dumps, loads
 from polyloop.stores._refusals import store_closed
-from polyloop.types import CorruptLog, Record, SchemaMajorMismatch, StoreError
+from polyloop.types import CorruptLog, Record, Result, SchemaMajorMismatch, StepRecord, StoreError
 
 logger = logging.getLogger("polyloop")
 
 # How long giving a claim back after a failed claim or prune may keep its caller.
 RELEASE_GRACE_S = 10.0
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
-
 
 def check_format(recorded: object, *, holder: str, run_id: str | None, location: str) -> None:
-    """Refuse a recorded record format that is unreadable or of another major; ``holder``
-    names what holds the records ("database", "schema")."""
+    """Refuse a recorded format that is unreadable or of another major; ``holder`` names
+    what holds the records ("database", "schema")."""
     if not isinstance(recorded, str) or not recorded.startswith("polyloop/"):
-        raise CorruptLog(
-            f"no readable record format in the {holder} ({recorded!r:.80})",
-            run_id=run_id,
-            location=location,
-        )
+        reason = f"no readable record format in the {holder} ({recorded!r:.80})"
+        raise CorruptLog(reason, run_id=run_id, location=location)
     if recorded.partition(".")[0] != FORMAT.partition(".")[0]:
-        raise SchemaMajorMismatch(
-            f"the {holder} holds records in format {recorded!r}; this library reads {FORMAT!r}",
-            run_id=run_id,
-            location=location,
-        )
+        reason = f"the {holder} holds records in format {recorded!r}; this library reads {FORMAT!r}"
+        raise SchemaMajorMismatch(reason, run_id=run_id, location=location)
 
 
 def safe_name(run_id: str) -> str:
     """A file name for ``run_id`` that cannot leave its directory or collide: a readable
     prefix (at most 40 safe characters, no leading dot) and the sha256 of the full id."""
     digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()
-    prefix = _UNSAFE.sub("_", run_id)[:40].lstrip(".")
+    prefix = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id)[:40].lstrip(".")
     return f"{prefix}-{digest}" if prefix else digest
 
 
@@ -65,7 +56,6 @@ def shown(run_id: str) -> str:
 
 
 def fsync_directory(directory: Path) -> None:
-    """Make a new directory entry in ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -74,9 +64,8 @@ def fsync_directory(directory: Path) -> None:
 
 
 def open_files_error(exc: BaseException, run_id: str | None) -> StoreError | None:
-    """A ``StoreError`` naming the open-file limit ``exc`` hit and what to do; else
-    ``None``. SQLite reports the limit only as "unable to open", so for an error without
-    an errno the process tries to open a file itself."""
+    """A ``StoreError`` naming the open-file limit ``exc`` hit and what to do, or ``None``.
+    SQLite says only "unable to open", so then the process tries to open a file itself."""
     number = getattr(exc, "errno", None)
     text = str(exc).lower()
     if number is None and not isinstance(exc, OSError):
@@ -103,8 +92,7 @@ def open_files_error(exc: BaseException, run_id: str | None) -> StoreError | Non
 
 
 def open_failed(exc: OSError, run_id: str | None, what: str) -> StoreError:
-    """The error for a file that would not open: nothing was written, so the run is not
-    marked failed and this store object may resume it."""
+    """A file would not open: nothing was written, so this object may resume the run."""
     error = open_files_error(exc, run_id) or StoreError(
         f"could not open {what}: {exc}", run_id=run_id
     )
@@ -119,9 +107,8 @@ class DirectoryOps(Protocol):
 
 
 def create_directories(files: DirectoryOps, directory: Path, *, run_id: str | None) -> None:
-    """Create ``directory`` and its missing parents, syncing each new entry into its
-    parent: a directory lost in a power loss takes its files along (research record
-    0024). A path that cannot be made is a ``StoreError`` naming it."""
+    """Create ``directory`` and its missing parents, each synced into its parent (a lost
+    directory takes its files along); a ``StoreError`` names a path that cannot be made."""
     missing: list[Path] = []
     current = directory
     while not files.is_dir(current) and current != current.parent:
@@ -194,14 +181,23 @@ def decode_row(body: object, *, run_id: str, kind: object, location: str) -> Rec
 
 
 def record_row(record: Record) -> tuple[str, str]:
-    """The (kind, body) row that holds ``record`` in a database store."""
     return record_kind(record), dumps(record)  # dumps refuses anything not a record
+
+
+def step_records(step: StepRecord, action_result: Result | None) -> tuple[Record, ...]:
+    """What ``write_step`` writes, in order: the action result (if any), then the step."""
+    if action_result is None:
+        return (step,)
+    if action_result.run_id != step.run_id:
+        raise StoreError(
+            f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
+        )
+    return action_result, step
 
 
 @dataclass(eq=False, slots=True)
 class Write:
-    """The rows of one store call and what it means for its run: the one value every
-    durable store's write path takes."""
+    """The rows of one store call and what it means for its run."""
 
     run_id: str
     rows: list[tuple[str, str]]  # (kind, body) of each record, in order
@@ -215,19 +211,17 @@ class Write:
 @dataclass(eq=False, slots=True)
 class Claim:
     """This store object is ``run_id``'s writer: the one claim value of every durable
-    store. ``epoch`` fences every database write; ``next_seq`` is the seq of the next
-    record (a file store, which does not number records, says only 0 or 1);
-    ``finished``: the log ends with a final end record. ``offset`` is the locked byte
-    of a store for one host, ``generation`` the lease generation of a shared database;
-    ``lock`` is held around each write of the run."""
+    store. ``epoch`` fences database writes; ``next_seq`` is the next record's seq (a
+    file store says only 0 or 1); ``offset`` is the locked byte of a store for one host,
+    ``generation`` the lease generation of a shared database."""
 
     run_id: str
     epoch: int = 0
     next_seq: int = 0
-    finished: bool = False
+    finished: bool = False  # the log ends with a final end record
     offset: int = -1
     generation: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # around each write of the run
 
 
 class ClosedOnExit:
@@ -235,25 +229,20 @@ class ClosedOnExit:
 
     __slots__ = ()
 
-    async def aclose(self) -> None:
-        raise NotImplementedError
+    async def aclose(self) -> None: ...
 
     async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        """Close the store (see :meth:`aclose`)."""
         await self.aclose()
 
 
 @dataclass
 class WriterState:
-    """Whether one store object is closed, and the runs it must not write any more.
-
-    After a failed write (an ``OSError``, a lost connection) nothing more is written for
-    that run through this store object: a retried ``fsync`` can report success after the
-    kernel dropped the data, so only reopening the store may try again.
-    """
+    """Whether one store object is closed, and the runs it must not write any more: after
+    a failed write a retried ``fsync`` can report success for data the kernel dropped, so
+    only reopening the store may write that run again."""
 
     failed: dict[str, str] = field(default_factory=dict)
     closed: bool = False
@@ -265,8 +254,7 @@ class WriterState:
 
     def check_writable(self, run_id: str) -> None:
         self.check_open(run_id)
-        reason = self.failed.get(run_id)
-        if reason is not None:
+        if (reason := self.failed.get(run_id)) is not None:
             raise StoreError(
                 f"an earlier write of this run failed ({reason}); close and reopen the "
                 f"store before writing to it again",

@@ -1,10 +1,6 @@
-"""The one engine of the durable stores: the store port over a backend (research record 0033).
-
-What ``JsonlStore``, ``SqliteStore`` and ``PostgresStore`` do alike is written here once:
-the public methods, the one value each write becomes (:class:`Write`), the hops to worker
-threads, pruning under claims, closing. A backend supplies what differs: where records
-live, how they are read, and how a run is claimed (a locked byte, or an owner with a lease).
-"""
+"""The one engine of the durable stores (research record 0033): what ``JsonlStore``,
+``SqliteStore`` and ``PostgresStore`` do alike, once. A backend supplies what differs:
+where records live, how they are read, and how a run is claimed."""
 
 from __future__ import annotations
 
@@ -19,33 +15,18 @@ import anyio.lowlevel
 import anyio.to_thread
 from anyio.lowlevel import EventLoopToken
 
+from polyloop import types
 from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
 from polyloop.stores._archive import check_cutoff, prune_runs
-from polyloop.stores._common import ClosedOnExit, Write, claim_in_thread, record_row
-from polyloop.types import (
-    Intent,
-    JSONValue,
-    Record,
-    Result,
-    Review,
-    RunEnded,
-    RunLog,
-    RunStarted,
-    StepRecord,
-    StoreError,
-)
+from polyloop.stores._common import ClosedOnExit, Write, claim_in_thread, record_row, step_records
 
 
 class Backend(Protocol):
-    """What the engine needs of a store's backend. Every call blocks, and runs in a worker
-    thread, but the coroutines and :meth:`holds` (which does no I/O). ``claim`` raises
-    ``RunLocked`` if anyone holds the run; ``release`` gives it up writing no record;
-    ``confirm`` returns only if an effect of the run may start now; ``submit`` commits a
-    write in a shared commit; ``read`` checks each record against where it is kept;
-    ``prunable`` lists the runs nobody holds that finished, not in doubt, before the
-    cutoff; ``delete`` deletes one this object holds, if it still may go; ``close`` gives
-    up every claim, then every resource."""
+    """What the engine needs of a store's backend: each call blocks, in a worker thread,
+    but the coroutines and :meth:`holds`. ``confirm`` is ``check_claim``; ``prunable``
+    lists the runs nobody holds that finished, not in doubt, before the cutoff; ``delete``
+    deletes one this object holds if it still may go; ``close`` gives up every claim."""
 
     kind: str
 
@@ -54,7 +35,7 @@ class Backend(Protocol):
     def holds(self, run_id: str) -> bool: ...
     async def confirm(self, run_id: str) -> None: ...
     async def submit(self, write: Write) -> None: ...
-    def read(self, run_id: str) -> tuple[Record, ...]: ...
+    def read(self, run_id: str) -> tuple[types.Record, ...]: ...
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]: ...
     def describe(self, run_id: str) -> StoredRun | None: ...
     def prunable(self, cutoff: datetime) -> list[str]: ...
@@ -64,17 +45,15 @@ class Backend(Protocol):
 
 
 class EngineStore(ClosedOnExit):
-    """The store port over a :class:`Backend`; each durable store only chooses its
-    backend and says what it promises."""
+    """The store port over a :class:`Backend`."""
 
     __slots__ = ("_backend",)
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
 
-    def parameters(self) -> Mapping[str, JSONValue]:
-        """The store kind and record format; never where the data is, so moved data
-        still resumes."""
+    def parameters(self) -> Mapping[str, types.JSONValue]:
+        """The store kind and record format, never where the data is: moved data resumes."""
         return {"kind": self._backend.kind, "format": FORMAT}
 
     async def claim_run(self, run_id: str) -> None:
@@ -95,52 +74,40 @@ class EngineStore(ClosedOnExit):
         (``RunLocked``, ``LeaseLost`` or ``StoreError`` otherwise); sends no statement."""
         await self._backend.confirm(run_id)
 
-    async def start_run(self, record: RunStarted) -> None:
+    async def start_run(self, record: types.RunStarted) -> None:
         """Write the run's first record, a durable barrier; ``RunAlreadyExists`` if the
         run has any record."""
         await self._write(record, start=True, barrier=True)
 
-    async def write_intent(self, intent: Intent) -> None:
+    async def write_intent(self, intent: types.Intent) -> None:
         """Write an intent, a durable barrier."""
         await self._write(intent, barrier=True)
 
-    async def write_result(self, result: Result) -> None:
+    async def write_result(self, result: types.Result) -> None:
         """Write the result of a model call; committed, not necessarily durable."""
         await self._write(result)
 
-    async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
+    async def write_step(self, step: types.StepRecord, action_result: types.Result | None) -> None:
         """Write the action result (if any) and the step record in one transaction."""
-        if action_result is None:
-            await self._write(step)
-        elif action_result.run_id != step.run_id:
-            raise StoreError(
-                f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
-            )
-        else:
-            await self._write(action_result, step)
+        await self._write(*step_records(step, action_result))
 
-    async def write_review(self, record: Review) -> None:
+    async def write_review(self, record: types.Review) -> None:
         """Write a proposal, verdict or settlement, a durable barrier like an intent."""
         await self._write(record, barrier=True)
 
-    async def end_run(self, record: RunEnded) -> None:
+    async def end_run(self, record: types.RunEnded) -> None:
         """Write the run's end record and give up the claim, in one transaction."""
         await self._write(record)
 
-    async def read_log(self, run_id: str) -> RunLog:
-        """Every record of ``run_id`` in write order; empty if the run has none.
-
-        Raises ``CorruptLog`` (naming the line or row) for a record that does not decode
-        or does not belong where it is, and ``SchemaMajorMismatch`` for another record
-        format. Readers never need the claim.
-        """
+    async def read_log(self, run_id: str) -> types.RunLog:
+        """Every record of ``run_id`` in write order (none if it has none); ``CorruptLog``
+        names the line or row of a record that does not decode or belong where it is."""
         records = await anyio.to_thread.run_sync(self._backend.read, run_id)
-        return RunLog(run_id=run_id, records=records)
+        return types.RunLog(run_id=run_id, records=records)
 
     async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
         """Every run (only unfinished ones if asked): in the order the runs started in a
-        database, where the unfinished ones come from an index that holds only them; by
-        id in a directory of run files."""
+        database, by id in a directory of run files."""
         return await anyio.to_thread.run_sync(self._backend.runs, unfinished_only)
 
     async def describe_run(self, run_id: str) -> StoredRun | None:
@@ -150,14 +117,10 @@ class EngineStore(ClosedOnExit):
     async def prune(
         self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
     ) -> tuple[str, ...]:
-        """Delete the runs that finished before ``finished_before``; their ids.
-
-        A run that is unfinished, ended in doubt, or claimed is never touched: each run
-        is deleted under its claim, by a statement that checks again that it finished
-        before the cutoff. With ``archive``, each run's log is first written durably to
-        that directory, as a :class:`~polyloop.stores.JsonlStore` keeps it. Safe while
-        workers run.
-        """
+        """Delete the runs that finished before ``finished_before``; their ids. Each is
+        deleted under its claim, checked again; an unfinished, in-doubt or claimed run is
+        never touched. With ``archive``, each log is first written durably to that
+        directory, as a :class:`~polyloop.stores.JsonlStore` keeps it."""
         cutoff = check_cutoff(finished_before)
         candidates = await anyio.to_thread.run_sync(self._backend.prunable, cutoff)
         return await prune_runs(
@@ -168,10 +131,9 @@ class EngineStore(ClosedOnExit):
         )
 
     async def aclose(self) -> None:
-        """Give up every claim and close every connection or file. Idempotent.
+        """Give up every claim and close every connection or file; idempotent.
 
-        Cancellation: closing runs shielded, so it completes even in a cancelled scope.
-        """
+        Cancellation: closing runs shielded, so it completes even in a cancelled scope."""
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._backend.close)
 
@@ -180,9 +142,11 @@ class EngineStore(ClosedOnExit):
         await anyio.to_thread.run_sync(self._backend.open)
         return self
 
-    async def _write(self, *records: Record, start: bool = False, barrier: bool = False) -> None:
+    async def _write(
+        self, *records: types.Record, start: bool = False, barrier: bool = False
+    ) -> None:
         last = records[-1]
         write = Write(last.run_id, [record_row(r) for r in records], start=start, barrier=barrier)
-        if isinstance(last, RunEnded):  # the claim is given up with it
+        if isinstance(last, types.RunEnded):  # the claim is given up with it
             write.end, write.final, write.reason = True, last.is_final, last.stop_reason.value
         await self._backend.submit(write)

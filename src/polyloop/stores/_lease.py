@@ -53,12 +53,9 @@ def check_lease_s(lease_s: float) -> None:
 
 
 class Lease:
-    """One store object's lease as an owner of claims (thread-safe).
-
-    ``renew(owner_id)`` blocks, extends the lease in the database unless it ended there,
-    and says whether it did. ``clock`` is read for every deadline; ``wait(seconds)`` is
-    the keeper's pause, true once stopping (by default the stop event's wait).
-    """
+    """One store object's lease as an owner of claims (thread-safe). ``renew(owner_id)``
+    blocks, extends the lease unless the database ended it, and says whether it did;
+    ``wait(seconds)`` is the keeper's pause, true once stopping."""
 
     def __init__(
         self, lease_s: float, renew: Renew, *, clock: Clock = lease_clock, wait: Wait | None = None
@@ -87,13 +84,11 @@ class Lease:
             return self._owner_id, self._generation, self._state is not None
 
     def registered(self, owner_id: str, sent_at: float, token: EventLoopToken) -> None:
-        """The owner row and lock of ``owner_id`` are in place, registered at ``sent_at``
-        (a reading of :attr:`clock`): keep them from the loop ``token`` names."""
+        """``owner_id`` was registered at ``sent_at``: keep it from the loop ``token`` names."""
         with self._mutex:
             if owner_id != self._owner_id:
                 return
-            self._state = LeaseState.granted(self.lease_s, sent_at)
-            self._token = token
+            self._state, self._token = LeaseState.granted(self.lease_s, sent_at), token
             if self._keeper is None:
                 self._keeper = threading.Thread(
                     target=self._keep, name="polyloop-lease", daemon=True
@@ -117,12 +112,8 @@ class Lease:
             raise self._lost_error(run_id)
 
     async def confirm(self, generation: int, run_id: str) -> None:
-        """Return once an effect may start under a claim of ``generation``: the lease is
-        held with the margin to spare. A late lease is waited on until it is renewed;
-        ``LeaseLost`` when it ended or ends before that. Reads no database.
-
-        Cancellation: nothing is written or changed; the effect has not started.
-        """
+        """Return once an effect may start under a claim of ``generation``: a late lease
+        is waited on until renewed; ``LeaseLost`` if it ends first. Reads no database."""
         # Polled: the keeper thread moves the lease on, and no event crosses to the loop.
         while (phase := self.phase(generation)) is LeasePhase.LATE:  # noqa: ASYNC110
             await anyio.sleep(self.lease_s / _LOOKS_PER_LEASE)
@@ -179,7 +170,7 @@ class Lease:
 
     def _renew_once(self, owner_id: str) -> bool:
         """Send one renewal, unless the lease is lost, and apply its answer; False when
-        the renewal got none (an error, a lost connection)."""
+        none came."""
         with self._mutex:
             if owner_id != self._owner_id or self._state is None:
                 return True
@@ -198,8 +189,8 @@ class Lease:
         return renewed is not None
 
     def _loop_answers(self, owner_id: str, token: EventLoopToken) -> bool:
-        """Wait until the event loop runs a no-op, which a stuck loop never does; warn
-        when it took a third of a lease. False if the loop has finished."""
+        """Wait until the event loop runs a no-op (a stuck loop never does); False if the
+        loop has finished."""
         with self._mutex:
             began = self._waiting_since = self.clock()
         try:

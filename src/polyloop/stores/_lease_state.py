@@ -1,18 +1,13 @@
 """An owner's own view of its lease as one state machine: held, renewing, late, lost.
 
-Plain data on one clock of this process (no thread, database or event loop), driven by
-:class:`~polyloop.stores._lease.Lease`. A renewal counts from when it was sent, so the
-``deadline`` is never later than the moment the database can end the lease. Research
-record 0031 draws the timeline and explains the margin an effect needs.
-"""
+Plain data on one clock of this process, driven by :class:`~polyloop.stores._lease.Lease`.
+A renewal counts from when it was sent, so the ``deadline`` is never later than the moment
+the database can end the lease. Research record 0031 draws the timeline."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass
-
-__all__ = ("LeasePhase", "LeaseState", "effect_margin")
 
 
 def effect_margin(lease_s: float) -> float:
@@ -32,11 +27,10 @@ class LeasePhase(enum.Enum):
     LOST = "lost"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LeaseState:
     """One owner identity's lease: the clock reading before which the database cannot
-    have ended it, when the renewal now out was sent, and whether it is lost. Each
-    transition takes the clock reading at which it happens."""
+    have ended it, when the renewal now out was sent, and whether it is lost."""
 
     lease_s: float
     deadline: float
@@ -59,8 +53,7 @@ class LeaseState:
         return self._lost_at(now) or dataclasses.replace(self, renewal_sent_at=now)
 
     def renewal_confirmed(self, now: float) -> LeaseState:
-        """Extended, counting from the sending; an answer after the deadline is too late:
-        whoever looked meanwhile was told the lease was lost."""
+        """Extended from the sending; an answer after the deadline is too late."""
         sent_at = self.renewal_sent_at
         until = self.deadline if sent_at is None else max(self.deadline, sent_at + self.lease_s)
         return self._lost_at(now) or dataclasses.replace(self, deadline=until, renewal_sent_at=None)

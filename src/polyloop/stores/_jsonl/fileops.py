@@ -1,10 +1,6 @@
-"""The file operations of the stores for one host, behind one narrow, replaceable object.
-
-Everything the JSON-lines store does to the file system goes through a :class:`FileOps`,
-so the power-loss tests can answer it from a model of a disk that loses power, fails a
-write or fills up (research record 0012). :class:`OsFileOps` is the real thing: each
-method looks its ``os`` function up when called, so a test that patches ``os`` sees it.
-"""
+"""Everything the JSON-lines store does to the file system goes through a :class:`FileOps`,
+so the power-loss tests can answer it from a model of a disk (research record 0012).
+:class:`OsFileOps` looks each ``os`` function up when called: a patch of ``os`` is seen."""
 
 from __future__ import annotations
 
@@ -16,16 +12,20 @@ from pathlib import Path
 from typing import Protocol
 
 from polyloop.stores import _common
-from polyloop.stores._byte_locks import LockFiles
 from polyloop.types import RunLocked, StoreError
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
 
 
-class FileOps(LockFiles, Protocol):
-    """What the JSON-lines store asks of a file system; errors are ``OSError``, and a
-    descriptor means something only to the object that handed it out."""
+class FileOps(_common.DirectoryOps, Protocol):
+    """What the stores for one host ask of a file system; errors are ``OSError``, and
+    ``lock_range`` raises ``RunLocked`` when another open description holds the byte."""
 
+    def open(self, path: Path, flags: int, mode: int = 0o777) -> int: ...
+    def close(self, fd: int) -> None: ...
+    def lock_range(self, fd: int, offset: int, run_id: str) -> None: ...
+    def unlock_range(self, fd: int, offset: int) -> None: ...
+    def range_held(self, fd: int, offset: int) -> bool: ...
     def write(self, fd: int, data: bytes | memoryview) -> int: ...
     def read(self, fd: int, size: int) -> bytes: ...
     def pread(self, fd: int, size: int, offset: int) -> bytes: ...

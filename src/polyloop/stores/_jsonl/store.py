@@ -1,11 +1,7 @@
-"""The JSON-lines store: one append-only file per run in one directory, on the engine.
-
-An action's result and its step share one line, so ``write_step`` lands whole or not at
-all; :mod:`~polyloop.stores._jsonl.reader` reads the format. A claim is a locked byte, and
-a run file is open only while it is read or written, so open files do not grow with the
-runs claimed. Research records 0009 (durability), 0012 (the file-operation layer), 0017
-(claims), 0019 (one write path) and 0027 (bounded open files) say why.
-"""
+"""The JSON-lines store: one append-only file per run, on the engine. A run file is open
+only while it is read or written, so open files do not grow with the runs claimed.
+Research records 0009 (durability), 0012 (file operations), 0017 (claims), 0019 (one
+write path) and 0027 (bounded open files) say why."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -64,11 +59,10 @@ class JsonlStore(EngineStore):
 
 
 class Jsonl(OneHost):
-    """The JSON-lines backend: files in a directory, claims by locked bytes. Every
-    method but the two coroutines and :meth:`holds` runs in a worker thread."""
+    """The JSON-lines backend; every method but the coroutines and :meth:`holds` runs in
+    a worker thread."""
 
     kind = "jsonl"
-
     __slots__ = ("claims", "directory", "files", "group", "state")
 
     def __init__(self, directory: Path, files: FileOps) -> None:
@@ -79,17 +73,17 @@ class Jsonl(OneHost):
         )
         # Up to 16 batches at once, each in a worker thread: the syncs of different files
         # overlap on the disk, and most of AnyIO's 40 default threads stay free.
-        self.group = GroupCommit(self._commit, parallel=16)
+        self.group = GroupCommit(lambda writes: [*map(self._append, writes)], parallel=16)
 
     def read(self, run_id: str) -> tuple[Record, ...]:
         self.state.check_open(run_id)
         path = self._path(run_id)
-        data = reader.read_file(self.files, path, run_id)
+        with reader.run_file(self.files, path, run_id) as fd:
+            data = b"" if fd is None else reader.read_all(self.files, fd)
         return tuple(reader.parse_lines(data, path.name, run_id))
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
-        """Every run file's run, by id; a file whose first line is not a record of its
-        run is left out with a warning naming it."""
+        """Every run file's run, by id; a file that is not one run's is left out, warned of."""
         self.state.check_open(None)
         try:
             names = self.files.listdir(self.directory)
@@ -149,11 +143,10 @@ class Jsonl(OneHost):
             raise reader.cannot_open(exc, run_id) from exc
         try:
             reader.require_regular(files, fd, run_id)
-            end, size = reader.complete_end(files, fd)
+            end, size, ended = reader.tail(files, fd, path.name)
             if size > end:  # what remains of a write that never finished
                 files.ftruncate(fd, end)
                 files.fsync(fd)
-            ended = reader.last_end(files, fd, end, path.name) if end else None
         except OSError as exc:
             if isinstance(exc, PolyLoopError):
                 raise
@@ -164,19 +157,15 @@ class Jsonl(OneHost):
         return Claim(run_id=run_id, next_seq=int(end > 0), finished=bool(ended and ended.is_final))
 
     def _free(self, claim: Claim) -> None:
-        """A file only the claim made goes with it, so a run id leaves no trace (the byte
-        is still locked: nobody has made it a run meanwhile)."""
+        """A file only the claim made goes with it (its byte still locked): a run id that
+        never started leaves no trace."""
         if claim.next_seq == 0:
             with contextlib.suppress(OSError):
                 self.files.unlink(self._path(claim.run_id))
 
-    def _commit(self, writes: Sequence[Write]) -> list[BaseException | None]:
-        return [self._append(write) for write in writes]
-
     def _append(self, write: Write) -> BaseException | None:
-        """Append the write's line under its run's lock, syncing it for a barrier (and
-        the directory for a start). A failed write or sync fails the run for this store
-        object: the kernel may have dropped the data, so a sync is never retried."""
+        """Append the write's line under its run's lock, synced for a barrier. A failed
+        write or sync fails the run for this object: a sync is never retried."""
         run_id, files = write.run_id, self.files
         try:
             claim = self.claims.held(run_id)
@@ -191,7 +180,7 @@ class Jsonl(OneHost):
                     return reader.cannot_open(exc, run_id)  # nothing written
                 try:
                     try:
-                        _write_all(files, fd, reader.line(body for _, body in write.rows))
+                        _write_all(files, fd, reader.line(*(body for _, body in write.rows)))
                         claim.next_seq += len(write.rows)
                         if write.barrier:
                             files.fsync(fd)
@@ -211,13 +200,12 @@ class Jsonl(OneHost):
     def _describe(self, path: Path, run_id: str | None) -> StoredRun | None:
         """What the file at ``path`` holds; its first line names the run unless given."""
         files = self.files
-        if run_id is None and (run_id := reader.first_run_id(files, path)) is None:
-            return None
         with reader.run_file(files, path, run_id) as fd:
-            end = 0 if fd is None else reader.complete_end(files, fd)[0]
+            end, _, ended = (0, 0, None) if fd is None else reader.tail(files, fd, path.name)
             if fd is None or end == 0:
-                return None
-            ended = reader.last_end(files, fd, end, path.name)
+                return None  # no run yet, or removed while the directory was listed
+            if run_id is None:
+                run_id = reader.first_run_id(files, fd, path.name)
             return StoredRun(
                 run_id=run_id,
                 finished=ended is not None and ended.is_final,
