@@ -160,8 +160,7 @@ async def claim_in_thread(
 
 
 def decode_row(body: object, *, run_id: str, kind: object, location: str) -> Record:
-    """The record a database row holds: text that decodes to a record of ``run_id`` and
-    of the row's ``kind``; else ``CorruptLog`` naming the run and the row."""
+    """The record a database row holds, of ``run_id`` and ``kind``, or ``CorruptLog``."""
     if not isinstance(body, (str, bytes)):
         reason = f"the body is {type(body).__name__}, not text"
     else:
@@ -210,10 +209,9 @@ class Write:
 
 @dataclass(eq=False, slots=True)
 class Claim:
-    """This store object is ``run_id``'s writer: the one claim value of every durable
-    store. ``epoch`` fences database writes; ``next_seq`` is the next record's seq (a
-    file store says only 0 or 1); ``offset`` is the locked byte of a store for one host,
-    ``generation`` the lease generation of a shared database."""
+    """This store object is ``run_id``'s writer. ``epoch`` fences database writes; a file
+    store's ``next_seq`` is only 0 or 1; ``offset`` is the locked byte of a store for one
+    host, ``generation`` the lease generation of a shared database."""
 
     run_id: str
     epoch: int = 0

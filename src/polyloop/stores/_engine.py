@@ -13,7 +13,6 @@ from typing import Protocol, Self
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-from anyio.lowlevel import EventLoopToken
 
 from polyloop import types
 from polyloop._shared import FORMAT
@@ -30,7 +29,7 @@ class Backend(Protocol):
 
     kind: str
 
-    def claim(self, run_id: str, token: EventLoopToken) -> None: ...
+    def claim(self, run_id: str, token: anyio.lowlevel.EventLoopToken) -> None: ...
     def release(self, run_id: str) -> None: ...
     def holds(self, run_id: str) -> bool: ...
     async def confirm(self, run_id: str) -> None: ...

@@ -34,11 +34,6 @@ _STALL = (
     "the event loop took %.1f s to let owner %s renew its %g s lease: a stall as long as the "
     "lease loses every run (drive fewer runs per process, or raise lease_s above the longest stall)"
 )
-_ANSWERS = {
-    True: LeaseState.renewal_confirmed,
-    False: LeaseState.renewal_refused,
-    None: LeaseState.renewal_failed,
-}
 
 
 def lease_clock() -> float:
@@ -177,16 +172,17 @@ class Lease:
             now = self.clock()
             if self._move_locked(self._state.renewal_sent(now), now) is LeasePhase.LOST:
                 return True
-        renewed: bool | None = None
+        answer = LeaseState.renewal_failed
         try:
             renewed = self._renew(owner_id)
+            answer = LeaseState.renewal_confirmed if renewed else LeaseState.renewal_refused
         except Exception:
             logger.warning("could not renew the lease of owner %s", owner_id, exc_info=True)
         with self._mutex:
             if owner_id == self._owner_id and self._state is not None:
                 now = self.clock()
-                self._move_locked(_ANSWERS[renewed](self._state, now), now)
-        return renewed is not None
+                self._move_locked(answer(self._state, now), now)
+        return answer is not LeaseState.renewal_failed
 
     def _loop_answers(self, owner_id: str, token: EventLoopToken) -> bool:
         """Wait until the event loop runs a no-op (a stuck loop never does); False if the

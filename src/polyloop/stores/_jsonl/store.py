@@ -180,7 +180,11 @@ class Jsonl(OneHost):
                     return reader.cannot_open(exc, run_id)  # nothing written
                 try:
                     try:
-                        _write_all(files, fd, reader.line(*(body for _, body in write.rows)))
+                        data = memoryview(reader.line(*(body for _, body in write.rows)))
+                        while data:  # a write may take only part of it
+                            if (written := files.write(fd, data)) <= 0:
+                                raise OSError(errno.EIO, "a write made no progress")
+                            data = data[written:]
                         claim.next_seq += len(write.rows)
                         if write.barrier:
                             files.fsync(fd)
@@ -220,13 +224,3 @@ class Jsonl(OneHost):
 def _written(files: FileOps, fd: int) -> datetime:
     """When the open file was last written."""
     return datetime.fromtimestamp(files.fstat(fd).st_mtime, UTC)
-
-
-def _write_all(files: FileOps, fd: int, data: bytes) -> None:
-    """Append ``data`` completely; a write may take only part of it per call."""
-    view = memoryview(data)
-    while view:
-        written = files.write(fd, view)
-        if written <= 0:
-            raise OSError(errno.EIO, "a write made no progress")
-        view = view[written:]
