@@ -1,6 +1,5 @@
-"""Shared commits: the writes that wait at the same moment share one worker-thread hop.
-Batches grow only while the worker threads are busy, which is when sharing pays
-(research records 0013 and 0019)."""
+"""Shared commits: the writes waiting at one moment share one worker-thread hop, so
+batches grow only while the threads are busy (research records 0013 and 0019)."""
 
 from __future__ import annotations
 
@@ -30,11 +29,9 @@ class _Batch(Generic[_T]):
 
 
 class GroupCommit(Generic[_T]):
-    """Runs ``commit`` in a worker thread over every item waiting at the same moment.
-
-    ``commit(items)`` blocks and returns, per item, ``None`` once it is durable or the
-    error its caller must see; what it raises is every item's error. Up to ``parallel``
-    batches run at once."""
+    """Runs ``commit`` in a worker thread over every item waiting at the same moment, up to
+    ``parallel`` batches at once. ``commit(items)`` returns, per item, ``None`` once it is
+    durable or the error its caller must see; what it raises is every item's error."""
 
     __slots__ = ("_active", "_commit", "_open", "_parallel")
 

@@ -1,9 +1,7 @@
 """Claims the operating system holds, for the stores of one host (JSON lines, SQLite).
 
-Run ``R`` is claimed by the write lock on one byte, drawn from ``R``, of one of 16 lock
-files, through a descriptor the store object keeps open: a second store object is
-refused, and the kernel lets the lock go when the process dies (a hung one keeps it).
-Research records 0027 (bounded open files) and 0032 (SQLite claims) say why."""
+A run is claimed by the write lock on one byte, drawn from its id, of one of 16 lock files:
+the kernel lets it go when the process dies. Research records 0027 and 0032 say why."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ _FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 def claim_offset(run_id: str) -> int:
-    """62 bits of the id's sha256 (a signed 64-bit offset stays positive): two runs share
-    a byte with a chance of about 1e-10 at 10,000 claims, at the cost of a ``RunLocked``."""
+    """62 bits of the id's sha256: two of 10,000 runs share a byte with a chance of 1e-10."""
     digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(digest[:8], "big") >> 2
 

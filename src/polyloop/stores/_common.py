@@ -238,9 +238,8 @@ class ClosedOnExit:
 
 @dataclass
 class WriterState:
-    """Whether one store object is closed, and the runs it must not write any more: after
-    a failed write a retried ``fsync`` can report success for data the kernel dropped, so
-    only reopening the store may write that run again."""
+    """Whether one store object is closed, and the runs it must not write again: a retried
+    ``fsync`` can report success for data the kernel dropped."""
 
     failed: dict[str, str] = field(default_factory=dict)
     closed: bool = False

@@ -1,13 +1,14 @@
 """The one engine of the durable stores (research record 0033): what ``JsonlStore``,
-``SqliteStore`` and ``PostgresStore`` do alike, once. A backend supplies what differs:
-where records live, how they are read, and how a run is claimed."""
+``SqliteStore`` and ``PostgresStore`` do alike, once, and the pruning all stores share.
+A backend supplies what differs: where records live, how they are read and claimed."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from datetime import datetime
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from datetime import UTC, datetime
 from functools import partial
+from pathlib import Path
 from typing import Protocol, Self
 
 import anyio
@@ -16,16 +17,19 @@ import anyio.to_thread
 
 from polyloop import types
 from polyloop._shared import FORMAT
-from polyloop.ports import StoredRun
-from polyloop.stores._archive import check_cutoff, prune_runs
+from polyloop.ports import Store, StoredRun
+from polyloop.stores import _common
 from polyloop.stores._common import ClosedOnExit, Write, claim_in_thread, record_row, step_records
+from polyloop.stores._jsonl.reader import SUFFIX, log_lines
+
+Archive = str | os.PathLike[str] | None
+Delete = Callable[[str], Awaitable[bool]]
 
 
 class Backend(Protocol):
-    """What the engine needs of a store's backend: each call blocks, in a worker thread,
-    but the coroutines and :meth:`holds`. ``confirm`` is ``check_claim``; ``prunable``
-    lists the runs nobody holds that finished, not in doubt, before the cutoff; ``delete``
-    deletes one this object holds if it still may go; ``close`` gives up every claim."""
+    """What the engine needs of a backend; each call but the coroutines and :meth:`holds`
+    blocks, in a worker thread. ``prunable`` lists the runs nobody holds that finished,
+    not in doubt, before the cutoff; ``delete`` deletes one this object holds."""
 
     kind: str
 
@@ -116,10 +120,9 @@ class EngineStore(ClosedOnExit):
     async def prune(
         self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
     ) -> tuple[str, ...]:
-        """Delete the runs that finished before ``finished_before``; their ids. Each is
-        deleted under its claim, checked again; an unfinished, in-doubt or claimed run is
-        never touched. With ``archive``, each log is first written durably to that
-        directory, as a :class:`~polyloop.stores.JsonlStore` keeps it."""
+        """Delete the runs that finished before ``finished_before``, each under its claim;
+        their ids. An unfinished, in-doubt or claimed run is never touched. With ``archive``,
+        each log is first written durably there, as a ``JsonlStore`` keeps it."""
         cutoff = check_cutoff(finished_before)
         candidates = await anyio.to_thread.run_sync(self._backend.prunable, cutoff)
         return await prune_runs(
@@ -149,3 +152,55 @@ class EngineStore(ClosedOnExit):
         if isinstance(last, types.RunEnded):  # the claim is given up with it
             write.end, write.final, write.reason = True, last.is_final, last.stop_reason.value
         await self._backend.submit(write)
+
+
+def check_cutoff(finished_before: datetime) -> datetime:
+    """``finished_before`` as an aware UTC time; a naive one is taken as UTC."""
+    if not isinstance(finished_before, datetime):
+        raise TypeError(f"finished_before must be a datetime, not {type(finished_before).__name__}")
+    if finished_before.tzinfo is None:
+        return finished_before.replace(tzinfo=UTC)
+    return finished_before.astimezone(UTC)
+
+
+async def prune_runs(
+    store: Store, candidates: Iterable[str], *, archive: Archive, delete: Delete
+) -> tuple[str, ...]:
+    """Prune each finished candidate under its claim; the ids deleted. ``delete(run_id)``
+    checks again, gives the claim up with the run, and says whether it deleted it."""
+    pruned: list[str] = []
+    for run_id in candidates:
+        try:
+            await store.claim_run(run_id)
+        except types.RunLocked:
+            continue  # a worker holds it: it is not ours to remove
+        deleted = False
+        try:
+            log = await store.read_log(run_id)
+            last = log.records[-1:]
+            ends = [end for end in last if isinstance(end, types.RunEnded) and end.is_final]
+            if ends and ends[0].stop_reason is not types.StopReason.IN_DOUBT:
+                if archive is not None:
+                    await anyio.to_thread.run_sync(_write_archive, Path(archive), log)
+                deleted = await delete(run_id)
+        finally:
+            if not deleted:
+                with anyio.move_on_after(_common.RELEASE_GRACE_S, shield=True):
+                    await store.release_run(run_id)
+        if deleted:
+            pruned.append(run_id)
+    return tuple(pruned)
+
+
+def _write_archive(directory: Path, log: types.RunLog) -> None:
+    """Write the log whole and synced before its run goes: a crash in between leaves the
+    run in both places (research record 0018)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"{_common.safe_name(log.run_id)}{SUFFIX}"
+    part = final.with_name(final.name + ".partial")
+    with open(part, "wb", opener=lambda path, flags: os.open(path, flags, 0o600)) as file:
+        file.write(log_lines(log.records))
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(part, final)
+    _common.fsync_directory(directory)

@@ -1,10 +1,11 @@
-"""Owner leases: a keeper thread renews the lease while the event loop shows it lives;
-once the deadline passes, the claims are lost for good and the store takes a new owner
-id. Research records 0018 (owners), 0029 (signs of life) and 0031 (no effect without the
-lease; the state machine is :mod:`~polyloop.stores._lease_state`) say why."""
+"""Owner leases: one state machine, plain data on this process's clock (:class:`LeaseState`),
+and a keeper thread that renews it while the event loop lives; a lost lease takes its
+claims for good. Research records 0018, 0029 and 0031 say why."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import os
 import socket
@@ -17,7 +18,6 @@ import anyio
 import anyio.from_thread
 from anyio.lowlevel import EventLoopToken
 
-from polyloop.stores._lease_state import LeasePhase, LeaseState
 from polyloop.types import InvalidRequest, LeaseLost
 
 logger = logging.getLogger("polyloop")
@@ -36,6 +36,64 @@ _STALL = (
 )
 
 
+def effect_margin(lease_s: float) -> float:
+    """What an owner must have left of its lease to start an effect: one renewal interval."""
+    return lease_s / _RENEWALS_PER_LEASE
+
+
+class LeasePhase(enum.Enum):
+    """Effects may start while ``HELD`` or ``RENEWING`` (a renewal out); ``LATE``, writes go
+    (the database fences them) and effects wait; ``LOST`` is final."""
+
+    HELD = "held"
+    RENEWING = "renewing"
+    LATE = "late"
+    LOST = "lost"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseState:
+    """One owner identity's lease; a renewal counts from when it was sent, so the
+    ``deadline`` is never later than the moment the database can end the lease."""
+
+    lease_s: float
+    deadline: float
+    renewal_sent_at: float | None = None
+    lost: bool = False
+
+    @classmethod
+    def granted(cls, lease_s: float, sent_at: float) -> LeaseState:
+        """The lease granted to a registration sent at ``sent_at``."""
+        return cls(lease_s=lease_s, deadline=sent_at + lease_s)
+
+    def phase(self, now: float) -> LeasePhase:
+        if self.lost or now >= self.deadline:
+            return LeasePhase.LOST
+        if self.deadline - now < effect_margin(self.lease_s):
+            return LeasePhase.LATE
+        return LeasePhase.HELD if self.renewal_sent_at is None else LeasePhase.RENEWING
+
+    def renewal_sent(self, now: float) -> LeaseState:
+        return self._lost_at(now) or dataclasses.replace(self, renewal_sent_at=now)
+
+    def renewal_confirmed(self, now: float) -> LeaseState:
+        """Extended from the sending; an answer after the deadline is too late."""
+        sent_at = self.renewal_sent_at
+        until = self.deadline if sent_at is None else max(self.deadline, sent_at + self.lease_s)
+        return self._lost_at(now) or dataclasses.replace(self, deadline=until, renewal_sent_at=None)
+
+    def renewal_refused(self, now: float) -> LeaseState:
+        """The database had already ended the lease."""
+        return dataclasses.replace(self, lost=True, renewal_sent_at=None)
+
+    def renewal_failed(self, now: float) -> LeaseState:
+        """No answer came: the lease stands as it was until its deadline."""
+        return self._lost_at(now) or dataclasses.replace(self, renewal_sent_at=None)
+
+    def _lost_at(self, now: float) -> LeaseState | None:
+        return self.renewal_refused(now) if self.phase(now) is LeasePhase.LOST else None
+
+
 def lease_clock() -> float:
     """Seconds that keep counting while the machine sleeps (``CLOCK_BOOTTIME`` where there
     is one): a process suspended past its lease must see that its lease has run out."""
@@ -48,9 +106,8 @@ def check_lease_s(lease_s: float) -> None:
 
 
 class Lease:
-    """One store object's lease as an owner of claims (thread-safe). ``renew(owner_id)``
-    blocks, extends the lease unless the database ended it, and says whether it did;
-    ``wait(seconds)`` is the keeper's pause, true once stopping."""
+    """One store object's lease (thread-safe). ``renew(owner_id)`` blocks and says whether
+    the database extended it; ``wait(seconds)`` is the keeper's pause, true once stopping."""
 
     def __init__(
         self, lease_s: float, renew: Renew, *, clock: Clock = lease_clock, wait: Wait | None = None

@@ -10,8 +10,8 @@ from datetime import UTC, datetime
 from polyloop import types
 from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
-from polyloop.stores._archive import check_cutoff, prune_runs
 from polyloop.stores._common import ClosedOnExit, WriterState, step_records
+from polyloop.stores._engine import check_cutoff, prune_runs
 from polyloop.stores._refusals import check_order, claimed_already, not_claimed
 
 
@@ -101,8 +101,7 @@ class MemoryStore(ClosedOnExit):
         self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
     ) -> tuple[str, ...]:
         """Delete the finished runs last written before ``finished_before``; their ids. An
-        unfinished, in-doubt or claimed run is never touched. With ``archive``, each log is
-        first written to that directory, as a :class:`~polyloop.stores.JsonlStore` keeps it."""
+        unfinished, in-doubt or claimed run stays; ``archive`` gets each log first."""
         cutoff = check_cutoff(finished_before)
         candidates = [
             run_id

@@ -1,6 +1,5 @@
-"""Everything the JSON-lines store does to the file system goes through a :class:`FileOps`,
-so the power-loss tests can answer it from a model of a disk (research record 0012).
-:class:`OsFileOps` looks each ``os`` function up when called: a patch of ``os`` is seen."""
+"""The stores for one host reach the file system only through a :class:`FileOps`, which
+the power-loss tests replace with a model of a disk (research record 0012)."""
 
 from __future__ import annotations
 
@@ -37,8 +36,8 @@ class FileOps(_common.DirectoryOps, Protocol):
 
 
 class OsFileOps:
-    """The operating system's own file operations. A byte lock belongs to the open file
-    description (``F_OFD_SETLK``): closing it, or the process dying, lets the lock go."""
+    """The operating system's file operations, each ``os`` function looked up when called.
+    A byte lock belongs to the open file description (``F_OFD_SETLK``)."""
 
     __slots__ = ()
 

@@ -1,11 +1,9 @@
 """The JSON-lines format of the run files (research records 0009 and 0012).
 
-A record exists once the ``\\n`` that ends its line is in the file; nothing else ends a
-line (``\\r``, U+2028 and U+0085 are part of it). What follows the last ``\\n`` is a torn
-tail, a write whose caller was never told it succeeded: readers ignore it, even when it
-is a whole JSON object, and the next claim cuts it off. A terminated line that does not
-decode to a record of the run is a ``CorruptLog`` naming the file and the line (from 1).
-"""
+A record exists once the ``\\n`` ending its line is in the file; nothing else ends a line.
+What follows the last ``\\n`` is a torn tail: readers ignore it and the next claim cuts it
+off. A line that does not decode to a record of the run is a ``CorruptLog`` naming the
+file and the line (from 1)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The JSON-lines store: one append-only file per run, on the engine. A run file is open
-only while it is read or written, so open files do not grow with the runs claimed.
-Research records 0009 (durability), 0012 (file operations), 0017 (claims), 0019 (one
-write path) and 0027 (bounded open files) say why."""
+"""The JSON-lines store: one append-only file per run, on the engine, each file open only
+while it is read or written. Research records 0009 (durability), 0012 (file operations),
+0017 (claims), 0019 (one write path) and 0027 (bounded open files) say why."""
 
 from __future__ import annotations
 
