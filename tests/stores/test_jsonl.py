@@ -39,7 +39,7 @@ from agent_kit import (
 )
 from polyloop import resume, run
 from polyloop.serialization import dumps
-from polyloop.stores import JsonlStore
+from polyloop.stores import JsonlStore, _common
 from polyloop.stores._common import fsync_directory as real_fsync_directory
 from polyloop.stores._common import safe_name
 from polyloop.stores._jsonl.fileops import OsFileOps
@@ -164,7 +164,7 @@ async def test_creates_its_directory_with_parents_and_syncs_new_entries(
         synced.append(Path(directory))
         real_fsync_directory(directory)
 
-    monkeypatch.setattr(jsonl_module, "fsync_directory", record)
+    monkeypatch.setattr(_common, "fsync_directory", record)
     directory = tmp_path / "a" / "b" / "runs"
     async with JsonlStore(directory) as store:
         await store.claim_run("r")
@@ -216,7 +216,7 @@ async def test_start_run_syncs_the_file_then_its_directory_entry(
         real_fsync_directory(path)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(jsonl_module, "fsync_directory", fsync_directory)
+    monkeypatch.setattr(_common, "fsync_directory", fsync_directory)
     async with JsonlStore(directory) as store:
         await store.claim_run("r")
         assert events == []  # claiming a new run syncs nothing yet

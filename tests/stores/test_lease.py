@@ -20,8 +20,7 @@ import pytest
 
 from polyloop import InvalidRequest, LeaseLost
 from polyloop.stores import PostgresStore, SqliteStore
-from polyloop.stores._lease import Lease
-from polyloop.stores._lease_state import LeasePhase
+from polyloop.stores._lease import Lease, LeasePhase
 
 pytestmark = pytest.mark.anyio
 

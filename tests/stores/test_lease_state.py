@@ -1,7 +1,7 @@
 """The lease state machine on a fake clock: every transition in a table, and a property
 that no effect may start once the database could have ended the lease.
 
-The machine is plain data (``polyloop.stores._lease_state``): these tests have no event
+The machine is plain data (``polyloop.stores._lease.LeaseState``): these tests have no event
 loop, no thread and no database. The clock is a number the test passes in.
 """
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polyloop.stores._lease_state import LeasePhase, LeaseState, effect_margin
+from polyloop.stores._lease import LeasePhase, LeaseState, effect_margin
 
 LEASE_S = 12.0  # a margin of 4 s, renewals every 4 s
 

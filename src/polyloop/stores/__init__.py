@@ -4,11 +4,8 @@
 * :class:`JsonlStore`: one append-only JSON-lines file per run in a directory.
 * :class:`SqliteStore`: one SQLite database file (WAL, ``synchronous=FULL``).
 * :class:`PostgresStore`: a PostgreSQL database shared by many workers on many hosts
-  (needs the ``postgres`` extra: psycopg 3 and psycopg-pool).
-
-The durable stores are imported on first use, so ``import polyloop.stores`` needs no
-optional package.
-"""
+  (needs the ``postgres`` extra: psycopg 3 and psycopg-pool), imported on first use like
+  the other durable stores, so ``import polyloop.stores`` needs no optional package."""
 
 from __future__ import annotations
 
@@ -35,6 +32,5 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'polyloop.stores' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
+    value = globals()[name] = getattr(importlib.import_module(module), name)
     return value

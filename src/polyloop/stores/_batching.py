@@ -1,8 +1,5 @@
-"""Shared commits: the writes that wait at the same moment share one worker-thread hop.
-
-Under light load each write is a batch of its own; batches grow only while the worker
-threads are busy, which is when sharing pays. Research records 0013 and 0019 say why.
-"""
+"""Shared commits: the writes waiting at one moment share one worker-thread hop, so
+batches grow only while the threads are busy (research records 0013 and 0019)."""
 
 from __future__ import annotations
 
@@ -13,8 +10,6 @@ from typing import Generic, TypeVar
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-
-__all__ = ("GroupCommit",)
 
 _T = TypeVar("_T")
 
@@ -34,12 +29,9 @@ class _Batch(Generic[_T]):
 
 
 class GroupCommit(Generic[_T]):
-    """Runs ``commit`` in a worker thread over every item waiting at the same moment.
-
-    ``commit(items)`` blocks and returns, per item, ``None`` once it is durable or the
-    error its caller must see; what it raises is every item's error. Up to ``parallel``
-    batches run at once (more than one for files, whose syncs the disk can overlap).
-    """
+    """Runs ``commit`` in a worker thread over every item waiting at the same moment, up to
+    ``parallel`` batches at once. ``commit(items)`` returns, per item, ``None`` once it is
+    durable or the error its caller must see; what it raises is every item's error."""
 
     __slots__ = ("_active", "_commit", "_open", "_parallel")
 
@@ -106,7 +98,6 @@ class GroupCommit(Generic[_T]):
                 self._open.turn.set()
 
     def _commit_all(self, entries: Sequence[_Entry[_T]]) -> None:
-        """Run the commit (in a worker thread) and give each entry its outcome."""
         try:
             errors = list(self._commit([entry.item for entry in entries]))
         except Exception as exc:  # noqa: BLE001 -- every item shares the fate of the commit

@@ -1,140 +1,46 @@
-"""Claims held by the operating system, for the stores of one host (JSON lines, SQLite).
+"""Claims the operating system holds, for the stores of one host (JSON lines, SQLite).
 
-Run ``R`` is claimed by the write lock on byte ``claim_offset(R)`` of one of 16 lock
-files ``.claims-<shard>.lock``, taken through a descriptor the store object keeps open.
-The lock belongs to the open description (``F_OFD_SETLK``): a second store object, in
-this process or another, is refused, and the kernel lets it go when the description is
-closed or the process dies. A hung process keeps it. Research records 0027 (bounded open
-files) and 0032 (SQLite, a store for one host) say why.
-"""
+A run is claimed by the write lock on one byte, drawn from its id, of one of 16 lock files:
+the kernel lets it go when the process dies. Research records 0027 and 0032 say why."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import os
-import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 from anyio.lowlevel import EventLoopToken
 
 from polyloop.stores._batching import GroupCommit
-from polyloop.stores._common import (
-    Claim,
-    DirectoryOps,
-    Write,
-    WriterState,
-    create_directories,
-    open_files_error,
-)
+from polyloop.stores._common import Claim, Write, WriterState, create_directories, open_failed
+from polyloop.stores._jsonl.fileops import FileOps
 from polyloop.stores._refusals import claimed_already, not_claimed
-from polyloop.types import RunLocked, StoreError
-
-__all__ = (
-    "SHARDS",
-    "HostClaims",
-    "OneHost",
-    "LockFiles",
-    "claim_offset",
-    "lock_range",
-    "open_failed",
-    "range_held",
-    "unlock_range",
-)
 
 # The kernel keeps a file's byte locks in one list that each lock call walks: spread over
 # 16 files, a lock stays in the tens of microseconds at 10,000 claims.
-SHARDS = 16
-_FILE_MODE = 0o600
+_SHARDS = 16
 _FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | _FLAGS
-_PROBE_FLAGS = os.O_RDONLY | _FLAGS
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
-_RANGE_BITS = 62  # offsets stay positive in a signed 64-bit off_t
 
 
 def claim_offset(run_id: str) -> int:
-    """The byte that stands for ``run_id``: 62 bits of its sha256. Two runs share one
-    with a chance of about 1e-10 at 10,000 claims; the cost is a spurious ``RunLocked``."""
+    """62 bits of the id's sha256: two of 10,000 runs share a byte with a chance of 1e-10."""
     digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).digest()
-    return int.from_bytes(digest[:8], "big") >> (64 - _RANGE_BITS)
-
-
-def lock_range(fd: int, offset: int, run_id: str) -> None:
-    """Take the write lock on byte ``offset`` of ``fd``'s file, or raise ``RunLocked``."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0))
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise RunLocked("another writer holds this run", run_id=run_id) from None
-        raise StoreError(f"could not lock the run: {exc}", run_id=run_id) from exc
-
-
-def unlock_range(fd: int, offset: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
-
-
-def range_held(fd: int, offset: int) -> bool:
-    """Whether another open description holds the lock on byte ``offset`` (asks only)."""
-    answer = fcntl.fcntl(
-        fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, offset, 1, 0)
-    )
-    return bool(_FLOCK.unpack(answer)[0] != fcntl.F_UNLCK)
-
-
-def open_failed(exc: OSError, run_id: str | None, what: str) -> StoreError:
-    """The error for a file that would not open: nothing was written, so the run is not
-    marked failed and this store object may resume it."""
-    error = open_files_error(exc, run_id) or StoreError(
-        f"could not open {what}: {exc}", run_id=run_id
-    )
-    error.__cause__ = exc
-    return error
-
-
-class LockFiles(DirectoryOps, Protocol):
-    """The file operations the claims need (the JSON-lines store passes its own)."""
-
-    def open(self, path: Path, flags: int, mode: int = 0o777) -> int: ...
-
-    def close(self, fd: int) -> None: ...
-
-    def lock_range(self, fd: int, offset: int, run_id: str) -> None: ...
-
-    def unlock_range(self, fd: int, offset: int) -> None: ...
-
-    def range_held(self, fd: int, offset: int) -> bool: ...
+    return int.from_bytes(digest[:8], "big") >> 2
 
 
 class HostClaims:
-    """One store object's claims, by run id, each held by a locked byte (blocking: call
-    it from a worker thread). ``inspect(run_id)`` reads the run's :class:`Claim` with its
-    byte locked; ``free(claim)`` clears the store's own trace of a claim given up (a row
-    naming the writer, a file no run started in) before the byte goes. The map changes
-    under its own mutex, never held while a file or the database is touched."""
-
-    __slots__ = (
-        "_descriptors",
-        "_files",
-        "_free",
-        "_held",
-        "_inspect",
-        "_mutex",
-        "_ready",
-        "_state",
-        "_taking",
-        "directory",
-    )
+    """One store object's claims, each held by a locked byte (blocking: worker threads
+    only). ``inspect(run_id)`` reads the run's :class:`Claim` with its byte locked;
+    ``free(claim)`` clears the store's own trace of a claim given up before the byte
+    goes. The mutex is never held while a file or the database is touched."""
 
     def __init__(
         self,
         directory: Path,
-        files: LockFiles,
+        files: FileOps,
         state: WriterState,
         *,
         inspect: Callable[[str], Claim],
@@ -174,7 +80,7 @@ class HostClaims:
                 self._taking.discard(run_id)
 
     def held(self, run_id: str) -> Claim:
-        """The run's claim, if the store may write and this object holds it."""
+        """The run's claim, if the store may write it."""
         self._state.check_writable(run_id)
         claim = self._held.get(run_id)
         if claim is None:
@@ -204,13 +110,12 @@ class HostClaims:
         self._unlock(claim.offset)
 
     def claimed(self, run_ids: list[str]) -> list[bool]:
-        """Whether anyone (this object included) holds each run now: asked through a
-        description of its own, taking no lock, so no claimant is kept out."""
+        """Whether anyone holds each run now, asked through a description of its own."""
         answers = []
         for run_id in run_ids:
             offset = claim_offset(run_id)
             try:
-                probe = self._files.open(self._path(offset), _PROBE_FLAGS)
+                probe = self._files.open(self._path(offset), os.O_RDONLY | _FLAGS)
             except FileNotFoundError:
                 answers.append(False)  # nobody ever claimed a run of this shard here
                 continue
@@ -221,7 +126,6 @@ class HostClaims:
         return answers
 
     def close(self) -> None:
-        """Give up every claim, then close the lock files."""
         with self._mutex:
             claims, self._held = self._held, {}
         for claim in claims.values():
@@ -242,33 +146,31 @@ class HostClaims:
     def _lock(self, run_id: str) -> int:
         offset = claim_offset(run_id)
         with self._mutex:
-            fd = self._descriptors.get(offset % SHARDS)
+            fd = self._descriptors.get(offset % _SHARDS)
             if fd is None:
+                path, flags = self._path(offset), os.O_RDWR | os.O_CREAT | _FLAGS
                 try:
-                    fd = self._files.open(self._path(offset), _LOCK_FLAGS, _FILE_MODE)
+                    fd = self._descriptors[offset % _SHARDS] = self._files.open(path, flags, 0o600)
                 except OSError as exc:
                     raise open_failed(exc, run_id, "the claims lock file") from exc
-                self._descriptors[offset % SHARDS] = fd
             self._files.lock_range(fd, offset, run_id)
         return offset
 
     def _unlock(self, offset: int) -> None:
-        # Under the mutex: a descriptor closes under it too, and its number must not be
-        # reused by another file meanwhile.
+        # Under the mutex, as closing is: a descriptor's number must not be reused meanwhile.
         with self._mutex:
-            fd = self._descriptors.get(offset % SHARDS)
+            fd = self._descriptors.get(offset % _SHARDS)
             if fd is not None:
                 with contextlib.suppress(OSError):
                     self._files.unlock_range(fd, offset)
 
     def _path(self, offset: int) -> Path:
         # A dot first: no run file of a JSON-lines directory has one.
-        return self.directory / f".claims-{offset % SHARDS:x}.lock"
+        return self.directory / f".claims-{offset % _SHARDS:x}.lock"
 
 
 class OneHost:
-    """The backend calls of a store for one host: its claims are :class:`HostClaims`,
-    its writes go through one :class:`GroupCommit`."""
+    """The backend calls of a store for one host, over its claims and its writes' group."""
 
     __slots__ = ()
 

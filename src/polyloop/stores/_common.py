@@ -1,4 +1,5 @@
-"""Pieces the durable stores share: safe file names, writer locks, the failed-run guard."""
+"""What the durable stores share: file names, directories, the write and claim values,
+the failed-run guard, the open-file limit's message (research records 0024, 0027, 0033)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Protocol
+from typing import Protocol, Self
 
 import anyio
 import anyio.to_thread
@@ -22,51 +22,40 @@ import anyio.to_thread
 from polyloop._shared import FORMAT, exception_text, record_kind
 from polyloop.serialization import dumps, loads
 from polyloop.stores._refusals import store_closed
-from polyloop.types import CorruptLog, Record, SchemaMajorMismatch, StoreError
-
-
-def check_format(recorded: object, *, holder: str, run_id: str | None, location: str) -> None:
-    """Refuse a database whose recorded record format is unreadable or of another major.
-
-    ``holder`` names what holds the records in the message ("database", "schema").
-    """
-    if not isinstance(recorded, str) or not recorded.startswith("polyloop/"):
-        raise CorruptLog(
-            f"no readable record format in the {holder} ({recorded!r:.80})",
-            run_id=run_id,
-            location=location,
-        )
-    if recorded.partition(".")[0] != FORMAT.partition(".")[0]:
-        raise SchemaMajorMismatch(
-            f"the {holder} holds records in format {recorded!r}; this library reads {FORMAT!r}",
-            run_id=run_id,
-            location=location,
-        )
-
+from polyloop.types import CorruptLog, Record, Result, SchemaMajorMismatch, StepRecord, StoreError
 
 logger = logging.getLogger("polyloop")
 
 # How long giving a claim back after a failed claim or prune may keep its caller.
 RELEASE_GRACE_S = 10.0
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
-_PREFIX_CHARS = 40
+
+def check_format(recorded: object, *, holder: str, run_id: str | None, location: str) -> None:
+    """Refuse a recorded format that is unreadable or of another major; ``holder`` names
+    what holds the records ("database", "schema")."""
+    if not isinstance(recorded, str) or not recorded.startswith("polyloop/"):
+        reason = f"no readable record format in the {holder} ({recorded!r:.80})"
+        raise CorruptLog(reason, run_id=run_id, location=location)
+    if recorded.partition(".")[0] != FORMAT.partition(".")[0]:
+        reason = f"the {holder} holds records in format {recorded!r}; this library reads {FORMAT!r}"
+        raise SchemaMajorMismatch(reason, run_id=run_id, location=location)
 
 
 def safe_name(run_id: str) -> str:
-    """A file name for ``run_id`` that cannot leave its directory or collide.
-
-    A readable prefix (unsafe characters replaced, at most 40 characters, never starting
-    with a dot) followed by the sha256 of the full id: two ids that share a prefix still
-    get different names, and no id can produce ``..``, a separator, NUL or a long name.
-    """
+    """A file name for ``run_id`` that cannot leave its directory or collide: a readable
+    prefix (at most 40 safe characters, no leading dot) and the sha256 of the full id."""
     digest = hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).hexdigest()
-    prefix = _UNSAFE.sub("_", run_id)[:_PREFIX_CHARS].lstrip(".")
+    prefix = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id)[:40].lstrip(".")
     return f"{prefix}-{digest}" if prefix else digest
 
 
+def shown(run_id: str) -> str:
+    """``run_id`` quoted and cut short, for messages and record locations."""
+    text = repr(run_id)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def fsync_directory(directory: Path) -> None:
-    """Make a new directory entry in ``directory`` durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -75,13 +64,15 @@ def fsync_directory(directory: Path) -> None:
 
 
 def open_files_error(exc: BaseException, run_id: str | None) -> StoreError | None:
-    """A ``StoreError`` that names the open-file limit ``exc`` hit and what to do; else
-    ``None``. libpq reports the limit in its message, SQLite only as "unable to open",
-    so for an error without an errno the process is asked whether it can open a file."""
+    """A ``StoreError`` naming the open-file limit ``exc`` hit and what to do, or ``None``.
+    SQLite says only "unable to open", so then the process tries to open a file itself."""
     number = getattr(exc, "errno", None)
     text = str(exc).lower()
     if number is None and not isinstance(exc, OSError):
-        number = _open_probe()
+        try:
+            os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+        except OSError as probe:
+            number = probe.errno
     if number == errno.ENFILE or "file table overflow" in text:
         what = (
             "too many open files on this machine (the system-wide limit, fs.file-max): "
@@ -100,22 +91,50 @@ def open_files_error(exc: BaseException, run_id: str | None) -> StoreError | Non
     return error
 
 
-def _open_probe() -> int | None:
-    """The errno of opening a file now (``None`` if it opens): tells an error met at the
-    open-file limit from one with another cause."""
+def open_failed(exc: OSError, run_id: str | None, what: str) -> StoreError:
+    """A file would not open: nothing was written, so this object may resume the run."""
+    error = open_files_error(exc, run_id) or StoreError(
+        f"could not open {what}: {exc}", run_id=run_id
+    )
+    error.__cause__ = exc
+    return error
+
+
+class DirectoryOps(Protocol):
+    def mkdir(self, path: Path) -> None: ...
+    def is_dir(self, path: Path) -> bool: ...
+    def fsync_directory(self, directory: Path) -> None: ...
+
+
+def create_directories(files: DirectoryOps, directory: Path, *, run_id: str | None) -> None:
+    """Create ``directory`` and its missing parents, each synced into its parent (a lost
+    directory takes its files along); a ``StoreError`` names a path that cannot be made."""
+    missing: list[Path] = []
+    current = directory
+    while not files.is_dir(current) and current != current.parent:
+        missing.append(current)
+        current = current.parent
     try:
-        os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+        for path in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # made by someone else meanwhile
+                files.mkdir(path)
+            files.fsync_directory(path.parent)
     except OSError as exc:
-        return exc.errno
-    return None
+        if isinstance(exc, StoreError):
+            raise
+        reason = exc.strerror or type(exc).__name__
+        raise open_files_error(exc, run_id) or StoreError(
+            f"cannot create the directory {path}: {reason}", run_id=run_id
+        ) from exc
+    if not files.is_dir(directory):
+        raise StoreError(f"{directory} exists and is not a directory", run_id=run_id)
 
 
 async def claim_in_thread(
     claim: Callable[[], None], release: Callable[[], None], *, run_id: str
 ) -> None:
     """Run a blocking ``claim`` of ``run_id`` in a worker thread; if the call then raises
-    (its caller was cancelled as the thread finished, say), run ``release`` so that no
-    claim lingers."""
+    (its caller was cancelled as the thread finished, say), ``release`` it again."""
     taken = False
 
     def claim_and_note() -> None:
@@ -140,47 +159,44 @@ async def claim_in_thread(
         raise
 
 
-_SHOWN_ID_CHARS = 60
-
-
-def shown(run_id: str) -> str:
-    """``run_id`` quoted and cut short, for messages and record locations."""
-    text = repr(run_id)
-    return text if len(text) <= _SHOWN_ID_CHARS else text[: _SHOWN_ID_CHARS - 3] + "..."
-
-
 def decode_row(body: object, *, run_id: str, kind: object, location: str) -> Record:
-    """The record a database row holds, checked against the row: its body is text that
-    decodes, the record is of ``run_id`` and of the row's ``kind``; else ``CorruptLog``
-    naming the run and the row."""
-
-    def corrupt(reason: str) -> CorruptLog:
-        return CorruptLog(reason, run_id=run_id, location=location)
-
+    """The record a database row holds, of ``run_id`` and ``kind``, or ``CorruptLog``."""
     if not isinstance(body, (str, bytes)):
-        raise corrupt(f"the body is {type(body).__name__}, not text")
-    try:
-        record = loads(body, location=location)
-    except CorruptLog as exc:
-        if exc.run_id is not None:
-            raise
-        raise corrupt(exc.reason) from exc
-    if record.run_id != run_id:
-        raise corrupt(f"the row holds a record of run {shown(record.run_id)}")
-    if record_kind(record) != kind:
-        raise corrupt(f"the row says {kind!r} but holds a {record_kind(record)!r} record")
-    return record
+        reason = f"the body is {type(body).__name__}, not text"
+    else:
+        try:
+            record = loads(body, location=location)
+        except CorruptLog as exc:
+            if exc.run_id is not None:
+                raise
+            raise CorruptLog(exc.reason, run_id=run_id, location=location) from exc
+        if record.run_id != run_id:
+            reason = f"the row holds a record of run {shown(record.run_id)}"
+        elif record_kind(record) != kind:
+            reason = f"the row says {kind!r} but holds a {record_kind(record)!r} record"
+        else:
+            return record
+    raise CorruptLog(reason, run_id=run_id, location=location)
 
 
 def record_row(record: Record) -> tuple[str, str]:
-    """The (kind, body) row that holds ``record`` in a database store."""
     return record_kind(record), dumps(record)  # dumps refuses anything not a record
+
+
+def step_records(step: StepRecord, action_result: Result | None) -> tuple[Record, ...]:
+    """What ``write_step`` writes, in order: the action result (if any), then the step."""
+    if action_result is None:
+        return (step,)
+    if action_result.run_id != step.run_id:
+        raise StoreError(
+            f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
+        )
+    return action_result, step
 
 
 @dataclass(eq=False, slots=True)
 class Write:
-    """The rows of one store call, and what the call means for its run: the one value
-    every database store's write path takes."""
+    """The rows of one store call and what it means for its run."""
 
     run_id: str
     rows: list[tuple[str, str]]  # (kind, body) of each record, in order
@@ -193,22 +209,17 @@ class Write:
 
 @dataclass(eq=False, slots=True)
 class Claim:
-    """This store object is ``run_id``'s writer: the one claim value of every durable
-    store. ``epoch`` is the claim epoch it gave the run's row (a database fences every
-    write with it), ``next_seq`` the seq of the run's next record (0 until the run
-    starts; a file store, which does not number records, counts from 1 once it has
-    any), ``finished`` whether the log ends with a final end record. ``offset`` is the
-    locked byte that holds the claim in a store for one host, ``generation`` the lease
-    generation it was taken under in a shared database; ``lock`` is held around each
-    write of the run where writes of different runs run in parallel."""
+    """This store object is ``run_id``'s writer. ``epoch`` fences database writes; a file
+    store's ``next_seq`` is only 0 or 1; ``offset`` is the locked byte of a store for one
+    host, ``generation`` the lease generation of a shared database."""
 
     run_id: str
     epoch: int = 0
     next_seq: int = 0
-    finished: bool = False
+    finished: bool = False  # the log ends with a final end record
     offset: int = -1
     generation: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # around each write of the run
 
 
 class ClosedOnExit:
@@ -216,37 +227,31 @@ class ClosedOnExit:
 
     __slots__ = ()
 
-    async def aclose(self) -> None:
-        raise NotImplementedError
+    async def aclose(self) -> None: ...
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        """Close the store (see :meth:`aclose`)."""
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
 
 @dataclass
 class WriterState:
-    """What one store object holds: the runs it writes and the runs it must not touch.
-
-    After a failed write (an ``OSError``, a lost connection) nothing more is written
-    for that run through this store object: a retried ``fsync`` can report success
-    after the kernel dropped the data, so only reopening the store may try again.
-    """
+    """Whether one store object is closed, and the runs it must not write again: a retried
+    ``fsync`` can report success for data the kernel dropped."""
 
     failed: dict[str, str] = field(default_factory=dict)
     closed: bool = False
     mutex: threading.Lock = field(default_factory=threading.Lock)
 
-    def check_writable(self, run_id: str) -> None:
+    def check_open(self, run_id: str | None) -> None:
         if self.closed:
             raise store_closed(run_id)
-        reason = self.failed.get(run_id)
-        if reason is not None:
+
+    def check_writable(self, run_id: str) -> None:
+        self.check_open(run_id)
+        if (reason := self.failed.get(run_id)) is not None:
             raise StoreError(
                 f"an earlier write of this run failed ({reason}); close and reopen the "
                 f"store before writing to it again",
@@ -259,41 +264,3 @@ class WriterState:
         error = StoreError(f"write failed: {type(exc).__name__}: {exc}", run_id=run_id)
         error.__cause__ = exc
         return error
-
-
-class DirectoryOps(Protocol):
-    """The three directory operations :func:`create_directories` needs."""
-
-    def mkdir(self, path: Path) -> None: ...
-
-    def is_dir(self, path: Path) -> bool: ...
-
-    def fsync_directory(self, directory: Path) -> None: ...
-
-
-def create_directories(files: DirectoryOps, directory: Path, *, run_id: str | None) -> None:
-    """Create ``directory`` and its missing parents, syncing each new entry into its parent.
-
-    The entries are synced because a directory that vanishes in a power loss takes the
-    files written into it along (research record 0024). A path that cannot be made (a
-    parent that is a file, no permission) is a ``StoreError`` naming it.
-    """
-    missing: list[Path] = []
-    current = directory
-    while not files.is_dir(current) and current != current.parent:
-        missing.append(current)
-        current = current.parent
-    try:
-        for path in reversed(missing):
-            with contextlib.suppress(FileExistsError):  # made by someone else meanwhile
-                files.mkdir(path)
-            files.fsync_directory(path.parent)
-    except OSError as exc:
-        if isinstance(exc, StoreError):
-            raise
-        reason = exc.strerror or type(exc).__name__
-        raise open_files_error(exc, run_id) or StoreError(
-            f"cannot create the directory {path}: {reason}", run_id=run_id
-        ) from exc
-    if not files.is_dir(directory):
-        raise StoreError(f"{directory} exists and is not a directory", run_id=run_id)

@@ -1,17 +1,12 @@
-"""The one engine of the durable stores: the store port over a backend.
-
-What ``JsonlStore``, ``SqliteStore`` and ``PostgresStore`` do alike is written here once:
-the public methods, the one value each write becomes (:class:`Write`), the hops to worker
-threads, pruning under claims, closing. A backend supplies what differs: where records
-live (files, a database), how they are read, and how a run is claimed (a locked byte, or
-an owner with a lease). Every blocking call of a backend runs in a worker thread.
-"""
+"""The one engine of the durable stores (research record 0033): what ``JsonlStore``,
+``SqliteStore`` and ``PostgresStore`` do alike, once, and the pruning all stores share.
+A backend supplies what differs: where records live, how they are read and claimed."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from datetime import datetime
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Protocol, Self
@@ -19,95 +14,58 @@ from typing import Protocol, Self
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-from anyio.lowlevel import EventLoopToken
 
+from polyloop import types
 from polyloop._shared import FORMAT
-from polyloop.ports import StoredRun
-from polyloop.stores._archive import check_cutoff, prune_runs
-from polyloop.stores._common import ClosedOnExit, Write, claim_in_thread, record_row
-from polyloop.types import (
-    Intent,
-    JSONValue,
-    Record,
-    Result,
-    Review,
-    RunEnded,
-    RunLog,
-    RunStarted,
-    StepRecord,
-    StoreError,
-)
+from polyloop.ports import Store, StoredRun
+from polyloop.stores import _common
+from polyloop.stores._common import ClosedOnExit, Write, claim_in_thread, record_row, step_records
+from polyloop.stores._jsonl.reader import SUFFIX, log_lines
 
-__all__ = ("Backend", "EngineStore")
+Archive = str | os.PathLike[str] | None
+Delete = Callable[[str], Awaitable[bool]]
 
 
 class Backend(Protocol):
-    """What the engine needs of a store's backend. Every method but :meth:`submit`,
-    :meth:`confirm` and :meth:`holds` blocks, and runs in a worker thread."""
+    """What the engine needs of a backend; each call but the coroutines and :meth:`holds`
+    blocks, in a worker thread. ``prunable`` lists the runs nobody holds that finished,
+    not in doubt, before the cutoff; ``delete`` deletes one this object holds."""
 
     kind: str
 
-    def claim(self, run_id: str, token: EventLoopToken) -> None:
-        """Become the run's writer, or raise ``RunLocked``."""
-
-    def release(self, run_id: str) -> None:
-        """Give the claim up, writing no record."""
-
-    def holds(self, run_id: str) -> bool:
-        """Whether this store object holds the run's claim (no I/O)."""
-
-    async def confirm(self, run_id: str) -> None:
-        """Return only if an effect of the run may start now (``check_claim``)."""
-
-    async def submit(self, write: Write) -> None:
-        """Commit ``write``, in a shared commit, before returning."""
-
-    def read(self, run_id: str) -> tuple[Record, ...]:
-        """Every record of the run, each checked against where it is kept."""
-
-    def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
-        """Every started run (only unfinished ones if asked), in the order they started."""
-
-    def describe(self, run_id: str) -> StoredRun | None:
-        """The run as :meth:`runs` lists it."""
-
-    def prunable(self, cutoff: datetime) -> list[str]:
-        """The runs nobody holds that finished, not in doubt, before ``cutoff``."""
-
-    def delete(self, run_id: str, cutoff: datetime) -> bool:
-        """Delete a run this object holds the claim of, if it still may go."""
-
-    def open(self) -> None:
-        """Open and check the store now rather than at first use."""
-
-    def close(self) -> None:
-        """Give up every claim, then release every resource."""
+    def claim(self, run_id: str, token: anyio.lowlevel.EventLoopToken) -> None: ...
+    def release(self, run_id: str) -> None: ...
+    def holds(self, run_id: str) -> bool: ...
+    async def confirm(self, run_id: str) -> None: ...
+    async def submit(self, write: Write) -> None: ...
+    def read(self, run_id: str) -> tuple[types.Record, ...]: ...
+    def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]: ...
+    def describe(self, run_id: str) -> StoredRun | None: ...
+    def prunable(self, cutoff: datetime) -> list[str]: ...
+    def delete(self, run_id: str, cutoff: datetime) -> bool: ...
+    def open(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class EngineStore(ClosedOnExit):
-    """The store port over a :class:`Backend`; each durable store only chooses its
-    backend and says what it promises."""
+    """The store port over a :class:`Backend`."""
 
     __slots__ = ("_backend",)
 
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
 
-    def parameters(self) -> Mapping[str, JSONValue]:
-        """The store kind and record format; never where the data is, so moved data
-        still resumes."""
+    def parameters(self) -> Mapping[str, types.JSONValue]:
+        """The store kind and record format, never where the data is: moved data resumes."""
         return {"kind": self._backend.kind, "format": FORMAT}
-
-    # -- the Store protocol ---------------------------------------------------------------
 
     async def claim_run(self, run_id: str) -> None:
         """Become the run's writer and move its claim epoch on; ``RunLocked`` (naming the
         holder where the database knows it) if a living writer, this object included,
         holds it."""
         backend, token = self._backend, anyio.lowlevel.current_token()
-        await claim_in_thread(
-            partial(backend.claim, run_id, token), partial(backend.release, run_id), run_id=run_id
-        )
+        claim, release = partial(backend.claim, run_id, token), partial(backend.release, run_id)
+        await claim_in_thread(claim, release, run_id=run_id)
 
     async def release_run(self, run_id: str) -> None:
         """Give up the claim, writing no record (a run never started leaves no trace)."""
@@ -119,64 +77,40 @@ class EngineStore(ClosedOnExit):
         (``RunLocked``, ``LeaseLost`` or ``StoreError`` otherwise); sends no statement."""
         await self._backend.confirm(run_id)
 
-    async def start_run(self, record: RunStarted) -> None:
+    async def start_run(self, record: types.RunStarted) -> None:
         """Write the run's first record, a durable barrier; ``RunAlreadyExists`` if the
         run has any record."""
-        await self._backend.submit(
-            Write(record.run_id, [record_row(record)], start=True, barrier=True)
-        )
+        await self._write(record, start=True, barrier=True)
 
-    async def write_intent(self, intent: Intent) -> None:
+    async def write_intent(self, intent: types.Intent) -> None:
         """Write an intent, a durable barrier."""
-        await self._backend.submit(Write(intent.run_id, [record_row(intent)], barrier=True))
+        await self._write(intent, barrier=True)
 
-    async def write_result(self, result: Result) -> None:
+    async def write_result(self, result: types.Result) -> None:
         """Write the result of a model call; committed, not necessarily durable."""
-        await self._backend.submit(Write(result.run_id, [record_row(result)]))
+        await self._write(result)
 
-    async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
+    async def write_step(self, step: types.StepRecord, action_result: types.Result | None) -> None:
         """Write the action result (if any) and the step record in one transaction."""
-        if action_result is None:
-            await self._backend.submit(Write(step.run_id, [record_row(step)]))
-            return
-        if action_result.run_id != step.run_id:
-            raise StoreError(
-                f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
-            )
-        await self._backend.submit(
-            Write(step.run_id, [record_row(action_result), record_row(step)])
-        )
+        await self._write(*step_records(step, action_result))
 
-    async def write_review(self, record: Review) -> None:
+    async def write_review(self, record: types.Review) -> None:
         """Write a proposal, verdict or settlement, a durable barrier like an intent."""
-        await self._backend.submit(Write(record.run_id, [record_row(record)], barrier=True))
+        await self._write(record, barrier=True)
 
-    async def end_run(self, record: RunEnded) -> None:
+    async def end_run(self, record: types.RunEnded) -> None:
         """Write the run's end record and give up the claim, in one transaction."""
-        await self._backend.submit(
-            Write(
-                record.run_id,
-                [record_row(record)],
-                end=True,
-                final=record.is_final,
-                reason=record.stop_reason.value,
-            )
-        )
+        await self._write(record)
 
-    async def read_log(self, run_id: str) -> RunLog:
-        """Every record of ``run_id`` in write order; empty if the run has none.
-
-        Raises ``CorruptLog`` (naming the line or row) for a record that does not decode
-        or does not belong where it is, and ``SchemaMajorMismatch`` for another record
-        format. Readers never need the claim.
-        """
+    async def read_log(self, run_id: str) -> types.RunLog:
+        """Every record of ``run_id`` in write order (none if it has none); ``CorruptLog``
+        names the line or row of a record that does not decode or belong where it is."""
         records = await anyio.to_thread.run_sync(self._backend.read, run_id)
-        return RunLog(run_id=run_id, records=records)
+        return types.RunLog(run_id=run_id, records=records)
 
     async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
         """Every run (only unfinished ones if asked): in the order the runs started in a
-        database, where the unfinished ones come from an index that holds only them; by
-        id in a directory of run files."""
+        database, by id in a directory of run files."""
         return await anyio.to_thread.run_sync(self._backend.runs, unfinished_only)
 
     async def describe_run(self, run_id: str) -> StoredRun | None:
@@ -186,28 +120,22 @@ class EngineStore(ClosedOnExit):
     async def prune(
         self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
     ) -> tuple[str, ...]:
-        """Delete the runs that finished before ``finished_before``; their ids.
-
-        A run that is unfinished, ended in doubt, or claimed is never touched: each run
-        is deleted under its claim, by a statement that checks again that it finished
-        before the cutoff. With ``archive``, each run's log is first written durably to
-        that directory, as a :class:`~polyloop.stores.JsonlStore` keeps it. Safe while
-        workers run.
-        """
+        """Delete the runs that finished before ``finished_before``, each under its claim;
+        their ids. An unfinished, in-doubt or claimed run is never touched. With ``archive``,
+        each log is first written durably there, as a ``JsonlStore`` keeps it."""
         cutoff = check_cutoff(finished_before)
         candidates = await anyio.to_thread.run_sync(self._backend.prunable, cutoff)
         return await prune_runs(
             self,
             candidates,
-            archive=Path(archive) if archive is not None else None,
-            delete=partial(self._delete_claimed, cutoff=cutoff),
+            archive=archive,
+            delete=lambda run_id: anyio.to_thread.run_sync(self._backend.delete, run_id, cutoff),
         )
 
     async def aclose(self) -> None:
-        """Give up every claim and close every connection or file. Idempotent.
+        """Give up every claim and close every connection or file; idempotent.
 
-        Cancellation: closing runs shielded, so it completes even in a cancelled scope.
-        """
+        Cancellation: closing runs shielded, so it completes even in a cancelled scope."""
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(self._backend.close)
 
@@ -216,5 +144,63 @@ class EngineStore(ClosedOnExit):
         await anyio.to_thread.run_sync(self._backend.open)
         return self
 
-    async def _delete_claimed(self, run_id: str, *, cutoff: datetime) -> bool:
-        return await anyio.to_thread.run_sync(self._backend.delete, run_id, cutoff)
+    async def _write(
+        self, *records: types.Record, start: bool = False, barrier: bool = False
+    ) -> None:
+        last = records[-1]
+        write = Write(last.run_id, [record_row(r) for r in records], start=start, barrier=barrier)
+        if isinstance(last, types.RunEnded):  # the claim is given up with it
+            write.end, write.final, write.reason = True, last.is_final, last.stop_reason.value
+        await self._backend.submit(write)
+
+
+def check_cutoff(finished_before: datetime) -> datetime:
+    """``finished_before`` as an aware UTC time; a naive one is taken as UTC."""
+    if not isinstance(finished_before, datetime):
+        raise TypeError(f"finished_before must be a datetime, not {type(finished_before).__name__}")
+    if finished_before.tzinfo is None:
+        return finished_before.replace(tzinfo=UTC)
+    return finished_before.astimezone(UTC)
+
+
+async def prune_runs(
+    store: Store, candidates: Iterable[str], *, archive: Archive, delete: Delete
+) -> tuple[str, ...]:
+    """Prune each finished candidate under its claim; the ids deleted. ``delete(run_id)``
+    checks again, gives the claim up with the run, and says whether it deleted it."""
+    pruned: list[str] = []
+    for run_id in candidates:
+        try:
+            await store.claim_run(run_id)
+        except types.RunLocked:
+            continue  # a worker holds it: it is not ours to remove
+        deleted = False
+        try:
+            log = await store.read_log(run_id)
+            last = log.records[-1:]
+            ends = [end for end in last if isinstance(end, types.RunEnded) and end.is_final]
+            if ends and ends[0].stop_reason is not types.StopReason.IN_DOUBT:
+                if archive is not None:
+                    await anyio.to_thread.run_sync(_write_archive, Path(archive), log)
+                deleted = await delete(run_id)
+        finally:
+            if not deleted:
+                with anyio.move_on_after(_common.RELEASE_GRACE_S, shield=True):
+                    await store.release_run(run_id)
+        if deleted:
+            pruned.append(run_id)
+    return tuple(pruned)
+
+
+def _write_archive(directory: Path, log: types.RunLog) -> None:
+    """Write the log whole and synced before its run goes: a crash in between leaves the
+    run in both places (research record 0018)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / f"{_common.safe_name(log.run_id)}{SUFFIX}"
+    part = final.with_name(final.name + ".partial")
+    with open(part, "wb", opener=lambda path, flags: os.open(path, flags, 0o600)) as file:
+        file.write(log_lines(log.records))
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(part, final)
+    _common.fsync_directory(directory)

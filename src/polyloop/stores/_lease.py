@@ -1,13 +1,11 @@
-"""Owner leases: how a store object serving a fleet keeps its claims, and how it loses them.
-
-A keeper thread renews the lease while the event loop shows it lives; once the lease's
-deadline passes, its claims are lost for good and the store takes a new owner id.
-Research records 0018 (owners), 0029 (signs of life) and 0031 (no effect without the
-lease, and the state machine in :mod:`~polyloop.stores._lease_state`) say why.
-"""
+"""Owner leases: one state machine, plain data on this process's clock (:class:`LeaseState`),
+and a keeper thread that renews it while the event loop lives; a lost lease takes its
+claims for good. Research records 0018, 0029 and 0031 say why."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import os
 import socket
@@ -20,10 +18,7 @@ import anyio
 import anyio.from_thread
 from anyio.lowlevel import EventLoopToken
 
-from polyloop.stores._lease_state import LeasePhase, LeaseState
 from polyloop.types import InvalidRequest, LeaseLost
-
-__all__ = ("Clock", "Lease", "Wait", "check_lease_s", "lease_clock")
 
 logger = logging.getLogger("polyloop")
 
@@ -35,15 +30,68 @@ _RENEWALS_PER_LEASE = 3  # a renewal may fail or come late twice and the lease s
 _RETRIES_PER_LEASE = 12  # a failed renewal is tried again after this part of a lease
 _LOOKS_PER_LEASE = 48  # an effect waiting on a late lease looks again this often
 _BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
-_ANSWERS = {
-    True: LeaseState.renewal_confirmed,
-    False: LeaseState.renewal_refused,
-    None: LeaseState.renewal_failed,
-}
-_STALL_WARNING = (
+_STALL = (
     "the event loop took %.1f s to let owner %s renew its %g s lease: a stall as long as the "
     "lease loses every run (drive fewer runs per process, or raise lease_s above the longest stall)"
 )
+
+
+def effect_margin(lease_s: float) -> float:
+    """What an owner must have left of its lease to start an effect: one renewal interval."""
+    return lease_s / _RENEWALS_PER_LEASE
+
+
+class LeasePhase(enum.Enum):
+    """Effects may start while ``HELD`` or ``RENEWING`` (a renewal out); ``LATE``, writes go
+    (the database fences them) and effects wait; ``LOST`` is final."""
+
+    HELD = "held"
+    RENEWING = "renewing"
+    LATE = "late"
+    LOST = "lost"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LeaseState:
+    """One owner identity's lease; a renewal counts from when it was sent, so the
+    ``deadline`` is never later than the moment the database can end the lease."""
+
+    lease_s: float
+    deadline: float
+    renewal_sent_at: float | None = None
+    lost: bool = False
+
+    @classmethod
+    def granted(cls, lease_s: float, sent_at: float) -> LeaseState:
+        """The lease granted to a registration sent at ``sent_at``."""
+        return cls(lease_s=lease_s, deadline=sent_at + lease_s)
+
+    def phase(self, now: float) -> LeasePhase:
+        if self.lost or now >= self.deadline:
+            return LeasePhase.LOST
+        if self.deadline - now < effect_margin(self.lease_s):
+            return LeasePhase.LATE
+        return LeasePhase.HELD if self.renewal_sent_at is None else LeasePhase.RENEWING
+
+    def renewal_sent(self, now: float) -> LeaseState:
+        return self._lost_at(now) or dataclasses.replace(self, renewal_sent_at=now)
+
+    def renewal_confirmed(self, now: float) -> LeaseState:
+        """Extended from the sending; an answer after the deadline is too late."""
+        sent_at = self.renewal_sent_at
+        until = self.deadline if sent_at is None else max(self.deadline, sent_at + self.lease_s)
+        return self._lost_at(now) or dataclasses.replace(self, deadline=until, renewal_sent_at=None)
+
+    def renewal_refused(self, now: float) -> LeaseState:
+        """The database had already ended the lease."""
+        return dataclasses.replace(self, lost=True, renewal_sent_at=None)
+
+    def renewal_failed(self, now: float) -> LeaseState:
+        """No answer came: the lease stands as it was until its deadline."""
+        return self._lost_at(now) or dataclasses.replace(self, renewal_sent_at=None)
+
+    def _lost_at(self, now: float) -> LeaseState | None:
+        return self.renewal_refused(now) if self.phase(now) is LeasePhase.LOST else None
 
 
 def lease_clock() -> float:
@@ -58,12 +106,8 @@ def check_lease_s(lease_s: float) -> None:
 
 
 class Lease:
-    """One store object's lease as an owner of claims (thread-safe).
-
-    ``renew(owner_id)`` blocks, extends the lease in the database unless it ended there,
-    and says whether it did. ``clock`` is read for every deadline; ``wait(seconds)`` is
-    the keeper's pause, true once stopping (by default the stop event's wait).
-    """
+    """One store object's lease (thread-safe). ``renew(owner_id)`` blocks and says whether
+    the database extended it; ``wait(seconds)`` is the keeper's pause, true once stopping."""
 
     def __init__(
         self, lease_s: float, renew: Renew, *, clock: Clock = lease_clock, wait: Wait | None = None
@@ -92,13 +136,11 @@ class Lease:
             return self._owner_id, self._generation, self._state is not None
 
     def registered(self, owner_id: str, sent_at: float, token: EventLoopToken) -> None:
-        """The owner row and lock of ``owner_id`` are in place, registered at ``sent_at``
-        (a reading of :attr:`clock`): keep them from the loop ``token`` names."""
+        """``owner_id`` was registered at ``sent_at``: keep it from the loop ``token`` names."""
         with self._mutex:
             if owner_id != self._owner_id:
                 return
-            self._state = LeaseState.granted(self.lease_s, sent_at)
-            self._token = token
+            self._state, self._token = LeaseState.granted(self.lease_s, sent_at), token
             if self._keeper is None:
                 self._keeper = threading.Thread(
                     target=self._keep, name="polyloop-lease", daemon=True
@@ -122,12 +164,8 @@ class Lease:
             raise self._lost_error(run_id)
 
     async def confirm(self, generation: int, run_id: str) -> None:
-        """Return once an effect may start under a claim of ``generation``: the lease is
-        held with the margin to spare. A late lease is waited on until it is renewed;
-        ``LeaseLost`` when it ended or ends before that. Reads no database.
-
-        Cancellation: nothing is written or changed; the effect has not started.
-        """
+        """Return once an effect may start under a claim of ``generation``: a late lease
+        is waited on until renewed; ``LeaseLost`` if it ends first. Reads no database."""
         # Polled: the keeper thread moves the lease on, and no event crosses to the loop.
         while (phase := self.phase(generation)) is LeasePhase.LATE:  # noqa: ASYNC110
             await anyio.sleep(self.lease_s / _LOOKS_PER_LEASE)
@@ -184,27 +222,28 @@ class Lease:
 
     def _renew_once(self, owner_id: str) -> bool:
         """Send one renewal, unless the lease is lost, and apply its answer; False when
-        the renewal got none (an error, a lost connection)."""
+        none came."""
         with self._mutex:
             if owner_id != self._owner_id or self._state is None:
                 return True
             now = self.clock()
             if self._move_locked(self._state.renewal_sent(now), now) is LeasePhase.LOST:
                 return True
-        renewed: bool | None = None
+        answer = LeaseState.renewal_failed
         try:
             renewed = self._renew(owner_id)
+            answer = LeaseState.renewal_confirmed if renewed else LeaseState.renewal_refused
         except Exception:
             logger.warning("could not renew the lease of owner %s", owner_id, exc_info=True)
         with self._mutex:
             if owner_id == self._owner_id and self._state is not None:
                 now = self.clock()
-                self._move_locked(_ANSWERS[renewed](self._state, now), now)
-        return renewed is not None
+                self._move_locked(answer(self._state, now), now)
+        return answer is not LeaseState.renewal_failed
 
     def _loop_answers(self, owner_id: str, token: EventLoopToken) -> bool:
-        """Wait until the event loop runs a no-op, which a stuck loop never does; warn
-        when it took a third of a lease. False if the loop has finished."""
+        """Wait until the event loop runs a no-op (a stuck loop never does); False if the
+        loop has finished."""
         with self._mutex:
             began = self._waiting_since = self.clock()
         try:
@@ -216,5 +255,5 @@ class Lease:
                 waited, self._waiting_since = self.clock() - began, None
                 self._longest_wait_s = max(self._longest_wait_s, waited)
         if waited >= self.lease_s / _RENEWALS_PER_LEASE:
-            logger.warning(_STALL_WARNING, waited, owner_id, self.lease_s)
+            logger.warning(_STALL, waited, owner_id, self.lease_s)
         return True

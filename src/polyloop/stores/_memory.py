@@ -6,25 +6,13 @@ import os
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from pathlib import Path
 
+from polyloop import types
 from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
-from polyloop.stores._archive import check_cutoff, prune_runs
-from polyloop.stores._common import ClosedOnExit
-from polyloop.stores._refusals import check_order, claimed_already, not_claimed, store_closed
-from polyloop.types import (
-    Intent,
-    JSONValue,
-    Record,
-    Result,
-    Review,
-    RunEnded,
-    RunLog,
-    RunStarted,
-    StepRecord,
-    StoreError,
-)
+from polyloop.stores._common import ClosedOnExit, WriterState, step_records
+from polyloop.stores._engine import check_cutoff, prune_runs
+from polyloop.stores._refusals import check_order, claimed_already, not_claimed
 
 
 class MemoryStore(ClosedOnExit):
@@ -42,20 +30,20 @@ class MemoryStore(ClosedOnExit):
     or does not start; ``prune`` deletes each run whole or not at all.
     """
 
-    __slots__ = ("_claims", "_closed", "_runs", "_updated")
+    __slots__ = ("_claims", "_runs", "_state", "_updated")
 
     def __init__(self) -> None:
-        self._runs: dict[str, list[Record]] = {}
+        self._runs: dict[str, list[types.Record]] = {}
         self._updated: dict[str, float] = {}  # time.time() of the last write
         self._claims: set[str] = set()
-        self._closed = False
+        self._state = WriterState()  # only whether it is closed: no write here fails
 
-    def parameters(self) -> Mapping[str, JSONValue]:
+    def parameters(self) -> Mapping[str, types.JSONValue]:
         return {"kind": "memory", "format": FORMAT}
 
     async def claim_run(self, run_id: str) -> None:
-        """Become the run's writer; ``RunLocked`` if this store object already is."""
-        self._check_open(run_id)
+        """Become the run's writer; ``RunLocked`` if this object already is."""
+        self._state.check_open(run_id)
         if run_id in self._claims:
             raise claimed_already(run_id)
         self._claims.add(run_id)
@@ -68,94 +56,69 @@ class MemoryStore(ClosedOnExit):
         """Pass if this store object holds the run's claim: a claim here has no lease."""
         self._check_claimed(run_id)
 
-    async def start_run(self, record: RunStarted) -> None:
+    async def start_run(self, record: types.RunStarted) -> None:
         """Keep the first record of a run."""
-        self._check_claimed(record.run_id)
-        records = self._runs.get(record.run_id)
-        check_order(record.run_id, start=True, started=bool(records), finished=False)
-        self._runs[record.run_id] = [record]
-        self._updated[record.run_id] = time.time()
+        self._keep(record, start=True)
 
-    async def write_intent(self, intent: Intent) -> None:
+    async def write_intent(self, intent: types.Intent) -> None:
         """Keep an intent (memory is as durable as this store gets)."""
-        self._records(intent.run_id).append(intent)
+        self._keep(intent)
 
-    async def write_result(self, result: Result) -> None:
+    async def write_result(self, result: types.Result) -> None:
         """Keep a model result."""
-        self._records(result.run_id).append(result)
+        self._keep(result)
 
-    async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
+    async def write_step(self, step: types.StepRecord, action_result: types.Result | None) -> None:
         """Keep a step and its action result together."""
-        if action_result is not None and action_result.run_id != step.run_id:
-            raise StoreError(
-                f"the action result belongs to run {action_result.run_id!r}",
-                run_id=step.run_id,
-            )
-        records = self._records(step.run_id)
-        if action_result is not None:
-            records.append(action_result)
-        records.append(step)
+        self._keep(*step_records(step, action_result))
 
-    async def write_review(self, record: Review) -> None:
+    async def write_review(self, record: types.Review) -> None:
         """Keep a proposal, a verdict or a settlement."""
-        self._records(record.run_id).append(record)
+        self._keep(record)
 
-    async def read_log(self, run_id: str) -> RunLog:
+    async def read_log(self, run_id: str) -> types.RunLog:
         """Every record of ``run_id``, in write order."""
-        self._check_open(run_id)
-        return RunLog(run_id=run_id, records=tuple(self._runs.get(run_id, ())))
+        self._state.check_open(run_id)
+        return types.RunLog(run_id=run_id, records=tuple(self._runs.get(run_id, ())))
 
-    async def end_run(self, record: RunEnded) -> None:
+    async def end_run(self, record: types.RunEnded) -> None:
         """Keep the end record and give up the claim."""
-        self._records(record.run_id).append(record)
+        self._keep(record)
         self._claims.discard(record.run_id)
 
     async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
         """Every run, in the order the runs started (only unfinished ones if asked)."""
-        self._check_open(None)
+        self._state.check_open(None)
         listed = (self._stored(run_id) for run_id in self._runs)
         return tuple(run for run in listed if not (unfinished_only and run.finished))
 
     async def describe_run(self, run_id: str) -> StoredRun | None:
         """The run as :meth:`list_runs` lists it, or ``None``."""
-        self._check_open(run_id)
+        self._state.check_open(run_id)
         return self._stored(run_id) if run_id in self._runs else None
 
     async def prune(
         self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
     ) -> tuple[str, ...]:
-        """Delete the finished runs last written before ``finished_before``; their ids.
-
-        A run that is unfinished, ended in doubt, or claimed is never touched. With
-        ``archive``, each run's log is first written to that directory, as a
-        :class:`~polyloop.stores.JsonlStore` keeps it.
-        """
+        """Delete the finished runs last written before ``finished_before``; their ids. An
+        unfinished, in-doubt or claimed run stays; ``archive`` gets each log first."""
         cutoff = check_cutoff(finished_before)
         candidates = [
             run_id
             for run_id, records in self._runs.items()
             if _finished(records) and self._updated[run_id] < cutoff.timestamp()
         ]
-        return await prune_runs(
-            self,
-            candidates,
-            archive=Path(archive) if archive is not None else None,
-            delete=self._delete_claimed,
-        )
+        return await prune_runs(self, candidates, archive=archive, delete=self._delete)
 
-    async def _delete_claimed(self, run_id: str) -> bool:
+    async def _delete(self, run_id: str) -> bool:
         self._claims.discard(run_id)
         del self._runs[run_id], self._updated[run_id]
         return True
 
     async def aclose(self) -> None:
-        """Give up every claim and refuse further use; idempotent. The records go with
-        the object."""
-        self._closed = True
+        """Give up every claim and refuse further use; idempotent."""
+        self._state.closed = True
         self._claims.clear()
-
-    async def __aenter__(self) -> MemoryStore:
-        return self
 
     def _stored(self, run_id: str) -> StoredRun:
         return StoredRun(
@@ -165,26 +128,23 @@ class MemoryStore(ClosedOnExit):
             updated_at=datetime.fromtimestamp(self._updated[run_id], UTC),
         )
 
-    def _check_open(self, run_id: str | None) -> None:
-        if self._closed:
-            raise store_closed(run_id)
-
     def _check_claimed(self, run_id: str) -> None:
-        self._check_open(run_id)
+        self._state.check_open(run_id)
         if run_id not in self._claims:
             raise not_claimed(run_id)
 
-    def _records(self, run_id: str) -> list[Record]:
-        """The records of a claimed, started, unfinished run, its time updated."""
+    def _keep(self, *records: types.Record, start: bool = False) -> None:
+        """Append to a claimed run, in the order every store keeps."""
+        run_id = records[0].run_id
         self._check_claimed(run_id)
-        records = self._runs.get(run_id, [])
-        check_order(run_id, start=False, started=bool(records), finished=_finished(records))
+        kept = self._runs.get(run_id, [])
+        check_order(run_id, start=start, started=bool(kept), finished=_finished(kept))
+        self._runs.setdefault(run_id, []).extend(records)
         self._updated[run_id] = time.time()
-        return records
 
     def __repr__(self) -> str:
         return f"MemoryStore(runs={len(self._runs)})"
 
 
-def _finished(records: list[Record]) -> bool:
-    return bool(records) and isinstance(records[-1], RunEnded) and records[-1].is_final
+def _finished(records: list[types.Record]) -> bool:
+    return bool(records) and isinstance(records[-1], types.RunEnded) and records[-1].is_final

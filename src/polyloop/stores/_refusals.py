@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from polyloop.types import PolyLoopError, RunAlreadyExists, RunLocked, StoreError
 
-__all__ = ("check_order", "claimed_already", "fence_refusal", "not_claimed", "store_closed")
-
 
 def store_closed(run_id: str | None = None) -> StoreError:
     return StoreError("the store is closed", run_id=run_id)

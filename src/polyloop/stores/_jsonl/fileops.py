@@ -1,66 +1,43 @@
-"""The file operations of the JSON-lines store, behind one narrow, replaceable object.
-
-Everything the store does to the file system goes through an object with the methods of
-:class:`FileOps`, so the power-loss tests can answer them from a model of a disk that
-loses power, fails a write or fills up (research record 0012). :class:`OsFileOps` is the
-real thing: each method calls the ``os`` function of the same name when it is called, so
-a test that patches ``os`` still sees it. The store takes another one only through a
-private keyword argument.
-"""
+"""The stores for one host reach the file system only through a :class:`FileOps`, which
+the power-loss tests replace with a model of a disk (research record 0012)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import struct
 from pathlib import Path
 from typing import Protocol
 
-from polyloop.stores._byte_locks import lock_range, range_held, unlock_range
-from polyloop.stores._common import fsync_directory
+from polyloop.stores import _common
+from polyloop.types import RunLocked, StoreError
 
-__all__ = ("FileOps", "OsFileOps")
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
 
 
-class FileOps(Protocol):
-    """What the JSON-lines store asks of a file system; errors are ``OSError``, and a
-    descriptor means something only to the object that handed it out. The byte locks
-    are those of :mod:`polyloop.stores._byte_locks`; closing a descriptor lets go of
-    every lock its description holds."""
+class FileOps(_common.DirectoryOps, Protocol):
+    """What the stores for one host ask of a file system; errors are ``OSError``, and
+    ``lock_range`` raises ``RunLocked`` when another open description holds the byte."""
 
     def open(self, path: Path, flags: int, mode: int = 0o777) -> int: ...
-
-    def write(self, fd: int, data: bytes | memoryview) -> int: ...
-
-    def read(self, fd: int, size: int) -> bytes: ...
-
-    def pread(self, fd: int, size: int, offset: int) -> bytes: ...
-
-    def fstat(self, fd: int) -> os.stat_result: ...
-
-    def fsync(self, fd: int) -> None: ...
-
-    def fsync_directory(self, directory: Path) -> None: ...
-
-    def ftruncate(self, fd: int, length: int) -> None: ...
-
     def close(self, fd: int) -> None: ...
-
     def lock_range(self, fd: int, offset: int, run_id: str) -> None: ...
-
     def unlock_range(self, fd: int, offset: int) -> None: ...
-
     def range_held(self, fd: int, offset: int) -> bool: ...
-
+    def write(self, fd: int, data: bytes | memoryview) -> int: ...
+    def read(self, fd: int, size: int) -> bytes: ...
+    def pread(self, fd: int, size: int, offset: int) -> bytes: ...
+    def fstat(self, fd: int) -> os.stat_result: ...
+    def fsync(self, fd: int) -> None: ...
+    def ftruncate(self, fd: int, length: int) -> None: ...
     def unlink(self, path: Path) -> None: ...
-
-    def mkdir(self, path: Path) -> None: ...
-
-    def is_dir(self, path: Path) -> bool: ...
-
     def listdir(self, directory: Path) -> list[str]: ...
 
 
 class OsFileOps:
-    """The operating system's own file operations, unchanged."""
+    """The operating system's file operations, each ``os`` function looked up when called.
+    A byte lock belongs to the open file description (``F_OFD_SETLK``)."""
 
     __slots__ = ()
 
@@ -83,22 +60,13 @@ class OsFileOps:
         os.fsync(fd)
 
     def fsync_directory(self, directory: Path) -> None:
-        fsync_directory(directory)
+        _common.fsync_directory(directory)
 
     def ftruncate(self, fd: int, length: int) -> None:
         os.ftruncate(fd, length)
 
     def close(self, fd: int) -> None:
         os.close(fd)
-
-    def lock_range(self, fd: int, offset: int, run_id: str) -> None:
-        lock_range(fd, offset, run_id)
-
-    def unlock_range(self, fd: int, offset: int) -> None:
-        unlock_range(fd, offset)
-
-    def range_held(self, fd: int, offset: int) -> bool:
-        return range_held(fd, offset)
 
     def unlink(self, path: Path) -> None:
         os.unlink(path)
@@ -111,3 +79,22 @@ class OsFileOps:
 
     def listdir(self, directory: Path) -> list[str]:
         return os.listdir(directory)
+
+    def lock_range(self, fd: int, offset: int, run_id: str) -> None:
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, offset))
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunLocked("another writer holds this run", run_id=run_id) from None
+            raise StoreError(f"could not lock the run: {exc}", run_id=run_id) from exc
+
+    def unlock_range(self, fd: int, offset: int) -> None:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, offset))
+
+    def range_held(self, fd: int, offset: int) -> bool:
+        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_RDLCK, offset))
+        return bool(_FLOCK.unpack(answer)[0] != fcntl.F_UNLCK)
+
+
+def _flock(kind: int, offset: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0)

@@ -1,169 +1,108 @@
-"""Reading the JSON-lines store's run files: where the complete lines end, what they hold.
+"""The JSON-lines format of the run files (research records 0009 and 0012).
 
-A record exists only once the ``\\n`` that ends its line is in the file; nothing else
-ends a line (``\\r``, U+2028 and U+0085 are part of it). What follows the last ``\\n``
-is a torn tail, a write whose caller was never told it succeeded: readers ignore it, even
-when it is a whole JSON object, and the next claim cuts it off. A terminated line that
-does not decode to a record of the run is a ``CorruptLog`` naming the file and the line
-(from 1); a record of another format major is a ``SchemaMajorMismatch``. Research records
-0009 (durability) and 0012 (the file-operation layer) say why.
-"""
+A record exists once the ``\\n`` ending its line is in the file; nothing else ends a line.
+What follows the last ``\\n`` is a torn tail: readers ignore it and the next claim cuts it
+off. A line that does not decode to a record of the run is a ``CorruptLog`` naming the
+file and the line (from 1)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import stat
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
+from polyloop import types
 from polyloop.serialization import dumps, loads
-from polyloop.stores._byte_locks import open_failed
-from polyloop.stores._common import safe_name
+from polyloop.stores._common import open_failed, safe_name
 from polyloop.stores._jsonl.fileops import FileOps
-from polyloop.types import (
-    CorruptLog,
-    IntentKind,
-    PolyLoopError,
-    Record,
-    Result,
-    RunEnded,
-    SchemaMajorMismatch,
-    StepRecord,
-    StoreError,
-)
-
-__all__ = (
-    "COMMON_FLAGS",
-    "SUFFIX",
-    "complete_end",
-    "decode_line",
-    "first_run_id",
-    "last_end",
-    "line",
-    "log_lines",
-    "parse_lines",
-    "read_file",
-    "refuse_link",
-    "require_regular",
-    "run_file",
-)
+from polyloop.types import CorruptLog, Record, Result, RunEnded, SchemaMajorMismatch, StepRecord
 
 SUFFIX = ".jsonl"
-_NOT_FOLLOWED = {errno.ELOOP, errno.EMLINK}  # what O_NOFOLLOW reports for a link
 # O_NONBLOCK only matters if something other than a regular file was planted at the
 # path (a FIFO would otherwise block the open); regular files ignore it.
 COMMON_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-_READ_FLAGS = os.O_RDONLY | COMMON_FLAGS
-_TAIL_CHUNK = 64 * 1024
-_READ_CHUNK = 1024 * 1024
-_JSON_SPACE = " \t\r"
+_CHUNK = 64 * 1024
+_SPACE = " \t\r"  # what JSON skips between tokens on one line
 _DECODER = json.JSONDecoder()
 
 
-# -- reading files ------------------------------------------------------------------------
-
-
-def complete_end(files: FileOps, fd: int) -> tuple[int, int]:
-    """``(end of the last complete line, file size)``, scanning back from the end."""
+def tail(files: FileOps, fd: int, location: str) -> tuple[int, int, RunEnded | None]:
+    """Where the last complete line ends, the file's size, and the end record on that
+    line if it holds one."""
     size = files.fstat(fd).st_size
-    position = size
+    end = _line_start(files, fd, size)
+    if end == 0:
+        return 0, size, None
+    start = _line_start(files, fd, end - 1)
+    line = files.pread(fd, end - 1 - start, start)
+    record: Record | None = None
+    if line.lstrip(_SPACE.encode()).startswith(b"{"):  # not a result-and-step pair
+        # A line that does not decode is no end: a reader of the whole log is told why.
+        with contextlib.suppress(CorruptLog, SchemaMajorMismatch):
+            (record,) = decode_line(line, location)
+    return end, size, record if isinstance(record, RunEnded) else None
+
+
+def _line_start(files: FileOps, fd: int, end: int) -> int:
+    """Just after the last ``\\n`` before ``end`` (0 if none), scanning back in chunks."""
+    position = end
     while position > 0:
-        start = max(0, position - _TAIL_CHUNK)
+        start = max(0, position - _CHUNK)
         chunk = files.pread(fd, position - start, start)
         if len(chunk) != position - start:
             raise OSError(errno.EIO, "the run file shrank while it was being read")
         newline = chunk.rfind(b"\n")
         if newline >= 0:
-            return start + newline + 1, size
+            return start + newline + 1
         position = start
-    return 0, size
+    return 0
 
 
-def last_end(files: FileOps, fd: int, end: int, location: str) -> RunEnded | None:
-    """The end record on the last complete line (ending at ``end``), if that is one.
-
-    A line that does not decode says ``None``: whoever reads the whole log is told why.
-    """
-    start = end - 1
-    while start > 0:
-        begin = max(0, start - _TAIL_CHUNK)
-        newline = files.pread(fd, start - begin, begin).rfind(b"\n")
-        if newline >= 0:
-            start = begin + newline + 1
-            break
-        start = begin
-    line = files.pread(fd, end - 1 - start, start)
-    if not line.lstrip(_JSON_SPACE.encode()).startswith(b"{"):
-        return None  # a result-and-step pair, or not a record at all
-    try:
-        (record,) = decode_line(line, location)
-    except (CorruptLog, SchemaMajorMismatch):
-        return None
-    return record if isinstance(record, RunEnded) else None
-
-
-@contextmanager
+@contextlib.contextmanager
 def run_file(files: FileOps, path: Path, run_id: str | None) -> Iterator[int | None]:
     """A descriptor to read the run file at ``path`` (``None`` if there is none), closed
-    after; refuses links and special files, and a failed read is a ``StoreError`` naming
-    the run (or the file, when the run is not known yet)."""
+    after; a failed read is a ``StoreError`` naming the run (or else the file)."""
     try:
-        fd = files.open(path, _READ_FLAGS)
+        fd = files.open(path, os.O_RDONLY | COMMON_FLAGS)
     except FileNotFoundError:
         yield None
         return
     except OSError as exc:
-        refuse_link(exc, run_id)
-        raise open_failed(exc, run_id, "the run file") from exc
+        raise cannot_open(exc, run_id) from exc
     try:
         require_regular(files, fd, run_id)
         yield fd
     except OSError as exc:
-        if isinstance(exc, PolyLoopError):
+        if isinstance(exc, types.PolyLoopError):
             raise
-        raise StoreError(
+        raise types.StoreError(
             f"could not read the run file: {exc}", run_id=run_id, location=path.name
         ) from exc
     finally:
         files.close(fd)
 
 
-def read_file(files: FileOps, path: Path, run_id: str) -> bytes:
-    """The whole file, or ``b""`` if there is none."""
-    with run_file(files, path, run_id) as fd:
-        return b"" if fd is None else _read_until(files, fd, None)
-
-
-def _read_until(files: FileOps, fd: int, stop: bytes | None) -> bytes:
+def read_all(files: FileOps, fd: int, stop: bytes | None = None) -> bytes:
     """Read from the descriptor's position to the end, or until a chunk holds ``stop``."""
     chunks: list[bytes] = []
-    while True:
-        chunk = files.read(fd, _READ_CHUNK)
-        if not chunk:
-            break
+    while chunk := files.read(fd, 1024 * 1024):
         chunks.append(chunk)
         if stop is not None and stop in chunk:
             break
     return b"".join(chunks)
 
 
-def first_run_id(files: FileOps, path: Path) -> str | None:
-    """The run id of ``path``'s first complete line; ``None`` if it has none."""
-    with run_file(files, path, None) as fd:
-        if fd is None:
-            return None  # removed while the directory was being listed
-        head = _read_until(files, fd, b"\n")
-    newline = head.find(b"\n")
-    line = head if newline < 0 else head[: newline + 1]
-    if not line.endswith(b"\n"):
-        return None
-    location = f"{path.name}:1"
-    records = decode_line(line[:-1], location)
-    run_id = records[0].run_id
-    if f"{safe_name(run_id)}{SUFFIX}" != path.name:
+def first_run_id(files: FileOps, fd: int, name: str) -> str:
+    """The run of the first line of the run file ``name`` (it has one), which must be the
+    run the file is named for."""
+    location = f"{name}:1"
+    head = read_all(files, fd, b"\n").partition(b"\n")[0]
+    run_id = decode_line(head, location)[0].run_id
+    if f"{safe_name(run_id)}{SUFFIX}" != name:
         raise CorruptLog(
             "the file holds a run whose id does not match the file name",
             run_id=run_id,
@@ -172,26 +111,23 @@ def first_run_id(files: FileOps, path: Path) -> str | None:
     return run_id
 
 
-def refuse_link(exc: OSError, run_id: str | None) -> None:
-    if exc.errno in _NOT_FOLLOWED:
-        raise StoreError(
+def cannot_open(exc: OSError, run_id: str | None) -> types.StoreError:
+    """Why the run file would not open; a symbolic link is refused by name."""
+    if exc.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW reports for a link
+        return types.StoreError(
             "the run file is a symbolic link; refusing to follow it", run_id=run_id
-        ) from exc
+        )
+    return open_failed(exc, run_id, "the run file")
 
 
 def require_regular(files: FileOps, fd: int, run_id: str | None) -> None:
     if not stat.S_ISREG(files.fstat(fd).st_mode):
-        raise StoreError("the run file is not a regular file", run_id=run_id)
+        raise types.StoreError("the run file is not a regular file", run_id=run_id)
 
 
-# -- lines --------------------------------------------------------------------------------
-
-
-def line(bodies: Iterable[str]) -> bytes:
-    """The line that holds records written as ``bodies``: one record alone, or an
-    action's result and its step as a pair."""
-    parts = list(bodies)
-    text = parts[0] if len(parts) == 1 else f"[{','.join(parts)}]"
+def line(*bodies: str) -> bytes:
+    """The line that holds one record, or an action's result and its step as a pair."""
+    text = bodies[0] if len(bodies) == 1 else f"[{','.join(bodies)}]"
     return f"{text}\n".encode()
 
 
@@ -200,28 +136,20 @@ def log_lines(records: tuple[Record, ...]) -> bytes:
     lines: list[bytes] = []
     pending: Result | None = None
     for record in records:
-        if isinstance(record, Result) and record.kind is IntentKind.ACTION:
+        if isinstance(record, Result) and record.kind is types.IntentKind.ACTION:
             pending = record
         elif isinstance(record, StepRecord) and pending is not None:
-            lines.append(line((dumps(pending), dumps(record))))
+            lines.append(line(dumps(pending), dumps(record)))
             pending = None
         else:
-            lines.append(line((dumps(record),)))
+            lines.append(line(dumps(record)))
     return b"".join(lines)
 
 
-# -- parsing ------------------------------------------------------------------------------
-
-
 def parse_lines(data: bytes, file_name: str, run_id: str) -> list[Record]:
-    """The records of a run file's bytes; the unterminated last piece is ignored.
-
-    Lines are split on ``\\n`` only: other characters that some readers treat as line
-    breaks (``\\r``, U+2028, U+0085) are part of the line.
-    """
-    pieces = data.split(b"\n")
+    """The records of a run file's bytes; the unterminated last piece is ignored."""
     records: list[Record] = []
-    for number, piece in enumerate(pieces[:-1], start=1):
+    for number, piece in enumerate(data.split(b"\n")[:-1], start=1):
         location = f"{file_name}:{number}"
         try:
             decoded = decode_line(piece, location)
@@ -246,7 +174,7 @@ def decode_line(piece: bytes, location: str) -> list[Record]:
         text = piece.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CorruptLog(f"the line is not UTF-8: {exc}", location=location) from exc
-    stripped = text.lstrip(_JSON_SPACE)
+    stripped = text.lstrip(_SPACE)
     if stripped.startswith("["):
         return list(_decode_pair(stripped, location))
     return [loads(text, location=location)]
@@ -269,7 +197,7 @@ def _decode_pair(text: str, location: str) -> tuple[Result, StepRecord]:
                 f"a record pair expects {closer!r} at column {position + 1}", location=location
             )
         position += 1
-    if text[position:].strip(_JSON_SPACE):
+    if text[position:].strip(_SPACE):
         raise CorruptLog("text after a record pair", location=location)
     result, step = parts
     if not isinstance(result, Result) or not isinstance(step, StepRecord):
@@ -278,6 +206,6 @@ def _decode_pair(text: str, location: str) -> tuple[Result, StepRecord]:
 
 
 def _skip_space(text: str, position: int) -> int:
-    while position < len(text) and text[position] in _JSON_SPACE:
+    while position < len(text) and text[position] in _SPACE:
         position += 1
     return position

@@ -1,15 +1,6 @@
-"""The JSON-lines store: one append-only file per run in one directory, on the engine.
-
-Run ``R`` lives in ``<directory>/<safe_name(R)>.jsonl``, one record per line; an action's
-result and its step share one line, so ``write_step`` lands whole or not at all. Bytes
-after the last newline are a torn tail that readers ignore and the next claim cuts off
-(:mod:`~polyloop.stores._jsonl.reader` reads the format). A claim is a locked byte
-(:mod:`~polyloop.stores._byte_locks`), and a run file is open only while it is read or
-written, so open files do not grow with the runs claimed. Writes join shared batches, up
-to 16 at once, so that the syncs of different files overlap on the disk. Research records
-0009 (durability), 0012 (the file-operation layer), 0017 (claims), 0019 (one write path)
-and 0027 (bounded open files) say why.
-"""
+"""The JSON-lines store: one append-only file per run, on the engine, each file open only
+while it is read or written. Research records 0009 (durability), 0012 (file operations),
+0017 (claims), 0019 (one write path) and 0027 (bounded open files) say why."""
 
 from __future__ import annotations
 
@@ -17,57 +8,25 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
-from polyloop.stores._byte_locks import HostClaims, OneHost, open_failed
-from polyloop.stores._common import Claim, Write, WriterState, fsync_directory, safe_name
+from polyloop.stores._byte_locks import HostClaims, OneHost
+from polyloop.stores._common import Claim, Write, WriterState, safe_name
 from polyloop.stores._engine import EngineStore
+from polyloop.stores._jsonl import reader
 from polyloop.stores._jsonl.fileops import FileOps, OsFileOps
-from polyloop.stores._jsonl.reader import (
-    COMMON_FLAGS,
-    SUFFIX,
-    complete_end,
-    first_run_id,
-    last_end,
-    line,
-    parse_lines,
-    read_file,
-    refuse_link,
-    require_regular,
-    run_file,
-)
-from polyloop.stores._refusals import check_order, not_claimed, store_closed
+from polyloop.stores._refusals import check_order, not_claimed
 from polyloop.types import CorruptLog, PolyLoopError, Record, SchemaMajorMismatch, StoreError
-
-__all__ = ("JsonlStore",)
 
 logger = logging.getLogger("polyloop")
 
-# Batches that may run at once, each in its own worker thread: 16 overlaps the syncs of
-# different files and leaves most of AnyIO's 40 default threads free.
-_PARALLEL_BATCHES = 16
-_FILE_MODE = 0o600
 # A claim opens (or creates) the run file to cut a torn tail and see whether the run
 # ended; a write opens it again, never creating it.
-_CLAIM_FLAGS = os.O_RDWR | os.O_CREAT | os.O_APPEND | COMMON_FLAGS
-_WRITE_FLAGS = os.O_WRONLY | os.O_APPEND | COMMON_FLAGS
-
-
-class _SystemFiles(OsFileOps):
-    """The operating system's file operations; a directory is synced through this
-    module's ``fsync_directory``."""
-
-    __slots__ = ()
-
-    def fsync_directory(self, directory: Path) -> None:
-        fsync_directory(directory)
-
-
-_SYSTEM_FILES = _SystemFiles()
+_CLAIM_FLAGS = os.O_RDWR | os.O_CREAT | os.O_APPEND | reader.COMMON_FLAGS
+_WRITE_FLAGS = os.O_WRONLY | os.O_APPEND | reader.COMMON_FLAGS
 
 
 class JsonlStore(EngineStore):
@@ -92,18 +51,17 @@ class JsonlStore(EngineStore):
     def __init__(self, directory: str | os.PathLike[str], *, _files: FileOps | None = None) -> None:
         self._directory = Path(os.path.abspath(os.fspath(directory)))
         # Private: a model of a disk for the power-loss tests (research record 0012).
-        super().__init__(Jsonl(self._directory, _SYSTEM_FILES if _files is None else _files))
+        super().__init__(Jsonl(self._directory, _files or OsFileOps()))
 
     def __repr__(self) -> str:
         return f"JsonlStore({str(self._directory)!r})"
 
 
 class Jsonl(OneHost):
-    """The JSON-lines backend: files in a directory, claims by locked bytes. Every
-    method but the two coroutines and :meth:`holds` runs in a worker thread."""
+    """The JSON-lines backend; every method but the coroutines and :meth:`holds` runs in
+    a worker thread."""
 
     kind = "jsonl"
-
     __slots__ = ("claims", "directory", "files", "group", "state")
 
     def __init__(self, directory: Path, files: FileOps) -> None:
@@ -112,17 +70,20 @@ class Jsonl(OneHost):
         self.claims = HostClaims(
             directory, files, self.state, inspect=self._inspect, free=self._free
         )
-        self.group = GroupCommit(self._commit, parallel=_PARALLEL_BATCHES)
+        # Up to 16 batches at once, each in a worker thread: the syncs of different files
+        # overlap on the disk, and most of AnyIO's 40 default threads stay free.
+        self.group = GroupCommit(lambda writes: [*map(self._append, writes)], parallel=16)
 
     def read(self, run_id: str) -> tuple[Record, ...]:
-        self._check_open(run_id)
+        self.state.check_open(run_id)
         path = self._path(run_id)
-        return tuple(parse_lines(read_file(self.files, path, run_id), path.name, run_id))
+        with reader.run_file(self.files, path, run_id) as fd:
+            data = b"" if fd is None else reader.read_all(self.files, fd)
+        return tuple(reader.parse_lines(data, path.name, run_id))
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
-        """Every run file's run, by id; a file whose first line is not a record of its
-        run is left out with a warning naming it."""
-        self._check_open(None)
+        """Every run file's run, by id; a file that is not one run's is left out, warned of."""
+        self.state.check_open(None)
         try:
             names = self.files.listdir(self.directory)
         except (FileNotFoundError, NotADirectoryError):
@@ -130,7 +91,7 @@ class Jsonl(OneHost):
         except OSError as exc:
             raise StoreError(f"could not list {self.directory}: {exc}") from exc
         listed = []
-        for name in sorted(name for name in names if name.endswith(SUFFIX)):
+        for name in sorted(name for name in names if name.endswith(reader.SUFFIX)):
             try:
                 run = self._describe(self.directory / name, None)
             except (CorruptLog, SchemaMajorMismatch, StoreError) as exc:
@@ -141,7 +102,7 @@ class Jsonl(OneHost):
         return tuple(sorted(listed, key=lambda run: run.run_id))
 
     def describe(self, run_id: str) -> StoredRun | None:
-        self._check_open(run_id)
+        self.state.check_open(run_id)
         return self._describe(self._path(run_id), run_id)
 
     def prunable(self, cutoff: datetime) -> list[str]:
@@ -157,13 +118,9 @@ class Jsonl(OneHost):
         claim = self.claims.held(run_id)
         files, path = self.files, self._path(run_id)
         with claim.lock:
-            fd = files.open(path, os.O_RDONLY | COMMON_FLAGS)
-            try:
-                written = datetime.fromtimestamp(files.fstat(fd).st_mtime, UTC)
-            finally:
-                files.close(fd)
-            if written >= cutoff:
-                return False
+            with reader.run_file(files, path, run_id) as fd:
+                if fd is None or _written(files, fd) >= cutoff:
+                    return False
             files.unlink(path)
             files.fsync_directory(self.directory)
             self.claims.ended(claim)
@@ -176,23 +133,19 @@ class Jsonl(OneHost):
         self.state.closed = True
         self.claims.close()
 
-    # -- claims and writes (worker threads) -----------------------------------------------
-
     def _inspect(self, run_id: str) -> Claim:
         """Open or create the run file, cut a torn tail, note what it holds, close it."""
         files, path = self.files, self._path(run_id)
         try:
-            fd = files.open(path, _CLAIM_FLAGS, _FILE_MODE)
+            fd = files.open(path, _CLAIM_FLAGS, 0o600)
         except OSError as exc:
-            refuse_link(exc, run_id)
-            raise open_failed(exc, run_id, "the run file") from exc
+            raise reader.cannot_open(exc, run_id) from exc
         try:
-            require_regular(files, fd, run_id)
-            end, size = complete_end(files, fd)
+            reader.require_regular(files, fd, run_id)
+            end, size, ended = reader.tail(files, fd, path.name)
             if size > end:  # what remains of a write that never finished
                 files.ftruncate(fd, end)
                 files.fsync(fd)
-            ended = last_end(files, fd, end, path.name) if end else None
         except OSError as exc:
             if isinstance(exc, PolyLoopError):
                 raise
@@ -203,84 +156,70 @@ class Jsonl(OneHost):
         return Claim(run_id=run_id, next_seq=int(end > 0), finished=bool(ended and ended.is_final))
 
     def _free(self, claim: Claim) -> None:
-        """A file only the claim made goes with it, so a run id leaves no trace (the byte
-        is still locked: nobody has made it a run meanwhile)."""
+        """A file only the claim made goes with it (its byte still locked): a run id that
+        never started leaves no trace."""
         if claim.next_seq == 0:
             with contextlib.suppress(OSError):
                 self.files.unlink(self._path(claim.run_id))
 
-    def _commit(self, writes: Sequence[Write]) -> list[BaseException | None]:
-        return [self._append(write) for write in writes]
-
     def _append(self, write: Write) -> BaseException | None:
-        """Append the write's line under its run's lock, syncing it for a barrier (and
-        the directory for a start). A failed write or sync fails the run for this store
-        object: the kernel may have dropped the data, so a sync is never retried."""
+        """Append the write's line under its run's lock, synced for a barrier. A failed
+        write or sync fails the run for this object: a sync is never retried."""
         run_id, files = write.run_id, self.files
         try:
             claim = self.claims.held(run_id)
             with claim.lock:
                 if not self.claims.current(claim):
                     raise not_claimed(run_id)
-                check_order(
-                    run_id, start=write.start, started=claim.next_seq > 0, finished=claim.finished
-                )
+                started, finished = claim.next_seq > 0, claim.finished
+                check_order(run_id, start=write.start, started=started, finished=finished)
                 try:
                     fd = files.open(self._path(run_id), _WRITE_FLAGS)
                 except OSError as exc:
-                    return open_failed(exc, run_id, "the run file")  # nothing written
+                    return reader.cannot_open(exc, run_id)  # nothing written
                 try:
-                    _write_all(files, fd, line(body for _, body in write.rows))
-                    claim.next_seq += len(write.rows)
-                    if write.barrier:
-                        files.fsync(fd)
-                    files.close(fd)
-                    fd = -1
+                    try:
+                        data = memoryview(reader.line(*(body for _, body in write.rows)))
+                        while data:  # a write may take only part of it
+                            if (written := files.write(fd, data)) <= 0:
+                                raise OSError(errno.EIO, "a write made no progress")
+                            data = data[written:]
+                        claim.next_seq += len(write.rows)
+                        if write.barrier:
+                            files.fsync(fd)
+                    finally:
+                        files.close(fd)
                     if write.start:
                         files.fsync_directory(self.directory)
-                    if write.end:
-                        self.claims.ended(claim)
                 except OSError as exc:
-                    if fd >= 0:
-                        files.close(fd)
                     self.claims.ended(claim)
                     return self.state.fail(run_id, exc)
+                if write.end:
+                    self.claims.ended(claim)
         except PolyLoopError as exc:
             return exc
         return None
 
-    # -- reading (worker threads) ---------------------------------------------------------
-
     def _describe(self, path: Path, run_id: str | None) -> StoredRun | None:
         """What the file at ``path`` holds; its first line names the run unless given."""
         files = self.files
-        if run_id is None and (run_id := first_run_id(files, path)) is None:
-            return None
-        with run_file(files, path, run_id) as fd:
-            end = 0 if fd is None else complete_end(files, fd)[0]
+        with reader.run_file(files, path, run_id) as fd:
+            end, _, ended = (0, 0, None) if fd is None else reader.tail(files, fd, path.name)
             if fd is None or end == 0:
-                return None
-            ended = last_end(files, fd, end, path.name)
+                return None  # no run yet, or removed while the directory was listed
+            if run_id is None:
+                run_id = reader.first_run_id(files, fd, path.name)
             return StoredRun(
                 run_id=run_id,
                 finished=ended is not None and ended.is_final,
                 claimed=self.claims.claimed([run_id])[0],
-                updated_at=datetime.fromtimestamp(files.fstat(fd).st_mtime, UTC),
+                updated_at=_written(files, fd),
             )
 
-    def _check_open(self, run_id: str | None) -> None:
-        if self.state.closed:
-            raise store_closed(run_id)
-
     def _path(self, run_id: str) -> Path:
-        return self.directory / f"{safe_name(run_id)}{SUFFIX}"
+        return self.directory / f"{safe_name(run_id)}{reader.SUFFIX}"
 
 
-def _write_all(files: FileOps, fd: int, data: bytes) -> None:
-    """Append ``data`` completely; a write may take only part of it per call."""
-    view = memoryview(data)
-    while view:
-        written = files.write(fd, view)
-        if written <= 0:
-            raise OSError(errno.EIO, "a write made no progress")
-        view = view[written:]
+def _written(files: FileOps, fd: int) -> datetime:
+    """When the open file was last written."""
+    return datetime.fromtimestamp(files.fstat(fd).st_mtime, UTC)
