@@ -1,9 +1,8 @@
-"""The JSON-lines format of the run files (research records 0009 and 0012).
-
-A record exists once the ``\\n`` ending its line is in the file; nothing else ends a line.
-What follows the last ``\\n`` is a torn tail: readers ignore it and the next claim cuts it
-off. A line that does not decode to a record of the run is a ``CorruptLog`` naming the
-file and the line (from 1)."""
+"""The JSON-lines format of the run files (research records 0009 and 0012): a record exists
+once the ``\\n`` ending its line is in the file; what follows the last one is a torn tail,
+ignored and cut off by the next claim; a line that does not decode to a record of the run
+is a ``CorruptLog`` naming the file and the line (from 1).
+"""
 
 from __future__ import annotations
 

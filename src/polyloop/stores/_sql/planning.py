@@ -1,13 +1,10 @@
 """What a shared commit of a database store writes, decided before anything is sent.
 
-Both database stores commit the writes waiting at one moment together
-(:class:`~polyloop.stores._batching.GroupCommit`). :func:`plan` turns such a batch into
-a :class:`Plan`: the writes refused outright (no claim, the order rule), and each
-other run's writes in submission order with the seq of their first row. A dialect then
-sends the plan its own way (SQLite: one savepoint per run in one transaction;
-PostgreSQL: one statement), refusing whole the runs its fence did not move, and
-:meth:`Plan.settle` moves each written run's claim on. What a run of a plan writes
-lands whole or not at all.
+:func:`plan` turns a batch of writes into a :class:`Plan`: the writes refused outright
+(no claim, the order rule), and each other run's writes with the seq of their first row.
+A dialect sends the plan its own way (SQLite: a savepoint per run; PostgreSQL: one
+statement), refusing whole each run its fence did not move; :meth:`Plan.settle` then
+moves each written run's claim on. Research record 0033 says why.
 """
 
 from __future__ import annotations
@@ -18,8 +15,6 @@ from dataclasses import dataclass, field
 from polyloop.stores._common import Claim, Write
 from polyloop.stores._refusals import check_order
 from polyloop.types import PolyLoopError, RunLocked
-
-__all__ = ("Errors", "Plan", "RunPlan", "plan")
 
 # One outcome per write of a batch: None (committed) or the error its caller sees.
 Errors = list[BaseException | None]

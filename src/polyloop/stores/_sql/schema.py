@@ -1,11 +1,8 @@
 """The layout of a database store's tables, and how an older one is brought up to date.
 
-Both SQL dialects keep a ``meta`` table whose ``format`` key names the record format and
-whose ``layout`` key numbers the shape of the tables. A dialect describes its tables as
-migration steps (a :class:`Layout`); :func:`prepare` runs, under the dialect's lock, the
-steps a database has not had yet, then checks the record format and refuses a layout
-newer than this release knows. Research records 0033 (one engine) and 0025 (reopening
-runs in doubt) say why.
+A ``meta`` table keeps the record ``format`` and the ``layout`` number; :func:`prepare`
+runs, under the dialect's lock, the migration steps (a :class:`Layout`) a database has not
+had, checks the format and refuses a newer layout. Research records 0025 and 0033.
 """
 
 from __future__ import annotations
@@ -36,12 +33,10 @@ _SET_LAYOUT = (
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """What a dialect says of its tables: ``steps``, each layout number with the
-    statements (SQL naming its tables as ``{meta}``, ``{runs}``...) or actions that reach
-    it from the one before; ``compose``, which makes a text its statement; ``exists``, a
-    query of whether the table named by its one parameter exists; ``locked``, a
-    transaction holding the dialect's schema lock; ``holder``, how messages name the
-    whole ("database", "schema")."""
+    """A dialect's tables: ``steps`` (each layout and the statements, naming tables as
+    ``{meta}``, ``{runs}``..., or actions that reach it), ``compose`` (a text to its
+    statement), ``exists`` (does the table named by its parameter exist), ``locked`` (a
+    transaction under the schema lock), ``holder`` (what messages call the whole)."""
 
     steps: Mapping[int, tuple[str | Action, ...]]
     compose: Callable[[str], Any]

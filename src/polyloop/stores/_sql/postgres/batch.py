@@ -1,9 +1,6 @@
-"""The writer connections of a PostgreSQL store object, and the shared commit of a batch.
-
-The writes waiting on a writer connection at the same moment are one batch: one
-statement that moves each run's row on under its fence (claim epoch, expected seq, not
-finished) and inserts the rows of exactly the runs whose row moved. Research records
-0011 (durability) and 0019 (one write path) say why.
+"""The writer connections of a PostgreSQL store object, and the shared commit of a batch:
+one statement that moves each run's row on under its fence (claim epoch, expected seq,
+not finished) and inserts the rows of exactly the runs whose row moved (records 0011, 0019).
 """
 
 from __future__ import annotations
@@ -21,8 +18,6 @@ from polyloop.stores._refusals import fence_refusal, not_claimed, store_closed
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.postgres.sql import Connection, Queries, run_id_column, run_key
 from polyloop.types import StoreError
-
-__all__ = ("Committer", "Link", "Probe", "Writer")
 
 # The private test probe: the connection, (run id, kind) of each row, the SQL sent.
 Probe = Callable[[Connection, tuple[tuple[str, str], ...], tuple[str, ...]], None]

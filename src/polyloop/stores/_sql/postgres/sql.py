@@ -1,7 +1,6 @@
-"""The SQL the PostgreSQL store sends, its tables' migration steps, and the values it
-derives from a run id (the row keys, the advisory lock keys). Every statement names the
-schema as a quoted identifier and leaves every value to a bound parameter. Research
-records 0011 (durability), 0017 (claims) and 0018 (owners, leases) say why.
+"""The SQL the PostgreSQL store sends (the schema a quoted identifier, every value a bound
+parameter), its migration steps, and the keys it derives from a run id (records 0011,
+0017, 0018).
 """
 
 from __future__ import annotations
@@ -18,8 +17,6 @@ from psycopg import sql
 from psycopg.rows import TupleRow
 
 from polyloop.stores._sql.schema import Layout
-
-__all__ = ("Connection", "Queries", "owner_lock", "run_id_column", "run_key")
 
 Connection = psycopg.Connection[TupleRow]
 

@@ -1,10 +1,8 @@
-"""The PostgreSQL store: one database shared by many worker processes on many hosts.
+"""The PostgreSQL store: one database shared by many workers on many hosts.
 
-A claim is the run's row naming this store object's owner (a row of the ``owners`` table
-with a lease), with a claim epoch that fences every write; writes share commits on
-writer connections (:mod:`~polyloop.stores._sql.postgres.batch`). ``docs/stores.md``
-describes the tables. Research records 0011 (durability), 0017 (claims), 0018 (owners,
-leases, timeouts), 0019 (one write path) and 0033 (one engine) say why.
+A claim is the run's row naming this store object's owner (a row of ``owners`` with a
+lease) and a claim epoch that fences every write (tables in ``docs/stores.md``). Research
+records 0011, 0017, 0018, 0019, 0033, 0034 and 0035 say why.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import Claim, Write, WriterState, decode_row, open_files_error, shown
 from polyloop.stores._engine import EngineStore
-from polyloop.stores._lease import Lease, check_lease_s
-from polyloop.stores._lease_state import effect_margin
+from polyloop.stores._lease import Lease, check_lease_s, effect_margin
 from polyloop.stores._refusals import claimed_already, not_claimed, store_closed
 from polyloop.stores._sql.postgres.batch import Committer, Link, Probe, Writer
 from polyloop.stores._sql.postgres.sql import (
@@ -44,8 +41,6 @@ from polyloop.stores._sql.postgres.sql import (
 )
 from polyloop.stores._sql.schema import prepare
 from polyloop.types import CorruptLog, InvalidRequest, Record, RunLocked, StoreError
-
-__all__ = ("PostgresStore",)
 
 logger = logging.getLogger("polyloop")
 

@@ -1,9 +1,6 @@
-"""SQLite's tables and statements, and how the store's one connection is opened.
-
-The tables are the migration steps of :data:`LAYOUT` (research record 0033); the
-statements claim a run, fence its writes by the claim epoch and list the runs (0017,
-0032); :func:`connect` opens a database in WAL mode with ``synchronous=FULL`` (0010) and
-brings its tables up to date.
+"""SQLite's tables (the migration steps of :data:`LAYOUT`), its statements (claims fenced
+by the claim epoch, listing), and :func:`connect`, which opens a database in WAL mode with
+``synchronous=FULL`` and brings it up to date. Research records 0010, 0017, 0032, 0033.
 """
 
 from __future__ import annotations

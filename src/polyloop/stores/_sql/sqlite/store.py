@@ -1,13 +1,8 @@
-"""The SQLite store: every run in one database file, committed in shared transactions.
+"""The SQLite store: every run in one database file (tables in ``docs/stores.md``).
 
-Tables ``meta`` (the record format and the layout), ``records`` (one row per record, its
-body the line :func:`polyloop.serialization.dumps` writes) and ``runs`` (one row per run:
-where its log stands, whether it finished, its writer and claim epoch), described in
-``docs/stores.md``. One connection serves the worker threads under the store mutex; the
-writes waiting at one moment share a transaction, each run under a savepoint, moved on
-under the writer's claim epoch or rolled back alone; a claim is a locked byte. Research
-records 0010 (durability), 0017 (claims), 0019 (one write path), 0032 (claims by locks)
-and 0033 (one engine) say why.
+One connection serves the worker threads under the store mutex; the writes waiting at one
+moment share a transaction, a savepoint per run, each fenced by the writer's claim epoch;
+a claim is a locked byte. Research records 0010, 0017, 0019, 0032 and 0033 say why.
 """
 
 from __future__ import annotations
