@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -183,6 +184,28 @@ def kinds(records: Sequence[Any]) -> list[str]:
         kind = getattr(record, "kind", None)
         names.append(f"{name}:{kind.value}" if kind is not None and name != "Event" else name)
     return names
+
+
+async def cancel_when(entered: anyio.Event, drive: Callable[[], Awaitable[Any]]) -> float | None:
+    """Run ``drive`` and cancel it once ``entered`` fires; assert that the cancellation
+    came out of it. The seconds from the cancellation until ``drive`` gave way, or None
+    if ``drive`` returned instead."""
+    cancelled_at: float | None = None
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as group:
+
+            async def cancel() -> None:
+                nonlocal cancelled_at
+                await entered.wait()
+                cancelled_at = time.monotonic()
+                scope.cancel()
+
+            group.start_soon(cancel)
+            await drive()
+            return None
+    assert scope.cancelled_caught, "the cancellation did not propagate out of the run"
+    assert cancelled_at is not None
+    return time.monotonic() - cancelled_at
 
 
 WriteHook = Callable[[str], Any]

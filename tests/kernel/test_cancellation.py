@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agent_kit import SlowStore, answer, definition, request, tool_call
+from agent_kit import SlowStore, answer, cancel_when, definition, request, tool_call
 from polyloop import (
     Intent,
     IntentKind,
@@ -81,23 +81,6 @@ class WaitTool:
         )
 
 
-async def _cancel_when_entered(entered: anyio.Event, drive: Any) -> bool:
-    """Run ``drive`` and cancel it once ``entered`` fires; True if ``drive`` returned."""
-    returned = False
-    with anyio.CancelScope() as scope:
-        async with anyio.create_task_group() as group:
-
-            async def cancel() -> None:
-                await entered.wait()
-                scope.cancel()
-
-            group.start_soon(cancel)
-            await drive()
-            returned = True
-    assert scope.cancelled_caught, "the cancellation did not propagate out of the run"
-    return returned
-
-
 async def _assert_unclaimed(store: Any, run_id: str) -> None:
     """The cancelled call gave the run's claim up: the store object can claim it again."""
     await store.claim_run(run_id)
@@ -130,7 +113,7 @@ async def test_cancel_during_a_model_call() -> None:
             request("r", tool.registry(), model_replay=Replay.ALLOWED),
         )
 
-    assert not await _cancel_when_entered(model.entered, drive)
+    assert await cancel_when(model.entered, drive) is not None
     assert len(anyio.get_running_tasks()) == tasks_before
     await _check_cancelled_then_resume(store, model, tool)
     # The interrupted call was replayed under its own result id: no second intent.
@@ -153,7 +136,7 @@ async def test_cancel_during_an_action() -> None:
             request("r", tool.registry(), model_replay=Replay.ALLOWED),
         )
 
-    assert not await _cancel_when_entered(tool.entered, drive)
+    assert await cancel_when(tool.entered, drive) is not None
     assert len(anyio.get_running_tasks()) == tasks_before
     await _check_cancelled_then_resume(store, model, tool)
     # The action was announced with ALLOWED replay, so it ran again under the same id.
@@ -171,7 +154,7 @@ async def test_cancel_during_a_store_write() -> None:
             request("r", tool.registry(), model_replay=Replay.ALLOWED),
         )
 
-    assert not await _cancel_when_entered(store.entered, drive)
+    assert await cancel_when(store.entered, drive) is not None
     assert len(anyio.get_running_tasks()) == tasks_before
     await _check_cancelled_then_resume(store.inner, model, tool)
 
@@ -189,7 +172,7 @@ async def test_a_run_cancelled_before_its_start_lands_leaves_nothing(
         )
 
     with caplog.at_level(logging.WARNING, logger="polyloop"):
-        assert not await _cancel_when_entered(store.entered, drive)
+        assert await cancel_when(store.entered, drive) is not None
     assert (await store.inner.read_log("r")).records == ()
     assert model.calls == []
     # Nothing to end, so no end record was attempted and nothing was reported as lost.
@@ -218,7 +201,7 @@ async def test_a_start_that_landed_before_the_cancellation_is_ended() -> None:
             request("r", tool.registry(), model_replay=Replay.ALLOWED),
         )
 
-    assert not await _cancel_when_entered(store.entered, drive)
+    assert await cancel_when(store.entered, drive) is not None
     assert model.calls == []
     records = (await store.inner.read_log("r")).records
     assert [type(r).__name__ for r in records] == ["RunStarted", "RunEnded"]
@@ -234,7 +217,7 @@ async def test_cancel_with_replay_never_resumes_in_doubt() -> None:
     async def drive() -> None:
         await run(definition(store, model=model), request("r", tool.registry()))
 
-    await _cancel_when_entered(model.entered, drive)
+    await cancel_when(model.entered, drive)
     later = await resume(definition(store, model=model), request("r", tool.registry()))
     assert later.stop_reason is StopReason.IN_DOUBT
     assert later.detail is not None and "r:0:model" in later.detail
@@ -251,7 +234,7 @@ async def test_grace_running_out_leaves_a_log_that_resume_handles() -> None:
         )
 
     with anyio.fail_after(5):
-        await _cancel_when_entered(model.entered, drive)
+        await cancel_when(model.entered, drive)
     log = await slow_end.inner.read_log("r")
     assert not any(isinstance(r, RunEnded) for r in log.records)
     later = await resume(

@@ -1,4 +1,4 @@
-"""Leases end to end, on PostgreSQL and real time; and a silent PostgreSQL server times out.
+"""Leases end to end, on PostgreSQL and real time.
 
 Only what needs two workers and a real clock is here: a stopped worker's run is taken
 over and the revived worker writes nothing, a live worker keeps its run through a call
@@ -21,22 +21,18 @@ from typing import Any
 
 import anyio
 import pytest
-from psycopg import sql
 
 import lease_kit
 import one_writer_kit as kit
-import pg
 from polyloop import (
     Replay,
     RunLocked,
     RunState,
     StopReason,
-    StoreError,
     recover,
     run,
     run_status,
 )
-from polyloop.stores import PostgresStore
 
 pytestmark = pytest.mark.anyio
 
@@ -210,88 +206,3 @@ async def test_a_worker_whose_event_loop_was_stuck_past_its_lease_stops_writing(
     assert notes.count("tool r:0:action") == 1
     await store.aclose()  # type: ignore[attr-defined]
     await other.aclose()  # type: ignore[attr-defined]
-
-
-# -- a server that stops answering --------------------------------------------------------------
-
-
-def _slow_inserts(conninfo: str, schema: str) -> None:
-    """Make every insert into the schema's records sleep (a server that stops answering)."""
-    name = sql.Identifier(schema)
-    with pg.admin(conninfo) as conn:
-        conn.execute(
-            sql.SQL(
-                "CREATE FUNCTION {}.stall() RETURNS trigger LANGUAGE plpgsql AS "
-                "$$ BEGIN PERFORM pg_sleep(60); RETURN NEW; END $$"
-            ).format(name)
-        )
-        conn.execute(
-            sql.SQL(
-                "CREATE TRIGGER stall BEFORE INSERT ON {}.records FOR EACH ROW "
-                "EXECUTE FUNCTION {}.stall()"
-            ).format(name, name)
-        )
-
-
-async def test_a_silent_server_becomes_a_store_error_within_the_statement_timeout(
-    postgres_shared: str, postgres_schemas: Any
-) -> None:
-    schema = postgres_schemas()
-    store = PostgresStore(postgres_shared, schema=schema, statement_timeout_s=1.0)
-    notes: list[str] = []
-    await store.claim_run("r")
-    await store.release_run("r")  # the schema exists now
-    await anyio.to_thread.run_sync(_slow_inserts, postgres_shared, schema)
-    began = time.monotonic()
-    with pytest.raises(StoreError) as failed:
-        await run(
-            lease_kit.definition(store, notes.append, kit.Model(notes.append)),
-            kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
-        )
-    assert time.monotonic() - began < 5
-    assert "statement timeout" in str(failed.value)
-    assert notes == []  # nothing ran: the start record never landed
-    await store.aclose()
-
-
-async def test_a_cancelled_run_on_a_silent_server_returns_within_its_grace_and_timeout(
-    postgres_shared: str, postgres_schemas: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    schema = postgres_schemas()
-    store = PostgresStore(postgres_shared, schema=schema, statement_timeout_s=1.0)
-    # The schema and the connections exist before the clock starts, so the cancellation
-    # comes during the model call however slow the machine, never before the run began.
-    await store.claim_run("warm")
-    await store.release_run("warm")
-    notes: list[str] = []
-    stalled = anyio.Event()
-
-    class Stalling(kit.Model):
-        async def call(self, call: Any) -> Any:
-            await anyio.to_thread.run_sync(_slow_inserts, postgres_shared, schema)
-            stalled.set()
-            await anyio.sleep(30)  # cancelled here; the end record then meets the stall
-            return await super().call(call)
-
-    cancelled_at = 0.0
-
-    async def cancel_once_stalled(scope: anyio.CancelScope) -> None:
-        nonlocal cancelled_at
-        await stalled.wait()
-        cancelled_at = time.monotonic()
-        scope.cancel()
-
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(cancel_once_stalled, group.cancel_scope)
-            await run(
-                lease_kit.definition(store, notes.append, Stalling(notes.append)),
-                kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
-            )
-        assert group.cancel_scope.cancelled_caught
-        # The grace is 5 s; the end record's statement gave up after its 1 s timeout, and
-        # the cancellation went on.
-        assert time.monotonic() - cancelled_at < 4
-        assert "could not write the cancelled end record" in caplog.text
-    finally:
-        await store.aclose()

@@ -3,9 +3,8 @@
 * :class:`MemoryStore`: this process only; choosing it says "no recovery".
 * :class:`JsonlStore`: one append-only JSON-lines file per run in a directory.
 * :class:`SqliteStore`: one SQLite database file (WAL, ``synchronous=FULL``).
-* :class:`PostgresStore`: a PostgreSQL database shared by many workers on many hosts
-  (needs the ``postgres`` extra: psycopg 3 and psycopg-pool), imported on first use like
-  the other durable stores, so ``import polyloop.stores`` needs no optional package."""
+* :class:`PostgresStore`: a PostgreSQL database shared by workers on many hosts (the
+  ``postgres`` extra). The durable stores are imported on first use."""
 
 from __future__ import annotations
 

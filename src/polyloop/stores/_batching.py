@@ -56,8 +56,7 @@ class GroupCommit(Generic[_T]):
         Cancellation: a caller cancelled before its batch starts is taken out of it
         (nothing of it is written) and the cancellation propagates. Once its batch has
         started, the caller waits, shielded, for the commit to end and then the
-        cancellation is delivered, so its item is committed (or failed) either way.
-        """
+        cancellation is delivered, so its item is committed (or failed) either way."""
         batch = self._open
         if batch is None:
             batch = self._open = _Batch()

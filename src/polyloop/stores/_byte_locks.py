@@ -1,7 +1,6 @@
-"""Claims the operating system holds, for the stores of one host (JSON lines, SQLite).
-
-A run is claimed by the write lock on one byte, drawn from its id, of one of 16 lock files:
-the kernel lets it go when the process dies. Research records 0027 and 0032 say why."""
+"""Claims the operating system holds, for the stores of one host (JSON lines, SQLite): the
+write lock on one byte, drawn from the run id, of one of 16 lock files, which the kernel
+lets go when the process dies (research records 0027 and 0032)."""
 
 from __future__ import annotations
 
@@ -111,19 +110,7 @@ class HostClaims:
 
     def claimed(self, run_ids: list[str]) -> list[bool]:
         """Whether anyone holds each run now, asked through a description of its own."""
-        answers = []
-        for run_id in run_ids:
-            offset = claim_offset(run_id)
-            try:
-                probe = self._files.open(self._path(offset), os.O_RDONLY | _FLAGS)
-            except FileNotFoundError:
-                answers.append(False)  # nobody ever claimed a run of this shard here
-                continue
-            try:
-                answers.append(self._files.range_held(probe, offset))
-            finally:
-                self._files.close(probe)
-        return answers
+        return [self._claimed_at(claim_offset(run_id)) for run_id in run_ids]
 
     def close(self) -> None:
         with self._mutex:
@@ -142,6 +129,16 @@ class HostClaims:
                 self._free(claim)
             finally:
                 self._unlock(claim.offset)
+
+    def _claimed_at(self, offset: int) -> bool:
+        try:
+            probe = self._files.open(self._path(offset), os.O_RDONLY | _FLAGS)
+        except FileNotFoundError:
+            return False  # nobody ever claimed a run of this shard here
+        try:
+            return self._files.range_held(probe, offset)
+        finally:
+            self._files.close(probe)
 
     def _lock(self, run_id: str) -> int:
         offset = claim_offset(run_id)

@@ -1,5 +1,5 @@
-"""What the durable stores share: file names, directories, the write and claim values,
-the failed-run guard, the open-file limit's message (research records 0024, 0027, 0033)."""
+"""What the stores share: the port's writes, file names, directories, the write and claim
+values, the failed-run guard, the open-file limit's message (research records 0024, 0027, 0033)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import Protocol, Self
 import anyio
 import anyio.to_thread
 
+from polyloop import types
 from polyloop._shared import FORMAT, exception_text, record_kind
 from polyloop.serialization import dumps, loads
 from polyloop.stores._refusals import store_closed
@@ -28,11 +29,11 @@ logger = logging.getLogger("polyloop")
 
 # How long giving a claim back after a failed claim or prune may keep its caller.
 RELEASE_GRACE_S = 10.0
+_SLOW_RELEASE = "run %r: giving its claim back took over %g s; it goes on in the background"
 
 
 def check_format(recorded: object, *, holder: str, run_id: str | None, location: str) -> None:
-    """Refuse a recorded format that is unreadable or of another major; ``holder`` names
-    what holds the records ("database", "schema")."""
+    """Refuse an unreadable record format, or one of another major, held by ``holder``."""
     if not isinstance(recorded, str) or not recorded.startswith("polyloop/"):
         reason = f"no readable record format in the {holder} ({recorded!r:.80})"
         raise CorruptLog(reason, run_id=run_id, location=location)
@@ -151,11 +152,7 @@ async def claim_in_thread(
             with anyio.move_on_after(RELEASE_GRACE_S, shield=True) as scope:
                 await anyio.to_thread.run_sync(release, abandon_on_cancel=True)
             if scope.cancelled_caught:
-                logger.warning(
-                    "run %r: giving its claim back took over %g s; it goes on in the background",
-                    run_id,
-                    RELEASE_GRACE_S,
-                )
+                logger.warning(_SLOW_RELEASE, run_id, RELEASE_GRACE_S)
         raise
 
 
@@ -181,17 +178,6 @@ def decode_row(body: object, *, run_id: str, kind: object, location: str) -> Rec
 
 def record_row(record: Record) -> tuple[str, str]:
     return record_kind(record), dumps(record)  # dumps refuses anything not a record
-
-
-def step_records(step: StepRecord, action_result: Result | None) -> tuple[Record, ...]:
-    """What ``write_step`` writes, in order: the action result (if any), then the step."""
-    if action_result is None:
-        return (step,)
-    if action_result.run_id != step.run_id:
-        raise StoreError(
-            f"the action result belongs to run {action_result.run_id!r}", run_id=step.run_id
-        )
-    return action_result, step
 
 
 @dataclass(eq=False, slots=True)
@@ -222,10 +208,38 @@ class Claim:
     lock: threading.Lock = field(default_factory=threading.Lock)  # around each write of the run
 
 
-class ClosedOnExit:
-    """A store as an async context manager: leaving the block closes it (``aclose``)."""
+class StoreBase:
+    """The store port's writes over one ``_write``; leaving an ``async with`` block closes it."""
 
     __slots__ = ()
+
+    async def start_run(self, record: types.RunStarted) -> None:
+        """Write the run's first record, a durable barrier."""
+        await self._write(record, start=True, barrier=True)
+
+    async def write_intent(self, intent: types.Intent) -> None:
+        """Write an intent, a durable barrier."""
+        await self._write(intent, barrier=True)
+
+    async def write_result(self, result: Result) -> None:
+        """Write the result of a model call; committed, not necessarily durable."""
+        await self._write(result)
+
+    async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
+        """Write the action result (if any) and the step record in one transaction."""
+        records = (step,) if action_result is None else (action_result, step)
+        if records[0].run_id != step.run_id:
+            reason = f"the action result belongs to run {records[0].run_id!r}"
+            raise StoreError(reason, run_id=step.run_id)
+        await self._write(*records)
+
+    async def write_review(self, record: types.Review) -> None:
+        """Write a proposal, verdict or settlement, a durable barrier like an intent."""
+        await self._write(record, barrier=True)
+
+    async def end_run(self, record: types.RunEnded) -> None:
+        """Write the run's end record and give up the claim, in one transaction."""
+        await self._write(record)
 
     async def aclose(self) -> None: ...
 
@@ -234,6 +248,10 @@ class ClosedOnExit:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+    async def _write(
+        self, *records: Record, start: bool = False, barrier: bool = False
+    ) -> None: ...
 
 
 @dataclass

@@ -1,11 +1,10 @@
-"""The one engine of the durable stores (research record 0033): what ``JsonlStore``,
-``SqliteStore`` and ``PostgresStore`` do alike, once, and the pruning all stores share.
-A backend supplies what differs: where records live, how they are read and claimed."""
+"""What the durable stores do alike, once, and the pruning all stores share; a backend
+supplies where records live and how they are read and claimed (research record 0033)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -19,7 +18,7 @@ from polyloop import types
 from polyloop._shared import FORMAT
 from polyloop.ports import Store, StoredRun
 from polyloop.stores import _common
-from polyloop.stores._common import ClosedOnExit, Write, claim_in_thread, record_row, step_records
+from polyloop.stores._common import StoreBase, Write, claim_in_thread, record_row
 from polyloop.stores._jsonl.reader import SUFFIX, log_lines
 
 Archive = str | os.PathLike[str] | None
@@ -28,8 +27,8 @@ Delete = Callable[[str], Awaitable[bool]]
 
 class Backend(Protocol):
     """What the engine needs of a backend; each call but the coroutines and :meth:`holds`
-    blocks, in a worker thread. ``prunable`` lists the runs nobody holds that finished,
-    not in doubt, before the cutoff; ``delete`` deletes one this object holds."""
+    blocks, in a worker thread. ``prunable`` lists the runs nobody holds that finished
+    before the cutoff; ``delete`` deletes one this object holds."""
 
     kind: str
 
@@ -47,7 +46,7 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-class EngineStore(ClosedOnExit):
+class EngineStore(StoreBase):
     """The store port over a :class:`Backend`."""
 
     __slots__ = ("_backend",)
@@ -60,12 +59,9 @@ class EngineStore(ClosedOnExit):
         return {"kind": self._backend.kind, "format": FORMAT}
 
     async def claim_run(self, run_id: str) -> None:
-        """Become the run's writer and move its claim epoch on; ``RunLocked`` (naming the
-        holder where the database knows it) if a living writer, this object included,
-        holds it."""
-        backend, token = self._backend, anyio.lowlevel.current_token()
-        claim, release = partial(backend.claim, run_id, token), partial(backend.release, run_id)
-        await claim_in_thread(claim, release, run_id=run_id)
+        """Become the run's writer; ``RunLocked`` names the holder where the database knows it."""
+        claim = partial(self._backend.claim, run_id, anyio.lowlevel.current_token())
+        await claim_in_thread(claim, partial(self._backend.release, run_id), run_id=run_id)
 
     async def release_run(self, run_id: str) -> None:
         """Give up the claim, writing no record (a run never started leaves no trace)."""
@@ -73,64 +69,28 @@ class EngineStore(ClosedOnExit):
             await anyio.to_thread.run_sync(self._backend.release, run_id)
 
     async def check_claim(self, run_id: str) -> None:
-        """Return only if an effect of the run may start now under this object's claim
-        (``RunLocked``, ``LeaseLost`` or ``StoreError`` otherwise); sends no statement."""
+        """Return only if an effect of the run may start now; sends no statement."""
         await self._backend.confirm(run_id)
 
-    async def start_run(self, record: types.RunStarted) -> None:
-        """Write the run's first record, a durable barrier; ``RunAlreadyExists`` if the
-        run has any record."""
-        await self._write(record, start=True, barrier=True)
-
-    async def write_intent(self, intent: types.Intent) -> None:
-        """Write an intent, a durable barrier."""
-        await self._write(intent, barrier=True)
-
-    async def write_result(self, result: types.Result) -> None:
-        """Write the result of a model call; committed, not necessarily durable."""
-        await self._write(result)
-
-    async def write_step(self, step: types.StepRecord, action_result: types.Result | None) -> None:
-        """Write the action result (if any) and the step record in one transaction."""
-        await self._write(*step_records(step, action_result))
-
-    async def write_review(self, record: types.Review) -> None:
-        """Write a proposal, verdict or settlement, a durable barrier like an intent."""
-        await self._write(record, barrier=True)
-
-    async def end_run(self, record: types.RunEnded) -> None:
-        """Write the run's end record and give up the claim, in one transaction."""
-        await self._write(record)
-
     async def read_log(self, run_id: str) -> types.RunLog:
-        """Every record of ``run_id`` in write order (none if it has none); ``CorruptLog``
-        names the line or row of a record that does not decode or belong where it is."""
+        """Every record of ``run_id`` in write order; ``CorruptLog`` names a bad line or row."""
         records = await anyio.to_thread.run_sync(self._backend.read, run_id)
         return types.RunLog(run_id=run_id, records=records)
 
     async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
-        """Every run (only unfinished ones if asked): in the order the runs started in a
-        database, by id in a directory of run files."""
+        """Every run (or the unfinished ones): in start order in a database, by id in files."""
         return await anyio.to_thread.run_sync(self._backend.runs, unfinished_only)
 
     async def describe_run(self, run_id: str) -> StoredRun | None:
         """The run as :meth:`list_runs` lists it; ``None`` if it has no record."""
         return await anyio.to_thread.run_sync(self._backend.describe, run_id)
 
-    async def prune(
-        self, *, finished_before: datetime, archive: str | os.PathLike[str] | None = None
-    ) -> tuple[str, ...]:
-        """Delete the runs that finished before ``finished_before``, each under its claim;
-        their ids. An unfinished, in-doubt or claimed run is never touched. With ``archive``,
-        each log is first written durably there, as a ``JsonlStore`` keeps it."""
+    async def prune(self, *, finished_before: datetime, archive: Archive = None) -> tuple[str, ...]:
+        """Delete the runs that finished before ``finished_before``, each under its claim."""
         cutoff = check_cutoff(finished_before)
         candidates = await anyio.to_thread.run_sync(self._backend.prunable, cutoff)
-        return await prune_runs(
-            self,
-            candidates,
-            archive=archive,
-            delete=lambda run_id: anyio.to_thread.run_sync(self._backend.delete, run_id, cutoff),
-        )
+        delete = partial(anyio.to_thread.run_sync, partial(self._backend.delete, cutoff=cutoff))
+        return await prune_runs(self, candidates, archive=archive, delete=delete)
 
     async def aclose(self) -> None:
         """Give up every claim and close every connection or file; idempotent.
@@ -158,9 +118,7 @@ def check_cutoff(finished_before: datetime) -> datetime:
     """``finished_before`` as an aware UTC time; a naive one is taken as UTC."""
     if not isinstance(finished_before, datetime):
         raise TypeError(f"finished_before must be a datetime, not {type(finished_before).__name__}")
-    if finished_before.tzinfo is None:
-        return finished_before.replace(tzinfo=UTC)
-    return finished_before.astimezone(UTC)
+    return finished_before.replace(tzinfo=finished_before.tzinfo or UTC).astimezone(UTC)
 
 
 async def prune_runs(
@@ -177,9 +135,7 @@ async def prune_runs(
         deleted = False
         try:
             log = await store.read_log(run_id)
-            last = log.records[-1:]
-            ends = [end for end in last if isinstance(end, types.RunEnded) and end.is_final]
-            if ends and ends[0].stop_reason is not types.StopReason.IN_DOUBT:
+            if finished(log.records):  # never in doubt: such an end is not final
                 if archive is not None:
                     await anyio.to_thread.run_sync(_write_archive, Path(archive), log)
                 deleted = await delete(run_id)
@@ -190,6 +146,11 @@ async def prune_runs(
         if deleted:
             pruned.append(run_id)
     return tuple(pruned)
+
+
+def finished(records: Sequence[types.Record]) -> bool:
+    """Whether the log ends with a final end record."""
+    return bool(records) and isinstance(records[-1], types.RunEnded) and records[-1].is_final
 
 
 def _write_archive(directory: Path, log: types.RunLog) -> None:

@@ -192,11 +192,9 @@ class Lease:
         with self._mutex:
             since = self._waiting_since
             stalled = max(self._longest_wait_s, 0.0 if since is None else self.clock() - since)
-        hint = (
-            f"; the event loop once took {stalled:.1f} s to let the lease be renewed"
-            if stalled >= self.lease_s / _RENEWALS_PER_LEASE
-            else ""
-        )
+        hint = ""
+        if stalled >= effect_margin(self.lease_s):
+            hint = f"; the event loop once took {stalled:.1f} s to let the lease be renewed"
         return LeaseLost(
             f"this store object's lease ended ({self.lease_s:g} s without a renewal{hint}): "
             "another worker may have taken the run over, so nothing more is started or written",
@@ -205,8 +203,7 @@ class Lease:
 
     def _keep(self) -> None:
         """The keeper thread: renew while the event loop lives, sooner after a failure."""
-        pause = self.lease_s / _RENEWALS_PER_LEASE
-        beats = self._beats
+        pause, beats = self.lease_s / _RENEWALS_PER_LEASE, self._beats
         while not self._wait(pause) and not self._stopping.is_set():
             pause = self.lease_s / _RENEWALS_PER_LEASE
             with self._mutex:
@@ -221,8 +218,7 @@ class Lease:
                 pause = self.lease_s / _RETRIES_PER_LEASE
 
     def _renew_once(self, owner_id: str) -> bool:
-        """Send one renewal, unless the lease is lost, and apply its answer; False when
-        none came."""
+        """Send one renewal, unless the lease is lost, and apply its answer; False if none came."""
         with self._mutex:
             if owner_id != self._owner_id or self._state is None:
                 return True
@@ -242,8 +238,7 @@ class Lease:
         return answer is not LeaseState.renewal_failed
 
     def _loop_answers(self, owner_id: str, token: EventLoopToken) -> bool:
-        """Wait until the event loop runs a no-op (a stuck loop never does); False if the
-        loop has finished."""
+        """Wait until the event loop runs a no-op (a stuck loop never does); False if it ended."""
         with self._mutex:
             began = self._waiting_since = self.clock()
         try:

@@ -18,8 +18,7 @@ def claimed_already(run_id: str) -> RunLocked:
 
 
 def check_order(run_id: str, *, start: bool, started: bool, finished: bool) -> None:
-    """The rule every store keeps: a run starts once, nothing before its start or after
-    its final end record."""
+    """The rule every store keeps: a run starts once, nothing before its start or final end."""
     if start and started:
         raise RunAlreadyExists("the run already has records", run_id=run_id)
     if not start and not started:
@@ -29,14 +28,13 @@ def check_order(run_id: str, *, start: bool, started: bool, finished: bool) -> N
 
 
 def fence_refusal(
-    run_id: str, *, epoch: int, row: tuple[int, bool] | None, start: bool
+    run_id: str, *, epoch: int, row: tuple[int, bool, int] | None, start: bool
 ) -> PolyLoopError:
     """Why a database's fence moved no row for a write under claim ``epoch``, given the
-    run's row now (its epoch and whether it finished; ``None`` when it is gone)."""
+    run's row now (its epoch, whether it finished, its next seq; ``None`` when gone)."""
     if row is None or row[0] != epoch:
-        return RunLocked(
-            "another writer claimed the run since this store object did", run_id=run_id
-        )
+        reason = "another writer claimed the run since this store object did"
+        return RunLocked(reason, run_id=run_id)
     try:
         check_order(run_id, start=start, started=True, finished=bool(row[1]))
     except PolyLoopError as refusal:

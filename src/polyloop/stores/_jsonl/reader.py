@@ -1,8 +1,7 @@
 """The JSON-lines format of the run files (research records 0009 and 0012): a record exists
 once the ``\\n`` ending its line is in the file; what follows the last one is a torn tail,
 ignored and cut off by the next claim; a line that does not decode to a record of the run
-is a ``CorruptLog`` naming the file and the line (from 1).
-"""
+is a ``CorruptLog`` naming the file and the line (from 1)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ from polyloop.stores._jsonl.fileops import FileOps
 from polyloop.types import CorruptLog, Record, Result, RunEnded, SchemaMajorMismatch, StepRecord
 
 SUFFIX = ".jsonl"
-# O_NONBLOCK only matters if something other than a regular file was planted at the
-# path (a FIFO would otherwise block the open); regular files ignore it.
+# O_NONBLOCK: a FIFO planted at the path would otherwise block the open.
 COMMON_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CHUNK = 64 * 1024
 _SPACE = " \t\r"  # what JSON skips between tokens on one line
@@ -30,8 +28,7 @@ _DECODER = json.JSONDecoder()
 
 
 def tail(files: FileOps, fd: int, location: str) -> tuple[int, int, RunEnded | None]:
-    """Where the last complete line ends, the file's size, and the end record on that
-    line if it holds one."""
+    """Where the last complete line ends, the file's size, and that line's end record if any."""
     size = files.fstat(fd).st_size
     end = _line_start(files, fd, size)
     if end == 0:
@@ -78,9 +75,8 @@ def run_file(files: FileOps, path: Path, run_id: str | None) -> Iterator[int | N
     except OSError as exc:
         if isinstance(exc, types.PolyLoopError):
             raise
-        raise types.StoreError(
-            f"could not read the run file: {exc}", run_id=run_id, location=path.name
-        ) from exc
+        reason = f"could not read the run file: {exc}"
+        raise types.StoreError(reason, run_id=run_id, location=path.name) from exc
     finally:
         files.close(fd)
 
@@ -96,26 +92,21 @@ def read_all(files: FileOps, fd: int, stop: bytes | None = None) -> bytes:
 
 
 def first_run_id(files: FileOps, fd: int, name: str) -> str:
-    """The run of the first line of the run file ``name`` (it has one), which must be the
-    run the file is named for."""
+    """The run of the first line of the run file ``name``, which must be the one it is named for."""
     location = f"{name}:1"
     head = read_all(files, fd, b"\n").partition(b"\n")[0]
     run_id = decode_line(head, location)[0].run_id
     if f"{safe_name(run_id)}{SUFFIX}" != name:
-        raise CorruptLog(
-            "the file holds a run whose id does not match the file name",
-            run_id=run_id,
-            location=location,
-        )
+        reason = "the file holds a run whose id does not match the file name"
+        raise CorruptLog(reason, run_id=run_id, location=location)
     return run_id
 
 
 def cannot_open(exc: OSError, run_id: str | None) -> types.StoreError:
     """Why the run file would not open; a symbolic link is refused by name."""
     if exc.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW reports for a link
-        return types.StoreError(
-            "the run file is a symbolic link; refusing to follow it", run_id=run_id
-        )
+        reason = "the run file is a symbolic link; refusing to follow it"
+        return types.StoreError(reason, run_id=run_id)
     return open_failed(exc, run_id, "the run file")
 
 
@@ -158,11 +149,8 @@ def parse_lines(data: bytes, file_name: str, run_id: str) -> list[Record]:
             raise
         for record in decoded:
             if record.run_id != run_id:
-                raise CorruptLog(
-                    f"the line holds a record of run {record.run_id!r}",
-                    run_id=run_id,
-                    location=location,
-                )
+                reason = f"the line holds a record of run {record.run_id!r}"
+                raise CorruptLog(reason, run_id=run_id, location=location)
             records.append(record)
     return records
 
@@ -192,9 +180,8 @@ def _decode_pair(text: str, location: str) -> tuple[Result, StepRecord]:
         parts.append(loads(text[position:end], location=location))
         position = _skip_space(text, end)
         if text[position : position + 1] != closer:
-            raise CorruptLog(
-                f"a record pair expects {closer!r} at column {position + 1}", location=location
-            )
+            reason = f"a record pair expects {closer!r} at column {position + 1}"
+            raise CorruptLog(reason, location=location)
         position += 1
     if text[position:].strip(_SPACE):
         raise CorruptLog("text after a record pair", location=location)
@@ -205,6 +192,4 @@ def _decode_pair(text: str, location: str) -> tuple[Result, StepRecord]:
 
 
 def _skip_space(text: str, position: int) -> int:
-    while position < len(text) and text[position] in _SPACE:
-        position += 1
-    return position
+    return len(text) - len(text[position:].lstrip(_SPACE))

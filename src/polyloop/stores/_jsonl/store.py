@@ -23,28 +23,20 @@ from polyloop.types import CorruptLog, PolyLoopError, Record, SchemaMajorMismatc
 
 logger = logging.getLogger("polyloop")
 
-# A claim opens (or creates) the run file to cut a torn tail and see whether the run
-# ended; a write opens it again, never creating it.
+# A claim opens (or creates) the run file; a write opens it again, never creating it.
 _CLAIM_FLAGS = os.O_RDWR | os.O_CREAT | os.O_APPEND | reader.COMMON_FLAGS
 _WRITE_FLAGS = os.O_WRONLY | os.O_APPEND | reader.COMMON_FLAGS
 
 
 class JsonlStore(EngineStore):
-    """Keeps every run in an append-only JSON-lines file in ``directory``.
-
-    The directory (with its parents) is created when the first run is claimed in it.
-    Runs survive the store object, the process and, for what the durability rules cover,
-    the machine: open a new ``JsonlStore`` on the same directory (or a copy of it moved
-    elsewhere) to read or resume them. A store for one host: a claim has no lease, so a
-    process that hangs keeps its runs until it dies (its locks then go at once). Runs
-    are listed by id. Use it as an async context manager, or call :meth:`aclose`, to
-    give up its claims.
+    """Keeps every run in an append-only JSON-lines file in ``directory`` (made at the first
+    claim); a new ``JsonlStore`` on it, or on a moved copy, reads or resumes the runs. For one
+    host: a claim has no lease, so a hung process keeps its runs until it dies.
 
     Cancellation, for every method: the worker thread a call started finishes before
     the cancellation is delivered. A write cancelled before its batch started writes
     nothing; once it started, the line is appended (and synced, for a start or an
-    intent) either way. Reads change nothing.
-    """
+    intent) either way. Reads change nothing."""
 
     __slots__ = ("_directory",)
 
@@ -58,8 +50,7 @@ class JsonlStore(EngineStore):
 
 
 class Jsonl(OneHost):
-    """The JSON-lines backend; every method but the coroutines and :meth:`holds` runs in
-    a worker thread."""
+    """The JSON-lines backend (a :class:`~polyloop.stores._engine.Backend`)."""
 
     kind = "jsonl"
     __slots__ = ("claims", "directory", "files", "group", "state")
@@ -152,12 +143,10 @@ class Jsonl(OneHost):
             raise self.state.fail(run_id, exc) from exc
         finally:
             files.close(fd)
-        # The file does not number its records: 1 says only that it holds some.
         return Claim(run_id=run_id, next_seq=int(end > 0), finished=bool(ended and ended.is_final))
 
     def _free(self, claim: Claim) -> None:
-        """A file only the claim made goes with it (its byte still locked): a run id that
-        never started leaves no trace."""
+        """A file only the claim made goes with it: a run id never started leaves no trace."""
         if claim.next_seq == 0:
             with contextlib.suppress(OSError):
                 self.files.unlink(self._path(claim.run_id))

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from polyloop.stores._common import Claim, Write
-from polyloop.stores._refusals import check_order
+from polyloop.stores._refusals import check_order, fence_refusal
 from polyloop.types import PolyLoopError, RunLocked
 
 # One outcome per write of a batch: None (committed) or the error its caller sees.
@@ -53,6 +53,10 @@ class RunPlan:
     @property
     def barrier(self) -> bool:
         return any(write.barrier for _, write in self.writes)
+
+    def fenced_out(self, row: tuple[int, bool, int] | None) -> PolyLoopError:
+        """Why the fence moved no row for the run, given its row now (see ``fence_refusal``)."""
+        return fence_refusal(self.run_id, epoch=self.claim.epoch, row=row, start=self.start)
 
     def rows(self) -> Iterator[tuple[int, str, str]]:
         """(seq, kind, body) of every row, numbered from :attr:`first_seq`."""
@@ -96,20 +100,13 @@ class Plan:
 
     def _accept(self, index: int, write: Write, claim: Claim) -> None:
         run = self.runs.get(write.run_id)
+        started = claim.next_seq > 0 if run is None else True
+        finished = claim.finished if run is None else run.ends and run.final
+        check_order(write.run_id, start=write.start, started=started, finished=finished)
         if run is None:
-            check_order(
-                write.run_id,
-                start=write.start,
-                started=claim.next_seq > 0,
-                finished=claim.finished,
-            )
             run = self.runs[write.run_id] = RunPlan(write.run_id, claim, claim.next_seq)
-        else:
-            check_order(
-                write.run_id, start=write.start, started=True, finished=run.ends and run.final
-            )
-            if run.ends:  # an earlier write of this batch ends the run, and its claim
-                raise RunLocked("the run's claim ends with its end record", run_id=write.run_id)
+        elif run.ends:  # an earlier write of this batch ends the run, and its claim
+            raise RunLocked("the run's claim ends with its end record", run_id=write.run_id)
         run.writes.append((index, write))
 
 

@@ -14,7 +14,7 @@ import psycopg
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._common import Claim, Write, WriterState
 from polyloop.stores._lease import Lease
-from polyloop.stores._refusals import fence_refusal, not_claimed, store_closed
+from polyloop.stores._refusals import not_claimed, store_closed
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.postgres.sql import Connection, Queries, run_id_column, run_key
 from polyloop.types import StoreError
@@ -106,7 +106,10 @@ class Committer:
             try:
                 self._send(conn, runs, batch.barrier, batch)
             except psycopg.Error:
-                if conn.broken or conn.closed or len(runs) == 1:
+                if conn.broken or conn.closed:
+                    self._after_loss(writer, runs, batch)
+                    return
+                if len(runs) == 1:
                     raise
                 for run in runs:  # nothing was committed: one statement, one transaction
                     try:
@@ -127,11 +130,38 @@ class Committer:
             rows = tuple((run.run_id, kind) for run in runs for _, kind, _ in run.rows())
             self.probe(conn, rows, (query.as_string(conn),))
         admitted = {bytes(key) for (key,) in conn.execute(query, _parameters(runs)).fetchall()}
-        for run in runs:
-            if run_key(run.run_id) not in admitted:
-                row = conn.execute(self.queries.explain_refusal, (run_key(run.run_id),)).fetchone()
-                why = fence_refusal(run.run_id, epoch=run.claim.epoch, row=row, start=run.start)
-                batch.refuse(run, why)
+        for run, row in self._rows(conn, [r for r in runs if run_key(r.run_id) not in admitted]):
+            batch.refuse(run, run.fenced_out(row))
+
+    def _after_loss(self, writer: Writer, runs: Sequence[RunPlan], batch: Plan) -> None:
+        """The connection was lost with the statement's outcome unknown (a blip, a silent
+        path): on a new connection, each run's row says whether the statement wrote it
+        (its seq moved on under this claim's epoch). A run it did not write is sent again,
+        once; a run whose row says anything else fails. Research record 0035."""
+        writer.drop()
+        conn = writer.connected(runs[0].run_id)
+        again = []
+        for run, row in self._rows(conn, runs):
+            seq = row[2] if row is not None and row[0] == run.claim.epoch else None
+            if seq == run.first_seq:
+                again.append(run)
+            elif seq != run.next_seq:  # at next_seq, the lost statement wrote it
+                batch.refuse(run, run.fenced_out(row))
+        if again:
+            try:
+                self._send(conn, again, any(run.barrier for run in again), batch)
+            except psycopg.Error as exc:
+                self._fail(writer, again, batch, exc)
+
+    def _rows(
+        self, conn: Connection, runs: Sequence[RunPlan]
+    ) -> list[tuple[RunPlan, tuple[int, bool, int] | None]]:
+        """Each run with its row now (claim epoch, finished, next seq), or None if gone."""
+        if not runs:
+            return []
+        found = conn.execute(self.queries.rows_now, ([run_key(run.run_id) for run in runs],))
+        rows = {bytes(key): (epoch, finished, seq) for key, epoch, finished, seq in found}
+        return [(run, rows.get(run_key(run.run_id))) for run in runs]
 
     def _fail(self, writer: Writer, runs: Sequence[RunPlan], batch: Plan, exc: Exception) -> None:
         """The statement failed or its outcome is unknown: every write of ``runs`` fails."""

@@ -212,7 +212,9 @@ class Queries:
         )
         self.write = q(_FENCED_WRITE, lazy=sql.SQL(""), lazy_join=sql.SQL(""))
         self.lazy_write = q(_FENCED_WRITE, lazy=sql.SQL(_LAZY), lazy_join=sql.SQL(_LAZY_JOIN))
-        self.explain_refusal = q("SELECT epoch, finished FROM {runs} WHERE run_key = %s")
+        self.rows_now = q(
+            "SELECT run_key, epoch, finished, next_seq FROM {runs} WHERE run_key = ANY(%s)"
+        )
         self.select_run = q(
             "SELECT seq, run_id, kind, body FROM {records} WHERE run_key = %s ORDER BY seq"
         )

@@ -32,13 +32,8 @@ from polyloop.stores._engine import EngineStore
 from polyloop.stores._lease import Lease, check_lease_s, effect_margin
 from polyloop.stores._refusals import claimed_already, not_claimed, store_closed
 from polyloop.stores._sql.postgres.batch import Committer, Link, Probe, Writer
-from polyloop.stores._sql.postgres.sql import (
-    Connection,
-    Queries,
-    owner_lock,
-    run_id_column,
-    run_key,
-)
+from polyloop.stores._sql.postgres.deadline import Watched, deadline_s
+from polyloop.stores._sql.postgres.sql import Queries, owner_lock, run_id_column, run_key
 from polyloop.stores._sql.schema import prepare
 from polyloop.types import CorruptLog, InvalidRequest, Record, RunLocked, StoreError
 
@@ -80,26 +75,36 @@ class Settings:
         except psycopg.Error:
             # The message would quote the string, which may hold a password.
             raise InvalidRequest("conninfo is not a valid libpq connection string or URL") from None
-        # A connect timeout, and how long sent data may go unacknowledged (so a silent
-        # host cannot hold a thread forever), unless ``conninfo`` sets them itself.
-        options: dict[str, Any] = {}
-        if "connect_timeout" not in given:
-            options["connect_timeout"] = max(1, math.ceil(self.timeout))
-        if "tcp_user_timeout" not in given:
-            options["tcp_user_timeout"] = max(1, math.ceil(self.statement_timeout_s * 1000))
+        # A connect timeout; how long sent data may go unacknowledged; keepalives, which
+        # find a dead peer on an idle connection (a pooled one, the owner's between
+        # renewals), where no statement waits for its deadline. ``conninfo`` may set each.
+        idle = max(1, math.ceil(self.statement_timeout_s / 2))
+        defaults = {
+            "connect_timeout": max(1, math.ceil(self.timeout)),
+            "tcp_user_timeout": max(1, math.ceil(self.statement_timeout_s * 1000)),
+            "keepalives": 1,
+            "keepalives_idle": idle,
+            "keepalives_interval": idle,
+            "keepalives_count": 3,
+        }
+        options = {name: value for name, value in defaults.items() if name not in given}
         object.__setattr__(self, "options", options)
 
-    def connect(self, name: str) -> Connection:
-        """A new connection of the store object's own, named ``name`` on the server."""
-        return open_connection(self.conninfo, self.statement_timeout_s, name=name, **self.options)
+    def connect(self, name: str, deadline_s: float = math.inf) -> Watched:
+        """A new connection of the store object's own, named ``name`` on the server,
+        with the statement deadline or ``deadline_s`` if that is shorter."""
+        conn = open_connection(self.conninfo, self.statement_timeout_s, name=name, **self.options)
+        conn.deadline_s = min(conn.deadline_s, deadline_s)
+        return conn
 
 
 def open_connection(
     conninfo: str, statement_timeout_s: float, *, name: str, **options: Any
-) -> Connection:
-    """An autocommit connection, its statement timeout set, ``synchronous_commit`` on."""
+) -> Watched:
+    """An autocommit connection, its statement timeout and deadline set, and
+    ``synchronous_commit`` on."""
     try:
-        conn = psycopg.connect(conninfo, autocommit=True, fallback_application_name=name, **options)
+        conn = Watched.connect(conninfo, autocommit=True, fallback_application_name=name, **options)
     except psycopg.OperationalError as exc:
         limit = open_files_error(exc, None)  # a socket is a file too
         if limit is not None:
@@ -116,7 +121,8 @@ def open_connection(
     return conn
 
 
-def _set_statement_timeout(conn: Connection, *, seconds: float) -> None:
+def _set_statement_timeout(conn: Watched, *, seconds: float) -> None:
+    conn.deadline_s = deadline_s(seconds)
     milliseconds = sql.Literal(max(1, math.ceil(seconds * 1000)))
     conn.execute(sql.SQL("SET statement_timeout = {}").format(milliseconds))
 
@@ -134,20 +140,21 @@ class PostgresStore(EngineStore):
     long this store object's claims hold without a renewal (renewed every third of it
     while its event loop runs); another worker may take over the runs of an owner whose
     lease has ended, or whose process died. ``statement_timeout_s`` bounds every
-    statement on the server (``statement_timeout``) and how long sent data may go
-    unacknowledged (``tcp_user_timeout``, unless ``conninfo`` sets it), so a server that
-    stops answering becomes a ``StoreError`` within about that time.
+    statement on the server (``statement_timeout``), and the client gives a statement up
+    at its deadline, that and half of it again (at least a second more): a server or a
+    path that goes silent becomes a ``StoreError`` within the deadline plus the connect
+    timeout (``docs/stores.md`` states each bound).
 
     The store is an async context manager; :meth:`aclose` gives up every claim it holds
     and closes every connection. Any worker connected to the same database resumes any
     run; a second writer of a run gets ``RunLocked``. Needs the ``postgres`` extra
     (psycopg 3 and psycopg-pool).
 
-    Cancellation, for every method: the worker thread a call started finishes before
-    the cancellation is delivered. A write cancelled before its batch started writes
-    nothing; once the batch started, the call waits for its commit, shielded, then lets
-    the cancellation go on (its rows are committed, or it failed). Reads change nothing;
-    closing completes even in a cancelled scope.
+    Cancellation, for every method: the worker thread a call started finishes (within
+    the deadline) before the cancellation is delivered. A write cancelled before its
+    batch started writes nothing; once the batch started, the call waits for its commit,
+    shielded, then lets the cancellation go on (its rows are committed, or it failed).
+    Reads change nothing; closing completes even in a cancelled scope.
     """
 
     __slots__ = ("_schema",)
@@ -198,7 +205,7 @@ class Postgres:
         self._committer = Committer(self._state, self._queries, self._owner.lease, probe)
         self._writers: list[Writer] = []
         self._lock = threading.Lock()  # opens the reader pool and the schema once
-        self._pool: ConnectionPool[Connection] | None = None
+        self._pool: ConnectionPool[Watched] | None = None
 
     def claim(self, run_id: str, token: EventLoopToken) -> None:
         with self._state.mutex:
@@ -383,7 +390,7 @@ class Postgres:
         if pool is not None:
             pool.close()
 
-    def _ready_pool(self, run_id: str | None) -> ConnectionPool[Connection]:
+    def _ready_pool(self, run_id: str | None) -> ConnectionPool[Watched]:
         """The reader pool (never used for writes), opened with the schema made current."""
         with self._lock:
             if self._state.closed:
@@ -392,14 +399,15 @@ class Postgres:
                 self._pool = self._open_pool(run_id)
             return self._pool
 
-    def _open_pool(self, run_id: str | None) -> ConnectionPool[Connection]:
+    def _open_pool(self, run_id: str | None) -> ConnectionPool[Watched]:
         settings, schema = self._settings, self._settings.schema
         try:
             # One connection first, outside the pool: a missing database or a refused
             # login fails now with the server's message, where the pool would time out.
             psycopg.connect(settings.conninfo, **settings.options).close()
-            pool: ConnectionPool[Connection] = ConnectionPool(
+            pool = ConnectionPool(
                 settings.conninfo,
+                connection_class=Watched,
                 min_size=1,
                 max_size=settings.pool_size,
                 open=False,
@@ -441,8 +449,10 @@ class Owner:
         self._queries = queries
         self._state = state
         self._lock = threading.Lock()
-        self._link = Link(partial(settings.connect, "polyloop-owner"))
         self.lease = Lease(settings.lease_s, self._renew)
+        # Unanswered, a renewal fails within a quarter of the lease, so the keeper tries
+        # again (on a new connection) while the lease still holds.
+        self._link = Link(partial(settings.connect, "polyloop-owner", settings.lease_s / 4))
 
     def registered(self, run_id: str, token: EventLoopToken) -> tuple[str, int]:
         """The owner id and lease generation; registers the owner (lock, row, lease) once."""
@@ -458,7 +468,7 @@ class Owner:
                 conn = self._link.connected()
                 # A lapsed identity's lock goes: its lease has ended anyway.
                 conn.execute("SELECT pg_advisory_unlock_all()")
-                conn.execute("SELECT pg_advisory_lock(%s)", (key,))
+                conn.execute("SELECT pg_try_advisory_lock(%s)", (key,))
                 conn.execute(self._queries.forget_owners)
                 conn.execute(self._queries.register_owner, self._lease_params(owner_id, hi, lo))
             except psycopg.Error as exc:
@@ -490,8 +500,7 @@ class Owner:
             # whose session ended fails once, then a new one is tried.
             for _ in range(2 if registered else 0):
                 try:
-                    conn = self._link.connected()
-                    conn.execute(self._queries.drop_owner, (owner_id, owner_id))
+                    self._link.connected().execute(self._queries.drop_owner, (owner_id, owner_id))
                     break
                 except (psycopg.Error, StoreError):
                     self._link.drop()

@@ -26,7 +26,7 @@ from polyloop.stores._byte_locks import HostClaims, OneHost
 from polyloop.stores._common import Claim, Write, WriterState, decode_row
 from polyloop.stores._engine import EngineStore
 from polyloop.stores._jsonl.fileops import OsFileOps
-from polyloop.stores._refusals import fence_refusal, store_closed
+from polyloop.stores._refusals import store_closed
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.sqlite import sql
 from polyloop.types import PolyLoopError, Record, StoreError
@@ -257,22 +257,11 @@ class Sqlite(OneHost):
         key, epoch = sql.run_key(run.run_id), run.claim.epoch
         try:
             conn.executemany(sql.INSERT, [(key, *row) for row in run.rows()])
-            moved = conn.execute(
-                sql.ADVANCE_RUN,
-                (
-                    run.next_seq,
-                    run.final,
-                    run.reason,
-                    time.time(),
-                    run.ends,
-                    key,
-                    epoch,
-                    run.first_seq,
-                ),
-            )
+            moved_to = (run.next_seq, run.final, run.reason, time.time(), run.ends)
+            moved = conn.execute(sql.ADVANCE_RUN, (*moved_to, key, epoch, run.first_seq))
             if moved.rowcount != 1:  # another writer claimed the run since, or it ended
                 row = conn.execute(sql.SELECT_CLAIM, (key,)).fetchone()
-                raise fence_refusal(run.run_id, epoch=epoch, row=row, start=run.start)
+                raise run.fenced_out(row)
         except PolyLoopError as refused:  # by the fence: nothing of the run may stay
             batch.refuse(run, refused)
         except sqlite3.Error as exc:
