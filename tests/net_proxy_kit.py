@@ -62,6 +62,12 @@ class Proxy:
         self._stopping = False
         self._thread = threading.Thread(target=self._serve, name="test-proxy", daemon=True)
 
+    @classmethod
+    def before(cls, url: str) -> Proxy:
+        """A proxy to the server a ``postgresql://`` URL names."""
+        parts = urlsplit(url)
+        return cls(parts.hostname or "127.0.0.1", parts.port or 5432)
+
     def __enter__(self) -> Proxy:
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)

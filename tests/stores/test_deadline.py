@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from urllib.parse import urlsplit
 
 import psycopg
 import pytest
@@ -23,8 +22,7 @@ SLACK_S = 1.5  # a loaded machine's scheduling, never a wait the tests rely on
 
 @pytest.fixture
 def proxy(postgres_shared: str) -> Iterator[Proxy]:
-    parts = urlsplit(postgres_shared)
-    with Proxy(parts.hostname or "127.0.0.1", parts.port or 5432) as through:
+    with Proxy.before(postgres_shared) as through:
         yield through
 
 

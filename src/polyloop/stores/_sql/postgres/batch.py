@@ -105,9 +105,9 @@ class Committer:
             conn = writer.connected(runs[0].run_id)
             try:
                 self._send(conn, runs, batch.barrier, batch)
-            except psycopg.Error:
+            except psycopg.Error as lost:
                 if conn.broken or conn.closed:
-                    self._after_loss(writer, runs, batch)
+                    self._after_loss(writer, runs, batch, lost)
                     return
                 if len(runs) == 1:
                     raise
@@ -133,15 +133,23 @@ class Committer:
         for run, row in self._rows(conn, [r for r in runs if run_key(r.run_id) not in admitted]):
             batch.refuse(run, run.fenced_out(row))
 
-    def _after_loss(self, writer: Writer, runs: Sequence[RunPlan], batch: Plan) -> None:
+    def _after_loss(
+        self, writer: Writer, runs: Sequence[RunPlan], batch: Plan, lost: psycopg.Error
+    ) -> None:
         """The connection was lost with the statement's outcome unknown (a blip, a silent
         path): on a new connection, each run's row says whether the statement wrote it
         (its seq moved on under this claim's epoch). A run it did not write is sent again,
-        once; a run whose row says anything else fails. Research record 0035."""
+        once; a run whose row says anything else fails, and every run fails with ``lost``
+        if no new connection answers. Research record 0035."""
         writer.drop()
-        conn = writer.connected(runs[0].run_id)
+        try:
+            conn = writer.connected(runs[0].run_id)
+            rows = self._rows(conn, runs)
+        except psycopg.Error:
+            self._fail(writer, runs, batch, lost)  # the loss says why, not the retry
+            return
         again = []
-        for run, row in self._rows(conn, runs):
+        for run, row in rows:
             seq = row[2] if row is not None and row[0] == run.claim.epoch else None
             if seq == run.first_seq:
                 again.append(run)
