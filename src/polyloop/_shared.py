@@ -21,6 +21,7 @@ __all__ = (
     "MAX_DEPTH",
     "MAX_INT_DIGITS",
     "RECORD_KINDS",
+    "call_text",
     "canonical_json",
     "exception_text",
     "plain_copy",
@@ -101,6 +102,14 @@ def canonical_json(value: Any, *, ascii: bool = False) -> str:
     every character beyond ASCII is escaped.
     """
     return (_CANONICAL_ASCII if ascii else _CANONICAL).encode(value)
+
+
+def call_text(name: str, arguments: Any) -> str:
+    """A tool call as an action's text reads it: ``name({"key": "value"})``.
+
+    Written once, so a call a person edited reads exactly as the model's own would.
+    """
+    return f"{name}({json.dumps(arguments, ensure_ascii=False, sort_keys=True)})"
 
 
 def exception_text(exc: BaseException) -> str:

@@ -336,6 +336,11 @@ class Intent:
     on action intents only: they let a run
     resumed after a crash replay an interrupted action without interpreting the model
     reply again.
+
+    ``edited_by`` names the person whose :class:`Verdict` changed the arguments of the
+    proposed call before it ran; the payload, ``action_text`` and ``tool_call`` are then
+    the call as edited, and ``proposed_action_text`` keeps the call as the model
+    proposed it. Both are ``None`` for a call that ran as the model made it.
     """
 
     run_id: str
@@ -349,6 +354,8 @@ class Intent:
     history_text: str | None = None
     tool_call: ToolCallBlock | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
+    edited_by: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    proposed_action_text: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -382,6 +389,9 @@ class StepRecord:
     one: the history holds it as structured content, and the observation answers it.
     ``settled_by`` names the person whose :class:`Settlement` says how the step's action
     ended: the action's outcome was then not observed by the library but told by them.
+    ``edited_by`` and ``proposed_action_text`` are set, as on the step's :class:`Intent`,
+    when a person edited the arguments of the call before it ran: ``action_text`` and
+    ``tool_call`` are then the call that ran, ``proposed_action_text`` the one proposed.
     """
 
     run_id: str
@@ -410,6 +420,8 @@ class StepRecord:
     action_duration_s: float | None = field(default=None, metadata=_TIMING_WHEN_SET)
     resumed: bool | None = field(default=None, metadata=_TIMING_WHEN_SET)
     settled_by: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    edited_by: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    proposed_action_text: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

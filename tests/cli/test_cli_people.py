@@ -125,3 +125,32 @@ def test_pending_on_a_jsonl_store(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["pending", f"jsonl:{tmp_path / 'runs'}"]) == 0
     out = capsys.readouterr().out
     assert "paused  awaiting approval" in out and "doubt  in doubt" in out
+
+
+async def _resume_paused(path: Path) -> None:
+    async with SqliteStore(path) as store:
+        tools = review_tools(Ledger())
+        await start_or_resume(definition(store, script=approval_script()), request("paused", tools))
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ([], None),
+        (["--arguments", '{"env": "prod"}'], None),
+        (["--arguments", '{"env": "staging"}'], '{"env": "staging"}'),
+    ],
+)
+def test_show_mentions_the_arguments_of_an_approval_only_when_a_person_edited_them(
+    sqlite: str, given: list[str], said: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["approve", sqlite, "paused", "--by", "alice", *given]) == 0
+    anyio.run(_resume_paused, Path(sqlite.removeprefix("sqlite:")))
+    capsys.readouterr()
+    assert main(["show", sqlite, "paused"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "approved by alice" in out
+    assert ("with arguments" in out) is (said is not None)
+    if said is not None:
+        assert f"with arguments {said}" in out
+        assert 'edited by alice before it ran; the model proposed deploy({"env": "prod"})' in out

@@ -9,6 +9,7 @@ import pytest
 from agent_kit import Ledger, definition, kinds, request
 from polyloop import (
     ActionStatus,
+    Intent,
     InvalidRequest,
     NotAwaitingApproval,
     NotInDoubt,
@@ -323,3 +324,77 @@ async def test_a_native_tool_call_waits_for_approval_and_resumes_with_the_same_m
     assert plain_steps(result.steps) == plain_steps(reference.steps)
     assert first.digests + second.digests == whole.digests  # the same messages, each once
     assert [name for name, _ in ledger.calls] == ["deploy"]
+
+
+async def test_an_edited_approval_records_the_call_that_ran_and_who_edited_it() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    await _paused(store, ledger)
+    await approve(store, "r", by="alice", arguments={"env": "staging"})
+    result = await _resume(store, ledger)
+    step = result.steps[1]  # type: ignore[attr-defined]
+    assert f"{step.action_text} -> {step.observation}" == (
+        'deploy({"env": "staging"}) -> deployed to staging'
+    )
+    assert step.edited_by == "alice"
+    assert step.proposed_action_text == 'deploy({"env": "prod"})'
+    intents = [r for r in (await store.read_log("r")).records if isinstance(r, Intent)]
+    intent = intents[-2]  # the deploy's; the last is the answer's model call
+    assert intent.payload == {"name": "deploy", "arguments": {"env": "staging"}}
+    assert intent.action_text == 'deploy({"env": "staging"})'
+    assert intent.edited_by == "alice"
+    assert intent.proposed_action_text == 'deploy({"env": "prod"})'
+
+
+async def test_an_approval_with_the_proposed_arguments_is_no_edit() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    await _paused(store, ledger)
+    await approve(store, "r", by="alice", arguments={"env": "prod"})
+    result = await _resume(store, ledger)
+    step = result.steps[1]  # type: ignore[attr-defined]
+    assert step.action_text == 'deploy({"env": "prod"})'
+    assert step.edited_by is None and step.proposed_action_text is None
+
+
+async def test_an_edited_native_call_is_the_call_the_model_sees_answered() -> None:
+    from native_kit import INTERPRETER, NATIVE, call
+    from polyloop import ModelCall, ModelReply, ToolCallBlock, ToolResultBlock
+    from polyloop.testing import ScriptedModelClient
+
+    class Recording(ScriptedModelClient):
+        def __init__(self, script: list[ModelReply]) -> None:
+            super().__init__(script)
+            self.calls: list[ModelCall] = []
+
+        async def call(self, call: ModelCall) -> ModelReply:
+            self.calls.append(call)
+            return await super().call(call)
+
+    def script() -> list[ModelReply]:
+        return [
+            call("deploy", "c0", env="prod"),
+            ModelReply(call_id=None, content="done", reasoning=None),
+        ]
+
+    store, ledger = MemoryStore(), Ledger()
+    tools = review_tools(ledger)
+    first, second = Recording(script()), Recording(script())
+    await run(
+        definition(store, model=first, interpreter=INTERPRETER), request("r", tools, **NATIVE)
+    )
+    await approve(store, "r", by="alice", arguments={"env": "staging"})
+    result = await resume(
+        definition(store, model=second, interpreter=INTERPRETER), request("r", tools, **NATIVE)
+    )
+    assert [name for name, _ in ledger.calls] == ["deploy"]
+    # The model's next request, the first after the deploy ran.
+    blocks = [block for message in second.calls[0].messages for block in message.content]
+    sent = [b for b in blocks if isinstance(b, ToolCallBlock | ToolResultBlock)]
+    assert sent == [
+        ToolCallBlock(call_id="c0", name="deploy", arguments={"env": "staging"}),
+        ToolResultBlock(call_id="c0", text="Observation: deployed to staging"),
+    ]
+    step = result.steps[0]
+    assert step.tool_call == ToolCallBlock(
+        call_id="c0", name="deploy", arguments={"env": "staging"}
+    )
+    assert step.edited_by == "alice"

@@ -7,6 +7,7 @@ Two people answering at once through two store objects: exactly one is recorded.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sqlite3
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -33,6 +34,7 @@ from polyloop import (
     settle,
     start_or_resume,
 )
+from polyloop.cli import main
 from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
 from review_kit import (
@@ -71,6 +73,7 @@ class Life:
     script: list[str]
     crash_after: int | None
     verdict: str = "approve"
+    arguments: dict[str, Any] | None = None
     written: int = 0
     crashed: bool = False
 
@@ -99,7 +102,9 @@ class Life:
     async def answer(self, result: RunResult) -> None:
         if result.stop_reason is StopReason.AWAITING_APPROVAL:
             if self.verdict == "approve":
-                await self.call(lambda store: approve(store, "r", by="alice"))
+                await self.call(
+                    lambda store: approve(store, "r", by="alice", arguments=self.arguments)
+                )
             else:
                 await self.call(lambda store: reject(store, "r", by="bob", reason="no"))
             return
@@ -292,3 +297,40 @@ async def test_a_run_in_doubt_in_a_database_of_an_earlier_release_can_be_settled
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert ledger.count("r:1:action") == 1
     assert result.steps[1].settled_by == "carol"
+
+
+async def test_show_after_a_crash_following_an_edited_approval_names_the_call_that_ran(
+    open_store: Callable[[], Store],
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The worker dies once the intent of the approved (edited) deploy is written: the
+    deploy is never replayed, and show names the call that was announced, as edited."""
+    ledger = Ledger()
+    # To the pause: 9 writes; the verdict: 1; the deploy's intent: 1; its step crashes.
+    life = Life(open_store, ledger, approval_script(), crash_after=11)
+    life.arguments = {"env": "staging"}
+    paused = await life.call(life.drive)
+    assert paused.stop_reason is StopReason.AWAITING_APPROVAL
+    await life.answer(paused)
+    assert await life.call(life.drive) is None  # crashed after the deploy's intent
+    assert ledger.count("r:1:action") == 1
+    assert (await life.call(life.drive)).stop_reason is StopReason.IN_DOUBT
+
+    kind = request.node.callspec.params["open_store"]
+    spec = {
+        "jsonl": f"jsonl:{tmp_path / 'runs'}",
+        "sqlite": f"sqlite:{tmp_path / 'runs.db'}",
+    }.get(kind) or request.getfixturevalue("postgres_conninfo")
+    capsys.readouterr()
+    assert await anyio.to_thread.run_sync(main, ["show", spec, "r", "--json"]) == 0
+    doubt = json.loads(capsys.readouterr().out)["in_doubt"]
+    assert doubt["arguments"] == {"env": "staging"}
+    assert doubt["action_text"] == 'deploy({"env": "staging"})'
+    assert doubt["edited_by"] == "alice"
+    assert doubt["proposed_action_text"] == 'deploy({"env": "prod"})'
+    assert await anyio.to_thread.run_sync(main, ["show", spec, "r"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert 'action deploy({"env": "staging"})' in shown
+    assert 'edited by alice before it ran; the model proposed deploy({"env": "prod"})' in shown

@@ -69,7 +69,14 @@ def step_facts(step: StepRecord) -> list[tuple[str, str]]:
         facts.append(("written", utc_text(step.at)))
     if step.resumed:
         facts.append(("resumed", "written by a process that resumed the run"))
+    if step.edited_by is not None:
+        facts.append(("edited", edited_text(step.edited_by, step.proposed_action_text)))
     return facts
+
+
+def edited_text(by: str, proposed: str | None) -> str:
+    """Who edited an approved call before it ran, and the call the model proposed."""
+    return f"by {by} before it ran; the model proposed {proposed or UNKNOWN}"
 
 
 def step_json(step: StepRecord) -> dict[str, JSONValue]:
@@ -246,6 +253,9 @@ class Doubt:
             rows.append(("arguments", json.dumps(self.arguments, ensure_ascii=False)))
         if self.intent.action_text is not None:
             rows.append(("action", self.intent.action_text))
+        if self.intent.edited_by is not None:
+            edited = edited_text(self.intent.edited_by, self.intent.proposed_action_text)
+            rows.append(("edited", edited))
         rows.append(("result id", self.intent.result_id))
         rows.append(("announced", utc_text(self.intent.at)))
         return rows
@@ -257,6 +267,8 @@ class Doubt:
             "tool": self.tool,
             "arguments": self.arguments,
             "action_text": self.intent.action_text,
+            "edited_by": self.intent.edited_by,
+            "proposed_action_text": self.intent.proposed_action_text,
             "result_id": self.intent.result_id,
             "replay": self.intent.replay.value,
             "announced_at": utc_iso(self.intent.at),

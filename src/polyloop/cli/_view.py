@@ -6,6 +6,7 @@ run stands, and the store's own ``read_log`` and ``list_runs`` for the rest.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from polyloop import serialization
@@ -181,15 +182,19 @@ def usage_text(usage: Usage) -> str:
 def review_facts(reviews: list[Review]) -> list[tuple[str, str]]:
     """What people were asked and answered in a step, as labelled lines of text."""
     facts = []
+    proposed: JSONValue = None
     for review in reviews:
         when = f" at {review.at.isoformat()}" if review.at is not None else ""
         if isinstance(review, Proposal):
+            proposed = review.payload
             facts.append(("proposed", f"waits for approval{when}: {review.description}"))
         elif isinstance(review, Verdict):
             if review.approved:
+                # Only an edit is worth a word: an approval as proposed runs the proposal.
                 edited = ""
-                if isinstance(review.payload, dict):
-                    edited = f" with arguments {review.payload.get('arguments')!r}"
+                if isinstance(review.payload, dict) and review.payload != proposed:
+                    arguments = json.dumps(review.payload.get("arguments"), ensure_ascii=False)
+                    edited = f" with arguments {arguments}"
                 facts.append(("approved", f"by {review.by}{when}{edited}"))
             else:
                 facts.append(("rejected", f"by {review.by}{when}: {review.reason}"))

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from polyloop._shared import call_text
 from polyloop.interpreters._fences import FencedBlock, clip, scan_fences
 from polyloop.ports import (
     Action,
@@ -259,9 +260,8 @@ def _decide(data: dict[str, Any], text: str) -> Decision:
             'put the tool\'s arguments inside "arguments" and any other text outside the JSON.',
             text,
         )
-    shown = json.dumps(arguments, ensure_ascii=False, sort_keys=True)
     return Action(
         payload={"name": name, "arguments": arguments},
-        action_text=f"{name}({shown})",
+        action_text=call_text(name, arguments),
         history_text=text,
     )

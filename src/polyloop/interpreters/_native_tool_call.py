@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from polyloop._shared import call_text
 from polyloop.ports import (
     Action,
     Decision,
@@ -70,10 +70,9 @@ class NativeToolCallInterpreter:
             return self._refuse(reply, "Your tool call names no tool; nothing was run.")
         if not isinstance(call.arguments, dict):
             return self._refuse(reply, _bad_arguments(call.name, call.arguments))
-        shown = json.dumps(call.arguments, ensure_ascii=False, sort_keys=True)
         return Action(
             payload={"name": call.name, "arguments": call.arguments},
-            action_text=f"{call.name}({shown})",
+            action_text=call_text(call.name, call.arguments),
             history_text=reply.content,
             tool_call=call,
         )

@@ -16,7 +16,7 @@ from typing import Any, TypeAlias
 import anyio
 
 from polyloop import _assembly, _recovery, _stopping, serialization
-from polyloop._shared import exception_text
+from polyloop._shared import call_text, exception_text
 from polyloop.ports import (
     Action,
     ActionOutcome,
@@ -59,6 +59,7 @@ from polyloop.types import (
     ToolCallBlock,
     UnloggableValue,
     Usage,
+    Verdict,
 )
 
 logger = logging.getLogger("polyloop")
@@ -81,6 +82,42 @@ class StepTimes:
     began: float = dataclasses.field(default_factory=time.perf_counter)
     model_s: float | None = None
     action_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Edited:
+    """Who edited an approved call, and the call's text as the model proposed it."""
+
+    by: str
+    proposed: str
+
+
+def _edit(verdict: Verdict, proposal: Proposal) -> tuple[Action, _Edited]:
+    """The call a person approved with other arguments, as it will run, and the edit.
+
+    Its text and native tool call are rebuilt from the edited payload, so that the
+    records say what ran and the model's history shows the call its result answers;
+    the model's own words (``history_text``) are left as it wrote them.
+    """
+    payload = verdict.payload
+    # approve() checked the edited payload is a tool call with an arguments object.
+    assert isinstance(payload, dict) and isinstance(payload.get("name"), str)
+    name, arguments = str(payload["name"]), payload.get("arguments")
+    call = proposal.tool_call
+    action = Action(
+        payload=payload,
+        action_text=call_text(name, arguments),
+        history_text=proposal.history_text,
+        tool_call=None if call is None else dataclasses.replace(call, arguments=arguments),
+    )
+    return action, _Edited(by=verdict.by, proposed=proposal.action_text)
+
+
+def _as_edited(step: StepRecord, by: str | None, proposed: str | None) -> StepRecord:
+    """The step of an action, saying, as its intent does, whether a person edited it."""
+    if by is None:
+        return step
+    return dataclasses.replace(step, edited_by=by, proposed_action_text=proposed)
 
 
 class Loop:
@@ -291,12 +328,19 @@ class Loop:
         times: StepTimes,
         *,
         approved: bool = False,
+        edit: _Edited | None = None,
     ) -> Stepped:
+        """Write the action's intent and run it, or propose it for approval first.
+
+        ``edit`` is set for a call a person approved with other arguments: it is
+        approved, and its intent says who edited it and what was proposed.
+        """
+        by, proposed = (edit.by, edit.proposed) if edit is not None else (None, None)
         replay = self._replay_policy(action)
         if not isinstance(replay, Replay):
             # The executor could not say whether the action may be repeated, so it cannot
             # be announced: an environment fault, with nothing run and no intent written.
-            step = self._acted(index, reply, action, fault(replay), times)
+            step = _as_edited(self._acted(index, reply, action, fault(replay), times), by, proposed)
             return await self._record(step, None), None
         intent = Intent(
             run_id=self.run_id,
@@ -310,6 +354,8 @@ class Loop:
             history_text=action.history_text,
             tool_call=action.tool_call,
             at=now(),
+            edited_by=by,
+            proposed_action_text=proposed,
         )
         try:
             # Only the payload can be unloggable: the texts were checked as strings.
@@ -322,8 +368,10 @@ class Loop:
                 synthesized=True,
                 done=False,
             )
-            return await self._record(self._acted(index, reply, action, outcome, times), None), None
+            step = _as_edited(self._acted(index, reply, action, outcome, times), by, proposed)
+            return await self._record(step, None), None
         name = action_name(intent)
+        approved = approved or edit is not None
         if not approved and name is not None and self.request.tools.needs_approval(name):
             await self._propose(intent, name)
             return None
@@ -383,7 +431,11 @@ class Loop:
         began = time.perf_counter()
         outcome = await self._execute(action, intent.result_id)
         times.action_s = time.perf_counter() - began
-        step = self._acted(index, reply, action, outcome, times)
+        step = _as_edited(
+            self._acted(index, reply, action, outcome, times),
+            intent.edited_by,
+            intent.proposed_action_text,
+        )
         result = Result(
             run_id=self.run_id,
             result_id=intent.result_id,
@@ -544,11 +596,14 @@ class Loop:
         verdict, proposal = plan.verdict, plan.proposal
         assert verdict is not None and proposal is not None  # a verdict answers a proposal
         action = Action(
-            payload=verdict.payload if verdict.approved else proposal.payload,
+            payload=proposal.payload,
             action_text=proposal.action_text,
             history_text=proposal.history_text,
             tool_call=proposal.tool_call,
         )
+        if verdict.approved and verdict.payload != proposal.payload:
+            edit = _edit(verdict, proposal)
+            return await self._announce_and_act(index, reply, edit[0], times, edit=edit[1])
         if verdict.approved:
             return await self._announce_and_act(index, reply, action, times, approved=True)
         outcome = ActionOutcome(
@@ -576,7 +631,11 @@ class Loop:
             synthesized=not settlement.ran,
             done=False,
         )
-        step = self._acted(index, reply, action, outcome, times)
+        step = _as_edited(
+            self._acted(index, reply, action, outcome, times),
+            intent.edited_by,
+            intent.proposed_action_text,
+        )
         result = Result(
             run_id=self.run_id,
             result_id=settlement.result_id,
