@@ -620,6 +620,25 @@ async def test_an_answer_that_is_not_a_completion_is_a_model_failure(
             await adapter.call(model_call(Message.text(Role.USER, "q")))
 
 
+@pytest.mark.parametrize(
+    ("choices", "says"),
+    [
+        ([{"index": 0, "message": None, "finish_reason": "stop"}], "no message in its first"),
+        ([{"index": 0, "message": "text", "finish_reason": "stop"}], "no message in its first"),
+        ([{"index": 0, "finish_reason": "stop"}], "no message in its first"),
+        ([None], "no message in its first"),
+        ({"0": {"message": {"content": "x"}}}, "no choices"),
+    ],
+)
+async def test_a_completion_without_a_message_says_the_body_is_malformed(
+    shapes: BodyServer, choices: Any, says: str
+) -> None:
+    body = openai_body("x")
+    body["choices"] = choices
+    with pytest.raises(ValueError, match=f"the chat completion 'chatcmpl-AbC123' has {says}"):
+        await one_reply(shapes, body)
+
+
 async def test_cancelling_an_in_flight_request(server: ChatServer) -> None:
     server.respond(Hold())
     store = MemoryStore()

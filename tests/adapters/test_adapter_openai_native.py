@@ -16,7 +16,7 @@ import pytest
 from chat_shapes import BodyServer, openai_body
 
 from agent_kit import Ledger, definition, make_tools, request
-from polyloop import DecisionKind, StopReason, ToolStyle, run
+from polyloop import DecisionKind, FinishReason, Result, StopReason, ToolStyle, run
 from polyloop.adapters.openai import OpenAIModelClient
 from polyloop.interpreters import NativeToolCallInterpreter
 from polyloop.stores import MemoryStore
@@ -46,14 +46,20 @@ def calls_body(*calls: tuple[str, str, Any], content: str | None = None) -> dict
     return body
 
 
-async def native_run(server: BodyServer, ledger: Ledger) -> Any:
+async def native_run(
+    server: BodyServer,
+    ledger: Ledger,
+    *,
+    store: MemoryStore | None = None,
+    answer_in_text: bool = False,
+) -> Any:
     async with openai.AsyncOpenAI(base_url=server.base_url, api_key="k", max_retries=0) as client:
         adapter = OpenAIModelClient(client, model=MODEL, sampling={}, send_binding=False)
         return await run(
             definition(
-                MemoryStore(),
+                store or MemoryStore(),
                 model=adapter,
-                interpreter=NativeToolCallInterpreter(answer_in_text=False),
+                interpreter=NativeToolCallInterpreter(answer_in_text=answer_in_text),
             ),
             request("r", make_tools(ledger), tool_style=ToolStyle.NATIVE),
         )
@@ -96,7 +102,7 @@ async def test_a_native_run_submits_through_a_tool_and_sends_the_history_back(
     [
         ((("x", "double", '{"n": 1}'), ("y", "submit", '{"answer": "2"}')), "called 2 tools"),
         ((("x", "double", '{"n": 1'),), "are not valid JSON"),
-        ((("x", "double", "[1, 2]"),), "are not valid JSON"),
+        ((("x", "double", "[1, 2]"),), "are a JSON list, not an object"),
     ],
 )
 async def test_a_reply_the_loop_cannot_run_is_an_invalid_step_not_a_crash(
@@ -111,6 +117,78 @@ async def test_a_reply_the_loop_cannot_run_is_an_invalid_step_not_a_crash(
     assert [rid for _, rid in ledger.calls] == ["r:1:action"]  # only the submit ran
     # The refused calls are not in the history sent next: the API would want answers.
     assert "tool_calls" not in server.requests[1]["messages"][-2]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        ('{"n": 1e400}', "hold a number too large"),
+        ('{"n": -2E+999}', "hold a number too large"),
+        ('{"n": ' + "[" * 300 + "]" * 300 + "}", "nesting too deep"),
+        ('{"n": ' + "[" * 2000 + "]" * 2000 + "}", "nesting too deep"),
+        ('{"n": ' + "9" * 5000 + "}", "hold a number too large"),
+        ('{"n": NaN}', "are not valid JSON"),
+        ({"n": float("inf")}, "are not valid JSON"),  # an object, sent as Infinity
+    ],
+)
+async def test_arguments_the_log_cannot_hold_are_refused_and_the_reply_is_recorded(
+    server: BodyServer, arguments: Any, says: str
+) -> None:
+    server.respond(
+        calls_body(("x", "double", arguments), content="Doubling."),
+        calls_body(("z", "submit", '{"answer": "2"}')),
+    )
+    store, ledger = MemoryStore(), Ledger()
+    result = await native_run(server, ledger, store=store)
+    assert result.stop_reason is StopReason.SUBMITTED, result.detail
+    first = result.steps[0]
+    assert first.decision is DecisionKind.INVALID
+    assert first.observation is not None and says in first.observation
+    assert (first.model_output, first.finish) == ("Doubling.", FinishReason.TOOL_CALLS)
+    assert first.usage is not None and first.usage.input_tokens == 42
+    assert [rid for _, rid in ledger.calls] == ["r:1:action"]
+    # The model result holds the call, its arguments as the text they came as.
+    [reply] = [
+        record.payload
+        for record in (await store.read_log("r")).records
+        if isinstance(record, Result) and record.result_id == "r:0:model"
+    ]
+    assert isinstance(reply, dict) and isinstance(reply["tool_calls"], list)
+    [recorded] = reply["tool_calls"]
+    assert isinstance(recorded, dict) and recorded["name"] == "double"
+    assert isinstance(recorded["arguments"], str)
+    if isinstance(arguments, str):
+        assert recorded["arguments"] == arguments
+
+
+async def test_arguments_with_a_lone_surrogate_run_and_go_back_escaped(
+    server: BodyServer,
+) -> None:
+    server.respond(
+        calls_body(("x", "double", '{"n": 1, "note": "\\ud800"}')),
+        calls_body(("z", "submit", '{"answer": "2"}')),
+    )
+    result = await native_run(server, Ledger())
+    assert result.stop_reason is StopReason.SUBMITTED, result.detail
+    assert result.steps[0].decision is DecisionKind.ACTION
+    sent = server.requests[1]["messages"][-2]["tool_calls"][0]["function"]["arguments"]
+    assert sent == '{"n":1,"note":"\\ud800"}'
+
+
+@pytest.mark.parametrize("calls", [[], {}, "call", None])
+async def test_a_reply_that_ends_in_a_call_but_carries_none_asks_for_the_call_again(
+    server: BodyServer, calls: Any
+) -> None:
+    preamble = calls_body(content="Let me look that up.")
+    preamble["choices"][0]["message"]["tool_calls"] = calls
+    server.respond(preamble, calls_body(("z", "submit", '{"answer": "2"}')))
+    result = await native_run(server, Ledger(), answer_in_text=True)
+    assert result.stop_reason is StopReason.SUBMITTED, result.detail
+    first = result.steps[0]
+    assert first.decision is DecisionKind.INVALID
+    assert first.observation is not None and "no call came through" in first.observation
+    # Not the preamble as the answer: the run went on to the call asked for.
+    assert result.steps[1].decision is DecisionKind.ACTION
 
 
 async def test_a_call_without_arguments_or_an_id_still_runs(server: BodyServer) -> None:

@@ -13,6 +13,7 @@ from polyloop import (
     Action,
     DecisionKind,
     FinalAnswer,
+    FinishReason,
     InvalidDecision,
     Message,
     ModelReply,
@@ -83,6 +84,16 @@ def block(name: str = "double", arguments: object = None, call_id: str = "c") ->
         (reply(block(call_id="a"), block("submit", call_id="b")), "called 2 tools at once"),
         (reply(block(arguments='{"n": 1')), "are not valid JSON"),
         (reply(block(arguments=[1, 2])), "are a JSON list, not an object"),
+        (reply(block(arguments="[1, 2]")), "are a JSON list, not an object"),
+        (reply(block(arguments='{"n": NaN}')), "are not valid JSON"),
+        # Text the client parsed but passed on: the log could not carry the value.
+        (reply(block(arguments='{"n": 1e400}')), "hold a number too large or nesting too deep"),
+        (reply(block(arguments='{"n": ' + "9" * 5000 + "}")), "hold a number too large"),
+        (reply(block(arguments='{"n": ' + "[" * 2000 + "]" * 2000 + "}")), "nesting too deep"),
+        (
+            reply(text="Let me look that up.", finish=FinishReason.TOOL_CALLS),
+            "ended as a tool call, but no call came through",
+        ),
         (reply(block(name="")), "names no tool"),
         (reply(text="  "), "was empty"),
     ],
@@ -116,8 +127,6 @@ def test_text_without_a_call_is_the_answer_unless_answers_go_through_tools() -> 
 
 
 def test_a_cut_off_tool_call_is_never_run() -> None:
-    from polyloop import FinishReason
-
     decision = NativeToolCallInterpreter().interpret(reply(block(), finish=FinishReason.LENGTH))
     assert isinstance(decision, InvalidDecision) and "cut off" in decision.feedback
 

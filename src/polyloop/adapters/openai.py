@@ -46,6 +46,10 @@ and turns each model call of a run into one ``chat.completions.create`` request:
 The adapter retries nothing and translates nothing: an exception of the SDK (a status
 error, a connection error, a body that is not JSON) ends the run with ``MODEL_FAILURE``
 under its own class name, and cancellation closes the request's connection and goes on.
+A completion without choices, or whose first choice has no message, is a ``ValueError``
+that says so. Native tool-call arguments that the run's log cannot hold (``NaN``,
+``1e400``, nesting deeper than the record format allows) are passed on as text, like
+arguments that do not parse, for the interpreter to refuse.
 The SDK retries on its own unless told otherwise: whether it does is the ``max_retries``
 you give ``AsyncOpenAI`` (``max_retries=0`` for exactly one request per model call).
 
@@ -63,8 +67,9 @@ from types import MappingProxyType
 from typing import Any, cast
 
 import openai
-from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
+from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageParam
 
+from polyloop._shared import plain_copy
 from polyloop.ports import ModelCall, ModelReply
 from polyloop.types import (
     FinishReason,
@@ -73,6 +78,7 @@ from polyloop.types import (
     TextBlock,
     ToolCallBlock,
     ToolResultBlock,
+    UnloggableValue,
     Usage,
 )
 
@@ -291,7 +297,13 @@ def _arguments_text(arguments: JSONValue) -> str:
     # Sent back as received: unparsable text stays that text.
     if isinstance(arguments, str):
         return arguments
-    return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    text = json.dumps(arguments, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        # A lone surrogate the server sent escaped goes back escaped: UTF-8 cannot carry it.
+        return json.dumps(arguments, ensure_ascii=True, separators=(",", ":"), sort_keys=True)
+    return text
 
 
 def _reply(response: object, result_id: str) -> ModelReply:
@@ -301,10 +313,13 @@ def _reply(response: object, result_id: str) -> ModelReply:
         )
     # Servers are lenient about ids: missing, null and "" all mean "no join key".
     call_id = getattr(response, "id", None)
-    if not response.choices:
+    # The SDK does not validate the body: any part of it may be missing or null.
+    if not isinstance(response.choices, list) or not response.choices:
         raise ValueError(f"the chat completion {call_id!r} has no choices")
     choice = response.choices[0]
-    message = choice.message
+    message = getattr(choice, "message", None)
+    if not isinstance(message, ChatCompletionMessage):
+        raise ValueError(f"the chat completion {call_id!r} has no message in its first choice")
     refusal = _text(getattr(message, "refusal", None))
     return ModelReply(
         call_id=_text(call_id),
@@ -341,7 +356,7 @@ def _tool_calls(calls: object, result_id: str) -> tuple[ToolCallBlock, ...]:
 
 def _parsed_arguments(raw: object) -> JSONValue:
     if isinstance(raw, dict):  # some servers send an object rather than its text
-        return cast("JSONValue", raw)
+        return raw if _loggable(raw) else _object_text(raw)
     if not isinstance(raw, str):
         return ""
     if not raw.strip():
@@ -350,7 +365,25 @@ def _parsed_arguments(raw: object) -> JSONValue:
         parsed = json.loads(raw, parse_constant=_no_constant)
     except (ValueError, RecursionError):
         return raw
-    return cast("JSONValue", parsed) if isinstance(parsed, dict) else raw
+    return parsed if isinstance(parsed, dict) and _loggable(parsed) else raw
+
+
+def _loggable(arguments: dict[str, Any]) -> bool:
+    # Parsed JSON the log cannot hold (1e400 read as infinity, nesting past the record
+    # bound) goes on as text, for the interpreter to refuse: the reply is still recorded.
+    try:
+        plain_copy(arguments, strict=True)
+    except UnloggableValue:
+        return False
+    return True
+
+
+def _object_text(arguments: dict[str, Any]) -> str:
+    # An object the server sent whole has no text of its own: this is the nearest.
+    try:
+        return json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, RecursionError):  # not reached by a body the SDK could read
+        return "<arguments sent as an object that cannot be written as JSON>"
 
 
 def _no_constant(name: str) -> Any:

@@ -14,9 +14,10 @@ from polyloop.ports import (
     ModelReply,
     reject_incomplete,
 )
-from polyloop.types import JSONValue
+from polyloop.types import FinishReason, JSONValue
 
 _NAMES_SHOWN = 5
+_TOO_LARGE = "hold a number too large or nesting too deep to use"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,8 +35,10 @@ class NativeToolCallInterpreter:
     * More than one call is refused (one action per step): nothing runs, and the
       feedback names the calls and asks for one.
     * A call whose arguments are not a JSON object (text the client could not parse,
-      or another JSON value) is refused with the reason, and so is a call without a
-      tool name.
+      or another JSON value, or a value the run's log cannot carry, such as ``1e400``) is
+      refused with the reason, and so is a call without a tool name.
+    * A reply that ended as a tool call (:attr:`~polyloop.FinishReason.TOOL_CALLS`) but
+      carries none is refused: its text is the preamble to a call that did not arrive.
     * A reply without a tool call is a :class:`~polyloop.FinalAnswer` holding its text
       when ``answer_in_text`` is true (the default, as the model APIs mean it); with
       ``answer_in_text=False`` the task ends only through a tool (one marked
@@ -78,6 +81,14 @@ class NativeToolCallInterpreter:
         )
 
     def _without_call(self, reply: ModelReply) -> Decision:
+        if reply.finish is FinishReason.TOOL_CALLS:
+            # The server says the reply ended in a call, yet none came: its text is only
+            # the preamble to that call, not an answer.
+            return self._refuse(
+                reply,
+                "Your reply ended as a tool call, but no call came through; nothing was run. "
+                "Make the call again.",
+            )
         if not reply.content.strip():
             return self._refuse(reply, "Your reply was empty. Call a tool, or answer in text.")
         if self.answer_in_text:
@@ -91,10 +102,32 @@ class NativeToolCallInterpreter:
 
 def _bad_arguments(name: str, arguments: JSONValue) -> str:
     if isinstance(arguments, str):
-        what = f"are not valid JSON: {arguments[:200]!r}"
+        what = f"{_text_fault(arguments)}: {arguments[:200]!r}"
     else:
         what = f"are a JSON {type(arguments).__name__}, not an object"
     return (
         f"The arguments of your call to {name!r} {what}; nothing was run. "
         "Call the tool again with its arguments as one JSON object."
     )
+
+
+class _NotJson(ValueError):
+    """``NaN`` or ``Infinity``: Python's parser reads them, JSON has no such words."""
+
+
+def _not_json(name: str) -> object:
+    raise _NotJson(name)
+
+
+def _text_fault(text: str) -> str:
+    """What is wrong with arguments the client passed on as text."""
+    try:
+        value = json.loads(text, parse_constant=_not_json)
+    except (json.JSONDecodeError, _NotJson):
+        return "are not valid JSON"
+    except (ValueError, RecursionError):  # an integer too long, nesting too deep
+        return _TOO_LARGE
+    if not isinstance(value, dict):
+        return f"are a JSON {type(value).__name__}, not an object"
+    # Parsed, yet the client passed it on as text: it holds what the log cannot carry.
+    return _TOO_LARGE
