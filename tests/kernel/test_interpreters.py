@@ -185,6 +185,29 @@ JSON_FAILURES = [
         '{"tool": "add", "arguments": {"a": 1e400}}',
         "Your reply holds the number 1e400, too large to use: write a smaller number.",
     ),
+    (
+        "whole number too long to read",
+        '{"tool": "add", "arguments": {"a": -' + "9" * 5000 + "}}",
+        "Your reply holds a whole number of 5000 digits, too long to read: write fewer.",
+    ),
+    (
+        "repeated tool key",
+        '{"tool": "read_logs", "tool": "delete_logs", "arguments": {}}',
+        "Your reply names the key 'tool' twice in one object: give each key once, so that "
+        "it is clear which value you mean.",
+    ),
+    (
+        "repeated answer key",
+        '{"answer": "a", "answer": "b"}',
+        "Your reply names the key 'answer' twice in one object: give each key once, so that "
+        "it is clear which value you mean.",
+    ),
+    (
+        "repeated key deep in the arguments",
+        '```json\n{"tool": "add", "arguments": {"a": [{"b": 1, "c": 2, "b": 3}]}}\n```',
+        "Your code block on line 1 names the key 'b' twice in one object: give each key "
+        "once, so that it is clear which value you mean.",
+    ),
     ("too deep", "[" * 100_000 + "]" * 100_000, "Your reply holds JSON nested too deeply to read."),
     (
         "unclosed fence",

@@ -7,6 +7,7 @@ reads back with ``polyloop show``.
 
 from __future__ import annotations
 
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,13 @@ import anyio
 import pytest
 
 import one_writer_kit as kit
-from agent_kit import Ledger, definition, make_tools, request, tool_call
-from polyloop import Replay, RunState, StopReason, run, run_status
+from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from polyloop import InvalidRequest, Replay, RunState, StopReason, run, run_status
 from polyloop.cli import main
-from polyloop.stores import JsonlStore, SqliteStore
+from polyloop.stores import JsonlStore, MemoryStore, SqliteStore
+from polyloop.stores._engine import prune_runs
 from polyloop.testing import FaultyStore, SimulatedCrash
+from polyloop.types import RunEnded
 
 SCRIPT = [tool_call("double", n=1), tool_call("submit", answer="2")]
 
@@ -40,6 +43,30 @@ def _opener(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
 @pytest.fixture(params=["jsonl", "sqlite", "postgresql"])
 def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     return _opener(request, tmp_path)
+
+
+@pytest.fixture(params=["memory", "jsonl", "sqlite", "postgresql"])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """One store object of each kind, the in-memory one included."""
+    return MemoryStore() if request.param == "memory" else _opener(request, tmp_path)()
+
+
+async def _finish(store: Any, run_id: str, text: str) -> None:
+    script = [answer(text)]
+    await run(definition(store, script=script), request(run_id, make_tools(Ledger())))
+
+
+async def _archived_answer(folder: Path, run_id: str) -> str | None:
+    async with JsonlStore(folder) as archived:
+        (stored,) = await archived.list_runs()
+        assert stored.run_id == run_id
+        return _answer(await archived.read_log(run_id))
+
+
+def _answer(log: Any) -> str | None:
+    ended = log.records[-1]
+    assert isinstance(ended, RunEnded)
+    return ended.final_answer
 
 
 @pytest.mark.anyio
@@ -122,3 +149,83 @@ def test_polyloop_prune_archives_and_polyloop_show_reads_the_archive(
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["c"]
     assert main(["prune", f"sqlite:{path}", "--finished-before", "not a date"]) == 1
     assert "expected an ISO date" in capsys.readouterr().err
+
+
+@pytest.mark.anyio
+async def test_a_reused_run_id_keeps_every_archived_log(any_store: Any, tmp_path: Path) -> None:
+    archive = tmp_path / "archive"
+    async with any_store as store:
+        for night in ("first", "second", "third"):
+            await _finish(store, "nightly", night)
+            assert await store.prune(finished_before=datetime.now(UTC), archive=archive) == (
+                "nightly",
+            )
+    # The first log keeps its place; each later one is a JSONL store of its own.
+    assert await _archived_answer(archive, "nightly") == "first"
+    assert await _archived_answer(archive / "2", "nightly") == "second"
+    assert await _archived_answer(archive / "3", "nightly") == "third"
+    assert sorted(name for name in os.listdir(archive) if "." not in name) == ["2", "3"]
+
+
+@pytest.mark.anyio
+async def test_a_log_archived_again_after_a_crash_is_kept_once(tmp_path: Path) -> None:
+    archive = tmp_path / "archive"
+
+    async def crash_before_delete(run_id: str) -> bool:
+        return False  # the log is archived, the run stays: as after a crash in between
+
+    async with JsonlStore(tmp_path / "runs") as store:
+        await _finish(store, "a", "once")
+        assert await prune_runs(store, ["a"], archive=archive, delete=crash_before_delete) == ()
+        assert await store.prune(finished_before=datetime.now(UTC), archive=archive) == ("a",)
+    assert await _archived_answer(archive, "a") == "once"
+    assert [name[-6:] for name in os.listdir(archive)] == [".jsonl"]  # one file, no copy
+
+
+@pytest.mark.anyio
+async def test_an_archive_holding_the_jsonl_stores_own_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = tmp_path / "runs"
+    (tmp_path / "link").symlink_to(runs, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    async with JsonlStore(runs) as store:
+        await _finish(store, "a", "kept")
+        later = datetime.now(UTC)
+        for archive in (runs, "runs", "./link/", tmp_path / "link", tmp_path):
+            with pytest.raises(InvalidRequest, match="cannot archive the runs of"):
+                await store.prune(finished_before=later, archive=archive)
+        assert [stored.run_id for stored in await store.list_runs()] == ["a"]
+        assert _answer(await store.read_log("a")) == "kept"
+        # An archive inside the store's directory is not the store: its files are not runs.
+        assert await store.prune(finished_before=later, archive="link/archive") == ("a",)
+    assert await _archived_answer(runs / "archive", "a") == "kept"
+    assert sorted(os.listdir(tmp_path)) == ["link", "runs"]
+
+
+def test_two_stores_pruned_into_one_archive_keep_both_logs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    archive = tmp_path / "archive"
+
+    async def fill_and_prune() -> None:
+        for store, text in (
+            (SqliteStore(tmp_path / "a.db"), "from sqlite"),
+            (JsonlStore(tmp_path / "runs"), "from jsonl"),
+        ):
+            async with store:
+                await _finish(store, "a", text)
+                assert await store.prune(finished_before=datetime.now(UTC), archive=archive) == (
+                    "a",
+                )
+
+    anyio.run(fill_and_prune)
+    assert main(["show", f"jsonl:{archive}", "a"]) == 0
+    assert "from sqlite" in capsys.readouterr().out
+    assert main(["show", f"jsonl:{archive / '2'}", "a"]) == 0
+    assert "from jsonl" in capsys.readouterr().out
+    for folder in (archive, archive / "2"):
+        assert main(["verify", f"jsonl:{folder}"]) == 0
+        assert capsys.readouterr().out.endswith(
+            "1 run checked: 1 clean, 0 with warnings, 0 with errors\n"
+        )

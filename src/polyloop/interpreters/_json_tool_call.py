@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,36 @@ def _finite_float(text: str) -> float:
     return number
 
 
-_DECODER = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+class _TooLong(ValueError):
+    """A JSON integer with more digits than Python converts (4,300 unless changed)."""
+
+
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise _TooLong(len(text.lstrip("-"))) from None
+
+
+class _RepeatedKey(ValueError):
+    """An object that names a key twice: which value was meant is guesswork."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Python keeps the last of repeated keys, so {"tool": "a", "tool": "b"} would call b.
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        counts = Counter(key for key, _ in pairs)
+        raise _RepeatedKey(next(key for key, count in counts.items() if count > 1))
+    return result
+
+
+_DECODER = json.JSONDecoder(
+    parse_constant=_refuse_constant,
+    parse_float=_finite_float,
+    parse_int=_whole_number,
+    object_pairs_hook=_unique_keys,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,8 +98,9 @@ class JsonToolCallInterpreter:
       text before and after that block is allowed and ignored, so the model may explain
       itself. Text around an object that is *not* in a block is refused: without the
       fence it is guesswork where the object starts and ends.
-    * Nothing else is accepted: keys other than those above, a second object, a second
-      block, a block in another language, an unclosed block. Each is an
+    * Nothing else is accepted: keys other than those above, a key named twice in one
+      object (anywhere, the arguments included), a second object, a second block, a
+      block in another language, an unclosed block. Each is an
       :class:`~polyloop.InvalidDecision` whose feedback names the fault (with the line
       and column of the reply where there is one) and restates the format.
 
@@ -140,6 +171,13 @@ def _parse(source: str, *, first_line: int, block: FencedBlock | None) -> dict[s
         return _prose_before_object(source, where, at, fenced=block is not None)
     except _OutOfRange as exc:
         return f"{where} holds the number {exc}, too large to use: write a smaller number."
+    except _TooLong as exc:
+        return f"{where} holds a whole number of {exc} digits, too long to read: write fewer."
+    except _RepeatedKey as exc:
+        return (
+            f"{where} names the key {clip(str(exc))!r} twice in one object: give each key "
+            "once, so that it is clear which value you mean."
+        )
     except ValueError as exc:  # NaN or Infinity, refused by _refuse_constant
         return f"{where} uses {exc}, which is not JSON: write numbers as numbers."
     except RecursionError:

@@ -3,7 +3,9 @@ supplies where records live and how they are read and claimed (research record 0
 
 from __future__ import annotations
 
+import itertools
 import os
+import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from functools import partial
@@ -155,13 +157,37 @@ def finished(records: Sequence[types.Record]) -> bool:
 
 def _write_archive(directory: Path, log: types.RunLog) -> None:
     """Write the log whole and synced before its run goes: a crash in between leaves the
-    run in both places (research record 0018)."""
+    run in both places (research record 0018). An archived log is never replaced: a run
+    id's first log is in ``directory``, its second in ``directory/2``, and so on, each a
+    JSONL store; a log archived again (the crash above) is not kept twice (record 0037)."""
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / f"{_common.safe_name(log.run_id)}{SUFFIX}"
-    part = final.with_name(final.name + ".partial")
-    with open(part, "wb", opener=lambda path, flags: os.open(path, flags, 0o600)) as file:
-        file.write(log_lines(log.records))
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(part, final)
+    data = log_lines(log.records)
+    fd, part = tempfile.mkstemp(suffix=".partial", dir=directory)  # readable by owner only
+    try:
+        with open(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        for copy in itertools.count(1):
+            folder = directory / str(copy) if copy > 1 else directory
+            folder.mkdir(exist_ok=True)
+            final = folder / f"{_common.safe_name(log.run_id)}{SUFFIX}"
+            try:
+                os.link(part, final)  # never replaces, even with another prune at once
+            except FileExistsError:
+                if final.stat().st_size != len(data) or final.read_bytes() != data:
+                    continue
+            _common.fsync_directory(folder)
+            break
+    finally:
+        os.unlink(part)
     _common.fsync_directory(directory)
+
+
+def refuse_own_archive(archive: str | os.PathLike[str], home: Path) -> None:
+    """A JSONL store's archive must not hold its own directory: each log would be archived
+    onto itself, then deleted."""
+    target, home_path = Path(archive).resolve(), home.resolve()
+    if target == home_path or target in home_path.parents:
+        reason = "each log would be archived onto itself, then deleted"
+        raise types.InvalidRequest(f"cannot archive the runs of {home} into {archive}: {reason}")

@@ -11,11 +11,13 @@ import os
 from datetime import UTC, datetime
 from pathlib import Path
 
+import anyio.to_thread
+
 from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._byte_locks import HostClaims, OneHost
 from polyloop.stores._common import Claim, Write, WriterState, safe_name
-from polyloop.stores._engine import EngineStore
+from polyloop.stores._engine import Archive, EngineStore, refuse_own_archive
 from polyloop.stores._jsonl import reader
 from polyloop.stores._jsonl.fileops import FileOps, OsFileOps
 from polyloop.stores._refusals import check_order, not_claimed
@@ -47,6 +49,12 @@ class JsonlStore(EngineStore):
 
     def __repr__(self) -> str:
         return f"JsonlStore({str(self._directory)!r})"
+
+    async def prune(self, *, finished_before: datetime, archive: Archive = None) -> tuple[str, ...]:
+        """As every store's, but an ``archive`` holding this store's directory is refused."""
+        if archive is not None:
+            await anyio.to_thread.run_sync(refuse_own_archive, archive, self._directory)
+        return await super().prune(finished_before=finished_before, archive=archive)
 
 
 class Jsonl(OneHost):
