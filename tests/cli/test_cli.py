@@ -38,6 +38,7 @@ from polyloop.cli._stores import parse_store
 from polyloop.ports import Action, FinalAnswer, InvalidDecision
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.types import IntentKind, Result
+from surrogate_kit import HALF, SHOWN, StrictOutput
 
 BACKENDS = ["asyncio", "trio"]
 # The demo's seven steps: list, three reads, a refused calculator call, the sum, submit.
@@ -626,3 +627,18 @@ def test_the_console_script_is_installed() -> None:
     done = subprocess.run([str(script_path), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     assert "usage: polyloop" in done.stdout
+
+
+def test_the_demo_shows_a_lone_surrogate_from_the_model_escaped(
+    chat_server: ChatServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server sends half an emoji as a JSON escape; the reply decodes to a lone surrogate.
+    chat_server.responder = lambda body: Reply(content=f'{{"answer": "done {HALF}"}}')
+    args = ["--store", f"jsonl:{tmp_path}", "--model", "openai"]
+    args += ["--base-url", chat_server.base_url, "--model-name", "m", "--api-key", "k"]
+    output = StrictOutput(monkeypatch)
+    assert main(demo(*args)) == 0
+    out, err = output.read()
+    assert f"→ done {SHOWN}" in out and f"answer: done {SHOWN}" in out
+    assert "stopped: final_answer after 1 steps" in out
+    assert err == ""

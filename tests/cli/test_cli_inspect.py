@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import pytest
 
+import surrogate_kit
 from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
 from polyloop import FinishReason, ModelReply, Replay, Usage, run, serialization
 from polyloop.cli import main
@@ -27,6 +28,7 @@ from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
 from polyloop.tools import ToolRegistry, ToolSpec
 from polyloop.types import StepRecord
+from surrogate_kit import HALF, RUN_ID, SHOWN, StrictOutput
 
 BACKENDS = ["asyncio", "trio"]
 LONG = "x" * 3_000
@@ -665,3 +667,55 @@ def test_piped_show_has_no_trailing_spaces(filled: str) -> None:
     ).stdout
     assert "step 0" in shown
     assert all(line == line.rstrip(" ") for line in shown.splitlines())
+
+
+# -- lone surrogates ---------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["sqlite", "jsonl"])
+def halves(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A store of :func:`surrogate_kit.fill`'s runs; its STORE argument."""
+    if request.param == "sqlite":
+        anyio.run(surrogate_kit.fill, SqliteStore(tmp_path / "runs.db"))
+        return f"sqlite:{tmp_path / 'runs.db'}"
+    anyio.run(surrogate_kit.fill, JsonlStore(tmp_path / "runs"))
+    return f"jsonl:{tmp_path / 'runs'}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_show_escapes_a_lone_surrogate_in_every_form(
+    halves: str, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    strict_output = StrictOutput(monkeypatch)
+    assert main(["--backend", backend, "show", halves, "half"]) == 0
+    out, err = strict_output.read()
+    assert f"done {SHOWN}" in out and err == ""
+    assert main(["--backend", backend, "show", halves, "half", "--json"]) == 0
+    out, err = strict_output.read()
+    document = json.loads(out)  # still JSON: the escape is JSON's own
+    assert document["final_answer"] == f"done {HALF}" and err == ""
+    target = tmp_path / "half.html"
+    assert main(["--backend", backend, "show", halves, "half", "--html", str(target)]) == 0
+    assert strict_output.read() == (f"wrote {target}\n", "")
+    assert f"done {SHOWN}" in target.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runs_and_verify_escape_a_run_id_holding_a_lone_surrogate(
+    halves: str, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    strict_output = StrictOutput(monkeypatch)
+    shown = RUN_ID.replace(HALF, SHOWN)
+    assert main(["--backend", backend, "runs", halves]) == 0
+    out, err = strict_output.read()
+    assert f"{shown}   finished" in out and err == ""
+    # The escape is measured as it is printed: the columns still line up.
+    (escaped,) = [line for line in out.splitlines() if line.startswith(shown)]
+    assert escaped.index("finished") == row(out, "half").index("finished")
+    assert main(["--backend", backend, "runs", halves, "--json"]) == 0
+    out, err = strict_output.read()
+    assert {json.loads(line)["run_id"] for line in out.splitlines()} == {"half", RUN_ID, "ask"}
+    assert main(["--backend", backend, "verify", halves]) == 0
+    out, err = strict_output.read()
+    assert f"ok       {shown} (" in out
+    assert "3 runs checked: 3 clean" in out and err == ""

@@ -10,12 +10,14 @@ from typing import Any
 import anyio
 import pytest
 
+import surrogate_kit
 from agent_kit import Ledger, definition, request
 from polyloop import Replay, run, start_or_resume
 from polyloop.cli import main
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
 from review_kit import approval_script, payment_script, review_tools
+from surrogate_kit import HALF, SHOWN, StrictOutput
 
 
 async def _fill(store: Any) -> None:
@@ -154,3 +156,27 @@ def test_show_mentions_the_arguments_of_an_approval_only_when_a_person_edited_th
     if said is not None:
         assert f"with arguments {said}" in out
         assert 'edited by alice before it ran; the model proposed deploy({"env": "prod"})' in out
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "jsonl"])
+def test_pending_and_approve_escape_a_lone_surrogate(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proposal's argument holds a lone surrogate, and so does the name of who
+    approves it (an argument of bytes that are not UTF-8 arrives as surrogates)."""
+    store = SqliteStore(tmp_path / "runs.db") if kind == "sqlite" else JsonlStore(tmp_path)
+    spec = f"sqlite:{tmp_path / 'runs.db'}" if kind == "sqlite" else f"jsonl:{tmp_path}"
+    anyio.run(surrogate_kit.fill, store)
+    output = StrictOutput(monkeypatch)
+    assert main(["pending", spec]) == 0
+    out, err = output.read()
+    assert f'ask  awaiting approval  ask:0:action  send({{"answer": "hi {SHOWN}"}})' in out
+    assert err == ""
+    assert main(["pending", spec, "--json"]) == 0
+    (line,) = output.read()[0].splitlines()
+    assert json.loads(line)["proposal"]["payload"]["arguments"] == {"answer": f"hi {HALF}"}
+    assert main(["approve", spec, "ask", "--by", "al\udcffce"]) == 0
+    assert output.read() == (
+        "approved ask:0:action (by al\\udcffce); resume run 'ask' to go on\n",
+        "",
+    )

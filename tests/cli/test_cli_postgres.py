@@ -11,11 +11,15 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
+import anyio
 import pytest
 
 import pg
+import surrogate_kit
 from polyloop.cli import main
+from surrogate_kit import HALF, RUN_ID, SHOWN, StrictOutput
 
 # pytest-postgresql's throw-away server, started only if no configured server answers.
 pg_fallback_proc = pg.fallback_server()
@@ -125,3 +129,28 @@ def test_an_unreachable_server_is_one_error(capsys: pytest.CaptureFixture[str]) 
     assert err.count("\n") == 1
     assert err.startswith("polyloop: error: cannot connect to postgresql://me:***@127.0.0.1:1")
     assert "pw@" not in err
+
+
+def test_lone_surrogates_are_shown_escaped_on_postgresql(
+    conninfo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from polyloop.stores import PostgresStore
+
+    url = as_url(conninfo)
+    anyio.run(surrogate_kit.fill, PostgresStore(conninfo))
+    output = StrictOutput(monkeypatch)
+    assert main(["show", url, "half"]) == 0
+    assert f"done {SHOWN}" in output.read()[0]
+    assert main(["show", url, "half", "--json"]) == 0
+    assert json.loads(output.read()[0])["final_answer"] == f"done {HALF}"
+    target = tmp_path / "half.html"
+    assert main(["show", url, "half", "--html", str(target)]) == 0
+    assert f"done {SHOWN}" in target.read_text(encoding="utf-8")
+    shown = RUN_ID.replace(HALF, SHOWN)
+    assert main(["runs", url]) == 0
+    assert f"{shown}   finished" in output.read()[0]
+    assert main(["verify", url]) == 0
+    out, err = output.read()
+    assert f"ok       {shown} (" in out and "3 runs checked: 3 clean" in out and err == ""
+    assert main(["pending", url]) == 0
+    assert f'send({{"answer": "hi {SHOWN}"}})' in output.read()[0]

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.text import Text
 
 from polyloop.cli import _demo, _facts, _html, _people, _render, _verify
-from polyloop.cli._common import PROGRAM, CliError, console, print_unwrapped
+from polyloop.cli._common import PROGRAM, CliError, console, escaped_output, print_unwrapped
 from polyloop.cli._stores import (
     SYNTAX,
     StoreSpec,
@@ -65,7 +65,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def run_command(argv: Sequence[str]) -> int:
-    """Parse ``argv``, run the command, and map every user error to one line and 1."""
+    """Parse ``argv``, run the command, and map every user error to one line and 1.
+
+    Everything it prints, its errors included, goes out with lone surrogates escaped.
+    """
+    with escaped_output():
+        return _run(argv)
+
+
+def _run(argv: Sequence[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
     except _ParserExit as done:

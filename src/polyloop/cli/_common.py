@@ -1,9 +1,12 @@
-"""Small pieces every command shares: the user-error type and the consoles."""
+"""Small pieces every command shares: the user-error type, the consoles and the streams."""
 
 from __future__ import annotations
 
 import io
+import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from typing import TextIO
 
 from rich.console import Console, RenderableType
@@ -26,6 +29,61 @@ def console(stream: TextIO | None = None) -> Console:
     if not target.isatty():
         target = TrailingSpaceStripper(target)
     return Console(file=target, highlight=False)
+
+
+# A model reply can hold half an emoji as a JSON escape ("\ud83d"): the log keeps the lone
+# surrogate it decodes to, and no UTF-8 stream can take it as it is.
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def escape_surrogates(text: str) -> str:
+    """``text`` with each lone surrogate written as its escape, ``\\ud83d``.
+
+    Inside a JSON string the escape is JSON's own, so JSON output stays JSON and reads
+    back to the same string.
+    """
+    return _LONE_SURROGATE.sub(lambda found: f"\\u{ord(found.group()):04x}", text)
+
+
+@contextmanager
+def escaped_output() -> Iterator[None]:
+    """While open, all that goes to standard output and error has its surrogates escaped.
+
+    Every command writes through these two streams, so no command can fail on text it
+    read from a log, and none needs to escape it itself.
+    """
+    with (
+        redirect_stdout(SurrogateEscaper(sys.stdout)),
+        redirect_stderr(SurrogateEscaper(sys.stderr)),
+    ):
+        yield
+
+
+class SurrogateEscaper(io.TextIOBase):
+    """A text stream that writes to ``target`` with lone surrogates escaped."""
+
+    def __init__(self, target: TextIO) -> None:
+        super().__init__()
+        self._target = target
+
+    def write(self, text: str) -> int:
+        self._target.write(escape_surrogates(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def isatty(self) -> bool:
+        return self._target.isatty()
+
+    def fileno(self) -> int:
+        return self._target.fileno()
+
+    # Rich picks its characters (box lines or ASCII) by the stream's encoding. The base
+    # class has a read-only property here, which its stubs declare as an attribute.
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._target.encoding
 
 
 class TrailingSpaceStripper(io.TextIOBase):

@@ -1,7 +1,7 @@
 """A run's trajectory as one self-contained HTML page: inline CSS, no scripts, no links.
 
 Every piece of text from the log goes through :func:`html.escape`, so a model output
-holding markup is shown, never interpreted.
+holding markup is shown, never interpreted; a lone surrogate is shown as its escape.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from html import escape
 
+from polyloop.cli._common import escape_surrogates
 from polyloop.cli._facts import (
     Doubt,
     in_doubt,
@@ -61,12 +62,13 @@ def page(view: RunView) -> str:
     body.extend(_step(step) for step in view.steps)
     body.append(_end(view))
     body.append(_snapshot(view))
-    return (
+    document = (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>{escape(title)}</title>\n<style>\n{_CSS}\n</style>\n</head>\n<body>\n"
         + "\n".join(body)
         + "\n</body>\n</html>\n"
     )
+    return escape_surrogates(document)  # the page is written as UTF-8
 
 
 def _doubt(doubt: Doubt) -> str:

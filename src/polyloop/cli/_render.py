@@ -10,6 +10,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
+from polyloop.cli._common import escape_surrogates
 from polyloop.cli._facts import (
     Doubt,
     in_doubt,
@@ -101,10 +102,12 @@ def runs_table(views: Iterable[RunSummary]) -> Table:
     table.add_column("steps", justify="right", no_wrap=True)
     table.add_column("valid", justify="right", no_wrap=True)
     for view in views:
+        # Escaped here already, not only on the way out, so the columns are measured
+        # by what is printed.
         table.add_row(
-            Text(view.run_id),
+            Text(escape_surrogates(view.run_id)),
             Text(view.state, style=STATE_STYLES[view.state]),
-            Text(view.stop_reason or view.problem or "-"),
+            Text(escape_surrogates(view.stop_reason or view.problem or "-")),
             str(view.step_count) if view.step_count is not None else "-",
             str(view.valid_steps) if view.valid_steps is not None else "-",
         )
