@@ -175,6 +175,19 @@ async def test_arguments_with_a_lone_surrogate_run_and_go_back_escaped(
     assert sent == '{"n":1,"note":"\\ud800"}'
 
 
+async def test_a_reply_text_with_a_lone_surrogate_goes_back_escaped(server: BodyServer) -> None:
+    """Half an emoji in the model's text (a JSON escape a server can send) is recorded as
+    sent; the next request carries it escaped, since UTF-8 cannot."""
+    server.respond(
+        calls_body(("x", "double", '{"n": 1}'), content="Doubling \ud83d"),
+        calls_body(("z", "submit", '{"answer": "2"}')),
+    )
+    result = await native_run(server, Ledger())
+    assert result.stop_reason is StopReason.SUBMITTED, result.detail
+    assert result.steps[0].model_output == "Doubling \ud83d"
+    assert server.requests[1]["messages"][-2]["content"] == "Doubling \\ud83d"
+
+
 @pytest.mark.parametrize("calls", [[], {}, "call", None])
 async def test_a_reply_that_ends_in_a_call_but_carries_none_asks_for_the_call_again(
     server: BodyServer, calls: Any

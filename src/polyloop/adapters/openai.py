@@ -272,11 +272,11 @@ def _chat_messages(message: Message) -> list[ChatCompletionMessageParam]:
         return [
             cast(
                 "ChatCompletionMessageParam",
-                {"role": "tool", "tool_call_id": block.call_id, "content": block.text},
+                {"role": "tool", "tool_call_id": block.call_id, "content": _utf8(block.text)},
             )
             for block in results
         ]
-    text = "".join(block.text for block in message.content if isinstance(block, TextBlock))
+    text = _utf8("".join(block.text for block in message.content if isinstance(block, TextBlock)))
     calls = [block for block in message.content if isinstance(block, ToolCallBlock)]
     chat: dict[str, Any] = {"role": message.role.value, "content": text}
     if calls:
@@ -291,6 +291,12 @@ def _chat_messages(message: Message) -> list[ChatCompletionMessageParam]:
         ]
     # The SDK types each role's dict separately; this one dict fits the role it names.
     return [cast("ChatCompletionMessageParam", chat)]
+
+
+def _utf8(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a lone surrogate (half an emoji a server sent as a
+    JSON escape, now in the history) goes back as that escape, ``\\ud83d``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _arguments_text(arguments: JSONValue) -> str:
