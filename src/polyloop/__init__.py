@@ -29,6 +29,7 @@ from polyloop.ports import (
     NullSink,
     Store,
     StoredRun,
+    TracingSink,
     reject_incomplete,
 )
 from polyloop.session import (
@@ -161,6 +162,7 @@ __all__ = (
     "ToolResultBlock",
     "ToolSpec",
     "ToolStyle",
+    "TracingSink",
     "UnloggableValue",
     "Usage",
     "Verdict",

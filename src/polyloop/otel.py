@@ -2,10 +2,12 @@
 
 :class:`OpenTelemetrySink` follows the OpenTelemetry semantic conventions for generative
 AI: one ``invoke_agent`` span per run attempt, and for every step a ``chat`` span for
-its model call and, when the step ran an action, an ``execute_tool`` span. The step
-spans are built when the step's record arrives, with the start and end times the record
-states, so they are exact but never current: nothing the model client or a tool does
-while it runs can nest under them.
+its model call and, when the step ran an action, an ``execute_tool`` span. The sink is a
+:class:`~polyloop.ports.TracingSink`: a step span starts when its call starts and is the
+current span while the call runs, so the spans the model client or a tool starts nest
+under it. It ends when the call returns, and gets the attributes of the step's record
+when that arrives. A call the run did not make (a reply read back from the log, an
+action a person settled) gets its span from the record alone.
 
 Every attempt of one run lands in one trace, in any process: the run id determines a
 trace id and a span id, and without a current span in the caller's context an
@@ -19,17 +21,19 @@ processors and the exporters.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import logging
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import anyio.lowlevel
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import (
@@ -50,6 +54,7 @@ from polyloop.ports import Event, EventKind
 from polyloop.types import (
     ActionStatus,
     Intent,
+    IntentKind,
     JSONValue,
     RunEnded,
     RunStarted,
@@ -133,6 +138,20 @@ class _Attempt:
     last_ns: int
 
 
+@dataclass(slots=True, kw_only=True)
+class _Call:
+    """The span of a model call or an action the run made, and when the call returned
+    (``None`` while it runs). It stays open until the step's record brings its
+    attributes."""
+
+    span: Span
+    end_ns: int | None = None
+
+
+# A call of one kind at one step of one run.
+_CallKey = tuple[str, int, IntentKind]
+
+
 @dataclass(slots=True)
 class _Attributes:
     values: dict[str, AttributeValue] = field(default_factory=dict)
@@ -156,12 +175,13 @@ class OpenTelemetrySink:
     every span still open. Call it before shutting the tracer provider down.
     """
 
-    __slots__ = ("_attempts", "_lock", "_tracer")
+    __slots__ = ("_attempts", "_calls", "_lock", "_tracer")
 
     def __init__(self, tracer_provider: TracerProvider | None = None) -> None:
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
         self._tracer: Tracer = provider.get_tracer(_SCOPE, _version())
         self._attempts: dict[str, _Attempt] = {}
+        self._calls: dict[_CallKey, _Call] = {}
         # Spans are built without awaiting; the lock only matters when event loops in
         # several threads share one sink.
         self._lock = threading.Lock()
@@ -183,6 +203,30 @@ class OpenTelemetrySink:
             logger.exception("run %r: could not record %s as spans", event.run_id, event.kind)
         await anyio.lowlevel.checkpoint()
 
+    @contextlib.contextmanager
+    def around_call(self, *, run_id: str, step: int, kind: IntentKind) -> Iterator[None]:
+        """Start the span of the call of ``kind`` at ``step`` and make it current while
+        the call runs; the step's record ends it with its attributes.
+
+        Cancellation (or any exception that is not an ``Exception``) ends the span at
+        once, in error, and propagates: no record will come for that step.
+        """
+        key = (run_id, step, kind)
+        span = self._quietly(run_id, "start the span of a call", lambda: self._begin(key))
+        if span is None:
+            yield
+            return
+        token = otel_context.attach(trace.set_span_in_context(span))
+        failure: BaseException | None = None
+        try:
+            yield
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            otel_context.detach(token)
+            self._quietly(run_id, "end the span of a call", lambda: self._returned(key, failure))
+
     def close(self) -> None:
         """End every span still open, each as abandoned at the last moment it reached.
 
@@ -192,9 +236,76 @@ class OpenTelemetrySink:
             run_ids = list(self._attempts)
             for run_id in run_ids:
                 self._abandon(run_id, "the sink was closed before the run attempt ended")
+            for key in list(self._calls):
+                self._unrecorded(key, "the sink was closed before the call's step was recorded")
 
     def __repr__(self) -> str:
         return f"OpenTelemetrySink(open_runs={len(self._attempts)})"
+
+    # -- calls while they run -----------------------------------------------------------
+
+    def _quietly(self, run_id: str, what: str, act: Callable[[], Span | None]) -> Span | None:
+        """``act()`` under the lock; what OpenTelemetry raises is logged, never passed on."""
+        try:
+            with self._lock:
+                return act()
+        except Exception:  # telemetry must never disturb a run
+            logger.exception("run %r: could not %s", run_id, what)
+            return None
+
+    def _begin(self, key: _CallKey) -> Span:
+        run_id, step, kind = key
+        if key in self._calls:  # a call whose record never came; not expected
+            self._unrecorded(key, "a later call of the same step started")
+        attempt = self._attempts.get(run_id)
+        parent = attempt.context if attempt is not None else _run_parent(run_id)
+        operation = "chat" if kind is IntentKind.MODEL_CALL else "execute_tool"
+        attributes = _Attributes()
+        attributes.put("gen_ai.operation.name", operation)
+        attributes.put("gen_ai.conversation.id", run_id)
+        attributes.put("polyloop.run.id", run_id)
+        attributes.put("polyloop.step", step)
+        span = self._tracer.start_span(
+            operation,
+            context=parent,
+            kind=SpanKind.CLIENT if kind is IntentKind.MODEL_CALL else SpanKind.INTERNAL,
+            attributes=attributes.values,
+        )
+        self._calls[key] = _Call(span=span)
+        return span
+
+    def _returned(self, key: _CallKey, failure: BaseException | None) -> None:
+        call = self._calls.get(key)
+        if call is None:
+            return  # ended already (the sink was closed while the call ran)
+        call.end_ns = time.time_ns()
+        attempt = self._attempts.get(key[0])
+        if attempt is not None:
+            attempt.last_ns = max(attempt.last_ns, call.end_ns)
+        if failure is None or isinstance(failure, Exception):
+            return  # the step's record says how it went
+        # Cancelled (or interrupted): no record of this step will come.
+        del self._calls[key]
+        cancelled = _is_cancellation(failure)
+        call.span.set_attribute("error.type", "cancelled" if cancelled else type(failure).__name__)
+        call.span.set_status(
+            Status(StatusCode.ERROR, "the call was cancelled" if cancelled else repr(failure))
+        )
+        call.span.end(end_time=call.end_ns)
+
+    def _unrecorded(self, key: _CallKey, why: str) -> None:
+        call = self._calls.pop(key)
+        try:
+            call.span.set_attribute("error.type", "abandoned")
+            call.span.set_status(Status(StatusCode.ERROR, why))
+            call.span.end(end_time=call.end_ns if call.end_ns is not None else time.time_ns())
+        except Exception:  # the other open spans must still be ended
+            logger.exception("run %r: could not end the span of a call", key[0])
+
+    def _end_calls(self, run_id: str, why: str) -> None:
+        """End the spans of the run's calls whose step records never came."""
+        for key in [key for key in self._calls if key[0] == run_id]:
+            self._unrecorded(key, why)
 
     # -- events ---------------------------------------------------------------------------
 
@@ -248,23 +359,20 @@ class OpenTelemetrySink:
             parent, floor = attempt.context, attempt.start_ns
         else:
             # No open attempt (a sink attached mid-run): keep the spans in the run's trace.
-            parent, floor = (
-                trace.set_span_in_context(NonRecordingSpan(_run_span_context(run_id))),
-                0,
-            )
+            parent, floor = _run_parent(run_id), 0
         end_ns = max(_ns(step.at), floor)
         start_ns = max(end_ns - _seconds_ns(step.duration_s), floor)
         model_end = min(start_ns + _seconds_ns(step.model_duration_s), end_ns)
-        self._chat(run_id, step, parent, start_ns, model_end)
+        chat = self._calls.pop((run_id, step.step, IntentKind.MODEL_CALL), None)
+        self._chat(run_id, step, chat or _Spanned(parent, start_ns, model_end))
         if step.action_status is not None:
             tool_start = max(end_ns - _seconds_ns(step.action_duration_s), start_ns)
-            self._tool(run_id, step, intent, parent, tool_start, end_ns)
+            tool = self._calls.pop((run_id, step.step, IntentKind.ACTION), None)
+            self._tool(run_id, step, intent, tool or _Spanned(parent, tool_start, end_ns))
         if attempt is not None:
             attempt.last_ns = max(attempt.last_ns, end_ns)
 
-    def _chat(
-        self, run_id: str, step: StepRecord, parent: Context, start_ns: int, end_ns: int
-    ) -> None:
+    def _chat(self, run_id: str, step: StepRecord, made: _Call | _Spanned) -> None:
         attributes = _common(run_id, step, "chat")
         attributes.put("gen_ai.response.model", step.model)
         attributes.put("gen_ai.response.id", step.call_id)
@@ -279,13 +387,7 @@ class OpenTelemetrySink:
         if step.error is not None:
             attributes.put("error.type", _error_type(step.error))
         name = f"chat {step.model}" if step.model else "chat"
-        span = self._tracer.start_span(
-            name,
-            context=parent,
-            kind=SpanKind.CLIENT,
-            attributes=attributes.values,
-            start_time=start_ns,
-        )
+        span, end_ns = self._span_of(made, name, SpanKind.CLIENT, attributes)
         if step.error is not None:
             span.set_status(Status(StatusCode.ERROR, step.error))
         span.end(end_time=end_ns)
@@ -295,9 +397,7 @@ class OpenTelemetrySink:
         run_id: str,
         step: StepRecord,
         intent: Intent | None,
-        parent: Context,
-        start_ns: int,
-        end_ns: int,
+        made: _Call | _Spanned,
     ) -> None:
         assert step.action_status is not None
         name = _tool_name(step, intent)
@@ -311,18 +411,32 @@ class OpenTelemetrySink:
         attributes.put("polyloop.action.result_id", intent.result_id if intent else None)
         failure = _FAILED_ACTIONS.get(step.action_status)
         attributes.put("error.type", failure)
-        span = self._tracer.start_span(
-            f"execute_tool {name}" if name else "execute_tool",
-            context=parent,
-            kind=SpanKind.INTERNAL,
-            attributes=attributes.values,
-            start_time=start_ns,
-        )
+        span_name = f"execute_tool {name}" if name else "execute_tool"
+        span, end_ns = self._span_of(made, span_name, SpanKind.INTERNAL, attributes)
         if failure is not None:
             span.set_status(Status(StatusCode.ERROR, step.observation or failure))
         span.end(end_time=end_ns)
 
+    def _span_of(
+        self, made: _Call | _Spanned, name: str, kind: SpanKind, attributes: _Attributes
+    ) -> tuple[Span, int]:
+        """The step's span, named and described, and the time to end it: the span of
+        the call when the run made it, else one built from the record's times."""
+        if isinstance(made, _Call):
+            made.span.update_name(name)
+            made.span.set_attributes(attributes.values)
+            return made.span, made.end_ns if made.end_ns is not None else time.time_ns()
+        span = self._tracer.start_span(
+            name,
+            context=made.parent,
+            kind=kind,
+            attributes=attributes.values,
+            start_time=made.start_ns,
+        )
+        return span, made.end_ns
+
     def _end(self, run_id: str, end: RunEnded) -> None:
+        self._end_calls(run_id, "the run ended before the step of this call was recorded")
         attempt = self._attempts.pop(run_id, None)
         if attempt is None:
             return  # an end without a start seen here: there is no span to end
@@ -339,6 +453,7 @@ class OpenTelemetrySink:
         span.end(end_time=max(_ns(end.at), attempt.last_ns))
 
     def _abandon(self, run_id: str, why: str) -> None:
+        self._end_calls(run_id, why)
         attempt = self._attempts.pop(run_id)
         try:
             attempt.span.set_attribute("polyloop.run.abandoned", True)
@@ -347,6 +462,27 @@ class OpenTelemetrySink:
             attempt.span.end(end_time=attempt.last_ns)
         except Exception:  # the other open spans must still be ended
             logger.exception("run %r: could not end an abandoned span", run_id)
+
+
+@dataclass(frozen=True, slots=True)
+class _Spanned:
+    """Where and when to build the span of a call the run did not make itself."""
+
+    parent: Context
+    start_ns: int
+    end_ns: int
+
+
+def _is_cancellation(failure: BaseException) -> bool:
+    try:
+        return isinstance(failure, anyio.get_cancelled_exc_class())
+    except Exception:  # noqa: BLE001 - no async library runs in this thread
+        return False
+
+
+def _run_parent(run_id: str) -> Context:
+    """A context whose span is the run's derived, never exported, parent."""
+    return trace.set_span_in_context(NonRecordingSpan(_run_span_context(run_id)))
 
 
 def _common(run_id: str, step: StepRecord, operation: str) -> _Attributes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
@@ -20,6 +21,7 @@ from polyloop.types import (
     ActionStatus,
     FinishReason,
     Intent,
+    IntentKind,
     JSONValue,
     Message,
     Record,
@@ -52,6 +54,7 @@ __all__ = (
     "NullSink",
     "Store",
     "StoredRun",
+    "TracingSink",
     "reject_incomplete",
 )
 
@@ -480,6 +483,27 @@ class EventSink(Protocol):
 
         Cancellation: must propagate; events are not persisted, so nothing is on disk
         on the sink's account.
+        """
+        ...
+
+
+@runtime_checkable
+class TracingSink(EventSink, Protocol):
+    """An event sink that also wraps each model call and each action while it runs.
+
+    The kernel checks for ``around_call`` once per run; a sink without it costs nothing.
+    """
+
+    def around_call(
+        self, *, run_id: str, step: int, kind: IntentKind
+    ) -> AbstractContextManager[object]:
+        """A context the kernel enters just before the call of ``kind`` at ``step``
+        starts and leaves when it returns or raises.
+
+        The call runs inside it, in the same context (``contextvars``), so what the
+        sink makes current there is current in the model client or the tool. It sees
+        the call's exception, cancellation included, and must let it through; it must
+        not raise one of its own. The step's record still arrives by ``emit``.
         """
         ...
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -13,6 +16,7 @@ from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
 from polyloop import (
     Event,
     EventKind,
+    IntentKind,
     ModelCall,
     ModelReply,
     NullSink,
@@ -20,11 +24,12 @@ from polyloop import (
     RunStarted,
     StepRecord,
     StopReason,
+    TracingSink,
     resume,
     run,
 )
 from polyloop.stores import MemoryStore
-from polyloop.testing import FaultyStore, RecordingSink, SimulatedCrash
+from polyloop.testing import FaultyStore, RecordingSink, ScriptedModelClient, SimulatedCrash
 
 pytestmark = pytest.mark.anyio
 
@@ -269,3 +274,73 @@ async def test_a_run_resumes_with_another_event_sink() -> None:
     assert sink.events[0].kind is EventKind.RUN_RESUMED
     (started,) = [r for r in (await store.read_log("r")).records if isinstance(r, RunStarted)]
     assert started.snapshot["events.kind"] == "null"  # what the run started with stays
+
+
+CURRENT_CALL: contextvars.ContextVar[tuple[str, int, str] | None] = contextvars.ContextVar(
+    "current_call", default=None
+)
+
+
+class WrappingSink(RecordingSink):
+    """A tracing sink whose wrapper makes the call current, as a span would be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int, str, str | None]] = []
+
+    @contextlib.contextmanager
+    def around_call(self, *, run_id: str, step: int, kind: IntentKind) -> Iterator[None]:
+        token = CURRENT_CALL.set((run_id, step, kind.value))
+        failure: str | None = None
+        try:
+            yield
+        except BaseException as exc:
+            failure = type(exc).__name__
+            raise
+        finally:
+            CURRENT_CALL.reset(token)
+            self.calls.append((run_id, step, kind.value, failure))
+
+
+async def test_a_tracing_sink_wraps_each_model_call_and_action_while_it_runs() -> None:
+    seen: list[tuple[str, int, str] | None] = []
+
+    def script(call: ModelCall) -> str:
+        seen.append(CURRENT_CALL.get())
+        return (tool_call("double", n=1), answer("2"))[call.call_index]
+
+    sink = WrappingSink()
+    assert isinstance(sink, TracingSink) and not isinstance(NullSink(), TracingSink)
+    tools = make_tools(Ledger())
+    inner = tools.executor()
+
+    class Spying:
+        def replay(self, action: Any) -> Replay:
+            return inner.replay(action)
+
+        async def execute(self, action: Any, *, result_id: str) -> Any:
+            seen.append(CURRENT_CALL.get())
+            return await inner.execute(action, result_id=result_id)
+
+    result = await run(
+        definition(MemoryStore(), model=ScriptedModelClient(script), events=sink),
+        request("r1", tools, executor=Spying()),
+    )
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert seen == [("r1", 0, "model_call"), ("r1", 0, "action"), ("r1", 1, "model_call")]
+    assert sink.calls == [
+        ("r1", 0, "model_call", None),
+        ("r1", 0, "action", None),
+        ("r1", 1, "model_call", None),
+    ]
+    assert CURRENT_CALL.get() is None
+
+
+async def test_a_tracing_sink_sees_a_failing_model_call_pass_through() -> None:
+    sink = WrappingSink()
+    result = await run(
+        definition(MemoryStore(), script=[ConnectionError("gone")], events=sink),
+        request("r1", make_tools(Ledger())),
+    )
+    assert result.stop_reason is StopReason.MODEL_FAILURE
+    assert sink.calls == [("r1", 0, "model_call", "ConnectionError")]

@@ -86,6 +86,8 @@ NAMES_BY_MODULE = {
         "ManagedStore",
         "StoredRun",
         "reject_incomplete",
+        # issue 18, item 7: spans current while a call runs
+        "TracingSink",
     },
     # issue 20: a handler reports a broken environment
     tools: {"ToolSpec", "ToolRegistry", "EnvironmentFault"},

@@ -7,6 +7,7 @@ here, and reads them back from the protobuf the exporter sent.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -47,6 +49,7 @@ from polyloop import (
     EnvironmentFault,
     EventSink,
     FinishReason,
+    ModelCall,
     ModelReply,
     Replay,
     RunResult,
@@ -183,7 +186,7 @@ async def test_a_run_is_one_agent_span_with_a_chat_and_a_tool_span_per_step(
     assert tools_run[0].status.status_code is StatusCode.UNSET
 
 
-async def test_span_times_come_from_the_records_and_nest(traced: Traced) -> None:
+async def test_span_times_are_the_calls_and_nest(traced: Traced) -> None:
     tools = make_tools(Ledger(), delay=0.02)
     result = await run(
         definition(MemoryStore(), script=five_step_script(), events=traced.sink),
@@ -210,11 +213,13 @@ async def test_span_times_come_from_the_records_and_nest(traced: Traced) -> None
     for span in slept:
         assert span.end_time is not None and span.start_time is not None
         assert span.end_time - span.start_time >= 15_000_000
+    # A tool span ends when the tool returns, just before its step is recorded.
     steps_end = {step.step: step.at for step in result.steps}
     for tool in traced.named("execute_tool"):
         at = steps_end[attrs(tool)["polyloop.step"]]
         assert at is not None and tool.end_time is not None
-        assert abs(tool.end_time - int(at.timestamp() * 1e9)) < 10_000
+        at_ns = int(at.timestamp() * 1e6) * 1000  # records keep microseconds
+        assert at_ns - 100_000_000 < tool.end_time <= at_ns + 1_000
 
 
 async def test_a_refused_action_is_an_error_of_its_tool_span_only(traced: Traced) -> None:
@@ -237,6 +242,190 @@ async def test_a_refused_action_is_an_error_of_its_tool_span_only(traced: Traced
     assert len(traced.named("chat")) == 5
     (agent,) = traced.named("invoke_agent")
     assert agent.status.status_code is StatusCode.UNSET
+
+
+# -- spans current while their call runs ---------------------------------------------------
+
+
+class SpanningModel:
+    """A model client that, like an instrumented HTTP client, starts a span of its own
+    around each call and awaits inside it."""
+
+    def __init__(self, traced: Traced, script: Sequence[Any]) -> None:
+        self.tracer = traced.provider.get_tracer("an-http-client")
+        self.inner = ScriptedModelClient(list(script))
+
+    def parameters(self) -> Any:
+        return self.inner.parameters()
+
+    async def call(self, call: ModelCall) -> ModelReply:
+        await anyio.lowlevel.checkpoint()  # the span must still be current after an await
+        with self.tracer.start_as_current_span("POST /chat/completions"):
+            return await self.inner.call(call)
+
+
+def spanning_tools(traced: Traced, *, fail: bool = False, hang: bool = False) -> ToolRegistry:
+    """``double`` and ``submit``, each starting a span of its own, as a database driver
+    would; ``fail`` makes ``double`` fail inside it, ``hang`` makes it never return."""
+    tracer = traced.provider.get_tracer("a-database-driver")
+
+    async def double(arguments: dict[str, Any], *, result_id: str) -> str:
+        await anyio.lowlevel.checkpoint()
+        with tracer.start_as_current_span("SELECT double"):
+            if hang:
+                await anyio.sleep_forever()
+            if fail:
+                raise EnvironmentFault("the database is gone")
+            await anyio.lowlevel.checkpoint()
+            return str(arguments["n"] * 2)
+
+    async def submit(arguments: dict[str, Any], *, result_id: str) -> str:
+        with tracer.start_as_current_span("INSERT answer"):
+            await anyio.lowlevel.checkpoint()
+            return "accepted"
+
+    specs = [
+        ToolSpec(name=name, description=name, parameters={"type": "object"}, handler=handler)
+        for name, handler in (("double", double), ("submit", submit))
+    ]
+    specs[1] = dataclasses.replace(specs[1], completes=True)
+    return ToolRegistry(specs, max_observation_chars=1_000)
+
+
+def only(spans: list[ReadableSpan], step: int) -> ReadableSpan:
+    (found,) = [span for span in spans if attrs(span).get("polyloop.step") == step]
+    return found
+
+
+async def test_a_tool_s_own_spans_nest_under_its_execute_tool_span(traced: Traced) -> None:
+    script = [tool_call("double", n=1), tool_call("submit", answer="2")]
+    result = await run(
+        definition(MemoryStore(), script=script, events=traced.sink),
+        request("r1", spanning_tools(traced)),
+    )
+    assert result.stop_reason is StopReason.SUBMITTED
+    (agent,) = traced.named("invoke_agent")
+    for own, step in (("SELECT double", 0), ("INSERT answer", 1)):
+        (inner,) = traced.named(own)
+        tool = only(traced.named("execute_tool"), step)
+        assert parent_id(inner) == tool.context.span_id
+        assert parent_id(tool) == agent.context.span_id
+        assert inner.context.trace_id == agent.context.trace_id
+        assert tool.start_time is not None and inner.start_time is not None
+        assert inner.end_time is not None and tool.end_time is not None
+        assert tool.start_time <= inner.start_time <= inner.end_time <= tool.end_time
+    # The live span still gets the record's name and attributes.
+    assert attrs(only(traced.named("execute_tool submit"), 1))["polyloop.action.status"] == (
+        "executed"
+    )
+
+
+async def test_a_model_client_s_own_spans_nest_under_its_chat_span(traced: Traced) -> None:
+    script = [reply(tool_call("double", n=1), 0), reply(answer("2"), 1)]
+    result = await run(
+        definition(MemoryStore(), model=SpanningModel(traced, script), events=traced.sink),
+        request("r1", spanning_tools(traced)),
+    )
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    chats = traced.named("chat test-model-1")
+    posts = traced.named("POST /chat/completions")
+    assert len(chats) == len(posts) == 2
+    assert {parent_id(post) for post in posts} == {chat.context.span_id for chat in chats}
+    assert attrs(only(chats, 0))["gen_ai.usage.input_tokens"] == 11
+    # Nothing nests under a chat span but the client's own: the tool ran after it ended.
+    (select,) = traced.named("SELECT double")
+    assert parent_id(select) == only(traced.named("execute_tool"), 0).context.span_id
+
+
+async def test_a_failing_tool_s_span_is_in_error_with_its_inner_span_under_it(
+    traced: Traced,
+) -> None:
+    result = await run(
+        definition(MemoryStore(), script=[tool_call("double", n=1)], events=traced.sink),
+        request("r1", spanning_tools(traced, fail=True)),
+    )
+    assert result.stop_reason is StopReason.ENV_FAILURE
+    (tool,) = traced.named("execute_tool double")
+    (inner,) = traced.named("SELECT double")
+    assert parent_id(inner) == tool.context.span_id
+    assert inner.status.status_code is StatusCode.ERROR  # the handler's exception
+    assert tool.status.status_code is StatusCode.ERROR
+    assert attrs(tool)["error.type"] == "env_fault"
+    assert "the database is gone" in (tool.status.description or "")
+
+
+async def test_a_cancelled_call_still_ends_its_span(traced: Traced) -> None:
+    with anyio.move_on_after(0.2) as scope:
+        await run(
+            definition(MemoryStore(), script=[tool_call("double", n=1)], events=traced.sink),
+            request("r1", spanning_tools(traced, hang=True)),
+        )
+    assert scope.cancelled_caught
+    (tool,) = traced.named("execute_tool")
+    (inner,) = traced.named("SELECT double")
+    (agent,) = traced.named("invoke_agent")
+    assert parent_id(inner) == tool.context.span_id
+    assert parent_id(tool) == agent.context.span_id
+    assert tool.status.status_code is StatusCode.ERROR
+    assert attrs(tool)["error.type"] == "cancelled"
+    assert attrs(tool)["polyloop.step"] == 0
+    assert tool.end_time is not None and agent.end_time is not None
+    assert tool.end_time <= agent.end_time
+    assert attrs(agent)["error.type"] == "cancelled"
+    assert "open_runs=0" in repr(traced.sink)
+
+
+async def test_a_cancelled_model_call_still_ends_its_chat_span(traced: Traced) -> None:
+    with anyio.move_on_after(0.2) as scope:
+        await run(
+            definition(
+                MemoryStore(),
+                model=ScriptedModelClient([answer("late")], delay=30.0),
+                events=traced.sink,
+            ),
+            request("r1", make_tools(Ledger())),
+        )
+    assert scope.cancelled_caught
+    (chat,) = traced.named("chat")
+    assert chat.status.status_code is StatusCode.ERROR
+    assert attrs(chat)["error.type"] == "cancelled"
+    (agent,) = traced.named("invoke_agent")
+    assert parent_id(chat) == agent.context.span_id
+
+
+async def test_a_resumed_run_s_inner_spans_stay_in_its_one_trace(
+    traced: Traced, tmp_path: Path
+) -> None:
+    path = tmp_path / "runs.db"
+    tools = spanning_tools(traced)
+    script = [tool_call("double", n=1), tool_call("double", n=2), tool_call("submit", answer="4")]
+    first = SqliteStore(path)
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(FaultyStore(first, fail_after_writes=5), script=script, events=traced.sink),
+            request("r", tools),
+        )
+    await close_store(first)
+    second = SqliteStore(path)
+    try:
+        result = await resume(
+            definition(second, script=script, events=traced.sink), request("r", tools)
+        )
+    finally:
+        await close_store(second)
+    assert result.stop_reason is StopReason.SUBMITTED and result.resumed
+    trace_id, _ = run_ids("r")
+    assert {span.context.trace_id for span in traced.spans()} == {trace_id}
+    crashed, resumed = sorted(traced.named("invoke_agent"), key=lambda span: span.start_time or 0)
+    attempt_of = {
+        attrs(tool)["polyloop.step"]: parent_id(tool) for tool in traced.named("execute_tool")
+    }
+    assert attempt_of[0] == crashed.context.span_id
+    assert attempt_of[2] == resumed.context.span_id
+    tools_by_id = {tool.context.span_id for tool in traced.named("execute_tool")}
+    inner = traced.named("SELECT double") + traced.named("INSERT answer")
+    assert len(inner) >= 3
+    assert all(parent_id(span) in tools_by_id for span in inner)
 
 
 # -- failures and unusual ends ------------------------------------------------------------
@@ -478,6 +667,10 @@ async def test_close_ends_the_span_of_a_run_that_raised(traced: Traced) -> None:
     assert agent.end_time is not None
     for child in traced.named("chat"):
         assert child.end_time is not None and child.end_time <= agent.end_time
+    # Step 1's model call returned, and its result never landed: its span ends with the run.
+    unrecorded = only(traced.named("chat"), 1)
+    assert attrs(unrecorded)["error.type"] == "abandoned"
+    assert unrecorded.status.status_code is StatusCode.ERROR
 
 
 async def test_native_tool_calls_carry_their_call_id(traced: Traced) -> None:

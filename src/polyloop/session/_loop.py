@@ -7,9 +7,11 @@ out and, when cancelled, still leaves an end record where it can.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any, TypeAlias
 
@@ -26,6 +28,7 @@ from polyloop.ports import (
     InvalidDecision,
     ModelCall,
     ModelReply,
+    TracingSink,
 )
 from polyloop.session._checks import (
     action_name,
@@ -67,6 +70,10 @@ logger = logging.getLogger("polyloop")
 # A finished step and the tool its action called, or None when the run stopped at a
 # proposal to wait for a person's approval (its end record is then written).
 Stepped: TypeAlias = tuple[StepRecord, str | None] | None
+
+
+# What a call runs inside when the event sink wraps none: reusable, and free to enter.
+_NO_SCOPE: AbstractContextManager[object] = contextlib.nullcontext()
 
 
 def now() -> datetime:
@@ -138,6 +145,9 @@ class Loop:
         self.start_confirmed = resumed
         self.transcript = _assembly.Transcript(context_prefix(request))
         self.native_tools = native_tools(request)
+        # Looked up once per run, so a sink that wraps no calls adds nothing to a step.
+        events = definition.events
+        self._around = events.around_call if isinstance(events, TracingSink) else None
 
     # -- driving ------------------------------------------------------------------------
 
@@ -253,7 +263,8 @@ class Loop:
         await self._before_effect()
         began = time.perf_counter()
         try:
-            reply = checked_reply(await self.definition.model.call(call))
+            with self._call_scope(IntentKind.MODEL_CALL, index):
+                reply = checked_reply(await self.definition.model.call(call))
         except Exception as exc:  # noqa: BLE001 - a failing model ends the run, by contract
             times.model_s = time.perf_counter() - began
             error = exception_text(exc)
@@ -429,7 +440,7 @@ class Loop:
     ) -> StepRecord:
         await self._before_effect()
         began = time.perf_counter()
-        outcome = await self._execute(action, intent.result_id)
+        outcome = await self._execute(action, intent)
         times.action_s = time.perf_counter() - began
         step = _as_edited(
             self._acted(index, reply, action, outcome, times),
@@ -453,9 +464,17 @@ class Loop:
         written: ``LeaseLost`` goes up to the caller, past the end-record paths."""
         await self.store.check_claim(self.run_id)
 
-    async def _execute(self, action: Action, result_id: str) -> ActionOutcome:
+    def _call_scope(self, kind: IntentKind, index: int) -> AbstractContextManager[object]:
+        """What the model call or action of step ``index`` runs inside: the event
+        sink's wrapper (a span made current, say), or nothing."""
+        if self._around is None:
+            return _NO_SCOPE
+        return self._around(run_id=self.run_id, step=index, kind=kind)
+
+    async def _execute(self, action: Action, intent: Intent) -> ActionOutcome:
         try:
-            outcome = await self.request.executor.execute(action, result_id=result_id)
+            with self._call_scope(IntentKind.ACTION, intent.step):
+                outcome = await self.request.executor.execute(action, result_id=intent.result_id)
         except Exception as exc:  # noqa: BLE001 - an escaping exception is an env fault
             return fault(exception_text(exc))
         problem = outcome_problem(outcome)
