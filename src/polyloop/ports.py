@@ -502,8 +502,9 @@ class TracingSink(EventSink, Protocol):
 
         The call runs inside it, in the same context (``contextvars``), so what the
         sink makes current there is current in the model client or the tool. It sees
-        the call's exception, cancellation included, and must let it through; it must
-        not raise one of its own. The step's record still arrives by ``emit``.
+        the call's exception, cancellation included, which goes on whatever it returns.
+        One it raises itself is counted and logged like a failing ``emit``, and the
+        call runs or ends as it would have. The step's record still arrives by ``emit``.
         """
         ...
 

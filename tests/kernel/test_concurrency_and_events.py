@@ -344,3 +344,39 @@ async def test_a_tracing_sink_sees_a_failing_model_call_pass_through() -> None:
     )
     assert result.stop_reason is StopReason.MODEL_FAILURE
     assert sink.calls == [("r1", 0, "model_call", "ConnectionError")]
+
+
+class FaultyWrappingSink(RecordingSink):
+    """A tracing sink whose wrapper breaks as it enters or as it leaves."""
+
+    def __init__(self, breaks: str) -> None:
+        super().__init__()
+        self.breaks = breaks
+
+    @contextlib.contextmanager
+    def around_call(self, *, run_id: str, step: int, kind: IntentKind) -> Iterator[None]:
+        if self.breaks == "entering":
+            raise RuntimeError("the tracer broke")
+        yield
+        raise RuntimeError("the tracer broke")
+
+
+@pytest.mark.parametrize("breaks", ["entering", "leaving"])
+async def test_a_tracing_sink_that_breaks_costs_the_run_nothing(
+    breaks: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Like a failing ``emit``: counted and logged, while the calls run and the run ends
+    as it would have."""
+    ledger = Ledger()
+    result = await run(
+        definition(
+            MemoryStore(),
+            script=[tool_call("double", n=1), answer("2")],
+            events=FaultyWrappingSink(breaks),
+        ),
+        request("r1", make_tools(ledger)),
+    )
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert len(ledger.calls) == 1
+    assert result.event_failures == 3  # two model calls and an action
+    assert f"the event sink failed {breaks} a model_call" in caplog.text

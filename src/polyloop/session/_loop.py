@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from typing import Any, TypeAlias
@@ -469,7 +470,37 @@ class Loop:
         sink's wrapper (a span made current, say), or nothing."""
         if self._around is None:
             return _NO_SCOPE
-        return self._around(run_id=self.run_id, step=index, kind=kind)
+        return self._sink_scope(kind, index)
+
+    @contextlib.contextmanager
+    def _sink_scope(self, kind: IntentKind, index: int) -> Iterator[None]:
+        """The sink's wrapper, failing as its ``emit`` may: counted and logged, never
+        failing the call, never hiding the call's own exception or cancellation."""
+        assert self._around is not None
+        scope: AbstractContextManager[object] = _NO_SCOPE
+        try:
+            scope = self._around(run_id=self.run_id, step=index, kind=kind)
+            scope.__enter__()
+        except Exception:  # noqa: BLE001 - a failing sink never fails the call
+            self._sink_failed(kind, "entering")
+            scope = _NO_SCOPE
+        try:
+            yield
+        except BaseException as exc:
+            try:
+                scope.__exit__(type(exc), exc, exc.__traceback__)
+            except Exception as failure:  # noqa: BLE001 - a failing sink never fails the call
+                if failure is not exc:
+                    self._sink_failed(kind, "leaving")
+            raise  # whatever the sink's __exit__ says: the call's outcome is not the sink's
+        try:
+            scope.__exit__(None, None, None)
+        except Exception:  # noqa: BLE001 - a failing sink never fails the call
+            self._sink_failed(kind, "leaving")
+
+    def _sink_failed(self, kind: IntentKind, doing: str) -> None:
+        self.event_failures += 1
+        logger.exception("run %r: the event sink failed %s a %s", self.run_id, doing, kind.value)
 
     async def _execute(self, action: Action, intent: Intent) -> ActionOutcome:
         try:
