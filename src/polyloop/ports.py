@@ -491,7 +491,7 @@ class EventSink(Protocol):
 class TracingSink(EventSink, Protocol):
     """An event sink that also wraps each model call and each action while it runs.
 
-    The kernel checks for ``around_call`` once per run; a sink without it costs nothing.
+    The kernel looks ``around_call`` up once per run; without it, a call runs unwrapped.
     """
 
     def around_call(
