@@ -2,15 +2,17 @@
 
 The record format's name and the kind string of each record; the limits of a value a
 record may carry; canonical JSON; the plain-value check and copy; how an exception
-reads in a record. This module sits below :mod:`polyloop.types` and imports only the
-standard library and :mod:`polyloop._errors`, so the kernel and the stores can share it.
+reads in a record; the error for a missing optional package. This module sits below
+:mod:`polyloop.types` and imports only the standard library and :mod:`polyloop._errors`,
+so the kernel and the stores can share it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -24,6 +26,7 @@ __all__ = (
     "call_text",
     "canonical_json",
     "exception_text",
+    "needs_extra",
     "plain_copy",
     "record_kind",
 )
@@ -73,6 +76,20 @@ def record_kind(record: object) -> str:
     if kind is None:
         raise UnloggableValue(f"not a record: {cls.__name__}")
     return kind
+
+
+@contextlib.contextmanager
+def needs_extra(feature: str, extra: str) -> Iterator[None]:
+    """Around the imports of an optional package: a missing one says which extra to install.
+
+    Still a ``ModuleNotFoundError`` (chained from the original, same ``name``), so code
+    that catches ``ImportError`` keeps working.
+    """
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        message = f"{feature} needs the {extra} extra: pip install 'polyloop[{extra}]'"
+        raise ModuleNotFoundError(message, name=exc.name, path=exc.path) from exc
 
 
 # Built once: json.dumps with options builds a new encoder on every call. What is

@@ -44,10 +44,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-import mcp
-from mcp import types as mcp_types
+from polyloop._shared import exception_text, needs_extra, plain_copy
 
-from polyloop._shared import exception_text, plain_copy
+with needs_extra("polyloop.mcp", "mcp"):
+    import mcp
+    from mcp import types as mcp_types
 from polyloop.tools import EnvironmentFault, ToolHandler, ToolRegistry, ToolSpec
 from polyloop.types import InvalidRequest, JSONValue, Replay, UnloggableValue
 

@@ -33,22 +33,26 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 import anyio.lowlevel
-from opentelemetry import context as otel_context
-from opentelemetry import trace
-from opentelemetry.context import Context
-from opentelemetry.trace import (
-    Link,
-    NonRecordingSpan,
-    Span,
-    SpanContext,
-    SpanKind,
-    Status,
-    StatusCode,
-    TraceFlags,
-    Tracer,
-    TracerProvider,
-)
-from opentelemetry.util.types import AttributeValue
+
+from polyloop._shared import needs_extra
+
+with needs_extra("polyloop.otel", "otel"):
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+    from opentelemetry.context import Context
+    from opentelemetry.trace import (
+        Link,
+        NonRecordingSpan,
+        Span,
+        SpanContext,
+        SpanKind,
+        Status,
+        StatusCode,
+        TraceFlags,
+        Tracer,
+        TracerProvider,
+    )
+    from opentelemetry.util.types import AttributeValue
 
 from polyloop.ports import Event, EventKind
 from polyloop.types import (

@@ -102,3 +102,34 @@ def test_only_polyloop_otel_imports_opentelemetry() -> None:
     # The MCP SDK imports OpenTelemetry itself, so the kernel's freedom of it is checked
     # apart from the other optional packages.
     assert "opentelemetry" not in top_level(modules_after("import polyloop, polyloop.stores"))
+
+
+@pytest.mark.parametrize(
+    ("statement", "missing", "feature", "extra"),
+    [
+        ("import polyloop.otel", "opentelemetry", "polyloop.otel", "otel"),
+        ("import polyloop.mcp", "mcp", "polyloop.mcp", "mcp"),
+        ("import polyloop.adapters.openai", "openai", "polyloop.adapters.openai", "openai"),
+        ("from polyloop.stores import PostgresStore", "psycopg", "PostgresStore", "postgres"),
+        ("from polyloop.stores import PostgresStore", "psycopg_pool", "PostgresStore", "postgres"),
+    ],
+)
+def test_a_missing_optional_package_names_the_extra_to_install(
+    statement: str, missing: str, feature: str, extra: str
+) -> None:
+    # None in sys.modules makes the import fail as if the package were not installed.
+    code = (
+        f"import json, sys\nsys.modules[{missing!r}] = None\ntry:\n    {statement}\n"
+        "except ImportError as exc:\n"
+        "    cause = exc.__cause__\n"
+        "    print(json.dumps([type(exc).__name__, str(exc), exc.name, type(cause).__name__,"
+        " getattr(cause, 'name', None)]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    kind, message, name, cause, cause_name = json.loads(done.stdout.splitlines()[-1])
+    assert kind == "ModuleNotFoundError"
+    assert message == f"{feature} needs the {extra} extra: pip install 'polyloop[{extra}]'"
+    assert cause == "ModuleNotFoundError"
+    assert name == cause_name == missing

@@ -66,10 +66,11 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, cast
 
-import openai
-from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageParam
+from polyloop._shared import needs_extra, plain_copy
 
-from polyloop._shared import plain_copy
+with needs_extra("polyloop.adapters.openai", "openai"):
+    import openai
+    from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageParam
 from polyloop.ports import ModelCall, ModelReply
 from polyloop.types import (
     FinishReason,

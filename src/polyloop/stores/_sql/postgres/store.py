@@ -18,12 +18,16 @@ from datetime import datetime
 from functools import partial
 from typing import Any, ClassVar
 
-import psycopg
 from anyio.lowlevel import EventLoopToken
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
-from psycopg.rows import TupleRow
-from psycopg_pool import ConnectionPool
+
+from polyloop._shared import needs_extra
+
+with needs_extra("PostgresStore", "postgres"):
+    import psycopg
+    from psycopg import sql
+    from psycopg.conninfo import conninfo_to_dict
+    from psycopg.rows import TupleRow
+    from psycopg_pool import ConnectionPool
 
 from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
