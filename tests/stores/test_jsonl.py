@@ -190,6 +190,21 @@ async def test_a_directory_that_cannot_be_made_is_refused_naming_it(
     assert (tmp_path / "a").read_text() == "a file, not a directory"
 
 
+@pytest.mark.parametrize("inside", ["", "runs"])
+async def test_listing_or_reading_below_a_regular_file_is_refused_naming_it(
+    tmp_path: Path, inside: str
+) -> None:
+    (tmp_path / "a").write_text("a file, not a directory")
+    directory = tmp_path / "a" / inside if inside else tmp_path / "a"
+    async with JsonlStore(directory) as store:
+        with pytest.raises(StoreError, match="Not a directory") as listing:
+            await store.list_runs()
+        assert f"could not list {directory}" in str(listing.value)
+        with pytest.raises(StoreError, match="Not a directory"):
+            await store.read_log("r")
+    assert (tmp_path / "a").read_text() == "a file, not a directory"
+
+
 async def test_listing_or_reading_a_missing_directory_creates_nothing(tmp_path: Path) -> None:
     directory = tmp_path / "typo" / "runs"
     async with JsonlStore(directory) as store:

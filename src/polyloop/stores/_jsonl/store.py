@@ -85,7 +85,7 @@ class Jsonl(OneHost):
         self.state.check_open(None)
         try:
             names = self.files.listdir(self.directory)
-        except (FileNotFoundError, NotADirectoryError):
+        except FileNotFoundError:
             return ()
         except OSError as exc:
             raise StoreError(f"could not list {self.directory}: {exc}") from exc
