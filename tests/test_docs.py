@@ -168,6 +168,17 @@ def test_getting_started_programs_run_as_shown(tmp_path: Path) -> None:
     ]
 
 
+def test_getting_started_makes_a_working_directory_before_its_first_file() -> None:
+    """The page's files must not land in the checkout: before its first program it makes
+    a directory next to the checkout, with an environment of its own, and goes there."""
+    found = blocks(GETTING_STARTED)
+    first = next(i for i, b in enumerate(found) if b.marker and b.marker.startswith("file:"))
+    commands = [c for b in found[:first] if b.lang == "console" for c, _ in _commands(b.body)]
+    assert "mkdir ../polyloop-tour" in commands
+    assert any(c.startswith("python3 -m venv ../polyloop-tour/.venv &&") for c in commands)
+    assert commands[-1] == "cd ../polyloop-tour"
+
+
 def test_getting_started_agent_refuses_changed_inputs_in_one_line(tmp_path: Path) -> None:
     """Changed inputs on a second run: one line, as the page shows it, and no traceback."""
     _run_page(GETTING_STARTED, tmp_path)

@@ -9,7 +9,9 @@ and Trio.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from typing import Any
 
 import pytest
 
+import polyloop as polyloop_package
 from chat_kit import ChatServer, Reply
 from polyloop import ActionStatus, ModelReply, StepRecord
 from polyloop.cli import main
@@ -52,6 +55,24 @@ def demo(*args: str, backend: str = "asyncio") -> list[str]:
     return ["--backend", backend, "demo", "--pace", "0", *args]
 
 
+def user_env(*path: Path) -> dict[str, str]:
+    """The environment of a user who has not activated the virtual environment: no
+    ``polyloop`` on PATH (but for the directories ``path``), PolyLoop importable."""
+    dirs = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d]
+    kept = [d for d in dirs if not (Path(d) / "polyloop").exists()]
+    source = str(Path(polyloop_package.__file__).resolve().parent.parent)
+    imports = [source, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {
+        **os.environ,
+        "PATH": os.pathsep.join([*map(str, path), *kept]),
+        "PYTHONPATH": os.pathsep.join(imports),
+    }
+
+
+# What ``python -m polyloop`` prints as its own name when no ``polyloop`` is on PATH.
+MODULE_COMMAND = shlex.join([sys.executable, "-m", "polyloop"])
+
+
 def polyloop(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """The command in a process of its own, as a user would run it."""
     return subprocess.run(
@@ -60,7 +81,21 @@ def polyloop(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
         text=True,
         timeout=120,
         cwd=cwd,
+        env=user_env(),
     )
+
+
+def pasted(line: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """A command the demo printed, run as the user would paste it into their shell."""
+    return subprocess.run(
+        shlex.split(line), capture_output=True, text=True, timeout=120, cwd=cwd, env=user_env()
+    )
+
+
+def printed(prefix: str, out: str) -> str:
+    """The command on the line of ``out`` that starts with ``prefix``."""
+    (line,) = [line for line in out.splitlines() if line.startswith(prefix)]
+    return line.removeprefix(prefix)
 
 
 def run_id_in(out: str) -> str:
@@ -200,7 +235,8 @@ def store_spec(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def crash(store_spec: str, writes: int) -> tuple[str, str]:
-    """Run the demo until the process dies after write ``writes``; its run id and output."""
+    """Run the demo until the process dies after write ``writes``; its run id and the
+    resume command it printed."""
     done = polyloop(
         "demo", "--pace", "0", "--store", store_spec, "--crash-after-writes", str(writes)
     )
@@ -208,10 +244,10 @@ def crash(store_spec: str, writes: int) -> tuple[str, str]:
     assert done.stderr == ""
     run_id = run_id_in(done.stdout)
     assert f"simulated crash: the process ends right after store write {writes}" in done.stdout
-    expected = f"resume it with: polyloop demo --resume {run_id} --store {store_spec}"
-    assert expected in done.stdout
+    command = printed("resume it with: ", done.stdout)
+    assert command == f"{MODULE_COMMAND} demo --resume {run_id} --store {store_spec}"
     assert "stopped:" not in done.stdout
-    return run_id, done.stdout
+    return run_id, command
 
 
 def executions(out: str) -> list[int]:
@@ -234,11 +270,11 @@ def executions(out: str) -> list[int]:
 def test_a_crashed_demo_resumes_without_repeating_a_step(
     store_spec: str, writes: int, recorded: int, executed: list[int]
 ) -> None:
-    run_id, _ = crash(store_spec, writes)
+    run_id, command = crash(store_spec, writes)
     log, actions = read_log(store_spec, run_id)
     assert len([r for r in log.records if isinstance(r, StepRecord)]) == recorded
 
-    done = polyloop("demo", "--resume", run_id, "--store", store_spec, "--pace", "0")
+    done = pasted(f"{command} --pace 0")
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert f"resuming {run_id} on {store_spec} (scripted model): {recorded} steps on record" in out
@@ -252,6 +288,60 @@ def test_a_crashed_demo_resumes_without_repeating_a_step(
     # In the log, each action result was written exactly once.
     _, actions = read_log(store_spec, run_id)
     assert actions == [f"{run_id}:{k}:action" for k in range(STEPS)]
+
+
+def installed_script(tmp_path: Path) -> Path:
+    """A ``.venv/bin/polyloop`` as pip writes it: a script that calls ``main``."""
+    script = tmp_path / ".venv" / "bin" / "polyloop"
+    script.parent.mkdir(parents=True)
+    script.write_text(
+        f"#!{sys.executable}\nimport sys\nfrom polyloop.cli import main\nsys.exit(main())\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+def test_the_demo_prints_commands_that_run_as_pasted_without_an_activated_venv(
+    tmp_path: Path,
+) -> None:
+    # The README's set-up runs .venv/bin/polyloop, and polyloop is not on PATH.
+    installed_script(tmp_path)
+    done = subprocess.run(
+        [".venv/bin/polyloop", "demo", "--pace", "0", "--crash-after-writes", "16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=user_env(),
+    )
+    assert done.returncode == 3, done.stderr
+    run_id = run_id_in(done.stdout)
+    command = printed("resume it with: ", done.stdout)
+    assert command == f".venv/bin/polyloop demo --resume {run_id}"
+    resumed = pasted(f"{command} --pace 0", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "no step was repeated" in resumed.stdout
+    inspect = printed("inspect it: ", resumed.stdout)
+    assert inspect == f".venv/bin/polyloop show sqlite:polyloop-demo/demo.db {run_id}"
+    shown = pasted(inspect, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert f"run {run_id}  finished" in shown.stdout
+
+
+def test_the_demo_prints_the_plain_name_when_it_is_on_path(tmp_path: Path) -> None:
+    # An activated environment: polyloop on PATH is the script that ran.
+    script = installed_script(tmp_path)
+    done = subprocess.run(
+        ["polyloop", "demo", "--pace", "0", "--crash-after-writes", "16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=user_env(script.parent),
+    )
+    assert done.returncode == 3, done.stderr
+    command = printed("resume it with: ", done.stdout)
+    assert command == f"polyloop demo --resume {run_id_in(done.stdout)}"
 
 
 def test_a_crash_after_the_submit_intent_leaves_the_run_in_doubt(store_spec: str) -> None:
@@ -294,6 +384,7 @@ def test_an_interrupted_demo_says_how_to_resume_it(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env=user_env(),
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert child.stdout is not None
@@ -304,7 +395,7 @@ def test_an_interrupted_demo_says_how_to_resume_it(
     assert child.returncode == 130, err
     run_id = run_id_in(seen[0])
     assert (
-        err == f"polyloop: interrupted\nresume it with: polyloop demo --resume {run_id} "
+        err == f"polyloop: interrupted\nresume it with: {MODULE_COMMAND} demo --resume {run_id} "
         f"--store {store}\n"
     )
     assert "stopped:" not in out

@@ -3,16 +3,45 @@
 from __future__ import annotations
 
 import io
+import os
 import re
+import shutil
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from pathlib import Path
 from typing import TextIO
 
 from rich.console import Console, RenderableType
 from rich.measure import Measurement
 
 PROGRAM = "polyloop"
+_MODULE_ENTRY = Path(__file__).resolve().parent.parent / "__main__.py"
+
+
+def command_words() -> list[str]:
+    """The words that start this command again, as the user can paste them.
+
+    After an install into a virtual environment that is not activated, ``polyloop`` is
+    not on PATH, so a printed ``polyloop ...`` would not run: then the hint names the
+    script (``.venv/bin/polyloop``) or interpreter (``python -m polyloop``) that ran.
+    """
+    started = sys.argv[0] if sys.argv else ""
+    if Path(started).name == PROGRAM:
+        words, script = [started], started
+    elif started and Path(started).resolve() == _MODULE_ENTRY:
+        words, script = [sys.executable, "-m", PROGRAM], str(Path(sys.executable).parent / PROGRAM)
+    else:
+        return [PROGRAM]  # called in process, by a program of its own: the plain name
+    on_path = shutil.which(PROGRAM)
+    return [PROGRAM] if on_path is not None and _same_file(on_path, script) else words
+
+
+def _same_file(one: str, other: str) -> bool:
+    try:
+        return os.path.samefile(one, other)
+    except OSError:
+        return False
 
 
 class CliError(Exception):

@@ -31,7 +31,7 @@ from polyloop.cli._agent import (
     load_data,
     script,
 )
-from polyloop.cli._common import PROGRAM, CliError, print_line
+from polyloop.cli._common import CliError, command_words, print_line
 from polyloop.cli._render import step_line
 from polyloop.cli._stores import StoreSpec, open_store
 from polyloop.ports import Event, EventKind, ManagedStore, ModelClient, Store
@@ -156,9 +156,8 @@ async def demo(options: DemoOptions, out: Console) -> int:
     _summary(result, out)
     if options.resume:
         _proof(result, before, ledger, out)
-    _say(
-        out, f"inspect it: {PROGRAM} show {shlex.quote(options.store.text)} {options.run_id}", "dim"
-    )
+    inspect = shlex.join([*command_words(), "show", options.store.text, options.run_id])
+    _say(out, f"inspect it: {inspect}", "dim")
     return 0 if result.stop_reason in COMPLETED else UNFINISHED_EXIT_STATUS
 
 
@@ -245,7 +244,7 @@ def new_run_id() -> str:
 
 def resume_command(options: DemoOptions, run_id: str) -> str:
     """The exact command that resumes ``run_id`` with the same store and model."""
-    words = [PROGRAM, "demo", "--resume", run_id]
+    words = [*command_words(), "demo", "--resume", run_id]
     if options.store_given:
         words += ["--store", options.store.text]
     if options.store.schema is not None:
