@@ -36,6 +36,7 @@ from polyloop.cli._agent import (
     script,
     units,
 )
+from polyloop.cli._common import escape_block, escape_field
 from polyloop.cli._demo import DemoOptions, resume_command
 from polyloop.cli._stores import parse_store
 from polyloop.ports import Action, FinalAnswer, InvalidDecision
@@ -733,3 +734,9 @@ def test_the_demo_shows_a_lone_surrogate_from_the_model_escaped(
     assert f"→ done {SHOWN}" in out and f"answer: done {SHOWN}" in out
     assert "stopped: final_answer after 1 steps" in out
     assert err == ""
+
+
+def test_a_block_keeps_its_lines_and_tabs_and_escapes_the_rest() -> None:
+    text = "one\n\ttwo\r\x1b[31m\u202eok\u2028"
+    assert escape_block(text) == "one\n\ttwo\\r\\x1b[31m\\u202eok\\u2028"
+    assert escape_field(text) == "one\\n\\ttwo\\r\\x1b[31m\\u202eok\\u2028"

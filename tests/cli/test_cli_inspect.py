@@ -719,3 +719,62 @@ def test_runs_and_verify_escape_a_run_id_holding_a_lone_surrogate(
     out, err = strict_output.read()
     assert f"ok       {shown} (" in out
     assert "3 runs checked: 3 clean" in out and err == ""
+
+
+# -- strings that could forge a line ------------------------------------------------------------
+
+# A run id that, printed raw, would end its line and start one of its own, and one that
+# would turn the rest of its line around on screen.
+FORGING_IDS = ("evil (1 records)\nok       forged", "rtl\u202e(sdrocer 1) kcab")
+
+
+async def _fill_forging(store: Any) -> None:
+    async with store:
+        tools = make_tools(Ledger())
+        for run_id in FORGING_IDS:
+            await run(definition(store, script=[answer("done")]), request(run_id, tools))
+
+
+@pytest.fixture(params=["sqlite", "jsonl"])
+def forging(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A store whose run ids hold a newline and a right-to-left override; its STORE."""
+    if request.param == "sqlite":
+        anyio.run(_fill_forging, SqliteStore(tmp_path / "runs.db"))
+        return f"sqlite:{tmp_path / 'runs.db'}"
+    anyio.run(_fill_forging, JsonlStore(tmp_path / "runs"))
+    return f"jsonl:{tmp_path / 'runs'}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_runs_and_verify_escape_a_run_id_that_could_forge_a_line(
+    forging: str, backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--backend", backend, "runs", forging]) == 0
+    out = capsys.readouterr().out
+    assert "\u202e" not in out and not any(line.startswith("ok") for line in out.splitlines())
+    assert row(out, "evil").split()[:5] == ["evil", "(1", "records)\\nok", "forged", "finished"]
+    assert row(out, "rtl\\u202e(sdrocer").split()[-4:] == ["finished", "final_answer", "1", "0"]
+    assert main(["--backend", backend, "verify", forging]) == 0
+    out = capsys.readouterr().out
+    *checked, summary = out.splitlines()
+    assert (
+        "\u202e" not in out and summary == "2 runs checked: 2 clean, 0 with warnings, 0 with errors"
+    )
+    assert set(checked) == {
+        "ok       evil (1 records)\\nok       forged (5 records)",
+        "ok       rtl\\u202e(sdrocer 1) kcab (5 records)",
+    }
+    assert main(["--backend", backend, "runs", forging, "--json"]) == 0
+    listed = {json.loads(line)["run_id"] for line in capsys.readouterr().out.splitlines()}
+    assert listed == set(FORGING_IDS)
+
+
+def test_show_escapes_a_run_id_that_could_forge_a_line(
+    forging: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for run_id in FORGING_IDS:
+        assert main(["show", forging, run_id]) == 0
+        out = capsys.readouterr().out
+        assert "\u202e" not in out and not any(line.startswith("ok") for line in out.splitlines())
+        escaped = run_id.replace("\n", "\\n").replace("\u202e", "\\u202e")
+        assert out.splitlines()[0] == f"run {escaped}  finished  (5 records)"

@@ -180,3 +180,45 @@ def test_pending_and_approve_escape_a_lone_surrogate(
         "approved ask:0:action (by al\\udcffce); resume run 'ask' to go on\n",
         "",
     )
+
+
+async def _resume_doubt(path: Path) -> None:
+    async with SqliteStore(path) as store:
+        tools = review_tools(Ledger())
+        await start_or_resume(
+            definition(store, script=payment_script()),
+            request("doubt", tools, model_replay=Replay.ALLOWED),
+        )
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        (["--ran", "--observation", "paid"], "ran"),
+        (["--did-not-run", "--reason", "declined"], "did not run"),
+    ],
+)
+def test_show_and_html_say_how_a_settled_step_ended_and_that_its_time_is_unknown(
+    sqlite: str, how: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["settle", sqlite, "doubt", "--by", "carol", *how]) == 0
+    anyio.run(_resume_doubt, Path(sqlite.removeprefix("sqlite:")))
+    capsys.readouterr()
+    assert main(["show", sqlite, "doubt"]) == 0
+    out = capsys.readouterr().out
+    step = out[out.index("step 1 ·") : out.index("step 2 ·")]
+    fields = {
+        line.split(maxsplit=1)[0]: line.split(maxsplit=1)[1] for line in step.splitlines()[1:]
+    }
+    assert fields["time"] == "unknown"
+    assert fields["settled"].startswith("by carol at ") and fields["settled"].endswith(f": {said}")
+    page = tmp_path / "doubt.html"
+    assert main(["show", sqlite, "doubt", "--html", str(page)]) == 0
+    capsys.readouterr()
+    html = page.read_text(encoding="utf-8")
+    section = html[html.index('id="step-1"') : html.index('id="step-2"')]
+    assert "<dt>time</dt><dd>unknown</dd>" in section
+    assert f"<dt>settled</dt><dd>{fields['settled']}</dd>" in section
+    assert main(["show", sqlite, "doubt", "--json"]) == 0
+    timeline = json.loads(capsys.readouterr().out)["timeline"]
+    assert timeline[1]["duration_s"] is None and timeline[0]["duration_s"] is not None

@@ -18,7 +18,14 @@ from rich.console import Console
 from rich.text import Text
 
 from polyloop.cli import _demo, _facts, _html, _people, _render, _verify
-from polyloop.cli._common import PROGRAM, CliError, console, escaped_output, print_unwrapped
+from polyloop.cli._common import (
+    PROGRAM,
+    CliError,
+    console,
+    escape_field,
+    escaped_output,
+    print_unwrapped,
+)
 from polyloop.cli._stores import (
     SYNTAX,
     StoreSpec,
@@ -372,14 +379,15 @@ def _print_check(check: _verify.RunCheck, out: Console) -> None:
     if not check.findings:
         line = Text()
         line.append("ok       ", style="green")
-        line.append(f"{check.name} ({check.records} records)")
+        line.append(f"{escape_field(check.name)} ({check.records} records)")
         out.print(line, soft_wrap=True)
         return
     for finding in check.findings:
         style = "red" if finding.level == "error" else "yellow"
         line = Text()
         line.append(f"{finding.level:<9}", style=style)
-        line.append(f"{check.name}  {finding.location}: {finding.message}")
+        where = f"{escape_field(check.name)}  {escape_field(finding.location)}"
+        line.append(f"{where}: {escape_field(finding.message)}")
         out.print(line, soft_wrap=True)
 
 

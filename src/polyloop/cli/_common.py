@@ -74,6 +74,44 @@ def escape_surrogates(text: str) -> str:
     return _LONE_SURROGATE.sub(lambda found: f"\\u{ord(found.group()):04x}", text)
 
 
+# What a string from a log must not print raw where the command lays out lines: control
+# characters (C0, DEL, C1) could end or rewrite a line or send terminal commands;
+# bidirectional formatting characters could reorder a line on screen; line and paragraph
+# separators end a line for some readers. Any of them in a run id could forge an `ok` line.
+_BIDI = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_UNSAFE = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI}\u2028\u2029\ud800-\udfff]")
+_UNSAFE_IN_BLOCK = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}\u2028\u2029\ud800-\udfff]")
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(found: re.Match[str]) -> str:
+    char = found.group()
+    if char in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def escape_field(text: str) -> str:
+    """``text`` fit to print on one line among others (a run id, a stop reason, a name).
+
+    Control characters (newline, tab and carriage return included), bidirectional
+    formatting characters, line separators and lone surrogates are written as escapes
+    (``\\n``, ``\\x1b``, ``\\u202e``), so the text cannot end the line it is on, start
+    another, or reorder the line around it.
+    """
+    return _UNSAFE.sub(_escape, text)
+
+
+def escape_block(text: str) -> str:
+    """``text`` fit to print as a block of lines (an observation, a reply).
+
+    As :func:`escape_field`, but newlines and tabs are kept: the view indents every line
+    of the block, so a line of it cannot pass for a line of the view's own.
+    """
+    return _UNSAFE_IN_BLOCK.sub(_escape, text)
+
+
 @contextmanager
 def escaped_output() -> Iterator[None]:
     """While open, all that goes to standard output and error has its surrogates escaped.

@@ -47,8 +47,21 @@ def seconds_text(seconds: float | None) -> str:
 # -- steps -------------------------------------------------------------------------------------
 
 
+def step_duration_s(step: StepRecord) -> float | None:
+    """The step's wall time, ``None`` if not known.
+
+    A settled step's record is written by the resume that reads the person's answer: its
+    model call and its action ran in an earlier attempt, so the time it holds is only
+    that of the resume's bookkeeping, not the step's.
+    """
+    return None if step.settled_by is not None else step.duration_s
+
+
 def step_time_text(step: StepRecord) -> str | None:
-    """The step's wall time with its model call's and tool's inside, or ``None`` if unknown."""
+    """The step's wall time with its model call's and tool's inside, or ``None`` if the
+    log has no time for it; ``unknown`` for a settled step, whose time is never known."""
+    if step.settled_by is not None:
+        return "unknown"
     if step.duration_s is None:
         return None
     parts = []
@@ -85,7 +98,7 @@ def step_json(step: StepRecord) -> dict[str, JSONValue]:
     return {
         "step": step.step,
         "at": utc_iso(step.at),
-        "duration_s": step.duration_s,
+        "duration_s": step_duration_s(step),
         "model_duration_s": step.model_duration_s,
         "action_duration_s": step.action_duration_s,
         "resumed": bool(step.resumed),

@@ -19,8 +19,8 @@ from polyloop.cli._facts import (
     step_facts,
 )
 from polyloop.cli._render import status_of
-from polyloop.cli._view import RunView, reply_facts
-from polyloop.types import StepRecord
+from polyloop.cli._view import RunView, reply_facts, review_facts
+from polyloop.types import Review, StepRecord
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 60rem;
@@ -59,7 +59,8 @@ def page(view: RunView) -> str:
     if (doubt := in_doubt(view)) is not None:
         body.append(_doubt(doubt))  # first, before anything that could read as a success
     body.append(_summary(view))
-    body.extend(_step(step) for step in view.steps)
+    reviews = view.reviews()
+    body.extend(_step(step, reviews.get(step.step, [])) for step in view.steps)
     body.append(_end(view))
     body.append(_snapshot(view))
     document = (
@@ -95,7 +96,7 @@ def _summary(view: RunView) -> str:
     return f'<section id="summary">\n{_dl(rows)}\n</section>'
 
 
-def _step(step: StepRecord) -> str:
+def _step(step: StepRecord, reviews: list[Review]) -> str:
     status, style = status_of(step)
     heading = (
         f"step {step.step} · {escape(step.decision.value)} · {_span(status, _STYLE_CLASSES[style])}"
@@ -119,8 +120,9 @@ def _step(step: StepRecord) -> str:
         rows.append(("reasoning", _details("reasoning", step.reasoning)))
     rows.extend((label, escape(text)) for label, text in reply_facts(step))
     rows.extend((label, escape(text)) for label, text in step_facts(step))
-    if step.settled_by is not None:
-        rows.append(("settled by", escape(step.settled_by)))
+    # The same words as the terminal's: who approved, rejected or settled, when, and
+    # for a settlement whether the action ran.
+    rows.extend((label, escape(text)) for label, text in review_facts(reviews))
     if step.call_id is not None:
         rows.append(("call id", escape(step.call_id)))
     return (
@@ -138,6 +140,10 @@ def _end(view: RunView) -> str:
         rows.append(("tokens", escape(tokens)))
     if view.detail is not None:
         rows.append(("detail", _pre(view.detail)))
+    rows.extend(
+        (label, escape(text))
+        for label, text in review_facts(view.reviews().get(len(view.steps), []))
+    )
     if (interruption := view.interruption()) is not None:
         rows.append(("interrupted", escape(interruption)))
     return f'<section id="end">\n<h2>end</h2>\n{_dl(rows)}\n</section>'

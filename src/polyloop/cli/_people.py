@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from polyloop import serialization
-from polyloop.cli._common import CliError
+from polyloop.cli._common import CliError, escape_field
 from polyloop.cli._stores import StoreSpec, open_store
 from polyloop.session import approve, reject, run_status, settle
 from polyloop.types import (
@@ -84,13 +84,14 @@ def pending_line(status: RunStatus) -> str:
     if status.proposal is not None:
         proposal = status.proposal
         return (
-            f"{status.run_id}  awaiting approval  {proposal.result_id}  "
-            f"{_call(proposal.payload)}\n    {proposal.description}"
+            f"{escape_field(status.run_id)}  awaiting approval  "
+            f"{escape_field(proposal.result_id)}  {escape_field(_call(proposal.payload))}"
+            f"\n    {escape_field(proposal.description)}"
         )
     intent = status.open_intent
     what = _call(intent.payload) if intent is not None else "?"
     where = intent.result_id if intent is not None else "?"
-    return f"{status.run_id}  in doubt  {where}  {what}"
+    return f"{escape_field(status.run_id)}  in doubt  {escape_field(where)}  {escape_field(what)}"
 
 
 def _call(payload: JSONValue) -> str:
@@ -123,7 +124,7 @@ async def answer(spec: StoreSpec, run_id: str, given: Answer, out: Console) -> i
             how = "ran" if settlement.ran else "did not run"
             said = f"settled {settlement.result_id}: {how}"
     out.print(
-        f"{said} (by {given.by}); resume run {run_id!r} to go on",
+        f"{escape_field(said)} (by {escape_field(given.by)}); resume run {run_id!r} to go on",
         markup=False,
         soft_wrap=True,
         highlight=False,

@@ -10,7 +10,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from polyloop.cli._common import escape_surrogates
+from polyloop.cli._common import escape_block, escape_field
 from polyloop.cli._facts import (
     Doubt,
     in_doubt,
@@ -76,12 +76,12 @@ def step_line(step: StepRecord, *, note: str | None = None) -> Text:
     line.append(f"  step {step.step:>2}  ", style="bold")
     line.append(f"{status:<13}", style=style)
     line.append(" ")
-    line.append(step.action_text or _no_action_text(step))
+    line.append(escape_field(step.action_text or _no_action_text(step)))
     if note is not None:
         line.append(f"  ({note})", style="cyan")
     seen = step.observation if step.observation is not None else step.final_answer
     if seen is not None:
-        line.append(f"\n           → {one_line(seen)}", style="dim")
+        line.append(f"\n           → {escape_field(one_line(seen))}", style="dim")
     return line
 
 
@@ -105,9 +105,9 @@ def runs_table(views: Iterable[RunSummary]) -> Table:
         # Escaped here already, not only on the way out, so the columns are measured
         # by what is printed.
         table.add_row(
-            Text(escape_surrogates(view.run_id)),
+            Text(escape_field(view.run_id)),
             Text(view.state, style=STATE_STYLES[view.state]),
-            Text(escape_surrogates(view.stop_reason or view.problem or "-")),
+            Text(escape_field(view.stop_reason or view.problem or "-")),
             str(view.step_count) if view.step_count is not None else "-",
             str(view.valid_steps) if view.valid_steps is not None else "-",
         )
@@ -135,7 +135,7 @@ def trajectory(view: RunView) -> RenderableType:
 def _header(view: RunView) -> Text:
     header = Text()
     header.append("run ", style="bold")
-    header.append(view.run_id, style="bold")
+    header.append(escape_field(view.run_id), style="bold")
     header.append("  ")
     header.append(view.state, style=STATE_STYLES[view.state])
     header.append(f"  ({view.records} records)", style="dim")
@@ -145,7 +145,8 @@ def _header(view: RunView) -> Text:
 def _doubt_banner(doubt: Doubt) -> list[RenderableType]:
     banner = Text()
     banner.append(" IN DOUBT ", style="bold white on red")
-    banner.append(" " + doubt.headline().removeprefix("IN DOUBT: "), style="bold red")
+    headline = escape_field(doubt.headline().removeprefix("IN DOUBT: "))
+    banner.append(" " + headline, style="bold red")
     return [banner, _fields(doubt.fields()), Rule(style="red")]
 
 
@@ -203,5 +204,6 @@ def _fields(rows: list[tuple[str, str]]) -> Table:
     grid.add_column(style="dim", no_wrap=True)
     grid.add_column(overflow="fold")
     for label, value in rows:
-        grid.add_row(Text(f"  {label}"), Text(value))
+        # A value keeps its lines, each in the value column, where none passes for a label.
+        grid.add_row(Text(f"  {label}"), Text(escape_block(value)))
     return grid
