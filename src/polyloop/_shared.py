@@ -26,6 +26,7 @@ __all__ = (
     "call_text",
     "canonical_json",
     "exception_text",
+    "install_hint",
     "needs_extra",
     "plain_copy",
     "record_kind",
@@ -78,6 +79,11 @@ def record_kind(record: object) -> str:
     return kind
 
 
+def install_hint(extra: str) -> str:
+    """How to add an extra: PolyLoop is installed from its checkout, not from an index."""
+    return f"in the PolyLoop checkout, run pip install -e '.[{extra}]'"
+
+
 @contextlib.contextmanager
 def needs_extra(feature: str, extra: str) -> Iterator[None]:
     """Around the imports of an optional package: a missing one says which extra to install.
@@ -88,7 +94,7 @@ def needs_extra(feature: str, extra: str) -> Iterator[None]:
     try:
         yield
     except ModuleNotFoundError as exc:
-        message = f"{feature} needs the {extra} extra: pip install 'polyloop[{extra}]'"
+        message = f"{feature} needs the {extra} extra: {install_hint(extra)}"
         raise ModuleNotFoundError(message, name=exc.name, path=exc.path) from exc
 
 

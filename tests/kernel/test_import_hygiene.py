@@ -130,6 +130,7 @@ def test_a_missing_optional_package_names_the_extra_to_install(
     )
     kind, message, name, cause, cause_name = json.loads(done.stdout.splitlines()[-1])
     assert kind == "ModuleNotFoundError"
-    assert message == f"{feature} needs the {extra} extra: pip install 'polyloop[{extra}]'"
+    hint = f"in the PolyLoop checkout, run pip install -e '.[{extra}]'"
+    assert message == f"{feature} needs the {extra} extra: {hint}"
     assert cause == "ModuleNotFoundError"
     assert name == cause_name == missing

@@ -4,8 +4,8 @@
 it); ``polyloop runs``, ``show`` and ``verify`` list, display and check the runs any
 PolyLoop program stored. See ``polyloop --help``.
 
-The command needs the ``cli`` extra (``pip install 'polyloop[cli]'``, which brings
-``rich``); without it, it says so in one line and exits with status 1. Nothing in the
+The command needs the ``cli`` extra (``pip install -e '.[cli]'`` in the checkout, which
+brings ``rich``); without it, it says so in one line and exits with status 1. Nothing in the
 library imports this package.
 """
 
@@ -23,7 +23,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         import rich  # noqa: F401 - only checking that the extra is installed
     except ImportError:
         print(
-            "polyloop: error: the command needs the 'rich' package: pip install 'polyloop[cli]'",
+            "polyloop: error: the command needs the 'rich' package: in the PolyLoop checkout,"
+            " run pip install -e '.[cli]'",
             file=sys.stderr,
         )
         return 1

@@ -24,6 +24,7 @@ from polyloop.cli._common import (
     console,
     escape_field,
     escaped_output,
+    install_hint,
     print_unwrapped,
 )
 from polyloop.cli._stores import (
@@ -88,7 +89,7 @@ def _run(argv: Sequence[str]) -> int:
     except _UsageError as exc:
         return _fail(str(exc))
     if args.backend == "trio" and not _trio_installed():
-        return _fail("the trio backend needs trio: pip install 'polyloop[trio]'")
+        return _fail(f"the trio backend needs trio: {install_hint('trio')}")
     with _quiet_logging():
         try:
             command: _Command = args.command

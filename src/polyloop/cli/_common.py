@@ -19,6 +19,11 @@ PROGRAM = "polyloop"
 _MODULE_ENTRY = Path(__file__).resolve().parent.parent / "__main__.py"
 
 
+def install_hint(extra: str) -> str:
+    """How to add an extra: PolyLoop is installed from its checkout, not from an index."""
+    return f"in the PolyLoop checkout, run pip install -e '.[{extra}]'"
+
+
 def command_words() -> list[str]:
     """The words that start this command again, as the user can paste them.
 

@@ -31,7 +31,7 @@ from polyloop.cli._agent import (
     load_data,
     script,
 )
-from polyloop.cli._common import CliError, command_words, print_line
+from polyloop.cli._common import CliError, command_words, install_hint, print_line
 from polyloop.cli._render import step_line
 from polyloop.cli._stores import StoreSpec, open_store
 from polyloop.ports import Event, EventKind, ManagedStore, ModelClient, Store
@@ -274,7 +274,7 @@ async def _model(options: DemoOptions, data: Mapping[str, str]) -> AsyncIterator
         from polyloop.adapters.openai import OpenAIModelClient
     except ImportError:
         raise CliError(
-            "--model openai needs the openai package: pip install 'polyloop[openai]'"
+            f"--model openai needs the openai package: {install_hint('openai')}"
         ) from None
     api_key = options.api_key or os.environ.get("OPENAI_API_KEY") or "unused"
     async with openai.AsyncOpenAI(

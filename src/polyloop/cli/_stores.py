@@ -11,7 +11,7 @@ from typing import Literal
 
 import anyio.to_thread
 
-from polyloop.cli._common import CliError
+from polyloop.cli._common import CliError, install_hint
 from polyloop.ports import ManagedStore
 
 Kind = Literal["jsonl", "sqlite", "postgresql"]
@@ -101,9 +101,7 @@ def _build(spec: StoreSpec) -> ManagedStore:
     try:
         from polyloop.stores import PostgresStore
     except ImportError:
-        raise CliError(
-            "a postgresql:// store needs psycopg: pip install 'polyloop[postgres]'"
-        ) from None
+        raise CliError(f"a postgresql:// store needs psycopg: {install_hint('postgres')}") from None
     if spec.schema is None:
         return PostgresStore(spec.location, timeout=POSTGRES_TIMEOUT_S)
     return PostgresStore(spec.location, schema=spec.schema, timeout=POSTGRES_TIMEOUT_S)
