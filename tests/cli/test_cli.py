@@ -302,20 +302,26 @@ def installed_script(tmp_path: Path) -> Path:
     return script
 
 
+def crashed_demo(program: str, cwd: Path, env: dict[str, str]) -> Any:
+    """``program demo`` made to crash after its 16th write; what it printed."""
+    done = subprocess.run(
+        [program, "demo", "--pace", "0", "--crash-after-writes", "16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env=env,
+    )
+    assert done.returncode == 3, done.stderr
+    return done
+
+
 def test_the_demo_prints_commands_that_run_as_pasted_without_an_activated_venv(
     tmp_path: Path,
 ) -> None:
     # The README's set-up runs .venv/bin/polyloop, and polyloop is not on PATH.
     installed_script(tmp_path)
-    done = subprocess.run(
-        [".venv/bin/polyloop", "demo", "--pace", "0", "--crash-after-writes", "16"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=user_env(),
-    )
-    assert done.returncode == 3, done.stderr
+    done = crashed_demo(".venv/bin/polyloop", tmp_path, user_env())
     run_id = run_id_in(done.stdout)
     command = printed("resume it with: ", done.stdout)
     assert command == f".venv/bin/polyloop demo --resume {run_id}"
@@ -332,15 +338,7 @@ def test_the_demo_prints_commands_that_run_as_pasted_without_an_activated_venv(
 def test_the_demo_prints_the_plain_name_when_it_is_on_path(tmp_path: Path) -> None:
     # An activated environment: polyloop on PATH is the script that ran.
     script = installed_script(tmp_path)
-    done = subprocess.run(
-        ["polyloop", "demo", "--pace", "0", "--crash-after-writes", "16"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=user_env(script.parent),
-    )
-    assert done.returncode == 3, done.stderr
+    done = crashed_demo("polyloop", tmp_path, user_env(script.parent))
     command = printed("resume it with: ", done.stdout)
     assert command == f"polyloop demo --resume {run_id_in(done.stdout)}"
 
