@@ -694,6 +694,21 @@ async def test_every_connection_of_a_store_has_a_deadline(
     assert (writer, reader, owner) == (3.0, 3.0, 1.5)
 
 
+async def test_a_server_that_cannot_be_reached_is_named_on_one_line() -> None:
+    """Not the schema's fault: the message says the server could not be reached, on one
+    line, and never shows the password."""
+    store = PostgresStore("postgresql://polyloop:secret-pw@127.0.0.1:1/runs", timeout=2)
+    try:
+        with pytest.raises(StoreError) as failed:
+            await store.list_runs()
+    finally:
+        await store.aclose()
+    message = str(failed.value)
+    assert message.startswith("could not connect to the PostgreSQL server: OperationalError:")
+    assert "Connection refused" in message
+    assert "\n" not in message and "secret-pw" not in message and "schema" not in message
+
+
 async def test_a_writer_session_never_runs_without_synchronous_commit(
     shared_database: str,
 ) -> None:

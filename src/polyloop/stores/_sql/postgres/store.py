@@ -405,10 +405,12 @@ class Postgres:
 
     def _open_pool(self, run_id: str | None) -> ConnectionPool[Watched]:
         settings, schema = self._settings, self._settings.schema
+        what = "could not connect to the PostgreSQL server"
         try:
             # One connection first, outside the pool: a missing database or a refused
             # login fails now with the server's message, where the pool would time out.
             psycopg.connect(settings.conninfo, **settings.options).close()
+            what = f"cannot prepare the {schema!r} schema"
             pool = ConnectionPool(
                 settings.conninfo,
                 connection_class=Watched,
@@ -434,9 +436,9 @@ class Postgres:
                 pool.close()
                 raise
         except psycopg.Error as exc:
+            text = " ".join(str(exc).split())  # libpq's own message spans lines
             raise open_files_error(exc, run_id) or StoreError(
-                f"cannot prepare the {schema!r} schema: {type(exc).__name__}: {exc}",
-                run_id=run_id,
+                f"{what}: {type(exc).__name__}: {text}", run_id=run_id
             ) from exc
         return pool
 
