@@ -3,7 +3,48 @@ import pytest
 # The PostgreSQL fixtures (see pg.py); registered here so they load before any test module.
 pytest_plugins = ("pg",)
 
+RUN_SLOW = "--run-slow"
+
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return request.param
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        RUN_SLOW,
+        action="store_true",
+        help="also run the tests marked slow (subprocess kills, load, lease lapses, the fleet, "
+        "the examples and benchmarks); the README's test command and CI pass it",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Deselected rather than skipped: a skip per slow test would bury the real skips that
+    # `-ra` lists; the report header and the summary say how many were left out and why.
+    if config.getoption(RUN_SLOW):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    config.stash[_left_out] = len(slow)
+
+
+_left_out = pytest.StashKey[int]()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.getoption(RUN_SLOW):
+        return "slow tests: included"
+    return f"slow tests: left out ({RUN_SLOW} includes them)"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    left_out = config.stash.get(_left_out, 0)
+    if left_out:
+        terminalreporter.write_line(
+            f"{left_out} slow tests were not run; {RUN_SLOW} includes them "
+            "(the README's test command does)"
+        )
