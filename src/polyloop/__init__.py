@@ -92,6 +92,7 @@ from polyloop.types import (
     UnloggableValue,
     Usage,
     Verdict,
+    run_trace_id,
 )
 
 __version__ = "0.1.0"
@@ -173,6 +174,7 @@ __all__ = (
     "resume",
     "run",
     "run_status",
+    "run_trace_id",
     "settle",
     "start_or_resume",
 )

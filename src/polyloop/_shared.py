@@ -2,14 +2,15 @@
 
 The record format's name and the kind string of each record; the limits of a value a
 record may carry; canonical JSON; the plain-value check and copy; how an exception
-reads in a record; the error for a missing optional package. This module sits below
-:mod:`polyloop.types` and imports only the standard library and :mod:`polyloop._errors`,
-so the kernel and the stores can share it.
+reads in a record; the error for a missing optional package; the trace id of a run.
+This module sits below :mod:`polyloop.types` and imports only the standard library and
+:mod:`polyloop._errors`, so the kernel and the stores can share it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 from collections.abc import Iterator, Mapping
@@ -96,6 +97,20 @@ def needs_extra(feature: str, extra: str) -> Iterator[None]:
     except ModuleNotFoundError as exc:
         message = f"{feature} needs the {extra} extra: {install_hint(extra)}"
         raise ModuleNotFoundError(message, name=exc.name, path=exc.path) from exc
+
+
+def run_trace_ids(run_id: str) -> tuple[int, int]:
+    """The OpenTelemetry trace id and parent span id of every attempt of ``run_id``.
+
+    SHA-256 of ``polyloop run``, a NUL byte and the run id (UTF-8): the first 16 bytes
+    are the trace id, the next 8 the span id, each read big-endian; an id of 0 (invalid
+    in OpenTelemetry) becomes 1. Derived from the run id alone, so every process finds
+    the same run's trace; the prefix keeps it apart from other hashes of the same id.
+    """
+    digest = hashlib.sha256(f"polyloop run\x00{run_id}".encode()).digest()
+    trace_id = int.from_bytes(digest[:16], "big") or 1
+    span_id = int.from_bytes(digest[16:24], "big") or 1
+    return trace_id, span_id
 
 
 # Built once: json.dumps with options builds a new encoder on every call. What is

@@ -22,7 +22,6 @@ processors and the exporters.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.metadata
 import logging
 import re
@@ -34,7 +33,7 @@ from datetime import UTC, datetime, timedelta
 
 import anyio.lowlevel
 
-from polyloop._shared import needs_extra
+from polyloop._shared import needs_extra, run_trace_ids
 
 with needs_extra("polyloop.otel", "otel"):
     from opentelemetry import context as otel_context
@@ -90,14 +89,9 @@ _EXCEPTION_NAME = re.compile(r"^([A-Za-z_][\w.]*):")
 
 
 def _run_span_context(run_id: str) -> SpanContext:
-    """The span context every attempt of ``run_id`` descends from or links to.
-
-    Derived from the run id alone, so each process computes the same one: a trace id
-    from the first 16 bytes of a SHA-256, a span id from the next 8.
-    """
-    digest = hashlib.sha256(f"polyloop run\x00{run_id}".encode()).digest()
-    trace_id = int.from_bytes(digest[:16], "big") or 1
-    span_id = int.from_bytes(digest[16:24], "big") or 1
+    """The span context every attempt of ``run_id`` descends from or links to: its trace
+    id is :func:`polyloop.run_trace_id`'s, computed by the same function."""
+    trace_id, span_id = run_trace_ids(run_id)
     return SpanContext(
         trace_id=trace_id,
         span_id=span_id,

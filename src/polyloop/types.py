@@ -28,7 +28,7 @@ from polyloop._errors import (
     StoreError,
     UnloggableValue,
 )
-from polyloop._shared import canonical_json
+from polyloop._shared import canonical_json, run_trace_ids
 
 __all__ = (
     "ActionStatus",
@@ -76,6 +76,7 @@ __all__ = (
     "UnloggableValue",
     "Usage",
     "Verdict",
+    "run_trace_id",
 )
 
 # Marks a record field added after the first release of the record format: it is left
@@ -611,6 +612,19 @@ class RecoveredRun:
     run_id: str
     result: RunResult | None = None
     error: Exception | None = None
+
+
+def run_trace_id(run_id: str) -> str:
+    """The OpenTelemetry trace id that holds every attempt of ``run_id``, as the 32
+    lowercase hex digits tracing tools show and search for.
+
+    :class:`polyloop.otel.OpenTelemetrySink` puts each attempt of the run in this trace
+    (unless the caller's own span is current: then the attempt links to it). Computed
+    from the run id alone, without OpenTelemetry installed, so any process, and
+    ``polyloop show``, can name the trace of a run that ran anywhere.
+    """
+    trace_id, _ = run_trace_ids(run_id)
+    return f"{trace_id:032x}"
 
 
 def _claim_public_home() -> None:

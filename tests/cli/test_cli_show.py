@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 
+import polyloop
+from polyloop import run_trace_id
 from polyloop.cli import main
 from polyloop.stores import JsonlStore
 from show_kit import UTC_TIME, show, write_stores
@@ -50,6 +55,7 @@ def test_text_of_a_finished_run_has_times_and_tokens(
     assert "tokens 100 in, 20 out, 120 total" in out
     assert out.count("tokens 230 in, 30 out, 260 total") == 2  # the summary and the end
     assert "resumed" not in out and "IN DOUBT" not in out
+    assert f"trace id {run_trace_id('done')}" in out
 
 
 def test_text_says_a_total_is_unknown_rather_than_understate_it(
@@ -133,6 +139,37 @@ def test_text_of_an_old_log_without_times(
     assert "time 1.500 s" in out  # the first release already wrote a step's duration
     assert not UTC_TIME.search(out)
     assert "written" not in out and "resumed" not in out
+    # The id is derived from the run id alone, so even a log older than tracing has one.
+    assert f"trace id {run_trace_id('exp-7/task-12#3')}" in out
+
+
+# With every opentelemetry module made unimportable, as in an install without the extra.
+_WITHOUT_OTEL = """
+import sys
+sys.modules["opentelemetry"] = None
+try:
+    import polyloop.otel
+except ImportError:
+    pass
+else:
+    raise SystemExit("opentelemetry is still importable")
+from polyloop.cli import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_run_trace_id_needs_no_opentelemetry(stores: dict[str, str]) -> None:
+    source = str(Path(polyloop.__file__).resolve().parent.parent)
+    shown = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_OTEL, *show(stores, "done", "--json")],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": source, "PATH": ""},
+        timeout=60,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["trace_id"] == run_trace_id("done")
 
 
 # -- JSON --------------------------------------------------------------------------------------
@@ -169,6 +206,7 @@ def test_json_of_a_finished_run_adds_the_facts(
     assert first["step"] == 0 and first["total_tokens"] == 120 and first["resumed"] is False
     assert first["duration_s"] >= first["model_duration_s"] >= 0
     assert first["at"] < second["at"]
+    assert shown["trace_id"] == run_trace_id("done")
 
 
 def test_json_of_a_partly_metered_run_has_no_total(

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from polyloop import run_trace_id
 from polyloop.cli import main
 from show_kit import UTC_TIME, show, write_stores
 
@@ -111,5 +112,6 @@ def test_html_of_an_in_doubt_run_in_a_browser_is_never_green(rendered: Any) -> N
 def test_html_of_an_old_log_in_a_browser(rendered: Any) -> None:
     text, _ = rendered("old")
     assert "started — last record — wall time —" in text
+    assert f"trace id {run_trace_id('exp-7/task-12#3')}" in text
     assert "time 1.500 s" in text
     assert not UTC_TIME.search(text)

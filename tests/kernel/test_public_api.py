@@ -66,6 +66,8 @@ NAMES_BY_MODULE = {
         "Review",
         "NotInDoubt",
         "NotAwaitingApproval",
+        # issue 29, item 6: a run's trace id without OpenTelemetry installed
+        "run_trace_id",
     },
     ports: {
         "ModelClient",

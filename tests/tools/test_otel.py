@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -59,6 +60,7 @@ from polyloop import (
     Usage,
     resume,
     run,
+    run_trace_id,
 )
 from polyloop.otel import OpenTelemetrySink
 from polyloop.stores import MemoryStore, SqliteStore
@@ -619,6 +621,23 @@ async def test_attempts_in_two_processes_meet_in_one_trace(tmp_path: Path) -> No
     assert parent_id(crashed) == parent_id(resumed) == run_ids("r")[1]
 
 
+async def test_run_trace_id_is_the_trace_of_every_span_the_sink_emits(
+    traced: Traced, tmp_path: Path
+) -> None:
+    """Both attempts of a crashed and resumed run, and each of their step spans."""
+    path = tmp_path / "runs.db"
+    tools = make_tools(Ledger())
+    await _crash_on_sqlite(path, tools, 5, traced.sink)
+    await _resume_on_sqlite(path, tools, traced.sink)
+    spans = traced.spans()
+    assert len(traced.named("invoke_agent")) == 2 and len(spans) > 2
+    assert {format(span.context.trace_id, "032x") for span in spans} == {run_trace_id("r")}
+    # As the docs derive it, and in the form tracing tools show.
+    assert run_trace_id("r") == f"{run_ids('r')[0]:032x}"
+    assert re.fullmatch(r"[0-9a-f]{32}", run_trace_id("r"))
+    assert run_trace_id("r") != run_trace_id("r2")
+
+
 async def test_an_in_doubt_resume_is_marked(traced: Traced, tmp_path: Path) -> None:
     path = tmp_path / "runs.db"
     tools = make_tools(Ledger(), replay=Replay.NEVER)
@@ -671,6 +690,59 @@ async def test_close_ends_the_span_of_a_run_that_raised(traced: Traced) -> None:
     unrecorded = only(traced.named("chat"), 1)
     assert attrs(unrecorded)["error.type"] == "abandoned"
     assert unrecorded.status.status_code is StatusCode.ERROR
+
+
+async def _crash_in_memory(sink: OpenTelemetrySink, ledger: Ledger) -> None:
+    """Run "r1" until the store fails after step 0's tool really ran and was recorded."""
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(
+                FaultyStore(MemoryStore(), fail_after_writes=6),
+                script=five_step_script(),
+                events=sink,
+            ),
+            request("r1", make_tools(ledger)),
+        )
+    assert len(ledger.calls) == 1  # step 0's double ran
+
+
+@pytest.mark.parametrize("flush", ["force_flush", "shutdown"])
+async def test_a_batch_processor_holds_a_crashed_attempt_s_spans_until_flushed(
+    flush: str,
+) -> None:
+    """What a killed process loses with a batch processor, and the flush at exit (either
+    call) that keeps it."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    # A delay no test reaches: only a flush sends the batch, as in a process killed early.
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000))
+    sink = OpenTelemetrySink(tracer_provider=provider)
+    try:
+        await _crash_in_memory(sink, Ledger())
+        # Killed now, the process would take these spans with it: none was exported.
+        assert exporter.get_finished_spans() == ()
+        sink.close()
+        if flush == "force_flush":
+            assert provider.force_flush()
+        else:
+            provider.shutdown()
+        spans = exporter.get_finished_spans()
+    finally:
+        provider.shutdown()
+    (tool,) = [span for span in spans if span.name.startswith("execute_tool")]
+    assert tool.name == "execute_tool double" and attrs(tool)["polyloop.step"] == 0
+    (agent,) = [span for span in spans if span.name == "invoke_agent"]
+    assert attrs(agent)["polyloop.run.abandoned"] is True
+
+
+async def test_a_simple_processor_has_sent_each_step_s_spans_before_a_crash(
+    traced: Traced,
+) -> None:
+    await _crash_in_memory(traced.sink, Ledger())
+    # Nothing was closed or flushed: a process killed here has lost no finished step.
+    (tool,) = traced.named("execute_tool")
+    assert tool.name == "execute_tool double" and attrs(tool)["polyloop.step"] == 0
+    assert [attrs(span)["polyloop.step"] for span in traced.named("chat")] == [0]
 
 
 async def test_native_tool_calls_carry_their_call_id(traced: Traced) -> None:

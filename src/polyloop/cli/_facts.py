@@ -22,6 +22,7 @@ from polyloop.types import (
     RunState,
     StepRecord,
     StopReason,
+    run_trace_id,
 )
 
 UNKNOWN = "—"
@@ -171,7 +172,8 @@ def resumed_text(view: RunView) -> str | None:
 
 
 def run_facts(view: RunView) -> list[tuple[str, str]]:
-    """When the run started and last wrote, its wall time, tokens and resumes."""
+    """When the run started and last wrote, its wall time, tokens, resumes and the
+    OpenTelemetry trace id its spans are under when it is traced."""
     facts = [("started", utc_text(started_at(view)))]
     ended = isinstance(view.log.records[-1], RunEnded)
     facts.append(("ended" if ended else "last record", utc_text(last_at(view))))
@@ -180,6 +182,8 @@ def run_facts(view: RunView) -> list[tuple[str, str]]:
         facts.append(("tokens", tokens))
     if (resumed := resumed_text(view)) is not None:
         facts.append(("resumed", resumed))
+    # Where OpenTelemetry puts the run, whether or not it was traced: the id is derived.
+    facts.append(("trace id", run_trace_id(view.run_id)))
     return facts
 
 
@@ -203,6 +207,7 @@ def run_json(view: RunView) -> dict[str, JSONValue]:
         "total_tokens": usage.total_tokens if usage is not None else None,
         "tokens_unreported_steps": unreported,
         "resumed_after_steps": resumes,
+        "trace_id": run_trace_id(view.run_id),
         "timeline": [step_json(step) for step in view.steps],
     }
 
