@@ -13,6 +13,7 @@ import stat
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -508,6 +509,69 @@ async def test_a_torn_tail_is_ignored_then_truncated_by_the_next_writer(
         await store.write_result(result())
         assert list((await store.read_log("r")).records) == [*records, result()]
     assert path.read_bytes() == complete + (dumps(result()) + "\n").encode()
+
+
+async def test_a_huge_torn_tail_is_read_past_and_cut_without_being_held(tmp_path: Path) -> None:
+    """Reading, listing, describing and claiming scan the file in chunks: the most memory
+    held at once is a small fraction of the tail (``tracemalloc`` sees the worker threads)."""
+    records = await started_run(tmp_path)
+    path = run_file(tmp_path, "r")
+    complete = path.read_bytes()
+    size = 20 * 1024 * 1024
+    append_bytes(path, torn_tails()[0] + b"\xff" * size)
+    assert path.stat().st_size > len(complete) + size
+    async with JsonlStore(tmp_path) as store:
+        tracemalloc.start()
+        try:
+            assert list((await store.read_log("r")).records) == records
+            assert [run.run_id for run in await store.list_runs()] == ["r"]
+            described = await store.describe_run("r")
+            assert described is not None and not described.finished
+            _, peak_reading = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            await store.claim_run("r")
+            _, peak_claiming = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert path.read_bytes() == complete  # the claim cut the tail at the last newline
+    assert peak_reading < size // 8, f"reading held {peak_reading} bytes"
+    assert peak_claiming < size // 8, f"the claim held {peak_claiming} bytes"
+
+
+class ChangesWhileRead(OsFileOps):
+    """The real file operations; the first ``read`` of a run file first runs ``change``."""
+
+    __slots__ = ("change",)
+
+    def __init__(self, change: Callable[[], None] | None) -> None:
+        self.change = change
+
+    def read(self, fd: int, size: int) -> bytes:
+        if self.change is not None:
+            change, self.change = self.change, None
+            change()
+        return super().read(fd, size)
+
+
+async def test_a_read_returns_the_lines_complete_when_it_started(tmp_path: Path) -> None:
+    records = await started_run(tmp_path)
+    path = run_file(tmp_path, "r")
+    later = (dumps(result()) + "\n").encode()
+    files = ChangesWhileRead(lambda: append_bytes(path, later))
+    async with JsonlStore(tmp_path, _files=files) as store:
+        assert list((await store.read_log("r")).records) == records
+        assert files.change is None  # the line was appended during that read
+        assert list((await store.read_log("r")).records) == [*records, result()]
+
+
+async def test_a_run_file_cut_shorter_while_read_is_a_store_error(tmp_path: Path) -> None:
+    await started_run(tmp_path)
+    path = run_file(tmp_path, "r")
+    files = ChangesWhileRead(lambda: os.truncate(path, 10))
+    async with JsonlStore(tmp_path, _files=files) as store:
+        with pytest.raises(StoreError, match="shrank while it was being read") as caught:
+            await store.read_log("r")
+    assert caught.value.run_id == "r" and caught.value.location == path.name
 
 
 async def test_a_torn_tail_is_left_alone_while_another_writer_holds_the_run(

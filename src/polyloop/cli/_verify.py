@@ -16,7 +16,9 @@ bad row; the order check runs on every log that reads back.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -28,7 +30,8 @@ from polyloop.cli._stores import StoreSpec
 from polyloop.ports import ManagedStore
 from polyloop.session import run_status
 from polyloop.stores._common import safe_name
-from polyloop.stores._jsonl.reader import SUFFIX, decode_line
+from polyloop.stores._jsonl.fileops import OsFileOps
+from polyloop.stores._jsonl.reader import COMMON_FLAGS, SUFFIX, decode_line, extent, lines
 from polyloop.types import CorruptLog, PolyLoopError, Record, SchemaMajorMismatch
 
 Level = Literal["warning", "error"]
@@ -110,18 +113,26 @@ def check_file(path: Path) -> RunCheck:
     if path.is_symlink() or not path.is_file():
         check.add("error", path.name, "not a regular file (stores never follow links)")
         return check
+    files = OsFileOps()
     try:
-        data = path.read_bytes()
+        fd = files.open(path, os.O_RDONLY | COMMON_FLAGS)
     except OSError as exc:
         check.add("error", path.name, f"cannot be read: {exc}")
         return check
-    *lines, tail = data.split(b"\n")
-    records, line_of = _decode_lines(check, path.name, lines)
-    if tail:
+    try:
+        # Line by line, up to the last complete one: a torn tail is measured, never held.
+        end, size = extent(files, fd)
+        records, line_of, complete = _decode_lines(check, path.name, lines(files, fd, end))
+    except OSError as exc:
+        check.add("error", path.name, f"cannot be read: {exc}")
+        return check
+    finally:
+        files.close(fd)
+    if size > end:
         check.add(
             "warning",
-            f"{path.name}:{len(lines) + 1}",
-            f"torn tail: {len(tail)} bytes after the last complete line (a write "
+            f"{path.name}:{complete + 1}",
+            f"torn tail: {size - end} bytes after the last complete line (a write "
             f"that never finished; readers ignore it, the next writer removes it)",
         )
     if records:
@@ -135,12 +146,15 @@ def check_file(path: Path) -> RunCheck:
     return check
 
 
-def _decode_lines(check: RunCheck, name: str, lines: list[bytes]) -> tuple[list[Record], list[int]]:
-    """Decode every complete line; note each bad one. Also return each record's line."""
+def _decode_lines(
+    check: RunCheck, name: str, pieces: Iterable[bytes]
+) -> tuple[list[Record], list[int], int]:
+    """Decode every complete line; note each bad one. Also return each record's line, and
+    how many lines there were."""
     records: list[Record] = []
     line_of: list[int] = []
-    bad = 0
-    for number, piece in enumerate(lines, start=1):
+    bad = number = 0
+    for number, piece in enumerate(pieces, start=1):
         location = f"{name}:{number}"
         try:
             decoded = decode_line(piece, location)
@@ -153,7 +167,7 @@ def _decode_lines(check: RunCheck, name: str, lines: list[bytes]) -> tuple[list[
         line_of.extend([number] * len(decoded))
     if bad > MAX_LINE_ERRORS:
         check.add("error", name, f"{bad - MAX_LINE_ERRORS} more lines do not decode")
-    return records, line_of
+    return records, line_of, number
 
 
 def _check_owner(

@@ -10,7 +10,7 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from polyloop import types
@@ -25,12 +25,19 @@ COMMON_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CHUNK = 64 * 1024
 _SPACE = " \t\r"  # what JSON skips between tokens on one line
 _DECODER = json.JSONDecoder()
+_SHRANK = "the run file shrank while it was being read"
+
+
+def extent(files: FileOps, fd: int) -> tuple[int, int]:
+    """Where the last complete line ends, and the file's size: a torn tail lies between.
+    The tail is scanned back in chunks, never held (a crash can leave a long one)."""
+    size = files.fstat(fd).st_size
+    return _line_start(files, fd, size), size
 
 
 def tail(files: FileOps, fd: int, location: str) -> tuple[int, int, RunEnded | None]:
     """Where the last complete line ends, the file's size, and that line's end record if any."""
-    size = files.fstat(fd).st_size
-    end = _line_start(files, fd, size)
+    end, size = extent(files, fd)
     if end == 0:
         return 0, size, None
     start = _line_start(files, fd, end - 1)
@@ -50,7 +57,7 @@ def _line_start(files: FileOps, fd: int, end: int) -> int:
         start = max(0, position - _CHUNK)
         chunk = files.pread(fd, position - start, start)
         if len(chunk) != position - start:
-            raise OSError(errno.EIO, "the run file shrank while it was being read")
+            raise OSError(errno.EIO, _SHRANK)
         newline = chunk.rfind(b"\n")
         if newline >= 0:
             return start + newline + 1
@@ -81,20 +88,32 @@ def run_file(files: FileOps, path: Path, run_id: str | None) -> Iterator[int | N
         files.close(fd)
 
 
-def read_all(files: FileOps, fd: int, stop: bytes | None = None) -> bytes:
-    """Read from the descriptor's position to the end, or until a chunk holds ``stop``."""
-    chunks: list[bytes] = []
-    while chunk := files.read(fd, 1024 * 1024):
-        chunks.append(chunk)
-        if stop is not None and stop in chunk:
-            break
-    return b"".join(chunks)
+def lines(files: FileOps, fd: int, end: int) -> Iterator[bytes]:
+    """The complete lines of the file up to ``end`` (from :func:`extent`), each without its
+    ``\\n``, read in chunks from the descriptor's position, which must be the start. What
+    lies past ``end`` is never read, and only the line being read is held."""
+    parts: list[bytes] = []  # the line so far: joined once, not grown chunk by chunk
+    position = 0
+    while position < end:
+        chunk = files.read(fd, min(_CHUNK, end - position))
+        if not chunk:
+            raise OSError(errno.EIO, _SHRANK)
+        position += len(chunk)
+        start = 0
+        while (newline := chunk.find(b"\n", start)) >= 0:
+            parts.append(chunk[start:newline])
+            yield b"".join(parts)
+            parts.clear()
+            start = newline + 1
+        if start < len(chunk):
+            parts.append(chunk[start:])
 
 
-def first_run_id(files: FileOps, fd: int, name: str) -> str:
-    """The run of the first line of the run file ``name``, which must be the one it is named for."""
+def first_run_id(files: FileOps, fd: int, name: str, end: int) -> str:
+    """The run of the first line of the run file ``name``, which must be the one it is named
+    for; ``end`` (from :func:`extent`) is past that line."""
     location = f"{name}:1"
-    head = read_all(files, fd, b"\n").partition(b"\n")[0]
+    head = next(lines(files, fd, end))
     run_id = decode_line(head, location)[0].run_id
     if f"{safe_name(run_id)}{SUFFIX}" != name:
         reason = "the file holds a run whose id does not match the file name"
@@ -138,8 +157,13 @@ def log_lines(records: tuple[Record, ...]) -> bytes:
 
 def parse_lines(data: bytes, file_name: str, run_id: str) -> list[Record]:
     """The records of a run file's bytes; the unterminated last piece is ignored."""
+    return records_of(data.split(b"\n")[:-1], file_name, run_id)
+
+
+def records_of(pieces: Iterable[bytes], file_name: str, run_id: str) -> list[Record]:
+    """The records of a run file's complete lines, given in order without their ``\\n``."""
     records: list[Record] = []
-    for number, piece in enumerate(data.split(b"\n")[:-1], start=1):
+    for number, piece in enumerate(pieces, start=1):
         location = f"{file_name}:{number}"
         try:
             decoded = decode_line(piece, location)

@@ -77,8 +77,11 @@ class Jsonl(OneHost):
         self.state.check_open(run_id)
         path = self._path(run_id)
         with reader.run_file(self.files, path, run_id) as fd:
-            data = b"" if fd is None else reader.read_all(self.files, fd)
-        return tuple(reader.parse_lines(data, path.name, run_id))
+            if fd is None:
+                return ()
+            # Up to the last complete line only: a torn tail, however long, is never held.
+            end, _ = reader.extent(self.files, fd)
+            return tuple(reader.records_of(reader.lines(self.files, fd, end), path.name, run_id))
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
         """Every run file's run, by id; a file that is not one run's is left out, warned of."""
@@ -205,7 +208,7 @@ class Jsonl(OneHost):
             if fd is None or end == 0:
                 return None  # no run yet, or removed while the directory was listed
             if run_id is None:
-                run_id = reader.first_run_id(files, fd, path.name)
+                run_id = reader.first_run_id(files, fd, path.name, end)
             return StoredRun(
                 run_id=run_id,
                 finished=ended is not None and ended.is_final,
