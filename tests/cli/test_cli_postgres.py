@@ -131,6 +131,63 @@ def test_an_unreachable_server_is_one_error(capsys: pytest.CaptureFixture[str]) 
     assert "pw@" not in err
 
 
+# Every command but the demo works on a store that exists; each, given a mistyped schema.
+EXISTING_ONLY = [
+    ["runs"],
+    ["runs", "--json"],
+    ["show", "demo-1"],
+    ["show", "demo-1", "--json"],
+    ["verify"],
+    ["verify", "demo-1"],
+    ["pending"],
+    ["prune", "--finished-before", "2999-01-01"],
+    ["approve", "demo-1", "--by", "ann"],
+    ["reject", "demo-1", "--by", "ann", "--reason", "no"],
+    ["settle", "demo-1", "--by", "ann", "--did-not-run", "--reason", "no"],
+]
+
+
+def _schemas(conninfo: str) -> set[str]:
+    with pg.admin(conninfo) as conn:
+        return {name for (name,) in conn.execute("SELECT nspname FROM pg_namespace")}
+
+
+def _tables(conninfo: str) -> set[tuple[str, str]]:
+    with pg.admin(conninfo) as conn:
+        rows = conn.execute("SELECT schemaname, tablename FROM pg_tables")
+        return {(schema, table) for schema, table in rows}
+
+
+@pytest.mark.parametrize("command", EXISTING_ONLY, ids=" ".join)
+def test_a_mistyped_schema_is_named_and_never_created(
+    conninfo: str, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = as_url(conninfo)
+    assert main(["demo", "--pace", "0", "--store", url]) == 0
+    capsys.readouterr()
+    schemas, tables = _schemas(conninfo), _tables(conninfo)
+    assert "polyloop" in schemas and "Upper" not in schemas
+
+    # The password is masked; the trust login lets it through unused.
+    with_password = pg.as_url(conninfo, password="s3cret")
+    shown = with_password.replace(":s3cret@", ":***@")
+    assert main([command[0], with_password, *command[1:], "--schema", "Upper"]) == 1
+    out, err = capsys.readouterr()
+    assert (out, err) == (
+        "",
+        f"polyloop: error: {shown}: no PolyLoop store in schema 'Upper': "
+        "the schema does not exist\n",
+    )
+    # A schema that exists but holds no store is refused too, and left as it was.
+    assert main([command[0], url, *command[1:], "--schema", "public"]) == 1
+    assert capsys.readouterr().err == (
+        f"polyloop: error: {url}: no PolyLoop store in schema 'public': "
+        "the schema holds no PolyLoop tables\n"
+    )
+    assert _schemas(conninfo) == schemas
+    assert _tables(conninfo) == tables
+
+
 def test_lone_surrogates_are_shown_escaped_on_postgresql(
     conninfo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from agent_kit import Ledger, answer, definition, make_tools, request
 from polyloop import StoreError, run
+from polyloop.cli import main
 from polyloop.cli._common import CliError
 from polyloop.cli._stores import StoreSpec, parse_store, require_existing
 from polyloop.stores import JsonlStore
@@ -61,6 +62,52 @@ def test_reading_commands_never_create_a_store(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     require_existing(parse_store(f"jsonl:{tmp_path}"))
     require_existing(parse_store(f"sqlite:{tmp_path / 'file'}"))
+
+
+# Every command but the demo works on a store that exists.
+EXISTING_ONLY = [
+    ["runs"],
+    ["show", "r1"],
+    ["verify"],
+    ["pending"],
+    ["prune", "--finished-before", "2999-01-01"],
+    ["approve", "r1", "--by", "ann"],
+    ["reject", "r1", "--by", "ann", "--reason", "no"],
+    ["settle", "r1", "--by", "ann", "--did-not-run", "--reason", "no"],
+]
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root``, with a file's contents."""
+    return {
+        str(path.relative_to(root)): path.read_bytes() if path.is_file() else None
+        for path in root.rglob("*")
+    }
+
+
+@pytest.mark.parametrize("command", EXISTING_ONLY, ids=" ".join)
+def test_no_command_but_the_demo_creates_a_store(
+    tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "empty.db").write_bytes(b"")
+    before = _tree(tmp_path)
+    for store, message in [
+        (
+            f"jsonl:{tmp_path / 'typo'}",
+            f"no JSONL store at {tmp_path / 'typo'}: the directory does not exist",
+        ),
+        (
+            f"sqlite:{tmp_path / 'typo.db'}",
+            f"no SQLite store at {tmp_path / 'typo.db'}: the file does not exist",
+        ),
+        (
+            f"sqlite:{tmp_path / 'empty.db'}",
+            "no PolyLoop store in database 'empty.db': the database holds no PolyLoop tables",
+        ),
+    ]:
+        assert main([command[0], store, *command[1:]]) == 1
+        assert capsys.readouterr() == ("", f"polyloop: error: {message}\n")
+    assert _tree(tmp_path) == before
 
 
 # -- JsonlStore.list_runs ----------------------------------------------------------------------

@@ -607,6 +607,47 @@ async def test_hostile_run_ids_and_schema_names_are_plain_data(conninfo: str) ->
     assert ordinary == [(7,)]  # an ordinary id is stored as itself
 
 
+async def test_a_store_that_may_not_create_opens_only_an_existing_schema(
+    shared_database: str, new_schema: Callable[[], str]
+) -> None:
+    schema = new_schema()
+
+    async def named(schema: str) -> list[Any]:
+        return await _query(
+            shared_database, "SELECT nspname FROM pg_namespace WHERE nspname = %s", schema
+        )
+
+    reader = PostgresStore(shared_database, schema=schema, create=False)
+    with pytest.raises(StoreError) as missing:
+        await reader.list_runs()
+    assert (
+        str(missing.value) == f"no PolyLoop store in schema {schema!r}: the schema does not exist"
+    )
+    with pytest.raises(StoreError, match="the schema does not exist"):  # nor does a claim
+        await reader.claim_run("r1")
+    await reader.aclose()
+    assert await named(schema) == []
+
+    # A schema that exists but holds other things is no store either, and stays as it was.
+    await _query(shared_database, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    with pytest.raises(StoreError) as empty:
+        async with PostgresStore(shared_database, schema=schema, create=False):
+            pass
+    assert str(empty.value) == (
+        f"no PolyLoop store in schema {schema!r}: the schema holds no PolyLoop tables"
+    )
+    tables = "SELECT tablename FROM pg_tables WHERE schemaname = %s"
+    assert await _query(shared_database, tables, schema) == []
+
+    async with PostgresStore(shared_database, schema=schema) as writer:
+        await apply(writer, sample_run("r1", steps=1))
+    async with PostgresStore(shared_database, schema=schema, create=False) as reader:
+        assert [run.run_id for run in await reader.list_runs()] == ["r1"]
+        assert list((await reader.read_log("r1")).records) == expected_records(
+            sample_run("r1", steps=1)
+        )
+
+
 # -- options and surface ------------------------------------------------------------------------
 
 

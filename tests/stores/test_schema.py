@@ -42,7 +42,7 @@ class Database:
 
     layout: Layout
     raw: Callable[[], AbstractContextManager[Any]]  # an autocommit connection
-    open_store: Callable[[], ManagedStore]
+    open_store: Callable[..., ManagedStore]  # takes ``create``
     insert: Any  # one record: run id, seq, kind, body
     row: Callable[[str, int, str, str], tuple[object, ...]]
     doubt_finished: Any  # what releases before settlements did to a run in doubt
@@ -97,7 +97,7 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
         return Database(
             layout=SQLITE_LAYOUT,
             raw=raw_sqlite,
-            open_store=lambda: SqliteStore(path),
+            open_store=lambda create=True: SqliteStore(path, create=create),
             insert="INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)",
             row=lambda run_id, seq, kind, body: (run_id, seq, kind, body),
             doubt_finished="UPDATE runs SET finished = 1 WHERE run_id = 'doubt'",
@@ -108,7 +108,7 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
     return Database(
         layout=Queries(schema).layout,
         raw=lambda: pg.admin(conninfo),
-        open_store=lambda: PostgresStore(conninfo, schema=schema),
+        open_store=lambda create=True: PostgresStore(conninfo, schema=schema, create=create),
         insert=compose(
             "INSERT INTO {records} (run_key, seq, run_id, kind, body) VALUES (%s, %s, %s, %s, %s)"
         ),
@@ -123,8 +123,8 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
     )
 
 
-async def _check_upgraded(database: Database) -> None:
-    async with database.open_store() as store:
+async def _check_upgraded(database: Database, *, create: bool = True) -> None:
+    async with database.open_store(create=create) as store:
         listed = {run.run_id: run.finished for run in await store.list_runs()}
         assert listed == {"done": True, "open": False, "doubt": False}
         for run_id, records in RUNS.items():
@@ -142,13 +142,15 @@ async def _check_upgraded(database: Database) -> None:
 EARLIER = [("sqlite", n) for n in range(1, 5)] + [("postgresql", n) for n in range(1, 4)]
 
 
+# A store that may not create one still brings an existing database up to date.
+@pytest.mark.parametrize("create", [True, False], ids=["create", "existing-only"])
 @pytest.mark.parametrize(("database", "layout"), EARLIER, indirect=["database"])
 async def test_a_database_at_an_earlier_layout_is_brought_to_the_current_one(
-    database: Database, layout: int
+    database: Database, layout: int, create: bool
 ) -> None:
     assert layout < database.layout.current
     database.build(layout)
-    await _check_upgraded(database)
+    await _check_upgraded(database, create=create)
 
 
 @pytest.mark.parametrize("layout", [1, 2])

@@ -259,6 +259,54 @@ async def test_a_parent_that_is_a_file_is_refused_naming_it(tmp_path: Path, insi
     assert (tmp_path / "a").read_text() == "a file, not a directory"
 
 
+async def test_a_store_that_may_not_create_opens_only_an_existing_database(
+    tmp_path: Path,
+) -> None:
+    def tree() -> dict[str, bytes | None]:
+        """Every path under ``tmp_path``, with a file's contents."""
+        return {
+            str(path.relative_to(tmp_path)): path.read_bytes() if path.is_file() else None
+            for path in tmp_path.rglob("*")
+        }
+
+    (tmp_path / "empty.db").write_bytes(b"")
+    with raw(tmp_path / "other.db") as conn:
+        conn.execute("CREATE TABLE notes (text TEXT)")
+    before = tree()
+    for name, message in [
+        ("missing.db", f"no PolyLoop store at {tmp_path / 'missing.db'}: the file does not exist"),
+        (
+            "a/b/missing.db",
+            f"no PolyLoop store at {tmp_path / 'a/b/missing.db'}: the file does not exist",
+        ),
+        (".", f"no PolyLoop store at {tmp_path / '.'}: the file is not a file"),
+        (
+            "empty.db",
+            "no PolyLoop store in database 'empty.db': the database holds no PolyLoop tables",
+        ),
+        (
+            "other.db",
+            "no PolyLoop store in database 'other.db': the database holds no PolyLoop tables",
+        ),
+    ]:
+        store = SqliteStore(tmp_path / name, create=False)
+        with pytest.raises(StoreError) as refused:
+            await store.list_runs()
+        assert str(refused.value) == message
+        with pytest.raises(StoreError, match="no PolyLoop store"):  # nor does a claim
+            await store.claim_run("r1")
+        await store.aclose()
+    assert tree() == before  # no directory, file, table or journal mode was made
+
+    async with SqliteStore(tmp_path / "runs.db") as writer:
+        await apply(writer, sample_run("r1", steps=1))
+    async with SqliteStore(tmp_path / "runs.db", create=False) as reader:
+        assert [run.run_id for run in await reader.list_runs()] == ["r1"]
+        assert list((await reader.read_log("r1")).records) == expected_records(
+            sample_run("r1", steps=1)
+        )
+
+
 async def test_schema_rows_and_format_are_as_documented(tmp_path: Path) -> None:
     path = tmp_path / "runs.db"
     writes = sample_run("r1", steps=1)

@@ -148,7 +148,7 @@ async def demo(options: DemoOptions, out: Console) -> int:
     """Run (or resume) the demo agent; the exit status."""
     data = load_data()
     ledger = Ledger()
-    async with open_store(options.store) as store, _model(options, data) as model:
+    async with open_store(options.store, create=True) as store, _model(options, data) as model:
         before = await _announce(store, options, out)
         result, crashing = await _drive(store, model, build_tools(data, ledger), options, out)
     if crashing is not None:

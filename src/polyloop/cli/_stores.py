@@ -13,6 +13,7 @@ import anyio.to_thread
 
 from polyloop.cli._common import CliError, install_hint
 from polyloop.ports import ManagedStore
+from polyloop.types import StoreError
 
 Kind = Literal["jsonl", "sqlite", "postgresql"]
 
@@ -78,18 +79,30 @@ def require_existing(spec: StoreSpec) -> None:
 
 
 @asynccontextmanager
-async def open_store(spec: StoreSpec) -> AsyncIterator[ManagedStore]:
-    """The store ``spec`` names, open for the length of the ``async with`` block."""
-    store = _build(spec)
-    if spec.kind == "postgresql":
-        await anyio.to_thread.run_sync(_probe_postgres, spec)
+async def open_store(spec: StoreSpec, *, create: bool = False) -> AsyncIterator[ManagedStore]:
+    """The store ``spec`` names, open for the length of the ``async with`` block.
+
+    Only with ``create`` may a database store that is not there be made (the demo's);
+    every other command works on an existing one, so a mistyped name is an error, not a
+    new, empty store. A JSONL directory is checked by :func:`require_existing`.
+    """
+    store = _build(spec, create=create)
     try:
+        if spec.kind == "postgresql":
+            await anyio.to_thread.run_sync(_probe_postgres, spec)
+        try:
+            # Opened now, so that a missing store is named as such, not as a run's error.
+            await store.__aenter__()
+        except StoreError as exc:
+            if spec.kind != "postgresql":
+                raise  # its message names the file already
+            raise CliError(f"{spec.shown}: {exc}") from None
         yield store
     finally:
         await store.aclose()
 
 
-def _build(spec: StoreSpec) -> ManagedStore:
+def _build(spec: StoreSpec, *, create: bool) -> ManagedStore:
     if spec.kind == "jsonl":
         from polyloop.stores import JsonlStore
 
@@ -97,14 +110,16 @@ def _build(spec: StoreSpec) -> ManagedStore:
     if spec.kind == "sqlite":
         from polyloop.stores import SqliteStore
 
-        return SqliteStore(spec.location)
+        return SqliteStore(spec.location, create=create)
     try:
         from polyloop.stores import PostgresStore
     except ImportError:
         raise CliError(f"a postgresql:// store needs psycopg: {install_hint('postgres')}") from None
     if spec.schema is None:
-        return PostgresStore(spec.location, timeout=POSTGRES_TIMEOUT_S)
-    return PostgresStore(spec.location, schema=spec.schema, timeout=POSTGRES_TIMEOUT_S)
+        return PostgresStore(spec.location, timeout=POSTGRES_TIMEOUT_S, create=create)
+    return PostgresStore(
+        spec.location, schema=spec.schema, timeout=POSTGRES_TIMEOUT_S, create=create
+    )
 
 
 def _probe_postgres(spec: StoreSpec) -> None:

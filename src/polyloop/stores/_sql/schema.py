@@ -14,7 +14,7 @@ from typing import Any
 
 from polyloop._shared import FORMAT
 from polyloop.stores._common import check_format
-from polyloop.types import CorruptLog, SchemaMajorMismatch
+from polyloop.types import CorruptLog, SchemaMajorMismatch, StoreError
 
 # A step SQL alone cannot say: called with the connection, the database's name for
 # messages, and the run being served.
@@ -47,6 +47,17 @@ class Layout:
     @property
     def current(self) -> int:
         return max(self.steps)
+
+
+def require_store(conn: Any, layout: Layout, *, name: str, run_id: str | None) -> None:
+    """A ``StoreError`` naming ``name`` unless its meta table (made by every layout's
+    first step) is there: how a store that may not create one refuses, writing nothing."""
+    if not conn.execute(layout.exists, ("meta",)).fetchone()[0]:
+        raise StoreError(
+            f"no PolyLoop store in {layout.holder} {name!r}: the {layout.holder} holds no "
+            f"PolyLoop tables",
+            run_id=run_id,
+        )
 
 
 def prepare(conn: Any, layout: Layout, *, name: str, where: str, run_id: str | None) -> None:

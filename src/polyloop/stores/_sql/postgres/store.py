@@ -38,7 +38,7 @@ from polyloop.stores._refusals import claimed_already, not_claimed, store_closed
 from polyloop.stores._sql.postgres.batch import Committer, Link, Probe, Writer
 from polyloop.stores._sql.postgres.deadline import Watched, deadline_s
 from polyloop.stores._sql.postgres.sql import Queries, owner_lock, run_id_column, run_key
-from polyloop.stores._sql.schema import prepare
+from polyloop.stores._sql.schema import prepare, require_store
 from polyloop.types import CorruptLog, InvalidRequest, Record, RunLocked, StoreError
 
 logger = logging.getLogger("polyloop")
@@ -48,7 +48,8 @@ logger = logging.getLogger("polyloop")
 class Settings:
     """The options of a :class:`PostgresStore`, checked (``InvalidRequest`` names the
     first that is wrong). ``options`` are added to ``conninfo`` for every connection;
-    ``conninfo`` stays out of ``repr``, since it may hold a password."""
+    ``conninfo`` stays out of ``repr``, since it may hold a password. ``create``: may
+    opening create the schema and its tables."""
 
     conninfo: str = field(repr=False)
     schema: str
@@ -57,6 +58,7 @@ class Settings:
     timeout: float
     lease_s: float
     statement_timeout_s: float
+    create: bool = True
     options: Mapping[str, Any] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -136,7 +138,11 @@ class PostgresStore(EngineStore):
 
     ``conninfo`` is a libpq connection string or URL (it is never reported: not by
     :meth:`parameters`, not by ``repr``). ``schema`` names the PostgreSQL schema that
-    holds the tables; it is created on first use. ``pool_size`` bounds the connections
+    holds the tables; it is created on first use. With ``create=False`` the store only
+    opens a schema that already holds PolyLoop tables: a missing schema, or one without
+    them, is a ``StoreError`` naming the schema, and nothing is created (a reader that
+    must not turn a mistyped name into a new, empty store); an existing schema of an
+    earlier release is still brought up to date. ``pool_size`` bounds the connections
     used for reads and the DDL; ``max_writer_connections`` bounds the connections that
     hold writer locks (see the module documentation). ``timeout`` is how many seconds to
     wait for the pool to open or to lend a connection, and the connect timeout of every
@@ -173,6 +179,7 @@ class PostgresStore(EngineStore):
         timeout: float = 30.0,
         lease_s: float = 15.0,
         statement_timeout_s: float = 30.0,
+        create: bool = True,
         _probe: Probe | None = None,
     ) -> None:
         settings = Settings(
@@ -183,6 +190,7 @@ class PostgresStore(EngineStore):
             timeout=timeout,
             lease_s=lease_s,
             statement_timeout_s=statement_timeout_s,
+            create=create,
         )
         self._schema = schema
         super().__init__(self._DIALECT(settings, _probe))
@@ -431,6 +439,9 @@ class Postgres:
                 pool.open(wait=True, timeout=settings.timeout)
                 with pool.connection(timeout=settings.timeout) as conn:
                     layout = self._queries.layout
+                    if not settings.create:
+                        _require_schema(conn, schema, run_id)
+                        require_store(conn, layout, name=schema, run_id=run_id)
                     prepare(conn, layout, name=schema, where=f"{schema}.meta", run_id=run_id)
             except BaseException:
                 pool.close()
@@ -441,6 +452,18 @@ class Postgres:
                 f"{what}: {type(exc).__name__}: {text}", run_id=run_id
             ) from exc
         return pool
+
+
+def _require_schema(conn: Watched, schema: str, run_id: str | None) -> None:
+    """A ``StoreError`` if ``schema`` does not exist (``create=False``): a missing schema
+    is named as such, not as one without tables."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_catalog.pg_namespace WHERE nspname = %s", (schema,)
+    ).fetchone()
+    if not row or not row[0]:
+        raise StoreError(
+            f"no PolyLoop store in schema {schema!r}: the schema does not exist", run_id=run_id
+        )
 
 
 class Owner:

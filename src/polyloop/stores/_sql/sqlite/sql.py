@@ -14,7 +14,7 @@ from pathlib import Path
 
 from polyloop.stores._common import create_directories, open_files_error
 from polyloop.stores._jsonl.fileops import OsFileOps
-from polyloop.stores._sql.schema import Layout, prepare
+from polyloop.stores._sql.schema import Layout, prepare, require_store
 from polyloop.types import PolyLoopError, StoreError
 
 _FILES = OsFileOps()
@@ -160,16 +160,32 @@ PRUNE_RUN = (
 )
 
 
-def connect(path: Path, run_id: str | None) -> sqlite3.Connection:
+def connect(path: Path, run_id: str | None, *, create: bool = True) -> sqlite3.Connection:
     """Open and check the database, making its directories: WAL, ``synchronous=FULL``,
     the current layout. In autocommit mode (the store issues its own ``BEGIN``), usable
-    from any worker thread (the store hands it between them under its mutex)."""
+    from any worker thread (the store hands it between them under its mutex).
+    ``create=False``: a missing file, or one without PolyLoop tables, is a
+    ``StoreError``, and neither directories, file nor tables are made."""
     conn: sqlite3.Connection | None = None
     try:
-        create_directories(_FILES, path.absolute().parent, run_id=run_id)
-        created = not path.exists()
+        if create:
+            create_directories(_FILES, path.absolute().parent, run_id=run_id)
+            created = not path.exists()
+            target: str | Path = path
+        else:
+            if not path.is_file():
+                problem = "is not a file" if path.exists() else "does not exist"
+                reason = f"no PolyLoop store at {path}: the file {problem}"
+                raise StoreError(reason, run_id=run_id)
+            created = False
+            # Read-write, never create: the file may go between the check and the open.
+            target = path.absolute().as_uri() + "?mode=rw"
         # A statement waits up to 30 s for another connection's lock before it fails.
-        conn = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+        conn = sqlite3.connect(
+            target, timeout=30.0, isolation_level=None, check_same_thread=False, uri=not create
+        )
+        if not create:  # before WAL mode is set, which would write to the file
+            require_store(conn, LAYOUT, name=path.name, run_id=run_id)
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise StoreError(

@@ -48,6 +48,10 @@ class SqliteStore(EngineStore):
     writes are committed, and flushed by the next barrier. The store is an async context
     manager; :meth:`aclose` gives up every claim and closes its connection.
 
+    With ``create=False`` the store only opens a file that already holds PolyLoop
+    tables: a missing file, or a database without them, is a ``StoreError`` naming it,
+    and no directory, file or table is made.
+
     Cancellation, for every method: the worker thread a call started finishes before
     the cancellation is delivered. A write cancelled before its shared commit started
     writes nothing; once the commit started, the call waits for it, shielded, then lets
@@ -57,9 +61,9 @@ class SqliteStore(EngineStore):
 
     __slots__ = ("_path",)
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, create: bool = True) -> None:
         self._path = Path(os.fspath(path))
-        super().__init__(self._DIALECT(self._path))
+        super().__init__(self._DIALECT(self._path, create=create))
 
     def __repr__(self) -> str:
         return f"SqliteStore({os.fspath(self._path)!r})"
@@ -76,11 +80,12 @@ class Sqlite(OneHost):
 
     kind = "sqlite"
 
-    __slots__ = ("_conn", "_full", "_owner", "_path", "claims", "group", "state")
+    __slots__ = ("_conn", "_create", "_full", "_owner", "_path", "claims", "group", "state")
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, create: bool = True) -> None:
         self.state = WriterState()
         self._path = path
+        self._create = create
         self._conn: sqlite3.Connection | None = None
         self._full: bool | None = True  # synchronous=FULL; None: unknown, a pragma failed
         directory = path.with_name(path.name + ".claims")
@@ -158,7 +163,7 @@ class Sqlite(OneHost):
         if self.state.closed:
             raise store_closed(run_id)
         if self._conn is None:
-            self._conn = sql.connect(self._path, run_id)
+            self._conn = sql.connect(self._path, run_id, create=self._create)
         return self._conn
 
     @contextmanager
