@@ -459,6 +459,48 @@ def test_resuming_an_unknown_demo_run_is_one_error(
     )
 
 
+@pytest.mark.parametrize(
+    ("store", "problem"),
+    [
+        (
+            "jsonl:{tmp}/file/runs",
+            "cannot create the directory {tmp}/file/runs: {tmp}/file is a file",
+        ),
+        ("jsonl:{tmp}/file", "{tmp}/file is a file, not a directory of JSONL run logs"),
+        ("sqlite:{tmp}/file/runs.db", "{tmp}/file is a file, not a directory"),
+        ("sqlite:{tmp}", "{tmp} is a directory, not a SQLite database file"),
+    ],
+)
+def test_a_demo_store_that_cannot_be_opened_is_blamed_not_the_run(
+    tmp_path: Path, store: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("in the way")
+    store = store.format(tmp=tmp_path)
+    assert main(demo("--store", store)) == 1
+    captured = capsys.readouterr()
+    line = one_error_line(captured.err)
+    # The store by its path and that it could not be opened; no run is blamed, none began.
+    assert line.startswith(f"polyloop: error: cannot open the store {store}: ")
+    assert problem.format(tmp=tmp_path) in line
+    assert "run '" not in line and "demo run" not in captured.out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any directory")
+def test_a_demo_store_in_a_directory_without_write_permission_is_blamed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    try:
+        assert main(demo("--store", f"jsonl:{locked}/runs")) == 1
+    finally:
+        locked.chmod(0o755)
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"polyloop: error: cannot open the store jsonl:{locked}/runs: ")
+    assert str(locked / "runs") in line and "run '" not in line
+
+
 # -- a real OpenAI-compatible server ----------------------------------------------------------
 
 

@@ -326,6 +326,11 @@ def test_show_html_into_a_missing_directory_is_one_error(
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith("polyloop: error: ") and "No such file or directory" in err
+    # The page's path is what could not be written: said so, not the run or the store.
+    page = tmp_path / "no" / "x.html"
+    assert (
+        err == f"polyloop: error: cannot write the HTML page to {page}: No such file or directory\n"
+    )
 
 
 def test_show_of_an_unknown_run_is_one_error(
@@ -384,7 +389,7 @@ def test_verify_reports_a_torn_tail_as_a_warning(
         file.write('{"schema":"polyloop/1","kind":"res')
     assert main(["verify", jsonl_store]) == 0
     out = capsys.readouterr().out
-    assert f"warning  crashed  {path.name}:{lines + 1}: torn tail: 34 bytes" in out
+    assert f"warning  crashed  {path}:{lines + 1}: torn tail: 34 bytes" in out
     assert "1 with warnings, 0 with errors" in out
     # A torn tail is invisible to readers: the run still lists as resumable.
     assert main(["runs", jsonl_store]) == 0
@@ -400,8 +405,8 @@ def test_verify_names_every_corrupt_line(
     )
     assert main(["verify", jsonl_store]) == 1
     out = capsys.readouterr().out
-    assert f"error    done  {path.name}:2: not a JSON record" in out
-    assert f"error    done  {path.name}:5: no polyloop schema field" in out
+    assert f"error    done  {path}:2: not a JSON record" in out
+    assert f"error    done  {path}:5: no polyloop schema field" in out
     assert "ok       long (" in out
     assert "5 runs checked: 4 clean, 0 with warnings, 1 with errors" in out
 
@@ -413,7 +418,7 @@ def test_verify_reports_another_schema_major(
     edit_lines(path, lambda lines: [lines[0].replace('"polyloop/1"', '"polyloop/2"'), *lines[1:]])
     assert main(["verify", jsonl_store, "long"]) == 1
     out = capsys.readouterr().out
-    assert f"error    long  {path.name}:1: another major of the record format" in out
+    assert f"error    long  {path}:1: another major of the record format" in out
     assert "'polyloop/2'" in out
 
 
@@ -426,7 +431,7 @@ def test_verify_reports_records_out_of_order_with_their_line(
     assert main(["verify", jsonl_store, "done"]) == 1
     out = capsys.readouterr().out
     assert (
-        f"error    done  {path.name}:2 (record 1): records out of order: "
+        f"error    done  {path}:2 (record 1): records out of order: "
         "result 'done:0:model' has no open intent" in out
     )
 
@@ -440,7 +445,21 @@ def test_verify_reports_a_record_of_another_run(
     assert main(["verify", jsonl_store, "done"]) == 1
     out = capsys.readouterr().out
     last = len(done.read_text().splitlines())
-    assert f"{done.name}:{last}: a record of run 'long' in the log of run 'done'" in out
+    assert f"{done}:{last}: a record of run 'long' in the log of run 'done'" in out
+
+
+def test_verify_names_a_file_by_the_path_the_user_gave(
+    jsonl_store: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = jsonl_file(jsonl_store, "done")
+    edit_lines(path, lambda lines: [lines[0], "this is not json\n", *lines[2:]])
+    monkeypatch.chdir(path.parent.parent)
+    assert main(["verify", "jsonl:runs", "done"]) == 1
+    out = capsys.readouterr().out
+    # A path to open from where the command ran, not the file's base name alone.
+    named = f"runs/{path.name}"
+    assert f"error    done  {named}:2: not a JSON record" in out
+    assert Path(named).read_text().splitlines()[1] == "this is not json"
 
 
 def test_runs_lists_a_corrupt_log_and_show_refuses_it_in_one_line(
@@ -448,7 +467,7 @@ def test_runs_lists_a_corrupt_log_and_show_refuses_it_in_one_line(
 ) -> None:
     path = jsonl_file(jsonl_store, "done")
     edit_lines(path, lambda lines: [*lines[:3], "garbage\n", *lines[4:]])
-    problem = f"run 'done', at {path.name}:4: not a JSON record"
+    problem = f"run 'done', at {path}:4: not a JSON record"
     # runs marks the corrupt run, says where and why, and still lists the others.
     assert main(["runs", jsonl_store]) == 0
     out, err = capsys.readouterr()
@@ -497,7 +516,7 @@ def test_verify_sqlite_names_the_corrupt_row(
         conn.execute("UPDATE records SET body = 'nope' WHERE run_id = 'done' AND seq = 3")
     assert main(["verify", f"sqlite:{sqlite_store}"]) == 1
     out = capsys.readouterr().out
-    assert "error    done  runs.db: run row seq 3: not a JSON record" in out
+    assert f"error    done  {sqlite_store}: run row seq 3: not a JSON record" in out
     assert "4 clean, 0 with warnings, 1 with errors" in out
 
 
@@ -534,7 +553,7 @@ def test_verify_sqlite_reports_another_schema_major_in_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert err.startswith(
-        "polyloop: error: at runs.db: meta format: the database holds "
+        f"polyloop: error: at {sqlite_store}: meta format: the database holds "
         "records in format 'polyloop/2'"
     )
 

@@ -51,15 +51,32 @@ def test_passwords_are_masked_in_messages() -> None:
 
 def test_reading_commands_never_create_a_store(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
+    os.mkfifo(tmp_path / "fifo")
     for text, message in [
-        (f"jsonl:{tmp_path / 'nothing'}", "the directory does not exist"),
-        (f"jsonl:{tmp_path / 'file'}", "the directory is not a directory"),
-        (f"sqlite:{tmp_path / 'nothing.db'}", "the file does not exist"),
-        (f"sqlite:{tmp_path}", "the file is not a file"),
+        (
+            f"jsonl:{tmp_path / 'nothing'}",
+            f"no JSONL store at {tmp_path / 'nothing'}: the directory does not exist",
+        ),
+        (
+            f"jsonl:{tmp_path / 'file'}",
+            f"{tmp_path / 'file'} is a file, not a directory of JSONL run logs",
+        ),
+        (
+            f"jsonl:{tmp_path / 'fifo'}",
+            f"{tmp_path / 'fifo'} is a special file (not a regular file), not a directory "
+            "of JSONL run logs",
+        ),
+        (
+            f"sqlite:{tmp_path / 'nothing.db'}",
+            f"no SQLite store at {tmp_path / 'nothing.db'}: the file does not exist",
+        ),
+        (f"sqlite:{tmp_path}", f"{tmp_path} is a directory, not a SQLite database file"),
     ]:
-        with pytest.raises(CliError, match=message):
+        with pytest.raises(CliError) as refused:
             require_existing(parse_store(text))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+        # The path itself and what it is, never "the directory is not a directory".
+        assert str(refused.value) == message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "file"]
     require_existing(parse_store(f"jsonl:{tmp_path}"))
     require_existing(parse_store(f"sqlite:{tmp_path / 'file'}"))
 
@@ -168,8 +185,9 @@ async def test_list_runs_leaves_out_an_unreadable_first_line_with_a_warning(
         with caplog.at_level(logging.WARNING, logger="polyloop"):
             assert tuple(run.run_id for run in await store.list_runs()) == ("kept",)
     (warning,) = left_out(caplog)
-    assert warning.startswith(f"{name} is left out of the listing")
-    assert f"{name}:1" in warning
+    # The file by its full path, so that it can be opened from anywhere.
+    assert warning.startswith(f"{tmp_path / name} is left out of the listing")
+    assert f"{tmp_path / name}:1" in warning
 
 
 @pytest.mark.anyio
@@ -183,8 +201,9 @@ async def test_list_runs_leaves_out_a_file_named_for_another_run(
         with caplog.at_level(logging.WARNING, logger="polyloop"):
             assert tuple(run.run_id for run in await store.list_runs()) == ("other",)
     (warning,) = left_out(caplog)
-    assert warning.startswith("renamed.jsonl is left out of the listing")
-    assert "does not match the file name" in warning and "renamed.jsonl:1" in warning
+    assert warning.startswith(f"{tmp_path / 'renamed.jsonl'} is left out of the listing")
+    assert "does not match the file name" in warning
+    assert f"{tmp_path / 'renamed.jsonl'}:1" in warning
 
 
 @pytest.mark.anyio
@@ -198,7 +217,9 @@ async def test_list_runs_leaves_out_links_and_refuses_closed_stores(
         (listed,) = await store.list_runs()
     assert listed.run_id == "kept" and listed.finished and not listed.claimed
     (warning,) = left_out(caplog)
-    assert warning.startswith("link.jsonl is left out of the listing")
+    link = tmp_path / "runs" / "link.jsonl"
+    assert warning.startswith(f"{link} is left out of the listing")
+    assert f"the run file {link} is a symbolic link" in warning
     await store.aclose()
     with pytest.raises(StoreError, match="closed"):
         await store.list_runs()

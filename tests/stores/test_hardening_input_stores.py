@@ -249,12 +249,12 @@ async def test_a_raw_jsonl_line_the_codec_never_writes_is_corrupt(
     async with JsonlStore(tmp_path) as store:
         with pytest.raises(CorruptLog) as corrupt:
             await store.read_log("r")
-        assert corrupt.value.location == f"{path.name}:2"
+        assert corrupt.value.location == f"{path}:2"
         with pytest.raises(CorruptLog) as again:
             await resume(
                 definition(store, script=[answer("x")]), request("r", make_tools(Ledger()))
             )
-        assert again.value.location == f"{path.name}:2"
+        assert again.value.location == f"{path}:2"
     assert path.read_bytes() == content
 
 
@@ -285,7 +285,7 @@ async def test_a_raw_sqlite_body_the_codec_never_writes_is_corrupt(
     async with SqliteStore(path) as store:
         with pytest.raises(CorruptLog) as corrupt:
             await store.read_log("r")
-        assert corrupt.value.location == "runs.db: run row seq 1"
+        assert corrupt.value.location == f"{path}: run row seq 1"
         assert corrupt.value.run_id == "r"
 
 
@@ -344,7 +344,7 @@ async def test_a_tampered_jsonl_log_is_refused_by_resume_and_left_untouched(
         error = await refused_resume(store, run_id)
     if kind == "newer-major":
         assert isinstance(error, SchemaMajorMismatch)
-        assert error.location == f"{target.name}:3"
+        assert error.location == f"{target}:3"
     else:
         assert isinstance(error, CorruptLog) and error.location is not None
     if kind == "other-runs-file":
@@ -402,7 +402,7 @@ async def test_a_tampered_sqlite_log_is_refused_by_resume_and_left_untouched(
         error = await refused_resume(store, run_id)
     if kind == "newer-major":
         assert isinstance(error, SchemaMajorMismatch)
-        assert error.location == "runs.db: run row seq 2"
+        assert error.location == f"{path}: run row seq 2"
     else:
         assert isinstance(error, CorruptLog) and error.location is not None
     with sqlite3.connect(path) as db:

@@ -186,8 +186,12 @@ async def test_a_directory_that_cannot_be_made_is_refused_naming_it(
     async with JsonlStore(directory) as store:
         with pytest.raises(StoreError) as error:
             await store.claim_run("r")
-        assert str(tmp_path / "a") in str(error.value)
-        assert "directory" in str(error.value)
+        # What is in the way, by its path, and what it is: not the system's bare words.
+        in_the_way = f"{tmp_path / 'a'} is a file, not a directory"
+        if inside:
+            assert error.value.reason == f"cannot create the directory {directory}: {in_the_way}"
+        else:
+            assert error.value.reason == in_the_way
     assert (tmp_path / "a").read_text() == "a file, not a directory"
 
 
@@ -453,8 +457,9 @@ async def test_a_planted_symlink_is_never_followed(tmp_path: Path, dangling: boo
         target.write_bytes(b"keep me\n")
     run_file(directory, "r").symlink_to(target)
     async with JsonlStore(directory) as store:
-        with pytest.raises(StoreError, match="symbolic link"):
+        with pytest.raises(StoreError, match="symbolic link") as refused:
             await store.claim_run("r")
+        assert f"the run file {run_file(directory, 'r')} is a symbolic link" in str(refused.value)
         # The refused claim holds nothing, so no write goes through the link either.
         with pytest.raises(RunLocked):
             await store.start_run(started())
@@ -474,8 +479,12 @@ async def test_a_planted_fifo_is_refused_without_blocking(tmp_path: Path) -> Non
     os.mkfifo(run_file(tmp_path, "r"))
     async with JsonlStore(tmp_path) as store:
         with anyio.fail_after(10):
-            with pytest.raises(StoreError, match="regular file"):
+            with pytest.raises(StoreError, match="regular file") as refused:
                 await store.read_log("r")
+            # The file by its full path, not "the run file" alone.
+            assert f"the run file {run_file(tmp_path, 'r')} is not a regular file" in str(
+                refused.value
+            )
             with pytest.raises(StoreError, match="regular file"):
                 await store.claim_run("r")
             with pytest.raises(RunLocked):
@@ -483,6 +492,18 @@ async def test_a_planted_fifo_is_refused_without_blocking(tmp_path: Path) -> Non
             with pytest.raises(RunLocked):
                 await store.start_run(started())
     assert stat.S_ISFIFO(run_file(tmp_path, "r").lstat().st_mode)
+
+
+async def test_a_run_file_that_will_not_open_is_named_by_its_path(tmp_path: Path) -> None:
+    run_file(tmp_path, "r").mkdir()  # a directory where the run file should be
+    async with JsonlStore(tmp_path) as store:
+        with pytest.raises(StoreError) as refused:
+            await store.claim_run("r")
+    # The path once, then the system's words: not its errno text with the path again.
+    assert (
+        refused.value.reason
+        == f"could not open the run file {run_file(tmp_path, 'r')}: Is a directory"
+    )
 
 
 # -- torn tails ---------------------------------------------------------------------------
@@ -679,8 +700,9 @@ async def test_a_terminated_bad_line_is_an_error_naming_file_and_line(
         with pytest.raises(error_type) as caught:
             await store.read_log("r")
     assert type(caught.value) is error_type
-    assert caught.value.location == f"{path.name}:3"
-    assert f"{path.name}:3" in str(caught.value)
+    # The file by its full path, so that whoever reads the message can open it.
+    assert caught.value.location == f"{path}:3"
+    assert f"{path}:3" in str(caught.value)
 
 
 @pytest.mark.parametrize("breaker", ["\u2028", "\u2029", "\x85"])

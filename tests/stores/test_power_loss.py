@@ -578,7 +578,7 @@ async def aftermath(subject: Subject, life: Life, where: str) -> Outcome:
         if genuine < len(found):
             with pytest.raises(CorruptLog) as caught:
                 await resume(subject.definition(store), subject.request())
-            assert caught.value.location == f"{RUN_FILE.name}:{genuine + 1}", where
+            assert caught.value.location == f"{RUN_FILE}:{genuine + 1}", where
             # Nothing was written; the only change is the claim's cut of a torn tail (bytes
             # after the last newline, never a record), made before the log was read.
             assert content is not None, where

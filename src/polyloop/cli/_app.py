@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
+import anyio.to_thread
 from rich.console import Console
 from rich.text import Text
 
@@ -297,7 +298,7 @@ def _runs_parser(commands: _Commands) -> None:
 
 async def _runs_command(args: argparse.Namespace, out: Console) -> int:
     spec = _store_of(args)
-    require_existing(spec)
+    await anyio.to_thread.run_sync(require_existing, spec)
     async with open_store(spec) as store:
         listed = await summaries(store)
     if args.json:
@@ -329,13 +330,18 @@ def _show_parser(commands: _Commands) -> None:
 
 async def _show_command(args: argparse.Namespace, out: Console) -> int:
     spec = _store_of(args)
-    require_existing(spec)
+    await anyio.to_thread.run_sync(require_existing, spec)
     async with open_store(spec) as store:
         view = await read_view(store, spec, args.run_id)
     if args.json:
         _write_line(json.dumps(_facts.show_json(view), ensure_ascii=False, indent=2))
     elif args.html is not None:
-        await anyio.Path(args.html).write_text(_html.page(view), encoding="utf-8")
+        try:
+            await anyio.Path(args.html).write_text(_html.page(view), encoding="utf-8")
+        except OSError as exc:  # the page's path is at fault, not the run or the store
+            raise CliError(
+                f"cannot write the HTML page to {args.html}: {exc.strerror or exc}"
+            ) from None
         out.print(f"wrote {args.html}", markup=False)
     else:
         out.print(_render.trajectory(view))
@@ -359,7 +365,7 @@ def _verify_parser(commands: _Commands) -> None:
 
 async def _verify_command(args: argparse.Namespace, out: Console) -> int:
     spec = _store_of(args)
-    require_existing(spec)
+    await anyio.to_thread.run_sync(require_existing, spec)
     async with open_store(spec) as store:
         checks = await _verify.verify(store, spec, args.run_id)
     for check in checks:
@@ -431,7 +437,7 @@ def _moment(text: str) -> datetime:
 
 async def _prune_command(args: argparse.Namespace, out: Console) -> int:
     spec = _store_of(args)
-    require_existing(spec)
+    await anyio.to_thread.run_sync(require_existing, spec)
     async with open_store(spec) as store:
         before = len(await store.list_runs())
         pruned = await store.prune(finished_before=args.finished_before, archive=args.archive)
@@ -463,7 +469,7 @@ def _pending_parser(commands: _Commands) -> None:
 
 async def _pending_command(args: argparse.Namespace, out: Console) -> int:
     spec = _store_of(args)
-    require_existing(spec)
+    await anyio.to_thread.run_sync(require_existing, spec)
     return await _people.pending(spec, out, as_json=args.json)
 
 
@@ -545,7 +551,7 @@ async def _settle_command(args: argparse.Namespace, out: Console) -> int:
 
 async def _answer(args: argparse.Namespace, given: _people.Answer, out: Console) -> int:
     spec = _store_of(args)
-    require_existing(spec)
+    await anyio.to_thread.run_sync(require_existing, spec)
     return await _people.answer(spec, args.run_id, given, out)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import anyio
+import anyio.to_thread
 from rich.console import Console
 from rich.text import Text
 
@@ -33,7 +34,7 @@ from polyloop.cli._agent import (
 )
 from polyloop.cli._common import CliError, command_words, install_hint, print_line
 from polyloop.cli._render import step_line
-from polyloop.cli._stores import StoreSpec, open_store
+from polyloop.cli._stores import StoreSpec, open_store, wrong_kind
 from polyloop.ports import Event, EventKind, ManagedStore, ModelClient, Store
 from polyloop.session import Definition, resume, run, run_status
 from polyloop.tools import ToolRegistry
@@ -43,6 +44,7 @@ from polyloop.types import (
     Result,
     Review,
     RunEnded,
+    RunLocked,
     RunLog,
     RunNotFound,
     RunResult,
@@ -51,6 +53,7 @@ from polyloop.types import (
     RunStatus,
     StepRecord,
     StopReason,
+    StoreError,
 )
 
 DEFAULT_STORE = "sqlite:polyloop-demo/demo.db"
@@ -148,7 +151,11 @@ async def demo(options: DemoOptions, out: Console) -> int:
     """Run (or resume) the demo agent; the exit status."""
     data = load_data()
     ledger = Ledger()
+    problem = await anyio.to_thread.run_sync(wrong_kind, options.store)
+    if problem is not None:
+        raise CliError(f"cannot open the store {options.store.shown}: {problem}")
     async with open_store(options.store, create=True) as store, _model(options, data) as model:
+        await _try_the_store(store, options)
         before = await _announce(store, options, out)
         result, crashing = await _drive(store, model, build_tools(data, ledger), options, out)
     if crashing is not None:
@@ -159,6 +166,23 @@ async def demo(options: DemoOptions, out: Console) -> int:
     inspect = shlex.join([*command_words(), "show", options.store.text, options.run_id])
     _say(out, f"inspect it: {inspect}", "dim")
     return 0 if result.stop_reason in COMPLETED else UNFINISHED_EXIT_STATUS
+
+
+async def _try_the_store(store: ManagedStore, options: DemoOptions) -> None:
+    """Claim the run and give it back, so that a store that cannot be made or written (a
+    path under a regular file, a directory without write permission) is named as such,
+    before the run starts and the failure would read as the run's own."""
+    if options.store.kind == "postgresql":
+        return  # already reached: opening the store connected once
+    if options.resume is not None and not await anyio.Path(options.store.location).exists():
+        return  # no store, so no such run: _announce says so, and nothing is created
+    try:
+        await store.claim_run(options.run_id)
+    except RunLocked:
+        return  # another process drives the run: _announce says so
+    except StoreError as exc:
+        raise CliError(f"cannot open the store {options.store.shown}: {exc.reason}") from None
+    await store.release_run(options.run_id)
 
 
 async def _await_lease(store: ManagedStore, status: RunStatus, out: Console) -> RunStatus:

@@ -68,14 +68,34 @@ def with_schema(spec: StoreSpec, schema: str | None) -> StoreSpec:
 
 
 def require_existing(spec: StoreSpec) -> None:
-    """Refuse a JSONL directory or SQLite file that is not there (never create one)."""
+    """Refuse a JSONL directory or SQLite file that is not there (never create one).
+    Blocking (it looks at the file system): call it in a worker thread."""
     path = Path(spec.location)
-    if spec.kind == "jsonl" and not path.is_dir():
-        problem = "is not a directory" if path.exists() else "does not exist"
-        raise CliError(f"no JSONL store at {spec.location}: the directory {problem}")
-    if spec.kind == "sqlite" and not path.is_file():
-        problem = "is not a file" if path.exists() else "does not exist"
-        raise CliError(f"no SQLite store at {spec.location}: the file {problem}")
+    if spec.kind == "jsonl" and not path.exists():
+        raise CliError(f"no JSONL store at {spec.location}: the directory does not exist")
+    if spec.kind == "sqlite" and not path.exists():
+        raise CliError(f"no SQLite store at {spec.location}: the file does not exist")
+    problem = wrong_kind(spec)
+    if problem is not None:
+        raise CliError(problem)
+
+
+def wrong_kind(spec: StoreSpec) -> str | None:
+    """What is wrong with what is at a JSONL or SQLite store's path, if it is there and is
+    not what the store needs (a file for a JSONL directory, a directory for a database)."""
+    path = Path(spec.location)
+    if spec.kind == "jsonl" and path.exists() and not path.is_dir():
+        return f"{spec.location} is {_what(path)}, not a directory of JSONL run logs"
+    if spec.kind == "sqlite" and path.exists() and not path.is_file():
+        return f"{spec.location} is {_what(path)}, not a SQLite database file"
+    return None
+
+
+def _what(path: Path) -> str:
+    """What is at ``path``, in the words a message needs."""
+    if path.is_dir():
+        return "a directory"
+    return "a file" if path.is_file() else "a special file (not a regular file)"
 
 
 @asynccontextmanager

@@ -56,7 +56,7 @@ class RunCheck:
     records: int = 0
     findings: list[Finding] = field(default_factory=list)
     run_id: str | None = None  # once a record named it
-    file: str | None = None  # a JSONL file's name
+    file: str | None = None  # a JSONL file's path, as the user can open it
     line_of: list[int] = field(default_factory=list)  # each record's line in that file
 
     def add(self, level: Level, location: str, message: str) -> None:
@@ -108,40 +108,42 @@ def verify_directory(directory: Path, run_id: str | None, shown: str) -> list[Ru
 
 
 def check_file(path: Path) -> RunCheck:
-    """Every problem of one JSONL run file, with its ``file:line``."""
+    """Every problem of one JSONL run file, with its ``file:line``: the file by its path
+    (under the directory as the user named it), so that the user can open it."""
+    where = str(path)
     check = RunCheck(name=path.name)
     if path.is_symlink() or not path.is_file():
-        check.add("error", path.name, "not a regular file (stores never follow links)")
+        check.add("error", where, "not a regular file (stores never follow links)")
         return check
     files = OsFileOps()
     try:
         fd = files.open(path, os.O_RDONLY | COMMON_FLAGS)
     except OSError as exc:
-        check.add("error", path.name, f"cannot be read: {exc}")
+        check.add("error", where, f"cannot be read: {exc.strerror or exc}")
         return check
     try:
         # Line by line, up to the last complete one: a torn tail is measured, never held.
         end, size = extent(files, fd)
-        records, line_of, complete = _decode_lines(check, path.name, lines(files, fd, end))
+        records, line_of, complete = _decode_lines(check, where, lines(files, fd, end))
     except OSError as exc:
-        check.add("error", path.name, f"cannot be read: {exc}")
+        check.add("error", where, f"cannot be read: {exc.strerror or exc}")
         return check
     finally:
         files.close(fd)
     if size > end:
         check.add(
             "warning",
-            f"{path.name}:{complete + 1}",
+            f"{where}:{complete + 1}",
             f"torn tail: {size - end} bytes after the last complete line (a write "
             f"that never finished; readers ignore it, the next writer removes it)",
         )
     if records:
         run_id = records[0].run_id
         check.name = check.run_id = run_id
-        check.file, check.line_of = path.name, line_of
-        _check_owner(check, path.name, run_id, records, line_of)
+        check.file, check.line_of = where, line_of
+        _check_owner(check, path, run_id, records, line_of)
     elif not check.findings:
-        check.add("warning", path.name, "the file holds no record")
+        check.add("warning", where, "the file holds no record")
     check.records = len(records)
     return check
 
@@ -171,19 +173,19 @@ def _decode_lines(
 
 
 def _check_owner(
-    check: RunCheck, name: str, run_id: str, records: list[Record], line_of: list[int]
+    check: RunCheck, path: Path, run_id: str, records: list[Record], line_of: list[int]
 ) -> None:
-    if f"{safe_name(run_id)}{SUFFIX}" != name:
+    if f"{safe_name(run_id)}{SUFFIX}" != path.name:
         check.add(
             "error",
-            f"{name}:{line_of[0]}",
+            f"{path}:{line_of[0]}",
             f"the file name does not belong to run {run_id!r}, so the store cannot find this log",
         )
     for record, number in zip(records, line_of, strict=True):
         if record.run_id != run_id:
             check.add(
                 "error",
-                f"{name}:{number}",
+                f"{path}:{number}",
                 f"a record of run {record.run_id!r} in the log of run {run_id!r}",
             )
             return

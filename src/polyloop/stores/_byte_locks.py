@@ -149,7 +149,7 @@ class HostClaims:
                 try:
                     fd = self._descriptors[offset % _SHARDS] = self._files.open(path, flags, 0o600)
                 except OSError as exc:
-                    raise open_failed(exc, run_id, "the claims lock file") from exc
+                    raise open_failed(exc, run_id, f"the claims lock file {path}") from exc
             self._files.lock_range(fd, offset, run_id)
         return offset
 

@@ -93,9 +93,10 @@ def open_files_error(exc: BaseException, run_id: str | None) -> StoreError | Non
 
 
 def open_failed(exc: OSError, run_id: str | None, what: str) -> StoreError:
-    """A file would not open: nothing was written, so this object may resume the run."""
+    """A file would not open: nothing was written, so this object may resume the run.
+    ``what`` names the file by its path, so the reason is the system's words alone."""
     error = open_files_error(exc, run_id) or StoreError(
-        f"could not open {what}: {exc}", run_id=run_id
+        f"could not open {what}: {exc.strerror or exc}", run_id=run_id
     )
     error.__cause__ = exc
     return error
@@ -119,6 +120,8 @@ def create_directories(files: DirectoryOps, directory: Path, *, run_id: str | No
         for path in reversed(missing):
             with contextlib.suppress(FileExistsError):  # made by someone else meanwhile
                 files.mkdir(path)
+            if not files.is_dir(path):  # a file is in the way: name it, not the system's words
+                raise StoreError(_in_the_way(path, directory), run_id=run_id)
             files.fsync_directory(path.parent)
     except OSError as exc:
         if isinstance(exc, StoreError):
@@ -127,8 +130,14 @@ def create_directories(files: DirectoryOps, directory: Path, *, run_id: str | No
         raise open_files_error(exc, run_id) or StoreError(
             f"cannot create the directory {path}: {reason}", run_id=run_id
         ) from exc
-    if not files.is_dir(directory):
-        raise StoreError(f"{directory} exists and is not a directory", run_id=run_id)
+
+
+def _in_the_way(path: Path, directory: Path) -> str:
+    """Why ``directory`` cannot be made: ``path`` (itself or a parent) is not a directory."""
+    what = "a file" if os.path.isfile(path) else "something other than a directory"
+    if path == directory:
+        return f"{path} is {what}, not a directory"
+    return f"cannot create the directory {directory}: {path} is {what}, not a directory"
 
 
 async def claim_in_thread(

@@ -75,15 +75,15 @@ def run_file(files: FileOps, path: Path, run_id: str | None) -> Iterator[int | N
         yield None
         return
     except OSError as exc:
-        raise cannot_open(exc, run_id) from exc
+        raise cannot_open(exc, run_id, path) from exc
     try:
-        require_regular(files, fd, run_id)
+        require_regular(files, fd, run_id, path)
         yield fd
     except OSError as exc:
         if isinstance(exc, types.PolyLoopError):
             raise
-        reason = f"could not read the run file: {exc}"
-        raise types.StoreError(reason, run_id=run_id, location=path.name) from exc
+        reason = f"could not read the run file: {exc.strerror or exc}"
+        raise types.StoreError(reason, run_id=run_id, location=str(path)) from exc
     finally:
         files.close(fd)
 
@@ -109,29 +109,30 @@ def lines(files: FileOps, fd: int, end: int) -> Iterator[bytes]:
             parts.append(chunk[start:])
 
 
-def first_run_id(files: FileOps, fd: int, name: str, end: int) -> str:
-    """The run of the first line of the run file ``name``, which must be the one it is named
-    for; ``end`` (from :func:`extent`) is past that line."""
-    location = f"{name}:1"
+def first_run_id(files: FileOps, fd: int, path: Path, end: int) -> str:
+    """The run of the first line of the run file at ``path``, which must be the one it is
+    named for; ``end`` (from :func:`extent`) is past that line."""
+    location = f"{path}:1"
     head = next(lines(files, fd, end))
     run_id = decode_line(head, location)[0].run_id
-    if f"{safe_name(run_id)}{SUFFIX}" != name:
+    if f"{safe_name(run_id)}{SUFFIX}" != path.name:
         reason = "the file holds a run whose id does not match the file name"
         raise CorruptLog(reason, run_id=run_id, location=location)
     return run_id
 
 
-def cannot_open(exc: OSError, run_id: str | None) -> types.StoreError:
-    """Why the run file would not open; a symbolic link is refused by name."""
+def cannot_open(exc: OSError, run_id: str | None, path: Path) -> types.StoreError:
+    """Why the run file at ``path`` would not open; a symbolic link is refused by name."""
     if exc.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW reports for a link
-        reason = "the run file is a symbolic link; refusing to follow it"
+        reason = f"the run file {path} is a symbolic link; refusing to follow it"
         return types.StoreError(reason, run_id=run_id)
-    return open_failed(exc, run_id, "the run file")
+    return open_failed(exc, run_id, f"the run file {path}")
 
 
-def require_regular(files: FileOps, fd: int, run_id: str | None) -> None:
+def require_regular(files: FileOps, fd: int, run_id: str | None, path: Path) -> None:
     if not stat.S_ISREG(files.fstat(fd).st_mode):
-        raise types.StoreError("the run file is not a regular file", run_id=run_id)
+        reason = f"the run file {path} is not a regular file (a directory or a special file)"
+        raise types.StoreError(reason, run_id=run_id)
 
 
 def line(*bodies: str) -> bytes:
@@ -156,7 +157,8 @@ def log_lines(records: tuple[Record, ...]) -> bytes:
 
 
 def parse_lines(data: bytes, file_name: str, run_id: str) -> list[Record]:
-    """The records of a run file's bytes; the unterminated last piece is ignored."""
+    """The records of a run file's bytes; the unterminated last piece is ignored.
+    ``file_name`` is how locations name the file: its full path, so a reader can open it."""
     return records_of(data.split(b"\n")[:-1], file_name, run_id)
 
 

@@ -81,7 +81,7 @@ class Jsonl(OneHost):
                 return ()
             # Up to the last complete line only: a torn tail, however long, is never held.
             end, _ = reader.extent(self.files, fd)
-            return tuple(reader.records_of(reader.lines(self.files, fd, end), path.name, run_id))
+            return tuple(reader.records_of(reader.lines(self.files, fd, end), str(path), run_id))
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
         """Every run file's run, by id; a file that is not one run's is left out, warned of."""
@@ -91,13 +91,13 @@ class Jsonl(OneHost):
         except FileNotFoundError:
             return ()
         except OSError as exc:
-            raise StoreError(f"could not list {self.directory}: {exc}") from exc
+            raise StoreError(f"could not list {self.directory}: {exc.strerror or exc}") from exc
         listed = []
         for name in sorted(name for name in names if name.endswith(reader.SUFFIX)):
             try:
                 run = self._describe(self.directory / name, None)
             except (CorruptLog, SchemaMajorMismatch, StoreError) as exc:
-                logger.warning("%s is left out of the listing: %s", name, exc)
+                logger.warning("%s is left out of the listing: %s", self.directory / name, exc)
                 continue
             if run is not None and not (unfinished_only and run.finished):
                 listed.append(run)
@@ -141,10 +141,10 @@ class Jsonl(OneHost):
         try:
             fd = files.open(path, _CLAIM_FLAGS, 0o600)
         except OSError as exc:
-            raise reader.cannot_open(exc, run_id) from exc
+            raise reader.cannot_open(exc, run_id, path) from exc
         try:
-            reader.require_regular(files, fd, run_id)
-            end, size, ended = reader.tail(files, fd, path.name)
+            reader.require_regular(files, fd, run_id, path)
+            end, size, ended = reader.tail(files, fd, str(path))
             if size > end:  # what remains of a write that never finished
                 files.ftruncate(fd, end)
                 files.fsync(fd)
@@ -173,10 +173,11 @@ class Jsonl(OneHost):
                     raise not_claimed(run_id)
                 started, finished = claim.next_seq > 0, claim.finished
                 check_order(run_id, start=write.start, started=started, finished=finished)
+                path = self._path(run_id)
                 try:
-                    fd = files.open(self._path(run_id), _WRITE_FLAGS)
+                    fd = files.open(path, _WRITE_FLAGS)
                 except OSError as exc:
-                    return reader.cannot_open(exc, run_id)  # nothing written
+                    return reader.cannot_open(exc, run_id, path)  # nothing written
                 try:
                     try:
                         data = memoryview(reader.line(*(body for _, body in write.rows)))
@@ -204,11 +205,11 @@ class Jsonl(OneHost):
         """What the file at ``path`` holds; its first line names the run unless given."""
         files = self.files
         with reader.run_file(files, path, run_id) as fd:
-            end, _, ended = (0, 0, None) if fd is None else reader.tail(files, fd, path.name)
+            end, _, ended = (0, 0, None) if fd is None else reader.tail(files, fd, str(path))
             if fd is None or end == 0:
                 return None  # no run yet, or removed while the directory was listed
             if run_id is None:
-                run_id = reader.first_run_id(files, fd, path.name, end)
+                run_id = reader.first_run_id(files, fd, path, end)
             return StoredRun(
                 run_id=run_id,
                 finished=ended is not None and ended.is_final,

@@ -189,7 +189,7 @@ def connect(path: Path, run_id: str | None, *, create: bool = True) -> sqlite3.C
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise StoreError(
-                f"{path.name}: SQLite refused WAL journal mode (it reports {mode!r}); the "
+                f"{path}: SQLite refused WAL journal mode (it reports {mode!r}); the "
                 f"store needs a database file on a local file system, not an in-memory "
                 f"database",
                 run_id=run_id,
@@ -198,10 +198,10 @@ def connect(path: Path, run_id: str | None, *, create: bool = True) -> sqlite3.C
         level = conn.execute("PRAGMA synchronous").fetchone()[0]
         if level != 2:  # FULL
             raise StoreError(
-                f"{path.name}: SQLite refused synchronous=FULL (it reports {level!r})",
+                f"{path}: SQLite refused synchronous=FULL (it reports {level!r})",
                 run_id=run_id,
             )
-        prepare(conn, LAYOUT, name=path.name, where=f"{path.name}: meta", run_id=run_id)
+        prepare(conn, LAYOUT, name=str(path), where=f"{path}: meta", run_id=run_id)
         if created:
             _FILES.fsync_directory(path.parent)
     except BaseException as exc:
@@ -210,7 +210,7 @@ def connect(path: Path, run_id: str | None, *, create: bool = True) -> sqlite3.C
                 conn.close()
         if isinstance(exc, (sqlite3.Error, OSError)) and not isinstance(exc, PolyLoopError):
             raise open_files_error(exc, run_id) or StoreError(
-                f"cannot open {path.name}: {exc}", run_id=run_id
+                f"cannot open the database {path}: {exc}", run_id=run_id
             ) from exc
         raise
     return conn

@@ -102,7 +102,7 @@ class Sqlite(OneHost):
 
     def read(self, run_id: str) -> tuple[Record, ...]:
         """Query under the store mutex, decode after releasing it."""
-        rows, where = self._select(sql.SELECT_RUN, run_id), self._path.name
+        rows, where = self._select(sql.SELECT_RUN, run_id), self._path
         return tuple(
             decode_row(body, run_id=run_id, kind=kind, location=f"{where}: run row seq {seq}")
             for seq, kind, body in rows
@@ -146,7 +146,7 @@ class Sqlite(OneHost):
                 if conn is not None:
                     conn.close()
             except sqlite3.Error as exc:
-                raise StoreError(f"closing {self._path.name} failed: {exc}") from exc
+                raise StoreError(f"closing {self._path} failed: {exc}") from exc
 
     def commit(self, writes: Sequence[Write]) -> Errors:
         """One transaction for the writes waiting at one moment; one error or None each."""
