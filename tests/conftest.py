@@ -41,7 +41,9 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"slow tests: left out ({RUN_SLOW} includes them)"
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
     left_out = config.stash.get(_left_out, 0)
     if left_out:
         terminalreporter.write_line(

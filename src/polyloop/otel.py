@@ -9,6 +9,10 @@ under it. It ends when the call returns, and gets the attributes of the step's r
 when that arrives. A call the run did not make (a reply read back from the log, an
 action a person settled) gets its span from the record alone.
 
+A resumed attempt also rebuilds, from the log its ``RUN_RESUMED`` event carries, the
+spans of every step the earlier attempts logged, marked ``polyloop.rebuilt``: no attempt
+can know what an earlier one exported before its process died.
+
 Every attempt of one run lands in one trace, in any process: the run id determines a
 trace id and a span id, and without a current span in the caller's context an
 attempt's span is the child of that (never exported) parent. A resumed attempt links
@@ -27,7 +31,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -59,10 +63,13 @@ from polyloop.types import (
     Intent,
     IntentKind,
     JSONValue,
+    Record,
+    Result,
     RunEnded,
     RunStarted,
     StepRecord,
     StopReason,
+    ToolCallBlock,
 )
 
 __all__ = ("OpenTelemetrySink",)
@@ -86,6 +93,8 @@ _FAILED_ACTIONS = {
 }
 # A recorded failure reads "ExceptionClass: message"; the class is the error type.
 _EXCEPTION_NAME = re.compile(r"^([A-Za-z_][\w.]*):")
+# Logged steps rebuilt between two checkpoints: a long log must not hold the event loop.
+_REBUILT_PER_CHECKPOINT = 200
 
 
 def _run_span_context(run_id: str) -> SpanContext:
@@ -171,13 +180,23 @@ class OpenTelemetrySink:
     when its store failed) leaves its span open: it is ended, as abandoned, when the
     same run starts or resumes again through this sink, or by :meth:`close`, which ends
     every span still open. Call it before shutting the tracer provider down.
+
+    ``rebuild_logged_steps`` (on by default): when a run resumes, emit again, from its
+    log, the spans of every step its earlier attempts logged, each with the attribute
+    ``polyloop.rebuilt`` set, and a span for an action they announced without logging
+    its result, whose outcome is unknown. A killed process may have taken those spans
+    with it unexported; the rebuilt ones may therefore repeat spans a backend already
+    has, and the attribute is what tells them apart.
     """
 
-    __slots__ = ("_attempts", "_calls", "_lock", "_tracer")
+    __slots__ = ("_attempts", "_calls", "_lock", "_rebuild", "_tracer")
 
-    def __init__(self, tracer_provider: TracerProvider | None = None) -> None:
+    def __init__(
+        self, tracer_provider: TracerProvider | None = None, *, rebuild_logged_steps: bool = True
+    ) -> None:
         provider = tracer_provider if tracer_provider is not None else trace.get_tracer_provider()
         self._tracer: Tracer = provider.get_tracer(_SCOPE, _version())
+        self._rebuild = rebuild_logged_steps
         self._attempts: dict[str, _Attempt] = {}
         self._calls: dict[_CallKey, _Call] = {}
         # Spans are built without awaiting; the lock only matters when event loops in
@@ -189,16 +208,21 @@ class OpenTelemetrySink:
         return {"kind": "opentelemetry"}
 
     async def emit(self, event: Event) -> None:
-        """Turn ``event`` into spans: open, add to or end its run's attempt span.
+        """Turn ``event`` into spans: open, add to or end its run's attempt span; on a
+        resume, rebuild the spans of the steps earlier attempts logged.
 
-        Cancellation: the spans are built before the one checkpoint, so a cancelled emit
-        has still recorded its event; the cancellation then propagates.
+        Cancellation: the event's own spans are built before the first checkpoint, so a
+        cancelled emit has still recorded its event; the cancellation then propagates.
+        Rebuilding a long log checkpoints now and then: cancelled there, it stops with
+        the steps rebuilt so far.
         """
         try:
             with self._lock:
                 self._take(event)
         except Exception:  # telemetry must never disturb a run
             logger.exception("run %r: could not record %s as spans", event.run_id, event.kind)
+        if self._rebuild and event.kind is EventKind.RUN_RESUMED:
+            await self._rebuild_logged(event.run_id, event.logged)
         await anyio.lowlevel.checkpoint()
 
     @contextlib.contextmanager
@@ -305,6 +329,39 @@ class OpenTelemetrySink:
         for key in [key for key in self._calls if key[0] == run_id]:
             self._unrecorded(key, why)
 
+    # -- what earlier attempts logged ----------------------------------------------------
+
+    async def _rebuild_logged(self, run_id: str, logged: tuple[Record, ...]) -> None:
+        """Emit the spans of the calls in ``logged`` through the live code, one call at a
+        time as the log is walked (nothing is gathered first), under the run's derived
+        parent: the earlier attempts' own spans may never have been exported."""
+        try:
+            for count, call in enumerate(_logged_calls(logged), start=1):
+                with self._lock:
+                    if isinstance(call, Intent):
+                        self._in_doubt(run_id, call)
+                    else:
+                        self._step(run_id, call[0], call[1], rebuilt=True)
+                if count % _REBUILT_PER_CHECKPOINT == 0:
+                    await anyio.lowlevel.checkpoint()
+        except Exception:  # telemetry must never disturb a run
+            logger.exception("run %r: could not rebuild the spans of its logged steps", run_id)
+
+    def _in_doubt(self, run_id: str, intent: Intent) -> None:
+        """The span of an action an earlier attempt announced and logged no result of.
+
+        It may or may not have run: the status stays unset, never OK or an error, and it
+        starts and ends when its intent was written, since how long it ran is unknown.
+        """
+        attributes, name = _tool_attributes(
+            run_id, intent.step, intent.tool_call, intent, resumed=None, rebuilt=True
+        )
+        attributes.put("polyloop.action.in_doubt", True)
+        at = _ns(intent.at)
+        made = _Spanned(_run_parent(run_id), at, at)
+        span, end_ns = self._span_of(made, name, SpanKind.INTERNAL, attributes)
+        span.end(end_time=end_ns)
+
     # -- events ---------------------------------------------------------------------------
 
     def _take(self, event: Event) -> None:
@@ -351,27 +408,38 @@ class OpenTelemetrySink:
             last_ns=start_ns,
         )
 
-    def _step(self, run_id: str, step: StepRecord, intent: Intent | None) -> None:
-        attempt = self._attempts.get(run_id)
+    def _step(
+        self, run_id: str, step: StepRecord, intent: Intent | None, *, rebuilt: bool = False
+    ) -> None:
+        """The spans of a step's calls; ``rebuilt`` for a step an earlier attempt logged,
+        whose spans belong to no attempt this sink saw and are built from the record."""
+        attempt = None if rebuilt else self._attempts.get(run_id)
         if attempt is not None:
             parent, floor = attempt.context, attempt.start_ns
         else:
-            # No open attempt (a sink attached mid-run): keep the spans in the run's trace.
+            # No open attempt (a sink attached mid-run, or a step an earlier attempt
+            # logged): keep the spans in the run's trace, at the record's own times.
             parent, floor = _run_parent(run_id), 0
         end_ns = max(_ns(step.at), floor)
         start_ns = max(end_ns - _seconds_ns(step.duration_s), floor)
         model_end = min(start_ns + _seconds_ns(step.model_duration_s), end_ns)
-        chat = self._calls.pop((run_id, step.step, IntentKind.MODEL_CALL), None)
-        self._chat(run_id, step, chat or _Spanned(parent, start_ns, model_end))
+        chat = (
+            None if rebuilt else self._calls.pop((run_id, step.step, IntentKind.MODEL_CALL), None)
+        )
+        self._chat(run_id, step, chat or _Spanned(parent, start_ns, model_end), rebuilt=rebuilt)
         if step.action_status is not None:
             tool_start = max(end_ns - _seconds_ns(step.action_duration_s), start_ns)
-            tool = self._calls.pop((run_id, step.step, IntentKind.ACTION), None)
-            self._tool(run_id, step, intent, tool or _Spanned(parent, tool_start, end_ns))
+            key = (run_id, step.step, IntentKind.ACTION)
+            tool = None if rebuilt else self._calls.pop(key, None)
+            made = tool or _Spanned(parent, tool_start, end_ns)
+            self._tool(run_id, step, intent, made, rebuilt=rebuilt)
         if attempt is not None:
             attempt.last_ns = max(attempt.last_ns, end_ns)
 
-    def _chat(self, run_id: str, step: StepRecord, made: _Call | _Spanned) -> None:
-        attributes = _common(run_id, step, "chat")
+    def _chat(
+        self, run_id: str, step: StepRecord, made: _Call | _Spanned, *, rebuilt: bool
+    ) -> None:
+        attributes = _common(run_id, step.step, "chat", resumed=step.resumed, rebuilt=rebuilt)
         attributes.put("gen_ai.response.model", step.model)
         attributes.put("gen_ai.response.id", step.call_id)
         if step.usage is not None:
@@ -396,20 +464,16 @@ class OpenTelemetrySink:
         step: StepRecord,
         intent: Intent | None,
         made: _Call | _Spanned,
+        *,
+        rebuilt: bool,
     ) -> None:
         assert step.action_status is not None
-        name = _tool_name(step, intent)
-        attributes = _common(run_id, step, "execute_tool")
-        attributes.put("gen_ai.tool.name", name)
-        if name is not None:
-            attributes.put("gen_ai.tool.type", "function")
-        if step.tool_call is not None:
-            attributes.put("gen_ai.tool.call.id", step.tool_call.call_id)
+        attributes, span_name = _tool_attributes(
+            run_id, step.step, step.tool_call, intent, resumed=step.resumed, rebuilt=rebuilt
+        )
         attributes.put("polyloop.action.status", step.action_status.value)
-        attributes.put("polyloop.action.result_id", intent.result_id if intent else None)
         failure = _FAILED_ACTIONS.get(step.action_status)
         attributes.put("error.type", failure)
-        span_name = f"execute_tool {name}" if name else "execute_tool"
         span, end_ns = self._span_of(made, span_name, SpanKind.INTERNAL, attributes)
         if failure is not None:
             span.set_status(Status(StatusCode.ERROR, step.observation or failure))
@@ -483,19 +547,65 @@ def _run_parent(run_id: str) -> Context:
     return trace.set_span_in_context(NonRecordingSpan(_run_span_context(run_id)))
 
 
-def _common(run_id: str, step: StepRecord, operation: str) -> _Attributes:
+def _common(
+    run_id: str, step: int, operation: str, *, resumed: bool | None, rebuilt: bool
+) -> _Attributes:
     attributes = _Attributes()
     attributes.put("gen_ai.operation.name", operation)
     attributes.put("gen_ai.conversation.id", run_id)
     attributes.put("polyloop.run.id", run_id)
-    attributes.put("polyloop.step", step.step)
-    attributes.put("polyloop.step.resumed", step.resumed)
+    attributes.put("polyloop.step", step)
+    attributes.put("polyloop.step.resumed", resumed)
+    attributes.put("polyloop.rebuilt", True if rebuilt else None)
     return attributes
 
 
-def _tool_name(step: StepRecord, intent: Intent | None) -> str | None:
-    if step.tool_call is not None:
-        return step.tool_call.name
+def _tool_attributes(
+    run_id: str,
+    step: int,
+    tool_call: ToolCallBlock | None,
+    intent: Intent | None,
+    *,
+    resumed: bool | None,
+    rebuilt: bool,
+) -> tuple[_Attributes, str]:
+    """What every ``execute_tool`` span says of its call, and the span's name."""
+    name = _tool_name(tool_call, intent)
+    attributes = _common(run_id, step, "execute_tool", resumed=resumed, rebuilt=rebuilt)
+    attributes.put("gen_ai.tool.name", name)
+    if name is not None:
+        attributes.put("gen_ai.tool.type", "function")
+    if tool_call is not None:
+        attributes.put("gen_ai.tool.call.id", tool_call.call_id)
+    attributes.put("polyloop.action.result_id", intent.result_id if intent else None)
+    return attributes, f"execute_tool {name}" if name else "execute_tool"
+
+
+def _logged_calls(
+    records: Iterable[Record],
+) -> Iterator[tuple[StepRecord, Intent | None] | Intent]:
+    """The calls a log holds, in order, as the live sink would have seen them: each step
+    record with its action's intent, then an action intent with no result after it (in
+    doubt) if the log ends with one. Walks the log once and keeps nothing of it."""
+    action: Intent | None = None  # the action intent of the step being walked
+    open_intent: Intent | None = None
+    for record in records:
+        if isinstance(record, Intent):
+            open_intent = record
+            if record.kind is IntentKind.ACTION:
+                action = record
+        elif isinstance(record, Result):
+            open_intent = None
+        elif isinstance(record, StepRecord):
+            yield record, action if action is not None and action.step == record.step else None
+            action = open_intent = None
+    if open_intent is not None and open_intent.kind is IntentKind.ACTION:
+        yield open_intent
+
+
+def _tool_name(tool_call: ToolCallBlock | None, intent: Intent | None) -> str | None:
+    if tool_call is not None:
+        return tool_call.name
     payload = intent.payload if intent is not None else None
     if isinstance(payload, dict) and isinstance(payload.get("name"), str):
         name = payload["name"]

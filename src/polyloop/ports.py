@@ -12,7 +12,7 @@ import enum
 import os
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from types import TracebackType
 from typing import Protocol, Self, TypeAlias, runtime_checkable
@@ -458,6 +458,11 @@ class Event:
 
     ``intent`` is, on a ``STEP_FINISHED`` event whose step ran an action, the action's
     intent: what was run (its payload) and under which result id.
+
+    ``logged`` is, on a ``RUN_RESUMED`` event, every record the run's log held when the
+    resumed attempt read it, in write order: what the earlier attempts did, for a sink
+    that rebuilds what it may have lost. It is the tuple the store returned, not a copy,
+    and it is left out of the event's repr. Empty on every other event.
     """
 
     kind: EventKind
@@ -465,6 +470,7 @@ class Event:
     step: int | None
     record: Record
     intent: Intent | None = None
+    logged: tuple[Record, ...] = field(default=(), repr=False)
 
 
 @runtime_checkable

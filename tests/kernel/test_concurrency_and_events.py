@@ -16,6 +16,7 @@ from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
 from polyloop import (
     Event,
     EventKind,
+    Intent,
     IntentKind,
     ModelCall,
     ModelReply,
@@ -111,6 +112,30 @@ async def test_events_of_a_run_and_of_its_resumption() -> None:
     assert all(e.run_id == "r" for e in sink.events)
     assert sink.events[-1].record.stop_reason is StopReason.FINAL_ANSWER  # type: ignore[union-attr]
     assert result.event_failures == 0
+
+
+async def test_a_resumed_event_carries_the_log_the_resume_read() -> None:
+    """A sink can rebuild what earlier attempts did from the resume event alone."""
+    sink = RecordingSink()
+    inner = MemoryStore()
+    tools = make_tools(Ledger())
+    script = [tool_call("double", n=1), tool_call("double", n=2), answer("2")]
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(FaultyStore(inner, fail_after_writes=8), script=script, events=sink),
+            request("r", tools),
+        )
+    before = (await inner.read_log("r")).records
+    # Step 0 whole, and step 1 up to its action intent: an action in flight.
+    assert isinstance(before[-1], Intent) and before[-1].kind is IntentKind.ACTION
+    assert all(not e.logged for e in sink.events)  # only a resume carries a log
+    sink.events.clear()
+    await resume(definition(inner, script=script, events=sink), request("r", tools))
+    resumed, *later = sink.events
+    assert resumed.kind is EventKind.RUN_RESUMED
+    assert resumed.logged == before
+    assert all(not e.logged for e in later)
+    assert "logged" not in repr(resumed)  # a long log stays out of log lines
 
 
 class FailingSink:

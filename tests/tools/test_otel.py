@@ -13,6 +13,7 @@ import hashlib
 import re
 import threading
 from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -48,12 +49,18 @@ from agent_kit import (
 from native_kit import INTERPRETER, NATIVE, native_script
 from polyloop import (
     EnvironmentFault,
+    Event,
+    EventKind,
     EventSink,
     FinishReason,
+    Intent,
     ModelCall,
     ModelReply,
+    Record,
     Replay,
     RunResult,
+    RunStarted,
+    StepRecord,
     StopReason,
     ToolRegistry,
     ToolSpec,
@@ -66,6 +73,7 @@ from polyloop.otel import OpenTelemetrySink
 from polyloop.stores import MemoryStore, SqliteStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from polyloop.testing.event_sink_contract import EventSinkContract
+from polyloop.testing.store_contract import sample_run
 
 pytestmark = pytest.mark.anyio
 
@@ -116,6 +124,11 @@ def attrs(span: ReadableSpan) -> dict[str, Any]:
 
 def parent_id(span: ReadableSpan) -> int | None:
     return span.parent.span_id if span.parent is not None else None
+
+
+def live(spans: Sequence[ReadableSpan]) -> list[ReadableSpan]:
+    """The spans an attempt emitted as its calls ran, not those a resume rebuilt."""
+    return [span for span in spans if not attrs(span).get("polyloop.rebuilt")]
 
 
 # -- the contract -------------------------------------------------------------------------
@@ -329,7 +342,7 @@ async def test_a_model_client_s_own_spans_nest_under_its_chat_span(traced: Trace
         request("r1", spanning_tools(traced)),
     )
     assert result.stop_reason is StopReason.FINAL_ANSWER
-    chats = traced.named("chat test-model-1")
+    chats = traced.named("chat")
     posts = traced.named("POST /chat/completions")
     assert len(chats) == len(posts) == 2
     assert {parent_id(post) for post in posts} == {chat.context.span_id for chat in chats}
@@ -420,7 +433,7 @@ async def test_a_resumed_run_s_inner_spans_stay_in_its_one_trace(
     assert {span.context.trace_id for span in traced.spans()} == {trace_id}
     crashed, resumed = sorted(traced.named("invoke_agent"), key=lambda span: span.start_time or 0)
     attempt_of = {
-        attrs(tool)["polyloop.step"]: parent_id(tool) for tool in traced.named("execute_tool")
+        attrs(tool)["polyloop.step"]: parent_id(tool) for tool in live(traced.named("execute_tool"))
     }
     assert attempt_of[0] == crashed.context.span_id
     assert attempt_of[2] == resumed.context.span_id
@@ -590,14 +603,18 @@ async def test_a_crashed_and_resumed_run_is_one_trace_and_the_resume_links_to_it
     assert dict(link.attributes or {}) == {"polyloop.link": "continues"}
     # Steps land under the attempt that took them.
     by_parent = {crashed.context.span_id: set(), resumed.context.span_id: set()}
-    for span in traced.named("chat"):
+    for span in live(traced.named("chat")):
         by_parent[parent_id(span)].add(attrs(span)["polyloop.step"])
     assert by_parent[crashed.context.span_id] == {0}
     assert by_parent[resumed.context.span_id] == {1, 2, 3, 4}
-    assert {attrs(span).get("polyloop.step.resumed") for span in traced.named("chat")} == {
+    assert {attrs(span).get("polyloop.step.resumed") for span in live(traced.named("chat"))} == {
         None,
         True,
     }
+    # Though step 0's spans were exported, the resume rebuilt them all the same.
+    again = [span for span in traced.named("chat") if attrs(span).get("polyloop.rebuilt")]
+    assert [attrs(span)["polyloop.step"] for span in again] == [0]
+    assert [parent_id(span) for span in again] == [span_id]
 
 
 async def test_attempts_in_two_processes_meet_in_one_trace(tmp_path: Path) -> None:
@@ -743,6 +760,180 @@ async def test_a_simple_processor_has_sent_each_step_s_spans_before_a_crash(
     (tool,) = traced.named("execute_tool")
     assert tool.name == "execute_tool double" and attrs(tool)["polyloop.step"] == 0
     assert [attrs(span)["polyloop.step"] for span in traced.named("chat")] == [0]
+
+
+# -- spans rebuilt from the log on resume -------------------------------------------------
+
+
+def record_ns(at: datetime | None) -> int:
+    """A record's time in nanoseconds since the epoch, exactly."""
+    assert at is not None
+    return (at - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1) * 1000
+
+
+def rebuilt(spans: Sequence[ReadableSpan]) -> list[ReadableSpan]:
+    return [span for span in spans if attrs(span).get("polyloop.rebuilt") is True]
+
+
+async def _read_log_on_sqlite(path: Path) -> tuple[Record, ...]:
+    store = SqliteStore(path)
+    try:
+        return (await store.read_log("r")).records
+    finally:
+        await close_store(store)
+
+
+def _lossy_sink() -> tuple[OpenTelemetrySink, TracerProvider, InMemorySpanExporter]:
+    """A sink whose batch processor exports nothing until flushed: a process killed
+    before then loses every span it emitted."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=3_600_000))
+    return OpenTelemetrySink(tracer_provider=provider), provider, exporter
+
+
+async def test_a_resume_rebuilds_the_spans_a_crashed_attempt_never_exported(
+    traced: Traced, tmp_path: Path
+) -> None:
+    path, ledger = tmp_path / "runs.db", Ledger()
+    tools = make_tools(ledger)
+    lossy, lossy_provider, lost = _lossy_sink()
+    try:
+        # Steps 0 (a tool that ran), 1 (a call the schema refused) and 2 (not JSON) land.
+        await _crash_on_sqlite(path, tools, 12, lossy)
+        assert lost.get_finished_spans() == ()  # the process dies here with its spans
+        logged = [r for r in await _read_log_on_sqlite(path) if isinstance(r, StepRecord)]
+        assert [step.step for step in logged] == [0, 1, 2]
+        assert ledger.calls == [("double", "r:0:action")]
+        result = await _resume_on_sqlite(path, tools, traced.sink)
+        # What the crashed attempt would have exported, to compare the rebuilt spans with.
+        lossy.close()
+        assert lossy_provider.force_flush()
+        crashed = [span for span in lost.get_finished_spans() if span.name != "invoke_agent"]
+    finally:
+        lossy_provider.shutdown()
+    assert result.stop_reason is StopReason.SUBMITTED
+
+    again = rebuilt(traced.spans())
+    trace_id, parent = run_ids("r")
+    # Exactly the logged steps, in log order, each shaped as its live span was.
+    assert [(attrs(s)["polyloop.step"], s.name) for s in again] == [
+        (0, "chat"),
+        (0, "execute_tool double"),
+        (1, "chat"),
+        (1, "execute_tool double"),
+        (2, "chat"),
+    ]
+    assert [(s.name, {**attrs(s), "polyloop.rebuilt": True}, s.kind) for s in crashed] == [
+        (s.name, attrs(s), s.kind) for s in again
+    ]
+    for span in again:
+        assert span.context.trace_id == trace_id and parent_id(span) == parent
+        assert span.parent is not None and span.parent.is_remote
+    # At the times the records hold.
+    for step in logged:
+        chat, *tool = [span for span in again if attrs(span)["polyloop.step"] == step.step]
+        assert step.duration_s is not None and step.model_duration_s is not None
+        assert chat.start_time == record_ns(step.at) - round(step.duration_s * 1e9)
+        assert chat.end_time == chat.start_time + round(step.model_duration_s * 1e9)
+        for span in tool:
+            assert span.end_time == record_ns(step.at)
+    ran, refused = [span for span in again if span.name.startswith("execute_tool")]
+    assert attrs(ran)["polyloop.action.status"] == "executed"
+    assert attrs(ran)["polyloop.action.result_id"] == "r:0:action"
+    assert ran.status.status_code is StatusCode.UNSET
+    assert attrs(refused)["error.type"] == "not_executed"
+    # The resumed attempt's own spans are not marked, and start at step 3.
+    assert sorted(attrs(s)["polyloop.step"] for s in live(traced.named("chat"))) == [3, 4]
+
+
+async def test_a_rebuilt_action_in_doubt_is_not_reported_as_a_success(
+    traced: Traced, tmp_path: Path
+) -> None:
+    path, ledger = tmp_path / "runs.db", Ledger()
+    tools = make_tools(ledger, replay=Replay.NEVER)
+    script = [tool_call("double", n=1), tool_call("double", n=3), tool_call("submit", answer="6")]
+    lossy, lossy_provider, lost = _lossy_sink()
+    first = SqliteStore(path)
+    try:
+        # Write 8 is step 1's action intent: the tool runs, its result never lands.
+        with pytest.raises(SimulatedCrash):
+            await run(
+                definition(FaultyStore(first, fail_after_writes=8), script=script, events=lossy),
+                request("r", tools),
+            )
+        await close_store(first)
+        assert lost.get_finished_spans() == ()
+        second = SqliteStore(path)
+        try:
+            result = await resume(
+                definition(second, script=script, events=traced.sink), request("r", tools)
+            )
+        finally:
+            await close_store(second)
+    finally:
+        lossy_provider.shutdown()
+    assert result.stop_reason is StopReason.IN_DOUBT
+    assert ledger.calls == [("double", "r:0:action"), ("double", "r:1:action")]
+    intent = next(
+        r
+        for r in await _read_log_on_sqlite(path)
+        if isinstance(r, Intent) and r.result_id == "r:1:action"
+    )
+    again = rebuilt(traced.spans())
+    assert [(attrs(s)["polyloop.step"], s.name) for s in again] == [
+        (0, "chat"),
+        (0, "execute_tool double"),
+        (1, "execute_tool double"),
+    ]
+    doubt = again[-1]
+    assert attrs(doubt)["polyloop.action.in_doubt"] is True
+    assert attrs(doubt)["polyloop.action.result_id"] == "r:1:action"
+    assert "polyloop.action.status" not in attrs(doubt)
+    assert "error.type" not in attrs(doubt)
+    assert doubt.status.status_code is StatusCode.UNSET
+    assert doubt.start_time == doubt.end_time == record_ns(intent.at)
+    assert parent_id(doubt) == run_ids("r")[1]
+    assert attrs(again[1])["polyloop.action.status"] == "executed"
+    assert "polyloop.action.in_doubt" not in attrs(again[1])
+
+
+async def test_a_sink_told_not_to_rebuild_emits_only_the_resumed_attempt(
+    traced: Traced, tmp_path: Path
+) -> None:
+    path = tmp_path / "runs.db"
+    tools = make_tools(Ledger())
+    await _crash_on_sqlite(path, tools, 12, OpenTelemetrySink(tracer_provider=TracerProvider()))
+    sink = OpenTelemetrySink(tracer_provider=traced.provider, rebuild_logged_steps=False)
+    result = await _resume_on_sqlite(path, tools, sink)
+    assert result.stop_reason is StopReason.SUBMITTED
+    assert rebuilt(traced.spans()) == []
+    assert sorted(attrs(s)["polyloop.step"] for s in traced.named("chat")) == [3, 4]
+    (agent,) = traced.named("invoke_agent")
+    assert {parent_id(span) for span in traced.named("chat")} == {agent.context.span_id}
+
+
+async def test_a_long_log_is_rebuilt_in_turns_and_a_cancelled_rebuild_stops(
+    traced: Traced,
+) -> None:
+    """The rebuild gives other tasks a turn every 200 logged steps: cancelled, it stops
+    there."""
+    store = MemoryStore()
+    await store.claim_run("r")
+    for method, args in sample_run("r", steps=1_000, ended=False):
+        await getattr(store, method)(*args)
+    logged = (await store.read_log("r")).records
+    started = logged[0]
+    assert isinstance(started, RunStarted)
+    event = Event(kind=EventKind.RUN_RESUMED, run_id="r", step=None, record=started, logged=logged)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await traced.sink.emit(event)
+    assert scope.cancelled_caught
+    assert [attrs(s)["polyloop.step"] for s in traced.named("chat")] == list(range(200))
+    assert {attrs(s)["polyloop.step"] for s in rebuilt(traced.spans())} == set(range(200))
+    traced.sink.close()  # the attempt span was opened before the rebuild began
+    assert len(traced.named("invoke_agent")) == 1
 
 
 async def test_native_tool_calls_carry_their_call_id(traced: Traced) -> None:

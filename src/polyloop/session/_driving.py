@@ -84,7 +84,7 @@ async def _drive_claimed(
         # Nothing to do until a person answers: the recorded end stands, nothing is written.
         return _recovery.recorded_result(plan)
     loop = Loop(definition, request, resumed=True)
-    return await loop.guarded(loop.continue_from(plan))
+    return await loop.guarded(loop.continue_from(plan, log.records))
 
 
 async def _release(store: Store, request: Request) -> None:

@@ -168,11 +168,13 @@ class Loop:
         await self._emit(EventKind.RUN_STARTED, None, started)
         await self._until_stopped()
 
-    async def continue_from(self, plan: _recovery.Plan) -> None:
+    async def continue_from(self, plan: _recovery.Plan, logged: tuple[Record, ...]) -> None:
+        """Go on from where ``plan`` says the run stopped; ``logged`` is the log the plan
+        was read from, handed to the event sink as it is (no copy, no second read)."""
         assert plan.started is not None
         for step in plan.steps:
             self._remember(step)
-        await self._emit(EventKind.RUN_RESUMED, None, plan.started)
+        await self._emit(EventKind.RUN_RESUMED, None, plan.started, logged=logged)
         if plan.state is _recovery.RecoveryState.IN_DOUBT:
             assert plan.open_intent is not None
             await self._finish(StopReason.IN_DOUBT, _recovery.in_doubt_detail(plan.open_intent))
@@ -767,9 +769,17 @@ class Loop:
         )
 
     async def _emit(
-        self, kind: EventKind, step: int | None, record: Record, intent: Intent | None = None
+        self,
+        kind: EventKind,
+        step: int | None,
+        record: Record,
+        intent: Intent | None = None,
+        *,
+        logged: tuple[Record, ...] = (),
     ) -> None:
-        event = Event(kind=kind, run_id=self.run_id, step=step, record=record, intent=intent)
+        event = Event(
+            kind=kind, run_id=self.run_id, step=step, record=record, intent=intent, logged=logged
+        )
         try:
             await self.definition.events.emit(event)
         except Exception:
