@@ -1,15 +1,15 @@
 """How much time and how many examples the fuzz tests may spend.
 
 One knob, the environment variable ``POLYLOOP_FUZZ_SECONDS``: the wall-clock seconds that
-the time-bounded byte fuzzers of ``tests/kernel/test_fuzz.py`` (the record codec) and
+the time-bounded byte fuzzers of ``tests/kernel/test_serialization_fuzz.py`` (the record codec) and
 ``tests/stores/test_fuzz_stores.py`` (the JSON-lines reader) share between them. Unset, it is
 :data:`CI_SECONDS` when ``CI=true`` (the bounded fuzzing run of every CI job) and
 :data:`LOCAL_SECONDS` otherwise, so that a local test run stays quick. Example counts of
 the example-bounded tests (the stateful store machines) scale with the same number,
 relative to the CI default, and never drop below a floor that still exercises every rule.
 
-A long fuzzing session is ``POLYLOOP_FUZZ_SECONDS=3600 pytest tests/kernel/test_fuzz.py
-tests/stores/test_fuzz_stores.py``.
+A long fuzzing session is ``POLYLOOP_FUZZ_SECONDS=3600 pytest --run-slow
+tests/kernel/test_serialization_fuzz.py tests/stores/test_fuzz_stores.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Records, byte strategies and read-back checks that the fuzz tests share.
 
-``tests/kernel/test_fuzz.py`` feeds them to the record codec, ``tests/stores/test_fuzz_stores.py``
-to the JSON-lines reader and to every store.
+``tests/kernel/test_serialization_fuzz.py`` feeds them to the record codec,
+``tests/stores/test_fuzz_stores.py`` to the JSON-lines reader and to every store.
 """
 
 from __future__ import annotations

@@ -39,6 +39,9 @@ from polyloop.testing.store_contract import (  # noqa: E402
     sample_run,
 )
 
+# Slow: every benchmark, run as a program at a tiny size.
+pytestmark = pytest.mark.slow
+
 PEERS = {"langgraph": "langgraph", "pydantic-ai": "pydantic_ai"}
 POLYLOOP_ROLES = ("floor", "polyloop", "reference")
 

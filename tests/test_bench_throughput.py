@@ -29,6 +29,9 @@ if str(ROOT) not in sys.path:
 from bench import throughput  # noqa: E402
 from bench.workload import HandWorkload  # noqa: E402
 
+# Slow: every store and backend of the throughput benchmark, and its peers.
+pytestmark = pytest.mark.slow
+
 KEYS = {
     "wall_s",
     "wall_over_ideal",

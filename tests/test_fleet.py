@@ -29,6 +29,9 @@ import pg
 from polyloop import Replay, RunEnded, RunState, StopReason, run_status
 from polyloop.stores import PostgresStore
 
+# Slow: a fleet of worker processes, one of them killed.
+pytestmark = pytest.mark.slow
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fleet_worker.py"
 SCHEMA = "fleet"
 JOBS, WORKERS = 400, 4

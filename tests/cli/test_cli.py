@@ -259,6 +259,7 @@ def executions(out: str) -> list[int]:
     return steps
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("writes", "recorded", "executed"),
     [

@@ -51,6 +51,7 @@ def as_url(conninfo: str) -> str:
     return f"postgresql://{auth}{host}{port}/{params.get('dbname', '')}"
 
 
+@pytest.mark.slow
 def test_the_whole_command_on_postgresql(conninfo: str, capsys: pytest.CaptureFixture[str]) -> None:
     url = as_url(conninfo)
     crashed = subprocess.run(

@@ -152,6 +152,7 @@ def ten_megabytes() -> str:
 
 # Ten megabytes go through each store once (not once per backend: a durable store takes
 # about two seconds for them); the backends alternate so that both carry the case.
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("anyio_backend", "kind"),
     [("asyncio", "memory"), ("trio", "jsonl"), ("asyncio", "sqlite"), ("trio", "postgresql")],

@@ -43,7 +43,8 @@ from polyloop.stores._common import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
 from store_kit import DURABLE_KINDS, durable_opener
 
-pytestmark = pytest.mark.anyio
+# Slow: load and soak: thousands of runs, and one of 5,000 steps.
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 STEPS = 20
 

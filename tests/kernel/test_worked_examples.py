@@ -23,6 +23,9 @@ import pytest
 import pg
 from polyloop import Action, ActionStatus, Replay
 
+# Slow: the worked examples run as programs of their own.
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # pytest-postgresql's throw-away server, started only if no configured server answers.

@@ -35,6 +35,7 @@ def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], S
     return durable_opener(request, tmp_path)
 
 
+@pytest.mark.slow
 async def test_300_concurrent_runs_on_one_store_object(open_store: Callable[[], Store]) -> None:
     store = open_store()
     ledger = Ledger()
@@ -71,6 +72,7 @@ async def test_300_concurrent_runs_on_one_store_object(open_store: Callable[[], 
 CRASH_AFTER = 16
 
 
+@pytest.mark.slow
 async def test_a_torn_last_line_at_every_byte_offset_resumes_to_the_same_run(
     tmp_path: Path,
 ) -> None:

@@ -7,7 +7,7 @@ Three kinds of test live here:
   raises ``CorruptLog`` / ``SchemaMajorMismatch``, nothing else, and listing never
   refuses. The wall-clock budget is shared through ``fuzz_budget``
   (``POLYLOOP_FUZZ_SECONDS``; 15 s with ``CI=true``, 3 s otherwise) with the codec
-  fuzzers of ``tests/kernel/test_fuzz.py``.
+  fuzzers of ``tests/kernel/test_serialization_fuzz.py``.
 * **Stateful store machines** (example-bounded). A hypothesis rule-based machine writes
   runs in the order the kernel writes them, crashes and reopens the store, lets a second
   store object try to write, and after every step checks that ``read_log`` returns every

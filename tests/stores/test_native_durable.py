@@ -15,6 +15,7 @@ from polyloop import Replay, RunResult, StopReason, Store, resume, run
 from polyloop.stores import JsonlStore
 from polyloop.testing import FaultyStore, SimulatedCrash
 from store_kit import DURABLE_KINDS, durable_opener
+from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 
@@ -50,7 +51,7 @@ async def _crash_and_resume(
     return resumed, first, second
 
 
-@pytest.mark.parametrize("k", range(1, TOTAL_WRITES))
+@pytest.mark.parametrize("k", every_point(range(1, TOTAL_WRITES)))
 async def test_a_native_run_resumes_after_every_write_with_the_same_messages(
     open_store: Callable[[], Store], k: int, tmp_path: Path
 ) -> None:
@@ -72,7 +73,7 @@ async def test_a_native_run_resumes_after_every_write_with_the_same_messages(
     assert [digests[i] for i in range(len(whole.digests))] == whole.digests
 
 
-@pytest.mark.parametrize("k", sorted(ACTION_INTENTS))
+@pytest.mark.parametrize("k", every_point(sorted(ACTION_INTENTS)))
 async def test_a_native_never_tool_interrupted_after_its_intent_is_in_doubt(
     open_store: Callable[[], Store], k: int
 ) -> None:

@@ -31,6 +31,7 @@ from polyloop import (
 )
 from polyloop.stores import MemoryStore, PostgresStore
 from polyloop.testing.store_contract import apply, sample_run
+from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 
@@ -173,7 +174,9 @@ async def test_a_second_worker_never_touches_a_run_a_live_worker_drives(
 
 @pytest.mark.parametrize("after", [False, True], ids=["before", "after"])
 @pytest.mark.parametrize(
-    "at", range(1, len(WRITES) + 1), ids=[f"{n}-{name}" for n, name in enumerate(WRITES, start=1)]
+    "at",
+    every_point(range(1, len(WRITES) + 1)),
+    ids=[f"{n}-{name}" for n, name in enumerate(WRITES, start=1)],
 )
 async def test_every_point_of_a_step_keeps_the_second_worker_out(
     stores: Stores, at: int, after: bool
@@ -211,6 +214,7 @@ POINT_IDS = ["inside the model call", "inside the tool"] + [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["jsonl", "sqlite", "postgresql"])
 @pytest.mark.parametrize("point", POINTS, ids=POINT_IDS)
 async def test_a_second_worker_in_another_process_is_kept_out(

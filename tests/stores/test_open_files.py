@@ -52,6 +52,7 @@ def store_spec(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return _spec(request.param, tmp_path, conninfo)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_runs_many_times_the_open_file_limit_complete_at_once(
     store_spec: str, backend: str

@@ -44,7 +44,8 @@ from polyloop import (
 from polyloop.cli import main as polyloop_command
 from polyloop.stores import PostgresStore
 
-pytestmark = pytest.mark.anyio
+# Slow: child processes stopped with SIGSTOP until their lease lapses.
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 RUN_ID = "r"
 # Bounds for what must happen long before them; none is a pause the tests wait out.

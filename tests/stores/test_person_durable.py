@@ -46,6 +46,7 @@ from review_kit import (
     reviews,
 )
 from store_kit import DURABLE_KINDS, durable_opener
+from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 
@@ -179,7 +180,7 @@ async def _two_at_once(
     return outcomes
 
 
-@pytest.mark.parametrize("k", range(APPROVAL_WRITES + 1))
+@pytest.mark.parametrize("k", every_point(range(APPROVAL_WRITES + 1)))
 async def test_a_crash_after_every_write_around_an_approval(
     open_store: Callable[[], Store], k: int, tmp_path: Path
 ) -> None:
@@ -195,7 +196,7 @@ async def test_a_crash_after_every_write_around_an_approval(
     assert sum(isinstance(r, Settlement) for r in recorded) <= 1
 
 
-@pytest.mark.parametrize("k", range(0, APPROVAL_WRITES + 1, 2))
+@pytest.mark.parametrize("k", every_point(range(0, APPROVAL_WRITES + 1, 2)))
 async def test_a_crash_after_every_other_write_around_a_rejection(
     open_store: Callable[[], Store], k: int
 ) -> None:
@@ -209,7 +210,7 @@ async def test_a_crash_after_every_other_write_around_a_rejection(
     assert [type(r).__name__ for r in recorded] == ["Proposal", "Verdict"]
 
 
-@pytest.mark.parametrize("k", range(SETTLEMENT_WRITES + 1))
+@pytest.mark.parametrize("k", every_point(range(SETTLEMENT_WRITES + 1)))
 async def test_a_crash_after_every_write_around_a_settlement(
     open_store: Callable[[], Store], k: int, tmp_path: Path
 ) -> None:

@@ -66,6 +66,7 @@ from polyloop.types import (
     SchemaMajorMismatch,
     StoreError,
 )
+from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 
@@ -181,7 +182,7 @@ async def _claim_until_unlocked(store: PostgresStore, run_id: str) -> None:
 # -- crash at every write ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("k", range(1, SIX_STEP_WRITES))
+@pytest.mark.parametrize("k", every_point(range(1, SIX_STEP_WRITES)))
 async def test_crash_after_every_write_resumes_like_an_uninterrupted_run(
     shared_database: str, new_schema: Callable[[], str], k: int
 ) -> None:
@@ -208,7 +209,7 @@ async def test_crash_after_every_write_resumes_like_an_uninterrupted_run(
         await close_store(store)
 
 
-@pytest.mark.parametrize("k", range(1, SIX_STEP_WRITES))
+@pytest.mark.parametrize("k", every_point(range(1, SIX_STEP_WRITES)))
 async def test_crash_with_replay_never_is_in_doubt_only_after_an_intent(
     shared_database: str, new_schema: Callable[[], str], k: int
 ) -> None:
@@ -269,6 +270,7 @@ async def _first_line(process: anyio.abc.Process) -> bytes:
     return received.split(b"\n", 1)[0]
 
 
+@pytest.mark.slow
 async def test_the_lock_of_a_killed_process_is_free_again(conninfo: str) -> None:
     other = PostgresStore(conninfo)
     process = await anyio.open_process([sys.executable, "-c", _HOLDER, conninfo, "r1"], stderr=None)
@@ -355,6 +357,7 @@ async def test_schemas_in_one_database_lock_independently(conninfo: str) -> None
     await second.aclose()
 
 
+@pytest.mark.slow
 async def test_concurrent_first_use_from_many_processes(conninfo: str) -> None:
     script = textwrap.dedent(
         """

@@ -61,6 +61,7 @@ from polyloop.types import (
     StepRecord,
     StopReason,
 )
+from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 
@@ -650,7 +651,7 @@ async def test_the_sync_points_of_a_six_step_run() -> None:
 
 
 @pytest.mark.parametrize("before", [True, False], ids=["before", "after"])
-@pytest.mark.parametrize("at", range(1, len(SYNC_KINDS) + 1))
+@pytest.mark.parametrize("at", every_point(range(1, len(SYNC_KINDS) + 1)))
 async def test_power_loss_at_every_sync_point(at: int, before: bool) -> None:
     for seed in SEEDS:
         await power_loss_scenario(at, before, seed)

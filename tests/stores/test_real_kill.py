@@ -24,6 +24,9 @@ from typing import Any
 
 import pytest
 
+# Slow: child processes killed with SIGKILL at random moments.
+pytestmark = pytest.mark.slow
+
 CHILD = Path(__file__).resolve().parents[1] / "kill_agent.py"
 RUNS_PER_STORE = 8
 NEVER_TOOLS = ("record", "submit")

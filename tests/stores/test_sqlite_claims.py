@@ -56,6 +56,7 @@ async def _stopped(pid: int) -> None:
     assert change == "stopped", f"worker {pid} ended instead of stopping"
 
 
+@pytest.mark.slow
 async def test_a_worker_hung_with_the_write_lock_costs_the_others_a_wait_and_nobody_a_run(
     tmp_path: Path,
 ) -> None:

@@ -2,7 +2,7 @@
 
 Plain connections of the watched class, on a direct path and through the loopback proxy
 of ``tests/net_proxy_kit.py``; the store's own use of them is tested end to end in
-``test_silent_network.py``.
+``test_postgres_silent_network.py``.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ from polyloop.cli import main as polyloop_command
 from polyloop.stores import PostgresStore
 from polyloop.testing.store_contract import sample_run
 
-pytestmark = pytest.mark.anyio
+# Slow: each case waits out real network deadlines of several seconds.
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 STATEMENT_TIMEOUT_S = 2.0
 DEADLINE_S = 3.0  # the statement timeout and half of it again (at least a second)

@@ -23,7 +23,8 @@ from polyloop import LeaseLost, RunLocked
 from polyloop.stores import PostgresStore
 from polyloop.testing.store_contract import sample_run
 
-pytestmark = pytest.mark.anyio
+# Slow: real leases lapsing in real time.
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 LEASE_S = 3.0
 

@@ -4,7 +4,7 @@ Only what needs two workers and a real clock is here: a stopped worker's run is 
 over and the revived worker writes nothing, a live worker keeps its run through a call
 longer than its lease, and a stuck event loop loses its run. Every step of the lease
 itself (renewals, failures, stalls, lapses, new owner ids) is tested on a fake clock in
-``test_lease.py``. The stopped worker is a child process (``tests/lease_kit.py``) sent
+``test_lease_keeper.py``. The stopped worker is a child process (``tests/lease_kit.py``) sent
 ``SIGSTOP`` inside its model call or its tool; every execution of the tool, whose replay
 is never allowed, is counted in a file outside the store.
 """
@@ -34,7 +34,8 @@ from polyloop import (
     run_status,
 )
 
-pytestmark = pytest.mark.anyio
+# Slow: real leases lapsing in real time, with stopped child processes.
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 LEASE_S = 1.0
 
