@@ -3,6 +3,7 @@ and says so; ``--run-slow`` runs them too."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,17 @@ def _collect(*options: str) -> str:
     return done.stdout
 
 
+@functools.cache
+def _everything() -> str:
+    return _collect("--run-slow")
+
+
 def _ids(out: str) -> list[str]:
     return [line for line in out.splitlines() if "::" in line]
 
 
 def test_plain_pytest_leaves_the_slow_tests_out_and_says_how_many() -> None:
-    everything = _ids(_collect("--run-slow"))
+    everything = _ids(_everything())
     slow = len(everything) - 1
     assert slow >= 5
     out = _collect()
@@ -43,7 +49,7 @@ def test_plain_pytest_leaves_the_slow_tests_out_and_says_how_many() -> None:
 
 
 def test_run_slow_runs_them_too() -> None:
-    out = _collect("--run-slow")
+    out = _everything()
     assert f"{FILE}::test_the_main_job_runs_the_demo_to_a_submitted_stop" in _ids(out)
     assert "deselected" not in out
     assert "slow tests were not run" not in out

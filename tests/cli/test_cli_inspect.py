@@ -660,6 +660,7 @@ def crowded(tmp_path: Path) -> str:
     return f"sqlite:{path}"
 
 
+@pytest.mark.slow
 def test_a_reader_that_stops_early_gets_no_broken_pipe_message(crowded: str) -> None:
     """``polyloop runs --json | head -1``: the rest of the listing has nowhere to go, and
     the command stops without a word on stderr."""

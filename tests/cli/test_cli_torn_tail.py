@@ -105,7 +105,7 @@ def test_verify_holds_no_torn_tail_and_reports_its_length_and_line(
 
     (status, out, _), peak = peak_of(command(capsys, "--backend", backend, "verify", store))
     assert status == 0  # a warning alone
-    assert f"warning  crashed  {path.name}:{lines + 1}: torn tail: {GARBAGE} bytes after" in out
+    assert f"warning  crashed  {path}:{lines + 1}: torn tail: {GARBAGE} bytes after" in out
     assert "1 run checked: 0 clean, 1 with warnings, 0 with errors" in out
     assert peak < PEAK_BOUND, f"verify held {peak} bytes for a {GARBAGE}-byte torn tail"
 
@@ -118,7 +118,7 @@ def test_verify_reports_a_file_that_is_all_torn_tail_at_its_first_line(
     tear(path, 1000)
     assert main(["verify", store]) == 0
     out = capsys.readouterr().out
-    assert f"{path.name}:1: torn tail: 1000 bytes after the last complete line" in out
+    assert f"{path}:1: torn tail: 1000 bytes after the last complete line" in out
     assert "holds no record" not in out  # the torn tail is the finding
 
 
@@ -132,5 +132,5 @@ def test_verify_names_bad_lines_before_a_torn_tail_by_their_number(
     tear(path, 100)
     assert main(["verify", store]) == 1
     out = capsys.readouterr().out
-    assert f"error    crashed  {path.name}:{lines + 1}: not a JSON record" in out
-    assert f"warning  crashed  {path.name}:{lines + 2}: torn tail: 100 bytes" in out
+    assert f"error    crashed  {path}:{lines + 1}: not a JSON record" in out
+    assert f"warning  crashed  {path}:{lines + 2}: torn tail: 100 bytes" in out

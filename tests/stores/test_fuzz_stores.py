@@ -657,6 +657,7 @@ MACHINE_SETTINGS = settings(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", STORE_KINDS)
 def test_store_keeps_every_acknowledged_write_across_crashes(

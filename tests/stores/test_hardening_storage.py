@@ -75,6 +75,7 @@ from polyloop.types import (
     StepRecord,
     StoreError,
 )
+from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 
@@ -313,7 +314,7 @@ JSONL_FAULTS = [
 ]
 
 
-@pytest.mark.parametrize(("call", "k", "code", "partial"), JSONL_FAULTS)
+@pytest.mark.parametrize(("call", "k", "code", "partial"), every_point(JSONL_FAULTS))
 async def test_jsonl_os_error_at_every_write_point(
     scratch: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -456,7 +457,7 @@ SQLITE_FAULTS = [
 ]
 
 
-@pytest.mark.parametrize(("stage", "message", "k"), SQLITE_FAULTS)
+@pytest.mark.parametrize(("stage", "message", "k"), every_point(SQLITE_FAULTS))
 async def test_sqlite_io_error_at_every_write_point(
     scratch: Path, monkeypatch: pytest.MonkeyPatch, stage: str, message: str, k: int
 ) -> None:
@@ -606,10 +607,12 @@ async def _stall_at(place: tuple[str, str], seq: int) -> None:
 
 @pytest.mark.parametrize(
     ("mode", "k"),
-    [
-        *(("inside", k) for k in (1, 2, 3, 4, 5, 13, 25)),
-        *(("before", k) for k in (2, 10, 25)),
-    ],
+    every_point(
+        [
+            *(("inside", k) for k in (1, 2, 3, 4, 5, 13, 25)),
+            *(("before", k) for k in (2, 10, 25)),
+        ]
+    ),
 )
 async def test_postgres_writer_session_dies_at_a_write_and_the_run_goes_on(
     pg_place: tuple[str, str], mode: str, k: int

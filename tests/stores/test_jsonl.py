@@ -72,6 +72,7 @@ from polyloop.types import (
     UnloggableValue,
 )
 from record_kit import step
+from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 
@@ -592,7 +593,7 @@ async def test_a_run_file_cut_shorter_while_read_is_a_store_error(tmp_path: Path
     async with JsonlStore(tmp_path, _files=files) as store:
         with pytest.raises(StoreError, match="shrank while it was being read") as caught:
             await store.read_log("r")
-    assert caught.value.run_id == "r" and caught.value.location == path.name
+    assert caught.value.run_id == "r" and caught.value.location == str(path)
 
 
 async def test_a_torn_tail_is_left_alone_while_another_writer_holds_the_run(
@@ -1024,7 +1025,7 @@ async def test_read_log_returns_exactly_the_complete_lines_of_any_cut(
 # -- crash at every write point -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("k", range(1, SIX_STEP_WRITES))
+@pytest.mark.parametrize("k", every_point(range(1, SIX_STEP_WRITES)))
 async def test_crash_after_every_write_resumes_to_the_uninterrupted_run(
     tmp_path: Path, k: int
 ) -> None:
@@ -1043,7 +1044,7 @@ async def test_crash_after_every_write_resumes_to_the_uninterrupted_run(
         await close_store(store)
 
 
-@pytest.mark.parametrize("k", range(1, SIX_STEP_WRITES))
+@pytest.mark.parametrize("k", every_point(range(1, SIX_STEP_WRITES)))
 async def test_crash_with_replay_never_is_in_doubt_only_after_an_intent(
     tmp_path: Path, k: int
 ) -> None:

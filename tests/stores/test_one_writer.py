@@ -275,6 +275,7 @@ def _terminate_sessions(conninfo: str) -> int:
     return len(rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replay", [Replay.ALLOWED, Replay.NEVER], ids=str)
 @pytest.mark.parametrize(
     "at",

@@ -79,6 +79,7 @@ def test_a_run_that_meets_the_limit_mid_run_says_so_and_resumes(
     assert outcome["stop_reason"] == "submitted" and outcome["steps"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_store_that_meets_the_limit_when_it_opens_says_so_and_runs_later(
     store_spec: str, backend: str

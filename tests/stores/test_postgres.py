@@ -1067,6 +1067,7 @@ class Statements:
         monkeypatch.setattr(_postgres_store, "open_connection", open_writer)
 
 
+@pytest.mark.slow
 async def test_a_batch_of_more_than_a_thousand_rows_is_one_statement(
     postgres_conninfo: str,
     probe: Probe,

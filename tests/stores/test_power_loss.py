@@ -663,6 +663,7 @@ async def test_power_loss_after_the_run_ended() -> None:
         await power_loss_scenario(None, False, seed)
 
 
+@pytest.mark.slow
 async def test_the_simulated_faults_reach_every_outcome() -> None:
     """The disk model is not too kind: every kind of aftermath really happens."""
     seen: set[str] = set()
@@ -677,7 +678,7 @@ async def test_the_simulated_faults_reach_every_outcome() -> None:
     assert torn
 
 
-@pytest.mark.parametrize("at", [*range(1, len(SYNC_KINDS) + 1), None])
+@pytest.mark.parametrize("at", every_point([*range(1, len(SYNC_KINDS) + 1), None]))
 async def test_power_loss_on_an_ordered_file_system_never_needs_a_human(at: int | None) -> None:
     """When lost appends can only shorten the file (a torn last line, zeros after it, no
     line of foreign bytes), every power cut recovers by itself: never ``CorruptLog``."""

@@ -55,6 +55,7 @@ from polyloop.types import (
     SchemaMajorMismatch,
     StoreError,
 )
+from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 
@@ -124,7 +125,7 @@ async def _clean_run(tmp_path: Path, replay: Replay) -> Any:
     )
 
 
-@pytest.mark.parametrize("k", range(1, SIX_STEP_WRITES))
+@pytest.mark.parametrize("k", every_point(range(1, SIX_STEP_WRITES)))
 async def test_crash_after_write_k_resumes_like_an_uninterrupted_run(
     tmp_path: Path, k: int
 ) -> None:
@@ -137,7 +138,7 @@ async def test_crash_after_write_k_resumes_like_an_uninterrupted_run(
     assert same_outcome(resumed, await _clean_run(tmp_path, Replay.ALLOWED))
 
 
-@pytest.mark.parametrize("k", range(1, SIX_STEP_WRITES))
+@pytest.mark.parametrize("k", every_point(range(1, SIX_STEP_WRITES)))
 async def test_crash_after_write_k_without_replay_never_repeats_an_action(
     tmp_path: Path, k: int
 ) -> None:

@@ -528,6 +528,7 @@ async def _writes_of_a_whole_run(tools: ToolRegistry, folder: Path) -> int:
     return counter.writes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("trusted", "replay"), [(True, Replay.ALLOWED), (False, Replay.NEVER)], ids=["allowed", "never"]
 )
@@ -559,6 +560,7 @@ async def test_a_crash_at_every_write_point(
     assert open_action_seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", ["schema", "annotations"])
 async def test_a_server_changed_between_crash_and_resume_is_refused(
     servers: dict[str | None, Server], tmp_path: Path, change: str

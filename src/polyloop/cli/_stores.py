@@ -114,6 +114,8 @@ async def open_store(spec: StoreSpec, *, create: bool = False) -> AsyncIterator[
             # Opened now, so that a missing store is named as such, not as a run's error.
             await store.__aenter__()
         except StoreError as exc:
+            if create:  # the demo's own store: the store is to blame, not the run
+                raise CliError(f"cannot open the store {spec.shown}: {exc}") from None
             if spec.kind != "postgresql":
                 raise  # its message names the file already
             raise CliError(f"{spec.shown}: {exc}") from None
