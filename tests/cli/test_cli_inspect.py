@@ -798,3 +798,14 @@ def test_show_escapes_a_run_id_that_could_forge_a_line(
         assert "\u202e" not in out and not any(line.startswith("ok") for line in out.splitlines())
         escaped = run_id.replace("\n", "\\n").replace("\u202e", "\\u202e")
         assert out.splitlines()[0] == f"run {escaped}  finished  (5 records)"
+
+
+def test_show_html_escapes_a_bidirectional_override_that_could_reorder_the_page(
+    forging: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "rtl.html"
+    assert main(["show", forging, FORGING_IDS[1], "--html", str(target)]) == 0
+    page = target.read_text(encoding="utf-8")
+    assert "\u202e" not in page
+    assert "rtl\\u202e(sdrocer 1) kcab" in page
+    capsys.readouterr()

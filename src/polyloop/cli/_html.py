@@ -1,7 +1,8 @@
 """A run's trajectory as one self-contained HTML page: inline CSS, no scripts, no links.
 
 Every piece of text from the log goes through :func:`html.escape`, so a model output
-holding markup is shown, never interpreted; a lone surrogate is shown as its escape.
+holding markup is shown, never interpreted; a lone surrogate, a control character or a
+bidirectional override is shown as its escape.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 from html import escape
 
-from polyloop.cli._common import escape_surrogates
+from polyloop.cli._common import escape_block
 from polyloop.cli._facts import (
     Doubt,
     in_doubt,
@@ -69,7 +70,9 @@ def page(view: RunView) -> str:
         + "\n".join(body)
         + "\n</body>\n</html>\n"
     )
-    return escape_surrogates(document)  # the page is written as UTF-8
+    # Our markup holds no control or bidirectional character: any left came from the log,
+    # and is shown as its escape (a lone surrogate too, since the page is UTF-8).
+    return escape_block(document)
 
 
 def _doubt(doubt: Doubt) -> str:
