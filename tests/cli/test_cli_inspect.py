@@ -801,11 +801,10 @@ def test_show_escapes_a_run_id_that_could_forge_a_line(
 
 
 def test_show_html_escapes_a_bidirectional_override_that_could_reorder_the_page(
-    forging: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    forging: str, tmp_path: Path
 ) -> None:
     target = tmp_path / "rtl.html"
     assert main(["show", forging, FORGING_IDS[1], "--html", str(target)]) == 0
     page = target.read_text(encoding="utf-8")
     assert "\u202e" not in page
     assert "rtl\\u202e(sdrocer 1) kcab" in page
-    capsys.readouterr()
