@@ -189,6 +189,22 @@ def test_a_mistyped_schema_is_named_and_never_created(
     assert _tables(conninfo) == tables
 
 
+def test_resuming_the_demo_in_a_mistyped_schema_creates_nothing(
+    conninfo: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = as_url(conninfo)
+    assert main(["demo", "--pace", "0", "--store", url]) == 0
+    capsys.readouterr()
+    schemas, tables = _schemas(conninfo), _tables(conninfo)
+    resume = ["demo", "--pace", "0", "--resume", "demo-1", "--store", url, "--schema", "Upper"]
+    assert main(resume) == 1
+    assert capsys.readouterr().err == (
+        f"polyloop: error: {url}: no PolyLoop store in schema 'Upper': the schema does not exist\n"
+    )
+    assert _schemas(conninfo) == schemas
+    assert _tables(conninfo) == tables
+
+
 def test_lone_surrogates_are_shown_escaped_on_postgresql(
     conninfo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -154,7 +154,9 @@ async def demo(options: DemoOptions, out: Console) -> int:
     problem = await anyio.to_thread.run_sync(wrong_kind, options.store)
     if problem is not None:
         raise CliError(f"cannot open the store {options.store.shown}: {problem}")
-    async with open_store(options.store, create=True) as store, _model(options, data) as model:
+    # Only a new run makes its store; resuming one needs the store it ran in.
+    creating = options.resume is None
+    async with open_store(options.store, create=creating) as store, _model(options, data) as model:
         await _try_the_store(store, options)
         before = await _announce(store, options, out)
         result, crashing = await _drive(store, model, build_tools(data, ledger), options, out)
