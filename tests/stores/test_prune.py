@@ -17,7 +17,7 @@ import pytest
 
 import one_writer_kit as kit
 from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
-from polyloop import InvalidRequest, Replay, RunState, StopReason, run, run_status
+from polyloop import InvalidRequest, Replay, RunState, StopReason, StoreError, run, run_status
 from polyloop.cli import main
 from polyloop.stores import JsonlStore, MemoryStore, SqliteStore
 from polyloop.stores._engine import prune_runs
@@ -229,3 +229,23 @@ def test_two_stores_pruned_into_one_archive_keep_both_logs(
         assert capsys.readouterr().out.endswith(
             "1 run checked: 1 clean, 0 with warnings, 0 with errors\n"
         )
+
+
+@pytest.mark.anyio
+async def test_an_archive_that_cannot_be_made_is_a_store_error_and_the_run_stays(
+    any_store: Any, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "afile"
+    blocker.write_text("not a directory")
+    archive = blocker / "archive"
+    async with any_store as store:
+        await run(definition(store, script=SCRIPT), request("kept", make_tools(Ledger())))
+        with pytest.raises(StoreError) as caught:
+            await store.prune(finished_before=datetime.now(UTC), archive=archive)
+        assert caught.value.run_id == "kept" and caught.value.location == str(archive)
+        assert str(caught.value) == (
+            f"run 'kept', at {archive}: cannot archive the run: "
+            f"{blocker} is a file, not a directory"
+        )
+        assert [stored.run_id for stored in await store.list_runs()] == ["kept"]
+        await run(definition(store, script=SCRIPT), request("next", make_tools(Ledger())))

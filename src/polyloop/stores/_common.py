@@ -140,6 +140,18 @@ def _in_the_way(path: Path, directory: Path) -> str:
     return f"cannot create the directory {directory}: {path} is {what}, not a directory"
 
 
+def in_the_way(directory: Path) -> str | None:
+    """Why ``directory`` cannot be made, if a path on the way to it is not a directory.
+    Blocking (it looks at the file system)."""
+    for path in (directory, *directory.parents):
+        if path.is_dir():
+            return None
+        if path.exists():
+            what = "a file" if path.is_file() else "something other than a directory"
+            return f"{path} is {what}, not a directory"
+    return None
+
+
 async def claim_in_thread(
     claim: Callable[[], None], release: Callable[[], None], *, run_id: str
 ) -> None:

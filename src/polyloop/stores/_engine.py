@@ -139,7 +139,7 @@ async def prune_runs(
             log = await store.read_log(run_id)
             if finished(log.records):  # never in doubt: such an end is not final
                 if archive is not None:
-                    await anyio.to_thread.run_sync(_write_archive, Path(archive), log)
+                    await _archive(Path(archive), log)
                 deleted = await delete(run_id)
         finally:
             if not deleted:
@@ -153,6 +153,21 @@ async def prune_runs(
 def finished(records: Sequence[types.Record]) -> bool:
     """Whether the log ends with a final end record."""
     return bool(records) and isinstance(records[-1], types.RunEnded) and records[-1].is_final
+
+
+async def _archive(directory: Path, log: types.RunLog) -> None:
+    """Archive the log; a ``StoreError`` naming the run and the archive if it cannot be."""
+    await anyio.to_thread.run_sync(_archive_or_say_why, directory, log)
+
+
+def _archive_or_say_why(directory: Path, log: types.RunLog) -> None:
+    try:
+        _write_archive(directory, log)
+    except OSError as exc:
+        reason = _common.in_the_way(directory) or exc.strerror or type(exc).__name__
+        raise types.StoreError(
+            f"cannot archive the run: {reason}", run_id=log.run_id, location=str(directory)
+        ) from exc
 
 
 def _write_archive(directory: Path, log: types.RunLog) -> None:
