@@ -577,13 +577,18 @@ async def _resume_on_sqlite(path: Path, tools: ToolRegistry, events: EventSink) 
         await close_store(second)
 
 
-async def test_a_crashed_and_resumed_run_is_one_trace_and_the_resume_links_to_it(
-    traced: Traced, tmp_path: Path
-) -> None:
+async def _crashed_and_resumed(traced: Traced, tmp_path: Path) -> RunResult:
+    """Run "r" on SQLite, crash it after 5 writes, resume it: both attempts traced."""
     path = tmp_path / "runs.db"
     tools = make_tools(Ledger())
     await _crash_on_sqlite(path, tools, 5, traced.sink)
-    result = await _resume_on_sqlite(path, tools, traced.sink)
+    return await _resume_on_sqlite(path, tools, traced.sink)
+
+
+async def test_a_crashed_and_resumed_run_is_one_trace_and_the_resume_links_to_it(
+    traced: Traced, tmp_path: Path
+) -> None:
+    result = await _crashed_and_resumed(traced, tmp_path)
     assert result.stop_reason is StopReason.SUBMITTED and result.resumed
 
     crashed, resumed = sorted(traced.named("invoke_agent"), key=lambda span: span.start_time or 0)
@@ -642,10 +647,7 @@ async def test_run_trace_id_is_the_trace_of_every_span_the_sink_emits(
     traced: Traced, tmp_path: Path
 ) -> None:
     """Both attempts of a crashed and resumed run, and each of their step spans."""
-    path = tmp_path / "runs.db"
-    tools = make_tools(Ledger())
-    await _crash_on_sqlite(path, tools, 5, traced.sink)
-    await _resume_on_sqlite(path, tools, traced.sink)
+    await _crashed_and_resumed(traced, tmp_path)
     spans = traced.spans()
     assert len(traced.named("invoke_agent")) == 2 and len(spans) > 2
     assert {format(span.context.trace_id, "032x") for span in spans} == {run_trace_id("r")}
