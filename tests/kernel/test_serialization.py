@@ -862,6 +862,14 @@ def test_corrupt_lines_are_rejected(line: str) -> None:
     assert isinstance(caught.value, ValueError)
 
 
+def test_duplicate_keys_are_named_once_however_many_keys_the_line_has() -> None:
+    # Each repeated key named once, in order, on a line of many keys.
+    keys = [f"k{n}" for n in range(20_000)]
+    line = "{" + ", ".join(f'"{key}": 0' for key in [*keys, "k7", "k7", "k9"]) + "}"
+    with pytest.raises(CorruptLog, match=re.escape("duplicate keys ['k7', 'k9']")):
+        loads(line)
+
+
 def test_invalid_utf8_bytes_are_rejected() -> None:
     raw = dumps(EXPECTED["run_ended"]).encode("utf-8").replace(b"x.py", b"x\xff.py")
     with pytest.raises(CorruptLog):

@@ -18,6 +18,7 @@ fields without breaking older readers.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 from collections.abc import Mapping
@@ -160,8 +161,9 @@ def decode(data: Mapping[str, Any], *, location: str | None = None) -> Record:
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result = dict(pairs)
     if len(result) != len(pairs):
-        keys = [key for key, _ in pairs]
-        dupes = sorted({key for key in keys if keys.count(key) > 1})
+        # Counted once: a line of many keys must not cost their square to refuse.
+        counts = collections.Counter(key for key, _ in pairs)
+        dupes = sorted(key for key, count in counts.items() if count > 1)
         raise ValueError(f"duplicate keys {dupes}")
     return result
 
