@@ -50,7 +50,9 @@ class TemporalServer:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         try:
             env = await WorkflowEnvironment.start_local(
-                dev_server_existing_path=str(self._path), ip="127.0.0.1"
+                dev_server_existing_path=str(self._path),
+                ip="127.0.0.1",
+                dev_server_log_level="error",
             )
         except Exception as exc:  # noqa: BLE001 - handed to the test, which fails with it
             self._error = exc

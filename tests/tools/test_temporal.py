@@ -254,6 +254,11 @@ async def test_a_rejection_goes_to_the_model_and_the_tool_never_runs(
             AgentRun.reject, RejectInput(by="carol", reason="not on a Friday")
         )
         outcome = await handle.result()
+        kinds = await history_kinds(handle)
+    # A pause costs one update and two activities (the answer and one more segment).
+    assert kinds.count("EVENT_TYPE_ACTIVITY_TASK_SCHEDULED") == 3
+    assert kinds.count("EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED") == 1
+    assert kinds.count("EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED") == 1
     assert verdict["approved"] is False and verdict["reason"] == "not on a Friday"
     assert ledger.calls == []
     assert outcome["stop_reason"] == "final_answer"
@@ -419,7 +424,8 @@ async def test_cancelling_the_workflow_mid_tool_ends_the_run_cancelled_in_the_lo
         ],
         max_observation_chars=10_000,
     )
-    agent = agent_of(definition(store, script=[tool_call("double", n=1)]), tools)
+    script = [tool_call("double", n=1), answer("stopped")]
+    agent = agent_of(definition(store, script=script), tools)
     async with worker(client, {"a": agent}) as queue:
         handle = await start_agent_run(
             client, RunInput(agent="a", run_id="t-cancel", heartbeat_timeout=1.0), task_queue=queue
@@ -430,10 +436,68 @@ async def test_cancelling_the_workflow_mid_tool_ends_the_run_cancelled_in_the_lo
         with pytest.raises(WorkflowFailureError) as failed:
             await handle.result()
         described = await handle.describe()
-    assert isinstance(failed.value.cause, CancelledError)
-    assert described.status is WorkflowExecutionStatus.CANCELED
-    last = (await store.read_log("t-cancel")).records[-1]
-    assert isinstance(last, RunEnded) and last.stop_reason is StopReason.CANCELLED
+        assert isinstance(failed.value.cause, CancelledError)
+        assert described.status is WorkflowExecutionStatus.CANCELED
+        last = (await store.read_log("t-cancel")).records[-1]
+        assert isinstance(last, RunEnded) and last.stop_reason is StopReason.CANCELLED
+        # A cancelled run's workflow may start again: it resumes the run from its log,
+        # where the interrupted action (replay never) is in doubt.
+        again = await start_agent_run(
+            client, RunInput(agent="a", run_id="t-cancel"), task_queue=queue
+        )
+        status = await wait_for(again, lambda s: s["waiting_for"] == "settlement")
+        assert status["open_intent"]["result_id"] == "t-cancel:0:action"
+        await again.execute_update(
+            AgentRun.settle, SettleInput(by="ops", ran=False, observation="it was cancelled")
+        )
+        outcome = await again.result()
+    assert outcome["stop_reason"] == "final_answer" and outcome["resumed"] is True
+    assert ledger.count("t-cancel:0:action") == 1
+
+
+@pytest.mark.anyio
+async def test_a_workflow_id_other_than_the_run_id_is_refused(
+    client: Client, store: SqliteStore
+) -> None:
+    agent = agent_of(definition(store, script=[answer("x")]), make_tools(Ledger()))
+    async with worker(client, {"a": agent}) as queue:
+        handle = await client.start_workflow(
+            AgentRun.run, RunInput(agent="a", run_id="t-id"), id="not-t-id", task_queue=queue
+        )
+        with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
+            await handle.result()
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidRequest"
+    assert (await store.read_log("t-id")).records == ()
+
+
+@pytest.mark.anyio
+async def test_a_run_another_writer_holds_is_retried_until_the_claim_goes(
+    client: Client, store: SqliteStore, tmp_path: Path
+) -> None:
+    ledger = Ledger()
+    agent = agent_of(
+        definition(store, script=[tool_call("double", n=4), answer("8")]), make_tools(ledger)
+    )
+    async with SqliteStore(tmp_path / "runs.db") as other:
+        await other.claim_run("t-locked")  # another worker holds the run
+        async with worker(client, {"a": agent}) as queue:
+            handle = await start_agent_run(
+                client, RunInput(agent="a", run_id="t-locked"), task_queue=queue
+            )
+            with anyio.fail_after(20):
+                while True:
+                    pending = (await handle.describe()).raw_description.pending_activities
+                    if pending and pending[0].attempt >= 2:
+                        break
+                    await anyio.sleep(0.05)
+            failure = pending[0].last_failure.application_failure_info.type
+            assert failure == "RunLocked"
+            assert ledger.calls == []
+            await other.release_run("t-locked")
+            outcome = await handle.result()
+    assert outcome["stop_reason"] == "final_answer"
+    assert ledger.count("t-locked:0:action") == 1
 
 
 @pytest.mark.anyio
