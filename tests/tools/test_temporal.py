@@ -513,6 +513,32 @@ async def test_a_workflow_id_other_than_the_run_id_is_refused(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"heartbeat_timeout": 0.0}, "heartbeat_timeout must be positive"),
+        ({"approval_timeout": -1.0}, "approval_timeout must be positive"),
+        ({"on_approval_timeout": "approve"}, "on_approval_timeout must be 'reject' or 'wait'"),
+    ],
+)
+async def test_run_settings_that_cannot_work_fail_the_workflow_before_anything_runs(
+    client: Client, settings: dict[str, Any], named: str
+) -> None:
+    store = MemoryStore()
+    agent = agent_of(definition(store, script=[answer("x")]), make_tools(Ledger()))
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="a", run_id=rid("t-settings"), **settings), task_queue=queue
+        )
+        with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
+            await handle.result()
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidRequest"
+    assert named in cause.message
+    assert (await store.read_log(rid("t-settings"))).records == ()
+
+
+@pytest.mark.anyio
 async def test_a_run_another_writer_holds_is_retried_until_the_claim_goes(
     client: Client, store: SqliteStore, open_store: Callable[[], Any]
 ) -> None:

@@ -48,7 +48,9 @@ class RunInput:
     run_id: str
     input: Any = None
     approval_timeout: float | None = None
-    on_approval_timeout: Literal["reject", "wait"] = "reject"
+    # A plain str, not a Literal: the data converter would refuse another value while
+    # decoding, failing workflow tasks over and over instead of the workflow once.
+    on_approval_timeout: str = "reject"
     approval_timeout_reason: str = "no approval before the deadline"
     heartbeat_timeout: float = 30.0
     segment_timeout: float = 86_400.0

@@ -92,6 +92,7 @@ class AgentRun:
                 type="InvalidRequest",
                 non_retryable=True,
             )
+        _check_input(input)
         self._input = input
         self._status = {**self._status, "run_id": input.run_id}
         while True:
@@ -331,6 +332,27 @@ class AgentRun:
 
     def _run_id(self) -> str:
         return self._input.run_id if self._input is not None else "?"
+
+
+def _check_input(input: RunInput) -> None:
+    """Refuse, before anything runs, settings no segment or deadline could work with."""
+    problems = []
+    if not input.heartbeat_timeout > 0:
+        problems.append(f"heartbeat_timeout must be positive, not {input.heartbeat_timeout!r}")
+    if not input.segment_timeout > 0:
+        problems.append(f"segment_timeout must be positive, not {input.segment_timeout!r}")
+    if input.approval_timeout is not None and not input.approval_timeout > 0:
+        problems.append(f"approval_timeout must be positive, not {input.approval_timeout!r}")
+    if input.on_approval_timeout not in ("reject", "wait"):
+        problems.append(
+            f"on_approval_timeout must be 'reject' or 'wait', not {input.on_approval_timeout!r}"
+        )
+    if problems:
+        raise ApplicationError(
+            f"run {input.run_id!r}: " + "; ".join(problems),
+            type="InvalidRequest",
+            non_retryable=True,
+        )
 
 
 def _text(name: str, value: object) -> None:
