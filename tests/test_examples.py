@@ -188,3 +188,29 @@ def test_approvals_a_payment_in_doubt_is_settled_and_the_run_finishes(
     assert sum(line.startswith("pay ") for line in effects) == 1
     assert "settled      by carol" in _polyloop("show", store, "release-2").stdout
     assert _polyloop("pending", store).stdout.startswith("nothing waits for a person")
+
+
+@pytest.mark.slow
+def test_temporal_agent_waits_for_the_approval_update_then_runs_the_tool_once() -> None:
+    from temporal_kit import dev_server_path, unavailable
+
+    if not dev_server_path().is_file():
+        unavailable(f"no Temporal CLI at {dev_server_path()}")
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "temporal_agent.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    # The development server prints its own banner first; the example's lines follow.
+    lines = done.stdout.splitlines()
+    start = lines.index('waiting for approval: {"arguments": {"env": "prod"}, "name": "deploy"}')
+    assert lines[start:] == [
+        'waiting for approval: {"arguments": {"env": "prod"}, "name": "deploy"}',
+        "effects so far: []",
+        "approved by alice",
+        "stop reason: submitted after 2 steps",
+        "effects: deploy prod (RUN:0:action); submit (RUN:1:action)",
+        "log: 15 records, ending RunEnded; verdicts: 1",
+    ]

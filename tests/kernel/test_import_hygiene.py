@@ -16,7 +16,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 SOURCE = TESTS.parent / "src" / "polyloop"
-OPTIONAL = ("polygateway", "openai", "psycopg", "psycopg_pool", "trio", "mcp")
+OPTIONAL = ("polygateway", "openai", "psycopg", "psycopg_pool", "trio", "mcp", "temporalio")
 
 
 def modules_after(statement: str, *, extra_path: Path | None = None) -> set[str]:
@@ -104,9 +104,23 @@ def test_only_polyloop_otel_imports_opentelemetry() -> None:
     assert "opentelemetry" not in top_level(modules_after("import polyloop, polyloop.stores"))
 
 
+def test_only_polyloop_temporal_imports_temporalio() -> None:
+    importers = {path for path in SOURCE.rglob("*.py") if "temporalio" in _imported_roots(path)}
+    assert importers
+    assert {path.relative_to(SOURCE).parts[0] for path in importers} == {"temporal"}
+    loaded = modules_after("import polyloop.temporal")
+    assert "temporalio" in top_level(loaded)
+    # A worker needs nothing else: no store, adapter or other optional package.
+    assert top_level(loaded).isdisjoint(set(OPTIONAL) - {"temporalio"})
+    assert not [
+        name for name in loaded if name.startswith(("polyloop.stores", "polyloop.adapters"))
+    ]
+
+
 @pytest.mark.parametrize(
     ("statement", "missing", "feature", "extra"),
     [
+        ("import polyloop.temporal", "temporalio", "polyloop.temporal", "temporal"),
         ("import polyloop.otel", "opentelemetry", "polyloop.otel", "otel"),
         ("import polyloop.mcp", "mcp", "polyloop.mcp", "mcp"),
         ("import polyloop.adapters.openai", "openai", "polyloop.adapters.openai", "openai"),

@@ -1,0 +1,113 @@
+"""What a client sends to an ``AgentRun`` workflow: its input and the people's answers.
+
+Plain frozen dataclasses of JSON types, so that Temporal's default data converter
+carries them as JSON and the workflow module can import them inside the sandbox.
+``input`` and ``arguments`` are typed ``Any`` on purpose: they are whatever JSON the
+caller sent, and the converter must not try to coerce them into a narrower type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = (
+    "ApproveInput",
+    "RejectInput",
+    "RunInput",
+    "SettleInput",
+    "SegmentInput",
+    "AnswerInput",
+)
+
+DEADLINE_BY = "temporal:deadline"
+"""Who the log names as having rejected a proposal whose approval deadline passed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunInput:
+    """One PolyLoop run, driven by an ``AgentRun`` workflow whose id is ``run_id``.
+
+    ``agent`` names an :class:`~polyloop.temporal.Agent` of the worker's
+    :class:`~polyloop.temporal.PolyLoopPlugin`; its ``request_for(run_id, input)`` builds
+    the run's request on whichever worker drives it, so ``input`` must say everything the
+    request depends on.
+
+    ``approval_timeout`` (seconds), if set, starts a durable timer whenever the run
+    stops for an approval; when it fires, ``on_approval_timeout="reject"`` rejects the
+    proposal in PolyLoop's log (by ``"temporal:deadline"``, with
+    ``approval_timeout_reason``) and the run goes on; ``"wait"`` marks the status
+    ``deadline_passed`` and keeps waiting.
+
+    ``heartbeat_timeout`` (seconds) is how long a worker that drives the run may stay
+    silent before Temporal gives the run segment to another worker; it also bounds how
+    long a cancellation takes to reach the run. ``segment_timeout`` bounds one segment.
+    """
+
+    agent: str
+    run_id: str
+    input: Any = None
+    approval_timeout: float | None = None
+    # A plain str, not a Literal: the data converter would refuse another value while
+    # decoding, failing workflow tasks over and over instead of the workflow once.
+    on_approval_timeout: str = "reject"
+    approval_timeout_reason: str = "no approval before the deadline"
+    heartbeat_timeout: float = 30.0
+    segment_timeout: float = 86_400.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApproveInput:
+    """Approve the proposed action (``arguments``, if given, replace the proposed ones).
+
+    ``result_id``, if given, must name the proposal (``status()["proposal"]``); without
+    it, the proposal waiting now, or the next one if the run is being driven.
+    """
+
+    by: str
+    arguments: Any = None
+    result_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RejectInput:
+    """Reject the proposed action; the model is told ``reason``."""
+
+    by: str
+    reason: str
+    result_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SettleInput:
+    """Say whether the action in doubt ran (``observation`` is its output) or not (the reason)."""
+
+    by: str
+    ran: bool
+    observation: str
+    result_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SegmentInput:
+    """What the workflow hands the activity that drives one segment of a run."""
+
+    agent: str
+    run_id: str
+    input: Any = None
+    heartbeat_timeout: float = 30.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AnswerInput:
+    """What the workflow hands the activity that writes a person's answer to the log."""
+
+    agent: str
+    run_id: str
+    kind: Literal["approve", "reject", "settle"]
+    by: str
+    arguments: Any = None
+    reason: str | None = None
+    ran: bool | None = None
+    observation: str | None = None
+    result_id: str | None = None

@@ -1,0 +1,297 @@
+"""The worker side: agents, the activities that drive runs and write answers, the plugin.
+
+An activity runs on whichever worker polls it, in any process: all it needs is the
+agent's :class:`~polyloop.session.Definition` (its store shared by every worker, e.g.
+one PostgreSQL database) and ``request_for`` to rebuild the run's request there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import anyio
+from temporalio import activity
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.exceptions import ApplicationError
+from temporalio.plugin import SimplePlugin
+from temporalio.worker import WorkerConfig, WorkflowRunner
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
+
+from polyloop.ports import ManagedStore
+from polyloop.serialization import encode
+from polyloop.session import (
+    Definition,
+    Request,
+    approve,
+    reject,
+    run_status,
+    settle,
+    start_or_resume,
+)
+from polyloop.temporal._values import AnswerInput, RunInput, SegmentInput
+from polyloop.temporal._workflow import (
+    ANSWER_ACTIVITY,
+    DRIVE_ACTIVITY,
+    NOT_RETRYABLE,
+    AgentRun,
+)
+from polyloop.types import (
+    JSONValue,
+    PolyLoopError,
+    RunResult,
+    RunState,
+    RunStatus,
+    StopReason,
+)
+
+__all__ = ("Agent", "PolyLoopPlugin", "start_agent_run")
+
+RequestFor = Callable[[str, JSONValue], Request | Awaitable[Request]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Agent:
+    """An agent a worker can drive: what its runs share, and how to rebuild a request.
+
+    ``request_for(run_id, input)`` (a function or a coroutine function) gets the run id
+    and the JSON value of ``RunInput.input``, and must build the same request on every
+    worker and every attempt, or the run is refused with ``RunIdentityMismatch``.
+    ``status_store`` is read for the workflow's status (default: the definition's store,
+    which every store PolyLoop ships can serve).
+    """
+
+    definition: Definition
+    request_for: RequestFor
+    status_store: ManagedStore | None = None
+
+
+class _Activities:
+    """The activities of one plugin, bound to its agents."""
+
+    def __init__(self, agents: Mapping[str, Agent]) -> None:
+        self._agents = dict(agents)
+
+    @activity.defn(name=DRIVE_ACTIVITY)
+    async def drive_segment(self, segment: SegmentInput) -> dict[str, Any]:
+        """``start_or_resume`` the run, heartbeating until it stops; its outcome and status."""
+        agent = self._agent(segment.agent, segment.run_id)
+        try:
+            built = agent.request_for(segment.run_id, segment.input)
+            request = await built if inspect.isawaitable(built) else built
+            result = await _driven(agent.definition, request, segment.heartbeat_timeout / 3)
+            status = await _status(agent, result)
+        except PolyLoopError as err:
+            raise _as_application_error(err, segment.run_id) from err
+        return {
+            "run_id": result.run_id,
+            "stop_reason": result.stop_reason.value,
+            "final_answer": result.final_answer,
+            "steps": result.step_count,
+            "valid_steps": result.valid_step_count,
+            "detail": result.detail,
+            "resumed": result.resumed,
+            "status": status,
+        }
+
+    @activity.defn(name=ANSWER_ACTIVITY)
+    async def answer(self, answer: AnswerInput) -> dict[str, Any]:
+        """Write a person's answer to the run's log; the record written."""
+        agent = self._agent(answer.agent, answer.run_id)
+        store = agent.definition.store
+        try:
+            if answer.kind == "approve":
+                record: Any = await approve(
+                    store, answer.run_id, by=answer.by, arguments=answer.arguments
+                )
+            elif answer.kind == "reject":
+                record = await reject(
+                    store, answer.run_id, by=answer.by, reason=answer.reason or ""
+                )
+            else:
+                record = await settle(
+                    store,
+                    answer.run_id,
+                    by=answer.by,
+                    ran=bool(answer.ran),
+                    observation=answer.observation or "",
+                    result_id=answer.result_id,
+                )
+        except PolyLoopError as err:
+            raise _as_application_error(err, answer.run_id) from err
+        return dict(encode(record))
+
+    def _agent(self, name: str, run_id: str) -> Agent:
+        try:
+            return self._agents[name]
+        except KeyError:
+            raise ApplicationError(
+                f"run {run_id!r}: this worker has no agent {name!r} "
+                f"(it has {', '.join(map(repr, sorted(self._agents))) or 'none'})",
+                type="UnknownAgent",
+                non_retryable=True,
+            ) from None
+
+
+async def _driven(definition: Definition, request: Request, every: float) -> RunResult:
+    """Drive the run in a child task beside a heartbeat, so a cancellation of the
+    activity reaches the run as an AnyIO cancellation (the kernel writes its end record)."""
+    outcome: list[RunResult] = []
+    failure: list[Exception] = []
+
+    async def drive() -> None:
+        try:
+            outcome.append(await start_or_resume(definition, request))
+        except Exception as err:  # noqa: BLE001 - re-raised below, unwrapped
+            # Raised as itself, not inside an exception group, so it maps to its type.
+            failure.append(err)
+        group.cancel_scope.cancel()
+
+    async def heartbeat() -> None:
+        while True:
+            activity.heartbeat()
+            await anyio.sleep(every)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(drive)
+        group.start_soon(heartbeat)
+    if failure:
+        raise failure[0]
+    return outcome[0]
+
+
+async def _status(agent: Agent, result: RunResult) -> dict[str, Any]:
+    store = agent.status_store
+    if store is None and isinstance(agent.definition.store, ManagedStore):
+        store = agent.definition.store
+    if store is None:
+        return _status_of_result(result)
+    return status_json(await run_status(store, result.run_id))
+
+
+def status_json(status: RunStatus) -> dict[str, Any]:
+    """A :class:`~polyloop.types.RunStatus` as JSON: records as the log encodes them."""
+    return {
+        "run_id": status.run_id,
+        "state": status.state.value,
+        "stop_reason": status.stop_reason.value if status.stop_reason is not None else None,
+        "detail": status.detail,
+        "steps": status.steps,
+        "valid_steps": status.valid_steps,
+        "open_intent": encode(status.open_intent) if status.open_intent is not None else None,
+        "proposal": encode(status.proposal) if status.proposal is not None else None,
+        "last_record_at": _when(status.last_record_at),
+        "owner": status.owner,
+        "lease_expires_at": _when(status.lease_expires_at),
+    }
+
+
+def _status_of_result(result: RunResult) -> dict[str, Any]:
+    # Without a store that can describe runs, the result alone: no records to show.
+    states = {StopReason.IN_DOUBT: RunState.IN_DOUBT}
+    states[StopReason.AWAITING_APPROVAL] = RunState.AWAITING_APPROVAL
+    return {
+        "run_id": result.run_id,
+        "state": states.get(result.stop_reason, RunState.FINISHED).value,
+        "stop_reason": result.stop_reason.value,
+        "detail": result.detail,
+        "steps": result.step_count,
+        "valid_steps": result.valid_step_count,
+        "open_intent": None,
+        "proposal": None,
+        "last_record_at": None,
+        "owner": None,
+        "lease_expires_at": None,
+    }
+
+
+def _when(moment: datetime | None) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def _as_application_error(err: PolyLoopError, run_id: str) -> ApplicationError:
+    kind = type(err).__name__
+    return ApplicationError(
+        str(err),
+        {"run_id": err.run_id or run_id, "location": err.location},
+        type=kind,
+        non_retryable=kind in NOT_RETRYABLE,
+    )
+
+
+class PolyLoopPlugin(SimplePlugin):
+    """Registers ``AgentRun`` and its activities on a ``Worker(..., plugins=[plugin])``.
+
+    ``agents`` maps the names ``RunInput.agent`` uses to :class:`Agent` values.
+    ``max_concurrent_runs`` bounds how many run segments (and answers) this worker runs
+    at once (the worker's ``max_concurrent_activities``); ``max_runs_per_second`` bounds
+    how many the whole task queue starts per second, server-side (the worker's
+    ``max_task_queue_activities_per_second``; give every worker of the queue the same
+    value). The workflow module is passed through the sandbox.
+    """
+
+    def __init__(
+        self,
+        agents: Mapping[str, Agent],
+        *,
+        max_concurrent_runs: int | None = None,
+        max_runs_per_second: float | None = None,
+    ) -> None:
+        if not agents or not all(isinstance(agent, Agent) for agent in agents.values()):
+            raise ValueError("agents must map at least one name to an Agent")
+        if max_concurrent_runs is not None and max_concurrent_runs < 1:
+            raise ValueError(f"max_concurrent_runs must be at least 1, not {max_concurrent_runs}")
+        if max_runs_per_second is not None and not max_runs_per_second > 0:
+            raise ValueError(f"max_runs_per_second must be positive, not {max_runs_per_second}")
+        self.max_concurrent_runs = max_concurrent_runs
+        self.max_runs_per_second = max_runs_per_second
+        activities = _Activities(agents)
+        super().__init__(
+            "polyloop.PolyLoopPlugin",
+            activities=[activities.drive_segment, activities.answer],
+            workflows=[AgentRun],
+            workflow_runner=_passing_polyloop_through,
+        )
+
+    def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
+        config = super().configure_worker(config)
+        if self.max_concurrent_runs is not None:
+            if config.get("tuner") is not None:
+                raise ValueError("max_concurrent_runs cannot be combined with a worker tuner")
+            config["max_concurrent_activities"] = self.max_concurrent_runs
+        if self.max_runs_per_second is not None:
+            config["max_task_queue_activities_per_second"] = self.max_runs_per_second
+        return config
+
+
+def _passing_polyloop_through(runner: WorkflowRunner | None) -> WorkflowRunner:
+    if runner is None:
+        raise ValueError("PolyLoopPlugin needs a workflow runner")
+    if isinstance(runner, SandboxedWorkflowRunner):
+        # The workflow module imports only deterministic code; PolyLoop is loaded once,
+        # outside the sandbox, instead of again for every workflow run.
+        return dataclasses.replace(
+            runner, restrictions=runner.restrictions.with_passthrough_modules("polyloop")
+        )
+    return runner
+
+
+async def start_agent_run(
+    client: Client, input: RunInput, *, task_queue: str, **options: Any
+) -> WorkflowHandle[AgentRun, dict[str, Any]]:
+    """Start the ``AgentRun`` of ``input``, with the run id as its workflow id.
+
+    A second start of the same run is refused (``WorkflowAlreadyStartedError``) while it
+    runs and after it completed; one that failed, was cancelled or terminated may be
+    started again, which resumes the run from its log. ``options`` go to
+    ``Client.start_workflow``.
+    """
+    options.setdefault("id_reuse_policy", WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY)
+    return await client.start_workflow(
+        AgentRun.run, input, id=input.run_id, task_queue=task_queue, **options
+    )

