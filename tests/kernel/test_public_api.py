@@ -13,6 +13,7 @@ import pytest
 import polyloop
 import polyloop.mcp
 import polyloop.otel
+import polyloop.temporal
 from polyloop import interpreters, ports, serialization, session, tools, types
 
 # SPEC §12.1: where every public name lives.
@@ -109,6 +110,18 @@ NAMES_BY_MODULE = {
     },
 }
 # Modules imported by name, never re-exported at the top level.
+# issue 30: runs driven by Temporal; imported explicitly, never re-exported at the top.
+TEMPORAL_NAMES = {
+    "Agent",
+    "AgentRun",
+    "ApproveInput",
+    "PolyLoopPlugin",
+    "RejectInput",
+    "RunInput",
+    "SettleInput",
+    "start_agent_run",
+    "status_json",
+}
 NAMED_MODULES = {
     # issue 16, part 5: ready-made interpreters, one per action language
     interpreters: {"CodeBlockInterpreter", "JsonToolCallInterpreter", "NativeToolCallInterpreter"},
@@ -144,6 +157,7 @@ ERRORS = {
         interpreters,
         polyloop.mcp,
         polyloop.otel,
+        polyloop.temporal,
     ],
     ids=lambda m: m.__name__,
 )
@@ -194,6 +208,13 @@ def test_the_otel_module_exports_its_names_and_the_top_level_none_of_them() -> N
     assert OTEL_NAMES.isdisjoint(polyloop.__all__)
 
 
+def test_the_temporal_module_exports_its_names_and_the_top_level_none_of_them() -> None:
+    # Its values keep their private modules as homes: Temporal's data converter resolves
+    # their annotations in the module that defines them.
+    assert set(polyloop.temporal.__all__) == TEMPORAL_NAMES
+    assert TEMPORAL_NAMES.isdisjoint(polyloop.__all__)
+
+
 def test_codec_stays_in_serialization() -> None:
     for name in serialization.__all__:
         assert not hasattr(polyloop, name) or name not in polyloop.__all__
@@ -204,6 +225,7 @@ def _public_callables() -> list[tuple[str, Any]]:
     public = [(name, getattr(polyloop, name)) for name in polyloop.__all__]
     public += [(name, getattr(polyloop.mcp, name)) for name in polyloop.mcp.__all__]
     public += [(name, getattr(polyloop.otel, name)) for name in polyloop.otel.__all__]
+    public += [(name, getattr(polyloop.temporal, name)) for name in polyloop.temporal.__all__]
     for name, obj in public:
         if inspect.isclass(obj):
             found.append((name, obj))
@@ -242,6 +264,7 @@ def _is_private(cls: Any) -> bool:
 
 def test_no_private_type_appears_in_a_public_signature() -> None:
     offenders = []
+    exported = {id(getattr(polyloop.temporal, name)) for name in polyloop.temporal.__all__}
     for name, obj in _public_callables():
         if inspect.isclass(obj):
             if obj.__init__ is object.__init__:
@@ -249,12 +272,19 @@ def test_no_private_type_appears_in_a_public_signature() -> None:
             target = obj.__init__
         else:
             target = obj
-        scope = {**vars(polyloop), **vars(polyloop.mcp), **vars(polyloop.otel)}
+        scope = {
+            **vars(polyloop),
+            **vars(polyloop.mcp),
+            **vars(polyloop.otel),
+            **vars(polyloop.temporal),
+        }
         hints = typing.get_type_hints(target, localns=scope)
         if dataclasses.is_dataclass(obj):
             hints.update(typing.get_type_hints(obj, localns=scope))
         for where, annotation in hints.items():
             for cls in _named_types(annotation):
+                if id(cls) in exported:  # a public name, whatever module defines it
+                    continue
                 if _is_private(cls) and cls.__module__.startswith("polyloop"):
                     offenders.append(f"{name} {where}: {cls.__module__}.{cls.__name__}")
     assert offenders == []
@@ -293,7 +323,8 @@ def test_identity_mismatch_says_what_differs_and_what_to_do() -> None:
 
 
 def test_value_types_are_frozen_slotted_keyword_only() -> None:
-    for module in (types, ports, session, interpreters, polyloop.mcp, polyloop.otel):
+    modules = (types, ports, session, interpreters, polyloop.mcp, polyloop.otel, polyloop.temporal)
+    for module in modules:
         for name in module.__all__:
             obj = getattr(module, name)
             if inspect.isclass(obj) and dataclasses.is_dataclass(obj):
@@ -317,6 +348,8 @@ def _public_coroutines() -> list[tuple[str, Any, str]]:
         if inspect.iscoroutinefunction(function)
     ]
     found += [("mcp_tools", polyloop.mcp.mcp_tools, polyloop.mcp.mcp_tools.__doc__ or "")]
+    start = polyloop.temporal.start_agent_run
+    found += [("start_agent_run", start, start.__doc__ or "")]
     classes = [getattr(polyloop, n) for n in polyloop.__all__]
     classes += [
         MemoryStore,
@@ -324,6 +357,7 @@ def _public_coroutines() -> list[tuple[str, Any, str]]:
         SqliteStore,
         PostgresStore,
         polyloop.otel.OpenTelemetrySink,
+        polyloop.temporal.AgentRun,
     ]
     for cls in classes:
         if not inspect.isclass(cls):

@@ -290,6 +290,10 @@ async def start_agent_run(
     runs and after it completed; one that failed, was cancelled or terminated may be
     started again, which resumes the run from its log. ``options`` go to
     ``Client.start_workflow``.
+
+    Cancellation: cancelled before the server answered, the workflow may or may not have
+    started, and nothing is written to the run's log; starting it again is safe, as a
+    second start of a running run is refused.
     """
     options.setdefault("id_reuse_policy", WorkflowIDReusePolicy.ALLOW_DUPLICATE_FAILED_ONLY)
     return await client.start_workflow(

@@ -83,7 +83,12 @@ class AgentRun:
 
     @workflow.run
     async def run(self, input: RunInput) -> dict[str, Any]:
-        """Drive the run to its end; the outcome has ``stop_reason`` and ``final_answer``."""
+        """Drive the run to its end; the outcome has ``stop_reason`` and ``final_answer``.
+
+        Cancellation: cancelling the workflow cancels the segment that drives the run;
+        PolyLoop writes the run's ``cancelled`` end record within its grace, the log keeps
+        every record written before it, and the workflow then ends cancelled.
+        """
         if workflow.info().workflow_id != input.run_id:
             # The workflow id is what keeps a run to one workflow: refuse any other.
             raise ApplicationError(
@@ -126,7 +131,11 @@ class AgentRun:
 
     @workflow.update
     async def approve(self, answer: ApproveInput) -> dict[str, Any]:
-        """Approve the proposed action; returns the verdict as PolyLoop logged it."""
+        """Approve the proposed action; returns the verdict as PolyLoop logged it.
+
+        Cancellation: the verdict is one record, in the log whole or not at all; a
+        workflow cancelled meanwhile leaves the run awaiting approval or approved.
+        """
         return await self._apply(
             "approval",
             answer.result_id,
@@ -147,7 +156,11 @@ class AgentRun:
 
     @workflow.update
     async def reject(self, answer: RejectInput) -> dict[str, Any]:
-        """Reject the proposed action; returns the verdict as PolyLoop logged it."""
+        """Reject the proposed action; returns the verdict as PolyLoop logged it.
+
+        Cancellation: the verdict is one record, in the log whole or not at all; a
+        workflow cancelled meanwhile leaves the run awaiting approval or rejected.
+        """
         return await self._apply(
             "approval",
             answer.result_id,
@@ -169,7 +182,11 @@ class AgentRun:
 
     @workflow.update
     async def settle(self, answer: SettleInput) -> dict[str, Any]:
-        """Settle the action in doubt; returns the settlement as PolyLoop logged it."""
+        """Settle the action in doubt; returns the settlement as PolyLoop logged it.
+
+        Cancellation: the settlement is one record, in the log whole or not at all; a
+        workflow cancelled meanwhile leaves the run in doubt or settled.
+        """
         return await self._apply(
             "settlement",
             answer.result_id,
