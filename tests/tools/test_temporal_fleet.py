@@ -31,7 +31,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 import pytest
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 import child_agent_kit as kit
@@ -99,6 +99,16 @@ class Fleet:
                 await anyio.sleep(0.02)
             return
         pytest.fail(f"no {line!r} in the ledger after {READY_TIMEOUT_S} s; {await self.stderr()}")
+
+    async def first(self, prefix: str) -> str:
+        """The first ledger line that starts with ``prefix``, once there is one."""
+        with anyio.move_on_after(READY_TIMEOUT_S):
+            while True:
+                found = [line for line in await self.lines() if line.startswith(prefix)]
+                if found:
+                    return found[0]
+                await anyio.sleep(0.02)  # the ledger is another process's: poll it
+        pytest.fail(f"no {prefix!r} line in the ledger; {await self.stderr()}")
 
     async def start(self, name: str, mode: str, *, stop: bool = False) -> anyio.abc.Process:
         """Worker ``name``, polling its queue by the time this returns."""
@@ -197,16 +207,22 @@ async def drive_to_the_end(handles: list[WorkflowHandle[Any, Any]], fleet: Fleet
                     del pending[run_id]
                 elif status["waiting_for"] == "settlement":
                     ran = bool(payments(await fleet.lines(), run_id))
-                    await handle.execute_update(
-                        AgentRun.settle,
-                        SettleInput(
-                            by="ops",
-                            ran=ran,
-                            observation="paid 5" if ran else "no payment was made",
-                            result_id=status["open_intent"]["result_id"],
-                        ),
-                    )
                     ending.settled[run_id] = ran
+                    try:
+                        await handle.execute_update(
+                            AgentRun.settle,
+                            SettleInput(
+                                by="ops",
+                                ran=ran,
+                                observation="paid 5" if ran else "no payment was made",
+                                result_id=status["open_intent"]["result_id"],
+                            ),
+                        )
+                    except (RPCError, WorkflowUpdateFailedError):
+                        # The server, busy, may drop the call after applying it: the next
+                        # round asks again if the run still waits (the same truth), and the
+                        # ledger, checked afterwards, says whether anything ran twice.
+                        continue
             # Workflows end in other processes; nothing wakes this one: poll them.
             await anyio.sleep(0.2)
     return ending
@@ -286,10 +302,8 @@ async def test_a_worker_stopped_past_its_lease_starts_nothing_once_continued(
     await fleet.start("B", "never")
     handles = await start_runs(client, fleet, RUNS)
     # A stops itself right after its first payment intent is durable, before paying.
-    with anyio.fail_after(READY_TIMEOUT_S):
-        while not (stops := [x for x in await fleet.lines() if x.startswith("stop A ")]):  # noqa: ASYNC110
-            await anyio.sleep(0.02)
-    stopped_run = stops[0].split()[2].partition(":")[0]
+    stop = await fleet.first("stop A ")
+    stopped_run = stop.split()[2].partition(":")[0]
     with anyio.fail_after(READY_TIMEOUT_S):
         while kit.stopped_or_ended(worker_a.pid) is None:  # noqa: ASYNC110 - nothing wakes us
             await anyio.sleep(0.02)
@@ -298,7 +312,11 @@ async def test_a_worker_stopped_past_its_lease_starts_nothing_once_continued(
     # Its lease runs out while it is stopped; B drives every run to its end.
     ending = await drive_to_the_end(handles, fleet)
     os.kill(worker_a.pid, signal.SIGCONT)
-    await fleet.until(f"end A {stopped_run} LeaseLost")
+    end = await fleet.first(f"end A {stopped_run} ")
+    # Whichever reaches A first: the lease check before the payment (LeaseLost), or the
+    # cancellation Temporal sends once A's heartbeat learns the segment went elsewhere,
+    # whose CANCELLED end record the lease refuses (the log's last record is B's).
+    assert end.split()[3] in ("LeaseLost", "Cancelled"), end
     assert await fleet.stop("A") == 0
 
     lines = await fleet.lines()
