@@ -44,6 +44,7 @@ from polyloop import (
     ToolRegistry,
     ToolSpec,
     Verdict,
+    approve,
     run,
 )
 from polyloop.stores import MemoryStore, PostgresStore, SqliteStore
@@ -264,6 +265,35 @@ async def test_an_approval_waits_in_the_workflow_and_the_update_lets_the_tool_ru
         r for r in (await store.read_log(rid("t-approve"))).records if isinstance(r, Verdict)
     ]
     assert [(v.approved, v.by) for v in verdicts] == [(True, "alice")]
+
+
+@pytest.mark.anyio
+async def test_an_approval_given_outside_temporal_is_picked_up_by_the_redrive_update(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    tools = approval_tools(ledger)
+    script = [tool_call("deploy", env="prod"), tool_call("submit", answer="done")]
+    agent = agent_of(definition(store, script=script), tools)
+    run_id = rid("t-redrive")
+    async with worker(client, {"deployer": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="deployer", run_id=run_id), task_queue=queue
+        )
+        await wait_for(handle, lambda s: s["waiting_for"] == "approval")
+        # Nothing answered yet: the redrive reads the log and the workflow keeps waiting.
+        unchanged = await handle.execute_update(AgentRun.redrive)
+        assert (unchanged["redriven"], unchanged["state"]) == (False, "awaiting_approval")
+        assert (await handle.query(AgentRun.status))["waiting_for"] == "approval"
+        # Answered outside Temporal, as the command line does: the workflow cannot know.
+        await approve(store, run_id, by="carol")
+        redriven = await handle.execute_update(AgentRun.redrive)
+        assert redriven["redriven"] is True
+        outcome = await handle.result()
+    assert outcome["stop_reason"] == "submitted"
+    assert ledger.count(run_id + ":0:action") == 1
+    verdicts = [r for r in (await store.read_log(run_id)).records if isinstance(r, Verdict)]
+    assert [(v.approved, v.by) for v in verdicts] == [(True, "carol")]
 
 
 @pytest.mark.anyio

@@ -6,7 +6,8 @@ run *segment* is one activity that calls :func:`polyloop.start_or_resume` and
 heartbeats while the run is driven. A run that stops ``AWAITING_APPROVAL`` or
 ``IN_DOUBT`` makes the workflow wait for the ``approve``/``reject``/``settle`` update,
 which writes the answer through :func:`polyloop.approve`/``reject``/``settle``; no
-worker is held meanwhile. ``AgentRun.status`` mirrors :func:`polyloop.run_status`.
+worker is held meanwhile; ``AgentRun.redrive`` picks up an answer written to the log
+outside Temporal (the command line). ``AgentRun.status`` mirrors :func:`polyloop.run_status`.
 
 Worker::
 

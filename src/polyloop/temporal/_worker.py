@@ -39,6 +39,7 @@ from polyloop.temporal._workflow import (
     ANSWER_ACTIVITY,
     DRIVE_ACTIVITY,
     NOT_RETRYABLE,
+    STATUS_ACTIVITY,
     AgentRun,
 )
 from polyloop.types import (
@@ -126,6 +127,23 @@ class _Activities:
             raise _as_application_error(err, answer.run_id) from err
         return dict(encode(record))
 
+    @activity.defn(name=STATUS_ACTIVITY)
+    async def status(self, segment: SegmentInput) -> dict[str, Any]:
+        """The run's status as the store has it now (``AgentRun.redrive``)."""
+        agent = self._agent(segment.agent, segment.run_id)
+        store = _status_store(agent)
+        if store is None:
+            raise ApplicationError(
+                f"run {segment.run_id!r}: agent {segment.agent!r} has no store that can "
+                "describe runs; give it a status_store",
+                type="InvalidRequest",
+                non_retryable=True,
+            )
+        try:
+            return status_json(await run_status(store, segment.run_id))
+        except PolyLoopError as err:
+            raise _as_application_error(err, segment.run_id) from err
+
     def _agent(self, name: str, run_id: str) -> Agent:
         try:
             return self._agents[name]
@@ -165,10 +183,15 @@ async def _driven(definition: Definition, request: Request, every: float) -> Run
     return outcome[0]
 
 
-async def _status(agent: Agent, result: RunResult) -> dict[str, Any]:
+def _status_store(agent: Agent) -> ManagedStore | None:
     store = agent.status_store
     if store is None and isinstance(agent.definition.store, ManagedStore):
         store = agent.definition.store
+    return store
+
+
+async def _status(agent: Agent, result: RunResult) -> dict[str, Any]:
+    store = _status_store(agent)
     if store is None:
         return _status_of_result(result)
     return status_json(await run_status(store, result.run_id))
@@ -253,7 +276,7 @@ class PolyLoopPlugin(SimplePlugin):
         activities = _Activities(agents)
         super().__init__(
             "polyloop.PolyLoopPlugin",
-            activities=[activities.drive_segment, activities.answer],
+            activities=[activities.drive_segment, activities.answer, activities.status],
             workflows=[AgentRun],
             workflow_runner=_passing_polyloop_through,
         )

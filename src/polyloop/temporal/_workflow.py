@@ -32,11 +32,19 @@ from polyloop.temporal._values import (
     SettleInput,
 )
 
-__all__ = ("ANSWER_ACTIVITY", "AgentRun", "DRIVE_ACTIVITY", "NOT_RETRYABLE", "WORKFLOW_NAME")
+__all__ = (
+    "ANSWER_ACTIVITY",
+    "AgentRun",
+    "DRIVE_ACTIVITY",
+    "NOT_RETRYABLE",
+    "STATUS_ACTIVITY",
+    "WORKFLOW_NAME",
+)
 
 WORKFLOW_NAME = "PolyLoopAgentRun"
 DRIVE_ACTIVITY = "polyloop.drive_segment"
 ANSWER_ACTIVITY = "polyloop.answer"
+STATUS_ACTIVITY = "polyloop.status"
 
 NOT_RETRYABLE = (
     "CorruptLog",
@@ -209,6 +217,42 @@ class AgentRun:
         if not isinstance(answer.observation, str):
             raise ApplicationError("observation must be a string", type="InvalidRequest")
         self._open_for("settlement", answer.result_id)
+
+    @workflow.update
+    async def redrive(self) -> dict[str, Any]:
+        """Read the run's status from the store and drive on if it no longer waits.
+
+        For an answer given outside Temporal (``polyloop approve``, ``reject`` or
+        ``settle`` on the command line, or the functions): the log has it, the workflow
+        does not. If the run still waits for what the workflow waits for, nothing
+        changes. Returns the status read, with ``redriven`` saying whether the run goes on.
+        """
+        await workflow.wait_condition(lambda: not self._answering)
+        if self._waiting is None:
+            return {**self.status(), "redriven": False}
+        waiting = self._waiting
+        self._answering = True
+        try:
+            read: dict[str, Any] = await workflow.execute_activity(
+                STATUS_ACTIVITY,
+                SegmentInput(agent=self._agent(), run_id=self._run_id()),
+                result_type=dict,
+                start_to_close_timeout=_ANSWER_TIMEOUT,
+                retry_policy=_RETRY,
+            )
+        finally:
+            self._answering = False
+        # The run's state in the log when it still waits for this workflow's answer.
+        still = "awaiting_approval" if waiting == "approval" else "in_doubt"
+        if self._waiting != waiting or read["state"] == still:
+            return {**read, "redriven": False}
+        self._waiting = None
+        return {**read, "redriven": True}
+
+    @redrive.validator
+    def _redrive_checked(self) -> None:
+        if self._finished:
+            raise ApplicationError(f"run {self._run_id()!r} has finished", type="RunFinished")
 
     # -- the run loop ---------------------------------------------------------------------
 
