@@ -226,6 +226,8 @@ class AgentRun:
         ``settle`` on the command line, or the functions): the log has it, the workflow
         does not. If the run still waits for what the workflow waits for, nothing
         changes. Returns the status read, with ``redriven`` saying whether the run goes on.
+
+        Cancellation: it only reads; a workflow cancelled meanwhile leaves the log as it was.
         """
         await workflow.wait_condition(lambda: not self._answering)
         if self._waiting is None:
