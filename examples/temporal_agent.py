@@ -27,10 +27,12 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import sysconfig
 import tempfile
 import uuid
-from contextlib import AsyncExitStack
+from collections.abc import Iterator
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 
 from temporalio.client import Client
@@ -148,14 +150,31 @@ def dev_server_path() -> Path:
     return Path(sysconfig.get_path("scripts")) / ("temporal.exe" if os.name == "nt" else "temporal")
 
 
+@contextmanager
+def banner_silenced() -> Iterator[None]:
+    """The development server prints a banner on the standard output it inherits; it
+    inherits /dev/null instead, so this program's output stays its own."""
+    sys.stdout.flush()
+    kept = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(kept, 1)
+        os.close(kept)
+        os.close(devnull)
+
+
 async def main(address: str | None, db: Path) -> None:
     async with AsyncExitStack() as stack:
         if address is None:
-            env = await WorkflowEnvironment.start_local(
-                dev_server_existing_path=str(dev_server_path()),
-                ip="127.0.0.1",
-                dev_server_log_level="error",
-            )
+            with banner_silenced():
+                env = await WorkflowEnvironment.start_local(
+                    dev_server_existing_path=str(dev_server_path()),
+                    ip="127.0.0.1",
+                    dev_server_log_level="error",
+                )
             stack.push_async_callback(env.shutdown)
             client = env.client
         else:
