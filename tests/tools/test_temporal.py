@@ -162,6 +162,13 @@ def agent_of(defined: Definition, tools: ToolRegistry, **overrides: Any) -> Agen
     return Agent(definition=defined, request_for=request_for)
 
 
+def deployer(store: Any, ledger: Ledger, script: list[str] | None = None) -> Agent:
+    """An agent whose ``deploy`` tool needs approval; by default it deploys, then submits."""
+    if script is None:
+        script = [tool_call("deploy", env="prod"), tool_call("submit", answer="done")]
+    return agent_of(definition(store, script=script), approval_tools(ledger))
+
+
 async def wait_for(handle: Any, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
     with anyio.move_on_after(20):
         while True:
@@ -233,9 +240,7 @@ async def test_an_approval_waits_in_the_workflow_and_the_update_lets_the_tool_ru
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    tools = approval_tools(ledger)
-    script = [tool_call("deploy", env="prod"), tool_call("submit", answer="done")]
-    agent = agent_of(definition(store, script=script), tools)
+    agent = deployer(store, ledger)
     async with worker(client, {"deployer": agent}) as queue:
         handle = await start_agent_run(
             client, RunInput(agent="deployer", run_id=rid("t-approve")), task_queue=queue
@@ -272,9 +277,7 @@ async def test_an_approval_given_outside_temporal_is_picked_up_by_the_redrive_up
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    tools = approval_tools(ledger)
-    script = [tool_call("deploy", env="prod"), tool_call("submit", answer="done")]
-    agent = agent_of(definition(store, script=script), tools)
+    agent = deployer(store, ledger)
     run_id = rid("t-redrive")
     async with worker(client, {"deployer": agent}) as queue:
         handle = await start_agent_run(
@@ -334,9 +337,7 @@ async def test_an_update_with_a_bad_answer_is_refused_and_the_run_still_waits(
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    tools = approval_tools(ledger)
-    script = [tool_call("deploy", env="prod"), tool_call("submit", answer="done")]
-    agent = agent_of(definition(store, script=script), tools)
+    agent = deployer(store, ledger)
     async with worker(client, {"deployer": agent}) as queue:
         handle = await start_agent_run(
             client, RunInput(agent="deployer", run_id=rid("t-bad")), task_queue=queue
@@ -433,9 +434,7 @@ async def test_an_approval_deadline_rejects_in_the_log_and_the_run_goes_on(
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    tools = approval_tools(ledger)
-    script = [tool_call("deploy", env="prod"), answer("gave up")]
-    agent = agent_of(definition(store, script=script), tools)
+    agent = deployer(store, ledger, [tool_call("deploy", env="prod"), answer("gave up")])
     async with worker(client, {"deployer": agent}) as queue:
         handle = await start_agent_run(
             client,
