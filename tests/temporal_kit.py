@@ -11,9 +11,11 @@ pass by skipping them) and are skipped anywhere else, with a reason that says so
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sysconfig
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,14 @@ class TemporalServer:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=30)
+
+
+@contextlib.contextmanager
+def dev_server() -> Iterator[str]:
+    """The address of a development server for the ``with`` block; a missing CLI fails
+    the test under ``CI=true`` and skips it elsewhere."""
+    path = dev_server_path()
+    if not path.is_file():
+        unavailable(f"no Temporal CLI at {path}")
+    with TemporalServer(path) as address:
+        yield address

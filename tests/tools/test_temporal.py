@@ -59,7 +59,7 @@ from polyloop.temporal import (
     start_agent_run,
 )
 from polyloop.testing import ScriptedModelClient
-from temporal_kit import TemporalServer, dev_server_path, unavailable
+from temporal_kit import dev_server
 
 
 @pytest.fixture
@@ -85,10 +85,7 @@ def rid(name: str) -> str:
 
 @pytest.fixture(scope="session")
 def temporal_address() -> Iterator[str]:
-    path = dev_server_path()
-    if not path.is_file():
-        unavailable(f"no Temporal CLI at {path}")
-    with TemporalServer(path) as address:
+    with dev_server() as address:
         yield address
 
 

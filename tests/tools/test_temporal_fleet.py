@@ -41,7 +41,7 @@ from polyloop import RunEnded, StopReason
 from polyloop.cli import main as polyloop_command
 from polyloop.stores import PostgresStore
 from polyloop.temporal import AgentRun, ApproveInput, RunInput, SettleInput, start_agent_run
-from temporal_kit import TemporalServer, dev_server_path, unavailable
+from temporal_kit import dev_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -62,10 +62,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def temporal_address() -> Iterator[str]:
-    path = dev_server_path()
-    if not path.is_file():
-        unavailable(f"no Temporal CLI at {path}")
-    with TemporalServer(path) as address:
+    with dev_server() as address:
         yield address
 
 
