@@ -94,7 +94,9 @@ async def client(temporal_address: str) -> Client:
     return await Client.connect(temporal_address)
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+# PostgreSQL in the slow set: the quick run drives each case once, and the worker
+# processes of tests/tools/test_temporal_fleet.py share a PostgreSQL database anyway.
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.slow)])
 def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Any]:
     """Opens a new store object on the test's runs: a SQLite file, or a PostgreSQL schema
     (the store the fleet shares)."""
