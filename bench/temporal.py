@@ -58,18 +58,23 @@ def _cpu_self() -> float:
 
 def _agent_parts(conninfo: str, schema: str, steps: int, latency_s: float) -> tuple[Any, Any]:
     """The definition and ``request_for`` every worker uses, either way."""
+    from bench.agents import (
+        GOAL_TEXT,
+        OBSERVATION_TEMPLATE,
+        SYSTEM_TEXT,
+        TEXTS,
+        Counter,
+        noop_tools,
+    )
     from polyloop import (
         Budget,
         Definition,
         Injection,
         Message,
         NullSink,
-        ObservationTexts,
         Replay,
         Request,
         Role,
-        ToolRegistry,
-        ToolSpec,
         ToolStyle,
     )
     from polyloop.stores import PostgresStore
@@ -77,27 +82,13 @@ def _agent_parts(conninfo: str, schema: str, steps: int, latency_s: float) -> tu
 
     script = [json.dumps({"tool": "noop", "arguments": {}})] * (steps - 1)
     script.append(json.dumps({"answer": "done"}))
-
-    async def noop(arguments: dict[str, Any], *, result_id: str) -> str:
-        return "ok"
-
-    tools = ToolRegistry(
-        [
-            ToolSpec(
-                name="noop",
-                description="Does nothing.",
-                parameters={"type": "object", "properties": {}, "additionalProperties": False},
-                handler=noop,
-            )
-        ],
-        max_observation_chars=1_000,
-    )
+    tools = noop_tools(Counter())  # the benchmarks' one tool that does nothing
     definition = Definition(
         model=ScriptedModelClient(script, delay=latency_s, name="bench"),
         interpreter=JsonActionInterpreter(),
         store=PostgresStore(conninfo, schema=schema),
         events=NullSink(),
-        texts=ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}"),
+        texts=TEXTS,
     )
 
     def request_for(run_id: str, input: Any) -> Request:
@@ -108,12 +99,12 @@ def _agent_parts(conninfo: str, schema: str, steps: int, latency_s: float) -> tu
             ),
             executor=tools.executor(),
             tools=tools,
-            run_context=(Message.text(Role.SYSTEM, "Benchmark."),),
-            goal_context=(Message.text(Role.USER, "Go."),),
+            run_context=(Message.text(Role.SYSTEM, SYSTEM_TEXT),),
+            goal_context=(Message.text(Role.USER, GOAL_TEXT),),
             injection=Injection(entries={}),
             binding={},
             model_replay=Replay.ALLOWED,
-            observation_template="Observation: {observation}",
+            observation_template=OBSERVATION_TEMPLATE,
             tool_style=ToolStyle.JSON,
             cancel_grace_s=5.0,
         )
