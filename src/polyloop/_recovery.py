@@ -21,12 +21,13 @@ index when they cannot: a log is never resumed on a guess.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from polyloop._shared import canonical_json
+from polyloop._shared import RECONCILE_PREFIX, canonical_json
 from polyloop.ports import StoredRun
 from polyloop.types import (
     ActionStatus,
@@ -315,6 +316,25 @@ def _accept_end(walk: _Walk, end: RunEnded) -> str | None:
     return None
 
 
+def settled(plan: Plan, settlement: Settlement) -> Plan:
+    """``plan`` once ``settlement``, just written, closes its action in doubt."""
+    return dataclasses.replace(
+        plan, state=RecoveryState.RESUMABLE, settlement=settlement, ended=None
+    )
+
+
+def reconciled_steps(plan: Plan) -> tuple[int, ...]:
+    """The steps whose action in doubt a tool's probe settled, in order."""
+    steps = [step.step for step in plan.steps if _by_probe(step.settled_by)]
+    if plan.settlement is not None and plan.settlement.by_probe:
+        steps.append(len(plan.steps))
+    return tuple(steps)
+
+
+def _by_probe(by: str | None) -> bool:
+    return by is not None and by.startswith(RECONCILE_PREFIX)
+
+
 def valid_step_count(steps: tuple[StepRecord, ...]) -> int:
     """How many of ``steps`` used up a valid step (their action ran)."""
     return sum(1 for step in steps if step.action_status is ActionStatus.EXECUTED)
@@ -361,6 +381,7 @@ def status(plan: Plan, stored: StoredRun | None) -> RunStatus:
         owner=stored.owner if stored is not None else None,
         lease_expires_at=stored.lease_expires_at if stored is not None else None,
         proposal=plan.proposal if state is RunState.AWAITING_APPROVAL else None,
+        reconciled_steps=reconciled_steps(plan),
     )
 
 

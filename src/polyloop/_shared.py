@@ -19,10 +19,14 @@ from typing import Any
 
 from polyloop._errors import UnloggableValue
 
+# How a settlement's ``by`` begins when a tool's probe wrote it rather than a person.
+RECONCILE_PREFIX = "reconcile:"
+
 __all__ = (
     "FORMAT",
     "MAX_DEPTH",
     "MAX_INT_DIGITS",
+    "RECONCILE_PREFIX",
     "RECORD_KINDS",
     "call_text",
     "canonical_json",

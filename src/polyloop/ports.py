@@ -24,6 +24,7 @@ from polyloop.types import (
     IntentKind,
     JSONValue,
     Message,
+    Reconciled,
     Record,
     Replay,
     Result,
@@ -31,6 +32,7 @@ from polyloop.types import (
     RunEnded,
     RunLog,
     RunStarted,
+    Settlement,
     StepRecord,
     ToolCallBlock,
     Usage,
@@ -52,6 +54,7 @@ __all__ = (
     "ModelClient",
     "ModelReply",
     "NullSink",
+    "ReconcilingExecutor",
     "Store",
     "StoredRun",
     "TracingSink",
@@ -239,6 +242,35 @@ class ActionExecutor(Protocol):
 
     def replay(self, action: Action) -> Replay:
         """Whether ``action`` may be performed again if its outcome was lost."""
+        ...
+
+
+@runtime_checkable
+class ReconcilingExecutor(ActionExecutor, Protocol):
+    """An executor that can also ask what became of an action in doubt.
+
+    When a run would end ``IN_DOUBT`` (an action whose replay is ``NEVER`` was
+    announced and its outcome lost), the library first asks :meth:`reconciles` and, if
+    it says yes, awaits :meth:`reconcile` under the run's claim, after the same claim
+    check as any effect. A :class:`~polyloop.types.Reconciled` answer is written as the
+    action's settlement and the run goes on; ``None`` leaves the run in doubt. The
+    executor a :class:`~polyloop.tools.ToolRegistry` derives is one: it asks the tool's
+    ``reconcile`` probe.
+    """
+
+    def reconciles(self, action: Action) -> bool:
+        """Whether :meth:`reconcile` can say anything about ``action``. Cheap and pure."""
+        ...
+
+    async def reconcile(self, action: Action, *, result_id: str) -> Reconciled | None:
+        """What became of ``action`` under ``result_id``, or ``None`` if it cannot tell.
+
+        ``ran=False`` must be a promise that the effect has not happened and never will
+        (see :class:`~polyloop.types.Reconciled`).
+
+        Cancellation: must propagate. Nothing has been written for the answer yet, so
+        the run stays in doubt, and a later ``resume`` asks again.
+        """
         ...
 
 
@@ -463,6 +495,9 @@ class Event:
     resumed attempt read it, in write order: what the earlier attempts did, for a sink
     that rebuilds what it may have lost. It is the tuple the store returned, not a copy,
     and it is left out of the event's repr. Empty on every other event.
+
+    ``settlement`` is, on a ``STEP_FINISHED`` event whose action was in doubt, the
+    settlement that closed it: who settled it (a person, or a tool's probe) and how.
     """
 
     kind: EventKind
@@ -471,6 +506,7 @@ class Event:
     record: Record
     intent: Intent | None = None
     logged: tuple[Record, ...] = field(default=(), repr=False)
+    settlement: Settlement | None = None
 
 
 @runtime_checkable

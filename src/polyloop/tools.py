@@ -29,7 +29,14 @@ from jsonschema.exceptions import SchemaError, ValidationError, best_match
 
 from polyloop._shared import exception_text, plain_copy
 from polyloop.ports import Action, ActionExecutor, ActionOutcome
-from polyloop.types import ActionStatus, InvalidRequest, JSONValue, Replay, UnloggableValue
+from polyloop.types import (
+    ActionStatus,
+    InvalidRequest,
+    JSONValue,
+    Reconciled,
+    Replay,
+    UnloggableValue,
+)
 
 __all__ = ("EnvironmentFault", "ToolRegistry", "ToolSpec")
 
@@ -54,6 +61,23 @@ class ToolHandler(Protocol):
     def __call__(self, arguments: dict[str, JSONValue], /, *, result_id: str) -> Awaitable[str]: ...
 
 
+class ToolProbe(Protocol):
+    """What a tool answers about one of its calls in doubt:
+    ``async (arguments, *, result_id) -> Reconciled | None``.
+
+    Asked only about a call whose replay is ``NEVER``, announced under ``result_id`` and
+    whose outcome a crash lost. Return ``Reconciled(ran=True, observation=...)`` if the
+    effect with that key happened, ``Reconciled(ran=False, observation=...)`` only if it
+    has not happened **and never will** (the system behind the tool voided the key, or
+    the probe stored a tombstone under it that makes a late attempt fail), and ``None``
+    if it can promise neither. Raising counts as ``None``.
+    """
+
+    def __call__(
+        self, arguments: dict[str, JSONValue], /, *, result_id: str
+    ) -> Awaitable[Reconciled | None]: ...
+
+
 class EnvironmentFault(Exception):
     """Raised by a tool handler when the environment behind the tool failed, not the tool.
 
@@ -76,6 +100,12 @@ class ToolSpec:
     resume is caught, but the model is not shown it. ``needs_approval`` makes a run stop
     ``AWAITING_APPROVAL`` when the model calls the tool, before anything runs: the call
     runs only once a person approves it (:func:`polyloop.approve`).
+
+    ``reconcile`` is the tool's probe (:class:`ToolProbe`): when a call whose replay is
+    ``NEVER`` is in doubt after a crash, the run asks it what became of the call's result
+    id before it would end ``IN_DOUBT``, and goes on by its answer. The probe is not
+    part of the run's identity (the model is not shown it), so one may be added to a
+    tool before resuming runs that are already in doubt.
     """
 
     name: str
@@ -86,6 +116,7 @@ class ToolSpec:
     completes: bool = False
     annotations: Mapping[str, JSONValue] | None = None
     needs_approval: bool = False
+    reconcile: ToolProbe | None = None
 
 
 def _clip(text: str, limit: int) -> str:
@@ -127,6 +158,12 @@ def _check_fields(spec: object) -> ToolSpec:
         raise InvalidRequest(f"tool {spec.name!r}: completes must be a bool")
     if not isinstance(spec.needs_approval, bool):
         raise InvalidRequest(f"tool {spec.name!r}: needs_approval must be a bool")
+    if spec.reconcile is not None and not _is_async_callable(spec.reconcile):
+        raise InvalidRequest(
+            f"tool {spec.name!r}: reconcile must be None or an async function "
+            f"(async def probe(arguments, *, result_id) -> Reconciled | None), "
+            f"got {spec.reconcile!r:.80}"
+        )
     return spec
 
 
@@ -495,6 +532,43 @@ class RegistryExecutor:
             return Replay.NEVER
         spec = self._registry._lookup(call[0])
         return Replay.NEVER if spec is None else spec.replay
+
+    def reconciles(self, action: Action) -> bool:
+        """Whether the named tool has a probe."""
+        call = _parse_payload(action.payload)
+        spec = None if isinstance(call, str) else self._registry._lookup(call[0])
+        return spec is not None and spec.reconcile is not None
+
+    async def reconcile(self, action: Action, *, result_id: str) -> Reconciled | None:
+        """The tool probe's answer about ``action``, its observation cut like a handler's.
+
+        ``None`` for a tool without a probe. Whatever the probe raises propagates: the
+        library counts it and treats it as "cannot tell".
+
+        Cancellation: propagates untouched; the probe's own writes are its business.
+        """
+        call = _parse_payload(action.payload)
+        spec = None if isinstance(call, str) else self._registry._lookup(call[0])
+        if isinstance(call, str) or spec is None or spec.reconcile is None:
+            return None
+        arguments = call[1]
+        copied = plain_copy(arguments) if isinstance(arguments, dict) else {}
+        answer: object = await spec.reconcile(copied, result_id=result_id)
+        if answer is None:
+            return None
+        if (
+            not isinstance(answer, Reconciled)
+            or not isinstance(answer.ran, bool)
+            or not isinstance(answer.observation, str)
+        ):
+            raise TypeError(
+                f"the probe of tool {spec.name!r} returned {answer!r:.80}, "
+                f"not Reconciled(ran=bool, observation=str) or None"
+            )
+        limit = self._registry.max_observation_chars
+        if len(answer.observation) <= limit:
+            return answer
+        return dataclasses.replace(answer, observation=answer.observation[:limit])
 
     def _outcome(self, status: ActionStatus, text: str, *, synthesized: bool) -> ActionOutcome:
         limit = self._registry.max_observation_chars

@@ -28,7 +28,7 @@ from polyloop._errors import (
     StoreError,
     UnloggableValue,
 )
-from polyloop._shared import canonical_json, run_trace_ids
+from polyloop._shared import RECONCILE_PREFIX, canonical_json, run_trace_ids
 
 __all__ = (
     "ActionStatus",
@@ -48,6 +48,7 @@ __all__ = (
     "NotInDoubt",
     "PolyLoopError",
     "Proposal",
+    "Reconciled",
     "Record",
     "RecoveredRun",
     "Replay",
@@ -494,11 +495,14 @@ class Verdict:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settlement:
-    """What a person says became of an effect in doubt: it ran, or it did not.
+    """What became of an effect in doubt, as a person or the tool's own probe says: it
+    ran, or it did not.
 
     ``result_id`` names the open action intent. With ``ran``, ``observation`` is what
     the model is shown as the action's output; without, it is the reason the model is
-    told the action was not executed. ``by`` names who settled it.
+    told the action was not executed. ``by`` names who settled it: a person, or
+    ``"reconcile:<tool name>"`` for a tool's probe (:attr:`ToolSpec.reconcile
+    <polyloop.tools.ToolSpec>`), whose run time is ``duration_s``.
     """
 
     run_id: str
@@ -507,6 +511,29 @@ class Settlement:
     observation: str
     by: str
     at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
+    duration_s: float | None = field(default=None, metadata=_TIMING_WHEN_SET)
+
+    @property
+    def by_probe(self) -> bool:
+        """Whether a tool's probe settled the effect, rather than a person."""
+        return self.by.startswith(RECONCILE_PREFIX)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reconciled:
+    """A tool probe's answer about an action in doubt, keyed by its result id.
+
+    ``ran=True`` says the effect with that result id happened; ``observation`` is then
+    recorded as the action's output. ``ran=False`` is a promise that the effect has not
+    happened **and never will**: the system behind the tool has voided the key, or the
+    probe recorded a tombstone that makes a late attempt with that key fail.
+    ``observation`` is then the reason the model is told the action did not run. A
+    probe that can promise neither returns ``None`` instead, and the run ends
+    ``IN_DOUBT`` for a person to settle.
+    """
+
+    ran: bool
+    observation: str
 
 
 Review: TypeAlias = Proposal | Verdict | Settlement
@@ -533,6 +560,10 @@ class RunResult:
     ``usage`` sums the tokens of the run's steps, those of earlier attempts included
     (:meth:`Usage.of_steps`): a count is ``None`` if some reply of the run did not report
     it, since a total that left calls out would understate the cost.
+
+    ``event_failures`` counts the event sink's failures; ``reconcile_failures`` the tool
+    probes that raised or answered something other than ``Reconciled`` or ``None``
+    (each then counts as "cannot tell", and ``detail`` says what it raised).
     """
 
     run_id: str
@@ -545,6 +576,7 @@ class RunResult:
     event_failures: int = 0
     detail: str | None = None
     usage: Usage | None = None
+    reconcile_failures: int = 0
 
 
 class RunState(enum.StrEnum):
@@ -585,6 +617,10 @@ class RunStatus:
 
     ``proposal`` is, for a run ``AWAITING_APPROVAL``, the action waiting for a verdict:
     its tool, arguments and the tool's description.
+
+    ``reconciled_steps`` lists, in order, the steps whose action in doubt was settled by
+    the tool's own probe rather than by a person (a settlement the run has not yet
+    turned into a step record included).
     """
 
     run_id: str
@@ -598,6 +634,7 @@ class RunStatus:
     owner: str | None = None
     lease_expires_at: datetime | None = None
     proposal: Proposal | None = None
+    reconciled_steps: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -62,6 +62,7 @@ NAMES_BY_MODULE = {
         "ToolResultBlock",
         # issue 19: a person in the loop
         "Proposal",
+        "Reconciled",
         "Verdict",
         "Settlement",
         "Review",
@@ -86,6 +87,7 @@ NAMES_BY_MODULE = {
         "Event",
         "EventKind",
         "NullSink",
+        "ReconcilingExecutor",
         "ManagedStore",
         "StoredRun",
         "reject_incomplete",

@@ -21,7 +21,7 @@ import anyio
 
 from polyloop import _recovery
 from polyloop.ports import ManagedStore, Store, StoredRun
-from polyloop.session._loop import Loop, now
+from polyloop.session._loop import Loop, now, reconcilable
 from polyloop.session._request import prepare
 from polyloop.session._values import Definition, Request
 from polyloop.types import (
@@ -80,7 +80,8 @@ async def _drive_claimed(
     differences = _recovery.identity_differences(plan.started.snapshot, snapshot)
     if differences:
         raise RunIdentityMismatch(run_id=request.run_id, differences=differences)
-    if plan.state is _recovery.RecoveryState.FINISHED or _recovery.waits_for_person(plan):
+    waits = _recovery.waits_for_person(plan) and reconcilable(request, plan) is None
+    if plan.state is _recovery.RecoveryState.FINISHED or waits:
         # Nothing to do until a person answers: the recorded end stands, nothing is written.
         return _recovery.recorded_result(plan)
     loop = Loop(definition, request, resumed=True)

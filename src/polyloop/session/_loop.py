@@ -19,7 +19,7 @@ from typing import Any, TypeAlias
 import anyio
 
 from polyloop import _assembly, _recovery, _stopping, serialization
-from polyloop._shared import call_text, exception_text
+from polyloop._shared import RECONCILE_PREFIX, call_text, exception_text
 from polyloop.ports import (
     Action,
     ActionOutcome,
@@ -29,6 +29,7 @@ from polyloop.ports import (
     InvalidDecision,
     ModelCall,
     ModelReply,
+    ReconcilingExecutor,
     TracingSink,
 )
 from polyloop.session._checks import (
@@ -51,6 +52,7 @@ from polyloop.types import (
     IntentKind,
     JSONValue,
     Proposal,
+    Reconciled,
     Record,
     Replay,
     Result,
@@ -128,6 +130,42 @@ def _as_edited(step: StepRecord, by: str | None, proposed: str | None) -> StepRe
     return dataclasses.replace(step, edited_by=by, proposed_action_text=proposed)
 
 
+def reconcilable(request: Request, plan: _recovery.Plan) -> Action | None:
+    """The action in doubt that the request's executor may be asked about, if any.
+
+    Only an action can be settled, and only an executor with a probe can be asked.
+    """
+    intent = plan.open_intent
+    if (
+        plan.state is not _recovery.RecoveryState.IN_DOUBT
+        or intent is None
+        or intent.kind is not IntentKind.ACTION
+        or not isinstance(request.executor, ReconcilingExecutor)
+    ):
+        return None
+    return Action(
+        payload=intent.payload,
+        action_text=intent.action_text or "",
+        history_text=intent.history_text or "",
+        tool_call=intent.tool_call,
+    )
+
+
+def _well_formed(answer: object) -> bool:
+    return (
+        isinstance(answer, Reconciled)
+        and isinstance(answer.ran, bool)
+        and isinstance(answer.observation, str)
+    )
+
+
+def _noted(detail: str | None, note: str | None) -> str | None:
+    """An in-doubt detail with what the probe said, if it was asked."""
+    if note is None:
+        return detail
+    return note if detail is None else f"{detail}; {note}"
+
+
 class Loop:
     """The state of one run while it is driven: its steps, counters and transcript."""
 
@@ -140,10 +178,14 @@ class Loop:
         self.steps: list[StepRecord] = []
         self.used = _stopping.Counters()
         self.event_failures = 0
+        self.reconcile_failures = 0
         self.end: RunEnded | None = None
         # False until the store confirms the run's start record: a cancellation before
         # then may leave no record of the run, and so nothing for an end record to end.
         self.start_confirmed = resumed
+        # True while the log ends in doubt and a probe is asked: only a settlement may
+        # follow that end, so a cancellation then writes no end record of its own.
+        self.end_stands = False
         self.transcript = _assembly.Transcript(context_prefix(request))
         self.native_tools = native_tools(request)
         # Looked up once per run, so a sink that wraps no calls adds nothing to a step.
@@ -171,13 +213,24 @@ class Loop:
     async def continue_from(self, plan: _recovery.Plan, logged: tuple[Record, ...]) -> None:
         """Go on from where ``plan`` says the run stopped; ``logged`` is the log the plan
         was read from, handed to the event sink as it is (no copy, no second read)."""
-        assert plan.started is not None
+        started = plan.started
+        assert started is not None
         for step in plan.steps:
             self._remember(step)
-        await self._emit(EventKind.RUN_RESUMED, None, plan.started, logged=logged)
+        unsettled: str | None = None
+        if plan.state is _recovery.RecoveryState.IN_DOUBT:
+            answer = await self._reconciled(plan)
+            if isinstance(answer, Settlement):
+                plan, logged = _recovery.settled(plan, answer), (*logged, answer)
+            elif self.end is not None:
+                return
+            else:
+                unsettled = answer
+        await self._emit(EventKind.RUN_RESUMED, None, started, logged=logged)
         if plan.state is _recovery.RecoveryState.IN_DOUBT:
             assert plan.open_intent is not None
-            await self._finish(StopReason.IN_DOUBT, _recovery.in_doubt_detail(plan.open_intent))
+            detail = _recovery.in_doubt_detail(plan.open_intent)
+            await self._finish(StopReason.IN_DOUBT, _noted(detail, unsettled))
             return
         if plan.state is _recovery.RecoveryState.AWAITING_APPROVAL:
             assert plan.proposal is not None
@@ -199,6 +252,69 @@ class Loop:
             await self._until_stopped()
         else:
             await self._stop_after(step, reason)
+
+    async def _reconciled(self, plan: _recovery.Plan) -> Settlement | str | None:
+        """:meth:`_reconcile`, for a log that may already end in doubt.
+
+        Such an end stands unless a settlement follows it: if the probe cannot settle
+        the action, ``self.end`` is that end (the detail saying what the probe said),
+        and nothing is written, not even on cancellation.
+        """
+        self.end_stands = _recovery.waits_for_person(plan)
+        answer = await self._reconcile(plan)
+        if self.end_stands and not isinstance(answer, Settlement):
+            assert plan.ended is not None
+            self.end = dataclasses.replace(plan.ended, detail=_noted(plan.ended.detail, answer))
+        self.end_stands = False
+        return answer
+
+    async def _reconcile(self, plan: _recovery.Plan) -> Settlement | str | None:
+        """Ask the tool's probe what became of the action in doubt, and record its answer.
+
+        The settlement written, or what to add to the in-doubt detail (the probe could
+        not tell, or failed), or ``None`` when there was no probe to ask. The probe is an
+        effect like any other: it starts only once the claim is checked.
+        """
+        intent = plan.open_intent
+        assert intent is not None
+        action = reconcilable(self.request, plan)
+        if action is None:
+            return None
+        executor = self.request.executor
+        assert isinstance(executor, ReconcilingExecutor)
+        name = action_name(intent) or type(executor).__name__
+        probe = f"the probe of tool {name!r}"
+        try:
+            if not executor.reconciles(action):
+                return None
+        except Exception as exc:  # noqa: BLE001 - the executor's fault, counted as "cannot tell"
+            return self._reconcile_failed(probe, exc)
+        await self._before_effect()
+        began = time.perf_counter()
+        try:
+            answer = await executor.reconcile(action, result_id=intent.result_id)
+            if answer is not None and not _well_formed(answer):
+                raise TypeError(f"it returned {answer!r:.80}, not Reconciled or None")
+        except Exception as exc:  # noqa: BLE001 - a failing probe cannot tell, by contract
+            return self._reconcile_failed(probe, exc)
+        if answer is None:
+            return f"{probe} could not tell"
+        settlement = Settlement(
+            run_id=self.run_id,
+            result_id=intent.result_id,
+            ran=answer.ran,
+            observation=answer.observation,
+            by=f"{RECONCILE_PREFIX}{name}",
+            at=now(),
+            duration_s=time.perf_counter() - began,
+        )
+        await self.store.write_review(settlement)
+        return settlement
+
+    def _reconcile_failed(self, probe: str, exc: Exception) -> str:
+        self.reconcile_failures += 1
+        logger.warning("run %r: %s failed", self.run_id, probe, exc_info=exc)
+        return f"{probe} failed: {exception_text(exc)}"
 
     async def _until_stopped(self) -> None:
         while True:
@@ -589,11 +705,15 @@ class Loop:
         )
 
     async def _record(
-        self, step: StepRecord, action_result: Result | None, intent: Intent | None = None
+        self,
+        step: StepRecord,
+        action_result: Result | None,
+        intent: Intent | None = None,
+        settlement: Settlement | None = None,
     ) -> StepRecord:
         await self.store.write_step(step, action_result)
         self._remember(step)
-        await self._emit(EventKind.STEP_FINISHED, step.step, step, intent)
+        await self._emit(EventKind.STEP_FINISHED, step.step, step, intent, settlement=settlement)
         return step
 
     def _remember(self, step: StepRecord) -> None:
@@ -696,7 +816,7 @@ class Loop:
             at=step.at,
         )
         return await self._record(
-            dataclasses.replace(step, settled_by=settlement.by), result, intent
+            dataclasses.replace(step, settled_by=settlement.by), result, intent, settlement
         )
 
     # -- ending ------------------------------------------------------------------------
@@ -722,6 +842,8 @@ class Loop:
             if not self.start_confirmed and not await self._start_landed():
                 # Cancelled before the start record landed: the store holds nothing of
                 # the run, so there is nothing to end (and resume says RunNotFound).
+                return
+            if self.end_stands:
                 return
             await self._finish(StopReason.CANCELLED, "the run was cancelled")
         except Exception:
@@ -766,6 +888,7 @@ class Loop:
             event_failures=self.event_failures,
             detail=end.detail,
             usage=Usage.of_steps(self.steps),
+            reconcile_failures=self.reconcile_failures,
         )
 
     async def _emit(
@@ -776,9 +899,16 @@ class Loop:
         intent: Intent | None = None,
         *,
         logged: tuple[Record, ...] = (),
+        settlement: Settlement | None = None,
     ) -> None:
         event = Event(
-            kind=kind, run_id=self.run_id, step=step, record=record, intent=intent, logged=logged
+            kind=kind,
+            run_id=self.run_id,
+            step=step,
+            record=record,
+            intent=intent,
+            logged=logged,
+            settlement=settlement,
         )
         try:
             await self.definition.events.emit(event)
