@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from polyloop import Action, ActionExecutor, ActionOutcome, ActionStatus, Replay
+from polyloop import Action, ActionExecutor, ActionOutcome, ActionStatus, Reconciled, Replay
 from polyloop.testing import ScriptedEnvironment
 from polyloop.testing.executor_contract import ActionExecutorContract
 from polyloop.tools import EnvironmentFault, ToolRegistry, ToolSpec
@@ -44,6 +44,10 @@ class Tools:
             await anyio.sleep_forever()
         return str(arguments["text"])
 
+    async def probe(self, arguments: dict[str, JSONValue], *, result_id: str) -> Reconciled:
+        ran = result_id in self.result_ids
+        return Reconciled(ran=ran, observation=str(arguments.get("text")))
+
     async def broken(self, arguments: dict[str, JSONValue], *, result_id: str) -> str:
         self.result_ids.append(result_id)
         raise EnvironmentFault("the sandbox is gone")
@@ -56,6 +60,7 @@ class Tools:
                 parameters=TEXT_SCHEMA,
                 handler=self.echo,
                 replay=Replay.ALLOWED,
+                reconcile=self.probe,
             ),
             ToolSpec(
                 name="broken",

@@ -361,6 +361,16 @@ EXPECTED.update(
             by="carol",
             at=_PERSON_AT,
         ),
+        # A settlement a tool's probe wrote, with how long the probe took.
+        "settlement_reconciled": Settlement(
+            run_id=RUN,
+            result_id=f"{RUN}:1:action",
+            ran=False,
+            observation="no payment under this key; it is now void",
+            by="reconcile:pay",
+            at=_PERSON_AT,
+            duration_s=0.042,
+        ),
         "step_settled": kit.step(
             RUN,
             1,

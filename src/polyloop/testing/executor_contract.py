@@ -33,6 +33,10 @@ that needs them):
   handed to what performed the actions (your tool's handler, your environment), so the
   suite can check ``result_id`` reaches it unchanged.
 
+An executor that is also a :class:`~polyloop.ports.ReconcilingExecutor` is asked
+about ``good_action`` and ``refused_action`` too: ``reconciles`` must answer a bool,
+and ``reconcile``, where it is asked, ``Reconciled`` or ``None``.
+
 The suite's result ids have the form the library gives them, ``"<run_id>:<step>:action"``.
 The tests need pytest and anyio's pytest plugin (installed with anyio).
 """
@@ -43,12 +47,12 @@ from collections.abc import Callable
 
 import pytest
 
-from polyloop.ports import Action, ActionExecutor, ActionOutcome
+from polyloop.ports import Action, ActionExecutor, ActionOutcome, ReconcilingExecutor
 from polyloop.testing._contract_checks import (
     assert_cancelled_before_start,
     assert_cancelled_in_flight,
 )
-from polyloop.types import ActionStatus, Replay
+from polyloop.types import ActionStatus, Reconciled, Replay
 
 __all__ = ("ActionExecutorContract", "assert_well_formed_outcome")
 
@@ -161,3 +165,20 @@ class ActionExecutorContract:
         await assert_cancelled_in_flight(
             lambda: slow_executor.execute(good_action, result_id="contract:0:action")
         )
+
+    async def test_a_reconciling_executor_answers_what_it_may_be_asked(
+        self, executor: ActionExecutor, good_action: Action, refused_action: Action
+    ) -> None:
+        if not isinstance(executor, ReconcilingExecutor):
+            pytest.skip("not a ReconcilingExecutor: it has no probe to ask")
+        for action in (good_action, refused_action):
+            asked = executor.reconciles(action)
+            assert isinstance(asked, bool), f"reconciles() returned {asked!r}"
+            assert executor.reconciles(action) is asked, "reconciles() must not change its mind"
+            if asked:
+                answer = await executor.reconcile(action, result_id="contract:0:action")
+                assert answer is None or (
+                    isinstance(answer, Reconciled)
+                    and isinstance(answer.ran, bool)
+                    and isinstance(answer.observation, str)
+                ), f"reconcile() returned {answer!r:.80}, not Reconciled or None"
