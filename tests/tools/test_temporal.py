@@ -11,6 +11,7 @@ the point).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -38,6 +39,7 @@ from polyloop import (
     Definition,
     JSONValue,
     ModelCall,
+    Reconciled,
     Request,
     RunEnded,
     StopReason,
@@ -46,6 +48,7 @@ from polyloop import (
     Verdict,
     approve,
     run,
+    run_status,
 )
 from polyloop.stores import MemoryStore, PostgresStore, SqliteStore
 from polyloop.temporal import (
@@ -426,6 +429,54 @@ async def test_a_run_in_doubt_waits_for_the_settle_update_and_goes_on(
     assert outcome["stop_reason"] == "submitted"
     # The action in doubt never ran again: one execution, the one before the settlement.
     assert ledger.count(rid("t-doubt") + ":0:action") == 1
+
+
+@pytest.mark.anyio
+async def test_a_run_in_doubt_whose_tool_has_a_probe_goes_on_without_waiting(
+    client: Client, store: SqliteStore
+) -> None:
+    entered, release = anyio.Event(), anyio.Event()
+    ledger = Ledger()
+    probed: list[str] = []
+
+    async def double(arguments: dict[str, Any], *, result_id: str) -> str:
+        ledger.calls.append(("double", result_id))
+        entered.set()
+        await release.wait()
+        return "never seen"
+
+    async def probe(arguments: dict[str, Any], *, result_id: str) -> Reconciled | None:
+        probed.append(result_id)
+        ran = ledger.count(result_id) > 0
+        return Reconciled(ran=ran, observation="10" if ran else "not sent")
+
+    base = make_tools(ledger)
+    doubling = ToolSpec(
+        name="double",
+        description="Double a number.",
+        parameters=_spec(base, "double").parameters,
+        handler=double,
+    )
+    await _left_in_doubt(
+        store,
+        ToolRegistry([doubling, _spec(base, "submit")], max_observation_chars=10_000),
+        entered,
+    )
+    tools = ToolRegistry(
+        [dataclasses.replace(doubling, reconcile=probe), _spec(base, "submit")],
+        max_observation_chars=10_000,
+    )
+    agent = agent_of(definition(store, script=DOUBT_SCRIPT), tools)
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="a", run_id=rid("t-doubt")), task_queue=queue
+        )
+        outcome = await handle.result()
+    assert outcome["stop_reason"] == "submitted"
+    assert probed == [rid("t-doubt") + ":0:action"]
+    assert ledger.count(rid("t-doubt") + ":0:action") == 1
+    status = await run_status(store, rid("t-doubt"))
+    assert status.reconciled_steps == (0,)
 
 
 @pytest.mark.anyio
