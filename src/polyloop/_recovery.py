@@ -165,7 +165,7 @@ def _accept(walk: _Walk, record: Record, index: int) -> str | None:
         if index != 0:
             return "a second start record"
         walk.started = record
-        return None
+        return _accept_inherited(walk, record)
     if walk.started is None:
         return "the first record is not a start record"
     if walk.ended is not None:
@@ -182,6 +182,26 @@ def _accept(walk: _Walk, record: Record, index: int) -> str | None:
     if isinstance(record, RunEnded):
         return _accept_end(walk, record)
     return _accept_review(walk, record)
+
+
+def _accept_inherited(walk: _Walk, started: RunStarted) -> str | None:
+    """Take a fork's inherited steps as its first steps, if they say what they claim."""
+    inherited = started.inherited_steps
+    fork_fields = (started.forked_from, started.forked_at_step, started.inherited_sha256)
+    if all(value is None for value in fork_fields) and not inherited:
+        return None
+    if any(value is None for value in fork_fields):
+        return "a fork's start record must name its source, its step and its digest"
+    if started.forked_at_step != len(inherited):
+        return (
+            f"a fork at step {started.forked_at_step} whose start record holds "
+            f"{len(inherited)} inherited steps"
+        )
+    for index, step in enumerate(inherited):
+        if step.step != index or step.run_id != walk.run_id:
+            return f"inherited step {index} is step {step.step} of run {step.run_id!r}"
+    walk.steps.extend(inherited)
+    return None
 
 
 def _after_end(ended: RunEnded, record: Record) -> str | None:

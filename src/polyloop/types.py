@@ -323,11 +323,27 @@ class RunStarted:
 
     ``at``, on this and every other record, is the aware UTC time the record was
     written (``None`` in records written before the field existed).
+
+    A fork (:func:`polyloop.fork`) says where it came from: ``forked_from`` is the
+    source run, ``forked_at_step`` how many of its completed steps the fork took over,
+    ``inherited`` copies of those steps (with the fork's run id; they are the fork's
+    steps ``0`` to ``forked_at_step - 1``) and ``inherited_sha256`` the SHA-256 of the
+    source's step records as they were read (their canonical JSON, as a list), so that
+    a copy can be checked against its source. All four are ``None`` for any other run.
     """
 
     run_id: str
     snapshot: Mapping[str, JSONValue]
     at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
+    forked_from: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    forked_at_step: int | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    inherited_sha256: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    inherited: tuple[StepRecord, ...] | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+
+    @property
+    def inherited_steps(self) -> tuple[StepRecord, ...]:
+        """The steps a fork took over from its source; empty for any other run."""
+        return self.inherited or ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -109,6 +109,8 @@ NAMES_BY_MODULE = {
         "approve",
         "reject",
         "settle",
+        # issue 32: forks of recorded runs
+        "fork",
     },
 }
 # Modules imported by name, never re-exported at the top level.

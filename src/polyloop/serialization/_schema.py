@@ -29,6 +29,7 @@ from polyloop.types import (
     Record,
     Replay,
     SchemaMajorMismatch,
+    StepRecord,
     StopReason,
     ToolCallBlock,
     UnloggableValue,
@@ -51,7 +52,7 @@ class Field:
     key: str  # the key in the JSON object
     check: (
         Check  # "str", "int", "bool", "float", "json", "object", "usage", "tool_call",
-        # "time", or an enum
+        # "time", "steps" (step records nested in another record), or an enum
     )
     optional: bool  # null is a value
     defaulted: bool  # may be missing: added after the first release of the major
@@ -83,6 +84,7 @@ _CHECKS: dict[str, Check] = {
     "Usage": "usage",
     "ToolCallBlock": "tool_call",
     "datetime": "time",
+    "tuple[StepRecord, ...]": "steps",
     **{
         cls.__name__: cls
         for cls in (ActionStatus, DecisionKind, FinishReason, IntentKind, Replay, StopReason)
@@ -275,6 +277,51 @@ def _to_float(value: Any) -> float:
         raise _Mismatch("a number a float can hold") from None
 
 
+def _to_steps(value: Any) -> tuple[StepRecord, ...]:
+    """Step records held inside another record (a fork's inherited steps), each
+    checked field by field as a step record read on its own is: written as an object of
+    the step kind's fields, read back from one."""
+    if not isinstance(value, list | tuple):
+        raise _Mismatch("a list of step records")
+    return tuple(_nested_step(item, index) for index, item in enumerate(value))
+
+
+def _nested_step(item: Any, index: int) -> StepRecord:
+    if isinstance(item, StepRecord):
+        data = {field.key: getattr(item, field.name) for field in FIELDS["step"]}
+    elif isinstance(item, dict):
+        data = item
+    else:
+        raise _Mismatch("a list of step records", detail=f"item {index} is not a step record")
+    values: dict[str, Any] = {}
+    for field in FIELDS["step"]:
+        if field.key not in data:
+            if field.defaulted:
+                continue
+            raise _Mismatch("a list of step records", detail=f"item {index} has no {field.key!r}")
+        raw = data[field.key]
+        try:
+            values[field.name] = None if raw is None and field.optional else field.convert(raw)
+        except _Mismatch as mismatch:
+            reason = mismatch.detail or f"must be {mismatch.expected}, not {raw!r:.80}"
+            raise _Mismatch(
+                "a list of step records", detail=f"item {index}: step.{field.name} {reason}"
+            ) from None
+    return StepRecord(**values)
+
+
+def _plain_steps(steps: tuple[StepRecord, ...]) -> list[dict[str, Any]]:
+    """How nested step records are written: each as the step kind's fields."""
+    return [
+        {
+            field.key: None if (value := getattr(step, field.name)) is None else field.write(value)
+            for field in FIELDS["step"]
+            if not (field.written_when_set and getattr(step, field.name) is None)
+        }
+        for step in steps
+    ]
+
+
 _BY_NAME: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "str": (_to_str, _same),
     "int": (_to_int, _same),
@@ -285,6 +332,7 @@ _BY_NAME: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     "usage": (_to_usage, plain_usage),
     "tool_call": (_to_tool_call, plain_tool_call),
     "time": (_to_time, plain_time),
+    "steps": (_to_steps, _plain_steps),
 }
 
 RECORD_CLASS: dict[str, type[Any]] = {

@@ -33,6 +33,7 @@ from polyloop.ports import ManagedStore, Store
 from polyloop.session import _review
 from polyloop.session._driving import Mode, drive, status
 from polyloop.session._driving import recover as recover_runs
+from polyloop.session._forking import check_fork, read_inheritance
 from polyloop.session._values import Definition, ObservationTexts, Request
 from polyloop.types import JSONValue, RecoveredRun, RunResult, RunStatus, Settlement, Verdict
 
@@ -41,6 +42,7 @@ __all__ = (
     "ObservationTexts",
     "Request",
     "approve",
+    "fork",
     "recover",
     "reject",
     "resume",
@@ -93,8 +95,9 @@ async def resume(definition: Definition, request: Request) -> RunResult:
     snapshot as the one the run started with (:class:`~polyloop.types.RunIdentityMismatch`
     lists every differing key, and nothing is written). A finished run returns its
     recorded result and writes nothing. A run whose interrupted effect may not be
-    repeated ends ``IN_DOUBT``. Otherwise finished steps are read from the log, never
-    recomputed, and the run goes on.
+    repeated ends ``IN_DOUBT``, unless its tool's probe settles it first
+    (:attr:`ToolSpec.reconcile <polyloop.tools.ToolSpec>`). Otherwise finished steps
+    are read from the log, never recomputed, and the run goes on.
 
     Cancellation: as for :func:`run`: a ``CANCELLED`` end record is written within the
     grace, and the run can be resumed again later.
@@ -112,6 +115,42 @@ async def start_or_resume(definition: Definition, request: Request) -> RunResult
     Cancellation: as for :func:`run`.
     """
     return await drive(definition, request, Mode.EITHER)
+
+
+async def fork(
+    definition: Definition, request: Request, *, source_run_id: str, at_step: int
+) -> RunResult:
+    """Start the run ``request.run_id`` from the first ``at_step`` completed steps of the
+    run ``source_run_id`` in ``definition.store``, and drive it until it stops.
+
+    The fork is a run of its own: its own start record and snapshot (its model,
+    injection, budgets and tools may differ from the source's), which also names the
+    source, the step and the SHA-256 of what it took over, and holds copies of the
+    inherited steps, so that it needs nothing of the source afterwards. Nothing of the
+    inherited steps runs again: no model call, no action, whatever its replay policy.
+    The first model call sends what this request would have sent after those steps
+    (the same messages as the source's call at ``at_step`` when the definition and the
+    request are the source's). Budgets count the inherited steps as the fork's own.
+    The source is read, never claimed, and may be running, finished, in doubt or
+    waiting: only its completed steps can be inherited.
+
+    Raises :class:`~polyloop.types.InvalidRequest` before any I/O for a bad request or
+    ``at_step``, and naming both numbers when the source has fewer completed steps than
+    ``at_step``; :class:`~polyloop.types.RunNotFound` (naming the source) if the store
+    has no record of the source; then what :func:`run` raises
+    (:class:`~polyloop.types.RunAlreadyExists` if ``request.run_id`` has records).
+    After a crash, :func:`resume` continues a fork like any run.
+
+    Cancellation: as for :func:`run`. A fork cancelled before its start record landed
+    leaves nothing; once it has, the start record holds every inherited step.
+    """
+    check_fork(request.run_id, source_run_id, at_step)
+    return await drive(
+        definition,
+        request,
+        Mode.START,
+        lambda: read_inheritance(definition.store, request.run_id, source_run_id, at_step),
+    )
 
 
 async def run_status(store: ManagedStore, run_id: str) -> RunStatus:

@@ -21,6 +21,7 @@ import anyio
 
 from polyloop import _recovery
 from polyloop.ports import ManagedStore, Store, StoredRun
+from polyloop.session._forking import Inheritance
 from polyloop.session._loop import Loop, now, reconcilable
 from polyloop.session._request import prepare
 from polyloop.session._values import Definition, Request
@@ -50,19 +51,33 @@ class Mode(enum.Enum):
     EITHER = "either"
 
 
-async def drive(definition: Definition, request: Request, mode: Mode) -> RunResult:
-    """Check the request, claim the run, read its log, and start or continue it."""
+async def drive(
+    definition: Definition,
+    request: Request,
+    mode: Mode,
+    inherit: Callable[[], Awaitable[Inheritance]] | None = None,
+) -> RunResult:
+    """Check the request, claim the run, read its log, and start or continue it.
+
+    ``inherit`` reads what a fork takes over from its source (``mode`` is then START);
+    it is awaited once the request is checked, before the claim.
+    """
     snapshot = prepare(definition, request)
+    inheritance = None if inherit is None else await inherit()
     store = definition.store
     await store.claim_run(request.run_id)
     try:
-        return await _drive_claimed(definition, request, snapshot, mode)
+        return await _drive_claimed(definition, request, snapshot, mode, inheritance)
     finally:
         await _release(store, request)
 
 
 async def _drive_claimed(
-    definition: Definition, request: Request, snapshot: dict[str, JSONValue], mode: Mode
+    definition: Definition,
+    request: Request,
+    snapshot: dict[str, JSONValue],
+    mode: Mode,
+    inheritance: Inheritance | None,
 ) -> RunResult:
     log = await definition.store.read_log(request.run_id)
     if not log.records:
@@ -70,6 +85,8 @@ async def _drive_claimed(
             raise RunNotFound("the store holds no record of this run", run_id=request.run_id)
         loop = Loop(definition, request, resumed=False)
         started = RunStarted(run_id=request.run_id, snapshot=snapshot, at=now())
+        if inheritance is not None:
+            started = inheritance.started(started)
         return await loop.guarded(loop.start(started))
     if mode is Mode.START:
         raise RunAlreadyExists(

@@ -205,6 +205,8 @@ class Loop:
         return self._result()
 
     async def start(self, started: RunStarted) -> None:
+        for step in started.inherited_steps:
+            self._remember(step)
         await self.store.start_run(started)
         self.start_confirmed = True
         await self._emit(EventKind.RUN_STARTED, None, started)
@@ -241,8 +243,9 @@ class Loop:
             if stepped is None:
                 return
             step, tool = stepped
-        elif self.steps:
+        elif len(self.steps) > len(started.inherited_steps):
             # The last step landed but the run may not have been ended: decide again.
+            # (A fork's inherited steps are never decided again: it goes on after them.)
             step, tool = self.steps[-1], action_name(plan.last_action)
         else:
             await self._until_stopped()
