@@ -67,6 +67,7 @@ from polyloop.types import (
     Result,
     RunEnded,
     RunStarted,
+    Settlement,
     StepRecord,
     StopReason,
     ToolCallBlock,
@@ -341,7 +342,8 @@ class OpenTelemetrySink:
                     if isinstance(call, Intent):
                         self._in_doubt(run_id, call)
                     else:
-                        self._step(run_id, call[0], call[1], rebuilt=True)
+                        step, intent, settlement = call
+                        self._step(run_id, step, intent, settlement, rebuilt=True)
                 if count % _REBUILT_PER_CHECKPOINT == 0:
                     await anyio.lowlevel.checkpoint()
         except Exception:  # telemetry must never disturb a run
@@ -371,7 +373,7 @@ class OpenTelemetrySink:
         elif event.kind is EventKind.RUN_RESUMED:
             self._open(event.run_id, start_ns=time.time_ns(), resumed=True)
         elif event.kind is EventKind.STEP_FINISHED and isinstance(record, StepRecord):
-            self._step(event.run_id, record, event.intent)
+            self._step(event.run_id, record, event.intent, event.settlement)
         elif event.kind is EventKind.RUN_ENDED and isinstance(record, RunEnded):
             self._end(event.run_id, record)
 
@@ -409,10 +411,17 @@ class OpenTelemetrySink:
         )
 
     def _step(
-        self, run_id: str, step: StepRecord, intent: Intent | None, *, rebuilt: bool = False
+        self,
+        run_id: str,
+        step: StepRecord,
+        intent: Intent | None,
+        settlement: Settlement | None = None,
+        *,
+        rebuilt: bool = False,
     ) -> None:
         """The spans of a step's calls; ``rebuilt`` for a step an earlier attempt logged,
-        whose spans belong to no attempt this sink saw and are built from the record."""
+        whose spans belong to no attempt this sink saw and are built from the record.
+        ``settlement`` is what closed the step's action in doubt, if it was."""
         attempt = None if rebuilt else self._attempts.get(run_id)
         if attempt is not None:
             parent, floor = attempt.context, attempt.start_ns
@@ -432,7 +441,7 @@ class OpenTelemetrySink:
             key = (run_id, step.step, IntentKind.ACTION)
             tool = None if rebuilt else self._calls.pop(key, None)
             made = tool or _Spanned(parent, tool_start, end_ns)
-            self._tool(run_id, step, intent, made, rebuilt=rebuilt)
+            self._tool(run_id, step, intent, made, settlement, rebuilt=rebuilt)
         if attempt is not None:
             attempt.last_ns = max(attempt.last_ns, end_ns)
 
@@ -464,6 +473,7 @@ class OpenTelemetrySink:
         step: StepRecord,
         intent: Intent | None,
         made: _Call | _Spanned,
+        settlement: Settlement | None,
         *,
         rebuilt: bool,
     ) -> None:
@@ -477,6 +487,10 @@ class OpenTelemetrySink:
         span, end_ns = self._span_of(made, span_name, SpanKind.INTERNAL, attributes)
         if failure is not None:
             span.set_status(Status(StatusCode.ERROR, step.observation or failure))
+        if settlement is not None:
+            # At the step record's time, inside the span: the settlement itself may
+            # predate the span, whose times are those of the record that closed it.
+            span.add_event("polyloop.settled", _settled(settlement).values, timestamp=end_ns)
         span.end(end_time=end_ns)
 
     def _span_of(
@@ -581,14 +595,27 @@ def _tool_attributes(
     return attributes, f"execute_tool {name}" if name else "execute_tool"
 
 
-def _logged_calls(
-    records: Iterable[Record],
-) -> Iterator[tuple[StepRecord, Intent | None] | Intent]:
+def _settled(settlement: Settlement) -> _Attributes:
+    """What the ``polyloop.settled`` event of a settled action's span says."""
+    attributes = _Attributes()
+    attributes.put("polyloop.settled_by", settlement.by)
+    attributes.put("polyloop.settled.ran", settlement.ran)
+    attributes.put("polyloop.settled.by_probe", settlement.by_probe)
+    attributes.put("polyloop.probe.duration_s", settlement.duration_s)
+    return attributes
+
+
+_LoggedStep = tuple[StepRecord, Intent | None, Settlement | None]
+
+
+def _logged_calls(records: Iterable[Record]) -> Iterator[_LoggedStep | Intent]:
     """The calls a log holds, in order, as the live sink would have seen them: each step
-    record with its action's intent, then an action intent with no result after it (in
-    doubt) if the log ends with one. Walks the log once and keeps nothing of it."""
+    record with its action's intent and the settlement that closed it, then an action
+    intent with no result after it (in doubt) if the log ends with one that no
+    settlement closed. Walks the log once and keeps nothing of it."""
     action: Intent | None = None  # the action intent of the step being walked
     open_intent: Intent | None = None
+    settlement: Settlement | None = None
     for record in records:
         if isinstance(record, Intent):
             open_intent = record
@@ -596,10 +623,15 @@ def _logged_calls(
                 action = record
         elif isinstance(record, Result):
             open_intent = None
+        elif isinstance(record, Settlement):
+            settlement = record
         elif isinstance(record, StepRecord):
-            yield record, action if action is not None and action.step == record.step else None
-            action = open_intent = None
-    if open_intent is not None and open_intent.kind is IntentKind.ACTION:
+            intent = action if action is not None and action.step == record.step else None
+            settled = settlement if record.settled_by is not None else None
+            yield record, intent, settled
+            action = open_intent = settlement = None
+    # A settled action is no longer in doubt: the attempt that resumes records its step.
+    if open_intent is not None and open_intent.kind is IntentKind.ACTION and settlement is None:
         yield open_intent
 
 

@@ -222,3 +222,6 @@ def test_show_and_html_say_how_a_settled_step_ended_and_that_its_time_is_unknown
     assert main(["show", sqlite, "doubt", "--json"]) == 0
     timeline = json.loads(capsys.readouterr().out)["timeline"]
     assert timeline[1]["duration_s"] is None and timeline[0]["duration_s"] is not None
+    # A person, not a probe: the fields a probe's settlement fills say so.
+    assert (timeline[1]["settled_by"], timeline[1]["settled_by_probe"]) == ("carol", False)
+    assert timeline[1]["probe_duration_s"] is None and timeline[0]["settled_by"] is None

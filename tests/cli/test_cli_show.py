@@ -257,5 +257,77 @@ def test_json_of_an_old_log_has_nulls(
             "action_duration_s": None,
             "resumed": False,
             "total_tokens": None,
+            "settled_by": None,
+            "settled_by_probe": False,
+            "probe_duration_s": None,
         }
     ]
+    assert shown["reconciled_steps"] == [] and shown["pending_settlement"] is None
+
+
+# -- a step the tool's own probe settled ---------------------------------------------------------
+
+PROBE_TOOK = r"; the probe took \d+\.\d{3} (ms|s)"
+
+
+def step_block(out: str, step: int) -> str:
+    return out[out.index(f"step {step} ·") : out.index(f"step {step + 1} ·")]
+
+
+@pytest.mark.parametrize(("name", "said"), [("paid", "it ran"), ("unpaid", "it did not run")])
+def test_text_says_the_probe_settled_the_step_and_how_long_it_took(
+    stores: dict[str, str], name: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(show(stores, name)) == 0
+    block = step_block(text_of(capsys), 1)
+    assert re.search(rf"settled by the probe of tool 'pay' \({said}\) at \S+{PROBE_TOOK}", block), (
+        block
+    )
+    assert "time unknown" in block  # the step's calls ran in the crashed attempt
+
+
+def test_text_of_a_run_whose_probe_settlement_has_no_step_yet(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(show(stores, "pending")) == 0
+    out = text_of(capsys)
+    assert out.startswith("run pending resumable")
+    assert "IN DOUBT" not in out
+    settled = "settled by the probe of tool 'pay' (it ran)"
+    assert f"state resumable: the open action was {settled}; resume goes on" in out
+    end = out[out.index("end ─") :]
+    assert re.search(rf"{re.escape(settled)} at \S+{PROBE_TOOK}", end), end
+    assert f"has no result (replay never); {settled}: resume records it" in end
+
+
+@pytest.mark.parametrize(("name", "ran"), [("paid", True), ("unpaid", False)])
+def test_json_names_the_probe_that_settled_a_step(
+    stores: dict[str, str], name: str, ran: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shown = document(stores, name, capsys)
+    assert shown["reconciled_steps"] == [1] and shown["pending_settlement"] is None
+    first, settled, last = shown["timeline"]
+    for step in (first, last):
+        assert step["settled_by"] is None and step["settled_by_probe"] is False
+        assert step["probe_duration_s"] is None
+    assert settled["settled_by"] == "reconcile:pay" and settled["settled_by_probe"] is True
+    assert settled["probe_duration_s"] > 0 and settled["duration_s"] is None
+    (settlement,) = shown["reviews"]
+    assert settlement["ran"] is ran and settlement["duration_s"] == settled["probe_duration_s"]
+
+
+def test_json_of_a_pending_probe_settlement(
+    stores: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    shown = document(stores, "pending", capsys)
+    assert shown["state"] == "resumable" and shown["in_doubt"] is None
+    assert shown["reconciled_steps"] == [1]
+    pending = shown["pending_settlement"]
+    assert pending.pop("probe_duration_s") > 0
+    assert pending == {
+        "result_id": "pending:1:action",
+        "ran": True,
+        "settled_by": "reconcile:pay",
+        "settled_by_probe": True,
+    }
+    assert [step["settled_by"] for step in shown["timeline"]] == [None]

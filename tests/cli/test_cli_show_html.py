@@ -115,3 +115,21 @@ def test_html_of_an_old_log_in_a_browser(rendered: Any) -> None:
     assert f"trace id {run_trace_id('exp-7/task-12#3')}" in text
     assert "time 1.500 s" in text
     assert not UTC_TIME.search(text)
+
+
+def test_html_says_the_probe_settled_a_step_in_a_browser(rendered: Any) -> None:
+    text, _ = rendered("unpaid")
+    step = text[text.index("step 1 ·") : text.index("step 2 ·")]
+    assert re.search(
+        r"settled by the probe of tool 'pay' \(it did not run\) at \S+; "
+        r"the probe took \d+\.\d{3} (ms|s)",
+        step,
+    ), step
+    assert "time unknown" in step
+
+
+def test_html_of_a_pending_probe_settlement_in_a_browser(rendered: Any) -> None:
+    text, dom = rendered("pending")
+    settled = "settled by the probe of tool 'pay' (it ran)"
+    assert f"meaning resumable: the open action was {settled}; resume goes on" in text
+    assert "IN DOUBT" not in text and 'id="in-doubt"' not in dom

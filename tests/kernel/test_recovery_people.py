@@ -218,3 +218,81 @@ def test_classification_is_total(records: list[Record]) -> None:
         assert plan.proposal is not None and plan.verdict is None
     if plan.state is RecoveryState.IN_DOUBT:
         assert plan.open_intent is not None and plan.settlement is None
+
+
+# -- who settled a step: a person, or the tool's own probe --------------------------------
+
+PROBED = dataclasses.replace(SETTLED, by="reconcile:deploy", duration_s=0.25)
+
+
+def _second_step(first: Settlement, second: Settlement | None) -> list[Record]:
+    """Step 0's action settled by ``first``; step 1's in doubt, settled by ``second``."""
+    intent = kit.intent(RUN, 1, IntentKind.ACTION, PAYLOAD)
+    records: list[Record] = [
+        *BEFORE_ACTION,
+        ACTION_INTENT,
+        IN_DOUBT,
+        first,
+        ACTION_RESULT,
+        dataclasses.replace(STEP, settled_by=first.by),
+        kit.intent(RUN, 1, IntentKind.MODEL_CALL, {}, replay=Replay.ALLOWED),
+        kit.result(RUN, 1, IntentKind.MODEL_CALL, {"content": "x"}),
+        intent,
+    ]
+    if second is not None:
+        records.append(dataclasses.replace(second, result_id=intent.result_id))
+    return records
+
+
+@pytest.mark.parametrize(
+    ("records", "reconciled"),
+    [
+        pytest.param([*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT], (), id="in-doubt"),
+        pytest.param([*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, SETTLED], (), id="person-pending"),
+        pytest.param([*BEFORE_ACTION, ACTION_INTENT, PROBED], (0,), id="probe-pending"),
+        pytest.param(
+            [*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, PROBED], (0,), id="probe-after-doubt"
+        ),
+        pytest.param(
+            [
+                *BEFORE_ACTION,
+                ACTION_INTENT,
+                PROBED,
+                ACTION_RESULT,
+                dataclasses.replace(STEP, settled_by=PROBED.by),
+            ],
+            (0,),
+            id="probe-step",
+        ),
+        pytest.param(
+            [
+                *BEFORE_ACTION,
+                ACTION_INTENT,
+                SETTLED,
+                ACTION_RESULT,
+                dataclasses.replace(STEP, settled_by=SETTLED.by),
+            ],
+            (),
+            id="person-step",
+        ),
+        pytest.param(_second_step(SETTLED, PROBED), (1,), id="person-then-probe-pending"),
+        pytest.param(_second_step(PROBED, SETTLED), (0,), id="probe-then-person-pending"),
+        pytest.param(_second_step(PROBED, PROBED), (0, 1), id="probe-twice"),
+        pytest.param(_second_step(PROBED, None), (0,), id="probe-then-open"),
+    ],
+)
+def test_status_names_the_steps_a_probe_settled(
+    records: list[Record], reconciled: tuple[int, ...]
+) -> None:
+    """Only a settlement whose ``by`` is a probe's counts, a pending one included."""
+    assert status(plan_of(records), None).reconciled_steps == reconciled
+
+
+def test_a_person_named_like_no_probe_is_a_person() -> None:
+    """Only the exact prefix marks a probe: a person may be called anything else."""
+    for by in ("reconcile", "Reconcile:deploy", "carol (reconcile:deploy)"):
+        settled = dataclasses.replace(SETTLED, by=by)
+        assert not settled.by_probe
+        plan = plan_of([*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, settled])
+        assert status(plan, None).reconciled_steps == ()
+    assert PROBED.by_probe

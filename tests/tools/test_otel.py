@@ -68,12 +68,15 @@ from polyloop import (
     resume,
     run,
     run_trace_id,
+    settle,
 )
 from polyloop.otel import OpenTelemetrySink
 from polyloop.stores import MemoryStore, SqliteStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from polyloop.testing.event_sink_contract import EventSinkContract
 from polyloop.testing.store_contract import sample_run
+from review_kit import payment_script
+from show_kit import Payments
 
 pytestmark = pytest.mark.anyio
 
@@ -1051,3 +1054,99 @@ async def test_spans_reach_an_otlp_receiver(
     assert sorted(chat["gen_ai.usage.input_tokens"] for chat in chats) == [5, 11]
     trace_ids = {span.trace_id for span in spans}
     assert trace_ids == {run_ids("otlp-run")[0].to_bytes(16, "big")}
+
+
+# -- an action in doubt, settled ----------------------------------------------------------------
+
+# Write 8 is step 1's action intent, the payment: a crash right after leaves it open.
+PAY_INTENT = 8
+
+
+async def _pay_attempt(
+    store: Any, payments: Payments, events: EventSink, *, crashes: bool = False
+) -> None:
+    """One attempt at the payment run "r": a first run, or a resume if the log has one."""
+    go = (
+        definition(store, script=payment_script(), events=events),
+        request("r", payments.tools(), model_replay=Replay.ALLOWED),
+    )
+    started = bool((await store.read_log("r")).records)
+    if crashes:
+        with pytest.raises(SimulatedCrash):
+            await (resume(*go) if started else run(*go))
+    else:
+        await (resume(*go) if started else run(*go))
+
+
+def settled_events(spans: Sequence[ReadableSpan]) -> list[tuple[ReadableSpan, dict[str, Any]]]:
+    """Each ``polyloop.settled`` event, with the span that carries it."""
+    return [
+        (span, dict(event.attributes or {}))
+        for span in spans
+        for event in span.events
+        if event.name == "polyloop.settled"
+    ]
+
+
+@pytest.mark.parametrize("reachable", [True, False])
+async def test_a_probe_s_settlement_is_an_event_on_the_step_s_tool_span(
+    traced: Traced, reachable: bool
+) -> None:
+    store, payments = MemoryStore(), Payments(reachable=reachable)
+    quiet = OpenTelemetrySink(tracer_provider=TracerProvider())
+    await _pay_attempt(
+        FaultyStore(store, fail_after_writes=PAY_INTENT), payments, quiet, crashes=True
+    )
+    await _pay_attempt(store, payments, traced.sink)
+    ((span, event),) = settled_events(traced.spans())
+    assert span.name == "execute_tool pay" and not attrs(span).get("polyloop.rebuilt")
+    assert attrs(span)["polyloop.step"] == 1
+    assert attrs(span)["polyloop.action.result_id"] == "r:1:action"
+    assert event.pop("polyloop.probe.duration_s") > 0
+    assert event == {
+        "polyloop.settled_by": "reconcile:pay",
+        "polyloop.settled.ran": reachable,
+        "polyloop.settled.by_probe": True,
+    }
+    (at,) = [e.timestamp for e in span.events]
+    assert span.start_time is not None and span.end_time is not None
+    assert span.start_time <= at <= span.end_time
+    # Settled before the resumed attempt went on: no span calls the payment in doubt.
+    assert not [s for s in traced.spans() if attrs(s).get("polyloop.action.in_doubt")]
+
+
+async def test_a_person_s_settlement_is_the_same_event_without_a_probe(traced: Traced) -> None:
+    store, payments = MemoryStore(), Payments()
+    quiet = OpenTelemetrySink(tracer_provider=TracerProvider())
+    ledger_only = Payments()  # no probe asked: the run ends in doubt, a person answers
+    await _pay_attempt(
+        FaultyStore(store, fail_after_writes=PAY_INTENT), payments, quiet, crashes=True
+    )
+    await settle(store, "r", by="carol", ran=False, observation="declined")
+    await _pay_attempt(store, ledger_only, traced.sink)
+    assert ledger_only.voided == []  # the person's answer stood: the probe was not asked
+    ((span, event),) = settled_events(traced.spans())
+    assert span.name == "execute_tool pay"
+    assert event == {
+        "polyloop.settled_by": "carol",
+        "polyloop.settled.ran": False,
+        "polyloop.settled.by_probe": False,
+    }
+
+
+async def test_a_rebuilt_settled_step_carries_the_event_too(traced: Traced) -> None:
+    store, payments = MemoryStore(), Payments()
+    quiet = OpenTelemetrySink(tracer_provider=TracerProvider())
+    await _pay_attempt(
+        FaultyStore(store, fail_after_writes=PAY_INTENT), payments, quiet, crashes=True
+    )
+    # The resume writes the settlement, then step 1's record, and dies.
+    await _pay_attempt(FaultyStore(store, fail_after_writes=2), payments, quiet, crashes=True)
+    steps = [r for r in (await store.read_log("r")).records if isinstance(r, StepRecord)]
+    assert [step.settled_by for step in steps] == [None, "reconcile:pay"]
+    await _pay_attempt(store, payments, traced.sink)
+    ((span, event),) = settled_events(traced.spans())
+    assert span.name == "execute_tool pay" and attrs(span)["polyloop.rebuilt"] is True
+    assert event["polyloop.settled_by"] == "reconcile:pay" and event["polyloop.settled.ran"]
+    assert event["polyloop.probe.duration_s"] > 0
+    assert len(payments.paid) == 1

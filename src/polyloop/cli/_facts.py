@@ -11,7 +11,13 @@ import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from polyloop.cli._view import RunView, trajectory_json, usage_text
+from polyloop.cli._view import (
+    RunView,
+    settled_text,
+    settlement_json,
+    trajectory_json,
+    usage_text,
+)
 from polyloop.types import (
     Intent,
     IntentKind,
@@ -20,6 +26,7 @@ from polyloop.types import (
     RunEnded,
     RunStarted,
     RunState,
+    Settlement,
     StepRecord,
     StopReason,
     run_trace_id,
@@ -93,9 +100,11 @@ def edited_text(by: str, proposed: str | None) -> str:
     return f"by {by} before it ran; the model proposed {proposed or UNKNOWN}"
 
 
-def step_json(step: StepRecord) -> dict[str, JSONValue]:
-    """The step's timing and token facts under fixed keys, ``null`` where not known."""
+def step_json(step: StepRecord, settlement: Settlement | None = None) -> dict[str, JSONValue]:
+    """The step's timing and token facts under fixed keys, ``null`` where not known, and
+    who settled its action if it was in doubt (``settlement``: that record in the log)."""
     usage = step.usage
+    settled = settlement if step.settled_by is not None else None
     return {
         "step": step.step,
         "at": utc_iso(step.at),
@@ -104,6 +113,7 @@ def step_json(step: StepRecord) -> dict[str, JSONValue]:
         "action_duration_s": step.action_duration_s,
         "resumed": bool(step.resumed),
         "total_tokens": usage.total_tokens if usage is not None else None,
+        **settlement_json(settled),
     }
 
 
@@ -198,6 +208,7 @@ def run_json(view: RunView) -> dict[str, JSONValue]:
     doubt = in_doubt(view)
     unreported: list[JSONValue] = [*unreported_steps(view)]
     resumes: list[JSONValue] = [*resumed_after(view)]
+    settlements = view.settlements()
     return {
         "state_text": state_text(view),
         "in_doubt": doubt.json() if doubt is not None else None,
@@ -208,8 +219,17 @@ def run_json(view: RunView) -> dict[str, JSONValue]:
         "tokens_unreported_steps": unreported,
         "resumed_after_steps": resumes,
         "trace_id": run_trace_id(view.run_id),
-        "timeline": [step_json(step) for step in view.steps],
+        "reconciled_steps": [*view.status.reconciled_steps],
+        "pending_settlement": _pending_json(view),
+        "timeline": [step_json(step, settlements.get(step.step)) for step in view.steps],
     }
+
+
+def _pending_json(view: RunView) -> dict[str, JSONValue] | None:
+    pending = view.pending_settlement()
+    if pending is None:
+        return None
+    return {"result_id": pending.result_id, "ran": pending.ran, **settlement_json(pending)}
 
 
 def state_text(view: RunView) -> str:
@@ -227,6 +247,8 @@ def state_text(view: RunView) -> str:
     if state is RunState.RUNNING:
         owner = f" ({view.status.owner})" if view.status.owner else ""
         return f"running: a live worker{owner} holds the run now"
+    if (settled := view.pending_settlement()) is not None:
+        return f"resumable: the open action was settled {settled_text(settled)}; resume goes on"
     if view.stop_reason == StopReason.CANCELLED.value:
         return "resumable: cancelled; resume goes on"
     return "resumable: not finished; resume goes on"

@@ -110,6 +110,20 @@ class RunView:
                 by_step.setdefault(step, []).append(record)
         return by_step
 
+    def settlements(self) -> dict[int, Settlement]:
+        """The settlement of each step whose action was in doubt, by step; a settlement
+        the run has not yet turned into a step record is under the next step's number."""
+        return {
+            step: review
+            for step, reviews in self.reviews().items()
+            for review in reviews
+            if isinstance(review, Settlement)
+        }
+
+    def pending_settlement(self) -> Settlement | None:
+        """A settlement of the open action that no step record has followed yet."""
+        return self.settlements().get(len(self.steps))
+
     @property
     def stop_reason(self) -> str | None:
         """The reason of the end record the log ends with, if it ends with one."""
@@ -147,6 +161,8 @@ class RunView:
         intent = self.status.open_intent
         if intent is not None:
             doing = " (a live writer is on it now)" if self.status.state is RunState.RUNNING else ""
+            if (settled := self.pending_settlement()) is not None:
+                doing += f"; settled {settled_text(settled)}: resume records it and goes on"
             return (
                 f"step {step}: the {intent.kind.value} intent {intent.result_id!r} has no "
                 f"result (replay {intent.replay.value}){doing}"
@@ -198,10 +214,45 @@ def review_facts(reviews: list[Review]) -> list[tuple[str, str]]:
                 facts.append(("approved", f"by {review.by}{when}{edited}"))
             else:
                 facts.append(("rejected", f"by {review.by}{when}: {review.reason}"))
+        elif review.by_probe:
+            facts.append(("settled", f"{settled_text(review)}{when}{probe_time_text(review)}"))
         else:
             how = "ran" if review.ran else "did not run"
             facts.append(("settled", f"by {review.by}{when}: {how}"))
     return facts
+
+
+def settler_text(settlement: Settlement) -> str:
+    """Who settled an action: ``the probe of tool 'pay'``, or the person's name."""
+    if settlement.by_probe:
+        tool = settlement.by.split(":", 1)[1]
+        return f"the probe of tool {tool!r}"
+    return settlement.by
+
+
+def settled_text(settlement: Settlement) -> str:
+    """``by the probe of tool 'pay' (it ran)``; a person's, ``by carol (it ran)``."""
+    how = "it ran" if settlement.ran else "it did not run"
+    return f"by {settler_text(settlement)} ({how})"
+
+
+def probe_time_text(settlement: Settlement) -> str:
+    """How long the probe took, as ``; the probe took 0.004 s``; empty if unknown."""
+    seconds = settlement.duration_s
+    if seconds is None:
+        return ""
+    # A probe is often a single lookup: milliseconds say more than "0.000 s".
+    took = f"{seconds * 1000:.3f} ms" if seconds < 1 else f"{seconds:.3f} s"
+    return f"; the probe took {took}"
+
+
+def settlement_json(settlement: Settlement | None) -> dict[str, JSONValue]:
+    """Who settled an action in doubt, under keys shared by a step and a pending answer."""
+    return {
+        "settled_by": settlement.by if settlement is not None else None,
+        "settled_by_probe": settlement is not None and settlement.by_probe,
+        "probe_duration_s": settlement.duration_s if settlement is not None else None,
+    }
 
 
 def reply_facts(step: StepRecord) -> list[tuple[str, str]]:
