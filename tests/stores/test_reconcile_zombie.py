@@ -224,11 +224,10 @@ async def test_a_zombie_payment_fails_on_the_probes_tombstone_and_one_payment_is
     async with anyio.create_task_group() as group:
         group.start_soon(drive_a)
         try:
-            with anyio.fail_after(HOLD_TIMEOUT_S):
-                await anyio.to_thread.run_sync(hold.entered.wait)
-            assert (
-                await anyio.to_thread.run_sync(payments.rows) == []
-            )  # A is inside pay and has paid nothing
+            entered = partial(hold.entered.wait, HOLD_TIMEOUT_S)
+            assert await anyio.to_thread.run_sync(entered), "worker A never reached pay"
+            # A is inside pay, past the claim check, and has paid nothing.
+            assert await anyio.to_thread.run_sync(payments.rows) == []
             finished, left_by_b = await take_over(postgres_conninfo, payments)
         finally:
             hold.released.set()  # A goes on whatever happened, so the group can end
