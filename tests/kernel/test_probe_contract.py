@@ -9,6 +9,7 @@ later write), in memory, and is resumed on the same store.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -142,15 +143,22 @@ async def test_a_run_that_ended_in_doubt_is_settled_by_a_probe_added_later() -> 
     await crashed_in_pay(store, without)
     ended = await resume(definition(store, script=SCRIPT), request(RUN_ID, without.tools()))
     assert ended.stop_reason is StopReason.IN_DOUBT  # no probe: as before
-    with_probe = Pay(found_it)
-    done = await start_or_resume(
-        definition(store, script=SCRIPT), request(RUN_ID, with_probe.tools())
-    )
+    # The probe is attached to the very spec the run started with (as to a mounted one).
+    asked: list[str] = []
+
+    async def probe(arguments: dict[str, JSONValue], *, result_id: str) -> Reconciled:
+        asked.append(result_id)
+        return await found_it(arguments, result_id=result_id)
+
+    spec = without.tools().get("pay")
+    assert spec is not None
+    tools = ToolRegistry([dataclasses.replace(spec, reconcile=probe)], max_observation_chars=1_000)
+    done = await start_or_resume(definition(store, script=SCRIPT), request(RUN_ID, tools))
     assert done.stop_reason is StopReason.FINAL_ANSWER
-    assert with_probe.asked == ["r:0:action"]
+    assert asked == ["r:0:action"]
     assert done.steps[0].settled_by == "reconcile:pay"
     assert done.steps[0].observation == "paid 5 (found)"
-    assert without.paid + with_probe.paid == ["r:0:action"]
+    assert without.paid == ["r:0:action"]  # once, before the crash
     (settlement,) = [r for r in (await store.read_log(RUN_ID)).records if isinstance(r, Settlement)]
     assert settlement.by_probe and settlement.duration_s is not None
 
