@@ -185,3 +185,18 @@ async def test_the_probe_is_not_asked_when_the_claim_check_fails() -> None:
     assert tools.asked == []
     assert (await store.read_log(RUN_ID)).records == before  # nothing written
     assert tools.paid == ["r:0:action"]
+
+
+async def test_a_crash_before_the_settlement_is_written_asks_the_probe_again() -> None:
+    store, tools = MemoryStore(), Pay(found_it)
+    await crashed_in_pay(store, tools)
+    with pytest.raises(SimulatedCrash):  # the settlement is the first write refused
+        await resume(
+            definition(FaultyStore(store, fail_after_writes=0), script=SCRIPT),
+            request(RUN_ID, tools.tools()),
+        )
+    assert (await run_status(store, RUN_ID)).state is RunState.IN_DOUBT
+    done = await resume(definition(store, script=SCRIPT), request(RUN_ID, tools.tools()))
+    assert done.stop_reason is StopReason.FINAL_ANSWER
+    assert tools.asked == ["r:0:action", "r:0:action"]  # the same key, asked twice
+    assert tools.paid == ["r:0:action"]
