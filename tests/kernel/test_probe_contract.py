@@ -128,13 +128,26 @@ async def test_a_probe_that_cannot_tell_leaves_the_run_in_doubt_and_a_person_set
     assert tools.paid == ["r:0:action"]  # once, before the crash
 
 
-async def test_a_probe_that_raises_counts_as_cannot_tell_and_is_counted() -> None:
-    store, tools = MemoryStore(), Pay(bank_down)
+async def says_yes(arguments: dict[str, JSONValue], *, result_id: str) -> Any:
+    return "yes"
+
+
+@pytest.mark.parametrize(
+    ("probe", "said"),
+    [
+        (bank_down, "RuntimeError: the bank did not answer"),
+        (says_yes, "TypeError: the probe of tool 'pay' returned 'yes'"),
+    ],
+)
+async def test_a_probe_that_raises_counts_as_cannot_tell_and_is_counted(
+    probe: Probe, said: str
+) -> None:
+    store, tools = MemoryStore(), Pay(probe)
     await crashed_in_pay(store, tools)
     in_doubt = await resume(definition(store, script=SCRIPT), request(RUN_ID, tools.tools()))
     assert in_doubt.stop_reason is StopReason.IN_DOUBT
     assert in_doubt.reconcile_failures == 1
-    assert "RuntimeError: the bank did not answer" in (in_doubt.detail or "")
+    assert said in (in_doubt.detail or "")
     assert tools.paid == ["r:0:action"]
 
 
