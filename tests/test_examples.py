@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -214,3 +216,65 @@ def test_temporal_agent_waits_for_the_approval_update_then_runs_the_tool_once() 
         "effects: deploy prod (RUN:0:action); submit (RUN:1:action)",
         "log: 15 records, ending RunEnded; verdicts: 1",
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_payments_probe_settles_both_crashes_without_a_person_and_pays_once_each(
+    tmp_path: Path, backend: str
+) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "payments_probe.py"),
+            "--dir",
+            str(tmp_path),
+            "--backend",
+            backend,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.splitlines() == [
+        "invoice-1: a worker starts the run and pays",
+        "  the worker died after paying, before the step was written",
+        "invoice-1: the next worker resumes it, and the probe answers",
+        '  step 0: pay({"amount": 5}) -> paid 5 under invoice-1:0:action'
+        " (settled by reconcile:pay)",
+        '  step 1: submit({"answer": "the invoice is paid"}) -> accepted the invoice is paid',
+        "  invoice-1: submitted after 2 steps",
+        "invoice-2: a worker starts the run and pays",
+        "  the worker died after announcing the payment, before paying",
+        "invoice-2: the next worker resumes it, and the probe answers",
+        '  step 0: pay({"amount": 5}) -> Not executed: nothing was paid under'
+        " invoice-2:0:action, and the key is void (settled by reconcile:pay)",
+        '  step 1: pay({"amount": 5}) -> paid 5 under invoice-2:1:action',
+        '  step 2: submit({"answer": "the invoice is paid"}) -> accepted the invoice is paid',
+        "  invoice-2: submitted after 3 steps",
+        "payments table: invoice-1:0:action paid; invoice-2:0:action void; invoice-2:1:action paid",
+        "payments made: 2 for 2 runs",
+    ]
+    # The table itself: one payment per invoice, and the voided key refuses a late one.
+    with closing(sqlite3.connect(tmp_path / "payments.db")) as payments:
+        rows = payments.execute(
+            "SELECT result_id, state, amount FROM payments ORDER BY result_id"
+        ).fetchall()
+        assert rows == [
+            ("invoice-1:0:action", "paid", 5),
+            ("invoice-2:0:action", "void", None),
+            ("invoice-2:1:action", "paid", 5),
+        ]
+        with pytest.raises(sqlite3.IntegrityError):
+            payments.execute(
+                "INSERT INTO payments (result_id, state, amount) VALUES (?, 'paid', 5)",
+                ("invoice-2:0:action",),
+            )
+    # The store says who settled each step: the probe, not a person.
+    for run_id, settled in (("invoice-1", True), ("invoice-2", False)):
+        shown = _polyloop("show", f"sqlite:{tmp_path / 'runs.db'}", run_id, "--json")
+        assert shown.returncode == 0, shown.stderr
+        first = json.loads(shown.stdout)["steps"][0]
+        assert first["settled_by"] == "reconcile:pay"
+        assert (first["action_status"] == "executed") is settled
