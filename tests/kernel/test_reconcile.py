@@ -447,3 +447,19 @@ async def test_the_probe_gets_its_own_copy_of_the_recorded_arguments() -> None:
     )
     assert seen == [{"n": 5}]
     assert result.steps[1].action_text is not None and "999" not in result.steps[1].action_text
+
+
+async def test_a_crash_before_the_settlement_is_written_asks_the_probe_again() -> None:
+    store, payments = MemoryStore(), Payments()
+    await crashed_after_paying(store, payments)
+    with pytest.raises(SimulatedCrash):  # the settlement is the first write refused
+        await resume(
+            definition(FaultyStore(store, fail_after_writes=0), script=SCRIPT),
+            request(RUN, tools(payments)),
+        )
+    await store.release_run(RUN)
+    assert (await run_status(store, RUN)).state is RunState.IN_DOUBT
+    done = await resume(definition(store, script=SCRIPT), request(RUN, tools(payments)))
+    assert done.stop_reason is StopReason.FINAL_ANSWER
+    assert payments.probed == [PAY, PAY]  # the same key, asked twice
+    assert payments.paid() == [PAY]
