@@ -851,3 +851,86 @@ def test_splitting_write_step_is_always_corrupt(builder: LogBuilder) -> None:
         with pytest.raises(CorruptLog) as caught:
             plan_of(records)
         assert caught.value.location == f"record {len(records) - 1}"
+
+
+# -- a fork's start record holds its first steps -----------------------------------------------
+
+
+def _inherited(run_id: str, count: int) -> tuple[StepRecord, ...]:
+    return tuple(
+        StepRecord(
+            run_id=run_id,
+            step=index,
+            call_id=None,
+            model_output="x",
+            reasoning=None,
+            decision=DecisionKind.FINAL if index == count - 1 else DecisionKind.INVALID,
+            history_text="x",
+            action_text=None,
+            observation=None,
+            observation_synthesized=False,
+            action_status=None,
+            done=False,
+            truncated_chars=0,
+            error=None,
+            final_answer=None,
+            duration_s=0.1,
+        )
+        for index in range(count)
+    )
+
+
+def _fork_start(**changes: Any) -> RunStarted:
+    fields: dict[str, Any] = {
+        "run_id": RUN,
+        "snapshot": SNAPSHOT,
+        "forked_from": "source",
+        "forked_at_step": 2,
+        "inherited_sha256": "ab" * 32,
+        "inherited": _inherited(RUN, 2),
+    }
+    return RunStarted(**{**fields, **changes})
+
+
+def test_a_fork_s_inherited_steps_are_its_first_steps() -> None:
+    plan = read_plan(RunLog(run_id=RUN, records=(_fork_start(),)))
+    assert plan.state is RecoveryState.RESUMABLE
+    assert [step.step for step in plan.steps] == [0, 1]
+    at_zero = _fork_start(forked_at_step=0, inherited=None)
+    assert read_plan(RunLog(run_id=RUN, records=(at_zero,))).steps == ()
+    # The next step of a fork is its step at_step, with that step's result ids.
+    model = Intent(
+        run_id=RUN,
+        result_id=model_result_id(RUN, 2),
+        kind=IntentKind.MODEL_CALL,
+        step=2,
+        call_index=2,
+        replay=Replay.ALLOWED,
+        payload={},
+    )
+    assert read_plan(RunLog(run_id=RUN, records=(_fork_start(), model))).open_intent == model
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"forked_from": None}, "must name its source, its step and its digest"),
+        ({"inherited_sha256": None}, "must name its source, its step and its digest"),
+        ({"forked_at_step": 3}, "a fork at step 3 whose start record holds 2 inherited steps"),
+        ({"inherited": _inherited("other", 2)}, "inherited step 0 is step 0 of run 'other'"),
+        (
+            {"inherited": tuple(reversed(_inherited(RUN, 2)))},
+            "inherited step 0 is step 1 of run 'run-1'",
+        ),
+        (
+            {"forked_from": None, "forked_at_step": None, "inherited_sha256": None},
+            "must name its source, its step and its digest",
+        ),
+    ],
+)
+def test_a_fork_s_start_record_that_does_not_add_up_is_corrupt(
+    changes: dict[str, Any], problem: str
+) -> None:
+    with pytest.raises(CorruptLog, match=problem) as info:
+        read_plan(RunLog(run_id=RUN, records=(_fork_start(**changes),)))
+    assert info.value.location == "record 0"

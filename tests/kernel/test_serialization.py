@@ -361,6 +361,42 @@ EXPECTED.update(
             by="carol",
             at=_PERSON_AT,
         ),
+        # A fork's start record: its source, its step, the digest, and the two steps it
+        # took over (one of them timed and with a native tool call), with its run id.
+        "run_started_fork": RunStarted(
+            run_id="exp-7/task-12#3/fork-b",
+            snapshot={"model.name": "gpt-4o"},
+            at=_AT,
+            forked_from=RUN,
+            forked_at_step=2,
+            inherited_sha256="5f0c" * 16,
+            inherited=(
+                kit.step(
+                    "exp-7/task-12#3/fork-b",
+                    0,
+                    call_id="c-1",
+                    model_output="Reading.",
+                    history_text="Reading.",
+                    action_text='read({"path": "a.txt"})',
+                    observation="hello",
+                    duration_s=0.25,
+                ),
+                kit.step(
+                    "exp-7/task-12#3/fork-b",
+                    1,
+                    call_id="c-2",
+                    model_output="Doubling.",
+                    history_text="Doubling.",
+                    action_text='double({"n": 2})',
+                    observation="4",
+                    duration_s=0.5,
+                    at=_AT,
+                    model_duration_s=0.375,
+                    action_duration_s=0.125,
+                    tool_call=ToolCallBlock(call_id="t-9", name="double", arguments={"n": 2}),
+                ),
+            ),
+        ),
         # A settlement a tool's probe wrote, with how long the probe took.
         "settlement_reconciled": Settlement(
             run_id=RUN,
@@ -1165,3 +1201,38 @@ def test_without_timing_leaves_exactly_the_timing_fields_out(name: str) -> None:
             assert value is None, field.name
         else:
             assert value == getattr(record, field.name), field.name
+
+
+# -- a fork's inherited steps, nested in its start record ----------------------------------
+
+
+@pytest.mark.parametrize(
+    ("inherited", "complaint"),
+    [
+        ("steps", "run_started.inherited must be null or a list of step records"),
+        (["a step"], "run_started.inherited: item 0 is not a step record"),
+        ([{"step": 0}], "run_started.inherited: item 0 has no 'run_id'"),
+    ],
+)
+def test_inherited_steps_that_are_not_step_records_are_corrupt(
+    inherited: Any, complaint: str
+) -> None:
+    with pytest.raises(CorruptLog, match=re.escape(complaint)):
+        loads(_with("run_started_fork", inherited=inherited))
+
+
+def test_an_inherited_step_with_a_mistyped_field_names_the_item_and_the_field() -> None:
+    data = encoded("run_started_fork")
+    steps = data["inherited"]
+    assert isinstance(steps, list) and isinstance(steps[1], dict)
+    steps[1]["decision"] = "maybe"
+    with pytest.raises(CorruptLog, match=r"inherited: item 1: step\.decision must be one of"):
+        loads(line_of(data))
+
+
+def test_inherited_steps_are_checked_on_the_way_out_too() -> None:
+    record = EXPECTED["run_started_fork"]
+    assert isinstance(record, RunStarted) and record.inherited is not None
+    broken = dataclasses.replace(record.inherited[0], step="0")  # type: ignore[arg-type]
+    with pytest.raises(UnloggableValue, match=r"item 0: step\.step must be a int"):
+        dumps(dataclasses.replace(record, inherited=(broken,)))
