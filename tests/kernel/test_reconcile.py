@@ -1,7 +1,7 @@
 """A tool's probe settles an action in doubt (issue 31), on the memory store: what the
 loop asks, when, under which check, what it writes, and what it does with each answer.
 
-The tools pay into :class:`Payments`, an outside ledger keyed by result id: a payment
+The tools (``probe_kit``) pay into an outside ledger keyed by result id: a payment
 under a key, or a tombstone that makes a later payment under that key fail. Its probe
 finds the payment (it ran) or writes the tombstone (it did not, and never will).
 """
@@ -15,7 +15,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from agent_kit import NUMBER_SCHEMA, answer, definition, request, tool_call
+from agent_kit import answer, definition, request, tool_call
 from polyloop import (
     Action,
     ActionStatus,
@@ -29,8 +29,6 @@ from polyloop import (
     RunState,
     Settlement,
     StopReason,
-    ToolRegistry,
-    ToolSpec,
     recover,
     resume,
     run,
@@ -40,6 +38,7 @@ from polyloop import (
 )
 from polyloop.stores import MemoryStore
 from polyloop.testing import FaultyStore, RecordingSink, SimulatedCrash
+from probe_kit import NOT_PAID, KeyVoided, Payments, tools
 
 pytestmark = pytest.mark.anyio
 
@@ -57,67 +56,12 @@ class ProcessDied(BaseException):
     """Stands in for the death of the process: nothing in the library catches it."""
 
 
-class KeyTaken(Exception):
-    """The ledger's unique key refused a second row under a result id."""
+def die() -> None:
+    raise ProcessDied
 
 
-class Payments:
-    """Payments and tombstones by result id, and every call of the handler and probe."""
-
-    def __init__(self) -> None:
-        self.rows: dict[str, tuple[str, int]] = {}
-        self.probed: list[str] = []
-        self.die_before_paying = False
-
-    def paid(self) -> list[str]:
-        return [key for key, (kind, _) in self.rows.items() if kind == "paid"]
-
-    async def pay(self, arguments: dict[str, Any], *, result_id: str) -> str:
-        await anyio.lowlevel.checkpoint()
-        if self.die_before_paying:
-            self.die_before_paying = False
-            raise ProcessDied
-        if result_id in self.rows:
-            raise KeyTaken(f"{result_id} is {self.rows[result_id][0]}")
-        self.rows[result_id] = ("paid", arguments["n"])
-        return f"paid {arguments['n']}"
-
-    async def probe(self, arguments: dict[str, Any], *, result_id: str) -> Reconciled | None:
-        self.probed.append(result_id)
-        await anyio.lowlevel.checkpoint()
-        row = self.rows.setdefault(result_id, ("void", 0))
-        if row[0] == "paid":
-            return Reconciled(ran=True, observation=f"paid {row[1]} (found by its key)")
-        return Reconciled(ran=False, observation="no payment under this key; it is now void")
-
-
-def tools(
-    payments: Payments, *, probe: Any = "ledger", replay: Replay = Replay.NEVER
-) -> ToolRegistry:
-    async def double(arguments: dict[str, Any], *, result_id: str) -> str:
-        await anyio.lowlevel.checkpoint()
-        return str(arguments["n"] * 2)
-
-    return ToolRegistry(
-        [
-            ToolSpec(
-                name="double",
-                description="Double a number.",
-                parameters=NUMBER_SCHEMA,
-                handler=double,
-                replay=Replay.ALLOWED,
-            ),
-            ToolSpec(
-                name="pay",
-                description="Pay an amount.",
-                parameters=NUMBER_SCHEMA,
-                handler=payments.pay,
-                replay=replay,
-                reconcile=payments.probe if probe == "ledger" else probe,
-            ),
-        ],
-        max_observation_chars=200,
-    )
+def probed(payments: Payments) -> list[str]:
+    return [key for _, key in payments.probed]
 
 
 async def crashed_after_paying(store: MemoryStore, payments: Payments) -> None:
@@ -133,7 +77,7 @@ async def crashed_after_paying(store: MemoryStore, payments: Payments) -> None:
 
 async def died_before_paying(store: MemoryStore, payments: Payments) -> None:
     """The first attempt announced the payment, then died before the handler paid."""
-    payments.die_before_paying = True
+    payments.before_paying = die
     with pytest.raises(ProcessDied):
         await run(definition(store, script=AGAIN), request(RUN, tools(payments)))
     await store.release_run(RUN)
@@ -143,9 +87,7 @@ async def died_before_paying(store: MemoryStore, payments: Payments) -> None:
 async def ended_in_doubt(store: MemoryStore, payments: Payments) -> None:
     """Crashed after paying, then resumed by tools with no probe: it ends in doubt."""
     await crashed_after_paying(store, payments)
-    result = await resume(
-        definition(store, script=SCRIPT), request(RUN, tools(payments, probe=None))
-    )
+    result = await resume(definition(store, script=SCRIPT), request(RUN, tools(payments, None)))
     assert result.stop_reason is StopReason.IN_DOUBT
 
 
@@ -161,9 +103,9 @@ async def test_a_probe_that_finds_the_payment_finishes_the_run_without_paying_ag
     await crashed_after_paying(store, payments)
     result = await resume(definition(store, script=SCRIPT), request(RUN, tools(payments)))
     assert result.stop_reason is StopReason.FINAL_ANSWER
-    assert payments.paid() == [PAY] and payments.probed == [PAY]
+    assert payments.paid() == [PAY] and probed(payments) == [PAY]
     step = result.steps[1]
-    assert step.observation == "paid 5 (found by its key)"
+    assert step.observation == "paid 5"
     assert step.action_status is ActionStatus.EXECUTED and not step.observation_synthesized
     assert step.settled_by == "reconcile:pay"
     assert result.valid_step_count == 2 and result.reconcile_failures == 0
@@ -178,12 +120,12 @@ async def test_a_probe_that_voids_the_key_tells_the_model_which_pays_once_under_
     await died_before_paying(store, payments)
     result = await resume(definition(store, script=AGAIN), request(RUN, tools(payments)))
     assert result.stop_reason is StopReason.FINAL_ANSWER
-    assert payments.probed == [PAY]
+    assert probed(payments) == [PAY]
     assert payments.paid() == [f"{RUN}:2:action"]
-    assert payments.rows[PAY][0] == "void"
+    assert payments.tombstones == {PAY}
     voided, paid = result.steps[1], result.steps[2]
     assert voided.action_status is ActionStatus.NOT_EXECUTED and voided.observation_synthesized
-    assert voided.observation == "Refused: no payment under this key; it is now void"
+    assert voided.observation == "Refused: " + NOT_PAID.format(key=PAY)
     assert voided.settled_by == "reconcile:pay"
     assert paid.observation == "paid 5" and paid.settled_by is None
     assert result.valid_step_count == 2
@@ -191,10 +133,10 @@ async def test_a_probe_that_voids_the_key_tells_the_model_which_pays_once_under_
 
 async def test_a_late_attempt_under_a_voided_key_fails_on_the_key() -> None:
     payments = Payments()
-    assert await payments.probe({"n": 5}, result_id=PAY) == Reconciled(
-        ran=False, observation="no payment under this key; it is now void"
+    assert await payments.finds({"n": 5}, result_id=PAY) == Reconciled(
+        ran=False, observation=NOT_PAID.format(key=PAY)
     )
-    with pytest.raises(KeyTaken, match="is void"):
+    with pytest.raises(KeyVoided, match="was voided"):
         await payments.pay({"n": 5}, result_id=PAY)
     assert payments.paid() == []
 
@@ -213,9 +155,7 @@ async def test_a_probe_that_cannot_tell_leaves_the_run_in_doubt_for_a_person(ans
             return Reconciled(ran="yes", observation="x")  # type: ignore[arg-type]
         return None
 
-    result = await resume(
-        definition(store, script=SCRIPT), request(RUN, tools(payments, probe=probe))
-    )
+    result = await resume(definition(store, script=SCRIPT), request(RUN, tools(payments, probe)))
     assert result.stop_reason is StopReason.IN_DOUBT
     assert result.reconcile_failures == (0 if answer_ is None else 1)
     expected = {
@@ -233,9 +173,7 @@ async def test_a_probe_that_cannot_tell_leaves_the_run_in_doubt_for_a_person(ans
     assert isinstance(log.records[-1], RunEnded) and log.records[-1].detail == result.detail
     # A person can still settle it, and the run goes on as before probes existed.
     await settle(store, RUN, by="carol", ran=True, observation="paid 5")
-    done = await resume(
-        definition(store, script=SCRIPT), request(RUN, tools(payments, probe=probe))
-    )
+    done = await resume(definition(store, script=SCRIPT), request(RUN, tools(payments, probe)))
     assert done.stop_reason is StopReason.FINAL_ANSWER and done.steps[1].settled_by == "carol"
     assert payments.paid() == [PAY]
     assert (await run_status(store, RUN)).reconciled_steps == ()
@@ -263,7 +201,7 @@ async def test_resuming_a_run_in_doubt_whose_probe_still_cannot_tell_writes_noth
 
     sink = RecordingSink()
     result = await resume(
-        definition(store, script=SCRIPT, events=sink), request(RUN, tools(payments, probe=fails))
+        definition(store, script=SCRIPT, events=sink), request(RUN, tools(payments, fails))
     )
     assert result.stop_reason is StopReason.IN_DOUBT and result.resumed
     assert result.reconcile_failures == 1
@@ -276,17 +214,15 @@ async def test_a_run_in_doubt_with_no_probe_is_resumed_as_before() -> None:
     store, payments = MemoryStore(), Payments()
     await ended_in_doubt(store, payments)
     before = (await store.read_log(RUN)).records
-    result = await resume(
-        definition(store, script=SCRIPT), request(RUN, tools(payments, probe=None))
-    )
+    result = await resume(definition(store, script=SCRIPT), request(RUN, tools(payments, None)))
     assert result.stop_reason is StopReason.IN_DOUBT and result.reconcile_failures == 0
     assert (await store.read_log(RUN)).records == before
-    assert payments.probed == []
+    assert probed(payments) == []
 
 
 async def test_a_replayable_action_is_run_again_and_its_probe_is_not_asked() -> None:
     store, payments = MemoryStore(), Payments()
-    payments.die_before_paying = True
+    payments.before_paying = die
     with pytest.raises(ProcessDied):
         await run(
             definition(store, script=SCRIPT), request(RUN, tools(payments, replay=Replay.ALLOWED))
@@ -296,7 +232,7 @@ async def test_a_replayable_action_is_run_again_and_its_probe_is_not_asked() -> 
         definition(store, script=SCRIPT), request(RUN, tools(payments, replay=Replay.ALLOWED))
     )
     assert result.stop_reason is StopReason.FINAL_ANSWER
-    assert payments.probed == [] and payments.paid() == [PAY]
+    assert probed(payments) == [] and payments.paid() == [PAY]
 
 
 # -- when it is asked -------------------------------------------------------------------------
@@ -318,7 +254,7 @@ async def test_start_or_resume_and_recover_ask_the_probe_too() -> None:
     )
     assert recovered.result is not None
     assert recovered.result.stop_reason is StopReason.FINAL_ANSWER
-    assert others.probed == [PAY] and others.paid() == [PAY]
+    assert probed(others) == [PAY] and others.paid() == [PAY]
 
 
 class LostLease(MemoryStore):
@@ -339,7 +275,7 @@ async def test_the_probe_runs_only_while_the_claim_holds() -> None:
     store.lost = True
     with pytest.raises(LeaseLost):
         await resume(definition(store, script=SCRIPT), request(RUN, tools(payments)))
-    assert payments.probed == []
+    assert probed(payments) == []
     assert (await store.read_log(RUN)).records == before
 
 
@@ -362,7 +298,7 @@ async def cancelled_while_probing(store: MemoryStore, payments: Payments) -> Non
             group.start_soon(
                 resume,
                 definition(store, script=SCRIPT),
-                request(RUN, tools(payments, probe=held_probe(entered))),
+                request(RUN, tools(payments, held_probe(entered))),
             )
             await entered.wait()
             scope.cancel()
@@ -412,16 +348,16 @@ async def test_a_probe_must_be_an_async_function() -> None:
         return None
 
     with pytest.raises(InvalidRequest, match="tool 'pay': reconcile must be None or an async"):
-        tools(Payments(), probe=probe)
+        tools(Payments(), probe)
 
 
 async def test_the_registry_executor_asks_only_tools_with_a_probe_and_cuts_their_answer() -> None:
     payments = Payments()
 
     async def wordy(arguments: dict[str, Any], *, result_id: str) -> Reconciled | None:
-        return Reconciled(ran=True, observation="x" * 500)
+        return Reconciled(ran=True, observation="x" * 20_000)
 
-    executor = tools(payments, probe=wordy).executor()
+    executor = tools(payments, wordy).executor()
     assert isinstance(executor, ReconcilingExecutor)
     pay = Action(payload={"name": "pay", "arguments": {"n": 5}}, action_text="", history_text="")
     double = dataclasses.replace(pay, payload={"name": "double", "arguments": {"n": 1}})
@@ -429,7 +365,7 @@ async def test_the_registry_executor_asks_only_tools_with_a_probe_and_cuts_their
     assert not executor.reconciles(dataclasses.replace(pay, payload="not a call"))
     assert await executor.reconcile(double, result_id="k") is None
     answered = await executor.reconcile(pay, result_id="k")
-    assert answered == Reconciled(ran=True, observation="x" * 200)
+    assert answered == Reconciled(ran=True, observation="x" * 10_000)
 
 
 async def test_the_probe_gets_its_own_copy_of_the_recorded_arguments() -> None:
@@ -442,9 +378,7 @@ async def test_the_probe_gets_its_own_copy_of_the_recorded_arguments() -> None:
         arguments["n"] = 999
         return Reconciled(ran=True, observation="paid 5")
 
-    result = await resume(
-        definition(store, script=SCRIPT), request(RUN, tools(payments, probe=editing))
-    )
+    result = await resume(definition(store, script=SCRIPT), request(RUN, tools(payments, editing)))
     assert seen == [{"n": 5}]
     assert result.steps[1].action_text is not None and "999" not in result.steps[1].action_text
 
@@ -461,5 +395,5 @@ async def test_a_crash_before_the_settlement_is_written_asks_the_probe_again() -
     assert (await run_status(store, RUN)).state is RunState.IN_DOUBT
     done = await resume(definition(store, script=SCRIPT), request(RUN, tools(payments)))
     assert done.stop_reason is StopReason.FINAL_ANSWER
-    assert payments.probed == [PAY, PAY]  # the same key, asked twice
+    assert probed(payments) == [PAY, PAY]  # the same key, asked twice
     assert payments.paid() == [PAY]

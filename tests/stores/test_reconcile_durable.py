@@ -21,11 +21,10 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from agent_kit import ANSWER_SCHEMA, NUMBER_SCHEMA, TEXTS, answer, definition, request, tool_call
+from agent_kit import TEXTS, answer, definition, request, tool_call
 from polyloop import (
     ActionStatus,
     ModelCall,
-    Reconciled,
     Replay,
     RunEnded,
     RunResult,
@@ -34,8 +33,6 @@ from polyloop import (
     StopReason,
     Store,
     TextBlock,
-    ToolRegistry,
-    ToolSpec,
     run_status,
     settle,
     start_or_resume,
@@ -44,6 +41,7 @@ from polyloop._recovery import RecoveryState, read_plan
 from polyloop.cli import main
 from polyloop.stores import MemoryStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
+from probe_kit import NOT_PAID, KeyVoided, Payments, tools
 from review_kit import plain_steps
 from store_kit import STORE_KINDS, durable_opener
 from sweep_kit import every_point
@@ -54,94 +52,6 @@ RUN = "r"
 PAY_INTENT = 8  # start; double: 4 writes; pay: model intent, its result, the action's intent
 FIRST_WRITES = 13  # the above; pay's step; the answer: 3 writes; the end
 PAYING = "paying"  # a crash inside pay's handler, after its intent, before it pays
-NOT_PAID = "no payment under {key}; the key is void"
-
-
-class KeyVoided(Exception):
-    """A payment arrived for a key the probe has tombstoned: the late attempt fails."""
-
-
-@dataclasses.dataclass
-class Payments:
-    """The outside ledger: payments and tombstones by result id, each key used once.
-
-    ``entered`` holds the key of every call of the handler; ``attempt`` numbers the
-    process now driving the run; ``probed`` holds the attempt and key of every question
-    the probe was asked.
-    """
-
-    payments: dict[str, int] = dataclasses.field(default_factory=dict)
-    entered: list[str] = dataclasses.field(default_factory=list)
-    tombstones: set[str] = dataclasses.field(default_factory=set)
-    probed: list[tuple[int, str]] = dataclasses.field(default_factory=list)
-    attempt: int = 0
-    before_paying: Callable[[], None] | None = None
-
-    async def pay(self, arguments: dict[str, Any], *, result_id: str) -> str:
-        self.entered.append(result_id)
-        await anyio.lowlevel.checkpoint()
-        hook, self.before_paying = self.before_paying, None
-        if hook is not None:
-            hook()
-        if result_id in self.tombstones:
-            raise KeyVoided(f"payment key {result_id} was voided")
-        assert result_id not in self.payments, f"a second payment under {result_id}"
-        self.payments[result_id] = arguments["n"]
-        return f"paid {arguments['n']}"
-
-    async def finds(self, arguments: dict[str, Any], *, result_id: str) -> Reconciled | None:
-        """The probe: the payment under the key, or a tombstone that voids the key."""
-        self.probed.append((self.attempt, result_id))
-        await anyio.lowlevel.checkpoint()
-        if result_id in self.payments:
-            return Reconciled(ran=True, observation=f"paid {self.payments[result_id]}")
-        self.tombstones.add(result_id)
-        return Reconciled(ran=False, observation=NOT_PAID.format(key=result_id))
-
-    async def cannot_tell(self, arguments: dict[str, Any], *, result_id: str) -> None:
-        self.probed.append((self.attempt, result_id))
-        await anyio.lowlevel.checkpoint()
-
-    async def fails(self, arguments: dict[str, Any], *, result_id: str) -> Reconciled:
-        self.probed.append((self.attempt, result_id))
-        await anyio.lowlevel.checkpoint()
-        raise ConnectionError("the ledger did not answer")
-
-
-def tools(payments: Payments, probe: str | None = "finds") -> ToolRegistry:
-    """``double`` (replay allowed) and ``pay`` (replay never), with the probe named."""
-
-    async def double(arguments: dict[str, Any], *, result_id: str) -> str:
-        await anyio.lowlevel.checkpoint()
-        return str(arguments["n"] * 2)
-
-    return ToolRegistry(
-        [
-            ToolSpec(
-                name="double",
-                description="Double a number.",
-                parameters=NUMBER_SCHEMA,
-                handler=double,
-                replay=Replay.ALLOWED,
-            ),
-            ToolSpec(
-                name="pay",
-                description="Pay an amount.",
-                parameters=NUMBER_SCHEMA,
-                handler=payments.pay,
-                reconcile=None if probe is None else getattr(payments, probe),
-            ),
-            ToolSpec(
-                name="submit",
-                description="Submit the answer.",
-                parameters=ANSWER_SCHEMA,
-                handler=double,
-                replay=Replay.ALLOWED,
-                completes=True,
-            ),
-        ],
-        max_observation_chars=10_000,
-    )
 
 
 def customer(call: ModelCall) -> str:
