@@ -15,7 +15,13 @@ What it shows
     * a ``Replay.NEVER`` tool, ``pay``, whose every execution is a row of a ledger kept
       outside the store (a table in another schema, committed before ``pay`` returns):
       no invoice is ever paid twice. A run killed inside ``pay`` ends ``in_doubt`` (the
-      payment may have gone out or not: someone must look), and only such runs do.
+      payment may have gone out or not: someone must look), and only such runs do;
+    * with ``--probe``, the same fleet where ``pay`` has a probe (``ToolSpec.reconcile``)
+      and the ledger a unique key on the payment's result id: a run killed inside ``pay``
+      is settled by the probe when it is resumed, which either finds the payment (it
+      ran) or writes a tombstone for its key (it did not, and now never will: a late
+      attempt with that key fails on the key). No run is left in doubt, and the model
+      pays again, under a new key, what the probe says was not paid.
 
 Each job is an invoice. The model is the scripted double from :mod:`polyloop.testing`
 (deterministic, offline, 30 ms a call): it checks the invoice, then pays the amount due.
@@ -25,11 +31,12 @@ How to run it::
     python examples/fleet_worker.py fleet                         # 4 workers, 40 invoices
     python examples/fleet_worker.py fleet --jobs 400 --kill       # kill worker 0 mid-flight
     python examples/fleet_worker.py fleet --kill --schema demo --keep
+    python examples/fleet_worker.py fleet --jobs 400 --kill --probe   # no run left in doubt
 
 ``fleet`` is the supervisor: it seeds the jobs, starts the worker processes, kills
 worker 0 with ``--kill`` once it has paid a third of its invoices, restarts it, and
 prints a report. ``seed`` and ``worker`` are the two steps it runs, for running a fleet
-by hand::
+by hand (give ``--probe`` to both, or to neither)::
 
     python examples/fleet_worker.py seed --schema demo --jobs 40 --workers 2
     python examples/fleet_worker.py worker --schema demo --slot 0 &
@@ -63,7 +70,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 import psycopg
-from psycopg import sql
+from psycopg import errors, sql
 
 from polyloop import (
     Budget,
@@ -75,6 +82,7 @@ from polyloop import (
     ModelCall,
     NullSink,
     ObservationTexts,
+    Reconciled,
     Replay,
     Request,
     Role,
@@ -104,7 +112,7 @@ BANK_DELAY_S = 0.04  # the bank confirms a transfer after it has been made
 LOCKED_RETRY_S = 0.1
 LOCKED_RETRIES = 100  # 10 s: then the job is left to whoever holds its run
 OBSERVATION_PREFIX = "Observation: "
-PAY_STEP = 1  # the step of every run that calls pay; its result id is "<run>:1:action"
+PAY_STEP = 1  # the step at which every run first calls pay; its result id is "<run>:1:action"
 
 
 # -- the application's own tables: the jobs and the payments ledger -----------------------------
@@ -117,12 +125,18 @@ class Job:
     amount_cents: int
 
 
+class PaymentRefused(Exception):
+    """A payment whose key is already on the ledger: a probe voided it, or it was paid."""
+
+
 class AppTables:
     """The application's tables, in their own schema beside the store's.
 
     ``payments`` is the ledger of the ``pay`` tool: one row per execution, committed
-    before the tool returns, and deliberately without a unique key, so that a payment
-    made twice would show. Blocking psycopg calls; the async code runs them in threads.
+    before the tool returns. Seeded ``keyed``, it has a unique key on the result id and
+    may hold tombstones (``voided`` rows, written by the probe, which are not payments);
+    otherwise it deliberately has no key, so that a payment made twice would show as two
+    rows. Blocking psycopg calls; the async code runs them in threads.
     """
 
     def __init__(self, conninfo: str, schema: str) -> None:
@@ -134,7 +148,7 @@ class AppTables:
     def close(self) -> None:
         self._conn.close()
 
-    def seed(self, jobs: int, workers: int) -> None:
+    def seed(self, jobs: int, workers: int, *, keyed: bool = False) -> None:
         """Create the tables and ``jobs`` invoices, assigned to the workers in turn."""
         self._conn.execute(
             sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.schema))
@@ -147,11 +161,18 @@ class AppTables:
         )
         self._conn.execute(
             sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (result_id text NOT NULL, slot int NOT NULL, "
-                "pid int NOT NULL, amount_cents int NOT NULL, "
+                "CREATE TABLE IF NOT EXISTS {} (result_id text NOT NULL, invoice text NOT NULL, "
+                "slot int NOT NULL, pid int NOT NULL, amount_cents int NOT NULL, "
+                "voided boolean NOT NULL DEFAULT false, "
                 "paid_at timestamptz NOT NULL DEFAULT clock_timestamp())"
             ).format(self._payments)
         )
+        if keyed:
+            self._conn.execute(
+                sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS payments_key ON {} (result_id)").format(
+                    self._payments
+                )
+            )
         with self._conn.cursor() as cursor:
             cursor.executemany(
                 sql.SQL("INSERT INTO {} VALUES (%s, %s, %s) ON CONFLICT DO NOTHING").format(
@@ -166,24 +187,74 @@ class AppTables:
         )
         return {run_id: Job(run_id, slot, amount) for run_id, slot, amount in rows}
 
-    def pay(self, result_id: str, slot: int, amount_cents: int) -> None:
-        self._conn.execute(
+    def pay(self, result_id: str, invoice: str, slot: int, amount_cents: int) -> None:
+        try:
+            self._conn.execute(
+                sql.SQL(
+                    "INSERT INTO {} (result_id, invoice, slot, pid, amount_cents) "
+                    "VALUES (%s, %s, %s, %s, %s)"
+                ).format(self._payments),
+                (result_id, invoice, slot, os.getpid(), amount_cents),
+            )
+        except errors.UniqueViolation:
+            raise PaymentRefused(
+                f"payment {result_id} of {invoice} refused: its key is already on the ledger"
+            ) from None
+
+    def find_or_void(self, result_id: str, invoice: str, slot: int) -> int | None:
+        """The amount paid under ``result_id``, or ``None`` once the key is void.
+
+        Atomic on the unique key: either the payment's row is there, or this writes a
+        tombstone under the key, after which a late payment with that key fails. A
+        tombstone found (an earlier probe's) is the same answer: never paid.
+        """
+        voided = self._conn.execute(
             sql.SQL(
-                "INSERT INTO {} (result_id, slot, pid, amount_cents) VALUES (%s, %s, %s, %s)"
+                "INSERT INTO {} (result_id, invoice, slot, pid, amount_cents, voided) "
+                "VALUES (%s, %s, %s, %s, 0, true) ON CONFLICT (result_id) DO NOTHING "
+                "RETURNING result_id"
             ).format(self._payments),
-            (result_id, slot, os.getpid(), amount_cents),
-        )
+            (result_id, invoice, slot, os.getpid()),
+        ).fetchone()
+        if voided is not None:
+            return None
+        row = self._conn.execute(
+            sql.SQL("SELECT voided, amount_cents FROM {} WHERE result_id = %s").format(
+                self._payments
+            ),
+            (result_id,),
+        ).fetchone()
+        assert row is not None, result_id  # rows are never deleted
+        return None if row[0] else int(row[1])
 
     def payments_by_slot(self) -> Counter[int]:
         rows = self._conn.execute(
-            sql.SQL("SELECT slot, count(*) FROM {} GROUP BY slot").format(self._payments)
+            sql.SQL("SELECT slot, count(*) FROM {} WHERE NOT voided GROUP BY slot").format(
+                self._payments
+            )
         )
         return Counter(dict(rows.fetchall()))
 
     def payment_counts(self) -> Counter[str]:
         """How many times each result id was paid, across every worker process."""
+        return self._count_payments_by("result_id")
+
+    def invoice_payments(self) -> Counter[str]:
+        """How many times each invoice was paid, under whatever result id."""
+        return self._count_payments_by("invoice")
+
+    def voided_keys(self) -> set[str]:
+        """The result ids a probe voided (tombstones, not payments)."""
         rows = self._conn.execute(
-            sql.SQL("SELECT result_id, count(*) FROM {} GROUP BY result_id").format(self._payments)
+            sql.SQL("SELECT result_id FROM {} WHERE voided").format(self._payments)
+        )
+        return {result_id for (result_id,) in rows}
+
+    def _count_payments_by(self, column: str) -> Counter[str]:
+        rows = self._conn.execute(
+            sql.SQL("SELECT {}, count(*) FROM {} WHERE NOT voided GROUP BY 1").format(
+                sql.Identifier(column), self._payments
+            )
         )
         return Counter(dict(rows.fetchall()))
 
@@ -202,15 +273,30 @@ async def in_thread(func: Callable[..., T], *args: object) -> T:
 
 
 def script(call: ModelCall) -> str:
-    """The scripted model: check the invoice, then pay what the check said is due."""
+    """The scripted model: check the invoice, then pay what the check said is due (again,
+    if it is told the payment was not made)."""
     invoice = call.binding["invoice"]
     if call.call_index == 0:
         return json.dumps({"tool": "check_invoice", "arguments": {"invoice": invoice}})
-    due = int(call.messages[-1].content[0].text.removeprefix(OBSERVATION_PREFIX))
+    due = amount_due(call.messages)
     return json.dumps({"tool": "pay", "arguments": {"invoice": invoice, "amount_cents": due}})
 
 
-def make_tools(jobs: dict[str, Job], app: AppTables, slot: int) -> ToolRegistry:
+def amount_due(messages: tuple[Message, ...]) -> int:
+    """The amount in the check's observation, the last one that is a bare number."""
+    for message in reversed(messages):
+        text = "".join(getattr(block, "text", "") for block in message.content)
+        number = text.removeprefix(OBSERVATION_PREFIX)
+        if text.startswith(OBSERVATION_PREFIX) and number.isdigit():
+            return int(number)
+    raise ValueError("no observation of check_invoice in the conversation")
+
+
+def paid_text(amount_cents: int) -> str:
+    return f"paid {amount_cents} cents"
+
+
+def make_tools(jobs: dict[str, Job], app: AppTables, slot: int, *, probe: bool) -> ToolRegistry:
     async def check_invoice(arguments: dict[str, JSONValue], *, result_id: str) -> str:
         await anyio.sleep(CHECK_DELAY_S)
         return str(jobs[str(arguments["invoice"])].amount_cents)
@@ -220,9 +306,16 @@ def make_tools(jobs: dict[str, Job], app: AppTables, slot: int) -> ToolRegistry:
         assert isinstance(amount, int)
         # The transfer is made (its ledger row committed) before the bank confirms it: a
         # worker killed in between has paid, but its run's log cannot know.
-        await in_thread(app.pay, result_id, slot, amount)
+        await in_thread(app.pay, result_id, str(arguments["invoice"]), slot, amount)
         await anyio.sleep(BANK_DELAY_S)
-        return f"paid {amount} cents"
+        return paid_text(amount)
+
+    async def pay_probe(arguments: dict[str, JSONValue], *, result_id: str) -> Reconciled:
+        # Asked only about a pay whose run died inside it: was that key paid?
+        paid = await in_thread(app.find_or_void, result_id, str(arguments["invoice"]), slot)
+        if paid is None:
+            return Reconciled(ran=False, observation="the payment was not made")
+        return Reconciled(ran=True, observation=paid_text(paid))
 
     def schema(**properties: JSONValue) -> dict[str, JSONValue]:
         return {
@@ -248,6 +341,7 @@ def make_tools(jobs: dict[str, Job], app: AppTables, slot: int) -> ToolRegistry:
                 handler=pay,
                 replay=Replay.NEVER,
                 completes=True,
+                reconcile=pay_probe if probe else None,
             ),
         ],
         max_observation_chars=200,
@@ -359,11 +453,13 @@ async def drive_jobs(
     return counts
 
 
-async def work(conninfo: str, schema: str, slot: int, concurrency: int) -> WorkerSummary:
+async def work(
+    conninfo: str, schema: str, slot: int, concurrency: int, *, probe: bool = False
+) -> WorkerSummary:
     app = await in_thread(AppTables, conninfo, schema)
     try:
         jobs = await in_thread(app.jobs)
-        tools = make_tools(jobs, app, slot)
+        tools = make_tools(jobs, app, slot, probe=probe)
 
         def request_for(run_id: str) -> Request:
             return make_request(jobs[run_id], tools)
@@ -390,6 +486,7 @@ class Settings:
     workers: int = 4
     concurrency: int = 16
     backend: str = "asyncio"
+    probe: bool = False  # pay has a probe, and the ledger a unique key
 
 
 @dataclass
@@ -413,6 +510,7 @@ class WorkerProcess:
                 str(settings.concurrency),
                 "--backend",
                 settings.backend,
+                *(["--probe"] if settings.probe else []),
             ],
             stdin=subprocess.DEVNULL,
             stderr=None,  # a worker's errors go to our stderr
@@ -461,8 +559,11 @@ class FleetReport:
     summaries: list[WorkerSummary] = field(default_factory=list)  # of the workers not killed
     stop_reasons: Counter[str] = field(default_factory=Counter)
     in_doubt: tuple[str, ...] = ()
+    reconciled: tuple[str, ...] = ()  # the runs a probe settled
     unfinished: int = 0
     payments: Counter[str] = field(default_factory=Counter)  # result id -> executions
+    invoice_payments: Counter[str] = field(default_factory=Counter)  # invoice -> executions
+    voided: frozenset[str] = frozenset()  # result ids a probe voided
 
     def add_orphans_recovered_before_the_count(self) -> None:
         """Add the victim's runs that a live worker resumed to their end before they were
@@ -509,9 +610,14 @@ class FleetReport:
         found = []
         if self.unfinished:
             found.append(f"{self.unfinished} runs unfinished")
-        if any(count > 1 for count in self.payments.values()):
-            found.append("a payment was made twice")
-        if set(self.in_doubt) != set(self.inside_pay):
+        if any(count > 1 for count in self.invoice_payments.values()):
+            found.append("an invoice was paid twice")
+        if self.settings.probe:
+            if self.in_doubt:
+                found.append(f"{len(self.in_doubt)} runs in doubt although pay has a probe")
+            if not set(self.inside_pay) <= set(self.reconciled):
+                found.append("runs killed inside 'pay' that the probe did not settle")
+        elif set(self.in_doubt) != set(self.inside_pay):
             found.append("runs in doubt other than those killed inside 'pay'")
         if sum(recovery.runs for recovery in self.recoveries()) != len(self.orphans):
             found.append("runs of the dead worker that recover() did not resume")
@@ -590,6 +696,8 @@ async def read_outcome(store: PostgresStore, jobs: dict[str, Job], report: Fleet
         status = await run_status(store, run.run_id)
         if status.state is RunState.IN_DOUBT:
             report.in_doubt += (run.run_id,)
+        if status.reconciled_steps:
+            report.reconciled += (run.run_id,)
         ended = status.state in (RunState.FINISHED, RunState.IN_DOUBT)
         if ended and status.stop_reason is not None:
             report.stop_reasons[status.stop_reason.value] += 1
@@ -602,7 +710,7 @@ async def run_fleet(settings: Settings, *, kill: bool) -> FleetReport:
     report = FleetReport(settings, kill)
     app = await in_thread(AppTables, settings.conninfo, settings.schema)
     try:
-        await in_thread(app.seed, settings.jobs, settings.workers)
+        await in_thread(partial(app.seed, settings.jobs, settings.workers, keyed=settings.probe))
         jobs = await in_thread(app.jobs)
         async with open_store(settings.conninfo, settings.schema) as store:
             workers = [
@@ -622,9 +730,16 @@ async def run_fleet(settings: Settings, *, kill: bool) -> FleetReport:
             report.add_orphans_recovered_before_the_count()
             await read_outcome(store, jobs, report)
         report.payments = await in_thread(app.payment_counts)
+        report.invoice_payments = await in_thread(app.invoice_payments)
+        report.voided = frozenset(await in_thread(app.voided_keys))
     finally:
         app.close()
     return report
+
+
+def pay_key(run_id: str) -> str:
+    """The result id of a run's first call of pay."""
+    return f"{run_id}:{PAY_STEP}:action"
 
 
 def print_report(report: FleetReport) -> None:
@@ -657,10 +772,14 @@ def print_report(report: FleetReport) -> None:
     if report.in_doubt:
         exact = set(report.in_doubt) == set(report.inside_pay)
         print(f"  in doubt: {'exactly ' if exact else 'NOT only '}the runs killed inside 'pay'")
-    twice = sorted(result_id for result_id, n in report.payments.items() if n > 1)
-    in_doubt_paid = sum(
-        1 for run_id in report.in_doubt if report.payments[f"{run_id}:{PAY_STEP}:action"]
-    )
+    if report.reconciled:
+        voided = sum(1 for run_id in report.reconciled if pay_key(run_id) in report.voided)
+        print(
+            f"  settled by the probe: {len(report.reconciled)} runs "
+            f"({len(report.reconciled) - voided} had paid, {voided} had not: paid again)"
+        )
+    twice = sorted(invoice for invoice, n in report.invoice_payments.items() if n > 1)
+    in_doubt_paid = sum(1 for run_id in report.in_doubt if report.payments[pay_key(run_id)])
     print(
         f"payments: {sum(report.payments.values())} on the ledger, "
         + (f"made twice: {', '.join(twice)}" if twice else "none made twice")
@@ -689,17 +808,17 @@ async def fleet_main(settings: Settings, *, kill: bool, keep: bool) -> list[str]
     return report.problems()
 
 
-async def seed_main(conninfo: str, schema: str, jobs: int, workers: int) -> None:
+async def seed_main(conninfo: str, schema: str, jobs: int, workers: int, probe: bool) -> None:
     app = await in_thread(AppTables, conninfo, schema)
     try:
-        await in_thread(app.seed, jobs, workers)
+        await in_thread(partial(app.seed, jobs, workers, keyed=probe))
     finally:
         app.close()
     print(f"seeded {jobs} invoices for {workers} workers in {schema}_app.jobs")
 
 
-async def worker_main(conninfo: str, schema: str, slot: int, concurrency: int) -> None:
-    summary = await work(conninfo, schema, slot, concurrency)
+async def worker_main(conninfo: str, schema: str, slot: int, concurrency: int, probe: bool) -> None:
+    summary = await work(conninfo, schema, slot, concurrency, probe=probe)
     print(json.dumps(asdict(summary)), flush=True)
 
 
@@ -734,11 +853,17 @@ def main() -> None:
         "--kill", action="store_true", help="SIGKILL worker 0 mid-flight, then restart it"
     )
     fleet.add_argument("--keep", action="store_true", help="keep the schemas")
+    for command in (fleet, seed, worker):
+        command.add_argument(
+            "--probe",
+            action="store_true",
+            help="give pay a probe and the ledger a unique key: no run is left in doubt",
+        )
     worker.add_argument("--slot", type=int, required=True, help="which jobs are this worker's")
     args = parser.parse_args()
 
     if args.command == "seed":
-        anyio.run(seed_main, args.conninfo, args.schema, args.jobs, args.workers)
+        anyio.run(seed_main, args.conninfo, args.schema, args.jobs, args.workers, args.probe)
     elif args.command == "worker":
         anyio.run(
             worker_main,
@@ -746,11 +871,18 @@ def main() -> None:
             args.schema,
             args.slot,
             args.concurrency,
+            args.probe,
             backend=args.backend,
         )
     else:
         settings = Settings(
-            args.conninfo, args.schema, args.jobs, args.workers, args.concurrency, args.backend
+            args.conninfo,
+            args.schema,
+            args.jobs,
+            args.workers,
+            args.concurrency,
+            args.backend,
+            args.probe,
         )
         problems = anyio.run(
             partial(fleet_main, settings, kill=args.kill, keep=args.keep), backend=args.backend

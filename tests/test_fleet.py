@@ -9,6 +9,11 @@ what it left. The example reports what it saw; this test reads the store and the
 back itself and checks the promises: every run ends exactly once, no ``NEVER`` effect
 runs twice, the runs killed inside ``pay`` end ``IN_DOUBT`` and no other run does, and
 every run the dead worker left unfinished is resumed through ``recover``.
+
+The same fleet with a probe on ``pay`` (the example's ``--probe``: the ledger gets a
+unique key on the result id, and the probe finds the payment or writes a tombstone for
+its key) leaves no run in doubt: the runs killed inside ``pay`` are settled by the probe,
+still with no invoice paid twice, and every log verifies.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import anyio.to_thread
 import pytest
 
 import pg
-from polyloop import Replay, RunEnded, RunState, StopReason, run_status
+from polyloop import Replay, RunEnded, RunState, Settlement, StepRecord, StopReason, run_status
+from polyloop.cli import main as polyloop_command
 from polyloop.stores import PostgresStore
 
 # Slow: a fleet of worker processes, one of them killed.
@@ -237,4 +243,109 @@ def test_the_example_without_a_kill_pays_every_invoice_once_and_can_keep_its_tab
     with pg.admin(postgres_conninfo) as conn:
         assert conn.execute("SELECT count(*) FROM fleet_kept.runs WHERE finished").fetchone() == (
             12,
+        )
+
+
+# -- the same fleet, with a probe on pay ----------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_with_a_probe_on_pay_no_run_of_a_killed_worker_is_left_in_doubt(
+    fleet: ModuleType,
+    postgres_conninfo: str,
+    anyio_backend: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    settings = fleet.Settings(
+        postgres_conninfo,
+        SCHEMA,
+        jobs=JOBS,
+        workers=WORKERS,
+        concurrency=16,
+        backend=anyio_backend,
+        probe=True,
+    )
+    report = await fleet.run_fleet(settings, kill=True)
+
+    # The kill landed inside pay at least once, so the probe had something to answer.
+    assert report.victim == 0
+    inside_pay = set(report.inside_pay)
+    assert inside_pay, "the kill landed outside pay"
+
+    app = await anyio.to_thread.run_sync(fleet.AppTables, postgres_conninfo, SCHEMA)
+    try:
+        jobs = await anyio.to_thread.run_sync(app.jobs)
+        paid_keys = await anyio.to_thread.run_sync(app.payment_counts)
+        paid_invoices = await anyio.to_thread.run_sync(app.invoice_payments)
+        voided = await anyio.to_thread.run_sync(app.voided_keys)
+    finally:
+        app.close()
+    assert len(jobs) == JOBS
+    victims_runs = {run_id for run_id, job in jobs.items() if job.slot == 0}
+
+    reconciled: dict[str, Settlement] = {}
+    async with PostgresStore(postgres_conninfo, schema=SCHEMA) as store:
+        assert not await store.list_runs(unfinished_only=True)
+        listed = await store.list_runs()
+        assert sorted(run.run_id for run in listed) == sorted(jobs)
+        for run_id in jobs:
+            status = await run_status(store, run_id)
+            assert (status.state, status.stop_reason) == (RunState.FINISHED, StopReason.SUBMITTED)
+            records = (await store.read_log(run_id)).records
+            assert sum(isinstance(record, RunEnded) for record in records) == 1, run_id
+            settlements = [record for record in records if isinstance(record, Settlement)]
+            if not status.reconciled_steps:
+                assert settlements == [], run_id  # nobody else settles anything here
+                assert status.steps == 2, run_id  # check, pay
+                continue
+            assert status.reconciled_steps == (fleet.PAY_STEP,), run_id
+            (settlement,) = settlements
+            assert settlement.by == "reconcile:pay" and settlement.by_probe
+            assert settlement.result_id == fleet.pay_key(run_id)
+            (step,) = [r for r in records if isinstance(r, StepRecord) and r.step == fleet.PAY_STEP]
+            assert step.settled_by is not None and step.settled_by.startswith("reconcile:")
+            # Paid: the run ends on the probe's observation. Voided: it pays again.
+            assert status.steps == (3 if fleet.pay_key(run_id) in voided else 2), run_id
+            reconciled[run_id] = settlement
+
+    # The runs killed inside pay were settled by the probe, and only the victim's were.
+    assert inside_pay <= set(reconciled) <= victims_runs
+    # The probe told the truth: "ran" exactly where the key was paid, "did not" where it
+    # wrote the tombstone that now keeps that key from ever paying.
+    for run_id, settlement in reconciled.items():
+        key = fleet.pay_key(run_id)
+        assert settlement.ran == (paid_keys[key] == 1) == (key not in voided), run_id
+        if settlement.ran:
+            assert settlement.observation == fleet.paid_text(jobs[run_id].amount_cents)
+    assert voided <= {fleet.pay_key(run_id) for run_id in reconciled}
+
+    # No effect twice: every invoice paid exactly once, tombstones not counted.
+    assert paid_invoices == dict.fromkeys(jobs, 1)
+    assert sum(paid_keys.values()) == JOBS
+
+    # Every log verifies, as the command line checks it.
+    verified = await anyio.to_thread.run_sync(
+        polyloop_command, ["verify", postgres_conninfo, "--schema", SCHEMA]
+    )
+    out = capsys.readouterr().out
+    assert verified == 0, out
+    assert f"{JOBS} runs checked: {JOBS} clean, 0 with warnings, 0 with errors" in out
+
+    # The example's own report says the same.
+    assert report.problems() == []
+    paid_before = sum(1 for settlement in reconciled.values() if settlement.ran)
+    fleet.print_report(report)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3:] == [
+        f"runs: {JOBS} finished ({JOBS} submitted, 0 in doubt), 0 unfinished",
+        f"  settled by the probe: {len(reconciled)} runs ({paid_before} had paid, "
+        f"{len(reconciled) - paid_before} had not: paid again)",
+        f"payments: {JOBS} on the ledger, none made twice",
+    ]
+    with capsys.disabled():
+        print(
+            f"\n[{anyio_backend}] with a probe: {len(report.orphans)} runs of the killed "
+            f"worker left unfinished, {len(inside_pay)} inside pay; {len(reconciled)} settled "
+            f"by the probe ({paid_before} had paid, {len(reconciled) - paid_before} had not); "
+            "0 in doubt"
         )
