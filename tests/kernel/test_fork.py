@@ -17,6 +17,7 @@ from polyloop import (
     Message,
     Replay,
     RunAlreadyExists,
+    RunLocked,
     RunNotFound,
     RunStarted,
     StopReason,
@@ -301,3 +302,49 @@ async def test_a_fork_whose_last_inherited_step_ended_the_source_goes_on_after_i
     )
     assert forked.stop_reason is StopReason.FINAL_ANSWER
     assert forked.final_answer == "still 2" and forked.step_count == 3
+
+
+async def test_a_fork_reads_a_source_another_writer_holds_and_writes_nothing_to_it() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    await recorded(store, ledger)
+    before = (await store.read_log("src")).records
+    await store.claim_run("src")  # as a live worker driving the source would
+    forked = await fork(
+        definition(store, script=SCRIPT),
+        request("f", make_tools(ledger)),
+        source_run_id="src",
+        at_step=2,
+    )
+    assert forked.stop_reason is StopReason.SUBMITTED
+    # The claim is still the other writer's, and the source's log is as it was.
+    with pytest.raises(RunLocked):
+        await store.claim_run("src")
+    assert (await store.read_log("src")).records == before
+
+
+async def test_a_fork_s_snapshot_is_its_own_and_its_log_resumes_without_the_source() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    await recorded(store, ledger)
+    injected = Injection(entries={"system": ("Prefer small numbers.",)})
+    forked = await fork(
+        definition(store, model=ScriptedModelClient(SCRIPT, name="other")),
+        request("f", make_tools(ledger), injection=injected),
+        source_run_id="src",
+        at_step=2,
+    )
+    snapshots = [(await store.read_log(run_id)).records[0] for run_id in ("src", "f")]
+    source_snapshot, fork_snapshot = (
+        started.snapshot for started in snapshots if isinstance(started, RunStarted)
+    )
+    differing = {key for key in fork_snapshot if fork_snapshot[key] != source_snapshot.get(key)}
+    assert differing == {"model.name", "injection.sha256"}
+    # In a store that never held the source, the fork's log alone gives back its result.
+    alone = MemoryStore()
+    for record in (await store.read_log("f")).records:
+        await _copy(alone, record)
+    again = await resume(
+        definition(alone, model=ScriptedModelClient(SCRIPT, name="other")),
+        request("f", make_tools(ledger), injection=injected),
+    )
+    assert without_run_id(again.steps) == without_run_id(forked.steps)
+    assert again.stop_reason is StopReason.SUBMITTED and (await alone.read_log("src")).records == ()
