@@ -15,12 +15,15 @@ from polyloop import (
     Injection,
     InvalidRequest,
     Message,
+    ModelCall,
+    ModelReply,
     Replay,
     RunAlreadyExists,
     RunLocked,
     RunNotFound,
     RunStarted,
     StopReason,
+    Usage,
     fork,
     resume,
     run,
@@ -348,3 +351,26 @@ async def test_a_fork_s_snapshot_is_its_own_and_its_log_resumes_without_the_sour
     )
     assert without_run_id(again.steps) == without_run_id(forked.steps)
     assert again.stop_reason is StopReason.SUBMITTED and (await alone.read_log("src")).records == ()
+
+
+async def test_a_fork_s_usage_and_token_budget_count_the_inherited_steps() -> None:
+    def reported(call: ModelCall) -> ModelReply:
+        content = SCRIPT[call.call_index]
+        usage = Usage(input_tokens=10, output_tokens=5)
+        return ModelReply(
+            call_id=f"{call.run_id}/{call.call_index}", content=content, reasoning=None, usage=usage
+        )
+
+    store, ledger = MemoryStore(), Ledger()
+    model = ScriptedModelClient(reported)
+    await run(definition(store, model=model), request("src", make_tools(ledger)))
+    budget = Budget(max_steps=20, max_valid_steps=20, max_context_chars=100_000, max_tokens=50)
+    forked = await fork(
+        definition(store, model=model),
+        request("f", make_tools(ledger), budget=budget),
+        source_run_id="src",
+        at_step=3,
+    )
+    # Three inherited steps (45 tokens) and one of its own reach the budget of 50.
+    assert forked.stop_reason is StopReason.TOKEN_LIMIT and forked.step_count == 4
+    assert forked.usage == Usage(input_tokens=40, output_tokens=20)
