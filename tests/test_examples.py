@@ -347,3 +347,6 @@ def test_fork_candidates_branches_a_recorded_run_and_runs_none_of_its_prefix_aga
             (run_id, 0),
             (run_id, 1),
         ]
+    verified = _polyloop("verify", f"sqlite:{tmp_path / 'runs.db'}")
+    assert verified.returncode == 0, verified.stderr
+    assert "4 runs checked: 4 clean, 0 with warnings, 0 with errors" in verified.stdout

@@ -12,6 +12,7 @@ import pytest
 from agent_kit import Ledger, answer, definition, make_tools, request, timeless, tool_call
 from polyloop import (
     Budget,
+    CorruptLog,
     Injection,
     InvalidRequest,
     Message,
@@ -20,6 +21,7 @@ from polyloop import (
     Replay,
     RunAlreadyExists,
     RunLocked,
+    RunLog,
     RunNotFound,
     RunStarted,
     StopReason,
@@ -374,3 +376,40 @@ async def test_a_fork_s_usage_and_token_budget_count_the_inherited_steps() -> No
     # Three inherited steps (45 tokens) and one of its own reach the budget of 50.
     assert forked.stop_reason is StopReason.TOKEN_LIMIT and forked.step_count == 4
     assert forked.usage == Usage(input_tokens=40, output_tokens=20)
+
+
+async def test_a_start_record_whose_fork_fields_disagree_is_a_corrupt_log() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    await recorded(store, ledger)
+    await fork(
+        definition(store, script=SCRIPT),
+        request("f", make_tools(ledger)),
+        source_run_id="src",
+        at_step=2,
+    )
+    started = (await store.read_log("f")).records[0]
+    assert isinstance(started, RunStarted) and started.inherited is not None
+    first, second = started.inherited
+    broken = [
+        (
+            "must name its source, its step and its digest",
+            dataclasses.replace(started, inherited_sha256=None),
+        ),
+        (
+            "a fork at step 2 whose start record holds 1 inherited steps",
+            dataclasses.replace(started, inherited=(first,)),
+        ),
+        (
+            "inherited step 0 is step 1 of run 'f'",
+            dataclasses.replace(started, inherited=(second, first)),
+        ),
+        (
+            "inherited step 1 is step 1 of run 'src'",
+            dataclasses.replace(
+                started, inherited=(first, dataclasses.replace(second, run_id="src"))
+            ),
+        ),
+    ]
+    for reason, record in broken:
+        with pytest.raises(CorruptLog, match=re.escape(reason)):
+            read_plan(RunLog(run_id="f", records=(record,)))
