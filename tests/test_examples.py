@@ -278,3 +278,75 @@ def test_payments_probe_settles_both_crashes_without_a_person_and_pays_once_each
         first = json.loads(shown.stdout)["steps"][0]
         assert first["settled_by"] == "reconcile:pay"
         assert (first["action_status"] == "executed") is settled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_fork_candidates_branches_a_recorded_run_and_runs_none_of_its_prefix_again(
+    tmp_path: Path, backend: str
+) -> None:
+    from polyloop import RunStarted, serialization
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "fork_candidates.py"),
+            "--dir",
+            str(tmp_path),
+            "--backend",
+            backend,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.splitlines() == [
+        "source 'weather': submitted Lima after 4 steps, 665 tokens",
+        f"forked at step 2 into 3 candidates, one task group, {backend}",
+        "  candidate stop reason  answer  steps  own steps  own tokens",
+        "  same      submitted    Lima        4          2         369",
+        "  hasty     submitted    Tokyo       3          1         177",
+        "  recheck   submitted    Lima        5          3         634",
+        "each candidate's start record: forked from 'weather' at step 2, with copies of 2 steps",
+        "ledger, steps executed by run:",
+        "  weather         0 1 2 3",
+        "  weather/hasty   2",
+        "  weather/recheck 2 3 4",
+        "  weather/same    2 3",
+        "steps 0 to 1: ran once, in the source; each candidate ran its own steps only",
+    ]
+    # The ledger itself: the source's executions once each, then each candidate's own.
+    with closing(sqlite3.connect(tmp_path / "ledger.db")) as ledger:
+        rows = ledger.execute("SELECT result_id, tool FROM executions ORDER BY result_id")
+        assert rows.fetchall() == [
+            ("weather/hasty:2:action", "submit"),
+            ("weather/recheck:2:action", "weather"),
+            ("weather/recheck:3:action", "weather"),
+            ("weather/recheck:4:action", "submit"),
+            ("weather/same:2:action", "weather"),
+            ("weather/same:3:action", "submit"),
+            ("weather:0:action", "weather"),
+            ("weather:1:action", "weather"),
+            ("weather:2:action", "weather"),
+            ("weather:3:action", "submit"),
+        ]
+    # Each fork's log stands alone: its start record holds the two inherited steps.
+    with closing(sqlite3.connect(tmp_path / "runs.db")) as runs:
+        bodies = runs.execute(
+            "SELECT run_id, body FROM records WHERE kind = 'run_started' ORDER BY run_id"
+        ).fetchall()
+    started = {run_id: serialization.loads(body) for run_id, body in bodies}
+    assert sorted(started) == ["weather", "weather/hasty", "weather/recheck", "weather/same"]
+    assert isinstance(started["weather"], RunStarted) and started["weather"].inherited is None
+    for run_id in ("weather/hasty", "weather/recheck", "weather/same"):
+        record = started[run_id]
+        assert isinstance(record, RunStarted)
+        assert (record.forked_from, record.forked_at_step) == ("weather", 2)
+        assert [(step.run_id, step.step) for step in record.inherited_steps] == [
+            (run_id, 0),
+            (run_id, 1),
+        ]
+    verified = _polyloop("verify", f"sqlite:{tmp_path / 'runs.db'}")
+    assert verified.returncode == 0, verified.stderr
+    assert "4 runs checked: 4 clean, 0 with warnings, 0 with errors" in verified.stdout

@@ -12,14 +12,20 @@ import pytest
 from agent_kit import Ledger, answer, definition, make_tools, request, timeless, tool_call
 from polyloop import (
     Budget,
+    CorruptLog,
     Injection,
     InvalidRequest,
     Message,
+    ModelCall,
+    ModelReply,
     Replay,
     RunAlreadyExists,
+    RunLocked,
+    RunLog,
     RunNotFound,
     RunStarted,
     StopReason,
+    Usage,
     fork,
     resume,
     run,
@@ -301,3 +307,109 @@ async def test_a_fork_whose_last_inherited_step_ended_the_source_goes_on_after_i
     )
     assert forked.stop_reason is StopReason.FINAL_ANSWER
     assert forked.final_answer == "still 2" and forked.step_count == 3
+
+
+async def test_a_fork_reads_a_source_another_writer_holds_and_writes_nothing_to_it() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    await recorded(store, ledger)
+    before = (await store.read_log("src")).records
+    await store.claim_run("src")  # as a live worker driving the source would
+    forked = await fork(
+        definition(store, script=SCRIPT),
+        request("f", make_tools(ledger)),
+        source_run_id="src",
+        at_step=2,
+    )
+    assert forked.stop_reason is StopReason.SUBMITTED
+    # The claim is still the other writer's, and the source's log is as it was.
+    with pytest.raises(RunLocked):
+        await store.claim_run("src")
+    assert (await store.read_log("src")).records == before
+
+
+async def test_a_fork_s_snapshot_is_its_own_and_its_log_resumes_without_the_source() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    await recorded(store, ledger)
+    injected = Injection(entries={"system": ("Prefer small numbers.",)})
+    forked = await fork(
+        definition(store, model=ScriptedModelClient(SCRIPT, name="other")),
+        request("f", make_tools(ledger), injection=injected),
+        source_run_id="src",
+        at_step=2,
+    )
+    snapshots = [(await store.read_log(run_id)).records[0] for run_id in ("src", "f")]
+    source_snapshot, fork_snapshot = (
+        started.snapshot for started in snapshots if isinstance(started, RunStarted)
+    )
+    differing = {key for key in fork_snapshot if fork_snapshot[key] != source_snapshot.get(key)}
+    assert differing == {"model.name", "injection.sha256"}
+    # In a store that never held the source, the fork's log alone gives back its result.
+    alone = MemoryStore()
+    for record in (await store.read_log("f")).records:
+        await _copy(alone, record)
+    again = await resume(
+        definition(alone, model=ScriptedModelClient(SCRIPT, name="other")),
+        request("f", make_tools(ledger), injection=injected),
+    )
+    assert without_run_id(again.steps) == without_run_id(forked.steps)
+    assert again.stop_reason is StopReason.SUBMITTED and (await alone.read_log("src")).records == ()
+
+
+async def test_a_fork_s_usage_and_token_budget_count_the_inherited_steps() -> None:
+    def reported(call: ModelCall) -> ModelReply:
+        content = SCRIPT[call.call_index]
+        usage = Usage(input_tokens=10, output_tokens=5)
+        return ModelReply(
+            call_id=f"{call.run_id}/{call.call_index}", content=content, reasoning=None, usage=usage
+        )
+
+    store, ledger = MemoryStore(), Ledger()
+    model = ScriptedModelClient(reported)
+    await run(definition(store, model=model), request("src", make_tools(ledger)))
+    budget = Budget(max_steps=20, max_valid_steps=20, max_context_chars=100_000, max_tokens=50)
+    forked = await fork(
+        definition(store, model=model),
+        request("f", make_tools(ledger), budget=budget),
+        source_run_id="src",
+        at_step=3,
+    )
+    # Three inherited steps (45 tokens) and one of its own reach the budget of 50.
+    assert forked.stop_reason is StopReason.TOKEN_LIMIT and forked.step_count == 4
+    assert forked.usage == Usage(input_tokens=40, output_tokens=20)
+
+
+async def test_a_start_record_whose_fork_fields_disagree_is_a_corrupt_log() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    await recorded(store, ledger)
+    await fork(
+        definition(store, script=SCRIPT),
+        request("f", make_tools(ledger)),
+        source_run_id="src",
+        at_step=2,
+    )
+    started = (await store.read_log("f")).records[0]
+    assert isinstance(started, RunStarted) and started.inherited is not None
+    first, second = started.inherited
+    broken = [
+        (
+            "must name its source, its step and its digest",
+            dataclasses.replace(started, inherited_sha256=None),
+        ),
+        (
+            "a fork at step 2 whose start record holds 1 inherited steps",
+            dataclasses.replace(started, inherited=(first,)),
+        ),
+        (
+            "inherited step 0 is step 1 of run 'f'",
+            dataclasses.replace(started, inherited=(second, first)),
+        ),
+        (
+            "inherited step 1 is step 1 of run 'src'",
+            dataclasses.replace(
+                started, inherited=(first, dataclasses.replace(second, run_id="src"))
+            ),
+        ),
+    ]
+    for reason, record in broken:
+        with pytest.raises(CorruptLog, match=re.escape(reason)):
+            read_plan(RunLog(run_id="f", records=(record,)))
