@@ -7,6 +7,7 @@ import dataclasses
 import re
 from typing import Any
 
+import anyio
 import pytest
 
 from agent_kit import Ledger, answer, definition, make_tools, request, timeless, tool_call
@@ -27,8 +28,10 @@ from polyloop import (
     StopReason,
     Usage,
     fork,
+    recover,
     resume,
     run,
+    start_or_resume,
 )
 from polyloop._recovery import read_plan
 from polyloop.serialization import dumps, loads
@@ -413,3 +416,94 @@ async def test_a_start_record_whose_fork_fields_disagree_is_a_corrupt_log() -> N
     for reason, record in broken:
         with pytest.raises(CorruptLog, match=re.escape(reason)):
             read_plan(RunLog(run_id="f", records=(record,)))
+
+
+async def test_a_source_waiting_for_approval_gives_its_completed_steps() -> None:
+    from review_kit import approval_script, review_tools
+
+    store, ledger = MemoryStore(), Ledger()
+    paused = await run(
+        definition(store, script=approval_script()), request("src", review_tools(ledger))
+    )
+    assert paused.stop_reason is StopReason.AWAITING_APPROVAL and paused.step_count == 1
+    with pytest.raises(InvalidRequest, match=r"step 2: run 'src' has 1 completed steps"):
+        await fork(
+            definition(store, script=approval_script()),
+            request("f", review_tools(ledger)),
+            source_run_id="src",
+            at_step=2,
+        )
+    # Forked after step 0 onto tools that ask no approval: the fork deploys on its own.
+    forked = await fork(
+        definition(store, script=approval_script()),
+        request("f", review_tools(ledger, needs_approval=False)),
+        source_run_id="src",
+        at_step=1,
+    )
+    assert forked.stop_reason is StopReason.FINAL_ANSWER
+    assert [name for name, rid in ledger.calls if rid.startswith("f:")] == ["deploy"]
+    assert (
+        await resume(
+            definition(store, script=approval_script()), request("src", review_tools(ledger))
+        )
+    ).stop_reason is StopReason.AWAITING_APPROVAL
+
+
+async def test_start_or_resume_and_recover_continue_a_crashed_fork() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    await recorded(store, ledger)
+    tools = make_tools(ledger, replay=Replay.ALLOWED)
+    for run_id in ("a", "b"):
+        with pytest.raises(SimulatedCrash):
+            await fork(
+                definition(FaultyStore(store, fail_after_writes=3), script=SCRIPT),
+                request(run_id, tools, model_replay=Replay.ALLOWED),
+                source_run_id="src",
+                at_step=2,
+            )
+        await store.release_run(run_id)
+    again = await start_or_resume(
+        definition(store, script=SCRIPT), request("a", tools, model_replay=Replay.ALLOWED)
+    )
+    assert again.resumed and again.stop_reason is StopReason.SUBMITTED
+    recovered = await recover(
+        definition(store, script=SCRIPT),
+        store,
+        lambda run_id: request(run_id, tools, model_replay=Replay.ALLOWED),
+        max_concurrent=2,
+    )
+    assert [(r.run_id, r.result and r.result.stop_reason) for r in recovered] == [
+        ("b", StopReason.SUBMITTED)
+    ]
+    for run_id in ("a", "b"):
+        started = (await store.read_log(run_id)).records[0]
+        assert isinstance(started, RunStarted) and started.forked_from == "src"
+
+
+class StartNeverLands(MemoryStore):
+    """A memory store whose start writes never finish once ``hold`` is set."""
+
+    hold = False
+
+    async def start_run(self, record: RunStarted) -> None:
+        if self.hold:
+            await anyio.sleep_forever()
+        await super().start_run(record)
+
+
+async def test_a_fork_cancelled_before_its_start_record_landed_leaves_nothing() -> None:
+    store, ledger = StartNeverLands(), Ledger()
+    await recorded(store, ledger)
+    store.hold = True
+    with anyio.move_on_after(0.05) as scope:
+        await fork(
+            definition(store, script=SCRIPT),
+            request("f", make_tools(ledger)),
+            source_run_id="src",
+            at_step=2,
+        )
+    assert scope.cancelled_caught
+    assert (await store.read_log("f")).records == ()
+    assert not [rid for _, rid in ledger.calls if rid.startswith("f:")]
+    with pytest.raises(RunNotFound):
+        await resume(definition(store, script=SCRIPT), request("f", make_tools(ledger)))
