@@ -14,6 +14,7 @@ from polyloop import (
     Intent,
     Interpreter,
     ModelReply,
+    Replay,
     Result,
     RunEnded,
     RunLog,
@@ -21,6 +22,8 @@ from polyloop import (
     RunStarted,
     StepRecord,
     Store,
+    ToolRegistry,
+    ToolSpec,
     Usage,
     run,
 )
@@ -29,6 +32,7 @@ from polyloop.testing import (
     JsonActionInterpreter,
     RecordedExecutor,
     RecordedModelClient,
+    ScriptedModelClient,
     without_timing,
 )
 
@@ -136,3 +140,25 @@ class ThreeIsFour:
         }:
             return dataclasses.replace(decision, payload={"name": "double", "arguments": {"n": 4}})
         return decision
+
+
+async def echo_log(actions: int) -> tuple[RunLog, ScriptedModelClient]:
+    """The log of a run that says ``echo(text="hello")`` ``actions`` times, then answers,
+    and the scripted model it was recorded with (its calls hold the messages sent)."""
+
+    async def echo(arguments: dict[str, Any], *, result_id: str) -> str:
+        return str(arguments["text"])
+
+    schema: dict[str, Any] = {"type": "object", "properties": {"text": {"type": "string"}}}
+    spec = ToolSpec(
+        name="echo",
+        description="Say the text back.",
+        parameters=schema,
+        handler=echo,
+        replay=Replay.ALLOWED,
+    )
+    tools = ToolRegistry([spec], max_observation_chars=1000)
+    model = ScriptedModelClient([tool_call("echo", text="hello")] * actions + [answer("done")])
+    store = MemoryStore()
+    await run(definition(store, model=model), request("recorded", tools))
+    return await store.read_log("recorded"), model
