@@ -101,6 +101,7 @@ class _Called:
     """What the recorded run sent to its model at one step, and what came back."""
 
     step: int
+    result_id: str
     messages_sha256: str | None
     payload: JSONValue
 
@@ -111,6 +112,7 @@ class _Acted:
 
     step: int
     payload: JSONValue
+    shown: str  # the payload as canonical JSON, as actions are compared with it
     replay: Replay
     outcome: ActionOutcome | None
 
@@ -194,6 +196,7 @@ class RecordedModelClient:
         self._called = {
             intent.step: _Called(
                 step=intent.step,
+                result_id=intent.result_id,
                 messages_sha256=_recorded_digest(intent),
                 payload=None if result is None else _checked_payload(result, log.run_id),
             )
@@ -237,7 +240,7 @@ class RecordedModelClient:
         payload = called.payload
         if isinstance(payload, dict) and "error" in payload:
             raise _failure(str(payload["error"]))
-        return reply_from(payload, self.recorded_run_id, f"{self.recorded_run_id}:{called.step}")
+        return reply_from(payload, self.recorded_run_id, called.result_id)
 
     def check(self) -> None:
         """Raise the first :class:`ReplayDiverged` this client saw, if any."""
@@ -325,6 +328,7 @@ class RecordedExecutor:
             intent.step: _Acted(
                 step=intent.step,
                 payload=intent.payload,
+                shown=_shown(intent.payload),
                 replay=intent.replay,
                 outcome=None if result is None else _outcome_from(result, log.run_id),
             )
@@ -359,7 +363,7 @@ class RecordedExecutor:
         acted = self._acted.get(step)
         if acted is None:
             return self._refuse(result_id, step, "the recorded run performed no action at it")
-        now, recorded = _shown(action.payload), _shown(acted.payload)
+        now, recorded = _shown(action.payload), acted.shown
         if now != recorded:
             return self._refuse(
                 result_id,
@@ -378,7 +382,7 @@ class RecordedExecutor:
         """
         shown = _shown(action.payload)
         for acted in self._acted.values():
-            if _shown(acted.payload) == shown:
+            if acted.shown == shown:
                 return acted.replay
         return Replay.NEVER
 
