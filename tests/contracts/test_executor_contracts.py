@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 
 from polyloop import Action, ActionExecutor, ActionOutcome, ActionStatus, Reconciled, Replay
-from polyloop.testing import ScriptedEnvironment
+from polyloop.testing import RecordedExecutor, ScriptedEnvironment
 from polyloop.testing.executor_contract import ActionExecutorContract
 from polyloop.tools import EnvironmentFault, ToolRegistry, ToolSpec
 from polyloop.types import JSONValue
+from replay_kit import echo_log
 
 
 def call(name: str, **arguments: JSONValue) -> Action:
@@ -140,3 +143,37 @@ class TestScriptedEnvironment(ActionExecutorContract):
     @pytest.fixture
     def seen_result_ids(self, environment: ScriptedEnvironment) -> object:
         return lambda: environment.executions
+
+
+class TestRecordedExecutor(ActionExecutorContract):
+    """Answering from a recorded run that performed ``GOOD`` at steps 0 to 3; any other
+    action is one it did not perform, and so refuses."""
+
+    @pytest.fixture
+    async def log(self) -> object:
+        log, _ = await echo_log(4)
+        return log
+
+    @pytest.fixture
+    def recorded(self, log: Any) -> RecordedExecutor:
+        return RecordedExecutor.from_log(log)
+
+    @pytest.fixture
+    def executor(self, recorded: RecordedExecutor) -> ActionExecutor:
+        return recorded
+
+    @pytest.fixture
+    def good_action(self) -> Action:
+        return GOOD
+
+    @pytest.fixture
+    def refused_action(self) -> Action:
+        return REFUSED
+
+    @pytest.fixture
+    def slow_executor(self, log: Any) -> ActionExecutor:
+        return RecordedExecutor.from_log(log, delay=60)
+
+    @pytest.fixture
+    def seen_result_ids(self, recorded: RecordedExecutor) -> object:
+        return lambda: recorded.executions

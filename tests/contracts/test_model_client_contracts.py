@@ -23,8 +23,9 @@ import pytest
 from chat_kit import ChatServer, Hold, Mode, Reply
 from polyloop import ModelCall, ModelClient, TextBlock
 from polyloop.adapters.openai import OpenAIModelClient
-from polyloop.testing import ScriptedModelClient
+from polyloop.testing import RecordedModelClient, ScriptedModelClient
 from polyloop.testing.model_client_contract import ModelClientContract
+from replay_kit import echo_log
 
 _STANDIN = str(Path(__file__).resolve().parent.parent / "adapters" / "polygateway_standin")
 if importlib.util.find_spec("polygateway") is None and _STANDIN not in sys.path:
@@ -157,3 +158,40 @@ class TestGatewayModelClient(ModelClientContract):
     @pytest.fixture
     def expected_content(self) -> Any:
         return expected_echo
+
+
+class TestRecordedModelClient(ModelClientContract):
+    """Answering from a recorded run: every call of the suite is the recorded run's first,
+    sent under the suite's own run ids."""
+
+    @pytest.fixture
+    async def recorded(self) -> tuple[Any, ScriptedModelClient]:
+        return await echo_log(1)
+
+    @pytest.fixture
+    def model_client(self, recorded: tuple[Any, ScriptedModelClient]) -> ModelClient:
+        return RecordedModelClient.from_log(recorded[0])
+
+    @pytest.fixture
+    def slow_model_client(self, recorded: tuple[Any, ScriptedModelClient]) -> ModelClient:
+        return RecordedModelClient.from_log(recorded[0], delay=60)
+
+    @pytest.fixture
+    def model_call(self, recorded: tuple[Any, ScriptedModelClient]) -> Any:
+        messages = recorded[1].calls[0].messages
+
+        def make(index: int) -> ModelCall:
+            run_id = f"contract-{index}"
+            return ModelCall(
+                messages=messages,
+                call_index=0,
+                run_id=run_id,
+                result_id=f"{run_id}:0:model",
+                binding={},
+            )
+
+        return make
+
+    @pytest.fixture
+    def expected_content(self) -> Any:
+        return lambda call: '{"tool": "echo", "arguments": {"text": "hello"}}'

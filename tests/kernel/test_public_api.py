@@ -14,6 +14,7 @@ import polyloop
 import polyloop.mcp
 import polyloop.otel
 import polyloop.temporal
+import polyloop.testing
 from polyloop import interpreters, ports, serialization, session, tools, types
 
 # SPEC §12.1: where every public name lives.
@@ -134,6 +135,22 @@ NAMED_MODULES = {
 MCP_NAMES = {"RESULT_ID_META_KEY", "MCPToolError", "ToolOverride", "mcp_tools"}
 # issue 18: spans for OpenTelemetry; imported explicitly, never re-exported at the top.
 OTEL_NAMES = {"OpenTelemetrySink"}
+# Test doubles; imported explicitly, never re-exported at the top.
+TESTING_NAMES = {
+    "FaultyStore",
+    "JsonActionInterpreter",
+    "RecordingSink",
+    "ScriptExhausted",
+    "ScriptedEnvironment",
+    "ScriptedModelClient",
+    "SimulatedCrash",
+    "without_timing",
+    # issue 32, item 3: re-driving a recorded run offline
+    "RecordedExecutor",
+    "RecordedModelClient",
+    "RecordedModelFailure",
+    "ReplayDiverged",
+}
 ERRORS = {
     "PolyLoopError": Exception,
     "InvalidRequest": ValueError,
@@ -162,6 +179,7 @@ ERRORS = {
         polyloop.mcp,
         polyloop.otel,
         polyloop.temporal,
+        polyloop.testing,
     ],
     ids=lambda m: m.__name__,
 )
@@ -217,6 +235,11 @@ def test_the_temporal_module_exports_its_names_and_the_top_level_none_of_them() 
     # their annotations in the module that defines them.
     assert set(polyloop.temporal.__all__) == TEMPORAL_NAMES
     assert TEMPORAL_NAMES.isdisjoint(polyloop.__all__)
+
+
+def test_the_testing_module_exports_its_names_and_the_top_level_none_of_them() -> None:
+    assert set(polyloop.testing.__all__) == TESTING_NAMES
+    assert TESTING_NAMES.isdisjoint(polyloop.__all__)
 
 
 def test_codec_stays_in_serialization() -> None:

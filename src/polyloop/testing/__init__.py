@@ -4,6 +4,11 @@
 * :class:`JsonActionInterpreter`: a minimal JSON interpreter for tests (applications
   name one from :mod:`polyloop.interpreters`).
 * :class:`ScriptedEnvironment`: an action executor that answers from a script, by step.
+* :class:`RecordedModelClient` and :class:`RecordedExecutor`: a model and an executor
+  that answer from a recorded run's log, to re-drive it offline; each raises or reports
+  a :class:`ReplayDiverged` naming the step where the re-driven run asks for something
+  the recorded one did not (:class:`RecordedModelFailure` is a recorded model failure
+  raised again).
 * :class:`FaultyStore`: wraps a store and simulates a crash after the k-th write.
 * :class:`RecordingSink`: an event sink that keeps every event.
 * :func:`without_timing`: a record without its times and durations, to compare runs.
@@ -23,12 +28,22 @@ from polyloop.testing._doubles import (
     ScriptExhausted,
 )
 from polyloop.testing._faults import FaultyStore, SimulatedCrash
+from polyloop.testing._recorded import (
+    RecordedExecutor,
+    RecordedModelClient,
+    RecordedModelFailure,
+    ReplayDiverged,
+)
 from polyloop.testing._timing import without_timing
 
 __all__ = (
     "FaultyStore",
     "JsonActionInterpreter",
+    "RecordedExecutor",
+    "RecordedModelClient",
+    "RecordedModelFailure",
     "RecordingSink",
+    "ReplayDiverged",
     "ScriptExhausted",
     "ScriptedEnvironment",
     "ScriptedModelClient",
