@@ -369,15 +369,18 @@ class OpenTelemetrySink:
     def _take(self, event: Event) -> None:
         record = event.record
         if event.kind is EventKind.RUN_STARTED and isinstance(record, RunStarted):
-            self._open(event.run_id, start_ns=_ns(record.at), resumed=False)
+            self._open(event.run_id, start_ns=_ns(record.at), resumed=False, started=record)
         elif event.kind is EventKind.RUN_RESUMED:
-            self._open(event.run_id, start_ns=time.time_ns(), resumed=True)
+            started = record if isinstance(record, RunStarted) else None
+            self._open(event.run_id, start_ns=time.time_ns(), resumed=True, started=started)
         elif event.kind is EventKind.STEP_FINISHED and isinstance(record, StepRecord):
             self._step(event.run_id, record, event.intent, event.settlement)
         elif event.kind is EventKind.RUN_ENDED and isinstance(record, RunEnded):
             self._end(event.run_id, record)
 
-    def _open(self, run_id: str, *, start_ns: int, resumed: bool) -> None:
+    def _open(
+        self, run_id: str, *, start_ns: int, resumed: bool, started: RunStarted | None
+    ) -> None:
         if run_id in self._attempts:
             # The previous attempt raised instead of ending; this one replaces it.
             self._abandon(run_id, "a later attempt of the run started before this one ended")
@@ -394,13 +397,19 @@ class OpenTelemetrySink:
         attributes.put("gen_ai.conversation.id", run_id)
         attributes.put("polyloop.run.id", run_id)
         attributes.put("polyloop.run.resumed", resumed)
-        links = [Link(run_context, {"polyloop.link": "continues"})] if linked else None
+        links = [Link(run_context, {"polyloop.link": "continues"})] if linked else []
+        if started is not None and started.forked_from is not None:
+            # A fork's spans are its own trace; the link leads to the run it came from.
+            attributes.put("polyloop.run.forked_from", started.forked_from)
+            attributes.put("polyloop.run.forked_at_step", started.forked_at_step)
+            source = _run_span_context(started.forked_from)
+            links.append(Link(source, {"polyloop.link": "forked_from"}))
         span = self._tracer.start_span(
             "invoke_agent",
             context=parent,
             kind=SpanKind.INTERNAL,
             attributes=attributes.values,
-            links=links,
+            links=links or None,
             start_time=start_ns,
         )
         self._attempts[run_id] = _Attempt(

@@ -65,6 +65,7 @@ from polyloop import (
     ToolRegistry,
     ToolSpec,
     Usage,
+    fork,
     resume,
     run,
     run_trace_id,
@@ -202,6 +203,30 @@ async def test_a_run_is_one_agent_span_with_a_chat_and_a_tool_span_per_step(
     assert double["polyloop.action.result_id"] == ledger.calls[0][1]
     assert "gen_ai.tool.call.id" not in double  # not a native call
     assert tools_run[0].status.status_code is StatusCode.UNSET
+
+
+async def test_a_fork_s_run_span_names_its_source_and_links_to_its_trace(
+    traced: Traced,
+) -> None:
+    script = [reply(tool_call("double", n=1), 0), reply(tool_call("submit", answer="2"), 1)]
+    store, ledger = MemoryStore(), Ledger()
+    await run(definition(store, script=script), request("src", make_tools(ledger)))
+    result = await fork(
+        definition(store, script=script, events=traced.sink),
+        request("f", make_tools(ledger)),
+        source_run_id="src",
+        at_step=1,
+    )
+    assert result.stop_reason is StopReason.SUBMITTED
+    (agent,) = traced.named("invoke_agent")
+    assert attrs(agent)["polyloop.run.forked_from"] == "src"
+    assert attrs(agent)["polyloop.run.forked_at_step"] == 1
+    assert agent.context.trace_id == run_ids("f")[0]
+    [link] = agent.links
+    assert (link.context.trace_id, link.context.span_id) == run_ids("src")
+    assert dict(link.attributes or {}) == {"polyloop.link": "forked_from"}
+    # Only the fork's own step has spans: the inherited one ran in the source.
+    assert [attrs(span)["polyloop.step"] for span in traced.named("chat")] == [1]
 
 
 async def test_span_times_are_the_calls_and_nest(traced: Traced) -> None:
