@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any
 
-from agent_kit import Ledger, definition, make_tools, request, tool_call
+from agent_kit import Ledger, definition, make_tools, request, timeless, tool_call
 from polyloop import fork, run
 
 SCRIPT = [
@@ -26,3 +28,18 @@ async def write_forks(store: Any, ledger: Ledger | None = None) -> None:
             source_run_id="src",
             at_step=at_step,
         )
+
+
+def without_run_id(steps: Any) -> list[Any]:
+    """Steps without timing, and without the run id where the scripted model and the
+    test tool put it (the reply's call id, the observation), so two runs compare."""
+
+    def plain(step: Any) -> Any:
+        return dataclasses.replace(
+            step,
+            run_id="",
+            call_id=re.sub(r"^\w+/", "R/", step.call_id or ""),
+            observation=re.sub(r"\(\w+:(\d+):action\)", r"(R:\1:action)", step.observation or ""),
+        )
+
+    return [plain(step) for step in timeless(steps)]
