@@ -16,12 +16,13 @@ import anyio
 import pytest
 
 from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
-from fork_kit import write_forks
-from polyloop import StepRecord, run
+from fork_kit import SCRIPT, write_forks
+from polyloop import Replay, StepRecord, fork, resume, run
 from polyloop.cli import main
 from polyloop.session._forking import inherited_digest
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.stores._common import safe_name
+from polyloop.testing import FaultyStore, SimulatedCrash
 
 BACKENDS = ["asyncio", "trio"]
 
@@ -135,6 +136,47 @@ def test_show_html_marks_the_inherited_steps(forked: str, tmp_path: Path) -> Non
     assert '<section class="step inherited" id="step-1">' in html
     assert '<section class="step" id="step-2">' in html
     assert html.count('<span class="tag">inherited</span>') == 2
+
+
+def test_a_fork_of_a_resumed_run_was_not_resumed_itself(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "runs"
+
+    async def write() -> None:
+        async with JsonlStore(directory) as store:
+            ledger = Ledger()
+            tools = make_tools(ledger, replay=Replay.ALLOWED)
+            with pytest.raises(SimulatedCrash):  # after step 0, within step 1
+                await run(
+                    definition(FaultyStore(store, fail_after_writes=7), script=SCRIPT),
+                    request("src", tools, model_replay=Replay.ALLOWED),
+                )
+            await store.release_run("src")
+            await resume(
+                definition(store, script=SCRIPT),
+                request("src", tools, model_replay=Replay.ALLOWED),
+            )
+            await fork(
+                definition(store, script=SCRIPT),
+                request("f", tools),
+                source_run_id="src",
+                at_step=3,
+            )
+
+    anyio.run(write)
+    spec = f"jsonl:{directory}"
+    assert main(["show", spec, "src", "--json"]) == 0
+    source = json.loads(capsys.readouterr().out)
+    assert source["resumed_after_steps"] == [0]
+    assert main(["show", spec, "f", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["resumed_after_steps"] == []
+    assert [entry["resumed"] for entry in document["timeline"]] == [
+        entry["resumed"] for entry in source["timeline"][:3]
+    ] + [False]
+    assert main(["show", spec, "f"]) == 0
+    assert "resumed after" not in text_of(capsys)
 
 
 # -- verify ------------------------------------------------------------------------------------
