@@ -251,6 +251,7 @@ def test_json_of_an_old_log_has_nulls(
     assert shown["timeline"] == [
         {
             "step": 0,
+            "inherited": False,
             "at": None,
             "duration_s": 1.5,
             "model_duration_s": None,
@@ -263,6 +264,7 @@ def test_json_of_an_old_log_has_nulls(
         }
     ]
     assert shown["reconciled_steps"] == [] and shown["pending_settlement"] is None
+    assert shown["forked_from"] is None and shown["forked_at_step"] is None
 
 
 # -- a step the tool's own probe settled ---------------------------------------------------------

@@ -12,16 +12,27 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
+from fork_kit import write_forks
 from polyloop import run_trace_id
 from polyloop.cli import main
+from polyloop.stores import JsonlStore
 from show_kit import UTC_TIME, show, write_stores
 
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return write_stores(tmp_path_factory.mktemp("show"))
+    written = write_stores(tmp_path_factory.mktemp("show"))
+    forks = tmp_path_factory.mktemp("forks") / "runs"
+
+    async def write() -> None:
+        async with JsonlStore(forks) as store:
+            await write_forks(store)
+
+    anyio.run(write)
+    return {**written, "f": f"jsonl:{forks}"}
 
 
 def chromium() -> str:
@@ -133,3 +144,15 @@ def test_html_of_a_pending_probe_settlement_in_a_browser(rendered: Any) -> None:
     settled = "settled by the probe of tool 'pay' (it ran)"
     assert f"meaning resumable: the open action was {settled}; resume goes on" in text
     assert "IN DOUBT" not in text and 'id="in-doubt"' not in dom
+
+
+def test_html_of_a_fork_in_a_browser_names_its_source_and_marks_inherited_steps(
+    rendered: Any,
+) -> None:
+    text, dom = rendered("f")
+    assert "forked from run 'src' at step 2 (steps 0 to 1 inherited" in text
+    assert "step 0 · action · executed inherited decision" in text
+    assert "step 1 · action · executed inherited decision" in text
+    assert "step 2 · action · executed decision" in text
+    assert text.count("from run 'src', where it ran; not run again in this run") == 2
+    assert dom.count('class="step inherited"') == 2

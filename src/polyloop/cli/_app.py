@@ -383,6 +383,11 @@ async def _verify_command(args: argparse.Namespace, out: Console) -> int:
 
 
 def _print_check(check: _verify.RunCheck, out: Console) -> None:
+    for note in check.notes:
+        line = Text()
+        line.append("note     ", style="cyan")
+        line.append(f"{escape_field(check.name)}: {escape_field(note)}")
+        out.print(line, soft_wrap=True)
     if not check.findings:
         line = Text()
         line.append("ok       ", style="green")

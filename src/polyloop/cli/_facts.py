@@ -100,13 +100,17 @@ def edited_text(by: str, proposed: str | None) -> str:
     return f"by {by} before it ran; the model proposed {proposed or UNKNOWN}"
 
 
-def step_json(step: StepRecord, settlement: Settlement | None = None) -> dict[str, JSONValue]:
-    """The step's timing and token facts under fixed keys, ``null`` where not known, and
-    who settled its action if it was in doubt (``settlement``: that record in the log)."""
+def step_json(
+    step: StepRecord, settlement: Settlement | None = None, *, inherited: bool = False
+) -> dict[str, JSONValue]:
+    """The step's timing and token facts under fixed keys, ``null`` where not known, who
+    settled its action if it was in doubt (``settlement``: that record in the log), and
+    whether a fork took it over from its source (``inherited``) rather than ran it."""
     usage = step.usage
     settled = settlement if step.settled_by is not None else None
     return {
         "step": step.step,
+        "inherited": inherited,
         "at": utc_iso(step.at),
         "duration_s": step_duration_s(step),
         "model_duration_s": step.model_duration_s,
@@ -162,7 +166,8 @@ def resumed_after(view: RunView) -> list[int]:
     """
     points = []
     previous = False
-    for step in view.steps:
+    # A fork's inherited steps were written by its source's processes, not by its own.
+    for step in view.steps[len(view.inherited) :]:
         if step.resumed and not previous:
             points.append(step.step - 1)
         previous = bool(step.resumed)
@@ -185,6 +190,8 @@ def run_facts(view: RunView) -> list[tuple[str, str]]:
     """When the run started and last wrote, its wall time, tokens, resumes and the
     OpenTelemetry trace id its spans are under when it is traced."""
     facts = [("started", utc_text(started_at(view)))]
+    if (forked := fork_text(view)) is not None:
+        facts.append(("forked from", forked))
     ended = isinstance(view.log.records[-1], RunEnded)
     facts.append(("ended" if ended else "last record", utc_text(last_at(view))))
     facts.append(("wall time", seconds_text(wall_time_s(view))))
@@ -195,6 +202,40 @@ def run_facts(view: RunView) -> list[tuple[str, str]]:
     # Where OpenTelemetry puts the run, whether or not it was traced: the id is derived.
     facts.append(("trace id", run_trace_id(view.run_id)))
     return facts
+
+
+def fork_text(view: RunView) -> str | None:
+    """Where a fork came from and what it took over, in words; ``None`` for any other run."""
+    started = view.started
+    if started is None or started.forked_from is None:
+        return None
+    at_step = started.forked_at_step
+    taken = (
+        "nothing inherited"
+        if not at_step
+        else f"steps 0 to {at_step - 1} inherited: copies of its steps, not run again here"
+    )
+    return (
+        f"run {started.forked_from!r} at step {at_step} ({taken}; "
+        f"inherited sha256 {started.inherited_sha256})"
+    )
+
+
+def step_inherited_text(view: RunView, step: StepRecord) -> str | None:
+    """For a step a fork took over: where it ran; ``None`` for a step of the run's own."""
+    if not view.is_inherited(step):
+        return None
+    return f"from run {view.forked_from!r}, where it ran; not run again in this run"
+
+
+def fork_json(view: RunView) -> dict[str, JSONValue]:
+    """Where a fork came from, under fixed keys (``null`` for any other run)."""
+    started = view.started
+    return {
+        "forked_from": started.forked_from if started is not None else None,
+        "forked_at_step": started.forked_at_step if started is not None else None,
+        "inherited_sha256": started.inherited_sha256 if started is not None else None,
+    }
 
 
 def show_json(view: RunView) -> dict[str, JSONValue]:
@@ -219,9 +260,13 @@ def run_json(view: RunView) -> dict[str, JSONValue]:
         "tokens_unreported_steps": unreported,
         "resumed_after_steps": resumes,
         "trace_id": run_trace_id(view.run_id),
+        **fork_json(view),
         "reconciled_steps": [*view.status.reconciled_steps],
         "pending_settlement": _pending_json(view),
-        "timeline": [step_json(step, settlements.get(step.step)) for step in view.steps],
+        "timeline": [
+            step_json(step, settlements.get(step.step), inherited=view.is_inherited(step))
+            for step in view.steps
+        ],
     }
 
 

@@ -18,6 +18,7 @@ from polyloop.cli._facts import (
     run_tokens_text,
     state_text,
     step_facts,
+    step_inherited_text,
 )
 from polyloop.cli._render import status_of
 from polyloop.cli._view import RunView, reply_facts, review_facts
@@ -61,7 +62,10 @@ def page(view: RunView) -> str:
         body.append(_doubt(doubt))  # first, before anything that could read as a success
     body.append(_summary(view))
     reviews = view.reviews()
-    body.extend(_step(step, reviews.get(step.step, [])) for step in view.steps)
+    body.extend(
+        _step(step, reviews.get(step.step, []), step_inherited_text(view, step))
+        for step in view.steps
+    )
     body.append(_end(view))
     body.append(_snapshot(view))
     document = (
@@ -99,11 +103,13 @@ def _summary(view: RunView) -> str:
     return f'<section id="summary">\n{_dl(rows)}\n</section>'
 
 
-def _step(step: StepRecord, reviews: list[Review]) -> str:
+def _step(step: StepRecord, reviews: list[Review], inherited: str | None) -> str:
     status, style = status_of(step)
     heading = (
         f"step {step.step} · {escape(step.decision.value)} · {_span(status, _STYLE_CLASSES[style])}"
     )
+    if inherited is not None:
+        heading += ' <span class="tag">inherited</span>'
     if step.resumed:
         heading += ' <span class="tag">resumed</span>'
     rows = [("decision", escape(step.decision.value))]
@@ -126,10 +132,14 @@ def _step(step: StepRecord, reviews: list[Review]) -> str:
     # The same words as the terminal's: who approved, rejected or settled, when, and
     # for a settlement whether the action ran.
     rows.extend((label, escape(text)) for label, text in review_facts(reviews))
+    if inherited is not None:
+        rows.append(("inherited", escape(inherited)))
     if step.call_id is not None:
         rows.append(("call id", escape(step.call_id)))
+    css_class = "step inherited" if inherited is not None else "step"
     return (
-        f'<section class="step" id="step-{step.step}">\n<h2>{heading}</h2>\n{_dl(rows)}\n</section>'
+        f'<section class="{css_class}" id="step-{step.step}">\n'
+        f"<h2>{heading}</h2>\n{_dl(rows)}\n</section>"
     )
 
 

@@ -18,6 +18,7 @@ from polyloop.cli._facts import (
     run_tokens_text,
     state_text,
     step_facts,
+    step_inherited_text,
 )
 from polyloop.cli._view import RunSummary, RunView, reply_facts, review_facts
 from polyloop.types import ActionStatus, DecisionKind, StepRecord
@@ -125,8 +126,14 @@ def trajectory(view: RunView) -> RenderableType:
     parts.append(_fields([("state", state_text(view)), *run_facts(view)]))
     reviews = view.reviews()
     for step in view.steps:
-        parts.append(Rule(_step_title(step), align="left", style="dim"))
-        parts.append(_fields(_step_fields(step) + review_facts(reviews.get(step.step, []))))
+        inherited = step_inherited_text(view, step)
+        parts.append(
+            Rule(_step_title(step, inherited=inherited is not None), align="left", style="dim")
+        )
+        fields = _step_fields(step) + review_facts(reviews.get(step.step, []))
+        if inherited is not None:
+            fields.append(("inherited", inherited))
+        parts.append(_fields(fields))
     parts.append(Rule(Text("end", style="bold"), align="left", style="dim"))
     parts.append(_fields(_end_fields(view)))
     return Group(*parts)
@@ -150,12 +157,14 @@ def _doubt_banner(doubt: Doubt) -> list[RenderableType]:
     return [banner, _fields(doubt.fields()), Rule(style="red")]
 
 
-def _step_title(step: StepRecord) -> Text:
+def _step_title(step: StepRecord, *, inherited: bool = False) -> Text:
     status, style = status_of(step)
     title = Text()
     title.append(f"step {step.step}", style="bold")
     title.append(f" · {step.decision.value} · ")
     title.append(status, style=style)
+    if inherited:
+        title.append(" · inherited", style="blue")
     if step.resumed:
         title.append(" · resumed", style="cyan")
     return title

@@ -9,6 +9,11 @@ Two levels of finding:
   another major of the format, or records that cannot follow each other (the check
   ``resume`` itself makes before trusting a log).
 
+A fork (:func:`polyloop.fork`) is checked for what it claims to have taken over: as many
+inherited steps as its step, copies whose digest is the one it recorded, and, when its
+source is still in the same store, a digest equal to that of the source's first steps.
+A source no longer in the store is not an error: the fork stands alone; a note says so.
+
 JSONL files are read raw, line by line, so that every bad line is named (up to a limit
 per file). The database stores are read through the store, which stops at a run's first
 bad row; the order check runs on every log that reads back.
@@ -16,6 +21,7 @@ bad row; the order check runs on every log that reads back.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterable
@@ -29,10 +35,18 @@ from polyloop.cli._common import CliError
 from polyloop.cli._stores import StoreSpec
 from polyloop.ports import ManagedStore
 from polyloop.session import run_status
+from polyloop.session._forking import inherited_digest
 from polyloop.stores._common import safe_name
 from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._jsonl.reader import COMMON_FLAGS, SUFFIX, decode_line, extent, lines
-from polyloop.types import CorruptLog, PolyLoopError, Record, SchemaMajorMismatch
+from polyloop.types import (
+    CorruptLog,
+    PolyLoopError,
+    Record,
+    RunStarted,
+    SchemaMajorMismatch,
+    StepRecord,
+)
 
 Level = Literal["warning", "error"]
 
@@ -58,6 +72,7 @@ class RunCheck:
     run_id: str | None = None  # once a record named it
     file: str | None = None  # a JSONL file's path, as the user can open it
     line_of: list[int] = field(default_factory=list)  # each record's line in that file
+    notes: list[str] = field(default_factory=list)  # facts worth a line, not problems
 
     def add(self, level: Level, location: str, message: str) -> None:
         self.findings.append(Finding(level, location, message))
@@ -81,6 +96,8 @@ async def verify(store: ManagedStore, spec: StoreSpec, run_id: str | None) -> li
         if run_id is not None and checks[0].records == 0 and not checks[0].findings:
             raise CliError(f"unknown run id {run_id!r} in {spec.shown}")
     for check in checks:
+        if check.run_id is not None and check.records and not check.errors:
+            await _check_fork(store, check)
         if check.run_id is not None and check.records and not check.errors:
             await _check_order(store, check)
     return checks
@@ -202,6 +219,86 @@ async def _check_order(store: ManagedStore, check: RunCheck) -> None:
         if check.file is not None and match is not None:
             location = f"{check.file}:{check.line_of[int(match.group(1))]} ({location})"
         check.add("error", location, f"records out of order: {exc.reason}")
+
+
+async def _check_fork(store: ManagedStore, check: RunCheck) -> None:
+    """A fork's start record against what it claims: its step, its digest, its source."""
+    assert check.run_id is not None
+    started = (await store.read_log(check.run_id)).records[0]
+    if not isinstance(started, RunStarted) or started.forked_from is None:
+        return
+    source, at_step = started.forked_from, started.forked_at_step
+    where = _start_location(check)
+    inherited = started.inherited_steps
+    if at_step != len(inherited):
+        check.add(
+            "error",
+            where,
+            f"a fork of run {source!r} at step {at_step} whose start record holds "
+            f"{len(inherited)} inherited steps",
+        )
+        return
+    # The copies differ from the source's steps only by their run id: put it back and
+    # they must hash to the recorded digest, whether or not the source is still here.
+    as_read = tuple(dataclasses.replace(step, run_id=source) for step in inherited)
+    if inherited_digest(as_read) != started.inherited_sha256:
+        check.add(
+            "error",
+            where,
+            f"the inherited steps of this fork of run {source!r} do not hash to the "
+            f"inherited_sha256 its start record holds",
+        )
+        return
+    await _check_source(store, check, started, where)
+
+
+async def _check_source(
+    store: ManagedStore, check: RunCheck, started: RunStarted, where: str
+) -> None:
+    """The digest a fork recorded against its source's first steps, if the source is here."""
+    source, at_step = started.forked_from, started.forked_at_step or 0
+    assert source is not None
+    try:
+        steps = await _completed_steps(store, source)
+    except (CorruptLog, SchemaMajorMismatch):
+        check.notes.append(
+            f"forked from run {source!r}, whose log cannot be read: the digest of the "
+            f"inherited steps was checked against the copies only"
+        )
+        return
+    if steps is None:
+        check.notes.append(
+            f"forked from run {source!r} at step {at_step}; that run is not in this store "
+            f"(the fork stands alone), so only the copies were checked against the digest"
+        )
+        return
+    if len(steps) < at_step or inherited_digest(steps[:at_step]) != started.inherited_sha256:
+        check.add(
+            "error",
+            where,
+            f"forked from run {source!r} at step {at_step}, but the inherited_sha256 of run "
+            f"{check.run_id!r} is not the digest of run {source!r}'s first {at_step} steps",
+        )
+
+
+async def _completed_steps(store: ManagedStore, run_id: str) -> tuple[StepRecord, ...] | None:
+    """The completed steps of ``run_id`` as a fork reads them (its own inherited steps,
+    then its step records); ``None`` if it has no log."""
+    log = await store.read_log(run_id)
+    if not log.records:
+        return None
+    await run_status(store, run_id)  # a log whose records cannot follow each other raises
+    first = log.records[0]
+    inherited = first.inherited_steps if isinstance(first, RunStarted) else ()
+    own = (record for record in log.records if isinstance(record, StepRecord))
+    return (*inherited, *own)
+
+
+def _start_location(check: RunCheck) -> str:
+    """Where the start record is: its JSONL line, or its index in the log."""
+    if check.file is not None and check.line_of:
+        return f"{check.file}:{check.line_of[0]} (record 0)"
+    return "record 0"
 
 
 def _reason(exc: PolyLoopError) -> str:

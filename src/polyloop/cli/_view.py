@@ -96,13 +96,35 @@ class RunView:
         return len(self.log.records)
 
     @property
+    def started(self) -> RunStarted | None:
+        first = self.log.records[0]
+        return first if isinstance(first, RunStarted) else None
+
+    @property
+    def inherited(self) -> tuple[StepRecord, ...]:
+        """The steps a fork took over from its source (held in its start record); empty
+        for any other run."""
+        started = self.started
+        return started.inherited_steps if started is not None else ()
+
+    @property
+    def forked_from(self) -> str | None:
+        started = self.started
+        return started.forked_from if started is not None else None
+
+    @property
     def steps(self) -> tuple[StepRecord, ...]:
-        return tuple(record for record in self.log.records if isinstance(record, StepRecord))
+        """Every step of the run, a fork's inherited ones first."""
+        own = (record for record in self.log.records if isinstance(record, StepRecord))
+        return (*self.inherited, *own)
+
+    def is_inherited(self, step: StepRecord) -> bool:
+        return step.step < len(self.inherited)
 
     def reviews(self) -> dict[int, list[Review]]:
         """The proposals, verdicts and settlements of the log, by the step they belong to."""
         by_step: dict[int, list[Review]] = {}
-        step = 0
+        step = len(self.inherited)  # a fork's own steps start after its inherited ones
         for record in self.log.records:
             if isinstance(record, StepRecord):
                 step = record.step + 1
@@ -150,8 +172,8 @@ class RunView:
 
     @property
     def snapshot(self) -> dict[str, JSONValue]:
-        first = self.log.records[0]
-        return dict(first.snapshot) if isinstance(first, RunStarted) else {}
+        started = self.started
+        return dict(started.snapshot) if started is not None else {}
 
     def interruption(self) -> str | None:
         """Where an unfinished run stopped, in words; ``None`` if it has an end record."""
