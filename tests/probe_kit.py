@@ -31,7 +31,8 @@ class Payments:
 
     ``entered`` holds the key of every call of the handler; ``attempt`` numbers the
     process now driving the run; ``probed`` holds the attempt and key of every question
-    the probe was asked.
+    the probe was asked. ``reachable=False`` stands for a request lost before it reached
+    the processor: the handler returns, but nothing is paid.
     """
 
     payments: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -40,6 +41,7 @@ class Payments:
     probed: list[tuple[int, str]] = dataclasses.field(default_factory=list)
     attempt: int = 0
     before_paying: Callable[[], None] | None = None
+    reachable: bool = True
 
     def paid(self) -> list[str]:
         """The keys paid under, in the order they were paid."""
@@ -54,7 +56,8 @@ class Payments:
         if result_id in self.tombstones:
             raise KeyVoided(f"payment key {result_id} was voided")
         assert result_id not in self.payments, f"a second payment under {result_id}"
-        self.payments[result_id] = arguments["n"]
+        if self.reachable:
+            self.payments[result_id] = arguments["n"]
         return f"paid {arguments['n']}"
 
     async def finds(self, arguments: dict[str, Any], *, result_id: str) -> Reconciled | None:

@@ -16,8 +16,6 @@ import anyio.lowlevel
 import pytest
 
 from agent_kit import (
-    ANSWER_SCHEMA,
-    NUMBER_SCHEMA,
     Ledger,
     close_store,
     crash_and_resume,
@@ -29,10 +27,7 @@ from agent_kit import (
 )
 from polyloop import (
     ModelReply,
-    Reconciled,
     Replay,
-    ToolRegistry,
-    ToolSpec,
     Usage,
     run,
     start_or_resume,
@@ -40,6 +35,7 @@ from polyloop import (
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.stores._common import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
+from probe_kit import Payments, tools
 from review_kit import payment_script
 
 FIXTURES = Path(__file__).parent / "fixtures" / "records" / "v1"
@@ -96,70 +92,6 @@ async def _write_held(directory: Path) -> None:
     await close_store(resumed)
 
 
-class Payments:
-    """An outside payment ledger keyed by result id, with the ``pay`` tool's probe over it.
-
-    ``reachable=False`` stands for a request lost before it reached the processor: the
-    handler returns, but nothing is paid. The probe then voids the key, so a late
-    attempt under it would fail, and says the payment did not run.
-    """
-
-    def __init__(self, *, reachable: bool = True) -> None:
-        self.reachable = reachable
-        self.paid: list[str] = []
-        self.voided: list[str] = []
-
-    async def pay(self, arguments: dict[str, Any], *, result_id: str) -> str:
-        await anyio.lowlevel.checkpoint()
-        if self.reachable:
-            self.paid.append(result_id)
-        return f"paid {arguments['n']}"
-
-    async def probe(self, arguments: dict[str, Any], *, result_id: str) -> Reconciled:
-        await anyio.lowlevel.checkpoint()
-        if result_id in self.paid:
-            return Reconciled(ran=True, observation=f"paid {arguments['n']} (found by the probe)")
-        self.voided.append(result_id)
-        return Reconciled(ran=False, observation="the payment never reached the processor")
-
-    def tools(self) -> ToolRegistry:
-        """``double``, ``pay`` (never replayed, with its probe) and ``submit``."""
-
-        async def double(arguments: dict[str, Any], *, result_id: str) -> str:
-            return str(arguments["n"] * 2)
-
-        async def submit(arguments: dict[str, Any], *, result_id: str) -> str:
-            return f"accepted {arguments['answer']}"
-
-        return ToolRegistry(
-            [
-                ToolSpec(
-                    name="double",
-                    description="Double a number.",
-                    parameters=NUMBER_SCHEMA,
-                    handler=double,
-                    replay=Replay.ALLOWED,
-                ),
-                ToolSpec(
-                    name="pay",
-                    description="Pay an amount.",
-                    parameters=NUMBER_SCHEMA,
-                    handler=self.pay,
-                    reconcile=self.probe,
-                ),
-                ToolSpec(
-                    name="submit",
-                    description="Submit the answer.",
-                    parameters=ANSWER_SCHEMA,
-                    handler=submit,
-                    replay=Replay.ALLOWED,
-                    completes=True,
-                ),
-            ],
-            max_observation_chars=10_000,
-        )
-
-
 # Write 8 is the action intent of step 1, the payment: a crash right after leaves it open.
 _PAY_INTENT = 8
 
@@ -168,14 +100,14 @@ async def _crash_at_payment(store: Any, run_id: str, payments: Payments) -> None
     with pytest.raises(SimulatedCrash):
         await run(
             definition(FaultyStore(store, fail_after_writes=_PAY_INTENT), script=payment_script()),
-            request(run_id, payments.tools(), model_replay=Replay.ALLOWED),
+            request(run_id, tools(payments), model_replay=Replay.ALLOWED),
         )
 
 
 async def _resume_payment(store: Any, run_id: str, payments: Payments) -> None:
     await start_or_resume(
         definition(store, script=payment_script()),
-        request(run_id, payments.tools(), model_replay=Replay.ALLOWED),
+        request(run_id, tools(payments), model_replay=Replay.ALLOWED),
     )
 
 
@@ -193,7 +125,7 @@ async def _write_probed(directory: Path) -> None:
         # The resume's first write is the settlement: it lands, and the process dies.
         with pytest.raises(SimulatedCrash):
             await _resume_payment(FaultyStore(store, fail_after_writes=1), "pending", payments)
-        assert payments.paid == ["pending:1:action"]
+        assert payments.paid() == ["pending:1:action"]
 
 
 def _write_old_log(directory: Path) -> None:

@@ -10,7 +10,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agent_kit import Ledger, answer, definition, make_tools, request, timeless, tool_call
+from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from fork_kit import without_run_id
 from polyloop import (
     Budget,
     CorruptLog,
@@ -48,21 +49,6 @@ SCRIPT = [
     tool_call("double", n=4),
     tool_call("submit", answer="8"),
 ]
-
-
-def without_run_id(steps: Any) -> list[Any]:
-    """Steps without timing, and without the run id where the scripted model and the
-    test tool put it (the reply's call id, the observation), so two runs compare."""
-
-    def plain(step: Any) -> Any:
-        return dataclasses.replace(
-            step,
-            run_id="",
-            call_id=re.sub(r"^\w+/", "R/", step.call_id or ""),
-            observation=re.sub(r"\(\w+:(\d+):action\)", r"(R:\1:action)", step.observation or ""),
-        )
-
-    return [plain(step) for step in timeless(steps)]
 
 
 async def recorded(store: MemoryStore, ledger: Ledger, script: list[str] = SCRIPT) -> Any:

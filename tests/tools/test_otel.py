@@ -76,8 +76,8 @@ from polyloop.stores import MemoryStore, SqliteStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from polyloop.testing.event_sink_contract import EventSinkContract
 from polyloop.testing.store_contract import sample_run
+from probe_kit import Payments, tools
 from review_kit import payment_script
-from show_kit import Payments
 
 pytestmark = pytest.mark.anyio
 
@@ -1093,7 +1093,7 @@ async def _pay_attempt(
     """One attempt at the payment run "r": a first run, or a resume if the log has one."""
     go = (
         definition(store, script=payment_script(), events=events),
-        request("r", payments.tools(), model_replay=Replay.ALLOWED),
+        request("r", tools(payments), model_replay=Replay.ALLOWED),
     )
     started = bool((await store.read_log("r")).records)
     if crashes:
@@ -1149,7 +1149,7 @@ async def test_a_person_s_settlement_is_the_same_event_without_a_probe(traced: T
     )
     await settle(store, "r", by="carol", ran=False, observation="declined")
     await _pay_attempt(store, ledger_only, traced.sink)
-    assert ledger_only.voided == []  # the person's answer stood: the probe was not asked
+    assert ledger_only.tombstones == set()  # the person's answer stood: the probe was not asked
     ((span, event),) = settled_events(traced.spans())
     assert span.name == "execute_tool pay"
     assert event == {
@@ -1174,4 +1174,4 @@ async def test_a_rebuilt_settled_step_carries_the_event_too(traced: Traced) -> N
     assert span.name == "execute_tool pay" and attrs(span)["polyloop.rebuilt"] is True
     assert event["polyloop.settled_by"] == "reconcile:pay" and event["polyloop.settled.ran"]
     assert event["polyloop.probe.duration_s"] > 0
-    assert len(payments.paid) == 1
+    assert len(payments.paid()) == 1
