@@ -5,6 +5,9 @@ gives, the live updates, and every safety rule."""
 from __future__ import annotations
 
 import re
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from html import unescape
 from pathlib import Path
@@ -33,6 +36,7 @@ from polyloop.cli._console._guard import Access
 from polyloop.cli._stores import parse_store
 from polyloop.cli._view import read_view
 from polyloop.ports import ManagedStore
+from polyloop.stores import SqliteStore
 from polyloop.types import Proposal, Settlement, StepRecord, Verdict
 from review_kit import approval_script, payment_script, reviews
 
@@ -608,3 +612,45 @@ def test_serve_never_creates_a_store(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["serve", f"sqlite:{tmp_path / 'absent.db'}", "--port", "0"]) == 1
     assert "no SQLite store" in capsys.readouterr().err
     assert not (tmp_path / "absent.db").exists()
+
+
+async def _filled(path: Path) -> None:
+    async with SqliteStore(path) as opened:
+        await fill(opened)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_serve_prints_the_address_serves_and_stops_on_ctrl_c(tmp_path: Path, backend: str) -> None:
+    anyio.run(_filled, tmp_path / "runs.db")
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "polyloop",
+            "--backend",
+            backend,
+            "serve",
+            f"sqlite:{tmp_path / 'runs.db'}",
+            "--port",
+            "0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        said = [server.stdout.readline() for _ in range(2)]
+        assert said[0].startswith("console for sqlite:")
+        url = said[1].removeprefix("open ").strip()
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+/", url)
+        page = httpx.get(url, timeout=10)
+        assert page.status_code == 200 and "paused" in page.text
+        run_page = httpx.get(url + "runs/paused", timeout=10)
+        assert "Waits for approval" in run_page.text
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=20)
+    assert server.returncode == 130, err
+    assert err.strip() == "polyloop: interrupted"

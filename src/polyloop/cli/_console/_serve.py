@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
+import anyio
 from hypercorn.config import Config
 from starlette.applications import Starlette
 
@@ -48,11 +49,16 @@ async def serve(app: Starlette, listener: Listener, backend: str) -> None:
     config.loglevel = "WARNING"  # the command prints the address itself
     config.accesslog = None
     config.graceful_timeout = 1.0  # live pages hold streams open: do not wait on them
+    # A trigger that never fires keeps Hypercorn from taking over the signals: Ctrl-C
+    # ends the command as it ends every other one (status 130).
+    never = anyio.Event().wait
     if backend == "trio":
         from hypercorn.trio import serve as trio_serve
 
-        await trio_serve(app, config)  # type: ignore[arg-type]
-    else:
-        from hypercorn.asyncio import serve as asyncio_serve
+        await trio_serve(app, config, shutdown_trigger=never)  # type: ignore[arg-type]
+        # Under Trio, Hypercorn ends quietly on Ctrl-C, the only way it ends here:
+        # the command reports it as an interruption, as under asyncio.
+        raise KeyboardInterrupt
+    from hypercorn.asyncio import serve as asyncio_serve
 
-        await asyncio_serve(app, config)  # type: ignore[arg-type]
+    await asyncio_serve(app, config, shutdown_trigger=never)  # type: ignore[arg-type]
