@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _approve_parser(commands)
     _reject_parser(commands)
     _settle_parser(commands)
+    _serve_parser(commands)
     return parser
 
 
@@ -558,6 +560,154 @@ async def _answer(args: argparse.Namespace, given: _people.Answer, out: Console)
     spec = _store_of(args)
     await anyio.to_thread.run_sync(require_existing, spec)
     return await _people.answer(spec, args.run_id, given, out)
+
+
+# -- the web console ----------------------------------------------------------------------
+
+REFUSED_EXIT_STATUS = 2
+DEFAULT_PORT = 8765
+_HEADER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")
+
+
+def _serve_parser(commands: _Commands) -> None:
+    sub = _add(
+        commands,
+        "serve",
+        _serve_command,
+        "Serve a web console over a store: every run live, and approve, reject and settle "
+        "in the browser. Listens on 127.0.0.1 unless told otherwise; any other address "
+        "needs an access token or an authenticating proxy.",
+    )
+    _store_argument(sub)
+    sub.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)"
+    )
+    sub.add_argument(
+        "--port",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"the port (default: {DEFAULT_PORT}; 0 picks a free one)",
+    )
+    sub.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="a file holding the access token every request must carry (or set "
+        "$POLYLOOP_CONSOLE_TOKEN; never on the command line, where others can read it)",
+    )
+    sub.add_argument(
+        "--user-header",
+        metavar="NAME",
+        help="behind an authenticating proxy: the request header naming the person "
+        "(such as X-Forwarded-User), recorded as who answered; requests without it are refused",
+    )
+    sub.add_argument(
+        "--read-only", action="store_true", help="show runs only: no forms, every POST refused"
+    )
+    sub.add_argument(
+        "--poll",
+        type=_poll_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often live pages look at the store for changes (default: 1)",
+    )
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, not {text!r}")
+    return value
+
+
+def _poll_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value < 0.05:
+        raise argparse.ArgumentTypeError(f"expected at least 0.05 seconds, not {text!r}")
+    return value
+
+
+async def _serve_command(args: argparse.Namespace, out: Console) -> int:
+    console_parts = _web_extra()
+    from polyloop.cli._console import _serve
+
+    if args.user_header is not None and not _HEADER_NAME.fullmatch(args.user_header):
+        raise CliError(f"--user-header {args.user_header!r} is not a header name")
+    access = console_parts.Access(
+        token=await _console_token(args.token_file),
+        user_header=args.user_header,
+        read_only=args.read_only,
+    )
+    problem = console_parts.exposure_problem(args.host, access)
+    if problem is not None:
+        print(f"{PROGRAM}: error: {problem}", file=sys.stderr)
+        return REFUSED_EXIT_STATUS
+    spec = _store_of(args)
+    await anyio.to_thread.run_sync(require_existing, spec)
+    async with open_store(spec) as store:
+        listener = await anyio.to_thread.run_sync(_serve.listen, args.host, args.port)
+        settings = console_parts.Settings(spec.shown, access, poll_s=args.poll)
+        app = console_parts.create_app(store, settings)
+        _say_where(out, spec.shown, listener.url, access)
+        await _serve.serve(app, listener, args.backend)
+    return 0
+
+
+def _web_extra() -> Any:
+    """The console's package, or one line saying how to install what it needs."""
+    try:
+        import hypercorn  # noqa: F401
+        import jinja2  # noqa: F401
+        import python_multipart  # noqa: F401
+        import starlette  # noqa: F401
+    except ImportError as exc:
+        raise CliError(f"polyloop serve needs {exc.name}: {install_hint('web')}") from None
+    from polyloop.cli import _console
+
+    return _console
+
+
+async def _console_token(path: Path | None) -> str | None:
+    """The access token from ``--token-file``, else from the environment, else none."""
+    from polyloop.cli._console._guard import MIN_TOKEN_CHARS, TOKEN_ENV
+
+    if path is not None:
+        try:
+            token = (await anyio.Path(path).read_text(encoding="utf-8")).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise CliError(f"cannot read the token file {path}: {reason or exc}") from None
+        where = f"the token file {path}"
+    else:
+        token = os.environ.get(TOKEN_ENV, "").strip()
+        where = f"${TOKEN_ENV}"
+        if not token:
+            return None
+    if len(token) < MIN_TOKEN_CHARS or not token.isprintable():
+        raise CliError(
+            f"{where} must hold a token of at least {MIN_TOKEN_CHARS} printable characters "
+            "(for example: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return token
+
+
+def _say_where(out: Console, store: str, url: str, access: Any) -> None:
+    out.print(f"console for {store}", markup=False, soft_wrap=True)
+    out.print(f"open {url}", markup=False, soft_wrap=True)
+    notes = []
+    if access.token is not None:
+        notes.append(f"log in with the access token at {url}login")
+    if access.user_header is not None:
+        notes.append(f"people are named by the {access.user_header} header of the proxy")
+    if access.read_only:
+        notes.append("read-only: no answers can be given here")
+    notes.append("Ctrl-C stops it")
+    for note in notes:
+        out.print(note, markup=False, soft_wrap=True)
+    out.file.flush()
 
 
 # -- plumbing ------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """A run's trajectory as one self-contained HTML page: inline CSS, no scripts, no links.
 
+The web console shows the same sections (:func:`sections`) inside its own page.
+
 Every piece of text from the log goes through :func:`html.escape`, so a model output
 holding markup is shown, never interpreted; a lone surrogate, a control character or a
 bidirectional override is shown as its escape.
@@ -24,7 +26,7 @@ from polyloop.cli._render import status_of
 from polyloop.cli._view import RunView, reply_facts, review_facts
 from polyloop.types import Review, StepRecord
 
-_CSS = """
+CSS = """
 body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 60rem;
        padding: 0 1rem; color: #1d1d1f; background: #fcfcfc; }
 h1 { font-size: 1.4rem; word-break: break-all; }
@@ -57,7 +59,20 @@ _STATE_CLASSES = {
 def page(view: RunView) -> str:
     """The whole HTML document for ``view``."""
     title = f"polyloop run {view.run_id}"
-    body = [f"<h1>{escape(title)}</h1>"]
+    document = (
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f"<title>{escape(title)}</title>\n<style>\n{CSS}\n</style>\n</head>\n<body>\n"
+        f"<h1>{escape(title)}</h1>\n{sections(view)}\n</body>\n</html>\n"
+    )
+    # Our markup holds no control or bidirectional character: any left came from the log,
+    # and is shown as its escape (a lone surrogate too, since the page is UTF-8).
+    return escape_block(document)
+
+
+def sections(view: RunView) -> str:
+    """The run's facts as HTML sections, every text from the log escaped: the body of
+    :func:`page`, and what the web console shows of a run."""
+    body = []
     if (doubt := in_doubt(view)) is not None:
         body.append(_doubt(doubt))  # first, before anything that could read as a success
     body.append(_summary(view))
@@ -68,15 +83,7 @@ def page(view: RunView) -> str:
     )
     body.append(_end(view))
     body.append(_snapshot(view))
-    document = (
-        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-        f"<title>{escape(title)}</title>\n<style>\n{_CSS}\n</style>\n</head>\n<body>\n"
-        + "\n".join(body)
-        + "\n</body>\n</html>\n"
-    )
-    # Our markup holds no control or bidirectional character: any left came from the log,
-    # and is shown as its escape (a lone surrogate too, since the page is UTF-8).
-    return escape_block(document)
+    return escape_block("\n".join(body))
 
 
 def _doubt(doubt: Doubt) -> str:

@@ -1,0 +1,97 @@
+"""What the console reads from the store: the rows of a page of the list, and one run.
+
+Everything goes through the public API (``list_runs``, ``read_log``,
+:func:`polyloop.run_status`) and the command line's own view of a run, so a page says
+what ``polyloop runs`` and ``polyloop show`` say.
+"""
+
+from __future__ import annotations
+
+from polyloop.cli._console._listing import (
+    PER_PAGE,
+    Page,
+    RowCache,
+    RunRow,
+    StateFilter,
+    candidates,
+    select,
+)
+from polyloop.cli._facts import run_tokens_text
+from polyloop.cli._view import CORRUPT, STATE_WORDS, RunView
+from polyloop.ports import ManagedStore, StoredRun
+from polyloop.session import run_status
+from polyloop.types import CorruptLog, RunNotFound, SchemaMajorMismatch
+
+
+async def read_run(store: ManagedStore, run_id: str) -> RunView | None:
+    """The run ``run_id`` read whole, or ``None`` if the store has no record of it."""
+    log = await store.read_log(run_id)
+    if not log.records:
+        return None
+    try:
+        status = await run_status(store, run_id)
+    except RunNotFound:  # pruned between the two reads
+        return None
+    return RunView(status=status, log=log)
+
+
+async def read_row(store: ManagedStore, run: StoredRun) -> RunRow | None:
+    """The list's line for ``run``; ``None`` if it went away since it was listed."""
+    try:
+        view = await read_run(store, run.run_id)
+    except (CorruptLog, SchemaMajorMismatch) as exc:
+        return RunRow(
+            run.run_id, CORRUPT, None, None, None, run.updated_at, run.owner, detail=str(exc)
+        )
+    if view is None:
+        return None
+    status = view.status
+    return RunRow(
+        run_id=run.run_id,
+        state=STATE_WORDS[status.state],
+        stop_reason=view.stop_reason,
+        steps=status.steps,
+        tokens=run_tokens_text(view),
+        last_record_at=status.last_record_at or run.updated_at,
+        owner=status.owner or run.owner,
+        detail=status.detail,
+    )
+
+
+async def rows_for(
+    store: ManagedStore, cache: RowCache, runs: list[StoredRun] | tuple[StoredRun, ...]
+) -> dict[str, RunRow]:
+    """The rows of ``runs``, from the cache where the run table says nothing changed."""
+    rows = {}
+    for run in runs:
+        row = cache.get(run)
+        if row is None:
+            row = await read_row(store, run)
+            if row is None:
+                continue
+            cache.put(run, row)
+        rows[run.run_id] = row
+    return rows
+
+
+async def list_page(
+    store: ManagedStore,
+    cache: RowCache,
+    wanted: StateFilter,
+    number: int,
+    per_page: int = PER_PAGE,
+) -> tuple[Page, list[RunRow]]:
+    """Page ``number`` of the runs that pass ``wanted``, and their rows.
+
+    Only the runs on the page are read; for a filter finer than finished or unfinished,
+    the unfinished runs are read too (through the cache) to tell which pass.
+    """
+    unfinished_only = wanted not in (StateFilter.ALL, StateFilter.FINISHED)
+    listed = candidates(await store.list_runs(unfinished_only=unfinished_only), wanted)
+    if wanted.needs_status:
+        rows = await rows_for(store, cache, listed)
+        page = select(listed, rows, wanted, number, per_page)
+    else:
+        page = select(listed, {}, wanted, number, per_page)
+        rows = await rows_for(store, cache, page.runs)
+    return page, [rows[run.run_id] for run in page.runs if run.run_id in rows]

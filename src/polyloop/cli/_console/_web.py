@@ -1,0 +1,426 @@
+"""The console's pages, fragments, event streams and answers, as a Starlette application.
+
+A run's facts are the HTML sections ``polyloop show --html`` writes; the list's rows are
+the states ``polyloop runs`` prints. Answers go through :func:`polyloop.approve`,
+:func:`polyloop.reject` and :func:`polyloop.settle`, which take the run's claim: two
+people answering at once get exactly one verdict, and the other a clear refusal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, unquote, urlencode
+
+import anyio
+from jinja2 import Environment, PackageLoader, select_autoescape
+from markupsafe import Markup
+from starlette.applications import Starlette
+from starlette.datastructures import FormData
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import (
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
+from starlette.routing import Route
+
+from polyloop.cli import _html
+from polyloop.cli._console import _guard
+from polyloop.cli._console._data import list_page, read_run
+from polyloop.cli._console._guard import Access, Refused, checked_form, context, form_text
+from polyloop.cli._console._listing import PER_PAGE, RowCache, StateFilter
+from polyloop.cli._facts import Doubt, in_doubt, utc_text
+from polyloop.cli._view import RunView
+from polyloop.ports import ManagedStore
+from polyloop.session import approve, reject, run_status, settle
+from polyloop.types import (
+    InvalidRequest,
+    JSONValue,
+    NotAwaitingApproval,
+    NotInDoubt,
+    PolyLoopError,
+    Proposal,
+    RunLocked,
+    RunNotFound,
+    RunState,
+)
+
+# What a finished answer says after the redirect; fixed words, never text from the URL.
+DONE = {
+    "approved": "Approved. The run goes on when its worker resumes it.",
+    "rejected": "Rejected. The model is told why when the run's worker resumes it.",
+    "settled": "Settled. The run goes on when its worker resumes it.",
+}
+_REFUSED_STATUS: dict[type[Exception], int] = {
+    RunLocked: 409,
+    NotAwaitingApproval: 409,
+    NotInDoubt: 409,
+    RunNotFound: 404,
+    InvalidRequest: 400,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """How the console runs: the store's name as shown, who may use it, how often the
+    live pages look at the store, and how many runs a page of the list holds."""
+
+    store_name: str
+    access: Access = field(default_factory=Access)
+    poll_s: float = 1.0
+    per_page: int = PER_PAGE
+
+
+def run_path(run_id: str) -> str:
+    """The run page's path. The id is one path segment, encoded twice: servers decode a
+    path once before routing, and a run id may hold ``/``."""
+    return "/runs/" + quote(quote(run_id, safe=""), safe="")
+
+
+def version(value: object) -> str:
+    """A short fingerprint of what the store said, to tell the live pages it changed."""
+    return hashlib.sha256(repr(value).encode("utf-8", "backslashreplace")).hexdigest()[:16]
+
+
+def _templates() -> Environment:
+    environment = Environment(
+        loader=PackageLoader("polyloop.cli._console", "templates"),
+        autoescape=select_autoescape(default=True, default_for_string=True),
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    environment.filters["run_path"] = run_path
+    environment.filters["utc"] = utc_text
+    environment.globals["css"] = Markup(_html.CSS)
+    return environment
+
+
+def create_app(store: ManagedStore, settings: Settings) -> Starlette:
+    """The console for ``store`` (open, and kept open by the caller while it serves)."""
+    console = _Console(store, settings, _templates())
+    routes = [
+        Route("/", console.runs_page),
+        Route("/partials/runs", console.runs_partial),
+        Route("/events", console.runs_events),
+        Route("/login", console.login_page, methods=["GET"]),
+        Route("/login", console.login, methods=["POST"]),
+        Route("/runs/{key}", console.run_page),
+        Route("/runs/{key}/partial", console.run_partial),
+        Route("/runs/{key}/events", console.run_events),
+        Route("/runs/{key}/approve", console.approve, methods=["POST"]),
+        Route("/runs/{key}/reject", console.reject, methods=["POST"]),
+        Route("/runs/{key}/settle", console.settle, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(_guard.Guard, access=settings.access)])
+
+
+def _run_id(request: Request) -> str:
+    return unquote(request.path_params["key"])
+
+
+def _sse(changes: AsyncIterator[None]) -> StreamingResponse:
+    async def stream() -> AsyncIterator[str]:
+        yield "retry: 3000\n\n"
+        async for _ in changes:
+            yield "event: changed\ndata: {}\n\n"
+
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"X-Accel-Buffering": "no"}
+    )
+
+
+class _Console:
+    """The handlers, sharing the store, the settings and the cache of list rows."""
+
+    def __init__(self, store: ManagedStore, settings: Settings, templates: Environment) -> None:
+        self.store = store
+        self.settings = settings
+        self.templates = templates
+        self.rows = RowCache()
+
+    def render(
+        self, request: Request, name: str, values: dict[str, Any], status: int = 200
+    ) -> HTMLResponse:
+        found = context(request)
+        page = self.templates.get_template(name).render(
+            nonce=found.nonce,
+            csrf=found.csrf,
+            user=found.user,
+            store_name=self.settings.store_name,
+            read_only=self.settings.access.read_only,
+            token_needed=self.settings.access.token is not None,
+            **values,
+        )
+        return HTMLResponse(page, status_code=status)
+
+    # -- the list --------------------------------------------------------------------------
+
+    async def _listing(self, request: Request) -> dict[str, Any]:
+        wanted = StateFilter.parse(request.query_params.get("state"))
+        number = _page_number(request.query_params.get("page"))
+        page, rows = await list_page(self.store, self.rows, wanted, number, self.settings.per_page)
+        query = {"state": wanted.value, "page": str(page.number)}
+        return {
+            "page": page,
+            "rows": rows,
+            "wanted": wanted,
+            "filters": list(StateFilter),
+            "query": urlencode(query),
+            "previous": urlencode({**query, "page": str(page.number - 1)}),
+            "next": urlencode({**query, "page": str(page.number + 1)}),
+            "version": version(await self._runs_seen(wanted)),
+        }
+
+    async def _runs_seen(self, wanted: StateFilter) -> object:
+        unfinished_only = wanted not in (StateFilter.ALL, StateFilter.FINISHED)
+        return await self.store.list_runs(unfinished_only=unfinished_only)
+
+    async def runs_page(self, request: Request) -> Response:
+        return self.render(request, "runs.html", await self._listing(request))
+
+    async def runs_partial(self, request: Request) -> Response:
+        return self.render(request, "runs_live.html", await self._listing(request))
+
+    async def runs_events(self, request: Request) -> Response:
+        wanted = StateFilter.parse(request.query_params.get("state"))
+        return _sse(self._changes(request, lambda: self._runs_seen(wanted)))
+
+    # -- one run ---------------------------------------------------------------------------
+
+    async def _run(self, request: Request) -> tuple[str, RunView | None]:
+        run_id = _run_id(request)
+        return run_id, await read_run(self.store, run_id)
+
+    async def run_page(
+        self,
+        request: Request,
+        *,
+        error: str | None = None,
+        status: int = 200,
+        form: FormData | None = None,
+    ) -> Response:
+        run_id, view = await self._run(request)
+        if view is None:
+            return self.render(request, "missing.html", {"run_id": run_id}, status=404)
+        done = DONE.get(request.query_params.get("done", "")) if error is None else None
+        values = {
+            **await self._run_values(run_id, view),
+            "error": error,
+            "done": done,
+            "entered": _entered(form),
+        }
+        return self.render(request, "run.html", values, status=status)
+
+    async def run_partial(self, request: Request) -> Response:
+        run_id, view = await self._run(request)
+        if view is None:
+            return PlainTextResponse("no such run\n", status_code=404)
+        return self.render(request, "run_live.html", await self._run_values(run_id, view))
+
+    async def _run_values(self, run_id: str, view: RunView) -> dict[str, Any]:
+        proposal = view.status.proposal
+        doubt = in_doubt(view)
+        return {
+            "run_id": run_id,
+            "view": view,
+            "sections": Markup(_html.sections(view)),
+            "proposal": proposal,
+            "proposed_arguments": _arguments_text(proposal),
+            "doubt": doubt if doubt is not None and doubt.intent.kind.value == "action" else None,
+            "doubt_arguments": json.dumps(doubt.arguments, ensure_ascii=False) if doubt else "",
+            "live_state": _live_state(view, doubt),
+            "version": version(await self.store.describe_run(run_id)),
+        }
+
+    async def run_events(self, request: Request) -> Response:
+        run_id = _run_id(request)
+        return _sse(self._changes(request, lambda: self.store.describe_run(run_id)))
+
+    async def _changes(
+        self, request: Request, look: Callable[[], Awaitable[object]]
+    ) -> AsyncIterator[None]:
+        """Once when what ``look`` sees differs from the page's version, then once per
+        change it sees, checking every ``poll_s`` seconds until the browser goes away."""
+        seen = request.query_params.get("v")
+        while True:
+            now = version(await look())
+            if now != seen:
+                if seen is not None:
+                    yield None
+                seen = now
+            await anyio.sleep(self.settings.poll_s)
+
+    # -- answers ---------------------------------------------------------------------------
+
+    async def approve(self, request: Request) -> Response:
+        async def answer(run_id: str, form: FormData, by: str) -> str:
+            arguments = await self._edited_arguments(run_id, form)
+            await approve(self.store, run_id, by=by, arguments=arguments)
+            return "approved"
+
+        return await self._answer(request, answer)
+
+    async def reject(self, request: Request) -> Response:
+        async def answer(run_id: str, form: FormData, by: str) -> str:
+            reason = form_text(form, "reason").strip()
+            if not reason:
+                raise Refused(400, "a rejection needs a reason: the model is told it")
+            await self._still_proposed(run_id, form)
+            await reject(self.store, run_id, by=by, reason=reason)
+            return "rejected"
+
+        return await self._answer(request, answer)
+
+    async def settle(self, request: Request) -> Response:
+        async def answer(run_id: str, form: FormData, by: str) -> str:
+            outcome = form_text(form, "outcome")
+            if outcome not in ("ran", "did_not_run"):
+                raise Refused(400, "say whether the action ran or did not run")
+            observation = form_text(form, "observation")
+            if not observation.strip():
+                what = "what the action gave" if outcome == "ran" else "why it did not run"
+                raise Refused(400, f"a settlement needs {what}")
+            await settle(
+                self.store,
+                run_id,
+                by=by,
+                ran=outcome == "ran",
+                observation=observation,
+                result_id=form_text(form, "result_id") or None,
+            )
+            return "settled"
+
+        return await self._answer(request, answer)
+
+    async def _answer(
+        self, request: Request, answer: Callable[[str, FormData, str], Awaitable[str]]
+    ) -> Response:
+        if self.settings.access.read_only:
+            return PlainTextResponse(
+                "this console is read-only\n", status_code=405, headers={"Allow": "GET"}
+            )
+        run_id = _run_id(request)
+        try:
+            form = await checked_form(request)
+        except Refused as refused:  # not from our page: say so, and nothing more
+            return PlainTextResponse(refused.message + "\n", status_code=refused.status)
+        try:
+            done = await answer(run_id, form, self._by(request, form))
+        except Refused as refused:
+            return await self.run_page(
+                request, error=refused.message, status=refused.status, form=form
+            )
+        except PolyLoopError as exc:
+            status = _REFUSED_STATUS.get(type(exc))
+            if status is None:
+                raise
+            return await self.run_page(request, error=_refusal_text(exc), status=status, form=form)
+        return RedirectResponse(f"{run_path(run_id)}?done={done}", status_code=303)
+
+    def _by(self, request: Request, form: FormData) -> str:
+        user = context(request).user
+        if user is not None:
+            return user  # the authenticating proxy named the person
+        by = form_text(form, "by").strip()
+        if not by:
+            raise Refused(400, "say who answers: the name is recorded with the answer")
+        return by
+
+    async def _still_proposed(self, run_id: str, form: FormData) -> Proposal:
+        """The proposal the form answers, if the run still waits on it; a page left open
+        while the run moved on to another proposal must not answer that one."""
+        proposal = (await run_status(self.store, run_id)).proposal
+        expected = form_text(form, "result_id")
+        if proposal is None:
+            raise NotAwaitingApproval("the run waits for no approval", run_id=run_id)
+        if expected and proposal.result_id != expected:
+            raise Refused(409, f"the run now waits on another action ({proposal.result_id})")
+        return proposal
+
+    async def _edited_arguments(self, run_id: str, form: FormData) -> JSONValue:
+        """The arguments the person edited, or ``None`` to run the proposal as it is."""
+        proposal = await self._still_proposed(run_id, form)
+        text = form_text(form, "arguments").strip()
+        if not text:
+            return None
+        try:
+            edited: JSONValue = json.loads(text)
+        except ValueError as exc:
+            raise Refused(400, f"the arguments are not JSON: {exc}") from None
+        if not isinstance(edited, dict):
+            raise Refused(400, "the arguments must be a JSON object")
+        payload = proposal.payload
+        proposed = payload.get("arguments") if isinstance(payload, dict) else None
+        return None if edited == proposed else edited
+
+    # -- logging in ------------------------------------------------------------------------
+
+    async def login_page(self, request: Request, error: str | None = None) -> Response:
+        target = _guard.local_target(request.query_params.get("next"))
+        status = 401 if error else 200
+        return self.render(request, "login.html", {"next": target, "error": error}, status)
+
+    async def login(self, request: Request) -> Response:
+        token = self.settings.access.token
+        if token is None:
+            return RedirectResponse("/", status_code=303)
+        try:
+            form = await checked_form(request)
+        except Refused as refused:
+            return PlainTextResponse(refused.message + "\n", status_code=refused.status)
+        if not _guard.same_secret(form_text(form, "token").strip(), token):
+            return await self.login_page(request, error="That is not the console's token.")
+        response = RedirectResponse(_guard.local_target(form_text(form, "next")), status_code=303)
+        cookie = _guard.cookie_header(
+            _guard.SESSION_COOKIE,
+            _guard.session_value(token),
+            secure=request.url.scheme == "https",
+        )
+        response.headers.append("set-cookie", cookie)
+        return response
+
+
+def _page_number(text: str | None) -> int:
+    try:
+        return max(1, int(text or "1"))
+    except ValueError:
+        return 1
+
+
+def _arguments_text(proposal: Proposal | None) -> str:
+    if proposal is None or not isinstance(proposal.payload, dict):
+        return ""
+    return json.dumps(proposal.payload.get("arguments"), ensure_ascii=False, indent=2)
+
+
+def _live_state(view: RunView, doubt: Doubt | None) -> str:
+    """What the forms on a run page depend on: a change reloads the page."""
+    waiting = view.status.proposal.result_id if view.status.proposal is not None else ""
+    if doubt is not None and view.status.state is RunState.IN_DOUBT:
+        waiting = doubt.intent.result_id
+    return f"{view.status.state.value} {waiting}".strip()
+
+
+def _entered(form: FormData | None) -> dict[str, str]:
+    """What the person typed, kept when a refused answer shows the page again."""
+    if form is None:
+        return {}
+    return {name: form_text(form, name) for name in ("by", "arguments", "reason", "observation")}
+
+
+def _refusal_text(exc: PolyLoopError) -> str:
+    if isinstance(exc, RunLocked):
+        return (
+            f"Nothing was written: someone else holds the run right now (a worker resuming "
+            f"it, or another person answering). Look again in a moment. ({exc})"
+        )
+    if isinstance(exc, NotAwaitingApproval | NotInDoubt):
+        return f"Nothing was written: the run was already answered, see below. ({exc})"
+    return f"Nothing was written: {exc}"

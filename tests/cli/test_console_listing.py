@@ -1,0 +1,182 @@
+"""The console's list, as pure logic (order, filters, pages, the row cache), and that a
+page reads the logs of its own runs only."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent_kit import Ledger, answer, definition, request
+from console_kit import crash_in_doubt
+from polyloop import run
+from polyloop.cli._console._data import list_page
+from polyloop.cli._console._listing import (
+    RowCache,
+    RunRow,
+    StateFilter,
+    candidates,
+    ordered,
+    paginate,
+    select,
+)
+from polyloop.ports import StoredRun
+from polyloop.stores import SqliteStore
+from review_kit import review_tools
+
+pytestmark = pytest.mark.anyio
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def stored(run_id: str, minute: int | None, *, finished: bool = True, **more: Any) -> StoredRun:
+    at = None if minute is None else T0 + timedelta(minutes=minute)
+    return StoredRun(run_id=run_id, finished=finished, claimed=False, updated_at=at, **more)
+
+
+def row(run_id: str, state: str) -> RunRow:
+    return RunRow(run_id, state, None, 1, None, None, None)
+
+
+def ids(runs: Any) -> list[str]:
+    return [run.run_id for run in runs]
+
+
+def test_the_most_recent_record_comes_first_then_the_run_id() -> None:
+    runs = [stored("b", 1), stored("a", 1), stored("c", 5), stored("z", None), stored("y", None)]
+    assert ids(ordered(runs)) == ["c", "a", "b", "y", "z"]
+
+
+@pytest.mark.parametrize(
+    ("wanted", "expected"),
+    [
+        (StateFilter.ALL, ["u2", "f2", "u1", "f1"]),
+        (StateFilter.FINISHED, ["f2", "f1"]),
+        (StateFilter.UNFINISHED, ["u2", "u1"]),
+        (StateFilter.IN_DOUBT, ["u2", "u1"]),  # the runs to read: unfinished ones only
+        (StateFilter.RUNNING, ["u2", "u1"]),
+    ],
+)
+def test_candidates_leave_finished_runs_out_of_finer_filters(
+    wanted: StateFilter, expected: list[str]
+) -> None:
+    runs = [
+        stored("f1", 1),
+        stored("f2", 3),
+        stored("u1", 2, finished=False),
+        stored("u2", 4, finished=False),
+    ]
+    assert ids(candidates(runs, wanted)) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "wanted"),
+    [
+        (None, StateFilter.ALL),
+        ("", StateFilter.ALL),
+        ("in doubt", StateFilter.IN_DOUBT),
+        ("awaiting approval", StateFilter.AWAITING_APPROVAL),
+        ("bogus", StateFilter.ALL),
+    ],
+)
+def test_the_state_parameter(text: str | None, wanted: StateFilter) -> None:
+    assert StateFilter.parse(text) is wanted
+
+
+@pytest.mark.parametrize(
+    ("count", "number", "shown", "page", "pages"),
+    [
+        (0, 1, [], 1, 1),
+        (5, 1, ["r0", "r1"], 1, 3),
+        (5, 3, ["r4"], 3, 3),
+        (5, 9, ["r4"], 3, 3),
+        (5, -2, ["r0", "r1"], 1, 3),
+        (4, 2, ["r2", "r3"], 2, 2),
+    ],
+)
+def test_pages(count: int, number: int, shown: list[str], page: int, pages: int) -> None:
+    runs = [stored(f"r{n}", -n) for n in range(count)]
+    found = paginate(runs, number, per_page=2)
+    assert ids(found.runs) == shown
+    assert (found.number, found.pages, found.total) == (page, pages, count)
+    assert found.has_previous is (page > 1) and found.has_next is (page < pages)
+
+
+def test_a_finer_filter_pages_the_runs_whose_rows_pass_it() -> None:
+    runs = [stored(f"r{n}", -n, finished=False) for n in range(5)]
+    rows = {
+        "r0": row("r0", "in doubt"),
+        "r1": row("r1", "awaiting approval"),
+        "r2": row("r2", "in doubt"),
+        "r4": row("r4", "in doubt"),  # r3 went away while it was read: no row
+    }
+    found = select(runs, rows, StateFilter.IN_DOUBT, 2, per_page=2)
+    assert ids(found.runs) == ["r4"] and found.total == 3
+    assert ids(select(runs, rows, StateFilter.ALL, 1, per_page=9).runs) == ids(runs)
+
+
+def test_the_cache_keeps_a_row_while_the_run_table_says_nothing_changed() -> None:
+    cache = RowCache(size=2)
+    first = stored("a", 1, finished=False)
+    cache.put(first, row("a", "resumable"))
+    assert cache.get(first) == row("a", "resumable")
+    # A new record, a claim taken, a new owner: each makes a different key.
+    assert cache.get(stored("a", 2, finished=False)) is None
+    claimed = StoredRun(run_id="a", finished=False, claimed=True, updated_at=first.updated_at)
+    assert cache.get(claimed) is None
+    assert cache.get(stored("a", 1, finished=False, owner="host:1")) is None
+
+
+def test_the_cache_never_keeps_a_run_of_unknown_time_and_forgets_the_oldest() -> None:
+    cache = RowCache(size=2)
+    cache.put(stored("undated", None), row("undated", "finished"))
+    assert len(cache) == 0
+    a, b, c = stored("a", 1), stored("b", 2), stored("c", 3)
+    cache.put(a, row("a", "finished"))
+    cache.put(b, row("b", "finished"))
+    assert cache.get(a) is not None  # a is now the most recently used
+    cache.put(c, row("c", "finished"))
+    assert len(cache) == 2
+    assert cache.get(b) is None and cache.get(a) is not None and cache.get(c) is not None
+
+
+class CountingStore:
+    """A store that counts which runs' logs were read."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self._store = store
+        self.read: list[str] = []
+
+    async def read_log(self, run_id: str) -> Any:
+        self.read.append(run_id)
+        return await self._store.read_log(run_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+async def test_a_page_reads_only_its_own_runs_and_then_only_what_changed(
+    tmp_path: Path,
+) -> None:
+    async with SqliteStore(tmp_path / "runs.db") as store:
+        tools = review_tools(Ledger())
+        for n in range(12):
+            await run(definition(store, script=[answer("ok")]), request(f"done-{n:02}", tools))
+        await crash_in_doubt(store, "doubt")
+        counting = CountingStore(store)
+        cache = RowCache()
+        page, rows = await list_page(counting, cache, StateFilter.ALL, 1, per_page=5)  # type: ignore[arg-type]
+        assert [r.run_id for r in rows] == ["doubt", "done-11", "done-10", "done-09", "done-08"]
+        assert set(counting.read) == set(ids(page.runs))
+        counting.read.clear()
+        await list_page(counting, cache, StateFilter.ALL, 1, per_page=5)  # type: ignore[arg-type]
+        assert counting.read == []  # nothing changed: every row came from the cache
+        _, doubts = await list_page(counting, cache, StateFilter.IN_DOUBT, 1, per_page=5)  # type: ignore[arg-type]
+        assert [r.run_id for r in doubts] == ["doubt"]
+        assert counting.read == []  # the in-doubt run's row was cached; finished ones unread
+        await crash_in_doubt(store, "later")
+        _, doubts = await list_page(counting, cache, StateFilter.IN_DOUBT, 1, per_page=5)  # type: ignore[arg-type]
+        assert [r.run_id for r in doubts] == ["later", "doubt"]
+        assert set(counting.read) == {"later"}

@@ -1,0 +1,103 @@
+"""Stores filled with real runs for the web console's tests, and a client that speaks
+to the console as a browser does (cookies, the CSRF field of its forms)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agent_kit import Ledger, answer, definition, request
+from polyloop import Replay, run, start_or_resume
+from polyloop.cli._console import Access, Settings, create_app
+from polyloop.ports import ManagedStore
+from polyloop.stores import SqliteStore
+from polyloop.testing import FaultyStore, SimulatedCrash
+from review_kit import approval_script, payment_script, review_tools
+
+BASE_URL = "http://console.test"
+EVIL = '<script>alert("x")</script><b>bold</b>'
+EVIL_RUN = f"run-{EVIL}"
+FINISHED = ("done-1", "done-2", "done-3")
+
+
+def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ManagedStore]:
+    """A way to open the same store again: SQLite in ``tmp_path``, or a fresh schema of
+    the shared PostgreSQL database (``request.param``)."""
+    if request.param == "sqlite":
+        return lambda: SqliteStore(tmp_path / "runs.db")
+    from polyloop.stores import PostgresStore
+
+    url = request.getfixturevalue("postgres_shared")
+    schema = request.getfixturevalue("postgres_schemas")()
+    return lambda: PostgresStore(url, schema=schema)
+
+
+async def fill(store: ManagedStore) -> None:
+    """``paused`` awaits approval of a deploy; ``doubt`` is in doubt about a payment;
+    the ``done-*`` runs and one whose id and final answer hold markup finished."""
+    tools = review_tools(Ledger())
+    for run_id in FINISHED:
+        await run(definition(store, script=[answer(f"{run_id} ok")]), request(run_id, tools))
+    await run(definition(store, script=[answer(EVIL)]), request(EVIL_RUN, tools))
+    await run(definition(store, script=approval_script()), request("paused", tools))
+    await crash_in_doubt(store, "doubt")
+
+
+async def crash_in_doubt(store: ManagedStore, run_id: str) -> None:
+    """A run whose payment was announced when its process died: in doubt once resumed."""
+    tools = review_tools(Ledger())
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(FaultyStore(store, fail_after_writes=8), script=payment_script()),
+            request(run_id, tools, model_replay=Replay.ALLOWED),
+        )
+    await start_or_resume(
+        definition(store, script=payment_script()),
+        request(run_id, tools, model_replay=Replay.ALLOWED),
+    )
+
+
+async def resume(
+    store: ManagedStore, run_id: str, script: list[str], model_replay: Replay = Replay.NEVER
+) -> Ledger:
+    """The worker's next resume of ``run_id``; the ledger of what its tools ran."""
+    ledger = Ledger()
+    await start_or_resume(
+        definition(store, script=script),
+        request(run_id, review_tools(ledger), model_replay=model_replay),
+    )
+    return ledger
+
+
+def console(store: ManagedStore, **options: Any) -> Any:
+    access = Access(
+        token=options.pop("token", None),
+        user_header=options.pop("user_header", None),
+        read_only=options.pop("read_only", False),
+    )
+    return create_app(store, Settings("test store", access, **options))
+
+
+@asynccontextmanager
+async def browser(app: Any, **headers: str) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url=BASE_URL, headers=headers) as client:
+        yield client
+
+
+async def post_form(
+    client: httpx.AsyncClient, path: str, fields: dict[str, str], *, csrf: bool = True
+) -> httpx.Response:
+    """POST ``fields`` as the console's own form would: after loading the page (which
+    sets the CSRF cookie), with the cookie's token echoed."""
+    if "polyloop_csrf" not in client.cookies:
+        await client.get("/")
+    data = dict(fields)
+    if csrf:
+        data["csrf"] = client.cookies["polyloop_csrf"]
+    return await client.post(path, data=data, headers={"Sec-Fetch-Site": "same-origin"})
