@@ -46,6 +46,8 @@ POLL_S = "0.2"
 LIVE_TIMEOUT_MS = 5_000
 SERVER_START_S = 30.0
 INTERRUPTED = 130  # how every command ends on Ctrl-C
+SCREENSHOT_WIDTH = 1200
+SCREENSHOT_MAX_BYTES = 300 * 1024  # small enough for the docs' repository
 
 # Markup a log may hold; none of it may become an element or run a script.
 SCRIPT_ID = "run-<script>alert(1)</script>"
@@ -163,7 +165,8 @@ def _address(server: subprocess.Popen[str]) -> str:
     for line in server.stdout:
         if line.startswith("open "):
             return line.removeprefix("open ").strip()
-    raise AssertionError(f"the console never said where it listens: {server.stderr}")
+    errors = server.stderr.read() if server.stderr else ""
+    raise AssertionError(f"the console ended without saying where it listens: {errors}")
 
 
 @dataclass
@@ -376,3 +379,24 @@ def test_open_pages_follow_the_run_without_a_reload(
         expect(runs.locator("tr.run .state")).to_have_text(["finished"], timeout=LIVE_TIMEOUT_MS)
         assert runs.evaluate("window.kept") == "this page was never reloaded"
         assert tab.problems == [] and other.problems == []
+
+
+# -- the screenshots in the docs -----------------------------------------------------------
+
+
+def test_the_docs_screenshots_are_taken_from_a_real_console(tmp_path: Path) -> None:
+    chromium()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "console_screenshot.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for name in ("console-runs.png", "console-run.png"):
+        picture = (tmp_path / name).read_bytes()
+        assert picture.startswith(b"\x89PNG\r\n\x1a\n")
+        width = int.from_bytes(picture[16:20], "big")  # the IHDR chunk comes first
+        assert width == SCREENSHOT_WIDTH
+        assert len(picture) < SCREENSHOT_MAX_BYTES
