@@ -4,9 +4,7 @@ rendering, and the tests read the text a reader would see.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
@@ -15,6 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
+from browser_kit import chromium
 from fork_kit import write_forks
 from polyloop import run_trace_id
 from polyloop.cli import main
@@ -33,16 +32,6 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
     anyio.run(write)
     return {**written, "f": f"jsonl:{forks}"}
-
-
-def chromium() -> str:
-    """The browser; missing, the test fails under CI (which installs it) and skips elsewhere."""
-    found = shutil.which("chromium")
-    if found is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is not installed; CI installs it before the tests")
-        pytest.skip("chromium is not installed")
-    return found
 
 
 class _Text(HTMLParser):

@@ -117,8 +117,15 @@ def create_app(store: ManagedStore, settings: Settings) -> Starlette:
         Route("/runs/{key}/approve", console.approve, methods=["POST"]),
         Route("/runs/{key}/reject", console.reject, methods=["POST"]),
         Route("/runs/{key}/settle", console.settle, methods=["POST"]),
+        Route("/favicon.ico", _no_icon),
     ]
     return Starlette(routes=routes, middleware=[Middleware(_guard.Guard, access=settings.access)])
+
+
+async def _no_icon(request: Request) -> Response:
+    """Browsers ask for an icon on every page; an empty answer keeps a 404 out of their
+    consoles and logs."""
+    return Response(status_code=204)
 
 
 def _run_id(request: Request) -> str:

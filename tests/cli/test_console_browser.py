@@ -1,0 +1,402 @@
+"""The web console in a real browser: headless Chromium (the distribution's, driven by
+Playwright) against ``polyloop serve`` running as its own process under asyncio and
+Trio, while the approvals example, as the worker, pauses and resumes runs in processes
+of their own.
+
+A person opens the list, clicks through to a run and approves, rejects or settles it;
+the worker's next resume then does what the answer said, once. Markup from a log is
+shown as text and no script of it runs; pages follow the store without a reload.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from agent_kit import Ledger, answer, definition, request, tool_call
+from browser_kit import chromium
+from polyloop import run
+from polyloop.stores import SqliteStore
+from review_kit import approval_script, review_tools
+
+pytestmark = pytest.mark.slow  # each test starts a console and drives a browser
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "approvals.py"
+WORKER = ROOT / "tests" / "approvals_worker_agent.py"
+POLYLOOP = (sys.executable, "-m", "polyloop")
+BACKENDS = ["asyncio", "trio"]
+# How often the console looks at the store for live pages; short, so tests wait little.
+POLL_S = "0.2"
+# How long a page may take to follow a change it did not ask for.
+LIVE_TIMEOUT_MS = 5_000
+SERVER_START_S = 30.0
+INTERRUPTED = 130  # how every command ends on Ctrl-C
+SCREENSHOT_WIDTH = 1200
+SCREENSHOT_MAX_BYTES = 300 * 1024  # small enough for the docs' repository
+
+# Markup a log may hold; none of it may become an element or run a script.
+SCRIPT_ID = "run-<script>alert(1)</script>"
+PAUSED_ID = "paused-<b>bold</b>\"'&amp;/x"
+IMG = "<img src=x onerror=alert(2)>"
+SVG = "<svg onload=alert(3)>"
+NAME = "<i>mallory</i><script>alert(4)</script>"
+INJECTED = "main img, main svg, main b, main i, main script, main iframe"
+
+
+@dataclass(frozen=True)
+class Place:
+    """A store the console serves and the worker drives, and the worker's file of
+    effects (one line per tool call that ran)."""
+
+    store: str
+    effects_file: Path
+    worker: Callable[[str, str, tuple[str, ...]], list[str]]
+
+    def drive(self, backend: str, run_id: str, *options: str, check: bool = True) -> str:
+        """Run the worker once on ``run_id``: it drives the run as far as it can go."""
+        done = subprocess.run(
+            self.worker(backend, run_id, options),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if check:
+            assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def effects(self, run_id: str) -> list[str]:
+        if not self.effects_file.exists():
+            return []
+        lines = self.effects_file.read_text(encoding="utf-8").splitlines()
+        return [line for line in lines if f" {run_id}:" in line]
+
+
+def sqlite_place(tmp_path: Path) -> Place:
+    """The approvals example itself, on its own SQLite file."""
+    db = tmp_path / "runs.db"
+
+    def worker(backend: str, run_id: str, options: tuple[str, ...]) -> list[str]:
+        command = [sys.executable, str(EXAMPLE), "--db", str(db), "--backend", backend]
+        return [*command, "--run-id", run_id, *options]
+
+    return Place(f"sqlite:{db}", tmp_path / "runs.db.effects.txt", worker)
+
+
+def postgres_place(url: str, tmp_path: Path) -> Place:
+    """The example's run (its model, tools and request) on a PostgreSQL database."""
+    effects = tmp_path / "effects.txt"
+
+    def worker(backend: str, run_id: str, options: tuple[str, ...]) -> list[str]:
+        return [sys.executable, str(WORKER), url, str(effects), backend, run_id, *options]
+
+    return Place(url, effects, worker)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The event loop of both the console and the worker."""
+    return str(request.param)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+    if request.param == "sqlite":
+        return sqlite_place(tmp_path)
+    return postgres_place(request.getfixturevalue("postgres_conninfo"), tmp_path)
+
+
+@pytest.fixture
+def place(tmp_path: Path) -> Place:
+    return sqlite_place(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """One browser for the module; each test opens a context of its own."""
+    executable = chromium()
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=executable)
+        yield launched
+        launched.close()
+
+
+@contextmanager
+def serving(store: str, backend: str) -> Iterator[str]:
+    """``polyloop serve STORE`` on a free port; the address it prints. Ends it with
+    Ctrl-C afterwards, as a person would, and checks it ended as every command does."""
+    server = subprocess.Popen(
+        [*POLYLOOP, "serve", store, "--port", "0", "--backend", backend, "--poll", POLL_S],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    watchdog = threading.Timer(SERVER_START_S, server.kill)  # a server that never says
+    watchdog.start()
+    try:
+        url = _address(server)
+        watchdog.cancel()
+        yield url
+    finally:
+        watchdog.cancel()
+        server.send_signal(signal.SIGINT)
+        _, errors = server.communicate(timeout=30)
+    assert server.returncode == INTERRUPTED, errors
+
+
+def _address(server: subprocess.Popen[str]) -> str:
+    assert server.stdout is not None
+    for line in server.stdout:
+        if line.startswith("open "):
+            return line.removeprefix("open ").strip()
+    errors = server.stderr.read() if server.stderr else ""
+    raise AssertionError(f"the console ended without saying where it listens: {errors}")
+
+
+@dataclass
+class Tab:
+    """A page in a fresh browser context, and every sign of a script that should not
+    have run: dialogs, console errors, uncaught exceptions."""
+
+    page: Page
+    problems: list[str] = field(default_factory=list)
+
+    def watch(self) -> None:
+        def dialog(found: Any) -> None:
+            self.problems.append(f"dialog: {found.message}")
+            found.dismiss()
+
+        self.page.on("dialog", dialog)
+        self.page.on("pageerror", lambda error: self.problems.append(f"error: {error}"))
+        self.page.on(
+            "console",
+            lambda message: (
+                self.problems.append(f"console: {message.text}")
+                if message.type == "error"
+                else None
+            ),
+        )
+
+
+@contextmanager
+def opened(browser: Browser) -> Iterator[Tab]:
+    context = browser.new_context()
+    try:
+        tab = Tab(context.new_page())
+        tab.watch()
+        yield tab
+    finally:
+        context.close()
+
+
+def open_run_from_the_list(page: Page, url: str, run_id: str, state: str) -> None:
+    """Open the list, find the run in ``state``, and click through to its page."""
+    page.goto(url)
+    row = page.locator("tr.run").filter(has=page.get_by_role("link", name=run_id, exact=True))
+    expect(row.locator(".state")).to_have_text(state)
+    row.get_by_role("link", name=run_id, exact=True).click()
+    expect(page.locator("h1")).to_have_text(f"run {run_id}")
+
+
+def answered(page: Page, verb: str, by: str) -> None:
+    """The run's page says who answered, and when."""
+    expect(page.locator("p.notice")).to_contain_text(verb.capitalize())
+    fact = page.locator("#live dt", has_text=re.compile(f"^{verb}$"))
+    expect(fact).to_have_count(1)
+    expect(fact.locator("xpath=following-sibling::dd[1]")).to_have_text(
+        re.compile(rf"by {re.escape(by)} at \d{{4}}-\d\d-\d\dT\d\d:\d\d:\d\d")
+    )
+
+
+# -- answering -----------------------------------------------------------------------------
+
+
+def test_approve_in_the_browser_then_the_next_resume_runs_the_tool_once(
+    browser: Browser, any_place: Place, backend: str
+) -> None:
+    place = any_place
+    paused = place.drive(backend, "release-1")
+    assert "stop reason: awaiting_approval after 0 steps" in paused
+    with serving(place.store, backend) as url, opened(browser) as tab:
+        page = tab.page
+        open_run_from_the_list(page, url, "release-1", "awaiting approval")
+        expect(page.locator("#waiting")).to_contain_text("deploy")
+        page.locator("#by-approve").fill("alice")
+        page.get_by_role("button", name="Approve").click()
+        answered(page, "approved", "alice")
+        expect(page.get_by_role("button", name="Approve")).to_have_count(0)
+        assert place.effects("release-1") == []  # an answer runs nothing by itself
+        assert tab.problems == []
+    resumed = place.drive(backend, "release-1")
+    assert "stop reason: submitted after 3 steps" in resumed
+    assert place.effects("release-1") == [
+        "deploy prod release-1:0:action",
+        "pay 5 release-1:1:action",
+        "submit release-1:2:action",
+    ]
+
+
+def test_reject_in_the_browser_tells_the_model_why_and_the_tool_never_runs(
+    browser: Browser, place: Place, backend: str
+) -> None:
+    place.drive(backend, "release-1")
+    with serving(place.store, backend) as url, opened(browser) as tab:
+        page = tab.page
+        open_run_from_the_list(page, url, "release-1", "awaiting approval")
+        page.locator("#by-reject").fill("bob")
+        page.locator("#reason").fill("no deploys on Friday")
+        page.get_by_role("button", name="Reject").click()
+        answered(page, "rejected", "bob")
+        assert tab.problems == []
+    resumed = place.drive(backend, "release-1")
+    assert 'step 0: deploy({"env": "prod"}) -> ' in resumed
+    step_0 = next(line for line in resumed.splitlines() if "step 0:" in line)
+    assert "no deploys on Friday" in step_0  # what the model was told
+    assert not any(line.startswith("deploy ") for line in place.effects("release-1"))
+
+
+def test_settle_in_the_browser_then_the_next_resume_never_pays_again(
+    browser: Browser, place: Place, backend: str
+) -> None:
+    options = ("--auto-approve",)
+    crashed = place.drive(backend, "release-2", *options, "--crash-after-paying", check=False)
+    assert "dies after paying" in crashed
+    assert "stop reason: in_doubt after 1 steps" in place.drive(backend, "release-2", *options)
+    with serving(place.store, backend) as url, opened(browser) as tab:
+        page = tab.page
+        open_run_from_the_list(page, url, "release-2", "in doubt")
+        expect(page.locator("#waiting")).to_contain_text("pay")
+        page.locator("#by-settle").fill("carol")
+        page.get_by_role("radio", name="it ran").check()
+        page.locator("#observation").fill("paid 5")
+        page.get_by_role("button", name="Settle").click()
+        answered(page, "settled", "carol")
+        assert tab.problems == []
+    resumed = place.drive(backend, "release-2", *options)
+    assert 'step 1: pay({"amount": 5}) -> paid 5 (settled by carol)' in resumed
+    assert "stop reason: submitted after 3 steps" in resumed
+    assert [line.split()[0] for line in place.effects("release-2")] == [
+        "deploy",
+        "pay",  # once: before the crash, never again
+        "submit",
+    ]
+
+
+# -- escaping ------------------------------------------------------------------------------
+
+
+async def _fill_with_markup(db: Path) -> None:
+    """A finished run whose id, model replies and observations hold markup, and one
+    whose id does, paused for approval."""
+    tools = review_tools(Ledger())
+    async with SqliteStore(db) as store:
+        script = [tool_call("double", n=SVG), tool_call("submit", answer=IMG), answer(IMG)]
+        await run(definition(store, script=script), request(SCRIPT_ID, tools))
+        await run(definition(store, script=approval_script()), request(PAUSED_ID, tools))
+
+
+def test_markup_from_the_log_is_text_and_no_script_of_it_runs(
+    browser: Browser, tmp_path: Path, backend: str
+) -> None:
+    # Playwright's own event loop holds this thread: the store is filled in another.
+    with ThreadPoolExecutor(1) as thread:
+        thread.submit(anyio.run, _fill_with_markup, tmp_path / "runs.db", backend=backend).result()
+    with serving(f"sqlite:{tmp_path / 'runs.db'}", backend) as url, opened(browser) as tab:
+        page = tab.page
+        response = page.goto(url)
+        assert response is not None
+        assert "script-src 'nonce-" in response.headers["content-security-policy"]
+        ids = page.locator("td.id a").all_inner_texts()
+        assert sorted(ids) == sorted([SCRIPT_ID, PAUSED_ID])
+        assert page.locator(INJECTED).count() == 0
+
+        open_run_from_the_list(page, url, SCRIPT_ID, "finished")
+        live = page.locator("#live")
+        expect(live).to_contain_text(f"accepted {IMG}")  # an observation
+        expect(live).to_contain_text(SVG)  # the refusal of a bad argument
+        replies = live.locator("details pre").all_text_contents()
+        assert any(IMG in reply for reply in replies)  # a model reply
+        assert page.locator(INJECTED).count() == 0
+
+        # A name given in a form is shown as text too, on a run whose id holds markup.
+        open_run_from_the_list(page, url, PAUSED_ID, "awaiting approval")
+        page.locator("#by-approve").fill(NAME)
+        page.get_by_role("button", name="Approve").click()
+        answered(page, "approved", NAME)
+        assert page.locator(INJECTED).count() == 0
+        assert tab.problems == []
+
+
+# -- live updates --------------------------------------------------------------------------
+
+
+def test_open_pages_follow_the_run_without_a_reload(
+    browser: Browser, place: Place, backend: str
+) -> None:
+    place.drive(backend, "release-1")
+    with serving(place.store, backend) as url, opened(browser) as tab, opened(browser) as other:
+        runs = other.page
+        runs.goto(url)
+        expect(runs.locator("tr.run .state")).to_have_text(["awaiting approval"])
+        runs.evaluate("window.kept = 'this page was never reloaded'")
+        page = tab.page
+        open_run_from_the_list(page, url, "release-1", "awaiting approval")
+
+        # A second person answers from a terminal: the open page says so by itself.
+        approved = subprocess.run(
+            [*POLYLOOP, "approve", place.store, "release-1", "--by", "dave"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert approved.returncode == 0, approved.stderr
+        expect(page.get_by_role("button", name="Approve")).to_have_count(0, timeout=LIVE_TIMEOUT_MS)
+        fact = page.locator("#live dt", has_text=re.compile("^approved$"))
+        expect(fact.locator("xpath=following-sibling::dd[1]")).to_contain_text("by dave")
+
+        # The worker resumes and finishes the run: both pages follow.
+        place.drive(backend, "release-1")
+        summary = page.locator("#summary dd").first
+        expect(summary).to_have_text("finished", timeout=LIVE_TIMEOUT_MS)
+        expect(page.locator("#end")).to_contain_text("submitted")
+        expect(runs.locator("tr.run .state")).to_have_text(["finished"], timeout=LIVE_TIMEOUT_MS)
+        assert runs.evaluate("window.kept") == "this page was never reloaded"
+        assert tab.problems == [] and other.problems == []
+
+
+# -- the screenshots in the docs -----------------------------------------------------------
+
+
+def test_the_docs_screenshots_are_taken_from_a_real_console(tmp_path: Path) -> None:
+    chromium()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "console_screenshot.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for name in ("console-runs.png", "console-run.png"):
+        picture = (tmp_path / name).read_bytes()
+        assert picture.startswith(b"\x89PNG\r\n\x1a\n")
+        width = int.from_bytes(picture[16:20], "big")  # the IHDR chunk comes first
+        assert width == SCREENSHOT_WIDTH
+        assert len(picture) < SCREENSHOT_MAX_BYTES
