@@ -29,7 +29,7 @@ import json
 import os
 import tempfile
 import tracemalloc
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,7 @@ COLUMNS = [
     ("ttfb_ms", "first byte ms", 1),
     ("full_ms", "full response ms", 1),
     ("logs_read", "logs read"),
+    ("stall_ms", "longest loop stall ms", 1),
     ("peak_mb", "peak MB", 1),
     ("repeats", "repeats"),
 ]
@@ -365,6 +366,33 @@ class Sample:
     full_s: float
     logs_read: int
     body: str
+    stall_s: float = 0.0
+
+
+class Ticker:
+    """Sleeps 1 ms again and again; notes the longest it overslept: how long the event
+    loop was kept from other work (another request, a run sharing the process)."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+
+    async def tick(self) -> None:
+        while True:
+            began = now()
+            await anyio.sleep(0.001)
+            self.longest = max(self.longest, now() - began - 0.001)
+
+
+async def with_ticker(request: Callable[[], Awaitable[Sample]]) -> Sample:
+    """``request()``, with the longest event-loop stall during it."""
+    ticker = Ticker()
+    async with anyio.create_task_group() as group:
+        group.start_soon(ticker.tick)
+        await anyio.sleep(0.005)  # the ticker is ticking
+        sample = await request()
+        group.cancel_scope.cancel()
+    sample.stall_s = ticker.longest
+    return sample
 
 
 class _Timed:
@@ -381,6 +409,9 @@ class _Timed:
             await send(message)
 
         await self.app(scope, receive, noted)
+
+
+EVENTS = "/events?v=stale"
 
 
 class Console:
@@ -410,6 +441,46 @@ class Console:
             self.counting.logs_read - read_before,
             response.text,
         )
+
+    async def first_change(self) -> Sample:
+        """How long the list's live updates take to look at the store once: the stream
+        opened with a version that is out of date answers "changed" after one look.
+        Driven as raw ASGI, since the stream never ends by itself."""
+        got_event = anyio.Event()
+        first_byte: list[float] = []
+
+        async def receive() -> dict[str, Any]:
+            await anyio.sleep_forever()
+            raise AssertionError("unreachable")
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                first_byte.append(now())
+            elif b"event: changed" in message.get("body", b""):
+                got_event.set()
+
+        path, _, query = EVENTS.partition("?")
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "GET",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": query.encode(),
+            "headers": [(b"host", b"console.test")],
+            "client": ("127.0.0.1", 1),
+            "server": ("console.test", 80),
+        }
+        read_before = self.counting.logs_read
+        began = now()
+        async with anyio.create_task_group() as group:
+            group.start_soon(self.timed.app, scope, receive, send)
+            await got_event.wait()
+            full = now() - began
+            group.cancel_scope.cancel()
+        return Sample(first_byte[0] - began, full, self.counting.logs_read - read_before, "")
 
 
 @dataclass(frozen=True)
@@ -456,7 +527,12 @@ def probes(sizes: ConsoleSizes, approval_run: str) -> list[Probe]:
             True,
             run_page,
         ),
+        Probe("events-look", "/events: one look at the store", EVENTS, True, _no_check),
     ]
+
+
+def _no_check(body: str, sizes: ConsoleSizes) -> None:
+    """The stream's one answer, "changed", is what ends the request: nothing to check."""
 
 
 def run_path(run_id: str) -> str:
@@ -472,7 +548,9 @@ async def _sample(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> Sam
     if not probe.cold:
         await console.get(probe.path)
     settle()
-    sample = await console.get(probe.path)
+    if probe.path == EVENTS:
+        return await with_ticker(console.first_change)
+    sample = await with_ticker(lambda: console.get(probe.path))
     probe.check(sample.body, sizes)
     return sample
 
@@ -487,7 +565,7 @@ async def _peak_mb(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> fl
     try:
         base = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
-        await console.get(probe.path)
+        await (console.first_change() if probe.path == EVENTS else console.get(probe.path))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -537,6 +615,7 @@ async def _probe_rows(
                 "ttfb_ms": median([s.ttfb_s for s in samples]) * 1e3,
                 "full_ms": median([s.full_s for s in samples]) * 1e3,
                 "logs_read": max(reads),
+                "stall_ms": median([s.stall_s for s in samples]) * 1e3,
                 "peak_mb": await _peak_mb(store, probe, sizes),
                 "repeats": len(samples),
             }

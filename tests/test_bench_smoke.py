@@ -292,11 +292,12 @@ def test_console_answers_every_request_and_counts_the_logs_it_read(
             by_key = {r["key"].removeprefix(f"{store}-{backend}-"): r for r in mine}
             probes = ["first-cold", "first-warm"]
             if backend == "asyncio":
-                probes += ["doubt-cold", "doubt-warm", "deep-cold", "run-cold"]
+                probes += ["doubt-cold", "doubt-warm", "deep-cold", "run-cold", "events-look"]
             assert set(by_key) == {"list-all", "list-unfinished", *probes}
             for key in probes:
                 row = by_key[key]
                 assert 0 < row["ttfb_ms"] <= row["full_ms"]
+                assert row["stall_ms"] >= 0
                 assert row["peak_mb"] > 0 and row["repeats"] == sizes.repeats
             # A cold page reads its own runs' logs; the same page again reads none.
             assert by_key["first-cold"]["logs_read"] > 0
