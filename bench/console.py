@@ -1,4 +1,4 @@
-"""Benchmark 8: how fast the web console answers on a store with a long history.
+"""Benchmark 10: how fast the web console answers on a store with a long history.
 
 The console's list (``/``) must stay fast on a store holding 100,000 finished runs and
 1,000 unfinished ones: it reads the store's table of runs, not every log. This
@@ -59,14 +59,14 @@ from polyloop.ports import ManagedStore
 from polyloop.stores import SqliteStore
 from polyloop.testing import FaultyStore, JsonActionInterpreter, ScriptedModelClient, SimulatedCrash
 
-TITLE = "8. The web console on a store with a long history"
+TITLE = "10. The web console on a store with a long history"
 COLUMNS = [
     ("name", "store / request"),
-    ("ttfb_ms", "first byte ms", 1),
-    ("full_ms", "full response ms", 1),
+    ("ttfb_ms", "first byte ms"),
+    ("full_ms", "full response ms"),
     ("logs_read", "logs read"),
-    ("stall_ms", "longest loop stall ms", 1),
-    ("peak_mb", "peak MB", 1),
+    ("stall_ms", "longest loop stall ms"),
+    ("peak_mb", "peak MB"),
     ("repeats", "repeats"),
 ]
 STORE_NAMES = {"sqlite": "SqliteStore", "postgres": "PostgresStore"}
@@ -492,6 +492,8 @@ class Probe:
     path: str
     cold: bool
     check: Callable[[str, ConsoleSizes], None]
+    # Read the logs one run at a time, as the console did before it read several at once.
+    one_at_a_time: bool = False
 
 
 def _shows(total: int) -> Callable[[str, ConsoleSizes], None]:
@@ -518,6 +520,14 @@ def probes(sizes: ConsoleSizes, approval_run: str) -> list[Probe]:
         Probe("first-cold", "/ (first page), cold", "/", True, every),
         Probe("first-warm", "/ (first page), warm", "/", False, every),
         Probe("doubt-cold", "/?state=in doubt, cold", in_doubt, True, doubts),
+        Probe(
+            "doubt-cold-serial",
+            "/?state=in doubt, cold, one log at a time",
+            in_doubt,
+            True,
+            doubts,
+            one_at_a_time=True,
+        ),
         Probe("doubt-warm", "/?state=in doubt, warm", in_doubt, False, doubts),
         Probe("deep-cold", f"/?page={sizes.deep_page:,}, cold", deep, True, every),
         Probe(
@@ -541,9 +551,27 @@ def run_path(run_id: str) -> str:
     return path(run_id)
 
 
+@contextlib.contextmanager
+def _reading(probe: Probe) -> Iterator[None]:
+    """The console reading logs as ``probe`` asks: several at once, or one at a time."""
+    from polyloop.cli._console import _data
+
+    at_once = _data.READ_AT_ONCE
+    _data.READ_AT_ONCE = 1 if probe.one_at_a_time else at_once
+    try:
+        yield
+    finally:
+        _data.READ_AT_ONCE = at_once
+
+
 async def _sample(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> Sample:
     """One request of ``probe`` on a new application (warmed by the same request first
     if the probe is warm)."""
+    with _reading(probe):
+        return await _one_sample(store, probe, sizes)
+
+
+async def _one_sample(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> Sample:
     console = Console(store)
     if not probe.cold:
         await console.get(probe.path)
@@ -557,6 +585,11 @@ async def _sample(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> Sam
 
 async def _peak_mb(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> float:
     """The peak of Python allocations during the probe's request, above the level before."""
+    with _reading(probe):
+        return await _one_peak(store, probe)
+
+
+async def _one_peak(store: ManagedStore, probe: Probe) -> float:
     console = Console(store)
     if not probe.cold:
         await console.get(probe.path)
