@@ -673,7 +673,9 @@ def run(ctx: Context) -> dict[str, Any]:
     sizes = sizes_for(ctx)
     keep = sizes != TINY_SIZES
     rows: list[Row] = []
-    web = next(filter(None, map(missing, ("starlette", "jinja2", "multipart", "httpx"))), None)
+    web = next(
+        filter(None, map(missing, ("starlette", "jinja2", "python_multipart", "httpx"))), None
+    )
     for kind in STORE_NAMES:
         for backend in ("asyncio", "trio"):
             problem = web or (
