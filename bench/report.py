@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-ORDER = ("overhead", "durable", "concurrency", "recovery", "scale", "listing", "lag")
+ORDER = ("overhead", "durable", "concurrency", "recovery", "scale", "listing", "lag", "console")
 
 
 def render(results: dict[str, Any]) -> str:

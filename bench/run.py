@@ -30,7 +30,16 @@ if not __package__:
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
     sys.path.insert(0, str(ROOT))
 
-from bench import concurrency, durable, lag, listing, overhead, recovery, scale  # noqa: E402
+from bench import (  # noqa: E402
+    concurrency,
+    console,
+    durable,
+    lag,
+    listing,
+    overhead,
+    recovery,
+    scale,
+)
 from bench._common import (  # noqa: E402
     FULL,
     QUICK,
@@ -51,6 +60,7 @@ BENCHMARKS = {
     "scale": scale,
     "listing": listing,
     "lag": lag,
+    "console": console,
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
+from bench import console as bench_console  # noqa: E402
 from bench import listing as bench_listing  # noqa: E402
 from bench import report as bench_report  # noqa: E402
 from bench import run as bench_run  # noqa: E402
@@ -67,6 +68,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "scale",
         "listing",
         "lag",
+        "console",
     }
     return data
 
@@ -273,6 +275,46 @@ def test_lag_ticks_beside_every_store_and_the_idle_floor(results: dict[str, Any]
     for item in targets:
         assert {"target", "measured", "limit", "met"} <= item.keys()
         assert item["measured"] is not None
+
+
+def test_console_answers_every_request_and_counts_the_logs_it_read(
+    results: dict[str, Any],
+) -> None:
+    rows = _rows(results, "console")
+    sizes = bench_console.TINY_SIZES
+    assert results["benchmarks"]["console"]["sizes"]["mix"] == sizes.mix()
+    for store in ("sqlite", "postgres"):
+        for backend in ("asyncio", "trio"):
+            mine = [r for r in rows if r["store"] == store and r["backend"] == backend]
+            if any(r.get("skipped") for r in mine):
+                assert store == "postgres" and not _postgres_up()
+                continue
+            by_key = {r["key"].removeprefix(f"{store}-{backend}-"): r for r in mine}
+            probes = ["first-cold", "first-warm"]
+            if backend == "asyncio":
+                probes += [
+                    "doubt-cold",
+                    "doubt-cold-serial",
+                    "doubt-warm",
+                    "deep-cold",
+                    "run-cold",
+                    "events-look",
+                ]
+            assert set(by_key) == {"list-all", "list-unfinished", *probes}
+            for key in probes:
+                row = by_key[key]
+                assert 0 < row["ttfb_ms"] <= row["full_ms"]
+                assert row["stall_ms"] >= 0
+                assert row["peak_mb"] > 0 and row["repeats"] == sizes.repeats
+            # A cold page reads its own runs' logs; the same page again reads none.
+            assert by_key["first-cold"]["logs_read"] > 0
+            assert by_key["first-warm"]["logs_read"] == 0
+            if backend == "asyncio":
+                # The finer filter reads unfinished runs only, never the finished ones.
+                for key in ("doubt-cold", "doubt-cold-serial"):
+                    assert by_key[key]["logs_read"] == 2 * sizes.unfinished
+                assert by_key["doubt-warm"]["logs_read"] == 0
+            assert by_key["list-all"]["full_ms"] > 0 and by_key["list-unfinished"]["full_ms"] > 0
 
 
 def test_profile_names_polyloop_functions(results: dict[str, Any]) -> None:

@@ -294,6 +294,27 @@ def test_performance_page_holds_the_report_of_the_reference_run() -> None:
     assert shown == render(reference).strip()
 
 
+CONSOLE_REPORT_START = (
+    "<!-- report of bench/results/console.json: "
+    "python bench/report.py bench/results/console.json -->"
+)
+
+
+def test_console_page_holds_the_report_of_the_console_benchmark() -> None:
+    """The console page's speed figures are the rendering of the committed results file."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from bench.report import render
+
+    page = (DOCS / "console.md").read_text(encoding="utf-8")
+    assert CONSOLE_REPORT_START in page and REPORT_END in page
+    shown = page.split(CONSOLE_REPORT_START, 1)[1].split(REPORT_END, 1)[0].strip()
+    committed = json.loads((ROOT / "bench" / "results" / "console.json").read_text())
+    assert set(committed["benchmarks"]) == {"console"}
+    assert committed["meta"]["mode"] == "full"
+    assert shown == render(committed).strip()
+
+
 THROUGHPUT_BLOCK = re.compile(
     r"<!-- python bench/throughput.py --render (?P<file>\S+) -->\n(?P<shown>.*?)"
     r"<!-- end of throughput results -->",

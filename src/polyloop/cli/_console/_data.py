@@ -7,6 +7,8 @@ what ``polyloop runs`` and ``polyloop show`` say.
 
 from __future__ import annotations
 
+import anyio
+
 from polyloop.cli._console._listing import (
     PER_PAGE,
     Page,
@@ -21,6 +23,9 @@ from polyloop.cli._view import CORRUPT, STATE_WORDS, RunView
 from polyloop.ports import ManagedStore, StoredRun
 from polyloop.session import run_status
 from polyloop.types import CorruptLog, RunNotFound, SchemaMajorMismatch
+
+# Runs whose logs a page reads at once.
+READ_AT_ONCE = 8
 
 
 async def read_run(store: ManagedStore, run_id: str) -> RunView | None:
@@ -62,16 +67,32 @@ async def rows_for(
     store: ManagedStore, cache: RowCache, runs: list[StoredRun] | tuple[StoredRun, ...]
 ) -> dict[str, RunRow]:
     """The rows of ``runs``, from the cache where the run table says nothing changed."""
-    rows = {}
-    for run in runs:
-        row = cache.get(run)
-        if row is None:
+    cached = {run.run_id: row for run in runs if (row := cache.get(run)) is not None}
+    unread = [run for run in runs if run.run_id not in cached]
+    read = await _read_rows(store, unread)
+    for run in unread:
+        if run.run_id in read:
+            cache.put(run, read[run.run_id])
+    found = cached | read
+    return {run.run_id: found[run.run_id] for run in runs if run.run_id in found}
+
+
+async def _read_rows(store: ManagedStore, runs: list[StoredRun]) -> dict[str, RunRow]:
+    """The rows of ``runs`` read from the store, ``READ_AT_ONCE`` runs at a time: a
+    database answers several readers at once, so their round trips overlap."""
+    found: dict[str, RunRow] = {}
+    waiting = iter(runs)
+
+    async def reader() -> None:
+        for run in waiting:  # shared: each run is read by one reader
             row = await read_row(store, run)
-            if row is None:
-                continue
-            cache.put(run, row)
-        rows[run.run_id] = row
-    return rows
+            if row is not None:
+                found[run.run_id] = row
+
+    async with anyio.create_task_group() as group:
+        for _ in range(min(READ_AT_ONCE, len(runs))):
+            group.start_soon(reader)
+    return found
 
 
 async def list_page(
