@@ -78,6 +78,8 @@ def test_candidates_leave_finished_runs_out_of_finer_filters(
         ("", StateFilter.ALL),
         ("in doubt", StateFilter.IN_DOUBT),
         ("awaiting approval", StateFilter.AWAITING_APPROVAL),
+        ("in_doubt", StateFilter.IN_DOUBT),
+        ("awaiting_approval", StateFilter.AWAITING_APPROVAL),
         ("bogus", StateFilter.ALL),
     ],
 )
@@ -167,16 +169,16 @@ async def test_a_page_reads_only_its_own_runs_and_then_only_what_changed(
         await crash_in_doubt(store, "doubt")
         counting = CountingStore(store)
         cache = RowCache()
-        page, rows = await list_page(counting, cache, StateFilter.ALL, 1, per_page=5)  # type: ignore[arg-type]
+        page, rows, _ = await list_page(counting, cache, StateFilter.ALL, 1, per_page=5)  # type: ignore[arg-type]
         assert [r.run_id for r in rows] == ["doubt", "done-11", "done-10", "done-09", "done-08"]
         assert set(counting.read) == set(ids(page.runs))
         counting.read.clear()
         await list_page(counting, cache, StateFilter.ALL, 1, per_page=5)  # type: ignore[arg-type]
         assert counting.read == []  # nothing changed: every row came from the cache
-        _, doubts = await list_page(counting, cache, StateFilter.IN_DOUBT, 1, per_page=5)  # type: ignore[arg-type]
+        _, doubts, _ = await list_page(counting, cache, StateFilter.IN_DOUBT, 1, per_page=5)  # type: ignore[arg-type]
         assert [r.run_id for r in doubts] == ["doubt"]
         assert counting.read == []  # the in-doubt run's row was cached; finished ones unread
         await crash_in_doubt(store, "later")
-        _, doubts = await list_page(counting, cache, StateFilter.IN_DOUBT, 1, per_page=5)  # type: ignore[arg-type]
+        _, doubts, _ = await list_page(counting, cache, StateFilter.IN_DOUBT, 1, per_page=5)  # type: ignore[arg-type]
         assert [r.run_id for r in doubts] == ["later", "doubt"]
         assert set(counting.read) == {"later"}

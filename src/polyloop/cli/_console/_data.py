@@ -101,18 +101,24 @@ async def list_page(
     wanted: StateFilter,
     number: int,
     per_page: int = PER_PAGE,
-) -> tuple[Page, list[RunRow]]:
-    """Page ``number`` of the runs that pass ``wanted``, and their rows.
+) -> tuple[Page, list[RunRow], tuple[StoredRun, ...]]:
+    """Page ``number`` of the runs that pass ``wanted``, their rows, and the run table as
+    it was listed (what the live page watches for changes).
 
     Only the runs on the page are read; for a filter finer than finished or unfinished,
     the unfinished runs are read too (through the cache) to tell which pass.
     """
-    unfinished_only = wanted not in (StateFilter.ALL, StateFilter.FINISHED)
-    listed = candidates(await store.list_runs(unfinished_only=unfinished_only), wanted)
+    seen = await store.list_runs(unfinished_only=listed_unfinished_only(wanted))
+    listed = candidates(seen, wanted)
     if wanted.needs_status:
         rows = await rows_for(store, cache, listed)
         page = select(listed, rows, wanted, number, per_page)
     else:
         page = select(listed, {}, wanted, number, per_page)
         rows = await rows_for(store, cache, page.runs)
-    return page, [rows[run.run_id] for run in page.runs if run.run_id in rows]
+    return page, [rows[run.run_id] for run in page.runs if run.run_id in rows], seen
+
+
+def listed_unfinished_only(wanted: StateFilter) -> bool:
+    """Whether the runs ``wanted`` may pass are all among the unfinished ones."""
+    return wanted not in (StateFilter.ALL, StateFilter.FINISHED)

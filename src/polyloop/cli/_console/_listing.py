@@ -41,9 +41,10 @@ class StateFilter(enum.StrEnum):
 
     @classmethod
     def parse(cls, text: str | None) -> StateFilter:
-        """The filter a query names; every run for a missing or unknown one."""
+        """The filter a query names, with ``_`` for a space as the run states are
+        spelled in JSON (``in_doubt``); every run for a missing or unknown one."""
         try:
-            return cls(text or "all")
+            return cls((text or "all").replace("_", " "))
         except ValueError:
             return cls.ALL
 
