@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from types import ModuleType
 
 import anyio
 
-from polyloop import RunResult, start_or_resume
+from polyloop import ManagedStore, RunResult, start_or_resume
 from polyloop.cli._stores import open_store, parse_store
+from polyloop.stores import PostgresStore
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "approvals.py"
+LEASE_S = 2.0
 
 
 def example() -> ModuleType:
@@ -38,9 +41,17 @@ async def drive(approvals: ModuleType, args: argparse.Namespace) -> RunResult:
         auto_approve=args.auto_approve,
         crash_after_paying=args.crash_after_paying,
     )
-    async with open_store(parse_store(args.store), create=True) as store:
+    async with _opened(args.store) as store:
         definition, request = approvals.build(store, args.run_id, tools)
         return await start_or_resume(definition, request)
+
+
+def _opened(store: str) -> AbstractAsyncContextManager[ManagedStore]:
+    """The store, with a short lease on PostgreSQL: a worker that dies there holds its
+    runs until its lease lapses, and the tests take its runs over after it."""
+    if store.startswith("postgresql"):
+        return PostgresStore(store, lease_s=LEASE_S)
+    return open_store(parse_store(store), create=True)
 
 
 def main() -> None:

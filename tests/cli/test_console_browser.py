@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -68,14 +69,23 @@ class Place:
     worker: Callable[[str, str, tuple[str, ...]], list[str]]
 
     def drive(self, backend: str, run_id: str, *options: str, check: bool = True) -> str:
-        """Run the worker once on ``run_id``: it drives the run as far as it can go."""
-        done = subprocess.run(
-            self.worker(backend, run_id, options),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        """Run the worker once on ``run_id``: it drives the run as far as it can go.
+
+        A worker that died holds its runs on PostgreSQL until its (short) lease lapses:
+        the next one is started again while it is refused with ``RunLocked``.
+        """
+        deadline = time.monotonic() + 30
+        while True:
+            done = subprocess.run(
+                self.worker(backend, run_id, options),
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            if "RunLocked" not in done.stderr or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         if check:
             assert done.returncode == 0, done.stderr
         return done.stdout
@@ -253,8 +263,9 @@ def test_approve_in_the_browser_then_the_next_resume_runs_the_tool_once(
 
 
 def test_reject_in_the_browser_tells_the_model_why_and_the_tool_never_runs(
-    browser: Browser, place: Place, backend: str
+    browser: Browser, any_place: Place, backend: str
 ) -> None:
+    place = any_place
     place.drive(backend, "release-1")
     with serving(place.store, backend) as url, opened(browser) as tab:
         page = tab.page
@@ -272,8 +283,9 @@ def test_reject_in_the_browser_tells_the_model_why_and_the_tool_never_runs(
 
 
 def test_settle_in_the_browser_then_the_next_resume_never_pays_again(
-    browser: Browser, place: Place, backend: str
+    browser: Browser, any_place: Place, backend: str
 ) -> None:
+    place = any_place
     options = ("--auto-approve",)
     crashed = place.drive(backend, "release-2", *options, "--crash-after-paying", check=False)
     assert "dies after paying" in crashed
