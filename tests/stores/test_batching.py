@@ -150,6 +150,40 @@ async def test_cancelled_before_its_batch_starts_nothing_is_committed() -> None:
     assert group.idle
 
 
+async def test_a_leader_cancelled_before_its_batch_starts_hands_it_on() -> None:
+    commit = Recorder()
+    group = GroupCommit(commit)
+    commit.gate.clear()
+    lead = anyio.CancelScope()
+    cancelled = False
+
+    async def leader() -> None:
+        nonlocal cancelled
+        with lead:
+            try:
+                await group.submit("leader")
+            except anyio.get_cancelled_exc_class():
+                cancelled = True
+                raise
+
+    with anyio.fail_after(10):  # a batch left without a leader would wait forever
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(group.submit, "running")
+            await anyio.to_thread.run_sync(commit.entered.wait, 10)
+            tasks.start_soon(leader)  # the first of the next batch, waiting for its turn
+            await anyio.wait_all_tasks_blocked()
+            for name in ("second", "third"):
+                tasks.start_soon(group.submit, name)
+            await anyio.wait_all_tasks_blocked()
+            lead.cancel()
+            await anyio.wait_all_tasks_blocked()
+            commit.gate.set()
+    assert cancelled
+    # Trio starts tasks in any order: the two share the second commit, in either order.
+    assert [sorted(batch) for batch in commit.batches] == [["running"], ["second", "third"]]
+    assert group.idle
+
+
 async def test_cancelled_after_its_batch_started_the_item_is_committed() -> None:
     commit = Recorder()
     group = GroupCommit(commit)
