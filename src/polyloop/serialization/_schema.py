@@ -32,7 +32,6 @@ from polyloop.types import (
     StepRecord,
     StopReason,
     ToolCallBlock,
-    UnloggableValue,
     Usage,
 )
 
@@ -132,7 +131,7 @@ def checked(
     kind: str,
     field: Field,
     value: Any,
-    error: Callable[[str], CorruptLog | UnloggableValue],
+    error: Callable[[str], Exception],
 ) -> Any:
     """``value`` as the record holds it (an enum as its member), or ``error(reason)``."""
     if value is None and field.optional:
@@ -293,20 +292,17 @@ def _nested_step(item: Any, index: int) -> StepRecord:
         data = item
     else:
         raise _Mismatch("a list of step records", detail=f"item {index} is not a step record")
+
+    def inside(reason: str) -> _Mismatch:
+        return _Mismatch("a list of step records", detail=f"item {index}: {reason}")
+
     values: dict[str, Any] = {}
     for field in FIELDS["step"]:
         if field.key not in data:
             if field.defaulted:
                 continue
             raise _Mismatch("a list of step records", detail=f"item {index} has no {field.key!r}")
-        raw = data[field.key]
-        try:
-            values[field.name] = None if raw is None and field.optional else field.convert(raw)
-        except _Mismatch as mismatch:
-            reason = mismatch.detail or f"must be {mismatch.expected}, not {raw!r:.80}"
-            raise _Mismatch(
-                "a list of step records", detail=f"item {index}: step.{field.name} {reason}"
-            ) from None
+        values[field.name] = checked("step", field, data[field.key], inside)
     return StepRecord(**values)
 
 

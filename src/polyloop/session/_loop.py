@@ -133,22 +133,29 @@ def _as_edited(step: StepRecord, by: str | None, proposed: str | None) -> StepRe
 def reconcilable(request: Request, plan: _recovery.Plan) -> Action | None:
     """The action in doubt that the request's executor may be asked about, if any.
 
-    Only an action can be settled, and only an executor with a probe can be asked.
+    Only an action can be settled, and only an executor that says it can answer for it
+    is asked. One whose ``reconciles`` raises is asked anyway: the loop then counts the
+    failure and says what it raised.
     """
     intent = plan.open_intent
+    executor = request.executor
     if (
         plan.state is not _recovery.RecoveryState.IN_DOUBT
         or intent is None
         or intent.kind is not IntentKind.ACTION
-        or not isinstance(request.executor, ReconcilingExecutor)
+        or not isinstance(executor, ReconcilingExecutor)
     ):
         return None
-    return Action(
+    action = Action(
         payload=intent.payload,
         action_text=intent.action_text or "",
         history_text=intent.history_text or "",
         tool_call=intent.tool_call,
     )
+    try:
+        return action if executor.reconciles(action) else None
+    except Exception:  # noqa: BLE001 - counted where the loop asks again
+        return action
 
 
 def _well_formed(answer: object) -> bool:
