@@ -781,3 +781,34 @@ def test_a_block_keeps_its_lines_and_tabs_and_escapes_the_rest() -> None:
     text = "one\n\ttwo\r\x1b[31m\u202eok\u2028"
     assert escape_block(text) == "one\n\ttwo\\r\\x1b[31m\\u202eok\\u2028"
     assert escape_field(text) == "one\\n\\ttwo\\r\\x1b[31m\\u202eok\\u2028"
+
+
+@pytest.mark.parametrize(
+    ("raised", "status"),
+    [
+        (BaseExceptionGroup("served", [KeyboardInterrupt()]), 130),
+        (BaseExceptionGroup("served", [BaseExceptionGroup("c", [KeyboardInterrupt()])]), 130),
+        (BaseExceptionGroup("served", [KeyboardInterrupt(), SystemExit(3)]), None),
+    ],
+)
+def test_ctrl_c_inside_a_task_group_is_an_interruption(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    raised: BaseException,
+    status: int | None,
+) -> None:
+    """A server's task group wraps the KeyboardInterrupt that landed in one of its
+    connections; the command still ends as interrupted, and nothing else is hidden."""
+    import polyloop.cli._app as app
+
+    def interrupted(*args: Any, **kwargs: Any) -> int:
+        raise raised
+
+    monkeypatch.setattr(app.anyio, "run", interrupted)
+    if status is None:
+        with pytest.raises(BaseExceptionGroup):
+            main(["runs", f"sqlite:{tmp_path / 'runs.db'}"])
+        return
+    assert main(["runs", f"sqlite:{tmp_path / 'runs.db'}"]) == status
+    assert capsys.readouterr().err == "polyloop: interrupted\n"

@@ -97,15 +97,25 @@ def _run(argv: Sequence[str]) -> int:
             command: _Command = args.command
             return anyio.run(command, args, console(), backend=args.backend)
         except KeyboardInterrupt:
-            print(f"{PROGRAM}: interrupted", file=sys.stderr)
-            hint = getattr(args, "interrupted_hint", None)
-            if hint is not None:
-                print(hint, file=sys.stderr)
-            return INTERRUPTED_EXIT_STATUS
+            return _interrupted(args)
         except Exception as exc:  # noqa: BLE001 - the command never shows a traceback
             if isinstance(_single(exc), BrokenPipeError):
                 return _reader_went_away()
             return _fail(_describe(_single(exc)))
+        except BaseExceptionGroup as group:
+            # Ctrl-C that landed inside a task group (a server's connection, say)
+            # arrives wrapped: it is the same interruption.
+            if group.split(KeyboardInterrupt)[1] is None:
+                return _interrupted(args)
+            raise
+
+
+def _interrupted(args: argparse.Namespace) -> int:
+    print(f"{PROGRAM}: interrupted", file=sys.stderr)
+    hint = getattr(args, "interrupted_hint", None)
+    if hint is not None:
+        print(hint, file=sys.stderr)
+    return INTERRUPTED_EXIT_STATUS
 
 
 def build_parser() -> argparse.ArgumentParser:
