@@ -68,6 +68,7 @@ interpreter's recursion limit) always reads back what was written.
 """
 
 _TOO_LONG = 10**MAX_INT_DIGITS  # the smallest integer with MAX_INT_DIGITS + 1 digits
+_LONG_ENOUGH = 2**62  # a machine-size bound: cheaper to compare than _TOO_LONG
 _TYPES_MODULE = "polyloop.types"
 
 
@@ -201,7 +202,14 @@ def plain_copy(value: Any, *, root: str = "value", strict: bool = False) -> Any:
 def _copy(item: Any, depth: int, objects: Any, arrays: Any) -> Any:
     if depth > MAX_DEPTH:
         raise _TooDeep
-    if isinstance(item, (str, bool)) or item is None:
+    # Most of a payload is text, flags and small numbers of the exact built-in types:
+    # those are answered by one type lookup, before the general checks below.
+    kind = type(item)
+    if kind is str or kind is bool or item is None:
+        return item
+    if kind is int and -_LONG_ENOUGH < item < _LONG_ENOUGH:
+        return item
+    if isinstance(item, (str, bool)):
         return item
     if isinstance(item, objects):
         copied: dict[str, Any] = {}

@@ -107,6 +107,22 @@ def test_the_digit_limit_is_exact() -> None:
         plain_copy(-(10**MAX_INT_DIGITS))
 
 
+@pytest.mark.parametrize("shift", [-1, 0, 1])
+def test_integers_around_the_machine_size_copy_exactly(shift: int) -> None:
+    # Small integers take a shorter way through the copy than long ones: both must agree.
+    for value in (2**62 + shift, -(2**62) + shift, 2**63 + shift, -(2**64) + shift):
+        copied = plain_copy({"n": [value]})
+        assert copied == {"n": [value]} and type(copied["n"][0]) is int
+
+
+def test_an_int_subclass_is_copied_as_a_plain_int() -> None:
+    class Count(int):
+        pass
+
+    copied = plain_copy([Count(3), True])
+    assert copied == [3, True] and [type(item) for item in copied] == [int, bool]
+
+
 def test_the_depth_limit() -> None:
     nested: Any = "leaf"
     for _ in range(MAX_DEPTH):

@@ -21,13 +21,15 @@ from __future__ import annotations
 import collections
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyloop._shared import FORMAT, canonical_json, plain_copy, record_kind
 from polyloop.serialization._schema import (
     FIELDS,
     RECORD_CLASS,
+    Field,
+    Mismatch,
     check_schema,
     checked,
 )
@@ -47,28 +49,45 @@ def encode(record: Record) -> dict[str, JSONValue]:
     strict JSON cannot carry back exactly.
     """
     kind = record_kind(record)
-    run_id = record.run_id if isinstance(record.run_id, str) else None
-
-    def refuse(reason: str) -> UnloggableValue:
-        return UnloggableValue(reason, run_id=run_id)
-
     out: dict[str, JSONValue] = {"schema": FORMAT, "kind": kind}
     for field in FIELDS[kind]:
         value = getattr(record, field.name)
-        if value is None and field.written_when_set:
-            continue
-        if field.check in ("json", "object"):
-            value = plain(value, owner=type(record).__name__, field=field.name, run_id=run_id)
-        elif isinstance(value, ToolCallBlock):
-            # The arguments are the model's, not the library's: walked like a payload.
-            arguments = plain(
-                value.arguments, owner=type(record).__name__, field=field.name, run_id=run_id
-            )
-            value = ToolCallBlock(call_id=value.call_id, name=value.name, arguments=arguments)
-        # The reader checks every field; refuse here what it would refuse there.
-        value = checked(kind, field, value, refuse)
-        out[field.key] = None if value is None else field.write(value)
+        if value is None and field.optional:
+            if not field.written_when_set:
+                out[field.key] = None
+        elif field.emit is None:
+            out[field.key] = _walked(record, kind, field, value)
+        else:
+            try:
+                out[field.key] = field.emit(value)
+            except Mismatch:
+                # The reader checks every field; refuse here what it would refuse there.
+                out[field.key] = field.write(checked(kind, field, value, _refusal(record)))
     return out
+
+
+def _walked(record: Record, kind: str, field: Field, value: Any) -> JSONValue:
+    """A payload, snapshot or tool call: values the library did not make, walked."""
+    owner, run_id = type(record).__name__, _run_id(record)
+    if isinstance(value, ToolCallBlock):
+        # The arguments are the model's, not the library's: walked like a payload.
+        arguments = plain(value.arguments, owner=owner, field=field.name, run_id=run_id)
+        value = ToolCallBlock(call_id=value.call_id, name=value.name, arguments=arguments)
+    elif field.check != "tool_call":
+        value = plain(value, owner=owner, field=field.name, run_id=run_id)
+    value = checked(kind, field, value, _refusal(record))
+    return None if value is None else field.write(value)
+
+
+def _run_id(record: Record) -> str | None:
+    return record.run_id if isinstance(record.run_id, str) else None
+
+
+def _refusal(record: Record) -> Callable[[str], UnloggableValue]:
+    def refuse(reason: str) -> UnloggableValue:
+        return UnloggableValue(reason, run_id=_run_id(record))
+
+    return refuse
 
 
 def plain(

@@ -59,9 +59,12 @@ class Field:
     # The check's converter and writer, chosen once from ``check`` (see _converters).
     convert: Callable[[Any], Any] = dataclasses.field(repr=False, compare=False)
     write: Callable[[Any], Any] = dataclasses.field(repr=False, compare=False)
+    # The two in one for the writing direction: a held value as the JSON object carries
+    # it, or Mismatch. None for the fields whose values are walked as payloads.
+    emit: Callable[[Any], Any] | None = dataclasses.field(repr=False, compare=False)
 
 
-class _Mismatch(Exception):
+class Mismatch(Exception):
     """A value a check refuses: ``expected`` says what the check wanted, or ``detail``
     what is wrong inside a value of the right shape."""
 
@@ -96,6 +99,7 @@ def _field(spec: dataclasses.Field[Any]) -> Field:
     base = annotation.removesuffix(" | None")
     check = _CHECKS[base]
     convert, write = _converters(check)
+    walked = check in ("json", "object", "tool_call")
     return Field(
         name=spec.name,
         # "kind" is the record's own kind in the JSON object; the intent kind of an
@@ -107,6 +111,7 @@ def _field(spec: dataclasses.Field[Any]) -> Field:
         written_when_set=bool(spec.metadata.get("written_when_set")),
         convert=convert,
         write=write,
+        emit=None if walked else _emitter(check, convert, write),
     )
 
 
@@ -138,7 +143,7 @@ def checked(
         return None
     try:
         return field.convert(value)
-    except _Mismatch as mismatch:
+    except Mismatch as mismatch:
         if mismatch.detail is not None:
             raise error(f"{kind}.{field.name}: {mismatch.detail}") from None
         expected = mismatch.expected
@@ -187,7 +192,7 @@ def tool_call_from(value: Any) -> ToolCallBlock | None:
     return ToolCallBlock(call_id=value["call_id"], name=value["name"], arguments=value["arguments"])
 
 
-# Each check is a converter (the value as the record holds it, or _Mismatch) and a
+# Each check is a converter (the value as the record holds it, or Mismatch) and a
 # writer (the held value as the JSON object carries it), chosen once per field: the
 # codec runs for every record written and read, so it looks nothing up per value.
 
@@ -205,13 +210,40 @@ def _enum_converter(cls: type[enum.Enum]) -> Callable[[Any], Any]:
         try:
             return cls(value)
         except ValueError:
-            raise _Mismatch(expected) from None
+            raise Mismatch(expected) from None
 
     return convert
 
 
 def _enum_value(member: enum.Enum) -> Any:
     return member.value
+
+
+def _emitter(
+    check: Check, convert: Callable[[Any], Any], write: Callable[[Any], Any]
+) -> Callable[[Any], Any]:
+    # Every record written goes through these, so the held value the record was built
+    # with (a member, a UTC time) is recognised by its type before any conversion.
+    if isinstance(check, type):
+        cls = check
+
+        def emit_member(value: Any) -> Any:
+            if type(value) is cls:
+                return value.value
+            return convert(value).value
+
+        return emit_member
+    if check == "time":
+        return _emit_time
+    if write is _same:
+        return convert
+    return lambda value: write(convert(value))
+
+
+def _emit_time(value: Any) -> str:
+    if type(value) is datetime and value.tzinfo is UTC:
+        return value.isoformat(timespec="microseconds")[:-6] + "Z"  # drop "+00:00"
+    return plain_time(_to_time(value))
 
 
 def _same(value: Any) -> Any:
@@ -225,55 +257,55 @@ def _to_usage(value: Any) -> Usage:
         try:
             return usage_from(value)
         except ValueError as exc:
-            raise _Mismatch("an object of token counts", detail=str(exc)) from None
-    raise _Mismatch("an object of token counts")
+            raise Mismatch("an object of token counts", detail=str(exc)) from None
+    raise Mismatch("an object of token counts")
 
 
 def _to_tool_call(value: Any) -> ToolCallBlock:
     call = value if isinstance(value, ToolCallBlock) else tool_call_from(value)
     if call is not None and isinstance(call.call_id, str) and isinstance(call.name, str):
         return call
-    raise _Mismatch('an object with string "call_id" and "name", and "arguments"')
+    raise Mismatch('an object with string "call_id" and "name", and "arguments"')
 
 
 def _to_object(value: Any) -> Any:
     if isinstance(value, dict):
         return value
-    raise _Mismatch("an object")
+    raise Mismatch("an object")
 
 
 def _to_time(value: Any) -> datetime:
     moment = value if isinstance(value, datetime) else time_from(value)
     if moment is not None and moment.utcoffset() is not None:
         return moment.astimezone(UTC)
-    raise _Mismatch("an RFC 3339 date and time with its offset")
+    raise Mismatch("an RFC 3339 date and time with its offset")
 
 
 def _to_str(value: Any) -> Any:
     if isinstance(value, str):
         return value
-    raise _Mismatch("a str")
+    raise Mismatch("a str")
 
 
 def _to_int(value: Any) -> Any:
     if isinstance(value, int) and not isinstance(value, bool):  # a bool is not a count
         return value
-    raise _Mismatch("a int")
+    raise Mismatch("a int")
 
 
 def _to_bool(value: Any) -> Any:
     if isinstance(value, bool):
         return value
-    raise _Mismatch("a bool")
+    raise Mismatch("a bool")
 
 
 def _to_float(value: Any) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool):
-        raise _Mismatch("a float")
+        raise Mismatch("a float")
     try:
         return float(value)
     except OverflowError:  # an integer beyond any float: not a readable duration
-        raise _Mismatch("a number a float can hold") from None
+        raise Mismatch("a number a float can hold") from None
 
 
 def _to_steps(value: Any) -> tuple[StepRecord, ...]:
@@ -281,7 +313,7 @@ def _to_steps(value: Any) -> tuple[StepRecord, ...]:
     checked field by field as a step record read on its own is: written as an object of
     the step kind's fields, read back from one."""
     if not isinstance(value, list | tuple):
-        raise _Mismatch("a list of step records")
+        raise Mismatch("a list of step records")
     return tuple(_nested_step(item, index) for index, item in enumerate(value))
 
 
@@ -291,17 +323,17 @@ def _nested_step(item: Any, index: int) -> StepRecord:
     elif isinstance(item, dict):
         data = item
     else:
-        raise _Mismatch("a list of step records", detail=f"item {index} is not a step record")
+        raise Mismatch("a list of step records", detail=f"item {index} is not a step record")
 
-    def inside(reason: str) -> _Mismatch:
-        return _Mismatch("a list of step records", detail=f"item {index}: {reason}")
+    def inside(reason: str) -> Mismatch:
+        return Mismatch("a list of step records", detail=f"item {index}: {reason}")
 
     values: dict[str, Any] = {}
     for field in FIELDS["step"]:
         if field.key not in data:
             if field.defaulted:
                 continue
-            raise _Mismatch("a list of step records", detail=f"item {index} has no {field.key!r}")
+            raise Mismatch("a list of step records", detail=f"item {index} has no {field.key!r}")
         values[field.name] = checked("step", field, data[field.key], inside)
     return StepRecord(**values)
 
