@@ -6,6 +6,8 @@ floor and with peers, in one process or in several sharing one database.
     python bench/throughput.py --runs 1000 --backends asyncio \
         --stores hand,memory,pydantic-ai,sqlite,langgraph-sqlite,postgres,langgraph-postgres
     python bench/throughput.py --runs 1000 --stores postgres --backends asyncio --workers 1,2
+    python bench/throughput.py --runs 1000 \
+        --stores hand,hand-trajectory,memory,hand-sqlite,sqlite,hand-postgres,postgres
 
 Every run makes ``--steps`` steps (10 by default); each step is a call to a model
 client shared by all runs, which waits ``--latency-ms`` (200 by default, an
@@ -19,10 +21,20 @@ last call). So the ideal wall time of a run, and of all runs at once, is
 PolyLoop on ``memory``, ``jsonl``, ``sqlite`` or ``postgres`` (the default: all four);
 ``hand``, the same work written by hand with no kernel and nothing durable (the floor:
 what the event loop, JSON and validation cost by themselves), and ``hand-novalidate``,
-the same without the JSON Schema check; ``langgraph-sqlite`` and ``langgraph-postgres``,
+the same without the JSON Schema check; ``hand-trajectory``, ``hand`` keeping the run's
+trajectory as ``RunResult.steps`` does (a small object per step holding the model's
+output, the action and the very observation the tool returned), the memory floor of a
+loop that returns its trajectory; ``hand-sqlite`` and ``hand-postgres``,
+``hand-trajectory`` made durable by hand (``bench/hand_durable.py``) in PolyLoop's write
+order: per step an intent committed before the model call and one before the tool, the
+model's reply, the tool's result and the step, each committed before the step goes on,
+as JSON rows in one table, grouped into one transaction per moment by a worker thread
+(the floor of durable work: what PolyLoop's durable stores are measured against);
+``langgraph-sqlite`` and ``langgraph-postgres``,
 a LangGraph graph with its async checkpointer; ``pydantic-ai``, a Pydantic AI agent (in
 memory: it has no durable store). The peers run on asyncio only. Every cell counts the
-model decisions and tool executions and fails if they are not runs x steps.
+model decisions and tool executions and fails if they are not runs x steps (the
+durable floors also count the rows they committed, and fail if a row is missing).
 
 Each (store, backend, number of runs, workers) cell runs in child processes of its own,
 so its memory, descriptors and CPU time are its own: one child, or with ``--workers K``
@@ -87,6 +99,7 @@ from bench._common import (  # noqa: E402
     postgres_schema,
     print_table,
 )
+from bench.hand_durable import hand_durable, rows_written  # noqa: E402
 from bench.workload import Driver, HandWorkload, Workload, warm  # noqa: E402
 
 TITLE = "8. Throughput: concurrent runs of realistic shape"
@@ -121,6 +134,9 @@ class Kind:
 KINDS = {
     "hand": Kind("hand-written"),
     "hand-novalidate": Kind("hand-written, no validation"),
+    "hand-trajectory": Kind("hand-written, trajectory"),
+    "hand-sqlite": Kind("hand-written, trajectory, SQLite"),
+    "hand-postgres": Kind("hand-written, trajectory, PostgreSQL", postgres=True),
     "memory": Kind("MemoryStore"),
     "jsonl": Kind("JsonlStore"),
     "sqlite": Kind("SqliteStore", shared=True),
@@ -139,6 +155,7 @@ KINDS = {
     ),
 }
 STORES = ("memory", "jsonl", "sqlite", "postgres")  # the default: PolyLoop's stores
+DURABLE_FLOORS = ("hand-sqlite", "hand-postgres")  # they count the rows they commit
 TOOL_S = 0.010
 TICK_S = 0.010
 POLL_S = 0.002  # how often a waiting worker looks for the start signal
@@ -414,6 +431,7 @@ def _combine(parts: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         "gc_threshold": parts[0]["gc_threshold"],
         "decisions": sum(part["decisions"] for part in parts),
         "tool_executions": steps,
+        "rows": sum(part.get("rows", 0) for part in parts),
         "errors": sum(part["errors"] for part in parts),
         "first_errors": sorted({e for part in parts for e in part["first_errors"]})[:3],
         # The first worker's profile, if one was asked for (--profile).
@@ -561,8 +579,13 @@ async def _open_driver(kind: str, where: str, args: argparse.Namespace) -> Async
         "latency_s": args.latency_ms / 1000,
         "tool_s": TOOL_S,
     }
-    if kind in ("hand", "hand-novalidate"):
-        yield HandWorkload(**sizes, validate=kind == "hand")
+    if kind in ("hand", "hand-novalidate", "hand-trajectory"):
+        yield HandWorkload(
+            **sizes, validate=kind != "hand-novalidate", trajectory=kind == "hand-trajectory"
+        )
+    elif kind in DURABLE_FLOORS:
+        async with hand_durable(kind.removeprefix("hand-"), where, **sizes) as driver:
+            yield driver
     elif kind == "pydantic-ai":
         yield peers.PydanticAIWorkload(**sizes)
     elif kind.startswith("langgraph-"):
@@ -633,6 +656,10 @@ async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) 
             f"{kind}: {counts.decisions} model decisions and {counts.executions} tool "
             f"executions for {count} runs of {steps} steps"
         )
+    if not errors and kind in DURABLE_FLOORS and counts.rows != rows_written(count, steps):
+        raise AssertionError(
+            f"{kind}: {counts.rows} rows committed for {count} runs of {steps} steps"
+        )
     return {
         "runs": count,
         "began": began,
@@ -640,6 +667,7 @@ async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) 
         "cpu_s": cpu,
         "decisions": counts.decisions,
         "tool_executions": counts.executions,
+        "rows": counts.rows,
         "lateness_ms": [round(late * 1000, 3) for late in lateness],
         "peak_kib": max(peak_rss - base_rss, 0),
         "peak_fds": peak_fds,

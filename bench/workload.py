@@ -17,6 +17,7 @@ same work. Every driver counts its model decisions and tool executions in a
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -86,6 +87,7 @@ class Counts:
 
     decisions: int = 0
     executions: int = 0
+    rows: int = 0  # rows committed, by the hand-written durable floors only
 
 
 class Driver(Protocol):
@@ -103,7 +105,7 @@ async def warm(driver: Driver, prefix: str = "warm", runs: int = 4) -> None:
     async with anyio.create_task_group() as group:
         for index in range(runs):
             group.start_soon(driver.run, f"{prefix}-{index}")
-    driver.counts.decisions = driver.counts.executions = 0
+    driver.counts.decisions = driver.counts.executions = driver.counts.rows = 0
 
 
 class LatencyModel:
@@ -198,6 +200,26 @@ class Workload:
             )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandStep:
+    """One step of a hand-written run's trajectory, as small as a row of it can be: the
+    model's output, the action and the observation the tool returned (that very object,
+    not a copy), and a few scalars."""
+
+    step: int
+    model_output: str
+    action_text: str
+    observation: str
+    done: bool
+    model_duration_s: float
+    action_duration_s: float
+
+
+def action_text(tool: str, arguments: Mapping[str, Any]) -> str:
+    """The action as a trajectory names it: ``search({"page": 0, "query": "topic 0"})``."""
+    return f"{tool}({json.dumps(arguments, sort_keys=True)})"
+
+
 class HandWorkload:
     """The same work written by hand: no kernel, no store, nothing durable.
 
@@ -206,14 +228,26 @@ class HandWorkload:
     once (unless ``validate`` is false), sleeps the tool's time, builds the same
     observation and appends both to the run's transcript. This is the floor: the CPU a
     step costs with no kernel at all (event loop, JSON, validation).
+
+    With ``trajectory`` the run also keeps, as PolyLoop's ``RunResult.steps`` does, one
+    :class:`HandStep` per step, and shows the model each observation inside the template
+    ``"Observation: {observation}"``: the memory floor of a loop that returns its
+    trajectory (:meth:`trajectory_of`).
     """
 
     def __init__(
-        self, *, steps: int, latency_s: float, tool_s: float, validate: bool = True
+        self,
+        *,
+        steps: int,
+        latency_s: float,
+        tool_s: float,
+        validate: bool = True,
+        trajectory: bool = False,
     ) -> None:
         self.steps = steps
         self.latency_s = latency_s
         self.tool_s = tool_s
+        self.trajectory = trajectory
         self.counts = Counts()
         self.validators = (
             {
@@ -225,6 +259,9 @@ class HandWorkload:
         )
 
     async def run(self, run_id: str) -> None:
+        if self.trajectory:
+            await self.trajectory_of(run_id)
+            return
         transcript = [SYSTEM_PROMPT, GOAL]
         for index in range(self.steps):
             await anyio.sleep(self.latency_s)
@@ -241,3 +278,38 @@ class HandWorkload:
             transcript += (content, f"Observation: {result}")
         if tool != "submit":
             raise AssertionError(f"run {run_id!r} ended without submitting")
+
+    async def trajectory_of(self, run_id: str) -> list[HandStep]:
+        """Run ``run_id`` as :meth:`run` does, keeping and returning its trajectory."""
+        transcript = [SYSTEM_PROMPT, GOAL]
+        trajectory: list[HandStep] = []
+        for index in range(self.steps):
+            asked = time.monotonic()
+            await anyio.sleep(self.latency_s)
+            self.counts.decisions += 1
+            content = json.dumps(decision(index, self.steps))
+            reply = json.loads(content)
+            tool, arguments = reply["tool"], reply["arguments"]
+            validator = self.validators.get(tool)
+            if validator is not None:
+                validator.validate(arguments)
+            started = time.monotonic()
+            await anyio.sleep(self.tool_s)
+            self.counts.executions += 1
+            result = observation(arguments) if tool == "search" else SUBMITTED
+            ended = time.monotonic()
+            transcript += (content, f"Observation: {result}")
+            trajectory.append(
+                HandStep(
+                    step=index,
+                    model_output=content,
+                    action_text=action_text(tool, arguments),
+                    observation=result,
+                    done=tool == "submit",
+                    model_duration_s=started - asked,
+                    action_duration_s=ended - started,
+                )
+            )
+        if not trajectory[-1].done:
+            raise AssertionError(f"run {run_id!r} ended without submitting")
+        return trajectory

@@ -1,5 +1,6 @@
 """Smoke test of ``bench/throughput.py``: every store and backend at a tiny size, the
-hand-written floor, the peers and several workers sharing one database.
+hand-written floors (with a trajectory, and durable by hand), the peers and several
+workers sharing one database.
 
 No timing is asserted (speed targets live in ``bench/``). What is checked: each cell
 runs in its child processes, completes every run without an error, made as many model
@@ -12,21 +13,25 @@ than skip without one.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import json
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
+import psycopg
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from bench import throughput  # noqa: E402
+from bench import hand_durable, throughput, workload  # noqa: E402
 from bench.workload import HandWorkload  # noqa: E402
 
 # Slow: every store and backend of the throughput benchmark, and its peers.
@@ -261,3 +266,108 @@ def test_a_cell_whose_work_falls_short_fails(
     args = throughput._parser().parse_args(["--steps", "2", "--latency-ms", "1"])
     with pytest.raises(AssertionError, match="6 model decisions and 3 tool executions"):
         anyio.run(throughput._measure, "hand", 3, str(tmp_path), args)
+
+
+FLOORS = "hand-trajectory,hand-sqlite,hand-postgres"
+
+
+def test_the_trajectory_and_durable_floors_run_as_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    _use_server(monkeypatch, request)
+    rows = _cells(tmp_path, "--runs", "5", "--steps", "3", "--stores", FLOORS)
+    assert [row["name"] for row in rows] == [
+        f"{backend} / hand-written, trajectory{suffix}"
+        for suffix in ("", ", SQLite", ", PostgreSQL")
+        for backend in ("asyncio", "trio")
+    ]
+    for row in rows:
+        _did_the_work(row, runs=5, steps=3)
+    # Start, 5 rows a step and end, for each run: the warm-up's rows are not counted.
+    assert [row["rows"] for row in rows] == [0, 0] + [5 * (5 * 3 + 2)] * 4
+
+
+def _record_observations(monkeypatch: pytest.MonkeyPatch, module: str) -> list[str]:
+    """Make ``module``'s tool keep every observation it returns, in order."""
+    returned: list[str] = []
+    tool = workload.observation
+
+    def kept(arguments: Any) -> str:
+        returned.append(tool(arguments))
+        return returned[-1]
+
+    monkeypatch.setattr(f"{module}.observation", kept)
+    return returned
+
+
+@pytest.mark.anyio
+async def test_the_trajectory_floor_keeps_the_very_observations_the_tool_returned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    returned = _record_observations(monkeypatch, "bench.workload")
+    driver = HandWorkload(steps=3, latency_s=0.001, tool_s=0.001, trajectory=True)
+    trajectory = await driver.trajectory_of("run-0")
+    assert [step.step for step in trajectory] == [0, 1, 2]
+    assert [step.done for step in trajectory] == [False, False, True]
+    assert len(returned) == 2  # the last step submits
+    for step, text in zip(trajectory, returned, strict=False):
+        assert step.observation is text
+        assert step.action_text.startswith('search({"page": ')
+    assert trajectory[-1].observation == workload.SUBMITTED
+    assert (driver.counts.decisions, driver.counts.executions) == (3, 3)
+
+
+def _committed(database: str, where: str) -> list[tuple[str, int, str]]:
+    """Every row of the durable floor's table, read on a connection of its own."""
+    query = "SELECT run_id, seq, body FROM {} ORDER BY run_id, seq"
+    if database == "sqlite":
+        with contextlib.closing(sqlite3.connect(Path(where) / hand_durable.SQLITE_FILE)) as lite:
+            return list(lite.execute(query.format(hand_durable.TABLE)))
+    conninfo, _, schema = where.partition("#")
+    with psycopg.connect(conninfo) as conn:
+        return list(conn.execute(query.format(f'"{schema}".{hand_durable.TABLE}')))
+
+
+STEP_KINDS = ["intent", "result", "intent", "result", "step"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+async def test_a_durable_floor_has_committed_every_row_when_its_runs_return(
+    tmp_path: Path,
+    database: str,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
+    where = str(tmp_path)
+    if database == "postgres":
+        where = f"{request.getfixturevalue('postgres_shared')}#"
+        where += request.getfixturevalue("postgres_schemas")()
+    returned = _record_observations(monkeypatch, "bench.hand_durable")
+    trajectories: dict[str, list[workload.HandStep]] = {}
+    opened = hand_durable.hand_durable(database, where, steps=3, latency_s=0.001, tool_s=0.001)
+    async with opened as driver:
+
+        async def one(run_id: str) -> None:
+            trajectories[run_id] = await driver.trajectory_of(run_id)
+
+        async with anyio.create_task_group() as group:
+            for index in range(5):
+                group.start_soon(one, f"run-{index}")
+        rows = await anyio.to_thread.run_sync(_committed, database, where)
+    assert driver.counts.rows == len(rows) == hand_durable.rows_written(5, 3) == 85
+    assert (driver.counts.decisions, driver.counts.executions) == (15, 15)
+    for index in range(5):
+        run_id = f"run-{index}"
+        mine = [(seq, json.loads(body)) for key, seq, body in rows if key == run_id]
+        assert [seq for seq, _ in mine] == list(range(17))
+        kinds = [body["kind"] for _, body in mine]
+        assert kinds == ["run_started", *STEP_KINDS * 3, "run_ended"]
+        # The tool's result and the step each carry the observation the run kept.
+        for step in trajectories[run_id]:
+            assert any(step.observation is text for text in returned) or step.done
+            result, record = (body for seq, body in mine[4 + 5 * step.step : 6 + 5 * step.step])
+            assert result["payload"]["observation"] == record["observation"] == step.observation
+    if database == "postgres":  # the table went with the driver
+        with pytest.raises(psycopg.errors.UndefinedTable):
+            _committed(database, where)
