@@ -380,9 +380,10 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", "| file | " + " | ".join(row["name"] for row in profiled) + " |"]
         lines.append("|---|" + "--:|" * len(profiled))
         shares = [{name: share for share, name in row["profile"]} for row in profiled]
+        # Ties by name: a set's order changes from one process to the next.
         names = sorted(
             {name for row in shares for name in row},
-            key=lambda n: -max(row.get(n, 0.0) for row in shares),
+            key=lambda n: (-max(row.get(n, 0.0) for row in shares), n),
         )
         for name in names:
             cells = [f"{row[name]:.1f}%" if name in row else "" for row in shares]

@@ -265,16 +265,8 @@ class HandWorkload:
         transcript = [SYSTEM_PROMPT, GOAL]
         for index in range(self.steps):
             await anyio.sleep(self.latency_s)
-            self.counts.decisions += 1
-            content = json.dumps(decision(index, self.steps))
-            reply = json.loads(content)
-            tool, arguments = reply["tool"], reply["arguments"]
-            validator = self.validators.get(tool)
-            if validator is not None:
-                validator.validate(arguments)
-            await anyio.sleep(self.tool_s)
-            self.counts.executions += 1
-            result = observation(arguments) if tool == "search" else SUBMITTED
+            content, tool, arguments = self._decided(index)
+            result = await self._acted(tool, arguments)
             transcript += (content, f"Observation: {result}")
         if tool != "submit":
             raise AssertionError(f"run {run_id!r} ended without submitting")
@@ -286,17 +278,9 @@ class HandWorkload:
         for index in range(self.steps):
             asked = time.monotonic()
             await anyio.sleep(self.latency_s)
-            self.counts.decisions += 1
-            content = json.dumps(decision(index, self.steps))
-            reply = json.loads(content)
-            tool, arguments = reply["tool"], reply["arguments"]
-            validator = self.validators.get(tool)
-            if validator is not None:
-                validator.validate(arguments)
+            content, tool, arguments = self._decided(index)
             started = time.monotonic()
-            await anyio.sleep(self.tool_s)
-            self.counts.executions += 1
-            result = observation(arguments) if tool == "search" else SUBMITTED
+            result = await self._acted(tool, arguments)
             ended = time.monotonic()
             transcript += (content, f"Observation: {result}")
             trajectory.append(
@@ -313,3 +297,21 @@ class HandWorkload:
         if not trajectory[-1].done:
             raise AssertionError(f"run {run_id!r} ended without submitting")
         return trajectory
+
+    def _decided(self, index: int) -> tuple[str, str, dict[str, Any]]:
+        """The model's reply at step ``index`` as a client and a JSON interpreter see it:
+        encoded, decoded, its arguments checked."""
+        self.counts.decisions += 1
+        content = json.dumps(decision(index, self.steps))
+        reply = json.loads(content)
+        tool, arguments = reply["tool"], reply["arguments"]
+        validator = self.validators.get(tool)
+        if validator is not None:
+            validator.validate(arguments)
+        return content, tool, arguments
+
+    async def _acted(self, tool: str, arguments: dict[str, Any]) -> str:
+        """The tool's work and its observation."""
+        await anyio.sleep(self.tool_s)
+        self.counts.executions += 1
+        return observation(arguments) if tool == "search" else SUBMITTED

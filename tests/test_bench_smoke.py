@@ -424,3 +424,15 @@ async def test_the_postgres_baseline_sends_each_write_in_a_statement_of_its_own(
     async with PostgresOneCommitPerWrite(postgres_conninfo, max_writer_connections=1) as store:
         writes = await _write_runs_at_once(store)
     assert len(sent) == writes  # one statement, one transaction, per write
+
+
+def test_the_codec_benchmark_times_every_record_of_a_run() -> None:
+    from bench import codec as bench_codec
+
+    figures = bench_codec.measure(repeats=1, rounds=1)
+    # Ten steps of a tool call each: a start, two intents and two results a step, ten
+    # step records and an end.
+    assert figures["records"] == 2 + 5 * bench_codec.STEPS
+    assert figures["bytes_per_step"] > 6_000  # the observation is written twice a step
+    for name in ("dumps", "encode", "canonical_json"):
+        assert figures[f"{name}_us_per_step"] > 0

@@ -183,6 +183,20 @@ def test_results_render_as_markdown_without_where_they_were_written() -> None:
     assert len(lines) == 6
 
 
+def test_profile_shares_that_tie_render_in_one_order() -> None:
+    # The files of a profile come from a set: equal shares are ordered by name, so the
+    # committed rendering on the performance page does not depend on the process.
+    row = {"name": "asyncio / MemoryStore", "runs": 3, "skipped": "shown"}
+    results = {
+        "command": "python bench/throughput.py --profile",
+        "date": "2026-12-05T01:00:00+00:00",
+        "lease_s": 15.0,
+        "rows": [{**row, "profile": [[9.0, "z.py"], *([4.0, f"{name}.py"] for name in "fbdace")]}],
+    }
+    files = [line.split(" | ")[0] for line in throughput.render(results).splitlines()[-7:]]
+    assert files == ["| z.py", *(f"| {name}.py" for name in "abcdef")]
+
+
 PEERS = {
     "langgraph-sqlite": "langgraph.checkpoint.sqlite",
     "langgraph-postgres": "langgraph.checkpoint.postgres",
