@@ -34,14 +34,11 @@ from bench.workload import (
     GOAL,
     SEARCH_SCHEMA,
     SUBMIT_SCHEMA,
-    SUBMITTED,
     SYSTEM_PROMPT,
     Counts,
     HandStep,
     HandWorkload,
     action_text,
-    decision,
-    observation,
 )
 
 ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -227,15 +224,11 @@ class DurableHandWorkload(HandWorkload):
         )
         asked = time.monotonic()
         await anyio.sleep(self.latency_s)
-        self.counts.decisions += 1
-        content = json.dumps(decision(index, self.steps))
         model_s = time.monotonic() - asked
+        content, tool, arguments = self._decided(index)
         reply = {"call_id": None, "content": content, "reasoning": None}
         model = _result(run_id, index, "model_call", reply, model_s)
         await write([(run_id, seq + 1, encode(model))], barrier=False)
-        parsed = json.loads(content)
-        tool, arguments = parsed["tool"], parsed["arguments"]
-        self.validators[tool].validate(arguments)
         act = action_text(tool, arguments)
         call = {"arguments": arguments, "name": tool}
         replay = "allowed" if tool == "search" else "never"
@@ -244,9 +237,7 @@ class DurableHandWorkload(HandWorkload):
         )
         await write([(run_id, seq + 2, encode(intent))], barrier=True)
         started = time.monotonic()
-        await anyio.sleep(self.tool_s)
-        self.counts.executions += 1
-        result = observation(arguments) if tool == "search" else SUBMITTED
+        result = await self._acted(tool, arguments)
         ended = time.monotonic()
         step = HandStep(
             step=index,

@@ -357,7 +357,7 @@ async def test_a_durable_floor_has_committed_every_row_when_its_runs_return(
     if database == "postgres":
         where = f"{request.getfixturevalue('postgres_shared')}#"
         where += request.getfixturevalue("postgres_schemas")()
-    returned = _record_observations(monkeypatch, "bench.hand_durable")
+    returned = _record_observations(monkeypatch, "bench.workload")  # its tool is the floor's
     trajectories: dict[str, list[workload.HandStep]] = {}
     opened = hand_durable.hand_durable(database, where, steps=3, latency_s=0.001, tool_s=0.001)
     async with opened as driver:
