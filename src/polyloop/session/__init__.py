@@ -194,7 +194,14 @@ async def recover(
     return await recover_runs(definition, store, request_for, max_concurrent=max_concurrent)
 
 
-async def approve(store: Store, run_id: str, *, by: str, arguments: JSONValue = None) -> Verdict:
+async def approve(
+    store: Store,
+    run_id: str,
+    *,
+    by: str,
+    arguments: JSONValue = None,
+    result_id: str | None = None,
+) -> Verdict:
     """Approve the action the run ``run_id`` waits on; ``resume`` then runs it.
 
     ``by`` names the person approving. ``arguments``, if given, replace the arguments
@@ -204,24 +211,30 @@ async def approve(store: Store, run_id: str, *, by: str, arguments: JSONValue = 
     person holds it) and the :class:`~polyloop.types.Verdict` is written durably under
     it. :class:`~polyloop.types.NotAwaitingApproval` if the run waits for no approval
     (never asked for one, or was already answered), :class:`~polyloop.types.RunNotFound`
-    if the store has no record of it. A refused call writes nothing. Returns the verdict.
+    if the store has no record of it. ``result_id``, if given, must name the open
+    proposal: it is checked under the claim, in the same step as the write, so an answer
+    never lands on a proposal the person did not see (``NotAwaitingApproval`` if that
+    proposal is no longer open). Surfaces that show a proposal to a person always pass
+    it. A refused call writes nothing. Returns the verdict.
 
     Cancellation: the verdict landed whole or not at all (``run_status`` tells which);
     the claim is given up under a shielded, time-bounded scope either way.
     """
-    return await _review.approve(store, run_id, by=by, arguments=arguments)
+    return await _review.approve(store, run_id, by=by, arguments=arguments, result_id=result_id)
 
 
-async def reject(store: Store, run_id: str, *, by: str, reason: str) -> Verdict:
+async def reject(
+    store: Store, run_id: str, *, by: str, reason: str, result_id: str | None = None
+) -> Verdict:
     """Reject the action the run ``run_id`` waits on; ``resume`` then goes on without it.
 
     The model is told the action was not executed, with ``reason`` (through the
     definition's ``texts.not_executed``); the step does not count as a valid step. The
-    rest is as for :func:`approve`.
+    rest, ``result_id`` included, is as for :func:`approve`.
 
     Cancellation: as for :func:`approve`.
     """
-    return await _review.reject(store, run_id, by=by, reason=reason)
+    return await _review.reject(store, run_id, by=by, reason=reason, result_id=result_id)
 
 
 async def settle(

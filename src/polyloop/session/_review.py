@@ -40,11 +40,14 @@ logger = logging.getLogger("polyloop")
 _RELEASE_GRACE_S = 10.0
 
 
-async def approve(store: Store, run_id: str, *, by: str, arguments: JSONValue) -> Verdict:
+async def approve(
+    store: Store, run_id: str, *, by: str, arguments: JSONValue, result_id: str | None
+) -> Verdict:
     _check_text("by", by, run_id)
+    _check_result_id(result_id, run_id)
 
     def verdict(plan: _recovery.Plan) -> Verdict:
-        proposal = _waiting(plan, run_id)
+        proposal = _waiting(plan, run_id, result_id)
         payload = proposal.payload
         if arguments is not None:
             payload = _edited(plan, payload, arguments, run_id)
@@ -61,12 +64,15 @@ async def approve(store: Store, run_id: str, *, by: str, arguments: JSONValue) -
     return await _answer(store, run_id, verdict)
 
 
-async def reject(store: Store, run_id: str, *, by: str, reason: str) -> Verdict:
+async def reject(
+    store: Store, run_id: str, *, by: str, reason: str, result_id: str | None
+) -> Verdict:
     _check_text("by", by, run_id)
     _check_text("reason", reason, run_id)
+    _check_result_id(result_id, run_id)
 
     def verdict(plan: _recovery.Plan) -> Verdict:
-        proposal = _waiting(plan, run_id)
+        proposal = _waiting(plan, run_id, result_id)
         return Verdict(
             run_id=run_id,
             result_id=proposal.result_id,
@@ -88,6 +94,7 @@ async def settle(
         raise InvalidRequest(f"ran must be True or False, not {ran!r:.40}", run_id=run_id)
     if not isinstance(observation, str):
         raise InvalidRequest("observation must be a string", run_id=run_id)
+    _check_result_id(result_id, run_id)
 
     def settlement(plan: _recovery.Plan) -> Settlement:
         intent = _in_doubt(plan, run_id)
@@ -135,9 +142,26 @@ def _check_text(name: str, value: object, run_id: str) -> None:
         raise InvalidRequest(f"{name} must be a non-empty string, not {value!r:.40}", run_id=run_id)
 
 
-def _waiting(plan: _recovery.Plan, run_id: str) -> Proposal:
-    """The proposal waiting for a verdict, or why there is none."""
+def _check_result_id(result_id: object, run_id: str) -> None:
+    if result_id is not None and (not isinstance(result_id, str) or not result_id):
+        raise InvalidRequest(
+            f"result_id must be a non-empty string or None, not {result_id!r:.40}", run_id=run_id
+        )
+
+
+def _waiting(plan: _recovery.Plan, run_id: str, result_id: str | None) -> Proposal:
+    """The proposal waiting for a verdict, or why there is none.
+
+    ``result_id``, when given, must be the open proposal's: an answer written for a
+    proposal the person never saw would run what they did not read.
+    """
     if plan.state is _recovery.RecoveryState.AWAITING_APPROVAL and plan.proposal is not None:
+        if result_id is not None and result_id != plan.proposal.result_id:
+            raise NotAwaitingApproval(
+                f"the open proposal is {plan.proposal.result_id!r}, not {result_id!r}; "
+                f"proposal {result_id!r} is no longer open",
+                run_id=run_id,
+            )
         return plan.proposal
     if plan.verdict is not None:
         done = "approved" if plan.verdict.approved else "rejected"
