@@ -30,7 +30,15 @@ from polyloop import (
 )
 from polyloop.stores import MemoryStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
-from review_kit import approval_script, payment_script, plain_steps, review_tools, reviews
+from review_kit import (
+    approval_script,
+    approval_story,
+    payment_script,
+    plain_steps,
+    review_tools,
+    reviews,
+    settlement_story,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -498,3 +506,13 @@ async def test_an_edited_native_call_is_the_call_the_model_sees_answered() -> No
         call_id="c0", name="deploy", arguments={"env": "staging"}
     )
     assert step.edited_by == "alice"
+
+
+async def test_an_answer_for_a_proposal_no_longer_open_is_refused() -> None:
+    store = MemoryStore()
+    await approval_story(lambda: store)
+
+
+async def test_a_settlement_for_an_intent_no_longer_open_is_refused() -> None:
+    store = MemoryStore()
+    await settlement_story(lambda: store)

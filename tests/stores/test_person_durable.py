@@ -41,11 +41,13 @@ from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from review_kit import (
     approval_script,
+    approval_story,
     observed,
     payment_script,
     plain_steps,
     review_tools,
     reviews,
+    settlement_story,
 )
 from store_kit import DURABLE_KINDS, durable_opener
 from sweep_kit import every_point
@@ -426,3 +428,18 @@ async def test_a_model_call_in_doubt_is_answered_once_by_its_own_id(
         assert result.stop_reason is StopReason.FINAL_ANSWER
         assert [call.result_id for call in model.calls] == ["r:1:model2", "r:2:model"]
     assert [type(r).__name__ for r in await _reviews(open_store)] == ["Settlement"]
+
+
+# -- an answer names the proposal it answers (issue 42) -----------------------------------
+
+
+async def test_an_answer_for_a_proposal_no_longer_open_is_refused(
+    open_store: Callable[[], Store],
+) -> None:
+    await approval_story(open_store)
+
+
+async def test_a_settlement_for_an_intent_no_longer_open_is_refused(
+    open_store: Callable[[], Store],
+) -> None:
+    await settlement_story(open_store)
