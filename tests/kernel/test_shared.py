@@ -6,6 +6,7 @@ Pure synchronous code: no coroutines, no fixtures that start resources.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import typing
 from types import MappingProxyType
@@ -164,3 +165,14 @@ KNOWN_TRACE_IDS = {
 @pytest.mark.parametrize(("run_id", "trace_id"), sorted(KNOWN_TRACE_IDS.items()))
 def test_the_trace_id_of_a_run_id_never_changes(run_id: str, trace_id: str) -> None:
     assert run_trace_id(run_id) == trace_id
+
+
+def test_a_run_id_holding_a_lone_surrogate_has_a_trace_id_of_its_own() -> None:
+    # Half an emoji from a model's reply can end up in a run id: the id is hashed with
+    # the surrogate kept as its own three bytes, so no other run id shares its trace.
+    run_id = "id \ud83d"
+    digest = hashlib.sha256(f"polyloop run\x00{run_id}".encode("utf-8", "surrogatepass"))
+    assert run_trace_id(run_id) == digest.hexdigest()[:32]
+    assert run_trace_id(run_id) == run_trace_id("id \ud83d")
+    others = {run_trace_id(other) for other in ("id \\ud83d", "id \ufffd", "id ", "id \ud83e")}
+    assert run_trace_id(run_id) not in others and len(others) == 4
