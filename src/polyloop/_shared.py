@@ -151,6 +151,23 @@ def canonical_json(value: Any, *, ascii: bool = False) -> str:
     return (_CANONICAL_ASCII if ascii else _CANONICAL).encode(value)
 
 
+def encodable_json(value: Any) -> str:
+    """:func:`canonical_json` of ``value``, in its all-ASCII form when it holds a lone
+    surrogate: text that UTF-8 always encodes and that reads back to the same value.
+
+    This is the text the codec writes a record as (before it escapes line breakers), so
+    anything hashed or stored through it holds the same bytes the log does.
+    """
+    text = canonical_json(value)
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return canonical_json(value, ascii=True)
+    return text
+
+
 def call_text(name: str, arguments: Any) -> str:
     """A tool call as an action's text reads it: ``name({"key": "value"})``.
 
