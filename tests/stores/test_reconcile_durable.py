@@ -413,7 +413,7 @@ async def _paid_then_crashed(worker: Worker, run_id: str) -> None:
     if worker.durable:
         await store.aclose()  # type: ignore[attr-defined]
     else:
-        await store.release_run(run_id)  # type: ignore[attr-defined]
+        await store.release_run(run_id)
 
 
 async def test_recover_goes_on_past_a_probe_that_never_answers(
