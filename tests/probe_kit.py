@@ -3,7 +3,8 @@ the shared fixture of the probe tests (issue 31).
 
 ``pay`` (replay never allowed) stores each payment under its result id and refuses a
 second one; its probe ``finds`` returns the payment under the key (it ran) or writes a
-tombstone for the key (it did not, and a late attempt with that key fails).
+tombstone for the key (it did not, and a late attempt with that key fails), and never
+answers about a key in ``hangs_on``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Payments:
     attempt: int = 0
     before_paying: Callable[[], None] | None = None
     reachable: bool = True
+    hangs_on: set[str] = dataclasses.field(default_factory=set)
+    cancelled: list[str] = dataclasses.field(default_factory=list)
 
     def paid(self) -> list[str]:
         """The keys paid under, in the order they were paid."""
@@ -64,10 +67,20 @@ class Payments:
         """The probe: the payment under the key, or a tombstone that voids the key."""
         self.probed.append((self.attempt, result_id))
         await anyio.lowlevel.checkpoint()
+        if result_id in self.hangs_on:
+            await self._never_answered(result_id)
         if result_id in self.payments:
             return Reconciled(ran=True, observation=f"paid {self.payments[result_id]}")
         self.tombstones.add(result_id)
         return Reconciled(ran=False, observation=NOT_PAID.format(key=result_id))
+
+    async def _never_answered(self, result_id: str) -> None:
+        """The ledger's answer about ``result_id`` never comes; note the cancellation."""
+        try:
+            await anyio.Event().wait()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled.append(result_id)
+            raise
 
     async def cannot_tell(self, arguments: dict[str, Any], *, result_id: str) -> None:
         self.probed.append((self.attempt, result_id))
@@ -80,10 +93,15 @@ class Payments:
 
 
 def tools(
-    payments: Payments, probe: str | ToolProbe | None = "finds", replay: Replay = Replay.NEVER
+    payments: Payments,
+    probe: str | ToolProbe | None = "finds",
+    replay: Replay = Replay.NEVER,
+    *,
+    probe_timeout_s: float = 30.0,
 ) -> ToolRegistry:
     """``double`` (replay allowed), ``pay`` (replay never unless told otherwise) with the
-    probe named (a method of ``payments``) or given, and ``submit``."""
+    probe named (a method of ``payments``) or given, bounded by ``probe_timeout_s``, and
+    ``submit``."""
     reconcile = getattr(payments, probe) if isinstance(probe, str) else probe
 
     async def double(arguments: dict[str, Any], *, result_id: str) -> str:
@@ -106,6 +124,7 @@ def tools(
                 handler=payments.pay,
                 replay=replay,
                 reconcile=reconcile,
+                reconcile_timeout_s=probe_timeout_s,
             ),
             ToolSpec(
                 name="submit",

@@ -111,8 +111,12 @@ def run_trace_ids(run_id: str) -> tuple[int, int]:
     are the trace id, the next 8 the span id, each read big-endian; an id of 0 (invalid
     in OpenTelemetry) becomes 1. Derived from the run id alone, so every process finds
     the same run's trace; the prefix keeps it apart from other hashes of the same id.
+    A lone surrogate, which UTF-8 cannot encode, is hashed as the three bytes
+    ``surrogatepass`` gives it: bytes no other string encodes to, so such an id still
+    has a trace of its own, and every other id keeps the trace it always had.
     """
-    digest = hashlib.sha256(f"polyloop run\x00{run_id}".encode()).digest()
+    text = f"polyloop run\x00{run_id}"
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
     trace_id = int.from_bytes(digest[:16], "big") or 1
     span_id = int.from_bytes(digest[16:24], "big") or 1
     return trace_id, span_id
@@ -145,6 +149,23 @@ def canonical_json(value: Any, *, ascii: bool = False) -> str:
     every character beyond ASCII is escaped.
     """
     return (_CANONICAL_ASCII if ascii else _CANONICAL).encode(value)
+
+
+def encodable_json(value: Any) -> str:
+    """:func:`canonical_json` of ``value``, in its all-ASCII form when it holds a lone
+    surrogate: text that UTF-8 always encodes and that reads back to the same value.
+
+    This is the text the codec writes a record as (before it escapes line breakers), so
+    anything hashed or stored through it holds the same bytes the log does.
+    """
+    text = canonical_json(value)
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return canonical_json(value, ascii=True)
+    return text
 
 
 def call_text(name: str, arguments: Any) -> str:

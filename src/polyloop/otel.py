@@ -165,8 +165,24 @@ class _Attributes:
     values: dict[str, AttributeValue] = field(default_factory=dict)
 
     def put(self, key: str, value: AttributeValue | None) -> None:
-        if value is not None:
+        if isinstance(value, str):
+            self.values[key] = _exportable(value)
+        elif isinstance(value, list | tuple) and any(isinstance(item, str) for item in value):
+            self.values[key] = [_exportable(item) for item in value if isinstance(item, str)]
+        elif value is not None:
             self.values[key] = value
+
+
+def _exportable(text: str) -> str:
+    """``text`` as OTLP can send it: a lone surrogate (half an emoji from a model, say),
+    which protobuf refuses to encode and with it the whole batch, becomes its escape."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _failed(description: str) -> Status:
+    return Status(StatusCode.ERROR, _exportable(description))
 
 
 class OpenTelemetrySink:
@@ -311,16 +327,14 @@ class OpenTelemetrySink:
         del self._calls[key]
         cancelled = _is_cancellation(failure)
         call.span.set_attribute("error.type", "cancelled" if cancelled else type(failure).__name__)
-        call.span.set_status(
-            Status(StatusCode.ERROR, "the call was cancelled" if cancelled else repr(failure))
-        )
+        call.span.set_status(_failed("the call was cancelled" if cancelled else repr(failure)))
         call.span.end(end_time=call.end_ns)
 
     def _unrecorded(self, key: _CallKey, why: str) -> None:
         call = self._calls.pop(key)
         try:
             call.span.set_attribute("error.type", "abandoned")
-            call.span.set_status(Status(StatusCode.ERROR, why))
+            call.span.set_status(_failed(why))
             call.span.end(end_time=call.end_ns if call.end_ns is not None else time.time_ns())
         except Exception:  # the other open spans must still be ended
             logger.exception("run %r: could not end the span of a call", key[0])
@@ -470,10 +484,10 @@ class OpenTelemetrySink:
             attributes.put("polyloop.model.from_log", True)
         if step.error is not None:
             attributes.put("error.type", _error_type(step.error))
-        name = f"chat {step.model}" if step.model else "chat"
+        name = f"chat {_exportable(step.model)}" if step.model else "chat"
         span, end_ns = self._span_of(made, name, SpanKind.CLIENT, attributes)
         if step.error is not None:
-            span.set_status(Status(StatusCode.ERROR, step.error))
+            span.set_status(_failed(step.error))
         span.end(end_time=end_ns)
 
     def _tool(
@@ -495,7 +509,7 @@ class OpenTelemetrySink:
         attributes.put("error.type", failure)
         span, end_ns = self._span_of(made, span_name, SpanKind.INTERNAL, attributes)
         if failure is not None:
-            span.set_status(Status(StatusCode.ERROR, step.observation or failure))
+            span.set_status(_failed(step.observation or failure))
         if settlement is not None:
             # At the step record's time, inside the span: the settlement itself may
             # predate the span, whose times are those of the record that closed it.
@@ -534,7 +548,7 @@ class OpenTelemetrySink:
             span.set_attribute("polyloop.run.in_doubt", True)
         if failure is not None:
             span.set_attribute("error.type", failure)
-            span.set_status(Status(StatusCode.ERROR, end.detail or failure))
+            span.set_status(_failed(end.detail or failure))
         span.end(end_time=max(_ns(end.at), attempt.last_ns))
 
     def _abandon(self, run_id: str, why: str) -> None:
@@ -543,7 +557,7 @@ class OpenTelemetrySink:
         try:
             attempt.span.set_attribute("polyloop.run.abandoned", True)
             attempt.span.set_attribute("error.type", "abandoned")
-            attempt.span.set_status(Status(StatusCode.ERROR, why))
+            attempt.span.set_status(_failed(why))
             attempt.span.end(end_time=attempt.last_ns)
         except Exception:  # the other open spans must still be ended
             logger.exception("run %r: could not end an abandoned span", run_id)
@@ -601,7 +615,7 @@ def _tool_attributes(
     if tool_call is not None:
         attributes.put("gen_ai.tool.call.id", tool_call.call_id)
     attributes.put("polyloop.action.result_id", intent.result_id if intent else None)
-    return attributes, f"execute_tool {name}" if name else "execute_tool"
+    return attributes, f"execute_tool {_exportable(name)}" if name else "execute_tool"
 
 
 def _settled(settlement: Settlement) -> _Attributes:

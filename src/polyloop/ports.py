@@ -255,7 +255,9 @@ class ReconcilingExecutor(ActionExecutor, Protocol):
     check as any effect. A :class:`~polyloop.types.Reconciled` answer is written as the
     action's settlement and the run goes on; ``None`` leaves the run in doubt. The
     executor a :class:`~polyloop.tools.ToolRegistry` derives is one: it asks the tool's
-    ``reconcile`` probe.
+    ``reconcile`` probe, cancelled after the tool's ``reconcile_timeout_s``. The library
+    sets no limit of its own on :meth:`reconcile`: a custom executor bounds its wait, so
+    that one run's question cannot keep a recovery from going on.
     """
 
     def reconciles(self, action: Action) -> bool:

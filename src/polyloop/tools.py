@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
+import anyio
 import referencing
 import referencing.exceptions
 from jsonschema import Draft202012Validator
@@ -106,6 +108,11 @@ class ToolSpec:
     id before it would end ``IN_DOUBT``, and goes on by its answer. The probe is not
     part of the run's identity (the model is not shown it), so one may be added to a
     tool before resuming runs that are already in doubt.
+
+    ``reconcile_timeout_s`` bounds the probe's wait: a probe that has not answered
+    within it is cancelled and counts as failed, so the run stays in doubt (its detail
+    says the probe timed out, and after how long) and recovery goes on with other runs.
+    Like the probe, it is not part of the run's identity.
     """
 
     name: str
@@ -117,6 +124,7 @@ class ToolSpec:
     annotations: Mapping[str, JSONValue] | None = None
     needs_approval: bool = False
     reconcile: ToolProbe | None = None
+    reconcile_timeout_s: float = 30.0
 
 
 def _clip(text: str, limit: int) -> str:
@@ -163,6 +171,17 @@ def _check_fields(spec: object) -> ToolSpec:
             f"tool {spec.name!r}: reconcile must be None or an async function "
             f"(async def probe(arguments, *, result_id) -> Reconciled | None), "
             f"got {spec.reconcile!r:.80}"
+        )
+    timeout = spec.reconcile_timeout_s
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise InvalidRequest(
+            f"tool {spec.name!r}: reconcile_timeout_s must be a positive, finite number "
+            f"of seconds, got {timeout!r:.40}"
         )
     return spec
 
@@ -543,7 +562,9 @@ class RegistryExecutor:
         """The tool probe's answer about ``action``, its observation cut like a handler's.
 
         ``None`` for a tool without a probe. Whatever the probe raises propagates: the
-        library counts it and treats it as "cannot tell".
+        library counts it and treats it as "cannot tell". A probe still waiting after the
+        tool's ``reconcile_timeout_s`` is cancelled, and ``TimeoutError`` raised instead
+        (whatever it answers once cancelled is not taken).
 
         Cancellation: propagates untouched; the probe's own writes are its business.
         """
@@ -553,7 +574,13 @@ class RegistryExecutor:
             return None
         arguments = call[1]
         copied = plain_copy(arguments) if isinstance(arguments, dict) else {}
-        answer: object = await spec.reconcile(copied, result_id=result_id)
+        timeout = spec.reconcile_timeout_s
+        with anyio.move_on_after(timeout) as deadline:
+            answer: object = await spec.reconcile(copied, result_id=result_id)
+        # Set only by this scope's own deadline: a cancellation from outside it has
+        # already propagated. An answer given after the cancellation is not trusted.
+        if deadline.cancel_called:
+            raise TimeoutError(f"it did not answer within {timeout:g} s and was cancelled")
         if answer is None:
             return None
         if (

@@ -581,8 +581,9 @@ class RunResult:
     it, since a total that left calls out would understate the cost.
 
     ``event_failures`` counts the event sink's failures; ``reconcile_failures`` the tool
-    probes that raised or answered something other than ``Reconciled`` or ``None``
-    (each then counts as "cannot tell", and ``detail`` says what it raised).
+    probes that raised, answered something other than ``Reconciled`` or ``None``, or did
+    not answer within their tool's ``reconcile_timeout_s`` (each then counts as "cannot
+    tell", and ``detail`` says what it raised, or after how long it was cancelled).
     """
 
     run_id: str

@@ -22,7 +22,7 @@ import pytest
 
 import surrogate_kit
 from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
-from polyloop import FinishReason, ModelReply, Replay, Usage, run, serialization
+from polyloop import FinishReason, ModelReply, Replay, Usage, run, run_trace_id, serialization
 from polyloop.cli import main
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
@@ -718,6 +718,25 @@ def test_show_escapes_a_lone_surrogate_in_every_form(
     assert main(["--backend", backend, "show", halves, "half", "--html", str(target)]) == 0
     assert strict_output.read() == (f"wrote {target}\n", "")
     assert f"done {SHOWN}" in target.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_show_of_a_run_whose_id_holds_a_lone_surrogate_names_its_trace(
+    halves: str, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    strict_output = StrictOutput(monkeypatch)
+    shown, trace_id = RUN_ID.replace(HALF, SHOWN), run_trace_id(RUN_ID)
+    assert main(["--backend", backend, "show", halves, RUN_ID]) == 0
+    out, err = strict_output.read()
+    assert f"trace id {trace_id}" in " ".join(out.split()) and shown in out and err == ""
+    assert main(["--backend", backend, "show", halves, RUN_ID, "--json"]) == 0
+    out, err = strict_output.read()
+    document = json.loads(out)
+    assert document["run_id"] == RUN_ID and document["trace_id"] == trace_id and err == ""
+    target = tmp_path / "id.html"
+    assert main(["--backend", backend, "show", halves, RUN_ID, "--html", str(target)]) == 0
+    assert strict_output.read() == (f"wrote {target}\n", "")
+    assert trace_id in target.read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

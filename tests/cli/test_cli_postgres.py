@@ -18,6 +18,7 @@ import pytest
 
 import pg
 import surrogate_kit
+from polyloop import run_trace_id
 from polyloop.cli import main
 from surrogate_kit import HALF, RUN_ID, SHOWN, StrictOutput
 
@@ -221,6 +222,13 @@ def test_lone_surrogates_are_shown_escaped_on_postgresql(
     assert main(["show", url, "half", "--html", str(target)]) == 0
     assert f"done {SHOWN}" in target.read_text(encoding="utf-8")
     shown = RUN_ID.replace(HALF, SHOWN)
+    assert main(["show", url, RUN_ID]) == 0
+    assert f"trace id {run_trace_id(RUN_ID)}" in " ".join(output.read()[0].split())
+    assert main(["show", url, RUN_ID, "--json"]) == 0
+    assert json.loads(output.read()[0])["trace_id"] == run_trace_id(RUN_ID)
+    assert main(["show", url, RUN_ID, "--html", str(tmp_path / "id.html")]) == 0
+    assert run_trace_id(RUN_ID) in (tmp_path / "id.html").read_text(encoding="utf-8")
+    output.read()
     assert main(["runs", url]) == 0
     assert f"{shown}   finished" in output.read()[0]
     assert main(["verify", url]) == 0

@@ -4,7 +4,10 @@ it sends first, what it never runs again, and what it refuses."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -26,6 +29,7 @@ from polyloop import (
     RunLog,
     RunNotFound,
     RunStarted,
+    StepRecord,
     StopReason,
     Usage,
     fork,
@@ -35,7 +39,7 @@ from polyloop import (
     start_or_resume,
 )
 from polyloop._recovery import read_plan
-from polyloop.serialization import dumps, loads
+from polyloop.serialization import dumps, encode, loads
 from polyloop.session._forking import inherited_digest
 from polyloop.stores import MemoryStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash, without_timing
@@ -132,6 +136,48 @@ async def _copy(store: MemoryStore, record: Any) -> None:
         await store.write_step(record, None)
     elif isinstance(record, RunEnded):
         await store.end_run(record)
+
+
+FORK_FIXTURE = (
+    Path(__file__).parent.parent / "fixtures" / "records" / "v1" / "run_started_fork.json"
+)
+
+
+def fixture_steps(*outputs: str) -> tuple[StepRecord, ...]:
+    """The inherited steps of the fork fixture, the first given each model output."""
+    started = loads(FORK_FIXTURE.read_text(encoding="utf-8"))
+    assert isinstance(started, RunStarted) and len(started.inherited_steps) == 2
+    first, second = started.inherited_steps
+    return (*(dataclasses.replace(first, model_output=text) for text in outputs), second)
+
+
+def listed(steps: tuple[StepRecord, ...], *, ascii: bool) -> str:
+    return json.dumps(
+        [encode(step) for step in steps], ensure_ascii=ascii, sort_keys=True, separators=(",", ":")
+    )
+
+
+def test_the_digest_of_steps_utf8_can_encode_is_that_of_their_canonical_json() -> None:
+    # The digest forks have always recorded: it must not change for them.
+    steps = fixture_steps("Reading.", "caf\u00e9 \u2028 \u2615 \U0001f600")
+    expected = hashlib.sha256(listed(steps, ascii=False).encode("utf-8")).hexdigest()
+    assert inherited_digest(steps) == expected
+    assert inherited_digest(steps[:1]) == (
+        "a0584f8308b037fde6d869ef606a48a5e7ab4b885663641866a7f54f65c05e58"
+    )
+    assert inherited_digest(()) == hashlib.sha256(b"[]").hexdigest()
+
+
+def test_a_step_holding_a_lone_surrogate_is_hashed_as_the_codec_writes_it() -> None:
+    half, *others = fixture_steps("half an emoji: \ud83d", "caf\u00e9")
+    # The record holding the surrogate in the codec's all-ASCII form; the others as always.
+    line = dumps(half)
+    assert line.isascii() and "\\ud83d" in line
+    text = "[" + ",".join((line, listed(tuple(others), ascii=False)[1:-1])) + "]"
+    assert inherited_digest((half, *others)) == hashlib.sha256(text.encode("utf-8")).hexdigest()
+    assert inherited_digest((half, *others)) != inherited_digest(
+        fixture_steps("half an emoji: ", "caf\u00e9")
+    )
 
 
 async def test_a_fork_onto_another_model_and_injection_differs_only_where_they_say() -> None:

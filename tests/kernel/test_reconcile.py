@@ -9,6 +9,7 @@ finds the payment (it ran) or writes the tombstone (it did not, and never will).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import anyio
@@ -326,6 +327,105 @@ async def test_cancelled_while_probing_after_a_crash_ends_cancelled_and_asks_aga
     assert result.steps[1].settled_by == "reconcile:pay" and payments.paid() == [PAY]
 
 
+# -- a probe that never answers ---------------------------------------------------------------
+
+# Long enough for the probes that answer, short enough that a hung one ends the test fast.
+TINY_TIMEOUT_S = 0.05
+TIMED_OUT = (
+    f"the probe of tool 'pay' failed: TimeoutError: it did not answer within "
+    f"{TINY_TIMEOUT_S:g} s and was cancelled"
+)
+
+
+async def crashed_run_after_paying(store: MemoryStore, payments: Payments, run_id: str) -> None:
+    """``run_id`` paid, then its process died before the step landed."""
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(FaultyStore(store, fail_after_writes=AFTER_PAY_INTENT), script=SCRIPT),
+            request(run_id, tools(payments)),
+        )
+    await store.release_run(run_id)
+
+
+async def test_recover_returns_when_a_probe_hangs_and_leaves_only_that_run_in_doubt() -> None:
+    store, payments = MemoryStore(), Payments()
+    for run_id in ("a", "hung", "z"):
+        await crashed_run_after_paying(store, payments, run_id)
+    payments.hangs_on = {"hung:1:action"}
+    # A guard against a hang, never reached when the probe's own timeout works.
+    with anyio.fail_after(30):
+        report = await recover(
+            definition(store, script=SCRIPT),
+            store,
+            lambda run_id: request(run_id, tools(payments, probe_timeout_s=TINY_TIMEOUT_S)),
+            max_concurrent=1,
+        )
+    results = {item.run_id: item.result for item in report}
+    assert set(results) == {"a", "hung", "z"} and all(item.error is None for item in report)
+    for run_id in ("a", "z"):
+        done = results[run_id]
+        assert done is not None and done.stop_reason is StopReason.FINAL_ANSWER
+        assert done.steps[1].settled_by == "reconcile:pay" and done.reconcile_failures == 0
+    hung = results["hung"]
+    assert hung is not None and hung.stop_reason is StopReason.IN_DOUBT
+    assert hung.reconcile_failures == 1
+    assert hung.detail is not None and TIMED_OUT in hung.detail
+    assert payments.cancelled == ["hung:1:action"]
+    log = await store.read_log("hung")
+    assert settlements(log.records) == []
+    assert isinstance(log.records[-1], RunEnded) and log.records[-1].detail == hung.detail
+    # A person settles it as any other run in doubt, and it goes on.
+    await settle(store, "hung", by="carol", ran=True, observation="paid 5")
+    done = await resume(definition(store, script=SCRIPT), request("hung", tools(payments)))
+    assert done.stop_reason is StopReason.FINAL_ANSWER and done.steps[1].settled_by == "carol"
+    assert sorted(payments.paid()) == ["a:1:action", "hung:1:action", "z:1:action"]
+
+
+async def test_an_answer_a_probe_gives_after_its_timeout_cancelled_it_is_not_taken() -> None:
+    store, payments = MemoryStore(), Payments()
+    await crashed_after_paying(store, payments)
+
+    async def stubborn(arguments: dict[str, Any], *, result_id: str) -> Reconciled | None:
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            # Swallows its cancellation, against the contract, to answer anyway.
+            return Reconciled(ran=True, observation="paid 5")
+        raise AssertionError("unreachable")
+
+    with anyio.fail_after(30):  # a guard against a hang, as above
+        result = await resume(
+            definition(store, script=SCRIPT),
+            request(RUN, tools(payments, stubborn, probe_timeout_s=TINY_TIMEOUT_S)),
+        )
+    assert result.stop_reason is StopReason.IN_DOUBT and result.reconcile_failures == 1
+    assert result.detail is not None and TIMED_OUT in result.detail
+    assert settlements((await store.read_log(RUN)).records) == []
+
+
+async def test_a_cancellation_from_outside_a_probe_is_not_taken_for_its_timeout() -> None:
+    store, payments = MemoryStore(), Payments()
+    await crashed_after_paying(store, payments)
+    returned = False
+    with anyio.CancelScope() as outside:
+
+        async def probe(arguments: dict[str, Any], *, result_id: str) -> Reconciled | None:
+            outside.cancel()  # the caller gives up while the probe waits, well within its time
+            await payments.finds(arguments, result_id=result_id)
+            raise AssertionError("unreachable")
+
+        payments.hangs_on = {PAY}
+        registry = tools(payments, probe, probe_timeout_s=TINY_TIMEOUT_S)
+        await resume(definition(store, script=SCRIPT), request(RUN, registry))
+        returned = True
+    assert outside.cancelled_caught and not returned
+    assert probed(payments) == [PAY]
+    records = (await store.read_log(RUN)).records
+    last = records[-1]
+    assert isinstance(last, RunEnded) and last.stop_reason is StopReason.CANCELLED
+    assert "TimeoutError" not in (last.detail or "") and settlements(records) == []
+
+
 # -- what observers see -----------------------------------------------------------------------
 
 
@@ -349,6 +449,22 @@ async def test_a_probe_must_be_an_async_function() -> None:
 
     with pytest.raises(InvalidRequest, match="tool 'pay': reconcile must be None or an async"):
         tools(Payments(), probe)
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, math.nan, math.inf, True, "30", None])
+async def test_a_probe_timeout_must_be_a_positive_finite_number_of_seconds(seconds: Any) -> None:
+    with pytest.raises(InvalidRequest, match="tool 'pay': reconcile_timeout_s must be a positive"):
+        tools(Payments(), probe_timeout_s=seconds)
+
+
+async def test_a_probe_waits_30_s_by_default_and_its_timeout_is_no_part_of_the_run() -> None:
+    payments = Payments()
+    registry = tools(payments)
+    spec = registry.get("pay")
+    assert spec is not None and spec.reconcile_timeout_s == 30.0
+    # What the model is shown and the run's snapshot records is the same for any timeout.
+    assert tools(payments, probe_timeout_s=0.5).describe() == registry.describe()
+    assert tools(payments, None).describe() == registry.describe()
 
 
 async def test_the_registry_executor_asks_only_tools_with_a_probe_and_cuts_their_answer() -> None:

@@ -6,6 +6,7 @@ Pure synchronous code: no coroutines, no fixtures that start resources.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import typing
 from types import MappingProxyType
@@ -24,7 +25,7 @@ from polyloop._shared import (
     record_kind,
 )
 from polyloop.serialization import encode
-from polyloop.types import Record, Result, RunEnded, StopReason, UnloggableValue
+from polyloop.types import Record, Result, RunEnded, StopReason, UnloggableValue, run_trace_id
 
 
 def test_every_record_class_has_one_kind() -> None:
@@ -151,3 +152,27 @@ def test_the_result_payload_refusal_names_its_run() -> None:
         )
     assert refused.value.run_id == "r-1"
     assert "Result: inf is not a JSON number at payload.v" in str(refused.value)
+
+
+# Trace ids already exported and stored by tracing back ends: they must never change.
+KNOWN_TRACE_IDS = {
+    "r": "1f26af82544b159f9afeb419bb836f30",
+    "exp-7/task-12#3": "45a453c486b59e85390bbb635286e8ff",
+    "café ☕": "3dafec1e161a8125eaeb11025be762f7",
+}
+
+
+@pytest.mark.parametrize(("run_id", "trace_id"), sorted(KNOWN_TRACE_IDS.items()))
+def test_the_trace_id_of_a_run_id_never_changes(run_id: str, trace_id: str) -> None:
+    assert run_trace_id(run_id) == trace_id
+
+
+def test_a_run_id_holding_a_lone_surrogate_has_a_trace_id_of_its_own() -> None:
+    # Half an emoji from a model's reply can end up in a run id: the id is hashed with
+    # the surrogate kept as its own three bytes, so no other run id shares its trace.
+    run_id = "id \ud83d"
+    digest = hashlib.sha256(f"polyloop run\x00{run_id}".encode("utf-8", "surrogatepass"))
+    assert run_trace_id(run_id) == digest.hexdigest()[:32]
+    assert run_trace_id(run_id) == run_trace_id("id \ud83d")
+    others = {run_trace_id(other) for other in ("id \\ud83d", "id \ufffd", "id ", "id \ud83e")}
+    assert run_trace_id(run_id) not in others and len(others) == 4

@@ -45,6 +45,7 @@ from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
 from polyloop.stores._common import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash, without_timing
 from store_kit import STORE_KINDS
+from surrogate_kit import HALF
 from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
@@ -208,6 +209,48 @@ async def test_a_fork_crashed_after_any_write_resumes_to_the_uninterrupted_fork(
     assert (started.forked_from, started.forked_at_step) == ("src", 2)
     assert started.inherited_sha256 == whole_started.inherited_sha256
     assert without_run_id(started.inherited_steps) == without_run_id(whole_started.inherited_steps)
+
+
+# -- a step holding half an emoji --------------------------------------------------------------
+
+# Step 1 is a model reply holding a lone surrogate (half an emoji, as a server can send it).
+HALF_SCRIPT = [
+    tool_call("double", n=1),
+    f"half an emoji: {HALF}",
+    tool_call("double", n=2),
+    tool_call("submit", answer="4"),
+]
+
+
+async def test_a_fork_at_a_step_holding_a_lone_surrogate_verifies_and_resumes(
+    place: Place, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store, ledger = place.open(), Ledger()
+    source = await run(definition(store, script=HALF_SCRIPT), request("src", make_tools(ledger)))
+    assert source.steps[1].model_output == f"half an emoji: {HALF}"
+    crashing = place.open()
+    with pytest.raises(SimulatedCrash):  # after the start record, holding the copies
+        await fork(
+            definition(FaultyStore(crashing, fail_after_writes=1), script=HALF_SCRIPT),
+            forked("f", ledger),
+            source_run_id="src",
+            at_step=2,
+        )
+    await place.close(crashing, "f")
+    restarted = place.open()
+    result = await resume(definition(restarted, script=HALF_SCRIPT), forked("f", ledger))
+    assert result.stop_reason is StopReason.SUBMITTED
+    assert (result.final_answer, len(result.steps)) == (source.final_answer, 4)
+    assert without_run_id(result.steps) == without_run_id(source.steps)
+    started = await _stored_as_written(place, restarted, "f")
+    assert started.inherited_steps[1].model_output == f"half an emoji: {HALF}"
+    assert started.inherited_sha256 == inherited_digest(source.steps[:2])
+    if place.cli is None:
+        return
+    await place.close(restarted, "f")
+    capsys.readouterr()
+    assert await _cli(place, "verify") == 0
+    assert "2 runs checked: 2 clean, 0 with warnings, 0 with errors" in capsys.readouterr().out
 
 
 # -- the fork stands alone ---------------------------------------------------------------------

@@ -33,6 +33,7 @@ from polyloop import (
     StopReason,
     Store,
     TextBlock,
+    recover,
     run_status,
     settle,
     start_or_resume,
@@ -380,6 +381,91 @@ async def test_a_run_in_doubt_before_its_tool_had_a_probe_is_settled_by_one_adde
     assert worker.payments.probed == [(3, "r:1:action"), (4, "r:1:action"), (5, "r:1:action")]
     (settlement,) = await _settlements(worker)
     assert settlement.ran and settlement.observation == "paid 5"
+
+
+# -- a probe that never answers ---------------------------------------------------------------
+
+HUNG = "hung:1:action"
+
+
+@pytest.fixture
+def store_argument(worker: Worker, request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
+    """The STORE argument of the command line for the worker's store; ``None`` for memory."""
+    if worker.kind == "jsonl":
+        return f"jsonl:{tmp_path / 'runs'}"
+    if worker.kind == "sqlite":
+        return f"sqlite:{tmp_path / 'runs.db'}"
+    if worker.kind == "postgresql":
+        return str(request.getfixturevalue("postgres_conninfo"))
+    return None
+
+
+async def _paid_then_crashed(worker: Worker, run_id: str) -> None:
+    store = worker.open_store()
+    with pytest.raises(SimulatedCrash):
+        await start_or_resume(
+            definition(
+                FaultyStore(store, fail_after_writes=PAY_INTENT),
+                model=ScriptedModelClient(customer),
+            ),
+            request(run_id, tools(worker.payments), model_replay=Replay.ALLOWED),
+        )
+    if worker.durable:
+        await store.aclose()  # type: ignore[attr-defined]
+    else:
+        await store.release_run(run_id)
+
+
+async def test_recover_goes_on_past_a_probe_that_never_answers(
+    worker: Worker, store_argument: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for run_id in ("a", "hung", "z"):
+        await _paid_then_crashed(worker, run_id)
+    worker.payments.hangs_on = {HUNG}
+
+    async def recovered(store: Store) -> Any:
+        def request_for(run_id: str) -> Any:
+            registry = tools(worker.payments, probe_timeout_s=0.05)
+            return request(run_id, registry, model_replay=Replay.ALLOWED)
+
+        definition_ = definition(store, model=ScriptedModelClient(customer))
+        with anyio.fail_after(30):  # a guard against a hang, never reached when it works
+            return await recover(definition_, store, request_for, max_concurrent=2)  # type: ignore[arg-type]
+
+    report = await worker.read(recovered)
+    results = {item.run_id: item.result for item in report}
+    assert set(results) == {"a", "hung", "z"} and all(item.error is None for item in report)
+    for run_id in ("a", "z"):
+        done = results[run_id]
+        assert done is not None and done.stop_reason is StopReason.FINAL_ANSWER
+        assert done.steps[1].settled_by == "reconcile:pay"
+    hung = results["hung"]
+    assert hung is not None and hung.stop_reason is StopReason.IN_DOUBT
+    assert hung.reconcile_failures == 1 and hung.detail is not None
+    assert "TimeoutError: it did not answer within 0.05 s and was cancelled" in hung.detail
+    assert worker.payments.cancelled == [HUNG]
+    records = await worker.read(lambda store: store.read_log("hung"))
+    assert not any(isinstance(record, Settlement) for record in records.records)
+
+    # The person's answer, from the command line where there is one.
+    if store_argument is not None:
+        argv = ["settle", store_argument, "hung", "--by", "carol"]
+        argv += ["--ran", "--observation", "paid 5"]
+        assert await anyio.to_thread.run_sync(main, argv) == 0
+        assert f"settled {HUNG}: ran (by carol)" in capsys.readouterr().out
+    else:
+        await worker.read(
+            lambda store: settle(store, "hung", by="carol", ran=True, observation="paid 5")
+        )
+    worker.payments.hangs_on = set()
+    done = await worker.read(
+        lambda store: start_or_resume(
+            definition(store, model=ScriptedModelClient(customer)),
+            request("hung", tools(worker.payments), model_replay=Replay.ALLOWED),
+        )
+    )
+    assert done.stop_reason is StopReason.FINAL_ANSWER and done.steps[1].settled_by == "carol"
+    assert sorted(worker.payments.paid()) == ["a:1:action", HUNG, "z:1:action"]
 
 
 def _jsonl_bytes(tmp_path: Path) -> dict[str, bytes]:

@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -78,6 +79,8 @@ from polyloop.testing.event_sink_contract import EventSinkContract
 from polyloop.testing.store_contract import sample_run
 from probe_kit import Payments, tools
 from review_kit import payment_script
+from surrogate_kit import HALF
+from surrogate_kit import RUN_ID as HALF_RUN_ID
 
 pytestmark = pytest.mark.anyio
 
@@ -683,6 +686,34 @@ async def test_run_trace_id_is_the_trace_of_every_span_the_sink_emits(
     assert run_trace_id("r") == f"{run_ids('r')[0]:032x}"
     assert re.fullmatch(r"[0-9a-f]{32}", run_trace_id("r"))
     assert run_trace_id("r") != run_trace_id("r2")
+
+
+async def test_a_run_whose_id_holds_a_lone_surrogate_is_traced_and_exportable(
+    traced: Traced,
+) -> None:
+    """Half an emoji in the run id and in a tool's failure: the run is traced under
+    :func:`run_trace_id`, and every span still encodes for OTLP, the surrogate escaped."""
+
+    async def double(arguments: dict[str, Any], *, result_id: str) -> str:
+        await anyio.lowlevel.checkpoint()
+        raise EnvironmentFault(f"gone {HALF}")
+
+    spec = ToolSpec(name="double", description="d", parameters={"type": "object"}, handler=double)
+    result = await run(
+        definition(MemoryStore(), script=[tool_call("double", n=1)], events=traced.sink),
+        request(HALF_RUN_ID, ToolRegistry([spec], max_observation_chars=1_000)),
+    )
+    assert result.stop_reason is StopReason.ENV_FAILURE and result.event_failures == 0
+    (agent,), (tool,) = traced.named("invoke_agent"), traced.named("execute_tool")
+    assert len(traced.named("chat")) == 1
+    spans = traced.spans()
+    assert {format(span.context.trace_id, "032x") for span in spans} == {run_trace_id(HALF_RUN_ID)}
+    assert attrs(agent)["polyloop.run.id"] == attrs(tool)["gen_ai.conversation.id"] == "id \\ud83d"
+    assert tool.status.description is not None
+    assert tool.status.description.endswith("gone \\ud83d")
+    assert agent.status.description is not None and "gone \\ud83d" in agent.status.description
+    # What the OTLP exporters send: protobuf refuses strings UTF-8 cannot encode.
+    assert encode_spans(spans).SerializeToString()
 
 
 async def test_an_in_doubt_resume_is_marked(traced: Traced, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from polyloop._shared import FORMAT, canonical_json, plain_copy, record_kind
+from polyloop._shared import FORMAT, encodable_json, plain_copy, record_kind
 from polyloop.serialization._schema import (
     FIELDS,
     RECORD_CLASS,
@@ -115,15 +115,11 @@ def dumps(record: Record) -> str:
     """
     data = encode(record)
     try:
-        line = canonical_json(data)
+        line = encodable_json(data)
     except ValueError as exc:  # a float field (not walked like payloads) out of range
         raise UnloggableValue(str(exc), run_id=record.run_id) from exc
     if line.isascii():
         return line
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError:
-        return canonical_json(data, ascii=True)
     for raw, escaped in _LINE_BREAKERS.items():
         line = line.replace(raw, escaped)
     return line

@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 
 from polyloop import _recovery
-from polyloop._shared import canonical_json
+from polyloop._shared import encodable_json
 from polyloop.ports import Store
 from polyloop.serialization import encode
 from polyloop.types import InvalidRequest, RunNotFound, RunStarted, StepRecord
@@ -39,8 +39,13 @@ class Inheritance:
 
 
 def inherited_digest(steps: tuple[StepRecord, ...]) -> str:
-    """The SHA-256 of the source's step records, as a list of their encoded objects."""
-    text = canonical_json([encode(step) for step in steps])
+    """The SHA-256 of the source's step records, as a list of their encoded objects.
+
+    Each record is in canonical JSON as the codec writes it: all-ASCII when it holds a
+    lone surrogate, which UTF-8 cannot encode. Any other list hashes exactly as its
+    canonical JSON, so the digests of forks without one never change.
+    """
+    text = "[" + ",".join(encodable_json(encode(step)) for step in steps) + "]"
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
