@@ -111,8 +111,11 @@ def run_trace_ids(run_id: str) -> tuple[int, int]:
     are the trace id, the next 8 the span id, each read big-endian; an id of 0 (invalid
     in OpenTelemetry) becomes 1. Derived from the run id alone, so every process finds
     the same run's trace; the prefix keeps it apart from other hashes of the same id.
+    A lone surrogate, which a run id may hold as any text from JSON may, is encoded as
+    the three bytes UTF-8 would give it (``surrogatepass``), as the stores do.
     """
-    digest = hashlib.sha256(f"polyloop run\x00{run_id}".encode()).digest()
+    named = f"polyloop run\x00{run_id}".encode("utf-8", "surrogatepass")
+    digest = hashlib.sha256(named).digest()
     trace_id = int.from_bytes(digest[:16], "big") or 1
     span_id = int.from_bytes(digest[16:24], "big") or 1
     return trace_id, span_id
