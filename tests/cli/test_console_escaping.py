@@ -275,6 +275,11 @@ async def test_a_run_id_holding_a_lone_surrogate_keeps_the_list_and_its_page(
         assert set(shown) == {"half", "ask", surrogate_kit.RUN_ID.replace(HALF, SHOWN)}
         page = await follow(client, f"{BASE_URL}/", shown[f"id {SHOWN}"])
         answered = await client.get("/runs/half")
+        # What the live pages fetch again when the store changes.
+        live_list = await client.get("/partials/runs")
+        live_run = await client.get(shown[f"id {SHOWN}"] + "/partial")
+    assert live_list.status_code == 200 and set(links(live_list.text)) == set(shown)
+    assert live_run.status_code == 200 and f"id {SHOWN}" in live_run.text
     assert page.status_code == 200
     assert one(r"<h1>(.*?)</h1>", page.text) == f"run id {SHOWN}"
     assert answered.status_code == 200 and f"done {SHOWN}" in answered.text
@@ -347,6 +352,20 @@ async def test_the_login_sends_a_person_back_to_the_run_they_asked_for(
             assert logged.headers["location"] == run_path(run_id)
             page = await follow(client, f"{BASE_URL}/login", logged.headers["location"])
             assert one(r"<h1>(.*?)</h1>", page.text) == f"run {escape_field(run_id)}"
+
+
+async def test_a_path_that_is_not_utf_8_names_no_run(store: ManagedStore) -> None:
+    await propose(store, "paused")
+    async with browser(console(store)) as client:
+        missing = await client.get("/runs/%25FF")
+        answered = await post_form(client, "/runs/%25FF/approve", {"by": "alice"})
+        stale = await post_form(
+            client, run_path("paused") + "/approve", {"by": "alice", "result_id": "%FF"}
+        )
+    assert missing.status_code == 404 and "no record of the run" in missing.text
+    assert answered.status_code == 404
+    assert stale.status_code == 409
+    assert [type(r) for r in reviews(await store.read_log("paused"))] == [Proposal]
 
 
 def test_a_run_path_is_one_segment_that_reads_back_to_the_run_id() -> None:

@@ -99,8 +99,12 @@ def encoded(text: str, *, safe: str) -> str:
 
 
 def decoded(text: str) -> str:
-    """What :func:`encoded` encoded."""
-    return unquote(text, errors="surrogatepass")
+    """What :func:`encoded` encoded; bytes that are not UTF-8 (in an address typed by
+    hand) as U+FFFD, which names no run and no result, rather than an error."""
+    try:
+        return unquote(text, errors="surrogatepass")
+    except UnicodeDecodeError:
+        return unquote(text, errors="replace")
 
 
 def version(value: Hashable) -> str:
