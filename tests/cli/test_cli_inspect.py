@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from html import escape
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -740,6 +741,25 @@ def test_show_of_a_run_whose_id_holds_a_lone_surrogate_names_its_trace(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_show_opens_a_run_whose_id_holds_a_lone_surrogate(
+    halves: str, backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    strict_output = StrictOutput(monkeypatch)
+    shown = RUN_ID.replace(HALF, SHOWN)
+    assert main(["--backend", backend, "show", halves, RUN_ID]) == 0
+    out, err = strict_output.read()
+    assert out.startswith(f"run {shown}  finished") and err == ""
+    # Its trace id is derived from the id's bytes, as the stores write them.
+    assert run_trace_id(RUN_ID) in out
+    assert run_trace_id(RUN_ID) != run_trace_id(RUN_ID.replace(HALF, "\ufffd"))
+    assert main(["--backend", backend, "show", halves, RUN_ID, "--json"]) == 0
+    assert json.loads(strict_output.read()[0])["trace_id"] == run_trace_id(RUN_ID)
+    target = tmp_path / "id.html"
+    assert main(["--backend", backend, "show", halves, RUN_ID, "--html", str(target)]) == 0
+    assert f"<h1>polyloop run {shown}</h1>" in target.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_runs_and_verify_escape_a_run_id_holding_a_lone_surrogate(
     halves: str, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -817,6 +837,18 @@ def test_show_escapes_a_run_id_that_could_forge_a_line(
         assert "\u202e" not in out and not any(line.startswith("ok") for line in out.splitlines())
         escaped = run_id.replace("\n", "\\n").replace("\u202e", "\\u202e")
         assert out.splitlines()[0] == f"run {escaped}  finished  (5 records)"
+
+
+def test_show_html_names_the_run_as_show_does(forging: str, tmp_path: Path) -> None:
+    """The title and the heading hold the run id as the terminal's first line does: a
+    newline in it is shown as an escape, not as a space that hides it."""
+    for run_id in FORGING_IDS:
+        target = tmp_path / "run.html"
+        assert main(["show", forging, run_id, "--html", str(target)]) == 0
+        page = target.read_text(encoding="utf-8")
+        escaped = escape(run_id.replace("\n", "\\n").replace("\u202e", "\\u202e"))
+        assert f"<title>polyloop run {escaped}</title>" in page
+        assert f"<h1>polyloop run {escaped}</h1>" in page
 
 
 def test_show_html_escapes_a_bidirectional_override_that_could_reorder_the_page(

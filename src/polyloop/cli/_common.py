@@ -158,6 +158,17 @@ def escape_block(text: str) -> str:
     return _UNSAFE_IN_BLOCK.sub(_escape, text)
 
 
+def editable_json(value: object, *, indent: int | None = None) -> str:
+    """``value`` as JSON a person reads and may edit, safe to show as :func:`escape_block`
+    text is: each character :func:`escape_field` escapes is written as JSON's own
+    ``\\u`` escape, so the text, read back unchanged, is ``value`` exactly (lone
+    surrogates included)."""
+    text = json.dumps(value, ensure_ascii=False, indent=indent)
+    # Outside its strings, JSON text holds only ASCII punctuation, digits, letters and the
+    # indent's newlines; what is left to escape sits inside a string, where \\u is JSON.
+    return _UNSAFE_IN_BLOCK.sub(lambda found: f"\\u{ord(found.group()):04x}", text)
+
+
 @contextmanager
 def escaped_output() -> Iterator[None]:
     """While open, all that goes to standard output and error has its surrogates escaped.

@@ -4,7 +4,9 @@ The web console shows the same sections (:func:`sections`) inside its own page.
 
 Every piece of text from the log goes through :func:`html.escape`, so a model output
 holding markup is shown, never interpreted; a lone surrogate, a control character or a
-bidirectional override is shown as its escape.
+bidirectional override is shown as its escape, by the terminal's own functions: a value
+of one line (the run id, the headline of an action in doubt) as ``polyloop show`` prints
+it, a block as its fields are printed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 from html import escape
 
-from polyloop.cli._common import escape_block
+from polyloop.cli._common import escape_block, escape_field
 from polyloop.cli._facts import (
     Doubt,
     in_doubt,
@@ -58,7 +60,8 @@ _STATE_CLASSES = {
 
 def page(view: RunView) -> str:
     """The whole HTML document for ``view``."""
-    title = f"polyloop run {view.run_id}"
+    # One line, escaped as the terminal's first line is: a newline would read as a space.
+    title = f"polyloop run {escape_field(view.run_id)}"
     document = (
         '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
         f"<title>{escape(title)}</title>\n<style>\n{CSS}\n</style>\n</head>\n<body>\n"
@@ -93,7 +96,8 @@ def _doubt(doubt: Doubt) -> str:
     ]
     return (
         f'<section id="in-doubt">\n<h2>IN DOUBT</h2>\n'
-        f"<p><strong>{escape(doubt.headline().removeprefix('IN DOUBT: '))}</strong></p>\n"
+        f"<p><strong>{escape(escape_field(doubt.headline().removeprefix('IN DOUBT: ')))}"
+        "</strong></p>\n"
         f"{_dl(rows)}\n</section>"
     )
 

@@ -191,11 +191,20 @@ class Guard:
 
     def _refusal(self, connection: HTTPConnection, refused: Refused) -> Response:
         if refused.status == 401 and connection.scope["method"] in ("GET", "HEAD"):
-            target = connection.url.path
+            target = asked_path(connection)
             if connection.url.query:
                 target += "?" + connection.url.query
             return RedirectResponse(f"/login?next={quote(target, safe='')}", status_code=303)
         return PlainTextResponse(refused.message + "\n", status_code=refused.status)
+
+
+def asked_path(connection: HTTPConnection) -> str:
+    """The path as the browser sent it, still encoded: the server's decoded path would
+    turn a run page's ``%252E`` into ``%2E``, which a browser reads as ``.``."""
+    raw = connection.scope.get("raw_path")
+    if isinstance(raw, bytes):
+        return raw.decode("ascii", "replace")
+    return quote(connection.scope["path"].encode("utf-8", "surrogatepass"), safe="/")
 
 
 def local_target(target: str | None) -> str:

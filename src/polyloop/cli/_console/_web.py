@@ -31,7 +31,7 @@ from starlette.responses import (
 from starlette.routing import Route
 
 from polyloop.cli import _html
-from polyloop.cli._common import edited_arguments
+from polyloop.cli._common import editable_json, edited_arguments, escape_block, escape_field
 from polyloop.cli._console import _guard
 from polyloop.cli._console._data import list_page, listed_unfinished_only, read_run
 from polyloop.cli._console._guard import Access, Refused, checked_form, context, form_text
@@ -79,9 +79,32 @@ class Settings:
 
 
 def run_path(run_id: str) -> str:
-    """The run page's path. The id is one path segment, encoded twice: servers decode a
-    path once before routing, and a run id may hold ``/``."""
-    return "/runs/" + quote(quote(run_id, safe=""), safe="")
+    """The run page's path, the run id as one path segment, which reads back to the id
+    whatever it holds (``/``, ``%``, ``?``, ``#``, spaces, lone surrogates).
+
+    The id's UTF-8 is percent-encoded twice: a server decodes a path once before routing
+    it, and a ``/`` decoded there would split the segment. An id of dots only has its dots
+    encoded too: a browser resolves a segment ``.`` or ``..`` (or ``%2e``) before asking,
+    so a link to it would lead to another page.
+    """
+    segment = encoded(run_id, safe="")
+    if not run_id.strip("."):
+        segment = segment.replace(".", "%2E")
+    return "/runs/" + quote(segment, safe="")
+
+
+def encoded(text: str, *, safe: str) -> str:
+    """``text`` percent-encoded as UTF-8, lone surrogates included (see :func:`decoded`)."""
+    return quote(text.encode("utf-8", "surrogatepass"), safe=safe)
+
+
+def decoded(text: str) -> str:
+    """What :func:`encoded` encoded; bytes that are not UTF-8 (in an address typed by
+    hand) as U+FFFD, which names no run and no result, rather than an error."""
+    try:
+        return unquote(text, errors="surrogatepass")
+    except UnicodeDecodeError:
+        return unquote(text, errors="replace")
 
 
 def version(value: Hashable) -> str:
@@ -98,11 +121,25 @@ def _templates() -> Environment:
         autoescape=select_autoescape(default=True, default_for_string=True),
         trim_blocks=True,
         lstrip_blocks=True,
+        finalize=_shown,
     )
     environment.filters["run_path"] = run_path
+    environment.filters["field"] = escape_field
+    environment.filters["form_value"] = lambda text: encoded(text, safe=":")
     environment.filters["utc"] = utc_text
     environment.globals["css"] = Markup(_html.CSS)
     return environment
+
+
+def _shown(value: object) -> object:
+    """Every value a template prints, as the terminal prints it: whatever is not already
+    markup (the run's sections, escaped where they are made) is text that may come from
+    a log, so its control and bidirectional characters and lone surrogates are written
+    as escapes (a template shows a one-line value through the ``field`` filter, which
+    escapes line breaks too)."""
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return escape_block(value)
+    return value
 
 
 def create_app(store: ManagedStore, settings: Settings) -> Starlette:
@@ -132,7 +169,13 @@ async def _no_icon(request: Request) -> Response:
 
 
 def _run_id(request: Request) -> str:
-    return unquote(request.path_params["key"])
+    return decoded(request.path_params["key"])
+
+
+def answered_id(form: FormData) -> str:
+    """The result id a form answers. The page writes it with :func:`encoded`, since a
+    field cannot carry every character a log can hold; an ordinary id reads as itself."""
+    return decoded(form_text(form, "result_id"))
 
 
 def _sse(changes: AsyncIterator[None]) -> StreamingResponse:
@@ -415,8 +458,8 @@ class _Console:
 
 
 def _answered_id(form: FormData) -> str | None:
-    """The result id of the proposal or intent the form was shown for."""
-    return form_text(form, "result_id") or None
+    """The result id of the proposal or intent the form was shown for, if it names one."""
+    return answered_id(form) or None
 
 
 def _page_number(text: str | None) -> int:
@@ -427,9 +470,11 @@ def _page_number(text: str | None) -> int:
 
 
 def _arguments_text(proposal: Proposal | None) -> str:
+    """The proposed arguments for the text area: sent back unchanged, they read as the
+    proposal's own, whatever characters they hold."""
     if proposal is None or not isinstance(proposal.payload, dict):
         return ""
-    return json.dumps(proposal.payload.get("arguments"), ensure_ascii=False, indent=2)
+    return editable_json(proposal.payload.get("arguments"), indent=2)
 
 
 def _live_state(view: RunView, doubt: Doubt | None) -> str:
