@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 from bench.__main__ import REGISTRY, main  # noqa: E402
 
 PAGES = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-CITED = re.compile(r"python -m bench ([a-z0-9-]+)")
+CITED = re.compile(r"python -m bench ([a-z0-9][a-z0-9-]*)")
 
 
 def test_help_lists_every_benchmark_with_its_summary() -> None:
