@@ -9,6 +9,7 @@ What each measures and how to read it: ``bench/README.md``.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -36,8 +37,7 @@ def _suite(one: str | None) -> Callable[[list[str]], int]:
 
 def _module(name: str) -> Callable[[list[str]], int]:
     def main(argv: list[str]) -> int:
-        module = __import__(f"bench.{name}", fromlist=["main"])
-        status: int = module.main(argv)
+        status: int = importlib.import_module(f"bench.{name}").main(argv)
         return status
 
     return main
@@ -53,58 +53,30 @@ def _render(argv: list[str]) -> int:
     return 0
 
 
+# name, what it measures, and whether it is one of the suite's (run in this process)
+ENTRIES = (
+    ("suite", "benchmarks 1-7 and 10 in one run, one results file (the performance page's)", True),
+    ("overhead", "1. kernel overhead per step against a hand-written loop and peers", True),
+    ("durable", "2. a durable step on each store against fsync and hand-written floors", True),
+    ("concurrency", "3. concurrent runs: speed, memory, against sequential, group commit", True),
+    ("recovery", "4. resume time against the length of the log", True),
+    ("scale", "5. the cost of a step early and late in one long run", True),
+    ("listing", "6. listing and statuses against the number of finished runs", True),
+    ("lag", "7. event-loop lag beside concurrent durable runs", True),
+    ("throughput", "8. many runs of realistic shape in child processes, with floors, peers", False),
+    ("temporal", "9. the same runs driven by Temporal workers and by PolyLoop's own", False),
+    ("console", "10. the web console's pages on a store with a long history", True),
+    ("codec", "11. the record codec on benchmark 8's records", False),
+)
 REGISTRY = {
-    entry.name: entry
-    for entry in (
-        Benchmark(
-            "suite",
-            "benchmarks 1-7 and 10 in one run, one results file (the performance page's)",
-            _suite(None),
-        ),
-        Benchmark(
-            "overhead",
-            "1. kernel overhead per step against a hand-written loop and peers",
-            _suite("overhead"),
-        ),
-        Benchmark(
-            "durable",
-            "2. a durable step on each store against fsync and hand-written floors",
-            _suite("durable"),
-        ),
-        Benchmark(
-            "concurrency",
-            "3. concurrent runs: speed, memory, against sequential, group commit",
-            _suite("concurrency"),
-        ),
-        Benchmark("recovery", "4. resume time against the length of the log", _suite("recovery")),
-        Benchmark("scale", "5. the cost of a step early and late in one long run", _suite("scale")),
-        Benchmark(
-            "listing",
-            "6. listing and statuses against the number of finished runs",
-            _suite("listing"),
-        ),
-        Benchmark("lag", "7. event-loop lag beside concurrent durable runs", _suite("lag")),
-        Benchmark(
-            "throughput",
-            "8. many runs of realistic shape in child processes, beside floors and peers",
-            _module("throughput"),
-        ),
-        Benchmark(
-            "temporal",
-            "9. the same runs driven by Temporal workers and by PolyLoop's own",
-            _module("temporal"),
-        ),
-        Benchmark(
-            "console",
-            "10. the web console's pages on a store with a long history",
-            _suite("console"),
-        ),
-        Benchmark("codec", "11. the record codec on benchmark 8's records", _module("codec")),
-        Benchmark(
-            "render", "results files (bench/results/) as the Markdown tables of the docs", _render
-        ),
+    name: Benchmark(
+        name, summary, _suite(None if name == "suite" else name) if in_suite else _module(name)
     )
+    for name, summary, in_suite in ENTRIES
 }
+REGISTRY["render"] = Benchmark(
+    "render", "results files (bench/results/) as the Markdown tables of the docs", _render
+)
 
 
 def usage() -> str:

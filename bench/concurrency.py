@@ -197,7 +197,7 @@ class _Stores:
                 group.start_soon(agent.run, f"warm-{uuid.uuid4().hex[:8]}", 2)
 
 
-async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row]]:
+async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row], list[Row]]:
     sizes = ctx.sizes
     largest = max(sizes.concurrency_runs)
     rows: list[Row] = []

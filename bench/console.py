@@ -421,7 +421,7 @@ class Console:
         from polyloop.cli._console import Settings, create_app
 
         self.counting = CountingStore(store)
-        self.timed = _Timed(create_app(self.counting, Settings("bench")))  # type: ignore[arg-type]
+        self.timed = _Timed(create_app(self.counting, Settings("bench")))
 
     async def get(self, path: str) -> Sample:
         import httpx

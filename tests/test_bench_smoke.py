@@ -418,7 +418,7 @@ async def test_the_postgres_baseline_sends_each_write_in_a_statement_of_its_own(
                 sent.append(text)
             return execute(query, *args, **kwargs)
 
-        conn.execute = noted
+        conn.execute = noted  # type: ignore[method-assign]
         return conn
 
     monkeypatch.setattr(_postgres_store, "open_connection", open_connection)
