@@ -225,67 +225,6 @@ def skipped(row: Row, reason: str) -> Row:
     return {**row, "skipped": reason}
 
 
-def fmt(value: Any, digits: int = 1) -> str:
-    """A number as a table shows it: thousands separated, ``digits`` decimals below 100."""
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    if isinstance(value, float):
-        if value != value:  # NaN
-            return "-"
-        if abs(value) >= 100:
-            return f"{value:,.0f}"
-        return f"{value:.{digits}f}"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
-
-
-# (row key, header) or (row key, header, decimals shown below 100)
-Column = tuple[str, str] | tuple[str, str, int]
-
-
-def print_table(
-    title: str,
-    columns: Sequence[Column],
-    rows: Sequence[Row],
-    out: Callable[[str], None] | None = None,
-) -> None:
-    """A plain-text table; skipped rows show their reason instead of numbers."""
-    write = out or (lambda text: print(text, flush=True))
-    cells = []
-    for row in rows:
-        if row.get("skipped"):
-            first = fmt(row.get(columns[0][0]))
-            cells.append([first, f"skipped: {row['skipped']}"] + [""] * (len(columns) - 2))
-        else:
-            cells.append([fmt(row.get(c[0]), c[2] if len(c) > 2 else 1) for c in columns])
-    headers = [c[1] for c in columns]
-    widths = [len(h) for h in headers]
-    for line in cells:
-        for index, cell in enumerate(line):
-            if not (index == 1 and cell.startswith("skipped:")):
-                widths[index] = max(widths[index], len(cell))
-    write("")
-    write(title)
-    write(
-        "  ".join(
-            h.ljust(widths[i]) if i == 0 else h.rjust(widths[i]) for i, h in enumerate(headers)
-        )
-    )
-    write("  ".join("-" * w for w in widths))
-    for line in cells:
-        if len(line) > 1 and line[1].startswith("skipped:"):
-            write(f"{line[0].ljust(widths[0])}  {line[1]}")
-            continue
-        write(
-            "  ".join(
-                c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(line)
-            )
-        )
-
-
 def target(
     name: str,
     measured: float | None,

@@ -264,7 +264,7 @@ class LineSizes:
     def line(self, field: str, step: int) -> bytes:
         """A line of the field's size (the step number in it, so lines differ)."""
         head = f"{step} "
-        size = getattr(self, field)
+        size: int = getattr(self, field)
         return (head + "x" * max(size - len(head) - 1, 0) + "\n").encode()
 
 

@@ -1,7 +1,7 @@
 """The record codec on benchmark 8's records: what writing a step's records costs.
 
-    python bench/codec.py
-    python bench/codec.py --repeats 5 --rounds 20   # quicker, noisier
+    python -m bench codec
+    python -m bench codec --repeats 5 --rounds 20   # quicker, noisier
 
 One run of benchmark 8's workload (``bench/workload.py``: ten steps, a 3 KB observation
 a step) is made on ``MemoryStore``, its records are read back, and then encoded again
@@ -15,23 +15,17 @@ for the records of one step. Nothing here touches a disk or a thread.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import anyio
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.workload import Workload  # noqa: E402
-from polyloop import serialization  # noqa: E402
-from polyloop._shared import canonical_json  # noqa: E402
-from polyloop.stores import MemoryStore  # noqa: E402
-from polyloop.types import Record  # noqa: E402
+from bench.workload import Workload
+from polyloop import serialization
+from polyloop._shared import canonical_json
+from polyloop.stores import MemoryStore
+from polyloop.types import Record
 
 STEPS = 10
 
@@ -77,7 +71,9 @@ def measure(*, repeats: int, rounds: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench codec", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=200)
     args = parser.parse_args(argv)
@@ -86,7 +82,3 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("dumps", "encode", "canonical_json"):
         print(f"{name:>15}: {figures[f'{name}_us_per_step']:6.1f} us a step")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -31,7 +31,6 @@ in a worker thread (research-wiki 0019), a step makes more thread hops than that
 
 from __future__ import annotations
 
-import tracemalloc
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -50,6 +49,7 @@ from bench._common import (
     skipped,
     target,
 )
+from bench._sampling import python_peak_bytes
 from bench.agents import Agent, handwritten_concurrent
 
 TITLE = "3. Concurrent runs (one task group, one shared model client)"
@@ -197,7 +197,7 @@ class _Stores:
                 group.start_soon(agent.run, f"warm-{uuid.uuid4().hex[:8]}", 2)
 
 
-async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row]]:
+async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row], list[Row]]:
     sizes = ctx.sizes
     largest = max(sizes.concurrency_runs)
     rows: list[Row] = []
@@ -230,7 +230,7 @@ async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row]]:
                     settle()
                     stats = await pass_()
                     walls.append(stats.seconds)
-                peak = await _peak(pass_)
+                peak = await python_peak_bytes(pass_)
                 wall = median(walls)
                 row.update(
                     repeats=len(walls),
@@ -281,19 +281,6 @@ async def _pass_for(
         return stats
 
     return polyloop
-
-
-async def _peak(pass_: Callable[[], Awaitable[RunStats]]) -> float:
-    """Bytes of Python memory allocated at the peak of one pass, above where it started."""
-    settle()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        await pass_()
-        return float(tracemalloc.get_traced_memory()[1] - base)
-    finally:
-        tracemalloc.stop()
 
 
 async def _speedups(ctx: Context, stores: _Stores, backend: str) -> list[Row]:

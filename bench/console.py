@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import tempfile
-import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ import anyio
 import anyio.lowlevel
 
 from bench._common import QUICK, TINY, Context, Row, median, missing, now, settle, skipped
+from bench._sampling import python_peak_bytes
 from polyloop import (
     Budget,
     Definition,
@@ -421,7 +421,7 @@ class Console:
         from polyloop.cli._console import Settings, create_app
 
         self.counting = CountingStore(store)
-        self.timed = _Timed(create_app(self.counting, Settings("bench")))  # type: ignore[arg-type]
+        self.timed = _Timed(create_app(self.counting, Settings("bench")))
 
     async def get(self, path: str) -> Sample:
         import httpx
@@ -593,16 +593,11 @@ async def _one_peak(store: ManagedStore, probe: Probe) -> float:
     console = Console(store)
     if not probe.cold:
         await console.get(probe.path)
-    settle()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        tracemalloc.reset_peak()
-        await (console.first_change() if probe.path == EVENTS else console.get(probe.path))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    return (peak - base) / 2**20
+
+    async def request() -> Any:
+        return await (console.first_change() if probe.path == EVENTS else console.get(probe.path))
+
+    return await python_peak_bytes(request) / 2**20
 
 
 async def _list_runs_rows(

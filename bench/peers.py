@@ -19,7 +19,7 @@ Pydantic AI: ``Agent(FunctionModel(fn))`` with one trivial ``async`` tool; ``fn`
 with the request limit raised above the number of steps.
 
 The end of the file holds the same two peers on the realistic workload of benchmark 8
-(``bench/throughput.py``): model latency, tool arguments, a growing transcript, many runs
+(``python -m bench throughput``): model latency, tool arguments, a growing transcript, many runs
 at once, and LangGraph with its async SQLite or PostgreSQL checkpointer.
 """
 
@@ -190,7 +190,7 @@ class PydanticAILoop:
         return RunStats(seconds, self.decisions.n - decisions, self.executions.n - executions)
 
 
-# -- the realistic workload of benchmark 8 (bench/throughput.py) --------------------------
+# -- the realistic workload of benchmark 8 (python -m bench throughput) -------------------
 
 
 def langgraph_postgres_missing() -> str | None:

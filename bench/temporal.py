@@ -1,7 +1,7 @@
 """Benchmark: the same runs driven by Temporal workers and by PolyLoop's own workers.
 
-    python bench/temporal.py --runs 1000 --workers 2 --steps 10 --latency-ms 200
-    python bench/temporal.py --tiny          # every code path, no meaningful numbers
+    python -m bench temporal --runs 1000 --workers 2 --steps 10 --latency-ms 200
+    python -m bench temporal --tiny          # every code path, no meaningful numbers
 
 Every run makes ``--steps`` steps; each is a call to a scripted model that waits
 ``--latency-ms`` (an ``anyio.sleep``, as a network call would) and asks for a tool that
@@ -28,32 +28,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import signal
-import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    # Run as a script: import the benchmarks as the package ``bench`` from the root.
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
-    sys.path.insert(0, str(ROOT))
+import anyio
 
-import anyio  # noqa: E402
-
-from bench._common import postgres_conninfo, postgres_schema  # noqa: E402
+from bench._children import ChildFailed, Children, child_command, meet, report
+from bench._common import postgres_conninfo, postgres_schema
+from bench._sampling import cpu_seconds
+from bench.report import render
 
 AGENT = "bench"
-
-
-def _cpu_self() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _agent_parts(conninfo: str, schema: str, steps: int, latency_s: float) -> tuple[Any, Any]:
@@ -122,7 +113,7 @@ async def _child_polyloop(args: argparse.Namespace) -> dict[str, Any]:
     steps = 0
     async with definition.store:
         await definition.store.describe_run("warm-up")  # connect before the clock starts
-        began, cpu = time.time(), _cpu_self()
+        began, cpu = time.time(), cpu_seconds()
 
         async def one(run_id: str) -> None:
             nonlocal steps
@@ -133,7 +124,7 @@ async def _child_polyloop(args: argparse.Namespace) -> dict[str, Any]:
             for run_id in mine:
                 group.start_soon(one, run_id)
         ended = time.time()
-    return {"began": began, "ended": ended, "cpu": _cpu_self() - cpu, "steps": steps}
+    return {"began": began, "ended": ended, "cpu": cpu_seconds() - cpu, "steps": steps}
 
 
 async def _child_temporal(args: argparse.Namespace) -> dict[str, Any]:
@@ -159,36 +150,40 @@ async def _child_temporal(args: argparse.Namespace) -> dict[str, Any]:
                 plugins=[plugin],
                 max_concurrent_workflow_tasks=100,
             ):
-                cpu = _cpu_self()
-                print("ready", flush=True)
+                cpu = cpu_seconds()
+                await meet(args.meeting, args.slot, wait_for_go=False)
                 async for _ in signals:
                     break
             # Only the time serving runs: shutting down is not per step.
-            spent = _cpu_self() - cpu
+            spent = cpu_seconds() - cpu
     return {"cpu": spent}
 
 
-def _spawn(kind: str, args: argparse.Namespace, slot: int, **extra: str) -> subprocess.Popen[str]:
-    command = [sys.executable, __file__, "--child", kind, "--slot", str(slot)]
-    command += ["--runs", str(args.runs), "--workers", str(args.workers)]
-    command += ["--steps", str(args.steps), "--latency-ms", str(args.latency_ms)]
-    command += ["--conninfo", args.conninfo, "--schema", args.schema]
-    for key, value in extra.items():
-        command += [f"--{key}", value]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+def _children(kind: str, args: argparse.Namespace, **extra: str) -> Children:
+    """One worker process per ``--workers``, meeting in a directory of their own."""
+    meeting = Path(args.scratch) / kind
+    commands = []
+    for slot in range(args.workers):
+        command = ["--child", kind, "--slot", str(slot), "--meeting", str(meeting)]
+        command += ["--runs", str(args.runs), "--workers", str(args.workers)]
+        command += ["--steps", str(args.steps), "--latency-ms", str(args.latency_ms)]
+        command += ["--conninfo", args.conninfo, "--schema", args.schema]
+        for key, value in extra.items():
+            command += [f"--{key}", value]
+        commands.append(child_command("temporal", *command))
+    return Children(meeting, commands)
 
 
-def _report(process: subprocess.Popen[str]) -> dict[str, Any]:
-    out, _ = process.communicate(timeout=3600)
-    if process.returncode != 0:
-        raise SystemExit(f"a worker failed with status {process.returncode}")
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    return result
+def _reports(children: Children) -> list[dict[str, Any]]:
+    try:
+        return children.reports(timeout=3600)
+    except ChildFailed as failure:
+        raise SystemExit(f"a worker failed: {failure}") from None
 
 
 def _polyloop(args: argparse.Namespace) -> dict[str, Any]:
-    children = [_spawn("polyloop", args, slot) for slot in range(args.workers)]
-    reports = [_report(child) for child in children]
+    with _children("polyloop", args) as children:
+        reports = _reports(children)
     steps = sum(report["steps"] for report in reports)
     wall = max(r["ended"] for r in reports) - min(r["began"] for r in reports)
     return {
@@ -196,12 +191,6 @@ def _polyloop(args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "cpu_per_step_ms": 1000 * sum(r["cpu"] for r in reports) / steps,
     }
-
-
-def _process_cpu(pid: int) -> float:
-    """User + system seconds of process ``pid`` so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _server_pid() -> int | None:
@@ -220,66 +209,68 @@ def _server_pid() -> int | None:
 async def _temporal(args: argparse.Namespace) -> dict[str, Any]:
     from temporalio.testing import WorkflowEnvironment
 
-    from polyloop.temporal import RunInput, start_agent_run
-
     cli = Path(sysconfig.get_path("scripts")) / "temporal"
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=str(cli), ip="127.0.0.1", dev_server_log_level="error"
     )
     try:
-        client = env.client
-        address = client.service_client.config.target_host
         queue = f"bench-{uuid.uuid4().hex[:8]}"
-        children = [
-            _spawn("temporal", args, slot, address=address, queue=queue)
-            for slot in range(args.workers)
-        ]
-        for child in children:
-            assert child.stdout is not None
-            if await anyio.to_thread.run_sync(child.stdout.readline) != "ready\n":
+        address = env.client.service_client.config.target_host
+        with _children("temporal", args, address=address, queue=queue) as children:
+            if not await anyio.to_thread.run_sync(children.all_ready):
                 raise SystemExit("a Temporal worker did not start")
-        server = _server_pid()
-        server_cpu = _process_cpu(server) if server else None
-        began = time.time()
-        handles = []
-        outcomes: list[dict[str, Any]] = []
-
-        async def start(i: int) -> None:
-            handles.append(
-                await start_agent_run(
-                    client, RunInput(agent=AGENT, run_id=f"t-{queue}-{i}"), task_queue=queue
-                )
-            )
-            outcomes.append(await handles[-1].result())
-
-        async with anyio.create_task_group() as group:
-            for i in range(args.runs):
-                group.start_soon(start, i)
-        wall = time.time() - began
-        server_spent = _process_cpu(server) - server_cpu if server and server_cpu else None
-        for child in children:
-            child.send_signal(signal.SIGTERM)
-        reports = [await anyio.to_thread.run_sync(_report, child) for child in children]
-        events = []
-        for handle in handles[:100]:
-            events.append(len((await handle.fetch_history()).events))
+            figures, handles = await _drive(env.client, queue, args)
+            children.terminate()
+            reports = await anyio.to_thread.run_sync(_reports, children)
+        events = [len((await handle.fetch_history()).events) for handle in handles[:100]]
     finally:
         await env.shutdown()
-    steps = sum(outcome["steps"] for outcome in outcomes)
     return {
-        "wall_s": wall,
-        "steps": steps,
-        "cpu_per_step_ms": 1000 * sum(r["cpu"] for r in reports) / steps,
-        "server_cpu_per_step_ms": 1000 * server_spent / steps if server_spent else None,
+        **figures,
+        "cpu_per_step_ms": 1000 * sum(r["cpu"] for r in reports) / figures["steps"],
         "history_events_per_run": sum(events) / len(events),
     }
+
+
+async def _drive(
+    client: Any, queue: str, args: argparse.Namespace
+) -> tuple[dict[str, Any], list[Any]]:
+    """Start one workflow per run, all at once, and wait for every result."""
+    from polyloop.temporal import RunInput, start_agent_run
+
+    server = _server_pid()
+    server_cpu = cpu_seconds(server) if server else None
+    began = time.time()
+    handles = []
+    outcomes: list[dict[str, Any]] = []
+
+    async def start(i: int) -> None:
+        handles.append(
+            await start_agent_run(
+                client, RunInput(agent=AGENT, run_id=f"t-{queue}-{i}"), task_queue=queue
+            )
+        )
+        outcomes.append(await handles[-1].result())
+
+    async with anyio.create_task_group() as group:
+        for i in range(args.runs):
+            group.start_soon(start, i)
+    wall = time.time() - began
+    server_spent = cpu_seconds(server) - server_cpu if server and server_cpu else None
+    steps = sum(outcome["steps"] for outcome in outcomes)
+    figures = {
+        "wall_s": wall,
+        "steps": steps,
+        "server_cpu_per_step_ms": 1000 * server_spent / steps if server_spent else None,
+    }
+    return figures, handles
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.child:
         work = _child_polyloop if args.child == "polyloop" else _child_temporal
-        print(json.dumps(anyio.run(work, args)), flush=True)
+        report(anyio.run(work, args))
         return 0
     if args.tiny:
         args.runs, args.steps, args.latency_ms = 4, 2, 10
@@ -287,12 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     if conninfo is None:
         raise SystemExit(f"this benchmark needs PostgreSQL: {problem}")
     ideal = args.steps * args.latency_ms / 1000
-    with postgres_schema(conninfo) as schema:
-        args.conninfo, args.schema = conninfo, schema
+    with postgres_schema(conninfo) as schema, tempfile.TemporaryDirectory() as scratch:
+        args.conninfo, args.schema, args.scratch = conninfo, schema, scratch
         polyloop = _polyloop(args)
         temporal = anyio.run(_temporal, args)
     results = {
-        "command": "python bench/temporal.py " + " ".join(argv or sys.argv[1:]),
+        "command": " ".join(
+            ["python -m bench temporal", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "runs": args.runs,
         "workers": args.workers,
         "steps": args.steps,
@@ -310,31 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def render(results: dict[str, Any]) -> str:
-    """The results as a Markdown table."""
-    pl, tp = results["polyloop"], results["temporal"]
-    server = tp["server_cpu_per_step_ms"]
-    lines = [
-        f"`{results['command']}`",
-        "",
-        "| driven by | wall / ideal | worker CPU per step | server CPU per step "
-        "| history events per run |",
-        "|---|---|---|---|---|",
-        f"| PolyLoop workers (`start_or_resume`) | {pl['wall_over_ideal']:.2f} "
-        f"| {pl['cpu_per_step_ms']:.2f} ms | - | - |",
-        f"| Temporal workers (`PolyLoopPlugin`) | {tp['wall_over_ideal']:.2f} "
-        f"| {tp['cpu_per_step_ms']:.2f} ms "
-        f"| {'-' if server is None else f'{server:.2f} ms'} "
-        f"| {tp['history_events_per_run']:.0f} |",
-        "",
-        f"Temporal / PolyLoop: wall x{results['temporal_over_polyloop']['wall']:.2f}, "
-        f"worker CPU per step x{results['temporal_over_polyloop']['worker_cpu_per_step']:.2f}.",
-    ]
-    return "\n".join(lines)
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench temporal", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--runs", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
@@ -344,12 +316,9 @@ def _parser() -> argparse.ArgumentParser:
     # The children's arguments.
     parser.add_argument("--child", choices=("polyloop", "temporal"), help=argparse.SUPPRESS)
     parser.add_argument("--slot", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--meeting", help=argparse.SUPPRESS)
     parser.add_argument("--conninfo", help=argparse.SUPPRESS)
     parser.add_argument("--schema", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--queue", help=argparse.SUPPRESS)
     return parser
-
-
-if __name__ == "__main__":
-    sys.exit(main())

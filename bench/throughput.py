@@ -1,12 +1,12 @@
 """Benchmark 8: many concurrent runs of realistic shape, side by side with a hand-written
 floor and with peers, in one process or in several sharing one database.
 
-    python bench/throughput.py --runs 100,1000
-    python bench/throughput.py --runs 10000 --stores memory,jsonl --nofile 1024
-    python bench/throughput.py --runs 1000 --backends asyncio \
+    python -m bench throughput --runs 100,1000
+    python -m bench throughput --runs 10000 --stores memory,jsonl --nofile 1024
+    python -m bench throughput --runs 1000 --backends asyncio \
         --stores hand,memory,pydantic-ai,sqlite,langgraph-sqlite,postgres,langgraph-postgres
-    python bench/throughput.py --runs 1000 --stores postgres --backends asyncio --workers 1,2
-    python bench/throughput.py --runs 1000 \
+    python -m bench throughput --runs 1000 --stores postgres --backends asyncio --workers 1,2
+    python -m bench throughput --runs 1000 \
         --stores hand,hand-trajectory,memory,hand-sqlite,sqlite,hand-postgres,postgres
 
 Every run makes ``--steps`` steps (10 by default); each step is a call to a model
@@ -64,7 +64,6 @@ The goals of the throughput issue are checked against the table in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import datetime
 import gc
@@ -73,7 +72,6 @@ import os
 import pstats
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -83,41 +81,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    # Run as a script: import the benchmarks as the package ``bench`` (see run.py).
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
-    sys.path.insert(0, str(ROOT))
+import anyio
 
-import anyio  # noqa: E402
-
-from bench import peers  # noqa: E402
-from bench._common import (  # noqa: E402
-    Column,
-    fmt,
-    postgres_conninfo,
-    postgres_schema,
-    print_table,
-)
-from bench.hand_durable import hand_durable, rows_written  # noqa: E402
-from bench.workload import Driver, HandWorkload, Workload, warm  # noqa: E402
+from bench import peers
+from bench._children import ROOT, ChildFailed, Children, child_command, meet, report
+from bench._common import postgres_conninfo, postgres_schema
+from bench._sampling import cpu_seconds, open_descriptors, resident_kib
+from bench.hand_durable import hand_durable, rows_written
+from bench.report import THROUGHPUT_COLUMNS, print_table
+from bench.workload import Driver, HandWorkload, Workload, warm
 
 TITLE = "8. Throughput: concurrent runs of realistic shape"
-COLUMNS: list[Column] = [
-    ("name", "backend / store"),
-    ("runs", "runs"),
-    ("workers", "workers"),
-    ("wall_s", "wall s", 2),
-    ("wall_over_ideal", "wall / ideal", 2),
-    ("steps_per_s", "steps/s"),
-    ("cpu_us_per_step", "CPU us/step"),
-    ("lag_p50_ms", "lag p50 ms", 1),
-    ("lag_p99_ms", "lag p99 ms", 1),
-    ("lag_max_ms", "lag max ms", 1),
-    ("peak_kib_per_run", "peak KiB/run"),
-    ("peak_fds", "peak fds"),
-    ("errors", "errors"),
-]
 
 
 @dataclass(frozen=True)
@@ -158,7 +132,6 @@ STORES = ("memory", "jsonl", "sqlite", "postgres")  # the default: PolyLoop's st
 DURABLE_FLOORS = ("hand-sqlite", "hand-postgres")  # they count the rows they commit
 TOOL_S = 0.010
 TICK_S = 0.010
-POLL_S = 0.002  # how often a waiting worker looks for the start signal
 PROFILE_ROWS = 15
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -168,10 +141,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
-    if args.render:
-        print("\n\n".join(render(json.loads(Path(name).read_text())) for name in args.render))
-        return 0
+    argv_used = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv_used)
     if args.one:
         return _child(args)
     stores = [store for store in args.stores.split(",") if store]
@@ -206,11 +177,11 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         row["skipped"] = reason
                     rows.append(row)
-                    print_table(TITLE, COLUMNS, rows[-1:])
+                    print_table(TITLE, THROUGHPUT_COLUMNS, rows[-1:])
                     _print_profile(row)
                     if reason is not None:
                         break  # the same reason for every number of workers
-    print_table(TITLE, COLUMNS, rows)
+    print_table(TITLE, THROUGHPUT_COLUMNS, rows)
     output = Path(args.output) if args.output else RESULTS / "throughput.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(
@@ -218,9 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "title": TITLE,
                 "date": began.isoformat(timespec="seconds"),
-                "command": _without_output(
-                    " ".join(["python", "bench/throughput.py", *sys.argv[1:]])
-                ),
+                "command": " ".join(["python -m bench throughput", *argv_used]),
                 "latency_ms": args.latency_ms,
                 "steps": args.steps,
                 "ideal_s": args.steps * (args.latency_ms / 1000 + TOOL_S),
@@ -278,48 +247,20 @@ def _spawn(
 ) -> dict[str, Any]:
     """Start one child per worker, each with its share of the runs; once every child has
     opened its store and warmed up, signal them all to start; combine what they report."""
-    barrier = scratch / "barrier"
-    barrier.mkdir()
     shares = [count // workers + (index < count % workers) for index in range(workers)]
-    children: list[subprocess.Popen[bytes]] = []
-    with contextlib.ExitStack() as files:
-        try:
-            for index, share in enumerate(shares):
-                out = files.enter_context(open(barrier / f"stdout-{index}", "wb"))
-                err = files.enter_context(open(barrier / f"stderr-{index}", "wb"))
-                command = _child_command(args, store, backend, share, where, index, barrier)
-                children.append(subprocess.Popen(command, stdout=out, stderr=err))
-            if _all_ready(children, barrier):
-                (barrier / "go").touch()
-            for child in children:
-                child.wait()
-        finally:
-            for child in children:
-                if child.poll() is None:
-                    child.kill()
-                    child.wait()
-    parts = []
-    for index, child in enumerate(children):
-        if child.returncode != 0:
-            lines = (barrier / f"stderr-{index}").read_text(errors="replace").strip().splitlines()
-            return {"skipped": f"the child failed: {(lines or ['no output'])[-1]}"}
-        lines = (barrier / f"stdout-{index}").read_text().strip().splitlines()
-        parts.append(json.loads(lines[-1]))
+    meeting = scratch / "barrier"
+    commands = [
+        _child_command(args, store, backend, share, where, index, meeting)
+        for index, share in enumerate(shares)
+    ]
+    try:
+        with Children(meeting, commands) as children:
+            if children.all_ready():
+                children.go()
+            parts = children.reports()
+    except ChildFailed as failure:
+        return {"skipped": f"the child failed: {failure}"}
     return _combine(parts, args)
-
-
-def _all_ready(children: list[subprocess.Popen[bytes]], barrier: Path) -> bool:
-    """Wait until every child is ready to start (``True``) or one has exited (``False``,
-    and the others are stopped)."""
-    while True:
-        if all((barrier / f"ready-{index}").exists() for index in range(len(children))):
-            return True
-        if any(child.poll() is not None for child in children):
-            for child in children:
-                if child.poll() is None:
-                    child.kill()
-            return False
-        time.sleep(POLL_S)
 
 
 def _child_command(
@@ -329,73 +270,17 @@ def _child_command(
     count: int,
     where: str,
     worker: int,
-    barrier: Path,
+    meeting: Path,
 ) -> list[str]:
-    return [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--one",
-        store,
-        backend,
-        str(count),
-        where,
-        "--worker",
-        str(worker),
-        "--barrier",
-        str(barrier),
-        "--latency-ms",
-        str(args.latency_ms),
-        "--steps",
-        str(args.steps),
-        "--nofile",
-        str(args.nofile),
-        "--lease-s",
-        str(args.lease_s),
-        "--gc-threshold",
-        str(args.gc_threshold),
+    return child_command(
+        "throughput",
+        *("--one", store, backend, str(count), where),
+        *("--worker", str(worker), "--barrier", str(meeting)),
+        *("--latency-ms", str(args.latency_ms), "--steps", str(args.steps)),
+        *("--nofile", str(args.nofile), "--lease-s", str(args.lease_s)),
+        *("--gc-threshold", str(args.gc_threshold)),
         *(["--profile"] if args.profile else []),
-    ]
-
-
-def render(results: dict[str, Any]) -> str:
-    """A results file as Markdown: the command that made it, then its table."""
-    shown = [column for column in COLUMNS if column[0] != "wall_s"]
-    lines = [
-        f"`{_without_output(results['command'])}` ({results['date'][:10]}; "
-        f"lease {results['lease_s']:g} s"
-        + (f", GC threshold {results['gc_threshold']:,}" if results.get("gc_threshold") else "")
-        + ")",
-        "",
-        "| " + " | ".join(str(column[1]) for column in shown) + " |",
-        "|---|" + "--:|" * (len(shown) - 1),
-    ]
-    for row in results["rows"]:
-        if row.get("skipped"):
-            cells = [row["name"], f"skipped: {row['skipped']}"] + [""] * (len(shown) - 2)
-        else:
-            cells = [fmt(row.get(c[0]), c[2] if len(c) > 2 else 1) for c in shown]
-        lines.append("| " + " | ".join(cells) + " |")
-    profiled = [row for row in results["rows"] if row.get("profile")]
-    if profiled:
-        lines += ["", "| file | " + " | ".join(row["name"] for row in profiled) + " |"]
-        lines.append("|---|" + "--:|" * len(profiled))
-        shares = [{name: share for share, name in row["profile"]} for row in profiled]
-        # Ties by name: a set's order changes from one process to the next.
-        names = sorted(
-            {name for row in shares for name in row},
-            key=lambda n: (-max(row.get(n, 0.0) for row in shares), n),
-        )
-        for name in names:
-            cells = [f"{row[name]:.1f}%" if name in row else "" for row in shares]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _without_output(command: str) -> str:
-    """The command without ``--output FILE``: where a file went is not how it was made."""
-    words = command.split()
-    kept = [w for i, w in enumerate(words) if w != "--output" and words[i - 1 : i] != ["--output"]]
-    return " ".join(kept)
+    )
 
 
 def _print_profile(row: dict[str, Any]) -> None:
@@ -455,7 +340,9 @@ def _numbers(text: str) -> list[int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench throughput", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--runs", default="100,1000", help="numbers of concurrent runs")
     parser.add_argument("--stores", default=",".join(STORES), help=f"any of {', '.join(KINDS)}")
     parser.add_argument("--backends", default="asyncio,trio")
@@ -486,9 +373,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="profile each cell's event-loop thread (cProfile) and print its shares per file",
     )
-    parser.add_argument(
-        "--render", nargs="+", metavar="RESULTS", help="print results files as Markdown tables"
-    )
     parser.add_argument("--workdir", default=None, help="where the durable stores write")
     parser.add_argument("--output", default=None, help="JSON results (bench/results/...)")
     parser.add_argument("--one", nargs=4, metavar=("STORE", "BACKEND", "RUNS", "WHERE"))
@@ -509,8 +393,7 @@ def _child(args: argparse.Namespace) -> int:
         # larger threshold is the application's choice, measured here, never the
         # library's (it would change the whole process).
         gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
-    part = anyio.run(_measure, store, int(count), where, args, backend=backend)
-    print(json.dumps(part), flush=True)
+    report(anyio.run(_measure, store, int(count), where, args, backend=backend))
     return 0
 
 
@@ -598,17 +481,6 @@ async def _open_driver(kind: str, where: str, args: argparse.Namespace) -> Async
             yield Workload(store, **sizes)
 
 
-async def _start_signal(args: argparse.Namespace) -> None:
-    """Say this worker is ready, then wait until the parent says every worker is."""
-    if args.barrier is None:
-        return
-    barrier = anyio.Path(args.barrier)
-    await (barrier / f"ready-{args.worker}").touch()
-    # A file, polled: the signal comes from another process, which no Event can span.
-    while not await (barrier / "go").exists():  # noqa: ASYNC110
-        await anyio.sleep(POLL_S)
-
-
 async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) -> dict[str, Any]:
     steps = args.steps
     lateness: list[float] = []
@@ -617,7 +489,7 @@ async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) 
     prefix = f"w{args.worker}"  # run ids of their own for workers sharing a database
     async with _open_driver(kind, where, args) as driver:
         await warm(driver, f"warm-{prefix}")
-        await _start_signal(args)
+        await meet(args.barrier, args.worker)
 
         async def one(index: int) -> None:
             try:
@@ -631,10 +503,10 @@ async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) 
                 asked = time.perf_counter()
                 await anyio.sleep(TICK_S)
                 lateness.append(time.perf_counter() - asked - TICK_S)
-                peak_fds = max(peak_fds, len(os.listdir("/proc/self/fd")) - 1)
+                peak_fds = max(peak_fds, open_descriptors())
 
-        base_rss = _status_kib("VmRSS")
-        cpu_before = _cpu_s()
+        base_rss = resident_kib("VmRSS")
+        cpu_before = cpu_seconds()
         # The monotonic clock is the system's, so workers' times compare.
         began = time.monotonic()
         profiler = cProfile.Profile() if args.profile else None
@@ -648,9 +520,9 @@ async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) 
             if profiler is not None:
                 profiler.disable()
             ended = time.monotonic()
-            cpu = _cpu_s() - cpu_before
+            cpu = cpu_seconds() - cpu_before
             outer.cancel_scope.cancel()
-        peak_rss = _status_kib("VmHWM")
+        peak_rss = resident_kib("VmHWM")
     counts = driver.counts
     if not errors and (counts.decisions, counts.executions) != (count * steps, count * steps):
         raise AssertionError(
@@ -680,26 +552,9 @@ async def _measure(kind: str, count: int, where: str, args: argparse.Namespace) 
     }
 
 
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
 def _quantile(ordered: list[float], q: float) -> float:
     if not ordered:
         return 0.0
     if len(ordered) == 1:
         return ordered[0]
     return statistics.quantiles(ordered, n=100, method="inclusive")[round(q * 100) - 1]
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

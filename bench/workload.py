@@ -1,4 +1,4 @@
-"""A run of realistic shape for the throughput benchmark (``bench/throughput.py``).
+"""A run of realistic shape for the throughput benchmark (``python -m bench throughput``).
 
 One model client serves every run: it waits ``latency_s`` (``anyio.sleep``, as a
 client awaiting a server does) and answers a JSON tool call with arguments. Each step's

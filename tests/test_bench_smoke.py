@@ -1,4 +1,4 @@
-"""Smoke test of ``bench/``: every benchmark's code path at a tiny size.
+"""Smoke test of ``python -m bench suite``: every benchmark's code path at a tiny size.
 
 Nothing here asserts a timing. What is checked: each benchmark produces its rows with
 the expected keys, every loop really did the work it claims (PolyLoop, the hand-written
@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 from bench import console as bench_console  # noqa: E402
 from bench import listing as bench_listing  # noqa: E402
 from bench import report as bench_report  # noqa: E402
-from bench import run as bench_run  # noqa: E402
+from bench.__main__ import main as bench_main  # noqa: E402
 from bench._common import TINY, postgres_conninfo  # noqa: E402
 
 from polyloop.testing.store_contract import (  # noqa: E402
@@ -56,7 +56,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One tiny run of every benchmark (and the profile) through the command line."""
     tmp = tmp_path_factory.mktemp("bench")
     output = tmp / "results.json"
-    status = bench_run.main(["--tiny", "--profile", "--workdir", str(tmp), "--output", str(output)])
+    command = ["suite", "--tiny", "--profile", "--workdir", str(tmp), "--output", str(output)]
+    status = bench_main(command)
     assert status == 0
     data: dict[str, Any] = json.loads(output.read_text())
     assert data["meta"]["mode"] == "tiny"
@@ -417,7 +418,7 @@ async def test_the_postgres_baseline_sends_each_write_in_a_statement_of_its_own(
                 sent.append(text)
             return execute(query, *args, **kwargs)
 
-        conn.execute = noted
+        conn.execute = noted  # type: ignore[method-assign]
         return conn
 
     monkeypatch.setattr(_postgres_store, "open_connection", open_connection)

@@ -1,4 +1,4 @@
-"""Smoke test of ``bench/temporal.py``: both ways of driving the runs at a tiny size.
+"""Smoke test of ``python -m bench temporal``: both ways of driving the runs at a tiny size.
 
 No timing is asserted. What is checked: the PolyLoop workers and the Temporal workers
 each complete every run with every step, the Temporal side reports its history events
@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-from bench import temporal as bench_temporal  # noqa: E402
+from bench.__main__ import main as bench_main  # noqa: E402
 from bench._common import POSTGRES_ENV  # noqa: E402
+from bench.report import render  # noqa: E402
 
 from temporal_kit import dev_server_path, unavailable  # noqa: E402
 
@@ -35,7 +36,7 @@ def test_the_temporal_benchmark_drives_every_run_both_ways(
         unavailable(f"no Temporal CLI at {dev_server_path()}")
     monkeypatch.setenv(POSTGRES_ENV, postgres_server)
     output = tmp_path / "temporal.json"
-    assert bench_temporal.main(["--tiny", "--output", str(output)]) == 0
+    assert bench_main(["temporal", "--tiny", "--output", str(output)]) == 0
     results = json.loads(output.read_text())
     runs, steps = results["runs"], results["steps"]
     assert (runs, steps, results["workers"]) == (4, 2, 2)
@@ -46,6 +47,6 @@ def test_the_temporal_benchmark_drives_every_run_both_ways(
     # One segment per run: the workflow's history does not grow with the steps.
     assert results["temporal"]["history_events_per_run"] == 11
     assert results["temporal"]["server_cpu_per_step_ms"] is not None
-    table = bench_temporal.render(results)
+    table = render(results)
     assert "| Temporal workers (`PolyLoopPlugin`) |" in table
-    assert table.startswith("`python bench/temporal.py --tiny --output ")
+    assert table.startswith("`python -m bench temporal --tiny`\n")

@@ -277,7 +277,10 @@ def test_every_cited_test_exists(page: str, file: str, name: str) -> None:
 
 # -- the performance page shows the committed reference run -------------------------------
 
-REPORT_START = "<!-- report of bench/results/reference.json: python bench/report.py -->"
+REPORT_START = (
+    "<!-- report of bench/results/reference.json: "
+    "python -m bench render bench/results/reference.json -->"
+)
 REPORT_END = "<!-- end of report -->"
 
 
@@ -296,7 +299,7 @@ def test_performance_page_holds_the_report_of_the_reference_run() -> None:
 
 CONSOLE_REPORT_START = (
     "<!-- report of bench/results/console.json: "
-    "python bench/report.py bench/results/console.json -->"
+    "python -m bench render bench/results/console.json -->"
 )
 
 
@@ -316,24 +319,31 @@ def test_console_page_holds_the_report_of_the_console_benchmark() -> None:
 
 
 THROUGHPUT_BLOCK = re.compile(
-    r"<!-- python bench/throughput.py --render (?P<file>\S+) -->\n(?P<shown>.*?)"
+    r"<!-- python -m bench render (?P<file>\S+) -->\n(?P<shown>.*?)"
     r"<!-- end of throughput results -->",
     re.DOTALL,
 )
 
 
 def test_performance_page_holds_the_committed_throughput_results() -> None:
-    """Every throughput table on the page is the rendering of a committed results file,
-    and every committed results file is shown."""
+    """Every throughput table on the page, or in the research record that keeps the
+    history of a piece of work, is the rendering of a committed results file, and every
+    committed results file is shown once."""
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
-    from bench.throughput import render
+    from bench.report import render
 
-    page = (DOCS / "performance.md").read_text(encoding="utf-8")
-    blocks = {match["file"]: match["shown"].strip() for match in THROUGHPUT_BLOCK.finditer(page)}
+    pages = [DOCS / "performance.md", *sorted((ROOT / "research-wiki").glob("[0-9]*.md"))]
+    blocks = [
+        (match["file"], match["shown"].strip())
+        for page in pages
+        for match in THROUGHPUT_BLOCK.finditer(page.read_text(encoding="utf-8"))
+    ]
     committed = sorted((ROOT / "bench" / "results" / "throughput").glob("*.json"))
-    assert sorted(blocks) == [path.relative_to(ROOT).as_posix() for path in committed]
-    for name, shown in blocks.items():
+    assert sorted(name for name, _ in blocks) == [
+        path.relative_to(ROOT).as_posix() for path in committed
+    ]
+    for name, shown in blocks:
         assert shown == render(json.loads((ROOT / name).read_text())), name
 
 

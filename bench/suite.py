@@ -1,9 +1,9 @@
-"""Run PolyLoop's benchmarks and write ``bench/results/latest.json``.
+"""Benchmarks 1-7 and 10 in one process run, written to one results file.
 
-    python bench/run.py                 # everything, full sizes
-    python bench/run.py --quick         # everything, smaller sizes (under two minutes)
-    python bench/run.py --only overhead,durable
-    python bench/run.py --skip concurrency --profile
+    python -m bench suite                 # everything, full sizes
+    python -m bench suite --quick         # everything, smaller sizes (under two minutes)
+    python -m bench suite --only overhead,durable
+    python -m bench overhead --profile    # one of them: the same options
 
 See ``bench/README.md`` for what each benchmark measures and how to read the ratios.
 """
@@ -16,21 +16,12 @@ import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if not __package__:
-    # Run as a script: import the benchmarks as the package ``bench`` from the repository
-    # root, never as top-level modules from this directory (their names could shadow
-    # others').
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
-    sys.path.insert(0, str(ROOT))
-
-from bench import (  # noqa: E402
+from bench import (
     concurrency,
     console,
     durable,
@@ -40,7 +31,7 @@ from bench import (  # noqa: E402
     recovery,
     scale,
 )
-from bench._common import (  # noqa: E402
+from bench._common import (
     FULL,
     QUICK,
     TINY,
@@ -48,9 +39,9 @@ from bench._common import (  # noqa: E402
     Sizes,
     collect_between_measurements,
     postgres_conninfo,
-    print_table,
     versions,
 )
+from bench.report import print_table, target_line
 
 BENCHMARKS = {
     "overhead": overhead,
@@ -65,9 +56,10 @@ BENCHMARKS = {
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    selected = _selected(args)
+def main(argv: list[str] | None = None, *, one: str | None = None) -> int:
+    """Run the benchmarks chosen (``one`` of them, when given) and write their results."""
+    args = _parser(one).parse_args(argv)
+    selected = [one] if one else _selected(args)
     sizes = TINY if args.tiny else QUICK if args.quick else FULL
     collect_between_measurements(not args.tiny)
     workdir = Path(tempfile.mkdtemp(prefix="polyloop-bench-", dir=args.workdir))
@@ -107,8 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Run PolyLoop's benchmarks.")
+def _parser(one: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m bench {one or 'suite'}",
+        description=f"Run benchmark {one}." if one else "Run benchmarks 1-7 and 10.",
+    )
     parser.add_argument(
         "--quick", action="store_true", help="smaller sizes and fewer repeats (under two minutes)"
     )
@@ -118,10 +113,11 @@ def _parser() -> argparse.ArgumentParser:
         help="next to no work: runs every code path in seconds, measures "
         "nothing meaningful (the smoke test uses it)",
     )
-    parser.add_argument(
-        "--only", default="", help=f"comma-separated benchmarks to run: {','.join(BENCHMARKS)}"
-    )
-    parser.add_argument("--skip", default="", help="comma-separated benchmarks to leave out")
+    if one is None:
+        parser.add_argument(
+            "--only", default="", help=f"comma-separated benchmarks to run: {','.join(BENCHMARKS)}"
+        )
+        parser.add_argument("--skip", default="", help="comma-separated benchmarks to leave out")
     parser.add_argument(
         "--workdir",
         default=None,
@@ -184,11 +180,7 @@ def _plain(value: Any) -> Any:
 
 def _print_targets(targets: Any) -> None:
     for item in targets:
-        measured, unit = item["measured"], item.get("unit", "x")
-        shown = "not measured" if measured is None else f"{measured:.2f}{unit}"
-        verdict = "met" if item["met"] else "MISSED"
-        bound = "at least" if item.get("at_least") else "limit"
-        print(f"  target: {item['target']}: {shown} ({bound} {item['limit']}{unit}) -> {verdict}")
+        print(target_line(item))
 
 
 def _print_summary(results: dict[str, Any]) -> None:
@@ -197,7 +189,3 @@ def _print_summary(results: dict[str, Any]) -> None:
         return
     print("\nTargets (ratios measured within this run):")
     _print_targets(targets)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
