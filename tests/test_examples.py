@@ -141,10 +141,15 @@ def test_approvals_pause_approve_from_another_process_and_resume_in_a_third(
         pending.stdout
     )
     assert "Deploy the release to an environment" in pending.stdout
+    assert f"approve {store} release-1 --by NAME --result-id release-1:0:action\n" in (
+        pending.stdout
+    )
     # Process two, a person: a bad answer writes nothing; a good one is recorded.
     bad = _polyloop("approve", store, "release-1", "--by", "alice", "--arguments", "{")
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1
-    approved = _polyloop("approve", store, "release-1", "--by", "alice")
+    approved = _polyloop(
+        "approve", store, "release-1", "--by", "alice", "--result-id", "release-1:0:action"
+    )
     assert approved.returncode == 0, approved.stderr
     again = _polyloop("approve", store, "release-1", "--by", "bob")
     assert again.returncode == 1 and "already approved by 'alice'" in again.stderr

@@ -6,7 +6,9 @@ A log is one of five things:
 * ``FINISHED``: it ends with a final end record (any reason but ``CANCELLED``,
   ``IN_DOUBT`` and ``AWAITING_APPROVAL``);
 * ``IN_DOUBT``: an action or model-call intent has no result, its replay is ``NEVER``
-  and no settlement says what became of it: only a person can tell;
+  and no settlement says what became of it: only a person can tell (a model call
+  settled as not run is announced again by a new intent with the same result id, the
+  settlement between the two answering the first);
 * ``AWAITING_APPROVAL``: an action was proposed and no verdict on it is recorded;
 * ``RESUMABLE``: anything else; :class:`Plan` says exactly where the run stopped.
 
@@ -71,7 +73,8 @@ class Plan:
     ``last_action`` is the action intent of the last finished step, if it had one.
     ``proposal``, ``verdict`` and ``settlement`` belong to the interrupted step: the
     action proposed for approval and the verdict on it, and the settlement of its
-    action intent in doubt.
+    intent in doubt (an action, or a model call). ``model_calls_again`` counts the
+    model calls of that step a person settled as not run (see :func:`model_result_id`).
     """
 
     state: RecoveryState
@@ -84,11 +87,18 @@ class Plan:
     proposal: Proposal | None = None
     verdict: Verdict | None = None
     settlement: Settlement | None = None
+    model_calls_again: int = 0
 
 
-def model_result_id(run_id: str, step: int) -> str:
-    """The result id the library allocates for step ``step``'s model call."""
-    return f"{run_id}:{step}:model"
+def model_result_id(run_id: str, step: int, again: int = 0) -> str:
+    """The result id the library allocates for step ``step``'s model call.
+
+    ``again`` counts the model calls of the step that a person settled as not run: each
+    call made again is a new effect with an id of its own (``<run_id>:<step>:model2``
+    for the second), so an answer about one can never be taken for an answer about
+    another, and a model client keying on the id sees a new call.
+    """
+    return f"{run_id}:{step}:model" if again == 0 else f"{run_id}:{step}:model{again + 1}"
 
 
 def action_result_id(run_id: str, step: int) -> str:
@@ -112,6 +122,7 @@ class _Walk:
     proposal: Proposal | None = None
     verdict: Verdict | None = None
     settlement: Settlement | None = None
+    model_calls_again: int = 0
 
 
 def read_plan(log: RunLog) -> Plan:
@@ -140,6 +151,7 @@ def read_plan(log: RunLog) -> Plan:
         proposal=walk.proposal,
         verdict=walk.verdict,
         settlement=walk.settlement,
+        model_calls_again=walk.model_calls_again,
     )
 
 
@@ -257,8 +269,8 @@ def _accept_settlement(walk: _Walk, settlement: Settlement) -> str | None:
     intent = walk.open_intent
     if intent is None or intent.result_id != settlement.result_id:
         return f"settlement of {settlement.result_id!r}, which is not the open intent"
-    if intent.kind is not IntentKind.ACTION or intent.replay is not Replay.NEVER:
-        return f"settlement of {settlement.result_id!r}, which is not an action in doubt"
+    if intent.replay is not Replay.NEVER:
+        return f"settlement of {settlement.result_id!r}, which is not an effect in doubt"
     if walk.settlement is not None:
         return f"a second settlement of {settlement.result_id!r}"
     walk.settlement = settlement
@@ -269,12 +281,15 @@ def _accept_intent(walk: _Walk, intent: Intent) -> str | None:
     step = len(walk.steps)
     if intent.step != step or intent.call_index != step:
         return f"intent for step {intent.step} where step {step} was expected"
-    if walk.open_intent is not None:
+    if walk.open_intent is not None and not _may_call_again(walk, intent):
         return f"intent {intent.result_id!r} while {walk.open_intent.result_id!r} is open"
+    if walk.open_intent is not None:
+        walk.model_calls_again += 1
+    walk.settlement = None  # a settlement answers the intent before it, never this one
     if intent.kind is IntentKind.MODEL_CALL:
         if walk.model_result is not None:
             return "a second model call in one step"
-        expected = model_result_id(walk.run_id, step)
+        expected = model_result_id(walk.run_id, step, walk.model_calls_again)
     else:
         if walk.model_result is None:
             return "an action intent before the step's model result"
@@ -287,10 +302,25 @@ def _accept_intent(walk: _Walk, intent: Intent) -> str | None:
     return None
 
 
+def _may_call_again(walk: _Walk, intent: Intent) -> bool:
+    """Whether ``intent`` announces the model call a person said may be made again: the
+    open model call was settled as not run, so a new call (a new intent) replaces it."""
+    settlement = walk.settlement
+    return (
+        settlement is not None
+        and not settlement.ran
+        and walk.open_intent is not None
+        and walk.open_intent.kind is IntentKind.MODEL_CALL
+        and intent.kind is IntentKind.MODEL_CALL
+    )
+
+
 def _accept_result(walk: _Walk, result: Result) -> str | None:
     intent = walk.open_intent
     if intent is None or intent.result_id != result.result_id or intent.kind is not result.kind:
         return f"result {result.result_id!r} has no open intent"
+    if _may_call_again(walk, intent):
+        return f"a result for model call {result.result_id!r}, which was settled as not run"
     walk.open_intent = None
     if result.kind is IntentKind.MODEL_CALL:
         walk.model_result = result
@@ -316,6 +346,7 @@ def _accept_step(walk: _Walk, step: StepRecord) -> str | None:
     walk.action_result = None
     walk.step_action = None
     walk.proposal = walk.verdict = walk.settlement = None
+    walk.model_calls_again = 0
     return None
 
 
@@ -340,6 +371,34 @@ def settled(plan: Plan, settlement: Settlement) -> Plan:
     """``plan`` once ``settlement``, just written, closes its action in doubt."""
     return dataclasses.replace(
         plan, state=RecoveryState.RESUMABLE, settlement=settlement, ended=None
+    )
+
+
+def settled_model_call(plan: Plan) -> Settlement | None:
+    """The settlement of the interrupted step's model call in doubt, if a person wrote one.
+
+    ``ran=False``: the call may be made again, as a new call; ``ran=True``: it ran, but
+    its reply is not on record, so the run can neither go on from it nor call again.
+    """
+    intent, settlement = plan.open_intent, plan.settlement
+    if intent is None or settlement is None or intent.kind is not IntentKind.MODEL_CALL:
+        return None
+    return settlement
+
+
+def model_call_again_id(plan: Plan) -> str:
+    """The result id of the model call made again after ``plan``'s was settled as not run."""
+    assert plan.started is not None
+    return model_result_id(plan.started.run_id, len(plan.steps), plan.model_calls_again + 1)
+
+
+def unrecorded_reply_error(settlement: Settlement) -> str:
+    """The model failure a run ends with when a person settled its model call as run:
+    the reply is lost, and calling again could cost twice."""
+    said = f": {settlement.observation}" if settlement.observation.strip() else ""
+    return (
+        f"model call {settlement.result_id!r} ran but its reply is not on record; "
+        f"settled by {settlement.by!r}{said}"
     )
 
 

@@ -514,9 +514,12 @@ class Settlement:
     """What became of an effect in doubt, as a person or the tool's own probe says: it
     ran, or it did not.
 
-    ``result_id`` names the open action intent. With ``ran``, ``observation`` is what
-    the model is shown as the action's output; without, it is the reason the model is
-    told the action was not executed. ``by`` names who settled it: a person, or
+    ``result_id`` names the open intent: an action, or a model call (only a person
+    settles one). For an action, with ``ran``, ``observation`` is what the model is
+    shown as the action's output; without, it is the reason the model is told the
+    action was not executed. For a model call, ``ran=False`` lets the run call the
+    model again, as a new call, and ``ran=True`` ends it ``MODEL_FAILURE`` (the reply
+    is lost); ``observation`` is the person's note. ``by`` names who settled it: a person, or
     ``"reconcile:<tool name>"`` for a tool's probe (:attr:`ToolSpec.reconcile
     <polyloop.tools.ToolSpec>`), whose run time is ``duration_s``.
     """

@@ -4,6 +4,8 @@ bad input is one line on stderr, exit status 1, and nothing written."""
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,10 @@ from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
 from review_kit import approval_script, payment_script, review_tools
 from surrogate_kit import HALF, SHOWN, StrictOutput
+
+# A reviewer adds a line above the key they mean to replace: JSON readers would keep the
+# last value, and the proposal would be approved unchanged.
+EDITED_ABOVE = '{\n  "env": "staging",\n  "env": "prod"\n}'
 
 
 async def _fill(store: Any) -> None:
@@ -82,6 +88,41 @@ def test_pending_lists_approvals_and_doubts(
         (["settle", "{store}", "doubt", "--by", "a", "--ran"], "--observation"),
         (["settle", "{store}", "doubt", "--by", "a", "--did-not-run"], "--reason"),
         (["settle", "{store}", "doubt", "--by", "a", "--ran", "--did-not-run"], "not allowed"),
+        (
+            ["approve", "{store}", "paused", "--by", "a", "--result-id", "paused:0:action"],
+            "the open proposal is 'paused:1:action', not 'paused:0:action'",
+        ),
+        (
+            ["reject", "{store}", "paused", "--by", "a", "--reason", "x", "--result-id", "p:1"],
+            "not 'p:1'",
+        ),
+        (
+            ["approve", "{store}", "paused", "--by", "a", "--result-id", "doubt:1:action"],
+            "not 'doubt:1:action'",
+        ),
+        (
+            ["approve", "{store}", "paused", "--by", "a", "--arguments", EDITED_ABOVE],
+            "--arguments: the arguments name the key 'env' twice in one object",
+        ),
+        (
+            ["approve", "{store}", "paused", "--by", "a", "--arguments", '{"a": {"b": 1, "b": 1}}'],
+            "the key 'b' twice",
+        ),
+        (
+            [
+                "settle",
+                "{store}",
+                "doubt",
+                "--by",
+                "a",
+                "--did-not-run",
+                "--reason",
+                "x",
+                "--result-id",
+                "paused:1:action",
+            ],
+            "the effect in doubt is 'doubt:1:action', not 'paused:1:action'",
+        ),
         (
             [
                 "settle",
@@ -225,3 +266,142 @@ def test_show_and_html_say_how_a_settled_step_ended_and_that_its_time_is_unknown
     # A person, not a probe: the fields a probe's settlement fills say so.
     assert (timeline[1]["settled_by"], timeline[1]["settled_by_probe"]) == ("carol", False)
     assert timeline[1]["probe_duration_s"] is None and timeline[0]["settled_by"] is None
+
+
+def _commands(out: str) -> dict[str, str]:
+    """The answer commands ``pending`` printed, by what each says it does."""
+    found = {}
+    for line in out.splitlines():
+        said, colon, command = line.strip().partition(": ")
+        if colon and line.startswith("    ") and "--by NAME" in command:
+            found[said] = command
+    return found
+
+
+def _filled(command: str, **words: str) -> list[str]:
+    """A printed command as a person pastes it, NAME and TEXT filled in; the program's
+    own name left out, so that it runs in this process."""
+    parts = shlex.split(command)
+    assert parts[0] == "polyloop"
+    return [words.get(part, part) for part in parts[1:]]
+
+
+def test_pending_prints_the_commands_that_answer_each_run(
+    sqlite: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["pending", sqlite]) == 0
+    commands = _commands(capsys.readouterr().out)
+    assert set(commands) == {"approve", "reject", "it ran", "it did not run"}
+    assert commands["approve"].endswith(" paused --by NAME --result-id paused:1:action")
+    assert "--reason TEXT --result-id paused:1:action" in commands["reject"]
+    assert "--did-not-run --reason TEXT --result-id doubt:1:action" in commands["it did not run"]
+    before = _records(sqlite, "paused")
+    assert main(_filled(commands["reject"], NAME="bob", TEXT="not now")) == 0
+    assert "rejected paused:1:action (by bob)" in capsys.readouterr().out
+    assert len(_records(sqlite, "paused")) == len(before) + 1
+    assert main(_filled(commands["it ran"], NAME="carol", TEXT="paid 5")) == 0
+    assert "settled doubt:1:action: ran (by carol)" in capsys.readouterr().out
+    # Printed before those answers, the commands now answer what is no longer open.
+    assert main(_filled(commands["approve"], NAME="alice")) == 1
+    assert "already rejected by 'bob'" in capsys.readouterr().err
+
+
+def test_pending_json_names_the_result_id_to_answer_with(
+    sqlite: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["pending", sqlite, "--json"]) == 0
+    lines = {d["run_id"]: d for d in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert (lines["paused"]["result_id"], lines["doubt"]["result_id"]) == (
+        "paused:1:action",
+        "doubt:1:action",
+    )
+
+
+ODD_IDS = ["it's mine", "two\nlines \u202egnp.exe", "$(touch pwned) `x` \\ *"]
+
+
+async def _fill_odd(store: Any) -> None:
+    async with store:
+        for run_id in ODD_IDS:
+            tools = review_tools(Ledger())
+            await run(definition(store, script=approval_script()), request(run_id, tools))
+
+
+def test_pending_commands_give_any_run_id_back_exactly_and_print_on_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    anyio.run(_fill_odd, SqliteStore(tmp_path / "runs.db"))
+    spec = f"sqlite:{tmp_path / 'runs.db'}"
+    assert main(["pending", spec]) == 0
+    out = capsys.readouterr().out
+    assert "\u202e" not in out and out.count("\n") == 3 * 4  # 4 lines a run, none broken
+    approvals = [line.split(": ", 1)[1] for line in out.splitlines() if "approve: " in line]
+    for words in map(_words_of, approvals):
+        assert words[:2] == ["approve", spec]
+        assert words[3:] == ["--by", "NAME", "--result-id", f"{words[2]}:1:action"]
+    assert sorted(_words_of(command)[2] for command in approvals) == sorted(ODD_IDS)
+    assert not (tmp_path / "pwned").exists() and not Path("pwned").exists()
+
+
+def _words_of(command: str) -> list[str]:
+    """The words bash reads from ``command``, printed NUL-separated instead of run."""
+    shell = "polyloop() { printf '%s\\0' \"$@\"; }; " + command
+    done = subprocess.run(["bash", "-c", shell], capture_output=True, check=True)
+    return done.stdout.decode().split("\0")[:-1]
+
+
+async def _fill_model_doubt(store: Any) -> None:
+    """``model`` is in doubt about its model call of step 1 (replay never)."""
+    async with store:
+        tools = review_tools(Ledger())
+        with pytest.raises(SimulatedCrash):
+            await run(
+                definition(FaultyStore(store, fail_after_writes=6), script=payment_script()),
+                request("model", tools),
+            )
+        await store.release_run("model")
+        await start_or_resume(definition(store, script=payment_script()), request("model", tools))
+
+
+async def _resume_model(path: Path) -> Any:
+    async with SqliteStore(path) as store:
+        tools = review_tools(Ledger())
+        return await start_or_resume(
+            definition(store, script=payment_script()), request("model", tools)
+        )
+
+
+@pytest.mark.parametrize(
+    ("said", "ends", "state"),
+    [
+        ("not run (the run calls the model again)", "final_answer", "resume calls the model again"),
+        ("ran, reply lost (the run ends model_failure)", "model_failure", "calls no model"),
+    ],
+)
+def test_a_model_call_in_doubt_is_listed_settled_and_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], said: str, ends: str, state: str
+) -> None:
+    path = tmp_path / "runs.db"
+    anyio.run(_fill_model_doubt, SqliteStore(path))
+    spec = f"sqlite:{path}"
+    assert main(["pending", spec]) == 0
+    out = capsys.readouterr().out
+    assert "model  in doubt  model:1:model  a model call (its replay is never allowed)" in out
+    commands = _commands(out)
+    assert set(commands) == {
+        "not run (the run calls the model again)",
+        "ran, reply lost (the run ends model_failure)",
+    }
+    assert main(["show", spec, "model"]) == 0
+    assert "step 1's model call was announced and has no result" in capsys.readouterr().out
+    assert main(_filled(commands[said], NAME="carol", TEXT="checked the bill")) == 0
+    assert "settled model:1:model" in capsys.readouterr().out
+    assert main(["show", spec, "model"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "the open model call was settled by carol" in shown and state in shown
+    assert main(_filled(commands[said], NAME="dave", TEXT="again")) == 1
+    assert "already settled by 'carol'" in capsys.readouterr().err
+    result = anyio.run(_resume_model, path)
+    assert result.stop_reason.value == ends
+    assert main(["runs", spec]) == 0
+    assert ends in capsys.readouterr().out

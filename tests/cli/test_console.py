@@ -17,6 +17,7 @@ import anyio
 import httpx
 import pytest
 
+from agent_kit import Ledger, definition, request
 from console_kit import (
     EVIL,
     EVIL_RUN,
@@ -29,7 +30,7 @@ from console_kit import (
     resume,
     store_factory,
 )
-from polyloop import Replay, approve
+from polyloop import Replay, approve, reject, run, run_status, settle, start_or_resume
 from polyloop.cli import _html, main
 from polyloop.cli._console import exposure_problem, run_path
 from polyloop.cli._console._guard import Access
@@ -37,8 +38,16 @@ from polyloop.cli._stores import parse_store
 from polyloop.cli._view import read_view
 from polyloop.ports import ManagedStore
 from polyloop.stores import SqliteStore
-from polyloop.types import Proposal, Settlement, StepRecord, Verdict
-from review_kit import approval_script, payment_script, reviews
+from polyloop.testing import FaultyStore, SimulatedCrash
+from polyloop.types import Proposal, RunState, Settlement, StepRecord, Verdict
+from review_kit import (
+    approval_script,
+    deploy_twice_script,
+    pay_twice_script,
+    payment_script,
+    review_tools,
+    reviews,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -319,6 +328,150 @@ async def test_an_answer_to_a_run_already_answered_says_so(store: ManagedStore) 
     assert "by someone at" in late.text  # the page shows who did
     assert again.status_code == 303
     assert twice.status_code == 409 and "already answered" in twice.text
+
+
+async def _moved_on(store: ManagedStore) -> None:
+    """Bob rejects ``twice``'s deploy; its worker resumes, and the model proposes the very
+    same deploy again: a page still open on the first proposal now shows a stale one."""
+    await reject(store, "twice", by="bob", reason="not now")
+    await resume(store, "twice", deploy_twice_script())
+    assert (await run_status(store, "twice")).proposal.result_id == "twice:2:action"
+
+
+@pytest.mark.parametrize(
+    ("answer", "fields"),
+    [
+        ("approve", {}),
+        ("approve", {"arguments": '{"env": "prod"}'}),
+        ("approve", {"arguments": '{"env": "staging"}'}),
+        ("reject", {"reason": "no"}),
+    ],
+)
+async def test_an_answer_from_a_page_the_run_moved_on_from_is_refused(
+    store: ManagedStore, answer: str, fields: dict[str, str]
+) -> None:
+    await run(
+        definition(store, script=deploy_twice_script()), request("twice", review_tools(Ledger()))
+    )
+    async with browser(console(store)) as client:
+        page = await client.get("/runs/twice")  # Alice opens proposal 0
+        assert 'name="result_id" value="twice:1:action"' in page.text
+        await _moved_on(store)
+        before = await store.read_log("twice")
+        late = await post_form(
+            client,
+            f"/runs/twice/{answer}",
+            {"by": "alice", "result_id": "twice:1:action", **fields},
+        )
+    assert late.status_code == 409
+    text = unescape(late.text)
+    assert "Nothing was written" in text and "moved on" in text
+    # The refusal is approve's or reject's own, from the check under the run's claim.
+    assert "the open proposal is 'twice:2:action', not 'twice:1:action'" in text
+    assert 'name="result_id" value="twice:2:action"' in late.text  # the new proposal
+    assert await store.read_log("twice") == before
+    status = await run_status(store, "twice")
+    assert status.state is RunState.AWAITING_APPROVAL
+    assert status.proposal.result_id == "twice:2:action"
+
+
+async def _crash_paying(store: ManagedStore, writes: int) -> None:
+    """Drive ``pays`` (two payments, never replayed) until ``writes`` more writes landed,
+    then die; the next worker's resume ends in doubt."""
+    tools = review_tools(Ledger())
+    with pytest.raises(SimulatedCrash):
+        await start_or_resume(
+            definition(FaultyStore(store, fail_after_writes=writes), script=pay_twice_script()),
+            request("pays", tools),
+        )
+    await store.release_run("pays")
+    await resume(store, "pays", pay_twice_script())
+
+
+async def test_a_settlement_from_a_page_the_run_moved_on_from_is_refused(
+    store: ManagedStore,
+) -> None:
+    await _crash_paying(store, 8)  # the first payment's intent landed
+    async with browser(console(store)) as client:
+        page = await client.get("/runs/pays")
+        assert 'name="result_id" value="pays:1:action"' in page.text
+        await settle(store, "pays", by="bob", ran=True, observation="paid 5")
+        await _crash_paying(store, 4)  # the second payment's intent landed
+        before = await store.read_log("pays")
+        fields = {"by": "alice", "outcome": "did_not_run", "observation": "x"}
+        late = await post_form(
+            client, "/runs/pays/settle", {**fields, "result_id": "pays:1:action"}
+        )
+    assert late.status_code == 409
+    text = unescape(late.text)
+    assert "moved on" in text and "another effect in doubt (pays:2:action)" in text
+    assert "the effect in doubt is 'pays:2:action', not 'pays:1:action'" in text
+    assert await store.read_log("pays") == before
+
+
+@pytest.mark.parametrize(
+    ("arguments", "key"),
+    [
+        ('{\n  "env": "staging",\n  "env": "prod"\n}', "env"),
+        ('{"env": "staging", "extra": {"a": 1, "a": 2}}', "a"),
+    ],
+)
+async def test_edited_arguments_naming_a_key_twice_are_refused(
+    store: ManagedStore, arguments: str, key: str
+) -> None:
+    before = await store.read_log("paused")
+    async with browser(console(store)) as client:
+        fields = {"by": "alice", "arguments": arguments, "result_id": "paused:1:action"}
+        refused = await post_form(client, "/runs/paused/approve", fields)
+    assert refused.status_code == 400
+    text = unescape(refused.text)
+    assert f"the arguments name the key '{key}' twice in one object" in text
+    assert "Nothing was written" in text
+    assert await store.read_log("paused") == before
+
+
+async def _model_call_in_doubt(store: ManagedStore) -> None:
+    """``model``: its model call of step 1 (replay never) was announced when its
+    process died; resumed, it ends in doubt."""
+    tools = review_tools(Ledger())
+    with pytest.raises(SimulatedCrash):
+        await run(
+            definition(FaultyStore(store, fail_after_writes=6), script=payment_script()),
+            request("model", tools),
+        )
+    await store.release_run("model")
+    await start_or_resume(definition(store, script=payment_script()), request("model", tools))
+
+
+@pytest.mark.parametrize(
+    ("outcome", "ends"), [("did_not_run", "final_answer"), ("ran", "model_failure")]
+)
+async def test_a_model_call_in_doubt_is_settled_from_its_page(
+    store: ManagedStore, outcome: str, ends: str
+) -> None:
+    await _model_call_in_doubt(store)
+    async with browser(console(store)) as client:
+        page = await client.get("/runs/model")
+        assert "Settle the model call in doubt" in page.text
+        assert "the run calls the model again" in page.text and "model_failure" in page.text
+        assert 'name="result_id" value="model:1:model"' in page.text
+        stale = {
+            "by": "carol",
+            "outcome": outcome,
+            "observation": "x",
+            "result_id": "model:0:model",
+        }
+        refused = await post_form(client, "/runs/model/settle", stale)
+        assert refused.status_code == 409
+        fields = {**stale, "result_id": "model:1:model", "observation": "checked the bill"}
+        sent = await post_form(client, "/runs/model/settle", fields)
+        assert sent.status_code == 303
+        twice = await post_form(client, "/runs/model/settle", fields)
+        assert twice.status_code == 409
+    [settlement] = await _answers(store, "model")
+    assert isinstance(settlement, Settlement) and settlement.ran is (outcome == "ran")
+    await resume(store, "model", payment_script())
+    assert (await run_status(store, "model")).stop_reason.value == ends
 
 
 # -- safety --------------------------------------------------------------------------------

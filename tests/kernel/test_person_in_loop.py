@@ -29,8 +29,16 @@ from polyloop import (
     settle,
 )
 from polyloop.stores import MemoryStore
-from polyloop.testing import FaultyStore, SimulatedCrash
-from review_kit import approval_script, payment_script, plain_steps, review_tools, reviews
+from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
+from review_kit import (
+    approval_script,
+    approval_story,
+    payment_script,
+    plain_steps,
+    review_tools,
+    reviews,
+    settlement_story,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -224,12 +232,112 @@ async def test_settling_a_run_not_in_doubt_is_refused_and_writes_nothing() -> No
     assert await store.read_log("r") == before
 
 
-async def test_a_model_call_in_doubt_cannot_be_settled() -> None:
-    store, ledger = MemoryStore(), Ledger()
+async def _model_call_in_doubt(store: MemoryStore, ledger: Ledger) -> ToolRegistry:
+    """A run whose model call of step 1 (replay never) was interrupted, then resumed to
+    its in-doubt end: the call may have been made, and charged, or not."""
     tools = review_tools(ledger)
-    await _crash_paying(store, tools, 2)
-    with pytest.raises(NotInDoubt, match="only an action can be settled"):
-        await settle(store, "r", by="carol", ran=False, observation="x")
+    # Start, step 0 (double: four writes) and step 1's model intent land; then a crash.
+    await _crash_paying(store, tools, 6)
+    result = await resume(definition(store, script=payment_script()), request("r", tools))
+    assert result.stop_reason is StopReason.IN_DOUBT
+    assert result.detail is not None and "model_call intent 'r:1:model'" in result.detail
+    status = await run_status(store, "r")
+    assert status.state is RunState.IN_DOUBT
+    assert status.open_intent is not None and status.open_intent.result_id == "r:1:model"
+    return tools
+
+
+async def test_a_model_call_settled_as_not_run_is_made_again_as_a_new_call() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    tools = await _model_call_in_doubt(store, ledger)
+    settlement = await settle(
+        store, "r", by="carol", ran=False, observation="never reached", result_id="r:1:model"
+    )
+    assert (settlement.result_id, settlement.ran) == ("r:1:model", False)
+    model = ScriptedModelClient(payment_script())
+    result = await resume(definition(store, model=model), request("r", tools))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert [call.result_id for call in model.calls] == ["r:1:model2", "r:2:model"]
+    assert [name for name, _ in ledger.calls] == ["double", "pay"]
+    records = (await store.read_log("r")).records
+    intents = [r.result_id for r in records if isinstance(r, Intent)]
+    assert intents == [
+        "r:0:model",
+        "r:0:action",
+        "r:1:model",
+        "r:1:model2",
+        "r:1:action",
+        "r:2:model",
+    ]
+    at = kinds(records).index("Settlement")
+    assert kinds(records)[at - 2 : at + 3] == [
+        "Intent:model_call",
+        "RunEnded",
+        "Settlement",
+        "Intent:model_call",
+        "Result:model_call",
+    ]
+    assert result.step_count == 3 and result.valid_step_count == 2
+
+
+async def test_a_model_call_made_again_can_be_in_doubt_again_and_answered_by_its_own_id() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    tools = await _model_call_in_doubt(store, ledger)
+    await settle(store, "r", by="carol", ran=False, observation="x", result_id="r:1:model")
+    with pytest.raises(SimulatedCrash):  # the new intent lands, then the worker dies
+        await resume(
+            definition(FaultyStore(store, fail_after_writes=1), script=payment_script()),
+            request("r", tools),
+        )
+    await store.release_run("r")
+    result = await resume(definition(store, script=payment_script()), request("r", tools))
+    assert result.detail is not None and "'r:1:model2'" in result.detail
+    before = await store.read_log("r")
+    with pytest.raises(NotInDoubt, match=r"'r:1:model2', not 'r:1:model'.*no longer open"):
+        await settle(store, "r", by="dave", ran=False, observation="x", result_id="r:1:model")
+    assert await store.read_log("r") == before
+    await settle(store, "r", by="dave", ran=False, observation="x", result_id="r:1:model2")
+    model = ScriptedModelClient(payment_script())
+    result = await resume(definition(store, model=model), request("r", tools))
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert model.calls[0].result_id == "r:1:model3"
+
+
+async def test_a_model_call_settled_as_run_ends_the_run_without_calling_again() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    tools = await _model_call_in_doubt(store, ledger)
+    await settle(store, "r", by="carol", ran=True, observation="billed, reply lost")
+    model = ScriptedModelClient(payment_script())
+    result = await resume(definition(store, model=model), request("r", tools))
+    assert model.calls == []
+    assert result.stop_reason is StopReason.MODEL_FAILURE
+    assert result.detail == (
+        "model call 'r:1:model' ran but its reply is not on record; settled by 'carol': "
+        "billed, reply lost"
+    )
+    assert result.steps[-1].error == result.detail and result.step_count == 2
+    assert [name for name, _ in ledger.calls] == ["double"]
+    status = await run_status(store, "r")
+    assert (status.state, status.stop_reason) == (RunState.FINISHED, StopReason.MODEL_FAILURE)
+    before = await store.read_log("r")
+    again = await resume(definition(store, model=model), request("r", tools))
+    assert (again.stop_reason, again.detail) == (StopReason.MODEL_FAILURE, result.detail)
+    assert await store.read_log("r") == before and model.calls == []
+
+
+async def test_a_model_call_in_doubt_is_settled_once_and_only_by_its_own_id() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    await _model_call_in_doubt(store, ledger)
+    before = await store.read_log("r")
+    with pytest.raises(NotInDoubt, match=r"'r:1:model', not 'r:0:action'.*no longer open"):
+        await settle(store, "r", by="carol", ran=False, observation="x", result_id="r:0:action")
+    assert await store.read_log("r") == before
+    await settle(store, "r", by="carol", ran=False, observation="x", result_id="r:1:model")
+    settled = await store.read_log("r")
+    with pytest.raises(NotInDoubt, match="model call 'r:1:model' was already settled by 'carol'"):
+        await settle(store, "r", by="dave", ran=True, observation="x", result_id="r:1:model")
+    assert await store.read_log("r") == settled
+    assert (await run_status(store, "r")).state is RunState.RESUMABLE
 
 
 async def test_two_people_answering_at_once_exactly_one_wins() -> None:
@@ -398,3 +506,13 @@ async def test_an_edited_native_call_is_the_call_the_model_sees_answered() -> No
         call_id="c0", name="deploy", arguments={"env": "staging"}
     )
     assert step.edited_by == "alice"
+
+
+async def test_an_answer_for_a_proposal_no_longer_open_is_refused() -> None:
+    store = MemoryStore()
+    await approval_story(lambda: store)
+
+
+async def test_a_settlement_for_an_intent_no_longer_open_is_refused() -> None:
+    store = MemoryStore()
+    await settlement_story(lambda: store)

@@ -12,7 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import record_kit as kit
-from polyloop._recovery import RecoveryState, read_plan, status
+from polyloop._recovery import (
+    RecoveryState,
+    model_call_again_id,
+    model_result_id,
+    read_plan,
+    settled_model_call,
+    status,
+    unrecorded_reply_error,
+)
 from polyloop.ports import StoredRun
 from polyloop.types import (
     CorruptLog,
@@ -150,7 +158,7 @@ def test_status_of_a_paused_run_shows_its_proposal_even_while_claimed() -> None:
             id="settles-another-intent",
         ),
         pytest.param([*BEFORE_ACTION, SETTLED], 3, id="settles-nothing-open"),
-        pytest.param([START, MODEL_INTENT, SETTLED], 2, id="settles-a-model-call"),
+        pytest.param([START, MODEL_INTENT, SETTLED], 2, id="settles-a-replayable-model-call"),
         pytest.param(
             [*BEFORE_ACTION, dataclasses.replace(ACTION_INTENT, replay=Replay.ALLOWED), SETTLED],
             4,
@@ -296,3 +304,147 @@ def test_a_person_named_like_no_probe_is_a_person() -> None:
         plan = plan_of([*BEFORE_ACTION, ACTION_INTENT, IN_DOUBT, settled])
         assert status(plan, None).reconciled_steps == ()
     assert PROBED.by_probe
+
+
+# -- a model call in doubt, settled by a person -------------------------------------------
+
+MODEL = f"{RUN}:0:model"
+NEVER_MODEL = kit.intent(RUN, 0, IntentKind.MODEL_CALL, {})
+MODEL_NOT_RUN = Settlement(run_id=RUN, result_id=MODEL, ran=False, observation="no", by="carol")
+MODEL_RAN = dataclasses.replace(MODEL_NOT_RUN, ran=True, observation="billed")
+MODEL_AGAIN = dataclasses.replace(NEVER_MODEL, result_id=f"{RUN}:0:model2")
+MODEL_THIRD = dataclasses.replace(NEVER_MODEL, result_id=f"{RUN}:0:model3")
+AGAIN_RESULT = dataclasses.replace(MODEL_RESULT, result_id=MODEL_AGAIN.result_id)
+LOST_REPLY = kit.result(RUN, 0, IntentKind.MODEL_CALL, {"error": "lost"})
+MODEL_DOUBT = [START, NEVER_MODEL, IN_DOUBT]
+
+
+@pytest.mark.parametrize(
+    ("records", "state", "again"),
+    [
+        pytest.param(MODEL_DOUBT, RecoveryState.IN_DOUBT, 0, id="in-doubt"),
+        pytest.param([*MODEL_DOUBT, MODEL_NOT_RUN], RecoveryState.RESUMABLE, 0, id="not-run"),
+        pytest.param([*MODEL_DOUBT, MODEL_RAN], RecoveryState.RESUMABLE, 0, id="ran"),
+        pytest.param(
+            [*MODEL_DOUBT, MODEL_NOT_RUN, MODEL_AGAIN], RecoveryState.IN_DOUBT, 1, id="again"
+        ),
+        pytest.param(
+            [*MODEL_DOUBT, MODEL_NOT_RUN, MODEL_AGAIN, AGAIN_RESULT],
+            RecoveryState.RESUMABLE,
+            1,
+            id="again-answered",
+        ),
+        pytest.param(
+            [
+                *MODEL_DOUBT,
+                MODEL_NOT_RUN,
+                MODEL_AGAIN,
+                IN_DOUBT,
+                dataclasses.replace(MODEL_NOT_RUN, result_id=MODEL_AGAIN.result_id),
+                MODEL_THIRD,
+            ],
+            RecoveryState.IN_DOUBT,
+            2,
+            id="third-call",
+        ),
+        pytest.param(
+            [*MODEL_DOUBT, MODEL_RAN, LOST_REPLY, kit.step(RUN, 0, error="lost")],
+            RecoveryState.RESUMABLE,
+            0,
+            id="ran-step",
+        ),
+        pytest.param(
+            [
+                *MODEL_DOUBT,
+                MODEL_NOT_RUN,
+                MODEL_AGAIN,
+                AGAIN_RESULT,
+                STEP,
+                kit.intent(RUN, 1, IntentKind.MODEL_CALL, {}),
+            ],
+            RecoveryState.IN_DOUBT,
+            0,
+            id="next-step-counts-afresh",
+        ),
+    ],
+)
+def test_a_settled_model_call_reads(
+    records: list[Record], state: RecoveryState, again: int
+) -> None:
+    plan = plan_of(records)
+    assert (plan.state, plan.model_calls_again) == (state, again)
+
+
+@pytest.mark.parametrize(
+    ("records", "bad_index"),
+    [
+        pytest.param([*MODEL_DOUBT, MODEL_NOT_RUN, NEVER_MODEL], 4, id="again-under-the-old-id"),
+        pytest.param([*MODEL_DOUBT, MODEL_NOT_RUN, MODEL_THIRD], 4, id="again-skips-a-number"),
+        pytest.param([*MODEL_DOUBT, MODEL_RAN, MODEL_AGAIN], 4, id="again-after-it-ran"),
+        pytest.param([*MODEL_DOUBT, MODEL_NOT_RUN, LOST_REPLY], 4, id="result-after-not-run"),
+        pytest.param([*MODEL_DOUBT, MODEL_NOT_RUN, MODEL_NOT_RUN], 4, id="settled-twice"),
+        pytest.param([*MODEL_DOUBT, MODEL_NOT_RUN, ACTION_INTENT], 4, id="action-instead"),
+        pytest.param([START, MODEL_AGAIN], 1, id="again-without-settlement"),
+        pytest.param(
+            [*MODEL_DOUBT, MODEL_NOT_RUN, MODEL_AGAIN, MODEL_NOT_RUN], 5, id="settles-the-old-call"
+        ),
+    ],
+)
+def test_what_may_not_follow_a_settled_model_call_is_corrupt(
+    records: list[Record], bad_index: int
+) -> None:
+    with pytest.raises(CorruptLog) as caught:
+        plan_of(records)
+    assert caught.value.location == f"record {bad_index}"
+    plan_of(records[:bad_index])
+
+
+def test_what_resume_makes_of_a_settled_model_call() -> None:
+    not_run = plan_of([*MODEL_DOUBT, MODEL_NOT_RUN])
+    assert settled_model_call(not_run) == MODEL_NOT_RUN
+    assert model_call_again_id(not_run) == f"{RUN}:0:model2"
+    third = plan_of([*MODEL_DOUBT, MODEL_NOT_RUN, MODEL_AGAIN, IN_DOUBT])
+    assert settled_model_call(third) is None
+    answered = dataclasses.replace(MODEL_NOT_RUN, result_id=MODEL_AGAIN.result_id)
+    assert model_call_again_id(
+        plan_of([*MODEL_DOUBT, MODEL_NOT_RUN, MODEL_AGAIN, IN_DOUBT, answered])
+    ) == (f"{RUN}:0:model3")
+    # An action's settlement is no model call's.
+    assert settled_model_call(plan_of([*BEFORE_ACTION, ACTION_INTENT, SETTLED])) is None
+    assert settled_model_call(plan_of([*MODEL_DOUBT, MODEL_RAN])) == MODEL_RAN
+    assert unrecorded_reply_error(MODEL_RAN) == (
+        "model call 'r:0:model' ran but its reply is not on record; settled by 'carol': billed"
+    )
+    assert unrecorded_reply_error(dataclasses.replace(MODEL_RAN, observation=" ")) == (
+        "model call 'r:0:model' ran but its reply is not on record; settled by 'carol'"
+    )
+
+
+def test_model_result_ids_of_calls_made_again() -> None:
+    assert [model_result_id("a:b", 3, again) for again in range(3)] == [
+        "a:b:3:model",
+        "a:b:3:model2",
+        "a:b:3:model3",
+    ]
+
+
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                *(START, NEVER_MODEL, MODEL_NOT_RUN, MODEL_RAN, MODEL_AGAIN, AGAIN_RESULT),
+                *(LOST_REPLY, MODEL_RESULT, IN_DOUBT, CANCELLED, STEP, ACTION_INTENT, SETTLED),
+            ]
+        ),
+        max_size=12,
+    )
+)
+def test_classification_with_model_settlements_is_total(records: list[Record]) -> None:
+    try:
+        plan = plan_of(records)
+    except CorruptLog:
+        return
+    if plan.state is RecoveryState.IN_DOUBT:
+        assert plan.open_intent is not None and plan.settlement is None
+    if settled_model_call(plan) is not None and not plan.settlement.ran:  # type: ignore[union-attr]
+        assert plan.model_result is None

@@ -19,10 +19,12 @@ import pytest
 
 from agent_kit import Ledger, close_store, definition, request
 from polyloop import (
+    Intent,
     NotAwaitingApproval,
     NotInDoubt,
     Replay,
     RunLocked,
+    RunLog,
     RunResult,
     Settlement,
     StopReason,
@@ -36,14 +38,16 @@ from polyloop import (
 )
 from polyloop.cli import main
 from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
-from polyloop.testing import FaultyStore, SimulatedCrash
+from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from review_kit import (
     approval_script,
+    approval_story,
     observed,
     payment_script,
     plain_steps,
     review_tools,
     reviews,
+    settlement_story,
 )
 from store_kit import DURABLE_KINDS, durable_opener
 from sweep_kit import every_point
@@ -52,6 +56,9 @@ pytestmark = pytest.mark.anyio
 
 APPROVAL_WRITES = 16  # run to the pause: 9; the verdict: 1; the rest of the run: 6
 SETTLEMENT_WRITES = 7  # in-doubt end, settlement, the step, one more step, the end
+# From step 1's model call on, its model calls never replayed: 4 + 3 writes and the end,
+# with an in-doubt end and a settlement for each model call a crash interrupts.
+MODEL_CALL_WRITES = 12
 
 
 @pytest.fixture(params=DURABLE_KINDS)
@@ -75,6 +82,7 @@ class Life:
     crash_after: int | None
     verdict: str = "approve"
     arguments: dict[str, Any] | None = None
+    model_replay: Replay = Replay.ALLOWED
     written: int = 0
     crashed: bool = False
 
@@ -97,7 +105,7 @@ class Life:
 
     async def drive(self, store: Store) -> RunResult:
         tools = review_tools(self.ledger)
-        the_request = request("r", tools, model_replay=Replay.ALLOWED)
+        the_request = request("r", tools, model_replay=self.model_replay)
         return await start_or_resume(definition(store, script=self.script), the_request)
 
     async def answer(self, result: RunResult) -> None:
@@ -116,11 +124,19 @@ class Life:
         finally:
             await close_store(reader)
         assert intent is not None
-        # The person finds out what happened: the ledger is the world.
+        # The person finds out what happened: the ledger is the world (a model call is
+        # never in it: the person says it may be made again).
         ran = self.ledger.count(intent.result_id) > 0
         observation = observed(intent.payload) if ran else "never reached"
         await self.call(
-            lambda store: settle(store, "r", by="carol", ran=ran, observation=observation)
+            lambda store: settle(
+                store,
+                "r",
+                by="carol",
+                ran=ran,
+                observation=observation,
+                result_id=intent.result_id,
+            )
         )
 
     async def to_the_end(self) -> RunResult:
@@ -133,6 +149,13 @@ class Life:
                 continue
             return result  # type: ignore[no-any-return]
         raise AssertionError("the run never ended")
+
+    async def read(self) -> RunLog:
+        store = self.open_store()
+        try:
+            return await store.read_log("r")
+        finally:
+            await close_store(store)
 
 
 async def _reference(tmp_path: Path, script: list[str]) -> RunResult:
@@ -335,3 +358,88 @@ async def test_show_after_a_crash_following_an_edited_approval_names_the_call_th
     shown = " ".join(capsys.readouterr().out.split())
     assert 'action deploy({"env": "staging"})' in shown
     assert 'edited by alice before it ran; the model proposed deploy({"env": "prod"})' in shown
+
+
+@pytest.mark.parametrize("k", every_point(range(MODEL_CALL_WRITES + 1)))
+async def test_a_crash_after_every_write_with_model_calls_never_replayed(
+    open_store: Callable[[], Store], k: int, tmp_path: Path
+) -> None:
+    """Every model call a crash interrupts is in doubt; settled as not run, it is made
+    again under a new result id, and the run ends as an uninterrupted one does."""
+    ledger = Ledger()
+    # Start, step 0 and step 1's model intent land, then a crash: that call is in doubt.
+    first = Life(open_store, ledger, payment_script(), crash_after=6, model_replay=Replay.NEVER)
+    assert await first.call(first.drive) is None
+    life = Life(open_store, ledger, payment_script(), crash_after=k, model_replay=Replay.NEVER)
+    result = await life.to_the_end()
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert ledger.count("r:1:action") == 1  # never paid twice
+    reference = await _reference(tmp_path, payment_script())
+    assert plain_steps(result.steps) == plain_steps(reference.steps)
+    records = (await life.read()).records
+    intents = [r.result_id for r in records if isinstance(r, Intent)]
+    assert len(intents) == len(set(intents))  # every call made again has an id of its own
+    settled = [r for r in records if isinstance(r, Settlement)]
+    assert [r.result_id for r in settled][:1] == ["r:1:model"]
+    assert all(r.result_id in intents for r in settled)
+
+
+@pytest.mark.parametrize("ran", [False, True])
+async def test_a_model_call_in_doubt_is_answered_once_by_its_own_id(
+    open_store: Callable[[], Store], ran: bool
+) -> None:
+    ledger = Ledger()
+    first = Life(open_store, ledger, payment_script(), crash_after=6, model_replay=Replay.NEVER)
+    assert await first.call(first.drive) is None
+    ended = Life(open_store, ledger, payment_script(), crash_after=None, model_replay=Replay.NEVER)
+    result = await ended.call(ended.drive)
+    assert result.stop_reason is StopReason.IN_DOUBT and "'r:1:model'" in str(result.detail)
+    before = await ended.read()
+    with pytest.raises(NotInDoubt, match=r"'r:1:model', not 'r:0:model'"):
+        await ended.call(
+            lambda store: settle(
+                store, "r", by="carol", ran=ran, observation="x", result_id="r:0:model"
+            )
+        )
+    assert await ended.read() == before
+    await ended.call(
+        lambda store: settle(
+            store, "r", by="carol", ran=ran, observation="x", result_id="r:1:model"
+        )
+    )
+    with pytest.raises(NotInDoubt, match="already settled by 'carol'"):
+        await ended.call(
+            lambda store: settle(
+                store, "r", by="dave", ran=not ran, observation="y", result_id="r:1:model"
+            )
+        )
+    model = ScriptedModelClient(payment_script())
+
+    async def resumed(store: Store) -> RunResult:
+        tools = review_tools(ledger)
+        the_request = request("r", tools, model_replay=Replay.NEVER)
+        return await start_or_resume(definition(store, model=model), the_request)
+
+    result = await ended.call(resumed)
+    if ran:
+        assert result.stop_reason is StopReason.MODEL_FAILURE and model.calls == []
+        assert "'r:1:model'" in str(result.detail) and "'carol'" in str(result.detail)
+    else:
+        assert result.stop_reason is StopReason.FINAL_ANSWER
+        assert [call.result_id for call in model.calls] == ["r:1:model2", "r:2:model"]
+    assert [type(r).__name__ for r in await _reviews(open_store)] == ["Settlement"]
+
+
+# -- an answer names the proposal it answers (issue 42) -----------------------------------
+
+
+async def test_an_answer_for_a_proposal_no_longer_open_is_refused(
+    open_store: Callable[[], Store],
+) -> None:
+    await approval_story(open_store)
+
+
+async def test_a_settlement_for_an_intent_no_longer_open_is_refused(
+    open_store: Callable[[], Store],
+) -> None:
+    await settlement_story(open_store)

@@ -478,7 +478,7 @@ def _pending_parser(commands: _Commands) -> None:
         "pending",
         _pending_command,
         "List the runs that wait for a person: an action to approve or reject, or an "
-        "action in doubt to settle.",
+        "action or model call in doubt to settle, each with the commands that answer it.",
     )
     _store_argument(sub)
     sub.add_argument("--json", action="store_true", help="one JSON object per line and run")
@@ -490,11 +490,21 @@ async def _pending_command(args: argparse.Namespace, out: Console) -> int:
     return await _people.pending(spec, out, as_json=args.json)
 
 
-def _answer_parser(commands: _Commands, name: str, command: _Command, help_text: str) -> Any:
+def _answer_parser(
+    commands: _Commands, name: str, command: _Command, help_text: str, *aliases: str
+) -> Any:
     sub = _add(commands, name, command, help_text)
     _store_argument(sub)
     sub.add_argument("run_id", metavar="RUN_ID")
     sub.add_argument("--by", required=True, metavar="NAME", help="who answers (recorded)")
+    sub.add_argument(
+        "--result-id",
+        *aliases,
+        dest="result_id",
+        metavar="RESULT_ID",
+        help="the result id of what you answer, as 'polyloop pending' shows it: the answer "
+        "is refused, and nothing written, if that is no longer what the run waits on",
+    )
     return sub
 
 
@@ -515,7 +525,10 @@ def _approve_parser(commands: _Commands) -> None:
 
 async def _approve_command(args: argparse.Namespace, out: Console) -> int:
     given = _people.Answer(
-        by=args.by, approve=True, arguments=_people.parse_arguments(args.arguments)
+        by=args.by,
+        approve=True,
+        arguments=_people.parse_arguments(args.arguments),
+        result_id=args.result_id,
     )
     return await _answer(args, given, out)
 
@@ -531,7 +544,8 @@ def _reject_parser(commands: _Commands) -> None:
 
 
 async def _reject_command(args: argparse.Namespace, out: Console) -> int:
-    return await _answer(args, _people.Answer(by=args.by, approve=False, reason=args.reason), out)
+    given = _people.Answer(by=args.by, approve=False, reason=args.reason, result_id=args.result_id)
+    return await _answer(args, given, out)
 
 
 def _settle_parser(commands: _Commands) -> None:
@@ -539,17 +553,17 @@ def _settle_parser(commands: _Commands) -> None:
         commands,
         "settle",
         _settle_command,
-        "Say what became of the action a run is in doubt about: it ran (--ran "
-        "--observation TEXT) or it did not (--did-not-run --reason TEXT).",
+        "Say what became of the action or model call a run is in doubt about: it ran "
+        "(--ran --observation TEXT) or it did not (--did-not-run --reason TEXT). A model "
+        "call that did not run is made again; one that ran, its reply lost, ends the run "
+        "model_failure.",
+        "--intent",
     )
     how = sub.add_mutually_exclusive_group(required=True)
-    how.add_argument("--ran", action="store_true", help="the action ran")
-    how.add_argument("--did-not-run", action="store_true", help="the action did not run")
-    sub.add_argument("--observation", metavar="TEXT", help="what the action gave (--ran)")
+    how.add_argument("--ran", action="store_true", help="it ran")
+    how.add_argument("--did-not-run", action="store_true", help="it did not run")
+    sub.add_argument("--observation", metavar="TEXT", help="what it gave, or a note (--ran)")
     sub.add_argument("--reason", metavar="TEXT", help="why it did not run (--did-not-run)")
-    sub.add_argument(
-        "--intent", metavar="RESULT_ID", help="the result id of the intent in doubt (checked)"
-    )
 
 
 async def _settle_command(args: argparse.Namespace, out: Console) -> int:
@@ -561,7 +575,7 @@ async def _settle_command(args: argparse.Namespace, out: Console) -> int:
         by=args.by,
         ran=bool(args.ran),
         observation=args.observation if args.ran else args.reason,
-        result_id=args.intent,
+        result_id=args.result_id,
     )
     return await _answer(args, given, out)
 

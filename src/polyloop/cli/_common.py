@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
+import shlex
 import shutil
 import sys
 from collections.abc import Iterator
@@ -14,6 +16,9 @@ from typing import TextIO
 
 from rich.console import Console, RenderableType
 from rich.measure import Measurement
+
+from polyloop.interpreters._json_tool_call import STRICT_JSON, RepeatedKey
+from polyloop.types import JSONValue
 
 PROGRAM = "polyloop"
 _MODULE_ENTRY = Path(__file__).resolve().parent.parent / "__main__.py"
@@ -106,6 +111,42 @@ def escape_field(text: str) -> str:
     another, or reorder the line around it.
     """
     return _UNSAFE.sub(_escape, text)
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one word a POSIX shell reads back exactly, fit to print on one line.
+
+    Plain text is quoted the usual way (``shlex.quote``). Text that :func:`escape_field`
+    would escape (a control, bidirectional or separator character, a lone surrogate) is
+    written in ANSI-C quotes instead (``$'a\\nb'``, understood by bash, zsh and ksh), with
+    the same escapes: the terminal shows them, and the shell turns them back into the
+    characters.
+    """
+    if escape_field(text) == text:
+        return shlex.quote(text)
+    return "$'" + escape_field(text.replace("\\", "\\\\").replace("'", "\\'")) + "'"
+
+
+def edited_arguments(text: str) -> JSONValue:
+    """The arguments a person edited, read as strictly as a model's tool call: one JSON
+    object, and no key named twice in any object of it (JSON readers keep the last of
+    two, so a line added above the key it means to replace would silently change
+    nothing). ``ValueError`` saying what is wrong, for the person to read."""
+    try:
+        value: JSONValue = STRICT_JSON.decode(text)
+    except RepeatedKey as exc:
+        key = escape_field(str(exc.args[0]))
+        raise ValueError(
+            f"the arguments name the key '{key}' twice in one object: give each key once, "
+            f"so that it is clear which value you mean"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the arguments are not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"the arguments hold {exc!s:.40}, which the log cannot carry") from None
+    if not isinstance(value, dict):
+        raise ValueError("the arguments must be a JSON object")
+    return value
 
 
 def escape_block(text: str) -> str:

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 
 from polyloop.cli._view import (
     RunView,
+    after_settlement,
     settled_text,
     settlement_json,
     trajectory_json,
@@ -293,6 +294,10 @@ def state_text(view: RunView) -> str:
         owner = f" ({view.status.owner})" if view.status.owner else ""
         return f"running: a live worker{owner} holds the run now"
     if (settled := view.pending_settlement()) is not None:
+        intent = view.status.open_intent
+        if intent is not None and intent.kind is IntentKind.MODEL_CALL:
+            after = after_settlement(intent, settled)
+            return f"resumable: the open model call was settled {settled_text(settled)}; {after}"
         return f"resumable: the open action was settled {settled_text(settled)}; resume goes on"
     if view.stop_reason == StopReason.CANCELLED.value:
         return "resumable: cancelled; resume goes on"

@@ -15,12 +15,21 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from polyloop import serialization
-from polyloop.cli._common import CliError, escape_field
+from polyloop.cli._common import (
+    CliError,
+    command_words,
+    edited_arguments,
+    escape_field,
+    shell_word,
+)
 from polyloop.cli._stores import StoreSpec, open_store
 from polyloop.session import approve, reject, run_status, settle
 from polyloop.types import (
     CorruptLog,
+    Intent,
+    IntentKind,
     JSONValue,
+    Proposal,
     RunState,
     RunStatus,
     SchemaMajorMismatch,
@@ -58,7 +67,8 @@ async def pending(spec: StoreSpec, out: Console, *, as_json: bool) -> int:
             sys.stdout.write(json.dumps(pending_json(status), ensure_ascii=False) + "\n")
             sys.stdout.flush()
         else:
-            out.print(pending_line(status), markup=False, soft_wrap=True, highlight=False)
+            text = "\n".join((pending_line(status), *answer_commands(spec, status)))
+            out.print(text, markup=False, soft_wrap=True, highlight=False)
     if not waiting and not as_json:
         out.print(f"nothing waits for a person in {spec.shown}", markup=False)
     return 0
@@ -67,9 +77,12 @@ async def pending(spec: StoreSpec, out: Console, *, as_json: bool) -> int:
 def pending_json(status: RunStatus) -> dict[str, JSONValue]:
     proposal = status.proposal
     intent = status.open_intent
+    answered = _answered(status)
     return {
         "run_id": status.run_id,
         "state": status.state.value,
+        # The id to answer with (--result-id): the proposal's, or the intent's in doubt.
+        "result_id": answered.result_id if answered is not None else None,
         "proposal": serialization.encode(proposal) if proposal is not None else None,
         "open_intent": (
             serialization.encode(intent)
@@ -90,8 +103,51 @@ def pending_line(status: RunStatus) -> str:
         )
     intent = status.open_intent
     what = _call(intent.payload) if intent is not None else "?"
+    if intent is not None and intent.kind is IntentKind.MODEL_CALL:
+        what = "a model call (its replay is never allowed)"
     where = intent.result_id if intent is not None else "?"
     return f"{escape_field(status.run_id)}  in doubt  {escape_field(where)}  {escape_field(what)}"
+
+
+def _answered(status: RunStatus) -> Proposal | Intent | None:
+    if status.proposal is not None:
+        return status.proposal
+    return status.open_intent if status.state is RunState.IN_DOUBT else None
+
+
+# What each answer does, shown before the command that gives it.
+_ACTION_ANSWERS = (
+    ("it ran", ["--ran", "--observation", "TEXT"]),
+    ("it did not run", ["--did-not-run", "--reason", "TEXT"]),
+)
+_MODEL_CALL_ANSWERS = (
+    ("not run (the run calls the model again)", ["--did-not-run", "--reason", "TEXT"]),
+    ("ran, reply lost (the run ends model_failure)", ["--ran", "--observation", "TEXT"]),
+)
+
+
+def answer_commands(spec: StoreSpec, status: RunStatus) -> list[str]:
+    """The commands that answer the waiting run, each on its own indented line: NAME and
+    TEXT are for the person to fill in; every other word is exact (and shell-quoted)."""
+    answered = _answered(status)
+    if answered is None:
+        return []
+    store = [spec.shown, *(["--schema", spec.schema] if spec.schema is not None else [])]
+    target = [*store, status.run_id, "--by", "NAME"]
+    checked = ["--result-id", answered.result_id]
+    if isinstance(answered, Proposal):
+        answers = [
+            ("approve", ["approve", *target, *checked]),
+            ("reject", ["reject", *target, "--reason", "TEXT", *checked]),
+        ]
+    else:
+        kinds = _MODEL_CALL_ANSWERS if answered.kind is IntentKind.MODEL_CALL else _ACTION_ANSWERS
+        answers = [(said, ["settle", *target, *how, *checked]) for said, how in kinds]
+    lines = []
+    for said, words in answers:
+        command = " ".join(shell_word(word) for word in [*command_words(), *words])
+        lines.append(f"    {said}: {command}")
+    return lines
 
 
 def _call(payload: JSONValue) -> str:
@@ -105,11 +161,15 @@ async def answer(spec: StoreSpec, run_id: str, given: Answer, out: Console) -> i
     """Write one person's answer for ``run_id`` and say in one line what was written."""
     async with open_store(spec) as store:
         if given.approve is True:
-            verdict = await approve(store, run_id, by=given.by, arguments=given.arguments)
+            verdict = await approve(
+                store, run_id, by=given.by, arguments=given.arguments, result_id=given.result_id
+            )
             said = f"approved {verdict.result_id}"
         elif given.approve is False:
             assert given.reason is not None
-            verdict = await reject(store, run_id, by=given.by, reason=given.reason)
+            verdict = await reject(
+                store, run_id, by=given.by, reason=given.reason, result_id=given.result_id
+            )
             said = f"rejected {verdict.result_id}"
         else:
             assert given.ran is not None and given.observation is not None
@@ -133,14 +193,11 @@ async def answer(spec: StoreSpec, run_id: str, given: Answer, out: Console) -> i
 
 
 def parse_arguments(text: str | None) -> JSONValue:
-    """The ``--arguments`` JSON object, or ``CliError`` saying what is wrong with it."""
+    """The ``--arguments`` JSON object, or ``CliError`` saying what is wrong with it (a
+    key named twice in one object included)."""
     if text is None:
         return None
     try:
-        value = json.loads(text)
+        return edited_arguments(text)
     except ValueError as exc:
-        raise CliError(f"--arguments is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise CliError("--arguments must be a JSON object")
-    arguments: JSONValue = value
-    return arguments
+        raise CliError(f"--arguments: {exc}") from None

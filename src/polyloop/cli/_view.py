@@ -17,6 +17,7 @@ from polyloop.session import run_status
 from polyloop.types import (
     CorruptLog,
     FinishReason,
+    Intent,
     IntentKind,
     JSONValue,
     Proposal,
@@ -184,7 +185,7 @@ class RunView:
         if intent is not None:
             doing = " (a live writer is on it now)" if self.status.state is RunState.RUNNING else ""
             if (settled := self.pending_settlement()) is not None:
-                doing += f"; settled {settled_text(settled)}: resume records it and goes on"
+                doing += f"; settled {settled_text(settled)}: {after_settlement(intent, settled)}"
             return (
                 f"step {step}: the {intent.kind.value} intent {intent.result_id!r} has no "
                 f"result (replay {intent.replay.value}){doing}"
@@ -256,6 +257,15 @@ def settled_text(settlement: Settlement) -> str:
     """``by the probe of tool 'pay' (it ran)``; a person's, ``by carol (it ran)``."""
     how = "it ran" if settlement.ran else "it did not run"
     return f"by {settler_text(settlement)} ({how})"
+
+
+def after_settlement(intent: Intent | None, settlement: Settlement) -> str:
+    """What ``resume`` makes of a settlement it has not acted on yet."""
+    if intent is None or intent.kind is not IntentKind.MODEL_CALL:
+        return "resume records it and goes on"
+    if settlement.ran:
+        return "resume ends the run model_failure (the reply is lost) and calls no model"
+    return "resume calls the model again, as a new call"
 
 
 def probe_time_text(settlement: Settlement) -> str:

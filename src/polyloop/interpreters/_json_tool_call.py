@@ -61,8 +61,9 @@ def _whole_number(text: str) -> int:
         raise _TooLong(len(text.lstrip("-"))) from None
 
 
-class _RepeatedKey(ValueError):
-    """An object that names a key twice: which value was meant is guesswork."""
+class RepeatedKey(ValueError):
+    """An object that names a key twice: which value was meant is guesswork. The key is
+    the exception's one argument."""
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -70,11 +71,13 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result = dict(pairs)
     if len(result) != len(pairs):
         counts = Counter(key for key, _ in pairs)
-        raise _RepeatedKey(next(key for key, count in counts.items() if count > 1))
+        raise RepeatedKey(next(key for key, count in counts.items() if count > 1))
     return result
 
 
-_DECODER = json.JSONDecoder(
+# Also how the command line and the console read the arguments a person edits: what a
+# model may not write, a person may not either.
+STRICT_JSON = json.JSONDecoder(
     parse_constant=_refuse_constant,
     parse_float=_finite_float,
     parse_int=_whole_number,
@@ -164,7 +167,7 @@ def _parse(source: str, *, first_line: int, block: FencedBlock | None) -> dict[s
     if start == len(source):
         return f"{where} is empty."
     try:
-        value, end = _DECODER.raw_decode(source, start)
+        value, end = STRICT_JSON.raw_decode(source, start)
     except json.JSONDecodeError as exc:
         if source[start] in "{[":
             return f"{where} is not valid JSON: {exc.msg} at {at(exc.pos)}."
@@ -173,7 +176,7 @@ def _parse(source: str, *, first_line: int, block: FencedBlock | None) -> dict[s
         return f"{where} holds the number {exc}, too large to use: write a smaller number."
     except _TooLong as exc:
         return f"{where} holds a whole number of {exc} digits, too long to read: write fewer."
-    except _RepeatedKey as exc:
+    except RepeatedKey as exc:
         return (
             f"{where} names the key {clip(str(exc))!r} twice in one object: give each key "
             "once, so that it is clear which value you mean."
@@ -206,7 +209,7 @@ def _parse(source: str, *, first_line: int, block: FencedBlock | None) -> dict[s
 def _try_decode(source: str, position: int) -> object:
     """The JSON value at ``position``, or ``None`` if there is none."""
     try:
-        value, _ = _DECODER.raw_decode(source, position)
+        value, _ = STRICT_JSON.raw_decode(source, position)
     except (ValueError, RecursionError):
         return None
     return value
@@ -225,7 +228,7 @@ def _prose_before_object(source: str, where: str, at: Callable[[int], str], *, f
         if brace < 0:
             break
         try:
-            value, _ = _DECODER.raw_decode(source, brace)
+            value, _ = STRICT_JSON.raw_decode(source, brace)
         except json.JSONDecodeError as exc:
             broken = broken or (brace, exc)
         except (ValueError, RecursionError):

@@ -246,17 +246,28 @@ async def settle(
     observation: str,
     result_id: str | None = None,
 ) -> Settlement:
-    """Say what became of the action the run ``run_id`` is in doubt about.
+    """Say what became of the action or model call the run ``run_id`` is in doubt about.
 
-    With ``ran=True`` the action ran and ``observation`` is what the model is shown as
-    its output (a valid step); with ``ran=False`` it did not run and ``observation`` is
-    the reason the model is told (through ``texts.not_executed``). ``resume`` then goes
-    on exactly as if the action had ended that way, and the step record names ``by``.
-    ``result_id``, if given, must name the intent in doubt. The run's claim is taken
-    first (:class:`~polyloop.types.RunLocked` if anyone holds it) and the
+    For an action: with ``ran=True`` the action ran and ``observation`` is what the
+    model is shown as its output (a valid step); with ``ran=False`` it did not run and
+    ``observation`` is the reason the model is told (through ``texts.not_executed``).
+    ``resume`` then goes on exactly as if the action had ended that way, and the step
+    record names ``by``.
+
+    For a model call (its replay is ``NEVER``): ``ran=False`` says it may be made again
+    (it never reached the model, or a second charge is acceptable); ``resume`` then
+    calls the model again as a new call, with an intent and a result id of its own
+    (``<run_id>:<step>:model2`` for the second), and goes on. ``ran=True`` says it ran
+    but its reply is not on record: the run can neither go on from it nor call again,
+    so ``resume`` ends it ``MODEL_FAILURE``, the detail naming the call and ``by``.
+    ``observation`` is kept in the settlement (and, for ``ran=True``, in that detail).
+
+    ``result_id``, if given, must name the intent in doubt: it is checked under the
+    claim, in the same step as the write. The run's claim is taken first
+    (:class:`~polyloop.types.RunLocked` if anyone holds it) and the
     :class:`~polyloop.types.Settlement` is written durably under it.
-    :class:`~polyloop.types.NotInDoubt` if the run is not in doubt about an action
-    (already settled, never in doubt, or ``result_id`` names another intent),
+    :class:`~polyloop.types.NotInDoubt` if the run is not in doubt (already settled,
+    never in doubt, or ``result_id`` names another intent, one no longer open),
     :class:`~polyloop.types.RunNotFound` if the store has no record of it. A refused call
     writes nothing. Returns the settlement.
 

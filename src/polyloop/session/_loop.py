@@ -363,12 +363,13 @@ class Loop:
 
     # -- one step -----------------------------------------------------------------------
 
-    async def _step(self) -> Stepped:
+    async def _step(self, result_id: str | None = None) -> Stepped:
         index = self.used.steps
+        result_id = result_id or _recovery.model_result_id(self.run_id, index)
         await self.store.write_intent(
             Intent(
                 run_id=self.run_id,
-                result_id=_recovery.model_result_id(self.run_id, index),
+                result_id=result_id,
                 kind=IntentKind.MODEL_CALL,
                 step=index,
                 call_index=index,
@@ -377,10 +378,9 @@ class Loop:
                 at=now(),
             )
         )
-        return await self._call_model(index, StepTimes())
+        return await self._call_model(index, StepTimes(), result_id)
 
-    async def _call_model(self, index: int, times: StepTimes) -> Stepped:
-        result_id = _recovery.model_result_id(self.run_id, index)
+    async def _call_model(self, index: int, times: StepTimes, result_id: str) -> Stepped:
         call = ModelCall(
             messages=self.transcript.messages,
             call_index=index,
@@ -404,7 +404,7 @@ class Loop:
         return await self._decide(index, reply, times)
 
     async def _write_model_result(
-        self, result_id: str, payload: JSONValue, duration_s: float
+        self, result_id: str, payload: JSONValue, duration_s: float | None
     ) -> None:
         await self.store.write_result(
             Result(
@@ -744,10 +744,13 @@ class Loop:
     async def _finish_interrupted(self, plan: _recovery.Plan) -> Stepped:
         index, times = len(self.steps), StepTimes()
         intent = plan.open_intent
+        if (settlement := _recovery.settled_model_call(plan)) is not None:
+            return await self._after_model_settlement(index, plan, settlement, times)
         if plan.model_result is None:
             # The model call was announced and its result lost; its replay is allowed,
             # and it reuses the intent on disk rather than writing a second one.
-            return await self._call_model(index, times)
+            assert intent is not None  # no model result: the model call is the open intent
+            return await self._call_model(index, times, intent.result_id)
         payload = plan.model_result.payload
         if isinstance(payload, dict) and "error" in payload:
             return await self._model_failed(index, str(payload["error"]), times), None
@@ -769,6 +772,17 @@ class Loop:
         if plan.settlement is not None:
             return await self._settled(index, reply, action, plan.settlement, times, intent), tool
         return await self._act(index, reply, action, times, intent), tool
+
+    async def _after_model_settlement(
+        self, index: int, plan: _recovery.Plan, settlement: Settlement, times: StepTimes
+    ) -> Stepped:
+        """Go on from a person's answer about the model call in doubt: call again, as a
+        new call with an intent of its own, or end on the reply that was lost."""
+        if not settlement.ran:
+            return await self._step(_recovery.model_call_again_id(plan))
+        error = _recovery.unrecorded_reply_error(settlement)
+        await self._write_model_result(settlement.result_id, {"error": error}, None)
+        return await self._model_failed(index, error, times), None
 
     async def _after_verdict(
         self, index: int, reply: ModelReply, plan: _recovery.Plan, times: StepTimes

@@ -100,7 +100,9 @@ async def settle(
         intent = _in_doubt(plan, run_id)
         if result_id is not None and result_id != intent.result_id:
             raise NotInDoubt(
-                f"the effect in doubt is {intent.result_id!r}, not {result_id!r}", run_id=run_id
+                f"the effect in doubt is {intent.result_id!r}, not {result_id!r}; "
+                f"{result_id!r} is no longer open",
+                run_id=run_id,
             )
         return Settlement(
             run_id=run_id,
@@ -175,24 +177,23 @@ def _waiting(plan: _recovery.Plan, run_id: str, result_id: str | None) -> Propos
 
 
 def _in_doubt(plan: _recovery.Plan, run_id: str) -> Intent:
-    """The action intent in doubt, or why there is none to settle."""
+    """The intent in doubt (an action or a model call), or why there is none to settle."""
     intent = plan.open_intent
     if plan.settlement is not None:
         raise NotInDoubt(
-            f"action {plan.settlement.result_id!r} was already settled by {plan.settlement.by!r}",
+            f"{_kind(plan.open_intent)} {plan.settlement.result_id!r} was already settled by "
+            f"{plan.settlement.by!r}",
             run_id=run_id,
         )
     if plan.state is not _recovery.RecoveryState.IN_DOUBT or intent is None:
         raise NotInDoubt(
             f"the run has no effect in doubt (it is {_described(plan)})", run_id=run_id
         )
-    if intent.kind is not IntentKind.ACTION:
-        raise NotInDoubt(
-            f"the effect in doubt is model call {intent.result_id!r}; only an action can be "
-            f"settled",
-            run_id=run_id,
-        )
     return intent
+
+
+def _kind(intent: Intent | None) -> str:
+    return "model call" if intent is not None and intent.kind is IntentKind.MODEL_CALL else "action"
 
 
 def _described(plan: _recovery.Plan) -> str:

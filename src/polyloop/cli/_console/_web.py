@@ -31,6 +31,7 @@ from starlette.responses import (
 from starlette.routing import Route
 
 from polyloop.cli import _html
+from polyloop.cli._common import edited_arguments
 from polyloop.cli._console import _guard
 from polyloop.cli._console._data import list_page, listed_unfinished_only, read_run
 from polyloop.cli._console._guard import Access, Refused, checked_form, context, form_text
@@ -243,7 +244,8 @@ class _Console:
             "sections": Markup(_html.sections(view)),
             "proposal": proposal,
             "proposed_arguments": _arguments_text(proposal),
-            "doubt": doubt if doubt is not None and doubt.intent.kind.value == "action" else None,
+            "doubt": doubt,
+            "doubt_is_model_call": doubt is not None and doubt.intent.kind.value == "model_call",
             "doubt_arguments": json.dumps(doubt.arguments, ensure_ascii=False) if doubt else "",
             "live_state": _live_state(view, doubt),
             "version": version(await self.store.describe_run(run_id)),
@@ -272,7 +274,8 @@ class _Console:
     async def approve(self, request: Request) -> Response:
         async def answer(run_id: str, form: FormData, by: str) -> str:
             arguments = await self._edited_arguments(run_id, form)
-            await approve(self.store, run_id, by=by, arguments=arguments)
+            result_id = _answered_id(form)
+            await approve(self.store, run_id, by=by, arguments=arguments, result_id=result_id)
             return "approved"
 
         return await self._answer(request, answer)
@@ -282,8 +285,7 @@ class _Console:
             reason = form_text(form, "reason").strip()
             if not reason:
                 raise Refused(400, "a rejection needs a reason: the model is told it")
-            await self._still_proposed(run_id, form)
-            await reject(self.store, run_id, by=by, reason=reason)
+            await reject(self.store, run_id, by=by, reason=reason, result_id=_answered_id(form))
             return "rejected"
 
         return await self._answer(request, answer)
@@ -292,10 +294,10 @@ class _Console:
         async def answer(run_id: str, form: FormData, by: str) -> str:
             outcome = form_text(form, "outcome")
             if outcome not in ("ran", "did_not_run"):
-                raise Refused(400, "say whether the action ran or did not run")
+                raise Refused(400, "say whether it ran or did not run")
             observation = form_text(form, "observation")
             if not observation.strip():
-                what = "what the action gave" if outcome == "ran" else "why it did not run"
+                what = "what it gave" if outcome == "ran" else "why it did not run"
                 raise Refused(400, f"a settlement needs {what}")
             await settle(
                 self.store,
@@ -303,7 +305,7 @@ class _Console:
                 by=by,
                 ran=outcome == "ran",
                 observation=observation,
-                result_id=form_text(form, "result_id") or None,
+                result_id=_answered_id(form),
             )
             return "settled"
 
@@ -331,7 +333,8 @@ class _Console:
             status = _REFUSED_STATUS.get(type(exc))
             if status is None:
                 raise
-            return await self.run_page(request, error=_refusal_text(exc), status=status, form=form)
+            error = await self._moved_on(run_id, form, exc) or _refusal_text(exc)
+            return await self.run_page(request, error=error, status=status, form=form)
         return RedirectResponse(f"{run_path(run_id)}?done={done}", status_code=303)
 
     def _by(self, request: Request, form: FormData) -> str:
@@ -343,29 +346,43 @@ class _Console:
             raise Refused(400, "say who answers: the name is recorded with the answer")
         return by
 
-    async def _still_proposed(self, run_id: str, form: FormData) -> Proposal:
-        """The proposal the form answers, if the run still waits on it; a page left open
-        while the run moved on to another proposal must not answer that one."""
-        proposal = (await run_status(self.store, run_id)).proposal
-        expected = form_text(form, "result_id")
-        if proposal is None:
-            raise NotAwaitingApproval("the run waits for no approval", run_id=run_id)
-        if expected and proposal.result_id != expected:
-            raise Refused(409, f"the run now waits on another action ({proposal.result_id})")
-        return proposal
+    async def _moved_on(self, run_id: str, form: FormData, exc: PolyLoopError) -> str | None:
+        """Why an answer was refused, when the run moved on from what the page showed: it
+        now waits on another proposal or intent. Only words: the refusal itself came from
+        the check under the run's claim."""
+        answered = _answered_id(form)
+        if answered is None or not isinstance(exc, NotAwaitingApproval | NotInDoubt):
+            return None
+        status = await run_status(self.store, run_id)
+        waiting = status.proposal or (
+            status.open_intent if status.state is RunState.IN_DOUBT else None
+        )
+        if waiting is None or waiting.result_id == answered:
+            return None
+        what = "another action" if status.proposal is not None else "another effect in doubt"
+        return (
+            f"Nothing was written: the page you answered showed {answered}, and the run has "
+            f"moved on: it now waits on {what} ({waiting.result_id}). Read it below, then "
+            f"answer again. ({exc})"
+        )
 
     async def _edited_arguments(self, run_id: str, form: FormData) -> JSONValue:
-        """The arguments the person edited, or ``None`` to run the proposal as it is."""
-        proposal = await self._still_proposed(run_id, form)
+        """The arguments the person edited, or ``None`` to run the proposal as it is.
+
+        Read as strictly as a model's tool call: a key named twice is refused, since
+        only one of its values could run. Whether the proposal is still open is checked
+        by ``approve``, under the run's claim.
+        """
         text = form_text(form, "arguments").strip()
         if not text:
             return None
         try:
-            edited: JSONValue = json.loads(text)
+            edited = edited_arguments(text)
         except ValueError as exc:
-            raise Refused(400, f"the arguments are not JSON: {exc}") from None
-        if not isinstance(edited, dict):
-            raise Refused(400, "the arguments must be a JSON object")
+            raise Refused(400, f"Nothing was written: {exc}.") from None
+        proposal = (await run_status(self.store, run_id)).proposal
+        if proposal is None or proposal.result_id != _answered_id(form):
+            return edited  # approve refuses it, or checks it against the tool's schema
         payload = proposal.payload
         proposed = payload.get("arguments") if isinstance(payload, dict) else None
         return None if edited == proposed else edited
@@ -395,6 +412,11 @@ class _Console:
         )
         response.headers.append("set-cookie", cookie)
         return response
+
+
+def _answered_id(form: FormData) -> str | None:
+    """The result id of the proposal or intent the form was shown for."""
+    return form_text(form, "result_id") or None
 
 
 def _page_number(text: str | None) -> int:
