@@ -65,7 +65,7 @@ from polyloop.temporal import (
     start_agent_run,
 )
 from polyloop.temporal import _shown as shown
-from polyloop.testing import ScriptedModelClient
+from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from temporal_kit import dev_server
 
 
@@ -1067,3 +1067,98 @@ def test_a_value_too_large_for_one_payload_fails_for_good_naming_the_run() -> No
         shown.fitting({"detail": "z" * (shown.PAYLOAD_BYTES + 1)}, "r-1", "the outcome")
     assert too_large.value.type == "PayloadTooLarge" and too_large.value.non_retryable
     assert "run 'r-1': the outcome takes" in too_large.value.message
+
+
+# -- a model call in doubt; continuing as new -----------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("ran", [False, True])
+async def test_a_model_call_in_doubt_is_shown_settled_by_the_update_and_the_run_goes_on_or_ends(
+    client: Client, store: SqliteStore, open_store: Callable[[], Any], ran: bool
+) -> None:
+    tools = make_tools(Ledger())
+    run_id = rid("t-model-doubt")
+    # A worker dies right after the model call's intent (model replay NEVER): whether
+    # the call reached the model, nobody knows.
+    async with open_store() as crashed:
+        with pytest.raises(SimulatedCrash):
+            await run(
+                definition(FaultyStore(crashed, fail_after_writes=2), script=[answer("again")]),
+                request(run_id, tools),
+            )
+    model = ScriptedModelClient([answer("again")])
+    agent = agent_of(definition(store, model=model), tools)
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(client, RunInput(agent="a", run_id=run_id), task_queue=queue)
+        status = await wait_for(handle, lambda s: s["waiting_for"] == "settlement")
+        intent = status["open_intent"]
+        assert status["state"] == "in_doubt"
+        assert (intent["kind"], intent["result_id"]) == ("model_call", f"{run_id}:0:model")
+        assert intent["call"] is None  # a model call has no tool call to show
+        settled = await handle.execute_update(
+            AgentRun.settle,
+            SettleInput(by="ops", ran=ran, observation="billed", result_id=intent["result_id"]),
+        )
+        with anyio.fail_after(30):
+            outcome = await handle.result()
+    assert settled["result_id"] == intent["result_id"] and settled["ran"] is ran
+    if ran:
+        # Its reply is not on record: the run ends, and the model is not called again.
+        assert outcome["stop_reason"] == "model_failure"
+        assert model.calls == []
+    else:
+        assert (outcome["stop_reason"], outcome["final_answer"]) == ("final_answer", "again")
+        assert [call.result_id for call in model.calls] == [f"{run_id}:0:model2"]
+
+
+def three_deploys(call: ModelCall) -> str:
+    if call.call_index < 3:
+        return tool_call("deploy", env=f"env-{call.call_index}")
+    return tool_call("submit", answer="all deployed")
+
+
+@pytest.mark.anyio
+async def test_a_run_with_many_approvals_continues_as_new_and_finishes(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    agent = agent_of(
+        definition(store, model=ScriptedModelClient(three_deploys)), approval_tools(ledger)
+    )
+    run_id = rid("t-continue")
+    async with worker(client, {"deployer": agent}) as queue:
+        # A small threshold stands in for Temporal's suggestion on a long history.
+        handle = await start_agent_run(
+            client,
+            RunInput(agent="deployer", run_id=run_id, continue_as_new_after_events=10),
+            task_queue=queue,
+        )
+        answered: list[str] = []
+        for _ in range(3):
+            status = await wait_for(
+                handle,
+                lambda s: (
+                    s["waiting_for"] == "approval" and s["proposal"]["result_id"] not in answered
+                ),
+            )
+            result_id = status["proposal"]["result_id"]
+            # The update reaches whichever workflow run is current, after a continuation too.
+            verdict = await handle.execute_update(
+                AgentRun.approve, ApproveInput(by="alice", result_id=result_id)
+            )
+            assert verdict["result_id"] == result_id
+            answered.append(result_id)
+        with anyio.fail_after(30):
+            outcome = await handle.result()
+        final = await handle.query(AgentRun.status)
+        first_run = client.get_workflow_handle(run_id, run_id=handle.first_execution_run_id)
+        first_kinds = await history_kinds(first_run)
+    assert outcome["stop_reason"] == "submitted"
+    assert [name for name, _ in ledger.calls] == ["deploy", "deploy", "deploy", "submit"]
+    assert [result_id for _, result_id in ledger.calls[:3]] == answered
+    assert first_kinds[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW"
+    assert final["continued_as_new"] == 3  # once after each approval
+    assert (final["segments"], final["state"], final["ended"]) == (4, "finished", "completed")
+    verdicts = [r for r in (await store.read_log(run_id)).records if isinstance(r, Verdict)]
+    assert [v.result_id for v in verdicts] == answered
