@@ -832,6 +832,11 @@ async def test_an_answer_naming_a_proposal_no_longer_open_is_refused_and_writes_
                 AgentRun.approve, ApproveInput(by="dan", result_id=first["result_id"])
             )
         assert _cause_type(stale.value) == "NotAwaitingApproval"
+        refusal = stale.value.__cause__
+        assert isinstance(refusal, ApplicationError) and refusal.non_retryable
+        assert f"the open proposal is {second.result_id!r}, not {first['result_id']!r}" in (
+            refusal.message
+        )
         # Nothing written: proposal 1 is still open, and unanswered.
         still = await run_status(store, run_id)
         assert still.proposal is not None and still.proposal.result_id == second.result_id
@@ -852,6 +857,8 @@ async def test_an_answer_naming_a_proposal_no_longer_open_is_refused_and_writes_
                 AgentRun.approve, ApproveInput(by="dan", result_id=first["result_id"])
             )
         assert _cause_type(again.value) == "NotAwaitingApproval"
+        assert isinstance(again.value.__cause__, ApplicationError)
+        assert again.value.__cause__.non_retryable
         await handle.execute_update(
             AgentRun.approve, ApproveInput(by="dan", result_id=second.result_id)
         )

@@ -410,16 +410,20 @@ class AgentRun:
         """Refuse, before it is accepted, an answer the run can no longer take."""
         error = "NotAwaitingApproval" if kind == "approval" else "NotInDoubt"
         if self._finished:
-            raise ApplicationError(f"run {self._run_id()!r} has finished", type=error)
+            raise ApplicationError(
+                f"run {self._run_id()!r} has finished", type=error, non_retryable=True
+            )
         if self._waiting is not None and self._waiting != kind:
             raise ApplicationError(
                 f"run {self._run_id()!r} waits for {_words(self._waiting)}, not {_words(kind)}",
                 type=error,
+                non_retryable=True,
             )
         if self._waiting == kind and result_id is not None and result_id != self._waiting_for:
             raise ApplicationError(
                 f"run {self._run_id()!r} waits on {self._waiting_for!r}, not {result_id!r}",
                 type=error,
+                non_retryable=True,
             )
 
     async def _apply(
@@ -436,10 +440,13 @@ class AgentRun:
         target = result_id if result_id is not None else self._waiting_for
         await workflow.wait_condition(lambda: not self._answering)
         if self._finished or self._waiting != kind or self._waiting_for != target:
+            now = f"; it waits on {self._waiting_for!r}" if self._waiting == kind else ""
             raise ApplicationError(
                 f"run {self._run_id()!r} no longer waits for this {_words(kind)}"
-                + (f" ({target!r})" if target else ""),
+                + (f" ({target!r})" if target else "")
+                + now,
                 type=error,
+                non_retryable=True,
             )
         self._answering = True
         try:
