@@ -1074,6 +1074,9 @@ def test_a_value_too_large_for_one_payload_fails_for_good_naming_the_run() -> No
         shown.fitting({"detail": "z" * (shown.PAYLOAD_BYTES + 1)}, "r-1", "the outcome")
     assert too_large.value.type == "PayloadTooLarge" and too_large.value.non_retryable
     assert "run 'r-1': the outcome takes" in too_large.value.message
+    # An error's own text is cut too: a failure lands in the history as well.
+    assert shown.brief("e" * 10_000) == "e" * shown.TEXT_CHARS + "... (10000 characters in all)"
+    assert shown.brief("short") == "short"
 
 
 # -- a model call in doubt; continuing as new -----------------------------------------------

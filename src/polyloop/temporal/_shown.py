@@ -24,6 +24,7 @@ __all__ = (
     "PAYLOAD_BYTES",
     "TEXT_CHARS",
     "bounded_record",
+    "brief",
     "escape_field",
     "fitting",
     "json_size",
@@ -116,6 +117,13 @@ def shown_intent(intent: Intent) -> dict[str, Any]:
         call, cut = _shown(_call_text(intent.payload), CALL_CHARS)
         shown.update(tool=_tool(intent.payload), call=call, call_truncated=cut)
     return shown
+
+
+def brief(text: str) -> str:
+    """An error's text cut to a size a failure can carry (it lands in the history)."""
+    if len(text) <= TEXT_CHARS:
+        return text
+    return text[:TEXT_CHARS] + f"... ({len(text)} characters in all)"
 
 
 def shown_detail(detail: str | None) -> str | None:

@@ -38,6 +38,7 @@ from polyloop.session import (
 from polyloop.temporal._shown import (
     FINAL_ANSWER_BYTES,
     bounded_record,
+    brief,
     fitting,
     json_size,
     shown_detail,
@@ -139,7 +140,7 @@ class _Activities:
                 raise
             raise ApplicationError(
                 f"run {run_id!r}: {what} failed {attempt} times; the last error: "
-                f"{type(err).__name__}: {err}",
+                f"{type(err).__name__}: {brief(str(err))}",
                 {"run_id": run_id, "attempts": attempt, "error": type(err).__name__},
                 type="AttemptsExhausted",
                 non_retryable=True,
@@ -168,7 +169,7 @@ async def _request(agent: Agent, segment: SegmentInput) -> Request:
     except Exception as err:
         raise ApplicationError(
             f"run {segment.run_id!r}: request_for of agent {segment.agent!r} could not "
-            f"build the request from the run's input: {type(err).__name__}: {err}",
+            f"build the request from the run's input: {type(err).__name__}: {brief(str(err))}",
             {"run_id": segment.run_id, "error": type(err).__name__},
             type="RequestNotBuilt",
             non_retryable=True,
@@ -309,7 +310,7 @@ def _when(moment: datetime | None) -> str | None:
 def _as_application_error(err: PolyLoopError, run_id: str) -> ApplicationError:
     kind = type(err).__name__
     return ApplicationError(
-        str(err),
+        brief(str(err)),
         {"run_id": err.run_id or run_id, "location": err.location},
         type=kind,
         non_retryable=kind in NOT_RETRYABLE,
