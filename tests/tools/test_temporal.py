@@ -39,9 +39,13 @@ from polyloop import (
     Definition,
     JSONValue,
     ModelCall,
+    Proposal,
     Reconciled,
+    Replay,
     Request,
     RunEnded,
+    RunState,
+    RunStatus,
     StopReason,
     ToolRegistry,
     ToolSpec,
@@ -53,6 +57,7 @@ from polyloop import (
     start_or_resume,
 )
 from polyloop.cli._common import escape_field
+from polyloop.cli._people import pending_line
 from polyloop.stores import MemoryStore, PostgresStore, SqliteStore
 from polyloop.temporal import (
     Agent,
@@ -1065,6 +1070,33 @@ async def test_a_proposal_over_the_payload_limit_is_shown_once_bounded_and_can_b
 def test_the_status_escapes_what_it_shows_as_the_command_line_does() -> None:
     every_character = "".join(map(chr, range(0x110000)))
     assert shown.escape_field(every_character) == escape_field(every_character)
+    # The call is the very line `polyloop pending` prints for the proposal.
+    payload: JSONValue = {"name": "deploy", "arguments": {"env": "p\u202erod\x1b\ud83d\u0085"}}
+    proposal = Proposal(
+        run_id="r",
+        result_id="r:0:action",
+        step=0,
+        replay=Replay.NEVER,
+        payload=payload,
+        action_text="",
+        history_text="",
+        description="Deploy\nnow.",
+    )
+    status = RunStatus(
+        run_id="r",
+        state=RunState.AWAITING_APPROVAL,
+        stop_reason=StopReason.AWAITING_APPROVAL,
+        detail=None,
+        steps=0,
+        valid_steps=0,
+        open_intent=None,
+        last_record_at=None,
+        proposal=proposal,
+    )
+    line = pending_line(status)
+    shown_proposal = shown.status_summary(status)["proposal"]
+    assert f"r:0:action  {shown_proposal['call']}\n    {shown_proposal['description']}" in line
+    assert shown_proposal["call"] == 'deploy({"env": "p\\u202erod\\u001b\\ud83d\\x85"})'
 
 
 def test_a_value_too_large_for_one_payload_fails_for_good_naming_the_run() -> None:
