@@ -7,8 +7,9 @@ What it shows
     * a client: ``start_agent_run`` starts the ``AgentRun`` workflow under the run id;
       the run stops when the model proposes ``deploy`` (a tool that needs approval),
       and the workflow waits, with no worker held, until the ``approve`` update comes;
-    * the status query while it waits (the proposal, as ``polyloop.run_status`` shows
-      it), the update's answer (the verdict PolyLoop logged), and the outcome;
+    * the status query while it waits (the proposal, shown once as ``polyloop pending``
+      shows it, with the result id the approval names), the update's answer (the
+      verdict PolyLoop logged), and the outcome;
     * PolyLoop's log as the record of every step: read back from the SQLite store.
 
 How to run it::
@@ -198,10 +199,13 @@ async def main(address: str | None, db: Path) -> None:
             if status["waiting_for"] == "approval":
                 break
             await asyncio.sleep(0.05)
+        # Shown once, escaped as the command line shows it; the answer names it.
         proposal = status["proposal"]
-        print(f"waiting for approval: {json.dumps(proposal['payload'], sort_keys=True)}")
+        print(f"waiting for approval: {proposal['call']}")
         print(f"effects so far: {effects}")
-        verdict = await handle.execute_update(AgentRun.approve, ApproveInput(by="alice"))
+        verdict = await handle.execute_update(
+            AgentRun.approve, ApproveInput(by="alice", result_id=proposal["result_id"])
+        )
         print(f"approved by {verdict['by']}")
         outcome = await handle.result()
         print(f"stop reason: {outcome['stop_reason']} after {outcome['steps']} steps")

@@ -212,9 +212,9 @@ def test_temporal_agent_waits_for_the_approval_update_then_runs_the_tool_once() 
     )
     # The development server prints its own banner first; the example's lines follow.
     lines = done.stdout.splitlines()
-    start = lines.index('waiting for approval: {"arguments": {"env": "prod"}, "name": "deploy"}')
+    start = lines.index('waiting for approval: deploy({"env": "prod"})')
     assert lines[start:] == [
-        'waiting for approval: {"arguments": {"env": "prod"}, "name": "deploy"}',
+        'waiting for approval: deploy({"env": "prod"})',
         "effects so far: []",
         "approved by alice",
         "stop reason: submitted after 2 steps",

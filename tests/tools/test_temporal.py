@@ -39,17 +39,25 @@ from polyloop import (
     Definition,
     JSONValue,
     ModelCall,
+    Proposal,
     Reconciled,
+    Replay,
     Request,
     RunEnded,
+    RunState,
+    RunStatus,
     StopReason,
     ToolRegistry,
     ToolSpec,
     Verdict,
     approve,
+    reject,
     run,
     run_status,
+    start_or_resume,
 )
+from polyloop.cli._common import escape_field
+from polyloop.cli._people import pending_line
 from polyloop.stores import MemoryStore, PostgresStore, SqliteStore
 from polyloop.temporal import (
     Agent,
@@ -61,7 +69,8 @@ from polyloop.temporal import (
     SettleInput,
     start_agent_run,
 )
-from polyloop.testing import ScriptedModelClient
+from polyloop.temporal import _shown as shown
+from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from temporal_kit import dev_server
 
 
@@ -251,8 +260,9 @@ async def test_an_approval_waits_in_the_workflow_and_the_update_lets_the_tool_ru
         assert status["state"] == "awaiting_approval"
         assert status["stop_reason"] == "awaiting_approval"
         proposal = status["proposal"]
-        assert proposal["payload"] == {"name": "deploy", "arguments": {"env": "prod"}}
+        assert (proposal["tool"], proposal["call"]) == ("deploy", 'deploy({"env": "prod"})')
         assert proposal["description"] == "Deploy to an environment."
+        assert proposal["call_truncated"] is False
         assert ledger.calls == []  # nothing runs before the answer
         verdict = await handle.execute_update(
             AgentRun.approve, ApproveInput(by="alice", result_id=proposal["result_id"])
@@ -555,6 +565,13 @@ async def test_cancelling_the_workflow_mid_tool_ends_the_run_cancelled_in_the_lo
         described = await handle.describe()
         assert isinstance(failed.value.cause, CancelledError)
         assert described.status is WorkflowExecutionStatus.CANCELED
+        # The status gives the final state, not the "running" of the cancelled segment.
+        final = await handle.query(AgentRun.status)
+        assert (final["ended"], final["state"], final["stop_reason"]) == (
+            "cancelled",
+            "resumable",
+            "cancelled",
+        )
         last = (await store.read_log(rid("t-cancel"))).records[-1]
         assert isinstance(last, RunEnded) and last.stop_reason is StopReason.CANCELLED
         # A cancelled run's workflow may start again: it resumes the run from its log,
@@ -773,7 +790,417 @@ def test_the_plugin_maps_flow_control_onto_the_worker_settings() -> None:
     assert isinstance(runner, SandboxedWorkflowRunner)
     assert "polyloop" in runner.restrictions.passthrough_modules
     assert config["max_concurrent_activities"] == 7
+    assert PolyLoopPlugin({"a": agent}).max_attempts == 10  # bounded by default
+    assert PolyLoopPlugin({"a": agent}, max_attempts=None).max_attempts is None
+    with pytest.raises(ValueError, match="max_attempts"):
+        PolyLoopPlugin({"a": agent}, max_attempts=0)
     assert config["max_task_queue_activities_per_second"] == 2.5
     assert [w.__name__ for w in config["workflows"]] == ["AgentRun"]
     with pytest.raises(ValueError, match="max_concurrent_runs"):
         PolyLoopPlugin({"a": agent}, max_concurrent_runs=0)
+
+
+# -- answers name what they answer; input no attempt can use; bounded payloads ---------------
+
+
+def two_deploys(call: ModelCall) -> str:
+    """Proposes a deploy to "a", then (whatever the answer) to "b", then submits."""
+    return [
+        tool_call("deploy", env="a"),
+        tool_call("deploy", env="b"),
+        tool_call("submit", answer="done"),
+    ][call.call_index]
+
+
+@pytest.mark.anyio
+async def test_an_answer_naming_a_proposal_no_longer_open_is_refused_and_writes_nothing(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    tools = approval_tools(ledger)
+    defined = definition(store, model=ScriptedModelClient(two_deploys))
+    agent = agent_of(defined, tools)
+    run_id = rid("t-stale")
+    async with worker(client, {"deployer": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="deployer", run_id=run_id), task_queue=queue
+        )
+        first = (await wait_for(handle, lambda s: s["waiting_for"] == "approval"))["proposal"]
+        # Outside Temporal, proposal 0 is rejected and the run driven on to proposal 1:
+        # the workflow still waits on proposal 0.
+        await reject(store, run_id, by="carol", reason="not a", result_id=first["result_id"])
+        await start_or_resume(defined, request(run_id, tools))
+        second = (await run_status(store, run_id)).proposal
+        assert second is not None and second.result_id != first["result_id"]
+        with pytest.raises(WorkflowUpdateFailedError) as stale:
+            await handle.execute_update(
+                AgentRun.approve, ApproveInput(by="dan", result_id=first["result_id"])
+            )
+        assert _cause_type(stale.value) == "NotAwaitingApproval"
+        refusal = stale.value.__cause__
+        assert isinstance(refusal, ApplicationError) and refusal.non_retryable
+        assert f"the open proposal is {second.result_id!r}, not {first['result_id']!r}" in (
+            refusal.message
+        )
+        # Nothing written: proposal 1 is still open, and unanswered.
+        still = await run_status(store, run_id)
+        assert still.proposal is not None and still.proposal.result_id == second.result_id
+        verdicts = [r for r in (await store.read_log(run_id)).records if isinstance(r, Verdict)]
+        assert [(v.result_id, v.approved) for v in verdicts] == [(first["result_id"], False)]
+        # The redrive sees the log waits on another proposal; the workflow now shows it.
+        assert (await handle.execute_update(AgentRun.redrive))["redriven"] is True
+        shown = await wait_for(
+            handle,
+            lambda s: (
+                s["waiting_for"] == "approval" and s["proposal"]["result_id"] == second.result_id
+            ),
+        )
+        assert shown["proposal"]["call"] == 'deploy({"env": "b"})'
+        # Inside Temporal too, an answer naming proposal 0 is refused before it is taken.
+        with pytest.raises(WorkflowUpdateFailedError) as again:
+            await handle.execute_update(
+                AgentRun.approve, ApproveInput(by="dan", result_id=first["result_id"])
+            )
+        assert _cause_type(again.value) == "NotAwaitingApproval"
+        assert isinstance(again.value.__cause__, ApplicationError)
+        assert again.value.__cause__.non_retryable
+        await handle.execute_update(
+            AgentRun.approve, ApproveInput(by="dan", result_id=second.result_id)
+        )
+        outcome = await handle.result()
+    assert outcome["stop_reason"] == "submitted"
+    assert [name for name, _ in ledger.calls] == ["deploy", "submit"]
+    assert ledger.calls[0][1] == second.result_id
+
+
+@pytest.mark.anyio
+async def test_a_proposal_rejected_in_temporal_then_named_again_is_refused_and_the_next_stays_open(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    agent = agent_of(
+        definition(store, model=ScriptedModelClient(two_deploys)), approval_tools(ledger)
+    )
+    run_id = rid("t-stale-in")
+    async with worker(client, {"deployer": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="deployer", run_id=run_id), task_queue=queue
+        )
+        first = (await wait_for(handle, lambda s: s["waiting_for"] == "approval"))["proposal"]
+        await handle.execute_update(
+            AgentRun.reject, RejectInput(by="carol", reason="not a", result_id=first["result_id"])
+        )
+        second = (
+            await wait_for(
+                handle,
+                lambda s: (
+                    s["waiting_for"] == "approval"
+                    and s["proposal"]["result_id"] != first["result_id"]
+                ),
+            )
+        )["proposal"]
+        with pytest.raises(WorkflowUpdateFailedError) as stale:
+            await handle.execute_update(
+                AgentRun.approve, ApproveInput(by="dan", result_id=first["result_id"])
+            )
+        assert _cause_type(stale.value) == "NotAwaitingApproval"
+        status = await handle.query(AgentRun.status)
+        assert status["proposal"]["result_id"] == second["result_id"]
+        assert status["waiting_for"] == "approval"
+        assert (await run_status(store, run_id)).proposal.result_id == second["result_id"]
+        await handle.execute_update(
+            AgentRun.approve, ApproveInput(by="dan", result_id=second["result_id"])
+        )
+        assert (await handle.result())["stop_reason"] == "submitted"
+    verdicts = [r for r in (await store.read_log(run_id)).records if isinstance(r, Verdict)]
+    assert [(v.result_id, v.approved, v.by) for v in verdicts] == [
+        (first["result_id"], False, "carol"),
+        (second["result_id"], True, "dan"),
+    ]
+
+
+@pytest.mark.anyio
+async def test_input_request_for_cannot_use_fails_the_workflow_at_once_naming_the_run(
+    client: Client,
+) -> None:
+    store = MemoryStore()
+    calls: list[str] = []
+    tools = make_tools(Ledger())
+
+    def request_for(run_id: str, input: JSONValue) -> Request:
+        calls.append(run_id)
+        assert isinstance(input, dict)
+        return request(run_id, tools, binding={"amount": input["amount"]})
+
+    agent = Agent(definition=definition(store, script=[answer("x")]), request_for=request_for)
+    run_id = rid("t-misspelled")
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="a", run_id=run_id, input={"amuont": 3}), task_queue=queue
+        )
+        with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
+            await handle.result()
+        status = await handle.query(AgentRun.status)
+    activity_error = failed.value.cause
+    assert isinstance(activity_error, ActivityError)
+    cause = activity_error.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "RequestNotBuilt"
+    assert cause.non_retryable
+    assert run_id in cause.message and "KeyError: 'amount'" in cause.message
+    assert calls == [run_id]  # one attempt
+    assert status["ended"] == "failed"
+    assert status["error"] == f"RequestNotBuilt: {cause.message}"
+    assert (await store.read_log(run_id)).records == ()
+
+
+class BrokenClaims:
+    """A memory store whose claims fail with an error PolyLoop does not know."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+        self.claims = 0
+
+    def parameters(self) -> Any:
+        return self.inner.parameters()
+
+    async def claim_run(self, run_id: str) -> None:
+        self.claims += 1
+        raise RuntimeError("the disk is on fire")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.anyio
+async def test_an_error_polyloop_does_not_know_is_retried_a_bounded_number_of_times(
+    client: Client,
+) -> None:
+    store = BrokenClaims()
+    agent = agent_of(definition(store, script=[answer("x")]), make_tools(Ledger()))
+    run_id = rid("t-unknown")
+    async with worker(client, {"a": agent}, max_attempts=3) as queue:
+        handle = await start_agent_run(client, RunInput(agent="a", run_id=run_id), task_queue=queue)
+        with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(30):
+            await handle.result()
+    activity_error = failed.value.cause
+    assert isinstance(activity_error, ActivityError)
+    cause = activity_error.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "AttemptsExhausted"
+    assert run_id in cause.message and "RuntimeError: the disk is on fire" in cause.message
+    assert "3 times" in cause.message
+    assert store.claims == 3
+
+
+@pytest.mark.anyio
+async def test_the_status_of_a_workflow_cancelled_while_it_waits_gives_its_final_state(
+    client: Client, store: SqliteStore
+) -> None:
+    agent = deployer(store, Ledger())
+    run_id = rid("t-cancel-wait")
+    async with worker(client, {"deployer": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="deployer", run_id=run_id), task_queue=queue
+        )
+        waiting = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError), anyio.fail_after(15):
+            await handle.result()
+        status = await handle.query(AgentRun.status)
+    assert status["ended"] == "cancelled"
+    assert status["waiting_for"] is None
+    # The log still holds the open proposal: that is where the run stands.
+    assert status["state"] == "awaiting_approval"
+    assert status["proposal"]["result_id"] == waiting["proposal"]["result_id"]
+
+
+@pytest.mark.anyio
+async def test_a_final_answer_over_the_payload_limit_completes_the_workflow_and_stays_in_the_log(
+    client: Client,
+) -> None:
+    store = MemoryStore()
+    big = "x" * 3_000_000
+    agent = agent_of(definition(store, script=[answer(big)]), make_tools(Ledger()))
+    run_id = rid("t-big-answer")
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(client, RunInput(agent="a", run_id=run_id), task_queue=queue)
+        with anyio.fail_after(60):
+            outcome = await handle.result()
+        status = await handle.query(AgentRun.status)
+    assert outcome["stop_reason"] == "final_answer"
+    assert outcome["final_answer"] is None and outcome["final_answer_omitted"] is True
+    assert status["state"] == "finished" and status["ended"] == "completed"
+    last = (await store.read_log(run_id)).records[-1]
+    assert isinstance(last, RunEnded) and last.final_answer == big
+
+
+@pytest.mark.anyio
+async def test_a_proposal_over_the_payload_limit_is_shown_once_bounded_and_can_be_approved(
+    client: Client,
+) -> None:
+    store = MemoryStore()
+    ledger = Ledger()
+    env = "\u202e\x1b" + "y" * 700_000
+    roomy = Budget(max_steps=5, max_valid_steps=5, max_context_chars=10**8)
+    script = [tool_call("deploy", env=env), answer("done")]
+    agent = agent_of(definition(store, script=script), approval_tools(ledger), budget=roomy)
+    run_id = rid("t-big-proposal")
+    async with worker(client, {"deployer": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="deployer", run_id=run_id), task_queue=queue
+        )
+        status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
+        proposal = status["proposal"]
+        verdict = await handle.execute_update(
+            AgentRun.approve, ApproveInput(by="alice", result_id=proposal["result_id"])
+        )
+        with anyio.fail_after(60):
+            outcome = await handle.result()
+    assert len(json.dumps(status)) < 40_000  # once, bounded: not the arguments thrice
+    assert proposal["call"].startswith('deploy({"env": "\\u202e\\u001byyy')
+    assert proposal["call_truncated"] is True
+    assert proposal["call"].endswith(
+        f"({len(json.dumps({'env': env}, ensure_ascii=False)) + 8} characters in all)"
+    )
+    assert verdict["approved"] is True and verdict["payload"] is None
+    assert verdict["omitted"] == ["payload"]
+    assert outcome["stop_reason"] == "final_answer"
+    assert ledger.calls == [("deploy", proposal["result_id"])]
+
+
+def test_the_status_escapes_what_it_shows_as_the_command_line_does() -> None:
+    every_character = "".join(map(chr, range(0x110000)))
+    assert shown.escape_field(every_character) == escape_field(every_character)
+    # The call is the very line `polyloop pending` prints for the proposal.
+    payload: JSONValue = {"name": "deploy", "arguments": {"env": "p\u202erod\x1b\ud83d\u0085"}}
+    proposal = Proposal(
+        run_id="r",
+        result_id="r:0:action",
+        step=0,
+        replay=Replay.NEVER,
+        payload=payload,
+        action_text="",
+        history_text="",
+        description="Deploy\nnow.",
+    )
+    status = RunStatus(
+        run_id="r",
+        state=RunState.AWAITING_APPROVAL,
+        stop_reason=StopReason.AWAITING_APPROVAL,
+        detail=None,
+        steps=0,
+        valid_steps=0,
+        open_intent=None,
+        last_record_at=None,
+        proposal=proposal,
+    )
+    line = pending_line(status)
+    shown_proposal = shown.status_summary(status)["proposal"]
+    assert f"r:0:action  {shown_proposal['call']}\n    {shown_proposal['description']}" in line
+    assert shown_proposal["call"] == 'deploy({"env": "p\\u202erod\\u001b\\ud83d\\x85"})'
+
+
+def test_a_value_too_large_for_one_payload_fails_for_good_naming_the_run() -> None:
+    small = {"state": "finished"}
+    assert shown.fitting(small, "r-1", "the outcome") is small
+    with pytest.raises(ApplicationError) as too_large:
+        shown.fitting({"detail": "z" * (shown.PAYLOAD_BYTES + 1)}, "r-1", "the outcome")
+    assert too_large.value.type == "PayloadTooLarge" and too_large.value.non_retryable
+    assert "run 'r-1': the outcome takes" in too_large.value.message
+    # An error's own text is cut too: a failure lands in the history as well.
+    assert shown.brief("e" * 10_000) == "e" * shown.TEXT_CHARS + "... (10000 characters in all)"
+    assert shown.brief("short") == "short"
+
+
+# -- a model call in doubt; continuing as new -----------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("ran", [False, True])
+async def test_a_model_call_in_doubt_is_shown_settled_by_the_update_and_the_run_goes_on_or_ends(
+    client: Client, store: SqliteStore, open_store: Callable[[], Any], ran: bool
+) -> None:
+    tools = make_tools(Ledger())
+    run_id = rid("t-model-doubt")
+    # A worker dies right after the model call's intent (model replay NEVER): whether
+    # the call reached the model, nobody knows.
+    async with open_store() as crashed:
+        with pytest.raises(SimulatedCrash):
+            await run(
+                definition(FaultyStore(crashed, fail_after_writes=2), script=[answer("again")]),
+                request(run_id, tools),
+            )
+    model = ScriptedModelClient([answer("again")])
+    agent = agent_of(definition(store, model=model), tools)
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(client, RunInput(agent="a", run_id=run_id), task_queue=queue)
+        status = await wait_for(handle, lambda s: s["waiting_for"] == "settlement")
+        intent = status["open_intent"]
+        assert status["state"] == "in_doubt"
+        assert (intent["kind"], intent["result_id"]) == ("model_call", f"{run_id}:0:model")
+        assert intent["call"] is None  # a model call has no tool call to show
+        settled = await handle.execute_update(
+            AgentRun.settle,
+            SettleInput(by="ops", ran=ran, observation="billed", result_id=intent["result_id"]),
+        )
+        with anyio.fail_after(30):
+            outcome = await handle.result()
+    assert settled["result_id"] == intent["result_id"] and settled["ran"] is ran
+    if ran:
+        # Its reply is not on record: the run ends, and the model is not called again.
+        assert outcome["stop_reason"] == "model_failure"
+        assert model.calls == []
+    else:
+        assert (outcome["stop_reason"], outcome["final_answer"]) == ("final_answer", "again")
+        assert [call.result_id for call in model.calls] == [f"{run_id}:0:model2"]
+
+
+def three_deploys(call: ModelCall) -> str:
+    if call.call_index < 3:
+        return tool_call("deploy", env=f"env-{call.call_index}")
+    return tool_call("submit", answer="all deployed")
+
+
+@pytest.mark.anyio
+async def test_a_run_with_many_approvals_continues_as_new_and_finishes(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    agent = agent_of(
+        definition(store, model=ScriptedModelClient(three_deploys)), approval_tools(ledger)
+    )
+    run_id = rid("t-continue")
+    async with worker(client, {"deployer": agent}) as queue:
+        # A small threshold stands in for Temporal's suggestion on a long history.
+        handle = await start_agent_run(
+            client,
+            RunInput(agent="deployer", run_id=run_id, continue_as_new_after_events=10),
+            task_queue=queue,
+        )
+        answered: list[str] = []
+        for _ in range(3):
+            status = await wait_for(
+                handle,
+                lambda s: (
+                    s["waiting_for"] == "approval" and s["proposal"]["result_id"] not in answered
+                ),
+            )
+            result_id = status["proposal"]["result_id"]
+            # The update reaches whichever workflow run is current, after a continuation too.
+            verdict = await handle.execute_update(
+                AgentRun.approve, ApproveInput(by="alice", result_id=result_id)
+            )
+            assert verdict["result_id"] == result_id
+            answered.append(result_id)
+        with anyio.fail_after(30):
+            outcome = await handle.result()
+        final = await handle.query(AgentRun.status)
+        first_run = client.get_workflow_handle(run_id, run_id=handle.first_execution_run_id)
+        first_kinds = await history_kinds(first_run)
+    assert outcome["stop_reason"] == "submitted"
+    assert [name for name, _ in ledger.calls] == ["deploy", "deploy", "deploy", "submit"]
+    assert [result_id for _, result_id in ledger.calls[:3]] == answered
+    assert first_kinds[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW"
+    assert final["continued_as_new"] == 3  # once after each approval
+    assert (final["segments"], final["state"], final["ended"]) == (4, "finished", "completed")
+    verdicts = [r for r in (await store.read_log(run_id)).records if isinstance(r, Verdict)]
+    assert [v.result_id for v in verdicts] == answered

@@ -20,7 +20,10 @@ Client::
     handle = await start_agent_run(
         client, RunInput(agent="invoices", run_id="INV-1", input={...}), task_queue="agents"
     )
-    await handle.execute_update(AgentRun.approve, ApproveInput(by="alice"))
+    proposal = (await handle.query(AgentRun.status))["proposal"]
+    await handle.execute_update(
+        AgentRun.approve, ApproveInput(by="alice", result_id=proposal["result_id"])
+    )
     outcome = await handle.result()   # {"stop_reason": ..., "final_answer": ..., ...}
 
 Importing this module imports ``temporalio``; nothing else in the library does.

@@ -42,6 +42,11 @@ class RunInput:
     ``heartbeat_timeout`` (seconds) is how long a worker that drives the run may stay
     silent before Temporal gives the run segment to another worker; it also bounds how
     long a cancellation takes to reach the run. ``segment_timeout`` bounds one segment.
+
+    The workflow continues as new, between two segments, when Temporal suggests it (its
+    history grew long) or, if ``continue_as_new_after_events`` is set, once the history
+    has that many events; the next workflow run resumes the run from its log.
+    ``carried`` is set by the workflow for that next run; a client leaves it unset.
     """
 
     agent: str
@@ -54,14 +59,23 @@ class RunInput:
     approval_timeout_reason: str = "no approval before the deadline"
     heartbeat_timeout: float = 30.0
     segment_timeout: float = 86_400.0
+    continue_as_new_after_events: int | None = None
+    # What a workflow run hands the next when it continues as new (counts and the last
+    # status); a client leaves it unset.
+    carried: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ApproveInput:
     """Approve the proposed action (``arguments``, if given, replace the proposed ones).
 
-    ``result_id``, if given, must name the proposal (``status()["proposal"]``); without
-    it, the proposal waiting now, or the next one if the run is being driven.
+    ``by`` names who approves. ``result_id`` names the proposal approved
+    (``status()["proposal"]["result_id"]``); send it. An answer naming a proposal that is
+    no longer open is refused, and nothing is written. Without it the answer is for the
+    proposal the workflow waits on when the update is accepted (or, sent while the run is
+    driven, the next one); the workflow names that one to PolyLoop, which checks it under
+    the run's claim. It stays optional so that answers from clients written before it
+    keep working; see :class:`RejectInput`.
     """
 
     by: str
@@ -71,7 +85,10 @@ class ApproveInput:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RejectInput:
-    """Reject the proposed action; the model is told ``reason``."""
+    """Reject the proposed action; the model is told ``reason``.
+
+    ``by`` and ``result_id`` as for :class:`ApproveInput`.
+    """
 
     by: str
     reason: str
@@ -80,7 +97,11 @@ class RejectInput:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SettleInput:
-    """Say whether the action in doubt ran (``observation`` is its output) or not (the reason)."""
+    """Say whether the effect in doubt ran (``observation`` is its output) or not (the reason).
+
+    ``result_id`` names the intent in doubt (``status()["open_intent"]["result_id"]``),
+    an action or a model call, as :class:`ApproveInput` names a proposal.
+    """
 
     by: str
     ran: bool

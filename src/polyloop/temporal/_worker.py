@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -34,6 +35,15 @@ from polyloop.session import (
     settle,
     start_or_resume,
 )
+from polyloop.temporal._shown import (
+    FINAL_ANSWER_BYTES,
+    bounded_record,
+    brief,
+    fitting,
+    json_size,
+    shown_detail,
+    status_summary,
+)
 from polyloop.temporal._values import AnswerInput, RunInput, SegmentInput
 from polyloop.temporal._workflow import (
     ANSWER_ACTIVITY,
@@ -52,6 +62,9 @@ from polyloop.types import (
 )
 
 __all__ = ("Agent", "PolyLoopPlugin", "start_agent_run")
+
+DEFAULT_MAX_ATTEMPTS = 10
+"""The attempts an activity failing with an error PolyLoop does not know gets by default."""
 
 RequestFor = Callable[[str, JSONValue], Request | Awaitable[Request]]
 
@@ -75,61 +88,31 @@ class Agent:
 class _Activities:
     """The activities of one plugin, bound to its agents."""
 
-    def __init__(self, agents: Mapping[str, Agent]) -> None:
+    def __init__(self, agents: Mapping[str, Agent], max_attempts: int | None) -> None:
         self._agents = dict(agents)
+        self._max_attempts = max_attempts
 
     @activity.defn(name=DRIVE_ACTIVITY)
     async def drive_segment(self, segment: SegmentInput) -> dict[str, Any]:
-        """``start_or_resume`` the run, heartbeating until it stops; its outcome and status."""
+        """``start_or_resume`` the run, heartbeating until it stops; its outcome, bounded."""
         agent = self._agent(segment.agent, segment.run_id)
-        try:
-            built = agent.request_for(segment.run_id, segment.input)
-            request = await built if inspect.isawaitable(built) else built
+        request = await _request(agent, segment)
+        with self._mapped_errors(segment.run_id, "the segment"):
             result = await _driven(agent.definition, request, segment.heartbeat_timeout / 3)
             status = await _status(agent, result)
-        except PolyLoopError as err:
-            raise _as_application_error(err, segment.run_id) from err
-        return {
-            "run_id": result.run_id,
-            "stop_reason": result.stop_reason.value,
-            "final_answer": result.final_answer,
-            "steps": result.step_count,
-            "valid_steps": result.valid_step_count,
-            "detail": result.detail,
-            "resumed": result.resumed,
-            "status": status,
-        }
+        return fitting(_outcome(result, status), segment.run_id, "the segment's outcome")
 
     @activity.defn(name=ANSWER_ACTIVITY)
     async def answer(self, answer: AnswerInput) -> dict[str, Any]:
-        """Write a person's answer to the run's log; the record written."""
+        """Write a person's answer to the run's log; the record written, bounded."""
         agent = self._agent(answer.agent, answer.run_id)
-        store = agent.definition.store
-        try:
-            if answer.kind == "approve":
-                record: Any = await approve(
-                    store, answer.run_id, by=answer.by, arguments=answer.arguments
-                )
-            elif answer.kind == "reject":
-                record = await reject(
-                    store, answer.run_id, by=answer.by, reason=answer.reason or ""
-                )
-            else:
-                record = await settle(
-                    store,
-                    answer.run_id,
-                    by=answer.by,
-                    ran=bool(answer.ran),
-                    observation=answer.observation or "",
-                    result_id=answer.result_id,
-                )
-        except PolyLoopError as err:
-            raise _as_application_error(err, answer.run_id) from err
-        return dict(encode(record))
+        with self._mapped_errors(answer.run_id, "the answer"):
+            record = await _answered(agent.definition.store, answer)
+        return fitting(bounded_record(record), answer.run_id, "the answer's record")
 
     @activity.defn(name=STATUS_ACTIVITY)
     async def status(self, segment: SegmentInput) -> dict[str, Any]:
-        """The run's status as the store has it now (``AgentRun.redrive``)."""
+        """The run's status as the store has it now (``AgentRun.redrive``), bounded."""
         agent = self._agent(segment.agent, segment.run_id)
         store = _status_store(agent)
         if store is None:
@@ -139,10 +122,29 @@ class _Activities:
                 type="InvalidRequest",
                 non_retryable=True,
             )
+        with self._mapped_errors(segment.run_id, "reading the status"):
+            read = status_summary(await run_status(store, segment.run_id))
+        return fitting(read, segment.run_id, "the run's status")
+
+    @contextmanager
+    def _mapped_errors(self, run_id: str, what: str) -> Iterator[None]:
+        """PolyLoop's errors as Temporal failures of the same type; any other error is
+        retried until the activity has had ``max_attempts`` attempts, then fails for good."""
         try:
-            return status_json(await run_status(store, segment.run_id))
+            yield
         except PolyLoopError as err:
-            raise _as_application_error(err, segment.run_id) from err
+            raise _as_application_error(err, run_id) from err
+        except Exception as err:
+            attempt = activity.info().attempt
+            if self._max_attempts is None or attempt < self._max_attempts:
+                raise
+            raise ApplicationError(
+                f"run {run_id!r}: {what} failed {attempt} times; the last error: "
+                f"{type(err).__name__}: {brief(str(err))}",
+                {"run_id": run_id, "attempts": attempt, "error": type(err).__name__},
+                type="AttemptsExhausted",
+                non_retryable=True,
+            ) from err
 
     def _agent(self, name: str, run_id: str) -> Agent:
         try:
@@ -154,6 +156,74 @@ class _Activities:
                 type="UnknownAgent",
                 non_retryable=True,
             ) from None
+
+
+async def _request(agent: Agent, segment: SegmentInput) -> Request:
+    """The run's request, built from the client's input; an error here is the input's,
+    which no other attempt can cure, so it fails the workflow at once."""
+    try:
+        built = agent.request_for(segment.run_id, segment.input)
+        return await built if inspect.isawaitable(built) else built
+    except PolyLoopError as err:
+        raise _as_application_error(err, segment.run_id) from err
+    except Exception as err:
+        raise ApplicationError(
+            f"run {segment.run_id!r}: request_for of agent {segment.agent!r} could not "
+            f"build the request from the run's input: {type(err).__name__}: {brief(str(err))}",
+            {"run_id": segment.run_id, "error": type(err).__name__},
+            type="RequestNotBuilt",
+            non_retryable=True,
+        ) from err
+
+
+def _outcome(result: RunResult, status: dict[str, Any]) -> dict[str, Any]:
+    """What the workflow needs of a segment: the stop, the counts and a bounded summary.
+
+    A final answer too large to carry is left out (``final_answer_omitted``): the run's
+    end record in the log holds it.
+    """
+    answer = result.final_answer
+    omitted = answer is not None and json_size(answer) > FINAL_ANSWER_BYTES
+    return {
+        "run_id": result.run_id,
+        "stop_reason": result.stop_reason.value,
+        "final_answer": None if omitted else answer,
+        "final_answer_omitted": omitted,
+        "steps": result.step_count,
+        "valid_steps": result.valid_step_count,
+        "detail": shown_detail(result.detail),
+        "resumed": result.resumed,
+        "status": status,
+    }
+
+
+async def _answered(store: Any, answer: AnswerInput) -> object:
+    """Write the answer, naming the proposal or intent it answers: PolyLoop refuses it,
+    and writes nothing, if that one is no longer open."""
+    if answer.kind == "approve":
+        return await approve(
+            store,
+            answer.run_id,
+            by=answer.by,
+            arguments=answer.arguments,
+            result_id=answer.result_id,
+        )
+    if answer.kind == "reject":
+        return await reject(
+            store,
+            answer.run_id,
+            by=answer.by,
+            reason=answer.reason or "",
+            result_id=answer.result_id,
+        )
+    return await settle(
+        store,
+        answer.run_id,
+        by=answer.by,
+        ran=bool(answer.ran),
+        observation=answer.observation or "",
+        result_id=answer.result_id,
+    )
 
 
 async def _driven(definition: Definition, request: Request, every: float) -> RunResult:
@@ -194,7 +264,7 @@ async def _status(agent: Agent, result: RunResult) -> dict[str, Any]:
     store = _status_store(agent)
     if store is None:
         return _status_of_result(result)
-    return status_json(await run_status(store, result.run_id))
+    return status_summary(await run_status(store, result.run_id))
 
 
 def status_json(status: RunStatus) -> dict[str, Any]:
@@ -222,7 +292,7 @@ def _status_of_result(result: RunResult) -> dict[str, Any]:
         "run_id": result.run_id,
         "state": states.get(result.stop_reason, RunState.FINISHED).value,
         "stop_reason": result.stop_reason.value,
-        "detail": result.detail,
+        "detail": shown_detail(result.detail),
         "steps": result.step_count,
         "valid_steps": result.valid_step_count,
         "open_intent": None,
@@ -240,7 +310,7 @@ def _when(moment: datetime | None) -> str | None:
 def _as_application_error(err: PolyLoopError, run_id: str) -> ApplicationError:
     kind = type(err).__name__
     return ApplicationError(
-        str(err),
+        brief(str(err)),
         {"run_id": err.run_id or run_id, "location": err.location},
         type=kind,
         non_retryable=kind in NOT_RETRYABLE,
@@ -256,6 +326,13 @@ class PolyLoopPlugin(SimplePlugin):
     how many the whole task queue starts per second, server-side (the worker's
     ``max_task_queue_activities_per_second``; give every worker of the queue the same
     value). The workflow module is passed through the sandbox.
+
+    ``max_attempts`` (default 10; ``None``: no bound) bounds the attempts of an activity
+    (a segment, an answer, a status read) that fails with an error PolyLoop does not
+    know: at that attempt the error fails it for good, and the workflow (or the update)
+    with it, as ``AttemptsExhausted``. Every attempt counts, one a dead worker lost
+    included. PolyLoop's own errors that pass (``RunLocked``, ``LeaseLost``,
+    ``StoreError``) are retried without bound; those no attempt can cure are not retried.
     """
 
     def __init__(
@@ -264,6 +341,7 @@ class PolyLoopPlugin(SimplePlugin):
         *,
         max_concurrent_runs: int | None = None,
         max_runs_per_second: float | None = None,
+        max_attempts: int | None = DEFAULT_MAX_ATTEMPTS,
     ) -> None:
         if not agents or not all(isinstance(agent, Agent) for agent in agents.values()):
             raise ValueError("agents must map at least one name to an Agent")
@@ -271,9 +349,12 @@ class PolyLoopPlugin(SimplePlugin):
             raise ValueError(f"max_concurrent_runs must be at least 1, not {max_concurrent_runs}")
         if max_runs_per_second is not None and not max_runs_per_second > 0:
             raise ValueError(f"max_runs_per_second must be positive, not {max_runs_per_second}")
+        if max_attempts is not None and max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, not {max_attempts}")
         self.max_concurrent_runs = max_concurrent_runs
         self.max_runs_per_second = max_runs_per_second
-        activities = _Activities(agents)
+        self.max_attempts = max_attempts
+        activities = _Activities(agents, max_attempts)
         super().__init__(
             "polyloop.PolyLoopPlugin",
             activities=[activities.drive_segment, activities.answer, activities.status],

@@ -14,13 +14,14 @@ so PolyLoop's log records it like any other answer.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
 from polyloop.temporal._values import (
     DEADLINE_BY,
@@ -84,10 +85,14 @@ class AgentRun:
         self._waiting: Waiting | None = None
         self._waiting_for: str | None = None  # the result id of the proposal or intent
         self._answering = False
+        self._answers_awaiting_a_stop = 0
         self._finished = False
         self._segments = 0
+        self._continued = 0
         self._deadline: str | None = None
         self._deadline_passed = False
+        self._ended: str | None = None
+        self._error: str | None = None
 
     @workflow.run
     async def run(self, input: RunInput) -> dict[str, Any]:
@@ -95,19 +100,22 @@ class AgentRun:
 
         Cancellation: cancelling the workflow cancels the segment that drives the run;
         PolyLoop writes the run's ``cancelled`` end record within its grace, the log keeps
-        every record written before it, and the workflow then ends cancelled.
+        every record written before it, and the workflow then ends cancelled, its status
+        saying so.
         """
-        if workflow.info().workflow_id != input.run_id:
-            # The workflow id is what keeps a run to one workflow: refuse any other.
-            raise ApplicationError(
-                f"run {input.run_id!r}: the workflow id must be the run id, not "
-                f"{workflow.info().workflow_id!r}",
-                type="InvalidRequest",
-                non_retryable=True,
-            )
-        _check_input(input)
-        self._input = input
-        self._status = {**self._status, "run_id": input.run_id}
+        try:
+            _check_workflow_id(input)
+            _check_input(input)
+            self._input = input
+            self._carry_on(input)
+            outcome = await self._drive(input)
+        except BaseException as err:
+            self._end_with(err)
+            raise
+        self._ended = "completed"
+        return outcome
+
+    async def _drive(self, input: RunInput) -> dict[str, Any]:
         while True:
             outcome = await self._segment(input)
             stop = outcome["stop_reason"]
@@ -120,6 +128,7 @@ class AgentRun:
                 # Updates still waiting learn that the run ended before they return.
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 return {key: value for key, value in outcome.items() if key != "status"}
+            await self._continue_as_new_if_due(input)
 
     @workflow.query
     def status(self) -> dict[str, Any]:
@@ -127,7 +136,10 @@ class AgentRun:
 
         While a segment runs, ``state`` is ``"running"`` and the counts are those of the
         segment's start. ``waiting_for`` is ``"approval"``, ``"settlement"`` or ``None``;
-        ``deadline`` is when the approval deadline fires (ISO 8601, UTC).
+        ``deadline`` is when the approval deadline fires (ISO 8601, UTC). ``proposal``
+        and ``open_intent`` show what waits once, bounded and escaped; ``ended`` is
+        ``None`` until the workflow ends ``"completed"``, ``"failed"`` (``error`` says
+        why), ``"cancelled"`` or ``"continued"`` (as new).
         """
         return {
             **self._status,
@@ -135,6 +147,9 @@ class AgentRun:
             "deadline": self._deadline,
             "deadline_passed": self._deadline_passed,
             "segments": self._segments,
+            "continued_as_new": self._continued,
+            "ended": self._ended,
+            "error": self._error,
         }
 
     @workflow.update
@@ -244,9 +259,7 @@ class AgentRun:
             )
         finally:
             self._answering = False
-        # The run's state in the log when it still waits for this workflow's answer.
-        still = "awaiting_approval" if waiting == "approval" else "in_doubt"
-        if self._waiting != waiting or read["state"] == still:
+        if self._waiting != waiting or self._still_waits(waiting, read):
             return {**read, "redriven": False}
         self._waiting = None
         return {**read, "redriven": True}
@@ -256,7 +269,69 @@ class AgentRun:
         if self._finished:
             raise ApplicationError(f"run {self._run_id()!r} has finished", type="RunFinished")
 
+    def _still_waits(self, waiting: Waiting, read: dict[str, Any]) -> bool:
+        """Whether the log still waits on the very proposal or intent this workflow does:
+        a run answered outside Temporal and driven on to its next proposal does not."""
+        if waiting == "approval":
+            state, open_one = "awaiting_approval", read.get("proposal")
+        else:
+            state, open_one = "in_doubt", read.get("open_intent")
+        result_id = open_one.get("result_id") if open_one else None
+        return bool(read["state"] == state and result_id == self._waiting_for)
+
     # -- the run loop ---------------------------------------------------------------------
+
+    def _carry_on(self, input: RunInput) -> None:
+        """Take over what the workflow run before this one, if any, handed on."""
+        self._status = {**self._status, "run_id": input.run_id}
+        carried = input.carried
+        if carried:
+            self._segments = int(carried.get("segments", 0))
+            self._continued = int(carried.get("continued_as_new", 0))
+            self._status = {**self._status, **carried.get("status", {})}
+
+    async def _continue_as_new_if_due(self, input: RunInput) -> None:
+        """Continue as new between segments when the history has grown long enough.
+
+        Only the run's input and a few counts go on: the run is in PolyLoop's log. An
+        answer sent while the run is driven waits, as a running handler, for the next
+        stop; with one pending the workflow drives on and continues as new later.
+        """
+        info = workflow.info()
+        limit = input.continue_as_new_after_events
+        due = info.is_continue_as_new_suggested() or (
+            limit is not None and info.get_current_history_length() >= limit
+        )
+        if not due:
+            return
+        await workflow.wait_condition(
+            lambda: workflow.all_handlers_finished() or self._answers_awaiting_a_stop > 0
+        )
+        if self._answers_awaiting_a_stop > 0:
+            return
+        carried = {
+            "segments": self._segments,
+            "continued_as_new": self._continued + 1,
+            "status": self._status,
+        }
+        workflow.continue_as_new(dataclasses.replace(input, carried=carried))
+
+    def _end_with(self, err: BaseException) -> None:
+        """The status a workflow that ends by ``err`` leaves for queries to read."""
+        self._waiting = None
+        if isinstance(err, workflow.ContinueAsNewError):
+            self._ended = "continued"
+        elif is_cancelled_exception(err):
+            self._ended = "cancelled"
+            if self._status.get("state") == "running":
+                # The segment was cancelled: the run's log ends with its cancelled record.
+                self._status = {**self._status, "state": "resumable", "stop_reason": "cancelled"}
+        else:
+            self._ended = "failed"
+            cause = err.cause if isinstance(err, ActivityError) and err.cause else err
+            kind = cause.type if isinstance(cause, ApplicationError) else None
+            message = cause.message if isinstance(cause, ApplicationError) else str(cause)
+            self._error = f"{kind or type(cause).__name__}: {message}"[:4096]
 
     async def _segment(self, input: RunInput) -> dict[str, Any]:
         self._segments += 1
@@ -335,16 +410,20 @@ class AgentRun:
         """Refuse, before it is accepted, an answer the run can no longer take."""
         error = "NotAwaitingApproval" if kind == "approval" else "NotInDoubt"
         if self._finished:
-            raise ApplicationError(f"run {self._run_id()!r} has finished", type=error)
+            raise ApplicationError(
+                f"run {self._run_id()!r} has finished", type=error, non_retryable=True
+            )
         if self._waiting is not None and self._waiting != kind:
             raise ApplicationError(
                 f"run {self._run_id()!r} waits for {_words(self._waiting)}, not {_words(kind)}",
                 type=error,
+                non_retryable=True,
             )
         if self._waiting == kind and result_id is not None and result_id != self._waiting_for:
             raise ApplicationError(
                 f"run {self._run_id()!r} waits on {self._waiting_for!r}, not {result_id!r}",
                 type=error,
+                non_retryable=True,
             )
 
     async def _apply(
@@ -353,14 +432,21 @@ class AgentRun:
         error = "NotAwaitingApproval" if kind == "approval" else "NotInDoubt"
         # An answer sent while the run is driven waits for the run to stop; it answers
         # the first stop it sees, and only that one.
-        await workflow.wait_condition(lambda: self._waiting is not None or self._finished)
+        self._answers_awaiting_a_stop += 1
+        try:
+            await workflow.wait_condition(lambda: self._waiting is not None or self._finished)
+        finally:
+            self._answers_awaiting_a_stop -= 1
         target = result_id if result_id is not None else self._waiting_for
         await workflow.wait_condition(lambda: not self._answering)
         if self._finished or self._waiting != kind or self._waiting_for != target:
+            now = f"; it waits on {self._waiting_for!r}" if self._waiting == kind else ""
             raise ApplicationError(
                 f"run {self._run_id()!r} no longer waits for this {_words(kind)}"
-                + (f" ({target!r})" if target else ""),
+                + (f" ({target!r})" if target else "")
+                + now,
                 type=error,
+                non_retryable=True,
             )
         self._answering = True
         try:
@@ -397,6 +483,17 @@ class AgentRun:
         return self._input.run_id if self._input is not None else "?"
 
 
+def _check_workflow_id(input: RunInput) -> None:
+    if workflow.info().workflow_id != input.run_id:
+        # The workflow id is what keeps a run to one workflow: refuse any other.
+        raise ApplicationError(
+            f"run {input.run_id!r}: the workflow id must be the run id, not "
+            f"{workflow.info().workflow_id!r}",
+            type="InvalidRequest",
+            non_retryable=True,
+        )
+
+
 def _check_input(input: RunInput) -> None:
     """Refuse, before anything runs, settings no segment or deadline could work with."""
     problems = []
@@ -406,6 +503,9 @@ def _check_input(input: RunInput) -> None:
         problems.append(f"segment_timeout must be positive, not {input.segment_timeout!r}")
     if input.approval_timeout is not None and not input.approval_timeout > 0:
         problems.append(f"approval_timeout must be positive, not {input.approval_timeout!r}")
+    limit = input.continue_as_new_after_events
+    if limit is not None and not limit > 0:
+        problems.append(f"continue_as_new_after_events must be positive, not {limit!r}")
     if input.on_approval_timeout not in ("reject", "wait"):
         problems.append(
             f"on_approval_timeout must be 'reject' or 'wait', not {input.on_approval_timeout!r}"

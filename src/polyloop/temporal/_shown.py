@@ -1,0 +1,175 @@
+"""What crosses Temporal about a run: small, bounded, and safe to show a person.
+
+Everything an activity returns lands in the workflow's history, and one payload over
+Temporal's limit (about 2 MB) is never accepted: the activity would be retried for
+ever. So a segment returns the run's state, the result ids and a bounded summary; the
+proposal or intent is shown once, as the one line ``polyloop pending`` prints, with
+the same characters escaped; the full records stay in PolyLoop's log.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from temporalio.exceptions import ApplicationError
+
+from polyloop.serialization import encode
+from polyloop.types import Intent, IntentKind, JSONValue, Proposal, RunStatus
+
+__all__ = (
+    "CALL_CHARS",
+    "FINAL_ANSWER_BYTES",
+    "PAYLOAD_BYTES",
+    "TEXT_CHARS",
+    "bounded_record",
+    "brief",
+    "escape_field",
+    "fitting",
+    "json_size",
+    "status_summary",
+)
+
+CALL_CHARS = 16_384
+"""How much of a proposed call the status shows; the rest is read from the log."""
+TEXT_CHARS = 4_096
+"""How much of a description or an end record's detail the status shows."""
+FINAL_ANSWER_BYTES = 256 * 1024
+"""The largest final answer (as JSON) the workflow's result carries; a larger one is
+omitted there and read from the log."""
+RECORD_FIELD_BYTES = 64 * 1024
+"""The largest field (as JSON) of a record an answer update returns."""
+PAYLOAD_BYTES = 1024 * 1024
+"""What one activity result may weigh at most, well under Temporal's limit."""
+
+# The same characters, escaped the same way, as the command line's one-line fields:
+# controls (C0, DEL, C1), bidirectional formatting, line and paragraph separators and
+# lone surrogates could end, forge or reorder the line a person reads.
+_BIDI = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
+_UNSAFE = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI}\u2028\u2029\ud800-\udfff]")
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(found: re.Match[str]) -> str:
+    char = found.group()
+    if char in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def escape_field(text: str) -> str:
+    """``text`` fit to show on one line, escaped as ``polyloop pending`` escapes it."""
+    return _UNSAFE.sub(_escape, text)
+
+
+def json_size(value: Any) -> int:
+    """Bytes ``value`` takes as Temporal's JSON converter writes it (ASCII escapes)."""
+    return len(json.dumps(value, separators=(",", ":")))
+
+
+def _shown(text: str, limit: int) -> tuple[str, bool]:
+    """``text`` cut to ``limit`` characters, then escaped; and whether it was cut."""
+    if len(text) <= limit:
+        return escape_field(text), False
+    return escape_field(text[:limit]) + f"... ({len(text)} characters in all)", True
+
+
+def _call_text(payload: JSONValue) -> str:
+    if isinstance(payload, dict) and isinstance(payload.get("name"), str):
+        arguments = json.dumps(payload.get("arguments"), ensure_ascii=False, sort_keys=True)
+        return f"{payload['name']}({arguments})"
+    return json.dumps(payload, ensure_ascii=False, sort_keys=True)
+
+
+def _tool(payload: JSONValue) -> str | None:
+    name = payload.get("name") if isinstance(payload, dict) else None
+    return escape_field(name) if isinstance(name, str) else None
+
+
+def shown_proposal(proposal: Proposal) -> dict[str, Any]:
+    """The proposal once: its result id (to answer with), tool, call and description."""
+    call, cut = _shown(_call_text(proposal.payload), CALL_CHARS)
+    description, _ = _shown(proposal.description, TEXT_CHARS)
+    return {
+        "result_id": proposal.result_id,
+        "step": proposal.step,
+        "tool": _tool(proposal.payload),
+        "call": call,
+        "call_truncated": cut,
+        "description": description,
+    }
+
+
+def shown_intent(intent: Intent) -> dict[str, Any]:
+    """The open intent: its result id, its kind (a model call or an action) and, for an
+    action, its call."""
+    shown: dict[str, Any] = {
+        "result_id": intent.result_id,
+        "kind": intent.kind.value,
+        "step": intent.step,
+        "tool": None,
+        "call": None,
+        "call_truncated": False,
+    }
+    if intent.kind is IntentKind.ACTION:
+        call, cut = _shown(_call_text(intent.payload), CALL_CHARS)
+        shown.update(tool=_tool(intent.payload), call=call, call_truncated=cut)
+    return shown
+
+
+def brief(text: str) -> str:
+    """An error's text cut to a size a failure can carry (it lands in the history)."""
+    if len(text) <= TEXT_CHARS:
+        return text
+    return text[:TEXT_CHARS] + f"... ({len(text)} characters in all)"
+
+
+def shown_detail(detail: str | None) -> str | None:
+    return None if detail is None else _shown(detail, TEXT_CHARS)[0]
+
+
+def status_summary(status: RunStatus) -> dict[str, Any]:
+    """What the workflow's status shows of a :class:`~polyloop.types.RunStatus`."""
+    return {
+        "run_id": status.run_id,
+        "state": status.state.value,
+        "stop_reason": status.stop_reason.value if status.stop_reason is not None else None,
+        "detail": shown_detail(status.detail),
+        "steps": status.steps,
+        "valid_steps": status.valid_steps,
+        "open_intent": shown_intent(status.open_intent) if status.open_intent else None,
+        "proposal": shown_proposal(status.proposal) if status.proposal else None,
+        "last_record_at": _when(status.last_record_at),
+        "owner": status.owner,
+        "lease_expires_at": _when(status.lease_expires_at),
+    }
+
+
+def _when(moment: Any) -> str | None:
+    return moment.isoformat() if moment is not None else None
+
+
+def bounded_record(record: Any) -> dict[str, Any]:
+    """A record as the log encodes it, each field over the bound left out (``None``,
+    named in ``omitted``): an answer update returns it, so it lands in the history."""
+    encoded = dict(encode(record))
+    omitted = [key for key, value in encoded.items() if json_size(value) > RECORD_FIELD_BYTES]
+    for key in omitted:
+        encoded[key] = None
+    return {**encoded, "omitted": omitted}
+
+
+def fitting(value: dict[str, Any], run_id: str, what: str) -> dict[str, Any]:
+    """``value`` if it fits one payload; a clear error, never retried, if not."""
+    size = json_size(value)
+    if size > PAYLOAD_BYTES:
+        raise ApplicationError(
+            f"run {run_id!r}: {what} takes {size} bytes, more than the {PAYLOAD_BYTES} "
+            "one Temporal payload may carry here; the run's log holds it whole",
+            {"run_id": run_id},
+            type="PayloadTooLarge",
+            non_retryable=True,
+        )
+    return value
