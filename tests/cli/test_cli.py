@@ -25,6 +25,7 @@ import pytest
 import polyloop as polyloop_package
 from chat_kit import ChatServer, Reply
 from polyloop import ActionStatus, ModelReply, StepRecord
+from polyloop._escaping import escape_block, escape_field
 from polyloop.cli import main
 from polyloop.cli._agent import (
     Ledger,
@@ -36,7 +37,6 @@ from polyloop.cli._agent import (
     script,
     units,
 )
-from polyloop.cli._common import escape_block, escape_field
 from polyloop.cli._demo import DemoOptions, resume_command
 from polyloop.cli._stores import parse_store
 from polyloop.ports import Action, FinalAnswer, InvalidDecision

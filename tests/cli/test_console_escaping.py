@@ -21,7 +21,7 @@ import surrogate_kit
 from agent_kit import ANSWER_SCHEMA, Ledger, answer, definition, make_tools, request, tool_call
 from console_kit import BASE_URL, browser, console, post_form, store_factory
 from polyloop import Replay, ToolRegistry, ToolSpec, run, start_or_resume
-from polyloop.cli._common import escape_block, escape_field
+from polyloop._escaping import escape_block, escape_field
 from polyloop.cli._console import run_path
 from polyloop.cli._people import pending_line
 from polyloop.ports import ManagedStore

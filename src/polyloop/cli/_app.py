@@ -19,12 +19,12 @@ import anyio.to_thread
 from rich.console import Console
 from rich.text import Text
 
+from polyloop._escaping import escape_field
 from polyloop.cli import _demo, _facts, _html, _people, _render, _verify
 from polyloop.cli._common import (
     PROGRAM,
     CliError,
     console,
-    escape_field,
     escaped_output,
     install_hint,
     print_unwrapped,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -17,6 +16,7 @@ from typing import TextIO
 from rich.console import Console, RenderableType
 from rich.measure import Measurement
 
+from polyloop._escaping import escape_field, escape_in_json_text, escape_surrogates
 from polyloop.interpreters._json_tool_call import STRICT_JSON, RepeatedKey
 from polyloop.types import JSONValue
 
@@ -70,49 +70,6 @@ def console(stream: TextIO | None = None) -> Console:
     return Console(file=target, highlight=False)
 
 
-# A model reply can hold half an emoji as a JSON escape ("\ud83d"): the log keeps the lone
-# surrogate it decodes to, and no UTF-8 stream can take it as it is.
-_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
-
-
-def escape_surrogates(text: str) -> str:
-    """``text`` with each lone surrogate written as its escape, ``\\ud83d``.
-
-    Inside a JSON string the escape is JSON's own, so JSON output stays JSON and reads
-    back to the same string.
-    """
-    return _LONE_SURROGATE.sub(lambda found: f"\\u{ord(found.group()):04x}", text)
-
-
-# What a string from a log must not print raw where the command lays out lines: control
-# characters (C0, DEL, C1) could end or rewrite a line or send terminal commands;
-# bidirectional formatting characters could reorder a line on screen; line and paragraph
-# separators end a line for some readers. Any of them in a run id could forge an `ok` line.
-_BIDI = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
-_UNSAFE = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI}\u2028\u2029\ud800-\udfff]")
-_UNSAFE_IN_BLOCK = re.compile(f"[\x00-\x08\x0b-\x1f\x7f-\x9f{_BIDI}\u2028\u2029\ud800-\udfff]")
-_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape(found: re.Match[str]) -> str:
-    char = found.group()
-    if char in _SHORT_ESCAPES:
-        return _SHORT_ESCAPES[char]
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def escape_field(text: str) -> str:
-    """``text`` fit to print on one line among others (a run id, a stop reason, a name).
-
-    Control characters (newline, tab and carriage return included), bidirectional
-    formatting characters, line separators and lone surrogates are written as escapes
-    (``\\n``, ``\\x1b``, ``\\u202e``), so the text cannot end the line it is on, start
-    another, or reorder the line around it.
-    """
-    return _UNSAFE.sub(_escape, text)
-
-
 def shell_word(text: str) -> str:
     """``text`` as one word a POSIX shell reads back exactly, fit to print on one line.
 
@@ -149,24 +106,12 @@ def edited_arguments(text: str) -> JSONValue:
     return value
 
 
-def escape_block(text: str) -> str:
-    """``text`` fit to print as a block of lines (an observation, a reply).
-
-    As :func:`escape_field`, but newlines and tabs are kept: the view indents every line
-    of the block, so a line of it cannot pass for a line of the view's own.
-    """
-    return _UNSAFE_IN_BLOCK.sub(_escape, text)
-
-
 def editable_json(value: object, *, indent: int | None = None) -> str:
     """``value`` as JSON a person reads and may edit, safe to show as :func:`escape_block`
     text is: each character :func:`escape_field` escapes is written as JSON's own
     ``\\u`` escape, so the text, read back unchanged, is ``value`` exactly (lone
     surrogates included)."""
-    text = json.dumps(value, ensure_ascii=False, indent=indent)
-    # Outside its strings, JSON text holds only ASCII punctuation, digits, letters and the
-    # indent's newlines; what is left to escape sits inside a string, where \\u is JSON.
-    return _UNSAFE_IN_BLOCK.sub(lambda found: f"\\u{ord(found.group()):04x}", text)
+    return escape_in_json_text(json.dumps(value, ensure_ascii=False, indent=indent))
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from html import escape
 
-from polyloop.cli._common import escape_block, escape_field
+from polyloop._escaping import escape_block, escape_field
 from polyloop.cli._facts import (
     Doubt,
     in_doubt,

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from polyloop import serialization
+from polyloop._escaping import call_text, escape_field
 from polyloop.cli._common import (
     CliError,
     command_words,
     edited_arguments,
-    escape_field,
     shell_word,
 )
 from polyloop.cli._stores import StoreSpec, open_store
@@ -98,11 +98,11 @@ def pending_line(status: RunStatus) -> str:
         proposal = status.proposal
         return (
             f"{escape_field(status.run_id)}  awaiting approval  "
-            f"{escape_field(proposal.result_id)}  {escape_field(_call(proposal.payload))}"
+            f"{escape_field(proposal.result_id)}  {escape_field(call_text(proposal.payload))}"
             f"\n    {escape_field(proposal.description)}"
         )
     intent = status.open_intent
-    what = _call(intent.payload) if intent is not None else "?"
+    what = call_text(intent.payload) if intent is not None else "?"
     if intent is not None and intent.kind is IntentKind.MODEL_CALL:
         what = "a model call (its replay is never allowed)"
     where = intent.result_id if intent is not None else "?"
@@ -148,13 +148,6 @@ def answer_commands(spec: StoreSpec, status: RunStatus) -> list[str]:
         command = " ".join(shell_word(word) for word in [*command_words(), *words])
         lines.append(f"    {said}: {command}")
     return lines
-
-
-def _call(payload: JSONValue) -> str:
-    if isinstance(payload, dict) and isinstance(payload.get("name"), str):
-        arguments = json.dumps(payload.get("arguments"), ensure_ascii=False, sort_keys=True)
-        return f"{payload['name']}({arguments})"
-    return json.dumps(payload, ensure_ascii=False, sort_keys=True)
 
 
 async def answer(spec: StoreSpec, run_id: str, given: Answer, out: Console) -> int:

@@ -10,7 +10,7 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
-from polyloop.cli._common import escape_block, escape_field
+from polyloop._escaping import escape_block, escape_field
 from polyloop.cli._facts import (
     Doubt,
     in_doubt,

@@ -10,11 +10,11 @@ the same characters escaped; the full records stay in PolyLoop's log.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
+from polyloop._escaping import call_text, escape_field
 from polyloop.serialization import encode
 from polyloop.types import Intent, IntentKind, JSONValue, Proposal, RunStatus
 
@@ -43,26 +43,6 @@ RECORD_FIELD_BYTES = 64 * 1024
 PAYLOAD_BYTES = 1024 * 1024
 """What one activity result may weigh at most, well under Temporal's limit."""
 
-# The same characters, escaped the same way, as the command line's one-line fields:
-# controls (C0, DEL, C1), bidirectional formatting, line and paragraph separators and
-# lone surrogates could end, forge or reorder the line a person reads.
-_BIDI = "\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
-_UNSAFE = re.compile(f"[\x00-\x1f\x7f-\x9f{_BIDI}\u2028\u2029\ud800-\udfff]")
-_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape(found: re.Match[str]) -> str:
-    char = found.group()
-    if char in _SHORT_ESCAPES:
-        return _SHORT_ESCAPES[char]
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def escape_field(text: str) -> str:
-    """``text`` fit to show on one line, escaped as ``polyloop pending`` escapes it."""
-    return _UNSAFE.sub(_escape, text)
-
 
 def json_size(value: Any) -> int:
     """Bytes ``value`` takes as Temporal's JSON converter writes it (ASCII escapes)."""
@@ -76,13 +56,6 @@ def _shown(text: str, limit: int) -> tuple[str, bool]:
     return escape_field(text[:limit]) + f"... ({len(text)} characters in all)", True
 
 
-def _call_text(payload: JSONValue) -> str:
-    if isinstance(payload, dict) and isinstance(payload.get("name"), str):
-        arguments = json.dumps(payload.get("arguments"), ensure_ascii=False, sort_keys=True)
-        return f"{payload['name']}({arguments})"
-    return json.dumps(payload, ensure_ascii=False, sort_keys=True)
-
-
 def _tool(payload: JSONValue) -> str | None:
     name = payload.get("name") if isinstance(payload, dict) else None
     return escape_field(name) if isinstance(name, str) else None
@@ -90,7 +63,7 @@ def _tool(payload: JSONValue) -> str | None:
 
 def shown_proposal(proposal: Proposal) -> dict[str, Any]:
     """The proposal once: its result id (to answer with), tool, call and description."""
-    call, cut = _shown(_call_text(proposal.payload), CALL_CHARS)
+    call, cut = _shown(call_text(proposal.payload), CALL_CHARS)
     description, _ = _shown(proposal.description, TEXT_CHARS)
     return {
         "result_id": proposal.result_id,
@@ -114,7 +87,7 @@ def shown_intent(intent: Intent) -> dict[str, Any]:
         "call_truncated": False,
     }
     if intent.kind is IntentKind.ACTION:
-        call, cut = _shown(_call_text(intent.payload), CALL_CHARS)
+        call, cut = _shown(call_text(intent.payload), CALL_CHARS)
         shown.update(tool=_tool(intent.payload), call=call, call_truncated=cut)
     return shown
 

@@ -30,8 +30,9 @@ from starlette.responses import (
 )
 from starlette.routing import Route
 
+from polyloop._escaping import escape_block, escape_field
 from polyloop.cli import _html
-from polyloop.cli._common import editable_json, edited_arguments, escape_block, escape_field
+from polyloop.cli._common import editable_json, edited_arguments
 from polyloop.cli._console import _guard
 from polyloop.cli._console._data import list_page, listed_unfinished_only, read_run
 from polyloop.cli._console._guard import Access, Refused, checked_form, context, form_text
