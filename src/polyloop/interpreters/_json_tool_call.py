@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
-import math
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from polyloop._shared import call_text
+from polyloop._strict_json import (
+    STRICT_JSON,
+    FloatOverflow,
+    IntegerTooLong,
+    NotJsonNumber,
+    RepeatedKey,
+)
 from polyloop.interpreters._fences import FencedBlock, clip, scan_fences
 from polyloop.ports import (
     Action,
@@ -30,59 +35,6 @@ _MAX_ATTEMPTS = 64
 _BLOCK_TAGS = frozenset({"", "json"})
 _TOOL_KEYS = frozenset({"tool", "arguments"})
 _ANSWER_KEYS = frozenset({"answer"})
-
-
-def _refuse_constant(name: str) -> Any:
-    # Python's parser reads NaN and Infinity, which are not JSON and which a strict
-    # JSON log could not carry: refused here, where the model can be told.
-    raise ValueError(name)
-
-
-class _OutOfRange(ValueError):
-    """A JSON number too large for a float."""
-
-
-def _finite_float(text: str) -> float:
-    # "1e400" is JSON, but Python reads it as infinity, which the log cannot carry either.
-    number = float(text)
-    if not math.isfinite(number):
-        raise _OutOfRange(text)
-    return number
-
-
-class _TooLong(ValueError):
-    """A JSON integer with more digits than Python converts (4,300 unless changed)."""
-
-
-def _whole_number(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise _TooLong(len(text.lstrip("-"))) from None
-
-
-class RepeatedKey(ValueError):
-    """An object that names a key twice: which value was meant is guesswork. The key is
-    the exception's one argument."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # Python keeps the last of repeated keys, so {"tool": "a", "tool": "b"} would call b.
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        counts = Counter(key for key, _ in pairs)
-        raise RepeatedKey(next(key for key, count in counts.items() if count > 1))
-    return result
-
-
-# Also how the command line and the console read the arguments a person edits: what a
-# model may not write, a person may not either.
-STRICT_JSON = json.JSONDecoder(
-    parse_constant=_refuse_constant,
-    parse_float=_finite_float,
-    parse_int=_whole_number,
-    object_pairs_hook=_unique_keys,
-)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -172,17 +124,19 @@ def _parse(source: str, *, first_line: int, block: FencedBlock | None) -> dict[s
         if source[start] in "{[":
             return f"{where} is not valid JSON: {exc.msg} at {at(exc.pos)}."
         return _prose_before_object(source, where, at, fenced=block is not None)
-    except _OutOfRange as exc:
-        return f"{where} holds the number {exc}, too large to use: write a smaller number."
-    except _TooLong as exc:
-        return f"{where} holds a whole number of {exc} digits, too long to read: write fewer."
+    except FloatOverflow as exc:
+        return f"{where} holds the number {exc.text}, too large to use: write a smaller number."
+    except IntegerTooLong as exc:
+        return (
+            f"{where} holds a whole number of {exc.digits} digits, too long to read: write fewer."
+        )
     except RepeatedKey as exc:
         return (
-            f"{where} names the key {clip(str(exc))!r} twice in one object: give each key "
+            f"{where} names the key {clip(exc.keys[0])!r} twice in one object: give each key "
             "once, so that it is clear which value you mean."
         )
-    except ValueError as exc:  # NaN or Infinity, refused by _refuse_constant
-        return f"{where} uses {exc}, which is not JSON: write numbers as numbers."
+    except NotJsonNumber as exc:
+        return f"{where} uses {exc.word}, which is not JSON: write numbers as numbers."
     except RecursionError:
         return f"{where} holds JSON nested too deeply to read."
     rest = len(source) - len(source[end:].lstrip())
