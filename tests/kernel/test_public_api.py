@@ -127,14 +127,16 @@ TEMPORAL_NAMES = {
     "start_agent_run",
     "status_json",
 }
+# issue 18: spans for OpenTelemetry; imported explicitly, never re-exported at the top.
+OTEL_NAMES = {"OpenTelemetrySink"}
 NAMED_MODULES = {
     # issue 16, part 5: ready-made interpreters, one per action language
     interpreters: {"CodeBlockInterpreter", "JsonToolCallInterpreter", "NativeToolCallInterpreter"},
+    # issue 43, item 4: a facade over private modules, as the interpreters are
+    polyloop.otel: OTEL_NAMES,
 }
 # issue 20: tools from MCP servers; imported explicitly, never re-exported at the top.
 MCP_NAMES = {"RESULT_ID_META_KEY", "MCPToolError", "ToolOverride", "mcp_tools"}
-# issue 18: spans for OpenTelemetry; imported explicitly, never re-exported at the top.
-OTEL_NAMES = {"OpenTelemetrySink"}
 # Test doubles; imported explicitly, never re-exported at the top.
 TESTING_NAMES = {
     "FaultyStore",

@@ -67,6 +67,7 @@ from types import MappingProxyType
 from typing import Any, cast
 
 from polyloop._shared import needs_extra, plain_copy
+from polyloop._strict_json import refuse_constant
 
 with needs_extra("polyloop.adapters.openai", "openai"):
     import openai
@@ -369,7 +370,7 @@ def _parsed_arguments(raw: object) -> JSONValue:
     if not raw.strip():
         return {}  # a call with no arguments, as several servers send it
     try:
-        parsed = json.loads(raw, parse_constant=_no_constant)
+        parsed = json.loads(raw, parse_constant=refuse_constant)
     except (ValueError, RecursionError):
         return raw
     return parsed if isinstance(parsed, dict) and _loggable(parsed) else raw
@@ -391,10 +392,6 @@ def _object_text(arguments: dict[str, Any]) -> str:
         return json.dumps(arguments, ensure_ascii=False)
     except (ValueError, RecursionError):  # not reached by a body the SDK could read
         return "<arguments sent as an object that cannot be written as JSON>"
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 def _text(value: object) -> str | None:

@@ -14,22 +14,14 @@ import ast
 import csv
 import io
 import json
-import math
 import operator
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from polyloop.ports import (
-    Action,
-    Decision,
-    FinalAnswer,
-    InvalidDecision,
-    ModelReply,
-    reject_incomplete,
-)
+from polyloop._json_decisions import Finding, LenientReading, first_object
+from polyloop.ports import Decision, ModelReply
 from polyloop.session import ObservationTexts, Request
 from polyloop.tools import ToolRegistry, ToolSpec
 from polyloop.types import Budget, Injection, JSONValue, Message, Replay, Role, ToolStyle
@@ -209,23 +201,6 @@ def _number(value: float | int) -> str:
 
 # -- the interpreter ------------------------------------------------------------------------
 
-_FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)```", re.DOTALL)
-
-
-def _not_json(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    # NaN, Infinity and numbers beyond a float would make a payload no log can carry.
-    number = float(text)
-    if not math.isfinite(number):
-        raise ValueError(f"{text} is too large for a float")
-    return number
-
-
-_DECODER = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
-
 
 class TextToolInterpreter:
     """Reads the decision from the model's text.
@@ -245,43 +220,13 @@ class TextToolInterpreter:
         return {"kind": "polyloop-cli-text", "version": 1}
 
     def interpret(self, reply: ModelReply) -> Decision:
-        if (rejected := reject_incomplete(reply)) is not None:
-            return rejected  # cut off, filtered or refused: never acted on
-        data = find_object(reply.content)
-        if data is not None:
-            name, arguments = data.get("tool"), data.get("arguments", {})
-            if isinstance(name, str):
-                shown = json.dumps(arguments, ensure_ascii=False, sort_keys=True)
-                return Action(
-                    payload={"name": name, "arguments": arguments},
-                    action_text=f"{name}({shown})",
-                    history_text=reply.content,
-                )
-            if isinstance(data.get("answer"), str):
-                return FinalAnswer(answer=data["answer"], history_text=reply.content)
-        return InvalidDecision(feedback=self.FEEDBACK, history_text=reply.content)
+        return _READING.interpret(reply)
 
 
-def find_object(text: str) -> dict[str, Any] | None:
-    """The decision object of a reply (see :class:`TextToolInterpreter`), if any."""
-    for block in _FENCED.findall(text):
-        found = _first_object(block)
-        if found is not None:
-            return found
-    return _first_object(text)
+_READING = LenientReading(finding=Finding.FIRST_IN_TEXT, feedback=TextToolInterpreter.FEEDBACK)
 
-
-def _first_object(text: str) -> dict[str, Any] | None:
-    start = text.find("{")
-    while start >= 0:
-        try:
-            value, _ = _DECODER.raw_decode(text, start)
-        except ValueError:
-            value = None
-        if isinstance(value, dict):
-            return value
-        start = text.find("{", start + 1)
-    return None
+find_object = first_object
+"""The decision object of a reply (see :class:`TextToolInterpreter`), if any."""
 
 
 # -- the scripted model ------------------------------------------------------------------------

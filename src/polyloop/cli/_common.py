@@ -17,7 +17,13 @@ from rich.console import Console, RenderableType
 from rich.measure import Measurement
 
 from polyloop._escaping import escape_field, escape_in_json_text, escape_surrogates
-from polyloop.interpreters._json_tool_call import STRICT_JSON, RepeatedKey
+from polyloop._strict_json import (
+    STRICT_JSON,
+    FloatOverflow,
+    IntegerTooLong,
+    NotJsonNumber,
+    RepeatedKey,
+)
 from polyloop.types import JSONValue
 
 PROGRAM = "polyloop"
@@ -92,18 +98,30 @@ def edited_arguments(text: str) -> JSONValue:
     try:
         value: JSONValue = STRICT_JSON.decode(text)
     except RepeatedKey as exc:
-        key = escape_field(str(exc.args[0]))
+        key = escape_field(exc.keys[0])
         raise ValueError(
             f"the arguments name the key '{key}' twice in one object: give each key once, "
             f"so that it is clear which value you mean"
         ) from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"the arguments are not JSON: {exc}") from None
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"the arguments hold {exc!s:.40}, which the log cannot carry") from None
+    except (NotJsonNumber, FloatOverflow, IntegerTooLong, RecursionError) as exc:
+        raise ValueError(
+            f"the arguments hold {_unloggable(exc)}, which the log cannot carry"
+        ) from None
     if not isinstance(value, dict):
         raise ValueError("the arguments must be a JSON object")
     return value
+
+
+def _unloggable(exc: Exception) -> str:
+    if isinstance(exc, NotJsonNumber):
+        return exc.word
+    if isinstance(exc, FloatOverflow):
+        return f"the number {exc.text:.40}"
+    if isinstance(exc, IntegerTooLong):
+        return f"a whole number of {exc.digits} digits"
+    return "JSON nested too deeply"
 
 
 def editable_json(value: object, *, indent: int | None = None) -> str:

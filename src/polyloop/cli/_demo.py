@@ -13,10 +13,11 @@ import os
 import secrets
 import shlex
 import sys
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import ParamSpec
 
 import anyio
 import anyio.to_thread
@@ -37,18 +38,13 @@ from polyloop.cli._render import step_line
 from polyloop.cli._stores import StoreSpec, open_store, wrong_kind
 from polyloop.ports import Event, EventKind, ManagedStore, ModelClient, Store
 from polyloop.session import Definition, resume, run, run_status
+from polyloop.testing import FaultyStore
 from polyloop.tools import ToolRegistry
 from polyloop.types import (
-    Intent,
     JSONValue,
-    Result,
-    Review,
-    RunEnded,
     RunLocked,
-    RunLog,
     RunNotFound,
     RunResult,
-    RunStarted,
     RunState,
     RunStatus,
     StepRecord,
@@ -59,6 +55,7 @@ from polyloop.types import (
 DEFAULT_STORE = "sqlite:polyloop-demo/demo.db"
 CRASH_EXIT_STATUS = 3
 UNFINISHED_EXIT_STATUS = 2
+_Args = ParamSpec("_Args")
 COMPLETED = frozenset({StopReason.SUBMITTED, StopReason.FINAL_ANSWER, StopReason.ENV_DONE})
 
 
@@ -92,57 +89,22 @@ class ProgressSink:
             self._out.file.flush()  # progress must show even through a pipe
 
 
-class CrashingStore:
-    """Passes every call to ``inner``; ends the process right after write ``limit``."""
+class CrashingStore(FaultyStore):
+    """The testing store's crash made real: the process ends right after write ``limit``.
+
+    The exit comes before the write that :class:`FaultyStore` would refuse, so no
+    cleanup runs and no end record is written, exactly as when a process is killed.
+    """
 
     def __init__(self, inner: Store, limit: int, before_exit: Callable[[int], None]) -> None:
-        self._inner = inner
-        self._limit = limit
+        super().__init__(inner, fail_after_writes=limit)
         self._before_exit = before_exit
-        self.writes = 0
 
-    def parameters(self) -> Mapping[str, JSONValue]:
-        return self._inner.parameters()
-
-    async def claim_run(self, run_id: str) -> None:
-        await self._inner.claim_run(run_id)
-
-    async def release_run(self, run_id: str) -> None:
-        await self._inner.release_run(run_id)
-
-    async def check_claim(self, run_id: str) -> None:
-        await self._inner.check_claim(run_id)
-
-    async def start_run(self, record: RunStarted) -> None:
-        await self._inner.start_run(record)
-        self._count()
-
-    async def write_intent(self, intent: Intent) -> None:
-        await self._inner.write_intent(intent)
-        self._count()
-
-    async def write_result(self, result: Result) -> None:
-        await self._inner.write_result(result)
-        self._count()
-
-    async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
-        await self._inner.write_step(step, action_result)
-        self._count()
-
-    async def write_review(self, record: Review) -> None:
-        await self._inner.write_review(record)
-        self._count()
-
-    async def end_run(self, record: RunEnded) -> None:
-        await self._inner.end_run(record)
-        self._count()
-
-    async def read_log(self, run_id: str) -> RunLog:
-        return await self._inner.read_log(run_id)
-
-    def _count(self) -> None:
-        self.writes += 1
-        if self.writes == self._limit:
+    async def _write(
+        self, write: Callable[_Args, Awaitable[None]], *args: _Args.args, **kwargs: _Args.kwargs
+    ) -> None:
+        await super()._write(write, *args, **kwargs)
+        if self.crashed:
             self._before_exit(self.writes)
             os._exit(CRASH_EXIT_STATUS)
 

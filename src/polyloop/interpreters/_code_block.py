@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from polyloop.interpreters._fences import FencedBlock, clip, scan_fences
+from polyloop._fences import FencedBlock, clip, scan_fences
 from polyloop.ports import (
     Action,
     Decision,

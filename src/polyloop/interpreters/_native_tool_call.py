@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from polyloop._shared import call_text
+from polyloop._strict_json import NotJsonNumber, refuse_constant
 from polyloop.ports import (
     Action,
     Decision,
@@ -112,19 +113,11 @@ def _bad_arguments(name: str, arguments: JSONValue) -> str:
     )
 
 
-class _NotJson(ValueError):
-    """``NaN`` or ``Infinity``: Python's parser reads them, JSON has no such words."""
-
-
-def _not_json(name: str) -> object:
-    raise _NotJson(name)
-
-
 def _text_fault(text: str) -> str:
     """What is wrong with arguments the client passed on as text."""
     try:
-        value = json.loads(text, parse_constant=_not_json)
-    except (json.JSONDecodeError, _NotJson):
+        value = json.loads(text, parse_constant=refuse_constant)
+    except (json.JSONDecodeError, NotJsonNumber):
         return "are not valid JSON"
     except (ValueError, RecursionError):  # an integer too long, nesting too deep
         return _TOO_LARGE

@@ -18,13 +18,12 @@ fields without breaking older readers.
 
 from __future__ import annotations
 
-import collections
 import json
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyloop._shared import FORMAT, encodable_json, plain_copy, record_kind
+from polyloop._strict_json import finite_float, refuse_constant, unique_keys, whole_number
 from polyloop.serialization._schema import (
     FIELDS,
     RECORD_CLASS,
@@ -133,9 +132,10 @@ def loads(line: str | bytes, *, location: str | None = None) -> Record:
     try:
         data = json.loads(
             line,
-            object_pairs_hook=_unique_keys,
-            parse_constant=_no_constant,
-            parse_float=_finite_float,
+            object_pairs_hook=unique_keys,
+            parse_constant=refuse_constant,
+            parse_float=finite_float,
+            parse_int=whole_number,
         )
     except (ValueError, RecursionError) as exc:
         # JSONDecodeError, duplicate keys, NaN literals, over-long integers, bad UTF-8.
@@ -167,28 +167,3 @@ def decode(data: Mapping[str, Any], *, location: str | None = None) -> Record:
         values[field.name] = checked(kind, field, data[field.key], corrupt)
     record: Record = RECORD_CLASS[kind](**values)
     return record
-
-
-# The hooks json.loads reads a line with: each turns what strict JSON refuses into the
-# ValueError that loads reports as a corrupt line.
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        # Counted once: a line of many keys must not cost their square to refuse.
-        counts = collections.Counter(key for key, _ in pairs)
-        dupes = sorted(key for key, count in counts.items() if count > 1)
-        raise ValueError(f"duplicate keys {dupes}")
-    return result
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} overflows a float")
-    return value

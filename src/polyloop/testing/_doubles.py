@@ -4,23 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 import anyio.lowlevel
 
-from polyloop.ports import (
-    Action,
-    ActionOutcome,
-    Decision,
-    Event,
-    FinalAnswer,
-    InvalidDecision,
-    ModelCall,
-    ModelReply,
-    reject_incomplete,
-)
+from polyloop._json_decisions import Finding, LenientReading
+from polyloop.ports import Action, ActionOutcome, Decision, Event, ModelCall, ModelReply
 from polyloop.types import JSONValue, Replay
 
 ScriptItem = str | ModelReply | Exception
@@ -118,36 +108,10 @@ class JsonActionInterpreter:
         return {"kind": "json-action", "version": 1}
 
     def interpret(self, reply: ModelReply) -> Decision:
-        if (rejected := reject_incomplete(reply)) is not None:
-            return rejected  # cut off, filtered or refused: never acted on
-        try:
-            data = json.loads(reply.content, parse_constant=_not_json, parse_float=_finite)
-        except (ValueError, RecursionError):  # not JSON, or nested beyond the parser
-            data = None
-        if isinstance(data, dict):
-            if isinstance(data.get("answer"), str) and "tool" not in data:
-                return FinalAnswer(answer=data["answer"], history_text=reply.content)
-            name, arguments = data.get("tool"), data.get("arguments", {})
-            if isinstance(name, str):
-                shown = json.dumps(arguments, ensure_ascii=False, sort_keys=True)
-                return Action(
-                    payload={"name": name, "arguments": arguments},
-                    action_text=f"{name}({shown})",
-                    history_text=reply.content,
-                )
-        return InvalidDecision(feedback=self.FEEDBACK, history_text=reply.content)
+        return _LOOSE_JSON.interpret(reply)
 
 
-def _not_json(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    # NaN, Infinity and numbers beyond a float would make a payload no log can carry.
-    number = float(text)
-    if not math.isfinite(number):
-        raise ValueError(f"{text} is too large for a float")
-    return number
+_LOOSE_JSON = LenientReading(finding=Finding.WHOLE_REPLY, feedback=JsonActionInterpreter.FEEDBACK)
 
 
 class ScriptedEnvironment:

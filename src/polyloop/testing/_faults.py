@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import ParamSpec
 
 from polyloop.ports import Store
 from polyloop.types import (
@@ -15,6 +16,8 @@ from polyloop.types import (
     RunStarted,
     StepRecord,
 )
+
+_Args = ParamSpec("_Args")
 
 
 class SimulatedCrash(Exception):
@@ -43,10 +46,14 @@ class FaultyStore:
     def parameters(self) -> Mapping[str, JSONValue]:
         return self.inner.parameters()
 
-    def _admit(self) -> None:
+    async def _write(
+        self, write: Callable[_Args, Awaitable[None]], *args: _Args.args, **kwargs: _Args.kwargs
+    ) -> None:
+        # Every write passes here, so a subclass changes how the crash comes in one place.
         if self.crashed:
             raise SimulatedCrash(f"simulated crash after write {self.fail_after_writes}")
         self.writes += 1
+        await write(*args, **kwargs)
 
     async def claim_run(self, run_id: str) -> None:
         await self.inner.claim_run(run_id)
@@ -58,28 +65,22 @@ class FaultyStore:
         await self.inner.check_claim(run_id)
 
     async def start_run(self, record: RunStarted) -> None:
-        self._admit()
-        await self.inner.start_run(record)
+        await self._write(self.inner.start_run, record)
 
     async def write_intent(self, intent: Intent) -> None:
-        self._admit()
-        await self.inner.write_intent(intent)
+        await self._write(self.inner.write_intent, intent)
 
     async def write_result(self, result: Result) -> None:
-        self._admit()
-        await self.inner.write_result(result)
+        await self._write(self.inner.write_result, result)
 
     async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
-        self._admit()
-        await self.inner.write_step(step, action_result)
+        await self._write(self.inner.write_step, step, action_result)
 
     async def write_review(self, record: Review) -> None:
-        self._admit()
-        await self.inner.write_review(record)
+        await self._write(self.inner.write_review, record)
 
     async def read_log(self, run_id: str) -> RunLog:
         return await self.inner.read_log(run_id)
 
     async def end_run(self, record: RunEnded) -> None:
-        self._admit()
-        await self.inner.end_run(record)
+        await self._write(self.inner.end_run, record)
