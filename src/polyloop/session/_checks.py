@@ -30,8 +30,16 @@ from polyloop.types import (
 
 
 def fault(detail: str) -> ActionOutcome:
+    """The outcome of an action the environment failed: ``detail`` says how."""
     return ActionOutcome(
         status=ActionStatus.ENV_FAULT, observation=detail, synthesized=True, done=False
+    )
+
+
+def refusal(reason: str) -> ActionOutcome:
+    """The outcome of an action that did not run: ``reason`` says why."""
+    return ActionOutcome(
+        status=ActionStatus.NOT_EXECUTED, observation=reason, synthesized=True, done=False
     )
 
 
