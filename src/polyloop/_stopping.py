@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from polyloop.types import ActionStatus, Budget, DecisionKind, StopReason, Usage
+from polyloop.types import ActionStatus, Budget, DecisionKind, StepRecord, StopReason, Usage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +34,18 @@ class StepFacts:
     synthesized: bool
     done: bool
     completes: bool
+
+
+def facts_of(step: StepRecord, completes: bool) -> StepFacts:
+    """What ``step`` tells the stop decision; ``completes`` if its tool submits the task."""
+    return StepFacts(
+        decision=step.decision,
+        model_failed=step.error is not None,
+        action_status=step.action_status,
+        synthesized=step.observation_synthesized,
+        done=step.done,
+        completes=completes,
+    )
 
 
 def before_model_call(budget: Budget, used: Counters, context_chars: int) -> StopReason | None:

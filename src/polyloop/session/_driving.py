@@ -25,6 +25,7 @@ from polyloop.session._forking import Inheritance
 from polyloop.session._loop import Loop
 from polyloop.session._probes import probe_for
 from polyloop.session._request import Prepared, prepare
+from polyloop.session._resuming import continue_run
 from polyloop.session._steps import now
 from polyloop.session._values import Definition, Request
 from polyloop.types import (
@@ -105,7 +106,7 @@ async def _drive_claimed(
         # Nothing to do until a person answers: the recorded end stands, nothing is written.
         return _recovery.recorded_result(plan)
     loop = Loop(definition, request, prepared, resumed=True)
-    return await loop.guarded(loop.continue_from(plan, log.records, probe))
+    return await loop.guarded(continue_run(loop, plan, log.records, probe))
 
 
 async def _release(store: Store, request: Request) -> None:

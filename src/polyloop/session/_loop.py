@@ -18,35 +18,31 @@ from typing import Any, TypeAlias
 
 import anyio
 
-from polyloop import _recovery, _stopping, serialization
+from polyloop import _recovery, _stopping
 from polyloop._assembly import Transcript, step_messages
-from polyloop._recovery import Move
 from polyloop._shared import exception_text
 from polyloop.ports import (
     Action,
     ActionOutcome,
     EventKind,
-    FinalAnswer,
-    InvalidDecision,
     ModelCall,
     ModelReply,
 )
-from polyloop.session import _probes, _proposals
+from polyloop.session import _proposals
 from polyloop.session._checks import (
     action_name,
-    action_name_of,
     checked_reply,
     decision_problem,
     fault,
     outcome_payload,
     outcome_problem,
-    refusal,
-    reply_from,
+    replay_policy,
     reply_payload,
+    unloggable,
 )
 from polyloop.session._relay import Relay
 from polyloop.session._request import Prepared
-from polyloop.session._steps import StepBuilder, StepTimes, action_of, now, settled_outcome
+from polyloop.session._steps import StepBuilder, StepTimes, now
 from polyloop.session._values import Definition, Request
 from polyloop.types import (
     DecisionKind,
@@ -54,7 +50,6 @@ from polyloop.types import (
     IntentKind,
     JSONValue,
     Proposal,
-    Record,
     Replay,
     Result,
     RunEnded,
@@ -63,7 +58,6 @@ from polyloop.types import (
     Settlement,
     StepRecord,
     StopReason,
-    UnloggableValue,
     Usage,
 )
 
@@ -120,80 +114,21 @@ class Loop:
 
     async def start(self, started: RunStarted) -> None:
         for step in started.inherited_steps:
-            self._remember(step)
+            self.remember(step)
         await self.store.start_run(started)
         self.start_confirmed = True
         await self.relay.emit(EventKind.RUN_STARTED, None, started)
-        await self._until_stopped()
+        await self.until_stopped()
 
-    async def continue_from(
-        self, plan: _recovery.Plan, logged: tuple[Record, ...], probe: _probes.Probe | None
-    ) -> None:
-        """Go on from where ``plan`` says the run stopped, once ``probe`` (if any) was
-        asked about its action in doubt. ``logged`` is the log the plan was read from,
-        handed to the event sink as it is (no copy, no second read)."""
-        started = plan.started
-        assert started is not None
-        for step in plan.steps:
-            self._remember(step)
-        unsettled: str | None = None
-        if probe is not None:
-            answer = await self._reconcile(plan, probe)
-            if isinstance(answer, Settlement):
-                plan, logged = _recovery.settled(plan, answer), (*logged, answer)
-            elif self.end is not None:
-                return
-            else:
-                unsettled = answer
-        await self.relay.emit(EventKind.RUN_RESUMED, None, started, logged=logged)
-        move = _recovery.next_move(plan)
-        if move is Move.END_IN_DOUBT:
-            assert plan.open_intent is not None
-            detail = _recovery.in_doubt_detail(plan.open_intent)
-            await self._finish(StopReason.IN_DOUBT, _probes.noted(detail, unsettled))
-        elif move is Move.WAIT_FOR_APPROVAL:
-            assert plan.proposal is not None
-            await self._pause(plan.proposal)
-        elif move is Move.NEXT_STEP:
-            await self._until_stopped()
-        elif move is Move.CHECK_STOP:
-            await self._go_on_after(self.steps[-1], action_name(plan.last_action))
-        elif (stepped := await self._finish_interrupted(move, plan)) is not None:
-            await self._go_on_after(*stepped)
-
-    async def _reconcile(self, plan: _recovery.Plan, probe: _probes.Probe) -> Settlement | str:
-        """Ask the probe what became of the action in doubt, and record its answer: the
-        settlement written, or what to add to the in-doubt detail.
-
-        The probe is an effect like any other: it starts only once the claim is checked.
-        A log that already ends in doubt keeps that end unless a settlement follows it:
-        if the probe cannot settle the action, ``self.end`` is that end (its detail
-        saying what the probe said), and nothing is written, not even on cancellation.
-        """
-        self.end_stands = _recovery.waits_for_person(plan)
-        if probe.refused is None:
-            await self._before_effect()
-        answer = await _probes.ask(probe)
-        if isinstance(answer, Settlement):
-            await self.store.write_review(answer)
-        else:
-            self.reconcile_failures += answer.failed
-            if self.end_stands:
-                assert plan.ended is not None
-                detail = _probes.noted(plan.ended.detail, answer.note)
-                self.end = dataclasses.replace(plan.ended, detail=detail)
-        self.end_stands = False
-        return answer if isinstance(answer, Settlement) else answer.note
-
-    async def _until_stopped(self) -> None:
+    async def until_stopped(self) -> None:
         while True:
             size = self.transcript.size
             reason = _stopping.before_model_call(self.request.budget, self.used, size)
             if reason is not None:
                 detail = _stopping.limit_detail(self.request.budget, reason, self.used, size)
-                await self._finish(reason, detail)
+                await self.finish(reason, detail)
                 return
-            stepped = await self._step()
+            stepped = await self.step()
             if stepped is None:
                 return
             step, tool = stepped
@@ -201,43 +136,35 @@ class Loop:
                 await self._stop_after(step, reason)
                 return
 
-    async def _go_on_after(self, step: StepRecord, tool: str | None) -> None:
+    async def go_on_after(self, step: StepRecord, tool: str | None) -> None:
         reason = self._stop_reason(step, tool)
         if reason is None:
-            await self._until_stopped()
+            await self.until_stopped()
         else:
             await self._stop_after(step, reason)
 
     def _stop_reason(self, step: StepRecord, tool: str | None) -> StopReason | None:
         """Why the run stops after ``step`` (``tool`` names its action's tool), if it does."""
-        return _stopping.after_step(
-            _stopping.StepFacts(
-                decision=step.decision,
-                model_failed=step.error is not None,
-                action_status=step.action_status,
-                synthesized=step.observation_synthesized,
-                done=step.done,
-                completes=tool is not None and self.request.tools.marks_completion(tool),
-            )
-        )
+        completes = tool is not None and self.request.tools.marks_completion(tool)
+        return _stopping.after_step(_stopping.facts_of(step, completes))
 
     async def _stop_after(self, step: StepRecord, reason: StopReason) -> None:
         detail = step.error if reason is StopReason.MODEL_FAILURE else None
         if reason is StopReason.ENV_FAILURE:
             detail = step.observation
-        await self._finish(reason, detail, final_answer=step.final_answer)
+        await self.finish(reason, detail, final_answer=step.final_answer)
 
     # -- one step: decide --------------------------------------------------------------
 
-    async def _step(self, result_id: str | None = None) -> Stepped:
+    async def step(self, result_id: str | None = None) -> Stepped:
         index = self.used.steps
         result_id = result_id or _recovery.model_result_id(self.run_id, index)
         sha256 = self.transcript.sha256()
         replay = self.request.model_replay
         await self.store.write_intent(self.build.model_intent(index, result_id, replay, sha256))
-        return await self._call_model(index, StepTimes(), result_id)
+        return await self.call_model(index, StepTimes(), result_id)
 
-    async def _call_model(self, index: int, times: StepTimes, result_id: str) -> Stepped:
+    async def call_model(self, index: int, times: StepTimes, result_id: str) -> Stepped:
         call = ModelCall(
             messages=self.transcript.messages,
             call_index=index,
@@ -246,7 +173,7 @@ class Loop:
             binding=self.request.binding,
             tools=self.native_tools,
         )
-        await self._before_effect()
+        await self.before_effect()
         began = time.perf_counter()
         try:
             with self.relay.scope(IntentKind.MODEL_CALL, index):
@@ -254,13 +181,13 @@ class Loop:
         except Exception as exc:  # noqa: BLE001 - a failing model ends the run, by contract
             times.model_s = time.perf_counter() - began
             error = exception_text(exc)
-            await self._write_model_result(result_id, {"error": error}, times.model_s)
-            return await self._model_failed(index, error, times), None
+            await self.write_model_result(result_id, {"error": error}, times.model_s)
+            return await self.model_failed(index, error, times), None
         times.model_s = time.perf_counter() - began
-        await self._write_model_result(result_id, reply_payload(reply), times.model_s)
-        return await self._decide(index, reply, times)
+        await self.write_model_result(result_id, reply_payload(reply), times.model_s)
+        return await self.decide(index, reply, times)
 
-    async def _write_model_result(
+    async def write_model_result(
         self, result_id: str, payload: JSONValue, duration_s: float | None
     ) -> None:
         kind = IntentKind.MODEL_CALL
@@ -268,50 +195,30 @@ class Loop:
             self.build.result(result_id, kind, payload, duration_s=duration_s)
         )
 
-    async def _model_failed(
+    async def model_failed(
         self, index: int, error: str, times: StepTimes, reply: ModelReply | None = None
     ) -> StepRecord:
         invalid = DecisionKind.INVALID
         step = self.build.step(index, reply, times, decision=invalid, history_text="", error=error)
-        return await self._record(step, None)
+        return await self.record(step, None)
 
-    async def _decide(self, index: int, reply: ModelReply, times: StepTimes) -> Stepped:
+    async def decide(self, index: int, reply: ModelReply, times: StepTimes) -> Stepped:
         if (unmetered := _stopping.unmetered(self.request.budget, reply.usage)) is not None:
             # Recorded with unknown counts, so the run's total says it is incomplete.
             counted = dataclasses.replace(reply, usage=reply.usage or Usage())
-            return await self._model_failed(index, unmetered, times, counted), None
+            return await self.model_failed(index, unmetered, times, counted), None
         decision = self.definition.interpreter.interpret(reply)
         if (problem := decision_problem(decision)) is not None:
             # An interpreter bug, not a model error: stop here, leaving the run resumable
             # (the reply is on record and is interpreted again by a fixed interpreter).
             raise TypeError(f"run {self.run_id!r}: {problem}")
         if isinstance(decision, Action):
-            return await self._announce_and_act(index, reply, decision, times)
-        if isinstance(decision, FinalAnswer):
-            step = self.build.step(
-                index,
-                reply,
-                times,
-                decision=DecisionKind.FINAL,
-                history_text=decision.history_text,
-                final_answer=decision.answer,
-            )
-        else:
-            assert isinstance(decision, InvalidDecision)
-            step = self.build.step(
-                index,
-                reply,
-                times,
-                decision=DecisionKind.INVALID,
-                history_text=decision.history_text,
-                observation=decision.feedback,
-                observation_synthesized=True,
-            )
-        return await self._record(step, None), None
+            return await self.announce_and_act(index, reply, decision, times)
+        return await self.record(self.build.decided(index, reply, times, decision), None), None
 
     # -- one step: announce and act -----------------------------------------------------
 
-    async def _announce_and_act(
+    async def announce_and_act(
         self,
         index: int,
         reply: ModelReply,
@@ -327,19 +234,19 @@ class Loop:
         approved, and its intent says who edited it and what was proposed.
         """
         by, proposed = (edit.by, edit.proposed) if edit is not None else (None, None)
-        replay = self._replay_policy(action)
+        replay = replay_policy(self.request.executor, action)
         # Not announced, nothing run: the executor could not say whether the action may
         # be repeated (an environment fault), or its intent could not record it.
         if not isinstance(replay, Replay):
             refused: ActionOutcome | None = fault(replay)
         else:
-            refused = self._unloggable(action)
+            refused = unloggable(action, self.run_id)
         if refused is not None or not isinstance(replay, Replay):
             assert refused is not None
             step = self.build.acted(
                 index, reply, action, refused, times, edited_by=by, proposed=proposed
             )
-            return await self._record(step, None), None
+            return await self.record(step, None), None
         result_id = _recovery.action_result_id(self.run_id, index)
         intent = self.build.action_intent(
             index, result_id, action, replay, edited_by=by, proposed=proposed
@@ -350,27 +257,7 @@ class Loop:
             await self._propose(intent, name)
             return None
         await self.store.write_intent(intent)
-        return await self._act(index, reply, action, times, intent), name
-
-    def _replay_policy(self, action: Action) -> Replay | str:
-        """The executor's replay policy for ``action``, or why there is none."""
-        try:
-            replay = self.request.executor.replay(action)
-        except Exception as exc:  # noqa: BLE001 - the executor's fault, reported as one
-            return exception_text(exc)
-        if not isinstance(replay, Replay):
-            kind = type(replay).__name__
-            return f"TypeError: the executor's replay() returned {kind}, not Replay"
-        return replay
-
-    def _unloggable(self, action: Action) -> ActionOutcome | None:
-        """Nothing may run that its intent cannot record: such an action is refused like
-        a bad call. Only the payload can be unloggable: the texts were checked."""
-        try:
-            serialization.plain(action.payload, owner="Intent", field="payload", run_id=self.run_id)
-        except UnloggableValue as exc:
-            return refusal(exc.reason)
-        return None
+        return await self.act(index, reply, action, times, intent), name
 
     async def _propose(self, intent: Intent, name: str) -> None:
         """Record the action for a person to judge, durably, and stop the run to wait."""
@@ -378,15 +265,15 @@ class Loop:
         description = spec.description if spec is not None else ""
         proposal = _proposals.proposal_of(intent, description, now())
         await self.store.write_review(proposal)
-        await self._pause(proposal)
+        await self.pause(proposal)
 
-    async def _pause(self, proposal: Proposal) -> None:
-        await self._finish(StopReason.AWAITING_APPROVAL, _recovery.awaiting_detail(proposal))
+    async def pause(self, proposal: Proposal) -> None:
+        await self.finish(StopReason.AWAITING_APPROVAL, _recovery.awaiting_detail(proposal))
 
-    async def _act(
+    async def act(
         self, index: int, reply: ModelReply, action: Action, times: StepTimes, intent: Intent
     ) -> StepRecord:
-        await self._before_effect()
+        await self.before_effect()
         began = time.perf_counter()
         outcome = await self._execute(action, intent)
         times.action_s = time.perf_counter() - began
@@ -406,9 +293,9 @@ class Loop:
             at=step.at,
             duration_s=times.action_s,
         )
-        return await self._record(step, result, intent)
+        return await self.record(step, result, intent)
 
-    async def _before_effect(self) -> None:
+    async def before_effect(self) -> None:
         """The last thing before an effect starts: its intent is durable, and the store
         must still hold the run's claim with time to spare. If it does not (a lease
         lost while this process was paused, say), nothing starts and nothing more is
@@ -426,7 +313,7 @@ class Loop:
 
     # -- one step: record ----------------------------------------------------------------
 
-    async def _record(
+    async def record(
         self,
         step: StepRecord,
         action_result: Result | None,
@@ -434,13 +321,13 @@ class Loop:
         settlement: Settlement | None = None,
     ) -> StepRecord:
         await self.store.write_step(step, action_result)
-        self._remember(step)
+        self.remember(step)
         await self.relay.emit(
             EventKind.STEP_FINISHED, step.step, step, intent, settlement=settlement
         )
         return step
 
-    def _remember(self, step: StepRecord) -> None:
+    def remember(self, step: StepRecord) -> None:
         self.steps.append(step)
         tokens = step.usage.total_tokens if step.usage is not None else None
         self.used = _stopping.settle(self.used, step.action_status, tokens or 0)
@@ -453,94 +340,9 @@ class Loop:
             )
         )
 
-    # -- the step a crash, a verdict or a settlement left to finish ----------------------
-
-    async def _finish_interrupted(self, move: Move, plan: _recovery.Plan) -> Stepped:
-        """Finish the step a crash, a verdict or a settlement left, as ``move`` says."""
-        index, times, intent = len(self.steps), StepTimes(), plan.open_intent
-        if move is Move.CALL_MODEL_AGAIN:
-            return await self._step(_recovery.model_call_again_id(plan))
-        if move is Move.LOSE_REPLY:
-            assert plan.settlement is not None
-            error = _recovery.unrecorded_reply_error(plan.settlement)
-            await self._write_model_result(plan.settlement.result_id, {"error": error}, None)
-            return await self._model_failed(index, error, times), None
-        if move is Move.CALL_MODEL:
-            # The model call's result was lost and its replay is allowed: it reuses the
-            # intent on disk rather than writing a second one.
-            assert intent is not None
-            return await self._call_model(index, times, intent.result_id)
-        return await self._after_reply(move, plan, index, times)
-
-    async def _after_reply(
-        self, move: Move, plan: _recovery.Plan, index: int, times: StepTimes
-    ) -> Stepped:
-        """Go on from the model reply that landed before the step was interrupted."""
-        landed, intent = plan.model_result, plan.open_intent
-        assert landed is not None
-        if move is Move.RECORD_MODEL_FAILURE:
-            error = _recovery.model_call_error(landed)
-            assert error is not None
-            return await self._model_failed(index, error, times), None
-        reply = reply_from(landed.payload, self.run_id, landed.result_id)
-        if move is Move.INTERPRET:
-            # No action was announced, so nothing has happened yet: interpret again.
-            return await self._decide(index, reply, times)
-        if intent is None:
-            return await self._after_verdict(move, index, reply, plan, times)
-        # The action was announced: replay exactly the recorded action, whatever the
-        # interpreter would say today (or close it the way its settlement says).
-        action, tool = action_of(intent), action_name(intent)
-        if move is Move.CLOSE_SETTLED:
-            assert plan.settlement is not None
-            return await self._settled(index, reply, action, plan.settlement, times, intent), tool
-        return await self._act(index, reply, action, times, intent), tool
-
-    async def _after_verdict(
-        self, move: Move, index: int, reply: ModelReply, plan: _recovery.Plan, times: StepTimes
-    ) -> Stepped:
-        """Announce and run the approved action (with the arguments as approved), or
-        record the rejected one as not executed."""
-        verdict, proposal = plan.verdict, plan.proposal
-        assert verdict is not None and proposal is not None  # a verdict answers a proposal
-        if move is Move.RUN_EDITED:
-            action, edit = _proposals.edited(verdict, proposal)
-            return await self._announce_and_act(index, reply, action, times, edit=edit)
-        action = action_of(proposal)
-        if move is Move.RUN_APPROVED:
-            return await self._announce_and_act(index, reply, action, times, approved=True)
-        rejected = refusal(verdict.reason or "")
-        step = self.build.acted(index, reply, action, rejected, times)
-        return await self._record(step, None), action_name_of(proposal.payload)
-
-    async def _settled(
-        self,
-        index: int,
-        reply: ModelReply,
-        action: Action,
-        settlement: Settlement,
-        times: StepTimes,
-        intent: Intent,
-    ) -> StepRecord:
-        """Close the action in doubt the way the person who settled it says it ended."""
-        outcome = settled_outcome(settlement)
-        step = self.build.acted(
-            index,
-            reply,
-            action,
-            outcome,
-            times,
-            edited_by=intent.edited_by,
-            proposed=intent.proposed_action_text,
-            settled_by=settlement.by,
-        )
-        payload = outcome_payload(outcome)
-        result = self.build.result(settlement.result_id, IntentKind.ACTION, payload, at=step.at)
-        return await self._record(step, result, intent, settlement)
-
     # -- ending ------------------------------------------------------------------------
 
-    async def _finish(
+    async def finish(
         self, reason: StopReason, detail: str | None, *, final_answer: str | None = None
     ) -> None:
         end = self.build.end(reason, detail, self.used, final_answer)
@@ -556,7 +358,7 @@ class Loop:
                 return
             if self.end_stands:
                 return
-            await self._finish(StopReason.CANCELLED, "the run was cancelled")
+            await self.finish(StopReason.CANCELLED, "the run was cancelled")
         except Exception:
             # The cancellation must go on whatever the store says; the log then ends
             # without an end record, which resume handles like a crash.

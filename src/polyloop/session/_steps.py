@@ -13,7 +13,7 @@ import time
 from datetime import UTC, datetime
 
 from polyloop._stopping import Counters
-from polyloop.ports import Action, ActionOutcome, ModelReply
+from polyloop.ports import Action, ActionOutcome, FinalAnswer, InvalidDecision, ModelReply
 from polyloop.types import (
     ActionStatus,
     DecisionKind,
@@ -176,6 +176,33 @@ class StepBuilder:
             edited_by=edited_by,
             proposed=proposed,
             settled_by=settled_by,
+        )
+
+    def decided(
+        self,
+        index: int,
+        reply: ModelReply,
+        times: StepTimes,
+        decision: FinalAnswer | InvalidDecision,
+    ) -> StepRecord:
+        """The step record of a reply the interpreter took as an answer or found invalid."""
+        if isinstance(decision, FinalAnswer):
+            return self.step(
+                index,
+                reply,
+                times,
+                decision=DecisionKind.FINAL,
+                history_text=decision.history_text,
+                final_answer=decision.answer,
+            )
+        return self.step(
+            index,
+            reply,
+            times,
+            decision=DecisionKind.INVALID,
+            history_text=decision.history_text,
+            observation=decision.feedback,
+            observation_synthesized=True,
         )
 
     def step(
