@@ -4,9 +4,9 @@ One is built per call of ``run`` or ``resume``, once the request is checked and 
 id claimed. Each step makes the writes the package docstring sets out, in its order;
 every return is preceded by an end record and, when cancelled, the loop still leaves
 one where it can. Its side jobs live beside it: ``_steps`` builds the records,
-``_relay`` tells the event sink, ``_probes`` asks about an action in doubt,
-``_proposals`` turns a verdict into the call to run, and ``_recovery.next_move`` says
-where a resumed run picks up.
+``_relay`` tells the event sink, ``_proposals`` puts a call to a person and turns a
+verdict into the call to run, and ``_resuming`` carries a resumed run on from where
+``_recovery.next_move`` says (asking ``_probes`` about an action in doubt first).
 """
 
 from __future__ import annotations
@@ -237,16 +237,16 @@ class Loop:
         replay = replay_policy(self.request.executor, action)
         # Not announced, nothing run: the executor could not say whether the action may
         # be repeated (an environment fault), or its intent could not record it.
-        if not isinstance(replay, Replay):
-            refused: ActionOutcome | None = fault(replay)
-        else:
+        if isinstance(replay, Replay):
             refused = unloggable(action, self.run_id)
-        if refused is not None or not isinstance(replay, Replay):
-            assert refused is not None
+        else:
+            refused = fault(replay)
+        if refused is not None:
             step = self.build.acted(
                 index, reply, action, refused, times, edited_by=by, proposed=proposed
             )
             return await self.record(step, None), None
+        assert isinstance(replay, Replay)  # nothing is refused: the executor named a policy
         result_id = _recovery.action_result_id(self.run_id, index)
         intent = self.build.action_intent(
             index, result_id, action, replay, edited_by=by, proposed=proposed

@@ -86,7 +86,7 @@ async def _reconcile(loop: Loop, plan: _recovery.Plan, probe: _probes.Probe) -> 
     if isinstance(answer, Settlement):
         await loop.store.write_review(answer)
     else:
-        loop.reconcile_failures += answer.failed
+        loop.reconcile_failures += int(answer.failed)
         if loop.end_stands:
             assert plan.ended is not None
             detail = _probes.noted(plan.ended.detail, answer.note)
