@@ -402,6 +402,72 @@ def unrecorded_reply_error(settlement: Settlement) -> str:
     )
 
 
+class Move(enum.Enum):
+    """What resuming a run does first, once any probe has answered (see :func:`next_move`)."""
+
+    END_IN_DOUBT = "end_in_doubt"  # an effect may or may not have happened: a person must say
+    WAIT_FOR_APPROVAL = "wait_for_approval"  # a proposal still waits for its verdict
+    CALL_MODEL = "call_model"  # the model call's result was lost: call again under its intent
+    CALL_MODEL_AGAIN = "call_model_again"  # settled as not run: a new call, a new intent
+    LOSE_REPLY = "lose_reply"  # settled as run: its reply is lost, the step fails
+    RECORD_MODEL_FAILURE = "record_model_failure"  # the model call failed before the crash
+    INTERPRET = "interpret"  # the reply landed and nothing was announced: interpret it again
+    RUN_APPROVED = "run_approved"  # a person approved the proposal: announce and run it
+    RUN_EDITED = "run_edited"  # approved with other arguments: run the call as edited
+    RECORD_REJECTED = "record_rejected"  # rejected: the step records it as not executed
+    CLOSE_SETTLED = "close_settled"  # a settlement says how the action in doubt ended
+    RUN_ACTION = "run_action"  # the announced action may be replayed: run it, same result id
+    CHECK_STOP = "check_stop"  # the last step landed, the run may not have ended: decide
+    NEXT_STEP = "next_step"  # nothing was interrupted: take the next step
+
+
+def next_move(plan: Plan) -> Move:
+    """What a crash, a verdict or a settlement leaves to do in a started, unfinished run.
+
+    The order is the order of the checks: a step in doubt or waiting first, then the
+    interrupted step by how far it got (its model call, its reply, its action), then
+    the run's own last step. Raises ``ValueError`` for a fresh or finished plan.
+    """
+    if plan.started is None or plan.state is RecoveryState.FINISHED:
+        raise ValueError("only a started, unfinished run has a next move")
+    if plan.state is RecoveryState.IN_DOUBT:
+        return Move.END_IN_DOUBT
+    if plan.state is RecoveryState.AWAITING_APPROVAL:
+        return Move.WAIT_FOR_APPROVAL
+    if plan.model_result is not None or plan.open_intent is not None:
+        return _interrupted_move(plan)
+    if len(plan.steps) > len(plan.started.inherited_steps):
+        # A fork's inherited steps are never decided again: it goes on after them.
+        return Move.CHECK_STOP
+    return Move.NEXT_STEP
+
+
+def _interrupted_move(plan: Plan) -> Move:
+    intent, verdict = plan.open_intent, plan.verdict
+    if (settlement := settled_model_call(plan)) is not None:
+        return Move.LOSE_REPLY if settlement.ran else Move.CALL_MODEL_AGAIN
+    if plan.model_result is None:
+        return Move.CALL_MODEL
+    if model_call_error(plan.model_result) is not None:
+        return Move.RECORD_MODEL_FAILURE
+    if intent is None and verdict is not None:
+        if not verdict.approved:
+            return Move.RECORD_REJECTED
+        assert plan.proposal is not None  # a verdict answers a proposal
+        return Move.RUN_EDITED if verdict.payload != plan.proposal.payload else Move.RUN_APPROVED
+    if intent is None:
+        return Move.INTERPRET
+    return Move.CLOSE_SETTLED if plan.settlement is not None else Move.RUN_ACTION
+
+
+def model_call_error(result: Result) -> str | None:
+    """What a model result says went wrong with its call, if the call failed."""
+    payload = result.payload
+    if isinstance(payload, dict) and "error" in payload:
+        return str(payload["error"])
+    return None
+
+
 def reconciled_steps(plan: Plan) -> tuple[int, ...]:
     """The steps whose action in doubt a tool's probe settled, in order."""
     steps = [step.step for step in plan.steps if _by_probe(step.settled_by)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from polyloop.types import ActionStatus, Budget, DecisionKind, StopReason
+from polyloop.types import ActionStatus, Budget, DecisionKind, StepRecord, StopReason, Usage
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,6 +34,18 @@ class StepFacts:
     synthesized: bool
     done: bool
     completes: bool
+
+
+def facts_of(step: StepRecord, completes: bool) -> StepFacts:
+    """What ``step`` tells the stop decision; ``completes`` if its tool submits the task."""
+    return StepFacts(
+        decision=step.decision,
+        model_failed=step.error is not None,
+        action_status=step.action_status,
+        synthesized=step.observation_synthesized,
+        done=step.done,
+        completes=completes,
+    )
 
 
 def before_model_call(budget: Budget, used: Counters, context_chars: int) -> StopReason | None:
@@ -79,4 +91,33 @@ def settle(used: Counters, action_status: ActionStatus | None, tokens: int = 0) 
         steps=used.steps + 1,
         valid_steps=used.valid_steps + (1 if counts_as_valid(action_status) else 0),
         tokens=used.tokens + tokens,
+    )
+
+
+def limit_detail(budget: Budget, reason: StopReason, used: Counters, context_chars: int) -> str:
+    """What the end record says when the budget check before a model call stops the run."""
+    if reason is StopReason.CONTEXT_LIMIT:
+        return (
+            f"the context holds {context_chars} characters, more than "
+            f"max_context_chars={budget.max_context_chars}"
+        )
+    if reason is StopReason.STEP_LIMIT:
+        return f"max_steps={budget.max_steps} reached"
+    if reason is StopReason.TOKEN_LIMIT:
+        return f"{used.tokens} tokens used, max_tokens={budget.max_tokens} reached"
+    return f"max_valid_steps={budget.max_valid_steps} reached"
+
+
+def unmetered(budget: Budget, usage: Usage | None) -> str | None:
+    """Why a reply that reports ``usage`` cannot be counted against the token budget.
+
+    A budget that a reply could slip past unseen would not be a budget, so a reply
+    that does not say what it cost ends the run rather than going uncounted.
+    """
+    limit = budget.max_tokens
+    if limit is None or (usage is not None and usage.total_tokens is not None):
+        return None
+    return (
+        f"the model reply does not report its input and output tokens, and the run "
+        f"has a token budget (max_tokens={limit}) that cannot be kept without them"
     )

@@ -10,8 +10,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from polyloop._shared import plain_copy
-from polyloop.ports import Action, ActionOutcome, FinalAnswer, InvalidDecision, ModelReply
+from polyloop._shared import exception_text, plain_copy
+from polyloop.ports import (
+    Action,
+    ActionExecutor,
+    ActionOutcome,
+    FinalAnswer,
+    InvalidDecision,
+    ModelReply,
+)
+from polyloop.serialization import plain
 from polyloop.serialization._schema import (
     plain_tool_call,
     plain_usage,
@@ -24,14 +32,24 @@ from polyloop.types import (
     FinishReason,
     Intent,
     JSONValue,
+    Replay,
     ToolCallBlock,
+    UnloggableValue,
     Usage,
 )
 
 
 def fault(detail: str) -> ActionOutcome:
+    """The outcome of an action the environment failed: ``detail`` says how."""
     return ActionOutcome(
         status=ActionStatus.ENV_FAULT, observation=detail, synthesized=True, done=False
+    )
+
+
+def refusal(reason: str) -> ActionOutcome:
+    """The outcome of an action that did not run: ``reason`` says why."""
+    return ActionOutcome(
+        status=ActionStatus.NOT_EXECUTED, observation=reason, synthesized=True, done=False
     )
 
 
@@ -207,3 +225,26 @@ def action_name_of(payload: JSONValue) -> str | None:
         return None
     name = payload.get("name")
     return name if isinstance(name, str) else None
+
+
+def replay_policy(executor: ActionExecutor, action: Action) -> Replay | str:
+    """The executor's replay policy for ``action``, or why there is none."""
+    try:
+        replay = executor.replay(action)
+    except Exception as exc:  # noqa: BLE001 - the executor's fault, reported as one
+        return exception_text(exc)
+    if not isinstance(replay, Replay):
+        kind = type(replay).__name__
+        return f"TypeError: the executor's replay() returned {kind}, not Replay"
+    return replay
+
+
+def unloggable(action: Action, run_id: str) -> ActionOutcome | None:
+    """The refusal of an action whose intent could not record it, if it could not:
+    nothing may run that its intent cannot record. Only the payload can be unloggable
+    (the interpreter's texts were checked as strings)."""
+    try:
+        plain(action.payload, owner="Intent", field="payload", run_id=run_id)
+    except UnloggableValue as exc:
+        return refusal(exc.reason)
+    return None

@@ -22,12 +22,14 @@ import anyio
 from polyloop import _recovery
 from polyloop.ports import ManagedStore, Store, StoredRun
 from polyloop.session._forking import Inheritance
-from polyloop.session._loop import Loop, now, reconcilable
-from polyloop.session._request import prepare
+from polyloop.session._loop import Loop
+from polyloop.session._probes import probe_for
+from polyloop.session._request import Prepared, prepare
+from polyloop.session._resuming import continue_run
+from polyloop.session._steps import now
 from polyloop.session._values import Definition, Request
 from polyloop.types import (
     InvalidRequest,
-    JSONValue,
     RecoveredRun,
     RunAlreadyExists,
     RunIdentityMismatch,
@@ -62,12 +64,12 @@ async def drive(
     ``inherit`` reads what a fork takes over from its source (``mode`` is then START);
     it is awaited once the request is checked, before the claim.
     """
-    snapshot = prepare(definition, request)
+    prepared = prepare(definition, request)
     inheritance = None if inherit is None else await inherit()
     store = definition.store
     await store.claim_run(request.run_id)
     try:
-        return await _drive_claimed(definition, request, snapshot, mode, inheritance)
+        return await _drive_claimed(definition, request, prepared, mode, inheritance)
     finally:
         await _release(store, request)
 
@@ -75,7 +77,7 @@ async def drive(
 async def _drive_claimed(
     definition: Definition,
     request: Request,
-    snapshot: dict[str, JSONValue],
+    prepared: Prepared,
     mode: Mode,
     inheritance: Inheritance | None,
 ) -> RunResult:
@@ -83,8 +85,8 @@ async def _drive_claimed(
     if not log.records:
         if mode is Mode.RESUME:
             raise RunNotFound("the store holds no record of this run", run_id=request.run_id)
-        loop = Loop(definition, request, resumed=False)
-        started = RunStarted(run_id=request.run_id, snapshot=snapshot, at=now())
+        loop = Loop(definition, request, prepared, resumed=False)
+        started = RunStarted(run_id=request.run_id, snapshot=prepared.snapshot, at=now())
         if inheritance is not None:
             started = inheritance.started(started)
         return await loop.guarded(loop.start(started))
@@ -94,15 +96,17 @@ async def _drive_claimed(
         )
     plan = _recovery.read_plan(log)
     assert plan.started is not None  # a log with records starts with its start record
-    differences = _recovery.identity_differences(plan.started.snapshot, snapshot)
+    differences = _recovery.identity_differences(plan.started.snapshot, prepared.snapshot)
     if differences:
         raise RunIdentityMismatch(run_id=request.run_id, differences=differences)
-    waits = _recovery.waits_for_person(plan) and reconcilable(request, plan) is None
-    if plan.state is _recovery.RecoveryState.FINISHED or waits:
+    if plan.state is _recovery.RecoveryState.FINISHED:
+        return _recovery.recorded_result(plan)
+    probe = probe_for(request.executor, plan)
+    if _recovery.waits_for_person(plan) and probe is None:
         # Nothing to do until a person answers: the recorded end stands, nothing is written.
         return _recovery.recorded_result(plan)
-    loop = Loop(definition, request, resumed=True)
-    return await loop.guarded(loop.continue_from(plan, log.records))
+    loop = Loop(definition, request, prepared, resumed=True)
+    return await loop.guarded(continue_run(loop, plan, log.records, probe))
 
 
 async def _release(store: Store, request: Request) -> None:

@@ -1,7 +1,8 @@
 """Request checks and the snapshot: what ``run`` and ``resume`` verify before any I/O.
 
-Also the messages a request opens the transcript with, since they are built from the
-same fields the snapshot records.
+Also the messages a request opens the transcript with and the tools its model calls
+carry, since they are built from the same fields the snapshot records: :func:`prepare`
+hands all three to the loop as one value.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from polyloop import _assembly, serialization
@@ -27,13 +29,36 @@ from polyloop.types import (
 )
 
 
-def prepare(definition: Definition, request: Request) -> dict[str, JSONValue]:
-    """Check the request and build its snapshot; raise ``InvalidRequest`` on any problem."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prepared:
+    """A checked request: its snapshot, the messages before the history (``prefix``) and
+    the tools a native-style model call carries (``tools``; none in another style)."""
+
+    snapshot: dict[str, JSONValue]
+    prefix: tuple[Message, ...]
+    tools: tuple[Mapping[str, JSONValue], ...]
+
+
+def prepare(definition: Definition, request: Request) -> Prepared:
+    """Check the request and build what a run of it needs; raise ``InvalidRequest`` on
+    any problem. The tool registry is described once, for all three."""
     run_id = request.run_id if isinstance(request.run_id, str) else None
     problems = _problems(definition, request)
     if problems:
         raise InvalidRequest("; ".join(problems), run_id=run_id)
-    snapshot = {**definition.parameters(), **_request_parameters(request)}
+    described = request.tools.describe()
+    tools = _tool_list(described)
+    return Prepared(
+        snapshot=_snapshot(definition, request, described, run_id),
+        prefix=_context_prefix(request, tools),
+        tools=_native_tools(request, tools),
+    )
+
+
+def _snapshot(
+    definition: Definition, request: Request, described: JSONValue, run_id: str | None
+) -> dict[str, JSONValue]:
+    snapshot = {**definition.parameters(), **_request_parameters(request, described)}
     try:
         encoded = serialization.encode(RunStarted(run_id=request.run_id, snapshot=snapshot))
     except UnloggableValue as exc:
@@ -129,7 +154,7 @@ def _other_registry(executor: object, tools: ToolRegistry) -> bool:
     return isinstance(executor, RegistryExecutor) and executor.registry != tools
 
 
-def _request_parameters(request: Request) -> dict[str, JSONValue]:
+def _request_parameters(request: Request, described: JSONValue) -> dict[str, JSONValue]:
     budget = request.budget
     injection = {k: list(v) for k, v in sorted(request.injection.entries.items())}
     params: dict[str, JSONValue] = {
@@ -140,7 +165,7 @@ def _request_parameters(request: Request) -> dict[str, JSONValue]:
         **({} if budget.max_tokens is None else {"budget.max_tokens": budget.max_tokens}),
         "tools": {
             "max_observation_chars": request.tools.max_observation_chars,
-            "specs": request.tools.describe(),
+            "specs": described,
         },
         "run_context.sha256": _sha256([_assembly.message_json(m) for m in request.run_context]),
         "goal_context.sha256": _sha256([_assembly.message_json(m) for m in request.goal_context]),
@@ -158,27 +183,28 @@ def _sha256(value: JSONValue) -> str:
     return hashlib.sha256(_assembly.canonical(value)).hexdigest()
 
 
-def context_prefix(request: Request) -> tuple[Message, ...]:
+def _context_prefix(request: Request, tools: list[dict[str, Any]]) -> tuple[Message, ...]:
     """The messages before the history: contexts, injection and tool list, in order."""
     return _assembly.prefix(
         run_context=request.run_context,
         injection_text=_assembly.render_injection(request.injection),
-        tools_text=_assembly.render_tools(_tool_list(request.tools), request.tool_style),
+        tools_text=_assembly.render_tools(tools, request.tool_style),
         goal_context=request.goal_context,
     )
 
 
-def native_tools(request: Request) -> tuple[Mapping[str, JSONValue], ...]:
+def _native_tools(
+    request: Request, tools: list[dict[str, Any]]
+) -> tuple[Mapping[str, JSONValue], ...]:
     """The tools a native-style model call carries: name, description and schema each."""
     if request.tool_style is not ToolStyle.NATIVE:
         return ()
     return tuple(
         {"name": tool["name"], "description": tool["description"], "parameters": tool["parameters"]}
-        for tool in _tool_list(request.tools)
+        for tool in tools
     )
 
 
-def _tool_list(tools: ToolRegistry) -> list[dict[str, Any]]:
-    described = tools.describe()
+def _tool_list(described: JSONValue) -> list[dict[str, Any]]:
     assert isinstance(described, list)
     return [tool for tool in described if isinstance(tool, dict)]
