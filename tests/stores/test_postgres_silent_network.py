@@ -113,8 +113,8 @@ async def test_a_run_on_a_silent_path_fails_is_taken_over_and_nothing_runs_twice
             lease_kit.definition(a, ledger.append, GoesSilent(ledger.append)),
             kit.request("r", registry, Replay.NEVER),
         )
-    # Its write, then giving its claim up: each within the deadline and a connect.
-    assert time.monotonic() - began < 2 * (DEADLINE_S + CONNECT_S) + SLACK_S
+    # Its write within the deadline and a connect; its claim is given up in the background.
+    assert time.monotonic() - began < DEADLINE_S + CONNECT_S + SLACK_S
     async with PostgresStore(postgres_conninfo) as b:
         with anyio.fail_after(LEASE_S * 3):
             while True:

@@ -14,6 +14,7 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
+from anyio.lowlevel import EventLoopToken
 
 _T = TypeVar("_T")
 
@@ -30,7 +31,10 @@ class _Batch(Generic[_T]):
     started: bool = False
     turn: anyio.Event = field(default_factory=anyio.Event)
     done: anyio.Event = field(default_factory=anyio.Event)
-    # Under the group's lock: the commit returned; its leader stopped waiting before.
+    # Under the group's lock: which attempt may run the commit; a thread runs it; the
+    # commit returned; its leader stopped waiting before it did.
+    attempt: int = 0
+    running: bool = False
     returned: bool = False
     orphaned: bool = False
 
@@ -112,12 +116,13 @@ class GroupCommit(Generic[_T]):
             if not batch.done.is_set() and self._abandon is not None:
                 self._abandon(entry.item)
             raise
+        await anyio.lowlevel.checkpoint_if_cancelled()  # a cancellation held off comes now
         if entry.error is not None:
             raise entry.error
 
     async def _lead(self, batch: _Batch[_T]) -> None:
-        """Start the batch's commit and wait for it; a cancelled leader leaves it to end
-        the batch from its thread when it returns."""
+        """Start the batch's commit and wait for it. With ``abandon``, a leader cancelled
+        once the commit runs leaves it to end the batch from its thread when it returns."""
         batch.started = True
         if self._open is batch:
             self._open = None
@@ -125,15 +130,30 @@ class GroupCommit(Generic[_T]):
         for entry in batch.entries:  # until the commit reports each outcome
             entry.error = RuntimeError("the commit ended without reporting its outcome")
         token = anyio.lowlevel.current_token()
+        if self._abandon is None:
+            await self._commit_shielded(batch, token)
+            return
         try:
-            await anyio.to_thread.run_sync(self._commit_all, batch, token, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(
+                self._commit_all, batch, token, 0, abandon_on_cancel=True
+            )
         except BaseException:
             with self._lock:
-                batch.orphaned = not batch.returned
-            if not batch.orphaned:
+                ran, batch.orphaned = batch.running, batch.running and not batch.returned
+                batch.attempt += 1  # a thread that has not begun it yet never will
+            if not ran:  # cancelled before a thread took the commit: it must still run
+                await self._commit_shielded(batch, token)
+            elif not batch.orphaned:
                 self._end(batch)
             raise
         self._end(batch)
+
+    async def _commit_shielded(self, batch: _Batch[_T], token: EventLoopToken) -> None:
+        try:
+            with anyio.CancelScope(shield=True):  # started: it runs even if its leader is cancelled
+                await anyio.to_thread.run_sync(self._commit_all, batch, token, batch.attempt)
+        finally:
+            self._end(batch)
 
     def _end(self, batch: _Batch[_T]) -> None:
         """The batch's commit returned: wake its callers and let the next batch go."""
@@ -142,7 +162,11 @@ class GroupCommit(Generic[_T]):
         if self._open is not None:
             self._open.turn.set()
 
-    def _commit_all(self, batch: _Batch[_T], token: anyio.lowlevel.EventLoopToken) -> None:
+    def _commit_all(self, batch: _Batch[_T], token: EventLoopToken, attempt: int) -> None:
+        with self._lock:
+            if attempt != batch.attempt:
+                return  # its leader was cancelled before this thread began, and runs it again
+            batch.running = True
         entries = batch.entries
         try:
             try:

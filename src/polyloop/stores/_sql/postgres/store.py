@@ -166,11 +166,14 @@ class PostgresStore(EngineStore):
     run; a second writer of a run gets ``RunLocked``. Needs the ``postgres`` extra
     (psycopg 3 and psycopg-pool).
 
-    Cancellation, for every method: the worker thread a call started finishes (within
-    the deadline) before the cancellation is delivered. A write cancelled before its
-    batch started writes nothing; once the batch started, the call waits for its commit,
-    shielded, then lets the cancellation go on (its rows are committed, or it failed).
-    Reads change nothing; closing completes even in a cancelled scope.
+    Cancellation: a write cancelled before its batch started writes nothing; once the
+    batch started, the call waits for its commit, shielded, then lets the cancellation go
+    on (its rows are committed, or it failed), but for one second at most
+    (``CANCELLED_WRITE_WAIT_S``): past that the write is given up with its outcome
+    unknown, its commit ends on its own in its thread, and this store object writes
+    nothing more of the run (it gives the claim up, and another store object resumes the
+    run). A cancelled read returns at once (it changes nothing); claiming and giving a
+    claim up finish their thread first; closing completes even in a cancelled scope.
     """
 
     __slots__ = ("_schema",)
