@@ -172,8 +172,9 @@ class PostgresStore(EngineStore):
     (``CANCELLED_WRITE_WAIT_S``): past that the write is given up with its outcome
     unknown, its commit ends on its own in its thread, and this store object writes
     nothing more of the run (it gives the claim up, and another store object resumes the
-    run). A cancelled read returns at once (it changes nothing); claiming and giving a
-    claim up finish their thread first; closing completes even in a cancelled scope.
+    run). A cancelled ``read_log`` returns at once (it changes nothing); the other calls
+    finish their thread first (a failed run's claim is given up in a thread of its own);
+    closing completes even in a cancelled scope.
     """
 
     __slots__ = ("_schema",)
