@@ -218,6 +218,48 @@ async def test_cancelled_after_its_batch_started_the_item_is_committed() -> None
     assert commit.batches == [["leader"], ["follower"]]
 
 
+async def test_a_cancelled_caller_gives_a_stuck_commit_up_with_abandon() -> None:
+    """A caller cancelled in a commit that does not end (a silent network) stops waiting
+    after ``cancelled_wait_s`` and its item is handed to ``abandon``; the commit ends on its
+    own later, and the next batch then runs."""
+    commit = Recorder()
+    abandoned: list[str] = []
+    gave_up = anyio.Event()
+
+    def abandon(item: str) -> None:
+        abandoned.append(item)
+        gave_up.set()
+
+    group = GroupCommit(commit, abandon=abandon, cancelled_wait_s=0.2)
+    commit.gate.clear()
+    outcome: list[str] = []
+
+    async def caller(item: str, scope: anyio.CancelScope) -> None:
+        with scope:
+            try:
+                await group.submit(item)
+            except anyio.get_cancelled_exc_class():
+                outcome.append(f"{item} cancelled")
+                raise
+
+    stuck, waiting = anyio.CancelScope(), anyio.CancelScope()
+    with anyio.fail_after(10):  # without ``abandon`` the cancelled callers would wait
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(caller, "leader", stuck)
+            await anyio.to_thread.run_sync(commit.entered.wait, 10)
+            tasks.start_soon(caller, "next", waiting)
+            await anyio.wait_all_tasks_blocked()
+            stuck.cancel()
+            await gave_up.wait()
+            assert outcome == ["leader cancelled"]
+            assert not group.idle  # the commit still runs: the next batch waits its turn
+            commit.gate.set()
+    assert abandoned == ["leader"]
+    assert commit.batches == [["leader"], ["next"]]  # in order, one after the other
+    assert "next cancelled" not in outcome
+    assert group.idle
+
+
 async def test_parallel_batches_run_at_once_up_to_the_limit() -> None:
     running = 0
     most = 0

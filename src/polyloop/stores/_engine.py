@@ -76,7 +76,8 @@ class EngineStore(StoreBase):
 
     async def read_log(self, run_id: str) -> types.RunLog:
         """Every record of ``run_id`` in write order; ``CorruptLog`` names a bad line or row."""
-        records = await anyio.to_thread.run_sync(self._backend.read, run_id)
+        # A read changes nothing: a cancelled caller need not wait for its thread.
+        records = await anyio.to_thread.run_sync(self._backend.read, run_id, abandon_on_cancel=True)
         return types.RunLog(run_id=run_id, records=records)
 
     async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:

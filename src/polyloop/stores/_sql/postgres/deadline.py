@@ -5,13 +5,16 @@ a path that went silent: the server's error is lost on the same path, and a midd
 (a pooler, a load balancer, a NAT) acknowledges bytes it never delivers. So one watchdog
 thread per process shuts the socket of every statement still unanswered at its deadline:
 the waiting thread wakes at once and the statement fails with :class:`Silent`, a lost
-connection. Research record 0035 says why, and what libpq's keepalives add.
+connection. A forked child starts a watchdog of its own at its first exchange: the
+parent's thread does not come along. Research record 0035 says why, and what libpq's
+keepalives add; record 0053 covers the fork.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import socket
 import threading
 import time
@@ -65,6 +68,19 @@ _watches: set[_Watch] = set()
 _next_wake = math.inf
 _changed = threading.Condition()
 _watchdog_thread: threading.Thread | None = None
+
+
+def _forget_the_parents_watchdog() -> None:
+    """In a forked child: only the forking thread came along, so the watchdog must start
+    again at the child's first exchange, and the lock may have been held at the fork."""
+    global _watches, _next_wake, _changed, _watchdog_thread
+    _watches, _next_wake = set(), math.inf
+    _changed = threading.Condition()
+    _watchdog_thread = None
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_forget_the_parents_watchdog)
 
 
 def _start(watch: _Watch) -> None:

@@ -43,6 +43,12 @@ from polyloop.types import CorruptLog, InvalidRequest, Record, RunLocked, StoreE
 
 logger = logging.getLogger("polyloop")
 
+# How long a cancelled caller still waits for a write whose commit has started: enough for
+# a server that answers; past it the write is given up (its outcome unknown), so that a
+# silent path adds no more than this to a cancelled run's grace.
+CANCELLED_WRITE_WAIT_S = 1.0
+_GIVEN_UP = "its caller was cancelled and stopped waiting for its commit, whose outcome is unknown"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
@@ -160,11 +166,15 @@ class PostgresStore(EngineStore):
     run; a second writer of a run gets ``RunLocked``. Needs the ``postgres`` extra
     (psycopg 3 and psycopg-pool).
 
-    Cancellation, for every method: the worker thread a call started finishes (within
-    the deadline) before the cancellation is delivered. A write cancelled before its
-    batch started writes nothing; once the batch started, the call waits for its commit,
-    shielded, then lets the cancellation go on (its rows are committed, or it failed).
-    Reads change nothing; closing completes even in a cancelled scope.
+    Cancellation: a write cancelled before its batch started writes nothing; once the
+    batch started, the call waits for its commit, shielded, then lets the cancellation go
+    on (its rows are committed, or it failed), but for one second at most
+    (``CANCELLED_WRITE_WAIT_S``): past that the write is given up with its outcome
+    unknown, its commit ends on its own in its thread, and this store object writes
+    nothing more of the run (it gives the claim up, and another store object resumes the
+    run). A cancelled ``read_log`` returns at once (it changes nothing); the other calls
+    finish their thread first (a failed run's claim is given up in a thread of its own);
+    closing completes even in a cancelled scope.
     """
 
     __slots__ = ("_schema",)
@@ -238,13 +248,32 @@ class Postgres:
                 writer.claiming -= 1
 
     def release(self, run_id: str) -> None:
+        """Give the claim up; for a run whose write failed or was given up, in a thread of
+        its own: its path may be silent, and nothing more of it is written here anyway."""
         with self._state.mutex:
             route = self._route(run_id)
-        if route is not None:
-            with route[0].lock, self._state.mutex:  # after any commit of the run in flight
-                claim = route[0].claims.pop(run_id, None)
-            if claim is not None:
-                self._owner.release(run_id, claim.epoch)
+            failed = run_id in self._state.failed
+        if route is None:
+            return
+        if failed:
+            give_up = partial(self._give_up, route[0], run_id)
+            threading.Thread(target=give_up, name="polyloop-release", daemon=True).start()
+        else:
+            self._give_up(route[0], run_id)
+
+    def _give_up(self, writer: Writer, run_id: str) -> None:
+        with writer.lock, self._state.mutex:  # after any commit of the run in flight
+            claim = writer.claims.pop(run_id, None)
+        if claim is not None:
+            self._owner.release(run_id, claim.epoch)
+
+    def _abandoned(self, write: Write) -> None:
+        """A cancelled caller gave up waiting for ``write``'s commit (on the event loop):
+        its outcome is unknown, so nothing more of its run is written here; the run stays
+        resumable by a store object that claims it once this one gives it up."""
+        with self._state.mutex:
+            if write.run_id not in self._state.failed:
+                self._state.failed[write.run_id] = _GIVEN_UP
 
     def holds(self, run_id: str) -> bool:
         return self._route(run_id) is not None
@@ -318,7 +347,11 @@ class Postgres:
         busy = writer is not None and (writer.claims or writer.claiming)
         if writer is None or (busy and len(self._writers) < self._settings.max_writers):
             writer = Writer(connect=partial(self._settings.connect, "polyloop-writer"))
-            writer.group = GroupCommit(partial(self._committer.commit, writer))
+            writer.group = GroupCommit(
+                partial(self._committer.commit, writer),
+                abandon=self._abandoned,
+                cancelled_wait_s=CANCELLED_WRITE_WAIT_S,
+            )
             self._writers.append(writer)
         return writer
 
