@@ -276,7 +276,7 @@ class AgentRun:
             raise ApplicationError(f"run {self._run_id()!r} has finished", type="RunFinished")
 
     async def _read_status(self) -> StatusSummary:
-        read: dict[str, Any] = await workflow.execute_activity(
+        read: dict[str, JSONValue] = await workflow.execute_activity(
             STATUS_ACTIVITY,
             SegmentInput(agent=self._agent(), run_id=self._run_id()),
             result_type=dict,
@@ -336,7 +336,7 @@ class AgentRun:
     async def _segment(self, input: RunInput) -> SegmentOutcome:
         self._segments += 1
         self._status = self._status.driven()
-        outcome: dict[str, Any] = await workflow.execute_activity(
+        outcome: dict[str, JSONValue] = await workflow.execute_activity(
             DRIVE_ACTIVITY,
             SegmentInput(
                 agent=input.agent,
