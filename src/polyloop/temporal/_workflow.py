@@ -2,8 +2,9 @@
 
 Workflow code, so deterministic: it keeps no clock or randomness of its own, does no
 I/O, and reaches the store only through activities (named, so that this module never
-imports the code that drives runs). It imports the standard library, ``temporalio``
-and the plain input values, which the sandbox can load.
+imports the code that drives runs). It imports the standard library, ``temporalio``,
+the plain input values and reports and the kernel's types, which the sandbox can load.
+Activities' results arrive as JSON and are read into frozen values at once.
 
 The run loop: drive a segment (one activity, ``start_or_resume`` under heartbeats);
 when the run stops for an approval or an effect in doubt, wait for the update that
