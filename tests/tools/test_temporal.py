@@ -633,6 +633,33 @@ async def test_run_settings_that_cannot_work_fail_the_workflow_before_anything_r
     assert (await store.read_log(rid("t-settings"))).records == ()
 
 
+STATUS_KEYS = {
+    *("run_id", "state", "stop_reason", "detail", "steps", "valid_steps", "open_intent"),
+    *("proposal", "last_record_at", "owner", "lease_expires_at", "waiting_for", "deadline"),
+    *("deadline_passed", "segments", "continued_as_new", "ended", "error"),
+}
+
+
+@pytest.mark.anyio
+async def test_the_status_has_every_key_it_documents_before_any_segment_ran(
+    client: Client,
+) -> None:
+    agent = agent_of(definition(MemoryStore(), script=[answer("x")]), make_tools(Ledger()))
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(
+            client,
+            RunInput(agent="a", run_id=rid("t-keys"), heartbeat_timeout=0.0),
+            task_queue=queue,
+        )
+        with pytest.raises(WorkflowFailureError), anyio.fail_after(15):
+            await handle.result()
+        status = await handle.query(AgentRun.status)
+    assert set(status) == STATUS_KEYS
+    assert (status["run_id"], status["state"], status["segments"]) == (rid("t-keys"), "running", 0)
+    assert status["owner"] is None and status["last_record_at"] is None
+    assert status["ended"] == "failed" and status["error"].startswith("InvalidRequest: ")
+
+
 @pytest.mark.anyio
 async def test_a_run_another_writer_holds_is_retried_until_the_claim_goes(
     client: Client, store: SqliteStore, open_store: Callable[[], Any]

@@ -10,13 +10,16 @@ the same characters escaped; the full records stay in PolyLoop's log.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, TypeVar
 
 from temporalio.exceptions import ApplicationError
 
 from polyloop._escaping import call_text, escape_field
 from polyloop.serialization import encode
-from polyloop.types import Intent, IntentKind, JSONValue, Proposal, RunStatus
+from polyloop.temporal._reports import ShownIntent, ShownProposal, StatusSummary
+from polyloop.types import Intent, IntentKind, JSONValue, Proposal, Record, RunStatus
 
 __all__ = (
     "CALL_CHARS",
@@ -29,7 +32,11 @@ __all__ = (
     "fitting",
     "json_size",
     "status_summary",
+    "summary_of",
+    "when",
 )
+
+Fits = TypeVar("Fits", bound=Mapping[str, object])
 
 CALL_CHARS = 16_384
 """How much of a proposed call the status shows; the rest is read from the log."""
@@ -61,35 +68,33 @@ def _tool(payload: JSONValue) -> str | None:
     return escape_field(name) if isinstance(name, str) else None
 
 
-def shown_proposal(proposal: Proposal) -> dict[str, Any]:
+def shown_proposal(proposal: Proposal) -> ShownProposal:
     """The proposal once: its result id (to answer with), tool, call and description."""
     call, cut = _shown(call_text(proposal.payload), CALL_CHARS)
-    description, _ = _shown(proposal.description, TEXT_CHARS)
-    return {
-        "result_id": proposal.result_id,
-        "step": proposal.step,
-        "tool": _tool(proposal.payload),
-        "call": call,
-        "call_truncated": cut,
-        "description": description,
-    }
+    return ShownProposal(
+        result_id=proposal.result_id,
+        step=proposal.step,
+        tool=_tool(proposal.payload),
+        call=call,
+        call_truncated=cut,
+        description=_shown(proposal.description, TEXT_CHARS)[0],
+    )
 
 
-def shown_intent(intent: Intent) -> dict[str, Any]:
+def shown_intent(intent: Intent) -> ShownIntent:
     """The open intent: its result id, its kind (a model call or an action) and, for an
     action, its call."""
-    shown: dict[str, Any] = {
-        "result_id": intent.result_id,
-        "kind": intent.kind.value,
-        "step": intent.step,
-        "tool": None,
-        "call": None,
-        "call_truncated": False,
-    }
-    if intent.kind is IntentKind.ACTION:
-        call, cut = _shown(call_text(intent.payload), CALL_CHARS)
-        shown.update(tool=_tool(intent.payload), call=call, call_truncated=cut)
-    return shown
+    if intent.kind is not IntentKind.ACTION:
+        return ShownIntent(result_id=intent.result_id, kind=intent.kind, step=intent.step)
+    call, cut = _shown(call_text(intent.payload), CALL_CHARS)
+    return ShownIntent(
+        result_id=intent.result_id,
+        kind=intent.kind,
+        step=intent.step,
+        tool=_tool(intent.payload),
+        call=call,
+        call_truncated=cut,
+    )
 
 
 def brief(text: str) -> str:
@@ -103,38 +108,45 @@ def shown_detail(detail: str | None) -> str | None:
     return None if detail is None else _shown(detail, TEXT_CHARS)[0]
 
 
-def status_summary(status: RunStatus) -> dict[str, Any]:
+def summary_of(status: RunStatus) -> StatusSummary:
     """What the workflow's status shows of a :class:`~polyloop.types.RunStatus`."""
-    return {
-        "run_id": status.run_id,
-        "state": status.state.value,
-        "stop_reason": status.stop_reason.value if status.stop_reason is not None else None,
-        "detail": shown_detail(status.detail),
-        "steps": status.steps,
-        "valid_steps": status.valid_steps,
-        "open_intent": shown_intent(status.open_intent) if status.open_intent else None,
-        "proposal": shown_proposal(status.proposal) if status.proposal else None,
-        "last_record_at": _when(status.last_record_at),
-        "owner": status.owner,
-        "lease_expires_at": _when(status.lease_expires_at),
-    }
+    return StatusSummary(
+        run_id=status.run_id,
+        state=status.state,
+        stop_reason=status.stop_reason,
+        detail=shown_detail(status.detail),
+        steps=status.steps,
+        valid_steps=status.valid_steps,
+        open_intent=shown_intent(status.open_intent) if status.open_intent else None,
+        proposal=shown_proposal(status.proposal) if status.proposal else None,
+        last_record_at=when(status.last_record_at),
+        owner=status.owner,
+        lease_expires_at=when(status.lease_expires_at),
+    )
 
 
-def _when(moment: Any) -> str | None:
+def status_summary(status: RunStatus) -> dict[str, Any]:
+    """:func:`summary_of` as the JSON the workflow's status carries."""
+    return summary_of(status).to_json()
+
+
+def when(moment: datetime | None) -> str | None:
+    """A moment as the status shows it: ISO 8601."""
     return moment.isoformat() if moment is not None else None
 
 
-def bounded_record(record: Any) -> dict[str, Any]:
+def bounded_record(record: Record) -> dict[str, JSONValue]:
     """A record as the log encodes it, each field over the bound left out (``None``,
     named in ``omitted``): an answer update returns it, so it lands in the history."""
     encoded = dict(encode(record))
     omitted = [key for key, value in encoded.items() if json_size(value) > RECORD_FIELD_BYTES]
     for key in omitted:
         encoded[key] = None
-    return {**encoded, "omitted": omitted}
+    named: list[JSONValue] = list(omitted)
+    return {**encoded, "omitted": named}
 
 
-def fitting(value: dict[str, Any], run_id: str, what: str) -> dict[str, Any]:
+def fitting(value: Fits, run_id: str, what: str) -> Fits:
     """``value`` if it fits one payload; a clear error, never retried, if not."""
     size = json_size(value)
     if size > PAYLOAD_BYTES:

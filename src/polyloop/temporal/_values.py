@@ -8,8 +8,9 @@ caller sent, and the converter must not try to coerce them into a narrower type.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 __all__ = (
     "ApproveInput",
@@ -18,10 +19,27 @@ __all__ = (
     "SettleInput",
     "SegmentInput",
     "AnswerInput",
+    "AnswerKind",
+    "OnApprovalTimeout",
 )
 
 DEADLINE_BY = "temporal:deadline"
 """Who the log names as having rejected a proposal whose approval deadline passed."""
+
+
+class OnApprovalTimeout(enum.StrEnum):
+    """What the workflow does when an approval's deadline passes."""
+
+    REJECT = "reject"
+    WAIT = "wait"
+
+
+class AnswerKind(enum.StrEnum):
+    """Which answer an :class:`AnswerInput` writes."""
+
+    APPROVE = "approve"
+    REJECT = "reject"
+    SETTLE = "settle"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,7 +143,7 @@ class AnswerInput:
 
     agent: str
     run_id: str
-    kind: Literal["approve", "reject", "settle"]
+    kind: AnswerKind
     by: str
     arguments: Any = None
     reason: str | None = None

@@ -12,7 +12,6 @@ import inspect
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import anyio
@@ -35,6 +34,7 @@ from polyloop.session import (
     settle,
     start_or_resume,
 )
+from polyloop.temporal._reports import SegmentOutcome, StatusSummary, Waiting
 from polyloop.temporal._shown import (
     FINAL_ANSWER_BYTES,
     bounded_record,
@@ -42,9 +42,10 @@ from polyloop.temporal._shown import (
     fitting,
     json_size,
     shown_detail,
-    status_summary,
+    summary_of,
+    when,
 )
-from polyloop.temporal._values import AnswerInput, RunInput, SegmentInput
+from polyloop.temporal._values import AnswerInput, AnswerKind, RunInput, SegmentInput
 from polyloop.temporal._workflow import (
     ANSWER_ACTIVITY,
     DRIVE_ACTIVITY,
@@ -58,7 +59,8 @@ from polyloop.types import (
     RunResult,
     RunState,
     RunStatus,
-    StopReason,
+    Settlement,
+    Verdict,
 )
 
 __all__ = ("Agent", "PolyLoopPlugin", "start_agent_run")
@@ -93,17 +95,18 @@ class _Activities:
         self._max_attempts = max_attempts
 
     @activity.defn(name=DRIVE_ACTIVITY)
-    async def drive_segment(self, segment: SegmentInput) -> dict[str, Any]:
+    async def drive_segment(self, segment: SegmentInput) -> dict[str, JSONValue]:
         """``start_or_resume`` the run, heartbeating until it stops; its outcome, bounded."""
         agent = self._agent(segment.agent, segment.run_id)
         request = await _request(agent, segment)
         with self._mapped_errors(segment.run_id, "the segment"):
             result = await _driven(agent.definition, request, segment.heartbeat_timeout / 3)
             status = await _status(agent, result)
-        return fitting(_outcome(result, status), segment.run_id, "the segment's outcome")
+        outcome = _outcome(result, status).to_json()
+        return fitting(outcome, segment.run_id, "the segment's outcome")
 
     @activity.defn(name=ANSWER_ACTIVITY)
-    async def answer(self, answer: AnswerInput) -> dict[str, Any]:
+    async def answer(self, answer: AnswerInput) -> dict[str, JSONValue]:
         """Write a person's answer to the run's log; the record written, bounded."""
         agent = self._agent(answer.agent, answer.run_id)
         with self._mapped_errors(answer.run_id, "the answer"):
@@ -111,7 +114,7 @@ class _Activities:
         return fitting(bounded_record(record), answer.run_id, "the answer's record")
 
     @activity.defn(name=STATUS_ACTIVITY)
-    async def status(self, segment: SegmentInput) -> dict[str, Any]:
+    async def status(self, segment: SegmentInput) -> dict[str, JSONValue]:
         """The run's status as the store has it now (``AgentRun.redrive``), bounded."""
         agent = self._agent(segment.agent, segment.run_id)
         store = _status_store(agent)
@@ -123,8 +126,8 @@ class _Activities:
                 non_retryable=True,
             )
         with self._mapped_errors(segment.run_id, "reading the status"):
-            read = status_summary(await run_status(store, segment.run_id))
-        return fitting(read, segment.run_id, "the run's status")
+            read = summary_of(await run_status(store, segment.run_id))
+        return fitting(read.to_json(), segment.run_id, "the run's status")
 
     @contextmanager
     def _mapped_errors(self, run_id: str, what: str) -> Iterator[None]:
@@ -176,7 +179,7 @@ async def _request(agent: Agent, segment: SegmentInput) -> Request:
         ) from err
 
 
-def _outcome(result: RunResult, status: dict[str, Any]) -> dict[str, Any]:
+def _outcome(result: RunResult, status: StatusSummary) -> SegmentOutcome:
     """What the workflow needs of a segment: the stop, the counts and a bounded summary.
 
     A final answer too large to carry is left out (``final_answer_omitted``): the run's
@@ -184,23 +187,23 @@ def _outcome(result: RunResult, status: dict[str, Any]) -> dict[str, Any]:
     """
     answer = result.final_answer
     omitted = answer is not None and json_size(answer) > FINAL_ANSWER_BYTES
-    return {
-        "run_id": result.run_id,
-        "stop_reason": result.stop_reason.value,
-        "final_answer": None if omitted else answer,
-        "final_answer_omitted": omitted,
-        "steps": result.step_count,
-        "valid_steps": result.valid_step_count,
-        "detail": shown_detail(result.detail),
-        "resumed": result.resumed,
-        "status": status,
-    }
+    return SegmentOutcome(
+        run_id=result.run_id,
+        stop_reason=result.stop_reason,
+        final_answer=None if omitted else answer,
+        final_answer_omitted=omitted,
+        steps=result.step_count,
+        valid_steps=result.valid_step_count,
+        detail=shown_detail(result.detail),
+        resumed=result.resumed,
+        status=status,
+    )
 
 
-async def _answered(store: Any, answer: AnswerInput) -> object:
+async def _answered(store: Any, answer: AnswerInput) -> Verdict | Settlement:
     """Write the answer, naming the proposal or intent it answers: PolyLoop refuses it,
     and writes nothing, if that one is no longer open."""
-    if answer.kind == "approve":
+    if answer.kind is AnswerKind.APPROVE:
         return await approve(
             store,
             answer.run_id,
@@ -208,7 +211,7 @@ async def _answered(store: Any, answer: AnswerInput) -> object:
             arguments=answer.arguments,
             result_id=answer.result_id,
         )
-    if answer.kind == "reject":
+    if answer.kind is AnswerKind.REJECT:
         return await reject(
             store,
             answer.run_id,
@@ -260,11 +263,11 @@ def _status_store(agent: Agent) -> ManagedStore | None:
     return store
 
 
-async def _status(agent: Agent, result: RunResult) -> dict[str, Any]:
+async def _status(agent: Agent, result: RunResult) -> StatusSummary:
     store = _status_store(agent)
     if store is None:
         return _status_of_result(result)
-    return status_summary(await run_status(store, result.run_id))
+    return summary_of(await run_status(store, result.run_id))
 
 
 def status_json(status: RunStatus) -> dict[str, Any]:
@@ -278,33 +281,23 @@ def status_json(status: RunStatus) -> dict[str, Any]:
         "valid_steps": status.valid_steps,
         "open_intent": encode(status.open_intent) if status.open_intent is not None else None,
         "proposal": encode(status.proposal) if status.proposal is not None else None,
-        "last_record_at": _when(status.last_record_at),
+        "last_record_at": when(status.last_record_at),
         "owner": status.owner,
-        "lease_expires_at": _when(status.lease_expires_at),
+        "lease_expires_at": when(status.lease_expires_at),
     }
 
 
-def _status_of_result(result: RunResult) -> dict[str, Any]:
+def _status_of_result(result: RunResult) -> StatusSummary:
     # Without a store that can describe runs, the result alone: no records to show.
-    states = {StopReason.IN_DOUBT: RunState.IN_DOUBT}
-    states[StopReason.AWAITING_APPROVAL] = RunState.AWAITING_APPROVAL
-    return {
-        "run_id": result.run_id,
-        "state": states.get(result.stop_reason, RunState.FINISHED).value,
-        "stop_reason": result.stop_reason.value,
-        "detail": shown_detail(result.detail),
-        "steps": result.step_count,
-        "valid_steps": result.valid_step_count,
-        "open_intent": None,
-        "proposal": None,
-        "last_record_at": None,
-        "owner": None,
-        "lease_expires_at": None,
-    }
-
-
-def _when(moment: datetime | None) -> str | None:
-    return moment.isoformat() if moment is not None else None
+    waiting = Waiting.after(result.stop_reason)
+    return StatusSummary(
+        run_id=result.run_id,
+        state=waiting.state if waiting is not None else RunState.FINISHED,
+        stop_reason=result.stop_reason,
+        detail=shown_detail(result.detail),
+        steps=result.step_count,
+        valid_steps=result.valid_step_count,
+    )
 
 
 def _as_application_error(err: PolyLoopError, run_id: str) -> ApplicationError:

@@ -2,8 +2,9 @@
 
 Workflow code, so deterministic: it keeps no clock or randomness of its own, does no
 I/O, and reaches the store only through activities (named, so that this module never
-imports the code that drives runs). It imports the standard library, ``temporalio``
-and the plain input values, which the sandbox can load.
+imports the code that drives runs). It imports the standard library, ``temporalio``,
+the plain input values and reports and the kernel's types, which the sandbox can load.
+Activities' results arrive as JSON and are read into frozen values at once.
 
 The run loop: drive a segment (one activity, ``start_or_resume`` under heartbeats);
 when the run stops for an approval or an effect in doubt, wait for the update that
@@ -15,23 +16,28 @@ so PolyLoop's log records it like any other answer.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
 
+from polyloop.temporal._reports import Carried, SegmentOutcome, StatusSummary, Waiting
 from polyloop.temporal._values import (
     DEADLINE_BY,
     AnswerInput,
+    AnswerKind,
     ApproveInput,
+    OnApprovalTimeout,
     RejectInput,
     RunInput,
     SegmentInput,
     SettleInput,
 )
+from polyloop.types import JSONValue, RunState
 
 __all__ = (
     "ANSWER_ACTIVITY",
@@ -72,7 +78,14 @@ _RETRY = RetryPolicy(
 )
 _ANSWER_TIMEOUT = timedelta(minutes=5)
 
-Waiting = Literal["approval", "settlement"]
+
+class Ended(enum.StrEnum):
+    """How a workflow run ended, as its status says."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    CONTINUED = "continued"
 
 
 @workflow.defn(name=WORKFLOW_NAME)
@@ -81,7 +94,7 @@ class AgentRun:
 
     def __init__(self) -> None:
         self._input: RunInput | None = None
-        self._status: dict[str, Any] = {"state": "running", "steps": 0, "valid_steps": 0}
+        self._status = StatusSummary(run_id="", state=RunState.RUNNING)
         self._waiting: Waiting | None = None
         self._waiting_for: str | None = None  # the result id of the proposal or intent
         self._answering = False
@@ -91,7 +104,7 @@ class AgentRun:
         self._continued = 0
         self._deadline: str | None = None
         self._deadline_passed = False
-        self._ended: str | None = None
+        self._ended: Ended | None = None
         self._error: str | None = None
 
     @workflow.run
@@ -103,6 +116,7 @@ class AgentRun:
         every record written before it, and the workflow then ends cancelled, its status
         saying so.
         """
+        self._status = dataclasses.replace(self._status, run_id=input.run_id)
         try:
             _check_workflow_id(input)
             _check_input(input)
@@ -112,22 +126,19 @@ class AgentRun:
         except BaseException as err:
             self._end_with(err)
             raise
-        self._ended = "completed"
-        return outcome
+        self._ended = Ended.COMPLETED
+        return outcome.result_json()
 
-    async def _drive(self, input: RunInput) -> dict[str, Any]:
+    async def _drive(self, input: RunInput) -> SegmentOutcome:
         while True:
             outcome = await self._segment(input)
-            stop = outcome["stop_reason"]
-            if stop == "awaiting_approval":
-                await self._wait("approval", input)
-            elif stop == "in_doubt":
-                await self._wait("settlement", input)
-            else:
+            waiting = Waiting.after(outcome.stop_reason)
+            if waiting is None:
                 self._finished = True
                 # Updates still waiting learn that the run ended before they return.
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                return {key: value for key, value in outcome.items() if key != "status"}
+                return outcome
+            await self._wait(waiting, input)
             await self._continue_as_new_if_due(input)
 
     @workflow.query
@@ -142,13 +153,13 @@ class AgentRun:
         why), ``"cancelled"`` or ``"continued"`` (as new).
         """
         return {
-            **self._status,
-            "waiting_for": self._waiting,
+            **self._status.to_json(),
+            "waiting_for": self._waiting.value if self._waiting is not None else None,
             "deadline": self._deadline,
             "deadline_passed": self._deadline_passed,
             "segments": self._segments,
             "continued_as_new": self._continued,
-            "ended": self._ended,
+            "ended": self._ended.value if self._ended is not None else None,
             "error": self._error,
         }
 
@@ -160,12 +171,12 @@ class AgentRun:
         workflow cancelled meanwhile leaves the run awaiting approval or approved.
         """
         return await self._apply(
-            "approval",
+            Waiting.APPROVAL,
             answer.result_id,
             lambda result_id: AnswerInput(
                 agent=self._agent(),
                 run_id=self._run_id(),
-                kind="approve",
+                kind=AnswerKind.APPROVE,
                 by=answer.by,
                 arguments=answer.arguments,
                 result_id=result_id,
@@ -175,7 +186,7 @@ class AgentRun:
     @approve.validator
     def _approve_checked(self, answer: ApproveInput) -> None:
         _text("by", answer.by)
-        self._open_for("approval", answer.result_id)
+        self._open_for(Waiting.APPROVAL, answer.result_id)
 
     @workflow.update
     async def reject(self, answer: RejectInput) -> dict[str, Any]:
@@ -185,12 +196,12 @@ class AgentRun:
         workflow cancelled meanwhile leaves the run awaiting approval or rejected.
         """
         return await self._apply(
-            "approval",
+            Waiting.APPROVAL,
             answer.result_id,
             lambda result_id: AnswerInput(
                 agent=self._agent(),
                 run_id=self._run_id(),
-                kind="reject",
+                kind=AnswerKind.REJECT,
                 by=answer.by,
                 reason=answer.reason,
                 result_id=result_id,
@@ -201,7 +212,7 @@ class AgentRun:
     def _reject_checked(self, answer: RejectInput) -> None:
         _text("by", answer.by)
         _text("reason", answer.reason)
-        self._open_for("approval", answer.result_id)
+        self._open_for(Waiting.APPROVAL, answer.result_id)
 
     @workflow.update
     async def settle(self, answer: SettleInput) -> dict[str, Any]:
@@ -211,12 +222,12 @@ class AgentRun:
         workflow cancelled meanwhile leaves the run in doubt or settled.
         """
         return await self._apply(
-            "settlement",
+            Waiting.SETTLEMENT,
             answer.result_id,
             lambda result_id: AnswerInput(
                 agent=self._agent(),
                 run_id=self._run_id(),
-                kind="settle",
+                kind=AnswerKind.SETTLE,
                 by=answer.by,
                 ran=answer.ran,
                 observation=answer.observation,
@@ -231,7 +242,7 @@ class AgentRun:
             raise ApplicationError("ran must be true or false", type="InvalidRequest")
         if not isinstance(answer.observation, str):
             raise ApplicationError("observation must be a string", type="InvalidRequest")
-        self._open_for("settlement", answer.result_id)
+        self._open_for(Waiting.SETTLEMENT, answer.result_id)
 
     @workflow.update
     async def redrive(self) -> dict[str, Any]:
@@ -250,45 +261,41 @@ class AgentRun:
         waiting = self._waiting
         self._answering = True
         try:
-            read: dict[str, Any] = await workflow.execute_activity(
-                STATUS_ACTIVITY,
-                SegmentInput(agent=self._agent(), run_id=self._run_id()),
-                result_type=dict,
-                start_to_close_timeout=_ANSWER_TIMEOUT,
-                retry_policy=_RETRY,
-            )
+            read = await self._read_status()
         finally:
             self._answering = False
-        if self._waiting != waiting or self._still_waits(waiting, read):
-            return {**read, "redriven": False}
+        # A run answered outside Temporal and driven on to its next stop no longer
+        # waits on the very proposal or intent this workflow does.
+        if self._waiting != waiting or read.still_waits(waiting, self._waiting_for):
+            return {**read.to_json(), "redriven": False}
         self._waiting = None
-        return {**read, "redriven": True}
+        return {**read.to_json(), "redriven": True}
 
     @redrive.validator
     def _redrive_checked(self) -> None:
         if self._finished:
             raise ApplicationError(f"run {self._run_id()!r} has finished", type="RunFinished")
 
-    def _still_waits(self, waiting: Waiting, read: dict[str, Any]) -> bool:
-        """Whether the log still waits on the very proposal or intent this workflow does:
-        a run answered outside Temporal and driven on to its next proposal does not."""
-        if waiting == "approval":
-            state, open_one = "awaiting_approval", read.get("proposal")
-        else:
-            state, open_one = "in_doubt", read.get("open_intent")
-        result_id = open_one.get("result_id") if open_one else None
-        return bool(read["state"] == state and result_id == self._waiting_for)
+    async def _read_status(self) -> StatusSummary:
+        read: dict[str, JSONValue] = await workflow.execute_activity(
+            STATUS_ACTIVITY,
+            SegmentInput(agent=self._agent(), run_id=self._run_id()),
+            result_type=dict,
+            start_to_close_timeout=_ANSWER_TIMEOUT,
+            retry_policy=_RETRY,
+        )
+        return StatusSummary.from_json(read)
 
     # -- the run loop ---------------------------------------------------------------------
 
     def _carry_on(self, input: RunInput) -> None:
         """Take over what the workflow run before this one, if any, handed on."""
-        self._status = {**self._status, "run_id": input.run_id}
-        carried = input.carried
-        if carried:
-            self._segments = int(carried.get("segments", 0))
-            self._continued = int(carried.get("continued_as_new", 0))
-            self._status = {**self._status, **carried.get("status", {})}
+        if not input.carried:
+            return
+        carried = Carried.from_json(input.carried)
+        self._segments, self._continued = carried.segments, carried.continued_as_new
+        if carried.status is not None:
+            self._status = carried.status
 
     async def _continue_as_new_if_due(self, input: RunInput) -> None:
         """Continue as new between segments when the history has grown long enough.
@@ -309,41 +316,28 @@ class AgentRun:
         )
         if self._answers_awaiting_a_stop > 0:
             return
-        carried = {
-            "segments": self._segments,
-            "continued_as_new": self._continued + 1,
-            "status": self._status,
-        }
-        workflow.continue_as_new(dataclasses.replace(input, carried=carried))
+        carried = Carried(
+            segments=self._segments, continued_as_new=self._continued + 1, status=self._status
+        )
+        workflow.continue_as_new(dataclasses.replace(input, carried=carried.to_json()))
 
     def _end_with(self, err: BaseException) -> None:
         """The status a workflow that ends by ``err`` leaves for queries to read."""
         self._waiting = None
         if isinstance(err, workflow.ContinueAsNewError):
-            self._ended = "continued"
+            self._ended = Ended.CONTINUED
         elif is_cancelled_exception(err):
-            self._ended = "cancelled"
-            if self._status.get("state") == "running":
-                # The segment was cancelled: the run's log ends with its cancelled record.
-                self._status = {**self._status, "state": "resumable", "stop_reason": "cancelled"}
+            self._ended = Ended.CANCELLED
+            # A cancelled segment: the run's log ends with its cancelled record.
+            self._status = self._status.cancelled()
         else:
-            self._ended = "failed"
-            cause = err.cause if isinstance(err, ActivityError) and err.cause else err
-            kind = cause.type if isinstance(cause, ApplicationError) else None
-            message = cause.message if isinstance(cause, ApplicationError) else str(cause)
-            self._error = f"{kind or type(cause).__name__}: {message}"[:4096]
+            self._ended = Ended.FAILED
+            self._error = _failure_text(err)
 
-    async def _segment(self, input: RunInput) -> dict[str, Any]:
+    async def _segment(self, input: RunInput) -> SegmentOutcome:
         self._segments += 1
-        self._status = {
-            **self._status,
-            "state": "running",
-            "stop_reason": None,
-            "detail": None,
-            "proposal": None,
-            "open_intent": None,
-        }
-        outcome: dict[str, Any] = await workflow.execute_activity(
+        self._status = self._status.driven()
+        outcome: dict[str, JSONValue] = await workflow.execute_activity(
             DRIVE_ACTIVITY,
             SegmentInput(
                 agent=input.agent,
@@ -358,18 +352,14 @@ class AgentRun:
             # A cancelled workflow waits for the run's CANCELLED end record.
             cancellation_type=workflow.ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
         )
-        self._status = outcome["status"]
-        return outcome
+        segment = SegmentOutcome.from_json(outcome)
+        self._status = segment.status
+        return segment
 
-    async def _wait(self, kind: Waiting, input: RunInput) -> None:
-        status = self._status
-        if kind == "approval":
-            waiting_on = status.get("proposal") or {}
-        else:
-            waiting_on = status.get("open_intent") or {}
-        self._waiting, self._waiting_for = kind, waiting_on.get("result_id")
+    async def _wait(self, waiting: Waiting, input: RunInput) -> None:
+        self._waiting, self._waiting_for = waiting, self._status.open_for(waiting)
         self._deadline, self._deadline_passed = None, False
-        timeout = input.approval_timeout if kind == "approval" else None
+        timeout = input.approval_timeout if waiting is Waiting.APPROVAL else None
         if timeout is None:
             await workflow.wait_condition(lambda: self._waiting is None)
             return
@@ -379,57 +369,54 @@ class AgentRun:
             return
         except TimeoutError:
             self._deadline_passed = True
-        if input.on_approval_timeout == "reject":
-            # An answer under way goes first; if it lands, the deadline has nothing to do.
-            await workflow.wait_condition(lambda: not self._answering)
-            if self._waiting is not None:
-                self._answering = True
-                try:
-                    await self._answer(
-                        AnswerInput(
-                            agent=input.agent,
-                            run_id=input.run_id,
-                            kind="reject",
-                            by=DEADLINE_BY,
-                            reason=input.approval_timeout_reason,
-                            result_id=self._waiting_for,
-                        )
-                    )
-                except ApplicationError as err:
-                    # Answered outside Temporal meanwhile: the next segment reads it.
-                    if err.type != "NotAwaitingApproval":
-                        raise
-                finally:
-                    self._answering = False
-                self._waiting = None
+        if OnApprovalTimeout(input.on_approval_timeout) is OnApprovalTimeout.REJECT:
+            await self._reject_at_deadline(input)
         await workflow.wait_condition(lambda: self._waiting is None)
+
+    async def _reject_at_deadline(self, input: RunInput) -> None:
+        # An answer under way goes first; if it lands, the deadline has nothing to do.
+        await workflow.wait_condition(lambda: not self._answering)
+        if self._waiting is None:
+            return
+        self._answering = True
+        try:
+            await self._answer(
+                AnswerInput(
+                    agent=input.agent,
+                    run_id=input.run_id,
+                    kind=AnswerKind.REJECT,
+                    by=DEADLINE_BY,
+                    reason=input.approval_timeout_reason,
+                    result_id=self._waiting_for,
+                )
+            )
+        except ApplicationError as err:
+            # Answered outside Temporal meanwhile: the next segment reads it.
+            if err.type != Waiting.APPROVAL.refusal:
+                raise
+        finally:
+            self._answering = False
+        self._waiting = None
 
     # -- answers ----------------------------------------------------------------------------
 
     def _open_for(self, kind: Waiting, result_id: str | None) -> None:
         """Refuse, before it is accepted, an answer the run can no longer take."""
-        error = "NotAwaitingApproval" if kind == "approval" else "NotInDoubt"
         if self._finished:
-            raise ApplicationError(
-                f"run {self._run_id()!r} has finished", type=error, non_retryable=True
-            )
-        if self._waiting is not None and self._waiting != kind:
-            raise ApplicationError(
-                f"run {self._run_id()!r} waits for {_words(self._waiting)}, not {_words(kind)}",
-                type=error,
-                non_retryable=True,
-            )
-        if self._waiting == kind and result_id is not None and result_id != self._waiting_for:
-            raise ApplicationError(
-                f"run {self._run_id()!r} waits on {self._waiting_for!r}, not {result_id!r}",
-                type=error,
-                non_retryable=True,
-            )
+            raise self._refused(kind, "has finished")
+        if self._waiting is not None and self._waiting is not kind:
+            raise self._refused(kind, f"waits for {self._waiting.words}, not {kind.words}")
+        if self._waiting is kind and result_id is not None and result_id != self._waiting_for:
+            raise self._refused(kind, f"waits on {self._waiting_for!r}, not {result_id!r}")
+
+    def _refused(self, kind: Waiting, why: str) -> ApplicationError:
+        return ApplicationError(
+            f"run {self._run_id()!r} {why}", type=kind.refusal, non_retryable=True
+        )
 
     async def _apply(
         self, kind: Waiting, result_id: str | None, build: Callable[[str | None], AnswerInput]
-    ) -> dict[str, Any]:
-        error = "NotAwaitingApproval" if kind == "approval" else "NotInDoubt"
+    ) -> dict[str, JSONValue]:
         # An answer sent while the run is driven waits for the run to stop; it answers
         # the first stop it sees, and only that one.
         self._answers_awaiting_a_stop += 1
@@ -439,15 +426,10 @@ class AgentRun:
             self._answers_awaiting_a_stop -= 1
         target = result_id if result_id is not None else self._waiting_for
         await workflow.wait_condition(lambda: not self._answering)
-        if self._finished or self._waiting != kind or self._waiting_for != target:
-            now = f"; it waits on {self._waiting_for!r}" if self._waiting == kind else ""
-            raise ApplicationError(
-                f"run {self._run_id()!r} no longer waits for this {_words(kind)}"
-                + (f" ({target!r})" if target else "")
-                + now,
-                type=error,
-                non_retryable=True,
-            )
+        if self._finished or self._waiting is not kind or self._waiting_for != target:
+            now = f"; it waits on {self._waiting_for!r}" if self._waiting is kind else ""
+            named = f" ({target!r})" if target else ""
+            raise self._refused(kind, f"no longer waits for this {kind.words}{named}{now}")
         self._answering = True
         try:
             logged = await self._answer(build(self._waiting_for))
@@ -456,9 +438,10 @@ class AgentRun:
         self._waiting = None
         return logged
 
-    async def _answer(self, answer: AnswerInput) -> dict[str, Any]:
+    async def _answer(self, answer: AnswerInput) -> dict[str, JSONValue]:
+        """Write ``answer`` through the answer activity; the record as the log has it."""
         try:
-            logged: dict[str, Any] = await workflow.execute_activity(
+            logged: dict[str, JSONValue] = await workflow.execute_activity(
                 ANSWER_ACTIVITY,
                 answer,
                 result_type=dict,
@@ -506,7 +489,7 @@ def _check_input(input: RunInput) -> None:
     limit = input.continue_as_new_after_events
     if limit is not None and not limit > 0:
         problems.append(f"continue_as_new_after_events must be positive, not {limit!r}")
-    if input.on_approval_timeout not in ("reject", "wait"):
+    if input.on_approval_timeout not in [choice.value for choice in OnApprovalTimeout]:
         problems.append(
             f"on_approval_timeout must be 'reject' or 'wait', not {input.on_approval_timeout!r}"
         )
@@ -518,10 +501,14 @@ def _check_input(input: RunInput) -> None:
         )
 
 
+def _failure_text(err: BaseException) -> str:
+    """What the status's ``error`` says of the failure that ended the workflow."""
+    cause = err.cause if isinstance(err, ActivityError) and err.cause else err
+    kind = cause.type if isinstance(cause, ApplicationError) else None
+    message = cause.message if isinstance(cause, ApplicationError) else str(cause)
+    return f"{kind or type(cause).__name__}: {message}"[:4096]
+
+
 def _text(name: str, value: object) -> None:
     if not isinstance(value, str) or not value.strip():
         raise ApplicationError(f"{name} must be a non-empty string", type="InvalidRequest")
-
-
-def _words(kind: Waiting) -> str:
-    return "an approval" if kind == "approval" else "a settlement"
