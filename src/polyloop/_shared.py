@@ -125,20 +125,18 @@ def run_trace_ids(run_id: str) -> tuple[int, int]:
 # Built once: json.dumps with options builds a new encoder on every call. What is
 # encoded is a plain copy or a value built by the library, never one that holds itself,
 # so the encoder need not look for cycles.
-_CANONICAL = json.JSONEncoder(
-    ensure_ascii=False,
-    allow_nan=False,
-    sort_keys=True,
-    separators=(",", ":"),
-    check_circular=False,
-)
-_CANONICAL_ASCII = json.JSONEncoder(
-    ensure_ascii=True,
-    allow_nan=False,
-    sort_keys=True,
-    separators=(",", ":"),
-    check_circular=False,
-)
+def _canonical_encoder(*, ascii: bool) -> json.JSONEncoder:
+    return json.JSONEncoder(
+        ensure_ascii=ascii,
+        allow_nan=False,
+        sort_keys=True,
+        separators=(",", ":"),
+        check_circular=False,
+    )
+
+
+_CANONICAL = _canonical_encoder(ascii=False)
+_CANONICAL_ASCII = _canonical_encoder(ascii=True)
 
 
 def canonical_json(value: Any, *, ascii: bool = False) -> str:

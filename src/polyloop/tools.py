@@ -198,14 +198,7 @@ def _is_async_callable(handler: object) -> bool:
 
 def _checked_schema(name: str, parameters: object) -> dict[str, JSONValue]:
     """A private deep copy of a valid schema, so later edits by the caller change nothing."""
-    if not isinstance(parameters, dict):
-        raise InvalidRequest(
-            f"tool {name!r}: parameters must be a JSON Schema dict, got {type(parameters).__name__}"
-        )
-    try:
-        schema: dict[str, JSONValue] = plain_copy(parameters, root="parameters", strict=True)
-    except UnloggableValue as exc:
-        raise InvalidRequest(f"tool {name!r}: {exc.reason}") from None
+    schema = _copied_dict(name, "parameters", parameters, "a JSON Schema dict")
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
@@ -225,12 +218,17 @@ def _checked_annotations(name: str, annotations: object) -> dict[str, JSONValue]
     """A private deep copy of the annotations, or ``None`` when the tool has none."""
     if annotations is None:
         return None
-    if not isinstance(annotations, dict):
+    return _copied_dict(name, "annotations", annotations, "a dict or None")
+
+
+def _copied_dict(name: str, field: str, value: object, expected: str) -> dict[str, JSONValue]:
+    """A private deep copy of the tool's ``field``, which must be a dict of JSON values."""
+    if not isinstance(value, dict):
         raise InvalidRequest(
-            f"tool {name!r}: annotations must be a dict or None, got {type(annotations).__name__}"
+            f"tool {name!r}: {field} must be {expected}, got {type(value).__name__}"
         )
     try:
-        copied: dict[str, JSONValue] = plain_copy(annotations, root="annotations", strict=True)
+        copied: dict[str, JSONValue] = plain_copy(value, root=field, strict=True)
     except UnloggableValue as exc:
         raise InvalidRequest(f"tool {name!r}: {exc.reason}") from None
     return copied

@@ -687,22 +687,10 @@ def run_trace_id(run_id: str) -> str:
 def _claim_public_home() -> None:
     # The errors are defined in a private module so that one file holds the whole
     # hierarchy; their public home is here, and reprs, pickles and docs should say so.
-    for cls in (
-        CorruptLog,
-        InvalidRequest,
-        LeaseLost,
-        NotAwaitingApproval,
-        NotInDoubt,
-        PolyLoopError,
-        RunAlreadyExists,
-        RunIdentityMismatch,
-        RunLocked,
-        RunNotFound,
-        SchemaMajorMismatch,
-        StoreError,
-        UnloggableValue,
-    ):
-        cls.__module__ = __name__
+    for name in __all__:
+        value = globals()[name]
+        if isinstance(value, type) and issubclass(value, PolyLoopError):
+            value.__module__ = __name__
 
 
 _claim_public_home()

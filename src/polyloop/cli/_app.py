@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -197,14 +197,23 @@ def _positive(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
+_N = TypeVar("_N", int, float)
+
+
+def _number_between(text: str, parse: Callable[[str], _N], low: _N, high: _N, expected: str) -> _N:
+    """``text`` read by ``parse`` and within ``[low, high]``, or the argument error that
+    says what was ``expected``."""
     try:
-        value = float(text)
+        value = parse(text)
     except ValueError:
-        value = -1.0
-    if not 0 <= value <= 60:
-        raise argparse.ArgumentTypeError(f"expected seconds between 0 and 60, not {text!r}")
+        value = None
+    if value is None or not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"expected {expected}, not {text!r}")
     return value
+
+
+def _seconds(text: str) -> float:
+    return _number_between(text, float, 0.0, 60.0, "seconds between 0 and 60")
 
 
 # -- demo ----------------------------------------------------------------------------------
@@ -638,13 +647,7 @@ def _serve_parser(commands: _Commands) -> None:
 
 
 def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, not {text!r}")
-    return value
+    return _number_between(text, int, 0, 65535, "a port from 0 to 65535")
 
 
 def _poll_seconds(text: str) -> float:

@@ -51,15 +51,7 @@ async def approve(
         payload = proposal.payload
         if arguments is not None:
             payload = _edited(plan, payload, arguments, run_id)
-        return Verdict(
-            run_id=run_id,
-            result_id=proposal.result_id,
-            approved=True,
-            by=by,
-            payload=payload,
-            reason=None,
-            at=datetime.now(UTC),
-        )
+        return _verdict(proposal, by=by, payload=payload, reason=None)
 
     return await _answer(store, run_id, verdict)
 
@@ -72,16 +64,7 @@ async def reject(
     _check_result_id(result_id, run_id)
 
     def verdict(plan: _recovery.Plan) -> Verdict:
-        proposal = _waiting(plan, run_id, result_id)
-        return Verdict(
-            run_id=run_id,
-            result_id=proposal.result_id,
-            approved=False,
-            by=by,
-            payload=None,
-            reason=reason,
-            at=datetime.now(UTC),
-        )
+        return _verdict(_waiting(plan, run_id, result_id), by=by, payload=None, reason=reason)
 
     return await _answer(store, run_id, verdict)
 
@@ -137,6 +120,20 @@ async def _answer(store: Store, run_id: str, build: Callable[[_recovery.Plan], _
                 await store.release_run(run_id)
             except Exception:
                 logger.exception("run %r: could not give up the claim", run_id)
+
+
+def _verdict(proposal: Proposal, *, by: str, payload: JSONValue, reason: str | None) -> Verdict:
+    """The verdict on ``proposal``: approved with ``payload`` to run, or, with a
+    ``reason``, rejected."""
+    return Verdict(
+        run_id=proposal.run_id,
+        result_id=proposal.result_id,
+        approved=reason is None,
+        by=by,
+        payload=payload,
+        reason=reason,
+        at=datetime.now(UTC),
+    )
 
 
 def _check_text(name: str, value: object, run_id: str) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -173,14 +172,9 @@ class AgentRun:
         return await self._apply(
             Waiting.APPROVAL,
             answer.result_id,
-            lambda result_id: AnswerInput(
-                agent=self._agent(),
-                run_id=self._run_id(),
-                kind=AnswerKind.APPROVE,
-                by=answer.by,
-                arguments=answer.arguments,
-                result_id=result_id,
-            ),
+            AnswerKind.APPROVE,
+            by=answer.by,
+            arguments=answer.arguments,
         )
 
     @approve.validator
@@ -198,14 +192,9 @@ class AgentRun:
         return await self._apply(
             Waiting.APPROVAL,
             answer.result_id,
-            lambda result_id: AnswerInput(
-                agent=self._agent(),
-                run_id=self._run_id(),
-                kind=AnswerKind.REJECT,
-                by=answer.by,
-                reason=answer.reason,
-                result_id=result_id,
-            ),
+            AnswerKind.REJECT,
+            by=answer.by,
+            reason=answer.reason,
         )
 
     @reject.validator
@@ -224,15 +213,10 @@ class AgentRun:
         return await self._apply(
             Waiting.SETTLEMENT,
             answer.result_id,
-            lambda result_id: AnswerInput(
-                agent=self._agent(),
-                run_id=self._run_id(),
-                kind=AnswerKind.SETTLE,
-                by=answer.by,
-                ran=answer.ran,
-                observation=answer.observation,
-                result_id=result_id,
-            ),
+            AnswerKind.SETTLE,
+            by=answer.by,
+            ran=answer.ran,
+            observation=answer.observation,
         )
 
     @settle.validator
@@ -415,8 +399,10 @@ class AgentRun:
         )
 
     async def _apply(
-        self, kind: Waiting, result_id: str | None, build: Callable[[str | None], AnswerInput]
+        self, kind: Waiting, result_id: str | None, answer: AnswerKind, **fields: Any
     ) -> dict[str, JSONValue]:
+        """Write a person's ``answer`` (with its ``fields``) for what the run waits on,
+        once the run has stopped and only if it still waits on ``result_id``."""
         # An answer sent while the run is driven waits for the run to stop; it answers
         # the first stop it sees, and only that one.
         self._answers_awaiting_a_stop += 1
@@ -432,7 +418,15 @@ class AgentRun:
             raise self._refused(kind, f"no longer waits for this {kind.words}{named}{now}")
         self._answering = True
         try:
-            logged = await self._answer(build(self._waiting_for))
+            logged = await self._answer(
+                AnswerInput(
+                    agent=self._agent(),
+                    run_id=self._run_id(),
+                    kind=answer,
+                    result_id=self._waiting_for,
+                    **fields,
+                )
+            )
         finally:
             self._answering = False
         self._waiting = None
