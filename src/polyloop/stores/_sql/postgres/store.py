@@ -57,9 +57,9 @@ class PostgresStore(EngineStore):
     run; a second writer of a run gets ``RunLocked``. Needs the ``postgres`` extra
     (psycopg 3 and psycopg-pool).
 
-    Cancellation: a write cancelled before its batch started writes nothing; once the
-    batch started, the call waits for its commit, shielded, then lets the cancellation go
-    on (its rows are committed, or it failed), but for one second at most
+    Cancellation, for every method: a write cancelled before its batch started writes
+    nothing; once the batch started, the call waits for its commit, shielded, then lets
+    the cancellation go on (its rows are committed, or it failed), but for one second at most
     (``CANCELLED_WRITE_WAIT_S``): past that the write is given up with its outcome
     unknown, its commit ends on its own in its thread, and this store object writes
     nothing more of the run (it gives the claim up, and another store object resumes the
