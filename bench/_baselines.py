@@ -3,21 +3,24 @@
 Each write commits alone, in a worker-thread hop of its own (SQLite with
 ``synchronous=FULL`` for every commit), which is how a store without shared commits
 behaves. They live here, not in the library: the library has one write path per store.
-They reach into the stores' private dialects on purpose, and only to replace the step
-that submits a write.
+Each builds its own backend, a subclass of the store's private dialect that replaces
+only the step that submits a write, and puts the store port over it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import anyio.to_thread
 
-from polyloop.stores import PostgresStore, SqliteStore
-from polyloop.stores._common import Write
+from polyloop.stores._engine import EngineStore
 from polyloop.stores._refusals import not_claimed
+from polyloop.stores._sql.postgres.connection import Settings
 from polyloop.stores._sql.postgres.store import Postgres
 from polyloop.stores._sql.sqlite.store import Sqlite
+from polyloop.stores._writes import Write
 
 
 class _SqliteAlone(Sqlite):
@@ -31,15 +34,16 @@ class _SqliteAlone(Sqlite):
             raise error
 
 
-class SqliteOneCommitPerWrite(SqliteStore):
+class SqliteOneCommitPerWrite(EngineStore):
     """``SqliteStore`` committing every write in a transaction of its own."""
 
-    _DIALECT = _SqliteAlone
+    __slots__ = ()
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(_SqliteAlone(Path(os.fspath(path))))
 
 
 class _PostgresAlone(Postgres):
-    __slots__ = ()
-
     async def submit(self, write: Write) -> None:
         route = self._route(write.run_id)
         if route is None:
@@ -49,7 +53,22 @@ class _PostgresAlone(Postgres):
             raise error
 
 
-class PostgresOneCommitPerWrite(PostgresStore):
-    """``PostgresStore`` committing every write in a statement of its own."""
+class PostgresOneCommitPerWrite(EngineStore):
+    """``PostgresStore`` committing every write in a statement of its own, with its
+    default options but for the schema and the number of writer connections."""
 
-    _DIALECT = _PostgresAlone
+    __slots__ = ()
+
+    def __init__(
+        self, conninfo: str, *, schema: str = "polyloop", max_writer_connections: int = 8
+    ) -> None:
+        settings = Settings(
+            conninfo=conninfo,
+            schema=schema,
+            pool_size=4,
+            max_writers=max_writer_connections,
+            timeout=30.0,
+            lease_s=15.0,
+            statement_timeout_s=30.0,
+        )
+        super().__init__(_PostgresAlone(settings))

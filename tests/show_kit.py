@@ -33,7 +33,7 @@ from polyloop import (
     start_or_resume,
 )
 from polyloop.stores import JsonlStore, SqliteStore
-from polyloop.stores._common import safe_name
+from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
 from probe_kit import Payments, tools
 from review_kit import payment_script

@@ -400,12 +400,12 @@ async def test_the_postgres_baseline_sends_each_write_in_a_statement_of_its_own(
 ) -> None:
     from bench._baselines import PostgresOneCommitPerWrite
 
-    from polyloop.stores._sql.postgres import store as _postgres_store
+    from polyloop.stores._sql.postgres import connection as _postgres_connection
     from polyloop.stores._sql.postgres.sql import Queries
 
     queries = Queries("polyloop")
     sent: list[str] = []
-    opened = _postgres_store.open_connection
+    opened = _postgres_connection.open_connection
 
     def open_connection(conninfo: str, *args: Any, **options: Any) -> Any:
         conn = opened(conninfo, *args, **options)
@@ -421,7 +421,7 @@ async def test_the_postgres_baseline_sends_each_write_in_a_statement_of_its_own(
         conn.execute = noted  # type: ignore[method-assign]
         return conn
 
-    monkeypatch.setattr(_postgres_store, "open_connection", open_connection)
+    monkeypatch.setattr(_postgres_connection, "open_connection", open_connection)
     async with PostgresOneCommitPerWrite(postgres_conninfo, max_writer_connections=1) as store:
         writes = await _write_runs_at_once(store)
     assert len(sent) == writes  # one statement, one transaction, per write

@@ -21,7 +21,7 @@ from polyloop import Replay, StepRecord, fork, resume, run
 from polyloop.cli import main
 from polyloop.session._forking import inherited_digest
 from polyloop.stores import JsonlStore, SqliteStore
-from polyloop.stores._common import safe_name
+from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
 
 BACKENDS = ["asyncio", "trio"]

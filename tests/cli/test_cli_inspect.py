@@ -345,7 +345,7 @@ def test_show_of_an_unknown_run_is_one_error(
 
 
 def jsonl_file(store: str, run_id: str) -> Path:
-    from polyloop.stores._common import safe_name
+    from polyloop.stores._paths import safe_name
 
     return Path(store.removeprefix("jsonl:")) / f"{safe_name(run_id)}.jsonl"
 

@@ -14,7 +14,7 @@ from polyloop.cli import main
 from polyloop.cli._common import CliError
 from polyloop.cli._stores import StoreSpec, parse_store, require_existing
 from polyloop.stores import JsonlStore
-from polyloop.stores._common import safe_name
+from polyloop.stores._paths import safe_name
 
 # -- STORE arguments --------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from agent_kit import Ledger, definition, make_tools, request, tool_call
 from polyloop import run
 from polyloop.cli import main
 from polyloop.stores import JsonlStore
-from polyloop.stores._common import safe_name
+from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
 
 BACKENDS = ["asyncio", "trio"]

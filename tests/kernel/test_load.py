@@ -39,7 +39,7 @@ from polyloop import (
 )
 from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore, MemoryStore
-from polyloop.stores._common import safe_name
+from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
 from store_kit import DURABLE_KINDS, durable_opener
 

@@ -15,7 +15,7 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from polyloop.stores import _common
+from polyloop.stores import _engine
 
 pytestmark = pytest.mark.anyio
 
@@ -43,7 +43,7 @@ async def test_a_claim_whose_await_fails_is_given_back(monkeypatch: pytest.Monke
     held: set[str] = set()
     _fail_the_first_call_after_it_ran(monkeypatch)
     with pytest.raises(_AfterTheThread):
-        await _common.claim_in_thread(lambda: held.add("r"), lambda: held.discard("r"), run_id="r")
+        await _engine.claim_in_thread(lambda: held.add("r"), lambda: held.discard("r"), run_id="r")
     assert held == set()
 
 
@@ -54,7 +54,7 @@ async def test_a_claim_that_failed_before_taking_the_run_gives_nothing_back() ->
         raise OSError("no room")
 
     with pytest.raises(OSError, match="no room"):
-        await _common.claim_in_thread(claim, lambda: released.append("r"), run_id="r")
+        await _engine.claim_in_thread(claim, lambda: released.append("r"), run_id="r")
     assert released == []
 
 
@@ -63,7 +63,7 @@ async def test_a_slow_release_holds_the_caller_up_for_the_grace_only(
 ) -> None:
     """Past the grace the caller gets its error back; the release still finishes."""
     grace_s = 0.2
-    monkeypatch.setattr(_common, "RELEASE_GRACE_S", grace_s)
+    monkeypatch.setattr(_engine, "RELEASE_GRACE_S", grace_s)
     _fail_the_first_call_after_it_ran(monkeypatch)
     may_finish = threading.Event()
     released = threading.Event()
@@ -75,7 +75,7 @@ async def test_a_slow_release_holds_the_caller_up_for_the_grace_only(
     began = anyio.current_time()
     try:
         with pytest.raises(_AfterTheThread):
-            await _common.claim_in_thread(lambda: None, release, run_id="r")
+            await _engine.claim_in_thread(lambda: None, release, run_id="r")
         waited = anyio.current_time() - began
         assert grace_s <= waited < 10 * grace_s
         assert not released.is_set()

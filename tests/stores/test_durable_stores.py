@@ -23,7 +23,7 @@ from agent_kit import (
 )
 from polyloop import Replay, RunEnded, StepRecord, StopReason, Store, resume, run
 from polyloop.stores import JsonlStore
-from polyloop.stores._common import safe_name
+from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
 from store_kit import DURABLE_KINDS, durable_opener
 

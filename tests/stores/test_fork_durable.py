@@ -42,7 +42,7 @@ from polyloop.cli import main
 from polyloop.serialization import dumps
 from polyloop.session._forking import inherited_digest
 from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
-from polyloop.stores._common import safe_name
+from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash, without_timing
 from store_kit import STORE_KINDS
 from surrogate_kit import HALF

@@ -65,8 +65,8 @@ from fuzz_kit import (
 )
 from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
-from polyloop.stores._common import safe_name
 from polyloop.stores._jsonl.reader import decode_line
+from polyloop.stores._paths import safe_name
 from polyloop.testing.store_contract import apply, expected_records
 from polyloop.types import (
     JSONValue,

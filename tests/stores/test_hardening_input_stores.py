@@ -47,7 +47,7 @@ from polyloop import (
 from polyloop._recovery import RecoveryState, read_plan
 from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore, SqliteStore
-from polyloop.stores._common import safe_name
+from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from store_kit import STORE_KINDS, Stores
 

@@ -58,8 +58,8 @@ from polyloop import resume, run
 from polyloop.ports import Store
 from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
-from polyloop.stores._common import safe_name
 from polyloop.stores._jsonl.fileops import OsFileOps
+from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from polyloop.types import (
     Intent,

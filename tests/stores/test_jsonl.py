@@ -40,10 +40,10 @@ from agent_kit import (
 )
 from polyloop import resume, run
 from polyloop.serialization import dumps
-from polyloop.stores import JsonlStore, _common
-from polyloop.stores._common import fsync_directory as real_fsync_directory
-from polyloop.stores._common import safe_name
+from polyloop.stores import JsonlStore, _paths
 from polyloop.stores._jsonl.fileops import OsFileOps
+from polyloop.stores._paths import fsync_directory as real_fsync_directory
+from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
@@ -166,7 +166,7 @@ async def test_creates_its_directory_with_parents_and_syncs_new_entries(
         synced.append(Path(directory))
         real_fsync_directory(directory)
 
-    monkeypatch.setattr(_common, "fsync_directory", record)
+    monkeypatch.setattr(_paths, "fsync_directory", record)
     directory = tmp_path / "a" / "b" / "runs"
     async with JsonlStore(directory) as store:
         await store.claim_run("r")
@@ -237,7 +237,7 @@ async def test_start_run_syncs_the_file_then_its_directory_entry(
         real_fsync_directory(path)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(_common, "fsync_directory", fsync_directory)
+    monkeypatch.setattr(_paths, "fsync_directory", fsync_directory)
     async with JsonlStore(directory) as store:
         await store.claim_run("r")
         assert events == []  # claiming a new run syncs nothing yet

@@ -26,6 +26,7 @@ import pytest
 from psycopg import sql
 
 import pg
+import postgres_probe_kit
 from agent_kit import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
@@ -43,11 +44,11 @@ from agent_kit import (
 from polyloop import ModelCall, Replay, RunEnded, RunResult, StopReason, resume, run
 from polyloop.ports import Store
 from polyloop.stores import PostgresStore
-from polyloop.stores._common import record_row
+from polyloop.stores._sql.postgres import connection as _postgres_connection
 from polyloop.stores._sql.postgres import sql as _postgres_sql
-from polyloop.stores._sql.postgres import store as _postgres_store
 from polyloop.stores._sql.postgres.batch import Committer
-from polyloop.stores._sql.postgres.store import Settings, open_connection
+from polyloop.stores._sql.postgres.connection import Settings, open_connection
+from polyloop.stores._writes import record_row
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
     DurableStoreContract,
@@ -885,7 +886,7 @@ def batches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
 
 
 def watched(conninfo: str, probe: Probe, **options: Any) -> PostgresStore:
-    return PostgresStore(conninfo, _probe=probe, **options)
+    return postgres_probe_kit.probed(conninfo, probe, **options)
 
 
 def started(run_id: str) -> RunStarted:
@@ -1047,7 +1048,7 @@ class Statements:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.sent: list[str] = []
-        opened = _postgres_store.open_connection
+        opened = _postgres_connection.open_connection
 
         def open_writer(conninfo: str, *args: Any, **options: Any) -> psycopg.Connection[Any]:
             conn = opened(conninfo, *args, **options)
@@ -1064,7 +1065,7 @@ class Statements:
             conn.execute = counted  # type: ignore[method-assign]
             return conn
 
-        monkeypatch.setattr(_postgres_store, "open_connection", open_writer)
+        monkeypatch.setattr(_postgres_connection, "open_connection", open_writer)
 
 
 @pytest.mark.slow

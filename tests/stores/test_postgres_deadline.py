@@ -15,7 +15,7 @@ import psycopg
 import pytest
 
 from net_proxy_kit import Mode, Proxy
-from polyloop.stores._sql.postgres.deadline import Silent, Watched, deadline_s
+from polyloop.stores._sql.postgres.connection import Silent, Watched, deadline_s
 
 SLACK_S = 1.5  # a loaded machine's scheduling, never a wait the tests rely on
 

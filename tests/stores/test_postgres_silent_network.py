@@ -27,12 +27,13 @@ from psycopg import sql
 import lease_kit
 import one_writer_kit as kit
 import pg
+import postgres_probe_kit
 from agent_kit import cancel_when
 from net_proxy_kit import Mode, Proxy
 from polyloop import Replay, RunEnded, RunLocked, StopReason, StoreError, resume, run
 from polyloop.cli import main as polyloop_command
 from polyloop.stores import PostgresStore
-from polyloop.stores._sql.postgres.store import CANCELLED_WRITE_WAIT_S
+from polyloop.stores._sql.postgres.owner import CANCELLED_WRITE_WAIT_S
 from polyloop.testing.store_contract import sample_run
 
 # Slow: each case waits out real network deadlines of several seconds.
@@ -169,12 +170,12 @@ async def test_a_cancelled_run_on_a_silent_path_returns_within_its_grace_and_res
             await anyio.sleep(0.5)  # the record is being written by now, in vain
         cancel_now.set()
 
-    a = PostgresStore(
+    a = postgres_probe_kit.probed(
         proxy.conninfo(postgres_conninfo),
+        start_goes_silent,
         statement_timeout_s=STATEMENT_TIMEOUT_S,
         timeout=CONNECT_S,
         lease_s=LEASE_S,
-        _probe=start_goes_silent,
     )
     request = dataclasses.replace(kit.request("r", registry, Replay.NEVER), cancel_grace_s=1.0)
     definition = lease_kit.definition(a, ledger.append, GoesSilent(ledger.append))

@@ -43,8 +43,8 @@ from agent_kit import (
 from polyloop import resume, run
 from polyloop._recovery import RecoveryState, read_plan
 from polyloop.stores import JsonlStore
-from polyloop.stores._common import safe_name
 from polyloop.stores._jsonl.reader import parse_lines
+from polyloop.stores._paths import safe_name
 from polyloop.testing import ScriptedModelClient
 from polyloop.types import (
     CorruptLog,

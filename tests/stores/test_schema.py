@@ -20,10 +20,10 @@ import pytest
 import pg
 from polyloop.ports import ManagedStore
 from polyloop.stores import PostgresStore, SqliteStore
-from polyloop.stores._common import record_row
 from polyloop.stores._sql.postgres.sql import Queries, run_id_column, run_key
 from polyloop.stores._sql.schema import Layout
 from polyloop.stores._sql.sqlite.sql import LAYOUT as SQLITE_LAYOUT
+from polyloop.stores._writes import record_row
 from polyloop.testing.store_contract import expected_records, in_doubt_run, sample_run
 from polyloop.types import CorruptLog, SchemaMajorMismatch
 

@@ -36,9 +36,9 @@ from polyloop.cli._stores import StoreSpec
 from polyloop.ports import ManagedStore
 from polyloop.session import run_status
 from polyloop.session._forking import inherited_digest
-from polyloop.stores._common import safe_name
 from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._jsonl.reader import COMMON_FLAGS, SUFFIX, decode_line, extent, lines
+from polyloop.stores._paths import safe_name
 from polyloop.types import (
     CorruptLog,
     PolyLoopError,

@@ -1,5 +1,5 @@
 """Shared commits: the writes waiting at one moment share one worker-thread hop, so
-batches grow only while the threads are busy (research records 0013 and 0019)."""
+batches grow only while the threads are busy (docs/stores.md#durability-at-a-glance)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Claims the operating system holds, for the stores of one host (JSON lines, SQLite): the
 write lock on one byte, drawn from the run id, of one of 16 lock files, which the kernel
-lets go when the process dies (research records 0027 and 0032)."""
+lets go when the process dies (docs/stores.md#claims-one-writer-per-run)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from pathlib import Path
 from anyio.lowlevel import EventLoopToken
 
 from polyloop.stores._batching import GroupCommit
-from polyloop.stores._common import Claim, Write, WriterState, create_directories, open_failed
 from polyloop.stores._jsonl.fileops import FileOps
+from polyloop.stores._open_files import open_failed
+from polyloop.stores._paths import create_directories
 from polyloop.stores._refusals import claimed_already, not_claimed
+from polyloop.stores._writes import Claim, Write, WriterState
 
 # The kernel keeps a file's byte locks in one list that each lock call walks: spread over
 # 16 files, a lock stays in the tens of microseconds at 10,000 claims.

@@ -1,9 +1,11 @@
 """What the durable stores do alike, once, and the pruning all stores share; a backend
-supplies where records live and how they are read and claimed (research record 0033)."""
+supplies where records live and how they are read and claimed
+(docs/stores.md#your-own-store)."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -19,9 +21,17 @@ import anyio.to_thread
 from polyloop import types
 from polyloop._shared import FORMAT
 from polyloop.ports import Store, StoredRun
-from polyloop.stores import _common
-from polyloop.stores._common import StoreBase, Write, claim_in_thread, record_row
+from polyloop.stores import _paths
 from polyloop.stores._jsonl.reader import SUFFIX, log_lines
+from polyloop.stores._paths import in_the_way, safe_name
+from polyloop.stores._port import StoreBase
+from polyloop.stores._writes import Write, record_row
+
+logger = logging.getLogger("polyloop")
+
+# How long giving a claim back after a failed claim or prune may keep its caller.
+RELEASE_GRACE_S = 10.0
+_SLOW_RELEASE = "run %r: giving its claim back took over %g s; it goes on in the background"
 
 Archive = str | os.PathLike[str] | None
 Delete = Callable[[str], Awaitable[bool]]
@@ -117,6 +127,31 @@ class EngineStore(StoreBase):
         await self._backend.submit(write)
 
 
+async def claim_in_thread(
+    claim: Callable[[], None], release: Callable[[], None], *, run_id: str
+) -> None:
+    """Run a blocking ``claim`` of ``run_id`` in a worker thread; if the call then raises
+    (its caller was cancelled as the thread finished, say), ``release`` it again."""
+    taken = False
+
+    def claim_and_note() -> None:
+        nonlocal taken
+        claim()
+        taken = True
+
+    try:
+        await anyio.to_thread.run_sync(claim_and_note)
+    except BaseException:
+        if taken:
+            # Bounded: past the grace the release goes on in its thread, unwaited for,
+            # and the caller's error or cancellation is not held up behind the store.
+            with anyio.move_on_after(RELEASE_GRACE_S, shield=True) as scope:
+                await anyio.to_thread.run_sync(release, abandon_on_cancel=True)
+            if scope.cancelled_caught:
+                logger.warning(_SLOW_RELEASE, run_id, RELEASE_GRACE_S)
+        raise
+
+
 def check_cutoff(finished_before: datetime) -> datetime:
     """``finished_before`` as an aware UTC time; a naive one is taken as UTC."""
     if not isinstance(finished_before, datetime):
@@ -144,7 +179,7 @@ async def prune_runs(
                 deleted = await delete(run_id)
         finally:
             if not deleted:
-                with anyio.move_on_after(_common.RELEASE_GRACE_S, shield=True):
+                with anyio.move_on_after(RELEASE_GRACE_S, shield=True):
                     await store.release_run(run_id)
         if deleted:
             pruned.append(run_id)
@@ -165,7 +200,7 @@ def _archive_or_say_why(directory: Path, log: types.RunLog) -> None:
     try:
         _write_archive(directory, log)
     except OSError as exc:
-        reason = _common.in_the_way(directory) or exc.strerror or type(exc).__name__
+        reason = in_the_way(directory) or exc.strerror or type(exc).__name__
         raise types.StoreError(
             f"cannot archive the run: {reason}", run_id=log.run_id, location=str(directory)
         ) from exc
@@ -187,17 +222,17 @@ def _write_archive(directory: Path, log: types.RunLog) -> None:
         for copy in itertools.count(1):
             folder = directory / str(copy) if copy > 1 else directory
             folder.mkdir(exist_ok=True)
-            final = folder / f"{_common.safe_name(log.run_id)}{SUFFIX}"
+            final = folder / f"{safe_name(log.run_id)}{SUFFIX}"
             try:
                 os.link(part, final)  # never replaces, even with another prune at once
             except FileExistsError:
                 if final.stat().st_size != len(data) or final.read_bytes() != data:
                     continue
-            _common.fsync_directory(folder)
+            _paths.fsync_directory(folder)
             break
     finally:
         os.unlink(part)
-    _common.fsync_directory(directory)
+    _paths.fsync_directory(directory)
 
 
 def refuse_own_archive(archive: str | os.PathLike[str], home: Path) -> None:

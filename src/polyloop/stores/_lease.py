@@ -1,6 +1,6 @@
 """Owner leases: one state machine, plain data on this process's clock (:class:`LeaseState`),
 and a keeper thread that renews it while the event loop lives; a lost lease takes its
-claims for good. Research records 0018, 0029 and 0031 say why."""
+claims for good (docs/stores.md#leases-hung-workers)."""
 
 from __future__ import annotations
 

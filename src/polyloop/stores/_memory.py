@@ -9,9 +9,10 @@ from datetime import UTC, datetime
 from polyloop import types
 from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
-from polyloop.stores._common import StoreBase, WriterState
 from polyloop.stores._engine import Archive, check_cutoff, finished, prune_runs
+from polyloop.stores._port import StoreBase
 from polyloop.stores._refusals import check_order, claimed_already, not_claimed
+from polyloop.stores._writes import WriterState
 
 
 class MemoryStore(StoreBase):

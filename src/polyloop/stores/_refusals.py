@@ -1,4 +1,5 @@
-"""Why a store refuses a call, written once for every store (research record 0033, point 4)."""
+"""Why a store refuses a call, written once for every store
+(docs/stores.md#claims-one-writer-per-run)."""
 
 from __future__ import annotations
 

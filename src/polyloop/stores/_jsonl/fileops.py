@@ -1,5 +1,6 @@
 """The stores for one host reach the file system only through a :class:`FileOps`, which
-the power-loss tests replace with a model of a disk (research record 0012)."""
+the power-loss tests replace with a model of a disk
+(docs/stores.md#durability-at-a-glance)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import struct
 from pathlib import Path
 from typing import Protocol
 
-from polyloop.stores import _common
+from polyloop.stores import _paths
 from polyloop.types import RunLocked, StoreError
 
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
 
 
-class FileOps(_common.DirectoryOps, Protocol):
+class FileOps(_paths.DirectoryOps, Protocol):
     """What the stores for one host ask of a file system; errors are ``OSError``, and
     ``lock_range`` raises ``RunLocked`` when another open description holds the byte."""
 
@@ -60,7 +61,7 @@ class OsFileOps:
         os.fsync(fd)
 
     def fsync_directory(self, directory: Path) -> None:
-        _common.fsync_directory(directory)
+        _paths.fsync_directory(directory)
 
     def ftruncate(self, fd: int, length: int) -> None:
         os.ftruncate(fd, length)

@@ -1,7 +1,7 @@
-"""The JSON-lines format of the run files (research records 0009 and 0012): a record exists
-once the ``\\n`` ending its line is in the file; what follows the last one is a torn tail,
-ignored and cut off by the next claim; a line that does not decode to a record of the run
-is a ``CorruptLog`` naming the file and the line (from 1)."""
+"""The JSON-lines format of the run files: a record exists once the ``\\n`` ending its line
+is in the file; what follows the last one is a torn tail, ignored and cut off by the next
+claim; a line that does not decode to a record of the run is a ``CorruptLog`` naming the
+file and the line, from 1 (docs/recovery.md#damaged-logs)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from pathlib import Path
 
 from polyloop import types
 from polyloop.serialization import dumps, loads
-from polyloop.stores._common import open_failed, safe_name
 from polyloop.stores._jsonl.fileops import FileOps
+from polyloop.stores._open_files import open_failed
+from polyloop.stores._paths import safe_name
 from polyloop.types import CorruptLog, Record, Result, RunEnded, SchemaMajorMismatch, StepRecord
 
 SUFFIX = ".jsonl"

@@ -1,6 +1,5 @@
 """The JSON-lines store: one append-only file per run, on the engine, each file open only
-while it is read or written. Research records 0009 (durability), 0012 (file operations),
-0017 (claims), 0019 (one write path) and 0027 (bounded open files) say why."""
+while it is read or written (docs/stores.md#jsonlstore)."""
 
 from __future__ import annotations
 
@@ -16,11 +15,12 @@ import anyio.to_thread
 from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._byte_locks import HostClaims, OneHost
-from polyloop.stores._common import Claim, Write, WriterState, safe_name
 from polyloop.stores._engine import Archive, EngineStore, refuse_own_archive
 from polyloop.stores._jsonl import reader
 from polyloop.stores._jsonl.fileops import FileOps, OsFileOps
+from polyloop.stores._paths import safe_name
 from polyloop.stores._refusals import check_order, not_claimed
+from polyloop.stores._writes import Claim, Write, WriterState
 from polyloop.types import CorruptLog, PolyLoopError, Record, SchemaMajorMismatch, StoreError
 
 logger = logging.getLogger("polyloop")

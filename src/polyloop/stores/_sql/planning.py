@@ -4,7 +4,7 @@
 (no claim, the order rule), and each other run's writes with the seq of their first row.
 A dialect sends the plan its own way (SQLite: a savepoint per run; PostgreSQL: one
 statement), refusing whole each run its fence did not move; :meth:`Plan.settle` then
-moves each written run's claim on. Research record 0033 says why.
+moves each written run's claim on (docs/stores.md#durability-at-a-glance).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from polyloop.stores._common import Claim, Write
 from polyloop.stores._refusals import check_order, fence_refusal
+from polyloop.stores._writes import Claim, Write
 from polyloop.types import PolyLoopError, RunLocked
 
 # One outcome per write of a batch: None (committed) or the error its caller sees.

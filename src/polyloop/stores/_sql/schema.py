@@ -2,7 +2,7 @@
 
 A ``meta`` table keeps the record ``format`` and the ``layout`` number; :func:`prepare`
 runs, under the dialect's lock, the migration steps (a :class:`Layout`) a database has not
-had, checks the format and refuses a newer layout. Research records 0025 and 0033.
+had, checks the format and refuses a newer layout (docs/stores.md#sqlitestore).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyloop._shared import FORMAT
-from polyloop.stores._common import check_format
 from polyloop.types import CorruptLog, SchemaMajorMismatch, StoreError
 
 # A step SQL alone cannot say: called with the connection, the database's name for
@@ -105,6 +104,16 @@ def _reached(
     except ValueError:
         reason = f"unreadable layout {text!r:.40}"
         raise CorruptLog(reason, run_id=run_id, location=f"{where} layout") from None
+
+
+def check_format(recorded: object, *, holder: str, run_id: str | None, location: str) -> None:
+    """Refuse an unreadable record format, or one of another major, held by ``holder``."""
+    if not isinstance(recorded, str) or not recorded.startswith("polyloop/"):
+        reason = f"no readable record format in the {holder} ({recorded!r:.80})"
+        raise CorruptLog(reason, run_id=run_id, location=location)
+    if recorded.partition(".")[0] != FORMAT.partition(".")[0]:
+        reason = f"the {holder} holds records in format {recorded!r}; this library reads {FORMAT!r}"
+        raise SchemaMajorMismatch(reason, run_id=run_id, location=location)
 
 
 def _check(meta: dict[str, str], layout: Layout, where: str, run_id: str | None) -> None:

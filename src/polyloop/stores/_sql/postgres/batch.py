@@ -1,51 +1,25 @@
 """The writer connections of a PostgreSQL store object, and the shared commit of a batch:
 one statement that moves each run's row on under its fence (claim epoch, expected seq,
-not finished) and inserts the rows of exactly the runs whose row moved (records 0011, 0019).
+not finished) and inserts the rows of exactly the runs whose row moved
+(docs/stores.md#postgresstore, docs/stores.md#leases-hung-workers).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import psycopg
 
 from polyloop.stores._batching import GroupCommit
-from polyloop.stores._common import Claim, Write, WriterState
 from polyloop.stores._lease import Lease
-from polyloop.stores._refusals import not_claimed, store_closed
+from polyloop.stores._refusals import not_claimed
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
+from polyloop.stores._sql.postgres.connection import Link
 from polyloop.stores._sql.postgres.sql import Connection, Queries, run_id_column, run_key
+from polyloop.stores._writes import Claim, Write, WriterState
 from polyloop.types import StoreError
-
-# The private test probe: the connection, (run id, kind) of each row, the SQL sent.
-Probe = Callable[[Connection, tuple[tuple[str, str], ...], tuple[str, ...]], None]
-
-
-@dataclass(eq=False)
-class Link:
-    """A connection of the store object's own, opened at first use and again after a
-    loss: nothing is written unfenced, since a claim's epoch lives in its run's row."""
-
-    connect: Callable[[], Connection]
-    connection: Connection | None = None
-    closed: bool = False
-
-    def connected(self, run_id: str | None = None) -> Connection:
-        if self.closed:
-            raise store_closed(run_id)
-        conn = self.connection
-        if conn is None or conn.broken or conn.closed:
-            self.drop()
-            conn = self.connection = self.connect()
-        return conn
-
-    def drop(self) -> None:
-        """The connection is lost or in doubt: close it; the next use opens another."""
-        conn, self.connection = self.connection, None
-        if conn is not None:
-            conn.close()
 
 
 @dataclass(eq=False)
@@ -70,12 +44,11 @@ class Writer(Link):
 @dataclass(eq=False, slots=True)
 class Committer:
     """Commits the batches of one store object's writers, in a worker thread. ``lease``
-    is the owner's; ``probe`` is a private test hook called before each statement."""
+    is the owner's."""
 
     state: WriterState
     queries: Queries
     lease: Lease
-    probe: Probe | None = None
 
     def commit(self, writer: Writer, writes: Sequence[Write]) -> Errors:
         """Commit every write that may be made in one transaction; say how each ended."""
@@ -126,9 +99,6 @@ class Committer:
     def _send(self, conn: Connection, runs: Sequence[RunPlan], barrier: bool, batch: Plan) -> None:
         """One statement: fence, advance and insert ``runs``; refuse those not admitted."""
         query = self.queries.write if barrier else self.queries.lazy_write
-        if self.probe is not None:
-            rows = tuple((run.run_id, kind) for run in runs for _, kind, _ in run.rows())
-            self.probe(conn, rows, (query.as_string(conn),))
         admitted = {bytes(key) for (key,) in conn.execute(query, _parameters(runs)).fetchall()}
         for run, row in self._rows(conn, [r for r in runs if run_key(r.run_id) not in admitted]):
             batch.refuse(run, run.fenced_out(row))

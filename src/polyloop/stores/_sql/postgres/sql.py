@@ -1,6 +1,6 @@
 """The SQL the PostgreSQL store sends (the schema a quoted identifier, every value a bound
-parameter), its migration steps, and the keys it derives from a run id (records 0011,
-0017, 0018).
+parameter), its migration steps, and the keys it derives from a run id
+(docs/stores.md#postgresstore, docs/stores.md#leases-hung-workers).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ class Queries:
             "SELECT run_key, epoch, finished, next_seq FROM {runs} WHERE run_key = ANY(%s)"
         )
         self.select_run = q(
-            "SELECT seq, run_id, kind, body FROM {records} WHERE run_key = %s ORDER BY seq"
+            "SELECT seq, kind, body, run_id FROM {records} WHERE run_key = %s ORDER BY seq"
         )
         order = "ORDER BY r.started_at, r.run_key"
         self.list_runs = listed + sql.SQL(order)

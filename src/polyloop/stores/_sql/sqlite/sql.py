@@ -1,6 +1,6 @@
 """SQLite's tables (the migration steps of :data:`LAYOUT`), its statements (claims fenced
 by the claim epoch, listing), and :func:`connect`, which opens a database in WAL mode with
-``synchronous=FULL`` and brings it up to date. Research records 0010, 0017, 0032, 0033.
+``synchronous=FULL`` and brings it up to date (docs/stores.md#sqlitestore).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from contextlib import contextmanager, suppress
 from functools import partial
 from pathlib import Path
 
-from polyloop.stores._common import create_directories, open_files_error
 from polyloop.stores._jsonl.fileops import OsFileOps
+from polyloop.stores._open_files import open_files_error
+from polyloop.stores._paths import create_directories
 from polyloop.stores._sql.schema import Layout, prepare, require_store
 from polyloop.types import PolyLoopError, StoreError
 

@@ -2,7 +2,7 @@
 
 One connection serves the worker threads under the store mutex; the writes waiting at one
 moment share a transaction, a savepoint per run, each fenced by the writer's claim epoch;
-a claim is a locked byte. Research records 0010, 0017, 0019, 0032 and 0033 say why.
+a claim is a locked byte (docs/stores.md#sqlitestore).
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from anyio.lowlevel import EventLoopToken
 
 from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._byte_locks import HostClaims, OneHost
-from polyloop.stores._common import Claim, Write, WriterState, decode_row
 from polyloop.stores._engine import EngineStore
 from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._refusals import store_closed
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
+from polyloop.stores._sql.rows import read_rows
 from polyloop.stores._sql.sqlite import sql
+from polyloop.stores._writes import Claim, Write, WriterState
 from polyloop.types import PolyLoopError, Record, StoreError
 
 logger = logging.getLogger("polyloop")
@@ -63,13 +64,10 @@ class SqliteStore(EngineStore):
 
     def __init__(self, path: str | os.PathLike[str], *, create: bool = True) -> None:
         self._path = Path(os.fspath(path))
-        super().__init__(self._DIALECT(self._path, create=create))
+        super().__init__(Sqlite(self._path, create=create))
 
     def __repr__(self) -> str:
         return f"SqliteStore({os.fspath(self._path)!r})"
-
-    # The dialect the store runs on; a benchmark baseline swaps in a variant.
-    _DIALECT: ClassVar[type[Sqlite]]
 
 
 class Sqlite(OneHost):
@@ -103,10 +101,7 @@ class Sqlite(OneHost):
     def read(self, run_id: str) -> tuple[Record, ...]:
         """Query under the store mutex, decode after releasing it."""
         rows, where = self._select(sql.SELECT_RUN, run_id), self._path
-        return tuple(
-            decode_row(body, run_id=run_id, kind=kind, location=f"{where}: run row seq {seq}")
-            for seq, kind, body in rows
-        )
+        return read_rows(rows, run_id, where=lambda seq: f"{where}: run row seq {seq}")
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
         return self._stored(self._select(sql.LIST_UNFINISHED if unfinished_only else sql.LIST_RUNS))
@@ -280,6 +275,3 @@ class Sqlite(OneHost):
         if savepoint:  # alone in its transaction, the run is undone by its rollback
             conn.execute("ROLLBACK TO run")
             conn.execute("RELEASE run")
-
-
-SqliteStore._DIALECT = Sqlite

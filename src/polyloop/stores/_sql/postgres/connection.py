@@ -1,0 +1,296 @@
+"""How a PostgreSQL store object connects: its checked settings, its own connections
+(:class:`Link`), the reader pool, and a deadline on the client side of every statement.
+
+Neither the server's ``statement_timeout`` nor TCP's ``tcp_user_timeout`` ends a wait on
+a path that went silent: the server's error is lost on the same path, and a middle box
+(a pooler, a load balancer, a NAT) acknowledges bytes it never delivers. So one watchdog
+thread per process shuts the socket of every statement still unanswered at its deadline:
+the waiting thread wakes at once and the statement fails with :class:`Silent`, a lost
+connection. A forked child starts a watchdog of its own at its first exchange: the
+parent's thread does not come along (docs/stores.md#postgresstore,
+docs/stores.md#leases-hung-workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.abc import PQGen
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import TupleRow
+from psycopg_pool import ConnectionPool
+
+from polyloop.stores._lease import check_lease_s
+from polyloop.stores._open_files import open_files_error
+from polyloop.stores._refusals import store_closed
+from polyloop.stores._sql.schema import Layout, prepare, require_store
+from polyloop.types import InvalidRequest, StoreError
+
+
+def deadline_s(statement_timeout_s: float) -> float:
+    """How long the client waits for an answer: the server's statement timeout and half
+    of it again (at least a second), so that the server's own error normally comes first."""
+    return statement_timeout_s + max(1.0, statement_timeout_s / 2)
+
+
+class Silent(psycopg.OperationalError):
+    """The server did not answer before the deadline, and the connection was given up."""
+
+
+class Watched(psycopg.Connection[TupleRow]):
+    """A connection that gives up each exchange with the server (a statement, a commit,
+    a check) not done within ``deadline_s``: every one of them waits in :meth:`wait`."""
+
+    deadline_s = math.inf
+
+    def wait(self, gen: PQGen[Any], *args: Any, **kwargs: Any) -> Any:
+        watch = _Watch(self, time.monotonic() + self.deadline_s)
+        _start(watch)
+        try:
+            return super().wait(gen, *args, **kwargs)
+        except psycopg.Error as exc:
+            if watch.fired:
+                raise Silent(f"the server did not answer within {self.deadline_s:g} s") from exc
+            raise
+        finally:
+            with _changed:
+                _watches.discard(watch)  # an answer that beat the shutdown stands
+
+
+@dataclass(eq=False, slots=True)
+class _Watch:
+    conn: Watched
+    deadline: float
+    fired: bool = False
+
+
+# The exchanges waiting for an answer, and when the watchdog wakes next (under _changed).
+_watches: set[_Watch] = set()
+_next_wake = math.inf
+_changed = threading.Condition()
+_watchdog_thread: threading.Thread | None = None
+
+
+def _forget_the_parents_watchdog() -> None:
+    """In a forked child: only the forking thread came along, so the watchdog must start
+    again at the child's first exchange, and the lock may have been held at the fork."""
+    global _watches, _next_wake, _changed, _watchdog_thread
+    _watches, _next_wake = set(), math.inf
+    _changed = threading.Condition()
+    _watchdog_thread = None
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_forget_the_parents_watchdog)
+
+
+def _start(watch: _Watch) -> None:
+    global _watchdog_thread
+    with _changed:
+        if _watchdog_thread is None:
+            _watchdog_thread = threading.Thread(target=_watchdog, name="polyloop-deadline")
+            _watchdog_thread.daemon = True
+            _watchdog_thread.start()
+        _watches.add(watch)
+        if watch.deadline < _next_wake:  # else the watchdog wakes in time anyway
+            _changed.notify()
+
+
+def _watchdog() -> None:
+    """Sleep until the earliest deadline; shut the socket of each exchange past its own."""
+    global _next_wake
+    with _changed:
+        while True:
+            now = time.monotonic()
+            for watch in [watch for watch in _watches if watch.deadline <= now]:
+                _watches.discard(watch)
+                watch.fired = True
+                # Both ways: the waiting thread wakes, and psycopg marks the connection broken.
+                with (
+                    contextlib.suppress(OSError, psycopg.Error),
+                    socket.socket(fileno=socket.dup(watch.conn.pgconn.socket)) as sock,
+                ):
+                    sock.shutdown(socket.SHUT_RDWR)
+            _next_wake = min((watch.deadline for watch in _watches), default=math.inf)
+            _changed.wait(None if _next_wake == math.inf else _next_wake - now)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    """The options of a :class:`PostgresStore`, checked (``InvalidRequest`` names the
+    first that is wrong). ``options`` are added to ``conninfo`` for every connection;
+    ``conninfo`` stays out of ``repr``, since it may hold a password. ``create``: may
+    opening create the schema and its tables."""
+
+    conninfo: str = field(repr=False)
+    schema: str
+    pool_size: int
+    max_writers: int
+    timeout: float
+    lease_s: float
+    statement_timeout_s: float
+    create: bool = True
+    options: Mapping[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        schema = self.schema
+        name = schema.encode("utf-8", "surrogatepass") if isinstance(schema, str) else b""
+        if not 0 < len(name) <= 63 or b"\x00" in name:  # a PostgreSQL name has 63 bytes
+            raise InvalidRequest(
+                f"schema must be a PostgreSQL name of 1 to 63 bytes without NUL, not {schema!r:.80}"
+            )
+        if self.pool_size < 1 or self.max_writers < 1:
+            raise InvalidRequest("pool_size and max_writer_connections must be at least 1")
+        if not self.timeout > 0:
+            raise InvalidRequest("timeout must be a positive number of seconds")
+        check_lease_s(self.lease_s)
+        if not self.statement_timeout_s > 0:
+            raise InvalidRequest("statement_timeout_s must be a positive number of seconds")
+        object.__setattr__(self, "statement_timeout_s", float(self.statement_timeout_s))
+        try:
+            given = conninfo_to_dict(self.conninfo)
+        except psycopg.Error:
+            # The message would quote the string, which may hold a password.
+            raise InvalidRequest("conninfo is not a valid libpq connection string or URL") from None
+        # A connect timeout; how long sent data may go unacknowledged; keepalives, which
+        # find a dead peer on an idle connection (a pooled one, the owner's between
+        # renewals), where no statement waits for its deadline. ``conninfo`` may set each.
+        idle = max(1, math.ceil(self.statement_timeout_s / 2))
+        defaults = {
+            "connect_timeout": max(1, math.ceil(self.timeout)),
+            "tcp_user_timeout": max(1, math.ceil(self.statement_timeout_s * 1000)),
+            "keepalives": 1,
+            "keepalives_idle": idle,
+            "keepalives_interval": idle,
+            "keepalives_count": 3,
+        }
+        options = {name: value for name, value in defaults.items() if name not in given}
+        object.__setattr__(self, "options", options)
+
+    def connect(self, name: str, deadline_s: float = math.inf) -> Watched:
+        """A new connection of the store object's own, named ``name`` on the server,
+        with the statement deadline or ``deadline_s`` if that is shorter."""
+        conn = open_connection(self.conninfo, self.statement_timeout_s, name=name, **self.options)
+        conn.deadline_s = min(conn.deadline_s, deadline_s)
+        return conn
+
+
+def open_connection(
+    conninfo: str, statement_timeout_s: float, *, name: str, **options: Any
+) -> Watched:
+    """An autocommit connection, its statement timeout and deadline set, and
+    ``synchronous_commit`` on."""
+    try:
+        conn = Watched.connect(conninfo, autocommit=True, fallback_application_name=name, **options)
+    except psycopg.OperationalError as exc:
+        limit = open_files_error(exc, None)  # a socket is a file too
+        if limit is not None:
+            raise limit from exc
+        raise
+    try:
+        _set_statement_timeout(conn, seconds=statement_timeout_s)
+        row = conn.execute("SHOW synchronous_commit").fetchone()
+        if row is not None and row[0] == "off":
+            conn.execute("SET synchronous_commit = on")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _set_statement_timeout(conn: Watched, *, seconds: float) -> None:
+    conn.deadline_s = deadline_s(seconds)
+    milliseconds = sql.Literal(max(1, math.ceil(seconds * 1000)))
+    conn.execute(sql.SQL("SET statement_timeout = {}").format(milliseconds))
+
+
+@dataclass(eq=False)
+class Link:
+    """A connection of the store object's own, opened at first use and again after a
+    loss: nothing is written unfenced, since a claim's epoch lives in its run's row."""
+
+    connect: Callable[[], Watched]
+    connection: Watched | None = None
+    closed: bool = False
+
+    def connected(self, run_id: str | None = None) -> Watched:
+        if self.closed:
+            raise store_closed(run_id)
+        conn = self.connection
+        if conn is None or conn.broken or conn.closed:
+            self.drop()
+            conn = self.connection = self.connect()
+        return conn
+
+    def drop(self) -> None:
+        """The connection is lost or in doubt: close it; the next use opens another."""
+        conn, self.connection = self.connection, None
+        if conn is not None:
+            conn.close()
+
+
+def open_pool(settings: Settings, layout: Layout, run_id: str | None) -> ConnectionPool[Watched]:
+    """The reader pool, opened, with the schema made current (``create=False``: only
+    checked, see :class:`~polyloop.stores.PostgresStore`)."""
+    schema = settings.schema
+    what = "could not connect to the PostgreSQL server"
+    try:
+        # One connection first, outside the pool: a missing database or a refused
+        # login fails now with the server's message, where the pool would time out.
+        psycopg.connect(settings.conninfo, **settings.options).close()
+        what = f"cannot prepare the {schema!r} schema"
+        pool = ConnectionPool(
+            settings.conninfo,
+            connection_class=Watched,
+            min_size=1,
+            max_size=settings.pool_size,
+            open=False,
+            timeout=settings.timeout,
+            kwargs={
+                **settings.options,
+                "autocommit": True,
+                "fallback_application_name": "polyloop-reader",
+            },
+            configure=partial(_set_statement_timeout, seconds=settings.statement_timeout_s),
+            check=ConnectionPool.check_connection,
+            name=f"polyloop-{schema}",
+        )
+        try:
+            pool.open(wait=True, timeout=settings.timeout)
+            with pool.connection(timeout=settings.timeout) as conn:
+                if not settings.create:
+                    _require_schema(conn, schema, run_id)
+                    require_store(conn, layout, name=schema, run_id=run_id)
+                prepare(conn, layout, name=schema, where=f"{schema}.meta", run_id=run_id)
+        except BaseException:
+            pool.close()
+            raise
+    except psycopg.Error as exc:
+        text = " ".join(str(exc).split())  # libpq's own message spans lines
+        raise open_files_error(exc, run_id) or StoreError(
+            f"{what}: {type(exc).__name__}: {text}", run_id=run_id
+        ) from exc
+    return pool
+
+
+def _require_schema(conn: Watched, schema: str, run_id: str | None) -> None:
+    """A ``StoreError`` if ``schema`` does not exist (``create=False``): a missing schema
+    is named as such, not as one without tables."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_catalog.pg_namespace WHERE nspname = %s", (schema,)
+    ).fetchone()
+    if not row or not row[0]:
+        raise StoreError(
+            f"no PolyLoop store in schema {schema!r}: the schema does not exist", run_id=run_id
+        )

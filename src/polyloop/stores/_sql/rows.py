@@ -1,0 +1,61 @@
+"""A run's records read back from a database's rows, the same for every dialect: in seq
+order from 0 without a gap, each row of the run it is read for and holding the record its
+kind column names, or ``CorruptLog`` naming the row (docs/recovery.md#damaged-logs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from polyloop._shared import record_kind
+from polyloop.serialization import loads
+from polyloop.types import CorruptLog, Record
+
+
+def shown(run_id: object) -> str:
+    """``run_id`` quoted and cut short, for messages and record locations."""
+    text = repr(run_id)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_rows(
+    rows: Iterable[Sequence[Any]],
+    run_id: str,
+    *,
+    where: Callable[[object], str],
+    column: object = None,
+) -> tuple[Record, ...]:
+    """The records of ``run_id``'s rows, in seq order: each (seq, kind, body), and then
+    its run id column where rows are keyed by a hash of the id (``column`` is what that
+    column holds for the run). ``where(seq)`` is the location of a row."""
+    records = []
+    for index, (seq, kind, body, *keyed) in enumerate(rows):
+        location = where(seq)
+        if seq != index:
+            reason = f"seq {index} is missing: the run's rows have a gap"
+            raise CorruptLog(reason, run_id=run_id, location=location)
+        if keyed and keyed[0] != column:
+            reason = f"the row's run_id column says {shown(keyed[0])}"
+            raise CorruptLog(reason, run_id=run_id, location=location)
+        records.append(decode_row(body, run_id=run_id, kind=kind, location=location))
+    return tuple(records)
+
+
+def decode_row(body: object, *, run_id: str, kind: object, location: str) -> Record:
+    """The record a database row holds, of ``run_id`` and ``kind``, or ``CorruptLog``."""
+    if not isinstance(body, (str, bytes)):
+        reason = f"the body is {type(body).__name__}, not text"
+    else:
+        try:
+            record = loads(body, location=location)
+        except CorruptLog as exc:
+            if exc.run_id is not None:
+                raise
+            raise CorruptLog(exc.reason, run_id=run_id, location=location) from exc
+        if record.run_id != run_id:
+            reason = f"the row holds a record of run {shown(record.run_id)}"
+        elif record_kind(record) != kind:
+            reason = f"the row says {kind!r} but holds a {record_kind(record)!r} record"
+        else:
+            return record
+    raise CorruptLog(reason, run_id=run_id, location=location)
