@@ -31,8 +31,7 @@ class _Batch(Generic[_T]):
     started: bool = False
     turn: anyio.Event = field(default_factory=anyio.Event)
     done: anyio.Event = field(default_factory=anyio.Event)
-    # Under the group's lock: which attempt may run the commit; a thread runs it; the
-    # commit returned; its leader stopped waiting before it did.
+    # Under the group's lock: the attempt that may run the commit, and its progress.
     attempt: int = 0
     running: bool = False
     returned: bool = False
@@ -41,13 +40,9 @@ class _Batch(Generic[_T]):
 
 class GroupCommit(Generic[_T]):
     """Runs ``commit`` in a worker thread over every item waiting at the same moment, up to
-    ``parallel`` batches at once. ``commit(items)`` returns, per item, ``None`` once it is
-    durable or the error its caller must see; what it raises is every item's error.
-
-    ``abandon``, if given, lets a cancelled caller stop waiting for a commit that takes
-    longer than ``cancelled_wait_s`` more: it is called with the item (on the event loop,
-    so it must not block), whose outcome is then unknown, and the cancellation goes on.
-    The commit itself runs to its end in its thread."""
+    ``parallel`` batches at once; ``commit(items)`` returns an error or ``None`` per item.
+    ``abandon(item)`` (on the event loop) lets a cancelled caller stop waiting after
+    ``cancelled_wait_s``, the outcome unknown; the commit still runs to its end."""
 
     __slots__ = (
         "_abandon",
@@ -121,8 +116,8 @@ class GroupCommit(Generic[_T]):
             raise entry.error
 
     async def _lead(self, batch: _Batch[_T]) -> None:
-        """Start the batch's commit and wait for it. With ``abandon``, a leader cancelled
-        once the commit runs leaves it to end the batch from its thread when it returns."""
+        """Start the batch's commit and wait for it; a leader cancelled meanwhile (with
+        ``abandon``) leaves the commit's thread to end the batch."""
         batch.started = True
         if self._open is batch:
             self._open = None

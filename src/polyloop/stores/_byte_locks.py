@@ -1,6 +1,5 @@
-"""Claims the operating system holds, for the stores of one host (JSON lines, SQLite): the
-write lock on one byte, drawn from the run id, of one of 16 lock files, which the kernel
-lets go when the process dies (docs/stores.md#claims-one-writer-per-run)."""
+"""Claims for the stores of one host: a write lock on the run id's byte of a lock file,
+which the kernel lets go when the process dies (docs/stores.md#claims-one-writer-per-run)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from polyloop.stores._paths import create_directories
 from polyloop.stores._refusals import claimed_already, not_claimed
 from polyloop.stores._writes import Claim, Write, WriterState
 
-# The kernel keeps a file's byte locks in one list that each lock call walks: spread over
-# 16 files, a lock stays in the tens of microseconds at 10,000 claims.
+# The kernel walks a file's list of byte locks: 16 files keep a lock fast at 10,000 claims.
 _SHARDS = 16
 _FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
@@ -33,10 +31,9 @@ def claim_offset(run_id: str) -> int:
 
 
 class HostClaims:
-    """One store object's claims, each held by a locked byte (blocking: worker threads
-    only). ``inspect(run_id)`` reads the run's :class:`Claim` with its byte locked;
-    ``free(claim)`` clears the store's own trace of a claim given up before the byte
-    goes. The mutex is never held while a file or the database is touched."""
+    """One store object's claims, each a locked byte (blocking). ``inspect(run_id)`` reads
+    the run's :class:`Claim` once locked; ``free(claim)`` clears the store's trace of a
+    claim given up. The mutex is never held while a file or the database is touched."""
 
     def __init__(
         self,
@@ -156,7 +153,7 @@ class HostClaims:
         return offset
 
     def _unlock(self, offset: int) -> None:
-        # Under the mutex, as closing is: a descriptor's number must not be reused meanwhile.
+        # Under the mutex, as closing is: a descriptor's number may not be reused meanwhile.
         with self._mutex:
             fd = self._descriptors.get(offset % _SHARDS)
             if fd is not None:

@@ -1,5 +1,4 @@
-"""What the durable stores do alike, once, and the pruning all stores share; a backend
-supplies where records live and how they are read and claimed
+"""What the durable stores do alike over a backend, and the pruning all stores share
 (docs/stores.md#your-own-store)."""
 
 from __future__ import annotations
@@ -38,9 +37,8 @@ Delete = Callable[[str], Awaitable[bool]]
 
 
 class Backend(Protocol):
-    """What the engine needs of a backend; each call but the coroutines and :meth:`holds`
-    blocks, in a worker thread. ``prunable`` lists the runs nobody holds that finished
-    before the cutoff; ``delete`` deletes one this object holds."""
+    """What the engine needs of a backend; all but the coroutines and :meth:`holds` block.
+    ``prunable`` lists finished runs nobody holds; ``delete`` deletes one held here."""
 
     kind: str
 
@@ -130,8 +128,7 @@ class EngineStore(StoreBase):
 async def claim_in_thread(
     claim: Callable[[], None], release: Callable[[], None], *, run_id: str
 ) -> None:
-    """Run a blocking ``claim`` of ``run_id`` in a worker thread; if the call then raises
-    (its caller was cancelled as the thread finished, say), ``release`` it again."""
+    """Run a blocking ``claim`` in a worker thread; ``release`` it if the call then raises."""
     taken = False
 
     def claim_and_note() -> None:
@@ -143,8 +140,7 @@ async def claim_in_thread(
         await anyio.to_thread.run_sync(claim_and_note)
     except BaseException:
         if taken:
-            # Bounded: past the grace the release goes on in its thread, unwaited for,
-            # and the caller's error or cancellation is not held up behind the store.
+            # Past the grace the release goes on in its thread, unwaited for.
             with anyio.move_on_after(RELEASE_GRACE_S, shield=True) as scope:
                 await anyio.to_thread.run_sync(release, abandon_on_cancel=True)
             if scope.cancelled_caught:
@@ -163,7 +159,7 @@ async def prune_runs(
     store: Store, candidates: Iterable[str], *, archive: Archive, delete: Delete
 ) -> tuple[str, ...]:
     """Prune each finished candidate under its claim; the ids deleted. ``delete(run_id)``
-    checks again, gives the claim up with the run, and says whether it deleted it."""
+    checks again and gives the claim up with the run."""
     pruned: list[str] = []
     for run_id in candidates:
         try:
@@ -175,7 +171,7 @@ async def prune_runs(
             log = await store.read_log(run_id)
             if finished(log.records):  # never in doubt: such an end is not final
                 if archive is not None:
-                    await _archive(Path(archive), log)
+                    await anyio.to_thread.run_sync(_archive_or_say_why, Path(archive), log)
                 deleted = await delete(run_id)
         finally:
             if not deleted:
@@ -191,12 +187,8 @@ def finished(records: Sequence[types.Record]) -> bool:
     return bool(records) and isinstance(records[-1], types.RunEnded) and records[-1].is_final
 
 
-async def _archive(directory: Path, log: types.RunLog) -> None:
-    """Archive the log; a ``StoreError`` naming the run and the archive if it cannot be."""
-    await anyio.to_thread.run_sync(_archive_or_say_why, directory, log)
-
-
 def _archive_or_say_why(directory: Path, log: types.RunLog) -> None:
+    """Archive the log; a ``StoreError`` naming the run and the archive if it cannot be."""
     try:
         _write_archive(directory, log)
     except OSError as exc:
@@ -207,10 +199,8 @@ def _archive_or_say_why(directory: Path, log: types.RunLog) -> None:
 
 
 def _write_archive(directory: Path, log: types.RunLog) -> None:
-    """Write the log whole and synced before its run goes: a crash in between leaves the
-    run in both places (research record 0018). An archived log is never replaced: a run
-    id's first log is in ``directory``, its second in ``directory/2``, and so on, each a
-    JSONL store; a log archived again (the crash above) is not kept twice (record 0037)."""
+    """Write the log whole and synced before its run goes (record 0018); never replace an
+    archived log: a run id's second goes in ``directory/2``, and so on (record 0037)."""
     directory.mkdir(parents=True, exist_ok=True)
     data = log_lines(log.records)
     fd, part = tempfile.mkstemp(suffix=".partial", dir=directory)  # readable by owner only
@@ -236,8 +226,7 @@ def _write_archive(directory: Path, log: types.RunLog) -> None:
 
 
 def refuse_own_archive(archive: str | os.PathLike[str], home: Path) -> None:
-    """A JSONL store's archive must not hold its own directory: each log would be archived
-    onto itself, then deleted."""
+    """Refuse an archive that holds the JSONL store's own directory."""
     target, home_path = Path(archive).resolve(), home.resolve()
     if target == home_path or target in home_path.parents:
         reason = "each log would be archived onto itself, then deleted"

@@ -1,6 +1,5 @@
-"""Owner leases: one state machine, plain data on this process's clock (:class:`LeaseState`),
-and a keeper thread that renews it while the event loop lives; a lost lease takes its
-claims for good (docs/stores.md#leases-hung-workers)."""
+"""Owner leases: a state machine on this process's clock (:class:`LeaseState`) and a keeper
+thread that renews it while the event loop lives (docs/stores.md#leases-hung-workers)."""
 
 from __future__ import annotations
 
@@ -53,8 +52,8 @@ class LeasePhase(enum.Enum):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LeaseState:
-    """One owner identity's lease; a renewal counts from when it was sent, so the
-    ``deadline`` is never later than the moment the database can end the lease."""
+    """One owner identity's lease; a renewal counts from its sending, so the ``deadline``
+    is never later than the database's."""
 
     lease_s: float
     deadline: float
@@ -95,8 +94,8 @@ class LeaseState:
 
 
 def lease_clock() -> float:
-    """Seconds that keep counting while the machine sleeps (``CLOCK_BOOTTIME`` where there
-    is one): a process suspended past its lease must see that its lease has run out."""
+    """Seconds that count on while the machine sleeps (``CLOCK_BOOTTIME``, where there is
+    one): a process suspended past its lease must see that the lease has run out."""
     return time.monotonic() if _BOOTTIME is None else time.clock_gettime(_BOOTTIME)
 
 
@@ -106,8 +105,8 @@ def check_lease_s(lease_s: float) -> None:
 
 
 class Lease:
-    """One store object's lease (thread-safe). ``renew(owner_id)`` blocks and says whether
-    the database extended it; ``wait(seconds)`` is the keeper's pause, true once stopping."""
+    """One store object's lease (thread-safe). ``renew(owner_id)`` says whether the database
+    extended it; ``wait(seconds)`` is the keeper's pause, true once stopping."""
 
     def __init__(
         self, lease_s: float, renew: Renew, *, clock: Clock = lease_clock, wait: Wait | None = None
@@ -164,9 +163,8 @@ class Lease:
             raise self._lost_error(run_id)
 
     async def confirm(self, generation: int, run_id: str) -> None:
-        """Return once an effect may start under a claim of ``generation``: a late lease
-        is waited on until renewed; ``LeaseLost`` if it ends first. Reads no database."""
-        # Polled: the keeper thread moves the lease on, and no event crosses to the loop.
+        """Return once an effect may start under a claim of ``generation`` (a late lease is
+        waited on); ``LeaseLost`` if it ends first. Polled: it reads no database."""
         while (phase := self.phase(generation)) is LeasePhase.LATE:  # noqa: ASYNC110
             await anyio.sleep(self.lease_s / _LOOKS_PER_LEASE)
         if phase is LeasePhase.LOST:

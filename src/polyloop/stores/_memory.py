@@ -19,8 +19,7 @@ class MemoryStore(StoreBase):
     """Keeps every run in this process's memory. NOT recoverable across processes.
 
     A run survives a failure inside the process (``resume`` with the same store object
-    continues it), not its end. No other store object sees these runs, so a claim here
-    only keeps out a second driver of the same run through this object.
+    continues it), not its end; a claim only keeps out a second driver through this object.
 
     Cancellation, for every method: no method waits but :meth:`prune`, so each completes
     or does not start; ``prune`` deletes each run whole or not at all."""

@@ -39,8 +39,7 @@ def open_files_error(exc: BaseException, run_id: str | None) -> StoreError | Non
 
 
 def open_failed(exc: OSError, run_id: str | None, what: str) -> StoreError:
-    """A file would not open: nothing was written, so this object may resume the run.
-    ``what`` names the file by its path, so the reason is the system's words alone."""
+    """A file (``what``, by its path) would not open: nothing was written."""
     error = open_files_error(exc, run_id) or StoreError(
         f"could not open {what}: {exc.strerror or exc}", run_id=run_id
     )

@@ -65,8 +65,7 @@ def create_directories(files: DirectoryOps, directory: Path, *, run_id: str | No
 
 
 def in_the_way(directory: Path) -> str | None:
-    """Why ``directory`` cannot be made, if a path on the way to it is not a directory.
-    Blocking (it looks at the file system)."""
+    """Why ``directory`` cannot be made, if a path on the way to it is not a directory."""
     for path in (directory, *directory.parents):
         if path.is_dir():
             return None

@@ -31,9 +31,8 @@ class Write:
 
 @dataclass(eq=False, slots=True)
 class Claim:
-    """This store object is ``run_id``'s writer. ``epoch`` fences database writes; a file
-    store's ``next_seq`` is only 0 or 1; ``offset`` is the locked byte of a store for one
-    host, ``generation`` the lease generation of a shared database."""
+    """This store object is ``run_id``'s writer (``offset``: a host store's locked byte;
+    ``generation``: a shared database's lease generation; a file's ``next_seq``: 0 or 1)."""
 
     run_id: str
     epoch: int = 0

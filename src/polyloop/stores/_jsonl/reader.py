@@ -1,7 +1,6 @@
-"""The JSON-lines format of the run files: a record exists once the ``\\n`` ending its line
-is in the file; what follows the last one is a torn tail, ignored and cut off by the next
-claim; a line that does not decode to a record of the run is a ``CorruptLog`` naming the
-file and the line, from 1 (docs/recovery.md#damaged-logs)."""
+"""The JSON-lines format of the run files: a record exists once its line's ``\\n`` is in
+the file; what follows the last one is a torn tail, ignored and cut off by the next claim
+(docs/recovery.md#damaged-logs)."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ _SHRANK = "the run file shrank while it was being read"
 
 
 def extent(files: FileOps, fd: int) -> tuple[int, int]:
-    """Where the last complete line ends, and the file's size: a torn tail lies between.
-    The tail is scanned back in chunks, never held (a crash can leave a long one)."""
+    """Where the last complete line ends, and the file's size: a torn tail lies between."""
     size = files.fstat(fd).st_size
     return _line_start(files, fd, size), size
 
@@ -68,8 +66,8 @@ def _line_start(files: FileOps, fd: int, end: int) -> int:
 
 @contextlib.contextmanager
 def run_file(files: FileOps, path: Path, run_id: str | None) -> Iterator[int | None]:
-    """A descriptor to read the run file at ``path`` (``None`` if there is none), closed
-    after; a failed read is a ``StoreError`` naming the run (or else the file)."""
+    """A descriptor to read the run file (``None`` if there is none); a failed read is a
+    ``StoreError`` naming the run, or else the file."""
     try:
         fd = files.open(path, os.O_RDONLY | COMMON_FLAGS)
     except FileNotFoundError:
@@ -90,9 +88,8 @@ def run_file(files: FileOps, path: Path, run_id: str | None) -> Iterator[int | N
 
 
 def lines(files: FileOps, fd: int, end: int) -> Iterator[bytes]:
-    """The complete lines of the file up to ``end`` (from :func:`extent`), each without its
-    ``\\n``, read in chunks from the descriptor's position, which must be the start. What
-    lies past ``end`` is never read, and only the line being read is held."""
+    """The complete lines up to ``end``, without their ``\\n``, read in chunks from the
+    descriptor's position (the start); only the line being read is held."""
     parts: list[bytes] = []  # the line so far: joined once, not grown chunk by chunk
     position = 0
     while position < end:
@@ -111,8 +108,7 @@ def lines(files: FileOps, fd: int, end: int) -> Iterator[bytes]:
 
 
 def first_run_id(files: FileOps, fd: int, path: Path, end: int) -> str:
-    """The run of the first line of the run file at ``path``, which must be the one it is
-    named for; ``end`` (from :func:`extent`) is past that line."""
+    """The run of the file's first line, which must be the one the file is named for."""
     location = f"{path}:1"
     head = next(lines(files, fd, end))
     run_id = decode_line(head, location)[0].run_id

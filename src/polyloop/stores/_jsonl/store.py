@@ -163,8 +163,8 @@ class Jsonl(OneHost):
                 self.files.unlink(self._path(claim.run_id))
 
     def _append(self, write: Write) -> BaseException | None:
-        """Append the write's line under its run's lock, synced for a barrier. A failed
-        write or sync fails the run for this object: a sync is never retried."""
+        """Append the write's line, synced for a barrier; a failure fails the run here (a
+        sync is never retried)."""
         run_id, files = write.run_id, self.files
         try:
             claim = self.claims.held(run_id)

@@ -1,11 +1,6 @@
-"""What a shared commit of a database store writes, decided before anything is sent.
-
-:func:`plan` turns a batch of writes into a :class:`Plan`: the writes refused outright
-(no claim, the order rule), and each other run's writes with the seq of their first row.
-A dialect sends the plan its own way (SQLite: a savepoint per run; PostgreSQL: one
-statement), refusing whole each run its fence did not move; :meth:`Plan.settle` then
-moves each written run's claim on (docs/stores.md#durability-at-a-glance).
-"""
+"""What a shared commit of a database store writes, decided before anything is sent: the
+writes refused outright, and each other run's rows from its first seq. A dialect sends
+the plan its own way; :meth:`Plan.settle` then moves each written run's claim on."""
 
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ Errors = list[BaseException | None]
 
 @dataclass(eq=False)
 class RunPlan:
-    """One run's writes in a batch: its claim, where its rows begin, and the writes
-    (with their index in the batch)."""
+    """One run's writes in a batch (each with its index), its claim and first seq."""
 
     run_id: str
     claim: Claim
@@ -111,8 +105,7 @@ class Plan:
 
 
 def plan(writes: Sequence[Write], admit: Callable[[int], Claim]) -> Plan:
-    """The plan of a batch. ``admit(index)`` returns the claim the write at ``index``
-    is made under, or raises why it may not be made (it is then refused alone)."""
+    """The plan of a batch; ``admit(index)`` returns the claim of a write, or raises."""
     result: Plan = Plan([None] * len(writes))
     for index, write in enumerate(writes):
         try:

@@ -1,6 +1,5 @@
-"""A run's records read back from a database's rows, the same for every dialect: in seq
-order from 0 without a gap, each row of the run it is read for and holding the record its
-kind column names, or ``CorruptLog`` naming the row (docs/recovery.md#damaged-logs)."""
+"""A run's records read back from a database's rows, alike for every dialect, or a
+``CorruptLog`` naming the row (docs/recovery.md#damaged-logs)."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ def read_rows(
     where: Callable[[object], str],
     column: object = None,
 ) -> tuple[Record, ...]:
-    """The records of ``run_id``'s rows, in seq order: each (seq, kind, body), and then
-    its run id column where rows are keyed by a hash of the id (``column`` is what that
-    column holds for the run). ``where(seq)`` is the location of a row."""
+    """The records of rows (seq, kind, body[, run id column, which must be ``column``]),
+    without a gap from 0; ``where(seq)`` is the location of a row."""
     records = []
     for index, (seq, kind, body, *keyed) in enumerate(rows):
         location = where(seq)

@@ -1,9 +1,6 @@
-"""The layout of a database store's tables, and how an older one is brought up to date.
-
-A ``meta`` table keeps the record ``format`` and the ``layout`` number; :func:`prepare`
-runs, under the dialect's lock, the migration steps (a :class:`Layout`) a database has not
-had, checks the format and refuses a newer layout (docs/stores.md#sqlitestore).
-"""
+"""The layout of a database store's tables: a ``meta`` table keeps the record ``format``
+and the ``layout`` number, and :func:`prepare` runs the migration steps a database has not
+had (docs/stores.md#sqlitestore)."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ from typing import Any
 from polyloop._shared import FORMAT
 from polyloop.types import CorruptLog, SchemaMajorMismatch, StoreError
 
-# A step SQL alone cannot say: called with the connection, the database's name for
-# messages, and the run being served.
+# A step SQL alone cannot say: called with the connection, the database's name, the run.
 Action = Callable[[Any, str, str | None], None]
 
 _GET_META = "SELECT key, value FROM {meta} WHERE key IN ('format', 'layout')"
@@ -49,8 +45,7 @@ class Layout:
 
 
 def require_store(conn: Any, layout: Layout, *, name: str, run_id: str | None) -> None:
-    """A ``StoreError`` naming ``name`` unless its meta table (made by every layout's
-    first step) is there: how a store that may not create one refuses, writing nothing."""
+    """A ``StoreError`` naming ``name`` unless it has a meta table; writes nothing."""
     if not conn.execute(layout.exists, ("meta",)).fetchone()[0]:
         raise StoreError(
             f"no PolyLoop store in {layout.holder} {name!r}: the {layout.holder} holds no "
@@ -60,10 +55,8 @@ def require_store(conn: Any, layout: Layout, *, name: str, run_id: str | None) -
 
 
 def prepare(conn: Any, layout: Layout, *, name: str, where: str, run_id: str | None) -> None:
-    """Bring the database on ``conn`` to the current layout, then check its meta table.
-
-    ``name`` names the database in messages, ``where`` its meta table in locations.
-    """
+    """Bring the database to the current layout, then check its meta table (``name`` names
+    it in messages, ``where`` its meta table in locations)."""
     meta = _meta(conn, layout)
     if _reached(conn, layout, meta, where, run_id) < layout.current:
         with layout.locked(conn):

@@ -1,8 +1,6 @@
-"""The writer connections of a PostgreSQL store object, and the shared commit of a batch:
-one statement that moves each run's row on under its fence (claim epoch, expected seq,
-not finished) and inserts the rows of exactly the runs whose row moved
-(docs/stores.md#postgresstore, docs/stores.md#leases-hung-workers).
-"""
+"""A PostgreSQL store object's writer connections, and a batch's shared commit: one
+statement that moves each run's row on under its fence and inserts the rows of exactly
+the runs whose row moved (docs/stores.md#postgresstore)."""
 
 from __future__ import annotations
 
@@ -43,8 +41,7 @@ class Writer(Link):
 
 @dataclass(eq=False, slots=True)
 class Committer:
-    """Commits the batches of one store object's writers, in a worker thread. ``lease``
-    is the owner's."""
+    """Commits the batches of one store object's writers, in a worker thread."""
 
     state: WriterState
     queries: Queries
@@ -71,8 +68,7 @@ class Committer:
         return claim
 
     def _send_plan(self, writer: Writer, batch: Plan) -> None:
-        """Send the batch in one statement; if the server refuses it, each run alone, so
-        that only the run at fault fails."""
+        """Send the batch in one statement; if refused, each run alone (only one is at fault)."""
         runs = list(batch.runs.values())
         try:
             conn = writer.connected(runs[0].run_id)
@@ -106,11 +102,8 @@ class Committer:
     def _after_loss(
         self, writer: Writer, runs: Sequence[RunPlan], batch: Plan, lost: psycopg.Error
     ) -> None:
-        """The connection was lost with the statement's outcome unknown (a blip, a silent
-        path): on a new connection, each run's row says whether the statement wrote it
-        (its seq moved on under this claim's epoch). A run it did not write is sent again,
-        once; a run whose row says anything else fails, and every run fails with ``lost``
-        if no new connection answers. Research record 0035."""
+        """The connection was lost, the outcome unknown: on a new one, each run's row says
+        whether the statement wrote it; one it did not is sent again, once (record 0035)."""
         writer.drop()
         try:
             conn = writer.connected(runs[0].run_id)

@@ -1,14 +1,7 @@
 """How a PostgreSQL store object connects: its checked settings, its own connections
-(:class:`Link`), the reader pool, and a deadline on the client side of every statement.
-
-Neither the server's ``statement_timeout`` nor TCP's ``tcp_user_timeout`` ends a wait on
-a path that went silent: the server's error is lost on the same path, and a middle box
-(a pooler, a load balancer, a NAT) acknowledges bytes it never delivers. So one watchdog
-thread per process shuts the socket of every statement still unanswered at its deadline:
-the waiting thread wakes at once and the statement fails with :class:`Silent`, a lost
-connection. A forked child starts a watchdog of its own at its first exchange: the
-parent's thread does not come along (docs/stores.md#postgresstore,
-docs/stores.md#leases-hung-workers).
+(:class:`Link`), the reader pool, and a client-side deadline on every statement: one
+watchdog thread per process shuts the socket of an exchange unanswered at its deadline,
+since no server or TCP timeout ends a wait on a silent path (docs/stores.md#postgresstore).
 """
 
 from __future__ import annotations
@@ -49,8 +42,7 @@ class Silent(psycopg.OperationalError):
 
 
 class Watched(psycopg.Connection[TupleRow]):
-    """A connection that gives up each exchange with the server (a statement, a commit,
-    a check) not done within ``deadline_s``: every one of them waits in :meth:`wait`."""
+    """A connection that gives up each exchange not done within ``deadline_s``."""
 
     deadline_s = math.inf
 
@@ -83,8 +75,7 @@ _watchdog_thread: threading.Thread | None = None
 
 
 def _forget_the_parents_watchdog() -> None:
-    """In a forked child: only the forking thread came along, so the watchdog must start
-    again at the child's first exchange, and the lock may have been held at the fork."""
+    """A forked child starts its own watchdog and lock: the parent's thread stays behind."""
     global _watches, _next_wake, _changed, _watchdog_thread
     _watches, _next_wake = set(), math.inf
     _changed = threading.Condition()
@@ -116,7 +107,7 @@ def _watchdog() -> None:
             for watch in [watch for watch in _watches if watch.deadline <= now]:
                 _watches.discard(watch)
                 watch.fired = True
-                # Both ways: the waiting thread wakes, and psycopg marks the connection broken.
+                # Both ways: the waiter wakes, and psycopg marks the connection broken.
                 with (
                     contextlib.suppress(OSError, psycopg.Error),
                     socket.socket(fileno=socket.dup(watch.conn.pgconn.socket)) as sock,
@@ -128,10 +119,8 @@ def _watchdog() -> None:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
-    """The options of a :class:`PostgresStore`, checked (``InvalidRequest`` names the
-    first that is wrong). ``options`` are added to ``conninfo`` for every connection;
-    ``conninfo`` stays out of ``repr``, since it may hold a password. ``create``: may
-    opening create the schema and its tables."""
+    """The options of a :class:`PostgresStore`, checked; ``options`` are added to
+    ``conninfo`` (kept out of ``repr``: it may hold a password) for every connection."""
 
     conninfo: str = field(repr=False)
     schema: str
@@ -163,9 +152,7 @@ class Settings:
         except psycopg.Error:
             # The message would quote the string, which may hold a password.
             raise InvalidRequest("conninfo is not a valid libpq connection string or URL") from None
-        # A connect timeout; how long sent data may go unacknowledged; keepalives, which
-        # find a dead peer on an idle connection (a pooled one, the owner's between
-        # renewals), where no statement waits for its deadline. ``conninfo`` may set each.
+        # Keepalives find a dead peer on an idle connection, where no deadline runs.
         idle = max(1, math.ceil(self.statement_timeout_s / 2))
         defaults = {
             "connect_timeout": max(1, math.ceil(self.timeout)),
@@ -179,8 +166,7 @@ class Settings:
         object.__setattr__(self, "options", options)
 
     def connect(self, name: str, deadline_s: float = math.inf) -> Watched:
-        """A new connection of the store object's own, named ``name`` on the server,
-        with the statement deadline or ``deadline_s`` if that is shorter."""
+        """A new connection named ``name``, its deadline at most ``deadline_s``."""
         conn = open_connection(self.conninfo, self.statement_timeout_s, name=name, **self.options)
         conn.deadline_s = min(conn.deadline_s, deadline_s)
         return conn
@@ -189,8 +175,7 @@ class Settings:
 def open_connection(
     conninfo: str, statement_timeout_s: float, *, name: str, **options: Any
 ) -> Watched:
-    """An autocommit connection, its statement timeout and deadline set, and
-    ``synchronous_commit`` on."""
+    """An autocommit connection with its timeouts set and ``synchronous_commit`` on."""
     try:
         conn = Watched.connect(conninfo, autocommit=True, fallback_application_name=name, **options)
     except psycopg.OperationalError as exc:
@@ -217,8 +202,8 @@ def _set_statement_timeout(conn: Watched, *, seconds: float) -> None:
 
 @dataclass(eq=False)
 class Link:
-    """A connection of the store object's own, opened at first use and again after a
-    loss: nothing is written unfenced, since a claim's epoch lives in its run's row."""
+    """A connection of the store object's own, opened at first use and again after a loss
+    (safe: every write is fenced by its claim's epoch)."""
 
     connect: Callable[[], Watched]
     connection: Watched | None = None
@@ -241,13 +226,11 @@ class Link:
 
 
 def open_pool(settings: Settings, layout: Layout, run_id: str | None) -> ConnectionPool[Watched]:
-    """The reader pool, opened, with the schema made current (``create=False``: only
-    checked, see :class:`~polyloop.stores.PostgresStore`)."""
+    """The reader pool, opened, with the schema made current (or, not ``create``, checked)."""
     schema = settings.schema
     what = "could not connect to the PostgreSQL server"
     try:
-        # One connection first, outside the pool: a missing database or a refused
-        # login fails now with the server's message, where the pool would time out.
+        # First one outside the pool: a refused login fails now, with the server's message.
         psycopg.connect(settings.conninfo, **settings.options).close()
         what = f"cannot prepare the {schema!r} schema"
         pool = ConnectionPool(
@@ -285,8 +268,7 @@ def open_pool(settings: Settings, layout: Layout, run_id: str | None) -> Connect
 
 
 def _require_schema(conn: Watched, schema: str, run_id: str | None) -> None:
-    """A ``StoreError`` if ``schema`` does not exist (``create=False``): a missing schema
-    is named as such, not as one without tables."""
+    """A ``StoreError`` naming a missing schema as such, not as one without tables."""
     row = conn.execute(
         "SELECT count(*) FROM pg_catalog.pg_namespace WHERE nspname = %s", (schema,)
     ).fetchone()

@@ -1,8 +1,6 @@
 """The claims of a PostgreSQL store object: its :class:`Owner` (a row of ``owners`` with
 a lease), and :class:`SharedClaims`, which routes each claimed run through a writer
-connection; a claim is the run's row naming the owner, with an epoch that fences every
-write (docs/stores.md#postgresstore, docs/stores.md#leases-hung-workers).
-"""
+connection (docs/stores.md#leases-hung-workers)."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from anyio.lowlevel import EventLoopToken
 
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._lease import Lease, effect_margin
-from polyloop.stores._refusals import claimed_already, not_claimed, store_closed
+from polyloop.stores._refusals import claimed_already, not_claimed
 from polyloop.stores._sql.postgres.batch import Committer, Writer
 from polyloop.stores._sql.postgres.connection import Link, Settings
 from polyloop.stores._sql.postgres.sql import Queries, owner_lock, run_id_column, run_key
@@ -26,17 +24,15 @@ from polyloop.types import RunLocked, StoreError
 
 logger = logging.getLogger("polyloop")
 
-# How long a cancelled caller still waits for a write whose commit has started: enough for
-# a server that answers; past it the write is given up (its outcome unknown), so that a
-# silent path adds no more than this to a cancelled run's grace.
+# How long a cancelled caller still waits for a started commit: enough for a server that
+# answers, and all a silent path adds to a cancelled run's grace.
 CANCELLED_WRITE_WAIT_S = 1.0
 _GIVEN_UP = "its caller was cancelled and stopped waiting for its commit, whose outcome is unknown"
 
 
 class SharedClaims:
-    """The backend's claim and write calls over an :class:`Owner`: each run claimed here
-    writes through one writer connection, whose batches the committer sends. Every
-    method but the coroutines and :meth:`holds` blocks."""
+    """The backend's claim and write calls over an :class:`Owner`, each claimed run
+    routed to one writer connection. All but the coroutines and :meth:`holds` block."""
 
     def __init__(self, settings: Settings, *, ready: Callable[[str], object]) -> None:
         self._settings = settings
@@ -66,8 +62,7 @@ class SharedClaims:
                 writer.claiming -= 1
 
     def release(self, run_id: str) -> None:
-        """Give the claim up; for a run whose write failed or was given up, in a thread of
-        its own: its path may be silent, and nothing more of it is written here anyway."""
+        """Give the claim up; a failed run's in a thread of its own (its path may be silent)."""
         with self._state.mutex:
             route = self._route(run_id)
             failed = run_id in self._state.failed
@@ -86,9 +81,8 @@ class SharedClaims:
             self._owner.release(run_id, claim.epoch)
 
     def _abandoned(self, write: Write) -> None:
-        """A cancelled caller gave up waiting for ``write``'s commit (on the event loop):
-        its outcome is unknown, so nothing more of its run is written here; the run stays
-        resumable by a store object that claims it once this one gives it up."""
+        """A cancelled caller stopped waiting for ``write``'s commit (on the event loop):
+        its outcome is unknown, so this object writes nothing more of the run."""
         with self._state.mutex:
             if write.run_id not in self._state.failed:
                 self._state.failed[write.run_id] = _GIVEN_UP
@@ -97,8 +91,6 @@ class SharedClaims:
         return self._route(run_id) is not None
 
     async def confirm(self, run_id: str) -> None:
-        # By this process's clock against the lease's last confirmed renewal, with the
-        # margin to spare; a late lease is waited on while its renewal may still come.
         with self._state.mutex:
             self._state.check_writable(run_id)
             route = self._route(run_id)
@@ -111,8 +103,7 @@ class SharedClaims:
         with self._state.mutex:
             self._state.check_writable(write.run_id)
             route = self._route(write.run_id)
-            # A write of a run not claimed here is refused in its batch, like any other.
-            writer = route[0] if route is not None else self._pick()
+            writer = route[0] if route is not None else self._pick()  # refused in its batch
         await writer.group.submit(write)
 
     def delete(self, run_id: str, cutoff: datetime) -> bool:
@@ -174,8 +165,7 @@ class SharedClaims:
         return writer
 
     def close_claims(self) -> None:
-        """Refuse new work, stop the lease, close the writers, free the owner's runs: in
-        this order, so nothing is written once the runs are free."""
+        """Refuse new work, stop the lease, close the writers, then free the owner's runs."""
         with self._state.mutex:
             self._state.closed = True
             writers, self._writers = self._writers, []
@@ -191,8 +181,7 @@ class SharedClaims:
 
 class Owner:
     """This store object as an owner of runs: a row of ``owners`` with a lease, and an
-    advisory lock held while it lives on a connection of its own, used with ``_lock``
-    held. Every method blocks (in a worker thread; the lease keeper's for a renewal)."""
+    advisory lock held on a connection of its own (used under ``_lock``). Blocking."""
 
     __slots__ = ("_link", "_lock", "_queries", "_settings", "_state", "lease")
 
@@ -202,8 +191,7 @@ class Owner:
         self._state = state
         self._lock = threading.Lock()
         self.lease = Lease(settings.lease_s, self._renew)
-        # Unanswered, a renewal fails within a quarter of the lease, so the keeper tries
-        # again (on a new connection) while the lease still holds.
+        # A renewal fails within a quarter lease, leaving time to retry while it holds.
         self._link = Link(partial(settings.connect, "polyloop-owner", settings.lease_s / 4))
 
     def registered(self, run_id: str, token: EventLoopToken) -> tuple[str, int]:
@@ -214,8 +202,7 @@ class Owner:
                 return owner_id, generation
             sent_at = self.lease.clock()
             key, hi, lo = owner_lock(self._settings.schema, owner_id)
-            if self._state.closed:
-                raise store_closed()
+            self._state.check_open(None)
             try:
                 conn = self._link.connected()
                 # A lapsed identity's lock goes: its lease has ended anyway.
@@ -234,8 +221,7 @@ class Owner:
         """Give up a claim on the owner's connection; a failure is logged, not raised."""
         with self._lock:
             try:
-                if self._state.closed:
-                    raise store_closed()
+                self._state.check_open(None)
                 self._link.connected().execute(
                     self._queries.release, {"run_key": run_key(run_id), "epoch": epoch}
                 )
@@ -248,8 +234,7 @@ class Owner:
         """Free every run this owner still holds, drop its row, close its connection."""
         with self._lock:
             owner_id, _, registered = self.lease.current()
-            # Every run this owner still holds is free before this returns; a connection
-            # whose session ended fails once, then a new one is tried.
+            # A connection whose session ended fails once; then a new one is tried.
             for _ in range(2 if registered else 0):
                 try:
                     self._link.connected().execute(self._queries.drop_owner, (owner_id, owner_id))
@@ -260,10 +245,8 @@ class Owner:
             self._link.drop()
 
     def _renew(self, owner_id: str) -> bool:
-        """Extend the owner's lease while more than its lock margin is left (the lease
-        keeper's thread). A lost connection is opened again and the owner's lock taken
-        again (unless a session of this owner the server has not yet seen end still
-        holds it): the margin held every other worker off meanwhile."""
+        """Extend the lease while more than its lock margin is left (the keeper's thread);
+        after a lost connection, take the owner's lock again on a new one."""
         with self._lock:
             conn = self._link.connection
             lost = conn is None or conn.broken or conn.closed
@@ -287,7 +270,6 @@ class Owner:
             "hi": hi,
             "lo": lo,
             "lease_s": self.lease.lease_s,
-            # Half the effect margin: the other half covers clock rates and the moment
-            # between the effect check and the effect (research record 0034).
+            # Half the effect margin; the other half covers clock rates (record 0034).
             "margin_s": effect_margin(self.lease.lease_s) / 2,
         }

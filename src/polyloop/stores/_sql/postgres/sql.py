@@ -1,6 +1,5 @@
-"""The SQL the PostgreSQL store sends (the schema a quoted identifier, every value a bound
-parameter), its migration steps, and the keys it derives from a run id
-(docs/stores.md#postgresstore, docs/stores.md#leases-hung-workers).
+"""The SQL the PostgreSQL store sends (the schema a quoted identifier, every value bound),
+its migration steps, and the keys it derives from a run id (docs/stores.md#postgresstore).
 """
 
 from __future__ import annotations
@@ -49,11 +48,8 @@ def run_id_column(run_id: str) -> str:
     return text
 
 
-# The rows of a batch, one array per column, and its runs, one array per column: one
-# statement text for any batch, so that the server plans it once per connection. The
-# claim created each run's row (next_seq 0 until the run starts); a write moves it on.
-# The arrays go in binary (``%(...)b``): as text, psycopg escapes each quote of a JSON
-# body with a regular expression, about 90 us a row of the writer's CPU (record 0049).
+# A batch as arrays, one per column: one statement text, planned once per connection.
+# Binary (``%(...)b``): as text, psycopg escapes each JSON quote slowly (record 0049).
 _FENCED_WRITE = """
 WITH w AS (
     SELECT * FROM unnest(%(run_keys)b::bytea[], %(epochs)b::bigint[], %(first_seqs)b::bigint[],
@@ -79,17 +75,12 @@ inserted AS (
 )
 SELECT run_key FROM admitted
 """
-# Without a barrier a batch commits without waiting for the flush: ``set_config(...,
-# true)`` is ``SET LOCAL`` for the statement's own transaction, evaluated once, before
-# any row is written, by the join that needs it.
+# Without a barrier, no wait for the flush: ``SET LOCAL``, before any row is written.
 _LAZY = ",\nlazy AS (SELECT set_config('synchronous_commit', 'off', true) AS setting)"
 _LAZY_JOIN = " CROSS JOIN lazy"
 
-# The owners whose claims still hold: lease not ended, and either the owner's lock held
-# by a live session or more than its lock margin of the lease left. A session can end
-# while its process lives (a restart, a dropped connection), and until the margin the
-# owner may still start effects (research record 0034). A row of an earlier release
-# has no margin: without its lock, it is not live.
+# Owners whose claims hold: lease not ended, and their lock held by a live session or
+# more than the lock margin left (a lost session's owner may still act; record 0034).
 _LIVE_OWNERS = """
 held AS MATERIALIZED (
     SELECT classid::bigint AS hi, objid::bigint AS lo FROM pg_catalog.pg_locks
@@ -103,9 +94,7 @@ live AS (
         OR o.lease_until > now() + make_interval(secs => o.lock_margin_s))
 )"""
 
-# Claim a run: create its row, or take it over if nobody holds it, its owner is dead or
-# its owner's lease has ended; either way move the claim epoch on, which fences out the
-# writes of a former owner.
+# Create the run's row or take it over from no live owner; the new epoch fences the old.
 _CLAIM = """
 WITH {live_owners}
 INSERT INTO {runs} AS r (run_key, run_id, next_seq, finished, epoch, owner)
@@ -131,8 +120,7 @@ FROM {runs} AS r LEFT JOIN {owners} AS o ON o.owner_id = r.owner
 LEFT JOIN live ON live.owner_id = r.owner
 WHERE r.next_seq > 0 """
 
-# The tables, as migration steps (see :mod:`polyloop.stores._sql.schema`); every
-# statement is safe to run again, since an earlier release may have set the layout back.
+# Migration steps; each statement is safe to run again (an older release may reset layout).
 _STEPS: dict[int, tuple[str, ...]] = {
     1: (
         "CREATE SCHEMA IF NOT EXISTS {schema}",
@@ -229,9 +217,7 @@ class Queries:
             " lock_margin_s) VALUES (%(owner)s, %(description)s, %(hi)s, %(lo)s,"
             " now() + make_interval(secs => %(lease_s)s), %(margin_s)s)"
         )
-        # A lease is renewed only while more than its lock margin is left: past it, a
-        # worker may have taken a run over if the owner's lock was lost meanwhile, and
-        # the owner must learn that it lost its runs.
+        # Past the lock margin a worker may have taken a run over: no renewal then.
         self.renew_owner = q(
             "UPDATE {owners} SET lease_until = now() + make_interval(secs => %(lease_s)s)"
             " WHERE owner_id = %(owner)s"

@@ -1,8 +1,5 @@
-"""The PostgreSQL store: one database shared by many workers on many hosts, its runs
-claimed through :mod:`~polyloop.stores._sql.postgres.owner` and written in the shared
-batches of :mod:`~polyloop.stores._sql.postgres.batch` (tables in ``docs/stores.md``;
-docs/stores.md#postgresstore, docs/stores.md#leases-hung-workers).
-"""
+"""The PostgreSQL store: one database shared by workers on many hosts, claimed through
+``owner``, written through ``batch`` (docs/stores.md#postgresstore)."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ with needs_extra("PostgresStore", "postgres"):
 
 from polyloop.ports import StoredRun
 from polyloop.stores._engine import EngineStore
-from polyloop.stores._refusals import store_closed
 from polyloop.stores._sql.postgres.connection import Settings, Watched, open_pool
 from polyloop.stores._sql.postgres.owner import SharedClaims
 from polyloop.stores._sql.postgres.sql import run_id_column, run_key
@@ -33,29 +29,20 @@ from polyloop.types import CorruptLog, Record, StoreError
 class PostgresStore(EngineStore):
     """Keeps runs in a PostgreSQL database that many workers on many hosts can share.
 
-    ``conninfo`` is a libpq connection string or URL (it is never reported: not by
-    :meth:`parameters`, not by ``repr``). ``schema`` names the PostgreSQL schema that
-    holds the tables; it is created on first use. With ``create=False`` the store only
-    opens a schema that already holds PolyLoop tables: a missing schema, or one without
-    them, is a ``StoreError`` naming the schema, and nothing is created (a reader that
-    must not turn a mistyped name into a new, empty store); an existing schema of an
-    earlier release is still brought up to date. ``pool_size`` bounds the connections
-    used for reads and the DDL; ``max_writer_connections`` bounds the connections that
-    hold writer locks (see the module documentation). ``timeout`` is how many seconds to
-    wait for the pool to open or to lend a connection, and the connect timeout of every
-    connection unless ``conninfo`` sets ``connect_timeout`` itself. ``lease_s`` is how
-    long this store object's claims hold without a renewal (renewed every third of it
-    while its event loop runs); another worker may take over the runs of an owner whose
-    lease has ended, or whose process died. ``statement_timeout_s`` bounds every
-    statement on the server (``statement_timeout``), and the client gives a statement up
-    at its deadline, that and half of it again (at least a second more): a server or a
-    path that goes silent becomes a ``StoreError`` within the deadline plus the connect
-    timeout (``docs/stores.md`` states each bound).
+    ``conninfo`` is a libpq connection string or URL, never reported (not by
+    :meth:`parameters`, not by ``repr``). ``schema`` holds the tables, created on first
+    use; with ``create=False`` only a schema that holds PolyLoop tables opens (one of an
+    earlier release is brought up to date), anything else is a ``StoreError`` naming it.
+    ``pool_size`` bounds the reader connections, ``max_writer_connections`` the writer
+    ones; ``timeout`` bounds opening the pool, borrowing from it and connecting.
+    ``lease_s`` is how long this object's claims hold without a renewal (renewed every
+    third of it while its event loop runs). ``statement_timeout_s`` bounds every
+    statement on the server, and on the client with half of it again (at least a second):
+    a silent server or path becomes a ``StoreError`` (``docs/stores.md`` states each bound).
 
-    The store is an async context manager; :meth:`aclose` gives up every claim it holds
-    and closes every connection. Any worker connected to the same database resumes any
-    run; a second writer of a run gets ``RunLocked``. Needs the ``postgres`` extra
-    (psycopg 3 and psycopg-pool).
+    The store is an async context manager; :meth:`aclose` gives up every claim and closes
+    every connection. Any worker on the same database resumes any run; a second writer
+    of a run gets ``RunLocked``. Needs the ``postgres`` extra.
 
     Cancellation, for every method: a write cancelled before its batch started writes
     nothing; once the batch started, the call waits for its commit, shielded, then lets
@@ -100,8 +87,7 @@ class PostgresStore(EngineStore):
 
 
 class Postgres(SharedClaims):
-    """PostgreSQL's dialect: a reader pool, writers that share commits, and the claims of
-    an owner with a lease. Every method but the coroutines and :meth:`holds` blocks."""
+    """PostgreSQL's dialect: a reader pool beside the claims and writers of ``owner``."""
 
     kind = "postgresql"
 
@@ -129,9 +115,7 @@ class Postgres(SharedClaims):
         return [self._run_id_of(column) for (column,) in rows]
 
     def _select(self, run_id: str | None, query: sql.Composed, params: Any) -> list[TupleRow]:
-        """The rows of ``query`` on a reader connection; a failure is a ``StoreError``."""
-        if self._state.closed:
-            raise store_closed(run_id)
+        """The rows of ``query`` on a reader connection, or a ``StoreError``."""
         pool = self._ready_pool(run_id)
         try:
             with pool.connection(timeout=self._settings.timeout) as conn:
@@ -163,7 +147,7 @@ class Postgres(SharedClaims):
         self._ready_pool(None)
 
     def close(self) -> None:
-        """Give every claim up and close the writers (see :meth:`close_claims`), then the pool."""
+        """Give every claim up and close the writers, then the pool."""
         self.close_claims()
         with self._lock:
             pool, self._pool = self._pool, None
@@ -173,8 +157,7 @@ class Postgres(SharedClaims):
     def _ready_pool(self, run_id: str | None) -> ConnectionPool[Watched]:
         """The reader pool (never used for writes), opened with the schema made current."""
         with self._lock:
-            if self._state.closed:
-                raise store_closed(run_id)
+            self._state.check_open(run_id)
             if self._pool is None:
                 self._pool = open_pool(self._settings, self._queries.layout, run_id)
             return self._pool

@@ -1,7 +1,5 @@
-"""SQLite's tables (the migration steps of :data:`LAYOUT`), its statements (claims fenced
-by the claim epoch, listing), and :func:`connect`, which opens a database in WAL mode with
-``synchronous=FULL`` and brings it up to date (docs/stores.md#sqlitestore).
-"""
+"""SQLite's tables (:data:`LAYOUT`), its statements, and :func:`connect`
+(docs/stores.md#sqlitestore)."""
 
 from __future__ import annotations
 
@@ -49,8 +47,7 @@ def _add_columns(conn: sqlite3.Connection, name: str, run_id: str | None) -> Non
 
 
 def _retire_owners(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
-    """Drop the owners table of an earlier release, its runs freed; refuse while one of
-    its owners still holds a lease (its process may be running)."""
+    """Drop an earlier release's owners table, freeing its runs, unless a lease holds."""
     row = conn.execute("SELECT type FROM sqlite_master WHERE name = 'owners'").fetchone()
     if row is None or row[0] != "table":
         return
@@ -122,8 +119,7 @@ LAYOUT = Layout(
 
 INSERT = "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)"
 SELECT_RUN = "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq"
-# Claims: the run's row names its writer; every claim moves the epoch on, and a new id
-# gets a row with next_seq 0 until the run starts. The row also explains a refusal.
+# A claim names its writer in the run's row and moves the epoch on.
 SELECT_CLAIM = "SELECT epoch, finished, next_seq FROM runs WHERE run_id = ?"
 TAKE_RUN = "UPDATE runs SET owner = ?, epoch = epoch + 1 WHERE run_id = ?"
 NEW_RUN = (
@@ -132,9 +128,8 @@ NEW_RUN = (
 )
 DROP_UNSTARTED = "DELETE FROM runs WHERE run_id = ? AND epoch = ? AND next_seq = 0"
 FREE_RUN = "UPDATE runs SET owner = NULL WHERE run_id = ? AND epoch = ? AND next_seq > 0"
-# The fence: a run's row moves on only under the writer's claim epoch, from the seq it
-# expects, and never once the run has finished; a write that moves no row is refused
-# and rolled back. An end record gives the owner up in the same statement.
+# The fence: a run's row moves on only under the claim's epoch, from the expected seq,
+# and never once finished; an end record gives the owner up in the same statement.
 ADVANCE_RUN = (
     "UPDATE runs SET next_seq = ?, finished = ?, stop_reason = ?, updated_at = ?,"
     " owner = CASE WHEN ? THEN NULL ELSE owner END"
@@ -145,8 +140,7 @@ _LISTED = (
 )
 LIST_RUNS = _LISTED.format("") + " ORDER BY r.rowid"
 DESCRIBE_RUN = _LISTED.format("") + " AND r.run_id = ?"
-# Named, because without statistics SQLite would rather scan the whole table in rowid
-# order than sort the few rows the index holds; the index keeps finished runs out.
+# Named: without statistics SQLite would scan the whole table rather than the index.
 LIST_UNFINISHED = (
     _LISTED.format("INDEXED BY runs_unfinished") + " AND r.finished = 0 ORDER BY r.rowid"
 )
@@ -162,11 +156,8 @@ PRUNE_RUN = (
 
 
 def connect(path: Path, run_id: str | None, *, create: bool = True) -> sqlite3.Connection:
-    """Open and check the database, making its directories: WAL, ``synchronous=FULL``,
-    the current layout. In autocommit mode (the store issues its own ``BEGIN``), usable
-    from any worker thread (the store hands it between them under its mutex).
-    ``create=False``: a missing file, or one without PolyLoop tables, is a
-    ``StoreError``, and neither directories, file nor tables are made."""
+    """Open, check and bring up to date the database (WAL, ``synchronous=FULL``), in
+    autocommit mode, for any thread; not ``create``: make nothing, refuse a non-store."""
     conn: sqlite3.Connection | None = None
     try:
         if create:
@@ -218,8 +209,7 @@ def connect(path: Path, run_id: str | None, *, create: bool = True) -> sqlite3.C
 
 
 def run_key(run_id: str) -> str | bytes:
-    """The value bound for ``run_id``: the text itself, or the bytes of an id that is
-    not valid UTF-8 text (SQLite cannot hold it as text)."""
+    """The value bound for ``run_id``: its text, or bytes where it is not valid UTF-8."""
     try:
         run_id.encode("utf-8")
     except UnicodeEncodeError:

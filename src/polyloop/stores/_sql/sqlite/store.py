@@ -1,9 +1,5 @@
-"""The SQLite store: every run in one database file (tables in ``docs/stores.md``).
-
-One connection serves the worker threads under the store mutex; the writes waiting at one
-moment share a transaction, a savepoint per run, each fenced by the writer's claim epoch;
-a claim is a locked byte (docs/stores.md#sqlitestore).
-"""
+"""The SQLite store: every run in one database file, one connection under the store
+mutex, shared transactions with a savepoint per run (docs/stores.md#sqlitestore)."""
 
 from __future__ import annotations
 
@@ -25,7 +21,6 @@ from polyloop.stores._batching import GroupCommit
 from polyloop.stores._byte_locks import HostClaims, OneHost
 from polyloop.stores._engine import EngineStore
 from polyloop.stores._jsonl.fileops import OsFileOps
-from polyloop.stores._refusals import store_closed
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.rows import read_rows
 from polyloop.stores._sql.sqlite import sql
@@ -38,20 +33,13 @@ logger = logging.getLogger("polyloop")
 class SqliteStore(EngineStore):
     """Keeps runs in one SQLite database file (WAL; intents and starts fsync'd).
 
-    ``path`` names the database file; missing parent directories are created, each
-    synced into its parent, and one that cannot be made is a ``StoreError`` naming it.
-    Runs survive the store object, the process and the machine: a new store object on
-    the same file (or a copy moved elsewhere) reads and resumes them. It is a store for
-    one host: a claim is a lock on one byte of a lock file in the sibling directory
-    ``<path>.claims``, which the operating system keeps for the living process that
-    took it. A killed process's runs are free at once; a hung one keeps them until it
-    is killed. Starts, intents and reviews are fsync'd before their call returns; other
-    writes are committed, and flushed by the next barrier. The store is an async context
-    manager; :meth:`aclose` gives up every claim and closes its connection.
-
-    With ``create=False`` the store only opens a file that already holds PolyLoop
-    tables: a missing file, or a database without them, is a ``StoreError`` naming it,
-    and no directory, file or table is made.
+    ``path`` names the database file (missing directories are made); a new store object
+    on it, or on a moved copy, reads and resumes its runs. For one host: a claim is a
+    locked byte of a lock file in ``<path>.claims``, freed when its process dies (a hung
+    one keeps it). Starts, intents and reviews are fsync'd before their call returns;
+    other writes are committed, and flushed by the next barrier. The store is an async
+    context manager; :meth:`aclose` gives up every claim and closes its connection. With
+    ``create=False`` only a file that holds PolyLoop tables opens, and nothing is made.
 
     Cancellation, for every method: the worker thread a call started finishes before
     the cancellation is delivered. A write cancelled before its shared commit started
@@ -71,10 +59,8 @@ class SqliteStore(EngineStore):
 
 
 class Sqlite(OneHost):
-    """SQLite's dialect: one connection, opened and checked at first use, shared commits,
-    claims by locked bytes. Every method but the two coroutines and :meth:`holds` runs in
-    a worker thread, to its end once started; those that touch the database hold the
-    store mutex (``state.mutex``), which is what makes one connection enough."""
+    """SQLite's dialect: one connection, opened at first use and used only under the store
+    mutex (``state.mutex``), shared commits, claims by locked bytes. Blocking."""
 
     kind = "sqlite"
 
@@ -99,7 +85,6 @@ class Sqlite(OneHost):
         self.claims.take(run_id)
 
     def read(self, run_id: str) -> tuple[Record, ...]:
-        """Query under the store mutex, decode after releasing it."""
         rows, where = self._select(sql.SELECT_RUN, run_id), self._path
         return read_rows(rows, run_id, where=lambda seq: f"{where}: run row seq {seq}")
 
@@ -144,7 +129,7 @@ class Sqlite(OneHost):
                 raise StoreError(f"closing {self._path} failed: {exc}") from exc
 
     def commit(self, writes: Sequence[Write]) -> Errors:
-        """One transaction for the writes waiting at one moment; one error or None each."""
+        """One transaction for the writes waiting at one moment; an outcome each."""
         with self.state.mutex:
             batch = plan(writes, lambda index: self._admit(writes[index]))
             if batch.runs:
@@ -155,8 +140,7 @@ class Sqlite(OneHost):
             return batch.errors
 
     def _connection(self, run_id: str | None) -> sqlite3.Connection:
-        if self.state.closed:
-            raise store_closed(run_id)
+        self.state.check_open(run_id)
         if self._conn is None:
             self._conn = sql.connect(self._path, run_id, create=self._create)
         return self._conn
@@ -178,7 +162,7 @@ class Sqlite(OneHost):
             return conn.execute(query, parameters).fetchall()
 
     def _stored(self, rows: list[tuple[Any, ...]]) -> tuple[StoredRun, ...]:
-        """Rows of the runs table; a run whose row names a writer is asked of its lock."""
+        """Rows of the runs table; a run whose row names a writer asks its lock."""
         named = [sql.run_id_of(key) for key, _, _, owner in rows if owner is not None]
         claimed = dict(zip(named, self.claims.claimed(named), strict=True))
         return tuple(
@@ -193,8 +177,7 @@ class Sqlite(OneHost):
         )
 
     def _take(self, run_id: str) -> Claim:
-        """Name this object in the run's row and move its epoch on (its byte locked); a
-        new id gets a row with no record yet."""
+        """Name this object in the run's row (a new one for a new id) and move its epoch on."""
         key = sql.run_key(run_id)
         with self.state.mutex, self._reading(run_id) as conn, sql.immediate(conn):
             row = conn.execute(sql.SELECT_CLAIM, (key,)).fetchone()
@@ -206,8 +189,8 @@ class Sqlite(OneHost):
         return Claim(run_id=run_id, epoch=epoch + 1, next_seq=next_seq, finished=bool(finished))
 
     def _free(self, claim: Claim) -> None:
-        """Clear this writer from the run's row (a run never started loses it), whatever
-        the database says after: the byte, let go next, is the claim."""
+        """Clear this writer from the run's row (drop a run never started); the byte,
+        let go next, is the claim, so a failure is only logged."""
         key = sql.run_key(claim.run_id)
         try:
             with self.state.mutex:
@@ -216,7 +199,6 @@ class Sqlite(OneHost):
                         conn.execute(sql.DROP_UNSTARTED, (key, claim.epoch))
                         conn.execute(sql.FREE_RUN, (key, claim.epoch))
         except sqlite3.Error:
-            # The row names this writer until its next claim; it holds nothing.
             logger.warning("run %r: could not clear its row's writer", claim.run_id, exc_info=True)
 
     def _admit(self, write: Write) -> Claim:
@@ -226,9 +208,7 @@ class Sqlite(OneHost):
         return claim
 
     def _transact(self, batch: Plan) -> None:
-        """Write the planned runs in one transaction, with ``synchronous=FULL`` if a
-        barrier is among them, else ``NORMAL``. A failure that ends the transaction fails
-        every run still standing."""
+        """Write the planned runs in one transaction, ``synchronous=FULL`` for a barrier."""
         conn = self._conn
         assert conn is not None  # _admit opened it
         try:
@@ -249,9 +229,8 @@ class Sqlite(OneHost):
     def _write_run(
         self, conn: sqlite3.Connection, batch: Plan, run: RunPlan, *, savepoint: bool
     ) -> None:
-        """Insert one run's rows and move its row on past the fence, under a savepoint when
-        the run is not alone, so that it is undone alone. Raises only when the failure
-        ended the whole transaction."""
+        """Insert one run's rows and move its row on past the fence (under a savepoint
+        if not alone); raise only when the failure ended the whole transaction."""
         if savepoint:
             conn.execute("SAVEPOINT run")
         key, epoch = sql.run_key(run.run_id), run.claim.epoch
