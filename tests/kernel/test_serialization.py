@@ -10,6 +10,7 @@ import enum
 import json
 import math
 import re
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from types import MappingProxyType
@@ -730,6 +731,82 @@ def test_too_deep_payload_is_refused() -> None:
         deep = [deep]
     with pytest.raises(UnloggableValue, match="nested more than 256 levels"):
         dumps(_result(deep))
+
+
+# -- what strict JSON cannot carry, refused on the way out ----------------------------------
+
+UNLOGGABLE = {
+    "nan": float("nan"),
+    "infinity": float("inf"),
+    "minus-infinity": float("-inf"),
+    "nan-in-a-list": [1, float("nan")],
+    "integer-of-5000-digits": 10**4_999,
+    "non-string-key": {1: "x"},
+}
+
+
+@pytest.mark.parametrize("value", list(UNLOGGABLE.values()), ids=list(UNLOGGABLE))
+def test_dumps_refuses_what_strict_json_cannot_carry(value: Any) -> None:
+    result = Result(
+        run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL, payload={"value": value}
+    )
+    with pytest.raises(UnloggableValue) as refused:
+        dumps(result)
+    assert isinstance(refused.value, PolyLoopError) and isinstance(refused.value, ValueError)
+    assert refused.value.run_id == "r"
+
+
+class RepeatedKeys(Mapping[str, Any]):
+    """A mapping whose items name one key twice: an object with duplicate keys."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        self.pairs = pairs
+
+    def __getitem__(self, key: str) -> Any:
+        return next(value for name, value in self.pairs if name == key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([name for name, _ in self.pairs])
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def items(self) -> Any:
+        return list(self.pairs)
+
+
+def test_dumps_refuses_an_object_with_duplicate_keys() -> None:
+    result = Result(
+        run_id="r",
+        result_id="r:0:model",
+        kind=IntentKind.MODEL_CALL,
+        payload={"outer": RepeatedKeys([("a", 1), ("a", 2)])},
+    )
+    with pytest.raises(UnloggableValue):
+        dumps(result)
+
+
+@pytest.mark.parametrize("duration", [float("nan"), float("inf")], ids=["nan", "infinity"])
+def test_dumps_refuses_a_non_finite_typed_float(duration: float) -> None:
+    step = StepRecord(
+        run_id="r",
+        step=0,
+        call_id=None,
+        model_output="",
+        reasoning=None,
+        decision=DecisionKind.INVALID,
+        history_text="",
+        action_text=None,
+        observation=None,
+        observation_synthesized=False,
+        action_status=None,
+        done=False,
+        truncated_chars=0,
+        error=None,
+        duration_s=duration,
+    )
+    with pytest.raises(UnloggableValue):
+        dumps(step)
 
 
 class _Label(str):
