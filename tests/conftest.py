@@ -1,7 +1,7 @@
 import pytest
 
-# The PostgreSQL fixtures (see pg.py); registered here so they load before any test module.
-pytest_plugins = ("pg",)
+# The PostgreSQL fixtures (see kit/pg.py); registered here so they load before any test module.
+pytest_plugins = ("kit.pg",)
 
 RUN_SLOW = "--run-slow"
 

@@ -21,15 +21,15 @@ from typing import Any
 import anyio
 import pytest
 
-import surrogate_kit
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from kit import surrogate as surrogate_kit
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
+from kit.surrogate import HALF, RUN_ID, SHOWN, StrictOutput
 from polyloop import FinishReason, ModelReply, Replay, Usage, run, run_trace_id, serialization
 from polyloop.cli import main
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
 from polyloop.tools import ToolRegistry, ToolSpec
 from polyloop.types import StepRecord
-from surrogate_kit import HALF, RUN_ID, SHOWN, StrictOutput
 
 BACKENDS = ["asyncio", "trio"]
 LONG = "x" * 3_000

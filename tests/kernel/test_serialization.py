@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import record_kit as kit
+from kit import record as record_kit
 from polyloop.serialization import decode, dumps, encode, loads, plain
 from polyloop.testing import without_timing
 from polyloop.types import (
@@ -105,14 +105,14 @@ EXPECTED: dict[str, Record] = {
             "temperature": 0.25,
         },
     ),
-    "intent_model_call": kit.intent(
+    "intent_model_call": record_kit.intent(
         RUN,
         0,
         IntentKind.MODEL_CALL,
         {"messages_sha256": "2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae"},
         replay=Replay.ALLOWED,
     ),
-    "intent_action": kit.intent(
+    "intent_action": record_kit.intent(
         RUN,
         1,
         IntentKind.ACTION,
@@ -120,7 +120,7 @@ EXPECTED: dict[str, Record] = {
         action_text='submit(patch="--- a/x.py…")',
         history_text='{"tool": "submit", "arguments": {"patch": "--- a/x.py\\n+++ b/x.py\\n"}}',
     ),
-    "result_model_call": kit.result(
+    "result_model_call": record_kit.result(
         RUN,
         0,
         IntentKind.MODEL_CALL,
@@ -130,7 +130,7 @@ EXPECTED: dict[str, Record] = {
             "reasoning": "Look for the failing test first. 先找测试。",
         },
     ),
-    "result_action": kit.result(
+    "result_action": record_kit.result(
         RUN,
         0,
         IntentKind.ACTION,
@@ -142,7 +142,7 @@ EXPECTED: dict[str, Record] = {
             "truncated_chars": 17,
         },
     ),
-    "step_action": kit.step(
+    "step_action": record_kit.step(
         RUN,
         0,
         call_id="chatcmpl-9f8e7d",
@@ -154,7 +154,7 @@ EXPECTED: dict[str, Record] = {
         truncated_chars=17,
         duration_s=1.5,
     ),
-    "step_final": kit.step(
+    "step_final": record_kit.step(
         RUN,
         2,
         call_id="chatcmpl-aa01",
@@ -167,7 +167,7 @@ EXPECTED: dict[str, Record] = {
         final_answer="the bug is in x.py line 12",
         duration_s=0.125,
     ),
-    "step_model_failure": kit.step(
+    "step_model_failure": record_kit.step(
         RUN,
         3,
         model_output="",
@@ -180,7 +180,7 @@ EXPECTED: dict[str, Record] = {
         duration_s=30.0,
     ),
     # Added with the reply facts (finish, usage, model, refusal): a compatible change.
-    "result_model_call_reported": kit.result(
+    "result_model_call_reported": record_kit.result(
         RUN,
         4,
         IntentKind.MODEL_CALL,
@@ -193,7 +193,7 @@ EXPECTED: dict[str, Record] = {
             "model": "gpt-4o-mini-2024-07-18",
         },
     ),
-    "step_cut_off": kit.step(
+    "step_cut_off": record_kit.step(
         RUN,
         4,
         call_id="chatcmpl-bb02",
@@ -209,7 +209,7 @@ EXPECTED: dict[str, Record] = {
         usage=Usage(input_tokens=1200, output_tokens=256, reasoning_tokens=64),
         model="gpt-4o-mini-2024-07-18",
     ),
-    "step_refusal": kit.step(
+    "step_refusal": record_kit.step(
         RUN,
         5,
         call_id="chatcmpl-cc03",
@@ -226,7 +226,7 @@ EXPECTED: dict[str, Record] = {
         refusal="I can't help with that.",
     ),
     # Added with native tool calls: a compatible change.
-    "result_model_call_native": kit.result(
+    "result_model_call_native": record_kit.result(
         RUN,
         6,
         IntentKind.MODEL_CALL,
@@ -238,7 +238,7 @@ EXPECTED: dict[str, Record] = {
             "tool_calls": [{"call_id": "call_Xy7", "name": "search", "arguments": {"q": "x.py"}}],
         },
     ),
-    "intent_action_native": kit.intent(
+    "intent_action_native": record_kit.intent(
         RUN,
         6,
         IntentKind.ACTION,
@@ -248,7 +248,7 @@ EXPECTED: dict[str, Record] = {
         history_text="Searching first.",
         tool_call=ToolCallBlock(call_id="call_Xy7", name="search", arguments={"q": "x.py"}),
     ),
-    "step_native": kit.step(
+    "step_native": record_kit.step(
         RUN,
         6,
         call_id="chatcmpl-dd04",
@@ -270,7 +270,7 @@ EXPECTED: dict[str, Record] = {
     ),
     # When each record was written, and how long the calls took (added later).
     "run_started_timed": RunStarted(run_id=RUN, snapshot={"model.name": "gpt-4o-mini"}, at=_AT),
-    "intent_action_timed": kit.intent(
+    "intent_action_timed": record_kit.intent(
         RUN,
         7,
         IntentKind.ACTION,
@@ -279,7 +279,7 @@ EXPECTED: dict[str, Record] = {
         history_text="Submitting.",
         at=_AT,
     ),
-    "result_model_call_timed": kit.result(
+    "result_model_call_timed": record_kit.result(
         RUN,
         7,
         IntentKind.MODEL_CALL,
@@ -287,7 +287,7 @@ EXPECTED: dict[str, Record] = {
         at=_AT,
         duration_s=0.8125,
     ),
-    "result_action_timed": kit.result(
+    "result_action_timed": record_kit.result(
         RUN,
         7,
         IntentKind.ACTION,
@@ -295,7 +295,7 @@ EXPECTED: dict[str, Record] = {
         at=_AT,
         duration_s=0.0625,
     ),
-    "step_timed": kit.step(
+    "step_timed": record_kit.step(
         RUN,
         7,
         call_id="chatcmpl-ee05",
@@ -372,7 +372,7 @@ EXPECTED.update(
             forked_at_step=2,
             inherited_sha256="5f0c" * 16,
             inherited=(
-                kit.step(
+                record_kit.step(
                     "exp-7/task-12#3/fork-b",
                     0,
                     call_id="c-1",
@@ -382,7 +382,7 @@ EXPECTED.update(
                     observation="hello",
                     duration_s=0.25,
                 ),
-                kit.step(
+                record_kit.step(
                     "exp-7/task-12#3/fork-b",
                     1,
                     call_id="c-2",
@@ -408,7 +408,7 @@ EXPECTED.update(
             at=_PERSON_AT,
             duration_s=0.042,
         ),
-        "step_settled": kit.step(
+        "step_settled": record_kit.step(
             RUN,
             1,
             call_id="c-2",
@@ -433,7 +433,7 @@ EXPECTED.update(
             edited_by="alice",
             proposed_action_text='deploy({"env": "prod"})',
         ),
-        "step_edited": kit.step(
+        "step_edited": record_kit.step(
             RUN,
             2,
             call_id="c-3",

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from agent_kit import (
+from kit.agent import (
     Ledger,
     answer,
     definition,
@@ -33,6 +33,7 @@ from agent_kit import (
     timeless,
     tool_call,
 )
+from kit.store import STORE_KINDS, Stores
 from polyloop import (
     Action,
     ActionStatus,
@@ -58,11 +59,10 @@ from polyloop import (
 from polyloop._recovery import RecoveryState, read_plan
 from polyloop.stores import MemoryStore
 from polyloop.testing import JsonActionInterpreter, ScriptedModelClient
-from store_kit import STORE_KINDS, Stores
 
 pytestmark = pytest.mark.anyio
 
-REFUSED = "Refused: "  # the not_executed template of agent_kit.TEXTS, before {reason}
+REFUSED = "Refused: "  # the not_executed template of kit.agent.TEXTS, before {reason}
 
 
 # -- stores ------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The PostgreSQL store against the shared contract, crashes at every write, lost
 connections, dead lock holders, corrupt rows and group commit, under asyncio and Trio.
 
-Each test gets an empty database or schema of its own (see ``pg.py`` for where the
+Each test gets an empty database or schema of its own (see ``kit/pg.py`` for where the
 server comes from and when these tests skip or fail).
 """
 
@@ -25,8 +25,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-import pg
-from agent_kit import (
+from kit import pg
+from kit.agent import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
     InterruptedModel,
@@ -40,6 +40,7 @@ from agent_kit import (
     six_step_script,
     uninterrupted,
 )
+from kit.sweep import every_point
 from polyloop import ModelCall, Replay, RunEnded, RunResult, StopReason, resume, run
 from polyloop.ports import Store
 from polyloop.stores import PostgresStore
@@ -66,7 +67,6 @@ from polyloop.types import (
     SchemaMajorMismatch,
     StoreError,
 )
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from agent_kit import (
+from kit.agent import (
     Ledger,
     definition,
     make_tools,
@@ -40,6 +40,7 @@ from agent_kit import (
     same_outcome,
     six_step_script,
 )
+from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop._recovery import RecoveryState, read_plan
 from polyloop.stores import JsonlStore
@@ -61,7 +62,6 @@ from polyloop.types import (
     StepRecord,
     StopReason,
 )
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-import pg
+from kit import pg
 from polyloop.ports import ManagedStore
 from polyloop.stores import PostgresStore, SqliteStore
 from polyloop.stores._common import record_row

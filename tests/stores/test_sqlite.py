@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 import polyloop.stores._sql.sqlite.sql as sqlite_sql
-from agent_kit import (
+from kit.agent import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
     Ledger,
@@ -33,6 +33,7 @@ from agent_kit import (
     six_step_script,
     uninterrupted,
 )
+from kit.sweep import every_point
 from polyloop import Replay, RunEnded, StopReason, resume, run, serialization
 from polyloop.ports import Store
 from polyloop.serialization import dumps
@@ -55,7 +56,6 @@ from polyloop.types import (
     SchemaMajorMismatch,
     StoreError,
 )
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 

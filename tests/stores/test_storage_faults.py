@@ -43,7 +43,7 @@ import pytest
 from psycopg import sql
 
 import polyloop.stores._sql.sqlite.sql as sqlite_sql
-from agent_kit import (
+from kit.agent import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
     Ledger,
@@ -54,6 +54,7 @@ from agent_kit import (
     same_outcome,
     six_step_script,
 )
+from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop.ports import Store
 from polyloop.serialization import dumps
@@ -75,7 +76,6 @@ from polyloop.types import (
     StepRecord,
     StoreError,
 )
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 

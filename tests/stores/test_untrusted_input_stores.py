@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from agent_kit import (
+from kit.agent import (
     Ledger,
     answer,
     definition,
@@ -30,6 +30,7 @@ from agent_kit import (
     same_outcome,
     tool_call,
 )
+from kit.store import STORE_KINDS, Stores
 from polyloop import (
     CorruptLog,
     IntentKind,
@@ -49,7 +50,6 @@ from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.stores._common import safe_name
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
-from store_kit import STORE_KINDS, Stores
 
 pytestmark = pytest.mark.anyio
 
