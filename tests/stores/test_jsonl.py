@@ -39,6 +39,7 @@ from kit.agent import (
     uninterrupted,
 )
 from kit.record import step
+from kit.store import DURABLE_STORE_BACKENDS
 from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop.serialization import dumps
@@ -75,6 +76,11 @@ from polyloop.types import (
 )
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=DURABLE_STORE_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 class TestJsonlContract(DurableStoreContract):

@@ -40,6 +40,7 @@ from kit.agent import (
     six_step_script,
     uninterrupted,
 )
+from kit.store import DURABLE_STORE_BACKENDS
 from kit.sweep import every_point
 from polyloop import ModelCall, Replay, RunEnded, RunResult, StopReason, resume, run
 from polyloop.ports import Store
@@ -69,6 +70,12 @@ from polyloop.types import (
 )
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=DURABLE_STORE_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 # pytest-postgresql's throw-away server, started only if no configured server answers.
 pg_fallback_proc = pg.fallback_server()

@@ -40,6 +40,7 @@ from kit.agent import (
     same_outcome,
     six_step_script,
 )
+from kit.store import DURABLE_STORE_BACKENDS
 from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop._recovery import RecoveryState, read_plan
@@ -64,6 +65,12 @@ from polyloop.types import (
 )
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=DURABLE_STORE_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 DIRECTORY = Path("/disk/runs")
 RUN_FILE = DIRECTORY / f"{safe_name('r')}.jsonl"

@@ -33,6 +33,7 @@ from kit.agent import (
     six_step_script,
     uninterrupted,
 )
+from kit.store import DURABLE_STORE_BACKENDS
 from kit.sweep import every_point
 from polyloop import Replay, RunEnded, StopReason, resume, run, serialization
 from polyloop.ports import Store
@@ -58,6 +59,12 @@ from polyloop.types import (
 )
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=DURABLE_STORE_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 _real_connect = sqlite3.connect
 

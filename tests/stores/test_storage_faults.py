@@ -54,6 +54,7 @@ from kit.agent import (
     same_outcome,
     six_step_script,
 )
+from kit.store import DURABLE_STORE_BACKENDS
 from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop.ports import Store
@@ -78,6 +79,12 @@ from polyloop.types import (
 )
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=DURABLE_STORE_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 REPLAY = Replay.ALLOWED
 # The writes of a six-step run that sync: start_run and every intent.
