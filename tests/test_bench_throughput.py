@@ -7,7 +7,7 @@ runs in its child processes, completes every run without an error, made as many 
 decisions and tool executions as runs x steps, and reports every column; the results
 file is written. LangGraph and Pydantic AI are optional (the ``bench`` extra): a peer's
 row may be skipped only when its library is not installed. The tests that need
-PostgreSQL take the server from ``tests/pg.py``, so under ``CI=true`` they fail rather
+PostgreSQL take the server from ``tests/kit/pg.py``, so under ``CI=true`` they fail rather
 than skip without one.
 """
 

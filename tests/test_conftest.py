@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 FILE = "tests/test_examples.py"
 
 
-def _collect(*options: str) -> str:
+def _collect(*options: str, files: tuple[str, ...] = (FILE,)) -> str:
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
     done = subprocess.run(
-        [*command, *options, FILE],
+        [*command, *options, *files],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -53,3 +53,17 @@ def test_run_slow_runs_them_too() -> None:
     assert f"{FILE}::test_the_main_job_runs_the_demo_to_a_submitted_stop" in _ids(out)
     assert "deselected" not in out
     assert "slow tests were not run" not in out
+
+
+def test_trio_on_a_durable_store_is_slow_and_its_asyncio_sibling_quick() -> None:
+    # Both ways a case gets the rule: a store-kind parameter (the first file) and a file
+    # about one durable store that takes DURABLE_STORE_BACKENDS (the second).
+    files = ("tests/stores/test_untrusted_input_stores.py", "tests/stores/test_power_loss.py")
+    slow = _ids(_collect("--run-slow", "-m", "slow", files=files))
+    case = f"{files[0]}::test_hostile_run_ids_and_bindings_are_plain_data_on_every_store"
+    assert [test_id for test_id in slow if test_id.startswith(files[0])] == [
+        f"{case}[trio-{kind}]" for kind in ("jsonl", "sqlite", "postgresql")
+    ]
+    trio = [test_id for test_id in slow if test_id.startswith(files[1]) and "[trio-" in test_id]
+    quick_twins = [t for t in trio if t.replace("[trio-", "[asyncio-") not in slow]
+    assert quick_twins, "a file about one durable store keeps its asyncio cases quick"

@@ -199,7 +199,7 @@ def test_approvals_a_payment_in_doubt_is_settled_and_the_run_finishes(
 
 @pytest.mark.slow
 def test_temporal_agent_waits_for_the_approval_update_then_runs_the_tool_once() -> None:
-    from temporal_kit import dev_server_path, unavailable
+    from kit.temporal import dev_server_path, unavailable
 
     if not dev_server_path().is_file():
         unavailable(f"no Temporal CLI at {dev_server_path()}")

@@ -30,7 +30,7 @@ from types import ModuleType
 import anyio.to_thread
 import pytest
 
-import pg
+from kit import pg
 from polyloop import Replay, RunEnded, RunState, Settlement, StepRecord, StopReason, run_status
 from polyloop.cli import main as polyloop_command
 from polyloop.stores import PostgresStore

@@ -23,7 +23,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
 from polyloop import (
     DecisionKind,
     FinishReason,

@@ -1,6 +1,6 @@
 """The OpenAI-compatible adapter against a real HTTP server on loopback, under asyncio and Trio.
 
-The server (``tests/chat_kit.py``) speaks just enough of the Chat Completions protocol:
+The server (``tests/kit/chat.py``) speaks just enough of the Chat Completions protocol:
 it answers ``POST /v1/chat/completions`` with scripted bodies, records every request body,
 and can fail, send a broken body, or hold a request open to be cancelled. It runs in a
 thread of this process, on 127.0.0.1 and a port the system picks. A second server
@@ -37,8 +37,8 @@ from llmock.scenarios import Reply as LLMockReply
 from llmock.simulation import MockResponseSettings
 from llmock.testing import LLMockServer
 
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
-from chat_kit import ChatServer, Hold, Malformed, Mode, PlainText, Reply, Status
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
+from kit.chat import ChatServer, Hold, Malformed, Mode, PlainText, Reply, Status
 from polyloop import (
     Budget,
     DecisionKind,

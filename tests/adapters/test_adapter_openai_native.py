@@ -15,7 +15,7 @@ import openai
 import pytest
 from chat_shapes import BodyServer, openai_body
 
-from agent_kit import Ledger, definition, make_tools, request
+from kit.agent import Ledger, definition, make_tools, request
 from polyloop import DecisionKind, FinishReason, Result, StopReason, ToolStyle, run
 from polyloop.adapters.openai import OpenAIModelClient
 from polyloop.interpreters import NativeToolCallInterpreter

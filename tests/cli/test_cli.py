@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 import polyloop as polyloop_package
-from chat_kit import ChatServer, Reply
+from kit.chat import ChatServer, Reply
+from kit.surrogate import HALF, SHOWN, StrictOutput
 from polyloop import ActionStatus, ModelReply, StepRecord
 from polyloop._escaping import escape_block, escape_field
 from polyloop.cli import main
@@ -42,7 +43,6 @@ from polyloop.cli._stores import parse_store
 from polyloop.ports import Action, FinalAnswer, InvalidDecision
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.types import IntentKind, Result
-from surrogate_kit import HALF, SHOWN, StrictOutput
 
 BACKENDS = ["asyncio", "trio"]
 # The demo's seven steps: list, three reads, a refused calculator call, the sum, submit.

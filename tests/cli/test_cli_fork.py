@@ -15,8 +15,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
-from fork_kit import SCRIPT, write_forks
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
+from kit.fork import SCRIPT, write_forks
 from polyloop import Replay, StepRecord, fork, resume, run
 from polyloop.cli import main
 from polyloop.session._forking import inherited_digest

@@ -8,6 +8,7 @@ them in the same process through ``main()``, under asyncio and Trio.
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -21,15 +22,15 @@ from typing import Any
 import anyio
 import pytest
 
-import surrogate_kit
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from kit import surrogate as surrogate_kit
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
+from kit.surrogate import HALF, RUN_ID, SHOWN, StrictOutput
 from polyloop import FinishReason, ModelReply, Replay, Usage, run, run_trace_id, serialization
 from polyloop.cli import main
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
 from polyloop.tools import ToolRegistry, ToolSpec
 from polyloop.types import StepRecord
-from surrogate_kit import HALF, RUN_ID, SHOWN, StrictOutput
 
 BACKENDS = ["asyncio", "trio"]
 LONG = "x" * 3_000
@@ -92,16 +93,28 @@ async def fill(store_factory: Callable[[], Any]) -> None:
     await with_store(long)
 
 
+@pytest.fixture(scope="module")
+def filled_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The five runs of :func:`fill` in a store of each kind, written once for the module
+    (a fill waits out a cancelled run); each test gets a copy of its own (:func:`copy_of`)."""
+    place = tmp_path_factory.mktemp("filled")
+    anyio.run(fill, lambda: SqliteStore(place / "sqlite" / "runs.db"))
+    anyio.run(fill, lambda: JsonlStore(place / "jsonl" / "runs"))
+    return place
+
+
+def copy_of(filled_once: Path, kind: str, tmp_path: Path) -> Path:
+    """A copy in ``tmp_path`` of the filled store of ``kind``, for a test to read or spoil."""
+    shutil.copytree(filled_once / kind, tmp_path, dirs_exist_ok=True)
+    return tmp_path / ("runs.db" if kind == "sqlite" else "runs")
+
+
 @pytest.fixture(params=["sqlite", "jsonl"])
-def filled(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+def filled(request: pytest.FixtureRequest, filled_once: Path, tmp_path: Path) -> str:
     """A store with the five runs of :func:`fill`; its STORE argument."""
     if request.param == "sqlite":
-        path = tmp_path / "runs.db"
-        anyio.run(fill, lambda: SqliteStore(path))
-        return f"sqlite:{path}"
-    directory = tmp_path / "runs"
-    anyio.run(fill, lambda: JsonlStore(directory))
-    return f"jsonl:{directory}"
+        return f"sqlite:{copy_of(filled_once, 'sqlite', tmp_path)}"
+    return f"jsonl:{copy_of(filled_once, 'jsonl', tmp_path)}"
 
 
 def flat(text: str) -> str:
@@ -375,10 +388,8 @@ def test_verify_one_run(filled: str, capsys: pytest.CaptureFixture[str]) -> None
 
 
 @pytest.fixture
-def jsonl_store(tmp_path: Path) -> str:
-    directory = tmp_path / "runs"
-    anyio.run(fill, lambda: JsonlStore(directory))
-    return f"jsonl:{directory}"
+def jsonl_store(filled_once: Path, tmp_path: Path) -> str:
+    return f"jsonl:{copy_of(filled_once, 'jsonl', tmp_path)}"
 
 
 def test_verify_reports_a_torn_tail_as_a_warning(
@@ -504,10 +515,8 @@ def test_runs_lists_a_corrupt_log_and_show_refuses_it_in_one_line(
 
 
 @pytest.fixture
-def sqlite_store(tmp_path: Path) -> Path:
-    path = tmp_path / "runs.db"
-    anyio.run(fill, lambda: SqliteStore(path))
-    return path
+def sqlite_store(filled_once: Path, tmp_path: Path) -> Path:
+    return copy_of(filled_once, "sqlite", tmp_path)
 
 
 def test_verify_sqlite_names_the_corrupt_row(

@@ -12,14 +12,14 @@ from typing import Any
 import anyio
 import pytest
 
-import surrogate_kit
-from agent_kit import Ledger, definition, request
+from kit import surrogate as surrogate_kit
+from kit.agent import Ledger, definition, request
+from kit.review import approval_script, payment_script, review_tools
+from kit.surrogate import HALF, SHOWN, StrictOutput
 from polyloop import Replay, run, start_or_resume
 from polyloop.cli import main
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
-from review_kit import approval_script, payment_script, review_tools
-from surrogate_kit import HALF, SHOWN, StrictOutput
 
 # A reviewer adds a line above the key they mean to replace: JSON readers would keep the
 # last value, and the proposal would be approved unchanged.

@@ -1,6 +1,6 @@
 """The command on a PostgreSQL store: demo, crash and resume, runs, show and verify.
 
-Each test gets an empty database of its own (see ``pg.py`` for where the server comes
+Each test gets an empty database of its own (see ``kit/pg.py`` for where the server comes
 from and when these tests skip or fail).
 """
 
@@ -16,11 +16,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-import pg
-import surrogate_kit
+from kit import pg
+from kit import surrogate as surrogate_kit
+from kit.surrogate import HALF, RUN_ID, SHOWN, StrictOutput
 from polyloop import run_trace_id
 from polyloop.cli import main
-from surrogate_kit import HALF, RUN_ID, SHOWN, StrictOutput
 
 # pytest-postgresql's throw-away server, started only if no configured server answers.
 pg_fallback_proc = pg.fallback_server()

@@ -1,5 +1,5 @@
 """``polyloop show`` tells the truth about time, tokens, resumes and an effect in doubt:
-the terminal view and ``--json``, on the runs of ``show_kit``.
+the terminal view and ``--json``, on the runs of ``kit.show``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import anyio
 import pytest
 
 import polyloop
+from kit.show import UTC_TIME, show, write_stores
 from polyloop import run_trace_id
 from polyloop.cli import main
 from polyloop.stores import JsonlStore
-from show_kit import UTC_TIME, show, write_stores
 
 BACKENDS = ["asyncio", "trio"]
 

@@ -13,12 +13,12 @@ from typing import Any
 import anyio
 import pytest
 
-from browser_kit import chromium
-from fork_kit import write_forks
+from kit.browser import chromium
+from kit.fork import write_forks
+from kit.show import UTC_TIME, show, write_stores
 from polyloop import run_trace_id
 from polyloop.cli import main
 from polyloop.stores import JsonlStore
-from show_kit import UTC_TIME, show, write_stores
 
 
 @pytest.fixture(scope="module")

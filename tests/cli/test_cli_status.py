@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agent_kit import Ledger, definition, make_tools, request, tool_call
+from kit.agent import Ledger, definition, make_tools, request, tool_call
 from polyloop import run
 from polyloop.cli import main
 from polyloop.stores import JsonlStore, PostgresStore, SqliteStore

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_kit import Ledger, answer, definition, make_tools, request
+from kit.agent import Ledger, answer, definition, make_tools, request
 from polyloop import StoreError, run
 from polyloop.cli import main
 from polyloop.cli._common import CliError

@@ -17,8 +17,8 @@ import anyio
 import httpx
 import pytest
 
-from agent_kit import Ledger, definition, request
-from console_kit import (
+from kit.agent import Ledger, definition, request
+from kit.console import (
     EVIL,
     EVIL_RUN,
     FINISHED,
@@ -30,6 +30,14 @@ from console_kit import (
     resume,
     store_factory,
 )
+from kit.review import (
+    approval_script,
+    deploy_twice_script,
+    pay_twice_script,
+    payment_script,
+    review_tools,
+    reviews,
+)
 from polyloop import Replay, approve, reject, run, run_status, settle, start_or_resume
 from polyloop.cli import _html, main
 from polyloop.cli._console import exposure_problem, run_path
@@ -40,14 +48,6 @@ from polyloop.ports import ManagedStore
 from polyloop.stores import SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
 from polyloop.types import Proposal, RunState, Settlement, StepRecord, Verdict
-from review_kit import (
-    approval_script,
-    deploy_twice_script,
-    pay_twice_script,
-    payment_script,
-    review_tools,
-    reviews,
-)
 
 pytestmark = pytest.mark.anyio
 

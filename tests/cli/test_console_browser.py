@@ -28,17 +28,17 @@ import anyio
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from agent_kit import Ledger, answer, definition, request, tool_call
-from browser_kit import chromium
+from kit.agent import Ledger, answer, definition, request, tool_call
+from kit.browser import chromium
+from kit.review import approval_script, review_tools
 from polyloop import run
 from polyloop.stores import SqliteStore
-from review_kit import approval_script, review_tools
 
 pytestmark = pytest.mark.slow  # each test starts a console and drives a browser
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "approvals.py"
-WORKER = ROOT / "tests" / "approvals_worker_agent.py"
+WORKER = ROOT / "tests" / "kit" / "approvals_worker_agent.py"
 POLYLOOP = (sys.executable, "-m", "polyloop")
 BACKENDS = ["asyncio", "trio"]
 # How often the console looks at the store for live pages; short, so tests wait little.
@@ -399,7 +399,7 @@ def test_open_pages_follow_the_run_without_a_reload(
 def test_the_docs_screenshots_are_taken_from_a_real_console(tmp_path: Path) -> None:
     chromium()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "console_screenshot.py"), str(tmp_path)],
+        [sys.executable, str(ROOT / "tests" / "kit" / "console_screenshot.py"), str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -17,9 +17,11 @@ import anyio.lowlevel
 import httpx
 import pytest
 
-import surrogate_kit
-from agent_kit import ANSWER_SCHEMA, Ledger, answer, definition, make_tools, request, tool_call
-from console_kit import BASE_URL, browser, console, post_form, store_factory
+from kit import surrogate as surrogate_kit
+from kit.agent import ANSWER_SCHEMA, Ledger, answer, definition, make_tools, request, tool_call
+from kit.console import BASE_URL, browser, console, post_form, store_factory
+from kit.review import reviews
+from kit.surrogate import HALF, SHOWN
 from polyloop import Replay, ToolRegistry, ToolSpec, run, start_or_resume
 from polyloop._escaping import escape_block, escape_field
 from polyloop.cli._console import run_path
@@ -28,8 +30,6 @@ from polyloop.ports import ManagedStore
 from polyloop.session import run_status
 from polyloop.testing import FaultyStore, SimulatedCrash
 from polyloop.types import Proposal, Settlement, StepRecord, Verdict
-from review_kit import reviews
-from surrogate_kit import HALF, SHOWN
 
 pytestmark = pytest.mark.anyio
 

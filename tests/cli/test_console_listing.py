@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
-from agent_kit import Ledger, answer, definition, request
-from console_kit import crash_in_doubt
+from kit.agent import Ledger, answer, definition, request
+from kit.console import crash_in_doubt
+from kit.review import review_tools
 from polyloop import run
 from polyloop.cli._console._data import list_page
 from polyloop.cli._console._listing import (
@@ -24,7 +25,6 @@ from polyloop.cli._console._listing import (
 )
 from polyloop.ports import StoredRun
 from polyloop.stores import SqliteStore
-from review_kit import review_tools
 
 pytestmark = pytest.mark.anyio
 

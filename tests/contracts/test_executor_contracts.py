@@ -7,12 +7,12 @@ from typing import Any
 import anyio
 import pytest
 
+from kit.replay import echo_log
 from polyloop import Action, ActionExecutor, ActionOutcome, ActionStatus, Reconciled, Replay
 from polyloop.testing import RecordedExecutor, ScriptedEnvironment
 from polyloop.testing.executor_contract import ActionExecutorContract
 from polyloop.tools import EnvironmentFault, ToolRegistry, ToolSpec
 from polyloop.types import JSONValue
-from replay_kit import echo_log
 
 
 def call(name: str, **arguments: JSONValue) -> Action:

@@ -1,7 +1,7 @@
 """Every model client PolyLoop ships keeps the model-client contract.
 
 The OpenAI-compatible adapter talks to the loopback Chat Completions server of
-``tests/chat_kit.py``; the gateway adapter to PolyGateway, or where it is not installed
+``tests/kit/chat.py``; the gateway adapter to PolyGateway, or where it is not installed
 to the stand-in next to the gateway adapter's tests, put on the import path only then.
 Each model answers a call by echoing its last message, so concurrent calls can be told
 apart; the slow clients' models never answer.
@@ -20,12 +20,12 @@ import anyio.lowlevel
 import openai
 import pytest
 
-from chat_kit import ChatServer, Hold, Mode, Reply
+from kit.chat import ChatServer, Hold, Mode, Reply
+from kit.replay import echo_log
 from polyloop import ModelCall, ModelClient, TextBlock
 from polyloop.adapters.openai import OpenAIModelClient
 from polyloop.testing import RecordedModelClient, ScriptedModelClient
 from polyloop.testing.model_client_contract import ModelClientContract
-from replay_kit import echo_log
 
 _STANDIN = str(Path(__file__).resolve().parent.parent / "adapters" / "polygateway_standin")
 if importlib.util.find_spec("polygateway") is None and _STANDIN not in sys.path:

@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agent_kit import SlowStore, answer, cancel_when, definition, request, tool_call
+from kit.agent import SlowStore, answer, cancel_when, definition, request, tool_call
 from polyloop import (
     Intent,
     IntentKind,

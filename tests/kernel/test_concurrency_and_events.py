@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
 from polyloop import (
     Event,
     EventKind,

@@ -13,8 +13,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
-from fork_kit import without_run_id
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
+from kit.fork import without_run_id
 from polyloop import (
     Budget,
     CorruptLog,
@@ -451,7 +451,7 @@ async def test_a_start_record_whose_fork_fields_disagree_is_a_corrupt_log() -> N
 
 
 async def test_a_source_waiting_for_approval_gives_its_completed_steps() -> None:
-    from review_kit import approval_script, review_tools
+    from kit.review import approval_script, review_tools
 
     store, ledger = MemoryStore(), Ledger()
     paused = await run(

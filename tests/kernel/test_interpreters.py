@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import polyloop.interpreters
-from agent_kit import Ledger, definition, make_tools, request
+from kit.agent import Ledger, definition, make_tools, request
 from polyloop import (
     Action,
     ActionOutcome,

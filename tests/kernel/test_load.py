@@ -18,7 +18,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from agent_kit import answer, close_store, definition, request, tool_call
+from kit.agent import answer, close_store, definition, request, tool_call
+from kit.store import DURABLE_KINDS, durable_opener
 from polyloop import (
     Budget,
     Intent,
@@ -41,7 +42,6 @@ from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore, MemoryStore
 from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
-from store_kit import DURABLE_KINDS, durable_opener
 
 # Slow: load and soak: thousands of runs, and one of 5,000 steps.
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]

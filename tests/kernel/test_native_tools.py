@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent_kit import Ledger, definition, make_tools, request, same_outcome
-from native_kit import INTERPRETER, NATIVE, HashingModel, call, native_script
+from kit.agent import Ledger, definition, make_tools, request, same_outcome
+from kit.native import INTERPRETER, NATIVE, HashingModel, call, native_script
 from polyloop import (
     Action,
     DecisionKind,

@@ -10,7 +10,8 @@ import re
 
 import pytest
 
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
+from kit.replay import ANSWERED, ThreeIsFour, copied, offline, plain_steps, record, without_run
 from polyloop import (
     Action,
     ActionStatus,
@@ -40,7 +41,6 @@ from polyloop.testing import (
     ReplayDiverged,
     ScriptedModelClient,
 )
-from replay_kit import ANSWERED, ThreeIsFour, copied, offline, plain_steps, record, without_run
 
 pytestmark = pytest.mark.anyio
 

@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from agent_kit import Ledger, definition, kinds, request
+from kit.agent import Ledger, definition, kinds, request
+from kit.review import (
+    approval_script,
+    approval_story,
+    payment_script,
+    plain_steps,
+    review_tools,
+    reviews,
+    settlement_story,
+)
 from polyloop import (
     ActionStatus,
     Intent,
@@ -30,15 +39,6 @@ from polyloop import (
 )
 from polyloop.stores import MemoryStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
-from review_kit import (
-    approval_script,
-    approval_story,
-    payment_script,
-    plain_steps,
-    review_tools,
-    reviews,
-    settlement_story,
-)
 
 pytestmark = pytest.mark.anyio
 
@@ -377,7 +377,7 @@ async def test_records_of_a_person_are_kept_in_the_log() -> None:
 async def test_cancelled_while_recording_a_proposal_the_run_still_waits_after() -> None:
     import anyio
 
-    from agent_kit import SlowStore
+    from kit.agent import SlowStore
 
     store, ledger = SlowStore("write_review", after=True), Ledger()
     tools = review_tools(ledger)
@@ -400,7 +400,7 @@ async def test_cancelled_while_recording_a_proposal_the_run_still_waits_after() 
 
 
 async def test_a_native_tool_call_waits_for_approval_and_resumes_with_the_same_messages() -> None:
-    from native_kit import INTERPRETER, NATIVE, HashingModel, call
+    from kit.native import INTERPRETER, NATIVE, HashingModel, call
     from polyloop import ModelReply
 
     def script() -> list[ModelReply]:
@@ -464,7 +464,7 @@ async def test_an_approval_with_the_proposed_arguments_is_no_edit() -> None:
 
 
 async def test_an_edited_native_call_is_the_call_the_model_sees_answered() -> None:
-    from native_kit import INTERPRETER, NATIVE, call
+    from kit.native import INTERPRETER, NATIVE, call
     from polyloop import ModelCall, ModelReply, ToolCallBlock, ToolResultBlock
     from polyloop.testing import ScriptedModelClient
 

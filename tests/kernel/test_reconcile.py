@@ -1,7 +1,7 @@
 """A tool's probe settles an action in doubt (issue 31), on the memory store: what the
 loop asks, when, under which check, what it writes, and what it does with each answer.
 
-The tools (``probe_kit``) pay into an outside ledger keyed by result id: a payment
+The tools (``kit.probe``) pay into an outside ledger keyed by result id: a payment
 under a key, or a tombstone that makes a later payment under that key fail. Its probe
 finds the payment (it ran) or writes the tombstone (it did not, and never will).
 """
@@ -16,7 +16,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from agent_kit import answer, definition, request, tool_call
+from kit.agent import answer, definition, request, tool_call
+from kit.probe import NOT_PAID, KeyVoided, Payments, tools
 from polyloop import (
     Action,
     ActionStatus,
@@ -39,7 +40,6 @@ from polyloop import (
 )
 from polyloop.stores import MemoryStore
 from polyloop.testing import FaultyStore, RecordingSink, SimulatedCrash
-from probe_kit import NOT_PAID, KeyVoided, Payments, tools
 
 pytestmark = pytest.mark.anyio
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import record_kit as kit
+from kit import record as record_kit
 from polyloop._recovery import (
     RecoveryState,
     model_call_again_id,
@@ -42,8 +42,8 @@ ACTION = f"{RUN}:0:action"
 PAYLOAD = {"name": "deploy", "arguments": {"env": "prod"}}
 
 START = RunStarted(run_id=RUN, snapshot={})
-MODEL_INTENT = kit.intent(RUN, 0, IntentKind.MODEL_CALL, {}, replay=Replay.ALLOWED)
-MODEL_RESULT = kit.result(RUN, 0, IntentKind.MODEL_CALL, {"content": "x"})
+MODEL_INTENT = record_kit.intent(RUN, 0, IntentKind.MODEL_CALL, {}, replay=Replay.ALLOWED)
+MODEL_RESULT = record_kit.result(RUN, 0, IntentKind.MODEL_CALL, {"content": "x"})
 PROPOSAL = Proposal(
     run_id=RUN,
     result_id=ACTION,
@@ -60,10 +60,10 @@ APPROVED = Verdict(
 REJECTED = Verdict(
     run_id=RUN, result_id=ACTION, approved=False, by="bob", payload=None, reason="no"
 )
-ACTION_INTENT = kit.intent(RUN, 0, IntentKind.ACTION, PAYLOAD)
+ACTION_INTENT = record_kit.intent(RUN, 0, IntentKind.ACTION, PAYLOAD)
 SETTLED = Settlement(run_id=RUN, result_id=ACTION, ran=True, observation="ok", by="carol")
-ACTION_RESULT = kit.result(RUN, 0, IntentKind.ACTION, {"status": "executed"})
-STEP = kit.step(RUN, 0, action_text="deploy(prod)", observation="ok")
+ACTION_RESULT = record_kit.result(RUN, 0, IntentKind.ACTION, {"status": "executed"})
+STEP = record_kit.step(RUN, 0, action_text="deploy(prod)", observation="ok")
 
 
 def end(reason: StopReason, steps: int = 0) -> RunEnded:
@@ -235,7 +235,7 @@ PROBED = dataclasses.replace(SETTLED, by="reconcile:deploy", duration_s=0.25)
 
 def _second_step(first: Settlement, second: Settlement | None) -> list[Record]:
     """Step 0's action settled by ``first``; step 1's in doubt, settled by ``second``."""
-    intent = kit.intent(RUN, 1, IntentKind.ACTION, PAYLOAD)
+    intent = record_kit.intent(RUN, 1, IntentKind.ACTION, PAYLOAD)
     records: list[Record] = [
         *BEFORE_ACTION,
         ACTION_INTENT,
@@ -243,8 +243,8 @@ def _second_step(first: Settlement, second: Settlement | None) -> list[Record]:
         first,
         ACTION_RESULT,
         dataclasses.replace(STEP, settled_by=first.by),
-        kit.intent(RUN, 1, IntentKind.MODEL_CALL, {}, replay=Replay.ALLOWED),
-        kit.result(RUN, 1, IntentKind.MODEL_CALL, {"content": "x"}),
+        record_kit.intent(RUN, 1, IntentKind.MODEL_CALL, {}, replay=Replay.ALLOWED),
+        record_kit.result(RUN, 1, IntentKind.MODEL_CALL, {"content": "x"}),
         intent,
     ]
     if second is not None:
@@ -309,13 +309,13 @@ def test_a_person_named_like_no_probe_is_a_person() -> None:
 # -- a model call in doubt, settled by a person -------------------------------------------
 
 MODEL = f"{RUN}:0:model"
-NEVER_MODEL = kit.intent(RUN, 0, IntentKind.MODEL_CALL, {})
+NEVER_MODEL = record_kit.intent(RUN, 0, IntentKind.MODEL_CALL, {})
 MODEL_NOT_RUN = Settlement(run_id=RUN, result_id=MODEL, ran=False, observation="no", by="carol")
 MODEL_RAN = dataclasses.replace(MODEL_NOT_RUN, ran=True, observation="billed")
 MODEL_AGAIN = dataclasses.replace(NEVER_MODEL, result_id=f"{RUN}:0:model2")
 MODEL_THIRD = dataclasses.replace(NEVER_MODEL, result_id=f"{RUN}:0:model3")
 AGAIN_RESULT = dataclasses.replace(MODEL_RESULT, result_id=MODEL_AGAIN.result_id)
-LOST_REPLY = kit.result(RUN, 0, IntentKind.MODEL_CALL, {"error": "lost"})
+LOST_REPLY = record_kit.result(RUN, 0, IntentKind.MODEL_CALL, {"error": "lost"})
 MODEL_DOUBT = [START, NEVER_MODEL, IN_DOUBT]
 
 
@@ -348,7 +348,7 @@ MODEL_DOUBT = [START, NEVER_MODEL, IN_DOUBT]
             id="third-call",
         ),
         pytest.param(
-            [*MODEL_DOUBT, MODEL_RAN, LOST_REPLY, kit.step(RUN, 0, error="lost")],
+            [*MODEL_DOUBT, MODEL_RAN, LOST_REPLY, record_kit.step(RUN, 0, error="lost")],
             RecoveryState.RESUMABLE,
             0,
             id="ran-step",
@@ -360,7 +360,7 @@ MODEL_DOUBT = [START, NEVER_MODEL, IN_DOUBT]
                 MODEL_AGAIN,
                 AGAIN_RESULT,
                 STEP,
-                kit.intent(RUN, 1, IntentKind.MODEL_CALL, {}),
+                record_kit.intent(RUN, 1, IntentKind.MODEL_CALL, {}),
             ],
             RecoveryState.IN_DOUBT,
             0,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from agent_kit import Ledger, definition, make_tools, request, same_outcome, tool_call
+from kit.agent import Ledger, definition, make_tools, request, same_outcome, tool_call
 from polyloop import (
     Budget,
     CorruptLog,

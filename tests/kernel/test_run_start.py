@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
 from polyloop import ModelCall, ModelReply, Replay, StopReason, ToolRegistry, ToolStyle, resume, run
 from polyloop.stores import MemoryStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash

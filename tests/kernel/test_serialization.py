@@ -10,6 +10,7 @@ import enum
 import json
 import math
 import re
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from types import MappingProxyType
@@ -19,7 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import record_kit as kit
+from kit import record as record_kit
 from polyloop.serialization import decode, dumps, encode, loads, plain
 from polyloop.testing import without_timing
 from polyloop.types import (
@@ -104,14 +105,14 @@ EXPECTED: dict[str, Record] = {
             "temperature": 0.25,
         },
     ),
-    "intent_model_call": kit.intent(
+    "intent_model_call": record_kit.intent(
         RUN,
         0,
         IntentKind.MODEL_CALL,
         {"messages_sha256": "2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae"},
         replay=Replay.ALLOWED,
     ),
-    "intent_action": kit.intent(
+    "intent_action": record_kit.intent(
         RUN,
         1,
         IntentKind.ACTION,
@@ -119,7 +120,7 @@ EXPECTED: dict[str, Record] = {
         action_text='submit(patch="--- a/x.py…")',
         history_text='{"tool": "submit", "arguments": {"patch": "--- a/x.py\\n+++ b/x.py\\n"}}',
     ),
-    "result_model_call": kit.result(
+    "result_model_call": record_kit.result(
         RUN,
         0,
         IntentKind.MODEL_CALL,
@@ -129,7 +130,7 @@ EXPECTED: dict[str, Record] = {
             "reasoning": "Look for the failing test first. 先找测试。",
         },
     ),
-    "result_action": kit.result(
+    "result_action": record_kit.result(
         RUN,
         0,
         IntentKind.ACTION,
@@ -141,7 +142,7 @@ EXPECTED: dict[str, Record] = {
             "truncated_chars": 17,
         },
     ),
-    "step_action": kit.step(
+    "step_action": record_kit.step(
         RUN,
         0,
         call_id="chatcmpl-9f8e7d",
@@ -153,7 +154,7 @@ EXPECTED: dict[str, Record] = {
         truncated_chars=17,
         duration_s=1.5,
     ),
-    "step_final": kit.step(
+    "step_final": record_kit.step(
         RUN,
         2,
         call_id="chatcmpl-aa01",
@@ -166,7 +167,7 @@ EXPECTED: dict[str, Record] = {
         final_answer="the bug is in x.py line 12",
         duration_s=0.125,
     ),
-    "step_model_failure": kit.step(
+    "step_model_failure": record_kit.step(
         RUN,
         3,
         model_output="",
@@ -179,7 +180,7 @@ EXPECTED: dict[str, Record] = {
         duration_s=30.0,
     ),
     # Added with the reply facts (finish, usage, model, refusal): a compatible change.
-    "result_model_call_reported": kit.result(
+    "result_model_call_reported": record_kit.result(
         RUN,
         4,
         IntentKind.MODEL_CALL,
@@ -192,7 +193,7 @@ EXPECTED: dict[str, Record] = {
             "model": "gpt-4o-mini-2024-07-18",
         },
     ),
-    "step_cut_off": kit.step(
+    "step_cut_off": record_kit.step(
         RUN,
         4,
         call_id="chatcmpl-bb02",
@@ -208,7 +209,7 @@ EXPECTED: dict[str, Record] = {
         usage=Usage(input_tokens=1200, output_tokens=256, reasoning_tokens=64),
         model="gpt-4o-mini-2024-07-18",
     ),
-    "step_refusal": kit.step(
+    "step_refusal": record_kit.step(
         RUN,
         5,
         call_id="chatcmpl-cc03",
@@ -225,7 +226,7 @@ EXPECTED: dict[str, Record] = {
         refusal="I can't help with that.",
     ),
     # Added with native tool calls: a compatible change.
-    "result_model_call_native": kit.result(
+    "result_model_call_native": record_kit.result(
         RUN,
         6,
         IntentKind.MODEL_CALL,
@@ -237,7 +238,7 @@ EXPECTED: dict[str, Record] = {
             "tool_calls": [{"call_id": "call_Xy7", "name": "search", "arguments": {"q": "x.py"}}],
         },
     ),
-    "intent_action_native": kit.intent(
+    "intent_action_native": record_kit.intent(
         RUN,
         6,
         IntentKind.ACTION,
@@ -247,7 +248,7 @@ EXPECTED: dict[str, Record] = {
         history_text="Searching first.",
         tool_call=ToolCallBlock(call_id="call_Xy7", name="search", arguments={"q": "x.py"}),
     ),
-    "step_native": kit.step(
+    "step_native": record_kit.step(
         RUN,
         6,
         call_id="chatcmpl-dd04",
@@ -269,7 +270,7 @@ EXPECTED: dict[str, Record] = {
     ),
     # When each record was written, and how long the calls took (added later).
     "run_started_timed": RunStarted(run_id=RUN, snapshot={"model.name": "gpt-4o-mini"}, at=_AT),
-    "intent_action_timed": kit.intent(
+    "intent_action_timed": record_kit.intent(
         RUN,
         7,
         IntentKind.ACTION,
@@ -278,7 +279,7 @@ EXPECTED: dict[str, Record] = {
         history_text="Submitting.",
         at=_AT,
     ),
-    "result_model_call_timed": kit.result(
+    "result_model_call_timed": record_kit.result(
         RUN,
         7,
         IntentKind.MODEL_CALL,
@@ -286,7 +287,7 @@ EXPECTED: dict[str, Record] = {
         at=_AT,
         duration_s=0.8125,
     ),
-    "result_action_timed": kit.result(
+    "result_action_timed": record_kit.result(
         RUN,
         7,
         IntentKind.ACTION,
@@ -294,7 +295,7 @@ EXPECTED: dict[str, Record] = {
         at=_AT,
         duration_s=0.0625,
     ),
-    "step_timed": kit.step(
+    "step_timed": record_kit.step(
         RUN,
         7,
         call_id="chatcmpl-ee05",
@@ -371,7 +372,7 @@ EXPECTED.update(
             forked_at_step=2,
             inherited_sha256="5f0c" * 16,
             inherited=(
-                kit.step(
+                record_kit.step(
                     "exp-7/task-12#3/fork-b",
                     0,
                     call_id="c-1",
@@ -381,7 +382,7 @@ EXPECTED.update(
                     observation="hello",
                     duration_s=0.25,
                 ),
-                kit.step(
+                record_kit.step(
                     "exp-7/task-12#3/fork-b",
                     1,
                     call_id="c-2",
@@ -407,7 +408,7 @@ EXPECTED.update(
             at=_PERSON_AT,
             duration_s=0.042,
         ),
-        "step_settled": kit.step(
+        "step_settled": record_kit.step(
             RUN,
             1,
             call_id="c-2",
@@ -432,7 +433,7 @@ EXPECTED.update(
             edited_by="alice",
             proposed_action_text='deploy({"env": "prod"})',
         ),
-        "step_edited": kit.step(
+        "step_edited": record_kit.step(
             RUN,
             2,
             call_id="c-3",
@@ -730,6 +731,82 @@ def test_too_deep_payload_is_refused() -> None:
         deep = [deep]
     with pytest.raises(UnloggableValue, match="nested more than 256 levels"):
         dumps(_result(deep))
+
+
+# -- what strict JSON cannot carry, refused on the way out ----------------------------------
+
+UNLOGGABLE = {
+    "nan": float("nan"),
+    "infinity": float("inf"),
+    "minus-infinity": float("-inf"),
+    "nan-in-a-list": [1, float("nan")],
+    "integer-of-5000-digits": 10**4_999,
+    "non-string-key": {1: "x"},
+}
+
+
+@pytest.mark.parametrize("value", list(UNLOGGABLE.values()), ids=list(UNLOGGABLE))
+def test_dumps_refuses_what_strict_json_cannot_carry(value: Any) -> None:
+    result = Result(
+        run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL, payload={"value": value}
+    )
+    with pytest.raises(UnloggableValue) as refused:
+        dumps(result)
+    assert isinstance(refused.value, PolyLoopError) and isinstance(refused.value, ValueError)
+    assert refused.value.run_id == "r"
+
+
+class RepeatedKeys(Mapping[str, Any]):
+    """A mapping whose items name one key twice: an object with duplicate keys."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        self.pairs = pairs
+
+    def __getitem__(self, key: str) -> Any:
+        return next(value for name, value in self.pairs if name == key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([name for name, _ in self.pairs])
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def items(self) -> Any:
+        return list(self.pairs)
+
+
+def test_dumps_refuses_an_object_with_duplicate_keys() -> None:
+    result = Result(
+        run_id="r",
+        result_id="r:0:model",
+        kind=IntentKind.MODEL_CALL,
+        payload={"outer": RepeatedKeys([("a", 1), ("a", 2)])},
+    )
+    with pytest.raises(UnloggableValue):
+        dumps(result)
+
+
+@pytest.mark.parametrize("duration", [float("nan"), float("inf")], ids=["nan", "infinity"])
+def test_dumps_refuses_a_non_finite_typed_float(duration: float) -> None:
+    step = StepRecord(
+        run_id="r",
+        step=0,
+        call_id=None,
+        model_output="",
+        reasoning=None,
+        decision=DecisionKind.INVALID,
+        history_text="",
+        action_text=None,
+        observation=None,
+        observation_synthesized=False,
+        action_status=None,
+        done=False,
+        truncated_chars=0,
+        error=None,
+        duration_s=duration,
+    )
+    with pytest.raises(UnloggableValue):
+        dumps(step)
 
 
 class _Label(str):

@@ -4,7 +4,7 @@
 Whatever it gets, it returns a record or raises ``CorruptLog`` / ``SchemaMajorMismatch``,
 nothing else; a record it accepts is written back by ``dumps`` to a line that reads back
 equal; and no text, whatever characters it holds, splits a written line for any reader.
-The wall-clock budget is shared through ``fuzz_budget`` (``POLYLOOP_FUZZ_SECONDS``; 15 s
+The wall-clock budget is shared through ``kit.fuzz_budget`` (``POLYLOOP_FUZZ_SECONDS``; 15 s
 with ``CI=true``, 3 s otherwise) with the fuzzers of ``tests/stores/test_fuzz_stores.py``.
 """
 
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fuzz_budget
-from fuzz_kit import (
+from kit import fuzz_budget
+from kit.fuzz import (
     AWKWARD,
     SEED_RECORDS,
     action_intent,

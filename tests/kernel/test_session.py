@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from agent_kit import (
+from kit.agent import (
     Ledger,
     answer,
     definition,

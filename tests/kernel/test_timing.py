@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agent_kit import (
+from kit.agent import (
     Ledger,
     crash_and_resume,
     definition,

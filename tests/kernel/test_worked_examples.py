@@ -2,7 +2,7 @@
 
 Each example is started as a subprocess, as a reader would start it, and its printed
 outcome is checked. The PostgreSQL example runs against a fresh database from the
-server that ``pg.py`` finds; under ``CI=true`` it fails, never skips, when there is none.
+server that ``kit/pg.py`` finds; under ``CI=true`` it fails, never skips, when there is none.
 The code-as-action executor is also exercised directly, for the cases the example's
 script does not reach (a missing interpreter, a payload without code, a killed child).
 """
@@ -20,7 +20,7 @@ from types import ModuleType
 
 import pytest
 
-import pg
+from kit import pg
 from polyloop import Action, ActionStatus, Replay
 
 # Slow: the worked examples run as programs of their own.

@@ -23,8 +23,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from agent_kit import InterruptedModel, Ledger, definition, make_tools, six_step_script
-from agent_kit import request as run_request
+from kit.agent import InterruptedModel, Ledger, definition, make_tools, six_step_script
+from kit.agent import request as run_request
 from polyloop import RunState, recover, run, run_status, start_or_resume
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.stores._batching import GroupCommit
@@ -534,7 +534,7 @@ EXPECTED_CALLS = {
         "fsync",
     },
 }
-# Syncs a six-step run asks for: its start and its eleven intents (see agent_kit).
+# Syncs a six-step run asks for: its start and its eleven intents (see kit.agent).
 SIX_STEP_BARRIERS = 12
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agent_kit import (
+from kit.agent import (
     Ledger,
     close_store,
     definition,
@@ -21,11 +21,11 @@ from agent_kit import (
     tool_call,
     uninterrupted,
 )
+from kit.store import DURABLE_KINDS, durable_opener
 from polyloop import Replay, RunEnded, StepRecord, StopReason, Store, resume, run
 from polyloop.stores import JsonlStore
 from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
-from store_kit import DURABLE_KINDS, durable_opener
 
 pytestmark = pytest.mark.anyio
 

@@ -9,8 +9,8 @@ from typing import Any
 import anyio
 import pytest
 
-import one_writer_kit as kit
-from agent_kit import Ledger, definition, make_tools, request, tool_call
+from kit import one_writer
+from kit.agent import Ledger, definition, make_tools, request, tool_call
 from polyloop import (
     InvalidRequest,
     RecoveredRun,
@@ -45,7 +45,7 @@ class Opener:
     def __call__(self) -> Any:
         if self.kind == "memory":
             return self.memory
-        return kit.open_store(self.kind, self.location, self.schema)
+        return one_writer.open_store(self.kind, self.location, self.schema)
 
 
 @pytest.fixture(params=KINDS)
@@ -131,13 +131,15 @@ async def test_run_status_tells_each_state(opener: Opener) -> None:
 
 async def test_run_status_says_running_while_a_writer_drives_the_run(opener: Opener) -> None:
     """An open ``NEVER`` intent of a live run is an effect in flight, not one in doubt."""
-    gate = kit.Gate()
+    gate = one_writer.Gate()
     note: list[str] = []
-    registry = kit.tools(note.append, Replay.NEVER, gate)
+    registry = one_writer.tools(note.append, Replay.NEVER, gate)
     driver, watcher = opener(), opener()
     async with anyio.create_task_group() as group:
         group.start_soon(
-            run, kit.definition(driver, note.append), kit.request("r", registry, Replay.NEVER)
+            run,
+            one_writer.definition(driver, note.append),
+            one_writer.request("r", registry, Replay.NEVER),
         )
         await gate.entered.wait()
         status = await run_status(watcher, "r")
@@ -153,7 +155,7 @@ async def test_recover_resumes_every_unfinished_run_and_leaves_live_ones_alone(
     opener: Opener,
 ) -> None:
     ledger = Ledger()
-    gate = kit.Gate()
+    gate = one_writer.Gate()
     note: list[str] = []
     async with opener() as store:
         await run(definition(store, script=SCRIPT), request("done", make_tools(ledger)))
@@ -170,12 +172,12 @@ async def test_recover_resumes_every_unfinished_run_and_leaves_live_ones_alone(
             return request(run_id, make_tools(ledger, replay=replay), model_replay=replay)
 
         driver = opener()
-        registry = kit.tools(note.append, Replay.NEVER, gate)
+        registry = one_writer.tools(note.append, Replay.NEVER, gate)
         async with anyio.create_task_group() as group:
             group.start_soon(
                 run,
-                kit.definition(driver, note.append),
-                kit.request("live", registry, Replay.NEVER),
+                one_writer.definition(driver, note.append),
+                one_writer.request("live", registry, Replay.NEVER),
             )
             await gate.entered.wait()
             report = await recover(

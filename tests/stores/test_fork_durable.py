@@ -23,8 +23,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from agent_kit import Ledger, answer, definition, five_step_script, make_tools, request, tool_call
-from fork_kit import SCRIPT, without_run_id
+from kit.agent import Ledger, answer, definition, five_step_script, make_tools, request, tool_call
+from kit.fork import SCRIPT, without_run_id
+from kit.store import STORE_KINDS
+from kit.surrogate import HALF
+from kit.sweep import every_point
 from polyloop import (
     Budget,
     Replay,
@@ -44,9 +47,6 @@ from polyloop.session._forking import inherited_digest
 from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
 from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash, without_timing
-from store_kit import STORE_KINDS
-from surrogate_kit import HALF
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 

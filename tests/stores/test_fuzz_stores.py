@@ -5,7 +5,7 @@ Three kinds of test live here:
 * **Byte fuzzers** (time-bounded). The JSON-lines reader, alone and inside a real
   ``JsonlStore``, is fed arbitrary run files: whatever it gets, it returns records or
   raises ``CorruptLog`` / ``SchemaMajorMismatch``, nothing else, and listing never
-  refuses. The wall-clock budget is shared through ``fuzz_budget``
+  refuses. The wall-clock budget is shared through ``kit.fuzz_budget``
   (``POLYLOOP_FUZZ_SECONDS``; 15 s with ``CI=true``, 3 s otherwise) with the codec
   fuzzers of ``tests/kernel/test_serialization_fuzz.py``.
 * **Stateful store machines** (example-bounded). A hypothesis rule-based machine writes
@@ -44,8 +44,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-import fuzz_budget
-from fuzz_kit import (
+from kit import fuzz_budget
+from kit.fuzz import (
     AWKWARD,
     LINE_BREAKERS,
     REFUSALS,
@@ -88,7 +88,7 @@ BACKENDS = ("asyncio", "trio")
 
 @st.composite
 def run_files(draw: st.DrawFn) -> bytes:
-    """A run file's bytes: lines of every kind ``fuzz_kit`` makes, and a tail after the last."""
+    """A run file's bytes: lines of every kind ``kit.fuzz`` makes, and a tail after the last."""
     lines = draw(st.lists(any_line | seed_lines, max_size=8))
     # A line of another run is corruption too.
     if draw(st.booleans()):

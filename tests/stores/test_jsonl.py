@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import polyloop.stores._jsonl.store as jsonl_module
-import record_kit as kit
-from agent_kit import (
+from kit import record as record_kit
+from kit.agent import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
     Ledger,
@@ -38,6 +38,9 @@ from agent_kit import (
     six_step_script,
     uninterrupted,
 )
+from kit.record import step
+from kit.store import DURABLE_STORE_BACKENDS
+from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore, _paths
@@ -71,10 +74,13 @@ from polyloop.types import (
     StoreError,
     UnloggableValue,
 )
-from record_kit import step
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=DURABLE_STORE_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
 
 
 class TestJsonlContract(DurableStoreContract):
@@ -99,11 +105,11 @@ def started(run_id: str = "r") -> RunStarted:
 
 
 def intent(run_id: str = "r", k: int = 0, kind: IntentKind = IntentKind.ACTION) -> Intent:
-    return kit.intent(run_id, k, kind, {"name": "double", "n": k})
+    return record_kit.intent(run_id, k, kind, {"name": "double", "n": k})
 
 
 def result(run_id: str = "r", k: int = 0, text: str = "ok") -> Result:
-    return kit.result(
+    return record_kit.result(
         run_id, k, IntentKind.MODEL_CALL, {"call_id": None, "content": text, "reasoning": None}
     )
 

@@ -4,7 +4,7 @@ Only what needs two workers and a real clock is here: a stopped worker's run is 
 over and the revived worker writes nothing, a live worker keeps its run through a call
 longer than its lease, and a stuck event loop loses its run. Every step of the lease
 itself (renewals, failures, stalls, lapses, new owner ids) is tested on a fake clock in
-``test_lease_keeper.py``. The stopped worker is a child process (``tests/lease_kit.py``) sent
+``test_lease_keeper.py``. The stopped worker is a child process (``tests/kit/lease.py``) sent
 ``SIGSTOP`` inside its model call or its tool; every execution of the tool, whose replay
 is never allowed, is counted in a file outside the store.
 """
@@ -22,8 +22,8 @@ from typing import Any
 import anyio
 import pytest
 
-import lease_kit
-import one_writer_kit as kit
+from kit import lease as lease_kit
+from kit import one_writer
 from polyloop import (
     Replay,
     RunLocked,
@@ -72,11 +72,11 @@ async def test_a_stopped_worker_is_taken_over_and_writes_nothing_once_revived(
         ]
     )
     store = lease_kit.open_store(location, schema, LEASE_S)
-    note = kit.file_note(str(ledger))
-    definition = lease_kit.definition(store, note, kit.Model(note))
+    note = one_writer.file_note(str(ledger))
+    definition = lease_kit.definition(store, note, one_writer.Model(note))
 
     def request_for(run_id: str) -> Any:
-        return kit.request(run_id, lease_kit.held_tools(note, None), Replay.ALLOWED)
+        return one_writer.request(run_id, lease_kit.held_tools(note, None), Replay.ALLOWED)
 
     try:
         await _wait_for(marker)
@@ -138,7 +138,7 @@ async def test_a_live_worker_keeps_its_run_through_a_call_longer_than_its_lease(
     async def drive() -> None:
         outcome["result"] = await run(
             lease_kit.definition(driver, notes.append, model),
-            kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
+            one_writer.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
         )
 
     refusals = 0
@@ -178,7 +178,7 @@ async def test_a_worker_whose_event_loop_was_stuck_past_its_lease_stops_writing(
     store = lease_kit.open_store(location, schema, lease_s)
     notes: list[str] = []
 
-    class BlockingModel(kit.Model):
+    class BlockingModel(one_writer.Model):
         async def call(self, call: Any) -> Any:
             time.sleep(lease_s * 4)  # noqa: ASYNC251 - the point: the loop is stuck
             return await super().call(call)
@@ -187,16 +187,16 @@ async def test_a_worker_whose_event_loop_was_stuck_past_its_lease_stops_writing(
     with pytest.raises(RunLocked, match=r"lease ended .* event loop once took \d"):
         await run(
             lease_kit.definition(store, notes.append, BlockingModel(notes.append)),
-            kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
+            one_writer.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
         )
     assert notes == ["model r:0:model"]  # the tool never started
     other = lease_kit.open_store(location, schema, lease_s)
     result = await run_status(other, "r")  # type: ignore[arg-type]
     assert result.state is RunState.RESUMABLE
     finished = await recover(
-        lease_kit.definition(other, notes.append, kit.Model(notes.append)),
+        lease_kit.definition(other, notes.append, one_writer.Model(notes.append)),
         other,  # type: ignore[arg-type]
-        lambda run_id: kit.request(
+        lambda run_id: one_writer.request(
             run_id, lease_kit.held_tools(notes.append, None), Replay.ALLOWED
         ),
         max_concurrent=1,

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from agent_kit import Ledger, close_store, definition, make_tools, request, same_outcome
-from native_kit import INTERPRETER, NATIVE, HashingModel, native_script
+from kit.agent import Ledger, close_store, definition, make_tools, request, same_outcome
+from kit.native import INTERPRETER, NATIVE, HashingModel, native_script
+from kit.store import DURABLE_KINDS, durable_opener
+from kit.sweep import every_point
 from polyloop import Replay, RunResult, StopReason, Store, resume, run
 from polyloop.stores import JsonlStore
 from polyloop.testing import FaultyStore, SimulatedCrash
-from store_kit import DURABLE_KINDS, durable_opener
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 

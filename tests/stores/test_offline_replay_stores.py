@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
+from kit.replay import ThreeIsFour, copied, offline, plain_steps, record, without_run
+from kit.store import STORE_KINDS, Stores
 from polyloop import ActionStatus, RunLog, StepRecord, StopReason, fork, run
 from polyloop.testing import RecordedExecutor, RecordedModelClient
-from replay_kit import ThreeIsFour, copied, offline, plain_steps, record, without_run
-from store_kit import STORE_KINDS, Stores
 
 pytestmark = pytest.mark.anyio
 

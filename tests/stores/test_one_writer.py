@@ -16,8 +16,8 @@ from typing import Any
 import anyio
 import pytest
 
-import one_writer_kit as kit
-import pg
+from kit import one_writer, pg
+from kit.sweep import every_point
 from polyloop import (
     Replay,
     RunLocked,
@@ -31,7 +31,6 @@ from polyloop import (
 )
 from polyloop.stores import MemoryStore, PostgresStore
 from polyloop.testing.store_contract import apply, sample_run
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 
@@ -54,7 +53,7 @@ class Stores:
         store: Store = (
             self._memory
             if self.kind == "memory"
-            else kit.open_store(self.kind, self.location, self.schema)
+            else one_writer.open_store(self.kind, self.location, self.schema)
         )
         self.opened.append(store)
         return store
@@ -82,7 +81,7 @@ class Held:
     def __init__(self, inner: Store, at: int, *, after: bool) -> None:
         self.inner = inner
         self.at, self.after = at, after
-        self.gate = kit.Gate()
+        self.gate = one_writer.Gate()
         self.count = 0
 
     def parameters(self) -> Any:
@@ -108,20 +107,20 @@ class Held:
 async def _while_held(
     stores: Stores,
     a_store: Store,
-    gate: kit.Gate,
+    gate: one_writer.Gate,
     replay: Replay,
     ledger: list[str],
     *,
-    a_gates: dict[str, kit.Gate],
+    a_gates: dict[str, one_writer.Gate],
 ) -> tuple[RunResult, RunResult | RunLocked]:
     """Run A until ``gate`` holds it, resume through B, let A go; both outcomes."""
     note = ledger.append
-    registry = kit.tools(note, replay, a_gates.get("tool"))
-    a_definition = kit.definition(a_store, note, a_gates.get("model"))
+    registry = one_writer.tools(note, replay, a_gates.get("tool"))
+    a_definition = one_writer.definition(a_store, note, a_gates.get("model"))
     outcomes: dict[str, Any] = {}
 
     async def worker_a() -> None:
-        outcomes["a"] = await run(a_definition, kit.request("r", registry, replay))
+        outcomes["a"] = await run(a_definition, one_writer.request("r", registry, replay))
 
     async with anyio.create_task_group() as group:
         group.start_soon(worker_a)
@@ -130,7 +129,8 @@ async def _while_held(
         b_store = stores.open()
         try:
             outcomes["b"] = await resume(
-                kit.definition(b_store, note), kit.request("r", kit.tools(note, replay), replay)
+                one_writer.definition(b_store, note),
+                one_writer.request("r", one_writer.tools(note, replay), replay),
             )
         except RunLocked as exc:
             outcomes["b"] = exc
@@ -147,8 +147,8 @@ async def _check_log(stores: Stores, replay: Replay = Replay.ALLOWED) -> None:
     log = await reader.read_log("r")
     assert [type(record).__name__ for record in log.records] == RECORDS
     later = await resume(
-        kit.definition(reader, lambda _: None),
-        kit.request("r", kit.tools(lambda _: None, replay), replay),
+        one_writer.definition(reader, lambda _: None),
+        one_writer.request("r", one_writer.tools(lambda _: None, replay), replay),
     )
     assert later.stop_reason is StopReason.SUBMITTED
     assert (await reader.read_log("r")).records == log.records
@@ -159,7 +159,7 @@ async def test_a_second_worker_never_touches_a_run_a_live_worker_drives(
     stores: Stores, effect: str
 ) -> None:
     """The reproductions: B resumes while A is inside its model call or its tool."""
-    gate = kit.Gate()
+    gate = one_writer.Gate()
     replay = Replay.NEVER if effect == "tool never" else Replay.ALLOWED
     ledger: list[str] = []
     where = "model" if effect == "model call" else "tool"
@@ -227,26 +227,35 @@ async def test_a_second_worker_in_another_process_is_kept_out(
         schema = request.getfixturevalue("postgres_schemas")()
     stores = Stores(kind, location, schema)
     where, at, after = point
-    gate = kit.Gate()
+    gate = one_writer.Gate()
     a_store: Any = stores.open()
     if where == "write":
         a_store = Held(a_store, at, after=after)
         gate = a_store.gate
     ledger = tmp_path / "ledger"
-    note = kit.file_note(str(ledger))
-    registry = kit.tools(note, Replay.ALLOWED, gate if where == "tool" else None)
-    definition = kit.definition(a_store, note, gate if where == "model" else None)
+    note = one_writer.file_note(str(ledger))
+    registry = one_writer.tools(note, Replay.ALLOWED, gate if where == "tool" else None)
+    definition = one_writer.definition(a_store, note, gate if where == "model" else None)
     outcome: dict[str, RunResult] = {}
 
     async def worker_a() -> None:
-        outcome["a"] = await run(definition, kit.request("r", registry, Replay.ALLOWED))
+        outcome["a"] = await run(definition, one_writer.request("r", registry, Replay.ALLOWED))
 
     async with anyio.create_task_group() as group:
         group.start_soon(worker_a)
         with anyio.fail_after(10):
             await gate.entered.wait()
         child = await anyio.run_process(
-            [sys.executable, kit.__file__, kind, location, schema, "r", "allowed", str(ledger)],
+            [
+                sys.executable,
+                one_writer.__file__,
+                kind,
+                location,
+                schema,
+                "r",
+                "allowed",
+                str(ledger),
+            ],
             check=False,
         )
         gate.go.set()
@@ -293,14 +302,14 @@ async def test_terminated_sessions_keep_other_workers_out_and_the_owner_goes_on(
     a_store = Held(first, at, after=True)
     ledger: list[str] = []
     note = ledger.append
-    registry = kit.tools(note, replay)
+    registry = one_writer.tools(note, replay)
     outcome: dict[str, Any] = {}
     a_done = anyio.Event()
 
     async def worker_a() -> None:
         outcome["a"] = await run(
-            kit.definition(a_store, note),  # type: ignore[arg-type]
-            kit.request("r", registry, replay),
+            one_writer.definition(a_store, note),  # type: ignore[arg-type]
+            one_writer.request("r", registry, replay),
         )
         a_done.set()
 

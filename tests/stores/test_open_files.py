@@ -1,6 +1,6 @@
 """Open files: many runs at once under a low open-file limit, and the error at the limit.
 
-Each case runs a child process (``open_files_agent.py``) that lowers its own
+Each case runs a child process (``kit/open_files_agent.py``) that lowers its own
 ``RLIMIT_NOFILE`` before it opens the store, so the limit applies to nothing but the
 child. A store holds no file or connection per claimed run (research record 0027), so
 many times more runs than the limit complete at once; when a store does meet the limit,
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-CHILD = Path(__file__).resolve().parents[1] / "open_files_agent.py"
+CHILD = Path(__file__).resolve().parents[1] / "kit" / "open_files_agent.py"
 LIMIT = 128
 RUNS = 1_000  # about eight times the limit
 BACKENDS = ("asyncio", "trio")

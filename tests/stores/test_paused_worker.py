@@ -1,7 +1,7 @@
 """A worker paused between announcing an effect and starting it is taken over; continued,
 it starts nothing and writes nothing, and says its lease was lost.
 
-Worker A is a child process (``tests/paused_worker_agent.py``) on PostgreSQL with a short
+Worker A is a child process (``tests/kit/paused_worker_agent.py``) on PostgreSQL with a short
 lease. It stops itself (``SIGSTOP``) right after the intent of a payment (a tool whose
 replay is never allowed) or of a model call (``model_replay=NEVER``) is durable: the one
 moment when the effect is announced and nothing of it has started, so whatever A does
@@ -29,8 +29,8 @@ import anyio
 import anyio.abc
 import pytest
 
-import child_agent_kit as kit
-import paused_worker_agent as agent
+from kit import child_agent
+from kit import paused_worker_agent as agent
 from polyloop import (
     ActionStatus,
     IntentKind,
@@ -92,7 +92,7 @@ async def _until_stopped(worker: anyio.abc.Process) -> None:
     """Until worker A has stopped itself; fail at once, with its stderr, if it ended."""
     with anyio.fail_after(STOP_TIMEOUT_S):
         # Nothing wakes a parent when its child stops, but the child's state: poll it.
-        while (change := kit.stopped_or_ended(worker.pid)) is None:  # noqa: ASYNC110
+        while (change := child_agent.stopped_or_ended(worker.pid)) is None:  # noqa: ASYNC110
             await anyio.sleep(0.02)
     if change != "stopped":
         pytest.fail(f"worker A ended before it stopped itself: {await all_of(worker.stderr)}")

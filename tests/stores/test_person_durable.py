@@ -17,7 +17,19 @@ import anyio
 import psycopg
 import pytest
 
-from agent_kit import Ledger, close_store, definition, request
+from kit.agent import Ledger, close_store, definition, request
+from kit.review import (
+    approval_script,
+    approval_story,
+    observed,
+    payment_script,
+    plain_steps,
+    review_tools,
+    reviews,
+    settlement_story,
+)
+from kit.store import DURABLE_KINDS, durable_opener
+from kit.sweep import every_point
 from polyloop import (
     Intent,
     NotAwaitingApproval,
@@ -39,18 +51,6 @@ from polyloop import (
 from polyloop.cli import main
 from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
-from review_kit import (
-    approval_script,
-    approval_story,
-    observed,
-    payment_script,
-    plain_steps,
-    review_tools,
-    reviews,
-    settlement_story,
-)
-from store_kit import DURABLE_KINDS, durable_opener
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 

@@ -1,7 +1,7 @@
 """The PostgreSQL store against the shared contract, crashes at every write, lost
 connections, dead lock holders, corrupt rows and group commit, under asyncio and Trio.
 
-Each test gets an empty database or schema of its own (see ``pg.py`` for where the
+Each test gets an empty database or schema of its own (see ``kit/pg.py`` for where the
 server comes from and when these tests skip or fail).
 """
 
@@ -25,9 +25,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-import pg
-import postgres_probe_kit
-from agent_kit import (
+from kit import pg, postgres_probe
+from kit.agent import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
     InterruptedModel,
@@ -41,6 +40,8 @@ from agent_kit import (
     six_step_script,
     uninterrupted,
 )
+from kit.store import DURABLE_STORE_BACKENDS
+from kit.sweep import every_point
 from polyloop import ModelCall, Replay, RunEnded, RunResult, StopReason, resume, run
 from polyloop.ports import Store
 from polyloop.stores import PostgresStore
@@ -67,9 +68,14 @@ from polyloop.types import (
     SchemaMajorMismatch,
     StoreError,
 )
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=DURABLE_STORE_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 # pytest-postgresql's throw-away server, started only if no configured server answers.
 pg_fallback_proc = pg.fallback_server()
@@ -886,7 +892,7 @@ def batches(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
 
 
 def watched(conninfo: str, probe: Probe, **options: Any) -> PostgresStore:
-    return postgres_probe_kit.probed(conninfo, probe, **options)
+    return postgres_probe.probed(conninfo, probe, **options)
 
 
 def started(run_id: str) -> RunStarted:

@@ -6,7 +6,7 @@ forked child has no thread but the one that forked, so a parent that had used a 
 (to list runs, say) and then forked its workers (multiprocessing's ``fork`` start method,
 a prefork server) must not hand its children a module that believes its watchdog runs:
 each child's first statement starts a watchdog of its own. Here the child's path to
-the server goes silent (``tests/net_proxy_kit.py``, served by the parent) while it
+the server goes silent (``tests/kit/net_proxy.py``, served by the parent) while it
 writes, and its write must fail within the deadline plus the connect timeout.
 """
 
@@ -22,7 +22,7 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from net_proxy_kit import Mode, Proxy
+from kit.net_proxy import Mode, Proxy
 from polyloop import StoreError
 from polyloop.stores import PostgresStore
 from polyloop.testing.store_contract import sample_run

@@ -1,7 +1,7 @@
 """The client-side deadline of a PostgreSQL exchange (``stores/_sql/postgres/deadline.py``).
 
 Plain connections of the watched class, on a direct path and through the loopback proxy
-of ``tests/net_proxy_kit.py``; the store's own use of them is tested end to end in
+of ``tests/kit/net_proxy.py``; the store's own use of them is tested end to end in
 ``test_postgres_silent_network.py``.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from net_proxy_kit import Mode, Proxy
+from kit.net_proxy import Mode, Proxy
 from polyloop.stores._sql.postgres.connection import Silent, Watched, deadline_s
 
 SLACK_S = 1.5  # a loaded machine's scheduling, never a wait the tests rely on

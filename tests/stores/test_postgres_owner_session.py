@@ -18,7 +18,7 @@ import anyio
 import psycopg
 import pytest
 
-import pg
+from kit import pg
 from polyloop import LeaseLost, RunLocked
 from polyloop.stores import PostgresStore
 from polyloop.testing.store_contract import sample_run

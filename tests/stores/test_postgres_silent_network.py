@@ -1,6 +1,6 @@
 """A silent path to PostgreSQL never hangs a worker (research record 0035).
 
-Worker A talks to PostgreSQL through a loopback proxy (``tests/net_proxy_kit.py``) that
+Worker A talks to PostgreSQL through a loopback proxy (``tests/kit/net_proxy.py``) that
 can drop every byte both ways, drop only the server's replies, or hold bytes back, the
 shapes of a partition behind a pooler, a load balancer or a NAT, which acknowledge bytes
 they never deliver. With ``statement_timeout_s=2`` the client gives a statement up at
@@ -24,12 +24,10 @@ import anyio
 import pytest
 from psycopg import sql
 
-import lease_kit
-import one_writer_kit as kit
-import pg
-import postgres_probe_kit
-from agent_kit import cancel_when
-from net_proxy_kit import Mode, Proxy
+from kit import lease as lease_kit
+from kit import one_writer, pg, postgres_probe
+from kit.agent import cancel_when
+from kit.net_proxy import Mode, Proxy
 from polyloop import Replay, RunEnded, RunLocked, StopReason, StoreError, resume, run
 from polyloop.cli import main as polyloop_command
 from polyloop.stores import PostgresStore
@@ -100,9 +98,9 @@ async def test_a_run_on_a_silent_path_fails_is_taken_over_and_nothing_runs_twice
     """A's path goes silent during its model call; A's run fails within its bound, B
     takes the run over once A's lease has gone, and each effect ran once."""
     ledger: list[str] = []
-    registry = kit.tools(ledger.append, Replay.NEVER)
+    registry = one_writer.tools(ledger.append, Replay.NEVER)
 
-    class GoesSilent(kit.Model):
+    class GoesSilent(one_writer.Model):
         async def call(self, call: object) -> object:
             proxy.set(mode)  # the reply's record is the first write that meets it
             return await super().call(call)  # type: ignore[arg-type]
@@ -112,7 +110,7 @@ async def test_a_run_on_a_silent_path_fails_is_taken_over_and_nothing_runs_twice
     with pytest.raises(StoreError):
         await run(
             lease_kit.definition(a, ledger.append, GoesSilent(ledger.append)),
-            kit.request("r", registry, Replay.NEVER),
+            one_writer.request("r", registry, Replay.NEVER),
         )
     # Its write within the deadline and a connect; its claim is given up in the background.
     assert time.monotonic() - began < DEADLINE_S + CONNECT_S + SLACK_S
@@ -121,7 +119,8 @@ async def test_a_run_on_a_silent_path_fails_is_taken_over_and_nothing_runs_twice
             while True:
                 try:
                     outcome = await resume(
-                        kit.definition(b, ledger.append), kit.request("r", registry, Replay.NEVER)
+                        one_writer.definition(b, ledger.append),
+                        one_writer.request("r", registry, Replay.NEVER),
                     )
                     break
                 except RunLocked:
@@ -147,7 +146,7 @@ async def test_a_cancelled_run_on_a_silent_path_returns_within_its_grace_and_res
     grace and the margin; its log ends with a cancelled end record or with none (or is
     empty), and B resumes it once A's lease is gone, with nothing run twice."""
     ledger: list[str] = []
-    registry = kit.tools(ledger.append, Replay.NEVER)
+    registry = one_writer.tools(ledger.append, Replay.NEVER)
     silent, cancel_now = threading.Event(), anyio.Event()
 
     def start_goes_silent(conn: object, rows: tuple[tuple[str, str], ...], _: object) -> None:
@@ -155,7 +154,7 @@ async def test_a_cancelled_run_on_a_silent_path_returns_within_its_grace_and_res
             proxy.set(mode)
             silent.set()
 
-    class GoesSilent(kit.Model):
+    class GoesSilent(one_writer.Model):
         async def call(self, call: object) -> object:
             reply = await super().call(call)  # type: ignore[arg-type]
             proxy.set(mode)
@@ -170,14 +169,16 @@ async def test_a_cancelled_run_on_a_silent_path_returns_within_its_grace_and_res
             await anyio.sleep(0.5)  # the record is being written by now, in vain
         cancel_now.set()
 
-    a = postgres_probe_kit.probed(
+    a = postgres_probe.probed(
         proxy.conninfo(postgres_conninfo),
         start_goes_silent,
         statement_timeout_s=STATEMENT_TIMEOUT_S,
         timeout=CONNECT_S,
         lease_s=LEASE_S,
     )
-    request = dataclasses.replace(kit.request("r", registry, Replay.NEVER), cancel_grace_s=1.0)
+    request = dataclasses.replace(
+        one_writer.request("r", registry, Replay.NEVER), cancel_grace_s=1.0
+    )
     definition = lease_kit.definition(a, ledger.append, GoesSilent(ledger.append))
     async with anyio.create_task_group() as tasks:
         tasks.start_soon(cancel_soon)
@@ -211,7 +212,8 @@ async def _resumed_once_free(b: PostgresStore, registry: Any, ledger: list[str])
         while True:
             try:
                 return await resume(
-                    kit.definition(b, ledger.append), kit.request("r", registry, Replay.NEVER)
+                    one_writer.definition(b, ledger.append),
+                    one_writer.request("r", registry, Replay.NEVER),
                 )
             except RunLocked:
                 await anyio.sleep(0.1)
@@ -249,9 +251,9 @@ async def test_a_blip_that_loses_bytes_costs_a_connection_not_the_run(
     proxy: Proxy, postgres_conninfo: str
 ) -> None:
     ledger: list[str] = []
-    registry = kit.tools(ledger.append, Replay.NEVER)
+    registry = one_writer.tools(ledger.append, Replay.NEVER)
 
-    class Blips(kit.Model):
+    class Blips(one_writer.Model):
         async def call(self, call: object) -> object:
             proxy.set(Mode.BLACKHOLE)  # the reply's record is sent into the blip
 
@@ -265,7 +267,7 @@ async def test_a_blip_that_loses_bytes_costs_a_connection_not_the_run(
     async with behind(proxy, postgres_conninfo) as a, anyio.create_task_group() as group:
         outcome = await run(
             lease_kit.definition(a, ledger.append, Blips(ledger.append)),
-            kit.request("r", registry, Replay.NEVER),
+            one_writer.request("r", registry, Replay.NEVER),
         )
     assert outcome.stop_reason is StopReason.SUBMITTED
     assert ledger == ["model r:0:model", "tool r:0:action"]
@@ -305,8 +307,8 @@ async def test_a_silent_server_becomes_a_store_error_within_the_statement_timeou
     began = time.monotonic()
     with pytest.raises(StoreError) as failed:
         await run(
-            lease_kit.definition(store, notes.append, kit.Model(notes.append)),
-            kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
+            lease_kit.definition(store, notes.append, one_writer.Model(notes.append)),
+            one_writer.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED),
         )
     assert time.monotonic() - began < 5
     assert "statement timeout" in str(failed.value)
@@ -326,14 +328,14 @@ async def test_a_cancelled_run_on_a_silent_server_returns_within_its_grace_and_t
     notes: list[str] = []
     stalled = anyio.Event()
 
-    class Stalling(kit.Model):
+    class Stalling(one_writer.Model):
         async def call(self, call: Any) -> Any:
             await anyio.to_thread.run_sync(_slow_inserts, postgres_shared, schema)
             stalled.set()
             await anyio.sleep(30)  # cancelled here; the end record then meets the stall
             return await super().call(call)
 
-    request = kit.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED)
+    request = one_writer.request("r", lease_kit.held_tools(notes.append, None), Replay.ALLOWED)
     try:
         returned = await cancel_when(
             stalled,

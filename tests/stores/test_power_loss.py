@@ -32,7 +32,7 @@ from typing import Any
 
 import pytest
 
-from agent_kit import (
+from kit.agent import (
     Ledger,
     definition,
     make_tools,
@@ -40,6 +40,8 @@ from agent_kit import (
     same_outcome,
     six_step_script,
 )
+from kit.store import DURABLE_STORE_BACKENDS
+from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop._recovery import RecoveryState, read_plan
 from polyloop.stores import JsonlStore
@@ -61,9 +63,14 @@ from polyloop.types import (
     StepRecord,
     StopReason,
 )
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=DURABLE_STORE_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 DIRECTORY = Path("/disk/runs")
 RUN_FILE = DIRECTORY / f"{safe_name('r')}.jsonl"

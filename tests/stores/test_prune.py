@@ -15,8 +15,8 @@ from typing import Any
 import anyio
 import pytest
 
-import one_writer_kit as kit
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from kit import one_writer
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
 from polyloop import InvalidRequest, Replay, RunState, StopReason, StoreError, run, run_status
 from polyloop.cli import main
 from polyloop.stores import JsonlStore, MemoryStore, SqliteStore
@@ -88,15 +88,17 @@ async def test_prune_while_workers_run(opener: Any, tmp_path: Path) -> None:
             )
     cutoff = datetime.now(UTC)
     archive = tmp_path / "archive"
-    gate = kit.Gate()
+    gate = one_writer.Gate()
     notes: list[str] = []
     worker, pruner = opener(), opener()
     async with anyio.create_task_group() as group:
         # A live worker, in the middle of its tool, on a run that started before the cutoff.
         group.start_soon(
             run,
-            kit.definition(worker, notes.append),
-            kit.request("live", kit.tools(notes.append, Replay.NEVER, gate), Replay.NEVER),
+            one_writer.definition(worker, notes.append),
+            one_writer.request(
+                "live", one_writer.tools(notes.append, Replay.NEVER, gate), Replay.NEVER
+            ),
         )
         await gate.entered.wait()
         before = {run.run_id for run in await pruner.list_runs()}

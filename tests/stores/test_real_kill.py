@@ -1,7 +1,7 @@
 """Real crashes: SIGKILL a child process mid-run, resume in a new process, compare.
 
 Each durable store gets eight runs. A child process drives the run (see
-``kill_agent.py``); the parent waits until a random number of tool executions has
+``kit/kill_agent.py``); the parent waits until a random number of tool executions has
 started, waits a random few milliseconds more, and sends SIGKILL. A new child then
 resumes the run. Every resumed run must end exactly like an uninterrupted run, or — when
 the kill landed between the intent and the result of an action whose replay is NEVER —
@@ -27,7 +27,7 @@ import pytest
 # Slow: child processes killed with SIGKILL at random moments.
 pytestmark = pytest.mark.slow
 
-CHILD = Path(__file__).resolve().parents[1] / "kill_agent.py"
+CHILD = Path(__file__).resolve().parents[1] / "kit" / "kill_agent.py"
 RUNS_PER_STORE = 8
 NEVER_TOOLS = ("record", "submit")
 

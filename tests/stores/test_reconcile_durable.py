@@ -21,7 +21,11 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from agent_kit import TEXTS, answer, definition, request, tool_call
+from kit.agent import TEXTS, answer, definition, request, tool_call
+from kit.probe import NOT_PAID, KeyVoided, Payments, tools
+from kit.review import plain_steps
+from kit.store import STORE_KINDS, durable_opener
+from kit.sweep import every_point
 from polyloop import (
     ActionStatus,
     ModelCall,
@@ -42,10 +46,6 @@ from polyloop._recovery import RecoveryState, read_plan
 from polyloop.cli import main
 from polyloop.stores import MemoryStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
-from probe_kit import NOT_PAID, KeyVoided, Payments, tools
-from review_kit import plain_steps
-from store_kit import STORE_KINDS, durable_opener
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
 

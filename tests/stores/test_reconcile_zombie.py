@@ -31,7 +31,7 @@ import anyio.to_thread
 import psycopg
 import pytest
 
-from agent_kit import NUMBER_SCHEMA, answer, definition, request, tool_call
+from kit.agent import NUMBER_SCHEMA, answer, definition, request, tool_call
 from polyloop import (
     ActionStatus,
     JSONValue,

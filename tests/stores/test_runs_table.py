@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from psycopg import sql
 
-import pg
+from kit import pg
 from polyloop import RunEnded, StopReason, serialization
 from polyloop.stores import PostgresStore, SqliteStore
 from polyloop.stores._sql.postgres.sql import run_id_column, run_key

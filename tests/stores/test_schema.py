@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-import pg
+from kit import pg
+from kit.store import DURABLE_STORE_BACKENDS
 from polyloop.ports import ManagedStore
 from polyloop.stores import PostgresStore, SqliteStore
 from polyloop.stores._sql.postgres.sql import Queries, run_id_column, run_key
@@ -28,6 +29,12 @@ from polyloop.testing.store_contract import expected_records, in_doubt_run, samp
 from polyloop.types import CorruptLog, SchemaMajorMismatch
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=DURABLE_STORE_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 RUNS = {
     "done": expected_records(sample_run("done", steps=1)),

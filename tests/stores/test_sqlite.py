@@ -19,7 +19,7 @@ import anyio
 import pytest
 
 import polyloop.stores._sql.sqlite.sql as sqlite_sql
-from agent_kit import (
+from kit.agent import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
     Ledger,
@@ -33,6 +33,8 @@ from agent_kit import (
     six_step_script,
     uninterrupted,
 )
+from kit.store import DURABLE_STORE_BACKENDS
+from kit.sweep import every_point
 from polyloop import Replay, RunEnded, StopReason, resume, run, serialization
 from polyloop.ports import Store
 from polyloop.serialization import dumps
@@ -55,9 +57,14 @@ from polyloop.types import (
     SchemaMajorMismatch,
     StoreError,
 )
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=DURABLE_STORE_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 _real_connect = sqlite3.connect
 

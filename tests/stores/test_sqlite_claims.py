@@ -2,7 +2,7 @@
 living process, with no lease; a database written by the release whose claims had leases
 is taken over only once none of its owners holds one.
 
-Three worker processes share one database file (``tests/single_host_agent.py``). One of
+Three worker processes share one database file (``tests/kit/single_host_agent.py``). One of
 them hangs at the worst moment: holding SQLite's write lock, so that every other
 process's writes wait behind it. While it hangs its runs stay its own (a hung process is
 not taken over, as with ``JsonlStore``); the other two lose nothing, they wait; once it
@@ -25,8 +25,7 @@ import anyio
 import anyio.abc
 import pytest
 
-import child_agent_kit as kit
-import single_host_agent
+from kit import child_agent, single_host_agent
 from polyloop.stores import SqliteStore
 from polyloop.testing.store_contract import apply, sample_run
 from polyloop.types import StoreError
@@ -51,7 +50,7 @@ async def _noted(side_file: Path, line: str) -> None:
 async def _stopped(pid: int) -> None:
     """Until process ``pid`` is stopped (it is left for its owner to reap)."""
     with anyio.fail_after(10):
-        while (change := kit.stopped_or_ended(pid)) is None:  # noqa: ASYNC110
+        while (change := child_agent.stopped_or_ended(pid)) is None:  # noqa: ASYNC110
             await anyio.sleep(0.01)
     assert change == "stopped", f"worker {pid} ended instead of stopping"
 

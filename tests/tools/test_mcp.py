@@ -1,6 +1,6 @@
 """Tools from MCP servers under PolyLoop's durability rules, against a real SDK server.
 
-The server (``tests/mcp_server_kit.py``) is started by the tests, over stdio as a child
+The server (``tests/kit/mcp_server.py``) is started by the tests, over stdio as a child
 process of the client and over streamable HTTP on an ephemeral port of 127.0.0.1, and
 records every call it receives with the result id found in the request's ``_meta``.
 Pure mounting rules (the annotation table, names, schemas, result rendering) are
@@ -25,7 +25,7 @@ from mcp import ClientSession, MCPError, StdioServerParameters, stdio_client
 from mcp import types as mcp_types
 from mcp.client.streamable_http import streamable_http_client
 
-from agent_kit import answer, definition, request, tool_call
+from kit.agent import answer, definition, request, tool_call
 from polyloop import (
     Action,
     ActionStatus,
@@ -51,7 +51,7 @@ pytestmark = [
     pytest.mark.filterwarnings(r"ignore:Async generator 'http(x|core)2\.:ResourceWarning"),
 ]
 
-KIT = Path(__file__).resolve().parents[1] / "mcp_server_kit.py"
+KIT = Path(__file__).resolve().parents[1] / "kit" / "mcp_server.py"
 SERVER_TOOLS = ["lookup", "put", "send", "plain", "slow", "fail", "media"]
 LIMIT = 10_000
 

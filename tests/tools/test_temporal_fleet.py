@@ -1,6 +1,6 @@
 """Temporal workers that are killed, hung, stopped or restarted cost no run and repeat no effect.
 
-Each test runs worker processes (``tests/temporal_worker_agent.py``) on one task queue of
+Each test runs worker processes (``tests/kit/temporal_worker_agent.py``) on one task queue of
 a real Temporal development server, all sharing one PostgreSQL database, and drives many
 runs of an agent that pays once and answers. A worker is killed (``SIGKILL``) while
 payments are in flight, stopped (``SIGSTOP``) past its lease and continued, shut down
@@ -34,14 +34,14 @@ import pytest
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
-import child_agent_kit as kit
 import polyloop
-import temporal_worker_agent as agent
+from kit import child_agent
+from kit import temporal_worker_agent as agent
+from kit.temporal import dev_server
 from polyloop import RunEnded, StopReason
 from polyloop.cli import main as polyloop_command
 from polyloop.stores import PostgresStore
 from polyloop.temporal import AgentRun, ApproveInput, RunInput, SettleInput, start_agent_run
-from temporal_kit import dev_server
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -302,9 +302,9 @@ async def test_a_worker_stopped_past_its_lease_starts_nothing_once_continued(
     stop = await fleet.first("stop A ")
     stopped_run = stop.split()[2].partition(":")[0]
     with anyio.fail_after(READY_TIMEOUT_S):
-        while kit.stopped_or_ended(worker_a.pid) is None:  # noqa: ASYNC110 - nothing wakes us
+        while child_agent.stopped_or_ended(worker_a.pid) is None:  # noqa: ASYNC110 - nothing wakes us
             await anyio.sleep(0.02)
-    assert kit.stopped_or_ended(worker_a.pid) == "stopped"
+    assert child_agent.stopped_or_ended(worker_a.pid) == "stopped"
 
     # Its lease runs out while it is stopped; B drives every run to its end.
     ending = await drive_to_the_end(handles, fleet)

@@ -18,7 +18,7 @@ import pytest
 from temporalio.client import WorkflowHistory
 from temporalio.worker import Replayer
 
-from agent_kit import Ledger, definition, make_tools, request
+from kit.agent import Ledger, definition, make_tools, request
 from polyloop.session import Request
 from polyloop.stores import MemoryStore
 from polyloop.temporal import Agent, PolyLoopPlugin

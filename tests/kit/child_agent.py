@@ -1,6 +1,6 @@
 """The store and the run that the child-process agents share.
 
-``kill_agent.py``, ``open_files_agent.py`` and ``paused_worker_agent.py`` each open the
+``kit/kill_agent.py``, ``kit/open_files_agent.py`` and ``kit/paused_worker_agent.py`` each open the
 store their parent names on the command line and drive one JSON-action run of a scripted
 model; only the script, the tools, the step budget, the instructions and the model's
 replay policy differ, so the rest is built once, here, as is the synced side file in
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from agent_kit import definition, request
+from kit.agent import definition, request
 from polyloop import (
     Budget,
     Definition,

@@ -7,7 +7,7 @@ for an action that cannot run, no record for a request that cannot be logged).
 
 Cases that concern "every store" run on the memory, JSON-lines, SQLite and PostgreSQL
 stores, under asyncio and Trio. Hostile run ids, planted files and raw or tampered logs
-are the stores' part: ``tests/stores/test_hardening_input_stores.py``.
+are the stores' part: ``tests/stores/test_untrusted_input_stores.py``.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import json
 import socket
 import urllib.request
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from jsonschema import Draft202012Validator
 
-from agent_kit import (
+from kit.agent import (
     Ledger,
     answer,
     definition,
@@ -33,6 +33,7 @@ from agent_kit import (
     timeless,
     tool_call,
 )
+from kit.store import STORE_KINDS, Stores
 from polyloop import (
     Action,
     ActionStatus,
@@ -45,7 +46,6 @@ from polyloop import (
     InvalidRequest,
     JSONValue,
     ModelReply,
-    PolyLoopError,
     Result,
     RunEnded,
     RunResult,
@@ -53,19 +53,16 @@ from polyloop import (
     StopReason,
     ToolRegistry,
     ToolSpec,
-    UnloggableValue,
     resume,
     run,
 )
 from polyloop._recovery import RecoveryState, read_plan
-from polyloop.serialization import dumps
 from polyloop.stores import MemoryStore
 from polyloop.testing import JsonActionInterpreter, ScriptedModelClient
-from store_kit import STORE_KINDS, Stores
 
 pytestmark = pytest.mark.anyio
 
-REFUSED = "Refused: "  # the not_executed template of agent_kit.TEXTS, before {reason}
+REFUSED = "Refused: "  # the not_executed template of kit.agent.TEXTS, before {reason}
 
 
 # -- stores ------------------------------------------------------------------------------------
@@ -519,82 +516,6 @@ async def test_observations_are_cut_to_the_limit_and_the_cut_is_counted() -> Non
     assert refused.action_status is ActionStatus.NOT_EXECUTED
     assert refused.observation is not None
     assert len(refused.observation) <= LIMIT + len(REFUSED)
-
-
-# -- numbers strict JSON cannot carry ----------------------------------------------------------
-
-UNLOGGABLE = {
-    "nan": float("nan"),
-    "infinity": float("inf"),
-    "minus-infinity": float("-inf"),
-    "nan-in-a-list": [1, float("nan")],
-    "integer-of-5000-digits": 10**4_999,
-    "non-string-key": {1: "x"},
-}
-
-
-@pytest.mark.parametrize("value", list(UNLOGGABLE.values()), ids=list(UNLOGGABLE))
-def test_dumps_refuses_what_strict_json_cannot_carry(value: Any) -> None:
-    result = Result(
-        run_id="r", result_id="r:0:model", kind=IntentKind.MODEL_CALL, payload={"value": value}
-    )
-    with pytest.raises(UnloggableValue) as refused:
-        dumps(result)
-    assert isinstance(refused.value, PolyLoopError) and isinstance(refused.value, ValueError)
-    assert refused.value.run_id == "r"
-
-
-class RepeatedKeys(Mapping[str, Any]):
-    """A mapping whose items name one key twice: an object with duplicate keys."""
-
-    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
-        self.pairs = pairs
-
-    def __getitem__(self, key: str) -> Any:
-        return next(value for name, value in self.pairs if name == key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter([name for name, _ in self.pairs])
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def items(self) -> Any:
-        return list(self.pairs)
-
-
-def test_dumps_refuses_an_object_with_duplicate_keys() -> None:
-    result = Result(
-        run_id="r",
-        result_id="r:0:model",
-        kind=IntentKind.MODEL_CALL,
-        payload={"outer": RepeatedKeys([("a", 1), ("a", 2)])},
-    )
-    with pytest.raises(UnloggableValue):
-        dumps(result)
-
-
-@pytest.mark.parametrize("duration", [float("nan"), float("inf")], ids=["nan", "infinity"])
-def test_dumps_refuses_a_non_finite_typed_float(duration: float) -> None:
-    step = StepRecord(
-        run_id="r",
-        step=0,
-        call_id=None,
-        model_output="",
-        reasoning=None,
-        decision=DecisionKind.INVALID,
-        history_text="",
-        action_text=None,
-        observation=None,
-        observation_synthesized=False,
-        action_status=None,
-        done=False,
-        truncated_chars=0,
-        error=None,
-        duration_s=duration,
-    )
-    with pytest.raises(UnloggableValue):
-        dumps(step)
 
 
 SNAPSHOT_VALUES = {"nan": float("nan"), "infinity": float("inf"), "huge-int": 10**4_999}

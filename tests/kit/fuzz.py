@@ -16,7 +16,7 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-import record_kit as kit
+from kit import record as record_kit
 from polyloop.serialization import dumps, encode, loads
 from polyloop.stores._jsonl.reader import parse_lines
 from polyloop.testing.store_contract import expected_records, sample_run
@@ -50,18 +50,20 @@ AWKWARD = LINE_BREAKERS + '\x00\t"\\/é\u2603\U0001f600 a'
 
 
 def model_intent(run_id: str, k: int, sha: str = "ab", replay: Replay = Replay.NEVER) -> Intent:
-    return kit.intent(run_id, k, IntentKind.MODEL_CALL, {"messages_sha256": sha}, replay=replay)
+    return record_kit.intent(
+        run_id, k, IntentKind.MODEL_CALL, {"messages_sha256": sha}, replay=replay
+    )
 
 
 def model_result(run_id: str, k: int, text: str) -> Result:
     payload: JSONValue = {"call_id": f"c{k}", "content": text, "reasoning": None}
-    return kit.result(run_id, k, IntentKind.MODEL_CALL, payload)
+    return record_kit.result(run_id, k, IntentKind.MODEL_CALL, payload)
 
 
 def action_intent(
     run_id: str, k: int, arguments: JSONValue, replay: Replay = Replay.ALLOWED
 ) -> Intent:
-    return kit.intent(
+    return record_kit.intent(
         run_id,
         k,
         IntentKind.ACTION,
@@ -73,12 +75,14 @@ def action_intent(
 
 
 def action_result(run_id: str, k: int, text: str) -> Result:
-    return kit.result(run_id, k, IntentKind.ACTION, {"status": "executed", "observation": text})
+    return record_kit.result(
+        run_id, k, IntentKind.ACTION, {"status": "executed", "observation": text}
+    )
 
 
 def step_record(run_id: str, k: int, text: str, *, with_action: bool) -> StepRecord:
     if with_action:
-        return kit.step(
+        return record_kit.step(
             run_id,
             k,
             call_id=f"c{k}",
@@ -89,7 +93,7 @@ def step_record(run_id: str, k: int, text: str, *, with_action: bool) -> StepRec
             observation=text,
             duration_s=0.5,
         )
-    return kit.step(
+    return record_kit.step(
         run_id,
         k,
         model_output=text,

@@ -13,6 +13,9 @@ from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
 
 STORE_KINDS = ("memory", "jsonl", "sqlite", "postgresql")
 DURABLE_KINDS = ("jsonl", "sqlite", "postgresql")
+# The backends of a test file about one durable store: its Trio cases are slow, as are the
+# Trio cases on a durable store elsewhere (tests/conftest.py, research-wiki/0044).
+DURABLE_STORE_BACKENDS = ("asyncio", pytest.param("trio", marks=pytest.mark.slow))
 
 
 def durable_opener(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:

@@ -1,6 +1,6 @@
 """Worker A of the paused-worker tests: it stops itself right after an intent is durable.
 
-    python paused_worker_agent.py BACKEND CONNINFO RUN_ID STOP_AFTER LEDGER
+    python tests/kit/paused_worker_agent.py BACKEND CONNINFO RUN_ID STOP_AFTER LEDGER
 
 The worker starts the run ``RUN_ID`` on PostgreSQL, with a lease of :data:`LEASE_S`,
 under the AnyIO backend ``BACKEND``. Its store stops the whole process (``SIGSTOP``) the
@@ -27,12 +27,16 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__":  # run by path: the folder above kit/ leads the path, not kit/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import anyio
 
-import child_agent_kit as kit
-from agent_kit import NUMBER_SCHEMA, answer, tool_call
+from kit import child_agent
+from kit.agent import NUMBER_SCHEMA, answer, tool_call
 from polyloop import (
     Definition,
     Intent,
@@ -69,7 +73,7 @@ class LedgerModel(ScriptedModelClient):
         self.worker = worker
 
     async def call(self, call: ModelCall) -> ModelReply:
-        kit.append_synced(self.ledger, f"model {self.worker} {call.result_id}")
+        child_agent.append_synced(self.ledger, f"model {self.worker} {call.result_id}")
         return await super().call(call)
 
 
@@ -77,7 +81,7 @@ def payment_tools(ledger: str, worker: str) -> ToolRegistry:
     """``pay``, whose replay is never allowed (the default): each payment is noted."""
 
     async def pay(arguments: dict[str, Any], *, result_id: str) -> str:
-        kit.append_synced(ledger, f"pay {worker} {result_id}")
+        child_agent.append_synced(ledger, f"pay {worker} {result_id}")
         return f"paid {arguments['n']}"
 
     return ToolRegistry(
@@ -95,7 +99,7 @@ def payment_tools(ledger: str, worker: str) -> ToolRegistry:
 
 def build(store: Store, run_id: str, ledger: str, worker: str) -> tuple[Definition, Request]:
     """The run as any worker drives it; the model's replay is never allowed either."""
-    return kit.build(
+    return child_agent.build(
         store,
         run_id,
         LedgerModel(ledger, worker),
@@ -125,7 +129,7 @@ class StoppingStore(PostgresStore):
         await super().write_intent(intent)
         if intent.kind is self._stop_after and not self._stopped:
             self._stopped = True
-            kit.append_synced(self._ledger, f"stop {WORKER} {intent.result_id}")
+            child_agent.append_synced(self._ledger, f"stop {WORKER} {intent.result_id}")
             # This very thread stops before it goes on (a signal sent to the process
             # could be taken by another thread first).
             signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)

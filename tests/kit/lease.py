@@ -2,7 +2,7 @@
 
 Run as a script::
 
-    python lease_kit.py CONNINFO SCHEMA RUN_ID WHERE LEASE_S LEDGER MARKER
+    python tests/kit/lease.py CONNINFO SCHEMA RUN_ID WHERE LEASE_S LEDGER MARKER
 
 The worker starts the run ``RUN_ID`` on a PostgreSQL store (the store whose claims have
 leases) with the given lease. When the run enters its model call (``WHERE=model``) or its tool
@@ -19,9 +19,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # run by path: the folder above kit/ leads the path, not kit/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import anyio
 
-import one_writer_kit as kit
+from kit import one_writer
 from polyloop import (
     ModelCall,
     ModelReply,
@@ -36,10 +39,10 @@ from polyloop import (
 HOLD_S = 3.0
 
 
-class HeldModel(kit.Model):
+class HeldModel(one_writer.Model):
     """The one-writer model, which waits in its first call once it has said so."""
 
-    def __init__(self, note: kit.Note, marker: Path | None) -> None:
+    def __init__(self, note: one_writer.Note, marker: Path | None) -> None:
         super().__init__(note)
         self.marker = marker
 
@@ -50,16 +53,16 @@ class HeldModel(kit.Model):
         return await super().call(call)
 
 
-def held_tools(note: kit.Note, marker: Path | None) -> Any:
+def held_tools(note: one_writer.Note, marker: Path | None) -> Any:
     """The one-writer tool (replay never), which waits once it has said so."""
 
-    class Hold(kit.Gate):
+    class Hold(one_writer.Gate):
         async def hold(self) -> None:
             if marker is not None:
                 await anyio.Path(marker).touch()
                 await anyio.sleep(HOLD_S)
 
-    return kit.tools(note, Replay.NEVER, Hold())
+    return one_writer.tools(note, Replay.NEVER, Hold())
 
 
 def open_store(location: str, schema: str, lease_s: float) -> Store:
@@ -68,7 +71,7 @@ def open_store(location: str, schema: str, lease_s: float) -> Store:
     return PostgresStore(location, schema=schema, lease_s=lease_s)
 
 
-def definition(store: Store, note: kit.Note, model: kit.Model) -> Any:
+def definition(store: Store, note: one_writer.Note, model: one_writer.Model) -> Any:
     from polyloop import Definition, NullSink
     from polyloop.testing import JsonActionInterpreter
 
@@ -77,19 +80,19 @@ def definition(store: Store, note: kit.Note, model: kit.Model) -> Any:
         interpreter=JsonActionInterpreter(),
         store=store,
         events=NullSink(),
-        texts=kit.TEXTS,
+        texts=one_writer.TEXTS,
     )
 
 
 async def _worker(argv: list[str]) -> str:
     location, schema, run_id, where, lease_s, ledger, marker = argv
-    note = kit.file_note(ledger)
+    note = one_writer.file_note(ledger)
     store = open_store(location, schema, float(lease_s))
     model = HeldModel(note, Path(marker) if where == "model" else None)
     registry = held_tools(note, Path(marker) if where == "tool" else None)
     try:
         result = await run(
-            definition(store, note, model), kit.request(run_id, registry, Replay.ALLOWED)
+            definition(store, note, model), one_writer.request(run_id, registry, Replay.ALLOWED)
         )
     except (RunLocked, StoreError) as exc:
         return f"refused {type(exc).__name__}: {exc}"

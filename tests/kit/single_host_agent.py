@@ -1,9 +1,9 @@
 """A worker process of the single-host SQLite tests: several runs at once on one file.
 
-    python single_host_agent.py DB WORKER RUNS SIDE_FILE work|hold=W1,W2,...|after=W
+    python tests/kit/single_host_agent.py DB WORKER RUNS SIDE_FILE work|hold=W1,W2,...|after=W
 
 The worker drives ``RUNS`` runs at once (``<WORKER>-0`` ...) on the SQLite database
-``DB``, each the agent of ``kill_agent.py`` (slow tools, an action that must never run
+``DB``, each the agent of ``kit/kill_agent.py`` (slow tools, an action that must never run
 twice), noting every tool execution in ``SIDE_FILE``. With ``hold=W1,W2,...``, once every
 run of those workers (itself among them) has executed a tool, so that all of them are
 under way, it takes SQLite's write lock on a connection of its own
@@ -23,11 +23,14 @@ import sqlite3
 import sys
 import threading
 from functools import partial
+from pathlib import Path
+
+if __name__ == "__main__":  # run by path: the folder above kit/ leads the path, not kit/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import anyio
 
-import child_agent_kit as kit
-import kill_agent
+from kit import child_agent, kill_agent
 from polyloop import PolyLoopError, run
 
 
@@ -53,7 +56,7 @@ def _hold_the_write_lock_and_stop(db: str, side_file: str, worker: str) -> None:
     conn = sqlite3.connect(db, timeout=30, isolation_level=None)
     try:
         conn.execute("BEGIN IMMEDIATE")
-        kit.append_synced(side_file, f"holding {worker}")
+        child_agent.append_synced(side_file, f"holding {worker}")
         # Stops this very thread before it goes on: a signal sent to the process may be
         # taken by another thread, and this one would let the lock go before it stops.
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
@@ -65,7 +68,7 @@ def _hold_the_write_lock_and_stop(db: str, side_file: str, worker: str) -> None:
 async def main(
     db: str, worker: str, runs: int, side_file: str, hold: list[str], holder: str | None
 ) -> None:
-    store = kit.open_store(f"sqlite:{db}")
+    store = child_agent.open_store(f"sqlite:{db}")
     gate = partial(_noted, side_file, f"holding {holder}") if holder else None
     run_ids = [f"{worker}-{i}" for i in range(runs)]
     busy = [f"{other}-{i}" for other in hold for i in range(runs)]

@@ -11,7 +11,7 @@ from typing import Any
 import anyio.lowlevel
 import pytest
 
-from agent_kit import (
+from kit.agent import (
     ANSWER_SCHEMA,
     NUMBER_SCHEMA,
     Ledger,

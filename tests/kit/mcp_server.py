@@ -1,6 +1,6 @@
 """A real MCP server for the tests, built on the SDK's own server API.
 
-Run as a script: ``python mcp_server_kit.py --transport stdio|http --record FILE``.
+Run as a script: ``python tests/kit/mcp_server.py --transport stdio|http --record FILE``.
 Over HTTP it binds an ephemeral port on 127.0.0.1 and prints ``port N`` on stdout once
 it listens. Every call is appended to the record file as one JSON line, with the
 PolyLoop result id it found in the request's ``_meta``, so a test can tell what the

@@ -1,6 +1,6 @@
 """The screenshots of the web console in the docs, taken from a real console and browser.
 
-    python tests/console_screenshot.py [OUT_DIR]      # default: docs/
+    python tests/kit/console_screenshot.py [OUT_DIR]      # default: docs/
 
 It fills a SQLite store with the approvals example's release runs in every state an
 operator meets (finished, approved or rejected by a person, settled after a crash,
@@ -23,12 +23,15 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # run by path: the folder above kit/ leads the path, not kit/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import anyio
 import anyio.abc
 import anyio.from_thread
 from playwright.sync_api import Page, sync_playwright
 
-import approvals_worker_agent
+from kit import approvals_worker_agent
 from polyloop import (
     JSONValue,
     RunState,
@@ -42,7 +45,7 @@ from polyloop import (
 from polyloop.stores import SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The distribution's browser; Playwright's own are never downloaded.
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 WIDTH = 1200

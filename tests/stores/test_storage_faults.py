@@ -43,7 +43,7 @@ import pytest
 from psycopg import sql
 
 import polyloop.stores._sql.sqlite.sql as sqlite_sql
-from agent_kit import (
+from kit.agent import (
     SIX_STEP_INTENT_WRITES,
     SIX_STEP_WRITES,
     Ledger,
@@ -54,6 +54,8 @@ from agent_kit import (
     same_outcome,
     six_step_script,
 )
+from kit.store import DURABLE_STORE_BACKENDS
+from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop.ports import Store
 from polyloop.serialization import dumps
@@ -75,9 +77,14 @@ from polyloop.types import (
     StepRecord,
     StoreError,
 )
-from sweep_kit import every_point
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=DURABLE_STORE_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 REPLAY = Replay.ALLOWED
 # The writes of a six-step run that sync: start_run and every intent.

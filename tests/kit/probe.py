@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio.lowlevel
 
-from agent_kit import ANSWER_SCHEMA, NUMBER_SCHEMA
+from kit.agent import ANSWER_SCHEMA, NUMBER_SCHEMA
 from polyloop import Reconciled, Replay, ToolRegistry, ToolSpec
 from polyloop.tools import ToolProbe
 

@@ -1,6 +1,6 @@
 """The approvals example's worker on any store the command line names, PostgreSQL too.
 
-    python approvals_worker_agent.py STORE EFFECTS BACKEND RUN_ID [--auto-approve]
+    python tests/kit/approvals_worker_agent.py STORE EFFECTS BACKEND RUN_ID [--auto-approve]
         [--crash-after-paying]
 
 It drives the run ``RUN_ID`` once, as ``examples/approvals.py`` does (the same model,
@@ -23,7 +23,7 @@ from polyloop import ManagedStore, RunResult, start_or_resume
 from polyloop.cli._stores import open_store, parse_store
 from polyloop.stores import PostgresStore
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "approvals.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "approvals.py"
 LEASE_S = 2.0
 
 

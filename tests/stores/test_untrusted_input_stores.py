@@ -4,7 +4,7 @@ Every case states what must hold: nothing written that should not be (no file ou
 store's directory, an untouched log after a refused ``resume``), a clear error naming
 the run and where its log is bad, and never a silent resume of a log the library could
 not have written. What a model or a caller can hand the kernel is in
-``tests/kernel/test_hardening_input.py``.
+``tests/kernel/test_untrusted_input.py``.
 
 Not repeated here: that the SQLite store checks on open that it really got WAL and
 ``synchronous=FULL`` is pinned by ``tests/stores/test_sqlite.py``
@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from agent_kit import (
+from kit.agent import (
     Ledger,
     answer,
     definition,
@@ -30,6 +30,7 @@ from agent_kit import (
     same_outcome,
     tool_call,
 )
+from kit.store import STORE_KINDS, Stores
 from polyloop import (
     CorruptLog,
     IntentKind,
@@ -49,7 +50,6 @@ from polyloop.serialization import dumps
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
-from store_kit import STORE_KINDS, Stores
 
 pytestmark = pytest.mark.anyio
 

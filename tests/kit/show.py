@@ -15,7 +15,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from agent_kit import (
+from kit.agent import (
     Ledger,
     close_store,
     crash_and_resume,
@@ -25,6 +25,8 @@ from agent_kit import (
     request,
     tool_call,
 )
+from kit.probe import Payments, tools
+from kit.review import payment_script
 from polyloop import (
     ModelReply,
     Replay,
@@ -35,10 +37,8 @@ from polyloop import (
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, SimulatedCrash
-from probe_kit import Payments, tools
-from review_kit import payment_script
 
-FIXTURES = Path(__file__).parent / "fixtures" / "records" / "v1"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "records" / "v1"
 OLD_RUN = "exp-7/task-12#3"
 # A time in UTC as the terminal and the page show it.
 UTC_TIME = re.compile(r"20\d\d-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}Z")

@@ -1,6 +1,6 @@
 """A Temporal worker process for the fleet tests: PolyLoop runs that pay, on PostgreSQL.
 
-    python temporal_worker_agent.py ADDRESS QUEUE CONNINFO LEDGER NAME MODE [stop]
+    python tests/kit/temporal_worker_agent.py ADDRESS QUEUE CONNINFO LEDGER NAME MODE [stop]
 
 The worker connects to the Temporal server at ``ADDRESS``, serves the task queue
 ``QUEUE`` with :class:`~polyloop.temporal.PolyLoopPlugin` and one agent, ``payer``, whose
@@ -31,7 +31,11 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__":  # run by path: the folder above kit/ leads the path, not kit/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import anyio
 from temporalio.client import Client
@@ -42,8 +46,8 @@ from temporalio.worker import (
     Worker,
 )
 
-import child_agent_kit as kit
-from agent_kit import NUMBER_SCHEMA, answer, definition, request, tool_call
+from kit import child_agent
+from kit.agent import NUMBER_SCHEMA, answer, definition, request, tool_call
 from polyloop import (
     Budget,
     Intent,
@@ -102,13 +106,15 @@ class PayingModel(ScriptedModelClient):
         )
 
     def _decide(self, call: ModelCall) -> str:
-        kit.append_synced(self.ledger, f"model {self.worker} {call.result_id}")
+        child_agent.append_synced(self.ledger, f"model {self.worker} {call.result_id}")
         return answer("paid") if paid(self.ledger, call.run_id) else tool_call("pay", n=5)
 
 
 def payment_tools(ledger: str, worker: str, mode: str) -> ToolRegistry:
     async def pay(arguments: dict[str, Any], *, result_id: str) -> str:
-        await anyio.to_thread.run_sync(kit.append_synced, ledger, f"pay {worker} {result_id}")
+        await anyio.to_thread.run_sync(
+            child_agent.append_synced, ledger, f"pay {worker} {result_id}"
+        )
         await anyio.sleep(PAY_S)  # the payment is made; its answer is still on the way
         return f"paid {arguments['n']}"
 
@@ -140,7 +146,7 @@ class StoppingStore(PostgresStore):
         await super().write_intent(intent)
         if self._stop and intent.kind is IntentKind.ACTION:
             self._stop = False
-            kit.append_synced(self._ledger, f"stop {self._worker} {intent.result_id}")
+            child_agent.append_synced(self._ledger, f"stop {self._worker} {intent.result_id}")
             # This very thread stops before it goes on (a signal sent to the process
             # could be taken by another thread first).
             signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
@@ -168,7 +174,9 @@ class _NoteEnds(Interceptor):
                     raise
                 finally:
                     # Synchronous on purpose: it must be noted even while cancelled.
-                    kit.append_synced(outer.ledger, f"end {outer.worker} {run_id} {outcome}")
+                    child_agent.append_synced(
+                        outer.ledger, f"end {outer.worker} {run_id} {outcome}"
+                    )
 
         return Noting(next)
 
@@ -201,12 +209,12 @@ async def serve(
             async with Worker(
                 client, task_queue=queue, plugins=[plugin], interceptors=[_NoteEnds(ledger, name)]
             ):
-                kit.append_synced(ledger, f"ready {name} -")
+                child_agent.append_synced(ledger, f"ready {name} -")
                 async for _ in signals:
                     break
     finally:
         await store.aclose()
-    kit.append_synced(ledger, f"stopped {name} -")
+    child_agent.append_synced(ledger, f"stopped {name} -")
 
 
 if __name__ == "__main__":

@@ -26,10 +26,10 @@ Isolation, two ways:
   drops them (``CASCADE``) afterwards: cheap, for the many tests that only need rows of
   their own and pass the schema to the store.
 
-Two ways to use it. As a pytest plugin: ``pytest_plugins = ("pg",)`` in the root
+Two ways to use it. As a pytest plugin: ``pytest_plugins = ("kit.pg",)`` in the root
 ``conftest.py`` provides the fixtures above to every test (register it there, which loads
-before any test module imports ``pg``; a module imported before its registration as a
-plugin makes pytest warn). Or as plain functions: a test module imports ``pg``, assigns
+before any test module imports ``kit.pg``; a module imported before its registration as a
+plugin makes pytest warn). Or as plain functions: a test module imports ``kit.pg``, assigns
 ``pg_fallback_proc = pg.fallback_server()`` and builds its own fixtures from
 :func:`server_conninfo`, :func:`fresh_database` and :func:`fresh_schemas`. A database left
 behind by a killed test session is named ``polyloop_test_<pid>_<random>`` and can be

@@ -7,7 +7,7 @@ process, or lines appended to a file across processes.
 
 Run as a script, this module is worker B in a child process::
 
-    python one_writer_kit.py KIND LOCATION SCHEMA RUN_ID REPLAY LEDGER
+    python tests/kit/one_writer.py KIND LOCATION SCHEMA RUN_ID REPLAY LEDGER
 
 It prints ``locked`` if the resume was refused with ``RunLocked``, else the stop reason.
 """

@@ -1,8 +1,8 @@
 """A child process for the open-file tests: runs under a lowered open-file limit.
 
-    python open_files_agent.py STORE BACKEND LIMIT many N
-    python open_files_agent.py STORE BACKEND LIMIT exhaust RUN_ID
-    python open_files_agent.py STORE BACKEND LIMIT exhaust-first RUN_ID
+    python tests/kit/open_files_agent.py STORE BACKEND LIMIT many N
+    python tests/kit/open_files_agent.py STORE BACKEND LIMIT exhaust RUN_ID
+    python tests/kit/open_files_agent.py STORE BACKEND LIMIT exhaust-first RUN_ID
 
 STORE is ``jsonl:DIR``, ``sqlite:FILE`` or a ``postgresql://`` conninfo; the limit is
 lowered (soft and hard) before the store is opened. ``many`` drives N runs at once, each
@@ -20,11 +20,15 @@ import json
 import os
 import resource
 import sys
+from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__":  # run by path: the folder above kit/ leads the path, not kit/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import anyio
 
-import child_agent_kit as kit
+from kit import child_agent
 from polyloop import (
     Definition,
     Request,
@@ -77,7 +81,7 @@ def build(store: Store, run_id: str, *, exhaust: bool) -> tuple[Definition, Requ
         max_observation_chars=1_000,
     )
     model = ScriptedModelClient(script, delay=0.05, name="open-files")
-    return kit.build(
+    return child_agent.build(
         store, run_id, model, registry, max_steps=10, instructions="Call noop, then finish."
     )
 
@@ -132,7 +136,7 @@ async def exhaust(store: Store, run_id: str, *, first: bool) -> dict[str, Any]:
 
 async def main(spec: str, limit: str, mode: str, argument: str) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(limit), int(limit)))
-    store = kit.open_store(spec)
+    store = child_agent.open_store(spec)
     try:
         if mode == "many":
             outcome = await many(store, int(argument))

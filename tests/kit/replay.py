@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from agent_kit import Ledger, answer, definition, make_tools, request, tool_call
+from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
 from polyloop import (
     Action,
     Decision,

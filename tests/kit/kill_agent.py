@@ -1,6 +1,6 @@
 """A child process for the real-kill tests: runs or resumes one agent run, then reports.
 
-    python kill_agent.py STORE RUN_ID run|resume SIDE_FILE
+    python tests/kit/kill_agent.py STORE RUN_ID run|resume SIDE_FILE
 
 STORE is ``jsonl:DIR``, ``sqlite:FILE`` or a ``postgresql://`` conninfo. The tools are
 slow enough that a SIGKILL from the parent lands inside them most of the time. Every tool
@@ -14,11 +14,15 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
+
+if __name__ == "__main__":  # run by path: the folder above kit/ leads the path, not kit/
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import anyio
 
-import child_agent_kit as kit
+from kit import child_agent
 from polyloop import (
     Definition,
     Replay,
@@ -45,7 +49,7 @@ def tools(side_file: str, gate: Callable[[], Awaitable[None]] | None = None) -> 
     """The run's tools; ``record`` first waits for ``gate``, if given."""
 
     def note(line: str) -> None:
-        kit.append_synced(side_file, line)
+        child_agent.append_synced(side_file, line)
 
     async def fetch(arguments: dict[str, Any], *, result_id: str) -> str:
         note(f"fetch {result_id}")
@@ -98,7 +102,7 @@ def build(
 ) -> tuple[Definition, Request]:
     model = ScriptedModelClient(SCRIPT, delay=0.03, name="kill-test")
     registry = tools(side_file, gate)
-    return kit.build(
+    return child_agent.build(
         store, run_id, model, registry, max_steps=20, instructions="Fetch, record, submit."
     )
 
@@ -113,7 +117,7 @@ def summary(result: RunResult) -> dict[str, Any]:
 
 
 async def main(spec: str, run_id: str, mode: str, side_file: str) -> None:
-    store = kit.open_store(spec)
+    store = child_agent.open_store(spec)
     try:
         if mode == "run":
             result = await run(*build(store, run_id, side_file))

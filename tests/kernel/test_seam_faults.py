@@ -34,7 +34,7 @@ import anyio.abc
 import anyio.lowlevel
 import pytest
 
-from agent_kit import Ledger, answer, definition, make_tools, request, same_outcome, tool_call
+from kit.agent import Ledger, answer, definition, make_tools, request, same_outcome, tool_call
 from polyloop import (
     Action,
     ActionOutcome,

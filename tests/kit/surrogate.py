@@ -17,7 +17,7 @@ from typing import Any
 import anyio.lowlevel
 import pytest
 
-from agent_kit import ANSWER_SCHEMA, Ledger, definition, make_tools, request, tool_call
+from kit.agent import ANSWER_SCHEMA, Ledger, definition, make_tools, request, tool_call
 from polyloop import ToolRegistry, ToolSpec, run
 
 HALF = "\ud83d"

@@ -6,7 +6,7 @@ import dataclasses
 import re
 from typing import Any
 
-from agent_kit import Ledger, definition, make_tools, request, timeless, tool_call
+from kit.agent import Ledger, definition, make_tools, request, timeless, tool_call
 from polyloop import fork, run
 
 SCRIPT = [

@@ -11,13 +11,13 @@ from typing import Any
 import httpx
 import pytest
 
-from agent_kit import Ledger, answer, definition, request
+from kit.agent import Ledger, answer, definition, request
+from kit.review import approval_script, payment_script, review_tools
 from polyloop import Replay, run, start_or_resume
 from polyloop.cli._console import Access, Settings, create_app
 from polyloop.ports import ManagedStore
 from polyloop.stores import SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
-from review_kit import approval_script, payment_script, review_tools
 
 BASE_URL = "http://console.test"
 EVIL = '<script>alert("x")</script><b>bold</b>'
