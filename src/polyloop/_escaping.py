@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 import re
 
+from polyloop._shared import call_text
 from polyloop.types import JSONValue
 
 __all__ = (
-    "call_text",
     "escape_block",
     "escape_field",
     "escape_in_json_text",
     "escape_surrogates",
+    "payload_text",
 )
 
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
@@ -76,9 +77,9 @@ def escape_in_json_text(text: str) -> str:
     return _UNSAFE_IN_BLOCK.sub(lambda found: f"\\u{ord(found.group()):04x}", text)
 
 
-def call_text(payload: JSONValue) -> str:
-    """A proposed or announced action as one line, ``name({arguments})``, before escaping."""
+def payload_text(payload: JSONValue) -> str:
+    """A proposed or announced action's payload as one line, before escaping: a tool
+    call as its action text reads (``name({arguments})``), anything else as JSON."""
     if isinstance(payload, dict) and isinstance(payload.get("name"), str):
-        arguments = json.dumps(payload.get("arguments"), ensure_ascii=False, sort_keys=True)
-        return f"{payload['name']}({arguments})"
+        return call_text(str(payload["name"]), payload.get("arguments"))
     return json.dumps(payload, ensure_ascii=False, sort_keys=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from rich.console import Console
 
 from polyloop import serialization
-from polyloop._escaping import call_text, escape_field
+from polyloop._escaping import escape_field, payload_text
 from polyloop.cli._common import (
     CliError,
     command_words,
@@ -98,11 +98,11 @@ def pending_line(status: RunStatus) -> str:
         proposal = status.proposal
         return (
             f"{escape_field(status.run_id)}  awaiting approval  "
-            f"{escape_field(proposal.result_id)}  {escape_field(call_text(proposal.payload))}"
+            f"{escape_field(proposal.result_id)}  {escape_field(payload_text(proposal.payload))}"
             f"\n    {escape_field(proposal.description)}"
         )
     intent = status.open_intent
-    what = call_text(intent.payload) if intent is not None else "?"
+    what = payload_text(intent.payload) if intent is not None else "?"
     if intent is not None and intent.kind is IntentKind.MODEL_CALL:
         what = "a model call (its replay is never allowed)"
     where = intent.result_id if intent is not None else "?"

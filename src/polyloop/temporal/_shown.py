@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from temporalio.exceptions import ApplicationError
 
-from polyloop._escaping import call_text, escape_field
+from polyloop._escaping import escape_field, payload_text
 from polyloop.serialization import encode
 from polyloop.temporal._reports import ShownIntent, ShownProposal, StatusSummary
 from polyloop.types import Intent, IntentKind, JSONValue, Proposal, Record, RunStatus
@@ -70,7 +70,7 @@ def _tool(payload: JSONValue) -> str | None:
 
 def shown_proposal(proposal: Proposal) -> ShownProposal:
     """The proposal once: its result id (to answer with), tool, call and description."""
-    call, cut = _shown(call_text(proposal.payload), CALL_CHARS)
+    call, cut = _shown(payload_text(proposal.payload), CALL_CHARS)
     return ShownProposal(
         result_id=proposal.result_id,
         step=proposal.step,
@@ -86,7 +86,7 @@ def shown_intent(intent: Intent) -> ShownIntent:
     action, its call."""
     if intent.kind is not IntentKind.ACTION:
         return ShownIntent(result_id=intent.result_id, kind=intent.kind, step=intent.step)
-    call, cut = _shown(call_text(intent.payload), CALL_CHARS)
+    call, cut = _shown(payload_text(intent.payload), CALL_CHARS)
     return ShownIntent(
         result_id=intent.result_id,
         kind=intent.kind,

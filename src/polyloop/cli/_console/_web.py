@@ -173,10 +173,11 @@ def _run_id(request: Request) -> str:
     return decoded(request.path_params["key"])
 
 
-def answered_id(form: FormData) -> str:
-    """The result id a form answers. The page writes it with :func:`encoded`, since a
-    field cannot carry every character a log can hold; an ordinary id reads as itself."""
-    return decoded(form_text(form, "result_id"))
+def answered_id(form: FormData) -> str | None:
+    """The result id a form answers, if it names one. The page writes it with
+    :func:`encoded`, since a field cannot carry every character a log can hold; an
+    ordinary id reads as itself."""
+    return decoded(form_text(form, "result_id")) or None
 
 
 def _sse(changes: AsyncIterator[None]) -> StreamingResponse:
@@ -318,7 +319,7 @@ class _Console:
     async def approve(self, request: Request) -> Response:
         async def answer(run_id: str, form: FormData, by: str) -> str:
             arguments = await self._edited_arguments(run_id, form)
-            result_id = _answered_id(form)
+            result_id = answered_id(form)
             await approve(self.store, run_id, by=by, arguments=arguments, result_id=result_id)
             return "approved"
 
@@ -329,7 +330,7 @@ class _Console:
             reason = form_text(form, "reason").strip()
             if not reason:
                 raise Refused(400, "a rejection needs a reason: the model is told it")
-            await reject(self.store, run_id, by=by, reason=reason, result_id=_answered_id(form))
+            await reject(self.store, run_id, by=by, reason=reason, result_id=answered_id(form))
             return "rejected"
 
         return await self._answer(request, answer)
@@ -349,7 +350,7 @@ class _Console:
                 by=by,
                 ran=outcome == "ran",
                 observation=observation,
-                result_id=_answered_id(form),
+                result_id=answered_id(form),
             )
             return "settled"
 
@@ -394,7 +395,7 @@ class _Console:
         """Why an answer was refused, when the run moved on from what the page showed: it
         now waits on another proposal or intent. Only words: the refusal itself came from
         the check under the run's claim."""
-        answered = _answered_id(form)
+        answered = answered_id(form)
         if answered is None or not isinstance(exc, NotAwaitingApproval | NotInDoubt):
             return None
         status = await run_status(self.store, run_id)
@@ -425,7 +426,7 @@ class _Console:
         except ValueError as exc:
             raise Refused(400, f"Nothing was written: {exc}.") from None
         proposal = (await run_status(self.store, run_id)).proposal
-        if proposal is None or proposal.result_id != _answered_id(form):
+        if proposal is None or proposal.result_id != answered_id(form):
             return edited  # approve refuses it, or checks it against the tool's schema
         payload = proposal.payload
         proposed = payload.get("arguments") if isinstance(payload, dict) else None
@@ -456,11 +457,6 @@ class _Console:
         )
         response.headers.append("set-cookie", cookie)
         return response
-
-
-def _answered_id(form: FormData) -> str | None:
-    """The result id of the proposal or intent the form was shown for, if it names one."""
-    return answered_id(form) or None
 
 
 def _page_number(text: str | None) -> int:
