@@ -138,7 +138,7 @@ async def _child_temporal(args: argparse.Namespace) -> dict[str, Any]:
     )
     client = await Client.connect(args.address)
     plugin = PolyLoopPlugin(
-        {AGENT: Agent(definition=definition, request_for=request_for)},
+        [Agent(name=AGENT, definition=definition, request_for=request_for)],
         max_concurrent_runs=args.runs,
     )
     async with definition.store:

@@ -143,7 +143,7 @@ def make_agent(store: SqliteStore, effects: list[str]) -> Agent:
             cancel_grace_s=5.0,
         )
 
-    return Agent(definition=definition, request_for=request_for)
+    return Agent(name="release", definition=definition, request_for=request_for)
 
 
 def dev_server_path() -> Path:
@@ -183,7 +183,7 @@ async def main(address: str | None, db: Path) -> None:
         store = await stack.enter_async_context(SqliteStore(db))
         effects: list[str] = []
         queue = f"agents-{uuid.uuid4().hex[:8]}"
-        plugin = PolyLoopPlugin({"release": make_agent(store, effects)}, max_concurrent_runs=8)
+        plugin = PolyLoopPlugin([make_agent(store, effects)], max_concurrent_runs=8)
         await stack.enter_async_context(Worker(client, task_queue=queue, plugins=[plugin]))
 
         run_id = f"release-{uuid.uuid4().hex[:8]}"

@@ -34,6 +34,7 @@ from polyloop.ports import (
     reject_incomplete,
 )
 from polyloop.session import (
+    Agent,
     Definition,
     ObservationTexts,
     Request,
@@ -105,6 +106,7 @@ __all__ = (
     "ActionExecutor",
     "ActionOutcome",
     "ActionStatus",
+    "Agent",
     "Budget",
     "ContentBlock",
     "CorruptLog",

@@ -330,6 +330,11 @@ class RunStarted:
     steps ``0`` to ``forked_at_step - 1``) and ``inherited_sha256`` the SHA-256 of the
     source's step records as they were read (their canonical JSON, as a list), so that
     a copy can be checked against its source. All four are ``None`` for any other run.
+
+    A run started through an :class:`~polyloop.Agent` names it: ``agent`` is the agent's
+    name and ``input`` the JSON value its request was built from, so that any process
+    hosting the same agent can build the request again. ``agent`` is ``None`` for any
+    other run (and ``input`` then too).
     """
 
     run_id: str
@@ -339,6 +344,8 @@ class RunStarted:
     forked_at_step: int | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     inherited_sha256: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     inherited: tuple[StepRecord, ...] | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    agent: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    input: JSONValue = field(default=None, metadata=_WRITTEN_WHEN_SET)
 
     @property
     def inherited_steps(self) -> tuple[StepRecord, ...]:

@@ -362,6 +362,15 @@ EXPECTED.update(
             by="carol",
             at=_PERSON_AT,
         ),
+        # A run started through an agent: the agent's name and the input its request
+        # was built from, so that any host of the agent can build the request again.
+        "run_started_agent": RunStarted(
+            run_id="INV-2041",
+            snapshot={"model.name": "gpt-4o-mini"},
+            at=_AT,
+            agent="invoices",
+            input={"invoice": "INV-2041", "amount_cents": 129900, "notes": ["rush", None]},
+        ),
         # A fork's start record: its source, its step, the digest, and the two steps it
         # took over (one of them timed and with a native tool call), with its run id.
         "run_started_fork": RunStarted(

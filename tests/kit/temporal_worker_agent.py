@@ -201,9 +201,11 @@ async def serve(
         )
 
     agent = Agent(
-        definition=definition(store, model=PayingModel(ledger, name)), request_for=request_for
+        name=AGENT,
+        definition=definition(store, model=PayingModel(ledger, name)),
+        request_for=request_for,
     )
-    plugin = PolyLoopPlugin({AGENT: agent}, max_concurrent_runs=16)
+    plugin = PolyLoopPlugin([agent], max_concurrent_runs=16)
     try:
         with anyio.open_signal_receiver(signal.SIGTERM) as signals:
             async with Worker(

@@ -158,9 +158,11 @@ def approval_tools(ledger: Ledger) -> ToolRegistry:
 async def worker(
     client: Client, agents: dict[str, Agent], **plugin_options: Any
 ) -> AsyncIterator[str]:
-    """A worker with the plugin on a task queue of its own; yields the queue's name."""
+    """A worker with the plugin on a task queue of its own, each agent under its key;
+    yields the queue's name."""
     queue = f"q-{uuid.uuid4().hex[:8]}"
-    plugin = PolyLoopPlugin(agents, **plugin_options)
+    named = [dataclasses.replace(agent, name=name) for name, agent in agents.items()]
+    plugin = PolyLoopPlugin(named, **plugin_options)
     async with Worker(client, task_queue=queue, plugins=[plugin]):
         yield queue
 
@@ -169,7 +171,7 @@ def agent_of(defined: Definition, tools: ToolRegistry, **overrides: Any) -> Agen
     def request_for(run_id: str, input: JSONValue) -> Request:
         return request(run_id, tools, **overrides)
 
-    return Agent(definition=defined, request_for=request_for)
+    return Agent(name="a", definition=defined, request_for=request_for)
 
 
 def deployer(store: Any, ledger: Ledger, script: list[str] | None = None) -> Agent:
@@ -712,7 +714,7 @@ async def test_a_run_identity_mismatch_fails_the_workflow_at_once_without_retrie
         changed = Budget(max_steps=3, max_valid_steps=3, max_context_chars=100_000)
         return request(run_id, tools, budget=changed)
 
-    agent = Agent(definition=definition(store, model=slow), request_for=request_for)
+    agent = Agent(name="a", definition=definition(store, model=slow), request_for=request_for)
     async with worker(client, {"a": agent}) as queue:
         handle = await start_agent_run(
             client, RunInput(agent="a", run_id=rid("t-mismatch")), task_queue=queue
@@ -824,6 +826,19 @@ def test_the_plugin_maps_flow_control_onto_the_worker_settings() -> None:
     assert [w.__name__ for w in config["workflows"]] == ["AgentRun"]
     with pytest.raises(ValueError, match="max_concurrent_runs"):
         PolyLoopPlugin({"a": agent}, max_concurrent_runs=0)
+
+
+def test_the_plugin_takes_agents_by_their_names() -> None:
+    agent = agent_of(definition(MemoryStore()), make_tools(Ledger()))
+    other = dataclasses.replace(agent, name="b")
+    assert isinstance(PolyLoopPlugin([agent, other]), PolyLoopPlugin)
+    assert isinstance(PolyLoopPlugin({"a": agent, "b": other}), PolyLoopPlugin)
+    with pytest.raises(ValueError, match="'x' to the agent named 'a'"):
+        PolyLoopPlugin({"x": agent})
+    with pytest.raises(ValueError, match="two agents of one name"):
+        PolyLoopPlugin([agent, agent])
+    with pytest.raises(ValueError, match="at least one Agent"):
+        PolyLoopPlugin([])
 
 
 # -- answers name what they answer; input no attempt can use; bounded payloads ---------------
@@ -958,7 +973,9 @@ async def test_input_request_for_cannot_use_fails_the_workflow_at_once_naming_th
         assert isinstance(input, dict)
         return request(run_id, tools, binding={"amount": input["amount"]})
 
-    agent = Agent(definition=definition(store, script=[answer("x")]), request_for=request_for)
+    agent = Agent(
+        name="a", definition=definition(store, script=[answer("x")]), request_for=request_for
+    )
     run_id = rid("t-misspelled")
     async with worker(client, {"a": agent}) as queue:
         handle = await start_agent_run(

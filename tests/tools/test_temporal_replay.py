@@ -39,8 +39,10 @@ def _plugin() -> PolyLoopPlugin:
     def request_for(run_id: str, input: JSONValue) -> Request:
         return request(run_id, tools)
 
-    agent = Agent(definition=definition(MemoryStore(), script=[]), request_for=request_for)
-    return PolyLoopPlugin({"a": agent})
+    agent = Agent(
+        name="a", definition=definition(MemoryStore(), script=[]), request_for=request_for
+    )
+    return PolyLoopPlugin([agent])
 
 
 # Each history and its workflow id, the run id it was recorded with.

@@ -106,7 +106,9 @@ def _field(spec: dataclasses.Field[Any]) -> Field:
         # intent or result goes under another key.
         key="intent_kind" if spec.name == "kind" else spec.name,
         check=check,
-        optional=base != annotation,
+        # A JSON value holds null itself; one written only when set is left out as None.
+        optional=base != annotation
+        or (check == "json" and bool(spec.metadata.get("written_when_set"))),
         defaulted=spec.default is not dataclasses.MISSING,
         written_when_set=bool(spec.metadata.get("written_when_set")),
         convert=convert,

@@ -3,8 +3,10 @@
 A :class:`Definition` holds what stays the same across runs (model client, interpreter,
 store, event sink, the texts the library shows the model); a :class:`Request` holds what
 one run needs (id, budget, executor, tools, context, injection, binding and policies).
-:func:`start_or_resume` is the one call a worker needs; :func:`run_status` and
-:func:`recover` serve the programs that watch and sweep a store.
+:func:`start_or_resume` is the one call a worker needs; an :class:`Agent` pairs a
+definition with the way to build a run's request from its input, so that any host can
+drive a run another process started. :func:`run_status` and :func:`recover` serve the
+programs that watch and sweep a store.
 
 Before anything is read, the store object claims the run: it becomes the run's one
 writer, and keeps the claim until the run's end record is written or the call returns.
@@ -31,6 +33,7 @@ from collections.abc import Awaitable, Callable
 
 from polyloop.ports import ManagedStore, Store
 from polyloop.session import _review
+from polyloop.session._agents import Agent
 from polyloop.session._driving import Mode, drive, status
 from polyloop.session._driving import recover as recover_runs
 from polyloop.session._forking import check_fork, read_inheritance
@@ -38,6 +41,7 @@ from polyloop.session._values import Definition, ObservationTexts, Request
 from polyloop.types import JSONValue, RecoveredRun, RunResult, RunStatus, Settlement, Verdict
 
 __all__ = (
+    "Agent",
     "Definition",
     "ObservationTexts",
     "Request",
@@ -56,7 +60,7 @@ __all__ = (
 def _claim_public_home() -> None:
     # The values are defined in a private module so that the loop can import them; their
     # public home is here, and reprs, pickles and docs should say so.
-    for cls in (Definition, ObservationTexts, Request):
+    for cls in (Agent, Definition, ObservationTexts, Request):
         cls.__module__ = __name__
 
 

@@ -12,10 +12,12 @@ the normal one).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import anyio
 
@@ -30,10 +32,12 @@ from polyloop.session._steps import now
 from polyloop.session._values import Definition, Request
 from polyloop.types import (
     InvalidRequest,
+    JSONValue,
     RecoveredRun,
     RunAlreadyExists,
     RunIdentityMismatch,
     RunLocked,
+    RunLog,
     RunNotFound,
     RunResult,
     RunStarted,
@@ -53,25 +57,78 @@ class Mode(enum.Enum):
     EITHER = "either"
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Origin:
+    """The agent a run is started through and its input (as the log holds it)."""
+
+    agent: str
+    input: JSONValue
+
+    def stamp(self, started: RunStarted) -> RunStarted:
+        return dataclasses.replace(started, agent=self.agent, input=self.input)
+
+    def differences(self, started: RunStarted) -> tuple[tuple[str, JSONValue, JSONValue], ...]:
+        """How the start record's agent and input differ from these, as identity keys."""
+        return _recovery.identity_differences(
+            {"agent.name": started.agent, "agent.input": started.input},
+            {"agent.name": self.agent, "agent.input": self.input},
+        )
+
+
 async def drive(
     definition: Definition,
     request: Request,
     mode: Mode,
     inherit: Callable[[], Awaitable[Inheritance]] | None = None,
+    *,
+    origin: Origin | None = None,
 ) -> RunResult:
     """Check the request, claim the run, read its log, and start or continue it.
 
     ``inherit`` reads what a fork takes over from its source (``mode`` is then START);
-    it is awaited once the request is checked, before the claim.
+    it is awaited once the request is checked, before the claim. ``origin`` is the agent
+    a new run is recorded under and an existing one must have been started through.
     """
     prepared = prepare(definition, request)
     inheritance = None if inherit is None else await inherit()
     store = definition.store
     await store.claim_run(request.run_id)
     try:
-        return await _drive_claimed(definition, request, prepared, mode, inheritance)
+        return await _drive_claimed(definition, request, prepared, mode, inheritance, origin)
     finally:
         await _release(store, request)
+
+
+async def register(definition: Definition, request: Request, origin: Origin) -> None:
+    """Write the run's start record under ``origin`` and drive nothing; a run already
+    started the same way is left as it is (a retried start is safe)."""
+    prepared = prepare(definition, request)
+    store = definition.store
+    try:
+        await store.claim_run(request.run_id)
+    except RunLocked:
+        # Its writer may be driving it already: the log answers without the claim.
+        if not (await store.read_log(request.run_id)).records:
+            raise
+        await _check_existing(store, request, prepared, origin)
+        return
+    try:
+        if not await _check_existing(store, request, prepared, origin):
+            started = origin.stamp(_started(request, prepared))
+            await store.start_run(started)
+    finally:
+        await _release(store, request)
+
+
+async def _check_existing(
+    store: Store, request: Request, prepared: Prepared, origin: Origin
+) -> bool:
+    """Whether the run exists, refusing one started with another identity."""
+    log = await store.read_log(request.run_id)
+    if not log.records:
+        return False
+    _identity_plan(log, request, prepared, origin)
+    return True
 
 
 async def _drive_claimed(
@@ -80,25 +137,24 @@ async def _drive_claimed(
     prepared: Prepared,
     mode: Mode,
     inheritance: Inheritance | None,
+    origin: Origin | None,
 ) -> RunResult:
     log = await definition.store.read_log(request.run_id)
     if not log.records:
         if mode is Mode.RESUME:
             raise RunNotFound("the store holds no record of this run", run_id=request.run_id)
         loop = Loop(definition, request, prepared, resumed=False)
-        started = RunStarted(run_id=request.run_id, snapshot=prepared.snapshot, at=now())
+        started = _started(request, prepared)
         if inheritance is not None:
             started = inheritance.started(started)
+        if origin is not None:
+            started = origin.stamp(started)
         return await loop.guarded(loop.start(started))
     if mode is Mode.START:
         raise RunAlreadyExists(
             "the store already holds records for this run; use resume", run_id=request.run_id
         )
-    plan = _recovery.read_plan(log)
-    assert plan.started is not None  # a log with records starts with its start record
-    differences = _recovery.identity_differences(plan.started.snapshot, prepared.snapshot)
-    if differences:
-        raise RunIdentityMismatch(run_id=request.run_id, differences=differences)
+    plan = _identity_plan(log, request, prepared, origin)
     if plan.state is _recovery.RecoveryState.FINISHED:
         return _recovery.recorded_result(plan)
     probe = probe_for(request.executor, plan)
@@ -107,6 +163,24 @@ async def _drive_claimed(
         return _recovery.recorded_result(plan)
     loop = Loop(definition, request, prepared, resumed=True)
     return await loop.guarded(continue_run(loop, plan, log.records, probe))
+
+
+def _started(request: Request, prepared: Prepared) -> RunStarted:
+    return RunStarted(run_id=request.run_id, snapshot=prepared.snapshot, at=now())
+
+
+def _identity_plan(
+    log: RunLog, request: Request, prepared: Prepared, origin: Origin | None
+) -> _recovery.Plan:
+    """The log's plan, once its start record is known to match this request (and agent)."""
+    plan = _recovery.read_plan(log)
+    assert plan.started is not None  # a log with records starts with its start record
+    differences = _recovery.identity_differences(plan.started.snapshot, prepared.snapshot)
+    if origin is not None:
+        differences = tuple(sorted(differences + origin.differences(plan.started)))
+    if differences:
+        raise RunIdentityMismatch(run_id=request.run_id, differences=differences)
+    return plan
 
 
 async def _release(store: Store, request: Request) -> None:

@@ -11,7 +11,7 @@ outside Temporal (the command line). ``AgentRun.status`` mirrors :func:`polyloop
 
 Worker::
 
-    plugin = PolyLoopPlugin(agents={"invoices": Agent(definition=..., request_for=...)})
+    plugin = PolyLoopPlugin(agents=[Agent(name="invoices", definition=..., request_for=...)])
     async with Worker(client, task_queue="agents", plugins=[plugin]):
         ...
 
@@ -36,8 +36,9 @@ from polyloop._shared import needs_extra
 with needs_extra("polyloop.temporal", "temporal"):
     import temporalio  # noqa: F401
 
+from polyloop.session import Agent
 from polyloop.temporal._values import ApproveInput, RejectInput, RunInput, SettleInput
-from polyloop.temporal._worker import Agent, PolyLoopPlugin, start_agent_run, status_json
+from polyloop.temporal._worker import PolyLoopPlugin, start_agent_run, status_json
 from polyloop.temporal._workflow import AgentRun
 
 __all__ = (

@@ -8,10 +8,8 @@ one PostgreSQL database) and ``request_for`` to rebuild the run's request there.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -26,6 +24,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 from polyloop.ports import ManagedStore
 from polyloop.serialization import encode
 from polyloop.session import (
+    Agent,
     Definition,
     Request,
     approve,
@@ -63,28 +62,10 @@ from polyloop.types import (
     Verdict,
 )
 
-__all__ = ("Agent", "PolyLoopPlugin", "start_agent_run")
+__all__ = ("PolyLoopPlugin", "start_agent_run")
 
 DEFAULT_MAX_ATTEMPTS = 10
 """The attempts an activity failing with an error PolyLoop does not know gets by default."""
-
-RequestFor = Callable[[str, JSONValue], Request | Awaitable[Request]]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Agent:
-    """An agent a worker can drive: what its runs share, and how to rebuild a request.
-
-    ``request_for(run_id, input)`` (a function or a coroutine function) gets the run id
-    and the JSON value of ``RunInput.input``, and must build the same request on every
-    worker and every attempt, or the run is refused with ``RunIdentityMismatch``.
-    ``status_store`` is read for the workflow's status (default: the definition's store,
-    which every store PolyLoop ships can serve).
-    """
-
-    definition: Definition
-    request_for: RequestFor
-    status_store: ManagedStore | None = None
 
 
 class _Activities:
@@ -165,8 +146,7 @@ async def _request(agent: Agent, segment: SegmentInput) -> Request:
     """The run's request, built from the client's input; an error here is the input's,
     which no other attempt can cure, so it fails the workflow at once."""
     try:
-        built = agent.request_for(segment.run_id, segment.input)
-        return await built if inspect.isawaitable(built) else built
+        return await agent.request(segment.run_id, segment.input)
     except PolyLoopError as err:
         raise _as_application_error(err, segment.run_id) from err
     except Exception as err:
@@ -313,7 +293,8 @@ def _as_application_error(err: PolyLoopError, run_id: str) -> ApplicationError:
 class PolyLoopPlugin(SimplePlugin):
     """Registers ``AgentRun`` and its activities on a ``Worker(..., plugins=[plugin])``.
 
-    ``agents`` maps the names ``RunInput.agent`` uses to :class:`Agent` values.
+    ``agents`` holds the :class:`~polyloop.Agent` values ``RunInput.agent`` names: a
+    sequence of them, or a mapping from each one's name to it.
     ``max_concurrent_runs`` bounds how many run segments (and answers) this worker runs
     at once (the worker's ``max_concurrent_activities``); ``max_runs_per_second`` bounds
     how many the whole task queue starts per second, server-side (the worker's
@@ -330,14 +311,13 @@ class PolyLoopPlugin(SimplePlugin):
 
     def __init__(
         self,
-        agents: Mapping[str, Agent],
+        agents: Mapping[str, Agent] | Sequence[Agent],
         *,
         max_concurrent_runs: int | None = None,
         max_runs_per_second: float | None = None,
         max_attempts: int | None = DEFAULT_MAX_ATTEMPTS,
     ) -> None:
-        if not agents or not all(isinstance(agent, Agent) for agent in agents.values()):
-            raise ValueError("agents must map at least one name to an Agent")
+        named = _by_name(agents)
         if max_concurrent_runs is not None and max_concurrent_runs < 1:
             raise ValueError(f"max_concurrent_runs must be at least 1, not {max_concurrent_runs}")
         if max_runs_per_second is not None and not max_runs_per_second > 0:
@@ -347,7 +327,7 @@ class PolyLoopPlugin(SimplePlugin):
         self.max_concurrent_runs = max_concurrent_runs
         self.max_runs_per_second = max_runs_per_second
         self.max_attempts = max_attempts
-        activities = _Activities(agents, max_attempts)
+        activities = _Activities(named, max_attempts)
         super().__init__(
             "polyloop.PolyLoopPlugin",
             activities=[activities.drive_segment, activities.answer, activities.status],
@@ -364,6 +344,20 @@ class PolyLoopPlugin(SimplePlugin):
         if self.max_runs_per_second is not None:
             config["max_task_queue_activities_per_second"] = self.max_runs_per_second
         return config
+
+
+def _by_name(agents: Mapping[str, Agent] | Sequence[Agent]) -> dict[str, Agent]:
+    """The agents by name; a mapping's keys must be its agents' names."""
+    pairs = list(agents.items()) if isinstance(agents, Mapping) else [(a.name, a) for a in agents]
+    if not pairs or not all(isinstance(agent, Agent) for _, agent in pairs):
+        raise ValueError("agents must hold at least one Agent")
+    for key, agent in pairs:
+        if key != agent.name:
+            raise ValueError(f"agents maps {key!r} to the agent named {agent.name!r}")
+    named = dict(pairs)
+    if len(named) != len(pairs):
+        raise ValueError("agents holds two agents of one name")
+    return named
 
 
 def _passing_polyloop_through(runner: WorkflowRunner | None) -> WorkflowRunner:
