@@ -174,9 +174,10 @@ def _schema_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _store_of(args: argparse.Namespace) -> StoreSpec:
-    """The STORE argument, with ``--schema`` applied."""
+async def _store_of(args: argparse.Namespace) -> StoreSpec:
+    """The STORE argument, with ``--schema`` applied, refused unless the store is there."""
     spec: StoreSpec = with_schema(args.store, args.schema)
+    await anyio.to_thread.run_sync(require_existing, spec)
     return spec
 
 
@@ -318,8 +319,7 @@ def _runs_parser(commands: _Commands) -> None:
 
 
 async def _runs_command(args: argparse.Namespace, out: Console) -> int:
-    spec = _store_of(args)
-    await anyio.to_thread.run_sync(require_existing, spec)
+    spec = await _store_of(args)
     async with open_store(spec) as store:
         listed = await summaries(store)
     if args.json:
@@ -350,8 +350,7 @@ def _show_parser(commands: _Commands) -> None:
 
 
 async def _show_command(args: argparse.Namespace, out: Console) -> int:
-    spec = _store_of(args)
-    await anyio.to_thread.run_sync(require_existing, spec)
+    spec = await _store_of(args)
     async with open_store(spec) as store:
         view = await read_view(store, spec, args.run_id)
     if args.json:
@@ -385,8 +384,7 @@ def _verify_parser(commands: _Commands) -> None:
 
 
 async def _verify_command(args: argparse.Namespace, out: Console) -> int:
-    spec = _store_of(args)
-    await anyio.to_thread.run_sync(require_existing, spec)
+    spec = await _store_of(args)
     async with open_store(spec) as store:
         checks = await _verify.verify(store, spec, args.run_id)
     for check in checks:
@@ -462,8 +460,7 @@ def _moment(text: str) -> datetime:
 
 
 async def _prune_command(args: argparse.Namespace, out: Console) -> int:
-    spec = _store_of(args)
-    await anyio.to_thread.run_sync(require_existing, spec)
+    spec = await _store_of(args)
     async with open_store(spec) as store:
         before = len(await store.list_runs())
         pruned = await store.prune(finished_before=args.finished_before, archive=args.archive)
@@ -494,8 +491,7 @@ def _pending_parser(commands: _Commands) -> None:
 
 
 async def _pending_command(args: argparse.Namespace, out: Console) -> int:
-    spec = _store_of(args)
-    await anyio.to_thread.run_sync(require_existing, spec)
+    spec = await _store_of(args)
     return await _people.pending(spec, out, as_json=args.json)
 
 
@@ -590,8 +586,7 @@ async def _settle_command(args: argparse.Namespace, out: Console) -> int:
 
 
 async def _answer(args: argparse.Namespace, given: _people.Answer, out: Console) -> int:
-    spec = _store_of(args)
-    await anyio.to_thread.run_sync(require_existing, spec)
+    spec = await _store_of(args)
     return await _people.answer(spec, args.run_id, given, out)
 
 
@@ -672,8 +667,7 @@ async def _serve_command(args: argparse.Namespace, out: Console) -> int:
     if problem is not None:
         print(f"{PROGRAM}: error: {problem}", file=sys.stderr)
         return REFUSED_EXIT_STATUS
-    spec = _store_of(args)
-    await anyio.to_thread.run_sync(require_existing, spec)
+    spec = await _store_of(args)
     async with open_store(spec) as store:
         listener = await anyio.to_thread.run_sync(_serve.listen, args.host, args.port)
         settings = console_parts.Settings(spec.shown, access, poll_s=args.poll)

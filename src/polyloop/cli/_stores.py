@@ -38,7 +38,7 @@ class StoreSpec:
     @property
     def shown(self) -> str:
         """The argument as it may appear in messages: any password is masked."""
-        return _PASSWORD.sub(r"\1:***@", self.text)
+        return _masked(self.text)
 
 
 def parse_store(text: str) -> StoreSpec:
@@ -47,13 +47,16 @@ def parse_store(text: str) -> StoreSpec:
         return StoreSpec("postgresql", text, text)
     scheme, colon, rest = text.partition(":")
     if not colon or scheme not in ("jsonl", "sqlite"):
-        shown = _PASSWORD.sub(r"\1:***@", text)
-        raise CliError(f"unknown store scheme in {shown!r}: write {SYNTAX}")
+        raise CliError(f"unknown store scheme in {_masked(text)!r}: write {SYNTAX}")
     if not rest:
         what = "directory" if scheme == "jsonl" else "file"
         raise CliError(f"{text!r} names no {what}: write {scheme}:{what.upper()}")
     kind: Kind = "jsonl" if scheme == "jsonl" else "sqlite"
     return StoreSpec(kind, rest, text)
+
+
+def _masked(text: str) -> str:
+    return _PASSWORD.sub(r"\1:***@", text)
 
 
 def with_schema(spec: StoreSpec, schema: str | None) -> StoreSpec:

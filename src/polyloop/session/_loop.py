@@ -42,7 +42,7 @@ from polyloop.session._checks import (
 )
 from polyloop.session._relay import Relay
 from polyloop.session._request import Prepared
-from polyloop.session._steps import StepBuilder, StepTimes, now
+from polyloop.session._steps import StepBuilder, StepTimes, action_of, now
 from polyloop.session._values import Definition, Request
 from polyloop.types import (
     DecisionKind,
@@ -277,14 +277,28 @@ class Loop:
         began = time.perf_counter()
         outcome = await self._execute(action, intent)
         times.action_s = time.perf_counter() - began
+        return await self.close(index, reply, intent, outcome, times)
+
+    async def close(
+        self,
+        index: int,
+        reply: ModelReply,
+        intent: Intent,
+        outcome: ActionOutcome,
+        times: StepTimes,
+        settlement: Settlement | None = None,
+    ) -> StepRecord:
+        """Record how the action ``intent`` announced ended: its step and its result,
+        with the ``settlement`` that says so when a person or a probe settled it."""
         step = self.build.acted(
             index,
             reply,
-            action,
+            action_of(intent),
             outcome,
             times,
             edited_by=intent.edited_by,
             proposed=intent.proposed_action_text,
+            settled_by=settlement.by if settlement is not None else None,
         )
         result = self.build.result(
             intent.result_id,
@@ -293,7 +307,7 @@ class Loop:
             at=step.at,
             duration_s=times.action_s,
         )
-        return await self.record(step, result, intent)
+        return await self.record(step, result, intent, settlement)
 
     async def before_effect(self) -> None:
         """The last thing before an effect starts: its intent is durable, and the store

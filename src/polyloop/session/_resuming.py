@@ -13,23 +13,19 @@ import dataclasses
 
 from polyloop import _recovery
 from polyloop._recovery import Move
-from polyloop.ports import Action, EventKind, ModelReply
+from polyloop.ports import EventKind, ModelReply
 from polyloop.session import _probes, _proposals
 from polyloop.session._checks import (
     action_name,
     action_name_of,
-    outcome_payload,
     refusal,
     reply_from,
 )
 from polyloop.session._loop import Loop, Stepped
 from polyloop.session._steps import StepTimes, action_of, settled_outcome
 from polyloop.types import (
-    Intent,
-    IntentKind,
     Record,
     Settlement,
-    StepRecord,
     StopReason,
 )
 
@@ -133,8 +129,10 @@ async def _after_reply(
     # interpreter would say today (or close it the way its settlement says).
     action, tool = action_of(intent), action_name(intent)
     if move is Move.CLOSE_SETTLED:
-        assert plan.settlement is not None
-        return await _settled(loop, index, reply, action, plan.settlement, times, intent), tool
+        settlement = plan.settlement
+        assert settlement is not None
+        outcome = settled_outcome(settlement)
+        return await loop.close(index, reply, intent, outcome, times, settlement), tool
     return await loop.act(index, reply, action, times, intent), tool
 
 
@@ -154,30 +152,3 @@ async def _after_verdict(
     rejected = refusal(verdict.reason or "")
     step = loop.build.acted(index, reply, action, rejected, times)
     return await loop.record(step, None), action_name_of(proposal.payload)
-
-
-async def _settled(
-    loop: Loop,
-    index: int,
-    reply: ModelReply,
-    action: Action,
-    settlement: Settlement,
-    times: StepTimes,
-    intent: Intent,
-) -> StepRecord:
-    """Close the action in doubt the way the person who settled it says it ended."""
-    outcome = settled_outcome(settlement)
-    step = loop.build.acted(
-        index,
-        reply,
-        action,
-        outcome,
-        times,
-        edited_by=intent.edited_by,
-        proposed=intent.proposed_action_text,
-        settled_by=settlement.by,
-    )
-    result = loop.build.result(
-        settlement.result_id, IntentKind.ACTION, outcome_payload(outcome), at=step.at
-    )
-    return await loop.record(step, result, intent, settlement)
