@@ -4,6 +4,7 @@ Trio, on the memory store and the durable ones."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from polyloop.testing import FaultyStore, SimulatedCrash
 
 pytestmark = pytest.mark.anyio
 
-KINDS = ["memory", "sqlite", "jsonl"]
+KINDS = ["memory", "sqlite", "jsonl", "postgresql"]
 
 
 class Opener:
@@ -41,17 +42,27 @@ class Opener:
     def __init__(self, kind: str, location: str, schema: str = "") -> None:
         self.kind, self.location, self.schema = kind, location, schema
         self.memory = MemoryStore()
+        self.opened: list[Any] = []
 
     def __call__(self) -> Any:
         if self.kind == "memory":
             return self.memory
-        return one_writer.open_store(self.kind, self.location, self.schema)
+        store = one_writer.open_store(self.kind, self.location, self.schema)
+        self.opened.append(store)
+        return store
 
 
 @pytest.fixture(params=KINDS)
-def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
+async def opener(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Opener]:
     kind = request.param
-    return Opener(kind, str(tmp_path / ("runs.db" if kind == "sqlite" else "runs")))
+    if kind == "postgresql":
+        schema = request.getfixturevalue("postgres_schemas")()
+        opened = Opener(kind, request.getfixturevalue("postgres_shared"), schema)
+    else:
+        opened = Opener(kind, str(tmp_path / ("runs.db" if kind == "sqlite" else "runs")))
+    yield opened
+    for store in opened.opened:
+        await store.aclose()
 
 
 async def _state(store: Any, run_id: str) -> RunState:
