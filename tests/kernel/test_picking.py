@@ -10,17 +10,15 @@ from typing import Any
 
 import pytest
 
+from kit import record
 from polyloop._recovery import Plan, RecoveryState
 from polyloop.ports import StoredRun
 from polyloop.session._picking import Choice, choose
 from polyloop.types import (
-    DecisionKind,
-    Intent,
     IntentKind,
     JSONValue,
     Proposal,
     Replay,
-    Result,
     RunEnded,
     RunStarted,
     Settlement,
@@ -54,22 +52,7 @@ def _started(agent: str | None = "payer", inherited: int = 0) -> RunStarted:
 
 
 def _step(index: int) -> StepRecord:
-    return StepRecord(
-        run_id=RUN,
-        step=index,
-        call_id=None,
-        model_output="",
-        reasoning=None,
-        decision=DecisionKind.INVALID,
-        history_text="",
-        action_text=None,
-        observation=None,
-        observation_synthesized=False,
-        action_status=None,
-        done=False,
-        truncated_chars=0,
-        error=None,
-    )
+    return record.step(RUN, index)
 
 
 def _end(reason: StopReason) -> RunEnded:
@@ -78,27 +61,11 @@ def _end(reason: StopReason) -> RunEnded:
     )
 
 
-ACTION = Intent(
-    run_id=RUN,
-    result_id=f"{RUN}:0:action",
-    kind=IntentKind.ACTION,
-    step=0,
-    call_index=0,
-    replay=Replay.NEVER,
-    payload=CALL,
+ACTION = record.intent(RUN, 0, IntentKind.ACTION, CALL)
+MODEL = record.intent(
+    RUN, 0, IntentKind.MODEL_CALL, {"messages_sha256": "0"}, replay=Replay.ALLOWED
 )
-MODEL = Intent(
-    run_id=RUN,
-    result_id=f"{RUN}:0:model",
-    kind=IntentKind.MODEL_CALL,
-    step=0,
-    call_index=0,
-    replay=Replay.ALLOWED,
-    payload={"messages_sha256": "0"},
-)
-REPLY = Result(
-    run_id=RUN, result_id=f"{RUN}:0:model", kind=IntentKind.MODEL_CALL, payload={"content": ""}
-)
+REPLY = record.result(RUN, 0, IntentKind.MODEL_CALL, {"content": ""})
 PROPOSAL = Proposal(
     run_id=RUN,
     result_id=f"{RUN}:0:action",
