@@ -45,6 +45,7 @@ from polyloop.session import (
     resume,
     run,
     run_status,
+    serve_agents,
     settle,
     start_or_resume,
 )
@@ -183,6 +184,7 @@ __all__ = (
     "run",
     "run_status",
     "run_trace_id",
+    "serve_agents",
     "settle",
     "start_or_resume",
 )

@@ -114,6 +114,8 @@ NAMES_BY_MODULE = {
         "settle",
         # issue 32: forks of recorded runs
         "fork",
+        # issue 44: a host of agents
+        "serve_agents",
     },
 }
 # Modules imported by name, never re-exported at the top level.

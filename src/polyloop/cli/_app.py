@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.text import Text
 
 from polyloop._escaping import escape_field
-from polyloop.cli import _demo, _facts, _html, _people, _render, _verify
+from polyloop.cli import _demo, _facts, _html, _people, _render, _verify, _worker
 from polyloop.cli._common import (
     PROGRAM,
     CliError,
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROGRAM,
         description=(
             "Run the PolyLoop demo agent; list, show, verify and prune stored runs; "
-            "approve, reject and settle what waits for a person."
+            "approve, reject and settle what waits for a person; host agents in a worker."
         ),
         epilog=f"STORE is {SYNTAX}. Exit status: 0 success, 1 error.",
     )
@@ -139,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     _reject_parser(commands)
     _settle_parser(commands)
     _serve_parser(commands)
+    _worker_parser(commands)
     return parser
 
 
@@ -729,6 +730,57 @@ def _say_where(out: Console, store: str, url: str, access: Any) -> None:
     for note in notes:
         out.print(note, markup=False, soft_wrap=True)
     out.file.flush()
+
+
+# -- the worker ----------------------------------------------------------------------------
+
+
+def _worker_parser(commands: _Commands) -> None:
+    sub = _add(
+        commands,
+        "worker",
+        _worker_command,
+        "Host the agents MODULE:ATTR names (an Agent, a sequence or mapping of them, or a "
+        "function returning an async context manager that yields them): drive every run "
+        "of theirs that can go on, one line per run it drives, stops or leaves waiting. "
+        "SIGTERM or Ctrl-C drains (each run stops at its next step boundary); a second "
+        "one stops at once. Runs stay resumable either way.",
+    )
+    sub.add_argument("target", metavar="MODULE:ATTR", help="the agents to host, as app:agents")
+    sub.add_argument(
+        "--concurrency",
+        type=_positive,
+        default=10,
+        metavar="N",
+        help="drive at most N runs at once (default: 10)",
+    )
+    sub.add_argument(
+        "--poll-s",
+        type=_poll_seconds,
+        default=0.5,
+        metavar="SECONDS",
+        help="how often each store is listed for runs that changed (default: 0.5)",
+    )
+    sub.add_argument(
+        "--drain-grace-s",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long a drain waits for runs to reach a step boundary before it "
+        "cancels them (default: 30)",
+    )
+    sub.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+async def _worker_command(args: argparse.Namespace, out: Console) -> int:
+    options = _worker.WorkerOptions(
+        target=args.target,
+        concurrency=args.concurrency,
+        poll_s=args.poll_s,
+        drain_grace_s=args.drain_grace_s,
+        as_json=args.json,
+    )
+    return await _worker.worker(options)
 
 
 # -- plumbing ------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ store, event sink, the texts the library shows the model); a :class:`Request` ho
 one run needs (id, budget, executor, tools, context, injection, binding and policies).
 :func:`start_or_resume` is the one call a worker needs; an :class:`Agent` pairs a
 definition with the way to build a run's request from its input, so that any host can
-drive a run another process started. :func:`run_status` and :func:`recover` serve the
-programs that watch and sweep a store.
+drive a run another process started, and :func:`serve_agents` is such a host.
+:func:`run_status` and :func:`recover` serve the programs that watch and sweep a store.
 
 Before anything is read, the store object claims the run: it becomes the run's one
 writer, and keeps the claim until the run's end record is written or the call returns.
@@ -29,7 +29,10 @@ under a shielded and time-bounded scope, and then lets the cancellation go on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
+
+import anyio
 
 from polyloop.ports import ManagedStore, Store
 from polyloop.session import _review
@@ -37,8 +40,17 @@ from polyloop.session._agents import Agent
 from polyloop.session._driving import Mode, drive, status
 from polyloop.session._driving import recover as recover_runs
 from polyloop.session._forking import check_fork, read_inheritance
+from polyloop.session._hosting import Agents, Host, hosted_stores
 from polyloop.session._values import Definition, ObservationTexts, Request
-from polyloop.types import JSONValue, RecoveredRun, RunResult, RunStatus, Settlement, Verdict
+from polyloop.types import (
+    InvalidRequest,
+    JSONValue,
+    RecoveredRun,
+    RunResult,
+    RunStatus,
+    Settlement,
+    Verdict,
+)
 
 __all__ = (
     "Agent",
@@ -52,6 +64,7 @@ __all__ = (
     "resume",
     "run",
     "run_status",
+    "serve_agents",
     "settle",
     "start_or_resume",
 )
@@ -281,3 +294,72 @@ async def settle(
     return await _review.settle(
         store, run_id, by=by, ran=ran, observation=observation, result_id=result_id
     )
+
+
+async def serve_agents(
+    agents: Agents,
+    *,
+    concurrency: int,
+    poll_s: float = 0.5,
+    stop: Callable[[], Awaitable[object]] | None = None,
+    drain_grace_s: float = 30.0,
+) -> None:
+    """Host ``agents``: drive every run of theirs that can go on, until ``stop()`` returns.
+
+    ``agents`` is an :class:`Agent`, a sequence of them or a mapping whose values they
+    are (names must differ). Each agent's store (its ``status_store``, else its
+    definition's) is listed every ``poll_s`` seconds, unfinished runs only; a run's log
+    is read only when the listing says it changed. A run is driven when its start record
+    names a hosted agent and nothing but a host is missing: it was started
+    (:meth:`Agent.start`) and never driven, a person approved, rejected or settled what
+    it waited on, its tool's probe can settle its doubt, it was cancelled, or the
+    process driving it stopped (a run whose claim a live writer holds is left to it).
+    Runs of other agents, runs started without an agent and runs waiting for a person
+    are never claimed. At most ``concurrency`` runs are driven at once, each through
+    the kernel's claim, so no run is driven by two hosts.
+
+    A run whose identity no longer matches its agent's request, or whose request cannot
+    be built, is reported once and left alone until its log changes. Every run it starts
+    driving, that stops, or that it leaves waiting gets one log record on the
+    ``polyloop.worker`` logger; its ``polyloop_worker`` attribute holds the facts as a
+    dictionary (``event``, ``run_id``, ``message`` and more).
+
+    When ``stop()`` returns (``stop=event.wait``, say), nothing new is claimed, each run
+    being driven stops at its next step boundary, before its next model call, with a
+    ``CANCELLED`` end record (a running tool finishes and its step is recorded), and
+    this returns once they have; whatever still runs after ``drain_grace_s`` seconds is
+    cancelled. Without ``stop``, it serves until cancelled. Raises
+    :class:`~polyloop.types.InvalidRequest` for arguments it cannot serve with.
+
+    Cancellation: every run being driven is cancelled as :func:`run` describes: its
+    ``CANCELLED`` end record is written within its request's ``cancel_grace_s`` and its
+    claim is given up; what a tool had not finished stays an open intent. On disk, each
+    run is then resumable by any host (or in doubt, for an interrupted tool whose replay
+    is never allowed); runs not yet claimed are untouched.
+    """
+    hosted = hosted_stores(agents)
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise InvalidRequest(
+            f"concurrency must be a whole number of at least 1, not {concurrency!r}"
+        )
+    for name, value in (("poll_s", poll_s), ("drain_grace_s", drain_grace_s)):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise InvalidRequest(f"{name} must be a number of seconds, not {value!r}")
+    if poll_s <= 0:
+        raise InvalidRequest(f"poll_s must be more than 0, not {poll_s!r}")
+
+    async def wait_for_change() -> None:
+        await anyio.sleep(poll_s)
+
+    host = Host(
+        hosted,
+        concurrency=concurrency,
+        wait_for_change=wait_for_change,
+        drain_grace_s=drain_grace_s,
+    )
+    await host.serve(stop if stop is not None else anyio.sleep_forever)

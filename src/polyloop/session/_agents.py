@@ -17,7 +17,7 @@ from polyloop.session._driving import Mode, Origin, drive, register
 from polyloop.session._values import Definition, Request
 from polyloop.types import InvalidRequest, JSONValue, RunResult, RunStarted, UnloggableValue
 
-__all__ = ("Agent", "RequestFor")
+__all__ = ("Agent", "RequestFor", "resume_as")
 
 RequestFor = Callable[[str, JSONValue], Request | Awaitable[Request]]
 """``request_for(run_id, input)``: a function or a coroutine function."""
@@ -108,3 +108,10 @@ class Agent:
                 run_id=run_id,
             ) from exc
         return Origin(agent=self.name, input=encoded.get("input"))
+
+
+async def resume_as(agent: Agent, request: Request, input: JSONValue) -> RunResult:
+    """Resume the run ``agent`` started with ``input``, its request built by
+    :meth:`Agent.request`: how a host drives a run another process started."""
+    origin = agent._origin(request.run_id, input)
+    return await drive(agent.definition, request, Mode.RESUME, origin=origin)

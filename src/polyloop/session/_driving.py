@@ -23,6 +23,7 @@ import anyio
 
 from polyloop import _recovery
 from polyloop.ports import ManagedStore, Store, StoredRun
+from polyloop.session import _draining
 from polyloop.session._forking import Inheritance
 from polyloop.session._loop import Loop
 from polyloop.session._probes import probe_for
@@ -93,6 +94,7 @@ async def drive(
     inheritance = None if inherit is None else await inherit()
     store = definition.store
     await store.claim_run(request.run_id)
+    _draining.claimed(request.run_id)
     try:
         return await _drive_claimed(definition, request, prepared, mode, inheritance, origin)
     finally:

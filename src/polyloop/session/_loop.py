@@ -28,7 +28,7 @@ from polyloop.ports import (
     ModelCall,
     ModelReply,
 )
-from polyloop.session import _proposals
+from polyloop.session import _draining, _proposals
 from polyloop.session._checks import (
     action_name,
     checked_reply,
@@ -127,6 +127,8 @@ class Loop:
             if reason is not None:
                 detail = _stopping.limit_detail(self.request.budget, reason, self.used, size)
                 await self.finish(reason, detail)
+                return
+            if await _draining.stopped_at_boundary(self):
                 return
             stepped = await self.step()
             if stepped is None:

@@ -1,0 +1,132 @@
+"""Which listed runs a host drives, and why: pure, over a store's listing and a log's plan.
+
+A host (``polyloop worker``, :func:`polyloop.serve_agents`) lists a store's unfinished
+runs, reads the log of each that changed, and asks :func:`choose` what to do with it.
+A run goes on when nothing but a host is missing: it was started and never driven, a
+person answered what it waited on, its tool's probe can settle its doubt, or the
+process driving it stopped. It is left alone when someone else drives it, when its
+agent is not hosted here (or it names none), and when it waits for a person.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection
+
+from polyloop._recovery import Plan, RecoveryState, waits_for_person
+from polyloop.ports import StoredRun
+
+
+class Choice(enum.StrEnum):
+    """What a host does with a listed run, named by why."""
+
+    NEW = "new"
+    APPROVED = "approved"
+    REJECTED = "rejected"
+    SETTLED = "settled"
+    PROBE = "probe"
+    CANCELLED = "cancelled"
+    LEFT = "left"
+    FINISHED = "finished"
+    DRIVEN_HERE = "driven_here"
+    CLAIMED = "claimed"
+    NOT_STARTED = "not_started"
+    NO_AGENT = "no_agent"
+    NOT_HOSTED = "not_hosted"
+    AWAITS_APPROVAL = "awaits_approval"
+    AWAITS_SETTLEMENT = "awaits_settlement"
+
+    @property
+    def drives(self) -> bool:
+        """Whether the host drives the run."""
+        return self in _DRIVES
+
+    @property
+    def waits_for_person(self) -> bool:
+        """Whether the run is left waiting for a person's answer."""
+        return self in (Choice.AWAITS_APPROVAL, Choice.AWAITS_SETTLEMENT)
+
+    @property
+    def text(self) -> str:
+        """The reason in words, for a log line."""
+        return _TEXTS[self]
+
+
+_DRIVES = frozenset(
+    {
+        Choice.NEW,
+        Choice.APPROVED,
+        Choice.REJECTED,
+        Choice.SETTLED,
+        Choice.PROBE,
+        Choice.CANCELLED,
+        Choice.LEFT,
+    }
+)
+
+_TEXTS = {
+    Choice.NEW: "started and never driven",
+    Choice.APPROVED: "a person approved the action it waited on",
+    Choice.REJECTED: "a person rejected the action it waited on",
+    Choice.SETTLED: "what became of the effect in doubt is settled",
+    Choice.PROBE: "in doubt, and its tool's probe can settle it",
+    Choice.CANCELLED: "cancelled, and resumable",
+    Choice.LEFT: "left unfinished by a process that stopped",
+    Choice.FINISHED: "finished",
+    Choice.DRIVEN_HERE: "driven by this host already",
+    Choice.CLAIMED: "a live writer holds it",
+    Choice.NOT_STARTED: "no start record yet",
+    Choice.NO_AGENT: "started without an agent",
+    Choice.NOT_HOSTED: "its agent is not hosted here",
+    Choice.AWAITS_APPROVAL: "waits for a person to approve or reject an action",
+    Choice.AWAITS_SETTLEMENT: "in doubt: waits for a person to settle it",
+}
+
+
+def choose(
+    stored: StoredRun,
+    plan: Plan,
+    *,
+    hosted: Collection[str],
+    has_probe: bool,
+    driven_here: bool = False,
+) -> Choice:
+    """What a host of the agents named ``hosted`` does with ``stored``, whose log reads
+    as ``plan``. ``has_probe`` says whether the run's tool can settle its doubt (asked
+    only of a run in doubt); ``driven_here`` whether this host drives it already."""
+    if driven_here:
+        return Choice.DRIVEN_HERE
+    if stored.finished or plan.state is RecoveryState.FINISHED:
+        return Choice.FINISHED
+    if stored.claimed:
+        return Choice.CLAIMED
+    if plan.started is None:
+        return Choice.NOT_STARTED
+    if plan.started.agent is None:
+        return Choice.NO_AGENT
+    if plan.started.agent not in hosted:
+        return Choice.NOT_HOSTED
+    if plan.state is RecoveryState.AWAITING_APPROVAL:
+        # Until the log ends with the wait's end record, the wait is not on record
+        # (a process stopped first): driving it records the wait.
+        return Choice.AWAITS_APPROVAL if waits_for_person(plan) else Choice.LEFT
+    if plan.state is RecoveryState.IN_DOUBT:
+        if has_probe:
+            return Choice.PROBE
+        return Choice.AWAITS_SETTLEMENT if waits_for_person(plan) else Choice.LEFT
+    return _resumable(plan)
+
+
+def _resumable(plan: Plan) -> Choice:
+    """Why a resumable run of a hosted agent goes on."""
+    assert plan.started is not None
+    if plan.ended is not None:
+        return Choice.CANCELLED
+    if plan.verdict is not None and plan.open_intent is None:
+        return Choice.APPROVED if plan.verdict.approved else Choice.REJECTED
+    if plan.settlement is not None:
+        return Choice.SETTLED
+    untouched = plan.open_intent is None and plan.model_result is None
+    if untouched and len(plan.steps) == len(plan.started.inherited_steps):
+        return Choice.NEW
+    return Choice.LEFT
