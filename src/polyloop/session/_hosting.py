@@ -276,7 +276,7 @@ class Host:
         run_id = job.run_id
 
         def claimed(_: str) -> None:
-            owner = f" (left by {job.owner})" if job.owner and job.why is Choice.LEFT else ""
+            owner = f" (left by {job.owner})" if job.owner and job.why is Choice.INTERRUPTED else ""
             text = f"driving it: {job.why.text}{owner}"
             self._say(logging.INFO, "driving", run_id, text, agent=job.agent.name, why=job.why)
 
