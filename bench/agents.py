@@ -73,6 +73,44 @@ GOAL_TEXT = "Call the tool until told to stop."
 OBSERVATION_TEMPLATE = "Observation: {observation}"
 
 
+def definition(model: Any, interpreter: Any, store: Store) -> Definition:
+    """What every benchmark's PolyLoop runs share but the model, interpreter and store."""
+    return Definition(
+        model=model, interpreter=interpreter, store=store, events=NullSink(), texts=TEXTS
+    )
+
+
+def request(
+    run_id: str,
+    tools: ToolRegistry,
+    executor: Any,
+    *,
+    max_steps: int,
+    max_context_chars: int = 10**12,
+    system: str = SYSTEM_TEXT,
+    goal: str = GOAL_TEXT,
+    model_replay: Replay = Replay.NEVER,
+) -> Request:
+    """A run of every benchmark's shape: one system and one goal message, JSON tool calls,
+    no injection, ``max_steps`` steps (valid or not)."""
+    return Request(
+        run_id=run_id,
+        budget=Budget(
+            max_steps=max_steps, max_valid_steps=max_steps, max_context_chars=max_context_chars
+        ),
+        executor=executor,
+        tools=tools,
+        run_context=(Message.text(Role.SYSTEM, system),),
+        goal_context=(Message.text(Role.USER, goal),),
+        injection=Injection(entries={}),
+        binding={},
+        model_replay=model_replay,
+        observation_template=OBSERVATION_TEMPLATE,
+        tool_style=ToolStyle.JSON,
+        cancel_grace_s=5.0,
+    )
+
+
 class Counter:
     """Counts calls (decisions or tool executions) across runs."""
 
@@ -166,29 +204,10 @@ class Agent:
         self.executions = Counter()
         self.tools = noop_tools(self.executions)
         self.executor: Any = BareExecutor(self.executions) if bare else self.tools.executor()
-        self.definition = Definition(
-            model=self.model,
-            interpreter=InstantInterpreter(),
-            store=store,
-            events=NullSink(),
-            texts=TEXTS,
-        )
+        self.definition = definition(self.model, InstantInterpreter(), store)
 
     def request(self, run_id: str, *, max_steps: int) -> Request:
-        return Request(
-            run_id=run_id,
-            budget=Budget(max_steps=max_steps, max_valid_steps=max_steps, max_context_chars=10**12),
-            executor=self.executor,
-            tools=self.tools,
-            run_context=(Message.text(Role.SYSTEM, SYSTEM_TEXT),),
-            goal_context=(Message.text(Role.USER, GOAL_TEXT),),
-            injection=Injection(entries={}),
-            binding={},
-            model_replay=Replay.NEVER,
-            observation_template=OBSERVATION_TEMPLATE,
-            tool_style=ToolStyle.JSON,
-            cancel_grace_s=5.0,
-        )
+        return request(run_id, self.tools, self.executor, max_steps=max_steps)
 
     async def run(self, run_id: str, steps: int) -> RunResult:
         return await run(self.definition, self.request(run_id, max_steps=steps + 1))

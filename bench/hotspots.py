@@ -13,20 +13,29 @@ turns the shares into microseconds.
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import pstats
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import anyio
 
 from bench._common import Context, now
+from bench._sampling import source_name
 from bench.agents import Agent
+from bench.report import print_table
 from polyloop.ports import Action
 from polyloop.stores import MemoryStore
 
 TOP = 20
+SHARE_COLUMNS = [("own_pct", "own time %", 1), ("calls_per_step", "calls/step", 2)]
+PIECE_COLUMNS = [
+    ("piece", "piece"),
+    ("us_per_call", "us/call", 2),
+    ("calls_per_step", "calls/step", 0),
+    ("us_per_step", "us/step", 2),
+]
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -37,24 +46,30 @@ def run(ctx: Context) -> dict[str, Any]:
         anyio.run(_runs, ctx, kind, steps, profiler)
         stats = pstats.Stats(profiler)
         report[kind] = _summarise(stats, steps * 5)
-        _print(kind, report[kind])
+        for what, key, count in (("function", "functions", TOP), ("file", "files", 12)):
+            print_table(
+                f"Profile of PolyLoop on {kind}: share of own time per {what}",
+                [(what, what), *SHARE_COLUMNS],
+                [
+                    {**item, "own_pct": item["own_share"] * 100}
+                    for item in report[kind][key][:count]
+                ],
+            )
     report["pieces"] = pieces(ctx)
-    print_pieces(report["pieces"])
+    print_table(
+        "Pieces of a step, timed one by one (median of 5 batches)", PIECE_COLUMNS, report["pieces"]
+    )
     return report
 
 
 async def _runs(ctx: Context, kind: str, steps: int, profiler: cProfile.Profile) -> None:
-    from polyloop.stores import JsonlStore
-
-    store: Any = MemoryStore() if kind == "memory" else JsonlStore(ctx.scratch("profile"))
-    agent = Agent(store, steps=steps)
-    await agent.run("profile-warmup", steps)
-    profiler.enable()
-    for index in range(5):
-        await agent.run(f"profile-{index}", steps)
-    profiler.disable()
-    if kind != "memory":
-        await store.aclose()
+    async with contextlib.AsyncExitStack() as stack:
+        agent = Agent(await ctx.open_store(stack, kind), steps=steps)
+        await agent.run("profile-warmup", steps)
+        profiler.enable()
+        for index in range(5):
+            await agent.run(f"profile-{index}", steps)
+        profiler.disable()
 
 
 def _summarise(stats: pstats.Stats, total_steps: int) -> dict[str, Any]:
@@ -63,7 +78,7 @@ def _summarise(stats: pstats.Stats, total_steps: int) -> dict[str, Any]:
     functions = []
     per_file: dict[str, float] = defaultdict(float)
     for (filename, line, name), (_, calls, own, cumulative, _) in raw.items():
-        short = _short(filename)
+        short = source_name(filename)
         per_file[short] += own
         functions.append(
             {
@@ -80,27 +95,6 @@ def _summarise(stats: pstats.Stats, total_steps: int) -> dict[str, Any]:
         reverse=True,
     )
     return {"functions": functions[:TOP], "files": files[:TOP]}
-
-
-def _short(filename: str) -> str:
-    """The file name from the package on (never the machine's own directories)."""
-    parts = Path(filename).parts
-    for anchor in ("polyloop", "anyio", "jsonschema", "asyncio", "json", "trio"):
-        if anchor in parts:
-            return "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor) :])
-    return Path(filename).name or filename
-
-
-def _print(kind: str, report: dict[str, Any]) -> None:
-    print(f"\nProfile of PolyLoop on {kind}: share of own time per function")
-    for item in report["functions"]:
-        print(
-            f"  {item['own_share'] * 100:5.1f}%  {item['calls_per_step']:5.2f}/step  "
-            f"{item['function']}"
-        )
-    print(f"Profile of PolyLoop on {kind}: share of own time per file")
-    for item in report["files"][:12]:
-        print(f"  {item['own_share'] * 100:5.1f}%  {item['file']}")
 
 
 # -- what single pieces of a step cost, timed one by one --------------------------------------
@@ -218,16 +212,3 @@ async def _pieces(ctx: Context) -> list[dict[str, Any]]:
     )
     del ctx
     return rows
-
-
-def print_pieces(rows: list[dict[str, Any]]) -> None:
-    print("\nPieces of a step, timed one by one (median of 5 batches)")
-    print(f"  {'us/call':>8}  {'calls/step':>10}  {'us/step':>8}  piece")
-    for row in rows:
-        if "us_per_call" not in row:
-            print(f"  {'':>8}  {'':>10}  {'':>8}  {row['piece']}")
-            continue
-        print(
-            f"  {row['us_per_call']:8.2f}  {row['calls_per_step']:10.0f}  "
-            f"{row['us_per_step']:8.2f}  {row['piece']}"
-        )

@@ -25,22 +25,8 @@ from typing import Any, Protocol
 import anyio
 from jsonschema import Draft202012Validator
 
-from polyloop import (
-    Budget,
-    Definition,
-    Injection,
-    Message,
-    NullSink,
-    ObservationTexts,
-    Replay,
-    Request,
-    Role,
-    Store,
-    ToolRegistry,
-    ToolSpec,
-    ToolStyle,
-    run,
-)
+from bench.agents import definition, request
+from polyloop import Replay, Store, ToolRegistry, ToolSpec, run
 from polyloop.ports import ModelCall, ModelReply
 from polyloop.testing import JsonActionInterpreter
 from polyloop.types import JSONValue
@@ -154,13 +140,8 @@ class Workload:
             max_observation_chars=OBSERVATION_CHARS + 1_000,
         )
         self.executor = self.tools.executor()
-        self.definition = Definition(
-            model=LatencyModel(steps, latency_s, self.counts),
-            interpreter=JsonActionInterpreter(),
-            store=store,
-            events=NullSink(),
-            texts=ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}"),
-        )
+        model = LatencyModel(steps, latency_s, self.counts)
+        self.definition = definition(model, JsonActionInterpreter(), store)
 
     async def _search(self, arguments: dict[str, Any], *, result_id: str) -> str:
         await anyio.sleep(self.tool_s)
@@ -172,28 +153,18 @@ class Workload:
         self.counts.executions += 1
         return SUBMITTED
 
-    def request(self, run_id: str) -> Request:
-        return Request(
-            run_id=run_id,
-            budget=Budget(
-                max_steps=self.steps + 1,
-                max_valid_steps=self.steps + 1,
-                max_context_chars=10**9,
-            ),
-            executor=self.executor,
-            tools=self.tools,
-            run_context=(Message.text(Role.SYSTEM, SYSTEM_PROMPT),),
-            goal_context=(Message.text(Role.USER, GOAL),),
-            injection=Injection(entries={}),
-            binding={},
-            model_replay=Replay.ALLOWED,
-            observation_template="Observation: {observation}",
-            tool_style=ToolStyle.JSON,
-            cancel_grace_s=5.0,
-        )
-
     async def run(self, run_id: str) -> None:
-        result = await run(self.definition, self.request(run_id))
+        asked = request(
+            run_id,
+            self.tools,
+            self.executor,
+            max_steps=self.steps + 1,
+            max_context_chars=10**9,
+            system=SYSTEM_PROMPT,
+            goal=GOAL,
+            model_replay=Replay.ALLOWED,
+        )
+        result = await run(self.definition, asked)
         if result.step_count != self.steps or result.stop_reason.value != "submitted":
             raise AssertionError(
                 f"run {run_id!r} ended {result.stop_reason} after {result.step_count} steps"
