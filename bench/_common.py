@@ -62,6 +62,10 @@ class Sizes:
     def describe(self) -> dict[str, Any]:
         return asdict(self)
 
+    def pick(self, full: T, quick: T, tiny: T) -> T:
+        """This mode's choice among a benchmark's own sizes."""
+        return tiny if self is TINY else quick if self is QUICK else full
+
 
 FULL = Sizes(
     overhead_steps=200,
@@ -303,6 +307,19 @@ def history(unfinished: Sequence[str], finished: int) -> list[tuple[str, str]]:
         counts[kind] += 1
         runs.append((kind, f"{kind}-{counts[kind]:06d}"))
     return runs
+
+
+async def each(
+    count: int, one: Callable[[int], Awaitable[Any]], *, sequential: bool = False
+) -> None:
+    """``one(0)`` to ``one(count - 1)``: all at once in one task group, or one by one."""
+    if sequential:
+        for index in range(count):
+            await one(index)
+        return
+    async with anyio.create_task_group() as group:
+        for index in range(count):
+            group.start_soon(one, index)
 
 
 async def at_once(jobs: Iterable[Callable[[], Awaitable[Any]]], tasks: int) -> None:

@@ -1,19 +1,10 @@
-"""The loop under test, built three ways: PolyLoop, and two hand-written floors.
+"""The loop under test in benchmarks 1-7, built three ways: PolyLoop, and hand-written floors.
 
-Every loop here does the same work per step: one call to an instant model (which
-suspends once, as a real client awaiting a network reply would, and answers at once),
-then, unless the model answered, one call to a no-op tool whose observation goes back
-into the history. A run of ``steps`` decisions makes ``steps - 1`` tool calls and ends
-with a final answer.
-
-The floors are the cheapest honest way to write that loop by hand:
-
-* :func:`handwritten_memory` appends to a Python list and keeps nothing durable;
-* :func:`handwritten_durable` does the same plus the two barriers a crash-safe loop
-  needs per step, each an ``os.write`` of a small record followed by ``os.fsync``:
-  one before the model call, one before the tool runs;
-* :func:`handwritten_concurrent` runs many such durable loops at once, each with its own
-  file, the blocking write and sync in a worker thread.
+Every loop does the same work per step: one call to an instant model (it suspends once,
+as a client awaiting a reply would, and answers at once), then, unless the model
+answered, one call to a no-op tool whose observation goes back into the history. The
+floors are the cheapest honest way to write that loop by hand (``bench/README.md``,
+benchmarks 1-3). Beside them, the definition and request every benchmark's runs share.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from bench._common import RunStats, now
+from bench._common import RunStats, each, now
 from polyloop import (
     Budget,
     Definition,
@@ -392,13 +383,7 @@ async def handwritten_concurrent(
         )
 
     began = now()
-    if sequential:
-        for index in range(runs):
-            await one(index)
-    else:
-        async with anyio.create_task_group() as group:
-            for index in range(runs):
-                group.start_soon(one, index)
+    await each(runs, one, sequential=sequential)
     return RunStats(now() - began, model.decisions.n, executions.n)
 
 

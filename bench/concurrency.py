@@ -17,6 +17,7 @@ from bench._common import (
     Context,
     Row,
     RunStats,
+    each,
     median,
     now,
     rounds,
@@ -144,9 +145,7 @@ class _Stores:
     async def _warm(self, store: Any) -> None:
         """A few small runs at once, so connections and files exist before timing."""
         agent = Agent(store, steps=2)
-        async with anyio.create_task_group() as group:
-            for _ in range(8):
-                group.start_soon(agent.run, f"warm-{uuid.uuid4().hex[:8]}", 2)
+        await each(8, lambda _: agent.run(f"warm-{uuid.uuid4().hex[:8]}", 2))
 
 
 async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row], list[Row]]:
@@ -220,13 +219,7 @@ async def _pass_for(
         agent = Agent(store, steps=steps)  # one model client shared by every run of the pass
         prefix = uuid.uuid4().hex[:8]
         began = now()
-        if sequential:
-            for index in range(runs):
-                await agent.run(f"{prefix}-{index}", steps)
-        else:
-            async with anyio.create_task_group() as group:
-                for index in range(runs):
-                    group.start_soon(agent.run, f"{prefix}-{index}", steps)
+        await each(runs, lambda index: agent.run(f"{prefix}-{index}", steps), sequential=sequential)
         seconds = now() - began
         stats = RunStats(seconds, agent.model.decisions.n, agent.executions.n)
         if stats.decisions != runs * steps or stats.tool_executions != runs * (steps - 1):

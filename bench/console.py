@@ -22,9 +22,7 @@ import anyio
 import anyio.lowlevel
 
 from bench._common import (
-    QUICK,
     STORE_NAMES,
-    TINY,
     Context,
     Row,
     at_once,
@@ -102,12 +100,6 @@ class ConsoleSizes:
 FULL_SIZES = ConsoleSizes(finished=100_000, unfinished=1_000, deep_page=2_000, repeats=5)
 QUICK_SIZES = ConsoleSizes(finished=10_000, unfinished=100, deep_page=200, repeats=3)
 TINY_SIZES = ConsoleSizes(finished=60, unfinished=10, deep_page=2, repeats=1)
-
-
-def sizes_for(ctx: Context) -> ConsoleSizes:
-    if ctx.sizes == TINY:
-        return TINY_SIZES
-    return QUICK_SIZES if ctx.sizes == QUICK else FULL_SIZES
 
 
 # -- the agent whose runs fill the store ----------------------------------------------------
@@ -373,6 +365,9 @@ class Console:
             response.text,
         )
 
+    async def request(self, path: str) -> Sample:
+        return await (self.first_change() if path == EVENTS else self.get(path))
+
     async def first_change(self) -> Sample:
         """How long the list's live updates take to look at the store once: the stream
         opened with a version that is out of date answers "changed" after one look.
@@ -495,40 +490,29 @@ def _reading(probe: Probe) -> Iterator[None]:
         _data.READ_AT_ONCE = at_once
 
 
-async def _sample(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> Sample:
-    """One request of ``probe`` on a new application (warmed by the same request first
-    if the probe is warm)."""
-    with _reading(probe):
-        return await _one_sample(store, probe, sizes)
-
-
-async def _one_sample(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> Sample:
+async def _application(store: ManagedStore, probe: Probe) -> Console:
+    """A new application for ``probe`` (warmed by its request first if the probe is warm)."""
     console = Console(store)
     if not probe.cold:
         await console.get(probe.path)
-    settle()
-    if probe.path == EVENTS:
-        return await with_ticker(console.first_change)
-    sample = await with_ticker(lambda: console.get(probe.path))
+    return console
+
+
+async def _sample(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> Sample:
+    """One request of ``probe``, checked, on a new application."""
+    with _reading(probe):
+        console = await _application(store, probe)
+        settle()
+        sample = await with_ticker(lambda: console.request(probe.path))
     probe.check(sample.body, sizes)
     return sample
 
 
-async def _peak_mb(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> float:
+async def _peak_mb(store: ManagedStore, probe: Probe) -> float:
     """The peak of Python allocations during the probe's request, above the level before."""
     with _reading(probe):
-        return await _one_peak(store, probe)
-
-
-async def _one_peak(store: ManagedStore, probe: Probe) -> float:
-    console = Console(store)
-    if not probe.cold:
-        await console.get(probe.path)
-
-    async def request() -> Any:
-        return await (console.first_change() if probe.path == EVENTS else console.get(probe.path))
-
-    return await python_peak_bytes(request) / 2**20
+        console = await _application(store, probe)
+        return await python_peak_bytes(lambda: console.request(probe.path)) / 2**20
 
 
 async def _list_runs_rows(
@@ -575,7 +559,7 @@ async def _probe_rows(
                 "full_ms": median([s.full_s for s in samples]) * 1e3,
                 "logs_read": max(reads),
                 "stall_ms": median([s.stall_s for s in samples]) * 1e3,
-                "peak_mb": await _peak_mb(store, probe, sizes),
+                "peak_mb": await _peak_mb(store, probe),
                 "repeats": len(samples),
             }
         )
@@ -596,7 +580,7 @@ async def _measure(
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    sizes = sizes_for(ctx)
+    sizes = ctx.sizes.pick(FULL_SIZES, QUICK_SIZES, TINY_SIZES)
     keep = sizes != TINY_SIZES
     rows: list[Row] = []
     web = next(

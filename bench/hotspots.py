@@ -1,14 +1,8 @@
-"""``--profile``: where a PolyLoop step spends its time (cProfile, deterministic).
+"""``--profile``: where a PolyLoop step spends its time (cProfile), then the pieces of a
+step timed one by one without the profiler, which turns its shares into microseconds.
 
-Profiles a few runs of the benchmark-1 agent on ``MemoryStore`` and on ``JsonlStore``
-and prints, per store, the functions with the most time of their own and the same time
-summed per source file. Profiling slows every Python call down, so these are shares of
-a step, not durations: read them beside the timings of benchmarks 1 and 2. For
-coroutines, cProfile counts every resumption as a call, so their calls per step are
-higher than the number of times they are awaited.
-
-Then the pieces a step is made of are timed one by one, without the profiler, which
-turns the shares into microseconds.
+Profiling slows every Python call down, so the profile gives shares of a step, not
+durations; and it counts each resumption of a coroutine as a call.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from bench._common import QUICK, TINY, Context, Row, skipped, target
+from bench._common import Context, Row, each, skipped, target
 from bench._sampling import beside_ticker, lateness_ms
 from bench.agents import Agent, InstantModel
 from polyloop import ModelCall, ModelReply
@@ -57,15 +57,6 @@ class SlowModel(InstantModel):
         return await super().call(call)
 
 
-def _sizes(ctx: Context) -> tuple[int, int]:
-    """(concurrent runs, steps per run)."""
-    if ctx.sizes is TINY:
-        return 3, 2
-    if ctx.sizes is QUICK:
-        return 100, 10
-    return 100, 30
-
-
 def run(ctx: Context) -> dict[str, Any]:
     rows: list[Row] = []
     for backend in ctx.sizes.backends:
@@ -101,7 +92,7 @@ def _targets(rows: list[Row]) -> list[Row]:
 
 
 async def _backend(ctx: Context, backend: str) -> list[Row]:
-    runs, steps = _sizes(ctx)
+    runs, steps = ctx.sizes.pick((100, 30), (100, 10), (3, 2))  # concurrent runs, steps
     rows = []
     for store in STORES:
         row: Row = {
@@ -141,9 +132,7 @@ async def _measure(store: Any, runs: int, steps: int) -> list[float]:
         agent = Agent(store, steps=steps)
         agent.model = SlowModel(steps, seed=7)
         agent.definition = dataclasses.replace(agent.definition, model=agent.model)
-        async with anyio.create_task_group() as group:
-            for _ in range(runs):
-                group.start_soon(agent.run, f"lag-{uuid.uuid4().hex[:12]}", steps)
+        await each(runs, lambda _: agent.run(f"lag-{uuid.uuid4().hex[:12]}", steps))
 
     _, ticker = await beside_ticker(work, TICK_S)
     return [late * 1000 for late in ticker.lateness_s]

@@ -16,9 +16,7 @@ from typing import Any
 import anyio
 
 from bench._common import (
-    QUICK,
     STORE_NAMES,
-    TINY,
     Context,
     Row,
     at_once,
@@ -72,15 +70,8 @@ QUICK_SIZES = ListingSizes(unfinished=500, finished=(0, 5_000), repeats=3)
 TINY_SIZES = ListingSizes(unfinished=3, finished=(0, 6), repeats=1)
 
 
-def sizes_for(ctx: Context) -> ListingSizes:
-    # The shared Sizes say which mode this is; this benchmark's own sizes stay here.
-    if ctx.sizes == TINY:
-        return TINY_SIZES
-    return QUICK_SIZES if ctx.sizes == QUICK else FULL_SIZES
-
-
 def run(ctx: Context) -> dict[str, Any]:
-    sizes = sizes_for(ctx)
+    sizes = ctx.sizes.pick(FULL_SIZES, QUICK_SIZES, TINY_SIZES)
     rows, notes = anyio.run(_measure, ctx, sizes)
     for note in notes:
         ctx.note(note)

@@ -71,41 +71,23 @@ KINDS = {
 }
 
 
-class _RefuseWrites:
-    """Passes reads and claims to ``inner``; every write raises ``_Refused`` and is
-    remembered."""
+class _RefuseWrites(FaultyStore):
+    """Refuses every write (noting what it was) and counts the records read, so that a
+    log can be resumed again and again and each resume shown to read it whole."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
+        super().__init__(inner, fail_after_writes=0)
         self.attempted: list[Any] = []
         self.records_read = 0
 
-    def parameters(self) -> Any:
-        return self.inner.parameters()
+    async def _write(self, write: Any, *args: Any, **kwargs: Any) -> None:
+        self.attempted.append(args[0])
+        await super()._write(write, *args, **kwargs)
 
     async def read_log(self, run_id: str) -> RunLog:
-        log = await self.inner.read_log(run_id)
+        log = await super().read_log(run_id)
         self.records_read += len(log.records)
         return log
-
-    # ``resume`` claims the run before reading it and gives the claim up on its way out;
-    # neither writes a record.
-    async def claim_run(self, run_id: str) -> None:
-        await self.inner.claim_run(run_id)
-
-    async def release_run(self, run_id: str) -> None:
-        await self.inner.release_run(run_id)
-
-    def __getattr__(self, name: str) -> Any:
-        async def refuse(*args: Any) -> None:
-            self.attempted.append(args[0] if args else None)
-            raise _Refused(name)
-
-        return refuse
-
-
-class _Refused(Exception):
-    pass
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -357,7 +339,7 @@ async def _timed_resume(store: Any, run_id: str, size: int) -> tuple[float, int]
     began = now()
     try:
         await resume(agent.definition, agent.request(run_id, max_steps=size))
-    except _Refused:
+    except SimulatedCrash:
         seconds = now() - began
     else:
         raise AssertionError("resume wrote nothing: the log was not resumable")

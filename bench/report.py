@@ -161,18 +161,24 @@ def _benchmark(bench: dict[str, Any]) -> str:
 
 def target_line(item: dict[str, Any]) -> str:
     """A target as the console shows it while the benchmarks run."""
-    measured, unit = item["measured"], item.get("unit", "x")
-    shown = "not measured" if measured is None else f"{measured:.2f}{unit}"
-    bound = "at least" if item.get("at_least") else "limit"
     verdict = "met" if item["met"] else "MISSED"
-    return f"  target: {item['target']}: {shown} ({bound} {item['limit']}{unit}) -> {verdict}"
+    return f"  target: {item['target']}: {_measured(item)} ({_bound(item)}) -> {verdict}"
 
 
 def _target(item: dict[str, Any]) -> str:
-    measured, unit = item.get("measured"), item.get("unit", "x")
-    shown = "not measured" if measured is None else f"{measured:.2f}{unit}"
-    bound = ("at least " if item.get("at_least") else "at most ") + f"{item['limit']:g}{unit}"
-    return f"| {item['target']} | {shown} | {bound} | {'yes' if item['met'] else 'no'} |"
+    met = "yes" if item["met"] else "no"
+    return f"| {item['target']} | {_measured(item)} | {_bound(item)} | {met} |"
+
+
+def _measured(item: dict[str, Any]) -> str:
+    measured = item.get("measured")
+    return "not measured" if measured is None else f"{measured:.2f}{item.get('unit', 'x')}"
+
+
+def _bound(item: dict[str, Any]) -> str:
+    return (
+        "at least " if item.get("at_least") else "at most "
+    ) + f"{item['limit']:g}{item.get('unit', 'x')}"
 
 
 def _machine(meta: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 
 from bench._children import ChildFailed, Children, child_command, meet
-from bench._common import postgres_conninfo, postgres_schema
+from bench._common import each, postgres_conninfo, postgres_schema
 from bench._sampling import children_named, cpu_seconds
 
 AGENT = "bench"
@@ -161,9 +161,7 @@ async def _drive(
         )
         outcomes.append(await handles[-1].result())
 
-    async with anyio.create_task_group() as group:
-        for i in range(workers.runs):
-            group.start_soon(start, i)
+    await each(workers.runs, start)
     wall = time.time() - began
     server_spent = cpu_seconds(server) - server_cpu if server is not None else None
     steps = sum(outcome["steps"] for outcome in outcomes)
@@ -216,20 +214,18 @@ async def _serve_polyloop(workers: Workers) -> dict[str, Any]:
     from polyloop import start_or_resume
 
     definition, request_for = _agent_parts(workers)
-    mine = [f"pl-{i}" for i in range(workers.slot, workers.runs, workers.count)]
+    mine = range(workers.slot, workers.runs, workers.count)
     steps = 0
     async with definition.store:
         await definition.store.describe_run("warm-up")  # connect before the clock starts
         began, cpu = time.time(), cpu_seconds()
 
-        async def one(run_id: str) -> None:
+        async def one(index: int) -> None:
             nonlocal steps
-            result = await start_or_resume(definition, request_for(run_id, None))
+            result = await start_or_resume(definition, request_for(f"pl-{mine[index]}", None))
             steps += result.step_count  # after the await: no other task's sum is lost
 
-        async with anyio.create_task_group() as group:
-            for run_id in mine:
-                group.start_soon(one, run_id)
+        await each(len(mine), one)
         ended = time.time()
     return {"began": began, "ended": ended, "cpu": cpu_seconds() - cpu, "steps": steps}
 

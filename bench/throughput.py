@@ -28,7 +28,7 @@ import anyio
 
 from bench import peers
 from bench._children import ChildFailed, Children, child_command, meet
-from bench._common import new_store, postgres_conninfo, postgres_schema
+from bench._common import each, new_store, postgres_conninfo, postgres_schema
 from bench._sampling import (
     beside_ticker,
     cpu_seconds,
@@ -402,9 +402,7 @@ async def measure(cell: Cell) -> dict[str, Any]:
             began = time.monotonic()
             if profiler is not None:
                 profiler.enable()
-            async with anyio.create_task_group() as group:
-                for index in range(cell.runs):
-                    group.start_soon(one, index)
+            await each(cell.runs, one)
             if profiler is not None:
                 profiler.disable()
             return began, time.monotonic(), cpu_seconds() - cpu_before

@@ -1,17 +1,9 @@
-"""A run of realistic shape for the throughput benchmark (``python -m bench throughput``).
+"""The run of realistic shape of benchmark 8 (``python -m bench throughput``): a shared
+model client with latency, a search tool with checked arguments and a 3 KB observation.
 
-One model client serves every run: it waits ``latency_s`` (``anyio.sleep``, as a
-client awaiting a server does) and answers a JSON tool call with arguments. Each step's
-tool validates those arguments against a JSON Schema, waits ``tool_s`` and returns an
-observation of about 3 KB that differs from step to step, so the transcript the model
-is shown grows by that much each step. The last step calls a tool that completes the
-run. Nothing here is PolyLoop's own code but the run itself.
-
-The script (:func:`decision`), the observation (:func:`observation`) and the schemas are
-shared with the hand-written floor (:class:`HandWorkload`, the same work with no kernel
-and nothing durable) and with the peers in ``bench/peers.py``, so every cell does the
-same work. Every driver counts its model decisions and tool executions in a
-:class:`Counts`, which the benchmark checks against runs x steps.
+The script (:func:`decision`), the observation and the schemas are shared with the
+hand-written floor (:class:`HandWorkload`) and the peers (``bench/peers.py``), so every
+cell does the same work; every driver counts its model decisions and tool executions.
 """
 
 from __future__ import annotations
@@ -25,6 +17,7 @@ from typing import Any, Protocol
 import anyio
 from jsonschema import Draft202012Validator
 
+from bench._common import each
 from bench.agents import definition, request
 from polyloop import Replay, Store, ToolRegistry, ToolSpec, run
 from polyloop.ports import ModelCall, ModelReply
@@ -88,9 +81,7 @@ async def warm(driver: Driver, prefix: str = "warm", runs: int = 4) -> None:
     """A few short runs first, so connections and files exist before timing; their
     decisions and tool executions are not counted. ``prefix`` keeps the run ids of
     processes that share a database apart."""
-    async with anyio.create_task_group() as group:
-        for index in range(runs):
-            group.start_soon(driver.run, f"{prefix}-{index}")
+    await each(runs, lambda index: driver.run(f"{prefix}-{index}"))
     driver.counts.decisions = driver.counts.executions = driver.counts.rows = 0
 
 
