@@ -11,7 +11,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -310,7 +310,7 @@ def history(unfinished: Sequence[str], finished: int) -> list[tuple[str, str]]:
 
 
 async def each(
-    count: int, one: Callable[[int], Awaitable[Any]], *, sequential: bool = False
+    count: int, one: Callable[[int], Coroutine[Any, Any, Any]], *, sequential: bool = False
 ) -> None:
     """``one(0)`` to ``one(count - 1)``: all at once in one task group, or one by one."""
     if sequential:

@@ -54,11 +54,15 @@ NOOP_ACTION = Action(
 )
 FINAL_ANSWER = FinalAnswer(answer="done", history_text="final")
 TEXTS = ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}")
-NOOP_SCHEMA: dict[str, JSONValue] = {
-    "type": "object",
-    "properties": {},
-    "additionalProperties": False,
-}
+
+
+def object_schema(**properties: JSONValue) -> dict[str, JSONValue]:
+    """The JSON Schema of a tool's arguments: these properties, each required, no others."""
+    required: dict[str, JSONValue] = {"required": list(properties)} if properties else {}
+    return {"type": "object", "properties": properties, **required, "additionalProperties": False}
+
+
+NOOP_SCHEMA = object_schema()
 SYSTEM_TEXT = "You are a benchmark agent."
 GOAL_TEXT = "Call the tool until told to stop."
 OBSERVATION_TEMPLATE = "Observation: {observation}"

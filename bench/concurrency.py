@@ -159,17 +159,9 @@ async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row], li
                 steps = (
                     sizes.concurrency_steps_largest if runs == largest else sizes.concurrency_steps
                 )
-                row: Row = {
-                    "key": f"{backend}-{kind}-{runs}",
-                    "backend": backend,
-                    "store": kind,
-                    "name": f"{backend}: {STORE_NAMES[kind]}",
-                    "runs": runs,
-                    "steps_per_run": steps,
-                }
-                problem = ctx.unavailable(kind)
-                if problem is not None:
-                    rows.append(skipped(row, problem))
+                row = _head(ctx, backend, kind, f"{backend}-{kind}-{runs}", runs, steps)
+                if row.get("skipped"):
+                    rows.append(row)
                     continue
                 pass_ = await _pass_for(ctx, stores, kind, runs, steps)
                 walls = []
@@ -282,10 +274,15 @@ async def _group_gains(ctx: Context, stores: _Stores, backend: str) -> list[Row]
 
 
 def _paired_row(ctx: Context, backend: str, kind: str, table: str) -> Row:
-    """The head of a row of tables 3b/3c, already marked skipped without PostgreSQL."""
+    """The head of a row of tables 3b/3c."""
     runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
+    return _head(ctx, backend, kind, f"{backend}-{kind}-{table}", runs, steps)
+
+
+def _head(ctx: Context, backend: str, kind: str, key: str, runs: int, steps: int) -> Row:
+    """The head of a row, already marked skipped where the store cannot run here."""
     row: Row = {
-        "key": f"{backend}-{kind}-{table}",
+        "key": key,
         "backend": backend,
         "store": kind,
         "name": f"{backend}: {STORE_NAMES[kind]}",

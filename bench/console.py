@@ -36,7 +36,7 @@ from bench._common import (
     skipped,
 )
 from bench._sampling import beside_ticker, python_peak_bytes
-from bench.agents import definition, request
+from bench.agents import definition, object_schema, request
 from polyloop import Replay, ToolRegistry, ToolSpec, start_or_resume
 from polyloop import run as run_agent
 from polyloop.ports import ManagedStore
@@ -58,18 +58,8 @@ STORES = ("sqlite", "postgres")
 # another; the store batches the writes that wait at the same moment into one commit.
 BUILDERS = 500
 CACHE_ENV = "POLYLOOP_BENCH_CACHE"
-NUMBER_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"n": {"type": "integer"}},
-    "required": ["n"],
-    "additionalProperties": False,
-}
-ENV_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"env": {"type": "string"}},
-    "required": ["env"],
-    "additionalProperties": False,
-}
+NUMBER_SCHEMA = object_schema(n={"type": "integer"})
+ENV_SCHEMA = object_schema(env={"type": "string"})
 
 
 @dataclass(frozen=True)

@@ -18,28 +18,17 @@ import anyio
 from jsonschema import Draft202012Validator
 
 from bench._common import each
-from bench.agents import definition, request
+from bench.agents import definition, object_schema, request
 from polyloop import Replay, Store, ToolRegistry, ToolSpec, run
 from polyloop.ports import ModelCall, ModelReply
 from polyloop.testing import JsonActionInterpreter
 from polyloop.types import JSONValue
 
 OBSERVATION_CHARS = 3_000
-SEARCH_SCHEMA: dict[str, JSONValue] = {
-    "type": "object",
-    "properties": {
-        "query": {"type": "string", "minLength": 1},
-        "page": {"type": "integer", "minimum": 0},
-    },
-    "required": ["query", "page"],
-    "additionalProperties": False,
-}
-SUBMIT_SCHEMA: dict[str, JSONValue] = {
-    "type": "object",
-    "properties": {"summary": {"type": "string"}},
-    "required": ["summary"],
-    "additionalProperties": False,
-}
+SEARCH_SCHEMA = object_schema(
+    query={"type": "string", "minLength": 1}, page={"type": "integer", "minimum": 0}
+)
+SUBMIT_SCHEMA = object_schema(summary={"type": "string"})
 SUBMITTED = "submitted"
 SYSTEM_PROMPT = "You are a research agent."
 GOAL = "Search the corpus, then submit a summary."
