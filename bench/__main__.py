@@ -32,50 +32,31 @@ class Benchmark:
     module: str
 
 
-REGISTRY = {
-    entry.name: entry
-    for entry in (
-        Benchmark(
-            "suite",
-            "benchmarks 1-7 and 10 in one run, one results file (the performance page's)",
-            "suite",
-        ),
-        Benchmark(
-            "overhead", "1. kernel overhead per step against a hand-written loop and peers", "suite"
-        ),
-        Benchmark(
-            "durable",
-            "2. a durable step on each store against fsync and hand-written floors",
-            "suite",
-        ),
-        Benchmark(
-            "concurrency",
-            "3. concurrent runs: speed, memory, against sequential, group commit",
-            "suite",
-        ),
-        Benchmark("recovery", "4. resume time against the length of the log", "suite"),
-        Benchmark("scale", "5. the cost of a step early and late in one long run", "suite"),
-        Benchmark(
-            "listing", "6. listing and statuses against the number of finished runs", "suite"
-        ),
-        Benchmark("lag", "7. event-loop lag beside concurrent durable runs", "suite"),
-        Benchmark(
-            "throughput",
-            "8. many runs of realistic shape in child processes, with floors, peers",
-            "throughput",
-        ),
-        Benchmark(
-            "temporal",
-            "9. the same runs driven by Temporal workers and by PolyLoop's own",
-            "temporal",
-        ),
-        Benchmark("console", "10. the web console's pages on a store with a long history", "suite"),
-        Benchmark("codec", "11. the record codec on benchmark 8's records", "codec"),
-        Benchmark(
-            "render", "results files (bench/results/) as the Markdown tables of the docs", "report"
-        ),
-    )
-}
+# name, the module of bench/ that runs it, and what it measures
+ENTRIES = (
+    (
+        "suite",
+        "suite",
+        "benchmarks 1-7 and 10 in one run, one results file (the performance page's)",
+    ),
+    ("overhead", "suite", "1. kernel overhead per step against a hand-written loop and peers"),
+    ("durable", "suite", "2. a durable step on each store against fsync and hand-written floors"),
+    ("concurrency", "suite", "3. concurrent runs: speed, memory, against sequential, group commit"),
+    ("recovery", "suite", "4. resume time against the length of the log"),
+    ("scale", "suite", "5. the cost of a step early and late in one long run"),
+    ("listing", "suite", "6. listing and statuses against the number of finished runs"),
+    ("lag", "suite", "7. event-loop lag beside concurrent durable runs"),
+    (
+        "throughput",
+        "throughput",
+        "8. many runs of realistic shape in child processes, with floors, peers",
+    ),
+    ("temporal", "temporal", "9. the same runs driven by Temporal workers and by PolyLoop's own"),
+    ("console", "suite", "10. the web console's pages on a store with a long history"),
+    ("codec", "codec", "11. the record codec on benchmark 8's records"),
+    ("render", "report", "results files (bench/results/) as the Markdown tables of the docs"),
+)
+REGISTRY = {name: Benchmark(name, summary, module) for name, module, summary in ENTRIES}
 
 
 def usage() -> str:

@@ -157,6 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         not KINDS[store].shared for store in stores
     ):
         print("note: more than one worker applies to sqlite and postgres only", flush=True)
+    # What every cell of the command shares; each fills in its store, backend and runs.
     settings = Cell(
         store="",
         backend="",
