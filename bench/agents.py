@@ -392,12 +392,8 @@ async def handwritten_concurrent(
 
 
 async def fsync_floor_run(count: int, path: Path) -> RunStats:
-    """``count`` appends of a small record, each followed by ``fsync``, on a new file.
-
-    Timed as a whole like every loop (wall time over calls, so the slow tail of the
-    disk's syncs counts as it does in a run), for the benchmark's round-robin: measured
-    between the runs, the floor sees the disk in the state the runs see it in.
-    """
+    """``count`` appends of a small record, each followed by ``fsync``, on a new file, timed
+    as a whole like every loop, so that the disk's slow syncs count as they do in a run."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         began = now()
@@ -416,22 +412,10 @@ _SQLITE_ROWS = (
 
 
 class HandSqlite:
-    """The in-memory floor plus the four commits of a durable step, hand-written on SQLite.
-
-    One WAL database, opened once and kept open across runs as ``SqliteStore`` keeps its
-    own: SQLite's write-ahead log grows until its first checkpoint and is then written
-    over from its start, and appending to a growing file costs more per sync than
-    writing over blocks the file already has. A database opened afresh for every run
-    would measure only the growing phase, which a long-lived store leaves behind after
-    its first few hundred steps (record 0014).
-
-    Per step, as PolyLoop's ``SqliteStore`` commits them and with its row sizes: the model
-    intent under ``synchronous=FULL``, the model result under ``NORMAL``, the action
-    intent under ``FULL``, the action result and step under ``NORMAL``, each a single
-    autocommitted ``INSERT`` (the cheapest transaction Python's ``sqlite3`` offers), the
-    level switched only when it changes. What SQLite itself charges for a step, with no
-    record encoding, locks or checks.
-    """
+    """The in-memory floor plus the four commits of a durable step, hand-written on SQLite,
+    as ``SqliteStore`` commits them (``bench/README.md``, benchmark 2). One database kept
+    open across runs, as the store keeps its own: a new one would measure only the dearer
+    phase in which its write-ahead log still grows (research record 0015)."""
 
     def __init__(self, path: Path, sizes: LineSizes) -> None:
         import sqlite3  # only this floor needs it

@@ -211,15 +211,9 @@ def langgraph_postgres_missing() -> str | None:
 
 
 class LangGraphWorkload:
-    """The workload of ``bench/workload.py`` as a LangGraph graph, driven with ``ainvoke``.
-
-    A model node (an ``async`` function that sleeps the latency and answers the step's tool
-    call, encoded and decoded as a provider's reply would be) and the prebuilt
-    ``ToolNode`` with ``search`` and ``submit``, whose arguments LangChain validates with a
-    model built from their signatures (the same constraints as the JSON Schemas). After
-    ``submit`` the graph ends. ``checkpointer`` keeps every step, with LangGraph's
-    default durability.
-    """
+    """Benchmark 8's workload as a LangGraph graph (a model node, the prebuilt ``ToolNode``
+    with ``search`` and ``submit``, an end after ``submit``), driven with ``ainvoke``;
+    LangChain checks the tools' arguments against their signatures."""
 
     def __init__(self, checkpointer: Any, *, steps: int, latency_s: float, tool_s: float) -> None:
         from langchain_core.messages import AIMessage
@@ -330,15 +324,8 @@ async def langgraph_workload(
 
 
 class PydanticAIWorkload:
-    """The workload of ``bench/workload.py`` as a Pydantic AI agent, in memory.
-
-    ``Agent(FunctionModel(...))``: the model function sleeps the latency and answers the
-    step's tool call with its arguments as JSON text, which Pydantic AI decodes and
-    validates against the tool's signature (the same constraints as the JSON Schemas),
-    and with a token usage, as a provider's reply has.
-    ``search`` is a tool; ``submit`` is the agent's output function, so calling it ends
-    the run as the submit tool does elsewhere. Pydantic AI has no durable store.
-    """
+    """Benchmark 8's workload as a Pydantic AI agent, in memory (it has no durable store):
+    ``search`` is a tool and ``submit`` the output function, so calling it ends the run."""
 
     def __init__(self, *, steps: int, latency_s: float, tool_s: float) -> None:
         from pydantic_ai import Agent, ToolOutput

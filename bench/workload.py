@@ -172,19 +172,13 @@ def action_text(tool: str, arguments: Mapping[str, Any]) -> str:
 
 
 class HandWorkload:
-    """The same work written by hand: no kernel, no store, nothing durable.
+    """The same work written by hand: no kernel, no store, nothing durable (the floor).
 
-    Each step sleeps the model's latency, encodes and decodes the tool call as the model
-    client and a JSON interpreter do, validates its arguments with a validator built
-    once (unless ``validate`` is false), sleeps the tool's time, builds the same
-    observation and appends both to the run's transcript. This is the floor: the CPU a
-    step costs with no kernel at all (event loop, JSON, validation).
-
-    With ``trajectory`` the run also keeps, as PolyLoop's ``RunResult.steps`` does, one
-    :class:`HandStep` per step, and shows the model each observation inside the template
-    ``"Observation: {observation}"``: the memory floor of a loop that returns its
-    trajectory (:meth:`trajectory_of`).
-    """
+    Each step encodes and decodes the tool call as a model client and a JSON interpreter
+    do, and checks its arguments with a validator built once (unless ``validate`` is
+    false). With ``trajectory`` the run also keeps one :class:`HandStep` a step, as
+    ``RunResult.steps`` does (:meth:`trajectory_of`): the memory floor of a loop that
+    returns its trajectory."""
 
     def __init__(
         self,
