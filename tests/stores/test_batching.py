@@ -25,6 +25,7 @@ import pytest
 
 from kit.agent import InterruptedModel, Ledger, definition, make_tools, six_step_script
 from kit.agent import request as run_request
+from kit.store import jsonl_store_on
 from polyloop import RunState, recover, run, run_status, start_or_resume
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.stores._batching import GroupCommit
@@ -340,7 +341,7 @@ async def test_a_failed_shared_sync_fails_only_its_run(tmp_path: Path) -> None:
         except StoreError as exc:
             errors[name] = exc
 
-    async with JsonlStore(tmp_path, _files=files) as store:
+    async with jsonl_store_on(tmp_path, files) as store:
         for name in names:
             await apply(store, runs[name][:1])
         async with anyio.create_task_group() as tasks:

@@ -10,8 +10,6 @@ import os
 from datetime import UTC, datetime
 from pathlib import Path
 
-import anyio.to_thread
-
 from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._byte_locks import HostClaims, OneHost
@@ -42,19 +40,12 @@ class JsonlStore(EngineStore):
 
     __slots__ = ("_directory",)
 
-    def __init__(self, directory: str | os.PathLike[str], *, _files: FileOps | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
         self._directory = Path(os.path.abspath(os.fspath(directory)))
-        # Private: a model of a disk for the power-loss tests (research record 0012).
-        super().__init__(Jsonl(self._directory, _files or OsFileOps()))
+        super().__init__(Jsonl(self._directory, OsFileOps()))
 
     def __repr__(self) -> str:
         return f"JsonlStore({str(self._directory)!r})"
-
-    async def prune(self, *, finished_before: datetime, archive: Archive = None) -> tuple[str, ...]:
-        """As every store's, but an ``archive`` holding this store's directory is refused."""
-        if archive is not None:
-            await anyio.to_thread.run_sync(refuse_own_archive, archive, self._directory)
-        return await super().prune(finished_before=finished_before, archive=archive)
 
 
 class Jsonl(OneHost):
@@ -107,8 +98,11 @@ class Jsonl(OneHost):
         self.state.check_open(run_id)
         return self._describe(self._path(run_id), run_id)
 
-    def prunable(self, cutoff: datetime) -> list[str]:
-        """Finished runs nobody holds whose file was last written before ``cutoff``."""
+    def prunable(self, cutoff: datetime, archive: Archive) -> list[str]:
+        """Finished runs nobody holds whose file was last written before ``cutoff``; an
+        ``archive`` that holds this store's directory is refused."""
+        if archive is not None:
+            refuse_own_archive(archive, self.directory)
         return [
             run.run_id
             for run in self.runs(False)

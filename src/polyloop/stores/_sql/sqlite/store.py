@@ -19,7 +19,7 @@ from anyio.lowlevel import EventLoopToken
 from polyloop.ports import StoredRun
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._byte_locks import HostClaims, OneHost
-from polyloop.stores._engine import EngineStore
+from polyloop.stores._engine import Archive, EngineStore
 from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.rows import read_rows
@@ -95,7 +95,7 @@ class Sqlite(OneHost):
         rows = self._select(sql.DESCRIBE_RUN, run_id)
         return self._stored(rows)[0] if rows else None
 
-    def prunable(self, cutoff: datetime) -> list[str]:
+    def prunable(self, cutoff: datetime, archive: Archive) -> list[str]:
         return [
             sql.run_id_of(key) for (key,) in self._select(sql.PRUNABLE, None, cutoff.timestamp())
         ]
