@@ -40,12 +40,12 @@ from kit.agent import (
     same_outcome,
     six_step_script,
 )
+from kit.fuzz import parse_lines
 from kit.store import DURABLE_STORE_BACKENDS, jsonl_store_on
 from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop._recovery import RecoveryState, read_plan
 from polyloop.stores._engine import EngineStore
-from polyloop.stores._jsonl.reader import parse_lines
 from polyloop.stores._paths import safe_name
 from polyloop.testing import ScriptedModelClient
 from polyloop.types import (

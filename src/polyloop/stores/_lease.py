@@ -91,9 +91,10 @@ class LeaseState:
         return self.renewal_refused(now) if self.phase(now) is LeasePhase.LOST else None
 
 
-def check_lease_s(lease_s: float) -> None:
-    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not lease_s > 0:
-        raise InvalidRequest(f"lease_s must be a positive number of seconds, not {lease_s!r}")
+def check_seconds(name: str, value: float) -> None:
+    """Refuse an option ``name`` that is not a positive number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidRequest(f"{name} must be a positive number of seconds, not {value!r}")
 
 
 class Lease:
@@ -101,7 +102,7 @@ class Lease:
     database extended it."""
 
     def __init__(self, lease_s: float, renew: Renew) -> None:
-        check_lease_s(lease_s)
+        check_seconds("lease_s", lease_s)
         self.lease_s = float(lease_s)
         self.description = f"{socket.gethostname()} pid {os.getpid()}"
         self._renew = renew

@@ -7,8 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from polyloop.stores._refusals import check_order, fence_refusal
-from polyloop.stores._writes import Claim, Write
+from polyloop.stores._writes import Claim, Write, check_order, fence_refusal
 from polyloop.types import PolyLoopError, RunLocked
 
 # One outcome per write of a batch: None (committed) or the error its caller sees.

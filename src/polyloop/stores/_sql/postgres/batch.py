@@ -12,11 +12,10 @@ import psycopg
 
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._lease import Lease
-from polyloop.stores._refusals import not_claimed
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.postgres.connection import Link
 from polyloop.stores._sql.postgres.sql import Connection, Queries, run_id_column, run_key
-from polyloop.stores._writes import Claim, Write, WriterState
+from polyloop.stores._writes import Claim, Write, WriterState, not_claimed
 from polyloop.types import StoreError
 
 

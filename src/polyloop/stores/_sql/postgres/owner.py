@@ -15,11 +15,10 @@ from anyio.lowlevel import EventLoopToken
 
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._lease import Lease, effect_margin
-from polyloop.stores._refusals import claimed_already, not_claimed
 from polyloop.stores._sql.postgres.batch import Committer, Writer
 from polyloop.stores._sql.postgres.connection import Link, Settings
 from polyloop.stores._sql.postgres.sql import Queries, owner_lock, run_id_column, run_key
-from polyloop.stores._writes import Claim, Write, WriterState
+from polyloop.stores._writes import Claim, Write, WriterState, claimed_already, not_claimed
 from polyloop.types import RunLocked, StoreError
 
 logger = logging.getLogger("polyloop")

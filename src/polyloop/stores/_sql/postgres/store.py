@@ -136,10 +136,8 @@ class Postgres(SharedClaims):
 
     def _run_id_of(self, column: str) -> str:
         """The run id whose ``run_id`` column is ``column`` (undoes :func:`run_id_column`)."""
-        with suppress(ValueError):
-            run_id = json.loads(f'"{column}"')
-            if isinstance(run_id, str):
-                return run_id
+        with suppress(ValueError):  # JSON text in quotes is a string, if it parses
+            return str(json.loads(f'"{column}"'))
         where = f"{self._settings.schema}.records"
         raise CorruptLog(f"unreadable run_id column {shown(column)}", location=where)
 
