@@ -44,16 +44,6 @@ class GroupCommit(Generic[_T]):
     ``abandon(item)`` (on the event loop) lets a cancelled caller stop waiting after
     ``cancelled_wait_s``, the outcome unknown; the commit still runs to its end."""
 
-    __slots__ = (
-        "_abandon",
-        "_active",
-        "_cancelled_wait_s",
-        "_commit",
-        "_lock",
-        "_open",
-        "_parallel",
-    )
-
     def __init__(
         self,
         commit: Callable[[Sequence[_T]], Sequence[BaseException | None]],

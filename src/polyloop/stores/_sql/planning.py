@@ -1,6 +1,5 @@
-"""What a shared commit of a database store writes, decided before anything is sent: the
-writes refused outright, and each other run's rows from its first seq. A dialect sends
-the plan its own way; :meth:`Plan.settle` then moves each written run's claim on."""
+"""What a shared commit of a database store writes, decided once for both dialects before
+anything is sent; each sends the plan its own way."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The layout of a database store's tables: a ``meta`` table keeps the record ``format``
-and the ``layout`` number, and :func:`prepare` runs the migration steps a database has not
-had (docs/stores.md#sqlitestore)."""
+"""The layout of a database store's tables, kept in its ``meta`` table, so that a release
+runs only the migration steps a database has not had (docs/stores.md#sqlitestore)."""
 
 from __future__ import annotations
 

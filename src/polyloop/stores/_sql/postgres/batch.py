@@ -1,6 +1,5 @@
-"""A PostgreSQL store object's writer connections, and a batch's shared commit: one
-statement that moves each run's row on under its fence and inserts the rows of exactly
-the runs whose row moved (docs/stores.md#postgresstore)."""
+"""A PostgreSQL store object's writers, and a batch's commit as one statement, so that a
+batch costs one round trip (docs/stores.md#postgresstore)."""
 
 from __future__ import annotations
 

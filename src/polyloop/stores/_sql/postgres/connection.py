@@ -1,8 +1,6 @@
-"""How a PostgreSQL store object connects: its checked settings, its own connections
-(:class:`Link`), the reader pool, and a client-side deadline on every statement: one
-watchdog thread per process shuts the socket of an exchange unanswered at its deadline,
-since no server or TCP timeout ends a wait on a silent path (docs/stores.md#postgresstore).
-"""
+"""How a PostgreSQL store object connects: settings, connections, the reader pool, and a
+deadline on every exchange, since no server or TCP timeout ends a wait on a silent path
+(docs/stores.md#postgresstore)."""
 
 from __future__ import annotations
 

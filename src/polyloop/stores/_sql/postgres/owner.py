@@ -1,6 +1,5 @@
-"""The claims of a PostgreSQL store object: its :class:`Owner` (a row of ``owners`` with
-a lease), and :class:`SharedClaims`, which routes each claimed run through a writer
-connection (docs/stores.md#leases-hung-workers)."""
+"""The claims of a PostgreSQL store object: an owner with a lease, so that a hung worker's
+runs can be taken over (docs/stores.md#leases-hung-workers)."""
 
 from __future__ import annotations
 
