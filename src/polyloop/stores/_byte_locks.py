@@ -39,7 +39,9 @@ class OneHost:
     clears its trace of a claim given up (:meth:`free`). The claims' mutex is never held
     while a file or the database is touched."""
 
-    def __init__(self, directory: Path, files: FileOps, commit: Commit, parallel: int = 1) -> None:
+    def __init__(
+        self, directory: Path, files: FileOps, commit: Commit, *, parallel: int = 1
+    ) -> None:
         self.directory, self.files = directory, files
         self.state = WriterState()
         self.group = GroupCommit(commit, parallel=parallel)

@@ -54,7 +54,7 @@ class Jsonl(OneHost):
     def __init__(self, directory: Path, files: FileOps) -> None:
         # Up to 16 batches at once, each in a worker thread: the syncs of different files
         # overlap on the disk, and most of AnyIO's 40 default threads stay free.
-        super().__init__(directory, files, lambda writes: [*map(self._append, writes)], 16)
+        super().__init__(directory, files, lambda writes: [*map(self._append, writes)], parallel=16)
 
     def read(self, run_id: str) -> tuple[Record, ...]:
         self.state.check_open(run_id)
