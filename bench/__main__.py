@@ -4,79 +4,64 @@
     python -m bench NAME [options]    # run one (NAME --help: its options)
     python -m bench render FILE...    # results files as the Markdown of the docs
 
+A benchmark is a module of ``bench/`` and one line of :data:`REGISTRY`. The module's
+``options(parser, name)`` adds its options to the parser made here, and ``run(args)``
+measures and returns the results, which are printed as ``bench/report.py`` renders them
+and written to ``--output``. One that measures in child processes also has
+``child(spec)``: what a child does with the spec its parent sent (``bench/_children.py``).
 What each measures and how to read it: ``bench/README.md``.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 
 @dataclass(frozen=True)
 class Benchmark:
-    """One entry of the registry: its name, what it measures, and how it runs."""
+    """One entry of the registry: its name, what it measures, and the module that runs it."""
 
     name: str
     summary: str
-    main: Callable[[list[str]], int]
+    module: str
 
 
-def _suite(one: str | None) -> Callable[[list[str]], int]:
-    def main(argv: list[str]) -> int:
-        from bench import suite
-
-        return suite.main(argv, one=one)
-
-    return main
-
-
-def _module(name: str) -> Callable[[list[str]], int]:
-    def main(argv: list[str]) -> int:
-        status: int = importlib.import_module(f"bench.{name}").main(argv)
-        return status
-
-    return main
-
-
-def _render(argv: list[str]) -> int:
-    from bench.report import render
-
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m bench render RESULTS.json...")
-        return 0 if argv else 2
-    print("\n\n".join(render(json.loads(Path(name).read_text())) for name in argv))
-    return 0
-
-
-# name, what it measures, and whether it is one of the suite's (run in this process)
+# name, the module of bench/ that runs it, and what it measures
 ENTRIES = (
-    ("suite", "benchmarks 1-7 and 10 in one run, one results file (the performance page's)", True),
-    ("overhead", "1. kernel overhead per step against a hand-written loop and peers", True),
-    ("durable", "2. a durable step on each store against fsync and hand-written floors", True),
-    ("concurrency", "3. concurrent runs: speed, memory, against sequential, group commit", True),
-    ("recovery", "4. resume time against the length of the log", True),
-    ("scale", "5. the cost of a step early and late in one long run", True),
-    ("listing", "6. listing and statuses against the number of finished runs", True),
-    ("lag", "7. event-loop lag beside concurrent durable runs", True),
-    ("throughput", "8. many runs of realistic shape in child processes, with floors, peers", False),
-    ("temporal", "9. the same runs driven by Temporal workers and by PolyLoop's own", False),
-    ("console", "10. the web console's pages on a store with a long history", True),
-    ("codec", "11. the record codec on benchmark 8's records", False),
+    (
+        "suite",
+        "suite",
+        "benchmarks 1-7 and 10 in one run, one results file (the performance page's)",
+    ),
+    ("overhead", "suite", "1. kernel overhead per step against a hand-written loop and peers"),
+    ("durable", "suite", "2. a durable step on each store against fsync and hand-written floors"),
+    ("concurrency", "suite", "3. concurrent runs: speed, memory, against sequential, group commit"),
+    ("recovery", "suite", "4. resume time against the length of the log"),
+    ("scale", "suite", "5. the cost of a step early and late in one long run"),
+    ("listing", "suite", "6. listing and statuses against the number of finished runs"),
+    ("lag", "suite", "7. event-loop lag beside concurrent durable runs"),
+    (
+        "throughput",
+        "throughput",
+        "8. many runs of realistic shape in child processes, with floors, peers",
+    ),
+    ("temporal", "temporal", "9. the same runs driven by Temporal workers and by PolyLoop's own"),
+    ("console", "suite", "10. the web console's pages on a store with a long history"),
+    ("codec", "codec", "11. the record codec on benchmark 8's records"),
+    (
+        "hosting",
+        "hosting",
+        "12. a worker process: from a start or an answer to the run going on, idle CPU",
+    ),
+    ("render", "report", "results files (bench/results/) as the Markdown tables of the docs"),
 )
-REGISTRY = {
-    name: Benchmark(
-        name, summary, _suite(None if name == "suite" else name) if in_suite else _module(name)
-    )
-    for name, summary, in_suite in ENTRIES
-}
-REGISTRY["render"] = Benchmark(
-    "render", "results files (bench/results/) as the Markdown tables of the docs", _render
-)
+REGISTRY = {name: Benchmark(name, summary, module) for name, module, summary in ENTRIES}
 
 
 def usage() -> str:
@@ -99,7 +84,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if entry is None:
         print(f"unknown benchmark {args[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    return entry.main(args[1:])
+    module = importlib.import_module(f"bench.{entry.module}")
+    parser = argparse.ArgumentParser(
+        prog=f"python -m bench {entry.name}", description=entry.summary
+    )
+    parser.set_defaults(benchmark=entry.name, command=" ".join(["python -m bench", *args]))
+    module.options(parser, entry.name)
+    if hasattr(module, "OUTPUT"):
+        parser.add_argument(
+            "--output", default=module.OUTPUT, help="where to write the results as JSON"
+        )
+    if hasattr(module, "child"):
+        parser.add_argument("--child", help=argparse.SUPPRESS)
+    chosen = parser.parse_args(args[1:])
+    if getattr(chosen, "child", None):
+        from bench._children import report
+
+        report(module.child(json.loads(chosen.child)))
+        return 0
+    results = module.run(chosen)
+    if results is not None:
+        from bench.report import render, write_results
+
+        print("\n" + render(results))
+        if chosen.output:
+            write_results(Path(chosen.output), results)
+            print(f"\nresults written to {chosen.output}")
+    return 0
 
 
 if __name__ == "__main__":

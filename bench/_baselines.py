@@ -16,11 +16,10 @@ from pathlib import Path
 import anyio.to_thread
 
 from polyloop.stores._engine import EngineStore
-from polyloop.stores._refusals import not_claimed
 from polyloop.stores._sql.postgres.connection import Settings
 from polyloop.stores._sql.postgres.store import Postgres
 from polyloop.stores._sql.sqlite.store import Sqlite
-from polyloop.stores._writes import Write
+from polyloop.stores._writes import Write, not_claimed
 
 
 class _SqliteAlone(Sqlite):

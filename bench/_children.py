@@ -1,7 +1,8 @@
 """The one child-process spawner: benchmarks that measure in processes of their own.
 
-A child is ``python -m bench NAME ...`` with the repository on its import path. Its
-report is the last line of its output, as JSON. Children meet in a directory: each
+A child is ``python -m bench NAME --child SPEC`` with the repository on its import path:
+the registry hands the spec (a dataclass, sent as JSON) to the benchmark's ``child``.
+Its report is the last line of its output, as JSON. Children meet in a directory: each
 says it is ready by creating ``ready-N`` there, and waits, if asked to, until the
 parent creates ``go``, so that workers that took different times to open their stores
 start together.
@@ -10,6 +11,7 @@ start together.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -22,7 +24,8 @@ from typing import Any
 
 import anyio
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench._common import ROOT
+
 POLL_S = 0.002  # how often a waiting side looks for the other's file
 
 
@@ -30,8 +33,16 @@ class ChildFailed(Exception):
     """A child exited with an error; the message is the last line it wrote to stderr."""
 
 
-def child_command(benchmark: str, *arguments: str) -> list[str]:
-    return [sys.executable, "-m", "bench", benchmark, *arguments]
+def child_command(benchmark: str, spec: Any) -> list[str]:
+    """The command of a child of ``benchmark`` that does what ``spec`` says."""
+    return [
+        sys.executable,
+        "-m",
+        "bench",
+        benchmark,
+        "--child",
+        json.dumps(dataclasses.asdict(spec)),
+    ]
 
 
 class Children:

@@ -1,4 +1,4 @@
-"""What every benchmark shares: sizes, the run context, timing helpers and result tables."""
+"""What every benchmark shares: sizes, the run context, the stores, timing helpers and rows."""
 
 from __future__ import annotations
 
@@ -10,16 +10,27 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
+from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
 POSTGRES_ENV = "POLYLOOP_TEST_POSTGRES"
 POSTGRES_DEFAULT = "postgresql://postgres@127.0.0.1:5432/test"
 
 Row = dict[str, Any]
+T = TypeVar("T")
+STORE_NAMES = {
+    "memory": "MemoryStore",
+    "jsonl": "JsonlStore",
+    "sqlite": "SqliteStore",
+    "postgres": "PostgresStore",
+}
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,10 @@ class Sizes:
 
     def describe(self) -> dict[str, Any]:
         return asdict(self)
+
+    def pick(self, full: T, quick: T, tiny: T) -> T:
+        """This mode's choice among a benchmark's own sizes."""
+        return tiny if self is TINY else quick if self is QUICK else full
 
 
 FULL = Sizes(
@@ -140,6 +155,55 @@ class Context:
         path.mkdir(parents=True)
         return path
 
+    def unavailable(self, kind: str) -> str | None:
+        """Why a store of ``kind`` cannot be measured here: PostgreSQL without a server."""
+        if kind.startswith("postgres") and self.postgres is None:
+            return self.postgres_note or "no PostgreSQL"
+        return None
+
+    def place(self, stack: ExitStack | AsyncExitStack, kind: str) -> str:
+        """Where a new store of ``kind`` lives: a new scratch directory, or a schema of its
+        own on the PostgreSQL server (dropped when ``stack`` closes)."""
+        if kind == "memory":
+            return ""
+        if not kind.startswith("postgres"):
+            return str(self.scratch(kind))
+        assert self.postgres is not None
+        return f"{self.postgres}#{stack.enter_context(postgres_schema(self.postgres))}"
+
+    async def open_store(self, stack: AsyncExitStack, kind: str, where: str | None = None) -> Any:
+        """A new, empty store of ``kind`` (at ``where``, or a new :meth:`place`), open
+        until ``stack`` closes."""
+        store = new_store(kind, self.place(stack, kind) if where is None else where)
+        if kind == "memory":
+            return store  # closing it would throw its records away
+        return await stack.enter_async_context(store)
+
+
+def new_store(kind: str, where: str, **options: Any) -> Any:
+    """A store of ``kind``, not opened yet. ``where`` is a directory (``jsonl``; ``sqlite``
+    keeps ``runs.sqlite`` in it) or ``conninfo#schema`` (``postgres``). ``sqlite-single``
+    and ``postgres-single`` are those stores committing each write alone."""
+    import polyloop.stores
+
+    if kind == "memory":
+        return polyloop.stores.MemoryStore()
+    if kind == "jsonl":
+        return polyloop.stores.JsonlStore(where)
+    if kind.endswith("-single"):
+        from bench import _baselines
+
+        store = {
+            "sqlite-single": _baselines.SqliteOneCommitPerWrite,
+            "postgres-single": _baselines.PostgresOneCommitPerWrite,
+        }[kind]
+    else:
+        store = getattr(polyloop.stores, STORE_NAMES[kind])
+    if kind.startswith("sqlite"):
+        return store(Path(where) / "runs.sqlite", **options)
+    conninfo, _, schema = where.partition("#")
+    return store(conninfo, schema=schema, **options)
+
 
 @dataclass(frozen=True)
 class RunStats:
@@ -209,20 +273,67 @@ def postgres_conninfo() -> tuple[str | None, str | None]:
 @contextmanager
 def postgres_schema(conninfo: str) -> Iterator[str]:
     """A fresh schema name for the store to create; dropped with everything in it afterwards."""
-    import psycopg
-    from psycopg import sql
-
     name = f"polyloop_bench_{uuid.uuid4().hex[:12]}"
     try:
         yield name
     finally:
-        with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+        drop_schema(conninfo, name)
+
+
+def drop_schema(conninfo: str, name: str) -> None:
+    """Drop the schema ``name`` and everything in it, if it exists."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
 
 
 def skipped(row: Row, reason: str) -> Row:
     """A row that could not be measured, saying why."""
     return {**row, "skipped": reason}
+
+
+def history(unfinished: Sequence[str], finished: int) -> list[tuple[str, str]]:
+    """``(kind, run_id)`` of every run of a store that has been in use for a while, in
+    start order: ``finished`` finished runs, the ``unfinished`` ones (one kind each)
+    spread evenly among them. Ids number each kind from 1, the same in every copy."""
+    total = len(unfinished) + finished
+    marks = {i * total // max(len(unfinished), 1): kind for i, kind in enumerate(unfinished)}
+    counts: Counter[str] = Counter()
+    runs = []
+    for n in range(total):
+        kind = marks.get(n, "finished")
+        counts[kind] += 1
+        runs.append((kind, f"{kind}-{counts[kind]:06d}"))
+    return runs
+
+
+async def each(
+    count: int, one: Callable[[int], Coroutine[Any, Any, Any]], *, sequential: bool = False
+) -> None:
+    """``one(0)`` to ``one(count - 1)``: all at once in one task group, or one by one."""
+    if sequential:
+        for index in range(count):
+            await one(index)
+        return
+    async with anyio.create_task_group() as group:
+        for index in range(count):
+            group.start_soon(one, index)
+
+
+async def at_once(jobs: Iterable[Callable[[], Awaitable[Any]]], tasks: int) -> None:
+    """Every job, in order, ``tasks`` at a time: many writes at once let a store's group
+    commit share its commits, as a busy store does."""
+    pending = iter(jobs)
+
+    async def worker() -> None:
+        for job in pending:  # shared: each job is taken by one worker, in order
+            await job()
+
+    async with anyio.create_task_group() as group:
+        for _ in range(tasks):
+            group.start_soon(worker)
 
 
 def target(
@@ -286,26 +397,41 @@ class Variant:
     skip: str | None = None
 
 
-async def interleave(
-    variants: Sequence[Variant], repeats: int, *, warmup: bool = True
-) -> dict[str, list[RunStats]]:
-    """Measure every variant ``repeats`` times, round-robin, so drift hits all alike.
-
-    The order is reversed on every other round; one unrecorded warm-up run each first.
-    """
-    active = [v for v in variants if v.measure is not None and not v.skip]
-    results: dict[str, list[RunStats]] = {v.key: [] for v in active}
+async def rounds(
+    measures: Sequence[Callable[[], Awaitable[T]]], repeats: int, *, warmup: bool = False
+) -> list[list[T]]:
+    """Each measure ``repeats`` times, round-robin, the order reversed on every other
+    round, so that a slow spell of the machine weighs on all alike; with ``warmup``, one
+    unrecorded call of each first."""
     if warmup:
-        for variant in active:
-            assert variant.measure is not None
-            await variant.measure(f"{variant.key}-warmup-{uuid.uuid4().hex[:6]}")
+        for measure in measures:
+            await measure()
+    results: list[list[T]] = [[] for _ in measures]
+    indexed = list(enumerate(measures))
     for round_ in range(repeats):
-        for variant in active if round_ % 2 == 0 else active[::-1]:
-            assert variant.measure is not None
+        for index, measure in indexed if round_ % 2 == 0 else indexed[::-1]:
             settle()
-            stats = await variant.measure(f"{variant.key}-{round_}-{uuid.uuid4().hex[:6]}")
-            results[variant.key].append(stats)
+            results[index].append(await measure())
     return results
+
+
+async def interleave(
+    ctx: Context, variants: Sequence[Variant], repeats: int
+) -> dict[str, list[RunStats]]:
+    """Measure every variant ``repeats`` times (:func:`rounds`, after a warm-up run each);
+    a skipped variant is noted."""
+    for variant in variants:
+        if variant.skip:
+            ctx.note(f"{variant.name}: skipped ({variant.skip})")
+    active = [v for v in variants if v.measure is not None and not v.skip]
+
+    def once(variant: Variant) -> Callable[[], Awaitable[RunStats]]:
+        measure = variant.measure
+        assert measure is not None
+        return lambda: measure(f"{variant.key}-{uuid.uuid4().hex[:8]}")
+
+    measured = await rounds([once(v) for v in active], repeats, warmup=True)
+    return {v.key: runs for v, runs in zip(active, measured, strict=True)}
 
 
 def summary_row(variant: Variant, runs: Sequence[RunStats] | None, steps: int) -> Row:

@@ -1,19 +1,10 @@
-"""The loop under test, built three ways: PolyLoop, and two hand-written floors.
+"""The loop under test in benchmarks 1-7, built three ways: PolyLoop, and hand-written floors.
 
-Every loop here does the same work per step: one call to an instant model (which
-suspends once, as a real client awaiting a network reply would, and answers at once),
-then, unless the model answered, one call to a no-op tool whose observation goes back
-into the history. A run of ``steps`` decisions makes ``steps - 1`` tool calls and ends
-with a final answer.
-
-The floors are the cheapest honest way to write that loop by hand:
-
-* :func:`handwritten_memory` appends to a Python list and keeps nothing durable;
-* :func:`handwritten_durable` does the same plus the two barriers a crash-safe loop
-  needs per step, each an ``os.write`` of a small record followed by ``os.fsync``:
-  one before the model call, one before the tool runs;
-* :func:`handwritten_concurrent` runs many such durable loops at once, each with its own
-  file, the blocking write and sync in a worker thread.
+Every loop does the same work per step: one call to an instant model (it suspends once,
+as a client awaiting a reply would, and answers at once), then, unless the model
+answered, one call to a no-op tool whose observation goes back into the history. The
+floors are the cheapest honest way to write that loop by hand (``bench/README.md``,
+benchmarks 1-3). Beside them, the definition and request every benchmark's runs share.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from bench._common import RunStats, now
+from bench._common import RunStats, each, now
 from polyloop import (
     Budget,
     Definition,
@@ -63,14 +54,56 @@ NOOP_ACTION = Action(
 )
 FINAL_ANSWER = FinalAnswer(answer="done", history_text="final")
 TEXTS = ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}")
-NOOP_SCHEMA: dict[str, JSONValue] = {
-    "type": "object",
-    "properties": {},
-    "additionalProperties": False,
-}
+
+
+def object_schema(**properties: JSONValue) -> dict[str, JSONValue]:
+    """The JSON Schema of a tool's arguments: these properties, each required, no others."""
+    required: dict[str, JSONValue] = {"required": list(properties)} if properties else {}
+    return {"type": "object", "properties": properties, **required, "additionalProperties": False}
+
+
+NOOP_SCHEMA = object_schema()
 SYSTEM_TEXT = "You are a benchmark agent."
 GOAL_TEXT = "Call the tool until told to stop."
 OBSERVATION_TEMPLATE = "Observation: {observation}"
+
+
+def definition(model: Any, interpreter: Any, store: Store) -> Definition:
+    """What every benchmark's PolyLoop runs share but the model, interpreter and store."""
+    return Definition(
+        model=model, interpreter=interpreter, store=store, events=NullSink(), texts=TEXTS
+    )
+
+
+def request(
+    run_id: str,
+    tools: ToolRegistry,
+    executor: Any,
+    *,
+    max_steps: int,
+    max_context_chars: int = 10**12,
+    system: str = SYSTEM_TEXT,
+    goal: str = GOAL_TEXT,
+    model_replay: Replay = Replay.NEVER,
+) -> Request:
+    """A run of every benchmark's shape: one system and one goal message, JSON tool calls,
+    no injection, ``max_steps`` steps (valid or not)."""
+    return Request(
+        run_id=run_id,
+        budget=Budget(
+            max_steps=max_steps, max_valid_steps=max_steps, max_context_chars=max_context_chars
+        ),
+        executor=executor,
+        tools=tools,
+        run_context=(Message.text(Role.SYSTEM, system),),
+        goal_context=(Message.text(Role.USER, goal),),
+        injection=Injection(entries={}),
+        binding={},
+        model_replay=model_replay,
+        observation_template=OBSERVATION_TEMPLATE,
+        tool_style=ToolStyle.JSON,
+        cancel_grace_s=5.0,
+    )
 
 
 class Counter:
@@ -166,29 +199,10 @@ class Agent:
         self.executions = Counter()
         self.tools = noop_tools(self.executions)
         self.executor: Any = BareExecutor(self.executions) if bare else self.tools.executor()
-        self.definition = Definition(
-            model=self.model,
-            interpreter=InstantInterpreter(),
-            store=store,
-            events=NullSink(),
-            texts=TEXTS,
-        )
+        self.definition = definition(self.model, InstantInterpreter(), store)
 
     def request(self, run_id: str, *, max_steps: int) -> Request:
-        return Request(
-            run_id=run_id,
-            budget=Budget(max_steps=max_steps, max_valid_steps=max_steps, max_context_chars=10**12),
-            executor=self.executor,
-            tools=self.tools,
-            run_context=(Message.text(Role.SYSTEM, SYSTEM_TEXT),),
-            goal_context=(Message.text(Role.USER, GOAL_TEXT),),
-            injection=Injection(entries={}),
-            binding={},
-            model_replay=Replay.NEVER,
-            observation_template=OBSERVATION_TEMPLATE,
-            tool_style=ToolStyle.JSON,
-            cancel_grace_s=5.0,
-        )
+        return request(run_id, self.tools, self.executor, max_steps=max_steps)
 
     async def run(self, run_id: str, steps: int) -> RunResult:
         return await run(self.definition, self.request(run_id, max_steps=steps + 1))
@@ -373,23 +387,13 @@ async def handwritten_concurrent(
         )
 
     began = now()
-    if sequential:
-        for index in range(runs):
-            await one(index)
-    else:
-        async with anyio.create_task_group() as group:
-            for index in range(runs):
-                group.start_soon(one, index)
+    await each(runs, one, sequential=sequential)
     return RunStats(now() - began, model.decisions.n, executions.n)
 
 
 async def fsync_floor_run(count: int, path: Path) -> RunStats:
-    """``count`` appends of a small record, each followed by ``fsync``, on a new file.
-
-    Timed as a whole like every loop (wall time over calls, so the slow tail of the
-    disk's syncs counts as it does in a run), for the benchmark's round-robin: measured
-    between the runs, the floor sees the disk in the state the runs see it in.
-    """
+    """``count`` appends of a small record, each followed by ``fsync``, on a new file, timed
+    as a whole like every loop, so that the disk's slow syncs count as they do in a run."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         began = now()
@@ -408,22 +412,10 @@ _SQLITE_ROWS = (
 
 
 class HandSqlite:
-    """The in-memory floor plus the four commits of a durable step, hand-written on SQLite.
-
-    One WAL database, opened once and kept open across runs as ``SqliteStore`` keeps its
-    own: SQLite's write-ahead log grows until its first checkpoint and is then written
-    over from its start, and appending to a growing file costs more per sync than
-    writing over blocks the file already has. A database opened afresh for every run
-    would measure only the growing phase, which a long-lived store leaves behind after
-    its first few hundred steps (record 0014).
-
-    Per step, as PolyLoop's ``SqliteStore`` commits them and with its row sizes: the model
-    intent under ``synchronous=FULL``, the model result under ``NORMAL``, the action
-    intent under ``FULL``, the action result and step under ``NORMAL``, each a single
-    autocommitted ``INSERT`` (the cheapest transaction Python's ``sqlite3`` offers), the
-    level switched only when it changes. What SQLite itself charges for a step, with no
-    record encoding, locks or checks.
-    """
+    """The in-memory floor plus the four commits of a durable step, hand-written on SQLite,
+    as ``SqliteStore`` commits them (``bench/README.md``, benchmark 2). One database kept
+    open across runs, as the store keeps its own: a new one would measure only the dearer
+    phase in which its write-ahead log still grows (research record 0015)."""
 
     def __init__(self, path: Path, sizes: LineSizes) -> None:
         import sqlite3  # only this floor needs it

@@ -1,15 +1,5 @@
-"""The record codec on benchmark 8's records: what writing a step's records costs.
-
-    python -m bench codec
-    python -m bench codec --repeats 5 --rounds 20   # quicker, noisier
-
-One run of benchmark 8's workload (``bench/workload.py``: ten steps, a 3 KB observation
-a step) is made on ``MemoryStore``, its records are read back, and then encoded again
-and again, without any store: ``dumps`` (what a database store does with each record it
-writes, on the event loop), and its two halves, ``encode`` (the checked dict) and
-canonical JSON. Each figure is the best of ``--repeats`` timings of ``--rounds`` passes
-over the run's records, divided by its ten steps: microseconds of one core per step,
-for the records of one step. Nothing here touches a disk or a thread.
+"""Benchmark 11: the record codec on benchmark 8's records, what writing a step's records
+costs the event loop of a database store, with no store (``bench/README.md``, 11).
 """
 
 from __future__ import annotations
@@ -70,15 +60,23 @@ def measure(*, repeats: int, rounds: int) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench codec", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--rounds", type=int, default=200)
-    args = parser.parse_args(argv)
+OUTPUT = None
+TITLE = "11. The record codec on benchmark 8's records"
+COLUMNS = [("name", "work"), ("us_per_step", "us/step", 1)]
+
+
+def options(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("--repeats", type=int, default=15, help="timings; the best is kept")
+    parser.add_argument("--rounds", type=int, default=200, help="passes over the records a timing")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     figures = measure(repeats=args.repeats, rounds=args.rounds)
-    print(f"{figures['records']:.0f} records, {figures['bytes_per_step']:,.0f} bytes a step")
-    for name in ("dumps", "encode", "canonical_json"):
-        print(f"{name:>15}: {figures[f'{name}_us_per_step']:6.1f} us a step")
-    return 0
+    rows = [
+        {"name": name, "us_per_step": figures[f"{name}_us_per_step"]}
+        for name in ("dumps", "encode", "canonical_json")
+    ]
+    title = (
+        f"{TITLE}: {figures['records']:.0f} records, {figures['bytes_per_step']:,.0f} bytes a step"
+    )
+    return {"title": title, "columns": COLUMNS, "rows": rows, **figures}

@@ -1,32 +1,7 @@
-"""Benchmark 3: many runs at once, sharing one model client, in one task group.
+"""Benchmark 3: many runs at once, sharing one model client, in one task group; against
+the same runs one after another (3b), and group commit against one commit per write (3c).
 
-For each event-loop backend (asyncio, Trio), each store (MemoryStore and the durable
-ones) and each number of runs (100 and 1,000), every run does ``concurrency_steps``
-decisions (``concurrency_steps_largest`` for the largest count, to keep the full run
-bounded; the table says which). The model client is shared by all runs and suspends
-once per call, so the runs really interleave. Reported:
-
-* total wall time (median of ``concurrency_repeats`` passes; ``concurrency_repeats_largest``
-  for the largest count), steps per second, and wall time per step;
-* peak memory per run: the ``tracemalloc`` peak above the starting level during a
-  separate pass of the same work (tracing slows Python down, so the timed pass runs
-  without it), divided by the number of runs. Only Python allocations are traced:
-  memory that SQLite or libpq allocate in C is not in the figure;
-* the hand-written concurrent durable loop (one file per run, two fsync'd appends per
-  step, the blocking calls in worker threads) doing the same work.
-
-Then, per backend, the speed-up of ``sequential_runs`` concurrent durable runs over the
-same runs one after another (both medians of ``concurrency_repeats`` passes), for each
-durable store and for the hand-written loop; and, for the two database stores, the
-steps per second of ``sequential_runs`` concurrent runs with group commit (the default)
-over the same store committing every write on its own (``bench/_baselines.py``, the
-one-commit-per-barrier baseline).
-
-Targets, per backend: concurrent durable runs are not slower than sequential ones on
-any durable store; group commit at least 3x the baseline's steps per second on
-``SqliteStore`` and ``PostgresStore``. ``JsonlStore`` beside the hand-written concurrent
-loop is reported (the "x hand-written" column), not a target: since every write runs
-in a worker thread (research-wiki 0019), a step makes more thread hops than that loop.
+What is measured, and the targets: ``bench/README.md``, benchmark 3.
 """
 
 from __future__ import annotations
@@ -42,9 +17,10 @@ from bench._common import (
     Context,
     Row,
     RunStats,
+    each,
     median,
     now,
-    postgres_schema,
+    rounds,
     settle,
     skipped,
     target,
@@ -159,42 +135,17 @@ class _Stores:
         self.opened: dict[str, Any] = {}
 
     async def get(self, kind: str) -> Any:
-        if kind == "memory":
-            from polyloop.stores import MemoryStore
-
-            return MemoryStore()  # a new one per pass: it keeps every record it is given
+        if kind == "memory":  # a new one per pass: it keeps every record it is given
+            return await self.ctx.open_store(self.stack, kind)
         if kind not in self.opened:
-            self.opened[kind] = await self._open(kind)
+            self.opened[kind] = await self.ctx.open_store(self.stack, kind)
             await self._warm(self.opened[kind])
         return self.opened[kind]
-
-    async def _open(self, kind: str) -> Any:
-        from polyloop.stores import JsonlStore, SqliteStore
-
-        if kind == "jsonl":
-            return await self.stack.enter_async_context(
-                JsonlStore(self.ctx.scratch("concurrency-jsonl"))
-            )
-        from bench._baselines import PostgresOneCommitPerWrite, SqliteOneCommitPerWrite
-
-        single = kind.endswith("-single")
-        if kind.startswith("sqlite"):
-            path = self.ctx.scratch(f"concurrency-{kind}") / "runs.sqlite"
-            sqlite = SqliteOneCommitPerWrite if single else SqliteStore
-            return await self.stack.enter_async_context(sqlite(path))
-        from polyloop.stores import PostgresStore
-
-        assert self.ctx.postgres is not None
-        schema = self.stack.enter_context(postgres_schema(self.ctx.postgres))
-        postgres = PostgresOneCommitPerWrite if single else PostgresStore
-        return await self.stack.enter_async_context(postgres(self.ctx.postgres, schema=schema))
 
     async def _warm(self, store: Any) -> None:
         """A few small runs at once, so connections and files exist before timing."""
         agent = Agent(store, steps=2)
-        async with anyio.create_task_group() as group:
-            for _ in range(8):
-                group.start_soon(agent.run, f"warm-{uuid.uuid4().hex[:8]}", 2)
+        await each(8, lambda _: agent.run(f"warm-{uuid.uuid4().hex[:8]}", 2))
 
 
 async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row], list[Row]]:
@@ -208,16 +159,9 @@ async def _backend(ctx: Context, backend: str) -> tuple[list[Row], list[Row], li
                 steps = (
                     sizes.concurrency_steps_largest if runs == largest else sizes.concurrency_steps
                 )
-                row: Row = {
-                    "key": f"{backend}-{kind}-{runs}",
-                    "backend": backend,
-                    "store": kind,
-                    "name": f"{backend}: {STORE_NAMES[kind]}",
-                    "runs": runs,
-                    "steps_per_run": steps,
-                }
-                if kind == "postgres" and ctx.postgres is None:
-                    rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
+                row = _head(ctx, backend, kind, f"{backend}-{kind}-{runs}", runs, steps)
+                if row.get("skipped"):
+                    rows.append(row)
                     continue
                 pass_ = await _pass_for(ctx, stores, kind, runs, steps)
                 walls = []
@@ -267,13 +211,7 @@ async def _pass_for(
         agent = Agent(store, steps=steps)  # one model client shared by every run of the pass
         prefix = uuid.uuid4().hex[:8]
         began = now()
-        if sequential:
-            for index in range(runs):
-                await agent.run(f"{prefix}-{index}", steps)
-        else:
-            async with anyio.create_task_group() as group:
-                for index in range(runs):
-                    group.start_soon(agent.run, f"{prefix}-{index}", steps)
+        await each(runs, lambda index: agent.run(f"{prefix}-{index}", steps), sequential=sequential)
         seconds = now() - began
         stats = RunStats(seconds, agent.model.decisions.n, agent.executions.n)
         if stats.decisions != runs * steps or stats.tool_executions != runs * (steps - 1):
@@ -294,7 +232,7 @@ async def _speedups(ctx: Context, stores: _Stores, backend: str) -> list[Row]:
         one_by_one = await _pass_for(ctx, stores, kind, runs, steps, sequential=True)
         at_once = await _pass_for(ctx, stores, kind, runs, steps)
         walls, concurrent_walls = await _paired_walls(
-            one_by_one, at_once, ctx.sizes.concurrency_repeats
+            [one_by_one, at_once], ctx.sizes.concurrency_repeats
         )
         sequential, concurrent = median(walls), median(concurrent_walls)
         row.update(
@@ -322,7 +260,7 @@ async def _group_gains(ctx: Context, stores: _Stores, backend: str) -> list[Row]
             continue
         single = await _pass_for(ctx, stores, f"{kind}-single", runs, steps)
         group = await _pass_for(ctx, stores, kind, runs, steps)
-        walls, group_walls = await _paired_walls(single, group, ctx.sizes.concurrency_repeats)
+        walls, group_walls = await _paired_walls([single, group], ctx.sizes.concurrency_repeats)
         grouped = median(group_walls)
         total = runs * steps
         row.update(
@@ -336,35 +274,28 @@ async def _group_gains(ctx: Context, stores: _Stores, backend: str) -> list[Row]
 
 
 def _paired_row(ctx: Context, backend: str, kind: str, table: str) -> Row:
-    """The head of a row of tables 3b/3c, already marked skipped without PostgreSQL."""
+    """The head of a row of tables 3b/3c."""
     runs, steps = ctx.sizes.sequential_runs, ctx.sizes.concurrency_steps
+    return _head(ctx, backend, kind, f"{backend}-{kind}-{table}", runs, steps)
+
+
+def _head(ctx: Context, backend: str, kind: str, key: str, runs: int, steps: int) -> Row:
+    """The head of a row, already marked skipped where the store cannot run here."""
     row: Row = {
-        "key": f"{backend}-{kind}-{table}",
+        "key": key,
         "backend": backend,
         "store": kind,
         "name": f"{backend}: {STORE_NAMES[kind]}",
         "runs": runs,
         "steps_per_run": steps,
     }
-    if kind == "postgres" and ctx.postgres is None:
-        return skipped(row, ctx.postgres_note or "no PostgreSQL")
-    return row
+    problem = ctx.unavailable(kind)
+    return row if problem is None else skipped(row, problem)
 
 
 async def _paired_walls(
-    first: Callable[[], Awaitable[RunStats]],
-    second: Callable[[], Awaitable[RunStats]],
-    repeats: int,
-) -> tuple[list[float], list[float]]:
-    """Wall seconds of ``repeats`` passes of each, alternating which goes first.
-
-    The two sides of a ratio are measured side by side, so that a slow spell of the
-    machine weighs on both alike rather than on whichever was measured during it.
-    """
-    walls: tuple[list[float], list[float]] = ([], [])
-    for round_ in range(repeats):
-        order = ((0, first), (1, second)) if round_ % 2 == 0 else ((1, second), (0, first))
-        for side, pass_ in order:
-            settle()
-            walls[side].append((await pass_()).seconds)
-    return walls
+    passes: list[Callable[[], Awaitable[RunStats]]], repeats: int
+) -> list[list[float]]:
+    """Wall seconds of ``repeats`` passes of each, side by side (:func:`rounds`), so
+    that a slow spell of the machine weighs on both sides of a ratio alike."""
+    return [[stats.seconds for stats in side] for side in await rounds(passes, repeats)]

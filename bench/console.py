@@ -1,30 +1,14 @@
 """Benchmark 10: how fast the web console answers on a store with a long history.
 
-The console's list (``/``) must stay fast on a store holding 100,000 finished runs and
-1,000 unfinished ones: it reads the store's table of runs, not every log. This
-benchmark builds such a store once per store kind, through the store's own write path
-(whole runs of a scripted agent, many at once in one task group on one store object, so
-the store's group commit shares the commits), and keeps it between runs of the
-benchmark: a SQLite file in a cache directory and a PostgreSQL schema, both named by
-the sizes. A finished run is a tool step and an answer. The unfinished runs are a mix:
-half resumable (their process died after a tool step), three in ten awaiting approval
-of a deploy, two in ten in doubt about a payment whose process died after announcing it.
-
-Measured with the console's ASGI application in this process (driven by an httpx
-client over ``ASGITransport``): the first page cold (a new application, so its cache of
-rows is empty) and warm (the same request again), the runs in doubt (a filter finer than
-finished or unfinished, so every unfinished run's status is read once), a deep page,
-and the page of one run awaiting approval. For each: the time to the response's first
-byte and to its last, the logs it read (a wrapper counts ``read_log`` calls), and the
-peak of Python allocations above the level before it (``tracemalloc``, in a pass of its
-own, since tracing slows Python down). Beside them, ``list_runs`` alone, so the figures
-say what is the store and what is the console. Medians over repetitions, under asyncio,
-and the first page under Trio too.
+The store is built once per kind through its own write path and kept between runs of
+the benchmark (its building takes minutes). What is measured: ``bench/README.md``,
+benchmark 10.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import tempfile
@@ -37,23 +21,23 @@ from urllib.parse import quote
 import anyio
 import anyio.lowlevel
 
-from bench._common import QUICK, TINY, Context, Row, median, missing, now, settle, skipped
-from bench._sampling import python_peak_bytes
-from polyloop import (
-    Budget,
-    Definition,
-    Injection,
-    Message,
-    NullSink,
-    ObservationTexts,
-    Replay,
-    Request,
-    Role,
-    ToolRegistry,
-    ToolSpec,
-    ToolStyle,
-    start_or_resume,
+from bench._common import (
+    STORE_NAMES,
+    Context,
+    Row,
+    at_once,
+    drop_schema,
+    history,
+    median,
+    missing,
+    now,
+    postgres_schema,
+    settle,
+    skipped,
 )
+from bench._sampling import beside_ticker, python_peak_bytes
+from bench.agents import definition, object_schema, request
+from polyloop import Replay, ToolRegistry, ToolSpec, start_or_resume
 from polyloop import run as run_agent
 from polyloop.ports import ManagedStore
 from polyloop.stores import SqliteStore
@@ -69,24 +53,13 @@ COLUMNS = [
     ("peak_mb", "peak MB"),
     ("repeats", "repeats"),
 ]
-STORE_NAMES = {"sqlite": "SqliteStore", "postgres": "PostgresStore"}
+STORES = ("sqlite", "postgres")
 # Runs written at once while a store is built: each task writes whole runs, one after
 # another; the store batches the writes that wait at the same moment into one commit.
 BUILDERS = 500
 CACHE_ENV = "POLYLOOP_BENCH_CACHE"
-TEXTS = ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}")
-NUMBER_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"n": {"type": "integer"}},
-    "required": ["n"],
-    "additionalProperties": False,
-}
-ENV_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"env": {"type": "string"}},
-    "required": ["env"],
-    "additionalProperties": False,
-}
+NUMBER_SCHEMA = object_schema(n={"type": "integer"})
+ENV_SCHEMA = object_schema(env={"type": "string"})
 
 
 @dataclass(frozen=True)
@@ -117,12 +90,6 @@ class ConsoleSizes:
 FULL_SIZES = ConsoleSizes(finished=100_000, unfinished=1_000, deep_page=2_000, repeats=5)
 QUICK_SIZES = ConsoleSizes(finished=10_000, unfinished=100, deep_page=200, repeats=3)
 TINY_SIZES = ConsoleSizes(finished=60, unfinished=10, deep_page=2, repeats=1)
-
-
-def sizes_for(ctx: Context) -> ConsoleSizes:
-    if ctx.sizes == TINY:
-        return TINY_SIZES
-    return QUICK_SIZES if ctx.sizes == QUICK else FULL_SIZES
 
 
 # -- the agent whose runs fill the store ----------------------------------------------------
@@ -185,30 +152,20 @@ def _tools() -> ToolRegistry:
 TOOLS = _tools()
 
 
-def _definition(store: Any, kind: str) -> Definition:
-    return Definition(
-        model=ScriptedModelClient(list(SCRIPTS[kind])),
-        interpreter=JsonActionInterpreter(),
-        store=store,
-        events=NullSink(),
-        texts=TEXTS,
-    )
+def _definition(store: Any, kind: str) -> Any:
+    return definition(ScriptedModelClient(list(SCRIPTS[kind])), JsonActionInterpreter(), store)
 
 
-def _request(run_id: str) -> Request:
-    return Request(
-        run_id=run_id,
-        budget=Budget(max_steps=10, max_valid_steps=10, max_context_chars=100_000),
-        executor=TOOLS.executor(),
-        tools=TOOLS,
-        run_context=(Message.text(Role.SYSTEM, "You are an operations agent."),),
-        goal_context=(Message.text(Role.USER, "Double 1, then do the task."),),
-        injection=Injection(entries={}),
-        binding={},
+def _request(run_id: str) -> Any:
+    return request(
+        run_id,
+        TOOLS,
+        TOOLS.executor(),
+        max_steps=10,
+        max_context_chars=100_000,
+        system="You are an operations agent.",
+        goal="Double 1, then do the task.",
         model_replay=Replay.ALLOWED,
-        observation_template="Observation: {observation}",
-        tool_style=ToolStyle.JSON,
-        cancel_grace_s=5.0,
     )
 
 
@@ -225,20 +182,6 @@ async def _write_run(store: ManagedStore, kind: str, run_id: str) -> None:
         await start_or_resume(_definition(store, kind), _request(run_id))
 
 
-def _plan(sizes: ConsoleSizes) -> list[tuple[str, str]]:
-    """``(kind, run_id)`` of every run in start order, the unfinished spread evenly."""
-    total = sizes.finished + sizes.unfinished
-    marks = {i * total // max(sizes.unfinished, 1): i for i in range(sizes.unfinished)}
-    kinds = _interleaved(sizes.mix())  # each kind all along the history
-    counts: dict[str, int] = {}
-    plan = []
-    for n in range(total):
-        kind = kinds[marks[n]] if n in marks else "finished"
-        counts[kind] = counts.get(kind, 0) + 1
-        plan.append((kind, f"{kind}-{counts[kind]:06d}"))
-    return plan
-
-
 def _interleaved(mix: dict[str, int]) -> list[str]:
     """The kinds of ``mix`` spread through one list (round-robin while each lasts)."""
     left = dict(mix)
@@ -252,16 +195,10 @@ def _interleaved(mix: dict[str, int]) -> list[str]:
 
 
 async def fill(store: ManagedStore, sizes: ConsoleSizes) -> None:
-    """Write every run of :func:`_plan`, ``BUILDERS`` at a time."""
-    pending = iter(_plan(sizes))
-
-    async def builder() -> None:
-        for kind, run_id in pending:  # shared: each run is taken by one builder, in order
-            await _write_run(store, kind, run_id)
-
-    async with anyio.create_task_group() as group:
-        for _ in range(BUILDERS):
-            group.start_soon(builder)
+    """Write every run, each kind of unfinished run all along the history, ``BUILDERS``
+    at a time."""
+    runs = history(_interleaved(sizes.mix()), sizes.finished)
+    await at_once((functools.partial(_write_run, store, *run) for run in runs), BUILDERS)
 
 
 # -- the stores, built once and kept --------------------------------------------------------
@@ -320,26 +257,20 @@ def _location(
 
         yield (lambda: SqliteStore(path)), discard_file
         return
-    import psycopg
-    from psycopg import sql
-
-    from bench._common import postgres_schema
     from polyloop.stores import PostgresStore
 
     conninfo = ctx.postgres
     assert conninfo is not None
-
-    def drop(name: str) -> None:
-        with psycopg.connect(conninfo, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
-
     with contextlib.ExitStack() as stack:
         schema = (
             f"polyloop_bench_console_{sizes.tag.replace('-', '_')}"
             if keep
             else stack.enter_context(postgres_schema(conninfo))
         )
-        yield (lambda: PostgresStore(conninfo, schema=schema)), lambda: drop(schema)
+        yield (
+            (lambda: PostgresStore(conninfo, schema=schema)),
+            lambda: drop_schema(conninfo, schema),
+        )
 
 
 # -- measuring ------------------------------------------------------------------------------
@@ -369,29 +300,11 @@ class Sample:
     stall_s: float = 0.0
 
 
-class Ticker:
-    """Sleeps 1 ms again and again; notes the longest it overslept: how long the event
-    loop was kept from other work (another request, a run sharing the process)."""
-
-    def __init__(self) -> None:
-        self.longest = 0.0
-
-    async def tick(self) -> None:
-        while True:
-            began = now()
-            await anyio.sleep(0.001)
-            self.longest = max(self.longest, now() - began - 0.001)
-
-
 async def with_ticker(request: Callable[[], Awaitable[Sample]]) -> Sample:
-    """``request()``, with the longest event-loop stall during it."""
-    ticker = Ticker()
-    async with anyio.create_task_group() as group:
-        group.start_soon(ticker.tick)
-        await anyio.sleep(0.005)  # the ticker is ticking
-        sample = await request()
-        group.cancel_scope.cancel()
-    sample.stall_s = ticker.longest
+    """``request()``, with the longest event-loop stall during it: how long a 1 ms ticker
+    beside it was kept from waking (as another request, or a run, would be)."""
+    sample, ticker = await beside_ticker(request, 0.001)
+    sample.stall_s = max(ticker.lateness_s, default=0.0)
     return sample
 
 
@@ -441,6 +354,9 @@ class Console:
             self.counting.logs_read - read_before,
             response.text,
         )
+
+    async def request(self, path: str) -> Sample:
+        return await (self.first_change() if path == EVENTS else self.get(path))
 
     async def first_change(self) -> Sample:
         """How long the list's live updates take to look at the store once: the stream
@@ -564,40 +480,29 @@ def _reading(probe: Probe) -> Iterator[None]:
         _data.READ_AT_ONCE = at_once
 
 
-async def _sample(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> Sample:
-    """One request of ``probe`` on a new application (warmed by the same request first
-    if the probe is warm)."""
-    with _reading(probe):
-        return await _one_sample(store, probe, sizes)
-
-
-async def _one_sample(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> Sample:
+async def _application(store: ManagedStore, probe: Probe) -> Console:
+    """A new application for ``probe`` (warmed by its request first if the probe is warm)."""
     console = Console(store)
     if not probe.cold:
         await console.get(probe.path)
-    settle()
-    if probe.path == EVENTS:
-        return await with_ticker(console.first_change)
-    sample = await with_ticker(lambda: console.get(probe.path))
+    return console
+
+
+async def _sample(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> Sample:
+    """One request of ``probe``, checked, on a new application."""
+    with _reading(probe):
+        console = await _application(store, probe)
+        settle()
+        sample = await with_ticker(lambda: console.request(probe.path))
     probe.check(sample.body, sizes)
     return sample
 
 
-async def _peak_mb(store: ManagedStore, probe: Probe, sizes: ConsoleSizes) -> float:
+async def _peak_mb(store: ManagedStore, probe: Probe) -> float:
     """The peak of Python allocations during the probe's request, above the level before."""
     with _reading(probe):
-        return await _one_peak(store, probe)
-
-
-async def _one_peak(store: ManagedStore, probe: Probe) -> float:
-    console = Console(store)
-    if not probe.cold:
-        await console.get(probe.path)
-
-    async def request() -> Any:
-        return await (console.first_change() if probe.path == EVENTS else console.get(probe.path))
-
-    return await python_peak_bytes(request) / 2**20
+        console = await _application(store, probe)
+        return await python_peak_bytes(lambda: console.request(probe.path)) / 2**20
 
 
 async def _list_runs_rows(
@@ -644,7 +549,7 @@ async def _probe_rows(
                 "full_ms": median([s.full_s for s in samples]) * 1e3,
                 "logs_read": max(reads),
                 "stall_ms": median([s.stall_s for s in samples]) * 1e3,
-                "peak_mb": await _peak_mb(store, probe, sizes),
+                "peak_mb": await _peak_mb(store, probe),
                 "repeats": len(samples),
             }
         )
@@ -665,19 +570,15 @@ async def _measure(
 
 
 def run(ctx: Context) -> dict[str, Any]:
-    sizes = sizes_for(ctx)
+    sizes = ctx.sizes.pick(FULL_SIZES, QUICK_SIZES, TINY_SIZES)
     keep = sizes != TINY_SIZES
     rows: list[Row] = []
     web = next(
         filter(None, map(missing, ("starlette", "jinja2", "python_multipart", "httpx"))), None
     )
-    for kind in STORE_NAMES:
+    for kind in STORES:
         for backend in ("asyncio", "trio"):
-            problem = web or (
-                ctx.postgres_note or "no PostgreSQL"
-                if kind == "postgres" and ctx.postgres is None
-                else None
-            )
+            problem = web or ctx.unavailable(kind)
             if problem is not None:
                 rows.append(
                     skipped(

@@ -1,34 +1,13 @@
-"""Benchmark 2: what one step costs when the run is durable.
+"""Benchmark 2: what one step costs when the run is durable, beside the disk's fsync floor
+and hand-written durable loops.
 
-The same run as benchmark 1 on each durable store, beside:
-
-* the disk's fsync floor: appends of a small record, each followed by ``fsync``, timed
-  like the runs (wall time over calls) and measured in the same round-robin, between
-  them, so that it sees the disk as they do;
-* the hand-written loop with its two fsync'd appends per step (the floor the targets
-  use), and the same loop with each barrier in a worker thread (a reference: that is
-  where an AnyIO store has to do its blocking I/O);
-* the hand-written loop writing, per step, lines as long as PolyLoop's JSON-lines log
-  (its two intents synced, its model result and step appended): what the disk charges
-  for the bytes a durable step records, which grows with the bytes an fsync carries;
-  and the same with all four writes in a worker thread, as ``JsonlStore`` makes them
-  (the loop that keeps the event loop free and writes what PolyLoop writes);
-* the hand-written loop making, per step, the four SQLite commits ``SqliteStore`` makes
-  (two under ``synchronous=FULL``, two under ``NORMAL``): what SQLite itself charges;
-* LangGraph with its SQLite checkpointer on a file, with its default (background)
-  durability and with ``durability="sync"``.
-
-Every file lives in one scratch directory, so the floors and the stores share a disk.
-The PostgreSQL server syncs its own write-ahead log, on whatever disk it uses.
-
-Target: JsonlStore and SqliteStore within 2x of two fsync floors per step: each store
-does every blocking call in a worker thread (research record 0019), so the loop with its
-barriers in a worker thread is the row to compare with, and a column says how far
-each store is from it.
+What each row is, and the targets: ``bench/README.md``, benchmark 2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +15,13 @@ import anyio
 
 from bench import peers
 from bench._common import (
+    STORE_NAMES,
     Context,
     Row,
     Variant,
     add_ratio,
     by_key,
     interleave,
-    postgres_schema,
     summary_row,
     target,
 )
@@ -128,8 +107,6 @@ def targets(rows: list[Row]) -> list[Row]:
 
 
 async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> list[Row]:
-    from polyloop.stores import JsonlStore, SqliteStore
-
     sizes = await polyloop_line_sizes(steps)
     variants = [
         Variant(
@@ -165,12 +142,11 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
             ),
         ),
     ]
-    async with (
-        JsonlStore(directory / "jsonl") as jsonl,
-        SqliteStore(directory / "runs.sqlite") as sqlite_store,
-    ):
+    async with contextlib.AsyncExitStack() as stack:
         # One database for every run of the SQLite floor, open as long as the store's.
-        hand_sqlite = HandSqlite(directory / "hand.sqlite", sizes)
+        hand_sqlite = stack.enter_context(
+            contextlib.closing(HandSqlite(directory / "hand.sqlite", sizes))
+        )
         variants.append(
             Variant(
                 SQLITE_FLOOR,
@@ -187,83 +163,31 @@ async def _measure(ctx: Context, directory: Path, steps: int, repeats: int) -> l
                 lambda rid: HandSqlite.fresh_run(directory / f"{rid}.sqlite", sizes, rid, steps),
             )
         )
-        for key, name, store in (
-            ("polyloop-jsonl", "PolyLoop, JsonlStore", jsonl),
-            ("polyloop-sqlite", "PolyLoop, SqliteStore", sqlite_store),
-        ):
-            agent = Agent(store, steps=steps)
-            variants.append(Variant(key, name, "polyloop", _timed(agent, steps)))
-        closers = [hand_sqlite.close]
-        skip = peers.langgraph_sqlite_missing()
-        for key, name, durability in (
-            ("langgraph-sqlite", "LangGraph, SqliteSaver (default durability)", None),
-            ("langgraph-sqlite-sync", "LangGraph, SqliteSaver, durability='sync'", "sync"),
-        ):
-            if skip:
-                variants.append(Variant(key, name, "peer", skip=skip))
+        for kind in ("jsonl", "sqlite", "postgres"):
+            key, name = f"polyloop-{kind}", f"PolyLoop, {STORE_NAMES[kind]}"
+            problem = ctx.unavailable(kind)
+            if problem is not None:
+                variants.append(Variant(key, name, "polyloop", skip=problem))
                 continue
-            graph = peers.LangGraphLoop(
-                "sqlite", path=directory / f"{key}.sqlite", durability=durability
-            )
-            closers.append(graph.close)
-            variants.append(Variant(key, name, "peer", _sync(graph.run, steps)))
-        try:
-            if ctx.postgres is None:
-                variants.insert(
-                    _after_sqlite(variants),
-                    Variant(
-                        "polyloop-postgres",
-                        "PolyLoop, PostgresStore",
-                        "polyloop",
-                        skip=ctx.postgres_note,
-                    ),
+            agent = Agent(await ctx.open_store(stack, kind), steps=steps)
+            timed = functools.partial(agent.timed_run, steps=steps)
+            variants.append(Variant(key, name, "polyloop", timed))
+        variants += peers.langgraph_variants(
+            stack,
+            steps,
+            [
+                (
+                    key,
+                    f"LangGraph, SqliteSaver{label}",
+                    "sqlite",
+                    {"path": directory / f"{key}.sqlite", "durability": durability},
                 )
-                results = await _interleave_noted(ctx, variants, repeats)
-            else:
-                results = await _with_postgres(ctx, variants, steps, repeats)
-        finally:
-            for close in closers:
-                close()
+                for key, label, durability in (
+                    ("langgraph-sqlite", " (default durability)", None),
+                    ("langgraph-sqlite-sync", ", durability='sync'", "sync"),
+                )
+            ],
+            peers.langgraph_sqlite_missing,
+        )
+        results = await interleave(ctx, variants, repeats)
     return [summary_row(v, results.get(v.key), steps) for v in variants]
-
-
-async def _with_postgres(ctx: Context, variants: list[Variant], steps: int, repeats: int) -> Any:
-    from polyloop.stores import PostgresStore
-
-    assert ctx.postgres is not None
-    with postgres_schema(ctx.postgres) as schema:
-        async with PostgresStore(ctx.postgres, schema=schema) as store:
-            agent = Agent(store, steps=steps)
-            variants.insert(
-                _after_sqlite(variants),
-                Variant(
-                    "polyloop-postgres", "PolyLoop, PostgresStore", "polyloop", _timed(agent, steps)
-                ),
-            )
-            return await _interleave_noted(ctx, variants, repeats)
-
-
-async def _interleave_noted(ctx: Context, variants: list[Variant], repeats: int) -> Any:
-    for variant in variants:
-        if variant.skip:
-            ctx.note(f"{variant.name}: skipped ({variant.skip})")
-    return await interleave(variants, repeats)
-
-
-def _after_sqlite(variants: list[Variant]) -> int:
-    """Where the PostgreSQL row goes: right after PolyLoop's SQLite row."""
-    return next(i for i, v in enumerate(variants) if v.key == "polyloop-sqlite") + 1
-
-
-def _timed(agent: Agent, steps: int) -> Any:
-    async def measure(run_id: str) -> Any:
-        return await agent.timed_run(run_id, steps)
-
-    return measure
-
-
-def _sync(method: Any, steps: int) -> Any:
-    async def measure(run_id: str) -> Any:
-        return method(run_id, steps)
-
-    return measure

@@ -1,18 +1,9 @@
-"""Durable floors for the throughput benchmark: the hand-written run, made durable by hand.
+"""Benchmark 8's durable floors: the hand-written run, made durable by hand.
 
-:class:`DurableHandWorkload` is ``HandWorkload(trajectory=True)`` (``bench/workload.py``)
-that writes, in PolyLoop's order, the rows a durable loop needs: the run's start; per
-step an intent before the model call, the model's reply, an intent before the tool, then
-the tool's result and the step (the two carry the ~3 KB observation, as PolyLoop's
-records do); the run's end. A step waits for each write's commit. Intents (and the start)
-are barriers, committed with the flush waited for; the other rows commit without it, as
-PolyLoop's stores do (SQLite ``synchronous=FULL`` or ``NORMAL`` in WAL mode, PostgreSQL
-``synchronous_commit`` on or off for the transaction).
-
-Rows are JSON text, encoded by one :data:`ENCODER` from plain dicts with about the keys
-and sizes of PolyLoop's records, in one table ``(run_id, seq, body)``. A
-:class:`GroupCommitter` puts every write waiting at one moment into one transaction, run
-in a worker thread: the cheapest honest way to do the same durable work by hand.
+``HandWorkload(trajectory=True)`` writing, in PolyLoop's order and about its sizes, the
+rows a durable loop needs, each committed before the step goes on, the writes waiting
+at one moment grouped into one transaction in a worker thread (``bench/README.md``,
+benchmark 8: ``hand-sqlite``, ``hand-postgres``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,37 @@
-"""``--profile``: where a PolyLoop step spends its time (cProfile, deterministic).
+"""``--profile``: where a PolyLoop step spends its time (cProfile), then the pieces of a
+step timed one by one without the profiler, which turns its shares into microseconds.
 
-Profiles a few runs of the benchmark-1 agent on ``MemoryStore`` and on ``JsonlStore``
-and prints, per store, the functions with the most time of their own and the same time
-summed per source file. Profiling slows every Python call down, so these are shares of
-a step, not durations: read them beside the timings of benchmarks 1 and 2. For
-coroutines, cProfile counts every resumption as a call, so their calls per step are
-higher than the number of times they are awaited.
-
-Then the pieces a step is made of are timed one by one, without the profiler, which
-turns the shares into microseconds.
+Profiling slows every Python call down, so the profile gives shares of a step, not
+durations; and it counts each resumption of a coroutine as a call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
+import inspect
 import pstats
 from collections import defaultdict
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 
 from bench._common import Context, now
+from bench._sampling import source_name
 from bench.agents import Agent
+from bench.report import print_table
 from polyloop.ports import Action
 from polyloop.stores import MemoryStore
 
 TOP = 20
+SHARE_COLUMNS = [("own_pct", "own time %", 1), ("calls_per_step", "calls/step", 2)]
+PIECE_COLUMNS = [
+    ("piece", "piece"),
+    ("us_per_call", "us/call", 2),
+    ("calls_per_step", "calls/step", 0),
+    ("us_per_step", "us/step", 2),
+]
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -37,24 +42,30 @@ def run(ctx: Context) -> dict[str, Any]:
         anyio.run(_runs, ctx, kind, steps, profiler)
         stats = pstats.Stats(profiler)
         report[kind] = _summarise(stats, steps * 5)
-        _print(kind, report[kind])
+        for what, key, count in (("function", "functions", TOP), ("file", "files", 12)):
+            print_table(
+                f"Profile of PolyLoop on {kind}: share of own time per {what}",
+                [(what, what), *SHARE_COLUMNS],
+                [
+                    {**item, "own_pct": item["own_share"] * 100}
+                    for item in report[kind][key][:count]
+                ],
+            )
     report["pieces"] = pieces(ctx)
-    print_pieces(report["pieces"])
+    print_table(
+        "Pieces of a step, timed one by one (median of 5 batches)", PIECE_COLUMNS, report["pieces"]
+    )
     return report
 
 
 async def _runs(ctx: Context, kind: str, steps: int, profiler: cProfile.Profile) -> None:
-    from polyloop.stores import JsonlStore
-
-    store: Any = MemoryStore() if kind == "memory" else JsonlStore(ctx.scratch("profile"))
-    agent = Agent(store, steps=steps)
-    await agent.run("profile-warmup", steps)
-    profiler.enable()
-    for index in range(5):
-        await agent.run(f"profile-{index}", steps)
-    profiler.disable()
-    if kind != "memory":
-        await store.aclose()
+    async with contextlib.AsyncExitStack() as stack:
+        agent = Agent(await ctx.open_store(stack, kind), steps=steps)
+        await agent.run("profile-warmup", steps)
+        profiler.enable()
+        for index in range(5):
+            await agent.run(f"profile-{index}", steps)
+        profiler.disable()
 
 
 def _summarise(stats: pstats.Stats, total_steps: int) -> dict[str, Any]:
@@ -63,7 +74,7 @@ def _summarise(stats: pstats.Stats, total_steps: int) -> dict[str, Any]:
     functions = []
     per_file: dict[str, float] = defaultdict(float)
     for (filename, line, name), (_, calls, own, cumulative, _) in raw.items():
-        short = _short(filename)
+        short = source_name(filename)
         per_file[short] += own
         functions.append(
             {
@@ -82,152 +93,87 @@ def _summarise(stats: pstats.Stats, total_steps: int) -> dict[str, Any]:
     return {"functions": functions[:TOP], "files": files[:TOP]}
 
 
-def _short(filename: str) -> str:
-    """The file name from the package on (never the machine's own directories)."""
-    parts = Path(filename).parts
-    for anchor in ("polyloop", "anyio", "jsonschema", "asyncio", "json", "trio"):
-        if anchor in parts:
-            return "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor) :])
-    return Path(filename).name or filename
-
-
-def _print(kind: str, report: dict[str, Any]) -> None:
-    print(f"\nProfile of PolyLoop on {kind}: share of own time per function")
-    for item in report["functions"]:
-        print(
-            f"  {item['own_share'] * 100:5.1f}%  {item['calls_per_step']:5.2f}/step  "
-            f"{item['function']}"
-        )
-    print(f"Profile of PolyLoop on {kind}: share of own time per file")
-    for item in report["files"][:12]:
-        print(f"  {item['own_share'] * 100:5.1f}%  {item['file']}")
-
-
 # -- what single pieces of a step cost, timed one by one --------------------------------------
 
 
 def pieces(ctx: Context) -> list[dict[str, Any]]:
-    """Microseconds per call of the pieces a step is made of, and how often a step calls them.
-
-    Some pieces are private parts of the kernel (the transcript); if they move, the row
-    says so instead of failing.
-    """
-    return anyio.run(_pieces, ctx)
+    """Microseconds per call of the pieces a step is made of, and how often a step calls
+    them (some are private parts of the kernel, timed as the kernel calls them)."""
+    return anyio.run(_pieces)
 
 
-async def _pieces(ctx: Context) -> list[dict[str, Any]]:
+async def _pieces() -> list[dict[str, Any]]:
     import hashlib
 
     import anyio.lowlevel
     import anyio.to_thread
 
-    from polyloop import serialization
-    from polyloop.serialization import dumps, encode, loads
+    from polyloop import _assembly
+    from polyloop.serialization import dumps, encode, loads, plain
 
     store = MemoryStore()
     agent = Agent(store, steps=None)
     await agent.run("pieces", 2)
     records = list((await store.read_log("pieces")).records[6:11])
-    intent = records[2]
     lines = [dumps(record) for record in records]
-    tools = agent.tools
-    executor = tools.executor()
+    executor = agent.tools.executor()
     action = Action(
         payload={"name": "noop", "arguments": {}}, action_text="noop()", history_text="noop"
     )
     history = [records[4]] * 200  # any objects: only the copy is timed
 
-    async def execute() -> None:
-        await executor.execute(action, result_id="pieces:0:action")
+    def extend() -> None:
+        transcript = _assembly.Transcript(())
+        transcript.extend(_assembly.step_messages("noop", "ok", "Observation: {observation}"))
 
-    async def hop() -> None:
-        await anyio.to_thread.run_sync(int)
-
-    rows: list[dict[str, Any]] = []
-
-    async def measure(
-        name: str, per_step: float, sync: Any = None, coro: Any = None, loops: int = 2_000
-    ) -> None:
-        samples = []
-        for _ in range(5):
-            began = now()
-            if sync is not None:
-                for _ in range(loops):
-                    sync()
-            else:
-                for _ in range(loops):
-                    await coro()
-            samples.append((now() - began) / loops * 1e6)
-        value = sorted(samples)[len(samples) // 2]
-        rows.append(
-            {
-                "piece": name,
-                "us_per_call": value,
-                "calls_per_step": per_step,
-                "us_per_step": value * per_step,
-            }
-        )
-
-    check = getattr(serialization, "plain", None)
-    if check is not None:
-        await measure(
-            "loggability check of the action payload (every action step)",
-            1,
-            lambda: check(action.payload, owner="Intent", field="payload"),
-        )
-    await measure(
-        "encode of the action intent (inside dumps, durable stores)", 1, lambda: encode(intent)
-    )
-    await measure(
-        "dumps of one step's five records (durable stores only)",
-        1,
-        lambda: [dumps(r) for r in records],
-    )
-    await measure(
-        "loads of one step's five records (resume, per logged step)",
-        1,
-        lambda: [loads(line) for line in lines],
-    )
-    await measure("ToolRegistry.validate('noop', {})", 1, lambda: tools.validate("noop", {}))
-    await measure(
-        "registry executor: execute the no-op tool (validation included)", 1, coro=execute
-    )
-    await measure(
-        "tuple() of the message list at step 100 (the model call's copy)", 1, lambda: tuple(history)
-    )
-    await measure(
-        "sha256 copy + hexdigest (the intent's messages digest)",
-        1,
-        lambda: hashlib.sha256(b"x").copy().hexdigest(),
-    )
-    try:
-        from polyloop import _assembly
-
-        def extend() -> None:
-            transcript = _assembly.Transcript(())
-            transcript.extend(_assembly.step_messages("noop", "ok", "Observation: {observation}"))
-
-        await measure("transcript: append one step's two messages (size + digest)", 1, extend)
-    except (ImportError, AttributeError, TypeError) as exc:
-        rows.append({"piece": f"transcript: not measured ({type(exc).__name__}: {exc})"})
-    await measure(
-        "one suspension of the instant model (anyio checkpoint)", 1, coro=anyio.lowlevel.checkpoint
-    )
-    await measure(
-        "one worker-thread round trip (anyio.to_thread.run_sync of a no-op)", 4, coro=hop, loops=300
-    )
-    del ctx
+    once_a_step = {
+        "loggability check of the action payload (every action step)": lambda: plain(
+            action.payload, owner="Intent", field="payload"
+        ),
+        "encode of the action intent (inside dumps, durable stores)": lambda: encode(records[2]),
+        "dumps of one step's five records (durable stores only)": lambda: list(map(dumps, records)),
+        "loads of one step's five records (resume, per logged step)": lambda: list(
+            map(loads, lines)
+        ),
+        "ToolRegistry.validate('noop', {})": lambda: agent.tools.validate("noop", {}),
+        "registry executor: execute the no-op tool (validation included)": lambda: executor.execute(
+            action, result_id="pieces:0:action"
+        ),
+        "tuple() of the message list at step 100 (the model call's copy)": lambda: tuple(history),
+        "sha256 copy + hexdigest (the intent's messages digest)": lambda: (
+            hashlib.sha256(b"x").copy().hexdigest()
+        ),
+        "transcript: append one step's two messages (size + digest)": extend,
+        "one suspension of the instant model (anyio checkpoint)": anyio.lowlevel.checkpoint,
+    }
+    rows = [await _piece(name, work) for name, work in once_a_step.items()]
+    hop = "one worker-thread round trip (anyio.to_thread.run_sync of a no-op)"
+    rows.append(await _piece(hop, lambda: anyio.to_thread.run_sync(int), per_step=4, loops=300))
     return rows
 
 
-def print_pieces(rows: list[dict[str, Any]]) -> None:
-    print("\nPieces of a step, timed one by one (median of 5 batches)")
-    print(f"  {'us/call':>8}  {'calls/step':>10}  {'us/step':>8}  piece")
-    for row in rows:
-        if "us_per_call" not in row:
-            print(f"  {'':>8}  {'':>10}  {'':>8}  {row['piece']}")
-            continue
-        print(
-            f"  {row['us_per_call']:8.2f}  {row['calls_per_step']:10.0f}  "
-            f"{row['us_per_step']:8.2f}  {row['piece']}"
-        )
+async def _piece(
+    name: str, work: Callable[[], Any], *, per_step: int = 1, loops: int = 2_000
+) -> dict[str, Any]:
+    """What ``work`` costs a call (awaited if it is a coroutine function): the median of
+    five batches of ``loops`` calls, in microseconds; and a step, which calls it ``per_step``
+    times."""
+    sync = not inspect.isawaitable(first := work())
+    if not sync:
+        await first
+    samples = []
+    for _ in range(5):
+        began = now()
+        for _ in range(loops):
+            if sync:
+                work()
+            else:
+                await work()
+        samples.append((now() - began) / loops * 1e6)
+    value = sorted(samples)[len(samples) // 2]
+    return {
+        "piece": name,
+        "us_per_call": value,
+        "calls_per_step": per_step,
+        "us_per_step": value * per_step,
+    }

@@ -1,20 +1,12 @@
 """Benchmark 1: kernel overhead per step, in memory, beside the floor and the peers.
 
-One run of ``overhead_steps`` decisions (a no-op tool call on each but the last) with an
-instant model. Rows:
-
-* the hand-written in-memory loop (the floor every ratio is taken against);
-* PolyLoop on ``MemoryStore`` with the tool in a ``ToolRegistry`` (what a user writes);
-* PolyLoop on ``MemoryStore`` with a bare executor (no registry checks), to show how
-  much of a step the registry's payload and schema checks take;
-* LangGraph without a checkpointer and with ``InMemorySaver``;
-* Pydantic AI with a ``FunctionModel``.
-
-Target: PolyLoop on ``MemoryStore`` at most 15x the floor.
+What each row is, and the target: ``bench/README.md``, benchmark 1.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 import anyio
@@ -72,58 +64,30 @@ async def _measure(ctx: Context, steps: int, repeats: int) -> list[Row]:
             FLOOR,
             "hand-written asyncio loop (floor)",
             "floor",
-            lambda rid: handwritten_memory(steps),
+            lambda run_id: handwritten_memory(steps),
         ),
         Variant(
             "polyloop-memory",
             "PolyLoop, MemoryStore",
             "polyloop",
-            lambda rid: memory.timed_run(rid, steps),
+            functools.partial(memory.timed_run, steps=steps),
         ),
         Variant(
             "polyloop-memory-bare",
             "PolyLoop, MemoryStore, bare executor",
             "reference",
-            lambda rid: bare.timed_run(rid, steps),
+            functools.partial(bare.timed_run, steps=steps),
         ),
     ]
-    closers = []
-    skip = peers.langgraph_missing()
-    for key, name, kind in (
-        ("langgraph-none", "LangGraph, no checkpointer", "none"),
-        ("langgraph-memory", "LangGraph, InMemorySaver", "memory"),
-    ):
-        if skip:
-            variants.append(Variant(key, name, "peer", skip=skip))
-            continue
-        graph = peers.LangGraphLoop(kind)
-        closers.append(graph.close)
-        variants.append(Variant(key, name, "peer", _sync(graph.run, steps)))
-    skip = peers.pydantic_ai_missing()
-    if skip:
-        variants.append(Variant("pydantic-ai", "Pydantic AI, FunctionModel", "peer", skip=skip))
-    else:
-        agent = peers.PydanticAILoop()
-        variants.append(
-            Variant(
-                "pydantic-ai", "Pydantic AI, FunctionModel", "peer", lambda rid: agent.run(steps)
-            )
+    async with contextlib.AsyncExitStack() as stack:
+        variants += peers.langgraph_variants(
+            stack,
+            steps,
+            [
+                ("langgraph-none", "LangGraph, no checkpointer", "none", {}),
+                ("langgraph-memory", "LangGraph, InMemorySaver", "memory", {}),
+            ],
         )
-    for variant in variants:
-        if variant.skip:
-            ctx.note(f"{variant.name}: skipped ({variant.skip})")
-    try:
-        results = await interleave(variants, repeats)
-    finally:
-        for close in closers:
-            close()
+        variants.append(peers.pydantic_ai_variant(steps))
+        results = await interleave(ctx, variants, repeats)
     return [summary_row(v, results.get(v.key), steps) for v in variants]
-
-
-def _sync(method: Any, steps: int) -> Any:
-    """Wrap a synchronous peer run so that the interleaving loop can await it."""
-
-    async def measure(run_id: str) -> Any:
-        return method(run_id, steps)
-
-    return measure

@@ -1,41 +1,25 @@
-"""The same loop in LangGraph and in Pydantic AI, for comparison in the same process run.
+"""The same loops in LangGraph and in Pydantic AI, for comparison in the same process run.
 
-Both peers get the same script as PolyLoop: ``steps`` model decisions, a call to a no-op
-tool on each but the last, then a final text. No network, no real model. Counters in
-the model function and in the tool prove that each peer really made as many decisions
-and tool calls as PolyLoop did.
-
-LangGraph: a ``StateGraph`` over ``MessagesState`` with a model node (it returns an
-``AIMessage`` carrying a tool call, or the final text) and the prebuilt ``ToolNode``,
-joined by ``tools_condition`` so that the graph loops until the model stops calling the
-tool. It is driven with the synchronous ``invoke``, its fastest path (nodes run inline,
-no event loop in between). Variants: no checkpointer, ``InMemorySaver``, and
-``SqliteSaver`` on a file (with LangGraph's default durability, which writes
-checkpoints in the background, and with ``durability="sync"``, which waits for each).
-
-Pydantic AI: ``Agent(FunctionModel(fn))`` with one trivial ``async`` tool; ``fn`` is an
-``async`` function that suspends once (like PolyLoop's instant model) and returns a
-``ToolCallPart`` or, on the last turn, a ``TextPart``. Driven with ``agent.run(...)``
-with the request limit raised above the number of steps.
-
-The end of the file holds the same two peers on the realistic workload of benchmark 8
-(``python -m bench throughput``): model latency, tool arguments, a growing transcript, many runs
-at once, and LangGraph with its async SQLite or PostgreSQL checkpointer.
+First the loop of benchmarks 1 and 2 (an instant model, a no-op tool), then the
+realistic workload of benchmark 8. Counters in each model function and tool prove that
+a peer made as many decisions and tool calls as PolyLoop did. How each is built:
+``bench/README.md``, benchmarks 1 and 8.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sqlite3
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import anyio.lowlevel
 
-from bench._common import RunStats, missing, now
+from bench._common import RunStats, Variant, missing, now
 from bench.agents import Counter
 from bench.workload import GOAL, SUBMITTED, SYSTEM_PROMPT, Counts, decision, observation
 
@@ -56,6 +40,34 @@ def langgraph_sqlite_missing() -> str | None:
 
 def pydantic_ai_missing() -> str | None:
     return missing("pydantic_ai")
+
+
+def langgraph_variants(
+    stack: AsyncExitStack,
+    steps: int,
+    loops: Sequence[tuple[str, str, str, dict[str, Any]]],
+    why_not: Callable[[], str | None] = langgraph_missing,
+) -> list[Variant]:
+    """A peer variant per ``(key, name, checkpointer, options)`` of :class:`LangGraphLoop`,
+    each graph closed with ``stack``; skipped, saying why, without LangGraph."""
+    problem = why_not()
+    found = []
+    for key, name, checkpointer, options in loops:
+        if problem is not None:
+            found.append(Variant(key, name, "peer", skip=problem))
+            continue
+        graph = stack.enter_context(contextlib.closing(LangGraphLoop(checkpointer, **options)))
+        found.append(Variant(key, name, "peer", functools.partial(graph.run, steps=steps)))
+    return found
+
+
+def pydantic_ai_variant(steps: int) -> Variant:
+    """The Pydantic AI peer, or why it cannot run."""
+    key, name, problem = "pydantic-ai", "Pydantic AI, FunctionModel", pydantic_ai_missing()
+    if problem is not None:
+        return Variant(key, name, "peer", skip=problem)
+    agent = PydanticAILoop()
+    return Variant(key, name, "peer", lambda run_id: agent.run(steps))
 
 
 async def _search(counts: Counts, tool_s: float, query: str, page: int) -> str:
@@ -123,7 +135,8 @@ class LangGraphLoop:
             return SqliteSaver(self._connection)
         raise ValueError(f"unknown checkpointer {kind!r}")
 
-    def run(self, thread_id: str, steps: int) -> RunStats:
+    async def run(self, thread_id: str, steps: int) -> RunStats:
+        """One run, through the synchronous ``invoke`` (nodes inline, LangGraph's fastest)."""
         from langchain_core.messages import HumanMessage
 
         self._turn, self._steps = 0, steps
@@ -198,15 +211,9 @@ def langgraph_postgres_missing() -> str | None:
 
 
 class LangGraphWorkload:
-    """The workload of ``bench/workload.py`` as a LangGraph graph, driven with ``ainvoke``.
-
-    A model node (an ``async`` function that sleeps the latency and answers the step's tool
-    call, encoded and decoded as a provider's reply would be) and the prebuilt
-    ``ToolNode`` with ``search`` and ``submit``, whose arguments LangChain validates with a
-    model built from their signatures (the same constraints as the JSON Schemas). After
-    ``submit`` the graph ends. ``checkpointer`` keeps every step, with LangGraph's
-    default durability.
-    """
+    """Benchmark 8's workload as a LangGraph graph (a model node, the prebuilt ``ToolNode``
+    with ``search`` and ``submit``, an end after ``submit``), driven with ``ainvoke``;
+    LangChain checks the tools' arguments against their signatures."""
 
     def __init__(self, checkpointer: Any, *, steps: int, latency_s: float, tool_s: float) -> None:
         from langchain_core.messages import AIMessage
@@ -317,15 +324,8 @@ async def langgraph_workload(
 
 
 class PydanticAIWorkload:
-    """The workload of ``bench/workload.py`` as a Pydantic AI agent, in memory.
-
-    ``Agent(FunctionModel(...))``: the model function sleeps the latency and answers the
-    step's tool call with its arguments as JSON text, which Pydantic AI decodes and
-    validates against the tool's signature (the same constraints as the JSON Schemas),
-    and with a token usage, as a provider's reply has.
-    ``search`` is a tool; ``submit`` is the agent's output function, so calling it ends
-    the run as the submit tool does elsewhere. Pydantic AI has no durable store.
-    """
+    """Benchmark 8's workload as a Pydantic AI agent, in memory (it has no durable store):
+    ``search`` is a tool and ``submit`` the output function, so calling it ends the run."""
 
     def __init__(self, *, steps: int, latency_s: float, tool_s: float) -> None:
         from pydantic_ai import Agent, ToolOutput

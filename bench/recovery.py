@@ -1,38 +1,9 @@
 """Benchmark 4: how ``resume`` (and ``polyloop verify``) scale with the length of a log.
 
-For each store and each size (1k, 10k and 50k logged steps in the full run) a log is
-built that looks exactly like a run the kernel wrote and that stopped just before its
-end record:
-
-1. ``run`` is started through the real store wrapped so that every write after the
-   first fails: the store holds the genuine start record (the snapshot ``resume``
-   compares against) and nothing else.
-2. The step records are appended in bulk. They are copies of the five records the
-   kernel wrote for a real step of the same agent (model intent, model result, action
-   intent, then action result and step record together), renumbered for each step.
-   Writing them one by one through the store would mean 100,000 fsyncs for the largest
-   log, so they go straight into the store's documented on-disk format (JSON lines;
-   the ``records`` table, with the run's row of the ``runs`` table moved on to match),
-   or, for ``MemoryStore``, through its own writes under a claim of the run. Each
-   timed resume checks that it read every record back.
-
-``resume`` then has to read, decode and classify the whole log, rebuild the transcript
-from the step records, check the budget (the log holds exactly ``max_steps`` steps, so
-the run stops without calling the model) and write the end record. That last write is
-refused by a wrapper around the store, which leaves the log untouched for the next
-repeat; its cost is a single append that does not depend on the log's length.
-
-Reported per store: seconds per resume at each size (median of ``recovery_repeats``),
-microseconds per logged step, the slope of a least-squares line through the points
-(microseconds per logged step), and the ratio of the slopes of the two segments (later
-/ earlier; linear growth gives 1). Further resumes per point (one fewer) run with
-Python's cyclic garbage collector switched off: the collector's full passes visit every
-live object, so their share grows with the heap (the log being resumed included) and
-can bend the curve even when the kernel's own work is linear; the two columns tell
-those apart.
-``polyloop verify`` is timed on the same logs when ``polyloop.cli`` exists (in this
-process, from a worker thread, since the command line runs its own event loop; as many
-times as the resumes without the collector).
+Each log is the genuine start record of a run and the copies of one real step's
+records, renumbered, written in bulk in the store's own format: writing them through
+the store would cost 100,000 fsyncs for the largest. How they are built and what is
+reported: ``bench/README.md``, benchmark 4.
 """
 
 from __future__ import annotations
@@ -41,11 +12,9 @@ import contextlib
 import dataclasses
 import gc
 import hashlib
-import inspect
 import io
 import json
 import sqlite3
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -54,12 +23,13 @@ from typing import Any
 import anyio
 
 from bench._common import (
+    STORE_NAMES,
     Context,
     Row,
     median,
     missing,
+    new_store,
     now,
-    postgres_schema,
     settle,
     skipped,
 )
@@ -99,49 +69,25 @@ KINDS = {
     "step": StepRecord,
     "run_ended": RunEnded,
 }
-STORE_NAMES = {
-    "memory": "MemoryStore",
-    "jsonl": "JsonlStore",
-    "sqlite": "SqliteStore",
-    "postgres": "PostgresStore",
-}
 
 
-class _RefuseWrites:
-    """Passes reads and claims to ``inner``; every write raises ``_Refused`` and is
-    remembered."""
+class _RefuseWrites(FaultyStore):
+    """Refuses every write (noting what it was) and counts the records read, so that a
+    log can be resumed again and again and each resume shown to read it whole."""
 
     def __init__(self, inner: Store) -> None:
-        self.inner = inner
+        super().__init__(inner, fail_after_writes=0)
         self.attempted: list[Any] = []
         self.records_read = 0
 
-    def parameters(self) -> Any:
-        return self.inner.parameters()
+    async def _write(self, write: Any, *args: Any, **kwargs: Any) -> None:
+        self.attempted.append(args[0])
+        await super()._write(write, *args, **kwargs)
 
     async def read_log(self, run_id: str) -> RunLog:
-        log = await self.inner.read_log(run_id)
+        log = await super().read_log(run_id)
         self.records_read += len(log.records)
         return log
-
-    # ``resume`` claims the run before reading it and gives the claim up on its way out;
-    # neither writes a record.
-    async def claim_run(self, run_id: str) -> None:
-        await self.inner.claim_run(run_id)
-
-    async def release_run(self, run_id: str) -> None:
-        await self.inner.release_run(run_id)
-
-    def __getattr__(self, name: str) -> Any:
-        async def refuse(*args: Any) -> None:
-            self.attempted.append(args[0] if args else None)
-            raise _Refused(name)
-
-        return refuse
-
-
-class _Refused(Exception):
-    pass
 
 
 def run(ctx: Context) -> dict[str, Any]:
@@ -180,8 +126,9 @@ async def _measure(ctx: Context) -> list[Row]:
                 "steps": size,
                 "name": f"{STORE_NAMES[kind]}, {size:,} steps",
             }
-            if kind == "postgres" and ctx.postgres is None:
-                rows.append(skipped(row, ctx.postgres_note or "no PostgreSQL"))
+            problem = ctx.unavailable(kind)
+            if problem is not None:
+                rows.append(skipped(row, problem))
                 continue
             rows.append(await _one(ctx, kind, size, template, row))
             ctx.say(f"    {row['name']}: resume {row['seconds']:.3f} s")
@@ -190,29 +137,16 @@ async def _measure(ctx: Context) -> list[Row]:
 
 async def _one(ctx: Context, kind: str, size: int, template: Sequence[Record], row: Row) -> Row:
     with contextlib.ExitStack() as stack:
-        schema = None
-        if kind == "postgres":
-            assert ctx.postgres is not None
-            schema = stack.enter_context(postgres_schema(ctx.postgres))
-        place = ctx.scratch(f"recovery-{kind}")
+        where = ctx.place(stack, kind)
         memory = MemoryStore() if kind == "memory" else None
         run_id = f"recovery-{kind}-{size}"
 
         def open_store() -> Any:
-            from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
-
-            if memory is not None:
-                return memory
-            if kind == "jsonl":
-                return JsonlStore(place)
-            if kind == "sqlite":
-                return SqliteStore(place / "runs.sqlite")
-            assert ctx.postgres is not None and schema is not None
-            return PostgresStore(ctx.postgres, schema=schema)
+            return memory if memory is not None else new_store(kind, where)
 
         started = await _start(open_store, run_id, size)
         records = list(_steps(template, run_id, size))
-        await _append(kind, place, memory, ctx.postgres, schema, started, records)
+        await _append(kind, where, memory, started, records)
         del records
         expected = 1 + 5 * size
         times = [
@@ -239,7 +173,7 @@ async def _one(ctx: Context, kind: str, size: int, template: Sequence[Record], r
             us_per_logged_step_gc_off=without_gc / size * 1e6,
         )
         # The command line runs its own event loop, so it is called from a worker thread.
-        verify = await anyio.to_thread.run_sync(_time_verify, kind, place, run_id, fewer)
+        verify = await anyio.to_thread.run_sync(_time_verify, kind, Path(where), run_id, fewer)
         if verify is not None:
             row["verify_s"] = verify
     return row
@@ -301,10 +235,8 @@ async def _start(open_store: Any, run_id: str, size: int) -> RunStarted:
 
 async def _append(
     kind: str,
-    place: Path,
+    where: str,
     memory: MemoryStore | None,
-    conninfo: str | None,
-    schema: str | None,
     started: RunStarted,
     records: list[Record],
 ) -> None:
@@ -322,11 +254,11 @@ async def _append(
         finally:
             await memory.release_run(started.run_id)
     elif kind == "jsonl":
-        _append_jsonl(place, records)
+        _append_jsonl(Path(where), records)
     elif kind == "sqlite":
-        _append_sqlite(place / "runs.sqlite", started.run_id, records)
+        _append_sqlite(Path(where) / "runs.sqlite", started.run_id, records)
     else:
-        assert conninfo is not None and schema is not None
+        conninfo, _, schema = where.partition("#")
         _append_postgres(conninfo, schema, started.run_id, records)
 
 
@@ -407,7 +339,7 @@ async def _timed_resume(store: Any, run_id: str, size: int) -> tuple[float, int]
     began = now()
     try:
         await resume(agent.definition, agent.request(run_id, max_steps=size))
-    except _Refused:
+    except SimulatedCrash:
         seconds = now() - began
     else:
         raise AssertionError("resume wrote nothing: the log was not resumable")
@@ -429,54 +361,30 @@ async def _close(store: Any) -> None:
 
 
 def _verify_missing() -> str | None:
-    problem = missing("polyloop.cli")
-    if problem is not None:
-        return f"the command line is not available yet ({problem})"
-    from polyloop import cli
-
-    if not callable(getattr(cli, "main", None)):
-        return "polyloop.cli has no main()"
-    return None
+    problem = missing("rich")
+    return None if problem is None else f"the command line needs the cli extra ({problem})"
 
 
 def _time_verify(kind: str, place: Path, run_id: str, repeats: int) -> float | None:
     """Median seconds of ``polyloop verify STORE RUN_ID`` run in this process."""
     if kind not in ("jsonl", "sqlite") or _verify_missing():
         return None
-    from polyloop import cli
+    from polyloop.cli import main
 
     spec = f"jsonl:{place}" if kind == "jsonl" else f"sqlite:{place / 'runs.sqlite'}"
-    argv = ["verify", spec, run_id]
     times = []
     for _ in range(repeats):
         settle()
+        output = io.StringIO()
         began = now()
-        status, output = _call_cli(cli.main, argv)
+        with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            status = main(["verify", spec, run_id])
         times.append(now() - began)
-        if status not in (0, None):
+        if status != 0:
             raise AssertionError(
-                f"polyloop verify exited with {status} on a valid log: {output[-2000:]}"
+                f"polyloop verify exited with {status} on a valid log: {output.getvalue()[-2000:]}"
             )
     return median(times)
-
-
-def _call_cli(main: Any, argv: list[str]) -> tuple[Any, str]:
-    """Call the command line's ``main`` in this process; its exit status and output."""
-    sink = io.StringIO()
-    takes_argv = bool(inspect.signature(main).parameters)
-    saved = sys.argv
-    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-        try:
-            if takes_argv:
-                status = main(argv)
-            else:
-                sys.argv = ["polyloop", *argv]
-                status = main()
-        except SystemExit as exc:
-            status = exc.code
-        finally:
-            sys.argv = saved
-    return status, sink.getvalue()
 
 
 # -- slopes -------------------------------------------------------------------------------

@@ -1,16 +1,19 @@
 """The one renderer: every results file of ``bench/`` as the Markdown of the docs.
 
-``python -m bench render FILE...`` prints it. A results file is one of three kinds,
-told apart by its keys: the suite's (benchmarks 1-7 and 10, ``"benchmarks"``), a
-throughput command's (benchmark 8, ``"rows"``) or the Temporal comparison's
-(benchmark 9, ``"temporal"``). The same tables are printed while a benchmark runs.
-``tests/test_docs.py`` checks that the pages still hold the rendering of the committed
-files in ``bench/results/``.
+``python -m bench render FILE...`` prints it. A results file is one of four kinds, told
+apart by its keys: the suite's (benchmarks 1-7 and 10, ``"benchmarks"``), one benchmark's
+tables of its own (benchmarks 11 and 12, ``"columns"``), a throughput command's
+(benchmark 8, ``"rows"``) or the Temporal comparison's (benchmark 9, ``"temporal"``).
+The same tables are printed while a benchmark runs. ``tests/test_docs.py`` checks that
+the pages still hold the rendering of the committed files in ``bench/results/``.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 # (row key, header) or (row key, header, decimals shown below 100)
@@ -25,13 +28,40 @@ RENAMED = {
 }
 
 
+def options(parser: argparse.ArgumentParser, name: str) -> None:
+    parser.add_argument("files", nargs="+", metavar="RESULTS.json")
+
+
+def run(args: argparse.Namespace) -> None:
+    """``python -m bench render``: print each file's Markdown."""
+    print("\n\n".join(render(json.loads(Path(name).read_text())) for name in args.files))
+
+
 def render(results: dict[str, Any]) -> str:
     """The Markdown for any results file a benchmark writes."""
     if "benchmarks" in results:
         return _suite(results)
+    if "columns" in results:
+        return _benchmark(results)
     if "temporal" in results:
         return _temporal(results)
     return _throughput(results)
+
+
+def write_results(path: Path, results: dict[str, Any]) -> None:
+    """Write ``results`` as JSON, all at once (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=_plain) + "\n")
+    tmp.replace(path)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, float) and value != value:
+        return None
+    return str(value)
 
 
 def cell(value: Any, digits: int | None = None) -> str:
@@ -117,6 +147,8 @@ def _suite(results: dict[str, Any]) -> str:
 
 def _benchmark(bench: dict[str, Any]) -> str:
     lines = [f"### {bench['title']}", ""]
+    if "command" in bench:  # a benchmark run alone says how, when and on what
+        lines += [f"`{command_of(bench)}` ({bench['date'][:10]}; {bench['cpus']} CPUs)", ""]
     lines += table(bench["columns"], bench["rows"])
     for extra in bench.get("tables", ()):
         lines += ["", f"**{extra['title']}**", ""]
@@ -131,18 +163,24 @@ def _benchmark(bench: dict[str, Any]) -> str:
 
 def target_line(item: dict[str, Any]) -> str:
     """A target as the console shows it while the benchmarks run."""
-    measured, unit = item["measured"], item.get("unit", "x")
-    shown = "not measured" if measured is None else f"{measured:.2f}{unit}"
-    bound = "at least" if item.get("at_least") else "limit"
     verdict = "met" if item["met"] else "MISSED"
-    return f"  target: {item['target']}: {shown} ({bound} {item['limit']}{unit}) -> {verdict}"
+    return f"  target: {item['target']}: {_measured(item)} ({_bound(item)}) -> {verdict}"
 
 
 def _target(item: dict[str, Any]) -> str:
-    measured, unit = item.get("measured"), item.get("unit", "x")
-    shown = "not measured" if measured is None else f"{measured:.2f}{unit}"
-    bound = ("at least " if item.get("at_least") else "at most ") + f"{item['limit']:g}{unit}"
-    return f"| {item['target']} | {shown} | {bound} | {'yes' if item['met'] else 'no'} |"
+    met = "yes" if item["met"] else "no"
+    return f"| {item['target']} | {_measured(item)} | {_bound(item)} | {met} |"
+
+
+def _measured(item: dict[str, Any]) -> str:
+    measured = item.get("measured")
+    return "not measured" if measured is None else f"{measured:.2f}{item.get('unit', 'x')}"
+
+
+def _bound(item: dict[str, Any]) -> str:
+    return (
+        "at least " if item.get("at_least") else "at most "
+    ) + f"{item['limit']:g}{item.get('unit', 'x')}"
 
 
 def _machine(meta: dict[str, Any]) -> str:
@@ -194,29 +232,31 @@ def _throughput(results: dict[str, Any]) -> str:
     ]
     profiled = [row for row in results["rows"] if row.get("profile")]
     if profiled:
-        lines += ["", *table(_profile_columns(profiled), _profile_rows(profiled))]
+        lines += ["", *table(*profile_table(profiled))]
     return "\n".join(lines)
 
 
-def _profile_columns(profiled: list[Row]) -> list[Column]:
-    return [("file", "file"), *((str(index), row["name"]) for index, row in enumerate(profiled))]
-
-
-def _profile_rows(profiled: list[Row]) -> list[Row]:
-    """One row per source file, its share of each profiled cell's busy time."""
+def profile_table(profiled: Sequence[Row]) -> tuple[list[Column], list[Row]]:
+    """The columns and rows of a table of profiles: one column per profiled row (its
+    ``"profile"``: ``[share, file]`` pairs), one row per source file, its shares."""
+    columns: list[Column] = [
+        ("file", "file"),
+        *((str(index), row["name"]) for index, row in enumerate(profiled)),
+    ]
     shares = [{name: share for share, name in row["profile"]} for row in profiled]
     # Ties by name: a set's order changes from one process to the next.
     names = sorted(
         {name for row in shares for name in row},
         key=lambda n: (-max(row.get(n, 0.0) for row in shares), n),
     )
-    return [
+    rows = [
         {
             "file": name,
             **{str(i): f"{row[name]:.1f}%" for i, row in enumerate(shares) if name in row},
         }
         for name in names
     ]
+    return columns, rows
 
 
 # -- benchmark 9: Temporal workers beside PolyLoop's own ----------------------------------

@@ -1,17 +1,6 @@
 """Benchmark 5: does one step cost more late in a long run than early on?
 
-One PolyLoop run on ``MemoryStore`` long enough to pass the last point compared (step
-1,000 in the full run). The instant model notes the time of every call, so the time of
-step ``k`` is the gap between model calls ``k`` and ``k + 1``: the whole kernel step
-(stop checks, four writes, context assembly, tool) plus one suspension of the model.
-Around each point, the median over a window of steps (``scale_window`` on each side),
-then the median over repeated runs.
-
-For reference, the same windows in the hand-written in-memory loop, and the cost of
-the one thing that must grow: building the message list the model call receives
-(``tuple()`` of the history at that step).
-
-Target: the step at 1,000 costs at most 2x the step at 10.
+How a step is timed, and the target: ``bench/README.md``, benchmark 5.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""A run of realistic shape for the throughput benchmark (``python -m bench throughput``).
+"""The run of realistic shape of benchmark 8 (``python -m bench throughput``): a shared
+model client with latency, a search tool with checked arguments and a 3 KB observation.
 
-One model client serves every run: it waits ``latency_s`` (``anyio.sleep``, as a
-client awaiting a server does) and answers a JSON tool call with arguments. Each step's
-tool validates those arguments against a JSON Schema, waits ``tool_s`` and returns an
-observation of about 3 KB that differs from step to step, so the transcript the model
-is shown grows by that much each step. The last step calls a tool that completes the
-run. Nothing here is PolyLoop's own code but the run itself.
-
-The script (:func:`decision`), the observation (:func:`observation`) and the schemas are
-shared with the hand-written floor (:class:`HandWorkload`, the same work with no kernel
-and nothing durable) and with the peers in ``bench/peers.py``, so every cell does the
-same work. Every driver counts its model decisions and tool executions in a
-:class:`Counts`, which the benchmark checks against runs x steps.
+The script (:func:`decision`), the observation and the schemas are shared with the
+hand-written floor (:class:`HandWorkload`) and the peers (``bench/peers.py``), so every
+cell does the same work; every driver counts its model decisions and tool executions.
 """
 
 from __future__ import annotations
@@ -25,42 +17,18 @@ from typing import Any, Protocol
 import anyio
 from jsonschema import Draft202012Validator
 
-from polyloop import (
-    Budget,
-    Definition,
-    Injection,
-    Message,
-    NullSink,
-    ObservationTexts,
-    Replay,
-    Request,
-    Role,
-    Store,
-    ToolRegistry,
-    ToolSpec,
-    ToolStyle,
-    run,
-)
+from bench._common import each
+from bench.agents import definition, object_schema, request
+from polyloop import Replay, Store, ToolRegistry, ToolSpec, run
 from polyloop.ports import ModelCall, ModelReply
 from polyloop.testing import JsonActionInterpreter
 from polyloop.types import JSONValue
 
 OBSERVATION_CHARS = 3_000
-SEARCH_SCHEMA: dict[str, JSONValue] = {
-    "type": "object",
-    "properties": {
-        "query": {"type": "string", "minLength": 1},
-        "page": {"type": "integer", "minimum": 0},
-    },
-    "required": ["query", "page"],
-    "additionalProperties": False,
-}
-SUBMIT_SCHEMA: dict[str, JSONValue] = {
-    "type": "object",
-    "properties": {"summary": {"type": "string"}},
-    "required": ["summary"],
-    "additionalProperties": False,
-}
+SEARCH_SCHEMA = object_schema(
+    query={"type": "string", "minLength": 1}, page={"type": "integer", "minimum": 0}
+)
+SUBMIT_SCHEMA = object_schema(summary={"type": "string"})
 SUBMITTED = "submitted"
 SYSTEM_PROMPT = "You are a research agent."
 GOAL = "Search the corpus, then submit a summary."
@@ -102,9 +70,7 @@ async def warm(driver: Driver, prefix: str = "warm", runs: int = 4) -> None:
     """A few short runs first, so connections and files exist before timing; their
     decisions and tool executions are not counted. ``prefix`` keeps the run ids of
     processes that share a database apart."""
-    async with anyio.create_task_group() as group:
-        for index in range(runs):
-            group.start_soon(driver.run, f"{prefix}-{index}")
+    await each(runs, lambda index: driver.run(f"{prefix}-{index}"))
     driver.counts.decisions = driver.counts.executions = driver.counts.rows = 0
 
 
@@ -154,13 +120,8 @@ class Workload:
             max_observation_chars=OBSERVATION_CHARS + 1_000,
         )
         self.executor = self.tools.executor()
-        self.definition = Definition(
-            model=LatencyModel(steps, latency_s, self.counts),
-            interpreter=JsonActionInterpreter(),
-            store=store,
-            events=NullSink(),
-            texts=ObservationTexts(not_executed="Refused: {reason}", env_fault="Fault: {detail}"),
-        )
+        model = LatencyModel(steps, latency_s, self.counts)
+        self.definition = definition(model, JsonActionInterpreter(), store)
 
     async def _search(self, arguments: dict[str, Any], *, result_id: str) -> str:
         await anyio.sleep(self.tool_s)
@@ -172,28 +133,18 @@ class Workload:
         self.counts.executions += 1
         return SUBMITTED
 
-    def request(self, run_id: str) -> Request:
-        return Request(
-            run_id=run_id,
-            budget=Budget(
-                max_steps=self.steps + 1,
-                max_valid_steps=self.steps + 1,
-                max_context_chars=10**9,
-            ),
-            executor=self.executor,
-            tools=self.tools,
-            run_context=(Message.text(Role.SYSTEM, SYSTEM_PROMPT),),
-            goal_context=(Message.text(Role.USER, GOAL),),
-            injection=Injection(entries={}),
-            binding={},
-            model_replay=Replay.ALLOWED,
-            observation_template="Observation: {observation}",
-            tool_style=ToolStyle.JSON,
-            cancel_grace_s=5.0,
-        )
-
     async def run(self, run_id: str) -> None:
-        result = await run(self.definition, self.request(run_id))
+        asked = request(
+            run_id,
+            self.tools,
+            self.executor,
+            max_steps=self.steps + 1,
+            max_context_chars=10**9,
+            system=SYSTEM_PROMPT,
+            goal=GOAL,
+            model_replay=Replay.ALLOWED,
+        )
+        result = await run(self.definition, asked)
         if result.step_count != self.steps or result.stop_reason.value != "submitted":
             raise AssertionError(
                 f"run {run_id!r} ended {result.stop_reason} after {result.step_count} steps"
@@ -221,19 +172,13 @@ def action_text(tool: str, arguments: Mapping[str, Any]) -> str:
 
 
 class HandWorkload:
-    """The same work written by hand: no kernel, no store, nothing durable.
+    """The same work written by hand: no kernel, no store, nothing durable (the floor).
 
-    Each step sleeps the model's latency, encodes and decodes the tool call as the model
-    client and a JSON interpreter do, validates its arguments with a validator built
-    once (unless ``validate`` is false), sleeps the tool's time, builds the same
-    observation and appends both to the run's transcript. This is the floor: the CPU a
-    step costs with no kernel at all (event loop, JSON, validation).
-
-    With ``trajectory`` the run also keeps, as PolyLoop's ``RunResult.steps`` does, one
-    :class:`HandStep` per step, and shows the model each observation inside the template
-    ``"Observation: {observation}"``: the memory floor of a loop that returns its
-    trajectory (:meth:`trajectory_of`).
-    """
+    Each step encodes and decodes the tool call as a model client and a JSON interpreter
+    do, and checks its arguments with a validator built once (unless ``validate`` is
+    false). With ``trajectory`` the run also keeps one :class:`HandStep` a step, as
+    ``RunResult.steps`` does (:meth:`trajectory_of`): the memory floor of a loop that
+    returns its trajectory."""
 
     def __init__(
         self,

@@ -262,8 +262,8 @@ def test_workers_combine_from_the_first_start_to_the_last_end() -> None:
             "first_errors": [],
         }
 
-    args = throughput._parser().parse_args(["--steps", "10", "--latency-ms", "200"])
-    row = throughput._combine([part(1.0, 4.0, 3, [1.0, 3.0]), part(2.0, 5.0, 2, [2.0])], args)
+    cell = throughput.Cell("memory", "asyncio", 5, "", steps=10, latency_ms=200)
+    row = throughput._combine([part(1.0, 4.0, 3, [1.0, 3.0]), part(2.0, 5.0, 2, [2.0])], cell)
     assert row["workers"] == 2 and row["runs"] == 5
     assert row["wall_s"] == 4.0 and row["wall_over_ideal"] == pytest.approx(4.0 / 2.1)
     assert row["steps_per_s"] == 50 / 4.0
@@ -281,9 +281,9 @@ def test_a_cell_whose_work_falls_short_fails(
             self.counts.executions -= 1
 
     monkeypatch.setattr(throughput, "HandWorkload", SkipsATool)
-    args = throughput._parser().parse_args(["--steps", "2", "--latency-ms", "1"])
+    cell = throughput.Cell("hand", "asyncio", 3, str(tmp_path), steps=2, latency_ms=1)
     with pytest.raises(AssertionError, match="6 model decisions and 3 tool executions"):
-        anyio.run(throughput._measure, "hand", 3, str(tmp_path), args)
+        anyio.run(throughput.measure, cell)
 
 
 FLOORS = "hand-trajectory,hand-sqlite,hand-postgres"

@@ -4,11 +4,8 @@ target in one line."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,126 +14,66 @@ from typing import Any
 import anyio
 import pytest
 
-from kit import worker_app
-from polyloop import RunEnded, RunState, StepRecord, StopReason, run_status
+from kit import worker_process
+from kit.hosting import eventually
+from kit.worker_process import STORES, WorkerApp
+from polyloop import RunEnded, RunStarted, RunState, StepRecord, StopReason, Verdict, run_status
 from polyloop.cli import main
 from polyloop.session._draining import DETAIL
-from polyloop.stores import SqliteStore
 
 TESTS = Path(__file__).resolve().parent.parent
-SOURCE = TESTS.parent / "src"
 
 
-class App:
-    """The files of one worker application: its database, ledger and gate."""
-
-    def __init__(self, tmp_path: Path, **env: str) -> None:
-        self.db, self.ledger, self.gate = (tmp_path / n for n in ("runs.db", "ledger", "gate"))
-        self.env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(SOURCE), str(TESTS)]),
-            "WORKER_DB": str(self.db),
-            "WORKER_LEDGER": str(self.ledger),
-            **env,
-        }
-
-    def worker(self) -> subprocess.Popen[str]:
-        command = ["worker", "kit.worker_app:lifespan", "--poll-s", "0.1", "--json"]
-        return subprocess.Popen(
-            [sys.executable, "-m", "polyloop", *command],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=self.env,
-        )
-
-    def polyloop(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "polyloop", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=self.env,
-        )
-
-    def start(self, run_id: str) -> None:
-        anyio.run(self._in_env, self._start, run_id)
-
-    def state(self, run_id: str) -> RunState:
-        return anyio.run(self._in_env, self._state, run_id)  # type: ignore[no-any-return]
-
-    def records(self, run_id: str) -> tuple[Any, ...]:
-        return anyio.run(self._in_env, self._records, run_id)  # type: ignore[no-any-return]
-
-    def lines(self) -> list[str]:
-        return self.ledger.read_text().splitlines() if self.ledger.exists() else []
-
-    async def _in_env(self, call: Callable[..., Any], *args: Any) -> Any:
-        saved = dict(os.environ)
-        os.environ.update({k: v for k, v in self.env.items() if k.startswith("WORKER_")})
-        try:
-            async with SqliteStore(self.db) as store:
-                return await call(store, *args)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-
-    @staticmethod
-    async def _start(store: Any, run_id: str) -> None:
-        await worker_app.agent(store).start(run_id, {})
-
-    @staticmethod
-    async def _state(store: Any, run_id: str) -> RunState:
-        return (await run_status(store, run_id)).state
-
-    @staticmethod
-    async def _records(store: Any, run_id: str) -> tuple[Any, ...]:
-        return (await store.read_log(run_id)).records
+@pytest.fixture(params=STORES)
+def apps(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..., WorkerApp]]:
+    with worker_process.apps(request, tmp_path) as make:
+        yield make
 
 
-def _until(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> float:
-    began = time.monotonic()
-    while not check():
-        if time.monotonic() - began > timeout_s:
-            raise AssertionError(f"{what} did not happen within {timeout_s} s")
-        time.sleep(0.02)
-    return time.monotonic() - began
-
-
-@pytest.fixture
-def stopped() -> Iterator[list[subprocess.Popen[str]]]:
-    """Worker processes to end by their pid, should a test fail before it does."""
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for child in started:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-
-
-def _stop(child: subprocess.Popen[str]) -> tuple[str, str]:
-    child.send_signal(signal.SIGTERM)
-    out, err = child.communicate(timeout=30)
-    assert child.returncode == 0, err
-    return out, err
+async def _state(store: Any, run_id: str) -> RunState:
+    return (await run_status(store, run_id)).state
 
 
 @pytest.mark.slow
-def test_a_worker_drives_a_started_run_on_after_an_approval_from_another_process(
-    tmp_path: Path, stopped: list[subprocess.Popen[str]]
+@pytest.mark.anyio
+async def test_a_worker_drives_a_started_run_on_after_an_approval_from_another_process(
+    apps: Callable[..., WorkerApp], anyio_backend: str
 ) -> None:
-    app = App(tmp_path, WORKER_APPROVAL="1")
-    app.start("r1")
-    worker = app.worker()
-    stopped.append(worker)
-    _until(lambda: app.state("r1") is RunState.AWAITING_APPROVAL, "r1 waiting for approval")
-    approved = app.polyloop("approve", f"sqlite:{app.db}", "r1", "--by", "ann")
-    assert approved.returncode == 0, approved.stderr
-    took = _until(lambda: app.state("r1") is RunState.FINISHED, "r1 going on")
-    assert took < 15.0  # about the poll interval; generous for a loaded machine
-    out, _ = _stop(worker)
-    assert app.lines() == ["entered r1:0:action", "r1:0:action"]
-    said = [json.loads(line) for line in out.splitlines()]
+    app = apps(WORKER_APPROVAL="1")
+    async with app.store() as store:
+        await app.agent(store).start("r1", {})
+        worker = app.worker(backend=anyio_backend)
+        await eventually(
+            lambda: _is(store, "r1", RunState.AWAITING_APPROVAL),
+            timeout_s=30,
+            what="r1 waiting for approval",
+        )
+        began = time.monotonic()
+        approved = await app.polyloop("approve", app.settings.store, "r1", "--by", "ann")
+        assert approved.returncode == 0, approved.stderr
+        await eventually(
+            lambda: _is(store, "r1", RunState.FINISHED), timeout_s=30, what="r1 going on"
+        )
+        command_s = time.monotonic() - began
+        records = (await store.read_log("r1")).records
+        await worker.stop()
+    # From the verdict's record to the run's end record, both stamped when written.
+    [verdict] = [record for record in records if isinstance(record, Verdict)]
+    assert isinstance(records[-1], RunEnded)
+    assert verdict.at is not None and records[-1].at is not None
+    took = (records[-1].at - verdict.at).total_seconds()
+    print(
+        f"\n{app.settings.store.split(':')[0]}, {anyio_backend}: approval written -> run "
+        f"finished {took:.3f} s; approve command started -> finished seen {command_s:.3f} s "
+        "(worker polling every 0.1 s)"
+    )
+    assert took < 10.0  # about the poll interval; generous for a loaded machine
+    assert [(entry.what, entry.pid) for entry in app.entries()] == [
+        ("entered", worker.pid),
+        ("paid", worker.pid),
+    ]
+    assert app.paid() == ["r1:0:action"]
+    said = worker.said()
     of_run = [(facts["event"], facts.get("why")) for facts in said if facts["run_id"] == "r1"]
     assert of_run == [
         ("driving", "new"),
@@ -147,32 +84,62 @@ def test_a_worker_drives_a_started_run_on_after_an_approval_from_another_process
     assert said[-1]["event"] == "draining"
 
 
+async def _is(store: Any, run_id: str, state: RunState) -> bool:
+    return await _state(store, run_id) is state
+
+
 @pytest.mark.slow
-def test_sigterm_while_a_tool_runs_lets_it_finish_and_the_next_worker_goes_on(
-    tmp_path: Path, stopped: list[subprocess.Popen[str]]
+@pytest.mark.anyio
+async def test_sigterm_while_runs_are_mid_tool_records_every_step_and_the_next_worker_goes_on(
+    apps: Callable[..., WorkerApp], anyio_backend: str
 ) -> None:
-    app = App(tmp_path, WORKER_GATE=str(tmp_path / "gate"))
-    app.start("r1")
-    worker = app.worker()
-    stopped.append(worker)
-    _until(lambda: "entered r1:0:action" in app.lines(), "the payment starting")
-    worker.send_signal(signal.SIGTERM)
-    time.sleep(0.5)
-    assert worker.poll() is None  # the payment is never cut in half
-    app.gate.touch()
-    _, err = worker.communicate(timeout=30)
-    assert worker.returncode == 0, err
-    assert "draining" in err
-    records = app.records("r1")
-    assert isinstance(records[-2], StepRecord) and records[-2].step == 0
-    assert isinstance(records[-1], RunEnded)
-    assert (records[-1].stop_reason, records[-1].detail) == (StopReason.CANCELLED, DETAIL)
-    assert app.state("r1") is RunState.RESUMABLE  # the claim was given up
-    second = app.worker()
-    stopped.append(second)
-    _until(lambda: app.state("r1") is RunState.FINISHED, "the next worker finishing r1")
-    _stop(second)
-    assert app.lines() == ["entered r1:0:action", "r1:0:action"]
+    app = apps(gated=True)
+    runs = [f"r{index}" for index in range(4)]
+    async with app.store() as store:
+        agent = app.agent(store)
+        for run_id in runs:
+            await agent.start(run_id, {})
+        # Three runs pay at once; the fourth waits for a free slot.
+        worker = app.worker("--concurrency", "3", backend=anyio_backend)
+        await eventually(
+            lambda: len(app.entries("entered")) == 3, timeout_s=30, what="three payments starting"
+        )
+        worker.signal(signal.SIGTERM)
+        await anyio.sleep(0.5)
+        assert not worker.ended()  # no payment is ever cut in half
+        app.gate.touch()
+        assert await worker.exit_status() == 0, worker.stderr()
+        assert "draining" in worker.stderr()
+        paying = {entry.run_id for entry in app.entries("entered")}
+        assert len(paying) == 3  # nothing new was claimed while draining
+        for run_id in runs:
+            records = (await store.read_log(run_id)).records
+            stored = await store.describe_run(run_id)
+            assert stored is not None and not stored.claimed  # the claim was given up
+            assert await _state(store, run_id) is RunState.RESUMABLE
+            if run_id not in paying:
+                assert [type(record) for record in records] == [RunStarted]
+                assert worker.of(run_id) == []
+                continue
+            # The running step was recorded, then the run ended at the step boundary.
+            assert isinstance(records[-2], StepRecord) and records[-2].step == 0
+            assert isinstance(records[-1], RunEnded)
+            assert (records[-1].stop_reason, records[-1].detail) == (StopReason.CANCELLED, DETAIL)
+            stopped = worker.of(run_id, "stopped")
+            assert [facts["stop_reason"] for facts in stopped] == ["cancelled"]
+        second = app.worker(backend=anyio_backend)
+        for run_id in runs:
+            await eventually(
+                lambda r=run_id: _is(store, r, RunState.FINISHED),  # type: ignore[misc]
+                timeout_s=30,
+                what=f"the next worker finishing {run_id}",
+            )
+        await second.stop()
+    assert sorted(app.paid()) == sorted(f"{run_id}:0:action" for run_id in runs)
+    assert {entry.pid for entry in app.entries() if entry.run_id in paying} == {worker.pid}
+    for run_id in runs:
+        why = "new" if run_id not in paying else "interrupted"
+        assert [facts["why"] for facts in second.of(run_id, "driving")] == [why]
 
 
 @pytest.mark.parametrize(
@@ -181,7 +148,7 @@ def test_sigterm_while_a_tool_runs_lets_it_finish_and_the_next_worker_goes_on(
         ("no_colon", "expected MODULE:ATTR"),
         ("kit.no_such_module:agents", "cannot import 'kit.no_such_module'"),
         ("kit.worker_app:nothing", "has no attribute 'nothing'"),
-        ("kit.worker_app:SCRIPT", "is list: expected an Agent"),
+        ("kit.worker_app:VOID", "is str: expected an Agent"),
         ("os:getcwd", "'os:getcwd' returned str: expected an Agent"),
     ],
 )

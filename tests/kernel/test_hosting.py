@@ -26,6 +26,8 @@ from polyloop import (
     run_status,
     serve_agents,
 )
+from polyloop.session import _draining
+from polyloop.session._agents import resume_as
 from polyloop.session._draining import DETAIL
 from polyloop.stores import MemoryStore
 from polyloop.testing import FaultyStore, SimulatedCrash
@@ -271,3 +273,21 @@ async def test_a_mapping_of_agents_on_two_stores_is_served() -> None:
         await eventually(lambda: _finished(first, "r1"), what="r1 finishing")
         await eventually(lambda: _finished(second, "r2"), what="r2 finishing")
     assert sorted(till.paid) == ["r1:0:action", "r2:0:action"]
+
+
+@pytest.mark.parametrize("needs_approval", [False, True], ids=["finished", "awaiting"])
+async def test_a_run_another_host_stopped_meanwhile_is_not_said_to_be_driven(
+    needs_approval: bool,
+) -> None:
+    # A host that took a run from an older listing finds it finished, or waiting for a
+    # person, once it holds the claim: it reads the log, writes nothing, says nothing.
+    store, till = MemoryStore(), Till()
+    agent = payer(store, till, needs_approval=needs_approval)
+    first = await agent.run("r1", {})
+    before = await store.read_log("r1")
+    said: list[str] = []
+    with _draining.watching(_draining.Drain(), said.append):
+        again = await resume_as(agent, await agent.request("r1", {}), {})
+    assert again.stop_reason is first.stop_reason
+    assert said == []
+    assert await store.read_log("r1") == before

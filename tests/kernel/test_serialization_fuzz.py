@@ -28,6 +28,7 @@ from kit.fuzz import (
     model_result,
     mutated_lines,
     numeric_edits,
+    parse_lines,
     read_file_bytes,
     read_line,
     rewrites_exactly,
@@ -36,7 +37,6 @@ from kit.fuzz import (
     token_soup,
 )
 from polyloop.serialization import dumps, encode, loads
-from polyloop.stores._jsonl.reader import parse_lines
 from polyloop.types import (
     CorruptLog,
     Record,

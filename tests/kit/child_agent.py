@@ -25,8 +25,9 @@ from polyloop import (
 )
 
 
-def open_store(spec: str) -> Store:
-    """The store ``spec`` names: ``jsonl:DIR``, ``sqlite:FILE`` or a PostgreSQL conninfo."""
+def open_store(spec: str, *, lease_s: float = 3.0) -> Store:
+    """The store ``spec`` names: ``jsonl:DIR``, ``sqlite:FILE`` or a PostgreSQL conninfo
+    (whose claims hold for ``lease_s`` seconds without a renewal)."""
     from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
 
     if spec.startswith("jsonl:"):
@@ -35,7 +36,7 @@ def open_store(spec: str) -> Store:
         return SqliteStore(spec.removeprefix("sqlite:"))
     # A short lease: a killed worker's runs are free once a sixth of it is left (research
     # record 0034), so the next process resumes them within a few seconds.
-    return PostgresStore(spec, lease_s=3.0)
+    return PostgresStore(spec, lease_s=lease_s)
 
 
 def build(

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kit import record as record_kit
 from polyloop.serialization import dumps, encode, loads
-from polyloop.stores._jsonl.reader import parse_lines
+from polyloop.stores._jsonl.reader import records_of
 from polyloop.testing.store_contract import expected_records, sample_run
 from polyloop.types import (
     CorruptLog,
@@ -373,6 +373,12 @@ def rewrites_exactly(record: Record) -> None:
         return
     assert "\n" not in line
     assert loads(line) == record
+
+
+def parse_lines(data: bytes, file_name: str, run_id: str) -> list[Record]:
+    """The records of a run file's bytes as the JSON-lines store reads them: its complete
+    lines, the unterminated last piece ignored."""
+    return records_of(data.split(b"\n")[:-1], file_name, run_id)
 
 
 def read_file_bytes(data: bytes, run_id: str = "r") -> list[Record] | None:

@@ -3,6 +3,7 @@ served in the test's own task group whose log records the test can read."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -212,12 +213,18 @@ async def serving(
 
 
 async def eventually(
-    check: Callable[[], Awaitable[bool]], *, timeout_s: float = 20.0, what: str = "it"
+    check: Callable[[], Awaitable[bool] | bool], *, timeout_s: float = 20.0, what: str = "it"
 ) -> float:
-    """Wait until ``check()`` is true; the seconds it took. Fails after ``timeout_s``."""
+    """Wait until ``check()`` (a function or a coroutine function) is true; the seconds
+    it took. Fails after ``timeout_s``."""
     began = time.monotonic()
-    while not await check():
+    while not await _holds(check):
         if time.monotonic() - began > timeout_s:
             raise AssertionError(f"{what} did not happen within {timeout_s} s")
         await anyio.sleep(0.01)
     return time.monotonic() - began
+
+
+async def _holds(check: Callable[[], Awaitable[bool] | bool]) -> bool:
+    found = check()
+    return await found if inspect.isawaitable(found) else found

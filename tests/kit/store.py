@@ -10,12 +10,22 @@ import pytest
 
 from polyloop import Store
 from polyloop.stores import JsonlStore, MemoryStore, PostgresStore, SqliteStore
+from polyloop.stores._engine import EngineStore
+from polyloop.stores._jsonl.fileops import FileOps
+from polyloop.stores._jsonl.store import Jsonl
 
 STORE_KINDS = ("memory", "jsonl", "sqlite", "postgresql")
 DURABLE_KINDS = ("jsonl", "sqlite", "postgresql")
 # The backends of a test file about one durable store: its Trio cases are slow, as are the
 # Trio cases on a durable store elsewhere (tests/conftest.py, research-wiki/0044).
 DURABLE_STORE_BACKENDS = ("asyncio", pytest.param("trio", marks=pytest.mark.slow))
+
+
+def jsonl_store_on(directory: Path, files: FileOps) -> EngineStore:
+    """A JSON-lines store whose every file operation goes through ``files`` (a model of a
+    disk, or one that fails on cue): the library's own backend under the store engine, as
+    ``JsonlStore`` builds it over the operating system's file operations."""
+    return EngineStore(Jsonl(directory.absolute(), files))
 
 
 def durable_opener(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:

@@ -39,7 +39,7 @@ from kit.agent import (
     uninterrupted,
 )
 from kit.record import step
-from kit.store import DURABLE_STORE_BACKENDS
+from kit.store import DURABLE_STORE_BACKENDS, jsonl_store_on
 from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop.serialization import dumps
@@ -586,7 +586,7 @@ async def test_a_read_returns_the_lines_complete_when_it_started(tmp_path: Path)
     path = run_file(tmp_path, "r")
     later = (dumps(result()) + "\n").encode()
     files = ChangesWhileRead(lambda: append_bytes(path, later))
-    async with JsonlStore(tmp_path, _files=files) as store:
+    async with jsonl_store_on(tmp_path, files) as store:
         assert list((await store.read_log("r")).records) == records
         assert files.change is None  # the line was appended during that read
         assert list((await store.read_log("r")).records) == [*records, result()]
@@ -596,7 +596,7 @@ async def test_a_run_file_cut_shorter_while_read_is_a_store_error(tmp_path: Path
     await started_run(tmp_path)
     path = run_file(tmp_path, "r")
     files = ChangesWhileRead(lambda: os.truncate(path, 10))
-    async with JsonlStore(tmp_path, _files=files) as store:
+    async with jsonl_store_on(tmp_path, files) as store:
         with pytest.raises(StoreError, match="shrank while it was being read") as caught:
             await store.read_log("r")
     assert caught.value.run_id == "r" and caught.value.location == str(path)
@@ -1114,7 +1114,7 @@ class SlowSyncs(OsFileOps):
 
 async def _close_while_syncing(tmp_path: Path) -> tuple[Any, SlowSyncs]:
     files = SlowSyncs()
-    store = JsonlStore(tmp_path / "runs", _files=files)
+    store = jsonl_store_on(tmp_path / "runs", files)
     for run_id in ("a", "b"):  # two runs: an intent's sync goes to a worker thread
         await store.claim_run(run_id)
         await store.start_run(sample_run(run_id)[0][1][0])

@@ -115,11 +115,25 @@ class FakeDatabase:
         self.expires[owner_id] = -math.inf
 
 
+class FakeTimeLease(Lease):
+    """The library's lease, reading the fake clock and pausing on the fake time."""
+
+    def __init__(self, time: FakeTime, database: FakeDatabase) -> None:
+        super().__init__(LEASE_S, database.renew)
+        self.time = time
+
+    def clock(self) -> float:
+        return self.time.clock()
+
+    def pause(self, seconds: float) -> bool:
+        return self.time.wait(seconds)
+
+
 class Rig:
     def __init__(self, failures: int = 0) -> None:
         self.time = FakeTime()
         self.database = FakeDatabase(self.time, failures)
-        self.lease = Lease(LEASE_S, self.database.renew, clock=self.time.clock, wait=self.time.wait)
+        self.lease = FakeTimeLease(self.time, self.database)
 
     def register(self) -> tuple[str, int]:
         """Register the owner the next claim would use (on the event loop)."""

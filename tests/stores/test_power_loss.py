@@ -3,7 +3,7 @@
 A killed process leaves the kernel's page cache behind, so everything it wrote is still
 there. A machine that loses power keeps only what reached the disk: data not covered by
 an ``fsync`` may be there, missing, or replaced by other bytes, and a new directory entry
-not covered by a directory ``fsync`` may be gone. This module gives ``JsonlStore`` a
+not covered by a directory ``fsync`` may be gone. This module gives the JSON-lines store a
 model of such a disk (through the store's private file-operation layer), cuts the power
 at every sync point of a six-step run, and checks what recovery finds:
 
@@ -40,12 +40,12 @@ from kit.agent import (
     same_outcome,
     six_step_script,
 )
-from kit.store import DURABLE_STORE_BACKENDS
+from kit.fuzz import parse_lines
+from kit.store import DURABLE_STORE_BACKENDS, jsonl_store_on
 from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop._recovery import RecoveryState, read_plan
-from polyloop.stores import JsonlStore
-from polyloop.stores._jsonl.reader import parse_lines
+from polyloop.stores._engine import EngineStore
 from polyloop.stores._paths import safe_name
 from polyloop.testing import ScriptedModelClient
 from polyloop.types import (
@@ -438,7 +438,7 @@ class AckingStore:
     when the last barrier (``start_run`` or ``write_intent``) returned.
     """
 
-    def __init__(self, inner: JsonlStore, *, initial: int) -> None:
+    def __init__(self, inner: EngineStore, *, initial: int) -> None:
         self.inner = inner
         self.returned = self.acked = initial
         self.started = initial > 0
@@ -515,7 +515,7 @@ class Life:
 async def live(subject: Subject, disk: SimDisk, *, resuming: bool, seed: int) -> Life:
     """Drive the run on ``disk`` until its power cut fires, or else cut it after the call."""
     store = AckingStore(
-        JsonlStore(DIRECTORY, _files=disk), initial=len(lines_of(disk.content(RUN_FILE)))
+        jsonl_store_on(DIRECTORY, disk), initial=len(lines_of(disk.content(RUN_FILE)))
     )
     drive = resume if resuming else run
     try:
@@ -539,7 +539,7 @@ _EXPECTED: dict[Replay, RunResult] = {}
 async def expected(replay: Replay) -> RunResult:
     """The uninterrupted six-step run (on a disk that never loses power)."""
     if replay not in _EXPECTED:
-        store = JsonlStore(DIRECTORY, _files=SimDisk())
+        store = jsonl_store_on(DIRECTORY, SimDisk())
         _EXPECTED[replay] = await run(
             definition(store, script=six_step_script()),
             request("r", make_tools(Ledger(), replay=replay), model_replay=replay),
@@ -573,7 +573,7 @@ async def aftermath(subject: Subject, life: Life, where: str) -> Outcome:
     effects_before = len(subject.ledger.calls)
 
     # (c) Recovery on what is left.
-    store = JsonlStore(DIRECTORY, _files=life.image)
+    store = jsonl_store_on(DIRECTORY, life.image)
     try:
         if not found:
             assert not life.store.started, where  # only an unacknowledged start can vanish
@@ -643,7 +643,7 @@ async def power_loss_scenario(
 async def test_the_sync_points_of_a_six_step_run() -> None:
     """Pins the enumeration below: 14 syncs, in this order, and nothing else."""
     disk = SimDisk()
-    store = JsonlStore(DIRECTORY, _files=disk)
+    store = jsonl_store_on(DIRECTORY, disk)
     result = await run(
         definition(store, script=six_step_script()),
         request("r", make_tools(Ledger()), model_replay=Replay.NEVER),
@@ -722,11 +722,11 @@ async def test_a_lost_directory_entry_makes_the_run_fresh_not_corrupt() -> None:
         disk = SimDisk(Cut(3, True, seed))  # just before the directory sync of start_run
         with pytest.raises(PowerLoss):
             await run(
-                definition(JsonlStore(DIRECTORY, _files=disk), script=six_step_script()),
+                definition(jsonl_store_on(DIRECTORY, disk), script=six_step_script()),
                 request("r", make_tools(Ledger())),
             )
         assert disk.image is not None
-        store = JsonlStore(DIRECTORY, _files=disk.image)
+        store = jsonl_store_on(DIRECTORY, disk.image)
         if disk.image.content(RUN_FILE) is None:
             lost += 1
             assert (await store.read_log("r")).records == ()
@@ -804,8 +804,8 @@ def test_the_disk_model_locks_names_and_unlinks_like_a_file_system() -> None:
 
 async def test_a_claim_that_starts_nothing_leaves_no_entry_and_claims_are_seen() -> None:
     disk = SimDisk()
-    holder = JsonlStore(DIRECTORY, _files=disk)
-    watcher = JsonlStore(DIRECTORY, _files=disk)
+    holder = jsonl_store_on(DIRECTORY, disk)
+    watcher = jsonl_store_on(DIRECTORY, disk)
     await holder.claim_run("r")
     assert disk.content(RUN_FILE) == b""
     with pytest.raises(RunLocked):

@@ -54,7 +54,7 @@ from kit.agent import (
     same_outcome,
     six_step_script,
 )
-from kit.store import DURABLE_STORE_BACKENDS
+from kit.store import DURABLE_STORE_BACKENDS, jsonl_store_on
 from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop.ports import Store
@@ -723,7 +723,7 @@ async def test_a_fault_during_recovery_fails_cleanly_and_a_retry_recovers(
     before = path.read_bytes()
     effects = subject.effects()
     files = FailingFiles(failing)
-    async with JsonlStore(scratch / "faulty", _files=files) as store:
+    async with jsonl_store_on(scratch / "faulty", files) as store:
         with pytest.raises(StoreError) as caught:
             await subject.resume(store)
     assert files.calls == 1

@@ -7,8 +7,9 @@ loop needs no new argument); the loop asks :func:`stopped_at_boundary` where it 
 start its next model call, and a run whose host drains ends there with a ``CANCELLED``
 end record: the end a cancelled process writes, so any host may resume it.
 
-:func:`claimed` tells the host when the kernel holds a run's claim, so that it says
-"driving" only about a run it really drives (a lost race for the claim says nothing).
+:func:`claimed` tells the host when the kernel holds a run's claim and goes on with
+it, so that it says "driving" only about a run it really drives (a lost race for the
+claim, or a run another host finished or left waiting meanwhile, says nothing).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ _current: ContextVar[_Watch | None] = ContextVar("polyloop_drain", default=None)
 @contextmanager
 def watching(drain: Drain, on_claimed: Callable[[str], None]) -> Iterator[None]:
     """Drive the run started in this block under ``drain``; ``on_claimed(run_id)`` is
-    called once the kernel holds the run's claim."""
+    called once the kernel holds the run's claim and goes on with it (not for a run
+    whose log says it finished or waits for a person)."""
     token = _current.set(_Watch(drain=drain, on_claimed=on_claimed))
     try:
         yield
@@ -55,7 +57,8 @@ def watching(drain: Drain, on_claimed: Callable[[str], None]) -> Iterator[None]:
 
 
 def claimed(run_id: str) -> None:
-    """The kernel holds ``run_id``'s claim: tell the host driving it, if one does."""
+    """The kernel holds ``run_id``'s claim and goes on with it: tell the host driving
+    it, if one does."""
     watch = _current.get()
     if watch is not None:
         watch.on_claimed(run_id)

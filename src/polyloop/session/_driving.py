@@ -94,7 +94,6 @@ async def drive(
     inheritance = None if inherit is None else await inherit()
     store = definition.store
     await store.claim_run(request.run_id)
-    _draining.claimed(request.run_id)
     try:
         return await _drive_claimed(definition, request, prepared, mode, inheritance, origin)
     finally:
@@ -151,6 +150,7 @@ async def _drive_claimed(
             started = inheritance.started(started)
         if origin is not None:
             started = origin.stamp(started)
+        _draining.claimed(request.run_id)
         return await loop.guarded(loop.start(started))
     if mode is Mode.START:
         raise RunAlreadyExists(
@@ -164,6 +164,7 @@ async def _drive_claimed(
         # Nothing to do until a person answers: the recorded end stands, nothing is written.
         return _recovery.recorded_result(plan)
     loop = Loop(definition, request, prepared, resumed=True)
+    _draining.claimed(request.run_id)
     return await loop.guarded(continue_run(loop, plan, log.records, probe))
 
 

@@ -274,8 +274,11 @@ class Host:
 
     async def _drive(self, job: _Job) -> None:
         run_id = job.run_id
+        driven = False
 
         def claimed(_: str) -> None:
+            nonlocal driven
+            driven = True
             owner = f" (left by {job.owner})" if job.owner and job.why is Choice.INTERRUPTED else ""
             text = f"driving it: {job.why.text}{owner}"
             self._say(logging.INFO, "driving", run_id, text, agent=job.agent.name, why=job.why)
@@ -292,7 +295,9 @@ class Host:
         except Exception as exc:  # noqa: BLE001 - left alone until its log changes
             self._refuse(job.key, None, None, exc)
         else:
-            self._stopped(job, result)
+            if driven:
+                self._stopped(job, result)
+            # Otherwise another host drove it meanwhile: the log, read again, says the rest.
 
     def _stopped(self, job: _Job, result: RunResult) -> None:
         reason = result.stop_reason

@@ -44,16 +44,6 @@ class GroupCommit(Generic[_T]):
     ``abandon(item)`` (on the event loop) lets a cancelled caller stop waiting after
     ``cancelled_wait_s``, the outcome unknown; the commit still runs to its end."""
 
-    __slots__ = (
-        "_abandon",
-        "_active",
-        "_cancelled_wait_s",
-        "_commit",
-        "_lock",
-        "_open",
-        "_parallel",
-    )
-
     def __init__(
         self,
         commit: Callable[[Sequence[_T]], Sequence[BaseException | None]],
@@ -71,11 +61,6 @@ class GroupCommit(Generic[_T]):
         self._open: _Batch[_T] | None = None  # collecting items, not started yet
         self._active = 0  # batches running
         self._lock = threading.Lock()  # between a commit's thread and its leader
-
-    @property
-    def idle(self) -> bool:
-        """No batch runs or waits."""
-        return self._active == 0 and self._open is None
 
     async def submit(self, item: _T) -> None:
         """Return once ``item`` is committed; raise its error if its commit failed.
@@ -98,7 +83,7 @@ class GroupCommit(Generic[_T]):
             if not batch.started:
                 batch.entries.remove(entry)
                 if not batch.entries and self._open is batch:
-                    self._open = None  # an empty batch would keep ``idle`` false
+                    self._open = None  # nothing waits in it any more
                 raise
         try:
             if batch.started:

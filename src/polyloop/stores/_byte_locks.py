@@ -7,7 +7,8 @@ import contextlib
 import hashlib
 import os
 import threading
-from collections.abc import Callable
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from anyio.lowlevel import EventLoopToken
@@ -16,12 +17,13 @@ from polyloop.stores._batching import GroupCommit
 from polyloop.stores._jsonl.fileops import FileOps
 from polyloop.stores._open_files import open_failed
 from polyloop.stores._paths import create_directories
-from polyloop.stores._refusals import claimed_already, not_claimed
-from polyloop.stores._writes import Claim, Write, WriterState
+from polyloop.stores._writes import Claim, Write, WriterState, claimed_already, not_claimed
 
 # The kernel walks a file's list of byte locks: 16 files keep a lock fast at 10,000 claims.
 _SHARDS = 16
 _FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+# Commits the writes of one batch: an outcome for each.
+Commit = Callable[[Sequence[Write]], Sequence[BaseException | None]]
 
 
 def claim_offset(run_id: str) -> int:
@@ -30,43 +32,45 @@ def claim_offset(run_id: str) -> int:
     return int.from_bytes(digest[:8], "big") >> 2
 
 
-class HostClaims:
-    """One store object's claims, each a locked byte (blocking). ``inspect(run_id)`` reads
-    the run's :class:`Claim` once locked; ``free(claim)`` clears the store's trace of a
-    claim given up. The mutex is never held while a file or the database is touched."""
+class OneHost:
+    """The backend calls of a store for one host (blocking, but for the coroutines): its
+    claims, each a locked byte of a lock file in ``directory``, and the group of its
+    writes. A subclass reads the :class:`Claim` of a run once locked (:meth:`inspect`) and
+    clears its trace of a claim given up (:meth:`free`). The claims' mutex is never held
+    while a file or the database is touched."""
 
     def __init__(
-        self,
-        directory: Path,
-        files: FileOps,
-        state: WriterState,
-        *,
-        inspect: Callable[[str], Claim],
-        free: Callable[[Claim], None],
+        self, directory: Path, files: FileOps, commit: Commit, *, parallel: int = 1
     ) -> None:
-        self.directory = directory
-        self._files, self._state = files, state
-        self._inspect, self._free = inspect, free
+        self.directory, self.files = directory, files
+        self.state = WriterState()
+        self.group = GroupCommit(commit, parallel=parallel)
         self._mutex = threading.Lock()
         self._held: dict[str, Claim] = {}
         self._taking: set[str] = set()  # being claimed now: a second claim is refused
         self._descriptors: dict[int, int] = {}  # by shard, opened when first needed
         self._ready = False  # the directory exists
 
-    def take(self, run_id: str) -> None:
+    @abstractmethod
+    def inspect(self, run_id: str) -> Claim: ...
+
+    @abstractmethod
+    def free(self, claim: Claim) -> None: ...
+
+    def claim(self, run_id: str, token: EventLoopToken) -> None:
         """Lock the run's byte and inspect the run; ``RunLocked`` if anyone holds it."""
         with self._mutex:
-            self._state.check_writable(run_id)
+            self.state.check_writable(run_id)
             if run_id in self._held or run_id in self._taking:
                 raise claimed_already(run_id)
             self._taking.add(run_id)
         try:
             if not self._ready:
-                create_directories(self._files, self.directory, run_id=run_id)
+                create_directories(self.files, self.directory, run_id=run_id)
                 self._ready = True
             offset = self._lock(run_id)
             try:
-                claim = self._inspect(run_id)
+                claim = self.inspect(run_id)
             except BaseException:
                 self._unlock(offset)
                 raise
@@ -77,9 +81,15 @@ class HostClaims:
             with self._mutex:
                 self._taking.discard(run_id)
 
+    async def confirm(self, run_id: str) -> None:
+        self.held(run_id)  # a lock only this living process holds, with no lease
+
+    async def submit(self, write: Write) -> None:
+        await self.group.submit(write)
+
     def held(self, run_id: str) -> Claim:
         """The run's claim, if the store may write it."""
-        self._state.check_writable(run_id)
+        self.state.check_writable(run_id)
         claim = self._held.get(run_id)
         if claim is None:
             raise not_claimed(run_id)
@@ -107,11 +117,21 @@ class HostClaims:
             del self._held[claim.run_id]
         self._unlock(claim.offset)
 
-    def claimed(self, run_ids: list[str]) -> list[bool]:
-        """Whether anyone holds each run now, asked through a description of its own."""
-        return [self._claimed_at(claim_offset(run_id)) for run_id in run_ids]
+    def claimed(self, run_id: str) -> bool:
+        """Whether anyone holds the run now, asked through a description of its own."""
+        offset = claim_offset(run_id)
+        try:
+            probe = self.files.open(self._lock_file(offset), os.O_RDONLY | _FLAGS)
+        except FileNotFoundError:
+            return False  # nobody ever claimed a run of this shard here
+        try:
+            return self.files.range_held(probe, offset)
+        finally:
+            self.files.close(probe)
 
     def close(self) -> None:
+        """Admit no claim or write from now on, and give every claim up."""
+        self.state.closed = True
         with self._mutex:
             claims, self._held = self._held, {}
         for claim in claims.values():
@@ -120,36 +140,26 @@ class HostClaims:
             descriptors, self._descriptors = self._descriptors, {}
             for fd in descriptors.values():
                 with contextlib.suppress(OSError):
-                    self._files.close(fd)
+                    self.files.close(fd)
 
     def _give_up(self, claim: Claim) -> None:
         with claim.lock:  # never under a write of the run
             try:
-                self._free(claim)
+                self.free(claim)
             finally:
                 self._unlock(claim.offset)
-
-    def _claimed_at(self, offset: int) -> bool:
-        try:
-            probe = self._files.open(self._path(offset), os.O_RDONLY | _FLAGS)
-        except FileNotFoundError:
-            return False  # nobody ever claimed a run of this shard here
-        try:
-            return self._files.range_held(probe, offset)
-        finally:
-            self._files.close(probe)
 
     def _lock(self, run_id: str) -> int:
         offset = claim_offset(run_id)
         with self._mutex:
             fd = self._descriptors.get(offset % _SHARDS)
             if fd is None:
-                path, flags = self._path(offset), os.O_RDWR | os.O_CREAT | _FLAGS
+                path, flags = self._lock_file(offset), os.O_RDWR | os.O_CREAT | _FLAGS
                 try:
-                    fd = self._descriptors[offset % _SHARDS] = self._files.open(path, flags, 0o600)
+                    fd = self._descriptors[offset % _SHARDS] = self.files.open(path, flags, 0o600)
                 except OSError as exc:
                     raise open_failed(exc, run_id, f"the claims lock file {path}") from exc
-            self._files.lock_range(fd, offset, run_id)
+            self.files.lock_range(fd, offset, run_id)
         return offset
 
     def _unlock(self, offset: int) -> None:
@@ -158,32 +168,8 @@ class HostClaims:
             fd = self._descriptors.get(offset % _SHARDS)
             if fd is not None:
                 with contextlib.suppress(OSError):
-                    self._files.unlock_range(fd, offset)
+                    self.files.unlock_range(fd, offset)
 
-    def _path(self, offset: int) -> Path:
+    def _lock_file(self, offset: int) -> Path:
         # A dot first: no run file of a JSON-lines directory has one.
         return self.directory / f".claims-{offset % _SHARDS:x}.lock"
-
-
-class OneHost:
-    """The backend calls of a store for one host, over its claims and its writes' group."""
-
-    __slots__ = ()
-
-    claims: HostClaims
-    group: GroupCommit[Write]
-
-    def claim(self, run_id: str, token: EventLoopToken) -> None:
-        self.claims.take(run_id)
-
-    def release(self, run_id: str) -> None:
-        self.claims.release(run_id)
-
-    def holds(self, run_id: str) -> bool:
-        return self.claims.holds(run_id)
-
-    async def confirm(self, run_id: str) -> None:
-        self.claims.held(run_id)  # a lock only this living process holds, with no lease
-
-    async def submit(self, write: Write) -> None:
-        await self.group.submit(write)

@@ -38,7 +38,8 @@ Delete = Callable[[str], Awaitable[bool]]
 
 class Backend(Protocol):
     """What the engine needs of a backend; all but the coroutines and :meth:`holds` block.
-    ``prunable`` lists finished runs nobody holds; ``delete`` deletes one held here."""
+    ``prunable`` lists finished runs nobody holds (refusing an ``archive`` it cannot take);
+    ``delete`` deletes one held here."""
 
     kind: str
 
@@ -50,7 +51,7 @@ class Backend(Protocol):
     def read(self, run_id: str) -> tuple[types.Record, ...]: ...
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]: ...
     def describe(self, run_id: str) -> StoredRun | None: ...
-    def prunable(self, cutoff: datetime) -> list[str]: ...
+    def prunable(self, cutoff: datetime, archive: Archive) -> list[str]: ...
     def delete(self, run_id: str, cutoff: datetime) -> bool: ...
     def open(self) -> None: ...
     def close(self) -> None: ...
@@ -99,7 +100,7 @@ class EngineStore(StoreBase):
     async def prune(self, *, finished_before: datetime, archive: Archive = None) -> tuple[str, ...]:
         """Delete the runs that finished before ``finished_before``, each under its claim."""
         cutoff = check_cutoff(finished_before)
-        candidates = await anyio.to_thread.run_sync(self._backend.prunable, cutoff)
+        candidates = await anyio.to_thread.run_sync(self._backend.prunable, cutoff, archive)
         delete = partial(anyio.to_thread.run_sync, partial(self._backend.delete, cutoff=cutoff))
         return await prune_runs(self, candidates, archive=archive, delete=delete)
 

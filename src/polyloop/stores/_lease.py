@@ -21,9 +21,7 @@ from polyloop.types import InvalidRequest, LeaseLost
 
 logger = logging.getLogger("polyloop")
 
-Clock = Callable[[], float]
 Renew = Callable[[str], bool]
-Wait = Callable[[float], bool]
 
 _RENEWALS_PER_LEASE = 3  # a renewal may fail or come late twice and the lease still holds
 _RETRIES_PER_LEASE = 12  # a failed renewal is tried again after this part of a lease
@@ -93,31 +91,22 @@ class LeaseState:
         return self.renewal_refused(now) if self.phase(now) is LeasePhase.LOST else None
 
 
-def lease_clock() -> float:
-    """Seconds that count on while the machine sleeps (``CLOCK_BOOTTIME``, where there is
-    one): a process suspended past its lease must see that the lease has run out."""
-    return time.monotonic() if _BOOTTIME is None else time.clock_gettime(_BOOTTIME)
-
-
-def check_lease_s(lease_s: float) -> None:
-    if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not lease_s > 0:
-        raise InvalidRequest(f"lease_s must be a positive number of seconds, not {lease_s!r}")
+def check_seconds(name: str, value: float) -> None:
+    """Refuse an option ``name`` that is not a positive number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidRequest(f"{name} must be a positive number of seconds, not {value!r}")
 
 
 class Lease:
-    """One store object's lease (thread-safe). ``renew(owner_id)`` says whether the database
-    extended it; ``wait(seconds)`` is the keeper's pause, true once stopping."""
+    """One store object's lease (thread-safe); ``renew(owner_id)`` says whether the
+    database extended it."""
 
-    def __init__(
-        self, lease_s: float, renew: Renew, *, clock: Clock = lease_clock, wait: Wait | None = None
-    ) -> None:
-        check_lease_s(lease_s)
+    def __init__(self, lease_s: float, renew: Renew) -> None:
+        check_seconds("lease_s", lease_s)
         self.lease_s = float(lease_s)
-        self.clock = clock
         self.description = f"{socket.gethostname()} pid {os.getpid()}"
         self._renew = renew
         self._stopping = threading.Event()
-        self._wait = wait or self._stopping.wait
         self._mutex = threading.Lock()
         self._owner_id = uuid.uuid4().hex
         self._generation = 0
@@ -128,6 +117,15 @@ class Lease:
         self._longest_wait_s = 0.0
         self._waiting_since: float | None = None
         self._beats = 0  # counted up by writes on the loop, only compared by the keeper
+
+    def clock(self) -> float:
+        """Seconds that count on while the machine sleeps (``CLOCK_BOOTTIME``, where there is
+        one): a process suspended past its lease must see that the lease has run out."""
+        return time.monotonic() if _BOOTTIME is None else time.clock_gettime(_BOOTTIME)
+
+    def pause(self, seconds: float) -> bool:
+        """The keeper's pause between renewals; true once the store is closing."""
+        return self._stopping.wait(seconds)
 
     def current(self) -> tuple[str, int, bool]:
         """The owner id, the generation of claims taken now, and whether it is registered."""
@@ -202,7 +200,7 @@ class Lease:
     def _keep(self) -> None:
         """The keeper thread: renew while the event loop lives, sooner after a failure."""
         pause, beats = self.lease_s / _RENEWALS_PER_LEASE, self._beats
-        while not self._wait(pause) and not self._stopping.is_set():
+        while not self.pause(pause) and not self._stopping.is_set():
             pause = self.lease_s / _RENEWALS_PER_LEASE
             with self._mutex:
                 owner_id, token, registered = self._owner_id, self._token, self._state

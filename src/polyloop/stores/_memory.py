@@ -11,8 +11,7 @@ from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
 from polyloop.stores._engine import Archive, check_cutoff, finished, prune_runs
 from polyloop.stores._port import StoreBase
-from polyloop.stores._refusals import check_order, claimed_already, not_claimed
-from polyloop.stores._writes import WriterState
+from polyloop.stores._writes import WriterState, check_order, claimed_already, not_claimed
 
 
 class MemoryStore(StoreBase):

@@ -1,6 +1,5 @@
-"""Where the stores for one host keep their files: a run's file name, and directories
-made with their missing parents, each synced into its parent
-(docs/stores.md#missing-directories)."""
+"""Where the stores for one host keep their files: names no run id can break out of, and
+directories that survive a power loss (docs/stores.md#missing-directories)."""
 
 from __future__ import annotations
 

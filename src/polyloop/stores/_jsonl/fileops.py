@@ -1,6 +1,5 @@
-"""The stores for one host reach the file system only through a :class:`FileOps`, which
-the power-loss tests replace with a model of a disk
-(docs/stores.md#durability-at-a-glance)."""
+"""The one way the stores for one host reach the file system, so that a test can put a
+model of a disk in its place (docs/stores.md#durability-at-a-glance)."""
 
 from __future__ import annotations
 

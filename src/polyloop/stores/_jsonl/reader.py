@@ -153,14 +153,9 @@ def log_lines(records: tuple[Record, ...]) -> bytes:
     return b"".join(lines)
 
 
-def parse_lines(data: bytes, file_name: str, run_id: str) -> list[Record]:
-    """The records of a run file's bytes; the unterminated last piece is ignored.
-    ``file_name`` is how locations name the file: its full path, so a reader can open it."""
-    return records_of(data.split(b"\n")[:-1], file_name, run_id)
-
-
 def records_of(pieces: Iterable[bytes], file_name: str, run_id: str) -> list[Record]:
-    """The records of a run file's complete lines, given in order without their ``\\n``."""
+    """The records of a run file's complete lines, given in order without their ``\\n``;
+    ``file_name`` is how locations name the file: its full path, so a reader can open it."""
     records: list[Record] = []
     for number, piece in enumerate(pieces, start=1):
         location = f"{file_name}:{number}"

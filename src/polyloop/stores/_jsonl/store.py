@@ -10,17 +10,13 @@ import os
 from datetime import UTC, datetime
 from pathlib import Path
 
-import anyio.to_thread
-
 from polyloop.ports import StoredRun
-from polyloop.stores._batching import GroupCommit
-from polyloop.stores._byte_locks import HostClaims, OneHost
+from polyloop.stores._byte_locks import OneHost
 from polyloop.stores._engine import Archive, EngineStore, refuse_own_archive
 from polyloop.stores._jsonl import reader
 from polyloop.stores._jsonl.fileops import FileOps, OsFileOps
 from polyloop.stores._paths import safe_name
-from polyloop.stores._refusals import check_order, not_claimed
-from polyloop.stores._writes import Claim, Write, WriterState
+from polyloop.stores._writes import Claim, Write, check_order, not_claimed
 from polyloop.types import CorruptLog, PolyLoopError, Record, SchemaMajorMismatch, StoreError
 
 logger = logging.getLogger("polyloop")
@@ -42,36 +38,23 @@ class JsonlStore(EngineStore):
 
     __slots__ = ("_directory",)
 
-    def __init__(self, directory: str | os.PathLike[str], *, _files: FileOps | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
         self._directory = Path(os.path.abspath(os.fspath(directory)))
-        # Private: a model of a disk for the power-loss tests (research record 0012).
-        super().__init__(Jsonl(self._directory, _files or OsFileOps()))
+        super().__init__(Jsonl(self._directory, OsFileOps()))
 
     def __repr__(self) -> str:
         return f"JsonlStore({str(self._directory)!r})"
-
-    async def prune(self, *, finished_before: datetime, archive: Archive = None) -> tuple[str, ...]:
-        """As every store's, but an ``archive`` holding this store's directory is refused."""
-        if archive is not None:
-            await anyio.to_thread.run_sync(refuse_own_archive, archive, self._directory)
-        return await super().prune(finished_before=finished_before, archive=archive)
 
 
 class Jsonl(OneHost):
     """The JSON-lines backend (a :class:`~polyloop.stores._engine.Backend`)."""
 
     kind = "jsonl"
-    __slots__ = ("claims", "directory", "files", "group", "state")
 
     def __init__(self, directory: Path, files: FileOps) -> None:
-        self.directory, self.files = directory, files
-        self.state = WriterState()
-        self.claims = HostClaims(
-            directory, files, self.state, inspect=self._inspect, free=self._free
-        )
         # Up to 16 batches at once, each in a worker thread: the syncs of different files
         # overlap on the disk, and most of AnyIO's 40 default threads stay free.
-        self.group = GroupCommit(lambda writes: [*map(self._append, writes)], parallel=16)
+        super().__init__(directory, files, lambda writes: [*map(self._append, writes)], parallel=16)
 
     def read(self, run_id: str) -> tuple[Record, ...]:
         self.state.check_open(run_id)
@@ -107,8 +90,11 @@ class Jsonl(OneHost):
         self.state.check_open(run_id)
         return self._describe(self._path(run_id), run_id)
 
-    def prunable(self, cutoff: datetime) -> list[str]:
-        """Finished runs nobody holds whose file was last written before ``cutoff``."""
+    def prunable(self, cutoff: datetime, archive: Archive) -> list[str]:
+        """Finished runs nobody holds whose file was last written before ``cutoff``; an
+        ``archive`` that holds this store's directory is refused."""
+        if archive is not None:
+            refuse_own_archive(archive, self.directory)
         return [
             run.run_id
             for run in self.runs(False)
@@ -117,7 +103,7 @@ class Jsonl(OneHost):
 
     def delete(self, run_id: str, cutoff: datetime) -> bool:
         """Unlink a run this object holds the claim of, unless written to since listed."""
-        claim = self.claims.held(run_id)
+        claim = self.held(run_id)
         files, path = self.files, self._path(run_id)
         with claim.lock:
             with reader.run_file(files, path, run_id) as fd:
@@ -125,17 +111,13 @@ class Jsonl(OneHost):
                     return False
             files.unlink(path)
             files.fsync_directory(self.directory)
-            self.claims.ended(claim)
+            self.ended(claim)
             return True
 
     def open(self) -> None:
         """Nothing to open: the directory is made by the first claim."""
 
-    def close(self) -> None:
-        self.state.closed = True
-        self.claims.close()
-
-    def _inspect(self, run_id: str) -> Claim:
+    def inspect(self, run_id: str) -> Claim:
         """Open or create the run file, cut a torn tail, note what it holds, close it."""
         files, path = self.files, self._path(run_id)
         try:
@@ -156,7 +138,7 @@ class Jsonl(OneHost):
             files.close(fd)
         return Claim(run_id=run_id, next_seq=int(end > 0), finished=bool(ended and ended.is_final))
 
-    def _free(self, claim: Claim) -> None:
+    def free(self, claim: Claim) -> None:
         """A file only the claim made goes with it: a run id never started leaves no trace."""
         if claim.next_seq == 0:
             with contextlib.suppress(OSError):
@@ -167,9 +149,9 @@ class Jsonl(OneHost):
         sync is never retried)."""
         run_id, files = write.run_id, self.files
         try:
-            claim = self.claims.held(run_id)
+            claim = self.held(run_id)
             with claim.lock:
-                if not self.claims.current(claim):
+                if not self.current(claim):
                     raise not_claimed(run_id)
                 started, finished = claim.next_seq > 0, claim.finished
                 check_order(run_id, start=write.start, started=started, finished=finished)
@@ -193,10 +175,10 @@ class Jsonl(OneHost):
                     if write.start:
                         files.fsync_directory(self.directory)
                 except OSError as exc:
-                    self.claims.ended(claim)
+                    self.ended(claim)
                     return self.state.fail(run_id, exc)
                 if write.end:
-                    self.claims.ended(claim)
+                    self.ended(claim)
         except PolyLoopError as exc:
             return exc
         return None
@@ -213,7 +195,7 @@ class Jsonl(OneHost):
             return StoredRun(
                 run_id=run_id,
                 finished=ended is not None and ended.is_final,
-                claimed=self.claims.claimed([run_id])[0],
+                claimed=self.claimed(run_id),
                 updated_at=_written(files, fd),
             )
 

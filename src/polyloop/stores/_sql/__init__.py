@@ -1,1 +1,1 @@
-"""The database stores: one engine (``engine``) and its dialects (``sqlite``, ``postgres``)."""
+"""The database stores: what both dialects share, and each dialect (``sqlite``, ``postgres``)."""

@@ -1,14 +1,12 @@
-"""What a shared commit of a database store writes, decided before anything is sent: the
-writes refused outright, and each other run's rows from its first seq. A dialect sends
-the plan its own way; :meth:`Plan.settle` then moves each written run's claim on."""
+"""What a shared commit of a database store writes, decided once for both dialects before
+anything is sent; each sends the plan its own way."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from polyloop.stores._refusals import check_order, fence_refusal
-from polyloop.stores._writes import Claim, Write
+from polyloop.stores._writes import Claim, Write, check_order, fence_refusal
 from polyloop.types import PolyLoopError, RunLocked
 
 # One outcome per write of a batch: None (committed) or the error its caller sees.

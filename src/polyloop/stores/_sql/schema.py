@@ -1,6 +1,5 @@
-"""The layout of a database store's tables: a ``meta`` table keeps the record ``format``
-and the ``layout`` number, and :func:`prepare` runs the migration steps a database has not
-had (docs/stores.md#sqlitestore)."""
+"""The layout of a database store's tables, kept in its ``meta`` table, so that a release
+runs only the migration steps a database has not had (docs/stores.md#sqlitestore)."""
 
 from __future__ import annotations
 
@@ -99,20 +98,15 @@ def _reached(
         raise CorruptLog(reason, run_id=run_id, location=f"{where} layout") from None
 
 
-def check_format(recorded: object, *, holder: str, run_id: str | None, location: str) -> None:
-    """Refuse an unreadable record format, or one of another major, held by ``holder``."""
-    if not isinstance(recorded, str) or not recorded.startswith("polyloop/"):
-        reason = f"no readable record format in the {holder} ({recorded!r:.80})"
-        raise CorruptLog(reason, run_id=run_id, location=location)
-    if recorded.partition(".")[0] != FORMAT.partition(".")[0]:
-        reason = f"the {holder} holds records in format {recorded!r}; this library reads {FORMAT!r}"
-        raise SchemaMajorMismatch(reason, run_id=run_id, location=location)
-
-
 def _check(meta: dict[str, str], layout: Layout, where: str, run_id: str | None) -> None:
-    check_format(
-        meta.get("format"), holder=layout.holder, run_id=run_id, location=f"{where} format"
-    )
+    """Refuse an unreadable record format, one of another major, or a newer layout."""
+    form, holder = meta.get("format"), layout.holder
+    if not isinstance(form, str) or not form.startswith("polyloop/"):
+        reason = f"no readable record format in the {holder} ({form!r:.80})"
+        raise CorruptLog(reason, run_id=run_id, location=f"{where} format")
+    if form.partition(".")[0] != FORMAT.partition(".")[0]:
+        reason = f"the {holder} holds records in format {form!r}; this library reads {FORMAT!r}"
+        raise SchemaMajorMismatch(reason, run_id=run_id, location=f"{where} format")
     recorded = int(meta.get("layout", 0))
     if recorded > layout.current:
         raise SchemaMajorMismatch(

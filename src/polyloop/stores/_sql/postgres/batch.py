@@ -1,6 +1,5 @@
-"""A PostgreSQL store object's writer connections, and a batch's shared commit: one
-statement that moves each run's row on under its fence and inserts the rows of exactly
-the runs whose row moved (docs/stores.md#postgresstore)."""
+"""A PostgreSQL store object's writers, and a batch's commit as one statement, so that a
+batch costs one round trip (docs/stores.md#postgresstore)."""
 
 from __future__ import annotations
 
@@ -12,11 +11,10 @@ import psycopg
 
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._lease import Lease
-from polyloop.stores._refusals import not_claimed
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.postgres.connection import Link
 from polyloop.stores._sql.postgres.sql import Connection, Queries, run_id_column, run_key
-from polyloop.stores._writes import Claim, Write, WriterState
+from polyloop.stores._writes import Claim, Write, WriterState, not_claimed
 from polyloop.types import StoreError
 
 

@@ -1,8 +1,6 @@
-"""How a PostgreSQL store object connects: its checked settings, its own connections
-(:class:`Link`), the reader pool, and a client-side deadline on every statement: one
-watchdog thread per process shuts the socket of an exchange unanswered at its deadline,
-since no server or TCP timeout ends a wait on a silent path (docs/stores.md#postgresstore).
-"""
+"""How a PostgreSQL store object connects: settings, connections, the reader pool, and a
+deadline on every exchange, since no server or TCP timeout ends a wait on a silent path
+(docs/stores.md#postgresstore)."""
 
 from __future__ import annotations
 
@@ -24,10 +22,10 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
-from polyloop.stores._lease import check_lease_s
+from polyloop.stores._lease import check_seconds
 from polyloop.stores._open_files import open_files_error
-from polyloop.stores._refusals import store_closed
 from polyloop.stores._sql.schema import Layout, prepare, require_store
+from polyloop.stores._writes import store_closed
 from polyloop.types import InvalidRequest, StoreError
 
 
@@ -141,11 +139,9 @@ class Settings:
             )
         if self.pool_size < 1 or self.max_writers < 1:
             raise InvalidRequest("pool_size and max_writer_connections must be at least 1")
-        if not self.timeout > 0:
-            raise InvalidRequest("timeout must be a positive number of seconds")
-        check_lease_s(self.lease_s)
-        if not self.statement_timeout_s > 0:
-            raise InvalidRequest("statement_timeout_s must be a positive number of seconds")
+        check_seconds("timeout", self.timeout)
+        check_seconds("lease_s", self.lease_s)
+        check_seconds("statement_timeout_s", self.statement_timeout_s)
         object.__setattr__(self, "statement_timeout_s", float(self.statement_timeout_s))
         try:
             given = conninfo_to_dict(self.conninfo)

@@ -1,6 +1,5 @@
-"""The claims of a PostgreSQL store object: its :class:`Owner` (a row of ``owners`` with
-a lease), and :class:`SharedClaims`, which routes each claimed run through a writer
-connection (docs/stores.md#leases-hung-workers)."""
+"""The claims of a PostgreSQL store object: an owner with a lease, so that a hung worker's
+runs can be taken over (docs/stores.md#leases-hung-workers)."""
 
 from __future__ import annotations
 
@@ -15,11 +14,10 @@ from anyio.lowlevel import EventLoopToken
 
 from polyloop.stores._batching import GroupCommit
 from polyloop.stores._lease import Lease, effect_margin
-from polyloop.stores._refusals import claimed_already, not_claimed
 from polyloop.stores._sql.postgres.batch import Committer, Writer
 from polyloop.stores._sql.postgres.connection import Link, Settings
 from polyloop.stores._sql.postgres.sql import Queries, owner_lock, run_id_column, run_key
-from polyloop.stores._writes import Claim, Write, WriterState
+from polyloop.stores._writes import Claim, Write, WriterState, claimed_already, not_claimed
 from polyloop.types import RunLocked, StoreError
 
 logger = logging.getLogger("polyloop")

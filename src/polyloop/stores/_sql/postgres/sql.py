@@ -1,6 +1,5 @@
-"""The SQL the PostgreSQL store sends (the schema a quoted identifier, every value bound),
-its migration steps, and the keys it derives from a run id (docs/stores.md#postgresstore).
-"""
+"""The SQL the PostgreSQL store sends, its migration steps, and the keys it derives from a
+run id (docs/stores.md#postgresstore)."""
 
 from __future__ import annotations
 

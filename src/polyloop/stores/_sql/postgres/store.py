@@ -18,7 +18,7 @@ with needs_extra("PostgresStore", "postgres"):
     from psycopg_pool import ConnectionPool
 
 from polyloop.ports import StoredRun
-from polyloop.stores._engine import EngineStore
+from polyloop.stores._engine import Archive, EngineStore
 from polyloop.stores._sql.postgres.connection import Settings, Watched, open_pool
 from polyloop.stores._sql.postgres.owner import SharedClaims
 from polyloop.stores._sql.postgres.sql import run_id_column, run_key
@@ -110,7 +110,7 @@ class Postgres(SharedClaims):
         rows = self._select(run_id, self._queries.describe_run, (run_key(run_id),))
         return self._stored(rows[0]) if rows else None
 
-    def prunable(self, cutoff: datetime) -> list[str]:
+    def prunable(self, cutoff: datetime, archive: Archive) -> list[str]:
         rows = self._select(None, self._queries.prunable, (cutoff,))
         return [self._run_id_of(column) for (column,) in rows]
 
@@ -136,10 +136,8 @@ class Postgres(SharedClaims):
 
     def _run_id_of(self, column: str) -> str:
         """The run id whose ``run_id`` column is ``column`` (undoes :func:`run_id_column`)."""
-        with suppress(ValueError):
-            run_id = json.loads(f'"{column}"')
-            if isinstance(run_id, str):
-                return run_id
+        with suppress(ValueError):  # JSON text in quotes is a string, if it parses
+            return str(json.loads(f'"{column}"'))
         where = f"{self._settings.schema}.records"
         raise CorruptLog(f"unreadable run_id column {shown(column)}", location=where)
 

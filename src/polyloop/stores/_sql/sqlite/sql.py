@@ -162,16 +162,12 @@ def connect(path: Path, run_id: str | None, *, create: bool = True) -> sqlite3.C
     try:
         if create:
             create_directories(_FILES, path.absolute().parent, run_id=run_id)
-            created = not path.exists()
-            target: str | Path = path
-        else:
-            if not path.is_file():
-                problem = "is not a file" if path.exists() else "does not exist"
-                reason = f"no PolyLoop store at {path}: the file {problem}"
-                raise StoreError(reason, run_id=run_id)
-            created = False
-            # Read-write, never create: the file may go between the check and the open.
-            target = path.absolute().as_uri() + "?mode=rw"
+        elif not path.is_file():
+            problem = "is not a file" if path.exists() else "does not exist"
+            raise StoreError(f"no PolyLoop store at {path}: the file {problem}", run_id=run_id)
+        created = create and not path.exists()
+        # Not ``create``: read-write, never create, as the file may go since the check.
+        target = path if create else path.absolute().as_uri() + "?mode=rw"
         # A statement waits up to 30 s for another connection's lock before it fails.
         conn = sqlite3.connect(
             target, timeout=30.0, isolation_level=None, check_same_thread=False, uri=not create
@@ -179,18 +175,13 @@ def connect(path: Path, run_id: str | None, *, create: bool = True) -> sqlite3.C
         if not create:  # before WAL mode is set, which would write to the file
             require_store(conn, LAYOUT, name=path.name, run_id=run_id)
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise StoreError(
-                f"{path}: SQLite refused WAL journal mode (it reports {mode!r}); the "
-                f"store needs a database file on a local file system, not an in-memory "
-                f"database",
-                run_id=run_id,
-            )
         conn.execute("PRAGMA synchronous=FULL")
         level = conn.execute("PRAGMA synchronous").fetchone()[0]
-        if level != 2:  # FULL
+        if str(mode).lower() != "wal" or level != 2:  # 2 is FULL
             raise StoreError(
-                f"{path}: SQLite refused synchronous=FULL (it reports {level!r})",
+                f"{path}: SQLite refused WAL journal mode or synchronous=FULL (it reports "
+                f"{mode!r} and {level!r}); the store needs a database file on a local file "
+                f"system, not an in-memory database",
                 run_id=run_id,
             )
         prepare(conn, LAYOUT, name=str(path), where=f"{path}: meta", run_id=run_id)

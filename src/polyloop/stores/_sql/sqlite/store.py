@@ -17,14 +17,13 @@ from typing import Any
 from anyio.lowlevel import EventLoopToken
 
 from polyloop.ports import StoredRun
-from polyloop.stores._batching import GroupCommit
-from polyloop.stores._byte_locks import HostClaims, OneHost
-from polyloop.stores._engine import EngineStore
+from polyloop.stores._byte_locks import OneHost
+from polyloop.stores._engine import Archive, EngineStore
 from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.rows import read_rows
 from polyloop.stores._sql.sqlite import sql
-from polyloop.stores._writes import Claim, Write, WriterState
+from polyloop.stores._writes import Claim, Write
 from polyloop.types import PolyLoopError, Record, StoreError
 
 logger = logging.getLogger("polyloop")
@@ -64,53 +63,47 @@ class Sqlite(OneHost):
 
     kind = "sqlite"
 
-    __slots__ = ("_conn", "_create", "_full", "_owner", "_path", "claims", "group", "state")
-
     def __init__(self, path: Path, *, create: bool = True) -> None:
-        self.state = WriterState()
+        super().__init__(path.with_name(path.name + ".claims"), OsFileOps(), self.commit)
         self._path = path
         self._create = create
         self._conn: sqlite3.Connection | None = None
         self._full: bool | None = True  # synchronous=FULL; None: unknown, a pragma failed
-        directory = path.with_name(path.name + ".claims")
-        self.claims = HostClaims(
-            directory, OsFileOps(), self.state, inspect=self._take, free=self._free
-        )
         # What the rows of the runs this object claims say about their writer.
         self._owner = f"{socket.gethostname()} pid {os.getpid()}"
-        self.group = GroupCommit(self.commit)
 
     def claim(self, run_id: str, token: EventLoopToken) -> None:
         self.open(run_id)  # first: an error names the database, not its claims
-        self.claims.take(run_id)
+        super().claim(run_id, token)
 
     def read(self, run_id: str) -> tuple[Record, ...]:
         rows, where = self._select(sql.SELECT_RUN, run_id), self._path
         return read_rows(rows, run_id, where=lambda seq: f"{where}: run row seq {seq}")
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
-        return self._stored(self._select(sql.LIST_UNFINISHED if unfinished_only else sql.LIST_RUNS))
+        rows = self._select(sql.LIST_UNFINISHED if unfinished_only else sql.LIST_RUNS)
+        return tuple(map(self._stored, rows))
 
     def describe(self, run_id: str) -> StoredRun | None:
         rows = self._select(sql.DESCRIBE_RUN, run_id)
-        return self._stored(rows)[0] if rows else None
+        return self._stored(rows[0]) if rows else None
 
-    def prunable(self, cutoff: datetime) -> list[str]:
+    def prunable(self, cutoff: datetime, archive: Archive) -> list[str]:
         return [
             sql.run_id_of(key) for (key,) in self._select(sql.PRUNABLE, None, cutoff.timestamp())
         ]
 
     def delete(self, run_id: str, cutoff: datetime) -> bool:
         with self.state.mutex:
-            if not self.claims.holds(run_id):
+            if not self.holds(run_id):
                 return False
-            claim, key = self.claims.held(run_id), sql.run_key(run_id)
+            claim, key = self.held(run_id), sql.run_key(run_id)
             with self._reading(run_id) as conn, sql.immediate(conn):
                 gone = conn.execute(sql.PRUNE_RUN, (key, claim.epoch, cutoff.timestamp())).rowcount
                 if gone:
                     conn.execute(sql.PRUNE_ROWS, (key,))
             if gone:
-                self.claims.ended(claim)
+                self.ended(claim)
             return bool(gone)
 
     def open(self, run_id: str | None = None) -> None:
@@ -118,8 +111,7 @@ class Sqlite(OneHost):
             self._connection(run_id)
 
     def close(self) -> None:
-        self.state.closed = True  # no claim or write is admitted from here on
-        self.claims.close()  # every claim given up before the connection goes
+        super().close()  # every claim given up before the connection goes
         with self.state.mutex:
             conn, self._conn = self._conn, None
             try:
@@ -136,7 +128,7 @@ class Sqlite(OneHost):
                 self._transact(batch)
             for run_id in batch.settle():
                 # The end record's own statement gave the writer up in the run's row.
-                self.claims.ended(batch.runs[run_id].claim)
+                self.ended(batch.runs[run_id].claim)
             return batch.errors
 
     def _connection(self, run_id: str | None) -> sqlite3.Connection:
@@ -161,22 +153,18 @@ class Sqlite(OneHost):
         with self.state.mutex, self._reading(run_id) as conn:
             return conn.execute(query, parameters).fetchall()
 
-    def _stored(self, rows: list[tuple[Any, ...]]) -> tuple[StoredRun, ...]:
-        """Rows of the runs table; a run whose row names a writer asks its lock."""
-        named = [sql.run_id_of(key) for key, _, _, owner in rows if owner is not None]
-        claimed = dict(zip(named, self.claims.claimed(named), strict=True))
-        return tuple(
-            StoredRun(
-                run_id=sql.run_id_of(key),
-                finished=bool(finished),
-                claimed=claimed.get(sql.run_id_of(key), False),
-                updated_at=datetime.fromtimestamp(updated_at, UTC),
-                owner=owner,
-            )
-            for key, finished, updated_at, owner in rows
+    def _stored(self, row: tuple[Any, ...]) -> StoredRun:
+        """A row of the runs table; a run whose row names a writer asks its lock."""
+        key, finished, updated_at, owner = row
+        return StoredRun(
+            run_id=sql.run_id_of(key),
+            finished=bool(finished),
+            claimed=owner is not None and self.claimed(sql.run_id_of(key)),
+            updated_at=datetime.fromtimestamp(updated_at, UTC),
+            owner=owner,
         )
 
-    def _take(self, run_id: str) -> Claim:
+    def inspect(self, run_id: str) -> Claim:
         """Name this object in the run's row (a new one for a new id) and move its epoch on."""
         key = sql.run_key(run_id)
         with self.state.mutex, self._reading(run_id) as conn, sql.immediate(conn):
@@ -188,7 +176,7 @@ class Sqlite(OneHost):
         epoch, finished, next_seq = row
         return Claim(run_id=run_id, epoch=epoch + 1, next_seq=next_seq, finished=bool(finished))
 
-    def _free(self, claim: Claim) -> None:
+    def free(self, claim: Claim) -> None:
         """Clear this writer from the run's row (drop a run never started); the byte,
         let go next, is the claim, so a failure is only logged."""
         key = sql.run_key(claim.run_id)
@@ -203,7 +191,7 @@ class Sqlite(OneHost):
 
     def _admit(self, write: Write) -> Claim:
         """The claim the write is made under, the connection opened."""
-        claim = self.claims.held(write.run_id)
+        claim = self.held(write.run_id)
         self._connection(write.run_id)
         return claim
 
