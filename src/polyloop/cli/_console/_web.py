@@ -55,9 +55,14 @@ from polyloop.types import (
 
 # What a finished answer says after the redirect; fixed words, never text from the URL.
 DONE = {
-    "approved": "Approved. The run goes on when its worker resumes it.",
-    "rejected": "Rejected. The model is told why when the run's worker resumes it.",
-    "settled": "Settled. The run goes on when its worker resumes it.",
+    "approved": "Approved. The action runs next.",
+    "rejected": "Rejected. The model is told why next.",
+    "settled": "Settled. The run goes on from what you said.",
+}
+# Who goes on with the run, by whether it names an agent (RunStatus.agent).
+GOES_ON = {
+    True: "A worker hosting its agent goes on with it (within about a second, while one runs).",
+    False: "It goes on when the program that started it resumes it.",
 }
 _REFUSED_STATUS: dict[type[Exception], int] = {
     RunLocked: 409,
@@ -266,6 +271,8 @@ class _Console:
         if view is None:
             return self.render(request, "missing.html", {"run_id": run_id}, status=404)
         done = DONE.get(request.query_params.get("done", "")) if error is None else None
+        if done is not None:
+            done = f"{done} {GOES_ON[view.status.agent is not None]}"
         values = {
             **await self._run_values(run_id, view),
             "error": error,
