@@ -9,7 +9,17 @@ from dataclasses import dataclass, field
 
 from polyloop._shared import exception_text, record_kind
 from polyloop.serialization import dumps
-from polyloop.types import PolyLoopError, Record, RunAlreadyExists, RunLocked, StoreError
+from polyloop.types import (
+    CancelRequest,
+    CancelRequested,
+    Intent,
+    PolyLoopError,
+    Proposal,
+    Record,
+    RunAlreadyExists,
+    RunLocked,
+    StoreError,
+)
 
 
 def store_closed(run_id: str | None = None) -> StoreError:
@@ -32,6 +42,16 @@ def check_order(run_id: str, *, start: bool, started: bool, finished: bool) -> N
         raise StoreError("the run was never started in this store", run_id=run_id)
     if not start and finished:
         raise StoreError("the run has ended; nothing may follow its end record", run_id=run_id)
+
+
+def announces_effect(records: tuple[Record, ...]) -> bool:
+    """Whether a write holds what comes before an effect (an intent) or a person's ask
+    (a proposal): what a cancel request fences."""
+    return any(isinstance(record, Intent | Proposal) for record in records)
+
+
+def cancel_refusal(request: CancelRequest) -> CancelRequested:
+    return CancelRequested(run_id=request.run_id, by=request.by, why=request.reason)
 
 
 def fence_refusal(
@@ -64,6 +84,7 @@ class Write:
     final: bool = False  # a final end record: nothing may follow it
     reason: str | None = None  # the stop reason of an end record
     barrier: bool = False  # must be fsync'd before the call returns
+    fenced: bool = False  # an intent or a proposal: refused once a cancel is requested
 
 
 @dataclass(eq=False, slots=True)
