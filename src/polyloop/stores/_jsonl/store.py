@@ -9,6 +9,7 @@ import os
 from datetime import UTC, datetime
 from pathlib import Path
 
+from polyloop import types
 from polyloop.ports import StoredRun
 from polyloop.stores._byte_locks import OneHost
 from polyloop.stores._engine import Archive, EngineStore, refuse_own_archive
@@ -16,14 +17,7 @@ from polyloop.stores._jsonl import reader
 from polyloop.stores._jsonl.fileops import FileOps, OsFileOps, write_all
 from polyloop.stores._paths import safe_name
 from polyloop.stores._writes import Claim, Write, cancel_refusal, check_order, not_claimed
-from polyloop.types import (
-    CancelRequest,
-    CorruptLog,
-    PolyLoopError,
-    Record,
-    SchemaMajorMismatch,
-    StoreError,
-)
+from polyloop.types import CorruptLog, PolyLoopError, Record, SchemaMajorMismatch, StoreError
 
 logger = logging.getLogger("polyloop")
 
@@ -100,7 +94,7 @@ class Jsonl(OneHost):
         self.state.check_open(run_id)
         return self._describe(self._path(run_id), run_id)
 
-    def request_cancel(self, request: CancelRequest) -> bool:
+    def request_cancel(self, request: types.CancelRequest) -> bool:
         """Write the first request to a marker file beside the run file, under the fence."""
         run_id, files = request.run_id, self.files
         self.state.check_open(run_id)
@@ -114,7 +108,7 @@ class Jsonl(OneHost):
                 self._keep(request)
         return True
 
-    def read_cancel(self, run_id: str) -> CancelRequest | None:
+    def read_cancel(self, run_id: str) -> types.CancelRequest | None:
         self.state.check_open(run_id)
         return self._cancel(run_id)
 
@@ -234,7 +228,7 @@ class Jsonl(OneHost):
             cancel_requested=asked is not None,
         )
 
-    def _cancel(self, run_id: str) -> CancelRequest | None:
+    def _cancel(self, run_id: str) -> types.CancelRequest | None:
         """The request in the run's marker file (``None`` if there is none)."""
         path = self._path(run_id, reader.CANCEL_SUFFIX)
         with reader.run_file(self.files, path, run_id) as fd:
@@ -243,7 +237,7 @@ class Jsonl(OneHost):
             data = b"".join(iter(lambda: self.files.read(fd, 1 << 16), b""))
             return reader.cancel_of(data, run_id, str(path))
 
-    def _keep(self, request: CancelRequest) -> None:
+    def _keep(self, request: types.CancelRequest) -> None:
         """Write the request to its marker file whole and synced: a reader takes no lock."""
         files, path = self.files, self._path(request.run_id, reader.CANCEL_SUFFIX)
         part = path.with_name(f".{path.name}.partial")  # a dot: never taken for a run
