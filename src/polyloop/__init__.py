@@ -53,6 +53,8 @@ from polyloop.tools import EnvironmentFault, ToolRegistry, ToolSpec
 from polyloop.types import (
     ActionStatus,
     Budget,
+    CancelRequest,
+    CancelRequested,
     ContentBlock,
     CorruptLog,
     DecisionKind,
@@ -110,6 +112,8 @@ __all__ = (
     "ActionStatus",
     "Agent",
     "Budget",
+    "CancelRequest",
+    "CancelRequested",
     "ContentBlock",
     "CorruptLog",
     "Decision",

@@ -14,6 +14,7 @@ The hierarchy::
     │   └── LeaseLost                      this worker's lease ended: it starts and writes nothing
     ├── NotInDoubt (ValueError)            a settlement for a run with no effect in doubt
     ├── NotAwaitingApproval (ValueError)   a verdict for a run with no proposal waiting
+    ├── CancelRequested                    someone asked the run to stop: no new effect starts
     └── StoreError (OSError)               the store could not write or read; the run stops
 
 Each leaf also subclasses the builtin it resembles, so code that already catches
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = (
+    "CancelRequested",
     "CorruptLog",
     "InvalidRequest",
     "LeaseLost",
@@ -113,6 +115,33 @@ class NotInDoubt(PolyLoopError, ValueError):
 class NotAwaitingApproval(PolyLoopError, ValueError):
     """``approve`` or ``reject`` was asked about a run that waits for no approval (none
     was asked for, or a verdict was already given)."""
+
+
+class CancelRequested(PolyLoopError):
+    """A cancel was requested for the run (:func:`polyloop.cancel`): ``by`` asked, for
+    ``why``. A store raises it instead of writing an intent or a proposal of that run,
+    so no new effect starts; the run's owner then ends the run for good. ``approve``,
+    ``reject`` and ``settle`` refuse an answer for such a run with it too."""
+
+    by: str
+    why: str
+
+    def __init__(
+        self,
+        reason: str | None = None,
+        *,
+        run_id: str | None = None,
+        location: str | None = None,
+        by: str = "",
+        why: str = "",
+    ) -> None:
+        self.by, self.why = by, why
+        if reason is None:
+            reason = f"{by!r} asked for the run to be cancelled: {why}"
+        super().__init__(reason, run_id=run_id, location=location)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "by": self.by, "why": self.why}
 
 
 def _difference(key: str, recorded: Any, current: Any) -> str:

@@ -19,6 +19,7 @@ from typing import Protocol, Self, TypeAlias, runtime_checkable
 
 from polyloop.types import (
     ActionStatus,
+    CancelRequest,
     FinishReason,
     Intent,
     IntentKind,
@@ -378,6 +379,29 @@ class Store(Protocol):
         """
         ...
 
+    async def request_cancel(self, request: CancelRequest) -> None:
+        """Keep ``request`` beside the run's log, durably, without the run's claim.
+
+        From the moment it returns, :meth:`write_intent` and :meth:`write_review` of a
+        :class:`~polyloop.types.Proposal` for the run raise
+        :class:`~polyloop.types.CancelRequested` and write nothing, in this process and
+        every other, so no new effect starts; step records, results and end records are
+        still written, so an effect already running is recorded. The check and the
+        intent's write are one atomic step: a request and an intent racing each other
+        are ordered, never both let through. A run keeps its first request; another one
+        changes nothing. :class:`~polyloop.types.RunNotFound` if the run has no record.
+
+        Cancellation: the request was kept whole or not at all.
+        """
+        ...
+
+    async def read_cancel(self, run_id: str) -> CancelRequest | None:
+        """The run's cancel request, or ``None``. Needs no claim.
+
+        Cancellation: reading changes nothing on disk.
+        """
+        ...
+
     async def read_log(self, run_id: str) -> RunLog:
         """Read every record of ``run_id`` in write order (empty if there is none).
 
@@ -410,6 +434,8 @@ class StoredRun:
     under while not given up: ``owner`` describes that worker (host and process), and
     ``lease_expires_at`` is when its lease ends or ended. A run whose owner's lease has
     ended, or whose owner's process died, is not ``claimed``: anyone may take it over.
+
+    ``cancel_requested`` says someone asked the run to stop (:meth:`Store.request_cancel`).
     """
 
     run_id: str
@@ -418,6 +444,7 @@ class StoredRun:
     updated_at: datetime | None
     owner: str | None = None
     lease_expires_at: datetime | None = None
+    cancel_requested: bool = False
 
 
 @runtime_checkable

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import TypeAlias
 
 from polyloop._errors import (
+    CancelRequested,
     CorruptLog,
     InvalidRequest,
     LeaseLost,
@@ -33,6 +34,8 @@ from polyloop._shared import RECONCILE_PREFIX, canonical_json, run_trace_ids
 __all__ = (
     "ActionStatus",
     "Budget",
+    "CancelRequest",
+    "CancelRequested",
     "ContentBlock",
     "CorruptLog",
     "DecisionKind",
@@ -140,6 +143,9 @@ class StopReason(enum.StrEnum):
     CANCELLED = "cancelled"
     IN_DOUBT = "in_doubt"
     AWAITING_APPROVAL = "awaiting_approval"
+    CANCELLED_BY_REQUEST = "cancelled_by_request"
+    """Someone asked the run to stop (:func:`polyloop.cancel`); final, unlike
+    ``CANCELLED``, which a cancelled process leaves for a later resume."""
 
 
 class FinishReason(enum.StrEnum):
@@ -464,6 +470,9 @@ class RunEnded:
     A ``CANCELLED`` end may be followed by a resumed run; an ``IN_DOUBT`` end by the
     :class:`Settlement` of the effect in doubt; an ``AWAITING_APPROVAL`` end by the
     :class:`Verdict` on the proposed action. Every other end is final.
+
+    ``cancelled_by`` names who asked for a ``CANCELLED_BY_REQUEST`` end (its reason is
+    in ``detail``); ``None`` on every other end.
     """
 
     run_id: str
@@ -473,6 +482,7 @@ class RunEnded:
     valid_steps: int
     detail: str | None
     at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
+    cancelled_by: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
 
     @property
     def is_final(self) -> bool:
@@ -612,6 +622,22 @@ class RunResult:
     detail: str | None = None
     usage: Usage | None = None
     reconcile_failures: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CancelRequest:
+    """Someone's request that a run stop for good, kept by the store beside the run's log.
+
+    Written without the run's claim (:func:`polyloop.cancel`); from then on the store
+    refuses the run's intents and proposals with :class:`CancelRequested`, and its owner
+    ends it ``CANCELLED_BY_REQUEST``. ``by`` names who asked and ``reason`` says why;
+    ``at`` is when the store took the request (aware UTC).
+    """
+
+    run_id: str
+    by: str
+    reason: str
+    at: datetime | None = None
 
 
 class RunState(enum.StrEnum):

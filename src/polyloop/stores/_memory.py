@@ -11,7 +11,16 @@ from polyloop._shared import FORMAT
 from polyloop.ports import StoredRun
 from polyloop.stores._engine import Archive, check_cutoff, finished, prune_runs
 from polyloop.stores._port import StoreBase
-from polyloop.stores._writes import WriterState, check_order, claimed_already, not_claimed
+from polyloop.stores._writes import (
+    WriterState,
+    announces_effect,
+    cancel_refusal,
+    check_order,
+    claimed_already,
+    no_run,
+    not_claimed,
+    taken,
+)
 
 
 class MemoryStore(StoreBase):
@@ -23,10 +32,11 @@ class MemoryStore(StoreBase):
     Cancellation, for every method: no method waits but :meth:`prune`, so each completes
     or does not start; ``prune`` deletes each run whole or not at all."""
 
-    __slots__ = ("_claims", "_runs", "_state", "_updated")
+    __slots__ = ("_cancels", "_claims", "_runs", "_state", "_updated")
 
     def __init__(self) -> None:
         self._runs: dict[str, list[types.Record]] = {}
+        self._cancels: dict[str, types.CancelRequest] = {}
         self._updated: dict[str, float] = {}  # time.time() of the last write
         self._claims: set[str] = set()
         self._state = WriterState()  # only whether it is closed: no write here fails
@@ -48,6 +58,20 @@ class MemoryStore(StoreBase):
     async def check_claim(self, run_id: str) -> None:
         """Pass if this store object holds the run's claim: a claim here has no lease."""
         self._check_claimed(run_id)
+
+    async def request_cancel(self, request: types.CancelRequest) -> None:
+        """Keep the run's first cancel request; its intents and proposals are refused."""
+        self._state.check_open(request.run_id)
+        if request.run_id not in self._runs:
+            raise no_run(request.run_id)
+        if request.run_id not in self._cancels:
+            self._cancels[request.run_id] = taken(request)
+            self._updated[request.run_id] = time.time()
+
+    async def read_cancel(self, run_id: str) -> types.CancelRequest | None:
+        """The run's cancel request, or ``None``."""
+        self._state.check_open(run_id)
+        return self._cancels.get(run_id)
 
     async def read_log(self, run_id: str) -> types.RunLog:
         """Every record of ``run_id``, in write order."""
@@ -75,6 +99,7 @@ class MemoryStore(StoreBase):
     async def _delete(self, run_id: str) -> bool:
         self._claims.discard(run_id)
         del self._runs[run_id], self._updated[run_id]
+        self._cancels.pop(run_id, None)
         return True
 
     async def aclose(self) -> None:
@@ -88,6 +113,7 @@ class MemoryStore(StoreBase):
             finished=finished(self._runs[run_id]),
             claimed=run_id in self._claims,
             updated_at=datetime.fromtimestamp(self._updated[run_id], UTC),
+            cancel_requested=run_id in self._cancels,
         )
 
     def _check_claimed(self, run_id: str) -> None:
@@ -103,6 +129,8 @@ class MemoryStore(StoreBase):
         self._check_claimed(run_id)
         kept = self._runs.get(run_id, [])
         check_order(run_id, start=start, started=bool(kept), finished=finished(kept))
+        if run_id in self._cancels and announces_effect(records):
+            raise cancel_refusal(self._cancels[run_id])
         self._runs.setdefault(run_id, []).extend(records)
         self._updated[run_id] = time.time()
         if isinstance(records[-1], types.RunEnded):

@@ -5,11 +5,25 @@ not to write again (:class:`WriterState`), and why a call is refused
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
 
 from polyloop._shared import exception_text, record_kind
 from polyloop.serialization import dumps
-from polyloop.types import PolyLoopError, Record, RunAlreadyExists, RunLocked, StoreError
+from polyloop.types import (
+    CancelRequest,
+    CancelRequested,
+    Intent,
+    PolyLoopError,
+    Proposal,
+    Record,
+    RunAlreadyExists,
+    RunLocked,
+    RunNotFound,
+    StoreError,
+)
 
 
 def store_closed(run_id: str | None = None) -> StoreError:
@@ -34,11 +48,38 @@ def check_order(run_id: str, *, start: bool, started: bool, finished: bool) -> N
         raise StoreError("the run has ended; nothing may follow its end record", run_id=run_id)
 
 
+def announces_effect(records: tuple[Record, ...]) -> bool:
+    """Whether a write holds what comes before an effect (an intent) or a person's ask
+    (a proposal): what a cancel request fences."""
+    return any(isinstance(record, Intent | Proposal) for record in records)
+
+
+def cancel_refusal(request: CancelRequest) -> CancelRequested:
+    return CancelRequested(run_id=request.run_id, by=request.by, why=request.reason)
+
+
+def no_run(run_id: str) -> RunNotFound:
+    return RunNotFound("the store holds no record of this run", run_id=run_id)
+
+
+def taken(request: CancelRequest) -> CancelRequest:
+    """``request`` as a store keeps it: ``at`` in UTC, the time it is taken unless given."""
+    at = request.at or datetime.now(UTC)
+    return replace(request, at=at.replace(tzinfo=at.tzinfo or UTC).astimezone(UTC))
+
+
+def kept_cancel(run_id: str, by: str, reason: str, at: datetime | str) -> CancelRequest:
+    """A cancel request as a store kept it; ``at`` may be ISO text."""
+    when = at if isinstance(at, datetime) else datetime.fromisoformat(at)
+    return CancelRequest(run_id=run_id, by=by, reason=reason, at=when.astimezone(UTC))
+
+
 def fence_refusal(
-    run_id: str, *, epoch: int, row: tuple[int, bool, int] | None, start: bool
+    run_id: str, *, epoch: int, row: Sequence[Any] | None, start: bool, fenced: bool
 ) -> PolyLoopError:
     """Why a database's fence moved no row for a write under claim ``epoch``, given the
-    run's row now (its epoch, whether it finished, its next seq; ``None`` when gone)."""
+    run's row now (its epoch, whether it finished, its next seq, and its cancel request's
+    by, reason and time; ``None`` when gone); a ``fenced`` write yields to a request."""
     if row is None or row[0] != epoch:
         reason = "another writer claimed the run since this store object did"
         return RunLocked(reason, run_id=run_id)
@@ -46,6 +87,8 @@ def fence_refusal(
         check_order(run_id, start=start, started=True, finished=bool(row[1]))
     except PolyLoopError as refusal:
         return refusal
+    if fenced and row[5] is not None:
+        return cancel_refusal(kept_cancel(run_id, *row[3:6]))
     return StoreError("the run's rows moved on without this writer", run_id=run_id)
 
 
@@ -64,6 +107,7 @@ class Write:
     final: bool = False  # a final end record: nothing may follow it
     reason: str | None = None  # the stop reason of an end record
     barrier: bool = False  # must be fsync'd before the call returns
+    fenced: bool = False  # an intent or a proposal: refused once a cancel is requested
 
 
 @dataclass(eq=False, slots=True)
