@@ -261,8 +261,37 @@ def test_only_runs_that_can_go_on_are_driven() -> None:
         Choice.PROBE,
         Choice.CANCELLED,
         Choice.LEFT,
+        Choice.CANCEL_REQUESTED,
     }
     waits = {choice for choice in Choice if choice.waits_for_person}
     assert waits == {Choice.AWAITS_APPROVAL, Choice.AWAITS_SETTLEMENT}
     assert not drives & waits
     assert all(choice.text for choice in Choice)
+
+
+# issue 44, part 3: a run someone asked to cancel is driven to its end at once, even one
+# that waits for a person; one that finished, one a live writer holds and one of an agent
+# hosted elsewhere are not.
+CANCEL_ROWS = [
+    pytest.param({}, WAITING_FOR_APPROVAL, Choice.CANCEL_REQUESTED, id="waiting-for-approval"),
+    pytest.param({}, IN_DOUBT_ENDED, Choice.CANCEL_REQUESTED, id="in-doubt"),
+    pytest.param({}, _plan(), Choice.CANCEL_REQUESTED, id="never-driven"),
+    pytest.param({"claimed": True}, _plan(), Choice.CLAIMED, id="claimed"),
+    pytest.param(
+        {"finished": True},
+        _plan(RecoveryState.FINISHED, ended=_end(StopReason.CANCELLED_BY_REQUEST)),
+        Choice.FINISHED,
+        id="ended-by-the-request",
+    ),
+    pytest.param({}, _plan(started=_started("other")), Choice.NOT_HOSTED, id="foreign"),
+]
+
+
+@pytest.mark.parametrize(("listed", "plan", "expected"), CANCEL_ROWS)
+def test_a_run_with_a_cancel_request(listed: dict[str, bool], plan: Plan, expected: Choice) -> None:
+    stored = StoredRun(run_id=RUN, updated_at=None, cancel_requested=True, **_listed(listed))
+    assert choose(stored, plan, hosted=HOSTED, has_probe=True) is expected
+
+
+def _listed(listed: dict[str, bool]) -> dict[str, bool]:
+    return {"claimed": False, "finished": False, **listed}

@@ -71,6 +71,9 @@ NAMES_BY_MODULE = {
         "NotAwaitingApproval",
         # issue 29, item 6: a run's trace id without OpenTelemetry installed
         "run_trace_id",
+        # issue 44, part 3: a cancel that stops
+        "CancelRequest",
+        "CancelRequested",
     },
     ports: {
         "ModelClient",
@@ -116,6 +119,8 @@ NAMES_BY_MODULE = {
         "fork",
         # issue 44: a host of agents
         "serve_agents",
+        # issue 44, part 3: a cancel that stops
+        "cancel",
     },
 }
 # Modules imported by name, never re-exported at the top level.

@@ -7,6 +7,7 @@ from typing import ParamSpec
 
 from polyloop.ports import Store
 from polyloop.types import (
+    CancelRequest,
     Intent,
     JSONValue,
     Result,
@@ -29,8 +30,9 @@ class FaultyStore:
 
     Write number ``fail_after_writes + 1`` and every later one raise
     :class:`SimulatedCrash` without reaching ``inner``, as if the process had died right
-    after write ``fail_after_writes``. Reads, claims and releases always pass (a claim
-    writes no record). :meth:`parameters` is the inner store's, so the run can be resumed
+    after write ``fail_after_writes``. Reads, claims, releases and cancel requests
+    always pass (none writes a record of the run; a cancel request comes from another
+    process, a person's). :meth:`parameters` is the inner store's, so the run can be resumed
     on ``inner`` (or a fresh store on the same data).
     """
 
@@ -78,6 +80,12 @@ class FaultyStore:
 
     async def write_review(self, record: Review) -> None:
         await self._write(self.inner.write_review, record)
+
+    async def request_cancel(self, request: CancelRequest) -> None:
+        await self.inner.request_cancel(request)
+
+    async def read_cancel(self, run_id: str) -> CancelRequest | None:
+        return await self.inner.read_cancel(run_id)
 
     async def read_log(self, run_id: str) -> RunLog:
         return await self.inner.read_log(run_id)
