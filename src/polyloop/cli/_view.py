@@ -163,6 +163,12 @@ class RunView:
         return last.final_answer if isinstance(last, RunEnded) else None
 
     @property
+    def cancelled_by(self) -> str | None:
+        """Who asked for the run to be cancelled, if a person's cancel ended it."""
+        last = self.log.records[-1]
+        return last.cancelled_by if isinstance(last, RunEnded) else None
+
+    @property
     def detail(self) -> str | None:
         return self.status.detail
 
