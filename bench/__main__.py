@@ -54,6 +54,11 @@ ENTRIES = (
     ("temporal", "temporal", "9. the same runs driven by Temporal workers and by PolyLoop's own"),
     ("console", "suite", "10. the web console's pages on a store with a long history"),
     ("codec", "codec", "11. the record codec on benchmark 8's records"),
+    (
+        "hosting",
+        "hosting",
+        "12. a worker process: from a start or an answer to the run going on, idle CPU",
+    ),
     ("render", "report", "results files (bench/results/) as the Markdown tables of the docs"),
 )
 REGISTRY = {name: Benchmark(name, summary, module) for name, module, summary in ENTRIES}

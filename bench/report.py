@@ -1,11 +1,11 @@
 """The one renderer: every results file of ``bench/`` as the Markdown of the docs.
 
 ``python -m bench render FILE...`` prints it. A results file is one of four kinds, told
-apart by its keys: the suite's (benchmarks 1-7 and 10, ``"benchmarks"``), one table of
-its own (benchmark 11, ``"columns"``), a throughput command's (benchmark 8, ``"rows"``)
-or the Temporal comparison's (benchmark 9, ``"temporal"``). The same tables are printed
-while a benchmark runs. ``tests/test_docs.py`` checks that the pages still hold the
-rendering of the committed files in ``bench/results/``.
+apart by its keys: the suite's (benchmarks 1-7 and 10, ``"benchmarks"``), one benchmark's
+tables of its own (benchmarks 11 and 12, ``"columns"``), a throughput command's
+(benchmark 8, ``"rows"``) or the Temporal comparison's (benchmark 9, ``"temporal"``).
+The same tables are printed while a benchmark runs. ``tests/test_docs.py`` checks that
+the pages still hold the rendering of the committed files in ``bench/results/``.
 """
 
 from __future__ import annotations
@@ -147,6 +147,8 @@ def _suite(results: dict[str, Any]) -> str:
 
 def _benchmark(bench: dict[str, Any]) -> str:
     lines = [f"### {bench['title']}", ""]
+    if "command" in bench:  # a benchmark run alone says how, when and on what
+        lines += [f"`{command_of(bench)}` ({bench['date'][:10]}; {bench['cpus']} CPUs)", ""]
     lines += table(bench["columns"], bench["rows"])
     for extra in bench.get("tables", ()):
         lines += ["", f"**{extra['title']}**", ""]

@@ -437,3 +437,38 @@ def test_the_codec_benchmark_times_every_record_of_a_run() -> None:
     assert figures["bytes_per_step"] > 6_000  # the observation is written twice a step
     for name in ("dumps", "encode", "canonical_json"):
         assert figures[f"{name}_us_per_step"] > 0
+
+
+def test_the_hosting_benchmark_times_every_write_and_reads_no_finished_log(
+    tmp_path: Path,
+) -> None:
+    from bench import hosting as bench_hosting
+
+    output = tmp_path / "hosting.json"
+    command = ["hosting", "--tiny", "--workdir", str(tmp_path), "--output", str(output)]
+    assert bench_main(command) == 0
+    results = json.loads(output.read_text())
+    assert results["mode"] == "tiny"
+    sizes = bench_hosting.TINY_SIZES
+    for store in bench_hosting.STORES:
+        for kind in bench_hosting.KINDS:
+            row = next(r for r in results["rows"] if r["key"] == f"{store}-{kind}")
+            _check_skip(row)
+            if row.get("skipped"):
+                continue
+            assert row["samples"] == len(row["waited_ms"]) == sizes.samples
+            # The worker's record comes after the write's, and well within the
+            # smoke test's patience (a poll interval is half a second).
+            assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"] < 10_000
+        idle = [r for r in results["tables"][0]["rows"] if r["store"] == store]
+        assert [r["key"] for r in idle] == [f"{store}-{n}" for n in sizes.finished]
+        for row in idle:
+            _check_skip(row)
+            if row.get("skipped"):
+                continue
+            # Nothing can go on, so the worker lists its store and reads no log.
+            assert row["logs_read"] == 0, row
+            assert row["listings"] > 0 and row["cpu_ms_per_s"] > 0
+    rendered = bench_report.render(results)
+    assert "### 12. A worker process" in rendered and "**12b. " in rendered
+    assert "`python -m bench hosting --tiny --workdir" in rendered

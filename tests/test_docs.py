@@ -318,6 +318,27 @@ def test_console_page_holds_the_report_of_the_console_benchmark() -> None:
     assert shown == render(committed).strip()
 
 
+HOSTING_REPORT_START = (
+    "<!-- report of bench/results/hosting.json: "
+    "python -m bench render bench/results/hosting.json -->"
+)
+
+
+def test_performance_page_holds_the_report_of_the_worker_benchmark() -> None:
+    """The worker's latency and idle figures on the performance page are the rendering
+    of the committed results file, from a full run."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from bench.report import render
+
+    page = (DOCS / "performance.md").read_text(encoding="utf-8")
+    assert HOSTING_REPORT_START in page
+    shown = page.split(HOSTING_REPORT_START, 1)[1].split(REPORT_END, 1)[0].strip()
+    committed = json.loads((ROOT / "bench" / "results" / "hosting.json").read_text())
+    assert committed["mode"] == "full"
+    assert shown == render(committed).strip()
+
+
 THROUGHPUT_BLOCK = re.compile(
     r"<!-- python -m bench render (?P<file>\S+) -->\n(?P<shown>.*?)"
     r"<!-- end of throughput results -->",

@@ -38,6 +38,7 @@ from polyloop.types import (
     IntentKind,
     JSONValue,
     Proposal,
+    Ready,
     Record,
     Replay,
     Result,
@@ -516,6 +517,7 @@ def status(plan: Plan, stored: StoredRun | None) -> RunStatus:
         raise ValueError("the plan has no start record")
     ended = plan.ended
     state = _run_state(plan, stored is not None and stored.claimed)
+    why = None if state is RunState.RUNNING else ready(plan, probe=probe_recorded(plan))
     return RunStatus(
         run_id=plan.started.run_id,
         state=state,
@@ -529,7 +531,43 @@ def status(plan: Plan, stored: StoredRun | None) -> RunStatus:
         lease_expires_at=stored.lease_expires_at if stored is not None else None,
         proposal=plan.proposal if state is RunState.AWAITING_APPROVAL else None,
         reconciled_steps=reconciled_steps(plan),
+        ready=why,
+        agent=plan.started.agent,
     )
+
+
+def ready(plan: Plan, *, probe: bool) -> Ready | None:
+    """Why the run ``plan`` describes goes on as soon as anything drives it, with no
+    person's answer first; ``None`` if it finished or waits for a person.
+
+    ``probe`` says whether its tool's probe can settle its action in doubt. A run whose
+    wait is not on record yet (a process stopped right after the proposal, or inside a
+    tool with no probe) waits for a person too: driving it only records the wait.
+    """
+    if plan.started is None or plan.state is RecoveryState.FINISHED:
+        return None
+    if plan.state is RecoveryState.IN_DOUBT:
+        return Ready.PROBE if probe else None
+    if plan.state is RecoveryState.AWAITING_APPROVAL:
+        return None
+    if plan.ended is not None:
+        return Ready.INTERRUPTED  # a cancelled end: the one end that is neither final nor a wait
+    if plan.verdict is not None and plan.open_intent is None:
+        return Ready.APPROVED if plan.verdict.approved else Ready.REJECTED
+    if plan.settlement is not None:
+        return Ready.SETTLED
+    untouched = plan.open_intent is None and plan.model_result is None
+    if untouched and len(plan.steps) == len(plan.started.inherited_steps):
+        return Ready.NEW
+    return Ready.INTERRUPTED
+
+
+def probe_recorded(plan: Plan) -> bool:
+    """Whether the log says the tool's probe can settle ``plan``'s action in doubt: its
+    intent says so, and no attempt since ended in doubt (as one does when the probe
+    could not tell, or was not there any more)."""
+    intent = plan.open_intent
+    return intent is not None and intent.reconciles is True and not waits_for_person(plan)
 
 
 _STATES = {

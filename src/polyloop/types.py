@@ -51,6 +51,7 @@ __all__ = (
     "NotInDoubt",
     "PolyLoopError",
     "Proposal",
+    "Ready",
     "Reconciled",
     "Record",
     "RecoveredRun",
@@ -372,6 +373,12 @@ class Intent:
     proposed call before it ran; the payload, ``action_text`` and ``tool_call`` are then
     the call as edited, and ``proposed_action_text`` keeps the call as the model
     proposed it. Both are ``None`` for a call that ran as the model made it.
+
+    ``reconciles`` is set on an action intent whose replay is ``NEVER``: ``True`` when
+    the executor said, as the action was announced, that its probe can settle the action
+    if it is left in doubt (:meth:`ReconcilingExecutor.reconciles
+    <polyloop.ports.ReconcilingExecutor.reconciles>`), ``False`` when it could not.
+    ``None`` on every other intent, and on intents written before the field existed.
     """
 
     run_id: str
@@ -387,6 +394,7 @@ class Intent:
     at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
     edited_by: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     proposed_action_text: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    reconciles: bool | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -652,6 +660,32 @@ class RunState(enum.StrEnum):
     ``IN_DOUBT`` and ``AWAITING_APPROVAL``)."""
 
 
+class Ready(enum.StrEnum):
+    """Why a run that nobody drives goes on as soon as a host drives it, with no
+    person's answer needed first: what :attr:`RunStatus.ready` says.
+
+    A host of the run's agent (``polyloop worker``, :func:`polyloop.serve_agents`)
+    drives such a run within about a second; a run started without an agent goes on
+    when its program resumes it. Members may be added.
+    """
+
+    NEW = "new"
+    """Started (:meth:`polyloop.Agent.start`) and not yet driven."""
+    APPROVED = "approved"
+    """A person approved the action it waited on: the action runs next."""
+    REJECTED = "rejected"
+    """A person rejected the action it waited on: the model is told why next."""
+    SETTLED = "settled"
+    """A person, or a tool's probe, said what became of the effect in doubt."""
+    PROBE = "probe"
+    """In doubt, and its tool's probe will settle it: the action's intent says the
+    executor could answer for it (:attr:`Intent.reconciles`), and no attempt since has
+    ended in doubt."""
+    INTERRUPTED = "interrupted"
+    """Left unfinished by a process that stopped: it crashed, was killed, lost its
+    lease, or was cancelled."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunStatus:
     """What a store's records and its claims say about one run, read without driving it.
@@ -674,6 +708,13 @@ class RunStatus:
     ``reconciled_steps`` lists, in order, the steps whose action in doubt was settled by
     the tool's own probe rather than by a person (a settlement the run has not yet
     turned into a step record included).
+
+    ``ready`` says why a run that is neither ``RUNNING`` nor ``FINISHED`` goes on as soon
+    as anything drives it (:class:`Ready`); it is ``None`` for a run that is running,
+    finished, or waiting for a person (to approve, reject or settle). ``agent`` names
+    the agent the run was started through (:attr:`RunStarted.agent`): a host of that
+    agent drives a ready run by itself, while a run with no agent waits for its program
+    to resume it.
     """
 
     run_id: str
@@ -688,6 +729,8 @@ class RunStatus:
     lease_expires_at: datetime | None = None
     proposal: Proposal | None = None
     reconciled_steps: tuple[int, ...] = ()
+    ready: Ready | None = None
+    agent: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

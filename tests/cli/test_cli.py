@@ -175,6 +175,8 @@ def test_the_demo_runs_on_the_default_sqlite_store(
         "step_count": STEPS,
         "valid_step_count": STEPS - 1,
         "detail": None,
+        "ready": None,
+        "agent": None,
     }
 
 
@@ -360,7 +362,8 @@ def test_a_crash_after_the_submit_intent_leaves_the_run_in_doubt(store_spec: str
     # Its end record is final, yet the run stays in doubt: nobody knows whether submit ran.
     runs = polyloop("runs", store_spec)
     (line,) = [line for line in runs.stdout.splitlines() if run_id in line]
-    assert line.split() == [run_id, "in", "doubt", "in_doubt", "6", "5"]
+    waiting = ["in", "doubt", "(waiting", "for", "a", "person)"]
+    assert line.split() == [run_id, *waiting, "in_doubt", "6", "5"]
 
 
 @pytest.mark.parametrize(("backend", "stop_reason"), [("asyncio", "cancelled"), ("trio", "-")])
@@ -402,7 +405,8 @@ def test_an_interrupted_demo_says_how_to_resume_it(
 
     assert main(["runs", store]) == 0
     line = capsys.readouterr().out.splitlines()[-1].split()
-    assert line[:3] == [run_id, "resumable", stop_reason]
+    interrupted = ["resumable", "(interrupted,", "resume", "it", "to", "go", "on)"]
+    assert line[:9] == [run_id, *interrupted, stop_reason]
     assert main(demo("--store", store, "--resume", run_id, backend=backend)) == 0
     out = capsys.readouterr().out
     assert "no step was repeated" in out

@@ -145,9 +145,12 @@ def test_runs_lists_every_run_with_its_state_on_one_line(
     assert main(["--backend", backend, "runs", filled]) == 0
     out = capsys.readouterr().out
     assert row(out, "done").split() == ["done", "finished", "submitted", "3", "2"]
-    assert row(out, "crashed").split() == ["crashed", "resumable", "-", "0", "0"]
-    assert row(out, "doubt").split() == ["doubt", "in", "doubt", "-", "0", "0"]
-    assert row(out, "stopped").split() == ["stopped", "resumable", "cancelled", "0", "0"]
+    # The state's word first, then why a run nobody drives goes on, or who it waits for.
+    interrupted = ["resumable", "(interrupted,", "resume", "it", "to", "go", "on)"]
+    assert row(out, "crashed").split() == ["crashed", *interrupted, "-", "0", "0"]
+    waiting = ["in", "doubt", "(waiting", "for", "a", "person)"]
+    assert row(out, "doubt").split() == ["doubt", *waiting, "-", "0", "0"]
+    assert row(out, "stopped").split() == ["stopped", *interrupted, "cancelled", "0", "0"]
     assert row(out, "long").split() == ["long", "finished", "final_answer", "2", "1"]
 
 
@@ -164,6 +167,13 @@ def test_runs_as_json_lines(filled: str, capsys: pytest.CaptureFixture[str]) -> 
         "long": "finished",
     }
     assert by_id["stopped"]["stop_reason"] == "cancelled"
+    assert {k: v["ready"] for k, v in by_id.items()} == {
+        "done": None,
+        "crashed": "interrupted",
+        "doubt": None,
+        "stopped": "interrupted",
+        "long": None,
+    }
     assert all(recent_utc(line.pop("last_record_at")) for line in lines)
     assert by_id["done"] == {
         "run_id": "done",
@@ -172,6 +182,8 @@ def test_runs_as_json_lines(filled: str, capsys: pytest.CaptureFixture[str]) -> 
         "step_count": 3,
         "valid_step_count": 2,
         "detail": None,
+        "ready": None,
+        "agent": None,
     }
 
 
@@ -488,9 +500,9 @@ def test_runs_lists_a_corrupt_log_and_show_refuses_it_in_one_line(
     assert line.split()[:2] == ["done", "corrupt"]
     assert problem in line
     assert line.split()[-2:] == ["-", "-"]
-    assert row(out, "crashed").split() == ["crashed", "resumable", "-", "0", "0"]
-    assert row(out, "doubt").split() == ["doubt", "in", "doubt", "-", "0", "0"]
-    assert row(out, "stopped").split() == ["stopped", "resumable", "cancelled", "0", "0"]
+    assert row(out, "crashed").split()[:2] == ["crashed", "resumable"]
+    assert row(out, "doubt").split()[:3] == ["doubt", "in", "doubt"]
+    assert row(out, "stopped").split()[-3:] == ["cancelled", "0", "0"]
     assert row(out, "long").split() == ["long", "finished", "final_answer", "2", "1"]
 
     assert main(["runs", jsonl_store, "--json"]) == 0
@@ -504,6 +516,8 @@ def test_runs_lists_a_corrupt_log_and_show_refuses_it_in_one_line(
         "stop_reason": None,
         "step_count": None,
         "valid_step_count": None,
+        "ready": None,
+        "agent": None,
         "last_record_at": None,
     }
 

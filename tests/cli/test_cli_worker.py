@@ -138,7 +138,7 @@ async def test_sigterm_while_runs_are_mid_tool_records_every_step_and_the_next_w
     assert sorted(app.paid()) == sorted(f"{run_id}:0:action" for run_id in runs)
     assert {entry.pid for entry in app.entries() if entry.run_id in paying} == {worker.pid}
     for run_id in runs:
-        why = "new" if run_id not in paying else "cancelled"
+        why = "new" if run_id not in paying else "interrupted"
         assert [facts["why"] for facts in second.of(run_id, "driving")] == [why]
 
 

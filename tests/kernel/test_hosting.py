@@ -11,9 +11,8 @@ from typing import Any
 import anyio
 import pytest
 
-from kit import one_writer
 from kit.agent import definition, request
-from kit.hosting import SCRIPT, Till, eventually, payer, serving, tools
+from kit.hosting import KINDS, SCRIPT, Opener, Till, eventually, payer, serving, tools
 from polyloop import (
     Agent,
     InvalidRequest,
@@ -35,36 +34,12 @@ from polyloop.testing import FaultyStore, SimulatedCrash
 
 pytestmark = pytest.mark.anyio
 
-KINDS = ["memory", "sqlite", "jsonl", "postgresql"]
-
-
-class Opener:
-    """New store objects over one set of data (the memory store: one shared object)."""
-
-    def __init__(self, kind: str, location: str, schema: str = "") -> None:
-        self.kind, self.location, self.schema = kind, location, schema
-        self.memory = MemoryStore()
-        self.opened: list[Any] = []
-
-    def __call__(self) -> Any:
-        if self.kind == "memory":
-            return self.memory
-        store = one_writer.open_store(self.kind, self.location, self.schema)
-        self.opened.append(store)
-        return store
-
 
 @pytest.fixture(params=KINDS)
 async def opener(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Opener]:
-    kind = request.param
-    if kind == "postgresql":
-        schema = request.getfixturevalue("postgres_schemas")()
-        opened = Opener(kind, request.getfixturevalue("postgres_shared"), schema)
-    else:
-        opened = Opener(kind, str(tmp_path / ("runs.db" if kind == "sqlite" else "runs")))
+    opened = Opener.of(request, tmp_path)
     yield opened
-    for store in opened.opened:
-        await store.aclose()
+    await opened.aclose()
 
 
 async def _state(store: Any, run_id: str) -> RunState:
@@ -204,7 +179,7 @@ async def test_draining_stops_a_run_at_its_next_step_boundary(opener: Opener) ->
     async with serving(second) as host:
         await eventually(lambda: _finished(store, "r1"), what="r1 finishing")
     assert till.paid == ["r1:0:action"]
-    assert [facts["why"] for facts in host.records.of("r1", "driving")] == ["cancelled"]
+    assert [facts["why"] for facts in host.records.of("r1", "driving")] == ["interrupted"]
 
 
 async def test_what_still_runs_after_the_drain_grace_is_cancelled(opener: Opener) -> None:
@@ -256,7 +231,7 @@ async def test_a_doubt_without_a_probe_waits_for_a_person(opener: Opener) -> Non
     assert status.state is RunState.IN_DOUBT
     assert status.stop_reason is StopReason.IN_DOUBT
     assert [facts["event"] for facts in host.records.of("r1")] == ["driving", "stopped"]
-    assert host.records.of("r1", "driving")[0]["why"] == "left"
+    assert host.records.of("r1", "driving")[0]["why"] == "interrupted"
 
 
 @pytest.mark.parametrize(

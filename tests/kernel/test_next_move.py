@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kit.plans import CALL, PROPOSAL
 from polyloop._recovery import Move, Plan, RecoveryState, next_move
 from polyloop.types import (
     DecisionKind,
     Intent,
     IntentKind,
     JSONValue,
-    Proposal,
     Replay,
     Result,
     RunStarted,
@@ -28,7 +28,6 @@ from polyloop.types import (
 )
 
 RUN = "r"
-CALL: JSONValue = {"name": "pay", "arguments": {"amount": 1}}
 
 
 def _step(index: int) -> StepRecord:
@@ -81,18 +80,6 @@ def _reply(error: bool = False) -> Result:
     return Result(
         run_id=RUN, result_id=f"{RUN}:0:model", kind=IntentKind.MODEL_CALL, payload=payload
     )
-
-
-PROPOSAL = Proposal(
-    run_id=RUN,
-    result_id=f"{RUN}:0:action",
-    step=0,
-    replay=Replay.NEVER,
-    payload=CALL,
-    action_text="pay(amount=1)",
-    history_text="",
-    description="",
-)
 
 
 def _verdict(approved: bool, payload: Any = CALL) -> Verdict:

@@ -71,6 +71,8 @@ NAMES_BY_MODULE = {
         "NotAwaitingApproval",
         # issue 29, item 6: a run's trace id without OpenTelemetry installed
         "run_trace_id",
+        # issue 44, part 4: why a run nobody drives goes on (RunStatus.ready)
+        "Ready",
         # issue 44, part 3: a cancel that stops
         "CancelRequest",
         "CancelRequested",

@@ -462,6 +462,17 @@ EXPECTED.update(
             valid_steps=1,
             detail="action waits for a person",
         ),
+        # An action never replayed whose tool's probe could settle it, were it in doubt.
+        "intent_action_reconciles": record_kit.intent(
+            RUN,
+            1,
+            IntentKind.ACTION,
+            {"name": "pay", "arguments": {"invoice": "INV-2041", "amount_cents": 4250}},
+            action_text='pay({"invoice": "INV-2041", "amount_cents": 4250})',
+            history_text='{"tool": "pay", "arguments": {"invoice": "INV-2041"}}',
+            at=_AT,
+            reconciles=True,
+        ),
     }
 )
 

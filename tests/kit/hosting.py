@@ -8,11 +8,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.lowlevel
+import pytest
 
+from kit import one_writer
 from kit.agent import NUMBER_SCHEMA, answer, definition, request, tool_call
 from polyloop import (
     Agent,
@@ -25,8 +28,39 @@ from polyloop import (
     ToolSpec,
     serve_agents,
 )
+from polyloop.stores import MemoryStore
 
 SCRIPT = [tool_call("pay", n=2), answer("paid")]
+KINDS = ["memory", "sqlite", "jsonl", "postgresql"]
+
+
+class Opener:
+    """New store objects over one set of data (the memory store: one shared object)."""
+
+    def __init__(self, kind: str, location: str, schema: str = "") -> None:
+        self.kind, self.location, self.schema = kind, location, schema
+        self.memory = MemoryStore()
+        self.opened: list[Any] = []
+
+    @classmethod
+    def of(cls, request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
+        """The opener of a fixture parametrized over :data:`KINDS`."""
+        kind = request.param
+        if kind == "postgresql":
+            schema = request.getfixturevalue("postgres_schemas")()
+            return cls(kind, request.getfixturevalue("postgres_shared"), schema)
+        return cls(kind, str(tmp_path / ("runs.db" if kind == "sqlite" else "runs")))
+
+    def __call__(self) -> Any:
+        if self.kind == "memory":
+            return self.memory
+        store = one_writer.open_store(self.kind, self.location, self.schema)
+        self.opened.append(store)
+        return store
+
+    async def aclose(self) -> None:
+        for store in self.opened:
+            await store.aclose()
 
 
 class Till:

@@ -1163,6 +1163,7 @@ async def test_a_lazy_write_turns_synchronous_commit_off_for_its_own_transaction
                 "finals": [False],
                 "ends": [False],
                 "reasons": [None],
+                "fenceds": [False],
                 "row_keys": [key],
                 "seqs": [1],
                 "row_ids": ["r"],

@@ -49,6 +49,7 @@ from polyloop.stores._engine import EngineStore
 from polyloop.stores._paths import safe_name
 from polyloop.testing import ScriptedModelClient
 from polyloop.types import (
+    CancelRequest,
     CorruptLog,
     Intent,
     JSONValue,
@@ -325,6 +326,9 @@ class SimDisk:
             raise RunLocked("another writer holds this run", run_id=run_id)
         node.locks[offset] = fd
 
+    def wait_range(self, fd: int, offset: int) -> None:
+        self.lock_range(fd, offset, "")  # one thread: a byte held elsewhere is a bug here
+
     def unlock_range(self, fd: int, offset: int) -> None:
         node = self._file(fd).node
         assert isinstance(node, SimFile)
@@ -454,6 +458,12 @@ class AckingStore:
 
     async def check_claim(self, run_id: str) -> None:
         await self.inner.check_claim(run_id)
+
+    async def request_cancel(self, request: CancelRequest) -> None:
+        await self.inner.request_cancel(request)
+
+    async def read_cancel(self, run_id: str) -> CancelRequest | None:
+        return await self.inner.read_cancel(run_id)
 
     async def start_run(self, record: RunStarted) -> None:
         await self.inner.start_run(record)

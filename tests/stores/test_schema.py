@@ -26,7 +26,7 @@ from polyloop.stores._sql.schema import Layout
 from polyloop.stores._sql.sqlite.sql import LAYOUT as SQLITE_LAYOUT
 from polyloop.stores._writes import record_row
 from polyloop.testing.store_contract import expected_records, in_doubt_run, sample_run
-from polyloop.types import CorruptLog, SchemaMajorMismatch
+from polyloop.types import CancelRequest, CancelRequested, CorruptLog, SchemaMajorMismatch
 
 pytestmark = pytest.mark.anyio
 
@@ -140,13 +140,22 @@ async def _check_upgraded(database: Database, *, create: bool = True) -> None:
         _, (intent,) = sample_run("open", steps=2)[5]
         await store.write_intent(intent)
         assert (await store.read_log("open")).records[-1] == intent
+        # Its runs have no cancel request, and take one.
+        assert await store.read_cancel("done") is None
+        await store.request_cancel(CancelRequest(run_id="open", by="alice", reason="stop"))
+        with pytest.raises(CancelRequested):
+            await store.write_intent(intent)
+        described = await store.describe_run("open")
+        assert described is not None and described.cancel_requested
     meta = database.meta()
     assert (meta["format"], meta["layout"]) == ("polyloop/1", str(database.layout.current))
 
 
 # Every layout before the current one: SQLite's 5 retired the owners of leased releases,
-# PostgreSQL's 4 reopened runs in doubt.
-EARLIER = [("sqlite", n) for n in range(1, 5)] + [("postgresql", n) for n in range(1, 4)]
+# PostgreSQL's 4 reopened runs in doubt, both 6 keep cancel requests.
+EARLIER = [("sqlite", n) for n in range(1, SQLITE_LAYOUT.current)] + [
+    ("postgresql", n) for n in range(1, Queries("any").layout.current)
+]
 
 
 # A store that may not create one still brings an existing database up to date.

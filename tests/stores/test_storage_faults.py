@@ -64,6 +64,7 @@ from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from polyloop.types import (
+    CancelRequest,
     Intent,
     IntentKind,
     Record,
@@ -546,6 +547,12 @@ class TerminatingStore:
 
     async def check_claim(self, run_id: str) -> None:
         await self.inner.check_claim(run_id)
+
+    async def request_cancel(self, request: CancelRequest) -> None:
+        await self.inner.request_cancel(request)
+
+    async def read_cancel(self, run_id: str) -> CancelRequest | None:
+        return await self.inner.read_cancel(run_id)
 
     async def read_log(self, run_id: str) -> RunLog:
         return await self.inner.read_log(run_id)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from polyloop.cli._view import (
+    READY_WORDS,
     RunView,
     after_settlement,
     settled_text,
@@ -23,10 +24,12 @@ from polyloop.types import (
     Intent,
     IntentKind,
     JSONValue,
+    Ready,
     Result,
     RunEnded,
     RunStarted,
     RunState,
+    RunStatus,
     Settlement,
     StepRecord,
     StopReason,
@@ -279,29 +282,51 @@ def _pending_json(view: RunView) -> dict[str, JSONValue] | None:
 
 
 def state_text(view: RunView) -> str:
-    """The run's state from its recovery plan, with what it means for ``resume``."""
-    state = view.status.state
+    """The run's state from its recovery plan, with what it means and who goes on."""
+    status = view.status
+    state = status.state
     if state is RunState.FINISHED:
         return f"finished ({view.stop_reason})"
+    if state is RunState.IN_DOUBT and status.ready is Ready.PROBE:
+        return (
+            "in doubt: an effect may or may not have happened, and its tool's probe will "
+            f"settle it; {goes_on(status)}"
+        )
     if state is RunState.IN_DOUBT:
         return (
             "IN DOUBT: an effect may or may not have happened; resume will not replay it "
             "(polyloop settle says what happened)"
         )
     if state is RunState.AWAITING_APPROVAL:
-        return "awaiting approval: nothing ran; polyloop approve or reject, then resume"
+        then = "resume" if status.agent is None else f"a worker hosting agent {status.agent!r}"
+        return f"awaiting approval: nothing ran; polyloop approve or reject, then {then}"
     if state is RunState.RUNNING:
-        owner = f" ({view.status.owner})" if view.status.owner else ""
+        owner = f" ({status.owner})" if status.owner else ""
         return f"running: a live worker{owner} holds the run now"
+    settled = view.pending_settlement()
+    intent = status.open_intent
+    if settled is not None and intent is not None and intent.kind is IntentKind.MODEL_CALL:
+        after = after_settlement(intent, settled)
+        return f"resumable: the open model call was settled {settled_text(settled)}; {after}"
+    return f"resumable: {_why_resumable(view)}; {goes_on(status)}"
+
+
+def _why_resumable(view: RunView) -> str:
     if (settled := view.pending_settlement()) is not None:
-        intent = view.status.open_intent
-        if intent is not None and intent.kind is IntentKind.MODEL_CALL:
-            after = after_settlement(intent, settled)
-            return f"resumable: the open model call was settled {settled_text(settled)}; {after}"
-        return f"resumable: the open action was settled {settled_text(settled)}; resume goes on"
+        return f"the open action was settled {settled_text(settled)}"
     if view.stop_reason == StopReason.CANCELLED.value:
-        return "resumable: cancelled; resume goes on"
-    return "resumable: not finished; resume goes on"
+        return "cancelled"
+    ready = view.status.ready
+    if ready is None or ready is Ready.INTERRUPTED:
+        return "not finished"
+    return READY_WORDS[ready]
+
+
+def goes_on(status: RunStatus) -> str:
+    """Who takes a run that can go on: a host of its agent, or whoever resumes it."""
+    if status.agent is None:
+        return "resume goes on"
+    return f"a worker hosting agent {status.agent!r} goes on (or resume)"
 
 
 # -- the effect in doubt -----------------------------------------------------------------------
@@ -309,9 +334,11 @@ def state_text(view: RunView) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Doubt:
-    """The intent of an in-doubt run, and when it was announced."""
+    """The intent of an in-doubt run, and when it was announced; ``probe`` says whether
+    its tool's probe will settle it (``RunStatus.ready``)."""
 
     intent: Intent
+    probe: bool = False
 
     @property
     def tool(self) -> str | None:
@@ -331,9 +358,14 @@ class Doubt:
     def headline(self) -> str:
         intent = self.intent
         what = "model call" if intent.kind is IntentKind.MODEL_CALL else f"action {self.tool or ''}"
+        then = (
+            "its tool's probe will settle it when the run is driven"
+            if self.probe
+            else "check it by hand"
+        )
         return (
             f"IN DOUBT: step {intent.step}'s {what.rstrip()} was announced and has no result; "
-            f"it may or may not have happened, and is never replayed: check it by hand"
+            f"it may or may not have happened, and is never replayed: {then}"
         )
 
     def fields(self) -> list[tuple[str, str]]:
@@ -362,6 +394,7 @@ class Doubt:
             "result_id": self.intent.result_id,
             "replay": self.intent.replay.value,
             "announced_at": utc_iso(self.intent.at),
+            "probe_will_settle": self.probe,
         }
 
 
@@ -369,8 +402,9 @@ def in_doubt(view: RunView) -> Doubt | None:
     """The effect in doubt of an in-doubt run: its last intent that has no result."""
     if view.status.state is not RunState.IN_DOUBT:
         return None
+    probe = view.status.ready is Ready.PROBE
     if view.status.open_intent is not None:
-        return Doubt(view.status.open_intent)
+        return Doubt(view.status.open_intent, probe)
     answered = {r.result_id for r in view.log.records if isinstance(r, Result)}
     open_ = [r for r in view.log.records if isinstance(r, Intent) and r.result_id not in answered]
-    return Doubt(open_[-1]) if open_ else None
+    return Doubt(open_[-1], probe) if open_ else None

@@ -25,7 +25,7 @@ from polyloop.cli._facts import (
     step_inherited_text,
 )
 from polyloop.cli._render import status_of
-from polyloop.cli._view import RunView, reply_facts, review_facts
+from polyloop.cli._view import RunView, reply_facts, review_facts, state_detail
 from polyloop.types import Review, StepRecord
 
 CSS = """
@@ -104,7 +104,7 @@ def _doubt(doubt: Doubt) -> str:
 
 def _summary(view: RunView) -> str:
     rows = [
-        ("state", _span(view.state, _STATE_CLASSES[view.state])),
+        ("state", _state(view)),
         ("meaning", escape(state_text(view))),
         ("stop reason", escape(view.stop_reason or "-")),
         ("steps", escape(f"{len(view.steps)} ({view.valid_steps} valid)")),
@@ -155,7 +155,7 @@ def _step(step: StepRecord, reviews: list[Review], inherited: str | None) -> str
 
 
 def _end(view: RunView) -> str:
-    rows = [("state", _span(view.state, _STATE_CLASSES[view.state]))]
+    rows = [("state", _state(view))]
     if view.stop_reason is not None:
         rows.append(("stop reason", escape(view.stop_reason)))
     if view.cancelled_by is not None:
@@ -173,6 +173,13 @@ def _end(view: RunView) -> str:
     if (interruption := view.interruption()) is not None:
         rows.append(("interrupted", escape(interruption)))
     return f'<section id="end">\n<h2>end</h2>\n{_dl(rows)}\n</section>'
+
+
+def _state(view: RunView) -> str:
+    """The state's word, coloured, and its detail as ``polyloop runs`` prints it."""
+    detail = state_detail(view.status)
+    shown = _span(view.state, _STATE_CLASSES[view.state])
+    return shown if detail is None else f"{shown} {escape(f'({detail})')}"
 
 
 def _snapshot(view: RunView) -> str:

@@ -24,6 +24,7 @@ from polyloop.cli._common import (
     shell_word,
 )
 from polyloop.cli._stores import StoreSpec, open_store
+from polyloop.cli._view import state_line
 from polyloop.session import approve, cancel, reject, run_status, settle
 from polyloop.types import (
     CorruptLog,
@@ -83,6 +84,8 @@ def pending_json(status: RunStatus) -> dict[str, JSONValue]:
     return {
         "run_id": status.run_id,
         "state": status.state.value,
+        # "probe": no answer is needed, a worker (or resume) settles it through the probe.
+        "ready": status.ready.value if status.ready is not None else None,
         # The id to answer with (--result-id): the proposal's, or the intent's in doubt.
         "result_id": answered.result_id if answered is not None else None,
         "proposal": serialization.encode(proposal) if proposal is not None else None,
@@ -108,7 +111,9 @@ def pending_line(status: RunStatus) -> str:
     if intent is not None and intent.kind is IntentKind.MODEL_CALL:
         what = "a model call (its replay is never allowed)"
     where = intent.result_id if intent is not None else "?"
-    return f"{escape_field(status.run_id)}  in doubt  {escape_field(where)}  {escape_field(what)}"
+    # Listed as the runs that wait for a person are, but marked: a person need not answer.
+    state = "in doubt" if status.ready is None else state_line(status)
+    return f"{escape_field(status.run_id)}  {state}  {escape_field(where)}  {escape_field(what)}"
 
 
 def _answered(status: RunStatus) -> Proposal | Intent | None:
@@ -153,7 +158,8 @@ def answer_commands(spec: StoreSpec, status: RunStatus) -> list[str]:
 
 
 async def answer(spec: StoreSpec, run_id: str, given: Answer, out: Console) -> int:
-    """Write one person's answer for ``run_id`` and say in one line what was written."""
+    """Write one person's answer for ``run_id`` and say in one line what was written,
+    and who goes on with the run."""
     async with open_store(spec) as store:
         if given.approve is True:
             verdict = await approve(
@@ -178,8 +184,12 @@ async def answer(spec: StoreSpec, run_id: str, given: Answer, out: Console) -> i
             )
             how = "ran" if settlement.ran else "did not run"
             said = f"settled {settlement.result_id}: {how}"
+        agent = (await run_status(store, run_id)).agent
+    then = f"resume run {run_id!r} to go on"
+    if agent is not None:
+        then = f"a worker hosting agent {agent!r} goes on with run {run_id!r} (or resume it)"
     out.print(
-        f"{escape_field(said)} (by {escape_field(given.by)}); resume run {run_id!r} to go on",
+        f"{escape_field(said)} (by {escape_field(given.by)}); {escape_field(then)}",
         markup=False,
         soft_wrap=True,
         highlight=False,

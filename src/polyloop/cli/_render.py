@@ -107,7 +107,7 @@ def runs_table(views: Iterable[RunSummary]) -> Table:
         # by what is printed.
         table.add_row(
             Text(escape_field(view.run_id)),
-            Text(view.state, style=STATE_STYLES[view.state]),
+            Text(view.state_line, style=STATE_STYLES[view.state]),
             Text(escape_field(view.stop_reason or view.problem or "-")),
             str(view.step_count) if view.step_count is not None else "-",
             str(view.valid_steps) if view.valid_steps is not None else "-",

@@ -21,6 +21,7 @@ from polyloop.types import (
     IntentKind,
     JSONValue,
     Proposal,
+    Ready,
     Result,
     Review,
     RunEnded,
@@ -43,6 +44,35 @@ STATE_WORDS = {
     RunState.FINISHED: "finished",
 }
 CORRUPT = "corrupt"
+READY_WORDS = {
+    Ready.NEW: "not yet driven",
+    Ready.APPROVED: "approved",
+    Ready.REJECTED: "rejected",
+    Ready.SETTLED: "settled",
+    Ready.PROBE: "its tool's probe will settle it",
+    Ready.INTERRUPTED: "interrupted",
+}
+
+
+def state_detail(status: RunStatus) -> str | None:
+    """What the state's word leaves out, for a person: why a run nobody drives goes on,
+    and who takes it (a worker hosting its agent, or whoever resumes a run started
+    without one); or that a run in doubt waits for a person. ``None`` if the word says
+    it all (running, finished, awaiting approval)."""
+    if status.ready is not None:
+        who = "waiting for a worker" if status.agent is not None else "resume it to go on"
+        return f"{READY_WORDS[status.ready]}, {who}"
+    if status.state is RunState.IN_DOUBT:
+        return "waiting for a person"
+    return None
+
+
+def state_line(status: RunStatus) -> str:
+    """The state's word, then its detail in brackets: ``resumable (approved, waiting for
+    a worker)``. The word comes first, so a script that reads it keeps working."""
+    detail = state_detail(status)
+    word = STATE_WORDS[status.state]
+    return word if detail is None else f"{word} ({detail})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +88,11 @@ class RunSummary:
         """``running``, ``resumable``, ``in doubt``, ``awaiting approval``, ``finished``
         or ``corrupt``."""
         return CORRUPT if self.status is None else STATE_WORDS[self.status.state]
+
+    @property
+    def state_line(self) -> str:
+        """The state with its detail, as ``polyloop runs`` prints it."""
+        return CORRUPT if self.status is None else state_line(self.status)
 
     @property
     def stop_reason(self) -> str | None:
@@ -341,6 +376,8 @@ def summary_json(run: RunSummary | RunView) -> dict[str, JSONValue]:
         "step_count": steps,
         "valid_step_count": valid,
         "detail": run.detail,
+        "ready": status.ready.value if status is not None and status.ready else None,
+        "agent": status.agent if status is not None else None,
         "last_record_at": (
             status.last_record_at.isoformat()
             if status is not None and status.last_record_at

@@ -281,7 +281,7 @@ class Host:
         def claimed(_: str) -> None:
             nonlocal driven
             driven = True
-            owner = f" (left by {job.owner})" if job.owner and job.why is Choice.LEFT else ""
+            owner = f" (left by {job.owner})" if job.owner and job.why is Choice.INTERRUPTED else ""
             text = f"driving it: {job.why.text}{owner}"
             self._say(logging.INFO, "driving", run_id, text, agent=job.agent.name, why=job.why)
 

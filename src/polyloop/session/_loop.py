@@ -40,6 +40,7 @@ from polyloop.session._checks import (
     reply_payload,
     unloggable,
 )
+from polyloop.session._probes import can_settle
 from polyloop.session._relay import Relay
 from polyloop.session._request import Prepared
 from polyloop.session._steps import StepBuilder, StepTimes, action_of, now
@@ -92,12 +93,11 @@ class Loop:
         self.transcript = Transcript(prepared.prefix)
         self.native_tools = prepared.tools
         self.relay = Relay(definition.events, request.run_id)
-        texts = definition.texts
         self.build = StepBuilder(
             run_id=request.run_id,
             resumed=resumed,
-            not_executed=texts.not_executed,
-            env_fault=texts.env_fault,
+            not_executed=definition.texts.not_executed,
+            env_fault=definition.texts.env_fault,
         )
 
     # -- driving ------------------------------------------------------------------------
@@ -192,10 +192,8 @@ class Loop:
     async def write_model_result(
         self, result_id: str, payload: JSONValue, duration_s: float | None
     ) -> None:
-        kind = IntentKind.MODEL_CALL
-        await self.store.write_result(
-            self.build.result(result_id, kind, payload, duration_s=duration_s)
-        )
+        result = self.build.result(result_id, IntentKind.MODEL_CALL, payload, duration_s=duration_s)
+        await self.store.write_result(result)
 
     async def model_failed(
         self, index: int, error: str, times: StepTimes, reply: ModelReply | None = None
@@ -239,10 +237,7 @@ class Loop:
         replay = replay_policy(self.request.executor, action)
         # Not announced, nothing run: the executor could not say whether the action may
         # be repeated (an environment fault), or its intent could not record it.
-        if isinstance(replay, Replay):
-            refused = unloggable(action, self.run_id)
-        else:
-            refused = fault(replay)
+        refused = unloggable(action, self.run_id) if isinstance(replay, Replay) else fault(replay)
         if refused is not None:
             step = self.build.acted(
                 index, reply, action, refused, times, edited_by=by, proposed=proposed
@@ -250,8 +245,9 @@ class Loop:
             return await self.record(step, None), None
         assert isinstance(replay, Replay)  # nothing is refused: the executor named a policy
         result_id = _recovery.action_result_id(self.run_id, index)
+        settles = can_settle(self.request.executor, action, replay)
         intent = self.build.action_intent(
-            index, result_id, action, replay, edited_by=by, proposed=proposed
+            index, result_id, action, replay, edited_by=by, proposed=proposed, settles=settles
         )
         name = action_name(intent)
         approved = approved or edit is not None

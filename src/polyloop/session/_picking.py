@@ -2,10 +2,12 @@
 
 A host (``polyloop worker``, :func:`polyloop.serve_agents`) lists a store's unfinished
 runs, reads the log of each that changed, and asks :func:`choose` what to do with it.
-A run goes on when nothing but a host is missing: it was started and never driven, a
-person answered what it waited on, its tool's probe can settle its doubt, or the
-process driving it stopped; or someone asked for it to be cancelled (driving it ends
-it at once). It is left alone when someone else drives it, when its agent is not
+A run goes on when nothing but a host is missing, for the reason
+:func:`polyloop._recovery.ready` gives (the one ``run_status`` reports as
+``RunStatus.ready``): it was started and never driven, a person answered what it waited
+on, its tool's probe can settle its doubt, or the process driving it stopped; or
+someone asked for it to be cancelled, and driving it ends it at once, even while it
+waits for a person. It is left alone when someone else drives it, when its agent is not
 hosted here (or it names none), and when it waits for a person.
 """
 
@@ -14,20 +16,21 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection
 
-from polyloop._recovery import Plan, RecoveryState, waits_for_person
+from polyloop._recovery import Plan, RecoveryState, ready, waits_for_person
 from polyloop.ports import StoredRun
 
 
 class Choice(enum.StrEnum):
-    """What a host does with a listed run, named by why."""
+    """What a host does with a listed run, named by why. A run is driven for one of the
+    reasons of :class:`~polyloop.types.Ready`, under the same name, or because someone
+    asked for it to be cancelled (``CANCEL_REQUESTED``: driving it ends it)."""
 
     NEW = "new"
     APPROVED = "approved"
     REJECTED = "rejected"
     SETTLED = "settled"
     PROBE = "probe"
-    CANCELLED = "cancelled"
-    LEFT = "left"
+    INTERRUPTED = "interrupted"
     FINISHED = "finished"
     DRIVEN_HERE = "driven_here"
     CLAIMED = "claimed"
@@ -61,8 +64,7 @@ _DRIVES = frozenset(
         Choice.REJECTED,
         Choice.SETTLED,
         Choice.PROBE,
-        Choice.CANCELLED,
-        Choice.LEFT,
+        Choice.INTERRUPTED,
         Choice.CANCEL_REQUESTED,
     }
 )
@@ -73,8 +75,7 @@ _TEXTS = {
     Choice.REJECTED: "a person rejected the action it waited on",
     Choice.SETTLED: "what became of the effect in doubt is settled",
     Choice.PROBE: "in doubt, and its tool's probe can settle it",
-    Choice.CANCELLED: "cancelled, and resumable",
-    Choice.LEFT: "left unfinished by a process that stopped",
+    Choice.INTERRUPTED: "left unfinished by a process that stopped",
     Choice.FINISHED: "finished",
     Choice.DRIVEN_HERE: "driven by this host already",
     Choice.CLAIMED: "a live writer holds it",
@@ -113,27 +114,15 @@ def choose(
     if stored.cancel_requested:
         # Even a run that waits for a person: driving it ends it, before anything runs.
         return Choice.CANCEL_REQUESTED
+    # The probe asked here is the hosted tool's own: it may settle a doubt an earlier
+    # attempt could not (the system behind it was down, or the tool had no probe then).
+    why = ready(plan, probe=has_probe)
+    if why is not None:
+        return Choice(why.value)
+    # Until the log ends with the wait's end record, the wait is not on record (a
+    # process stopped first): driving it records the wait.
+    if not waits_for_person(plan):
+        return Choice.INTERRUPTED
     if plan.state is RecoveryState.AWAITING_APPROVAL:
-        # Until the log ends with the wait's end record, the wait is not on record
-        # (a process stopped first): driving it records the wait.
-        return Choice.AWAITS_APPROVAL if waits_for_person(plan) else Choice.LEFT
-    if plan.state is RecoveryState.IN_DOUBT:
-        if has_probe:
-            return Choice.PROBE
-        return Choice.AWAITS_SETTLEMENT if waits_for_person(plan) else Choice.LEFT
-    return _resumable(plan)
-
-
-def _resumable(plan: Plan) -> Choice:
-    """Why a resumable run of a hosted agent goes on."""
-    assert plan.started is not None
-    if plan.ended is not None:
-        return Choice.CANCELLED
-    if plan.verdict is not None and plan.open_intent is None:
-        return Choice.APPROVED if plan.verdict.approved else Choice.REJECTED
-    if plan.settlement is not None:
-        return Choice.SETTLED
-    untouched = plan.open_intent is None and plan.model_result is None
-    if untouched and len(plan.steps) == len(plan.started.inherited_steps):
-        return Choice.NEW
-    return Choice.LEFT
+        return Choice.AWAITS_APPROVAL
+    return Choice.AWAITS_SETTLEMENT

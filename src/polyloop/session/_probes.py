@@ -3,7 +3,9 @@
 :func:`probe_for` asks the executor's ``reconciles`` once per resume, before the loop
 is built: whether a run waiting for a person has anything to do depends on it. The
 loop then checks its claim and awaits :func:`ask`, which turns the probe's answer into
-the settlement to write, or into what the in-doubt end should say.
+the settlement to write, or into what the in-doubt end should say. :func:`can_settle`
+asks it once more as an action that is never replayed is announced, for its intent to
+record: ``run_status``, which has no executor, reads the answer there.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from polyloop._shared import RECONCILE_PREFIX, exception_text
 from polyloop.ports import Action, ActionExecutor, ReconcilingExecutor
 from polyloop.session._checks import action_name
 from polyloop.session._steps import action_of, now
-from polyloop.types import Intent, IntentKind, Reconciled, Settlement
+from polyloop.types import Intent, IntentKind, Reconciled, Replay, Settlement
 
 logger = logging.getLogger("polyloop")
 
@@ -76,6 +78,20 @@ def probe_for(executor: ActionExecutor, plan: _recovery.Plan) -> Probe | None:
     except Exception as exc:  # noqa: BLE001 - the executor's fault, counted as "cannot tell"
         return Probe(executor=executor, intent=intent, action=action, refused=exc)
     return Probe(executor=executor, intent=intent, action=action)
+
+
+def can_settle(executor: ActionExecutor, action: Action, replay: Replay) -> bool | None:
+    """What the intent of ``action`` records as ``reconciles``: for an action that is
+    never replayed, whether the executor says its probe could settle it, should it be
+    left in doubt (one whose ``reconciles`` raises could not); ``None`` for any other."""
+    if replay is not Replay.NEVER:
+        return None
+    if not isinstance(executor, ReconcilingExecutor):
+        return False
+    try:
+        return bool(executor.reconciles(action))
+    except Exception:  # noqa: BLE001 - asked again, and reported, if the action is left in doubt
+        return False
 
 
 async def ask(probe: Probe) -> Settlement | Unsettled:

@@ -102,9 +102,12 @@ class StepBuilder:
         *,
         edited_by: str | None,
         proposed: str | None,
+        settles: bool | None,
     ) -> Intent:
         """The intent that announces ``action``; ``edited_by`` names the person who edited
-        its arguments, if one did, and ``proposed`` is the call's text before the edit."""
+        its arguments, if one did, and ``proposed`` is the call's text before the edit.
+        ``settles`` says whether the tool's probe could settle it were it left in doubt
+        (``None`` unless its replay is ``NEVER``)."""
         return Intent(
             run_id=self.run_id,
             result_id=result_id,
@@ -119,6 +122,7 @@ class StepBuilder:
             at=now(),
             edited_by=edited_by,
             proposed_action_text=proposed,
+            reconciles=settles,
         )
 
     def result(

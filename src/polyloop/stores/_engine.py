@@ -24,7 +24,7 @@ from polyloop.stores import _paths
 from polyloop.stores._jsonl.reader import SUFFIX, log_lines
 from polyloop.stores._paths import in_the_way, safe_name
 from polyloop.stores._port import StoreBase
-from polyloop.stores._writes import Write, record_row
+from polyloop.stores._writes import Write, announces_effect, no_run, record_row, taken
 
 logger = logging.getLogger("polyloop")
 
@@ -39,7 +39,9 @@ Delete = Callable[[str], Awaitable[bool]]
 class Backend(Protocol):
     """What the engine needs of a backend; all but the coroutines and :meth:`holds` block.
     ``prunable`` lists finished runs nobody holds (refusing an ``archive`` it cannot take);
-    ``delete`` deletes one held here."""
+    ``delete`` deletes one held here. ``request_cancel`` keeps a run's first request,
+    durably, and says whether the run has a record; a write that is ``fenced`` is refused
+    with ``cancel_refusal`` of the run's request, atomically with the write."""
 
     kind: str
 
@@ -51,6 +53,8 @@ class Backend(Protocol):
     def read(self, run_id: str) -> tuple[types.Record, ...]: ...
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]: ...
     def describe(self, run_id: str) -> StoredRun | None: ...
+    def request_cancel(self, request: types.CancelRequest) -> bool: ...
+    def read_cancel(self, run_id: str) -> types.CancelRequest | None: ...
     def prunable(self, cutoff: datetime, archive: Archive) -> list[str]: ...
     def delete(self, run_id: str, cutoff: datetime) -> bool: ...
     def open(self) -> None: ...
@@ -82,6 +86,17 @@ class EngineStore(StoreBase):
     async def check_claim(self, run_id: str) -> None:
         """Return only if an effect of the run may start now; sends no statement."""
         await self._backend.confirm(run_id)
+
+    async def request_cancel(self, request: types.CancelRequest) -> None:
+        """Keep the run's first cancel request, durably; needs no claim."""
+        if not await anyio.to_thread.run_sync(self._backend.request_cancel, taken(request)):
+            raise no_run(request.run_id)
+
+    async def read_cancel(self, run_id: str) -> types.CancelRequest | None:
+        """The run's cancel request, or ``None``."""
+        return await anyio.to_thread.run_sync(
+            self._backend.read_cancel, run_id, abandon_on_cancel=True
+        )
 
     async def read_log(self, run_id: str) -> types.RunLog:
         """Every record of ``run_id`` in write order; ``CorruptLog`` names a bad line or row."""
@@ -120,7 +135,9 @@ class EngineStore(StoreBase):
         self, *records: types.Record, start: bool = False, barrier: bool = False
     ) -> None:
         last = records[-1]
-        write = Write(last.run_id, [record_row(r) for r in records], start=start, barrier=barrier)
+        rows = [record_row(r) for r in records]
+        fenced = announces_effect(records)
+        write = Write(last.run_id, rows, start=start, barrier=barrier, fenced=fenced)
         if isinstance(last, types.RunEnded):  # the claim is given up with it
             write.end, write.final, write.reason = True, last.is_final, last.stop_reason.value
         await self._backend.submit(write)

@@ -17,7 +17,9 @@ from polyloop.stores._writes import (
     cancel_refusal,
     check_order,
     claimed_already,
+    no_run,
     not_claimed,
+    taken,
 )
 
 
@@ -61,9 +63,9 @@ class MemoryStore(StoreBase):
         """Keep the run's first cancel request; its intents and proposals are refused."""
         self._state.check_open(request.run_id)
         if request.run_id not in self._runs:
-            raise types.RunNotFound("the store holds no record of this run", run_id=request.run_id)
+            raise no_run(request.run_id)
         if request.run_id not in self._cancels:
-            self._cancels[request.run_id] = request
+            self._cancels[request.run_id] = taken(request)
             self._updated[request.run_id] = time.time()
 
     async def read_cancel(self, run_id: str) -> types.CancelRequest | None:

@@ -30,10 +30,9 @@ class FaultyStore:
 
     Write number ``fail_after_writes + 1`` and every later one raise
     :class:`SimulatedCrash` without reaching ``inner``, as if the process had died right
-    after write ``fail_after_writes``. Reads, claims, releases and cancel requests
-    always pass (none writes a record of the run; a cancel request comes from another
-    process, a person's). :meth:`parameters` is the inner store's, so the run can be resumed
-    on ``inner`` (or a fresh store on the same data).
+    after write ``fail_after_writes``. Reads, claims, releases and cancel requests always
+    pass (none writes a record of the run). :meth:`parameters` is the inner store's, so
+    the run can be resumed on ``inner`` (or a fresh store on the same data).
     """
 
     def __init__(self, inner: Store, *, fail_after_writes: int) -> None:
@@ -66,6 +65,12 @@ class FaultyStore:
     async def check_claim(self, run_id: str) -> None:
         await self.inner.check_claim(run_id)
 
+    async def request_cancel(self, request: CancelRequest) -> None:
+        await self.inner.request_cancel(request)  # another party's write, not the run's
+
+    async def read_cancel(self, run_id: str) -> CancelRequest | None:
+        return await self.inner.read_cancel(run_id)
+
     async def start_run(self, record: RunStarted) -> None:
         await self._write(self.inner.start_run, record)
 
@@ -80,12 +85,6 @@ class FaultyStore:
 
     async def write_review(self, record: Review) -> None:
         await self._write(self.inner.write_review, record)
-
-    async def request_cancel(self, request: CancelRequest) -> None:
-        await self.inner.request_cancel(request)
-
-    async def read_cancel(self, run_id: str) -> CancelRequest | None:
-        return await self.inner.read_cancel(run_id)
 
     async def read_log(self, run_id: str) -> RunLog:
         return await self.inner.read_log(run_id)

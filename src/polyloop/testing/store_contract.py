@@ -23,9 +23,12 @@ The tests need pytest and anyio's pytest plugin (installed with anyio).
 from __future__ import annotations
 
 import json
+import random
 import sys
 import textwrap
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,8 @@ import pytest
 from polyloop.ports import ManagedStore, Store
 from polyloop.types import (
     ActionStatus,
+    CancelRequest,
+    CancelRequested,
     DecisionKind,
     Intent,
     IntentKind,
@@ -46,6 +51,7 @@ from polyloop.types import (
     RunAlreadyExists,
     RunEnded,
     RunLocked,
+    RunNotFound,
     RunStarted,
     Settlement,
     StepRecord,
@@ -261,6 +267,15 @@ def _end(run_id: str, reason: StopReason, steps: int) -> RunEnded:
         valid_steps=steps,
         detail=reason.value,
     )
+
+
+def _cancel(run_id: str, by: str = "alice", reason: str = "wrong customer") -> CancelRequest:
+    return CancelRequest(run_id=run_id, by=by, reason=reason, at=datetime(2026, 12, 6, tzinfo=UTC))
+
+
+def _intent(run_id: str, k: int) -> Intent:
+    _, (intent,) = sample_run(run_id, steps=1)[1]
+    return Intent(**{**_fields(intent), "result_id": f"{run_id}:{k}:model", "step": k})
 
 
 def _cancelled_end(run_id: str, steps: int) -> RunEnded:
@@ -545,6 +560,70 @@ class StoreContract:
         assert (await store.read_log("live")).records == ()
         await close(store)
 
+    async def test_a_cancel_request_needs_a_started_run_and_no_claim(
+        self, store_factory: StoreFactory
+    ) -> None:
+        store = store_factory()
+        with pytest.raises(RunNotFound) as missing:
+            await store.request_cancel(_cancel("nobody"))
+        assert missing.value.run_id == "nobody"
+        await store.claim_run("claimed")  # claimed, never started: the run has no record
+        with pytest.raises(RunNotFound):
+            await store.request_cancel(_cancel("claimed"))
+        assert await store.read_cancel("nobody") is None
+        assert await store.read_cancel("claimed") is None
+        await store.release_run("claimed")
+        await apply(store, sample_run("r1", steps=1, ended=False))
+        await store.release_run("r1")
+        await store.request_cancel(_cancel("r1"))  # nobody holds the claim: taken all the same
+        assert await store.read_cancel("r1") == _cancel("r1")
+        await close(store)
+
+    async def test_a_cancel_request_refuses_intents_and_proposals_alone(
+        self, store_factory: StoreFactory
+    ) -> None:
+        """After a request no intent or proposal is written, and the refusal leaves the
+        store object writing the run: the running effect's result, its step, the end."""
+        store = store_factory()
+        writes = awaiting_run("r1")
+        await apply(store, writes[:2])  # the run's start and its first model call's intent
+        assert await store.read_cancel("r1") is None
+        await store.request_cancel(_cancel("r1"))
+        await store.request_cancel(_cancel("r1", by="bob", reason="later"))  # changes nothing
+        assert await store.read_cancel("r1") == _cancel("r1")
+        before = (await store.read_log("r1")).records
+        for method, record in (writes[3], writes[-2]):  # an action's intent, a proposal
+            with pytest.raises(CancelRequested) as refused:
+                await getattr(store, method)(*record)
+            assert (refused.value.run_id, refused.value.by) == ("r1", "alice")
+            assert refused.value.why == "wrong customer"
+        assert (await store.read_log("r1")).records == before
+        await store.check_claim("r1")  # the claim stays with its owner
+        end = replace(_end("r1", StopReason.CANCELLED_BY_REQUEST, 1), cancelled_by="alice")
+        rest = [writes[2], ("write_step", (_step("r1", 0), None)), ("end_run", (end,))]
+        await apply(store, rest, claim=False)
+        assert list((await store.read_log("r1")).records) == [*before, *expected_records(rest)]
+        await close(store)
+
+    async def test_a_cancel_request_shows_in_the_listing(self, store_factory: StoreFactory) -> None:
+        store = store_factory()
+        if not isinstance(store, ManagedStore):
+            pytest.skip("the store offers no listing")
+        await apply(store, sample_run("asked", steps=1, ended=False))
+        await apply(store, sample_run("other", steps=1, ended=False))
+        before = await store.describe_run("asked")
+        assert before is not None and not before.cancel_requested
+        await anyio.sleep(0.05)  # past the clock's step: a poller sees the row change
+        await store.request_cancel(_cancel("asked"))
+        listed = {run.run_id: run for run in await store.list_runs(unfinished_only=True)}
+        assert listed["asked"].cancel_requested and not listed["other"].cancel_requested
+        assert listed["asked"].claimed and not listed["asked"].finished
+        assert await store.describe_run("asked") == listed["asked"]
+        if before.updated_at is not None:
+            assert listed["asked"].updated_at is not None
+            assert listed["asked"].updated_at > before.updated_at
+        await close(store)
+
     async def test_prune_deletes_only_old_finished_runs_and_archives_them(
         self, store_factory: StoreFactory, tmp_path: Path
     ) -> None:
@@ -691,6 +770,51 @@ class DurableStoreContract(StoreContract):
         await close(holder)
         await close(watcher)
 
+    async def test_a_cancel_request_reaches_every_store_object(
+        self, store_factory: StoreFactory
+    ) -> None:
+        owner, other = store_factory(), store_factory()
+        writes = sample_run("r1", steps=1, ended=False)
+        await apply(owner, writes[:3])
+        await other.request_cancel(_cancel("r1"))  # the owner holds the claim
+        with pytest.raises(CancelRequested):
+            await owner.write_intent(writes[3][1][0])
+        await apply(owner, [("end_run", (_cancelled_end("r1", 1),))], claim=False)
+        await close(owner)
+        await close(other)
+        reopened = store_factory()
+        assert await reopened.read_cancel("r1") == _cancel("r1")
+        if isinstance(reopened, ManagedStore):
+            described = await reopened.describe_run("r1")
+            assert described is not None and described.cancel_requested
+        await reopened.claim_run("r1")  # a resumed run is fenced as well
+        with pytest.raises(CancelRequested):
+            await reopened.write_intent(writes[3][1][0])
+        assert list((await reopened.read_log("r1")).records) == [
+            *expected_records(writes[:3]),
+            _cancelled_end("r1", 1),
+        ]
+        await close(reopened)
+
+    async def test_no_intent_lands_after_a_cancel_request_returned(
+        self, store_factory: StoreFactory
+    ) -> None:
+        """A request and a stream of intents race from two store objects: an intent
+        begun after the request returned is always refused, and the log holds exactly
+        the intents that were let through."""
+        owner, asker = store_factory(), store_factory()
+        for round_ in range(20):
+            run_id = f"race-{round_}"
+            await apply(owner, sample_run(run_id, steps=0, ended=False))
+            attempts, returned = await _race(owner, asker, run_id)
+            assert not [began for began, landed in attempts if landed and began > returned]
+            assert attempts[-1][1] is False
+            logged = [r for r in (await asker.read_log(run_id)).records if isinstance(r, Intent)]
+            assert len(logged) == sum(landed for _, landed in attempts)
+            await owner.end_run(_cancelled_end(run_id, 0))
+        await close(owner)
+        await close(asker)
+
     async def test_second_writer_in_another_process_is_locked_out(
         self, store_factory: StoreFactory, store_reference: tuple[str, list[Any]]
     ) -> None:
@@ -700,6 +824,34 @@ class DurableStoreContract(StoreContract):
         assert outcome == "locked"
         await close(holder)
         assert await _write_from_child(store_reference, "r1") == "written"
+
+
+async def _race(owner: Store, asker: Store, run_id: str) -> tuple[list[tuple[float, bool]], float]:
+    """Write intents through ``owner`` until refused while ``asker`` requests a cancel:
+    when each intent began and whether it landed, and when the request returned."""
+    attempts: list[tuple[float, bool]] = []
+    returned = float("inf")
+
+    async def write_intents() -> None:
+        for k in range(10_000):
+            began = time.monotonic()
+            try:
+                await owner.write_intent(_intent(run_id, k))
+            except CancelRequested:
+                attempts.append((began, False))
+                return
+            attempts.append((began, True))
+
+    async def ask() -> None:
+        nonlocal returned
+        await anyio.sleep(random.uniform(0, 0.03))
+        await asker.request_cancel(_cancel(run_id))
+        returned = time.monotonic()
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(write_intents)
+        group.start_soon(ask)
+    return attempts, returned
 
 
 _CHILD = textwrap.dedent(

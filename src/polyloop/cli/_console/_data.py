@@ -19,7 +19,7 @@ from polyloop.cli._console._listing import (
     select,
 )
 from polyloop.cli._facts import run_tokens_text
-from polyloop.cli._view import CORRUPT, STATE_WORDS, RunView
+from polyloop.cli._view import CORRUPT, STATE_WORDS, RunView, state_detail
 from polyloop.ports import ManagedStore, StoredRun
 from polyloop.session import run_status
 from polyloop.types import CorruptLog, RunNotFound, SchemaMajorMismatch
@@ -60,6 +60,7 @@ async def read_row(store: ManagedStore, run: StoredRun) -> RunRow | None:
         last_record_at=status.last_record_at or run.updated_at,
         owner=status.owner or run.owner,
         detail=status.detail,
+        state_detail=state_detail(status),
     )
 
 

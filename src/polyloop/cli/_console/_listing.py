@@ -61,6 +61,8 @@ class RunRow:
     last_record_at: datetime | None
     owner: str | None
     detail: str | None = None
+    # What the state's word leaves out, as polyloop runs prints it in brackets.
+    state_detail: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,9 +59,17 @@ from polyloop.types import (
 
 # What a finished answer says after the redirect; fixed words, never text from the URL.
 DONE = {
-    "approved": "Approved. The run goes on when its worker resumes it.",
-    "rejected": "Rejected. The model is told why when the run's worker resumes it.",
-    "settled": "Settled. The run goes on when its worker resumes it.",
+    "approved": "Approved. The action runs next.",
+    "rejected": "Rejected. The model is told why next.",
+    "settled": "Settled. The run goes on from what you said.",
+}
+# Who goes on with the run, by whether it names an agent (RunStatus.agent).
+GOES_ON = {
+    True: "A worker hosting its agent goes on with it (within about a second, while one runs).",
+    False: "It goes on when the program that started it resumes it.",
+}
+# What a cancel did, after the redirect: the run does not go on.
+STOPPED = {
     "cancelled": "Cancelled. The run ended for good; nothing it had not started ran.",
     "cancel_requested": (
         "Cancel requested. The worker driving the run ends it before its next effect; "
@@ -278,6 +286,10 @@ class _Console:
         if view is None:
             return self.render(request, "missing.html", {"run_id": run_id}, status=404)
         done = DONE.get(request.query_params.get("done", "")) if error is None else None
+        if done is not None:
+            done = f"{done} {GOES_ON[view.status.agent is not None]}"
+        elif error is None:
+            done = STOPPED.get(request.query_params.get("done", ""))
         values = {
             **await self._run_values(run_id, view),
             "error": error,

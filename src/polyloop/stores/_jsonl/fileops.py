@@ -18,11 +18,13 @@ _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux
 
 class FileOps(_paths.DirectoryOps, Protocol):
     """What the stores for one host ask of a file system; errors are ``OSError``, and
-    ``lock_range`` raises ``RunLocked`` when another open description holds the byte."""
+    ``lock_range`` raises ``RunLocked`` when another open description holds the byte;
+    ``wait_range`` waits for it."""
 
     def open(self, path: Path, flags: int, mode: int = 0o777) -> int: ...
     def close(self, fd: int) -> None: ...
     def lock_range(self, fd: int, offset: int, run_id: str) -> None: ...
+    def wait_range(self, fd: int, offset: int) -> None: ...
     def unlock_range(self, fd: int, offset: int) -> None: ...
     def range_held(self, fd: int, offset: int) -> bool: ...
     def write(self, fd: int, data: bytes | memoryview) -> int: ...
@@ -32,7 +34,17 @@ class FileOps(_paths.DirectoryOps, Protocol):
     def fsync(self, fd: int) -> None: ...
     def ftruncate(self, fd: int, length: int) -> None: ...
     def unlink(self, path: Path) -> None: ...
+    def replace(self, source: Path, target: Path) -> None: ...
     def listdir(self, directory: Path) -> list[str]: ...
+
+
+def write_all(files: FileOps, fd: int, data: bytes) -> None:
+    """Write all of ``data``: a write may take only part of it."""
+    view = memoryview(data)
+    while view:
+        if (written := files.write(fd, view)) <= 0:
+            raise OSError(errno.EIO, "a write made no progress")
+        view = view[written:]
 
 
 class OsFileOps:
@@ -71,6 +83,9 @@ class OsFileOps:
     def unlink(self, path: Path) -> None:
         os.unlink(path)
 
+    def replace(self, source: Path, target: Path) -> None:
+        os.replace(source, target)
+
     def mkdir(self, path: Path) -> None:
         os.mkdir(path)
 
@@ -87,6 +102,9 @@ class OsFileOps:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise RunLocked("another writer holds this run", run_id=run_id) from None
             raise StoreError(f"could not lock the run: {exc}", run_id=run_id) from exc
+
+    def wait_range(self, fd: int, offset: int) -> None:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _flock(fcntl.F_WRLCK, offset))
 
     def unlock_range(self, fd: int, offset: int) -> None:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, offset))

@@ -17,9 +17,11 @@ from polyloop.serialization import dumps, loads
 from polyloop.stores._jsonl.fileops import FileOps
 from polyloop.stores._open_files import open_failed
 from polyloop.stores._paths import safe_name
+from polyloop.stores._writes import kept_cancel
 from polyloop.types import CorruptLog, Record, Result, RunEnded, SchemaMajorMismatch, StepRecord
 
 SUFFIX = ".jsonl"
+CANCEL_SUFFIX = ".cancel"  # beside a run file: the run's cancel request
 # O_NONBLOCK: a FIFO planted at the path would otherwise block the open.
 COMMON_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 _CHUNK = 64 * 1024
@@ -65,11 +67,13 @@ def _line_start(files: FileOps, fd: int, end: int) -> int:
 
 
 @contextlib.contextmanager
-def run_file(files: FileOps, path: Path, run_id: str | None) -> Iterator[int | None]:
+def run_file(
+    files: FileOps, path: Path, run_id: str | None, flags: int = os.O_RDONLY
+) -> Iterator[int | None]:
     """A descriptor to read the run file (``None`` if there is none); a failed read is a
     ``StoreError`` naming the run, or else the file."""
     try:
-        fd = files.open(path, os.O_RDONLY | COMMON_FLAGS)
+        fd = files.open(path, flags | COMMON_FLAGS)
     except FileNotFoundError:
         yield None
         return
@@ -130,6 +134,28 @@ def require_regular(files: FileOps, fd: int, run_id: str | None, path: Path) -> 
     if not stat.S_ISREG(files.fstat(fd).st_mode):
         reason = f"the run file {path} is not a regular file (a directory or a special file)"
         raise types.StoreError(reason, run_id=run_id)
+
+
+def cancel_text(request: types.CancelRequest) -> bytes:
+    """What a run's cancel marker file holds: the request as one JSON object."""
+    at = request.at.isoformat() if request.at else None
+    fields = {"run_id": request.run_id, "by": request.by, "reason": request.reason, "at": at}
+    return json.dumps(fields).encode()
+
+
+def cancel_of(data: bytes, run_id: str, location: str) -> types.CancelRequest:
+    """The request a cancel marker file holds, or ``CorruptLog``."""
+    try:
+        fields = json.loads(data)
+        if fields["run_id"] != run_id:
+            raise ValueError(f"it names the run {fields['run_id']!r}")
+        by, reason, at = fields["by"], fields["reason"], fields["at"]
+        if not isinstance(by, str) or not isinstance(reason, str) or not isinstance(at, str):
+            raise TypeError("by, reason and at must be strings")
+        return kept_cancel(run_id, by, reason, at)
+    except (ValueError, KeyError, TypeError) as exc:
+        why = f"unreadable cancel request: {type(exc).__name__}: {exc}"
+        raise CorruptLog(why, run_id=run_id, location=location) from exc
 
 
 def line(*bodies: str) -> bytes:

@@ -4,19 +4,19 @@ while it is read or written (docs/stores.md#jsonlstore)."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 from datetime import UTC, datetime
 from pathlib import Path
 
+from polyloop import types
 from polyloop.ports import StoredRun
 from polyloop.stores._byte_locks import OneHost
 from polyloop.stores._engine import Archive, EngineStore, refuse_own_archive
 from polyloop.stores._jsonl import reader
-from polyloop.stores._jsonl.fileops import FileOps, OsFileOps
+from polyloop.stores._jsonl.fileops import FileOps, OsFileOps, write_all
 from polyloop.stores._paths import safe_name
-from polyloop.stores._writes import Claim, Write, check_order, not_claimed
+from polyloop.stores._writes import Claim, Write, cancel_refusal, check_order, not_claimed
 from polyloop.types import CorruptLog, PolyLoopError, Record, SchemaMajorMismatch, StoreError
 
 logger = logging.getLogger("polyloop")
@@ -24,6 +24,10 @@ logger = logging.getLogger("polyloop")
 # A claim opens (or creates) the run file; a write opens it again, never creating it.
 _CLAIM_FLAGS = os.O_RDWR | os.O_CREAT | os.O_APPEND | reader.COMMON_FLAGS
 _WRITE_FLAGS = os.O_WRONLY | os.O_APPEND | reader.COMMON_FLAGS
+_MARKER_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | reader.COMMON_FLAGS
+# The byte of a run file locked around an intent's check and write, a cancel request's
+# marker, and a prune: each sees the others whole. Closing the file lets it go.
+_FENCE = 0
 
 
 class JsonlStore(EngineStore):
@@ -90,6 +94,24 @@ class Jsonl(OneHost):
         self.state.check_open(run_id)
         return self._describe(self._path(run_id), run_id)
 
+    def request_cancel(self, request: types.CancelRequest) -> bool:
+        """Write the first request to a marker file beside the run file, under the fence."""
+        run_id, files = request.run_id, self.files
+        self.state.check_open(run_id)
+        with reader.run_file(files, self._path(run_id), run_id, os.O_RDWR) as fd:
+            if fd is None:
+                return False
+            files.wait_range(fd, _FENCE)
+            if files.fstat(fd).st_nlink == 0 or reader.extent(files, fd)[0] == 0:
+                return False  # pruned meanwhile, or never started
+            if self._cancel(run_id) is None:
+                self._keep(request)
+        return True
+
+    def read_cancel(self, run_id: str) -> types.CancelRequest | None:
+        self.state.check_open(run_id)
+        return self._cancel(run_id)
+
     def prunable(self, cutoff: datetime, archive: Archive) -> list[str]:
         """Finished runs nobody holds whose file was last written before ``cutoff``; an
         ``archive`` that holds this store's directory is refused."""
@@ -106,10 +128,13 @@ class Jsonl(OneHost):
         claim = self.held(run_id)
         files, path = self.files, self._path(run_id)
         with claim.lock:
-            with reader.run_file(files, path, run_id) as fd:
+            with reader.run_file(files, path, run_id, os.O_RDWR) as fd:
                 if fd is None or _written(files, fd) >= cutoff:
                     return False
-            files.unlink(path)
+                files.wait_range(fd, _FENCE)  # a request waiting for it then finds no run
+                with contextlib.suppress(FileNotFoundError):  # first: it never outlives the run
+                    files.unlink(self._path(run_id, reader.CANCEL_SUFFIX))
+                files.unlink(path)
             files.fsync_directory(self.directory)
             self.ended(claim)
             return True
@@ -162,11 +187,11 @@ class Jsonl(OneHost):
                     return reader.cannot_open(exc, run_id, path)  # nothing written
                 try:
                     try:
-                        data = memoryview(reader.line(*(body for _, body in write.rows)))
-                        while data:  # a write may take only part of it
-                            if (written := files.write(fd, data)) <= 0:
-                                raise OSError(errno.EIO, "a write made no progress")
-                            data = data[written:]
+                        if write.fenced:  # the check and the write are one step for a request
+                            files.wait_range(fd, _FENCE)
+                            if (request := self._cancel(run_id)) is not None:
+                                return cancel_refusal(request)
+                        write_all(files, fd, reader.line(*(body for _, body in write.rows)))
                         claim.next_seq += len(write.rows)
                         if write.barrier:
                             files.fsync(fd)
@@ -192,15 +217,45 @@ class Jsonl(OneHost):
                 return None  # no run yet, or removed while the directory was listed
             if run_id is None:
                 run_id = reader.first_run_id(files, fd, path, end)
-            return StoredRun(
-                run_id=run_id,
-                finished=ended is not None and ended.is_final,
-                claimed=self.claimed(run_id),
-                updated_at=_written(files, fd),
-            )
+            written = _written(files, fd)
+        with reader.run_file(files, self._path(run_id, reader.CANCEL_SUFFIX), run_id) as marker:
+            asked = None if marker is None else _written(files, marker)
+        return StoredRun(
+            run_id=run_id,
+            finished=ended is not None and ended.is_final,
+            claimed=self.claimed(run_id),
+            updated_at=written if asked is None else max(written, asked),
+            cancel_requested=asked is not None,
+        )
 
-    def _path(self, run_id: str) -> Path:
-        return self.directory / f"{safe_name(run_id)}{reader.SUFFIX}"
+    def _cancel(self, run_id: str) -> types.CancelRequest | None:
+        """The request in the run's marker file (``None`` if there is none)."""
+        path = self._path(run_id, reader.CANCEL_SUFFIX)
+        with reader.run_file(self.files, path, run_id) as fd:
+            if fd is None:
+                return None
+            data = b"".join(iter(lambda: self.files.read(fd, 1 << 16), b""))
+            return reader.cancel_of(data, run_id, str(path))
+
+    def _keep(self, request: types.CancelRequest) -> None:
+        """Write the request to its marker file whole and synced: a reader takes no lock."""
+        files, path = self.files, self._path(request.run_id, reader.CANCEL_SUFFIX)
+        part = path.with_name(f".{path.name}.partial")  # a dot: never taken for a run
+        try:
+            fd = files.open(part, _MARKER_FLAGS, 0o600)
+            try:
+                write_all(files, fd, reader.cancel_text(request))
+                files.fsync(fd)
+            finally:
+                files.close(fd)
+            files.replace(part, path)
+            files.fsync_directory(self.directory)
+        except OSError as exc:
+            reason = f"could not keep the cancel request: {exc.strerror or exc}"
+            raise StoreError(reason, run_id=request.run_id, location=str(path)) from exc
+
+    def _path(self, run_id: str, suffix: str = reader.SUFFIX) -> Path:
+        return self.directory / f"{safe_name(run_id)}{suffix}"
 
 
 def _written(files: FileOps, fd: int) -> datetime:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from polyloop.stores._writes import Claim, Write, check_order, fence_refusal
 from polyloop.types import PolyLoopError, RunLocked
@@ -46,9 +47,14 @@ class RunPlan:
     def barrier(self) -> bool:
         return any(write.barrier for _, write in self.writes)
 
-    def fenced_out(self, row: tuple[int, bool, int] | None) -> PolyLoopError:
+    @property
+    def fenced(self) -> bool:
+        return any(write.fenced for _, write in self.writes)
+
+    def fenced_out(self, row: Sequence[Any] | None) -> PolyLoopError:
         """Why the fence moved no row for the run, given its row now (see ``fence_refusal``)."""
-        return fence_refusal(self.run_id, epoch=self.claim.epoch, row=row, start=self.start)
+        epoch, start, fenced = self.claim.epoch, self.start, self.fenced
+        return fence_refusal(self.run_id, epoch=epoch, row=row, start=start, fenced=fenced)
 
     def rows(self) -> Iterator[tuple[int, str, str]]:
         """(seq, kind, body) of every row, numbered from :attr:`first_seq`."""

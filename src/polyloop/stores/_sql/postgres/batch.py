@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 
@@ -124,12 +125,13 @@ class Committer:
 
     def _rows(
         self, conn: Connection, runs: Sequence[RunPlan]
-    ) -> list[tuple[RunPlan, tuple[int, bool, int] | None]]:
-        """Each run with its row now (claim epoch, finished, next seq), or None if gone."""
+    ) -> list[tuple[RunPlan, Sequence[Any] | None]]:
+        """Each run with its row now (claim epoch, finished, next seq, cancel request), or
+        None if gone."""
         if not runs:
             return []
         found = conn.execute(self.queries.rows_now, ([run_key(run.run_id) for run in runs],))
-        rows = {bytes(key): (epoch, finished, seq) for key, epoch, finished, seq in found}
+        rows = {bytes(key): row for key, *row in found}
         return [(run, rows.get(run_key(run.run_id))) for run in runs]
 
     def _fail(self, writer: Writer, runs: Sequence[RunPlan], batch: Plan, exc: Exception) -> None:
@@ -147,13 +149,14 @@ class Committer:
 
 def _parameters(runs: Sequence[RunPlan]) -> dict[str, list[object]]:
     """The arrays of the write statement: one entry per run, then one per row."""
-    columns = ("run_keys", "epochs", "first_seqs", "next_seqs", "finals", "ends", "reasons")
+    columns: tuple[str, ...] = ("run_keys", "epochs", "first_seqs", "next_seqs", "finals")
+    columns += ("ends", "reasons", "fenceds")
     rows = ("row_keys", "seqs", "row_ids", "kinds", "bodies")
     params: dict[str, list[object]] = {name: [] for name in (*columns, *rows)}
     for run in runs:
         key, column = run_key(run.run_id), run_id_column(run.run_id)
-        each = (key, run.claim.epoch, run.first_seq, run.next_seq, run.final, run.ends, run.reason)
-        for name, value in zip(columns, each, strict=True):
+        each = (run.first_seq, run.next_seq, run.final, run.ends, run.reason, run.fenced)
+        for name, value in zip(columns, (key, run.claim.epoch, *each), strict=True):
             params[name].append(value)
         for seq, kind, body in run.rows():
             for name, cell in zip(rows, (key, seq, column, kind, body), strict=True):

@@ -180,20 +180,21 @@ def open_connection(
             raise limit from exc
         raise
     try:
-        _set_statement_timeout(conn, seconds=statement_timeout_s)
-        row = conn.execute("SHOW synchronous_commit").fetchone()
-        if row is not None and row[0] == "off":
-            conn.execute("SET synchronous_commit = on")
+        _configure(conn, seconds=statement_timeout_s)
     except BaseException:
         conn.close()
         raise
     return conn
 
 
-def _set_statement_timeout(conn: Watched, *, seconds: float) -> None:
+def _configure(conn: Watched, *, seconds: float) -> None:
+    """Set the statement timeout, and ``synchronous_commit`` on if the server has it off."""
     conn.deadline_s = deadline_s(seconds)
     milliseconds = sql.Literal(max(1, math.ceil(seconds * 1000)))
     conn.execute(sql.SQL("SET statement_timeout = {}").format(milliseconds))
+    row = conn.execute("SHOW synchronous_commit").fetchone()
+    if row is not None and row[0] == "off":
+        conn.execute("SET synchronous_commit = on")
 
 
 @dataclass(eq=False)
@@ -241,7 +242,7 @@ def open_pool(settings: Settings, layout: Layout, run_id: str | None) -> Connect
                 "autocommit": True,
                 "fallback_application_name": "polyloop-reader",
             },
-            configure=partial(_set_statement_timeout, seconds=settings.statement_timeout_s),
+            configure=partial(_configure, seconds=settings.statement_timeout_s),
             check=ConnectionPool.check_connection,
             name=f"polyloop-{schema}",
         )

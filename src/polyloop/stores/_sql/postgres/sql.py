@@ -53,8 +53,8 @@ _FENCED_WRITE = """
 WITH w AS (
     SELECT * FROM unnest(%(run_keys)b::bytea[], %(epochs)b::bigint[], %(first_seqs)b::bigint[],
                          %(next_seqs)b::bigint[], %(finals)b::boolean[], %(ends)b::boolean[],
-                         %(reasons)b::text[])
-        AS w(run_key, epoch, first_seq, next_seq, final, ends, reason)
+                         %(reasons)b::text[], %(fenceds)b::boolean[])
+        AS w(run_key, epoch, first_seq, next_seq, final, ends, reason, fenced)
 ){lazy},
 admitted AS (
     UPDATE {runs} AS r SET next_seq = w.next_seq, finished = w.final, stop_reason = w.reason,
@@ -62,7 +62,7 @@ admitted AS (
         started_at = CASE WHEN w.first_seq = 0 THEN now() ELSE r.started_at END
     FROM w{lazy_join}
     WHERE r.run_key = w.run_key AND r.epoch = w.epoch AND r.next_seq = w.first_seq
-      AND NOT r.finished
+      AND NOT r.finished AND (NOT w.fenced OR r.cancel_at IS NULL)
     RETURNING r.run_key
 ),
 inserted AS (
@@ -114,7 +114,7 @@ UPDATE {runs} SET owner = NULL WHERE run_key = %(run_key)s AND epoch = %(epoch)s
 _LISTED = """
 WITH {live_owners}
 SELECT r.run_id, r.finished, r.updated_at, o.description, o.lease_until,
-       live.owner_id IS NOT NULL
+       live.owner_id IS NOT NULL, r.cancel_at IS NOT NULL
 FROM {runs} AS r LEFT JOIN {owners} AS o ON o.owner_id = r.owner
 LEFT JOIN live ON live.owner_id = r.owner
 WHERE r.next_seq > 0 """
@@ -166,6 +166,12 @@ _STEPS: dict[int, tuple[str, ...]] = {
         ' AND strpos(l.body, \'"stop_reason":"in_doubt"\') > 0',
     ),
     5: ("ALTER TABLE {owners} ADD COLUMN IF NOT EXISTS lock_margin_s double precision",),
+    # A run's cancel request, kept in its row: later intents and proposals yield to it.
+    6: (
+        "ALTER TABLE {runs} ADD COLUMN IF NOT EXISTS cancel_by text,"
+        " ADD COLUMN IF NOT EXISTS cancel_reason text,"
+        " ADD COLUMN IF NOT EXISTS cancel_at timestamptz",
+    ),
 }
 
 
@@ -202,7 +208,20 @@ class Queries:
         self.write = q(_FENCED_WRITE, lazy=sql.SQL(""), lazy_join=sql.SQL(""))
         self.lazy_write = q(_FENCED_WRITE, lazy=sql.SQL(_LAZY), lazy_join=sql.SQL(_LAZY_JOIN))
         self.rows_now = q(
-            "SELECT run_key, epoch, finished, next_seq FROM {runs} WHERE run_key = ANY(%s)"
+            "SELECT run_key, epoch, finished, next_seq, cancel_by, cancel_reason, cancel_at"
+            " FROM {runs} WHERE run_key = ANY(%s)"
+        )
+        # The run's row keeps the first request; its lock orders a request and an intent.
+        self.request_cancel = q(
+            "UPDATE {runs} SET cancel_by = coalesce(cancel_by, %(by)s),"
+            " cancel_reason = coalesce(cancel_reason, %(reason)s),"
+            " updated_at = CASE WHEN cancel_at IS NULL THEN now() ELSE updated_at END,"
+            " cancel_at = coalesce(cancel_at, %(at)s)"
+            " WHERE run_key = %(run_key)s AND next_seq > 0 RETURNING 1"
+        )
+        self.read_cancel = q(
+            "SELECT cancel_by, cancel_reason, cancel_at FROM {runs}"
+            " WHERE run_key = %s AND cancel_at IS NOT NULL"
         )
         self.select_run = q(
             "SELECT seq, kind, body, run_id FROM {records} WHERE run_key = %s ORDER BY seq"

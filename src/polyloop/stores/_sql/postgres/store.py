@@ -23,7 +23,8 @@ from polyloop.stores._sql.postgres.connection import Settings, Watched, open_poo
 from polyloop.stores._sql.postgres.owner import SharedClaims
 from polyloop.stores._sql.postgres.sql import run_id_column, run_key
 from polyloop.stores._sql.rows import read_rows, shown
-from polyloop.types import CorruptLog, Record, StoreError
+from polyloop.stores._writes import kept_cancel
+from polyloop.types import CancelRequest, CorruptLog, Record, StoreError
 
 
 class PostgresStore(EngineStore):
@@ -114,17 +115,31 @@ class Postgres(SharedClaims):
         rows = self._select(None, self._queries.prunable, (cutoff,))
         return [self._run_id_of(column) for (column,) in rows]
 
-    def _select(self, run_id: str | None, query: sql.Composed, params: Any) -> list[TupleRow]:
+    def request_cancel(self, request: CancelRequest) -> bool:
+        """Keep the first request in the run's row (a synchronous commit); whether the
+        run has a record."""
+        asked = {"by": request.by, "reason": request.reason, "at": request.at}
+        params = {"run_key": run_key(request.run_id), **asked}
+        return bool(self._select(request.run_id, self._queries.request_cancel, params, "write"))
+
+    def read_cancel(self, run_id: str) -> CancelRequest | None:
+        rows = self._select(run_id, self._queries.read_cancel, (run_key(run_id),))
+        return kept_cancel(run_id, *rows[0]) if rows else None
+
+    def _select(
+        self, run_id: str | None, query: sql.Composed, params: Any, what: str = "read"
+    ) -> list[TupleRow]:
         """The rows of ``query`` on a reader connection, or a ``StoreError``."""
         pool = self._ready_pool(run_id)
         try:
             with pool.connection(timeout=self._settings.timeout) as conn:
                 return conn.execute(query, params).fetchall()
         except psycopg.Error as exc:
-            raise StoreError(f"read failed: {type(exc).__name__}: {exc}", run_id=run_id) from exc
+            reason = f"{what} failed: {type(exc).__name__}: {exc}"
+            raise StoreError(reason, run_id=run_id) from exc
 
     def _stored(self, row: TupleRow) -> StoredRun:
-        column, finished, updated_at, owner, lease_until, claimed = row
+        column, finished, updated_at, owner, lease_until, claimed, cancel_requested = row
         return StoredRun(
             run_id=self._run_id_of(column),
             finished=bool(finished),
@@ -132,6 +147,7 @@ class Postgres(SharedClaims):
             updated_at=updated_at,
             owner=owner,
             lease_expires_at=lease_until,
+            cancel_requested=bool(cancel_requested),
         )
 
     def _run_id_of(self, column: str) -> str:
@@ -153,7 +169,8 @@ class Postgres(SharedClaims):
             pool.close()
 
     def _ready_pool(self, run_id: str | None) -> ConnectionPool[Watched]:
-        """The reader pool (never used for writes), opened with the schema made current."""
+        """The reader pool (its only write is a cancel request, which needs no claim),
+        opened with the schema made current."""
         with self._lock:
             self._state.check_open(run_id)
             if self._pool is None:

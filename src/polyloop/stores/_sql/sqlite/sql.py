@@ -13,7 +13,7 @@ from pathlib import Path
 from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._open_files import open_files_error
 from polyloop.stores._paths import create_directories
-from polyloop.stores._sql.schema import Layout, prepare, require_store
+from polyloop.stores._sql.schema import Action, Layout, prepare, require_store
 from polyloop.types import PolyLoopError, StoreError
 
 _FILES = OsFileOps()
@@ -37,13 +37,17 @@ def rollback_quietly(conn: sqlite3.Connection) -> None:
             conn.execute("ROLLBACK")
 
 
-def _add_columns(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
-    """Add the columns an older runs table lacks (SQLite has no ADD COLUMN IF NOT EXISTS)."""
-    columns = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
-    added = (("owner", "TEXT"), ("epoch", "INTEGER NOT NULL DEFAULT 0"), ("stop_reason", "TEXT"))
-    for column, declaration in added:
-        if column not in columns:
-            conn.execute(f"ALTER TABLE runs ADD COLUMN {column} {declaration}")
+def _add_columns(*added: str) -> Action:
+    """A step adding each column (``name declaration``) an older runs table lacks
+    (SQLite has no ADD COLUMN IF NOT EXISTS)."""
+
+    def add(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(runs)")}
+        for column in added:
+            if column.split()[0] not in columns:
+                conn.execute(f"ALTER TABLE runs ADD COLUMN {column}")
+
+    return add
 
 
 def _retire_owners(conn: sqlite3.Connection, name: str, run_id: str | None) -> None:
@@ -91,7 +95,7 @@ LAYOUT = Layout(
             " FROM records AS r GROUP BY r.run_id ORDER BY min(r.rowid)",
         ),
         3: (
-            _add_columns,
+            _add_columns("owner TEXT", "epoch INTEGER NOT NULL DEFAULT 0", "stop_reason TEXT"),
             "DROP INDEX IF EXISTS runs_owned",  # served the owners' leases, gone with them
             "CREATE INDEX IF NOT EXISTS runs_finished ON runs (updated_at) WHERE finished = 1",
         ),
@@ -110,6 +114,8 @@ LAYOUT = Layout(
             "CREATE VIEW IF NOT EXISTS owners AS SELECT NULL AS owner_id, NULL AS description,"
             " NULL AS lease_until, NULL AS started_at WHERE 0",
         ),
+        # A run's cancel request, kept in its row: later intents and proposals yield to it.
+        6: (_add_columns("cancel_by TEXT", "cancel_reason TEXT", "cancel_at TEXT"),),
     },
     compose=partial(str.format, meta="meta"),
     exists="SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?",
@@ -120,7 +126,10 @@ LAYOUT = Layout(
 INSERT = "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)"
 SELECT_RUN = "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq"
 # A claim names its writer in the run's row and moves the epoch on.
-SELECT_CLAIM = "SELECT epoch, finished, next_seq FROM runs WHERE run_id = ?"
+SELECT_CLAIM = (
+    "SELECT epoch, finished, next_seq, cancel_by, cancel_reason, cancel_at FROM runs"
+    " WHERE run_id = ?"
+)
 TAKE_RUN = "UPDATE runs SET owner = ?, epoch = epoch + 1 WHERE run_id = ?"
 NEW_RUN = (
     "INSERT INTO runs (run_id, next_seq, finished, updated_at, owner, epoch)"
@@ -129,14 +138,28 @@ NEW_RUN = (
 DROP_UNSTARTED = "DELETE FROM runs WHERE run_id = ? AND epoch = ? AND next_seq = 0"
 FREE_RUN = "UPDATE runs SET owner = NULL WHERE run_id = ? AND epoch = ? AND next_seq > 0"
 # The fence: a run's row moves on only under the claim's epoch, from the expected seq,
-# and never once finished; an end record gives the owner up in the same statement.
+# never once finished, and for an intent or a proposal only without a cancel request;
+# an end record gives the owner up in the same statement.
 ADVANCE_RUN = (
     "UPDATE runs SET next_seq = ?, finished = ?, stop_reason = ?, updated_at = ?,"
     " owner = CASE WHEN ? THEN NULL ELSE owner END"
     " WHERE run_id = ? AND epoch = ? AND next_seq = ? AND finished = 0"
+    " AND (NOT ? OR cancel_at IS NULL)"
+)
+# A run's first request stays; the row of a run never started has no record to cancel.
+ASK_CANCEL = (
+    "UPDATE runs SET cancel_by = coalesce(cancel_by, ?),"
+    " cancel_reason = coalesce(cancel_reason, ?),"
+    " updated_at = CASE WHEN cancel_at IS NULL THEN ? ELSE updated_at END,"
+    " cancel_at = coalesce(cancel_at, ?) WHERE run_id = ? AND next_seq > 0"
+)
+READ_CANCEL = (
+    "SELECT cancel_by, cancel_reason, cancel_at FROM runs WHERE run_id = ?"
+    " AND cancel_at IS NOT NULL"
 )
 _LISTED = (
-    "SELECT r.run_id, r.finished, r.updated_at, r.owner FROM runs AS r {} WHERE r.next_seq > 0"
+    "SELECT r.run_id, r.finished, r.updated_at, r.owner, r.cancel_at IS NOT NULL"
+    " FROM runs AS r {} WHERE r.next_seq > 0"
 )
 LIST_RUNS = _LISTED.format("") + " ORDER BY r.rowid"
 DESCRIBE_RUN = _LISTED.format("") + " AND r.run_id = ?"

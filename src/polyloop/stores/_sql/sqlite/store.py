@@ -23,8 +23,8 @@ from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.rows import read_rows
 from polyloop.stores._sql.sqlite import sql
-from polyloop.stores._writes import Claim, Write
-from polyloop.types import PolyLoopError, Record, StoreError
+from polyloop.stores._writes import Claim, Write, kept_cancel
+from polyloop.types import CancelRequest, PolyLoopError, Record, StoreError
 
 logger = logging.getLogger("polyloop")
 
@@ -88,6 +88,18 @@ class Sqlite(OneHost):
         rows = self._select(sql.DESCRIBE_RUN, run_id)
         return self._stored(rows[0]) if rows else None
 
+    def request_cancel(self, request: CancelRequest) -> bool:
+        """Keep the first request in the run's row, synced; whether the run has a record."""
+        assert request.at is not None  # the engine stamped it
+        asked = (request.by, request.reason, time.time(), request.at.isoformat())
+        with self.state.mutex, self._reading(request.run_id, "write") as conn:
+            self._synchronous(conn, full=True)  # the statement is its own transaction
+            return conn.execute(sql.ASK_CANCEL, (*asked, sql.run_key(request.run_id))).rowcount == 1
+
+    def read_cancel(self, run_id: str) -> CancelRequest | None:
+        rows = self._select(sql.READ_CANCEL, run_id)
+        return kept_cancel(run_id, *rows[0]) if rows else None
+
     def prunable(self, cutoff: datetime, archive: Archive) -> list[str]:
         return [
             sql.run_id_of(key) for (key,) in self._select(sql.PRUNABLE, None, cutoff.timestamp())
@@ -138,12 +150,20 @@ class Sqlite(OneHost):
         return self._conn
 
     @contextmanager
-    def _reading(self, run_id: str | None) -> Iterator[sqlite3.Connection]:
+    def _reading(self, run_id: str | None, what: str = "read") -> Iterator[sqlite3.Connection]:
         """The connection; a statement that fails is a ``StoreError``."""
         try:
             yield self._connection(run_id)
         except sqlite3.Error as exc:
-            raise StoreError(f"read failed: {type(exc).__name__}: {exc}", run_id=run_id) from exc
+            reason = f"{what} failed: {type(exc).__name__}: {exc}"
+            raise StoreError(reason, run_id=run_id) from exc
+
+    def _synchronous(self, conn: sqlite3.Connection, *, full: bool) -> None:
+        """``synchronous=FULL`` to sync a commit, else NORMAL; taken between transactions."""
+        if self._full is not full:
+            self._full = None  # unknown until the pragma returns
+            conn.execute(f"PRAGMA synchronous={'FULL' if full else 'NORMAL'}")
+            self._full = full
 
     def _select(
         self, query: str, run_id: str | None = None, *more: object
@@ -155,13 +175,14 @@ class Sqlite(OneHost):
 
     def _stored(self, row: tuple[Any, ...]) -> StoredRun:
         """A row of the runs table; a run whose row names a writer asks its lock."""
-        key, finished, updated_at, owner = row
+        key, finished, updated_at, owner, cancel_requested = row
         return StoredRun(
             run_id=sql.run_id_of(key),
             finished=bool(finished),
             claimed=owner is not None and self.claimed(sql.run_id_of(key)),
             updated_at=datetime.fromtimestamp(updated_at, UTC),
             owner=owner,
+            cancel_requested=bool(cancel_requested),
         )
 
     def inspect(self, run_id: str) -> Claim:
@@ -173,7 +194,7 @@ class Sqlite(OneHost):
                 conn.execute(sql.NEW_RUN, (key, time.time(), self._owner))
                 return Claim(run_id=run_id, epoch=1)
             conn.execute(sql.TAKE_RUN, (self._owner, key))
-        epoch, finished, next_seq = row
+        epoch, finished, next_seq = row[:3]
         return Claim(run_id=run_id, epoch=epoch + 1, next_seq=next_seq, finished=bool(finished))
 
     def free(self, claim: Claim) -> None:
@@ -200,10 +221,7 @@ class Sqlite(OneHost):
         conn = self._conn
         assert conn is not None  # _admit opened it
         try:
-            if self._full is not batch.barrier:  # SQLite takes it only between transactions
-                self._full = None  # unknown until the pragma returns
-                conn.execute(f"PRAGMA synchronous={'FULL' if batch.barrier else 'NORMAL'}")
-                self._full = batch.barrier
+            self._synchronous(conn, full=batch.barrier)
             conn.execute("BEGIN IMMEDIATE")
             for run in batch.runs.values():
                 self._write_run(conn, batch, run, savepoint=len(batch.runs) > 1)
@@ -225,8 +243,9 @@ class Sqlite(OneHost):
         try:
             conn.executemany(sql.INSERT, [(key, *row) for row in run.rows()])
             moved_to = (run.next_seq, run.final, run.reason, time.time(), run.ends)
-            moved = conn.execute(sql.ADVANCE_RUN, (*moved_to, key, epoch, run.first_seq))
-            if moved.rowcount != 1:  # another writer claimed the run since, or it ended
+            fence = (key, epoch, run.first_seq, run.fenced)
+            if conn.execute(sql.ADVANCE_RUN, (*moved_to, *fence)).rowcount != 1:
+                # Another writer claimed the run since, it ended, or a cancel was requested.
                 row = conn.execute(sql.SELECT_CLAIM, (key,)).fetchone()
                 raise run.fenced_out(row)
         except PolyLoopError as refused:  # by the fence: nothing of the run may stay
