@@ -518,6 +518,8 @@ def status(plan: Plan, stored: StoredRun | None) -> RunStatus:
     ended = plan.ended
     state = _run_state(plan, stored is not None and stored.claimed)
     why = None if state is RunState.RUNNING else ready(plan, probe=probe_recorded(plan))
+    if stored is not None and stored.cancel_requested and state is not RunState.FINISHED:
+        why = Ready.CANCEL_REQUESTED  # whatever it waited for, its next writer ends it
     return RunStatus(
         run_id=plan.started.run_id,
         state=state,

@@ -19,6 +19,7 @@ from kit.review import approval_script, payment_script, review_tools
 from kit.worker_app import Entry
 from kit.worker_process import STORES, WorkerApp
 from polyloop import (
+    CancelRequest,
     Replay,
     RunEnded,
     RunState,
@@ -134,6 +135,27 @@ def test_a_refused_cancel_is_one_line_and_writes_nothing(
     assert err.count("\n") == 1 and says in err
     assert "Traceback" not in err
     assert {run_id: _records(sqlite, run_id) for run_id in ("paused", "doubt")} == before
+
+
+async def _ask(path: Path, run_id: str) -> None:
+    async with SqliteStore(path) as store:
+        await store.request_cancel(CancelRequest(run_id=run_id, by="dana", reason=WHY))
+
+
+def test_a_run_whose_cancel_its_writer_has_not_seen_says_so(
+    sqlite: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Kept while a writer held the run, which stopped to wait before another intent.
+    anyio.run(_ask, Path(sqlite.removeprefix("sqlite:")), "paused")
+    assert main(["runs", sqlite]) == 0
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "paused" in line]
+    assert "awaiting approval (cancel requested, resume it to go on)" in line
+    assert main(["pending", sqlite]) == 0
+    listed = capsys.readouterr().out
+    assert "doubt  in doubt" in listed and "paused" not in listed  # no person is asked
+    assert main(["show", sqlite, "paused"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "a cancel was requested; resume ends it, before any effect" in shown
 
 
 # -- real processes ---------------------------------------------------------------------

@@ -32,6 +32,7 @@ from polyloop import (
     NotAwaitingApproval,
     NotInDoubt,
     Proposal,
+    Ready,
     Replay,
     Request,
     RunEnded,
@@ -228,7 +229,7 @@ async def test_a_cancel_while_a_tool_runs_lets_it_finish_and_refuses_the_next_in
         await ledger.entered.wait()
         # The driver holds the claim: the request is kept for it, and it goes on.
         status = await cancel(store, "r", by="dana", reason=WHY)
-        assert status.state is RunState.RUNNING
+        assert (status.state, status.ready) == (RunState.RUNNING, Ready.CANCEL_REQUESTED)
         assert ledger.paid == [] and ledger.running == 1
         assert await store.read_cancel("r") is not None
         ledger.open()
@@ -423,6 +424,9 @@ async def test_answers_are_refused_once_a_cancel_is_requested() -> None:
     store, ledger = MemoryStore(), Ledger(shut=True)
     await _awaiting_approval(store, ledger)
     await store.request_cancel(CancelRequest(run_id="r", by="dana", reason=WHY))
+    status = await run_status(store, "r")
+    # It waits for no person any more: whoever drives it next ends it.
+    assert (status.state, status.ready) == (RunState.AWAITING_APPROVAL, Ready.CANCEL_REQUESTED)
     before = await _records(store)
     with pytest.raises(CancelRequested, match="'dana' asked") as caught:
         await approve(store, "r", by="ann")

@@ -32,6 +32,7 @@ from polyloop.types import (
     IntentKind,
     JSONValue,
     Proposal,
+    Ready,
     RunState,
     RunStatus,
     SchemaMajorMismatch,
@@ -63,7 +64,8 @@ async def pending(spec: StoreSpec, out: Console, *, as_json: bool) -> int:
                 status = await run_status(store, run.run_id)
             except (CorruptLog, SchemaMajorMismatch):
                 continue  # 'polyloop verify' is the command that reports those
-            if status.state in WAITING:
+            # A run with a cancel request waits for no person: its next writer ends it.
+            if status.state in WAITING and status.ready is not Ready.CANCEL_REQUESTED:
                 waiting.append(status)
     for status in waiting:
         if as_json:

@@ -51,6 +51,7 @@ READY_WORDS = {
     Ready.SETTLED: "settled",
     Ready.PROBE: "its tool's probe will settle it",
     Ready.INTERRUPTED: "interrupted",
+    Ready.CANCEL_REQUESTED: "cancel requested",
 }
 
 
@@ -59,6 +60,8 @@ def state_detail(status: RunStatus) -> str | None:
     and who takes it (a worker hosting its agent, or whoever resumes a run started
     without one); or that a run in doubt waits for a person. ``None`` if the word says
     it all (running, finished, awaiting approval)."""
+    if status.ready is Ready.CANCEL_REQUESTED and status.state is RunState.RUNNING:
+        return "cancel requested: its writer ends it before its next effect"
     if status.ready is not None:
         who = "waiting for a worker" if status.agent is not None else "resume it to go on"
         return f"{READY_WORDS[status.ready]}, {who}"

@@ -22,8 +22,7 @@ from polyloop.ports import StoredRun
 
 class Choice(enum.StrEnum):
     """What a host does with a listed run, named by why. A run is driven for one of the
-    reasons of :class:`~polyloop.types.Ready`, under the same name, or because someone
-    asked for it to be cancelled (``CANCEL_REQUESTED``: driving it ends it)."""
+    reasons of :class:`~polyloop.types.Ready`, under the same name."""
 
     NEW = "new"
     APPROVED = "approved"
