@@ -13,45 +13,22 @@ import anyio
 import pytest
 
 from kit import worker_process
-from kit.agent import Ledger, answer, definition, request
+from kit.console import fill
 from kit.hosting import eventually
-from kit.review import approval_script, payment_script, review_tools
 from kit.worker_app import Entry
 from kit.worker_process import STORES, WorkerApp
-from polyloop import (
-    CancelRequest,
-    Replay,
-    RunEnded,
-    RunState,
-    StepRecord,
-    StopReason,
-    run,
-    run_status,
-    start_or_resume,
-)
+from polyloop import CancelRequest, RunEnded, RunState, StepRecord, StopReason, run_status
 from polyloop.cli import main
 from polyloop.stores import SqliteStore
-from polyloop.testing import FaultyStore, SimulatedCrash
 
 WHY = "wrong customer"
 
 
-async def _fill(store: Any) -> None:
+async def _fill(path: Path) -> None:
     """``paused`` waits for approval of a deploy, ``doubt`` is in doubt about a payment,
-    ``done`` finished."""
-    async with store:
-        tools = review_tools(Ledger())
-        await run(definition(store, script=[answer("ok")]), request("done", tools))
-        await run(definition(store, script=approval_script()), request("paused", tools))
-        with pytest.raises(SimulatedCrash):
-            await run(
-                definition(FaultyStore(store, fail_after_writes=8), script=payment_script()),
-                request("doubt", tools, model_replay=Replay.ALLOWED),
-            )
-        await start_or_resume(
-            definition(store, script=payment_script()),
-            request("doubt", tools, model_replay=Replay.ALLOWED),
-        )
+    ``done-1`` finished (the console's runs)."""
+    async with SqliteStore(path) as store:
+        await fill(store)
 
 
 async def _log(path: Path, run_id: str) -> tuple[Any, ...]:
@@ -61,7 +38,7 @@ async def _log(path: Path, run_id: str) -> tuple[Any, ...]:
 
 @pytest.fixture
 def sqlite(tmp_path: Path) -> str:
-    anyio.run(_fill, SqliteStore(tmp_path / "runs.db"))
+    anyio.run(_fill, tmp_path / "runs.db")
     return f"sqlite:{tmp_path / 'runs.db'}"
 
 
@@ -101,11 +78,11 @@ def test_cancel_ends_a_waiting_run_for_good_and_says_so(
 
 
 def test_a_finished_run_is_left_as_it_is(sqlite: str, capsys: pytest.CaptureFixture[str]) -> None:
-    before = _records(sqlite, "done")
-    assert main(["cancel", sqlite, "done", "--by", "dana", "--reason", WHY]) == 0
+    before = _records(sqlite, "done-1")
+    assert main(["cancel", sqlite, "done-1", "--by", "dana", "--reason", WHY]) == 0
     said = capsys.readouterr().out.strip()
-    assert said == "run done had already finished (final_answer); nothing was written"
-    assert _records(sqlite, "done") == before
+    assert said == "run done-1 had already finished (final_answer); nothing was written"
+    assert _records(sqlite, "done-1") == before
 
 
 @pytest.mark.parametrize(

@@ -215,10 +215,11 @@ async def test_a_finished_run_is_left_as_it_is_and_a_second_cancel_changes_nothi
 # -- a run another task drives ends at its next intent -----------------------------------
 
 
-async def test_a_cancel_while_a_tool_runs_lets_it_finish_and_refuses_the_next_intent() -> None:
-    store, ledger, sink = MemoryStore(), Ledger(shut=True), RecordingSink()
-    model = ScriptedModelClient(TWO_PAYMENTS)
-    agent = payer(store, ledger, model=model, events=sink)
+async def _beside(
+    agent: Agent, entered: anyio.Event, during: Callable[[], Awaitable[None]]
+) -> RunResult:
+    """Drive the run ``r`` in a task of its own and, once ``entered`` fires, await
+    ``during`` beside it; the run's result."""
     results: list[RunResult] = []
 
     async def drive() -> None:
@@ -226,7 +227,18 @@ async def test_a_cancel_while_a_tool_runs_lets_it_finish_and_refuses_the_next_in
 
     async with anyio.create_task_group() as group:
         group.start_soon(drive)
-        await ledger.entered.wait()
+        await entered.wait()
+        await during()
+    [result] = results
+    return result
+
+
+async def test_a_cancel_while_a_tool_runs_lets_it_finish_and_refuses_the_next_intent() -> None:
+    store, ledger, sink = MemoryStore(), Ledger(shut=True), RecordingSink()
+    model = ScriptedModelClient(TWO_PAYMENTS)
+    agent = payer(store, ledger, model=model, events=sink)
+
+    async def cancelling() -> None:
         # The driver holds the claim: the request is kept for it, and it goes on.
         status = await cancel(store, "r", by="dana", reason=WHY)
         assert (status.state, status.ready) == (RunState.RUNNING, Ready.CANCEL_REQUESTED)
@@ -234,7 +246,7 @@ async def test_a_cancel_while_a_tool_runs_lets_it_finish_and_refuses_the_next_in
         assert await store.read_cancel("r") is not None
         ledger.open()
 
-    [result] = results
+    result = await _beside(agent, ledger.entered, cancelling)
     assert (result.stop_reason, result.detail) == (StopReason.CANCELLED_BY_REQUEST, WHY)
     assert result.step_count == 1 and result.valid_step_count == 1
     # The running payment finished and was recorded; nothing after it was announced.
@@ -258,18 +270,13 @@ async def test_a_cancel_during_a_model_call_keeps_its_reply_and_refuses_its_prop
     store, ledger = MemoryStore(), Ledger()
     model = GatedModel(TWO_PAYMENTS, index=0)
     agent = payer(store, ledger, model=model, needs_approval=True)
-    results: list[RunResult] = []
 
-    async def drive() -> None:
-        results.append(await agent.run("r", {}))
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(drive)
-        await model.entered.wait()
+    async def cancelling() -> None:
         await cancel(store, "r", by="dana", reason=WHY)
         model.gate.set()
 
-    assert results[0].stop_reason is StopReason.CANCELLED_BY_REQUEST
+    result = await _beside(agent, model.entered, cancelling)
+    assert result.stop_reason is StopReason.CANCELLED_BY_REQUEST
     records = await _records(store)
     kinds = [type(record).__name__ for record in records]
     assert kinds == ["RunStarted", "Intent", "Result", "RunEnded"]  # the reply, no proposal
