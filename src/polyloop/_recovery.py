@@ -221,11 +221,13 @@ def _after_end(ended: RunEnded, record: Record) -> str | None:
     """Why ``record`` may not follow the end record ``ended``, if it may not.
 
     An in-doubt end is reopened only by a settlement, a paused run only by a verdict:
-    a person's answer is what lets either go on.
+    a person's answer is what lets either go on. A person's cancel ends either for good.
     """
     reason = ended.stop_reason
     if ended.is_final:
         return "a record after the end record"
+    if isinstance(record, RunEnded) and record.stop_reason is StopReason.CANCELLED_BY_REQUEST:
+        return None
     if reason is StopReason.IN_DOUBT and not isinstance(record, Settlement):
         return "a record after an in-doubt end that is not a settlement"
     if reason is StopReason.AWAITING_APPROVAL and not isinstance(record, Verdict):
@@ -516,6 +518,8 @@ def status(plan: Plan, stored: StoredRun | None) -> RunStatus:
     ended = plan.ended
     state = _run_state(plan, stored is not None and stored.claimed)
     why = None if state is RunState.RUNNING else ready(plan, probe=probe_recorded(plan))
+    if stored is not None and stored.cancel_requested and state is not RunState.FINISHED:
+        why = Ready.CANCEL_REQUESTED  # whatever it waited for, its next writer ends it
     return RunStatus(
         run_id=plan.started.run_id,
         state=state,

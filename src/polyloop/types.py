@@ -684,6 +684,11 @@ class Ready(enum.StrEnum):
     INTERRUPTED = "interrupted"
     """Left unfinished by a process that stopped: it crashed, was killed, lost its
     lease, or was cancelled."""
+    CANCEL_REQUESTED = "cancel_requested"
+    """Someone asked the run to stop for good (:func:`polyloop.cancel`), and its log does
+    not end yet: whoever drives it next ends it ``CANCELLED_BY_REQUEST``, before any
+    effect, even if it waited for a person. Set for a ``RUNNING`` run too: its writer
+    ends it at its next intent."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -711,7 +716,9 @@ class RunStatus:
 
     ``ready`` says why a run that is neither ``RUNNING`` nor ``FINISHED`` goes on as soon
     as anything drives it (:class:`Ready`); it is ``None`` for a run that is running,
-    finished, or waiting for a person (to approve, reject or settle). ``agent`` names
+    finished, or waiting for a person (to approve, reject or settle). A cancel request
+    comes first: ``CANCEL_REQUESTED`` for any run that has not finished, running or
+    waiting, since its next writer ends it. ``agent`` names
     the agent the run was started through (:attr:`RunStarted.agent`): a host of that
     agent drives a ready run by itself, while a run with no agent waits for its program
     to resume it.

@@ -201,6 +201,7 @@ def test_only_runs_that_can_go_on_are_driven() -> None:
         Choice.SETTLED,
         Choice.PROBE,
         Choice.INTERRUPTED,
+        Choice.CANCEL_REQUESTED,
     }
     # A host drives a run for the reason run_status gives, under the same name.
     assert {choice.value for choice in drives} == {why.value for why in Ready}
@@ -208,3 +209,29 @@ def test_only_runs_that_can_go_on_are_driven() -> None:
     assert waits == {Choice.AWAITS_APPROVAL, Choice.AWAITS_SETTLEMENT}
     assert not drives & waits
     assert all(choice.text for choice in Choice)
+
+
+# issue 44, part 3: a run someone asked to cancel is driven to its end at once, even one
+# that waits for a person; one that finished, one a live writer holds and one of an agent
+# hosted elsewhere are not.
+CANCEL_ROWS = [
+    pytest.param({}, WAITING_FOR_APPROVAL, Choice.CANCEL_REQUESTED, id="waiting-for-approval"),
+    pytest.param({}, IN_DOUBT_ENDED, Choice.CANCEL_REQUESTED, id="in-doubt"),
+    pytest.param({}, plan(), Choice.CANCEL_REQUESTED, id="never-driven"),
+    pytest.param({"claimed": True}, plan(), Choice.CLAIMED, id="claimed"),
+    pytest.param(
+        {"finished": True},
+        plan(RecoveryState.FINISHED, ended=end(StopReason.CANCELLED_BY_REQUEST)),
+        Choice.FINISHED,
+        id="ended-by-the-request",
+    ),
+    pytest.param({}, plan(started=started("other")), Choice.NOT_HOSTED, id="foreign"),
+]
+
+
+@pytest.mark.parametrize(("listed", "plan_", "expected"), CANCEL_ROWS)
+def test_a_run_with_a_cancel_request(
+    listed: dict[str, bool], plan_: Plan, expected: Choice
+) -> None:
+    asked = dataclasses.replace(stored(**listed), cancel_requested=True)
+    assert choose(asked, plan_, hosted=HOSTED, has_probe=True) is expected

@@ -73,6 +73,9 @@ NAMES_BY_MODULE = {
         "run_trace_id",
         # issue 44, part 4: why a run nobody drives goes on (RunStatus.ready)
         "Ready",
+        # issue 44, part 3: a cancel that stops
+        "CancelRequest",
+        "CancelRequested",
     },
     ports: {
         "ModelClient",
@@ -120,6 +123,8 @@ NAMES_BY_MODULE = {
         "fork",
         # issue 44: a host of agents
         "serve_agents",
+        # issue 44, part 3: a cancel that stops
+        "cancel",
     },
 }
 # Modules imported by name, never re-exported at the top level.

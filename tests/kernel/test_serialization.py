@@ -476,6 +476,18 @@ EXPECTED.update(
     }
 )
 
+# issue 44, part 3: a run a person cancelled; who asked is written only when set.
+EXPECTED["run_ended_cancelled_by_request"] = RunEnded(
+    run_id=RUN,
+    stop_reason=StopReason.CANCELLED_BY_REQUEST,
+    final_answer=None,
+    steps=3,
+    valid_steps=2,
+    detail="wrong customer: stop before it pays anyone",
+    at=_PERSON_AT,
+    cancelled_by="dana",
+)
+
 
 def one_of_each() -> list[Any]:
     return [pytest.param(record, id=name) for name, record in EXPECTED.items()]

@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROGRAM,
         description=(
             "Run the PolyLoop demo agent; list, show, verify and prune stored runs; "
-            "approve, reject and settle what waits for a person; host agents in a worker."
+            "approve, reject and settle what waits for a person; cancel a run; host agents "
+            "in a worker."
         ),
         epilog=f"STORE is {SYNTAX}. Exit status: 0 success, 1 error.",
     )
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     _approve_parser(commands)
     _reject_parser(commands)
     _settle_parser(commands)
+    _cancel_parser(commands)
     _serve_parser(commands)
     _worker_parser(commands)
     return parser
@@ -589,6 +591,24 @@ async def _settle_command(args: argparse.Namespace, out: Console) -> int:
 async def _answer(args: argparse.Namespace, given: _people.Answer, out: Console) -> int:
     spec = await _store_of(args)
     return await _people.answer(spec, args.run_id, given, out)
+
+
+def _cancel_parser(commands: _Commands) -> None:
+    sub = _answer_parser(
+        commands,
+        "cancel",
+        _cancel_command,
+        "Stop a run for good: nothing it has not started yet runs, and no worker drives it "
+        "again. A run nobody drives ends now; a run a worker drives ends before its next "
+        "effect (an action already running finishes first).",
+    )
+    sub.add_argument("--reason", required=True, metavar="TEXT", help="why (recorded)")
+
+
+async def _cancel_command(args: argparse.Namespace, out: Console) -> int:
+    spec = await _store_of(args)
+    given = _people.Answer(by=args.by, reason=args.reason, result_id=args.result_id)
+    return await _people.cancel_run(spec, args.run_id, given, out)
 
 
 # -- the web console ----------------------------------------------------------------------

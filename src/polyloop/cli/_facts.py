@@ -287,6 +287,8 @@ def state_text(view: RunView) -> str:
     state = status.state
     if state is RunState.FINISHED:
         return f"finished ({view.stop_reason})"
+    if status.ready is Ready.CANCEL_REQUESTED:
+        return f"{view.state}: a cancel was requested; {_ends(status)}"
     if state is RunState.IN_DOUBT and status.ready is Ready.PROBE:
         return (
             "in doubt: an effect may or may not have happened, and its tool's probe will "
@@ -320,6 +322,14 @@ def _why_resumable(view: RunView) -> str:
     if ready is None or ready is Ready.INTERRUPTED:
         return "not finished"
     return READY_WORDS[ready]
+
+
+def _ends(status: RunStatus) -> str:
+    """Who ends a run with a cancel request: its writer, a host of its agent, or resume."""
+    if status.state is RunState.RUNNING:
+        return "the writer driving it ends it before its next effect"
+    who = "resume" if status.agent is None else f"a worker hosting agent {status.agent!r}"
+    return f"{who} ends it, before any effect"
 
 
 def goes_on(status: RunStatus) -> str:

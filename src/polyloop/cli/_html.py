@@ -158,6 +158,8 @@ def _end(view: RunView) -> str:
     rows = [("state", _state(view))]
     if view.stop_reason is not None:
         rows.append(("stop reason", escape(view.stop_reason)))
+    if view.cancelled_by is not None:
+        rows.append(("cancelled by", escape(view.cancelled_by)))
     if view.final_answer is not None:
         rows.append(("final answer", _pre(view.final_answer)))
     if (tokens := run_tokens_text(view)) is not None:

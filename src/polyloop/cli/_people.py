@@ -1,9 +1,10 @@
-"""``pending``, ``approve``, ``reject`` and ``settle``: what waits for a person, and the
-person's answer.
+"""``pending``, ``approve``, ``reject``, ``settle`` and ``cancel``: what waits for a
+person, and the person's answer.
 
-The answers go through :func:`polyloop.approve`, :func:`polyloop.reject` and
-:func:`polyloop.settle`, which check everything against the run's log under its claim
-before writing: a refused answer writes nothing and says why in one line.
+The answers go through :func:`polyloop.approve`, :func:`polyloop.reject`,
+:func:`polyloop.settle` and :func:`polyloop.cancel`, which check everything against the
+run's log under its claim before writing: a refused answer writes nothing and says why
+in one line.
 """
 
 from __future__ import annotations
@@ -24,16 +25,18 @@ from polyloop.cli._common import (
 )
 from polyloop.cli._stores import StoreSpec, open_store
 from polyloop.cli._view import state_line
-from polyloop.session import approve, reject, run_status, settle
+from polyloop.session import approve, cancel, reject, run_status, settle
 from polyloop.types import (
     CorruptLog,
     Intent,
     IntentKind,
     JSONValue,
     Proposal,
+    Ready,
     RunState,
     RunStatus,
     SchemaMajorMismatch,
+    StopReason,
 )
 
 WAITING = (RunState.AWAITING_APPROVAL, RunState.IN_DOUBT)
@@ -61,7 +64,8 @@ async def pending(spec: StoreSpec, out: Console, *, as_json: bool) -> int:
                 status = await run_status(store, run.run_id)
             except (CorruptLog, SchemaMajorMismatch):
                 continue  # 'polyloop verify' is the command that reports those
-            if status.state in WAITING:
+            # A run with a cancel request waits for no person: its next writer ends it.
+            if status.state in WAITING and status.ready is not Ready.CANCEL_REQUESTED:
                 waiting.append(status)
     for status in waiting:
         if as_json:
@@ -193,6 +197,32 @@ async def answer(spec: StoreSpec, run_id: str, given: Answer, out: Console) -> i
         highlight=False,
     )
     return 0
+
+
+async def cancel_run(spec: StoreSpec, run_id: str, given: Answer, out: Console) -> int:
+    """Ask ``run_id`` to stop for good and say in one line what became of it."""
+    assert given.reason is not None
+    async with open_store(spec) as store:
+        status = await cancel(
+            store, run_id, by=given.by, reason=given.reason, result_id=given.result_id
+        )
+    out.print(cancel_outcome(status), markup=False, soft_wrap=True, highlight=False)
+    return 0
+
+
+def cancel_outcome(status: RunStatus) -> str:
+    """What a cancel did: the run ended, its writer will end it, or it had finished."""
+    run = escape_field(status.run_id)
+    if status.state is not RunState.FINISHED:
+        owner = f" ({escape_field(status.owner)})" if status.owner else ""
+        return (
+            f"cancel requested for run {run}: the writer driving it{owner} ends it before "
+            "its next effect; 'polyloop show' tells when it has"
+        )
+    if status.stop_reason is not StopReason.CANCELLED_BY_REQUEST:
+        reason = status.stop_reason.value if status.stop_reason is not None else "-"
+        return f"run {run} had already finished ({reason}); nothing was written"
+    return f"run {run} ended for good: cancelled_by_request ({escape_field(status.detail or '')})"
 
 
 def parse_arguments(text: str | None) -> JSONValue:

@@ -195,6 +195,8 @@ def _end_fields(view: RunView) -> list[tuple[str, str]]:
     fields = [("state", view.state)]
     if view.stop_reason is not None:
         fields.append(("stop reason", view.stop_reason))
+    if view.cancelled_by is not None:
+        fields.append(("cancelled by", view.cancelled_by))
     fields.append(("steps", f"{len(view.steps)} ({view.valid_steps} valid)"))
     if (tokens := run_tokens_text(view)) is not None:
         fields.append(("tokens", tokens))

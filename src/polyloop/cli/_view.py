@@ -51,6 +51,7 @@ READY_WORDS = {
     Ready.SETTLED: "settled",
     Ready.PROBE: "its tool's probe will settle it",
     Ready.INTERRUPTED: "interrupted",
+    Ready.CANCEL_REQUESTED: "cancel requested",
 }
 
 
@@ -59,6 +60,8 @@ def state_detail(status: RunStatus) -> str | None:
     and who takes it (a worker hosting its agent, or whoever resumes a run started
     without one); or that a run in doubt waits for a person. ``None`` if the word says
     it all (running, finished, awaiting approval)."""
+    if status.ready is Ready.CANCEL_REQUESTED and status.state is RunState.RUNNING:
+        return "cancel requested: its writer ends it before its next effect"
     if status.ready is not None:
         who = "waiting for a worker" if status.agent is not None else "resume it to go on"
         return f"{READY_WORDS[status.ready]}, {who}"
@@ -196,6 +199,12 @@ class RunView:
     def final_answer(self) -> str | None:
         last = self.log.records[-1]
         return last.final_answer if isinstance(last, RunEnded) else None
+
+    @property
+    def cancelled_by(self) -> str | None:
+        """Who asked for the run to be cancelled, if a person's cancel ended it."""
+        last = self.log.records[-1]
+        return last.cancelled_by if isinstance(last, RunEnded) else None
 
     @property
     def detail(self) -> str | None:

@@ -6,7 +6,8 @@ one run needs (id, budget, executor, tools, context, injection, binding and poli
 :func:`start_or_resume` is the one call a worker needs; an :class:`Agent` pairs a
 definition with the way to build a run's request from its input, so that any host can
 drive a run another process started, and :func:`serve_agents` is such a host.
-:func:`run_status` and :func:`recover` serve the programs that watch and sweep a store.
+:func:`run_status` and :func:`recover` serve the programs that watch and sweep a store;
+:func:`approve`, :func:`reject`, :func:`settle` and :func:`cancel` are a person's answers.
 
 Before anything is read, the store object claims the run: it becomes the run's one
 writer, and keeps the claim until the run's end record is written or the call returns.
@@ -35,7 +36,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from polyloop.ports import ManagedStore, Store
-from polyloop.session import _review
+from polyloop.session import _cancelling, _review
 from polyloop.session._agents import Agent
 from polyloop.session._driving import Mode, drive, status
 from polyloop.session._driving import recover as recover_runs
@@ -58,6 +59,7 @@ __all__ = (
     "ObservationTexts",
     "Request",
     "approve",
+    "cancel",
     "fork",
     "recover",
     "reject",
@@ -294,6 +296,51 @@ async def settle(
     return await _review.settle(
         store, run_id, by=by, ran=ran, observation=observation, result_id=result_id
     )
+
+
+async def cancel(
+    store: ManagedStore, run_id: str, *, by: str, reason: str, result_id: str | None = None
+) -> RunStatus:
+    """Ask the run ``run_id`` to stop for good: nothing it has not announced yet runs.
+
+    ``by`` names who asks and ``reason`` says why (non-empty strings, else
+    :class:`~polyloop.types.InvalidRequest` before any I/O);
+    :class:`~polyloop.types.RunNotFound` if the store has no record of the run. A
+    finished run is left as it is and its status returned: nothing is written.
+
+    Otherwise a :class:`~polyloop.types.CancelRequest` is kept beside the run's log,
+    durably and without the run's claim. From then on the store refuses every intent and
+    proposal of the run, in this process and every other, so no model call, action or
+    proposal starts; an effect already running finishes and its step is recorded. The
+    run then ends ``CANCELLED_BY_REQUEST``, its end record naming ``by``
+    (``cancelled_by``) and ``reason`` (``detail``), and that end is final: no worker and
+    no ``resume`` drives it again, and ``run_status`` says ``FINISHED``. If nobody drives
+    the run (it waits for a person, was left by a stopped process, or is idle), this
+    takes its claim and writes that end record itself; if a live writer drives it, the
+    writer ends it at its next intent or proposal, and a run left unended (its writer
+    stopped before another intent) ends when a host or ``resume`` next claims it, before
+    any probe or effect. A second request changes nothing: a run keeps its first.
+    ``approve``, ``reject`` and ``settle`` refuse an answer for the run
+    (:class:`~polyloop.types.CancelRequested`) from then on; a tool's probe may still
+    settle an effect in doubt.
+
+    ``result_id``, if given, must name what the person saw the run wait on: its open
+    proposal or its open intent. It is checked under the run's claim before anything is
+    written; a cancel naming one that is no longer open is refused and writes nothing
+    (:class:`~polyloop.types.NotAwaitingApproval` or
+    :class:`~polyloop.types.NotInDoubt`), and so is one for a run a live writer drives
+    (:class:`~polyloop.types.RunLocked`): it no longer waits on what the person saw.
+
+    Returns the run's status once the request is kept: ``FINISHED`` with stop reason
+    ``CANCELLED_BY_REQUEST`` if the run ended here, or its current state (``RUNNING``,
+    say) if its writer will end it.
+
+    Cancellation: the request and the end record each landed whole or not at all, the
+    request first; a request without its end is ended by the run's next writer. The
+    claim, if taken, is given up under a shielded, time-bounded scope.
+    """
+    await _cancelling.cancel(store, run_id, by=by, reason=reason, result_id=result_id)
+    return await status(store, run_id)
 
 
 async def serve_agents(

@@ -5,7 +5,8 @@ the log, so they share :func:`drive`. The claim comes first: the log is read onl
 this store object is the run's one writer, so nothing decided from it can be made stale
 by another writer, and a second claimant learns ``RunLocked`` before it reads, decides or
 executes anything. The claim is given up on every way out (``end_run`` gives it up on
-the normal one).
+the normal one). A run someone asked to cancel ends right after the read
+(:mod:`~polyloop.session._cancelling`), before any probe or effect.
 
 :func:`status` and :func:`recover` serve the programs that watch and sweep a store.
 """
@@ -23,7 +24,7 @@ import anyio
 
 from polyloop import _recovery
 from polyloop.ports import ManagedStore, Store, StoredRun
-from polyloop.session import _draining
+from polyloop.session import _cancelling, _draining
 from polyloop.session._forking import Inheritance
 from polyloop.session._loop import Loop
 from polyloop.session._probes import probe_for
@@ -151,7 +152,7 @@ async def _drive_claimed(
         if origin is not None:
             started = origin.stamp(started)
         _draining.claimed(request.run_id)
-        return await loop.guarded(loop.start(started))
+        return await loop.guarded(_cancelling.fenced(loop, loop.start(started)))
     if mode is Mode.START:
         raise RunAlreadyExists(
             "the store already holds records for this run; use resume", run_id=request.run_id
@@ -159,13 +160,18 @@ async def _drive_claimed(
     plan = _identity_plan(log, request, prepared, origin)
     if plan.state is _recovery.RecoveryState.FINISHED:
         return _recovery.recorded_result(plan)
+    if (asked := await definition.store.read_cancel(request.run_id)) is not None:
+        loop = Loop(definition, request, prepared, resumed=True)
+        return await _cancelling.end_resumed(loop, plan, log.records, asked)
     probe = probe_for(request.executor, plan)
     if _recovery.waits_for_person(plan) and probe is None:
         # Nothing to do until a person answers: the recorded end stands, nothing is written.
         return _recovery.recorded_result(plan)
     loop = Loop(definition, request, prepared, resumed=True)
     _draining.claimed(request.run_id)
-    return await loop.guarded(continue_run(loop, plan, log.records, probe))
+    return await loop.guarded(
+        _cancelling.fenced(loop, continue_run(loop, plan, log.records, probe))
+    )
 
 
 def _started(request: Request, prepared: Prepared) -> RunStarted:

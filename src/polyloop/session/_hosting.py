@@ -258,7 +258,10 @@ class Host:
             self._warn(key, run_id, f"could not read its log: {exception_text(exc)}")
             return
         records, settled = len(log.records), self._settled(stored)
-        if seen is not None and seen.records == records:
+        # A cancel request is kept beside the log, not in it: news of its own, once.
+        said = seen.said if seen is not None else None
+        cancel_news = stored.cancel_requested and said is not Choice.CANCEL_REQUESTED
+        if seen is not None and seen.records == records and not cancel_news:
             seen.fingerprint = settled  # nothing new in the log: nothing new to decide
             return
         started = plan.started
@@ -272,7 +275,6 @@ class Host:
                 return
             has_probe = probe_for(request.executor, plan) is not None
         choice = choose(stored, plan, hosted=hosted.agents.keys(), has_probe=has_probe)
-        said = seen.said if seen is not None else None
         if choice.drives and agent is not None and started is not None:
             # Read again once driven: whatever the drive wrote decides what comes next.
             self.seen[key] = _Seen(fingerprint=None, records=records, said=choice)

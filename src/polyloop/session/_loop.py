@@ -357,7 +357,9 @@ class Loop:
     async def finish(
         self, reason: StopReason, detail: str | None, *, final_answer: str | None = None
     ) -> None:
-        end = self.build.end(reason, detail, self.used, final_answer)
+        await self.end_with(self.build.end(reason, detail, self.used, final_answer))
+
+    async def end_with(self, end: RunEnded) -> None:
         await self.store.end_run(end)
         self.end = end
         await self.relay.emit(EventKind.RUN_ENDED, None, end)

@@ -5,9 +5,10 @@ runs, reads the log of each that changed, and asks :func:`choose` what to do wit
 A run goes on when nothing but a host is missing, for the reason
 :func:`polyloop._recovery.ready` gives (the one ``run_status`` reports as
 ``RunStatus.ready``): it was started and never driven, a person answered what it waited
-on, its tool's probe can settle its doubt, or the process driving it stopped. It is
-left alone when someone else drives it, when its agent is not hosted here (or it names
-none), and when it waits for a person.
+on, its tool's probe can settle its doubt, or the process driving it stopped; or
+someone asked for it to be cancelled, and driving it ends it at once, even while it
+waits for a person. It is left alone when someone else drives it, when its agent is not
+hosted here (or it names none), and when it waits for a person.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Choice(enum.StrEnum):
     NOT_HOSTED = "not_hosted"
     AWAITS_APPROVAL = "awaits_approval"
     AWAITS_SETTLEMENT = "awaits_settlement"
+    CANCEL_REQUESTED = "cancel_requested"
 
     @property
     def drives(self) -> bool:
@@ -62,6 +64,7 @@ _DRIVES = frozenset(
         Choice.SETTLED,
         Choice.PROBE,
         Choice.INTERRUPTED,
+        Choice.CANCEL_REQUESTED,
     }
 )
 
@@ -80,6 +83,7 @@ _TEXTS = {
     Choice.NOT_HOSTED: "its agent is not hosted here",
     Choice.AWAITS_APPROVAL: "waits for a person to approve or reject an action",
     Choice.AWAITS_SETTLEMENT: "in doubt: waits for a person to settle it",
+    Choice.CANCEL_REQUESTED: "a person asked for it to be cancelled: it ends now",
 }
 
 
@@ -106,6 +110,9 @@ def choose(
         return Choice.NO_AGENT
     if plan.started.agent not in hosted:
         return Choice.NOT_HOSTED
+    if stored.cancel_requested:
+        # Even a run that waits for a person: driving it ends it, before anything runs.
+        return Choice.CANCEL_REQUESTED
     # The probe asked here is the hosted tool's own: it may settle a doubt an earlier
     # attempt could not (the system behind it was down, or the tool had no probe then).
     why = ready(plan, probe=has_probe)

@@ -14,7 +14,7 @@ import dataclasses
 from polyloop import _recovery
 from polyloop._recovery import Move
 from polyloop.ports import EventKind, ModelReply
-from polyloop.session import _probes, _proposals
+from polyloop.session import _cancelling, _probes, _proposals
 from polyloop.session._checks import (
     action_name,
     action_name_of,
@@ -105,6 +105,7 @@ async def _finish_interrupted(loop: Loop, move: Move, plan: _recovery.Plan) -> S
         # The model call's result was lost and its replay is allowed: it reuses the
         # intent on disk rather than writing a second one.
         assert intent is not None
+        await _cancelling.check_before_replay(loop)
         return await loop.call_model(index, times, intent.result_id)
     return await _after_reply(loop, move, plan, index, times)
 
@@ -133,6 +134,7 @@ async def _after_reply(
         assert settlement is not None
         outcome = settled_outcome(settlement)
         return await loop.close(index, reply, intent, outcome, times, settlement), tool
+    await _cancelling.check_before_replay(loop)
     return await loop.act(index, reply, action, times, intent), tool
 
 

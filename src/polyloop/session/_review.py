@@ -21,6 +21,7 @@ from polyloop.ports import Store
 from polyloop.serialization import plain
 from polyloop.tools import described_call_refusal
 from polyloop.types import (
+    CancelRequested,
     Intent,
     IntentKind,
     InvalidRequest,
@@ -43,11 +44,11 @@ _RELEASE_GRACE_S = 10.0
 async def approve(
     store: Store, run_id: str, *, by: str, arguments: JSONValue, result_id: str | None
 ) -> Verdict:
-    _check_text("by", by, run_id)
-    _check_result_id(result_id, run_id)
+    check_text("by", by, run_id)
+    check_result_id(result_id, run_id)
 
     def verdict(plan: _recovery.Plan) -> Verdict:
-        proposal = _waiting(plan, run_id, result_id)
+        proposal = waiting(plan, run_id, result_id)
         payload = proposal.payload
         if arguments is not None:
             payload = _edited(plan, payload, arguments, run_id)
@@ -59,12 +60,12 @@ async def approve(
 async def reject(
     store: Store, run_id: str, *, by: str, reason: str, result_id: str | None
 ) -> Verdict:
-    _check_text("by", by, run_id)
-    _check_text("reason", reason, run_id)
-    _check_result_id(result_id, run_id)
+    check_text("by", by, run_id)
+    check_text("reason", reason, run_id)
+    check_result_id(result_id, run_id)
 
     def verdict(plan: _recovery.Plan) -> Verdict:
-        return _verdict(_waiting(plan, run_id, result_id), by=by, payload=None, reason=reason)
+        return _verdict(waiting(plan, run_id, result_id), by=by, payload=None, reason=reason)
 
     return await _answer(store, run_id, verdict)
 
@@ -72,12 +73,12 @@ async def reject(
 async def settle(
     store: Store, run_id: str, *, by: str, ran: bool, observation: str, result_id: str | None
 ) -> Settlement:
-    _check_text("by", by, run_id)
+    check_text("by", by, run_id)
     if not isinstance(ran, bool):
         raise InvalidRequest(f"ran must be True or False, not {ran!r:.40}", run_id=run_id)
     if not isinstance(observation, str):
         raise InvalidRequest("observation must be a string", run_id=run_id)
-    _check_result_id(result_id, run_id)
+    check_result_id(result_id, run_id)
 
     def settlement(plan: _recovery.Plan) -> Settlement:
         intent = _in_doubt(plan, run_id)
@@ -103,7 +104,10 @@ _R = TypeVar("_R", Verdict, Settlement)
 
 
 async def _answer(store: Store, run_id: str, build: Callable[[_recovery.Plan], _R]) -> _R:
-    """Claim the run, build the answer from the log read under the claim, write it."""
+    """Claim the run, build the answer from the log read under the claim, write it.
+
+    A run someone asked to cancel takes no answer (``CancelRequested``): it ends for good.
+    """
     if not isinstance(run_id, str) or not run_id:
         raise InvalidRequest(f"run_id must be a non-empty string, not {run_id!r:.40}")
     await store.claim_run(run_id)
@@ -111,15 +115,23 @@ async def _answer(store: Store, run_id: str, build: Callable[[_recovery.Plan], _
         plan = _recovery.read_plan(await store.read_log(run_id))
         if plan.started is None:
             raise RunNotFound("the store holds no record of this run", run_id=run_id)
+        if (asked := await store.read_cancel(run_id)) is not None:
+            # The run ends for good: an answer would be for something that never runs.
+            raise CancelRequested(run_id=run_id, by=asked.by, why=asked.reason)
         record = build(plan)
         await store.write_review(record)
         return record
     finally:
-        with anyio.move_on_after(_RELEASE_GRACE_S, shield=True):
-            try:
-                await store.release_run(run_id)
-            except Exception:
-                logger.exception("run %r: could not give up the claim", run_id)
+        await release(store, run_id)
+
+
+async def release(store: Store, run_id: str) -> None:
+    """Give up the claim an answer took, shielded and bounded in time; never raise."""
+    with anyio.move_on_after(_RELEASE_GRACE_S, shield=True):
+        try:
+            await store.release_run(run_id)
+        except Exception:
+            logger.exception("run %r: could not give up the claim", run_id)
 
 
 def _verdict(proposal: Proposal, *, by: str, payload: JSONValue, reason: str | None) -> Verdict:
@@ -136,19 +148,19 @@ def _verdict(proposal: Proposal, *, by: str, payload: JSONValue, reason: str | N
     )
 
 
-def _check_text(name: str, value: object, run_id: str) -> None:
+def check_text(name: str, value: object, run_id: str) -> None:
     if not isinstance(value, str) or not value.strip():
         raise InvalidRequest(f"{name} must be a non-empty string, not {value!r:.40}", run_id=run_id)
 
 
-def _check_result_id(result_id: object, run_id: str) -> None:
+def check_result_id(result_id: object, run_id: str) -> None:
     if result_id is not None and (not isinstance(result_id, str) or not result_id):
         raise InvalidRequest(
             f"result_id must be a non-empty string or None, not {result_id!r:.40}", run_id=run_id
         )
 
 
-def _waiting(plan: _recovery.Plan, run_id: str, result_id: str | None) -> Proposal:
+def waiting(plan: _recovery.Plan, run_id: str, result_id: str | None) -> Proposal:
     """The proposal waiting for a verdict, or why there is none.
 
     ``result_id``, when given, must be the open proposal's: an answer written for a
@@ -169,7 +181,7 @@ def _waiting(plan: _recovery.Plan, run_id: str, result_id: str | None) -> Propos
             run_id=run_id,
         )
     raise NotAwaitingApproval(
-        f"the run waits for no approval (it is {_described(plan)})", run_id=run_id
+        f"the run waits for no approval (it is {described(plan)})", run_id=run_id
     )
 
 
@@ -183,9 +195,7 @@ def _in_doubt(plan: _recovery.Plan, run_id: str) -> Intent:
             run_id=run_id,
         )
     if plan.state is not _recovery.RecoveryState.IN_DOUBT or intent is None:
-        raise NotInDoubt(
-            f"the run has no effect in doubt (it is {_described(plan)})", run_id=run_id
-        )
+        raise NotInDoubt(f"the run has no effect in doubt (it is {described(plan)})", run_id=run_id)
     return intent
 
 
@@ -193,7 +203,7 @@ def _kind(intent: Intent | None) -> str:
     return "model call" if intent is not None and intent.kind is IntentKind.MODEL_CALL else "action"
 
 
-def _described(plan: _recovery.Plan) -> str:
+def described(plan: _recovery.Plan) -> str:
     if plan.state is _recovery.RecoveryState.FINISHED and plan.ended is not None:
         return f"finished: {plan.ended.stop_reason.value}"
     return plan.state.value.replace("_", " ")

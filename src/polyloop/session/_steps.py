@@ -263,9 +263,16 @@ class StepBuilder:
         )
 
     def end(
-        self, reason: StopReason, detail: str | None, used: Counters, final_answer: str | None
+        self,
+        reason: StopReason,
+        detail: str | None,
+        used: Counters,
+        final_answer: str | None,
+        *,
+        cancelled_by: str | None = None,
     ) -> RunEnded:
-        """The end record; only a final answer's end carries the answer."""
+        """The end record; only a final answer's end carries the answer, and only the
+        end a person's cancel asked for names who (``cancelled_by``)."""
         return RunEnded(
             run_id=self.run_id,
             stop_reason=reason,
@@ -274,4 +281,5 @@ class StepBuilder:
             valid_steps=used.valid_steps,
             detail=detail,
             at=now(),
+            cancelled_by=cancelled_by if reason is StopReason.CANCELLED_BY_REQUEST else None,
         )

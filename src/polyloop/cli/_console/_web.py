@@ -2,8 +2,9 @@
 
 A run's facts are the HTML sections ``polyloop show --html`` writes; the list's rows are
 the states ``polyloop runs`` prints. Answers go through :func:`polyloop.approve`,
-:func:`polyloop.reject` and :func:`polyloop.settle`, which take the run's claim: two
-people answering at once get exactly one verdict, and the other a clear refusal.
+:func:`polyloop.reject`, :func:`polyloop.settle` and :func:`polyloop.cancel`, which take
+the run's claim: two people answering at once get exactly one verdict, and the other a
+clear refusal.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ from polyloop.cli._console._listing import PER_PAGE, RowCache, StateFilter
 from polyloop.cli._facts import Doubt, in_doubt, utc_text
 from polyloop.cli._view import RunView
 from polyloop.ports import ManagedStore
-from polyloop.session import approve, reject, run_status, settle
+from polyloop.session import approve, cancel, reject, run_status, settle
 from polyloop.types import (
+    CancelRequest,
+    CancelRequested,
     InvalidRequest,
     JSONValue,
     NotAwaitingApproval,
@@ -51,6 +54,7 @@ from polyloop.types import (
     RunLocked,
     RunNotFound,
     RunState,
+    StopReason,
 )
 
 # What a finished answer says after the redirect; fixed words, never text from the URL.
@@ -64,10 +68,20 @@ GOES_ON = {
     True: "A worker hosting its agent goes on with it (within about a second, while one runs).",
     False: "It goes on when the program that started it resumes it.",
 }
+# What a cancel did, after the redirect: the run does not go on.
+STOPPED = {
+    "cancelled": "Cancelled. The run ended for good; nothing it had not started ran.",
+    "cancel_requested": (
+        "Cancel requested. The worker driving the run ends it before its next effect; "
+        "an action already running finishes first."
+    ),
+    "already_finished": "The run had already finished. Nothing was written.",
+}
 _REFUSED_STATUS: dict[type[Exception], int] = {
     RunLocked: 409,
     NotAwaitingApproval: 409,
     NotInDoubt: 409,
+    CancelRequested: 409,
     RunNotFound: 404,
     InvalidRequest: 400,
 }
@@ -163,6 +177,7 @@ def create_app(store: ManagedStore, settings: Settings) -> Starlette:
         Route("/runs/{key}/approve", console.approve, methods=["POST"]),
         Route("/runs/{key}/reject", console.reject, methods=["POST"]),
         Route("/runs/{key}/settle", console.settle, methods=["POST"]),
+        Route("/runs/{key}/cancel", console.cancel, methods=["POST"]),
         Route("/favicon.ico", _no_icon),
     ]
     return Starlette(routes=routes, middleware=[Middleware(_guard.Guard, access=settings.access)])
@@ -273,6 +288,8 @@ class _Console:
         done = DONE.get(request.query_params.get("done", "")) if error is None else None
         if done is not None:
             done = f"{done} {GOES_ON[view.status.agent is not None]}"
+        elif error is None:
+            done = STOPPED.get(request.query_params.get("done", ""))
         values = {
             **await self._run_values(run_id, view),
             "error": error,
@@ -290,6 +307,8 @@ class _Console:
     async def _run_values(self, run_id: str, view: RunView) -> dict[str, Any]:
         proposal = view.status.proposal
         doubt = in_doubt(view)
+        stored = await self.store.describe_run(run_id)
+        asked = await self._cancel_asked(view, stored is not None and stored.cancel_requested)
         return {
             "run_id": run_id,
             "view": view,
@@ -299,9 +318,19 @@ class _Console:
             "doubt": doubt,
             "doubt_is_model_call": doubt is not None and doubt.intent.kind.value == "model_call",
             "doubt_arguments": json.dumps(doubt.arguments, ensure_ascii=False) if doubt else "",
-            "live_state": _live_state(view, doubt),
-            "version": version(await self.store.describe_run(run_id)),
+            "cancellable": view.status.state is not RunState.FINISHED and asked is None,
+            "cancel_asked": asked,
+            # The cancel names what the page shows the run waiting on, as the answers do.
+            "cancel_result_id": _waiting_id(view, doubt),
+            "live_state": _live_state(view, doubt) + (" cancel" if asked is not None else ""),
+            "version": version(stored),
         }
+
+    async def _cancel_asked(self, view: RunView, requested: bool) -> CancelRequest | None:
+        """The cancel request of a run that has not ended yet: its writer ends it soon."""
+        if not requested or view.status.state is RunState.FINISHED:
+            return None
+        return await self.store.read_cancel(view.status.run_id)
 
     async def run_events(self, request: Request) -> Response:
         run_id = _run_id(request)
@@ -360,6 +389,22 @@ class _Console:
                 result_id=answered_id(form),
             )
             return "settled"
+
+        return await self._answer(request, answer)
+
+    async def cancel(self, request: Request) -> Response:
+        async def answer(run_id: str, form: FormData, by: str) -> str:
+            reason = form_text(form, "cancel_reason").strip()
+            if not reason:
+                raise Refused(400, "a cancel needs a reason: it is recorded with the run's end")
+            status = await cancel(
+                self.store, run_id, by=by, reason=reason, result_id=answered_id(form)
+            )
+            if status.state is not RunState.FINISHED:
+                return "cancel_requested"
+            if status.stop_reason is StopReason.CANCELLED_BY_REQUEST:
+                return "cancelled"
+            return "already_finished"
 
         return await self._answer(request, answer)
 
@@ -483,17 +528,22 @@ def _arguments_text(proposal: Proposal | None) -> str:
 
 def _live_state(view: RunView, doubt: Doubt | None) -> str:
     """What the forms on a run page depend on: a change reloads the page."""
-    waiting = view.status.proposal.result_id if view.status.proposal is not None else ""
+    return f"{view.status.state.value} {_waiting_id(view, doubt) or ''}".strip()
+
+
+def _waiting_id(view: RunView, doubt: Doubt | None) -> str | None:
+    """The result id of the proposal or the effect in doubt the run waits on, if any."""
     if doubt is not None and view.status.state is RunState.IN_DOUBT:
-        waiting = doubt.intent.result_id
-    return f"{view.status.state.value} {waiting}".strip()
+        return doubt.intent.result_id
+    return view.status.proposal.result_id if view.status.proposal is not None else None
 
 
 def _entered(form: FormData | None) -> dict[str, str]:
     """What the person typed, kept when a refused answer shows the page again."""
     if form is None:
         return {}
-    return {name: form_text(form, name) for name in ("by", "arguments", "reason", "observation")}
+    names = ("by", "arguments", "reason", "observation", "cancel_reason")
+    return {name: form_text(form, name) for name in names}
 
 
 def _refusal_text(exc: PolyLoopError) -> str:
