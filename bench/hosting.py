@@ -2,10 +2,10 @@
 worker costs while nothing can.
 
 The worker is a child process hosting two agents with ``polyloop.serve_agents`` at its
-default poll interval; this process writes the answers and the starts, as an
-application or a person at the console would, and reads from the records' own times
-how long the run waited. What is measured and how the stores are filled:
-``bench/README.md``, benchmark 12.
+default poll interval (PostgreSQL notifies it instead: its store is a ``ChangeFeed``);
+this process writes the answers and the starts, as an application or a person at the
+console would, and reads from the records' own times how long the run waited. What is
+measured and how the stores are filled: ``bench/README.md``, benchmark 12.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from polyloop import (
     serve_agents,
     settle,
 )
+from polyloop.session._hosting import FEED_FALLBACK_S
 from polyloop.testing import FaultyStore, JsonActionInterpreter, ScriptedModelClient, SimulatedCrash
 
 OUTPUT = None
@@ -86,7 +87,8 @@ SAID = {"start": "`agent.start`", "approve": "`polyloop.approve`", "settle": "`p
 # The default of ``polyloop worker --concurrency``; nothing here drives more runs at once.
 CONCURRENCY = 10
 # The default of ``serve_agents`` and ``polyloop worker --poll-s``: the worker is left
-# at it; answers are written at random moments within one such interval.
+# at it; answers are written at random moments within one such interval. (A store that
+# notifies, PostgreSQL's, is listed on its notifications and every FEED_FALLBACK_S.)
 POLL_S = 0.5
 # How often this process looks for the record that says a run went on; the latency is
 # read from the records' own times, so this only bounds how long a sample takes.
@@ -422,6 +424,7 @@ def _idle(kind: str, where: str, finished: int, sizes: HostingSizes, scratch: Pa
         "cpu_s": report["cpu_s"],
         "cpu_ms_per_s": report["cpu_s"] / window * 1e3,
         "listings": report["listings"],
+        "listings_total": report["listings_total"],  # its first, at its start, included
         "listings_per_s": report["listings"] / window,
         "listing_ms": report["listing_ms"],
         # Over the worker's whole life, its start included: no run can go on, so none.
@@ -596,7 +599,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         flush=True,
                     )
     return {
-        "title": f"{TITLE} (poll every {POLL_S:g} s, {sizes.samples} of each)",
+        "title": (
+            f"{TITLE} (SQLite polled every {POLL_S:g} s, PostgreSQL notified;"
+            f" {sizes.samples} of each)"
+        ),
         "columns": COLUMNS,
         "rows": latency,
         "tables": [{"title": IDLE_TITLE, "columns": IDLE_COLUMNS, "rows": idle}],
@@ -607,6 +613,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "mode": "tiny" if args.tiny else "full",
         "sizes": asdict(sizes),
         "poll_s": POLL_S,
+        "feed_fallback_s": FEED_FALLBACK_S,
         "concurrency": CONCURRENCY,
         "seconds": time.perf_counter() - began,
         "versions": versions(),

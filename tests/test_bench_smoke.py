@@ -466,9 +466,10 @@ def test_the_hosting_benchmark_times_every_write_and_reads_no_finished_log(
             _check_skip(row)
             if row.get("skipped"):
                 continue
-            # Nothing can go on, so the worker lists its store and reads no log.
+            # Nothing can go on, so the worker lists its store and reads no log (a store
+            # that notifies is listed every 5 s: maybe not within the tiny window).
             assert row["logs_read"] == 0, row
-            assert row["listings"] > 0 and row["cpu_ms_per_s"] > 0
+            assert row["listings_total"] > 0 and row["cpu_ms_per_s"] > 0
     rendered = bench_report.render(results)
     assert "### 12. A worker process" in rendered and "**12b. " in rendered
     assert "`python -m bench hosting --tiny --workdir" in rendered

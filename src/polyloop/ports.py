@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import TracebackType
@@ -43,6 +43,7 @@ __all__ = (
     "Action",
     "ActionExecutor",
     "ActionOutcome",
+    "ChangeFeed",
     "Decision",
     "Event",
     "EventKind",
@@ -502,6 +503,32 @@ class ManagedStore(Store, Protocol):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+
+@runtime_checkable
+class ChangeFeed(Protocol):
+    """A store that says when a run may have become able to go on, so that a host need
+    not list the store on a short timer. Optional: a host polls a store without one.
+
+    :class:`~polyloop.stores.PostgresStore` is one; its writes that may let a run go on
+    (a run's start, a verdict, a settlement, an end record that leaves the run open, a
+    cancel request, a claim given up without a record) notify in their own transaction.
+    """
+
+    def changes(self) -> AbstractAsyncContextManager[Callable[[], Awaitable[None]]]:
+        """Listen while the ``async with`` block runs; it yields ``wait``.
+
+        The block begins once the store listens (or could not yet: it keeps trying).
+        ``await wait()`` returns once such a write may have committed since the block
+        began or ``wait`` last returned; several writes may wake it once, and it may
+        wake for nothing (after a lost connection, say), so the store's listing stays
+        the truth: list after each return, and also on a timer of your own, since a
+        lease that runs out is not a write. A feed of a closed store never wakes.
+
+        Cancellation: ``wait`` changes nothing when cancelled; leaving the block stops
+        listening (shielded, waiting a moment at most for the store's own thread).
+        """
+        ...
 
 
 class EventKind(enum.StrEnum):

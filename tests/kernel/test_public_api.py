@@ -99,6 +99,8 @@ NAMES_BY_MODULE = {
         "reject_incomplete",
         # issue 18, item 7: spans current while a call runs
         "TracingSink",
+        # issue 44, part 2: a store that says when a run may go on
+        "ChangeFeed",
     },
     # issue 20: a handler reports a broken environment
     tools: {"ToolSpec", "ToolRegistry", "EnvironmentFault"},

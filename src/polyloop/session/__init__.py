@@ -41,7 +41,7 @@ from polyloop.session._agents import Agent
 from polyloop.session._driving import Mode, drive, status
 from polyloop.session._driving import recover as recover_runs
 from polyloop.session._forking import check_fork, read_inheritance
-from polyloop.session._hosting import Agents, Host, hosted_stores
+from polyloop.session._hosting import Agents, Host, hosted_stores, watching
 from polyloop.session._values import Definition, ObservationTexts, Request
 from polyloop.types import (
     InvalidRequest,
@@ -356,7 +356,10 @@ async def serve_agents(
     ``agents`` is an :class:`Agent`, a sequence of them or a mapping whose values they
     are (names must differ). Each agent's store (its ``status_store``, else its
     definition's) is listed every ``poll_s`` seconds, unfinished runs only; a run's log
-    is read only when the listing says it changed. A run is driven when its start record
+    is read only when the listing says it changed. When every such store is a
+    :class:`~polyloop.ports.ChangeFeed` (``PostgresStore`` is), they are listed as soon
+    as one says a run may go on, and every 5 seconds (or ``poll_s``, if longer) besides,
+    for the leases that run out. A run is driven when its start record
     names a hosted agent and nothing but a host is missing: it was started
     (:meth:`Agent.start`) and never driven, a person approved, rejected or settled what
     it waited on, its tool's probe can settle its doubt, it was cancelled, or the
@@ -400,13 +403,11 @@ async def serve_agents(
     if poll_s <= 0:
         raise InvalidRequest(f"poll_s must be more than 0, not {poll_s!r}")
 
-    async def wait_for_change() -> None:
-        await anyio.sleep(poll_s)
-
-    host = Host(
-        hosted,
-        concurrency=concurrency,
-        wait_for_change=wait_for_change,
-        drain_grace_s=drain_grace_s,
-    )
-    await host.serve(stop if stop is not None else anyio.sleep_forever)
+    async with watching(hosted, poll_s=poll_s) as wait_for_change:
+        host = Host(
+            hosted,
+            concurrency=concurrency,
+            wait_for_change=wait_for_change,
+            drain_grace_s=drain_grace_s,
+        )
+        await host.serve(stop if stop is not None else anyio.sleep_forever)

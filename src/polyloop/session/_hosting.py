@@ -8,8 +8,9 @@ finished cost nothing and runs that wait unchanged cost a row of the listing.
 are driven by at most ``concurrency`` tasks, each through the kernel's own claim, so a
 run is never driven twice (here by the set of runs in hand, elsewhere by the claim).
 
-What wakes the host is one awaitable (``wait_for_change``): a sleep of ``poll_s`` today;
-a store that can announce its writes can replace it, and the listing stays the truth.
+What wakes the host is one awaitable (``wait_for_change``, from :func:`watching`): a
+sleep of ``poll_s``, or, when every hosted store is a :class:`~polyloop.ports.ChangeFeed`,
+the first of their notifications or :data:`FEED_FALLBACK_S`; the listing stays the truth.
 
 A graceful stop claims nothing new, lets each run being driven reach its next step
 boundary (:mod:`~polyloop.session._draining`), and cancels what is still running after
@@ -20,9 +21,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any, TypeAlias
 
 import anyio
@@ -30,7 +33,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from polyloop import _recovery
 from polyloop._shared import exception_text
-from polyloop.ports import ManagedStore, StoredRun
+from polyloop.ports import ChangeFeed, ManagedStore, StoredRun
 from polyloop.session import _draining
 from polyloop.session._agents import Agent, resume_as
 from polyloop.session._picking import Choice, choose
@@ -57,6 +60,9 @@ _Key: TypeAlias = tuple[int, str]
 # A run last written this recently is read again at the next change: a file's time may
 # not tell apart two writes in one tick of the clock.
 SETTLE_S = 1.0
+# Stores that notify are still listed this often: a lease that runs out writes nothing,
+# so a dead worker's runs wait this much longer than its lease (15 s by default).
+FEED_FALLBACK_S = 5.0
 # A log that breaks these rules stays broken until it changes: trying again is no use.
 IN_DOUBT = _recovery.RecoveryState.IN_DOUBT
 _REFUSALS = (RunIdentityMismatch, InvalidRequest, CorruptLog, SchemaMajorMismatch)
@@ -95,6 +101,38 @@ def hosted_stores(agents: Agents) -> tuple[Hosted, ...]:
         assert isinstance(hosted.agents, dict)
         hosted.agents[agent.name] = agent
     return tuple(by_store.values())
+
+
+@asynccontextmanager
+async def watching(
+    hosted: tuple[Hosted, ...], *, poll_s: float
+) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """What the host waits on between listings: the first notification of the hosted
+    stores, or :data:`FEED_FALLBACK_S` (``poll_s`` if longer), when every one of them is a
+    :class:`~polyloop.ports.ChangeFeed`; otherwise a sleep of ``poll_s``."""
+    stores = [each.store for each in hosted]
+    feeds = [store for store in stores if isinstance(store, ChangeFeed)]
+    if len(feeds) < len(stores):
+        yield partial(anyio.sleep, poll_s)
+        return
+    async with AsyncExitStack() as stack:
+        waits = [await stack.enter_async_context(feed.changes()) for feed in feeds]
+        yield partial(_first_change, waits, max(poll_s, FEED_FALLBACK_S))
+
+
+async def _first_change(waits: Sequence[Callable[[], Awaitable[None]]], most_s: float) -> None:
+    with anyio.move_on_after(most_s):
+        if len(waits) == 1:
+            await waits[0]()
+            return
+        async with anyio.create_task_group() as group:
+
+            async def wake(wait: Callable[[], Awaitable[None]]) -> None:
+                await wait()
+                group.cancel_scope.cancel()
+
+            for wait in waits:
+                group.start_soon(wake, wait)
 
 
 def fingerprint(stored: StoredRun) -> Fingerprint:

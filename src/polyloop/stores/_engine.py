@@ -24,7 +24,14 @@ from polyloop.stores import _paths
 from polyloop.stores._jsonl.reader import SUFFIX, log_lines
 from polyloop.stores._paths import in_the_way, safe_name
 from polyloop.stores._port import StoreBase
-from polyloop.stores._writes import Write, announces_effect, no_run, record_row, taken
+from polyloop.stores._writes import (
+    Write,
+    announces_effect,
+    lets_a_run_go_on,
+    no_run,
+    record_row,
+    taken,
+)
 
 logger = logging.getLogger("polyloop")
 
@@ -140,6 +147,7 @@ class EngineStore(StoreBase):
         write = Write(last.run_id, rows, start=start, barrier=barrier, fenced=fenced)
         if isinstance(last, types.RunEnded):  # the claim is given up with it
             write.end, write.final, write.reason = True, last.is_final, last.stop_reason.value
+        write.announce = lets_a_run_go_on(write, last)
         await self._backend.submit(write)
 
 

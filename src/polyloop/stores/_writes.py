@@ -22,7 +22,9 @@ from polyloop.types import (
     RunAlreadyExists,
     RunLocked,
     RunNotFound,
+    Settlement,
     StoreError,
+    Verdict,
 )
 
 
@@ -52,6 +54,15 @@ def announces_effect(records: tuple[Record, ...]) -> bool:
     """Whether a write holds what comes before an effect (an intent) or a person's ask
     (a proposal): what a cancel request fences."""
     return any(isinstance(record, Intent | Proposal) for record in records)
+
+
+def lets_a_run_go_on(write: Write, last: Record) -> bool:
+    """Whether ``write`` (whose last record is ``last``) may let a host go on with its
+    run: a start, a person's verdict or settlement, or an end that leaves the run open.
+    Intents, results and steps never do: their run's writer goes on by itself."""
+    if write.start or isinstance(last, Verdict | Settlement):
+        return True
+    return write.end and not write.final
 
 
 def cancel_refusal(request: CancelRequest) -> CancelRequested:
@@ -108,6 +119,7 @@ class Write:
     reason: str | None = None  # the stop reason of an end record
     barrier: bool = False  # must be fsync'd before the call returns
     fenced: bool = False  # an intent or a proposal: refused once a cancel is requested
+    announce: bool = False  # may let a run go on: a store that can tells its listeners
 
 
 @dataclass(eq=False, slots=True)

@@ -51,6 +51,10 @@ class RunPlan:
     def fenced(self) -> bool:
         return any(write.fenced for _, write in self.writes)
 
+    @property
+    def announce(self) -> bool:
+        return any(write.announce for _, write in self.writes)
+
     def fenced_out(self, row: Sequence[Any] | None) -> PolyLoopError:
         """Why the fence moved no row for the run, given its row now (see ``fence_refusal``)."""
         epoch, start, fenced = self.claim.epoch, self.start, self.fenced

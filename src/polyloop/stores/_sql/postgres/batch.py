@@ -94,7 +94,7 @@ class Committer:
     def _send(self, conn: Connection, runs: Sequence[RunPlan], barrier: bool, batch: Plan) -> None:
         """One statement: fence, advance and insert ``runs``; refuse those not admitted."""
         query = self.queries.write if barrier else self.queries.lazy_write
-        admitted = {bytes(key) for (key,) in conn.execute(query, _parameters(runs)).fetchall()}
+        admitted = {bytes(key) for key, _ in conn.execute(query, _parameters(runs)).fetchall()}
         for run, row in self._rows(conn, [r for r in runs if run_key(r.run_id) not in admitted]):
             batch.refuse(run, run.fenced_out(row))
 
@@ -150,13 +150,13 @@ class Committer:
 def _parameters(runs: Sequence[RunPlan]) -> dict[str, list[object]]:
     """The arrays of the write statement: one entry per run, then one per row."""
     columns: tuple[str, ...] = ("run_keys", "epochs", "first_seqs", "next_seqs", "finals")
-    columns += ("ends", "reasons", "fenceds")
+    columns += ("ends", "reasons", "fenceds", "announces")
     rows = ("row_keys", "seqs", "row_ids", "kinds", "bodies")
     params: dict[str, list[object]] = {name: [] for name in (*columns, *rows)}
     for run in runs:
         key, column = run_key(run.run_id), run_id_column(run.run_id)
         each = (run.first_seq, run.next_seq, run.final, run.ends, run.reason, run.fenced)
-        for name, value in zip(columns, (key, run.claim.epoch, *each), strict=True):
+        for name, value in zip(columns, (key, run.claim.epoch, *each, run.announce), strict=True):
             params[name].append(value)
         for seq, kind, body in run.rows():
             for name, cell in zip(rows, (key, seq, column, kind, body), strict=True):

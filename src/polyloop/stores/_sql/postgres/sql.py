@@ -32,6 +32,13 @@ def _key(purpose: bytes, schema: str, name: str) -> int:
     return int.from_bytes(hashlib.sha256(b"\x00".join(parts)).digest()[:8], "big", signed=True)
 
 
+def channel(schema: str) -> str:
+    """The channel the store in ``schema`` notifies: a plain identifier of 25 bytes,
+    whatever the schema's name (a channel name has at most 63 bytes)."""
+    digest = hashlib.sha256(b"polyloop changes\x00" + schema.encode("utf-8", "surrogatepass"))
+    return f"polyloop_{digest.hexdigest()[:16]}"
+
+
 def run_key(run_id: str) -> bytes:
     """The ``run_key`` column value: the sha256 of the run id."""
     return hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).digest()
@@ -53,8 +60,8 @@ _FENCED_WRITE = """
 WITH w AS (
     SELECT * FROM unnest(%(run_keys)b::bytea[], %(epochs)b::bigint[], %(first_seqs)b::bigint[],
                          %(next_seqs)b::bigint[], %(finals)b::boolean[], %(ends)b::boolean[],
-                         %(reasons)b::text[], %(fenceds)b::boolean[])
-        AS w(run_key, epoch, first_seq, next_seq, final, ends, reason, fenced)
+                         %(reasons)b::text[], %(fenceds)b::boolean[], %(announces)b::boolean[])
+        AS w(run_key, epoch, first_seq, next_seq, final, ends, reason, fenced, announce)
 ){lazy},
 admitted AS (
     UPDATE {runs} AS r SET next_seq = w.next_seq, finished = w.final, stop_reason = w.reason,
@@ -63,7 +70,7 @@ admitted AS (
     FROM w{lazy_join}
     WHERE r.run_key = w.run_key AND r.epoch = w.epoch AND r.next_seq = w.first_seq
       AND NOT r.finished AND (NOT w.fenced OR r.cancel_at IS NULL)
-    RETURNING r.run_key
+    RETURNING r.run_key, CASE WHEN w.announce THEN {notify_run} END AS announced
 ),
 inserted AS (
     INSERT INTO {records} (run_key, seq, run_id, kind, body)
@@ -72,8 +79,11 @@ inserted AS (
                 %(kinds)b::text[], %(bodies)b::text[]) AS x(run_key, seq, run_id, kind, body)
     JOIN admitted USING (run_key)
 )
-SELECT run_key FROM admitted
+SELECT run_key, announced FROM admitted
 """
+# A notification on the store's channel, sent when the transaction commits; its payload
+# is the run id as the ``run_id`` column spells it, or empty past NOTIFY's 8000 bytes.
+_NOTIFY = "pg_notify({channel}, CASE WHEN octet_length({column}) < 8000 THEN {column} ELSE '' END)"
 # Without a barrier, no wait for the flush: ``SET LOCAL``, before any row is written.
 _LAZY = ",\nlazy AS (SELECT set_config('synchronous_commit', 'off', true) AS setting)"
 _LAZY_JOIN = " CROSS JOIN lazy"
@@ -107,8 +117,12 @@ RETURNING r.epoch, r.next_seq, r.finished
 _RELEASE = """
 WITH gone AS (
     DELETE FROM {runs} WHERE run_key = %(run_key)s AND epoch = %(epoch)s AND next_seq = 0
+),
+freed AS (
+    UPDATE {runs} SET owner = NULL
+    WHERE run_key = %(run_key)s AND epoch = %(epoch)s AND next_seq > 0 RETURNING run_id
 )
-UPDATE {runs} SET owner = NULL WHERE run_key = %(run_key)s AND epoch = %(epoch)s AND next_seq > 0
+SELECT {notify_freed} FROM freed
 """
 
 _LISTED = """
@@ -183,6 +197,13 @@ class Queries:
             name: sql.Identifier(schema, name) for name in ("meta", "records", "runs", "owners")
         }
 
+        self.channel = channel(schema)
+
+        def notify(column: str) -> sql.Composed:
+            return sql.SQL(_NOTIFY).format(
+                channel=sql.Literal(self.channel), column=sql.SQL(column)
+            )
+
         def q(text: str, **extra: sql.Composable) -> sql.Composed:
             return sql.SQL(text).format(schema=sql.Identifier(schema), **names, **extra)
 
@@ -200,24 +221,30 @@ class Queries:
         live_owners = q(_LIVE_OWNERS)
         listed = q(_LISTED, live_owners=live_owners)
         self.claim = q(_CLAIM, live_owners=live_owners)
-        self.release = q(_RELEASE)
+        self.release = q(_RELEASE, notify_freed=notify("freed.run_id"))
+        self.listen = sql.SQL("LISTEN {}").format(sql.Identifier(self.channel))
         self.holder = q(
             "SELECT o.description, o.lease_until FROM {runs} AS r"
             " JOIN {owners} AS o ON o.owner_id = r.owner WHERE r.run_key = %s"
         )
-        self.write = q(_FENCED_WRITE, lazy=sql.SQL(""), lazy_join=sql.SQL(""))
-        self.lazy_write = q(_FENCED_WRITE, lazy=sql.SQL(_LAZY), lazy_join=sql.SQL(_LAZY_JOIN))
+        announced = notify("r.run_id")
+        self.write = q(_FENCED_WRITE, lazy=sql.SQL(""), lazy_join=sql.SQL(""), notify_run=announced)
+        self.lazy_write = q(
+            _FENCED_WRITE, lazy=sql.SQL(_LAZY), lazy_join=sql.SQL(_LAZY_JOIN), notify_run=announced
+        )
         self.rows_now = q(
             "SELECT run_key, epoch, finished, next_seq, cancel_by, cancel_reason, cancel_at"
             " FROM {runs} WHERE run_key = ANY(%s)"
         )
         # The run's row keeps the first request; its lock orders a request and an intent.
         self.request_cancel = q(
-            "UPDATE {runs} SET cancel_by = coalesce(cancel_by, %(by)s),"
+            "WITH asked AS (UPDATE {runs} SET cancel_by = coalesce(cancel_by, %(by)s),"
             " cancel_reason = coalesce(cancel_reason, %(reason)s),"
             " updated_at = CASE WHEN cancel_at IS NULL THEN now() ELSE updated_at END,"
             " cancel_at = coalesce(cancel_at, %(at)s)"
-            " WHERE run_key = %(run_key)s AND next_seq > 0 RETURNING 1"
+            " WHERE run_key = %(run_key)s AND next_seq > 0 RETURNING run_id)"
+            " SELECT {notify_asked} FROM asked",
+            notify_asked=notify("asked.run_id"),
         )
         self.read_cancel = q(
             "SELECT cancel_by, cancel_reason, cancel_at FROM {runs}"
@@ -241,9 +268,12 @@ class Queries:
             " WHERE owner_id = %(owner)s"
             " AND lease_until > now() + make_interval(secs => lock_margin_s)"
         )
+        # The runs it frees are told about: another host may go on with them now.
         self.drop_owner = q(
-            "WITH freed AS (UPDATE {runs} SET owner = NULL WHERE owner = %s)"
-            " DELETE FROM {owners} WHERE owner_id = %s"
+            "WITH freed AS (UPDATE {runs} SET owner = NULL WHERE owner = %s"
+            " RETURNING run_id, next_seq), gone AS (DELETE FROM {owners} WHERE owner_id = %s)"
+            " SELECT {notify_freed} FROM freed WHERE next_seq > 0",
+            notify_freed=notify("freed.run_id"),
         )
         self.forget_owners = q(
             "DELETE FROM {owners} AS o WHERE o.lease_until < now() - interval '1 day'"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import threading
-from contextlib import suppress
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, suppress
 from datetime import datetime
 from typing import Any
 
@@ -20,6 +21,7 @@ with needs_extra("PostgresStore", "postgres"):
 from polyloop.ports import StoredRun
 from polyloop.stores._engine import Archive, EngineStore
 from polyloop.stores._sql.postgres.connection import Settings, Watched, open_pool
+from polyloop.stores._sql.postgres.feed import Listener
 from polyloop.stores._sql.postgres.owner import SharedClaims
 from polyloop.stores._sql.postgres.sql import run_id_column, run_key
 from polyloop.stores._sql.rows import read_rows, shown
@@ -43,7 +45,10 @@ class PostgresStore(EngineStore):
 
     The store is an async context manager; :meth:`aclose` gives up every claim and closes
     every connection. Any worker on the same database resumes any run; a second writer
-    of a run gets ``RunLocked``. Needs the ``postgres`` extra.
+    of a run gets ``RunLocked``. The writes that may let a run go on notify a channel
+    of the schema's own as they commit; :meth:`changes` waits for them (a
+    :class:`~polyloop.ports.ChangeFeed`, on one more connection while anyone waits).
+    Needs the ``postgres`` extra.
 
     Cancellation, for every method: a write cancelled before its batch started writes
     nothing; once the batch started, the call waits for its commit, shielded, then lets
@@ -53,10 +58,12 @@ class PostgresStore(EngineStore):
     nothing more of the run (it gives the claim up, and another store object resumes the
     run). A cancelled ``read_log`` returns at once (it changes nothing); the other calls
     finish their thread first (a failed run's claim is given up in a thread of its own);
-    closing completes even in a cancelled scope.
+    closing completes even in a cancelled scope. A cancelled ``wait`` of :meth:`changes`
+    changes nothing; leaving its block waits a second at most for the listening thread,
+    which otherwise ends by itself once its connection attempt does.
     """
 
-    __slots__ = ("_schema",)
+    __slots__ = ("_listener", "_schema")
 
     def __init__(
         self,
@@ -81,7 +88,25 @@ class PostgresStore(EngineStore):
             create=create,
         )
         self._schema = schema
-        super().__init__(Postgres(settings))
+        backend = Postgres(settings)
+        self._listener = backend.listener
+        super().__init__(backend)
+
+    def changes(self) -> AbstractAsyncContextManager[Callable[[], Awaitable[None]]]:
+        """Listen for the writes that may let a run go on, while the block runs; it
+        yields ``wait``, which returns once one may have committed since the block
+        began or ``wait`` last returned (:class:`~polyloop.ports.ChangeFeed`).
+
+        The notifying writes: a run's start, a verdict or a settlement, an end record
+        that leaves the run open (``cancelled``, ``awaiting_approval``, ``in_doubt``), a
+        cancel request, and a claim given up without a record (the store closing gives
+        up its claims so too). Each notifies in its own transaction, so a write rolled
+        back sends nothing; intents, results and steps never notify. One connection per
+        store object listens, in a thread of its own, however many blocks are open; it
+        runs while one is, and a lost one is opened again and wakes every ``wait`` once,
+        since notifications may have been missed. ``StoreError`` once the store is closed.
+        """
+        return self._listener.changes()
 
     def __repr__(self) -> str:
         return f"PostgresStore(schema={self._schema!r})"
@@ -96,6 +121,7 @@ class Postgres(SharedClaims):
         super().__init__(settings, ready=self._ready_pool)
         self._lock = threading.Lock()  # opens the reader pool and the schema once
         self._pool: ConnectionPool[Watched] | None = None
+        self.listener = Listener(settings, self._queries.listen)
 
     def read(self, run_id: str) -> tuple[Record, ...]:
         rows = self._select(run_id, self._queries.select_run, (run_key(run_id),))
@@ -161,7 +187,8 @@ class Postgres(SharedClaims):
         self._ready_pool(None)
 
     def close(self) -> None:
-        """Give every claim up and close the writers, then the pool."""
+        """Stop listening, give every claim up and close the writers, then the pool."""
+        self.listener.close()
         self.close_claims()
         with self._lock:
             pool, self._pool = self._pool, None
