@@ -779,7 +779,10 @@ def _worker_parser(commands: _Commands) -> None:
         type=_poll_seconds,
         default=0.5,
         metavar="SECONDS",
-        help="how often each store is listed for runs that changed (default: 0.5)",
+        help=(
+            "how often each store is listed for runs that changed (default: 0.5); "
+            "PostgreSQL stores notify the worker instead and are listed every 5 s"
+        ),
     )
     sub.add_argument(
         "--drain-grace-s",
