@@ -142,7 +142,8 @@ class EngineStore(StoreBase):
         self, *records: types.Record, start: bool = False, barrier: bool = False
     ) -> None:
         last = records[-1]
-        rows = [record_row(r) for r in records]
+        afters = (None, *records[:-1])  # a step after its result names the result's observation
+        rows = [record_row(r, after) for r, after in zip(records, afters, strict=True)]
         fenced = announces_effect(records)
         write = Write(last.run_id, rows, start=start, barrier=barrier, fenced=fenced)
         if isinstance(last, types.RunEnded):  # the claim is given up with it
