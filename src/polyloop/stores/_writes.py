@@ -103,10 +103,15 @@ def fence_refusal(
     return StoreError("the run's rows moved on without this writer", run_id=run_id)
 
 
-def record_row(record: Record, after: Record | None = None) -> tuple[str, str]:
-    """The kind and body of ``record``, written after ``after`` in the same write: a step
-    after its action's result names the result's observation rather than copying it."""
-    return record_kind(record), dumps(record, after=after)  # refuses anything not a record
+def record_row(record: Record) -> tuple[str, str]:
+    return record_kind(record), dumps(record)  # dumps refuses anything not a record
+
+
+def record_rows(records: tuple[Record, ...]) -> list[tuple[str, str]]:
+    """The kind and body of each record of one write, each written after the one before
+    it: a step after its action's result names the result's observation (record 0063)."""
+    afters = (None, *records[:-1])
+    return [(record_kind(r), dumps(r, after=a)) for r, a in zip(records, afters, strict=True)]
 
 
 @dataclass(eq=False, slots=True)
