@@ -157,7 +157,8 @@ def _step_record(run_id: str, step: HandStep, duration_s: float) -> dict[str, An
         "history_text": step.model_output,
         "model_duration_s": step.model_duration_s,
         "model_output": step.model_output,
-        "observation": step.observation,
+        # The observation is in the action's result, written with this row (record 0063).
+        "observation_of": f"{run_id}:{step.step}:action",
         "observation_synthesized": False,
         "reasoning": None,
         "step": step.step,

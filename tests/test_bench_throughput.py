@@ -381,11 +381,12 @@ async def test_a_durable_floor_has_committed_every_row_when_its_runs_return(
         assert [seq for seq, _ in mine] == list(range(17))
         kinds = [body["kind"] for _, body in mine]
         assert kinds == ["run_started", *STEP_KINDS * 3, "run_ended"]
-        # The tool's result and the step each carry the observation the run kept.
+        # The tool's result carries the observation the run kept; the step names the result.
         for step in trajectories[run_id]:
             assert any(step.observation is text for text in returned) or step.done
             result, record = (body for seq, body in mine[4 + 5 * step.step : 6 + 5 * step.step])
-            assert result["payload"]["observation"] == record["observation"] == step.observation
+            assert result["payload"]["observation"] == step.observation
+            assert record["observation_of"] == result["result_id"] and "observation" not in record
     if database == "postgres":  # the table went with the driver
         with pytest.raises(psycopg.errors.UndefinedTable):
             _committed(database, where)

@@ -340,7 +340,13 @@ async def test_schema_rows_and_format_are_as_documented(tmp_path: Path) -> None:
         (5, "step"),
         (6, "run_ended"),
     ]
-    assert [serialization.loads(body) for _, _, body in rows] == expected_records(writes)
+    # Each body reads back after the row before it: the step names its result's observation.
+    records: list[Record] = []
+    for _, _, body in rows:
+        records.append(serialization.loads(body, after=records[-1] if records else None))
+    assert records == expected_records(writes)
+    assert '"observation_of":"r1:0:action"' in rows[5][2]
+    assert '"observation"' not in rows[5][2]
 
 
 async def test_parameters_name_kind_and_format_never_the_path(tmp_path: Path) -> None:
@@ -999,7 +1005,9 @@ class Visible:
                 "SELECT body FROM records WHERE run_id = ? ORDER BY seq DESC LIMIT ?",
                 (records[0].run_id, len(records)),
             ).fetchall()
-        assert [body for (body,) in reversed(found)] == [dumps(r) for r in records]
+        # A write's records are written each after the one before (a step after its result).
+        written = [dumps(r, after=b) for b, r in zip((None, *records), records, strict=False)]
+        assert [body for (body,) in reversed(found)] == written
         self.checked += 1
 
 

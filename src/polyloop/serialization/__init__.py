@@ -14,6 +14,11 @@ directions, because a log is only worth keeping if it reads back exactly as writ
 
 Unknown extra fields of the same major are ignored, so later minor versions can add
 fields without breaking older readers.
+
+A step record that follows the result of its own action in a log may be written without
+the observation that result already holds (``after=``, format ``polyloop/1.1``): it then
+reads back only after that result, given as ``after=`` to :func:`loads` or :func:`decode`
+(docs/record-format.md).
 """
 
 from __future__ import annotations
@@ -32,7 +37,16 @@ from polyloop.serialization._schema import (
     check_schema,
     checked,
 )
-from polyloop.types import CorruptLog, JSONValue, Record, ToolCallBlock, UnloggableValue
+from polyloop.types import (
+    CorruptLog,
+    IntentKind,
+    JSONValue,
+    Record,
+    Result,
+    StepRecord,
+    ToolCallBlock,
+    UnloggableValue,
+)
 
 __all__ = ("decode", "dumps", "encode", "loads", "plain")
 
@@ -40,9 +54,20 @@ __all__ = ("decode", "dumps", "encode", "loads", "plain")
 # readers that use str.splitlines(); escaping them keeps every record on one line for all.
 _LINE_BREAKERS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
 
+# A step whose observation is its action result's names the result under this key, in
+# place of the text, and says so with the format's first minor (record 0063).
+_OBSERVATION_OF = "observation_of"
+_REFERRING_FORMAT = f"{FORMAT}.1"
 
-def encode(record: Record) -> dict[str, JSONValue]:
+
+def encode(record: Record, *, after: Record | None = None) -> dict[str, JSONValue]:
     """Encode ``record`` as a JSON-ready dict carrying the schema and the record kind.
+
+    ``after`` is the record the log holds just before this one, if the writer knows it.
+    A step record right after its action's result, whose observation is exactly the
+    result's, is encoded without it: ``observation_of`` names the result instead, and
+    :func:`decode` needs the same ``after`` to read it back. Without ``after`` every
+    record is encoded whole.
 
     Raises :class:`~polyloop.types.UnloggableValue` for a payload or snapshot that
     strict JSON cannot carry back exactly.
@@ -62,7 +87,24 @@ def encode(record: Record) -> dict[str, JSONValue]:
             except Mismatch:
                 # The reader checks every field; refuse here what it would refuse there.
                 out[field.key] = field.write(checked(kind, field, value, _refusal(record)))
+    if after is not None and isinstance(record, StepRecord):
+        _refer_to(after, record, out)
     return out
+
+
+def _refer_to(after: Record, step: StepRecord, out: dict[str, JSONValue]) -> None:
+    """Replace the step's observation with the name of the result just before it, if
+    that result is of the same run, of an action, and holds exactly that observation."""
+    if not isinstance(after, Result) or after.kind != IntentKind.ACTION:
+        return
+    payload = after.payload
+    if after.run_id != step.run_id or not isinstance(payload, Mapping):
+        return
+    held = payload.get("observation")
+    if isinstance(held, str) and held == out["observation"] and isinstance(after.result_id, str):
+        del out["observation"]
+        out[_OBSERVATION_OF] = after.result_id
+        out["schema"] = _REFERRING_FORMAT
 
 
 def _walked(record: Record, kind: str, field: Field, value: Any) -> JSONValue:
@@ -106,13 +148,14 @@ def plain(
     return copied
 
 
-def dumps(record: Record) -> str:
-    """One line of canonical JSON for ``record`` (no trailing newline).
+def dumps(record: Record, *, after: Record | None = None) -> str:
+    """One line of canonical JSON for ``record`` (no trailing newline); ``after`` as for
+    :func:`encode`.
 
     The line is valid UTF-8 text: a string holding a lone surrogate is written with
     ASCII escapes instead, so that what is written always reads back.
     """
-    data = encode(record)
+    data = encode(record, after=after)
     try:
         line = encodable_json(data)
     except ValueError as exc:  # a float field (not walked like payloads) out of range
@@ -124,10 +167,11 @@ def dumps(record: Record) -> str:
     return line
 
 
-def loads(line: str | bytes, *, location: str | None = None) -> Record:
+def loads(line: str | bytes, *, location: str | None = None, after: Record | None = None) -> Record:
     """Read one line written by :func:`dumps` back into its record.
 
-    ``location`` (a file and line, a row) is put into any error raised.
+    ``location`` (a file and line, a row) is put into any error raised; ``after`` is the
+    record read just before it in the same log, as for :func:`decode`.
     """
     try:
         data = json.loads(
@@ -140,11 +184,18 @@ def loads(line: str | bytes, *, location: str | None = None) -> Record:
     except (ValueError, RecursionError) as exc:
         # JSONDecodeError, duplicate keys, NaN literals, over-long integers, bad UTF-8.
         raise CorruptLog(f"not a JSON record: {exc}", location=location) from exc
-    return decode(data, location=location)
+    return decode(data, location=location, after=after)
 
 
-def decode(data: Mapping[str, Any], *, location: str | None = None) -> Record:
-    """Turn an encoded dict back into its record, checking the schema major and fields."""
+def decode(
+    data: Mapping[str, Any], *, location: str | None = None, after: Record | None = None
+) -> Record:
+    """Turn an encoded dict back into its record, checking the schema major and fields.
+
+    ``after`` is the record decoded just before this one from the same log. A step
+    record that names its observation's result (``observation_of``) takes the
+    observation from it, and is ``CorruptLog`` unless ``after`` is that very result.
+    """
     if not isinstance(data, Mapping):
         raise CorruptLog(
             f"a record must be a JSON object, not {type(data).__name__}", location=location
@@ -158,6 +209,8 @@ def decode(data: Mapping[str, Any], *, location: str | None = None) -> Record:
     kind = data.get("kind")
     if not isinstance(kind, str) or kind not in FIELDS:
         raise corrupt(f"unknown record kind {kind!r}")
+    if kind == "step" and _OBSERVATION_OF in data:
+        data = {**data, "observation": _referred_observation(data, after, corrupt)}
     values: dict[str, Any] = {}
     for field in FIELDS[kind]:
         if field.key not in data:
@@ -167,3 +220,29 @@ def decode(data: Mapping[str, Any], *, location: str | None = None) -> Record:
         values[field.name] = checked(kind, field, data[field.key], corrupt)
     record: Record = RECORD_CLASS[kind](**values)
     return record
+
+
+def _referred_observation(
+    data: Mapping[str, Any], after: Record | None, corrupt: Callable[[str], CorruptLog]
+) -> str:
+    """The observation a step names by its result: that result must be ``after``."""
+    name = data[_OBSERVATION_OF]
+    if "observation" in data:
+        raise corrupt(f"step record has both 'observation' and {_OBSERVATION_OF!r}")
+    if not isinstance(name, str):
+        raise corrupt(f"step.{_OBSERVATION_OF} must be a str, not {name!r:.80}")
+    if after is None:
+        why = "it was read after no record (a reader gives the record before it as after=)"
+    elif (
+        not isinstance(after, Result)
+        or after.result_id != name
+        or after.run_id != data.get("run_id")
+    ):
+        why = "the record before it is not that result"
+    elif after.kind != IntentKind.ACTION or not isinstance(after.payload, Mapping):
+        why = "that result is not an action's"
+    elif not isinstance(observation := after.payload.get("observation"), str):
+        why = "that result holds no observation"
+    else:
+        return observation
+    raise corrupt(f"the step's observation is that of result {name!r:.80}, but {why}")

@@ -29,7 +29,7 @@ from polyloop.stores._writes import (
     announces_effect,
     lets_a_run_go_on,
     no_run,
-    record_row,
+    record_rows,
     taken,
 )
 
@@ -142,7 +142,7 @@ class EngineStore(StoreBase):
         self, *records: types.Record, start: bool = False, barrier: bool = False
     ) -> None:
         last = records[-1]
-        rows = [record_row(r) for r in records]
+        rows = record_rows(records)
         fenced = announces_effect(records)
         write = Write(last.run_id, rows, start=start, barrier=barrier, fenced=fenced)
         if isinstance(last, types.RunEnded):  # the claim is given up with it

@@ -107,6 +107,13 @@ def record_row(record: Record) -> tuple[str, str]:
     return record_kind(record), dumps(record)  # dumps refuses anything not a record
 
 
+def record_rows(records: tuple[Record, ...]) -> list[tuple[str, str]]:
+    """The kind and body of each record of one write, each written after the one before
+    it: a step after its action's result names the result's observation (record 0063)."""
+    afters = (None, *records[:-1])
+    return [(record_kind(r), dumps(r, after=a)) for r, a in zip(records, afters, strict=True)]
+
+
 @dataclass(eq=False, slots=True)
 class Write:
     """The rows of one store call and what it means for its run."""

@@ -172,7 +172,7 @@ def log_lines(records: tuple[Record, ...]) -> bytes:
         if isinstance(record, Result) and record.kind is types.IntentKind.ACTION:
             pending = record
         elif isinstance(record, StepRecord) and pending is not None:
-            lines.append(line(dumps(pending), dumps(record)))
+            lines.append(line(dumps(pending), dumps(record, after=pending)))
             pending = None
         else:
             lines.append(line(dumps(record)))
@@ -212,7 +212,8 @@ def decode_line(piece: bytes, location: str) -> list[Record]:
 
 
 def _decode_pair(text: str, location: str) -> tuple[Result, StepRecord]:
-    """Read ``[result, step]``; each element is checked by the codec's own ``loads``."""
+    """Read ``[result, step]``; each element is checked by the codec's own ``loads``, the
+    step after the result, whose observation it may name."""
     parts: list[Record] = []
     position = 1
     for closer in (",", "]"):
@@ -221,7 +222,9 @@ def _decode_pair(text: str, location: str) -> tuple[Result, StepRecord]:
             _, end = _DECODER.raw_decode(text, position)
         except (ValueError, RecursionError) as exc:
             raise CorruptLog(f"not a JSON record pair: {exc}", location=location) from exc
-        parts.append(loads(text[position:end], location=location))
+        parts.append(
+            loads(text[position:end], location=location, after=parts[0] if parts else None)
+        )
         position = _skip_space(text, end)
         if text[position : position + 1] != closer:
             reason = f"a record pair expects {closer!r} at column {position + 1}"

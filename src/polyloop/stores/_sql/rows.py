@@ -25,8 +25,9 @@ def read_rows(
     column: object = None,
 ) -> tuple[Record, ...]:
     """The records of rows (seq, kind, body[, run id column, which must be ``column``]),
-    without a gap from 0; ``where(seq)`` is the location of a row."""
-    records = []
+    without a gap from 0; ``where(seq)`` is the location of a row. Each is read after the
+    one before it, whose observation a step may name."""
+    records: list[Record] = []
     for index, (seq, kind, body, *keyed) in enumerate(rows):
         location = where(seq)
         if seq != index:
@@ -35,17 +36,21 @@ def read_rows(
         if keyed and keyed[0] != column:
             reason = f"the row's run_id column says {shown(keyed[0])}"
             raise CorruptLog(reason, run_id=run_id, location=location)
-        records.append(decode_row(body, run_id=run_id, kind=kind, location=location))
+        after = records[-1] if records else None
+        records.append(decode_row(body, run_id=run_id, kind=kind, location=location, after=after))
     return tuple(records)
 
 
-def decode_row(body: object, *, run_id: str, kind: object, location: str) -> Record:
-    """The record a database row holds, of ``run_id`` and ``kind``, or ``CorruptLog``."""
+def decode_row(
+    body: object, *, run_id: str, kind: object, location: str, after: Record | None = None
+) -> Record:
+    """The record a database row holds, of ``run_id`` and ``kind``, or ``CorruptLog``;
+    ``after`` is the run's record before it."""
     if not isinstance(body, (str, bytes)):
         reason = f"the body is {type(body).__name__}, not text"
     else:
         try:
-            record = loads(body, location=location)
+            record = loads(body, location=location, after=after)
         except CorruptLog as exc:
             if exc.run_id is not None:
                 raise
