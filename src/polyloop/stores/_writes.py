@@ -5,10 +5,8 @@ not to write again (:class:`WriterState`), and why a call is refused
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
 
 from polyloop._shared import exception_text, record_kind
 from polyloop.serialization import dumps
@@ -16,7 +14,6 @@ from polyloop.types import (
     CancelRequest,
     CancelRequested,
     Intent,
-    PolyLoopError,
     Proposal,
     Record,
     RunAlreadyExists,
@@ -83,24 +80,6 @@ def kept_cancel(run_id: str, by: str, reason: str, at: datetime | str) -> Cancel
     """A cancel request as a store kept it; ``at`` may be ISO text."""
     when = at if isinstance(at, datetime) else datetime.fromisoformat(at)
     return CancelRequest(run_id=run_id, by=by, reason=reason, at=when.astimezone(UTC))
-
-
-def fence_refusal(
-    run_id: str, *, epoch: int, row: Sequence[Any] | None, start: bool, fenced: bool
-) -> PolyLoopError:
-    """Why a database's fence moved no row for a write under claim ``epoch``, given the
-    run's row now (its epoch, whether it finished, its next seq, and its cancel request's
-    by, reason and time; ``None`` when gone); a ``fenced`` write yields to a request."""
-    if row is None or row[0] != epoch:
-        reason = "another writer claimed the run since this store object did"
-        return RunLocked(reason, run_id=run_id)
-    try:
-        check_order(run_id, start=start, started=True, finished=bool(row[1]))
-    except PolyLoopError as refusal:
-        return refusal
-    if fenced and row[5] is not None:
-        return cancel_refusal(kept_cancel(run_id, *row[3:6]))
-    return StoreError("the run's rows moved on without this writer", run_id=run_id)
 
 
 def record_row(record: Record) -> tuple[str, str]:

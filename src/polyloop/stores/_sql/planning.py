@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from polyloop.stores._writes import Claim, Write, check_order, fence_refusal
-from polyloop.types import PolyLoopError, RunLocked
+from polyloop.stores._writes import Claim, Write, cancel_refusal, check_order, kept_cancel
+from polyloop.types import PolyLoopError, RunLocked, StoreError
 
 # One outcome per write of a batch: None (committed) or the error its caller sees.
 Errors = list[BaseException | None]
@@ -16,49 +16,47 @@ Errors = list[BaseException | None]
 
 @dataclass(eq=False)
 class RunPlan:
-    """One run's writes in a batch (each with its index), its claim and first seq."""
+    """One run's writes in a batch (each with its index), its claim and first seq, and
+    what they mean together: the first's ``start``, the last's end, any one's flags."""
 
     run_id: str
     claim: Claim
     first_seq: int
     writes: list[tuple[int, Write]] = field(default_factory=list)
+    start: bool = False
+    ends: bool = False
+    final: bool = False
+    reason: str | None = None
+    barrier: bool = False
+    fenced: bool = False
+    announce: bool = False
 
     @property
     def next_seq(self) -> int:
         return self.first_seq + sum(len(write.rows) for _, write in self.writes)
 
-    @property
-    def start(self) -> bool:
-        return self.writes[0][1].start
-
-    @property
-    def ends(self) -> bool:
-        return self.writes[-1][1].end
-
-    @property
-    def final(self) -> bool:
-        return self.writes[-1][1].final
-
-    @property
-    def reason(self) -> str | None:
-        return self.writes[-1][1].reason if self.ends else None
-
-    @property
-    def barrier(self) -> bool:
-        return any(write.barrier for _, write in self.writes)
-
-    @property
-    def fenced(self) -> bool:
-        return any(write.fenced for _, write in self.writes)
-
-    @property
-    def announce(self) -> bool:
-        return any(write.announce for _, write in self.writes)
+    def add(self, index: int, write: Write) -> None:
+        if not self.writes:
+            self.start = write.start
+        self.writes.append((index, write))
+        self.ends, self.final, self.reason = write.end, write.final, write.reason
+        self.barrier, self.fenced = self.barrier or write.barrier, self.fenced or write.fenced
+        self.announce = self.announce or write.announce
 
     def fenced_out(self, row: Sequence[Any] | None) -> PolyLoopError:
-        """Why the fence moved no row for the run, given its row now (see ``fence_refusal``)."""
-        epoch, start, fenced = self.claim.epoch, self.start, self.fenced
-        return fence_refusal(self.run_id, epoch=epoch, row=row, start=start, fenced=fenced)
+        """Why the fence moved no row for the run, given its row now (its epoch, whether
+        it finished, its next seq, and its cancel request's by, reason and time; ``None``
+        when gone): a fenced write yields to a request."""
+        if row is None or row[0] != self.claim.epoch:
+            reason = "another writer claimed the run since this store object did"
+            return RunLocked(reason, run_id=self.run_id)
+        try:
+            check_order(self.run_id, start=self.start, started=True, finished=bool(row[1]))
+        except PolyLoopError as refusal:
+            return refusal
+        if self.fenced and row[5] is not None:
+            return cancel_refusal(kept_cancel(self.run_id, *row[3:6]))
+        return StoreError("the run's rows moved on without this writer", run_id=self.run_id)
 
     def rows(self) -> Iterator[tuple[int, str, str]]:
         """(seq, kind, body) of every row, numbered from :attr:`first_seq`."""
@@ -109,7 +107,7 @@ class Plan:
             run = self.runs[write.run_id] = RunPlan(write.run_id, claim, claim.next_seq)
         elif run.ends:  # an earlier write of this batch ends the run, and its claim
             raise RunLocked("the run's claim ends with its end record", run_id=write.run_id)
-        run.writes.append((index, write))
+        run.add(index, write)
 
 
 def plan(writes: Sequence[Write], admit: Callable[[int], Claim]) -> Plan:

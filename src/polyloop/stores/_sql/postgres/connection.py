@@ -105,14 +105,19 @@ def _watchdog() -> None:
             for watch in [watch for watch in _watches if watch.deadline <= now]:
                 _watches.discard(watch)
                 watch.fired = True
-                # Both ways: the waiter wakes, and psycopg marks the connection broken.
-                with (
-                    contextlib.suppress(OSError, psycopg.Error),
-                    socket.socket(fileno=socket.dup(watch.conn.pgconn.socket)) as sock,
-                ):
-                    sock.shutdown(socket.SHUT_RDWR)
+                shut(watch.conn)
             _next_wake = min((watch.deadline for watch in _watches), default=math.inf)
             _changed.wait(None if _next_wake == math.inf else _next_wake - now)
+
+
+def shut(conn: Watched) -> None:
+    """Shut the connection's socket both ways: a thread waiting on it wakes, and psycopg
+    marks the connection broken."""
+    with (
+        contextlib.suppress(OSError, psycopg.Error),
+        socket.socket(fileno=socket.dup(conn.pgconn.socket)) as sock,
+    ):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,10 +5,8 @@ may let a run go on commit (docs/stores.md#change-notifications)."""
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import math
-import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -18,11 +16,10 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
-import psycopg
 from psycopg import sql
 
 from polyloop._shared import exception_text
-from polyloop.stores._sql.postgres.connection import Settings, Watched
+from polyloop.stores._sql.postgres.connection import Settings, Watched, shut
 from polyloop.stores._writes import store_closed
 
 logger = logging.getLogger("polyloop")
@@ -38,13 +35,12 @@ RETRY_S = (0.05, 0.25, 1.0, 2.0, 5.0)
 class _Waiter:
     """One ``changes()`` block, on its own event loop. Its events are set and replaced on
     that loop only; ``signalled`` (a wake is on its way) is set by the thread, cleared on
-    the loop, and ``let_in`` (the block may begin) is set under the listener's lock."""
+    the loop."""
 
     token: anyio.lowlevel.EventLoopToken
-    ready: anyio.Event = field(default_factory=anyio.Event)
+    ready: anyio.Event = field(default_factory=anyio.Event)  # the block may begin
     changed: anyio.Event = field(default_factory=anyio.Event)
     signalled: bool = False
-    let_in: bool = False
 
     def wake(self, changed: bool) -> None:
         """On the loop: the block may begin, and (``changed``) the caller should list."""
@@ -63,20 +59,15 @@ class _Waiter:
         self.reset()
 
 
-class _State(enum.Enum):
-    CONNECTING = "connecting"  # its first attempt: a waiter waits for it to end
-    LISTENING = "listening"
-    FAILING = "failing"  # between attempts: a waiter begins at once, and is woken later
-
-
 @dataclass(eq=False)
 class _Session:
     """One thread listening, from its start until it is told to stop (its ``conn`` and
-    ``state`` change under the listener's lock)."""
+    ``tried`` change under the listener's lock)."""
 
     thread: threading.Thread | None = None
     conn: Watched | None = None
-    state: _State = _State.CONNECTING
+    # Its first attempt ended: a new waiter begins at once (woken later, if it failed).
+    tried: bool = False
     stopping: threading.Event = field(default_factory=threading.Event)
 
 
@@ -128,8 +119,7 @@ class Listener:
             self._waiters.append(waiter)
             session = self._session
             if session is not None:
-                if session.state is not _State.CONNECTING:
-                    waiter.let_in = True
+                if session.tried:
                     waiter.ready.set()
                 return
             session = self._session = _Session()
@@ -157,23 +147,16 @@ class Listener:
         with self._lock:
             session.stopping.set()
             if session.conn is not None:
-                with (
-                    contextlib.suppress(OSError, psycopg.Error),
-                    socket.socket(fileno=socket.dup(session.conn.pgconn.socket)) as sock,
-                ):
-                    sock.shutdown(socket.SHUT_RDWR)
+                shut(session.conn)
 
     # -- the thread ----------------------------------------------------------------------
 
     def _listen_until_stopped(self, session: _Session) -> None:
         failures = 0
         while not session.stopping.is_set():
+            conn = None
             try:
                 conn = self._settings.connect("polyloop-listener")
-            except Exception as exc:  # noqa: BLE001 - said once, and tried again
-                failures = self._failed(session, failures, exc)
-                continue
-            try:
                 with self._lock:
                     if session.stopping.is_set():
                         break
@@ -181,7 +164,7 @@ class Listener:
                 conn.execute(self._listen)
                 conn.deadline_s = math.inf  # waiting is all it does: keepalives watch the peer
                 with self._lock:
-                    session.state = _State.LISTENING
+                    session.tried = True
                 if failures:
                     logger.info("listening for the store's changes again")
                 failures = 0
@@ -192,21 +175,20 @@ class Listener:
                 if not session.stopping.is_set():
                     failures = self._failed(session, failures, exc)
             finally:
-                with self._lock:
-                    session.conn = None
-                conn.close()
+                if conn is not None:
+                    with self._lock:
+                        session.conn = None
+                    conn.close()
 
     def _failed(self, session: _Session, failures: int, exc: Exception) -> int:
-        """Say so once a streak, let in the waiters waiting to begin, and pause."""
+        """Say so once a streak, let every waiter begin (a new one waits for this), and pause."""
         if not failures:
             text = exception_text(exc)
             logger.warning("could not listen for the store's changes (%s); trying again", text)
         with self._lock:
-            session.state = _State.FAILING
-            entering = [waiter for waiter in self._waiters if not waiter.let_in]
-            for waiter in entering:
-                waiter.let_in = True
-        for waiter in entering:
+            session.tried = True
+            waiters = list(self._waiters)
+        for waiter in waiters:
             self._hand(waiter, changed=False)
         session.stopping.wait(RETRY_S[min(failures, len(RETRY_S) - 1)])
         return failures + 1
@@ -216,8 +198,6 @@ class Listener:
         loss, always: the one on its way may have been taken before the loss)."""
         with self._lock:
             waiters = list(self._waiters)
-            for waiter in waiters:
-                waiter.let_in = True
         for waiter in waiters:
             if session.stopping.is_set():
                 return

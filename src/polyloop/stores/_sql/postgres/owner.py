@@ -82,8 +82,7 @@ class SharedClaims:
         """A cancelled caller stopped waiting for ``write``'s commit (on the event loop):
         its outcome is unknown, so this object writes nothing more of the run."""
         with self._state.mutex:
-            if write.run_id not in self._state.failed:
-                self._state.failed[write.run_id] = _GIVEN_UP
+            self._state.failed.setdefault(write.run_id, _GIVEN_UP)
 
     def holds(self, run_id: str) -> bool:
         return self._route(run_id) is not None

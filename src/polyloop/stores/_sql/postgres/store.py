@@ -30,37 +30,18 @@ from polyloop.types import CancelRequest, CorruptLog, Record, StoreError
 
 
 class PostgresStore(EngineStore):
-    """Keeps runs in a PostgreSQL database that many workers on many hosts can share.
+    """Keeps runs in a PostgreSQL database that many workers on many hosts can share
+    (docs/stores.md#postgresstore says what each option bounds). Needs the ``postgres`` extra.
 
-    ``conninfo`` is a libpq connection string or URL, never reported (not by
-    :meth:`parameters`, not by ``repr``). ``schema`` holds the tables, created on first
-    use; with ``create=False`` only a schema that holds PolyLoop tables opens (one of an
-    earlier release is brought up to date), anything else is a ``StoreError`` naming it.
-    ``pool_size`` bounds the reader connections, ``max_writer_connections`` the writer
-    ones; ``timeout`` bounds opening the pool, borrowing from it and connecting.
-    ``lease_s`` is how long this object's claims hold without a renewal (renewed every
-    third of it while its event loop runs). ``statement_timeout_s`` bounds every
-    statement on the server, and on the client with half of it again (at least a second):
-    a silent server or path becomes a ``StoreError`` (``docs/stores.md`` states each bound).
-
-    The store is an async context manager; :meth:`aclose` gives up every claim and closes
-    every connection. Any worker on the same database resumes any run; a second writer
-    of a run gets ``RunLocked``. The writes that may let a run go on notify a channel
-    of the schema's own as they commit; :meth:`changes` waits for them (a
-    :class:`~polyloop.ports.ChangeFeed`, on one more connection while anyone waits).
-    Needs the ``postgres`` extra.
+    ``conninfo``, a libpq connection string or URL, is never reported (not by
+    :meth:`parameters`, not by ``repr``). Any worker on the database resumes any run; a
+    second writer of a run gets ``RunLocked``; a claim holds ``lease_s`` without renewal.
 
     Cancellation, for every method: a write cancelled before its batch started writes
-    nothing; once the batch started, the call waits for its commit, shielded, then lets
-    the cancellation go on (its rows are committed, or it failed), but for one second at most
-    (``CANCELLED_WRITE_WAIT_S``): past that the write is given up with its outcome
-    unknown, its commit ends on its own in its thread, and this store object writes
-    nothing more of the run (it gives the claim up, and another store object resumes the
-    run). A cancelled ``read_log`` returns at once (it changes nothing); the other calls
-    finish their thread first (a failed run's claim is given up in a thread of its own);
-    closing completes even in a cancelled scope. A cancelled ``wait`` of :meth:`changes`
-    changes nothing; leaving its block waits a second at most for the listening thread,
-    which otherwise ends by itself once its connection attempt does.
+    nothing; once it started, the call waits for its commit, shielded, for a second at
+    most (``CANCELLED_WRITE_WAIT_S``), then gives the write up with its outcome unknown and
+    writes nothing more of the run. A cancelled ``read_log`` returns at once; the other
+    calls finish their thread first; closing completes even in a cancelled scope.
     """
 
     __slots__ = ("_listener", "_schema")
@@ -93,19 +74,11 @@ class PostgresStore(EngineStore):
         super().__init__(backend)
 
     def changes(self) -> AbstractAsyncContextManager[Callable[[], Awaitable[None]]]:
-        """Listen for the writes that may let a run go on, while the block runs; it
-        yields ``wait``, which returns once one may have committed since the block
-        began or ``wait`` last returned (:class:`~polyloop.ports.ChangeFeed`).
-
-        The notifying writes: a run's start, a verdict or a settlement, an end record
-        that leaves the run open (``cancelled``, ``awaiting_approval``, ``in_doubt``), a
-        cancel request, and a claim given up without a record (the store closing gives
-        up its claims so too). Each notifies in its own transaction, so a write rolled
-        back sends nothing; intents, results and steps never notify. One connection per
-        store object listens, in a thread of its own, however many blocks are open; it
-        runs while one is, and a lost one is opened again and wakes every ``wait`` once,
-        since notifications may have been missed. ``StoreError`` once the store is closed.
-        """
+        """Listen for the writes that may let a run go on while the block runs; it yields
+        ``wait``, which returns once one may have committed since the block began or
+        ``wait`` last returned (a :class:`~polyloop.ports.ChangeFeed`; which writes, and
+        how a lost connection is handled: docs/stores.md#change-notifications).
+        ``StoreError`` once the store is closed."""
         return self._listener.changes()
 
     def __repr__(self) -> str:

@@ -30,20 +30,17 @@ logger = logging.getLogger("polyloop")
 
 
 class SqliteStore(EngineStore):
-    """Keeps runs in one SQLite database file (WAL; intents and starts fsync'd).
+    """Keeps runs in one SQLite database file (WAL; starts, intents and reviews fsync'd
+    before their call returns) for one host (docs/stores.md#sqlitestore).
 
     ``path`` names the database file (missing directories are made); a new store object
-    on it, or on a moved copy, reads and resumes its runs. For one host: a claim is a
-    locked byte of a lock file in ``<path>.claims``, freed when its process dies (a hung
-    one keeps it). Starts, intents and reviews are fsync'd before their call returns;
-    other writes are committed, and flushed by the next barrier. The store is an async
-    context manager; :meth:`aclose` gives up every claim and closes its connection. With
-    ``create=False`` only a file that holds PolyLoop tables opens, and nothing is made.
+    on it, or on a moved copy, reads and resumes its runs. A claim is a locked byte of a
+    lock file in ``<path>.claims``, freed when its process dies. With ``create=False``
+    only a file that holds PolyLoop tables opens, and nothing is made.
 
     Cancellation, for every method: the worker thread a call started finishes before
-    the cancellation is delivered. A write cancelled before its shared commit started
-    writes nothing; once the commit started, the call waits for it, shielded, then lets
-    the cancellation go on (its rows are committed, or it failed). Reads change nothing;
+    the cancellation is delivered, so a write is committed or failed whole; a write
+    cancelled before its shared commit started writes nothing. Reads change nothing;
     closing completes even in a cancelled scope.
     """
 
