@@ -19,6 +19,7 @@ import pytest
 
 from kit.agent import Ledger, definition, request
 from kit.console import (
+    CONSOLE_KINDS,
     EVIL,
     EVIL_RUN,
     FINISHED,
@@ -52,7 +53,7 @@ from polyloop.types import Proposal, RunState, Settlement, StepRecord, Verdict
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=CONSOLE_KINDS)
 def reopen(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ManagedStore]:
     return store_factory(request, tmp_path)
 

@@ -24,7 +24,8 @@ Isolation, two ways:
 * ``postgres_shared`` is one database for the whole session, and ``postgres_schemas``
   (built on :func:`fresh_schemas`) hands out uniquely named PostgreSQL schemas in it and
   drops them (``CASCADE``) afterwards: cheap, for the many tests that only need rows of
-  their own and pass the schema to the store.
+  their own and pass the schema to the store. ``postgres_place`` is one such schema and
+  the URL, the same for every fixture of one test that asks for it.
 
 Two ways to use it. As a pytest plugin: ``pytest_plugins = ("kit.pg",)`` in the root
 ``conftest.py`` provides the fixtures above to every test (register it there, which loads
@@ -95,6 +96,13 @@ def postgres_schemas(postgres_shared: str) -> Iterator[Callable[[], str]]:
     """Names new schemas in ``postgres_shared``; every one named is dropped afterwards."""
     with fresh_schemas(postgres_shared) as new:
         yield new
+
+
+@pytest.fixture
+def postgres_place(postgres_shared: str, postgres_schemas: Callable[[], str]) -> tuple[str, str]:
+    """The URL and schema of a store of this test's own, at the cost of a schema: the place
+    of a store every other PostgreSQL store object of the test opens again."""
+    return postgres_shared, postgres_schemas()
 
 
 def server_conninfo(request: pytest.FixtureRequest, fallback_fixture: str) -> str:

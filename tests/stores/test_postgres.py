@@ -108,13 +108,23 @@ def new_schema(shared_database: str) -> Iterator[Callable[[], str]]:
 
 class TestPostgresContract(DurableStoreContract):
     @pytest.fixture
-    def store_factory(self, conninfo: str) -> Callable[[], Store]:
-        return lambda: PostgresStore(conninfo)
+    def place(self, request: pytest.FixtureRequest) -> tuple[str, str]:
+        """The URL and schema of the store: a schema of the test's own in the shared
+        database, which costs far less than a database; but a child process knows the store
+        by its URL alone, so a test that has one opens the default schema of a database."""
+        if "store_reference" in request.fixturenames:
+            return request.getfixturevalue("conninfo"), "polyloop"
+        return request.getfixturevalue("shared_database"), request.getfixturevalue("new_schema")()
 
     @pytest.fixture
-    def store_reference(self, conninfo: str) -> tuple[str, list[Any]]:
+    def store_factory(self, place: tuple[str, str]) -> Callable[[], Store]:
+        conninfo, schema = place
+        return lambda: PostgresStore(conninfo, schema=schema)
+
+    @pytest.fixture
+    def store_reference(self, place: tuple[str, str]) -> tuple[str, list[Any]]:
         # The child process opens the same database: the URL says it all.
-        return ("polyloop.stores:PostgresStore", [conninfo])
+        return ("polyloop.stores:PostgresStore", [place[0]])
 
 
 # -- helpers ----------------------------------------------------------------------------------
