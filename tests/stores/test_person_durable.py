@@ -49,7 +49,7 @@ from polyloop import (
     start_or_resume,
 )
 from polyloop.cli import main
-from polyloop.stores import JsonlStore, PostgresStore, SqliteStore
+from polyloop.stores import MemoryStore, PostgresStore, SqliteStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 
 pytestmark = pytest.mark.anyio
@@ -165,9 +165,9 @@ class Life:
             await close_store(store)
 
 
-async def _reference(tmp_path: Path, script: list[str]) -> RunResult:
+async def _reference(script: list[str]) -> RunResult:
     """The same run, uninterrupted, with nothing waiting for approval."""
-    async with JsonlStore(tmp_path / "reference") as store:
+    async with MemoryStore() as store:
         tools = review_tools(Ledger(), needs_approval=False)
         return await start_or_resume(
             definition(store, script=script), request("r", tools, model_replay=Replay.ALLOWED)
@@ -212,14 +212,14 @@ async def _two_at_once(
 
 @pytest.mark.parametrize("k", every_point(range(APPROVAL_WRITES + 1)))
 async def test_a_crash_after_every_write_around_an_approval(
-    open_store: Callable[[], Store], k: int, tmp_path: Path
+    open_store: Callable[[], Store], k: int
 ) -> None:
     ledger = Ledger()
     life = Life(open_store, ledger, approval_script(), crash_after=k)
     result = await life.to_the_end()
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert ledger.count("r:1:action") == 1  # the approved deploy ran exactly once
-    reference = await _reference(tmp_path, approval_script())
+    reference = await _reference(approval_script())
     assert plain_steps(result.steps) == plain_steps(reference.steps)
     recorded = await _reviews(open_store)
     assert sum(isinstance(r, Verdict) for r in recorded) == 1
@@ -242,7 +242,7 @@ async def test_a_crash_after_every_other_write_around_a_rejection(
 
 @pytest.mark.parametrize("k", every_point(range(SETTLEMENT_WRITES + 1)))
 async def test_a_crash_after_every_write_around_a_settlement(
-    open_store: Callable[[], Store], k: int, tmp_path: Path
+    open_store: Callable[[], Store], k: int
 ) -> None:
     ledger = Ledger()
     # First a crash right after the payment's intent: the payment ran, its result is lost.
@@ -254,7 +254,7 @@ async def test_a_crash_after_every_write_around_a_settlement(
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert ledger.count("r:1:action") == 1  # never paid twice
     assert result.steps[1].settled_by == "carol"
-    reference = await _reference(tmp_path, payment_script())
+    reference = await _reference(payment_script())
     assert plain_steps(result.steps) == plain_steps(reference.steps)
     recorded = await _reviews(open_store)
     assert [type(r).__name__ for r in recorded] == ["Settlement"]
@@ -372,7 +372,7 @@ async def test_show_after_a_crash_following_an_edited_approval_names_the_call_th
 
 @pytest.mark.parametrize("k", every_point(range(MODEL_CALL_WRITES + 1)))
 async def test_a_crash_after_every_write_with_model_calls_never_replayed(
-    open_store: Callable[[], Store], k: int, tmp_path: Path
+    open_store: Callable[[], Store], k: int
 ) -> None:
     """Every model call a crash interrupts is in doubt; settled as not run, it is made
     again under a new result id, and the run ends as an uninterrupted one does."""
@@ -384,7 +384,7 @@ async def test_a_crash_after_every_write_with_model_calls_never_replayed(
     result = await life.to_the_end()
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert ledger.count("r:1:action") == 1  # never paid twice
-    reference = await _reference(tmp_path, payment_script())
+    reference = await _reference(payment_script())
     assert plain_steps(result.steps) == plain_steps(reference.steps)
     records = (await life.read()).records
     intents = [r.result_id for r in records if isinstance(r, Intent)]

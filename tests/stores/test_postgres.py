@@ -44,7 +44,7 @@ from kit.store import DURABLE_STORE_BACKENDS
 from kit.sweep import every_point
 from polyloop import ModelCall, Replay, RunEnded, RunResult, StopReason, resume, run
 from polyloop.ports import Store
-from polyloop.stores import PostgresStore
+from polyloop.stores import MemoryStore, PostgresStore
 from polyloop.stores._sql.postgres import connection as _postgres_connection
 from polyloop.stores._sql.postgres import sql as _postgres_sql
 from polyloop.stores._sql.postgres.batch import Committer
@@ -203,10 +203,8 @@ async def _claim_until_unlocked(store: PostgresStore, run_id: str) -> None:
 async def test_crash_after_every_write_resumes_like_an_uninterrupted_run(
     shared_database: str, new_schema: Callable[[], str], k: int
 ) -> None:
-    plain, crashed = new_schema(), new_schema()
-    expected = await uninterrupted(
-        lambda: PostgresStore(shared_database, schema=plain), Replay.ALLOWED, six_step_script()
-    )
+    crashed = new_schema()
+    expected = await uninterrupted(MemoryStore, Replay.ALLOWED, six_step_script())
     resumed, ledger, store = await crash_and_resume(
         lambda: PostgresStore(shared_database, schema=crashed),
         k,
@@ -230,10 +228,8 @@ async def test_crash_after_every_write_resumes_like_an_uninterrupted_run(
 async def test_crash_with_replay_never_is_in_doubt_only_after_an_intent(
     shared_database: str, new_schema: Callable[[], str], k: int
 ) -> None:
-    plain, crashed = new_schema(), new_schema()
-    expected = await uninterrupted(
-        lambda: PostgresStore(shared_database, schema=plain), Replay.NEVER, six_step_script()
-    )
+    crashed = new_schema()
+    expected = await uninterrupted(MemoryStore, Replay.NEVER, six_step_script())
     resumed, ledger, store = await crash_and_resume(
         lambda: PostgresStore(shared_database, schema=crashed),
         k,
