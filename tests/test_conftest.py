@@ -1,5 +1,6 @@
 """The ``slow`` marker of ``tests/conftest.py``: plain ``pytest`` leaves the slow tests out
-and says so; ``--run-slow`` runs them too."""
+and says so; ``--run-slow`` runs them too. Also which cases of a file the rules of
+research-wiki/0044 and 0064 make slow."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # One fast test (the README check) and several slow ones (the examples run as programs).
 FILE = "tests/test_examples.py"
+# A file whose cases take the store kind as a parameter, and one about one durable store
+# that takes DURABLE_STORE_BACKENDS; the third samples the stores (kit.store.sampled).
+STORE_KIND_FILE = "tests/stores/test_untrusted_input_stores.py"
+ONE_STORE_FILE = "tests/stores/test_power_loss.py"
+SAMPLED_FILE = "tests/stores/test_offline_replay_stores.py"
+FILES = (FILE, STORE_KIND_FILE, ONE_STORE_FILE, SAMPLED_FILE)
 
 
-def _collect(*options: str, files: tuple[str, ...] = (FILE,)) -> str:
+def _collect(*options: str) -> str:
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
     done = subprocess.run(
-        [*command, *options, *files],
+        [*command, *options, *FILES],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -27,24 +34,35 @@ def _collect(*options: str, files: tuple[str, ...] = (FILE,)) -> str:
     return done.stdout
 
 
+# Each collection runs once for the module: a child pytest takes a second or more.
 @functools.cache
 def _everything() -> str:
     return _collect("--run-slow")
+
+
+@functools.cache
+def _quick() -> str:
+    return _collect()
 
 
 def _ids(out: str) -> list[str]:
     return [line for line in out.splitlines() if "::" in line]
 
 
+def _slow() -> list[str]:
+    quick = set(_ids(_quick()))
+    return [test_id for test_id in _ids(_everything()) if test_id not in quick]
+
+
 def test_plain_pytest_leaves_the_slow_tests_out_and_says_how_many() -> None:
-    everything = _ids(_everything())
-    slow = len(everything) - 1
-    assert slow >= 5
-    out = _collect()
-    assert _ids(out) == [
+    everything, out = _ids(_everything()), _quick()
+    assert [test_id for test_id in _ids(out) if test_id.startswith(FILE)] == [
         f"{FILE}::test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second"
     ]
-    assert f"1/{slow + 1} tests collected ({slow} deselected)" in out
+    assert len([test_id for test_id in everything if test_id.startswith(FILE)]) >= 6
+    slow, total = len(_slow()), len(everything)
+    assert set(_ids(out)) <= set(everything)
+    assert f"{total - slow}/{total} tests collected ({slow} deselected)" in out
     assert f"{slow} slow tests were not run; --run-slow includes them" in out
 
 
@@ -56,14 +74,23 @@ def test_run_slow_runs_them_too() -> None:
 
 
 def test_trio_on_a_durable_store_is_slow_and_its_asyncio_sibling_quick() -> None:
-    # Both ways a case gets the rule: a store-kind parameter (the first file) and a file
-    # about one durable store that takes DURABLE_STORE_BACKENDS (the second).
-    files = ("tests/stores/test_untrusted_input_stores.py", "tests/stores/test_power_loss.py")
-    slow = _ids(_collect("--run-slow", "-m", "slow", files=files))
-    case = f"{files[0]}::test_hostile_run_ids_and_bindings_are_plain_data_on_every_store"
-    assert [test_id for test_id in slow if test_id.startswith(files[0])] == [
+    slow = _slow()
+    case = f"{STORE_KIND_FILE}::test_hostile_run_ids_and_bindings_are_plain_data_on_every_store"
+    assert [test_id for test_id in slow if test_id.startswith(STORE_KIND_FILE)] == [
         f"{case}[trio-{kind}]" for kind in ("jsonl", "sqlite", "postgresql")
     ]
-    trio = [test_id for test_id in slow if test_id.startswith(files[1]) and "[trio-" in test_id]
+    trio = [t for t in slow if t.startswith(ONE_STORE_FILE) and "[trio-" in t]
     quick_twins = [t for t in trio if t.replace("[trio-", "[asyncio-") not in slow]
     assert quick_twins, "a file about one durable store keeps its asyncio cases quick"
+
+
+def test_a_sampled_case_is_quick_on_memory_and_sqlite_and_slow_elsewhere() -> None:
+    slow, everything = set(_slow()), _ids(_everything())
+    case = f"{SAMPLED_FILE}::test_a_run_recorded_on_any_store_re_drives_to_the_same_trajectory"
+    kinds = {"memory": False, "sqlite": False, "jsonl": True, "postgresql": True}
+    for backend in ("asyncio", "trio"):
+        for kind, is_slow in kinds.items():
+            test_id = f"{case}[{backend}-{kind}]"
+            assert test_id in everything
+            # Trio on a durable store is slow by the older rule.
+            assert (test_id in slow) is (is_slow or (backend == "trio" and kind != "memory"))

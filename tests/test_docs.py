@@ -27,6 +27,7 @@ import ast
 import json
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,12 +158,21 @@ def _run_page(page: Path, workdir: Path) -> int:
     return count
 
 
-def test_getting_started_programs_run_as_shown(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def getting_started(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    """The getting-started page run once for the module: its directory and the number of
+    commands run. A test that goes on from there works on a copy of the directory."""
+    workdir = tmp_path_factory.mktemp("getting-started")
+    return workdir, _run_page(GETTING_STARTED, workdir)
+
+
+def test_getting_started_programs_run_as_shown(getting_started: tuple[Path, int]) -> None:
+    workdir, commands = getting_started
     # first.py twice, agent.py twice, crash.py, the resume and the two cats.
-    assert _run_page(GETTING_STARTED, tmp_path) >= 8
-    assert (tmp_path / "agent.py").is_file() and (tmp_path / "crash.py").is_file()
+    assert commands >= 8
+    assert (workdir / "agent.py").is_file() and (workdir / "crash.py").is_file()
     # The second runs read the finished runs back: each submit happened once.
-    assert (tmp_path / "submitted.txt").read_text().splitlines() == [
+    assert (workdir / "submitted.txt").read_text().splitlines() == [
         "task-1:2:action 1173",
         "task-2:2:action 1173",
     ]
@@ -179,9 +189,11 @@ def test_getting_started_makes_a_working_directory_before_its_first_file() -> No
     assert commands[-1] == "cd ../polyloop-tour"
 
 
-def test_getting_started_agent_refuses_changed_inputs_in_one_line(tmp_path: Path) -> None:
+def test_getting_started_agent_refuses_changed_inputs_in_one_line(
+    getting_started: tuple[Path, int], tmp_path: Path
+) -> None:
     """Changed inputs on a second run: one line, as the page shows it, and no traceback."""
-    _run_page(GETTING_STARTED, tmp_path)
+    shutil.copytree(getting_started[0], tmp_path, dirs_exist_ok=True)
     agent = tmp_path / "agent.py"
     source = agent.read_text(encoding="utf-8")
     assert source.count("max_steps=10") == 1

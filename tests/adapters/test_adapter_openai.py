@@ -38,6 +38,7 @@ from llmock.simulation import MockResponseSettings
 from llmock.testing import LLMockServer
 
 from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
+from kit.backends import BOTH_BACKENDS, TRIO_SLOW
 from kit.chat import ChatServer, Hold, Malformed, Mode, PlainText, Reply, Status
 from polyloop import (
     Budget,
@@ -59,6 +60,14 @@ from polyloop.adapters.openai import METADATA_LIMITS, RESERVED_SAMPLING_KEYS, Op
 from polyloop.stores import MemoryStore
 
 pytestmark = pytest.mark.anyio
+
+
+# The adapter maps a reply alike under either backend: only the cases where the event loop
+# matters run under Trio in the quick run (kit.backends).
+@pytest.fixture(params=TRIO_SLOW)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 MODEL = "test-model"
 SAMPLING: dict[str, Any] = {
@@ -112,6 +121,7 @@ async def wait_for(event: threading.Event, seconds: float = 5.0) -> None:
 # -- the seam -----------------------------------------------------------------------------------
 
 
+@BOTH_BACKENDS
 async def test_the_adapter_satisfies_the_model_client_seam(server: ChatServer) -> None:
     sampling: dict[str, Any] = {"temperature": 0.2, "extra_body": {"top_k": 20}}
     async with client_for(server) as client:
@@ -161,6 +171,7 @@ async def test_a_different_sampling_makes_resume_refuse(server: ChatServer) -> N
 # -- what goes over the wire --------------------------------------------------------------------
 
 
+@BOTH_BACKENDS
 async def test_a_whole_run_over_http(server: ChatServer) -> None:
     server.respond(
         Reply(tool_call("double", n=2), id="chatcmpl-a", reasoning="I should double 2."),
@@ -639,6 +650,7 @@ async def test_a_completion_without_a_message_says_the_body_is_malformed(
         await one_reply(shapes, body)
 
 
+@BOTH_BACKENDS
 async def test_cancelling_an_in_flight_request(server: ChatServer) -> None:
     server.respond(Hold())
     store = MemoryStore()
@@ -668,6 +680,7 @@ async def test_cancelling_an_in_flight_request(server: ChatServer) -> None:
     assert len(anyio.get_running_tasks()) == tasks_before
 
 
+@BOTH_BACKENDS
 async def test_one_adapter_serves_concurrent_runs_without_mixing_them(
     server: ChatServer,
 ) -> None:
@@ -824,7 +837,8 @@ def _run_program(args: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+# The program under Trio checks nothing the whole run over HTTP under Trio does not.
+@pytest.mark.parametrize("backend", TRIO_SLOW)
 def test_the_example_program_runs_from_the_command_line(server: ChatServer, backend: str) -> None:
     server.respond(
         Reply('{"tool": "multiply", "arguments": {"a": 6, "b": 7}}'),

@@ -16,12 +16,21 @@ import pytest
 from chat_shapes import BodyServer, openai_body
 
 from kit.agent import Ledger, definition, make_tools, request
+from kit.backends import BOTH_BACKENDS, TRIO_SLOW
 from polyloop import DecisionKind, FinishReason, Result, StopReason, ToolStyle, run
 from polyloop.adapters.openai import OpenAIModelClient
 from polyloop.interpreters import NativeToolCallInterpreter
 from polyloop.stores import MemoryStore
 
 pytestmark = pytest.mark.anyio
+
+
+# The adapter maps a reply alike under either backend: only a whole run goes under Trio in
+# the quick run (kit.backends).
+@pytest.fixture(params=TRIO_SLOW)
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
 
 MODEL = "test-model"
 
@@ -65,6 +74,7 @@ async def native_run(
         )
 
 
+@BOTH_BACKENDS
 async def test_a_native_run_submits_through_a_tool_and_sends_the_history_back(
     server: BodyServer,
 ) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
 from kit.fork import SCRIPT, write_forks
+from kit.store import sampled
 from polyloop import Replay, StepRecord, fork, resume, run
 from polyloop.cli import main
 from polyloop.session._forking import inherited_digest
@@ -50,7 +51,7 @@ def forked(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _written("jsonl", tmp_path_factory.mktemp("forks"))
 
 
-@pytest.fixture(params=["jsonl", "sqlite"])
+@pytest.fixture(params=sampled(["jsonl", "sqlite"]))
 def writable(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """The same runs in a store of the test's own, which it may change."""
     return _written(request.param, tmp_path)

@@ -24,6 +24,7 @@ import pytest
 
 from kit import surrogate as surrogate_kit
 from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
+from kit.store import sampled
 from kit.surrogate import HALF, RUN_ID, SHOWN, StrictOutput
 from polyloop import FinishReason, ModelReply, Replay, Usage, run, run_trace_id, serialization
 from polyloop.cli import main
@@ -109,7 +110,7 @@ def copy_of(filled_once: Path, kind: str, tmp_path: Path) -> Path:
     return tmp_path / ("runs.db" if kind == "sqlite" else "runs")
 
 
-@pytest.fixture(params=["sqlite", "jsonl"])
+@pytest.fixture(params=sampled(["sqlite", "jsonl"]))
 def filled(request: pytest.FixtureRequest, filled_once: Path, tmp_path: Path) -> str:
     """A store with the five runs of :func:`fill`; its STORE argument."""
     if request.param == "sqlite":

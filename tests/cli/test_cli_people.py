@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,18 @@ async def _log(store: Any, run_id: str) -> tuple[Any, ...]:
         return (await store.read_log(run_id)).records
 
 
+@pytest.fixture(scope="module")
+def filled_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The runs of :func:`_fill` in a SQLite store, written once for the module; each test
+    gets a copy of its own (:func:`sqlite`)."""
+    place = tmp_path_factory.mktemp("filled")
+    anyio.run(_fill, SqliteStore(place / "runs.db"))
+    return place
+
+
 @pytest.fixture
-def sqlite(tmp_path: Path) -> str:
-    anyio.run(_fill, SqliteStore(tmp_path / "runs.db"))
+def sqlite(filled_once: Path, tmp_path: Path) -> str:
+    shutil.copytree(filled_once, tmp_path, dirs_exist_ok=True)
     return f"sqlite:{tmp_path / 'runs.db'}"
 
 

@@ -160,13 +160,21 @@ def _tables(conninfo: str) -> set[tuple[str, str]]:
         return {(schema, table) for schema, table in rows}
 
 
+@pytest.fixture(scope="module")
+def demo_database(pg_server: str) -> Iterator[str]:
+    """A database holding the demo's run, written once for the tests that only read it
+    and check that they changed nothing."""
+    with pg.fresh_database(pg_server) as info:
+        assert main(["demo", "--pace", "0", "--store", as_url(info)]) == 0
+        yield info
+
+
 @pytest.mark.parametrize("command", EXISTING_ONLY, ids=" ".join)
 def test_a_mistyped_schema_is_named_and_never_created(
-    conninfo: str, command: list[str], capsys: pytest.CaptureFixture[str]
+    demo_database: str, command: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
+    conninfo = demo_database
     url = as_url(conninfo)
-    assert main(["demo", "--pace", "0", "--store", url]) == 0
-    capsys.readouterr()
     schemas, tables = _schemas(conninfo), _tables(conninfo)
     assert "polyloop" in schemas and "Upper" not in schemas
 

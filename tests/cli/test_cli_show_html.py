@@ -1,19 +1,21 @@
-"""``polyloop show --html`` as a browser renders it: headless Chromium dumps the DOM after
-rendering, and the tests read the text a reader would see.
+"""``polyloop show --html`` as a browser renders it: headless Chromium loads each page, and
+the tests read the text a reader would see in the DOM it leaves.
 """
 
 from __future__ import annotations
 
 import re
-import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from playwright.sync_api import Browser
 
-from kit.browser import chromium
+from kit.browser import launched
 from kit.fork import write_forks
 from kit.show import UTC_TIME, show, write_stores
 from polyloop import run_trace_id
@@ -53,25 +55,27 @@ class _Text(HTMLParser):
             self.parts.append(data)
 
 
-def headless(browser: str, tmp_path: Path) -> list[str]:
-    return [browser, "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path}/p"]
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """One browser for the module; each page is rendered in a tab of its own."""
+    with launched() as opened:
+        yield opened
 
 
 @pytest.fixture
-def rendered(stores: dict[str, str], tmp_path: Path) -> Any:
-    browser = chromium()
-
+def rendered(stores: dict[str, str], browser: Browser, tmp_path: Path) -> Any:
     def render(name: str) -> tuple[str, str]:
-        """The page's text as rendered, and its DOM."""
-        page = tmp_path / f"{name}.html"
-        assert main(show(stores, name, "--html", str(page))) == 0
-        dom = subprocess.run(
-            [*headless(browser, tmp_path), "--dump-dom", page.as_uri()],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        ).stdout
+        """The page's text as rendered, and its DOM once loaded."""
+        path = tmp_path / f"{name}.html"
+        # On a thread of its own: Playwright keeps an event loop running on this one.
+        with ThreadPoolExecutor(1) as thread:
+            assert thread.submit(main, show(stores, name, "--html", str(path))).result() == 0
+        page = browser.new_page()
+        try:
+            page.goto(path.as_uri())
+            dom = page.content()
+        finally:
+            page.close()
         parser = _Text()
         parser.feed(dom)
         parser.close()

@@ -5,6 +5,7 @@ gives, the live updates, and every safety rule."""
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 
 from kit.agent import Ledger, definition, request
 from kit.console import (
+    CONSOLE_KINDS,
     EVIL,
     EVIL_RUN,
     FINISHED,
@@ -52,13 +54,37 @@ from polyloop.types import Proposal, RunState, Settlement, StepRecord, Verdict
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=CONSOLE_KINDS)
 def reopen(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ManagedStore]:
     return store_factory(request, tmp_path)
 
 
+@pytest.fixture(scope="module")
+def filled_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The runs of :func:`fill` in a SQLite store, written once for the module (a fill
+    crashes a run and resumes it); each test on SQLite gets a copy of its own."""
+    place = tmp_path_factory.mktemp("filled")
+
+    async def write() -> None:
+        async with SqliteStore(place / "runs.db") as store:
+            await fill(store)
+
+    anyio.run(write)
+    return place
+
+
 @pytest.fixture
-async def store(reopen: Callable[[], ManagedStore]) -> AsyncIterator[ManagedStore]:
+async def store(
+    reopen: Callable[[], ManagedStore],
+    filled_sqlite: Path,
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+) -> AsyncIterator[ManagedStore]:
+    if request.node.callspec.params["reopen"] == "sqlite":
+        shutil.copytree(filled_sqlite, tmp_path, dirs_exist_ok=True)
+        async with reopen() as opened:
+            yield opened
+        return
     async with reopen() as opened:
         await fill(opened)
         yield opened

@@ -26,10 +26,10 @@ from typing import Any
 
 import anyio
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, expect
 
 from kit.agent import Ledger, answer, definition, request, tool_call
-from kit.browser import chromium
+from kit.browser import chromium, launched
 from kit.review import approval_script, review_tools
 from polyloop import run
 from polyloop.stores import SqliteStore
@@ -139,11 +139,8 @@ def place(tmp_path: Path) -> Place:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     """One browser for the module; each test opens a context of its own."""
-    executable = chromium()
-    with sync_playwright() as playwright:
-        launched = playwright.chromium.launch(executable_path=executable)
-        yield launched
-        launched.close()
+    with launched() as opened:
+        yield opened
 
 
 @contextmanager

@@ -15,6 +15,7 @@ import pytest
 
 from kit.console import browser, console, fill, post_form, resume, store_factory
 from kit.review import approval_script
+from kit.store import sampled
 from polyloop import CancelRequest, RunEnded, RunState, StopReason, run_status
 from polyloop.cli._console import run_path
 from polyloop.ports import ManagedStore
@@ -27,7 +28,7 @@ WHY = "wrong customer"
 TRICKY = "stop\u202e gnirts \x1b[2J now"
 
 
-@pytest.fixture(params=["memory", "sqlite", "postgresql"])
+@pytest.fixture(params=sampled(("memory", "sqlite", "postgresql")))
 def reopen(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ManagedStore]:
     if request.param == "memory":
         memory = MemoryStore()

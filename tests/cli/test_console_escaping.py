@@ -19,7 +19,7 @@ import pytest
 
 from kit import surrogate as surrogate_kit
 from kit.agent import ANSWER_SCHEMA, Ledger, answer, definition, make_tools, request, tool_call
-from kit.console import BASE_URL, browser, console, post_form, store_factory
+from kit.console import BASE_URL, CONSOLE_KINDS, browser, console, post_form, store_factory
 from kit.review import reviews
 from kit.surrogate import HALF, SHOWN
 from polyloop import Replay, ToolRegistry, ToolSpec, run, start_or_resume
@@ -48,7 +48,7 @@ DESCRIPTION = f"Send a message\u202e to anyone.\x07 {HALF}"
 ODD_IDS = (".", "..", "a/b", "%2F", "?x", "#y", "a b", "...", f"x{HALF}", "a/../b")
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=CONSOLE_KINDS)
 def reopen(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ManagedStore]:
     return store_factory(request, tmp_path)
 

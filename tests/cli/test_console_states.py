@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kit.console import browser, console, post_form, store_factory
+from kit.console import CONSOLE_KINDS, browser, console, post_form, store_factory
 from kit.hosting import Till, eventually, payer, serving
 from polyloop import Ready, RunState, approve, run_status
 from polyloop.cli._console import run_path
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.anyio
 INSIDE_PAY = 4
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=CONSOLE_KINDS)
 def reopen(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ManagedStore]:
     return store_factory(request, tmp_path)
 

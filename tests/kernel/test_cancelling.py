@@ -16,9 +16,8 @@ from typing import Any
 import anyio
 import pytest
 
-from kit import one_writer
 from kit.agent import answer, cancel_when, definition, request, tool_call
-from kit.hosting import Till, eventually, serving, tools
+from kit.hosting import KINDS, Opener, Till, eventually, serving, tools
 from polyloop import (
     Agent,
     CancelRequest,
@@ -456,33 +455,16 @@ async def test_answers_are_refused_once_a_cancel_is_requested() -> None:
 
 # -- hosts: every store ---------------------------------------------------------------------
 
-KINDS = ["memory", "sqlite", "jsonl", "postgresql"]
-
 
 @pytest.fixture(params=KINDS)
-async def opener(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[Callable[[], Any]]:
-    """New store objects over one set of data (the memory store: one shared object)."""
-    kind, memory, opened = request.param, MemoryStore(), []
-    location, schema = str(tmp_path / ("runs.db" if kind == "sqlite" else "runs")), ""
-    if kind == "postgresql":
-        location = request.getfixturevalue("postgres_shared")
-        schema = request.getfixturevalue("postgres_schemas")()
-
-    def open_store() -> Any:
-        if kind == "memory":
-            return memory
-        opened.append(one_writer.open_store(kind, location, schema))
-        return opened[-1]
-
-    yield open_store
-    for store in opened:
-        await store.aclose()
+async def opener(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Opener]:
+    opened = Opener.of(request, tmp_path)
+    yield opened
+    await opened.aclose()
 
 
 async def test_a_host_ends_a_run_cancelled_mid_tool_and_never_drives_it_again(
-    opener: Callable[[], Any],
+    opener: Opener,
 ) -> None:
     store, ledger = opener(), Ledger(shut=True)
     agent = payer(store, ledger)
@@ -504,7 +486,7 @@ async def test_a_host_ends_a_run_cancelled_mid_tool_and_never_drives_it_again(
 
 
 async def test_a_host_ends_at_once_a_waiting_run_with_a_request(
-    opener: Callable[[], Any],
+    opener: Opener,
 ) -> None:
     store, ledger = opener(), Ledger()
     await _awaiting_approval(store, ledger)

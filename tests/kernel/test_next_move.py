@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kit import record
 from kit.plans import CALL, PROPOSAL
 from polyloop._recovery import Move, Plan, RecoveryState, next_move
 from polyloop.types import (
@@ -31,21 +32,16 @@ RUN = "r"
 
 
 def _step(index: int) -> StepRecord:
-    return StepRecord(
-        run_id=RUN,
-        step=index,
-        call_id=None,
+    """An invalid step: a model output that was no decision, and no action."""
+    return record.step(
+        RUN,
+        index,
         model_output="",
-        reasoning=None,
         decision=DecisionKind.INVALID,
         history_text="",
         action_text=None,
         observation=None,
-        observation_synthesized=False,
         action_status=None,
-        done=False,
-        truncated_chars=0,
-        error=None,
     )
 
 

@@ -35,6 +35,7 @@ import anyio.lowlevel
 import pytest
 
 from kit.agent import Ledger, answer, definition, make_tools, request, same_outcome, tool_call
+from kit.store import Stores
 from polyloop import (
     Action,
     ActionOutcome,
@@ -57,7 +58,7 @@ from polyloop import (
     run,
 )
 from polyloop._recovery import RecoveryState, read_plan
-from polyloop.stores import JsonlStore, MemoryStore, SqliteStore
+from polyloop.stores import MemoryStore
 from polyloop.testing import JsonActionInterpreter
 
 pytestmark = pytest.mark.anyio
@@ -68,37 +69,6 @@ GRACE_S = 1.0
 
 
 # -- stores and seams --------------------------------------------------------------------------
-
-
-class Stores:
-    """Store objects of one kind on one place; ``reopen`` closes a durable one first."""
-
-    def __init__(self, kind: str, tmp_path: Path) -> None:
-        self.kind = kind
-        self.tmp_path = tmp_path
-        self.opened: list[Any] = []
-        self._memory = MemoryStore()
-
-    def open(self) -> Any:
-        if self.kind == "memory":
-            return self._memory
-        store: Any = (
-            JsonlStore(self.tmp_path / "runs")
-            if self.kind == "jsonl"
-            else SqliteStore(self.tmp_path / "runs.db")
-        )
-        self.opened.append(store)
-        return store
-
-    async def reopen(self, store: Any) -> Any:
-        if self.kind == "memory":
-            return store
-        await store.aclose()
-        return self.open()
-
-    async def close_all(self) -> None:
-        for store in self.opened:
-            await store.aclose()
 
 
 async def _stores(kind: str, tmp_path: Path) -> AsyncIterator[Stores]:

@@ -830,25 +830,8 @@ def test_dumps_refuses_an_object_with_duplicate_keys() -> None:
 
 @pytest.mark.parametrize("duration", [float("nan"), float("inf")], ids=["nan", "infinity"])
 def test_dumps_refuses_a_non_finite_typed_float(duration: float) -> None:
-    step = StepRecord(
-        run_id="r",
-        step=0,
-        call_id=None,
-        model_output="",
-        reasoning=None,
-        decision=DecisionKind.INVALID,
-        history_text="",
-        action_text=None,
-        observation=None,
-        observation_synthesized=False,
-        action_status=None,
-        done=False,
-        truncated_chars=0,
-        error=None,
-        duration_s=duration,
-    )
     with pytest.raises(UnloggableValue):
-        dumps(step)
+        dumps(record_kit.step(duration_s=duration))
 
 
 class _Label(str):

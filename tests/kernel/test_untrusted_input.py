@@ -33,7 +33,7 @@ from kit.agent import (
     timeless,
     tool_call,
 )
-from kit.store import STORE_KINDS, Stores
+from kit.store import STORE_KINDS, Stores, sampled
 from polyloop import (
     Action,
     ActionStatus,
@@ -68,12 +68,11 @@ REFUSED = "Refused: "  # the not_executed template of kit.agent.TEXTS, before {r
 # -- stores ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=STORE_KINDS)
+# What the kernel refuses is refused alike on every store: quick on the memory store and
+# SQLite. What a store keeps and reads back is each store's own: every store, quick.
+@pytest.fixture(params=sampled(STORE_KINDS))
 async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
-    conninfo = (
-        request.getfixturevalue("postgres_conninfo") if request.param == "postgresql" else None
-    )
-    kit = Stores(request.param, tmp_path, conninfo)
+    kit = Stores.of(request.param, request, tmp_path)
     try:
         yield kit
     finally:
@@ -157,8 +156,7 @@ def ten_megabytes() -> str:
 async def test_ten_megabytes_of_model_output_are_recorded_whole(
     request: pytest.FixtureRequest, tmp_path: Path, kind: str
 ) -> None:
-    conninfo = request.getfixturevalue("postgres_conninfo") if kind == "postgresql" else None
-    stores = Stores(kind, tmp_path, conninfo)
+    stores = Stores.of(kind, request, tmp_path)
     try:
         await ten_megabytes_through(stores)
     finally:
@@ -178,6 +176,7 @@ async def ten_megabytes_through(stores: Stores) -> None:
     assert same_text(reply.payload["content"], content)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("stores", STORE_KINDS, indirect=True)
 async def test_lone_surrogates_in_model_output_are_recorded_and_read_back(
     stores: Stores,
 ) -> None:
@@ -193,6 +192,7 @@ async def test_lone_surrogates_in_model_output_are_recorded_and_read_back(
 CONTROL = "".join(chr(code) for code in range(0x20)) + "\x7f"
 
 
+@pytest.mark.parametrize("stores", STORE_KINDS, indirect=True)
 async def test_control_characters_in_model_output_are_recorded_and_read_back(
     stores: Stores,
 ) -> None:

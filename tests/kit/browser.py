@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
+from playwright.sync_api import Browser, sync_playwright
 
 
 def chromium() -> str:
@@ -20,3 +23,15 @@ def chromium() -> str:
             pytest.fail("chromium is not installed; CI installs it before the tests")
         pytest.skip("chromium is not installed")
     return found
+
+
+@contextmanager
+def launched() -> Iterator[Browser]:
+    """The browser, headless, driven by Playwright; closed at the end of the block."""
+    executable = chromium()
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable)
+        try:
+            yield browser
+        finally:
+            browser.close()

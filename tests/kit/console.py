@@ -13,6 +13,7 @@ import pytest
 
 from kit.agent import Ledger, answer, definition, request
 from kit.review import approval_script, payment_script, review_tools
+from kit.store import sampled
 from polyloop import Replay, run, start_or_resume
 from polyloop.cli._console import Access, Settings, create_app
 from polyloop.ports import ManagedStore
@@ -23,6 +24,9 @@ BASE_URL = "http://console.test"
 EVIL = '<script>alert("x")</script><b>bold</b>'
 EVIL_RUN = f"run-{EVIL}"
 FINISHED = ("done-1", "done-2", "done-3")
+# The stores the console's tests run on: what it shows and takes goes through the store's
+# interface alone, which each store's contract suite checks (research-wiki/0064).
+CONSOLE_KINDS = sampled(("sqlite", "postgresql"))
 
 
 def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ManagedStore]:

@@ -17,6 +17,7 @@ import pytest
 
 from kit import one_writer
 from kit.agent import NUMBER_SCHEMA, answer, definition, request, tool_call
+from kit.store import sampled
 from polyloop import (
     Agent,
     JSONValue,
@@ -31,7 +32,8 @@ from polyloop import (
 from polyloop.stores import MemoryStore
 
 SCRIPT = [tool_call("pay", n=2), answer("paid")]
-KINDS = ["memory", "sqlite", "jsonl", "postgresql"]
+# Hosts run quick on the memory store and SQLite, and on every store with --run-slow.
+KINDS = sampled(["memory", "sqlite", "jsonl", "postgresql"])
 
 
 class Opener:
@@ -47,8 +49,7 @@ class Opener:
         """The opener of a fixture parametrized over :data:`KINDS`."""
         kind = request.param
         if kind == "postgresql":
-            schema = request.getfixturevalue("postgres_schemas")()
-            return cls(kind, request.getfixturevalue("postgres_shared"), schema)
+            return cls(kind, *request.getfixturevalue("postgres_place"))
         return cls(kind, str(tmp_path / ("runs.db" if kind == "sqlite" else "runs")))
 
     def __call__(self) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,19 @@ from polyloop.stores._jsonl.store import Jsonl
 
 STORE_KINDS = ("memory", "jsonl", "sqlite", "postgresql")
 DURABLE_KINDS = ("jsonl", "sqlite", "postgresql")
+SLOW = pytest.mark.slow
+# The stores on which a case about the kernel, the command line or the console runs in the
+# quick run; its cases on the others are slow (research-wiki/0064). Each store's own tests
+# (its contract suite, crash sweeps and faults) stay quick.
+QUICK_KINDS = ("memory", "sqlite")
 # The backends of a test file about one durable store: its Trio cases are slow, as are the
 # Trio cases on a durable store elsewhere (tests/conftest.py, research-wiki/0044).
-DURABLE_STORE_BACKENDS = ("asyncio", pytest.param("trio", marks=pytest.mark.slow))
+DURABLE_STORE_BACKENDS = ("asyncio", pytest.param("trio", marks=SLOW))
+
+
+def sampled(kinds: Iterable[str]) -> list[Any]:
+    """``kinds`` as parameters, each not in :data:`QUICK_KINDS` marked slow."""
+    return [kind if kind in QUICK_KINDS else pytest.param(kind, marks=SLOW) for kind in kinds]
 
 
 def jsonl_store_on(directory: Path, files: FileOps) -> EngineStore:
@@ -32,14 +42,14 @@ def durable_opener(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[
     """What opens store objects over one durable store, of the kind the fixture's param names.
 
     Each call opens another object on the same data, as a new process would; the PostgreSQL
-    server is asked for only when that kind runs.
+    server is asked for only when that kind runs, for a schema of the test's own.
     """
     if request.param == "jsonl":
         return lambda: JsonlStore(tmp_path / "runs")
     if request.param == "sqlite":
         return lambda: SqliteStore(tmp_path / "runs.db")
-    conninfo = request.getfixturevalue("postgres_conninfo")
-    return lambda: PostgresStore(conninfo)
+    conninfo, schema = request.getfixturevalue("postgres_place")
+    return lambda: PostgresStore(conninfo, schema=schema)
 
 
 class Stores:
@@ -50,12 +60,18 @@ class Stores:
     end of its process would.
     """
 
-    def __init__(self, kind: str, tmp_path: Path, conninfo: str | None) -> None:
+    def __init__(self, kind: str, tmp_path: Path, place: tuple[str, str] | None = None) -> None:
         self.kind = kind
         self.tmp_path = tmp_path
-        self.conninfo = conninfo
+        self.place = place  # PostgreSQL's: the URL and the schema
         self.opened: list[Any] = []
         self._memory = MemoryStore()
+
+    @classmethod
+    def of(cls, kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Stores:
+        """Store objects of ``kind``; PostgreSQL's in a schema of the test's own."""
+        place = request.getfixturevalue("postgres_place") if kind == "postgresql" else None
+        return cls(kind, tmp_path, place)
 
     @property
     def jsonl_dir(self) -> Path:
@@ -74,8 +90,9 @@ class Stores:
         elif self.kind == "sqlite":
             store = SqliteStore(self.sqlite_path)
         else:
-            assert self.conninfo is not None
-            store = PostgresStore(self.conninfo)
+            assert self.place is not None
+            conninfo, schema = self.place
+            store = PostgresStore(conninfo, schema=schema)
         self.opened.append(store)
         return store
 

@@ -549,10 +549,10 @@ def _open_store(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> An
         return JsonlStore(tmp_path / "runs")
     if kind == "sqlite":
         return SqliteStore(tmp_path / "runs.db")
-    conninfo = request.getfixturevalue("postgres_conninfo")
+    conninfo, schema = request.getfixturevalue("postgres_place")
     from polyloop.stores import PostgresStore
 
-    return PostgresStore(conninfo)
+    return PostgresStore(conninfo, schema=schema)
 
 
 async def _every_kind_of_call(store: Any, run_ids: list[str], archive: Path) -> None:

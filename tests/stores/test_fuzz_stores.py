@@ -187,8 +187,8 @@ def store_kind_factory(
             return lambda: JsonlStore(tmp_path / "runs")
         if kind == "sqlite":
             return lambda: SqliteStore(tmp_path / "runs.db")
-        conninfo = request.getfixturevalue("postgres_conninfo")
-        return lambda: PostgresStore(conninfo)
+        conninfo, schema = request.getfixturevalue("postgres_place")
+        return lambda: PostgresStore(conninfo, schema=schema)
 
     return factory
 

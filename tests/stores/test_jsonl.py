@@ -43,7 +43,7 @@ from kit.store import DURABLE_STORE_BACKENDS, jsonl_store_on
 from kit.sweep import every_point
 from polyloop import resume, run
 from polyloop.serialization import dumps
-from polyloop.stores import JsonlStore, _paths
+from polyloop.stores import JsonlStore, MemoryStore, _paths
 from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._paths import fsync_directory as real_fsync_directory
 from polyloop.stores._paths import safe_name
@@ -1035,9 +1035,7 @@ async def test_read_log_returns_exactly_the_complete_lines_of_any_cut(
 async def test_crash_after_every_write_resumes_to_the_uninterrupted_run(
     tmp_path: Path, k: int
 ) -> None:
-    expected = await uninterrupted(
-        lambda: JsonlStore(tmp_path / "u"), Replay.ALLOWED, six_step_script()
-    )
+    expected = await uninterrupted(MemoryStore, Replay.ALLOWED, six_step_script())
     resumed, _, store = await crash_and_resume(
         lambda: JsonlStore(tmp_path / f"k{k}"), k, Replay.ALLOWED, six_step_script()
     )
@@ -1054,9 +1052,7 @@ async def test_crash_after_every_write_resumes_to_the_uninterrupted_run(
 async def test_crash_with_replay_never_is_in_doubt_only_after_an_intent(
     tmp_path: Path, k: int
 ) -> None:
-    expected = await uninterrupted(
-        lambda: JsonlStore(tmp_path / "u"), Replay.NEVER, six_step_script()
-    )
+    expected = await uninterrupted(MemoryStore, Replay.NEVER, six_step_script())
     resumed, ledger, store = await crash_and_resume(
         lambda: JsonlStore(tmp_path / f"k{k}"), k, Replay.NEVER, six_step_script()
     )

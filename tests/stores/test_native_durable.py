@@ -11,7 +11,7 @@ import pytest
 
 from kit.agent import Ledger, close_store, definition, make_tools, request, same_outcome
 from kit.native import INTERPRETER, NATIVE, HashingModel, native_script
-from kit.store import DURABLE_KINDS, durable_opener
+from kit.store import DURABLE_KINDS, durable_opener, sampled
 from kit.sweep import every_point
 from polyloop import Replay, RunResult, StopReason, Store, resume, run
 from polyloop.stores import JsonlStore
@@ -23,7 +23,7 @@ TOTAL_WRITES = 21  # 1 + 4 + 4 + 3 + 4 + 4 + 1
 ACTION_INTENTS = {4, 8, 15, 19}
 
 
-@pytest.fixture(params=DURABLE_KINDS)
+@pytest.fixture(params=sampled(DURABLE_KINDS))
 def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], Store]:
     return durable_opener(request, tmp_path)
 

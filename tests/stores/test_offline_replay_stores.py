@@ -11,19 +11,16 @@ import pytest
 
 from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
 from kit.replay import ThreeIsFour, copied, offline, plain_steps, record, without_run
-from kit.store import STORE_KINDS, Stores
+from kit.store import STORE_KINDS, Stores, sampled
 from polyloop import ActionStatus, RunLog, StepRecord, StopReason, fork, run
 from polyloop.testing import RecordedExecutor, RecordedModelClient
 
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(params=STORE_KINDS)
+@pytest.fixture(params=sampled(STORE_KINDS))
 async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
-    conninfo = (
-        request.getfixturevalue("postgres_conninfo") if request.param == "postgresql" else None
-    )
-    kit = Stores(request.param, tmp_path, conninfo)
+    kit = Stores.of(request.param, request, tmp_path)
     try:
         yield kit
     finally:

@@ -44,7 +44,7 @@ from kit.store import DURABLE_STORE_BACKENDS
 from kit.sweep import every_point
 from polyloop import ModelCall, Replay, RunEnded, RunResult, StopReason, resume, run
 from polyloop.ports import Store
-from polyloop.stores import PostgresStore
+from polyloop.stores import MemoryStore, PostgresStore
 from polyloop.stores._sql.postgres import connection as _postgres_connection
 from polyloop.stores._sql.postgres import sql as _postgres_sql
 from polyloop.stores._sql.postgres.batch import Committer
@@ -108,13 +108,23 @@ def new_schema(shared_database: str) -> Iterator[Callable[[], str]]:
 
 class TestPostgresContract(DurableStoreContract):
     @pytest.fixture
-    def store_factory(self, conninfo: str) -> Callable[[], Store]:
-        return lambda: PostgresStore(conninfo)
+    def place(self, request: pytest.FixtureRequest) -> tuple[str, str]:
+        """The URL and schema of the store: a schema of the test's own in the shared
+        database, which costs far less than a database; but a child process knows the store
+        by its URL alone, so a test that has one opens the default schema of a database."""
+        if "store_reference" in request.fixturenames:
+            return request.getfixturevalue("conninfo"), "polyloop"
+        return request.getfixturevalue("shared_database"), request.getfixturevalue("new_schema")()
 
     @pytest.fixture
-    def store_reference(self, conninfo: str) -> tuple[str, list[Any]]:
+    def store_factory(self, place: tuple[str, str]) -> Callable[[], Store]:
+        conninfo, schema = place
+        return lambda: PostgresStore(conninfo, schema=schema)
+
+    @pytest.fixture
+    def store_reference(self, place: tuple[str, str]) -> tuple[str, list[Any]]:
         # The child process opens the same database: the URL says it all.
-        return ("polyloop.stores:PostgresStore", [conninfo])
+        return ("polyloop.stores:PostgresStore", [place[0]])
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -193,10 +203,8 @@ async def _claim_until_unlocked(store: PostgresStore, run_id: str) -> None:
 async def test_crash_after_every_write_resumes_like_an_uninterrupted_run(
     shared_database: str, new_schema: Callable[[], str], k: int
 ) -> None:
-    plain, crashed = new_schema(), new_schema()
-    expected = await uninterrupted(
-        lambda: PostgresStore(shared_database, schema=plain), Replay.ALLOWED, six_step_script()
-    )
+    crashed = new_schema()
+    expected = await uninterrupted(MemoryStore, Replay.ALLOWED, six_step_script())
     resumed, ledger, store = await crash_and_resume(
         lambda: PostgresStore(shared_database, schema=crashed),
         k,
@@ -220,10 +228,8 @@ async def test_crash_after_every_write_resumes_like_an_uninterrupted_run(
 async def test_crash_with_replay_never_is_in_doubt_only_after_an_intent(
     shared_database: str, new_schema: Callable[[], str], k: int
 ) -> None:
-    plain, crashed = new_schema(), new_schema()
-    expected = await uninterrupted(
-        lambda: PostgresStore(shared_database, schema=plain), Replay.NEVER, six_step_script()
-    )
+    crashed = new_schema()
+    expected = await uninterrupted(MemoryStore, Replay.NEVER, six_step_script())
     resumed, ledger, store = await crash_and_resume(
         lambda: PostgresStore(shared_database, schema=crashed),
         k,

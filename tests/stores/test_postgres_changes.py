@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -56,23 +57,32 @@ async def store(postgres_shared: str, schema: str) -> AsyncIterator[PostgresStor
 
 
 class Heard:
-    """A connection of the test's own listening on a store's channel: every payload."""
+    """A connection of the test's own listening on a store's channel: every payload; and
+    another that marks where each take ends."""
 
     def __init__(self, conninfo: str, schema: str) -> None:
+        self.channel = channel(schema)
         self.conn = psycopg.connect(conninfo, autocommit=True)
-        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel(schema))))
+        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+        self.marker = psycopg.connect(conninfo, autocommit=True)
+        self.mark = f"mark {uuid.uuid4()}"  # no payload a store sends in these tests
 
-    async def take(self, *, expected: int) -> list[str]:
-        """The payloads heard since the last take: waits for ``expected`` of them, then
-        a moment longer for any more (a moment only, if none is expected)."""
+    async def take(self) -> list[str]:
+        """The payloads of the notifications committed since the last take.
+
+        The take notifies a mark of its own and reads up to it: PostgreSQL delivers the
+        notifications of different transactions in the order they committed, so one that a
+        write committed before this call cannot come after the mark.
+        """
 
         def read() -> list[str]:
+            self.marker.execute("SELECT pg_notify(%s, %s)", (self.channel, self.mark))
             payloads = []
-            if expected:
-                for notify in self.conn.notifies(timeout=10, stop_after=expected):
-                    payloads.append(notify.payload)
-            payloads += [notify.payload for notify in self.conn.notifies(timeout=0.3)]
-            return payloads
+            for notify in self.conn.notifies(timeout=10):
+                if notify.payload == self.mark:
+                    return payloads
+                payloads.append(notify.payload)
+            raise AssertionError("the take's own mark was not heard within 10 s")
 
         return await anyio.to_thread.run_sync(read)
 
@@ -84,6 +94,7 @@ def heard(conninfo: str, schema: str) -> Iterator[Heard]:
         yield listening
     finally:
         listening.conn.close()
+        listening.marker.close()
 
 
 def _ended(run_id: str, reason: StopReason) -> RunEnded:
@@ -146,7 +157,7 @@ async def test_the_writes_that_may_let_a_run_go_on_notify_and_no_other(
         ]
         for method, args, expected in writes:
             await getattr(store, method)(*args)
-            payloads = await heard_.take(expected=expected)
+            payloads = await heard_.take()
             assert payloads == ["r1"] * expected, (method, args)
 
 
@@ -176,7 +187,7 @@ async def test_the_payload_is_the_run_id_as_its_column_spells_it_or_empty_past_t
             await store.claim_run(run_id)
             await store.start_run(sample_run(run_id)[0][1][0])
             await store.release_run(run_id)
-        assert await heard_.take(expected=4) == [run_id_column(awkward)] * 2 + [""] * 2
+        assert await heard_.take() == [run_id_column(awkward)] * 2 + [""] * 2
     assert len(channel(schema).encode()) <= 63
     assert channel(schema) == channel(schema) != channel(schema + "x")
     assert len(channel("é" * 31)) == len(channel(schema))  # whatever the schema's name
@@ -191,7 +202,7 @@ async def test_closing_a_store_that_holds_claims_notifies_for_its_started_runs(
     await closing.claim_run("never started")
     with heard(postgres_shared, schema) as heard_:
         await closing.aclose()
-        assert await heard_.take(expected=1) == ["started"]
+        assert await heard_.take() == ["started"]
 
 
 async def test_a_write_rolled_back_or_refused_notifies_nothing(
@@ -207,11 +218,11 @@ async def test_a_write_rolled_back_or_refused_notifies_nothing(
         # The end's statement fails on that row: its transaction, notification and all, goes.
         with pytest.raises(StoreError):
             await store.end_run(_ended("r1", StopReason.AWAITING_APPROVAL))
-        assert await heard_.take(expected=0) == []
+        assert await heard_.take() == []
         # A run that does not exist has no row to notify of.
         with pytest.raises(Exception, match="no record"):
             await store.request_cancel(CancelRequest(run_id="nobody", by="ann", reason="stop"))
-        assert await heard_.take(expected=0) == []
+        assert await heard_.take() == []
 
 
 # -- the feed ----------------------------------------------------------------------------------

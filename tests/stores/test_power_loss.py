@@ -25,7 +25,8 @@ import errno
 import os
 import random
 import stat
-from collections.abc import Mapping
+import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,21 +48,17 @@ from polyloop import resume, run
 from polyloop._recovery import RecoveryState, read_plan
 from polyloop.stores._engine import EngineStore
 from polyloop.stores._paths import safe_name
-from polyloop.testing import ScriptedModelClient
+from polyloop.testing import FaultyStore, ScriptedModelClient
 from polyloop.types import (
-    CancelRequest,
     CorruptLog,
     Intent,
-    JSONValue,
     Replay,
-    Result,
     RunEnded,
     RunLocked,
     RunLog,
     RunNotFound,
     RunResult,
     RunStarted,
-    StepRecord,
     StopReason,
 )
 
@@ -434,61 +431,31 @@ def _after_loss(node: SimFile, rng: random.Random, *, ordered: bool = False) -> 
 # -- the run and what the disk says about it ----------------------------------------------
 
 
-class AckingStore:
+class AckingStore(FaultyStore):
     """Passes every call to ``inner`` and counts the records the store promised to keep.
 
     ``acked`` is the number of complete lines the run file must hold: the ones it held
     (durably) when this store object started, plus every record whose write had returned
-    when the last barrier (``start_run`` or ``write_intent``) returned.
+    when the last barrier (``start_run`` or ``write_intent``) returned. No write fails
+    here: a power loss, not a crash, ends the store's life.
     """
 
     def __init__(self, inner: EngineStore, *, initial: int) -> None:
-        self.inner = inner
+        super().__init__(inner, fail_after_writes=sys.maxsize)
         self.returned = self.acked = initial
         self.started = initial > 0
 
-    def parameters(self) -> Mapping[str, JSONValue]:
-        return self.inner.parameters()
-
-    async def claim_run(self, run_id: str) -> None:
-        await self.inner.claim_run(run_id)
-
-    async def release_run(self, run_id: str) -> None:
-        await self.inner.release_run(run_id)
-
-    async def check_claim(self, run_id: str) -> None:
-        await self.inner.check_claim(run_id)
-
-    async def request_cancel(self, request: CancelRequest) -> None:
-        await self.inner.request_cancel(request)
-
-    async def read_cancel(self, run_id: str) -> CancelRequest | None:
-        return await self.inner.read_cancel(run_id)
+    async def _write(self, write: Callable[..., Awaitable[None]], *args: Any) -> None:
+        await write(*args)
+        self.returned += 1
 
     async def start_run(self, record: RunStarted) -> None:
-        await self.inner.start_run(record)
-        self.returned += 1
+        await super().start_run(record)
         self.acked, self.started = self.returned, True
 
     async def write_intent(self, intent: Intent) -> None:
-        await self.inner.write_intent(intent)
-        self.returned += 1
+        await super().write_intent(intent)
         self.acked = self.returned
-
-    async def write_result(self, result: Result) -> None:
-        await self.inner.write_result(result)
-        self.returned += 1
-
-    async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
-        await self.inner.write_step(step, action_result)
-        self.returned += 1
-
-    async def end_run(self, record: RunEnded) -> None:
-        await self.inner.end_run(record)
-        self.returned += 1
-
-    async def read_log(self, run_id: str) -> RunLog:
-        return await self.inner.read_log(run_id)
 
 
 def lines_of(data: bytes | None) -> list[bytes]:

@@ -24,7 +24,7 @@ import pytest
 from kit.agent import TEXTS, answer, definition, request, tool_call
 from kit.probe import NOT_PAID, KeyVoided, Payments, tools
 from kit.review import plain_steps
-from kit.store import STORE_KINDS, durable_opener
+from kit.store import STORE_KINDS, durable_opener, sampled
 from kit.sweep import every_point
 from polyloop import (
     ActionStatus,
@@ -145,19 +145,8 @@ async def _records(store: Store) -> tuple[Any, ...]:
     return (await store.read_log(RUN)).records
 
 
-@pytest.fixture(params=STORE_KINDS)
+@pytest.fixture(params=sampled(STORE_KINDS))
 def worker(request: pytest.FixtureRequest, tmp_path: Path) -> Worker:
-    return _worker(request, tmp_path)
-
-
-# The sweeps open a fresh PostgreSQL database per point: there only the slow set runs them.
-@pytest.fixture(
-    params=[
-        *(kind for kind in STORE_KINDS if kind != "postgresql"),
-        pytest.param("postgresql", marks=pytest.mark.slow),
-    ]
-)
-def swept(request: pytest.FixtureRequest, tmp_path: Path) -> Worker:
     return _worker(request, tmp_path)
 
 
@@ -244,8 +233,8 @@ async def test_a_crash_that_leaves_the_payment_in_doubt_is_settled_by_the_probe(
 
 
 @pytest.mark.parametrize("point", every_point(OTHER_POINTS))
-async def test_a_crash_after_any_other_write_needs_no_probe(swept: Worker, point: int) -> None:
-    await _crash_and_resume(swept, point)
+async def test_a_crash_after_any_other_write_needs_no_probe(worker: Worker, point: int) -> None:
+    await _crash_and_resume(worker, point)
 
 
 async def _crash_and_resume(worker: Worker, point: int | str) -> None:
@@ -288,9 +277,8 @@ SECOND_CRASHES = every_point(
 
 @pytest.mark.parametrize(("first", "second"), SECOND_CRASHES)
 async def test_a_crash_after_every_write_of_the_resume_that_asks_the_probe(
-    swept: Worker, first: int | str, second: int | str
+    worker: Worker, first: int | str, second: int | str
 ) -> None:
-    worker = swept
     assert await worker.attempt(crash_after=first) is None
     asked: list[tuple[int, str]] = []
     for crash_after in (second, None):
@@ -389,14 +377,18 @@ HUNG = "hung:1:action"
 
 
 @pytest.fixture
-def store_argument(worker: Worker, request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
-    """The STORE argument of the command line for the worker's store; ``None`` for memory."""
+def store_argument(
+    worker: Worker, request: pytest.FixtureRequest, tmp_path: Path
+) -> list[str] | None:
+    """The command line's STORE argument (and schema) for the worker's store; ``None`` for
+    memory."""
     if worker.kind == "jsonl":
-        return f"jsonl:{tmp_path / 'runs'}"
+        return [f"jsonl:{tmp_path / 'runs'}"]
     if worker.kind == "sqlite":
-        return f"sqlite:{tmp_path / 'runs.db'}"
+        return [f"sqlite:{tmp_path / 'runs.db'}"]
     if worker.kind == "postgresql":
-        return str(request.getfixturevalue("postgres_conninfo"))
+        conninfo, schema = request.getfixturevalue("postgres_place")
+        return [conninfo, "--schema", schema]
     return None
 
 
@@ -417,7 +409,7 @@ async def _paid_then_crashed(worker: Worker, run_id: str) -> None:
 
 
 async def test_recover_goes_on_past_a_probe_that_never_answers(
-    worker: Worker, store_argument: str | None, capsys: pytest.CaptureFixture[str]
+    worker: Worker, store_argument: list[str] | None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     for run_id in ("a", "hung", "z"):
         await _paid_then_crashed(worker, run_id)
@@ -449,7 +441,7 @@ async def test_recover_goes_on_past_a_probe_that_never_answers(
 
     # The person's answer, from the command line where there is one.
     if store_argument is not None:
-        argv = ["settle", store_argument, "hung", "--by", "carol"]
+        argv = ["settle", *store_argument, "hung", "--by", "carol"]
         argv += ["--ran", "--observation", "paid 5"]
         assert await anyio.to_thread.run_sync(main, argv) == 0
         assert f"settled {HUNG}: ran (by carol)" in capsys.readouterr().out

@@ -38,7 +38,7 @@ from kit.sweep import every_point
 from polyloop import Replay, RunEnded, StopReason, resume, run, serialization
 from polyloop.ports import Store
 from polyloop.serialization import dumps
-from polyloop.stores import SqliteStore
+from polyloop.stores import MemoryStore, SqliteStore
 from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
@@ -126,10 +126,9 @@ class TestSqliteContract(DurableStoreContract):
 # -- crash after every write, then resume -------------------------------------------------------
 
 
-async def _clean_run(tmp_path: Path, replay: Replay) -> Any:
-    return await uninterrupted(
-        lambda: SqliteStore(tmp_path / "clean.db"), replay, six_step_script()
-    )
+async def _clean_run(replay: Replay) -> Any:
+    # The run as it goes without a crash; the memory store keeps it quickest.
+    return await uninterrupted(MemoryStore, replay, six_step_script())
 
 
 @pytest.mark.parametrize("k", every_point(range(1, SIX_STEP_WRITES)))
@@ -142,7 +141,7 @@ async def test_crash_after_write_k_resumes_like_an_uninterrupted_run(
     )
     await close_store(store)
     assert resumed.resumed
-    assert same_outcome(resumed, await _clean_run(tmp_path, Replay.ALLOWED))
+    assert same_outcome(resumed, await _clean_run(Replay.ALLOWED))
 
 
 @pytest.mark.parametrize("k", every_point(range(1, SIX_STEP_WRITES)))
@@ -158,7 +157,7 @@ async def test_crash_after_write_k_without_replay_never_repeats_an_action(
     if k in SIX_STEP_INTENT_WRITES:
         assert resumed.stop_reason is StopReason.IN_DOUBT
     else:
-        assert same_outcome(resumed, await _clean_run(tmp_path, Replay.NEVER))
+        assert same_outcome(resumed, await _clean_run(Replay.NEVER))
     async with SqliteStore(path) as reader:
         last = (await reader.read_log("r")).records[-1]
     assert isinstance(last, RunEnded)
@@ -1206,11 +1205,9 @@ async def test_a_failing_commit_fails_every_run_in_it_and_the_logs_resume(
 
     async with SqliteStore(path) as reopened:
         for run_id in run_ids:
+            # The run as it goes without a failure; the memory store keeps it quickest.
             clean = await uninterrupted(
-                lambda: SqliteStore(tmp_path / "clean.db"),
-                Replay.ALLOWED,
-                six_step_script(),
-                run_id=run_id,
+                MemoryStore, Replay.ALLOWED, six_step_script(), run_id=run_id
             )
             result = results[run_id]
             if run_id in doomed:

@@ -64,18 +64,14 @@ from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._paths import safe_name
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from polyloop.types import (
-    CancelRequest,
     Intent,
     IntentKind,
     Record,
     Replay,
     Result,
     RunEnded,
-    RunLog,
     RunNotFound,
     RunResult,
-    RunStarted,
-    StepRecord,
     StoreError,
 )
 
@@ -523,57 +519,22 @@ async def _terminate_writer(conninfo: str, schema: str, *, stalled: bool) -> Non
     assert await _query(conninfo, "SELECT pg_terminate_backend(%s, 10000)", pid) == [(True,)]
 
 
-class TerminatingStore:
+class TerminatingStore(FaultyStore):
     """Passes every call to a ``PostgresStore``; at write ``k`` the writer session dies.
 
     ``mode="before"``: the writer's idle session is terminated just before write ``k``
     is sent. ``mode="inside"``: a trigger makes the first row of write ``k`` sleep inside
     its transaction, and the session is terminated while it sleeps, so the connection
-    drops in the middle of the transaction.
+    drops in the middle of the transaction. Claims, releases and reads are not writes
+    (:class:`FaultyStore` passes them on uncounted), and every write goes on.
     """
 
     def __init__(self, inner: PostgresStore, place: tuple[str, str], k: int, mode: str) -> None:
-        self.inner, self.place, self.k, self.mode = inner, place, k, mode
-        self.writes = 0
-
-    def parameters(self) -> Any:
-        return self.inner.parameters()
-
-    async def claim_run(self, run_id: str) -> None:
-        await self.inner.claim_run(run_id)  # a claim is not a write: never counted
-
-    async def release_run(self, run_id: str) -> None:
-        await self.inner.release_run(run_id)
-
-    async def check_claim(self, run_id: str) -> None:
-        await self.inner.check_claim(run_id)
-
-    async def request_cancel(self, request: CancelRequest) -> None:
-        await self.inner.request_cancel(request)
-
-    async def read_cancel(self, run_id: str) -> CancelRequest | None:
-        return await self.inner.read_cancel(run_id)
-
-    async def read_log(self, run_id: str) -> RunLog:
-        return await self.inner.read_log(run_id)
-
-    async def start_run(self, record: RunStarted) -> None:
-        await self._write(self.inner.start_run, record)
-
-    async def write_intent(self, intent: Intent) -> None:
-        await self._write(self.inner.write_intent, intent)
-
-    async def write_result(self, result: Result) -> None:
-        await self._write(self.inner.write_result, result)
-
-    async def write_step(self, step: StepRecord, action_result: Result | None) -> None:
-        await self._write(self.inner.write_step, step, action_result)
-
-    async def end_run(self, record: RunEnded) -> None:
-        await self._write(self.inner.end_run, record)
+        super().__init__(inner, fail_after_writes=k - 1)  # the writes before k go on as they are
+        self.postgres, self.place, self.k, self.mode = inner, place, k, mode
 
     async def aclose(self) -> None:
-        await self.inner.aclose()
+        await self.postgres.aclose()
 
     async def _write(self, method: Callable[..., Awaitable[None]], *args: Any) -> None:
         self.writes += 1

@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from kit.agent import (
     Ledger,
@@ -59,10 +60,7 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(params=STORE_KINDS)
 async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
-    conninfo = (
-        request.getfixturevalue("postgres_conninfo") if request.param == "postgresql" else None
-    )
-    kit = Stores(request.param, tmp_path, conninfo)
+    kit = Stores.of(request.param, request, tmp_path)
     try:
         yield kit
     finally:
@@ -164,18 +162,19 @@ async def test_hostile_run_ids_and_bindings_are_plain_data_on_every_store(
         assert runs == len(HOSTILE) + 1
         assert listed == runs  # one row per run in the table of runs, each finished
     if stores.kind == "postgresql":
-        assert stores.conninfo is not None
-        with psycopg.connect(stores.conninfo) as db:
+        assert stores.place is not None
+        conninfo, schema = stores.place
+        with psycopg.connect(conninfo) as db:
             tables = {
                 name
                 for (name,) in db.execute(
-                    "SELECT tablename FROM pg_catalog.pg_tables WHERE schemaname = 'polyloop'"
+                    "SELECT tablename FROM pg_catalog.pg_tables WHERE schemaname = %s", (schema,)
                 )
             }
-            (runs,) = db.execute(  # type: ignore[misc]
-                "SELECT COUNT(*) FROM polyloop.records WHERE seq = 0"
-            ).fetchone()
-            (listed,) = db.execute("SELECT COUNT(*) FROM polyloop.runs WHERE finished").fetchone()
+            records = sql.SQL("SELECT COUNT(*) FROM {}.records WHERE seq = 0")
+            (runs,) = db.execute(records.format(sql.Identifier(schema))).fetchone()  # type: ignore[misc]
+            finished = sql.SQL("SELECT COUNT(*) FROM {}.runs WHERE finished")
+            (listed,) = db.execute(finished.format(sql.Identifier(schema))).fetchone()
         assert tables == {"meta", "records", "runs", "owners"}
         assert runs == len(HOSTILE) + 1
         assert listed == runs  # one row per run in the table of runs, each finished

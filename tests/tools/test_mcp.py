@@ -94,27 +94,40 @@ def _start_http(record: Path, variant: str | None) -> tuple[subprocess.Popen[str
     return process, process.stdout.readline()
 
 
-@pytest.fixture(scope="module")
-def http_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str | None, Server]]:
-    """One HTTP server per variant for the whole module: started once, shared by tests."""
-    folder = tmp_path_factory.mktemp("mcp-http")
-    processes: dict[str | None, subprocess.Popen[str]] = {}
-    servers: dict[str | None, Server] = {}
-    try:
-        for variant in (None, "schema", "annotations"):
-            record = folder / f"{variant or 'base'}.jsonl"
+class HttpServers:
+    """One HTTP server per variant, started when a test first asks for it (the changed
+    variants only the slow tests ask for) and shared by the module's tests after."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.processes: dict[str | None, subprocess.Popen[str]] = {}
+        self.servers: dict[str | None, Server] = {}
+
+    def __getitem__(self, variant: str | None) -> Server:
+        if variant not in self.servers:
+            record = self.folder / f"{variant or 'base'}.jsonl"
             process, line = _start_http(record, variant)
-            processes[variant] = process
+            self.processes[variant] = process
             assert line.startswith("port "), line
             url = f"http://127.0.0.1:{int(line.split()[1])}/mcp"
-            servers[variant] = Server(record=record, url=url, variant=variant)
-        yield servers
-    finally:
-        for process in processes.values():
+            self.servers[variant] = Server(record=record, url=url, variant=variant)
+        return self.servers[variant]
+
+    def stop(self) -> None:
+        for process in self.processes.values():
             process.terminate()
             process.wait(timeout=10)
             assert process.stdout is not None
             process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def http_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServers]:
+    servers = HttpServers(tmp_path_factory.mktemp("mcp-http"))
+    try:
+        yield servers
+    finally:
+        servers.stop()
 
 
 @pytest.fixture(params=["stdio", "http"])
@@ -125,17 +138,17 @@ def transport(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def servers(
     transport: str, request: pytest.FixtureRequest, tmp_path: Path
-) -> dict[str | None, Server]:
+) -> HttpServers | dict[str | None, Server]:
     """The base server and its changed variants, over the test's transport."""
     if transport == "http":
-        shared: dict[str | None, Server] = request.getfixturevalue("http_servers")
+        shared: HttpServers = request.getfixturevalue("http_servers")
         return shared
     record = tmp_path / "stdio.jsonl"
     return {v: Server(record=record, url=None, variant=v) for v in (None, "schema", "annotations")}
 
 
 @pytest.fixture
-def server(servers: dict[str | None, Server]) -> Server:
+def server(servers: HttpServers | dict[str | None, Server]) -> Server:
     return servers[None]
 
 
@@ -563,7 +576,7 @@ async def test_a_crash_at_every_write_point(
 @pytest.mark.slow
 @pytest.mark.parametrize("change", ["schema", "annotations"])
 async def test_a_server_changed_between_crash_and_resume_is_refused(
-    servers: dict[str | None, Server], tmp_path: Path, change: str
+    servers: HttpServers | dict[str | None, Server], tmp_path: Path, change: str
 ) -> None:
     run_id = new_run_id("changed")
     database = tmp_path / "runs.db"
