@@ -1,6 +1,6 @@
 """The ``slow`` marker of ``tests/conftest.py``: plain ``pytest`` leaves the slow tests out
 and says so; ``--run-slow`` runs them too. Also which cases of a file the rules of
-research-wiki/0044 and 0064 make slow."""
+research-wiki/0044 and 0065 make slow."""
 
 from __future__ import annotations
 

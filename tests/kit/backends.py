@@ -4,7 +4,7 @@
 the same under either backend takes its backends from :data:`TRIO_SLOW` (its Trio cases
 run with ``--run-slow``); its cases where the event loop matters (a whole run, a request
 cancelled in flight, concurrent runs) take :data:`BOTH_BACKENDS` and stay quick under
-both (research-wiki/0044 and 0064).
+both (research-wiki/0044 and 0065).
 """
 
 from __future__ import annotations

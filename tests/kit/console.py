@@ -25,7 +25,7 @@ EVIL = '<script>alert("x")</script><b>bold</b>'
 EVIL_RUN = f"run-{EVIL}"
 FINISHED = ("done-1", "done-2", "done-3")
 # The stores the console's tests run on: what it shows and takes goes through the store's
-# interface alone, which each store's contract suite checks (research-wiki/0064).
+# interface alone, which each store's contract suite checks (research-wiki/0065).
 CONSOLE_KINDS = sampled(("sqlite", "postgresql"))
 
 

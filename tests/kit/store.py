@@ -18,7 +18,7 @@ STORE_KINDS = ("memory", "jsonl", "sqlite", "postgresql")
 DURABLE_KINDS = ("jsonl", "sqlite", "postgresql")
 SLOW = pytest.mark.slow
 # The stores on which a case about the kernel, the command line or the console runs in the
-# quick run; its cases on the others are slow (research-wiki/0064). Each store's own tests
+# quick run; its cases on the others are slow (research-wiki/0065). Each store's own tests
 # (its contract suite, crash sweeps and faults) stay quick.
 QUICK_KINDS = ("memory", "sqlite")
 # The backends of a test file about one durable store: its Trio cases are slow, as are the
