@@ -100,10 +100,7 @@ async def record(store: Store, run_id: str = RUN) -> RunResult:
 
 @pytest.fixture(params=STORE_KINDS)
 async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
-    conninfo = (
-        request.getfixturevalue("postgres_conninfo") if request.param == "postgresql" else None
-    )
-    kit = Stores(request.param, tmp_path, conninfo)
+    kit = Stores.of(request.param, request, tmp_path)
     try:
         yield kit
     finally:
@@ -122,9 +119,10 @@ def held_lines(stores: Stores, run_id: str = RUN) -> list[bytes]:
         with sqlite3.connect(stores.sqlite_path) as db:
             rows = db.execute(query.format("records").replace("%s", "?"), (run_id,)).fetchall()
     else:
-        assert stores.conninfo is not None
-        with psycopg.connect(stores.conninfo) as db:
-            rows = db.execute(query.format("polyloop.records"), (run_id,)).fetchall()
+        assert stores.place is not None
+        conninfo, schema = stores.place
+        with psycopg.connect(conninfo) as db:
+            rows = db.execute(query.format(f"{schema}.records"), (run_id,)).fetchall()
     return [body.encode() for (body,) in rows]
 
 
@@ -178,8 +176,7 @@ async def test_every_store_reads_back_the_very_steps_the_run_wrote(stores: Store
 async def test_a_step_adds_about_its_observation_less_to_the_log(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    conninfo = request.getfixturevalue("postgres_conninfo") if kind == "postgresql" else None
-    stores = Stores(kind, tmp_path, conninfo)
+    stores = Stores.of(kind, request, tmp_path)
     try:
         await record(stores.open())
         held = held_lines(stores)
