@@ -16,7 +16,7 @@ import json
 import socket
 import urllib.request
 import warnings
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from kit.agent import (
     timeless,
     tool_call,
 )
-from kit.store import STORE_KINDS, Stores, sampled
+from kit.store import STORE_KINDS, Stores, sampled, stores_fixture
 from polyloop import (
     Action,
     ActionStatus,
@@ -70,13 +70,7 @@ REFUSED = "Refused: "  # the not_executed template of kit.agent.TEXTS, before {r
 
 # What the kernel refuses is refused alike on every store: quick on the memory store and
 # SQLite. What a store keeps and reads back is each store's own: every store, quick.
-@pytest.fixture(params=sampled(STORE_KINDS))
-async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
-    kit = Stores.of(request.param, request, tmp_path)
-    try:
-        yield kit
-    finally:
-        await kit.close_all()
+stores = stores_fixture(sampled(STORE_KINDS))
 
 
 async def run_then_resume(

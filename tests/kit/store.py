@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +105,18 @@ class Stores:
     async def close_all(self) -> None:
         for store in self.opened:
             await store.aclose()
+
+
+def stores_fixture(kinds: Iterable[Any]) -> Any:
+    """A ``stores`` fixture with a parameter per kind (or :func:`sampled` parameter): each
+    test gets its own :class:`Stores`, every store it opened closed after it."""
+
+    @pytest.fixture(params=list(kinds))
+    async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
+        kit = Stores.of(request.param, request, tmp_path)
+        try:
+            yield kit
+        finally:
+            await kit.close_all()
+
+    return stores

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -19,7 +19,7 @@ import pytest
 
 from kit.agent import definition, request, tool_call
 from kit.replay import offline, plain_steps
-from kit.store import DURABLE_KINDS, STORE_KINDS, Stores
+from kit.store import DURABLE_KINDS, STORE_KINDS, Stores, stores_fixture
 from polyloop import (
     ActionStatus,
     CorruptLog,
@@ -98,13 +98,7 @@ async def record(store: Store, run_id: str = RUN) -> RunResult:
     return await run(definition(store, script=SCRIPT), request(run_id, tools()))
 
 
-@pytest.fixture(params=STORE_KINDS)
-async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
-    kit = Stores.of(request.param, request, tmp_path)
-    try:
-        yield kit
-    finally:
-        await kit.close_all()
+stores = stores_fixture(STORE_KINDS)
 
 
 # -- what is on disk ---------------------------------------------------------------------------

@@ -4,27 +4,18 @@ trajectory, and a changed template or interpreter is caught at the step it chang
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import pytest
 
 from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
 from kit.replay import ThreeIsFour, copied, offline, plain_steps, record, without_run
-from kit.store import STORE_KINDS, Stores, sampled
+from kit.store import STORE_KINDS, Stores, sampled, stores_fixture
 from polyloop import ActionStatus, RunLog, StepRecord, StopReason, fork, run
 from polyloop.testing import RecordedExecutor, RecordedModelClient
 
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture(params=sampled(STORE_KINDS))
-async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
-    kit = Stores.of(request.param, request, tmp_path)
-    try:
-        yield kit
-    finally:
-        await kit.close_all()
+stores = stores_fixture(sampled(STORE_KINDS))
 
 
 async def recorded_log(stores: Stores) -> RunLog:

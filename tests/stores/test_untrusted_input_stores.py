@@ -14,7 +14,6 @@ Not repeated here: that the SQLite store checks on open that it really got WAL a
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from kit.agent import (
     same_outcome,
     tool_call,
 )
-from kit.store import STORE_KINDS, Stores
+from kit.store import STORE_KINDS, Stores, stores_fixture
 from polyloop import (
     CorruptLog,
     IntentKind,
@@ -58,13 +57,7 @@ pytestmark = pytest.mark.anyio
 # -- stores ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=STORE_KINDS)
-async def stores(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Stores]:
-    kit = Stores.of(request.param, request, tmp_path)
-    try:
-        yield kit
-    finally:
-        await kit.close_all()
+stores = stores_fixture(STORE_KINDS)
 
 
 # -- hostile run ids and binding values --------------------------------------------------------
