@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from polyloop._shared import canonical_json
@@ -151,12 +151,15 @@ def messages_sha256(messages: Iterable[Message]) -> str:
     """The sha256 of a message sequence, as :class:`Transcript` computes it."""
     digest = hashlib.sha256()
     for message in messages:
-        digest.update(_digest_line(message))
+        _digest_line(digest.update, message)
     return digest.hexdigest()
 
 
-def _digest_line(message: Message) -> bytes:
-    return canonical(message_json(message)) + b"\n"
+def _digest_line(update: Callable[[bytes], object], message: Message) -> None:
+    """Feed a digest (its ``update``) the message's line: its canonical JSON and a line
+    break, in two parts, so that a long observation is not copied again to join them."""
+    update(canonical(message_json(message)))
+    update(b"\n")
 
 
 class Transcript:
@@ -176,7 +179,7 @@ class Transcript:
             self._messages.append(message)
             for block in message.content:
                 self._size += block.size()
-            self._digest.update(_digest_line(message))
+            _digest_line(self._digest.update, message)
 
     @property
     def messages(self) -> tuple[Message, ...]:

@@ -13,7 +13,7 @@ import contextlib
 import hashlib
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -122,17 +122,35 @@ def run_trace_ids(run_id: str) -> tuple[int, int]:
     return trace_id, span_id
 
 
-# Built once: json.dumps with options builds a new encoder on every call. What is
-# encoded is a plain copy or a value built by the library, never one that holds itself,
-# so the encoder need not look for cycles.
-def _canonical_encoder(*, ascii: bool) -> json.JSONEncoder:
-    return json.JSONEncoder(
+# Built once: json.dumps with options builds a new encoder on every call, and
+# JSONEncoder.encode builds its C encoder anew on every call too. What is encoded is a
+# plain copy or a value built by the library, never one that holds itself, so the
+# encoder need not look for cycles.
+def _canonical_encoder(*, ascii: bool) -> Callable[[Any], str]:
+    encoder = json.JSONEncoder(
         ensure_ascii=ascii,
         allow_nan=False,
         sort_keys=True,
         separators=(",", ":"),
         check_circular=False,
     )
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # a Python without json's C accelerator: the same, built per call
+        return encoder.encode
+    # What JSONEncoder.encode runs for these settings (no indent), built once.
+    escape = json.encoder.encode_basestring_ascii if ascii else json.encoder.encode_basestring
+    iterencode = make(
+        None,  # no cycle markers: check_circular is off
+        encoder.default,
+        escape,
+        None,  # no indent
+        encoder.key_separator,
+        encoder.item_separator,
+        encoder.sort_keys,
+        encoder.skipkeys,
+        encoder.allow_nan,
+    )
+    return lambda value: "".join(iterencode(value, 0))
 
 
 _CANONICAL = _canonical_encoder(ascii=False)
@@ -146,7 +164,7 @@ def canonical_json(value: Any, *, ascii: bool = False) -> str:
     type for, and ``RecursionError`` for one that contains itself. With ``ascii``,
     every character beyond ASCII is escaped.
     """
-    return (_CANONICAL_ASCII if ascii else _CANONICAL).encode(value)
+    return (_CANONICAL_ASCII if ascii else _CANONICAL)(value)
 
 
 def encodable_json(value: Any) -> str:
@@ -166,12 +184,16 @@ def encodable_json(value: Any) -> str:
     return text
 
 
+# What json.dumps(arguments, ensure_ascii=False, sort_keys=True) builds on every call.
+_CALL_ARGUMENTS = json.JSONEncoder(ensure_ascii=False, sort_keys=True)
+
+
 def call_text(name: str, arguments: Any) -> str:
     """A tool call as an action's text reads it: ``name({"key": "value"})``.
 
     Written once, so a call a person edited reads exactly as the model's own would.
     """
-    return f"{name}({json.dumps(arguments, ensure_ascii=False, sort_keys=True)})"
+    return f"{name}({_CALL_ARGUMENTS.encode(arguments)})"
 
 
 def exception_text(exc: BaseException) -> str:
@@ -230,28 +252,11 @@ def _copy(item: Any, depth: int, objects: Any, arrays: Any) -> Any:
         return item
     if isinstance(item, (str, bool)):
         return item
-    if isinstance(item, objects):
-        copied: dict[str, Any] = {}
-        for key, sub in item.items():
-            if not isinstance(key, str):
-                raise _Refused(f"key {key!r} is not a string")
-            if key in copied:  # a mapping whose items() repeats a key
-                raise _Refused(f"key {key!r} appears twice")
-            try:
-                copied[key] = _copy(sub, depth + 1, objects, arrays)
-            except _Refused as refused:
-                refused.steps.append(f".{key}")
-                raise
-        return copied
-    if isinstance(item, arrays):
-        items = []
-        for index, sub in enumerate(item):
-            try:
-                items.append(_copy(sub, depth + 1, objects, arrays))
-            except _Refused as refused:
-                refused.steps.append(f"[{index}]")
-                raise
-        return items
+    # A dict or a list is an object or an array however strict the walk is.
+    if kind is dict or isinstance(item, objects):
+        return _copy_object(item, depth, objects, arrays)
+    if kind is list or isinstance(item, arrays):
+        return _copy_array(item, depth, objects, arrays)
     if isinstance(item, int):
         if abs(item) >= _TOO_LONG:
             raise _Refused(f"integer of more than {MAX_INT_DIGITS} digits")
@@ -261,3 +266,37 @@ def _copy(item: Any, depth: int, objects: Any, arrays: Any) -> Any:
             raise _Refused(f"{item!r} is not a JSON number")
         return float(item)
     raise _Refused(f"{type(item).__name__} is not a JSON value")
+
+
+def _copy_object(item: Any, depth: int, objects: Any, arrays: Any) -> dict[str, Any]:
+    copied: dict[str, Any] = {}
+    inner = depth + 1
+    # A leaf is kept as it is here, as _copy would keep it, unless it is too deep.
+    leaves = inner <= MAX_DEPTH
+    for key, sub in item.items():
+        if not isinstance(key, str):
+            raise _Refused(f"key {key!r} is not a string")
+        if key in copied:  # a mapping whose items() repeats a key
+            raise _Refused(f"key {key!r} appears twice")
+        kind = type(sub)
+        if leaves and (kind is str or kind is bool or sub is None):
+            copied[key] = sub
+            continue
+        try:
+            copied[key] = _copy(sub, inner, objects, arrays)
+        except _Refused as refused:
+            refused.steps.append(f".{key}")
+            raise
+    return copied
+
+
+def _copy_array(item: Any, depth: int, objects: Any, arrays: Any) -> list[Any]:
+    items = []
+    inner = depth + 1
+    for index, sub in enumerate(item):
+        try:
+            items.append(_copy(sub, inner, objects, arrays))
+        except _Refused as refused:
+            refused.steps.append(f"[{index}]")
+            raise
+    return items

@@ -193,15 +193,15 @@ class Usage:
         it; a step whose model call failed without a reply counts for nothing. ``None``
         when no step reported usage at all. This is :attr:`RunResult.usage`.
         """
+        # A step whose model call raised had no reply to report figures.
+        answered = [step.usage for step in steps if step.error is None or step.usage is not None]
+        if all(usage is None for usage in answered):
+            return None  # nothing reported: nothing to add up
         total: Usage | None = None
-        reported = False
-        for step in steps:
-            if step.error is not None and step.usage is None:
-                continue  # the model call raised: there was no reply to report figures
-            reported = reported or step.usage is not None
-            usage = step.usage or Usage()
+        for reported in answered:
+            usage = reported or Usage()
             total = usage if total is None else total.plus(usage)
-        return total if reported else None
+        return total
 
     def plus(self, other: Usage) -> Usage:
         """The sum of two usages; a count either side does not know stays unknown."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import typing
 from types import MappingProxyType
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from polyloop import _shared
 from polyloop._shared import (
     FORMAT,
     MAX_DEPTH,
@@ -65,6 +67,24 @@ def test_canonical_json() -> None:
     assert canonical_json(value, ascii=True).isascii()
     with pytest.raises(ValueError, match="not JSON compliant"):
         canonical_json({"x": math.nan})
+
+
+def test_canonical_json_reads_the_same_without_json_s_c_encoder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The encoder is built once from json's C encoder; a Python without it encodes
+    # through JSONEncoder itself, to the same text and the same errors.
+    values: list[Any] = [{"b": [1, 2.5, None], "a": "ü\u2028\ud800"}, 'x"', 10**30, []]
+    monkeypatch.setattr(json.encoder, "c_make_encoder", None)
+    for ascii in (False, True):
+        without = _shared._canonical_encoder(ascii=ascii)
+        for value in values:
+            assert without(value) == canonical_json(value, ascii=ascii)
+        for bad, error in ((math.inf, ValueError), ({"x": {1j}}, TypeError)):
+            with pytest.raises(error):
+                without(bad)
+            with pytest.raises(error):
+                canonical_json(bad, ascii=ascii)
 
 
 def test_exception_text() -> None:
@@ -131,6 +151,18 @@ def test_the_depth_limit() -> None:
     assert plain_copy(nested) == nested
     with pytest.raises(UnloggableValue, match=f"payload is nested more than {MAX_DEPTH}"):
         plain_copy([nested], root="payload")
+
+
+def test_the_depth_limit_holds_for_a_leaf_of_an_object_too() -> None:
+    # A text, flag or null inside an object is copied without a call of its own: it
+    # must still count as one level deeper than the object.
+    for leaf in ("leaf", True, None):
+        nested: Any = leaf
+        for _ in range(MAX_DEPTH):
+            nested = {"k": nested}
+        assert plain_copy(nested) == nested
+        with pytest.raises(UnloggableValue, match=f"nested more than {MAX_DEPTH}"):
+            plain_copy({"k": nested})
 
 
 def test_strict_takes_only_what_json_loads_returns() -> None:

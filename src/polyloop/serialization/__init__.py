@@ -24,8 +24,9 @@ reads back only after that result, given as ``after=`` to :func:`loads` or :func
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 from polyloop._shared import FORMAT, encodable_json, plain_copy, record_kind
 from polyloop._strict_json import finite_float, refuse_constant, unique_keys, whole_number
@@ -74,22 +75,41 @@ def encode(record: Record, *, after: Record | None = None) -> dict[str, JSONValu
     """
     kind = record_kind(record)
     out: dict[str, JSONValue] = {"schema": FORMAT, "kind": kind}
-    for field in FIELDS[kind]:
-        value = getattr(record, field.name)
-        if value is None and field.optional:
-            if not field.written_when_set:
-                out[field.key] = None
-        elif field.emit is None:
-            out[field.key] = _walked(record, kind, field, value)
+    values, plan = _PLANS[kind]
+    for (key, as_is, optional, omitted, emit, field), value in zip(
+        plan, values(record), strict=True
+    ):
+        if type(value) is as_is:  # most fields: text, a count, a flag, written as they are
+            out[key] = value
+        elif value is None and optional:
+            if not omitted:
+                out[key] = None
+        elif emit is None:
+            out[key] = _walked(record, kind, field, value)
         else:
             try:
-                out[field.key] = field.emit(value)
+                out[key] = emit(value)
             except Mismatch:
                 # The reader checks every field; refuse here what it would refuse there.
-                out[field.key] = field.write(checked(kind, field, value, _refusal(record)))
+                out[key] = field.write(checked(kind, field, value, _refusal(record)))
     if after is not None and isinstance(record, StepRecord):
         _refer_to(after, record, out)
     return out
+
+
+# Per kind: every field's value in one call, and per field what ``encode`` needs of it,
+# unpacked from a tuple rather than read off the field (the codec runs for every record).
+_Plan: TypeAlias = tuple[
+    Callable[[Record], tuple[Any, ...]],
+    tuple[tuple[str, type[Any], bool, bool, Callable[[Any], Any] | None, Field], ...],
+]
+_PLANS: dict[str, _Plan] = {
+    kind: (
+        operator.attrgetter(*(field.name for field in fields)),
+        tuple((f.key, f.as_is, f.optional, f.written_when_set, f.emit, f) for f in fields),
+    )
+    for kind, fields in FIELDS.items()
+}
 
 
 def _refer_to(after: Record, step: StepRecord, out: dict[str, JSONValue]) -> None:

@@ -62,6 +62,10 @@ class Field:
     # The two in one for the writing direction: a held value as the JSON object carries
     # it, or Mismatch. None for the fields whose values are walked as payloads.
     emit: Callable[[Any], Any] | None = dataclasses.field(repr=False, compare=False)
+    # The type whose values the JSON object carries unchanged (``str`` for a "str"
+    # field): a value of exactly that type passes the check as it is. A type no value
+    # has for every other check.
+    as_is: type[Any] = dataclasses.field(repr=False, compare=False)
 
 
 class Mismatch(Exception):
@@ -114,7 +118,17 @@ def _field(spec: dataclasses.Field[Any]) -> Field:
         convert=convert,
         write=write,
         emit=None if walked else _emitter(check, convert, write),
+        as_is=_AS_IS.get(check, _Converted) if isinstance(check, str) else _Converted,
     )
+
+
+class _Converted:
+    """The type of no field value: a field whose values are all converted or walked."""
+
+
+# The checks that hold a value of exactly this type as it is (a bool is not a count,
+# and a float field holds an integer as a float: neither type is passed as it is).
+_AS_IS: dict[str, type[Any]] = {"str": str, "int": int, "bool": bool, "float": float}
 
 
 def check_schema(
@@ -231,7 +245,7 @@ def _emitter(
 
         def emit_member(value: Any) -> Any:
             if type(value) is cls:
-                return value.value
+                return value._value_  # what .value reads, without the property's call
             return convert(value).value
 
         return emit_member
