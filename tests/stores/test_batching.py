@@ -13,9 +13,8 @@ import fcntl
 import os
 import sqlite3
 import threading
-import types
 from collections import Counter
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -92,51 +91,6 @@ async def test_items_waiting_together_share_a_commit() -> None:
     assert commit.batches[0] == ["first"]
     assert len(commit.batches) == 2  # all twenty waited for the same next commit
     assert sorted(commit.batches[1]) == sorted(f"item-{i}" for i in range(20))
-    assert idle(group)
-
-
-@types.coroutine
-def suspensions(awaitable: Awaitable[None], counted: list[int]) -> Generator[Any, Any, None]:
-    """Await ``awaitable``, counting in ``counted[0]`` each time its task is suspended."""
-    inner = awaitable.__await__()
-    try:
-        sent = next(inner)
-        while True:
-            counted[0] += 1
-            try:
-                value = yield sent
-            except BaseException as exc:  # noqa: BLE001 -- handed on to the awaitable
-                sent = inner.throw(exc)
-            else:
-                sent = inner.send(value)
-    except StopIteration:
-        return
-
-
-async def test_a_caller_is_woken_once_unless_it_starts_the_batch() -> None:
-    """A caller that joins a batch is suspended once, until its commit ends; one that finds
-    a thread free starts the batch after one more turn of the loop (record 0065)."""
-    commit = Recorder()
-    group = GroupCommit(commit)
-    commit.gate.clear()
-    woken: dict[str, int] = {}
-
-    async def submit(item: str) -> None:
-        counted = [0]
-        await suspensions(group.submit(item), counted)
-        woken[item] = counted[0]
-
-    async with anyio.create_task_group() as tasks:
-        tasks.start_soon(submit, "first")
-        await anyio.to_thread.run_sync(commit.entered.wait, 10)
-        for index in range(5):
-            tasks.start_soon(submit, f"item-{index}")
-        await anyio.wait_all_tasks_blocked()
-        commit.gate.set()
-    await submit("alone")
-    assert woken == {"first": 2, "alone": 2, **{f"item-{i}": 1 for i in range(5)}}
-    assert sorted(commit.batches[1]) == [f"item-{i}" for i in range(5)]  # any order on Trio
-    assert commit.batches[2] == ["alone"]
     assert idle(group)
 
 

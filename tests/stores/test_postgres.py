@@ -1478,22 +1478,16 @@ async def test_cancelled_once_its_batch_started_commits_then_reraises(
             assert await log_of(store, "n") == [started("n")]
 
 
-async def test_writes_cancelled_once_their_batch_started_all_commit(
-    postgres_conninfo: str, batches: list[list[str]], monkeypatch: pytest.MonkeyPatch
+async def test_writes_cancelled_once_their_batch_started_waiting_for_a_thread_all_commit(
+    postgres_conninfo: str, batches: list[list[str]]
 ) -> None:
-    # The batch's commit is held in its thread; all its callers are cancelled while it
-    # waits, the one that started it included: the batch still commits every write, and
-    # then each caller sees its cancellation (within the second it waits for a commit).
+    # Every worker thread is busy, so the batch, once started, waits for one. All its
+    # callers are cancelled there, its leader (whichever of them it is) included: the
+    # batch still commits every write, and then each caller sees its cancellation.
     run_ids = ["a", "b", "c", "d"]
     scopes = {run_id: anyio.CancelScope() for run_id in run_ids}
     outcomes: dict[str, str] = {}
     release = threading.Event()
-    spied = Committer.commit
-
-    def held(self: Committer, writer: Any, writes: Any) -> Any:
-        release.wait(10)
-        return spied(self, writer, writes)
-
     async with PostgresStore(postgres_conninfo, max_writer_connections=1) as store:
 
         async def start(run_id: str) -> None:
@@ -1507,13 +1501,16 @@ async def test_writes_cancelled_once_their_batch_started_all_commit(
                 return
             outcomes[run_id] = "cancelled"
 
-        monkeypatch.setattr(Committer, "commit", held)  # before the writer is made
-        await claim(store, *run_ids)
+        await claim(store, *run_ids)  # while worker threads are free
         async with anyio.create_task_group() as tasks:
             try:
+                limiter = anyio.to_thread.current_default_thread_limiter()
+                for _ in range(int(limiter.total_tokens)):
+                    tasks.start_soon(anyio.to_thread.run_sync, release.wait)
+                await anyio.wait_all_tasks_blocked()
                 for run_id in run_ids:  # started together: they all wait for one batch
                     tasks.start_soon(start, run_id)
-                await anyio.wait_all_tasks_blocked()  # its commit is held
+                await anyio.wait_all_tasks_blocked()  # its leader waits for a thread
                 for scope in scopes.values():
                     scope.cancel()
                 await anyio.wait_all_tasks_blocked()
@@ -1521,7 +1518,7 @@ async def test_writes_cancelled_once_their_batch_started_all_commit(
                 release.set()
         assert outcomes == dict.fromkeys(run_ids, "cancelled")
         assert sorted(run_ids) in [sorted(batch) for batch in batches]
-        for run_id in run_ids:  # the batch committed every item, its starter's too
+        for run_id in run_ids:  # the batch committed every item, the leader's too
             assert await log_of(store, run_id) == [started(run_id)]
 
 

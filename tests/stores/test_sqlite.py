@@ -40,7 +40,6 @@ from polyloop.ports import Store
 from polyloop.serialization import dumps
 from polyloop.stores import SqliteStore
 from polyloop.stores._jsonl.fileops import OsFileOps
-from polyloop.stores._sql.sqlite.store import Sqlite
 from polyloop.testing.store_contract import (
     AWKWARD_RUN_IDS,
     DurableStoreContract,
@@ -1274,22 +1273,15 @@ async def test_a_write_cancelled_before_its_commit_starts_writes_nothing(
         assert [seq for (seq,) in seqs] == [0, 1]
 
 
-async def test_a_started_commit_completes_when_its_leader_is_cancelled(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+async def test_a_started_commit_completes_when_its_leader_is_cancelled_waiting_for_a_thread(
+    tmp_path: Path,
 ) -> None:
     path = tmp_path / "runs.db"
     await _started(path, "r1", "r2")
     release = threading.Event()
     scope = anyio.CancelScope()
-    commit = Sqlite.commit
-
-    def held(self: Sqlite, writes: Any) -> Any:
-        release.wait(10)
-        return commit(self, writes)
-
-    monkeypatch.setattr(Sqlite, "commit", held)  # before the store takes its commit
     async with SqliteStore(path) as store:
-        await store.claim_run("r1")
+        await store.claim_run("r1")  # while worker threads are free
         await store.claim_run("r2")
 
         async def lead() -> None:
@@ -1298,9 +1290,14 @@ async def test_a_started_commit_completes_when_its_leader_is_cancelled(
 
         async with anyio.create_task_group() as group:
             try:
+                # Every worker thread busy: the commit, once started, waits for one.
+                limiter = anyio.to_thread.current_default_thread_limiter()
+                for _ in range(int(limiter.total_tokens)):
+                    group.start_soon(anyio.to_thread.run_sync, release.wait)
+                await anyio.wait_all_tasks_blocked()
                 group.start_soon(lead)
                 group.start_soon(store.write_intent, intent("r2"))  # joins the same commit
-                await anyio.wait_all_tasks_blocked()  # the commit started, and is held
+                await anyio.wait_all_tasks_blocked()
                 scope.cancel()
                 await anyio.wait_all_tasks_blocked()
             finally:

@@ -3,24 +3,20 @@ batches grow only while the threads are busy (docs/stores.md#durability-at-a-gla
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import math
-import os
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+import anyio.to_thread
 from anyio.lowlevel import EventLoopToken
 
 _T = TypeVar("_T")
-# How long a thread with nothing to commit waits for a batch before it ends.
-_LINGER_S = 5.0
-Serve = Callable[[Any, EventLoopToken], None]
 
 
 @dataclass(eq=False)
@@ -32,20 +28,21 @@ class _Entry(Generic[_T]):
 @dataclass(eq=False)
 class _Batch(Generic[_T]):
     entries: list[_Entry[_T]] = field(default_factory=list)
-    leading: bool = False  # a caller is about to start it
     started: bool = False
+    turn: anyio.Event = field(default_factory=anyio.Event)
     done: anyio.Event = field(default_factory=anyio.Event)
+    # Under the group's lock: the attempt that may run the commit, and its progress.
+    attempt: int = 0
+    running: bool = False
+    returned: bool = False
+    orphaned: bool = False
 
 
 class GroupCommit(Generic[_T]):
     """Runs ``commit`` in a worker thread over every item waiting at the same moment, up to
     ``parallel`` batches at once; ``commit(items)`` returns an error or ``None`` per item.
     ``abandon(item)`` (on the event loop) lets a cancelled caller stop waiting after
-    ``cancelled_wait_s``, the outcome unknown; the commit still runs to its end.
-
-    A caller waits for one event, its batch's end: the loop hands a batch to a thread of
-    the group's own, which commits it and, from the loop, ends it and takes the next
-    (record 0065). Every change of the group's state is made on the event loop."""
+    ``cancelled_wait_s``, the outcome unknown; the commit still runs to its end."""
 
     def __init__(
         self,
@@ -62,8 +59,8 @@ class GroupCommit(Generic[_T]):
         self._abandon = abandon
         self._cancelled_wait_s = cancelled_wait_s if abandon is not None else math.inf
         self._open: _Batch[_T] | None = None  # collecting items, not started yet
-        self._active = 0  # batches started and not ended
-        self._idle = _Idle()
+        self._active = 0  # batches running
+        self._lock = threading.Lock()  # between a commit's thread and its leader
 
     async def submit(self, item: _T) -> None:
         """Return once ``item`` is committed; raise its error if its commit failed.
@@ -73,23 +70,27 @@ class GroupCommit(Generic[_T]):
         started, the caller waits, shielded, for the commit to end and then the
         cancellation is delivered, so its item is committed (or failed) either way;
         with ``abandon``, it waits ``cancelled_wait_s`` at most, then gives the item up."""
-        await anyio.lowlevel.checkpoint_if_cancelled()  # no wake-up unless cancelled already
         batch = self._open
         if batch is None:
             batch = self._open = _Batch()
+            if self._active < self._parallel:
+                batch.turn.set()
         entry = _Entry(item)
         batch.entries.append(entry)
         try:
-            if not batch.leading and self._active < self._parallel:
-                batch.leading = True  # a thread is free: this caller starts the batch
-                await anyio.lowlevel.checkpoint()  # after the writes of this moment joined it
-                if not batch.started:
-                    self._hand_on(self._start(batch))
-            await batch.done.wait()
+            await batch.turn.wait()
         except anyio.get_cancelled_exc_class():
             if not batch.started:
-                self._leave(batch, entry)
+                batch.entries.remove(entry)
+                if not batch.entries and self._open is batch:
+                    self._open = None  # nothing waits in it any more
                 raise
+        try:
+            if batch.started:
+                await batch.done.wait()
+            else:
+                await self._lead(batch)
+        except anyio.get_cancelled_exc_class():
             with anyio.move_on_after(self._cancelled_wait_s, shield=True):
                 await batch.done.wait()
             if not batch.done.is_set() and self._abandon is not None:
@@ -99,102 +100,67 @@ class GroupCommit(Generic[_T]):
         if entry.error is not None:
             raise entry.error
 
-    def _leave(self, batch: _Batch[_T], entry: _Entry[_T]) -> None:
-        """Take a cancelled caller's item out of a batch not started, which its others
-        still wait in: started now if its leader was the one cancelled."""
-        batch.entries.remove(entry)
-        if not batch.entries:
-            if self._open is batch:
-                self._open = None  # nothing waits in it any more
-        elif batch.leading and self._active < self._parallel:
-            self._hand_on(self._start(batch))
-
-    def _start(self, batch: _Batch[_T]) -> _Batch[_T]:
-        """Close ``batch`` to newcomers and count it running (on the loop)."""
+    async def _lead(self, batch: _Batch[_T]) -> None:
+        """Start the batch's commit and wait for it; a leader cancelled meanwhile (with
+        ``abandon``) leaves the commit's thread to end the batch."""
         batch.started = True
         if self._open is batch:
             self._open = None
         self._active += 1
         for entry in batch.entries:  # until the commit reports each outcome
             entry.error = RuntimeError("the commit ended without reporting its outcome")
-        return batch
-
-    def _hand_on(self, batch: _Batch[_T]) -> None:
-        """Have a thread commit the started ``batch``; if none can, fail it at once."""
+        token = anyio.lowlevel.current_token()
+        if self._abandon is None:
+            await self._commit_shielded(batch, token)
+            return
         try:
-            self._idle.serve(batch, anyio.lowlevel.current_token(), self._run)
-        except BaseException as exc:  # no thread could start: its callers get the error
-            for entry in batch.entries:
-                entry.error = exc
-            batch.done.set()
-            self._active -= 1
+            await anyio.to_thread.run_sync(
+                self._commit_all, batch, token, 0, abandon_on_cancel=True
+            )
+        except BaseException:
+            with self._lock:
+                ran, batch.orphaned = batch.running, batch.running and not batch.returned
+                batch.attempt += 1  # a thread that has not begun it yet never will
+            if not ran:  # cancelled before a thread took the commit: it must still run
+                await self._commit_shielded(batch, token)
+            elif not batch.orphaned:
+                self._end(batch)
             raise
+        self._end(batch)
 
-    def _end(self, batch: _Batch[_T]) -> _Batch[_T] | None:
-        """The batch's commit returned (on the loop): wake its callers; the next batch to
-        commit in the same thread, if one waits."""
+    async def _commit_shielded(self, batch: _Batch[_T], token: EventLoopToken) -> None:
+        try:
+            with anyio.CancelScope(shield=True):  # started: it runs even if its leader is cancelled
+                await anyio.to_thread.run_sync(self._commit_all, batch, token, batch.attempt)
+        finally:
+            self._end(batch)
+
+    def _end(self, batch: _Batch[_T]) -> None:
+        """The batch's commit returned: wake its callers and let the next batch go."""
         batch.done.set()
         self._active -= 1
-        waiting = self._open
-        return self._start(waiting) if waiting is not None else None
+        if self._open is not None:
+            self._open.turn.set()
 
-    def _run(self, batch: _Batch[_T], token: EventLoopToken) -> None:
-        """Commit batches in this thread until none waits (a worker thread)."""
-        following: _Batch[_T] | None = batch
-        while following is not None:
-            self._commit_all(following)
-            try:
-                following = anyio.from_thread.run_sync(self._end, following, token=token)
-            except RuntimeError:
-                return  # the loop has finished: nobody waits any more
-
-    def _commit_all(self, batch: _Batch[_T]) -> None:
+    def _commit_all(self, batch: _Batch[_T], token: EventLoopToken, attempt: int) -> None:
+        with self._lock:
+            if attempt != batch.attempt:
+                return  # its leader was cancelled before this thread began, and runs it again
+            batch.running = True
         entries = batch.entries
         try:
-            errors = list(self._commit([entry.item for entry in entries]))
-        except BaseException as exc:  # noqa: BLE001 -- its own thread: every item fails with it
-            errors = [exc] * len(entries)
-        if len(errors) == len(entries):
-            for entry, error in zip(entries, errors, strict=True):
-                entry.error = error
-
-
-class _Idle:
-    """The group's threads with nothing to commit: each waits ``_LINGER_S`` for a batch,
-    then ends; a batch with no thread waiting starts a new one."""
-
-    def __init__(self) -> None:
-        self._reset()
-
-    def _reset(self) -> None:
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._waiting = 0  # threads waiting, less the batches handed to them not yet taken
-        self._handed: queue.SimpleQueue[tuple[Any, EventLoopToken, Serve]] = queue.SimpleQueue()
-
-    def serve(self, batch: Any, token: EventLoopToken, run: Serve) -> None:
-        """Have ``run(batch, token)`` called in an idle thread, or a new one."""
-        if self._pid != os.getpid():  # a forked child has none of its parent's threads
-            self._reset()
-        with self._lock:
-            if self._waiting:
-                self._waiting -= 1
-                self._handed.put((batch, token, run))
-                return
-        work = functools.partial(self._work, batch, token, run)
-        threading.Thread(target=work, name="polyloop-commit", daemon=True).start()
-
-    def _work(self, batch: Any, token: EventLoopToken, run: Serve) -> None:
-        while True:
-            run(batch, token)
-            with self._lock:
-                self._waiting += 1
             try:
-                batch, token, run = self._handed.get(timeout=_LINGER_S)
-            except queue.Empty:
-                with self._lock:
-                    try:  # handed while the wait timed out
-                        batch, token, run = self._handed.get_nowait()
-                    except queue.Empty:
-                        self._waiting -= 1
-                        return
+                errors = list(self._commit([entry.item for entry in entries]))
+            except Exception as exc:  # noqa: BLE001 -- every item shares the fate of the commit
+                errors = [exc] * len(entries)
+            if len(errors) == len(entries):
+                for entry, error in zip(entries, errors, strict=True):
+                    entry.error = error
+        finally:
+            with self._lock:
+                batch.returned = True
+                orphaned = batch.orphaned
+            if orphaned:
+                # The loop may have finished meanwhile: then nobody waits for the batch.
+                with contextlib.suppress(RuntimeError):
+                    anyio.from_thread.run_sync(self._end, batch, token=token)
