@@ -56,7 +56,7 @@ def run_id_column(run_id: str) -> str:
 
 # A batch as one array per run column, and its rows as two texts (kinds and bodies, one
 # a line: canonical JSON holds no raw newline), so that nothing is dumped row by row
-# (record 0065). A row's run key, run id and seq come from its run's row, by position.
+# (record 0066). A row's run key, run id and seq come from its run's row, by position.
 # Binary (``%(...)b``): as text, psycopg escapes each JSON quote slowly (record 0049).
 _FENCED_WRITE = """
 WITH w AS (
