@@ -1171,11 +1171,9 @@ async def test_a_lazy_write_turns_synchronous_commit_off_for_its_own_transaction
                 "reasons": [None],
                 "fenceds": [False],
                 "announces": [False],
-                "row_keys": [key],
-                "seqs": [1],
-                "row_ids": ["r"],
-                "kinds": [kind],
-                "bodies": [body],
+                "first_rows": [1],
+                "kinds": kind,
+                "bodies": body,
             }
             seen = []
             for query in (queries.write, queries.lazy_write):

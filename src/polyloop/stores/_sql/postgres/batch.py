@@ -14,7 +14,7 @@ from polyloop.stores._batching import GroupCommit
 from polyloop.stores._lease import Lease
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.postgres.connection import Link
-from polyloop.stores._sql.postgres.sql import Connection, Queries, run_id_column, run_key
+from polyloop.stores._sql.postgres.sql import Connection, Queries, run_key
 from polyloop.stores._writes import Claim, Write, WriterState, not_claimed
 from polyloop.types import StoreError
 
@@ -147,18 +147,27 @@ class Committer:
             batch.refuse(run, writer.fail(self.state, run.run_id, exc))
 
 
-def _parameters(runs: Sequence[RunPlan]) -> dict[str, list[object]]:
-    """The arrays of the write statement: one entry per run, then one per row."""
+def _parameters(runs: Sequence[RunPlan]) -> dict[str, object]:
+    """The parameters of the write statement: an array entry per run, and the rows' kinds
+    and bodies each joined in one text, one a line, numbered from 1 in batch order."""
     columns: tuple[str, ...] = ("run_keys", "epochs", "first_seqs", "next_seqs", "finals")
-    columns += ("ends", "reasons", "fenceds", "announces")
-    rows = ("row_keys", "seqs", "row_ids", "kinds", "bodies")
-    params: dict[str, list[object]] = {name: [] for name in (*columns, *rows)}
+    columns += ("ends", "reasons", "fenceds", "announces", "first_rows")
+    params: dict[str, list[object]] = {name: [] for name in columns}
+    first_row = 1
     for run in runs:
-        key, column = run_key(run.run_id), run_id_column(run.run_id)
         each = (run.first_seq, run.next_seq, run.final, run.ends, run.reason, run.fenced)
-        for name, value in zip(columns, (key, run.claim.epoch, *each, run.announce), strict=True):
+        values = (run_key(run.run_id), run.claim.epoch, *each, run.announce, first_row)
+        for name, value in zip(columns, values, strict=True):
             params[name].append(value)
-        for seq, kind, body in run.rows():
-            for name, cell in zip(rows, (key, seq, column, kind, body), strict=True):
-                params[name].append(cell)
-    return params
+        first_row += run.next_seq - run.first_seq
+    rows = [row for run in runs for _, write in run.writes for row in write.rows]
+    kinds, bodies = zip(*rows, strict=True) if rows else ((), ())
+    return {**params, "kinds": _lines(kinds), "bodies": _lines(bodies)}
+
+
+def _lines(texts: Sequence[str]) -> str:
+    """``texts`` one a line; a text holding a newline would shift every row after it."""
+    joined = "\n".join(texts)
+    if texts and joined.count("\n") != len(texts) - 1:
+        raise StoreError("a record's row holds a newline, which canonical JSON never does")
+    return joined

@@ -54,14 +54,17 @@ def run_id_column(run_id: str) -> str:
     return text
 
 
-# A batch as arrays, one per column: one statement text, planned once per connection.
+# A batch as one array per run column, and its rows as two texts (kinds and bodies, one
+# a line: canonical JSON holds no raw newline), so that nothing is dumped row by row
+# (record 0067). A row's run key, run id and seq come from its run's row, by position.
 # Binary (``%(...)b``): as text, psycopg escapes each JSON quote slowly (record 0049).
 _FENCED_WRITE = """
 WITH w AS (
     SELECT * FROM unnest(%(run_keys)b::bytea[], %(epochs)b::bigint[], %(first_seqs)b::bigint[],
                          %(next_seqs)b::bigint[], %(finals)b::boolean[], %(ends)b::boolean[],
-                         %(reasons)b::text[], %(fenceds)b::boolean[], %(announces)b::boolean[])
-        AS w(run_key, epoch, first_seq, next_seq, final, ends, reason, fenced, announce)
+                         %(reasons)b::text[], %(fenceds)b::boolean[], %(announces)b::boolean[],
+                         %(first_rows)b::bigint[])
+        AS w(run_key, epoch, first_seq, next_seq, final, ends, reason, fenced, announce, first_row)
 ){lazy},
 admitted AS (
     UPDATE {runs} AS r SET next_seq = w.next_seq, finished = w.final, stop_reason = w.reason,
@@ -70,14 +73,18 @@ admitted AS (
     FROM w{lazy_join}
     WHERE r.run_key = w.run_key AND r.epoch = w.epoch AND r.next_seq = w.first_seq
       AND NOT r.finished AND (NOT w.fenced OR r.cancel_at IS NULL)
-    RETURNING r.run_key, CASE WHEN w.announce THEN {notify_run} END AS announced
+    RETURNING r.run_key, r.run_id, w.first_seq, w.next_seq, w.first_row,
+        CASE WHEN w.announce THEN {notify_run} END AS announced
 ),
 inserted AS (
     INSERT INTO {records} (run_key, seq, run_id, kind, body)
-    SELECT x.run_key, x.seq, x.run_id, x.kind, x.body
-    FROM unnest(%(row_keys)b::bytea[], %(seqs)b::bigint[], %(row_ids)b::text[],
-                %(kinds)b::text[], %(bodies)b::text[]) AS x(run_key, seq, run_id, kind, body)
-    JOIN admitted USING (run_key)
+    SELECT a.run_key, a.first_seq + g.n - a.first_row, a.run_id, x.kind, x.body
+    FROM admitted AS a
+    CROSS JOIN LATERAL generate_series(a.first_row, a.first_row + a.next_seq - a.first_seq - 1)
+        AS g(n)
+    JOIN unnest(string_to_array(%(kinds)b::text, E'\\n'),
+                string_to_array(%(bodies)b::text, E'\\n')) WITH ORDINALITY AS x(kind, body, n)
+        ON x.n = g.n
 )
 SELECT run_key, announced FROM admitted
 """
