@@ -83,6 +83,7 @@ def test_only_its_adapter_module_imports_an_adapter_package(package: str) -> Non
     assert importers == {owner}
 
 
+@pytest.mark.slow  # a fresh interpreter each; the kernel's own rule above stays quick
 def test_only_polyloop_mcp_imports_the_mcp_sdk() -> None:
     importers = {path for path in SOURCE.rglob("*.py") if "mcp" in _imported_roots(path)}
     assert importers == {SOURCE / "mcp.py"}
@@ -91,6 +92,7 @@ def test_only_polyloop_mcp_imports_the_mcp_sdk() -> None:
     assert top_level(loaded).isdisjoint(set(OPTIONAL) - {"mcp", "trio"})
 
 
+@pytest.mark.slow  # a fresh interpreter each; the kernel's own rule above stays quick
 def test_only_polyloop_otel_imports_opentelemetry() -> None:
     importers = {path for path in SOURCE.rglob("*.py") if "opentelemetry" in _imported_roots(path)}
     assert importers
@@ -105,6 +107,7 @@ def test_only_polyloop_otel_imports_opentelemetry() -> None:
     assert "opentelemetry" not in top_level(modules_after("import polyloop, polyloop.stores"))
 
 
+@pytest.mark.slow  # a fresh interpreter each; the kernel's own rule above stays quick
 def test_only_polyloop_temporal_imports_temporalio() -> None:
     importers = {path for path in SOURCE.rglob("*.py") if "temporalio" in _imported_roots(path)}
     assert importers

@@ -1202,6 +1202,7 @@ def three_deploys(call: ModelCall) -> str:
 
 
 @pytest.mark.anyio
+@pytest.mark.slow  # dozens of workflow tasks; one approval's path stays quick
 async def test_a_run_with_many_approvals_continues_as_new_and_finishes(
     client: Client, store: SqliteStore
 ) -> None:
