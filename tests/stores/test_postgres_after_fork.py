@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 STATEMENT_TIMEOUT_S = 0.5
 DEADLINE_S = 1.5  # the statement timeout and half again, at least a second more
 CONNECT_S = 1.0
-SLACK_S = 1.5  # a loaded machine's scheduling, never a wait the test relies on
+SLACK_S = 3.0  # a loaded machine's scheduling (CI has run 1.55 s late), never a wait relied on
 CHILD_LIMIT_S = 20.0  # far past any bound: a child still waiting then waits for ever
 
 

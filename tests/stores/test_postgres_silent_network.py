@@ -41,7 +41,7 @@ STATEMENT_TIMEOUT_S = 2.0
 DEADLINE_S = 3.0  # the statement timeout and half of it again (at least a second)
 CONNECT_S = 2.0  # the store's ``timeout``: connecting, or waiting for a pooled connection
 LEASE_S = 4.0
-SLACK_S = 1.5  # a loaded machine's scheduling, never a wait the tests rely on
+SLACK_S = 3.0  # a loaded machine's scheduling (CI has run 1.55 s late), never a wait relied on
 SILENT = [Mode.BLACKHOLE, Mode.DROP_REPLIES, Mode.HOLD]
 
 
