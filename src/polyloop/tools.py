@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
@@ -125,6 +125,50 @@ class ToolSpec:
     needs_approval: bool = False
     reconcile: ToolProbe | None = None
     reconcile_timeout_s: float = 30.0
+
+    @classmethod
+    def from_function(
+        cls,
+        function: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        replay: Replay = Replay.NEVER,
+        completes: bool = False,
+        annotations: Mapping[str, JSONValue] | None = None,
+        needs_approval: bool = False,
+        reconcile: ToolProbe | None = None,
+        reconcile_timeout_s: float = 30.0,
+    ) -> ToolSpec:
+        """The tool a typed function describes (needs the ``tools`` extra).
+
+        The name is the function's, the description its docstring's text, and the
+        parameters a JSON Schema built by Pydantic from the type hints, each argument
+        described by its entry in the docstring (Google, NumPy or reST style). Arguments
+        are validated against that schema like any tool's, then given to the function
+        as the typed values it declares. A keyword-only ``result_id: str`` parameter
+        receives the call's result id and is not shown to the model. A plain function
+        runs on a worker thread; a return value other than ``str`` becomes its JSON.
+        A parameter that cannot be described (no hint, ``*args``, positional-only)
+        raises ``InvalidRequest`` naming it. The other fields are as for ``ToolSpec``.
+        """
+        from polyloop._typed_tools import typed_tool
+
+        typed = typed_tool(
+            function, name=name, description=description, is_async=_is_async_callable(function)
+        )
+        return cls(
+            name=typed.name,
+            description=typed.description,
+            parameters=typed.parameters,
+            handler=typed.handler,
+            replay=replay,
+            completes=completes,
+            annotations=annotations,
+            needs_approval=needs_approval,
+            reconcile=reconcile,
+            reconcile_timeout_s=reconcile_timeout_s,
+        )
 
 
 def _clip(text: str, limit: int) -> str:
