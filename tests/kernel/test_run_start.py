@@ -9,7 +9,17 @@ from typing import Any
 import pytest
 
 from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
-from polyloop import ModelCall, ModelReply, Replay, StopReason, ToolRegistry, ToolStyle, resume, run
+from polyloop import (
+    InvalidRequest,
+    ModelCall,
+    ModelReply,
+    Replay,
+    StopReason,
+    ToolRegistry,
+    ToolStyle,
+    resume,
+    run,
+)
 from polyloop.stores import MemoryStore
 from polyloop.testing import FaultyStore, ScriptedModelClient, SimulatedCrash
 from polyloop.types import JSONValue
@@ -80,3 +90,30 @@ async def test_a_resumed_run_describes_its_tools_once(described: list[ToolRegist
     assert resumed.stop_reason is StopReason.FINAL_ANSWER and resumed.step_count == 2
     assert described == [tools]
     assert all(len(call.tools) == 2 for call in model.seen)
+
+
+class EarlierPortStore:
+    """A store written for 0.1.0's port: it has none of the methods added since."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+        for name in ("parameters", "start_run", "write_intent", "write_result", "write_step"):
+            setattr(self, name, getattr(self.inner, name))
+        self.read_log = self.inner.read_log
+        self.end_run = self.inner.end_run
+
+
+async def test_a_store_of_an_earlier_port_is_refused_before_anything_runs() -> None:
+    store = EarlierPortStore()
+    ledger = Ledger()
+    model = ScriptedModelClient(SCRIPT)
+    with pytest.raises(InvalidRequest) as refused:
+        await run(definition(store, model=model), request("old", make_tools(ledger)))  # type: ignore[arg-type]
+    assert refused.value.run_id == "old"
+    assert (
+        "the store EarlierPortStore lacks check_claim, claim_run, read_cancel, release_run, "
+        "request_cancel, write_review of the store port"
+    ) in str(refused.value)
+    assert model.calls == []
+    assert ledger.calls == []
+    assert await store.inner.list_runs() == ()  # nothing was written

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyloop import _assembly, serialization
+from polyloop.ports import Store
 from polyloop.session._values import Definition, Request
 from polyloop.tools import RegistryExecutor, ToolRegistry
 from polyloop.types import (
@@ -81,7 +82,23 @@ def _problems(definition: Definition, request: Request) -> list[str]:
     problems += _template_problems("texts.not_executed", definition.texts.not_executed, "reason")
     problems += _template_problems("texts.env_fault", definition.texts.env_fault, "detail")
     problems += _shape_problems(request)
+    problems += _store_problems(definition.store)
     return problems
+
+
+# Every method of the store port. A store written for an earlier port lacks some of them
+# and would otherwise fail part-way into a run, after its first intent is written.
+_STORE_METHODS = tuple(sorted(name for name in vars(Store) if not name.startswith("_")))
+
+
+def _store_problems(store: object) -> list[str]:
+    missing = [name for name in _STORE_METHODS if not callable(getattr(store, name, None))]
+    if not missing:
+        return []
+    return [
+        f"the store {type(store).__name__} lacks {', '.join(missing)} of the store port "
+        "(docs/stores.md, 'Your own store', says what each must do)"
+    ]
 
 
 def _budget_problems(budget: Budget) -> list[str]:
