@@ -15,6 +15,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -43,6 +44,8 @@ from polyloop.cli._stores import parse_store
 from polyloop.ports import Action, FinalAnswer, InvalidDecision
 from polyloop.stores import JsonlStore, SqliteStore
 from polyloop.types import IntentKind, Result
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BACKENDS = ["asyncio", "trio"]
 # The demo's seven steps: list, three reads, a refused calculator call, the sum, submit.
@@ -746,6 +749,21 @@ def test_without_rich_the_command_says_which_extra_to_install() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "pip install -e '.[cli]'" in one_error_line(done.stderr)
+
+
+def test_without_rich_serve_names_the_one_extra_it_needs() -> None:
+    # The web extra holds rich as well, so serve asks for it alone, not cli and then web.
+    code = (
+        "import sys; sys.modules['rich'] = None; from polyloop.cli import main; "
+        "sys.exit(main(['serve', 'jsonl:.']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "pip install -e '.[web]'" in one_error_line(done.stderr)
+    web = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][
+        "web"
+    ]
+    assert any(requirement.startswith("rich") for requirement in web)
 
 
 def test_without_trio_the_trio_backend_says_which_extra_to_install(tmp_path: Path) -> None:

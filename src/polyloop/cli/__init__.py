@@ -19,15 +19,18 @@ __all__ = ("main",)
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command with ``argv`` (default: ``sys.argv[1:]``); the exit status."""
+    words = sys.argv[1:] if argv is None else list(argv)
     try:
         import rich  # noqa: F401 - only checking that the extra is installed
     except ImportError:
+        # The console's extra holds rich too: one install must be enough for serve.
+        extra = "web" if "serve" in words else "cli"
         print(
             "polyloop: error: the command needs the 'rich' package: in the PolyLoop checkout,"
-            " run pip install -e '.[cli]'",
+            f" run pip install -e '.[{extra}]'",
             file=sys.stderr,
         )
         return 1
     from polyloop.cli._app import run_command
 
-    return run_command(sys.argv[1:] if argv is None else list(argv))
+    return run_command(words)
