@@ -20,9 +20,10 @@ How to run it::
     python examples/sqlite_script.py --run-id r2 --crash-after-writes 6   # dies mid-run
     python examples/sqlite_script.py --run-id r2              # resumes and finishes it
 
-``--db`` picks the database file (default ``polyloop-example.db`` in the current
-directory). ``--crash-after-writes N`` ends the process with status 3 right after the
-N-th store write, as if it had been killed there.
+``--db`` picks the database file (default ``polyloop-example.db`` in the system's
+temporary directory, so that running the example leaves nothing in the checkout).
+``--crash-after-writes N`` ends the process with status 3 right after the N-th store
+write, as if it had been killed there.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import anyio
@@ -162,7 +164,8 @@ def show(result: RunResult, submissions: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--db", default="polyloop-example.db", help="the SQLite database file")
+    default_db = str(Path(tempfile.gettempdir()) / "polyloop-example.db")
+    parser.add_argument("--db", default=default_db, help="the SQLite database file")
     parser.add_argument("--run-id", default="minutes-in-three-weeks")
     parser.add_argument("--crash-after-writes", type=int, default=0, metavar="N")
     args = parser.parse_args()

@@ -65,16 +65,22 @@ SQLITE_STEPS = [
 
 
 def test_sqlite_script_runs_then_returns_the_recorded_run(tmp_path: Path) -> None:
-    first = _run("sqlite_script.py", cwd=tmp_path)
+    # By default the database goes to the temporary directory, never the working one.
+    checkout, temporary = tmp_path / "checkout", tmp_path / "tmp"
+    checkout.mkdir()
+    temporary.mkdir()
+    env = {**os.environ, "TMPDIR": str(temporary)}
+    first = _run("sqlite_script.py", cwd=checkout, env=env)
     assert first.splitlines() == [
-        "run 'minutes-in-three-weeks' in polyloop-example.db",
+        f"run 'minutes-in-three-weeks' in {temporary / 'polyloop-example.db'}",
         *SQLITE_STEPS,
         "stop reason: submitted after 4 steps (new run)",
         "submissions of this run on file: 1",
     ]
-    assert (tmp_path / "polyloop-example.db").is_file()
+    assert (temporary / "polyloop-example.db").is_file()
+    assert list(checkout.iterdir()) == []
 
-    again = _run("sqlite_script.py", cwd=tmp_path)
+    again = _run("sqlite_script.py", cwd=checkout, env=env)
     assert "the store already holds this run (steps on record: 4); resuming" in again
     assert "stop reason: submitted after 4 steps (continued from the log)" in again
     # The finished run was handed back from the log: nothing was submitted again.
