@@ -125,6 +125,12 @@ async def test_a_changed_observation_template_fails_at_the_first_step_that_diffe
     assert result.detail is not None and result.detail.startswith(
         "ReplayDiverged: run 'again', step 1 (re-driving run 'src'): the messages differ"
     )
+    # The first message that differs, quoted around its first differing character.
+    assert (
+        ": message 4 (the observation of step 0) differs at character 21: "
+        'recorded {"content":[{"text":"Observation: 2 (src:0:action)","type":"…, '
+        'sent {"content":[{"text":"Seen: 2 (src:0:action)","type":"text"}]… (sha256 '
+    ) in result.detail
     assert [d.step for d in model.divergences] == [1]
     with pytest.raises(ReplayDiverged, match=r"step 1 \(re-driving run 'src'\)") as raised:
         model.check()
@@ -138,6 +144,10 @@ async def test_a_changed_run_context_fails_at_step_0() -> None:
     result = await run(defined, redriven)
     assert result.stop_reason is StopReason.MODEL_FAILURE and result.step_count == 1
     assert result.detail is not None and "run 'again', step 0" in result.detail
+    assert (
+        "the 3 messages before the history (run context, injected text, tool list, goal) "
+        "differ from the recorded run's, whose log keeps only their digest; no history yet"
+    ) in result.detail
     assert [d.step for d in model.divergences] == [0] and executor.executions == []
 
 

@@ -27,6 +27,9 @@ class ScriptedModelClient:
     A string becomes a reply whose ``call_id`` is ``"<run_id>/<i>"``; an exception is
     raised instead of answering. ``script`` may also be a function of the call. Every
     call is kept in :attr:`calls`. One instance can serve many concurrent runs.
+
+    It answers by call number alone and never reads the messages: a settlement, an
+    approval with edited arguments or a rejection does not change its next answer.
     """
 
     def __init__(

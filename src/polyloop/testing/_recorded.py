@@ -20,6 +20,7 @@ from polyloop._assembly import messages_sha256
 from polyloop._shared import canonical_json, exception_text, plain_copy
 from polyloop.ports import Action, ActionOutcome, ModelCall, ModelReply
 from polyloop.session._checks import outcome_problem, reply_from
+from polyloop.testing._divergence import first_difference, recorded_history
 from polyloop.types import (
     ActionStatus,
     CorruptLog,
@@ -31,6 +32,7 @@ from polyloop.types import (
     RunLog,
     RunNotFound,
     RunStarted,
+    StepRecord,
     UnloggableValue,
 )
 
@@ -202,6 +204,12 @@ class RecordedModelClient:
             )
             for intent, result in _effects(log, IntentKind.MODEL_CALL)
         }
+        self._steps = sorted(
+            (record for record in log.records if isinstance(record, StepRecord)),
+            key=lambda step: step.step,
+        )
+        template = started.snapshot.get("observation_template")
+        self._template = template if isinstance(template, str) else None
         self._delay = delay
         self.calls: list[ModelCall] = []
         self.divergences: list[ReplayDiverged] = []
@@ -234,8 +242,8 @@ class RecordedModelClient:
         if sent != called.messages_sha256:
             raise self._diverged(
                 call,
-                f"the messages differ from those the recorded run sent at this step "
-                f"(sha256 {sent}, recorded {called.messages_sha256})",
+                f"the messages differ from those the recorded run sent at this step"
+                f"{self._where(call)} (sha256 {sent}, recorded {called.messages_sha256})",
             )
         payload = called.payload
         if isinstance(payload, dict) and "error" in payload:
@@ -270,6 +278,12 @@ class RecordedModelClient:
         raise self._diverged(
             call, f"the recorded run made its model calls at steps {first} to {last} only"
         )
+
+    def _where(self, call: ModelCall) -> str:
+        if self._template is None:
+            return ""
+        history = recorded_history(self._steps, self._template, call.call_index)
+        return f": {first_difference(history, call.messages)}"
 
     def _diverged(self, call: ModelCall, reason: str) -> ReplayDiverged:
         diverged = ReplayDiverged(
