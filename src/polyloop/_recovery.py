@@ -535,6 +535,8 @@ def status(plan: Plan, stored: StoredRun | None) -> RunStatus:
         reconciled_steps=reconciled_steps(plan),
         ready=why,
         agent=plan.started.agent,
+        started_at=plan.started.at,
+        ended_at=ended.at if ended is not None else None,
     )
 
 

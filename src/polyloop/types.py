@@ -722,6 +722,10 @@ class RunStatus:
     the agent the run was started through (:attr:`RunStarted.agent`): a host of that
     agent drives a ready run by itself, while a run with no agent waits for its program
     to resume it.
+
+    ``started_at`` is the time on the run's start record, and ``ended_at`` the time on
+    its end record when the log ends with one (``None`` while it goes on, and for
+    records written before records carried times).
     """
 
     run_id: str
@@ -738,6 +742,8 @@ class RunStatus:
     reconciled_steps: tuple[int, ...] = ()
     ready: Ready | None = None
     agent: str | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

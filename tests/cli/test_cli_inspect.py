@@ -24,6 +24,7 @@ import pytest
 
 from kit import surrogate as surrogate_kit
 from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
+from kit.show import without_times
 from kit.store import sampled
 from kit.surrogate import HALF, RUN_ID, SHOWN, StrictOutput
 from polyloop import FinishReason, ModelReply, Replay, Usage, run, run_trace_id, serialization
@@ -124,8 +125,9 @@ def flat(text: str) -> str:
 
 
 def row(out: str, run_id: str) -> str:
+    """The run's line of ``polyloop runs``, up to its age and duration."""
     (line,) = [line for line in out.splitlines() if line.split()[:1] == [run_id]]
-    return line
+    return without_times(line)
 
 
 def recent_utc(text: object) -> bool:
@@ -176,6 +178,15 @@ def test_runs_as_json_lines(filled: str, capsys: pytest.CaptureFixture[str]) -> 
         "long": None,
     }
     assert all(recent_utc(line.pop("last_record_at")) for line in lines)
+    # When each run started and, if its log ends with an end record, when it ended.
+    assert all(recent_utc(line.pop("started_at")) for line in lines)
+    # Two crashed before their end record: no end, no duration.
+    ended = {run_id: line.pop("ended_at") for run_id, line in by_id.items()}
+    durations = {run_id: line.pop("duration_s") for run_id, line in by_id.items()}
+    for run_id in ("crashed", "doubt"):
+        assert ended[run_id] is None and durations[run_id] is None
+    for run_id in ("done", "stopped", "long"):
+        assert recent_utc(ended[run_id]) and 0 <= durations[run_id] < 60
     assert by_id["done"] == {
         "run_id": "done",
         "state": "finished",
@@ -520,6 +531,9 @@ def test_runs_lists_a_corrupt_log_and_show_refuses_it_in_one_line(
         "ready": None,
         "agent": None,
         "last_record_at": None,
+        "started_at": None,
+        "ended_at": None,
+        "duration_s": None,
     }
 
     # show has nothing to show: one line on standard error.

@@ -42,6 +42,16 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "records" / "v1"
 OLD_RUN = "exp-7/task-12#3"
 # A time in UTC as the terminal and the page show it.
 UTC_TIME = re.compile(r"20\d\d-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}Z")
+# A span in the age and duration columns of ``polyloop runs``, or "-" where there is none.
+SPAN = re.compile(r"-|\d\.\ds|\d+s|\d+m\d\ds|\d+h\d\dm|\d+d\d\dh")
+
+
+def without_times(line: str) -> str:
+    """A line of ``polyloop runs`` without its last two columns (age and duration), which
+    depend on when it was printed; both are checked to be spans first."""
+    rest, age, duration = line.rsplit(maxsplit=2)
+    assert SPAN.fullmatch(age) and SPAN.fullmatch(duration), line
+    return rest
 
 
 def reply(content: str, usage: Usage | None) -> ModelReply:

@@ -37,7 +37,7 @@ from polyloop.cli._stores import (
     require_existing,
     with_schema,
 )
-from polyloop.cli._view import read_view, summaries, summary_json
+from polyloop.cli._view import RunSummary, read_view, summaries, summary_json
 from polyloop.types import PolyLoopError
 
 if TYPE_CHECKING:
@@ -111,6 +111,8 @@ def _run(argv: Sequence[str]) -> int:
 
 
 def _interrupted(args: argparse.Namespace) -> int:
+    if getattr(args, "interrupt_ends_normally", False):
+        return 0
     print(f"{PROGRAM}: interrupted", file=sys.stderr)
     hint = getattr(args, "interrupted_hint", None)
     if hint is not None:
@@ -318,21 +320,53 @@ def _runs_parser(commands: _Commands) -> None:
         "List every run of a store with its state, stop reason and steps.",
     )
     _store_argument(sub)
-    sub.add_argument("--json", action="store_true", help="one JSON object per line and run")
+    form = sub.add_mutually_exclusive_group()
+    form.add_argument("--json", action="store_true", help="one JSON object per line and run")
+    form.add_argument(
+        "--watch",
+        type=_watch_seconds,
+        nargs="?",
+        const=2.0,
+        metavar="SECONDS",
+        help="list again every SECONDS (default 2) until Ctrl-C",
+    )
+
+
+def _watch_seconds(text: str) -> float:
+    return _number_between(text, float, 0.1, 3600.0, "seconds between 0.1 and 3600")
 
 
 async def _runs_command(args: argparse.Namespace, out: Console) -> int:
     spec = await _store_of(args)
     async with open_store(spec) as store:
+        if args.watch is not None:
+            args.interrupt_ends_normally = True  # Ctrl-C is how a watch is stopped
+            while True:
+                out.clear()
+                out.print(
+                    f"{spec.shown} at {datetime.now(UTC):%H:%M:%S}Z, every {args.watch:g} s "
+                    "(Ctrl-C stops)",
+                    markup=False,
+                    soft_wrap=True,  # one line, however long the store's name
+                )
+                _print_runs(out, spec, await summaries(store))
+                await anyio.sleep(args.watch)
         listed = await summaries(store)
     if args.json:
         for run in listed:
             _write_line(json.dumps(summary_json(run), ensure_ascii=False))
-    elif listed:
-        print_unwrapped(out, _render.runs_table(listed))
+    else:
+        _print_runs(out, spec, listed)
+    return 0
+
+
+def _print_runs(out: Console, spec: StoreSpec, listed: list[RunSummary]) -> None:
+    if listed:
+        print_unwrapped(out, _render.runs_table(listed, now=datetime.now(UTC)))
     else:
         out.print(f"no runs in {spec.shown}", markup=False)
-    return 0
+    # A watch's reader sees each listing as soon as it is printed, even through a pipe.
+    out.file.flush()
 
 
 # -- show ----------------------------------------------------------------------------------

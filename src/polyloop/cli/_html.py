@@ -170,8 +170,8 @@ def _end(view: RunView) -> str:
         (label, escape(text))
         for label, text in review_facts(view.reviews().get(len(view.steps), []))
     )
-    if (interruption := view.interruption()) is not None:
-        rows.append(("interrupted", escape(interruption)))
+    if (stands := view.where_it_stands()) is not None:
+        rows.append((stands[0], escape(stands[1])))
     return f'<section id="end">\n<h2>end</h2>\n{_dl(rows)}\n</section>'
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime
 
 from rich import box
 from rich.console import Group, RenderableType
@@ -20,7 +21,7 @@ from polyloop.cli._facts import (
     step_facts,
     step_inherited_text,
 )
-from polyloop.cli._view import RunSummary, RunView, reply_facts, review_facts
+from polyloop.cli._view import RunSummary, RunView, reply_facts, review_facts, span_text
 from polyloop.types import ActionStatus, DecisionKind, StepRecord
 
 # How much of an observation the terminal shows; --json and --html show it whole.
@@ -94,14 +95,17 @@ def _no_action_text(step: StepRecord) -> str:
     return "(unusable reply)"
 
 
-def runs_table(views: Iterable[RunSummary]) -> Table:
-    """One row per run: id, state, stop reason, steps, valid steps (a corrupt run: why)."""
+def runs_table(views: Iterable[RunSummary], *, now: datetime) -> Table:
+    """One row per run: id, state, stop reason, steps, valid steps (a corrupt run: why),
+    how long ago it started (at ``now``) and how long it took once it ended."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     table.add_column("run", no_wrap=True)
     table.add_column("state", no_wrap=True)
     table.add_column("stop reason", no_wrap=True)
     table.add_column("steps", justify="right", no_wrap=True)
     table.add_column("valid", justify="right", no_wrap=True)
+    table.add_column("age", justify="right", no_wrap=True)
+    table.add_column("duration", justify="right", no_wrap=True)
     for view in views:
         # Escaped here already, not only on the way out, so the columns are measured
         # by what is printed.
@@ -111,6 +115,8 @@ def runs_table(views: Iterable[RunSummary]) -> Table:
             Text(escape_field(view.stop_reason or view.problem or "-")),
             str(view.step_count) if view.step_count is not None else "-",
             str(view.valid_steps) if view.valid_steps is not None else "-",
+            span_text(view.age_s(now)),
+            span_text(view.duration_s),
         )
     return table
 
@@ -205,8 +211,8 @@ def _end_fields(view: RunView) -> list[tuple[str, str]]:
     if view.detail is not None:
         fields.append(("detail", view.detail))
     fields.extend(review_facts(view.reviews().get(len(view.steps), [])))
-    if (interruption := view.interruption()) is not None:
-        fields.append(("interrupted", interruption))
+    if (stands := view.where_it_stands()) is not None:
+        fields.append(stands)
     return fields
 
 

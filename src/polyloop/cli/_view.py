@@ -7,7 +7,8 @@ run stands, and the store's own ``read_log`` and ``list_runs`` for the rest.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from polyloop import serialization
 from polyloop.cli._common import CliError
@@ -114,13 +115,49 @@ class RunSummary:
     def detail(self) -> str | None:
         return self.status.detail if self.status is not None else self.problem
 
+    def age_s(self, now: datetime) -> float | None:
+        """How long ago the run started, at ``now``."""
+        return span_s(self.status.started_at, now) if self.status is not None else None
+
+    @property
+    def duration_s(self) -> float | None:
+        """From the start record to the end record; ``None`` while the run goes on."""
+        return duration_s(self.status) if self.status is not None else None
+
+
+def span_s(start: datetime | None, end: datetime | None) -> float | None:
+    """The seconds from ``start`` to ``end``; ``None`` if either is unknown."""
+    return None if start is None or end is None else max(0.0, (end - start).total_seconds())
+
+
+def duration_s(status: RunStatus) -> float | None:
+    return span_s(status.started_at, status.ended_at)
+
+
+def span_text(seconds: float | None) -> str:
+    """A span as a column shows it: ``0.4s``, ``42s``, ``3m12s``, ``2h05m``, ``4d03h``."""
+    if seconds is None:
+        return "-"
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
 
 @dataclass(frozen=True, slots=True)
 class RunView:
-    """One run read back whole: its status and its log."""
+    """One run read back whole: its status and its log, and when they were read
+    (``read_at``: what an effect in progress is timed against)."""
 
     status: RunStatus
     log: RunLog
+    read_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     @property
     def run_id(self) -> str:
@@ -220,6 +257,33 @@ class RunView:
         started = self.started
         return dict(started.snapshot) if started is not None else {}
 
+    def in_progress(self) -> Intent | None:
+        """The effect a live writer is performing now (its intent), if there is one."""
+        if self.status.state is not RunState.RUNNING or self.status.open_intent is None:
+            return None
+        return self.status.open_intent
+
+    def in_progress_s(self) -> float | None:
+        """How long the effect in progress has been going on, when its intent has a time."""
+        intent = self.in_progress()
+        return None if intent is None else span_s(intent.at, self.read_at)
+
+    def where_it_stands(self) -> tuple[str, str] | None:
+        """``("in progress", ...)`` while a live writer performs an effect, else
+        ``("interrupted", ...)`` for where an unfinished run stopped; ``None`` once it ended."""
+        intent = self.in_progress()
+        if intent is None or isinstance(self.log.records[-1], RunEnded):
+            interruption = self.interruption()
+            return None if interruption is None else ("interrupted", interruption)
+        what = "model call" if intent.kind is IntentKind.MODEL_CALL else "action"
+        seconds = self.in_progress_s()
+        since = "" if seconds is None else f" for {span_text(seconds)}, since {_utc(intent.at)}"
+        return (
+            "in progress",
+            f"step {self.status.steps}: the {what} {intent.result_id!r} has been in "
+            f"progress{since} (a live writer is on it now)",
+        )
+
     def interruption(self) -> str | None:
         """Where an unfinished run stopped, in words; ``None`` if it has an end record."""
         if isinstance(self.log.records[-1], RunEnded):
@@ -238,6 +302,10 @@ class RunView:
         if isinstance(last, Result) and last.kind is IntentKind.MODEL_CALL:
             return f"step {step}: the model replied; no action was announced yet"
         return f"after step {step - 1}: no end record" if step else "before the first step"
+
+
+def _utc(at: datetime | None) -> str:
+    return "-" if at is None else at.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 _FINISH_WORDS = {
@@ -386,7 +454,14 @@ def summary_json(run: RunSummary | RunView) -> dict[str, JSONValue]:
             if status is not None and status.last_record_at
             else None
         ),
+        "started_at": _iso(status.started_at if status is not None else None),
+        "ended_at": _iso(status.ended_at if status is not None else None),
+        "duration_s": duration_s(status) if status is not None else None,
     }
+
+
+def _iso(at: datetime | None) -> str | None:
+    return None if at is None else at.isoformat()
 
 
 def trajectory_json(view: RunView) -> dict[str, JSONValue]:
@@ -397,6 +472,7 @@ def trajectory_json(view: RunView) -> dict[str, JSONValue]:
         "final_answer": view.final_answer,
         "records": view.records,
         "interrupted": view.interruption(),
+        "in_progress": _in_progress_json(view),
         "snapshot": view.snapshot,
         "open_intent": serialization.encode(intent) if intent is not None else None,
         "proposal": (
@@ -409,6 +485,18 @@ def trajectory_json(view: RunView) -> dict[str, JSONValue]:
         ],
         "usage": None if (usage := view.usage) is None else _usage_json(usage),
         "steps": [serialization.encode(step) for step in view.steps],
+    }
+
+
+def _in_progress_json(view: RunView) -> dict[str, JSONValue] | None:
+    intent = view.in_progress()
+    if intent is None:
+        return None
+    return {
+        "result_id": intent.result_id,
+        "kind": intent.kind.value,
+        "since": _iso(intent.at),
+        "for_s": view.in_progress_s(),
     }
 
 
