@@ -117,6 +117,23 @@ async def test_both_capabilities_are_protocols_the_doubles_satisfy() -> None:
     assert not isinstance(NullSink(), DeltaSink)
 
 
+async def test_a_null_sink_with_emit_delta_is_a_delta_sink_as_the_docs_show() -> None:
+    class Printer(NullSink):
+        def __init__(self) -> None:
+            self.printed: list[str] = []
+
+        async def emit_delta(self, delta: TextDelta) -> None:
+            self.printed.append(delta.text)
+
+    printer = Printer()
+    assert isinstance(printer, DeltaSink)
+    result = await run(
+        definition(MemoryStore(), model=StreamingModel(), events=printer),
+        request("r", make_tools(Ledger())),
+    )
+    assert "".join(printer.printed) == "".join(step.model_output for step in result.steps)
+
+
 async def test_pieces_reach_the_sink_in_order_before_their_step_is_written() -> None:
     timeline: list[tuple[str, Any]] = []
     model, sink = StreamingModel(timeline), DeltaRecordingSink(timeline)

@@ -43,6 +43,11 @@ and turns each model call of a run into one ``chat.completions.create`` request:
   - ``model``: the response ``model``, the name the server says answered (``None`` if
     empty).
 
+Built with ``stream=True``, the adapter asks for each reply as a stream of chunks, with
+the usage in the last one, hands each piece of content to a run's delta sink as it
+arrives, and adds the chunks up into the body the server would have sent whole: the
+reply is the one the same request read whole maps to, and only it is recorded.
+
 The adapter retries nothing and translates nothing: an exception of the SDK (a status
 error, a connection error, a body that is not JSON) ends the run with ``MODEL_FAILURE``
 under its own class name, and cancellation closes the request's connection and goes on.
