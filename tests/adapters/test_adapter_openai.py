@@ -34,7 +34,6 @@ from chat_shapes import (
     vllm_body,
 )
 from llmock.scenarios import Reply as LLMockReply
-from llmock.simulation import MockResponseSettings
 from llmock.testing import LLMockServer
 
 from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
@@ -728,19 +727,6 @@ async def test_one_adapter_serves_concurrent_runs_without_mixing_them(
 
 
 # -- against LLMock, a mock server this project did not write -------------------------------------
-
-
-@pytest.fixture(scope="module")
-def llmock_server() -> Iterator[LLMockServer]:
-    # Scripted replies only: no tool is offered, so it never decides on a call of its own.
-    with LLMockServer(responses=MockResponseSettings(tool_mode="off")) as started:
-        yield started
-
-
-@pytest.fixture
-def llmock(llmock_server: LLMockServer) -> LLMockServer:
-    llmock_server.state.reset()
-    return llmock_server
 
 
 async def test_llmock_cut_and_filtered_replies_are_invalid_and_run_no_tool(

@@ -8,7 +8,6 @@ before the step's record is written, and leaves the log a whole-reply run leaves
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -17,11 +16,11 @@ import pytest
 from llmock.scenarios import Delay, StreamFault
 from llmock.scenarios import Reply as LLMockReply
 from llmock.scenarios import ToolCall as LLMockToolCall
-from llmock.simulation import MockResponseSettings
 from llmock.testing import LLMockServer
 
 from kit.agent import Ledger, answer, cancel_when, definition, make_tools, request, tool_call
 from kit.backends import BOTH_BACKENDS
+from kit.deltas import DeltaRecordingSink, TimelineStore
 from polyloop import (
     DeltaSink,
     Event,
@@ -60,57 +59,12 @@ MODEL = "test-model"
 REPLIES = (tool_call("double", n=2), answer("the number 2 doubled is 4"))
 
 
-@pytest.fixture(scope="module")
-def llmock_server() -> Iterator[LLMockServer]:
-    # Scripted replies only: no tool is offered, so it never decides on a call of its own.
-    with LLMockServer(responses=MockResponseSettings(tool_mode="off")) as started:
-        yield started
-
-
-@pytest.fixture
-def llmock(llmock_server: LLMockServer) -> LLMockServer:
-    llmock_server.state.reset()
-    return llmock_server
-
-
 def script(llmock: LLMockServer) -> None:
     llmock.state.scenarios.add(*(LLMockReply(text=text) for text in REPLIES))
 
 
 def client_for(llmock: LLMockServer) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=llmock.base_url("openai"), api_key="k", max_retries=0)
-
-
-class TextSink(RecordingSink):
-    """Keeps step events and pieces of text in one timeline, with the store's writes."""
-
-    def __init__(self, timeline: list[tuple[str, Any]]) -> None:
-        super().__init__()
-        self.timeline = timeline
-        self.deltas: list[TextDelta] = []
-
-    async def emit(self, event: Event) -> None:
-        self.timeline.append(("event", event.kind))
-        await super().emit(event)
-
-    async def emit_delta(self, delta: TextDelta) -> None:
-        self.deltas.append(delta)
-        self.timeline.append(("delta", delta.step))
-
-    def text_of(self, step: int) -> str:
-        mine = [delta for delta in self.deltas if delta.step == step]
-        assert [delta.index for delta in mine] == list(range(len(mine)))
-        return "".join(delta.text for delta in mine)
-
-
-class TimelineStore(MemoryStore):
-    def __init__(self, timeline: list[tuple[str, Any]]) -> None:
-        super().__init__()
-        self.timeline = timeline
-
-    async def write_step(self, step: StepRecord, action_result: Any) -> None:
-        self.timeline.append(("write_step", step.step))
-        await super().write_step(step, action_result)
 
 
 def without_call_ids(records: tuple[Record, ...]) -> list[Record]:
@@ -127,7 +81,11 @@ def without_call_ids(records: tuple[Record, ...]) -> list[Record]:
 
 
 async def streamed_run(
-    llmock: LLMockServer, *, stream: bool, sink: TextSink, store: MemoryStore | None = None
+    llmock: LLMockServer,
+    *,
+    stream: bool,
+    sink: DeltaRecordingSink,
+    store: MemoryStore | None = None,
 ) -> tuple[Any, MemoryStore]:
     store = store if store is not None else TimelineStore(sink.timeline)
     async with client_for(llmock) as client:
@@ -145,7 +103,7 @@ async def test_pieces_arrive_in_order_before_the_step_and_add_up_to_the_reply(
 ) -> None:
     script(llmock)
     timeline: list[tuple[str, Any]] = []
-    sink = TextSink(timeline)
+    sink = DeltaRecordingSink(timeline)
     result, _ = await streamed_run(llmock, stream=True, sink=sink)
 
     assert result.stop_reason is StopReason.FINAL_ANSWER, result.detail
@@ -168,10 +126,10 @@ async def test_pieces_arrive_in_order_before_the_step_and_add_up_to_the_reply(
 
 async def test_a_streamed_run_logs_what_a_whole_reply_run_logs(llmock: LLMockServer) -> None:
     script(llmock)
-    streamed_sink = TextSink([])
+    streamed_sink = DeltaRecordingSink([])
     streamed, streamed_store = await streamed_run(llmock, stream=True, sink=streamed_sink)
     script(llmock)
-    whole_sink = TextSink([])
+    whole_sink = DeltaRecordingSink([])
     whole, whole_store = await streamed_run(llmock, stream=False, sink=whole_sink)
 
     assert streamed.stop_reason is whole.stop_reason is StopReason.FINAL_ANSWER
@@ -258,7 +216,7 @@ async def test_the_stream_flag_is_a_bool_and_stream_stays_out_of_sampling(
 # -- cancelled mid-stream -------------------------------------------------------------------------
 
 
-class Stalls(TextSink):
+class Stalls(DeltaRecordingSink):
     """Once step 0 is recorded, makes the next request stall: a stream after its first
     pieces, a whole reply before it is sent. ``entered`` fires once the request is in
     that stall, as far as the run can see: for a stream, at its first piece; for a whole
@@ -343,7 +301,7 @@ async def test_a_native_tool_style_run_streams_its_text_around_the_call(
         LLMockReply(text="Doubling.", tool_calls=(LLMockToolCall("double", {"n": 2}),)),
         LLMockReply(text=answer("4")),
     )
-    sink = TextSink([])
+    sink = DeltaRecordingSink([])
     async with client_for(llmock) as client:
         adapter = OpenAIModelClient(client, model=MODEL, sampling={}, stream=True)
         ledger = Ledger()

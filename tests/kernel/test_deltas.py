@@ -12,6 +12,7 @@ import anyio.lowlevel
 import pytest
 
 from kit.agent import Ledger, answer, cancel_when, definition, make_tools, request, tool_call
+from kit.deltas import DeltaRecordingSink, TimelineStore
 from polyloop import (
     DeltaSink,
     Event,
@@ -22,7 +23,6 @@ from polyloop import (
     Record,
     Replay,
     RunEnded,
-    StepRecord,
     StopReason,
     StreamingModelClient,
     TextDelta,
@@ -74,35 +74,6 @@ class StreamingModel(PlainModel):
             await on_text(piece)
         self.timeline.append(("returned", call.call_index))
         return self.reply(call)
-
-
-class DeltaRecordingSink(RecordingSink):
-    """A recording sink that also keeps every piece of text, in one timeline."""
-
-    def __init__(self, timeline: list[tuple[str, Any]] | None = None) -> None:
-        super().__init__()
-        self.deltas: list[TextDelta] = []
-        self.timeline = timeline if timeline is not None else []
-
-    async def emit(self, event: Event) -> None:
-        self.timeline.append(("event", event.kind))
-        await super().emit(event)
-
-    async def emit_delta(self, delta: TextDelta) -> None:
-        self.deltas.append(delta)
-        self.timeline.append(("delta", delta.step))
-
-
-class TimelineStore(MemoryStore):
-    """A memory store that notes in the timeline when each step record is written."""
-
-    def __init__(self, timeline: list[tuple[str, Any]]) -> None:
-        super().__init__()
-        self.timeline = timeline
-
-    async def write_step(self, step: StepRecord, action_result: Any) -> None:
-        self.timeline.append(("write_step", step.step))
-        await super().write_step(step, action_result)
 
 
 def timeless(records: tuple[Record, ...]) -> list[Record]:
@@ -328,19 +299,7 @@ class Stalling(StreamingModel):
         return await super().stream(call, on_text)
 
 
-class PlainStalling(PlainModel):
-    def __init__(self) -> None:
-        super().__init__()
-        self.entered = anyio.Event()
-
-    async def call(self, call: ModelCall) -> ModelReply:
-        if call.call_index == 1 and not self.entered.is_set():
-            self.entered.set()
-            await anyio.sleep_forever()
-        return await super().call(call)
-
-
-async def _cancelled_log(model: Stalling | PlainStalling, sink: DeltaRecordingSink) -> Any:
+async def _cancelled_log(model: Stalling, sink: RecordingSink) -> Any:
     store = MemoryStore()
     shared = definition(store, model=model, events=sink)
 
@@ -352,13 +311,15 @@ async def _cancelled_log(model: Stalling | PlainStalling, sink: DeltaRecordingSi
 
 
 async def test_cancelling_mid_stream_leaves_the_records_of_a_cancelled_call() -> None:
-    streamed_sink, plain_sink = DeltaRecordingSink(), DeltaRecordingSink()
-    streaming = Stalling()
+    # The same model: streamed to a delta sink, and called whole for a plain one.
+    streamed_sink, plain_sink = DeltaRecordingSink(), RecordingSink()
+    streaming, plain_model = Stalling(), Stalling()
     store, streamed = await _cancelled_log(streaming, streamed_sink)
-    _, plain = await _cancelled_log(PlainStalling(), plain_sink)
+    _, plain = await _cancelled_log(plain_model, plain_sink)
 
     assert [d.text for d in streamed_sink.deltas if d.step == 1] == ['{"tool": ', '"double"']
-    assert plain_sink.deltas == []
+    # Step 0 answered through each; step 1 stalled before it answered.
+    assert streaming.called == ["stream"] and plain_model.called == ["call"]
     assert timeless(streamed) == timeless(plain)
     end = streamed[-1]
     assert isinstance(end, RunEnded) and end.stop_reason is StopReason.CANCELLED
