@@ -213,6 +213,38 @@ async def test_the_stream_flag_is_a_bool_and_stream_stays_out_of_sampling(
         assert streaming.parameters() == whole.parameters()
 
 
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        ("truncate", "ValueError: the stream of chat completion 'chatcmpl-"),
+        ("disconnect", "APIConnectionError: Connection error."),
+        ("malformed", "JSONDecodeError: "),
+    ],
+)
+async def test_a_stream_broken_in_transit_is_a_model_failure_not_half_a_reply(
+    llmock: LLMockServer, fault: str, error: str
+) -> None:
+    """A stream cut off cleanly looks finished to the SDK: the missing finish reason
+    gives it away, and half a reply is never interpreted."""
+    llmock.state.scenarios.add(
+        LLMockReply(text=tool_call("double", n=2)), StreamFault(fault, after_chunks=3)
+    )
+    sink = DeltaRecordingSink()
+    ledger = Ledger()
+    async with client_for(llmock) as client:
+        adapter = OpenAIModelClient(client, model=MODEL, sampling={}, stream=True)
+        result = await run_agent(
+            definition(MemoryStore(), model=adapter, events=sink),
+            request("r", make_tools(ledger)),
+        )
+    assert result.stop_reason is StopReason.MODEL_FAILURE
+    assert result.detail is not None and result.detail.startswith(error), result.detail
+    assert ledger.calls == []
+    if fault != "malformed":
+        assert sink.text_of(0), "the pieces before the break were shown"
+        assert tool_call("double", n=2).startswith(sink.text_of(0))
+
+
 # -- cancelled mid-stream -------------------------------------------------------------------------
 
 

@@ -46,7 +46,9 @@ and turns each model call of a run into one ``chat.completions.create`` request:
 Built with ``stream=True``, the adapter asks for each reply as a stream of chunks, with
 the usage in the last one, hands each piece of content to a run's delta sink as it
 arrives, and adds the chunks up into the body the server would have sent whole: the
-reply is the one the same request read whole maps to, and only it is recorded.
+reply is the one the same request read whole maps to, and only it is recorded. A
+stream that ends with no chunk saying how the reply finished was cut off in transit: a
+``ValueError``, never half a reply.
 
 The adapter retries nothing and translates nothing: an exception of the SDK (a status
 error, a connection error, a body that is not JSON) ends the run with ``MODEL_FAILURE``
@@ -492,6 +494,13 @@ class _Whole:
                 built["function"]["arguments"] += arguments
 
     def completion(self) -> ChatCompletion:
+        if self.seen and self.finish is None:
+            # Every server says how a streamed reply ended in its last choice chunk; a
+            # stream without that was cut off in transit, and its text may be half a reply.
+            raise ValueError(
+                f"the stream of chat completion {_text(self.call_id)!r} ended before the "
+                "reply did: no chunk said how it finished"
+            )
         message: dict[str, Any] = {
             "role": "assistant",
             "content": "".join(self.content) if self.content else None,
