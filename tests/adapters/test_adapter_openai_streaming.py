@@ -21,6 +21,7 @@ from llmock.testing import LLMockServer
 from kit.agent import Ledger, answer, cancel_when, definition, make_tools, request, tool_call
 from kit.backends import BOTH_BACKENDS
 from kit.deltas import DeltaRecordingSink, TimelineStore
+from kit.openai_example import load_example
 from polyloop import (
     DeltaSink,
     Event,
@@ -350,3 +351,20 @@ async def test_a_native_tool_style_run_streams_its_text_around_the_call(
     assert ledger.calls == [("double", "r:0:action")]
     assert sink.text_of(0) == "Doubling." == result.steps[0].model_output
     assert sink.text_of(1) == answer("4")
+
+
+async def test_the_example_agent_prints_the_text_as_it_arrives(
+    llmock: LLMockServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = load_example("polyloop_openai_agent_streaming")
+    multiply = '{"tool": "multiply", "arguments": {"a": 6, "b": 7}}'
+    submit = '{"tool": "submit", "arguments": {"answer": "42"}}'
+    llmock.state.scenarios.add(LLMockReply(text=multiply), LLMockReply(text=submit))
+    base_url = llmock.base_url("openai")
+    args = example.parse_args(
+        ["--base-url", base_url, "--model", MODEL, "--max-retries", "0", "--stream"]
+    )
+    assert await example.amain(args) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == [f"[step 0] {multiply}", f"[step 1] {submit}"]
+    assert "stopped: submitted after 2 steps" in printed[-1]
