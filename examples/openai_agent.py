@@ -16,7 +16,8 @@ Usage (any server that speaks Chat Completions)::
 The API key comes from ``--api-key`` or ``OPENAI_API_KEY``; local servers usually accept
 any value. ``--binding KEY=VALUE`` (repeatable) adds coordinates to the run; they are
 recorded in its snapshot and sent as request ``metadata``, which OpenAI's own API accepts
-only with ``--store`` (it then keeps the completions in your account).
+only with ``--store`` (it then keeps the completions in your account). ``--stream``
+prints the model's text as it arrives; the run records each reply whole, as without it.
 
 Needs ``pip install "polyloop[openai]"`` (and ``polyloop[trio]`` for ``--backend trio``).
 
@@ -39,6 +40,8 @@ import openai
 from polyloop import (
     Budget,
     Definition,
+    Event,
+    EventKind,
     Injection,
     JSONValue,
     Message,
@@ -49,6 +52,7 @@ from polyloop import (
     Role,
     RunResult,
     StopReason,
+    TextDelta,
     ToolRegistry,
     ToolSpec,
     ToolStyle,
@@ -124,6 +128,19 @@ def build_tools() -> ToolRegistry:
     )
 
 
+class ShowText(NullSink):
+    """Prints the model's text as it arrives; every other event is dropped."""
+
+    async def emit_delta(self, delta: TextDelta) -> None:
+        if delta.index == 0:
+            print(f"[step {delta.step}] ", end="")
+        print(delta.text, end="", flush=True)
+
+    async def emit(self, event: Event) -> None:
+        if event.kind is EventKind.STEP_FINISHED:
+            print(flush=True)  # the step's reply is whole: end its line
+
+
 async def solve(
     client: openai.AsyncOpenAI,
     *,
@@ -135,21 +152,23 @@ async def solve(
     binding: Mapping[str, str] | None = None,
     store: bool = False,
     native: bool = False,
+    stream: bool = False,
 ) -> RunResult:
     """Run the agent once on ``task`` and return how the run ended.
 
     With ``native``, the tools go to the server in its own tool-calling form and the
     model's tool calls are read as such; otherwise they are described in the prompt and
-    the model answers with a JSON object.
+    the model answers with a JSON object. With ``stream``, the model's text is printed
+    as it arrives.
     """
     sampling: dict[str, JSONValue] = {"temperature": temperature}
     if store:
         sampling["store"] = True
     definition = Definition(
-        model=OpenAIModelClient(client, model=model, sampling=sampling),
+        model=OpenAIModelClient(client, model=model, sampling=sampling, stream=stream),
         interpreter=NativeToolCallInterpreter() if native else JsonToolCallInterpreter(),
         store=MemoryStore(),
-        events=NullSink(),
+        events=ShowText() if stream else NullSink(),
         texts=ObservationTexts(
             not_executed="Not executed: {reason}", env_fault="Tool failure: {detail}"
         ),
@@ -229,6 +248,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="use the server's own tool calling instead of JSON in the reply text",
     )
+    parser.add_argument(
+        "--stream", action="store_true", help="print the model's text as it arrives"
+    )
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     args = parser.parse_args(argv)
     pairs = [item.partition("=") for item in args.binding]
@@ -251,6 +273,7 @@ async def amain(args: argparse.Namespace) -> int:
             binding=args.binding,
             store=args.store,
             native=args.native,
+            stream=args.stream,
         )
     print(report(result))
     return 0 if result.stop_reason in (StopReason.SUBMITTED, StopReason.FINAL_ANSWER) else 1

@@ -45,6 +45,7 @@ __all__ = (
     "ActionOutcome",
     "ChangeFeed",
     "Decision",
+    "DeltaSink",
     "Event",
     "EventKind",
     "EventSink",
@@ -59,6 +60,8 @@ __all__ = (
     "ReconcilingExecutor",
     "Store",
     "StoredRun",
+    "StreamingModelClient",
+    "TextDelta",
     "TracingSink",
     "reject_incomplete",
 )
@@ -207,6 +210,31 @@ class ModelClient(Protocol):
         Cancellation: the library cancels this call when the run is cancelled; it must
         let the cancellation propagate. The model-call intent is already durable, so a
         later ``resume`` replays the call only if the request's model replay allows it.
+        """
+        ...
+
+
+@runtime_checkable
+class StreamingModelClient(ModelClient, Protocol):
+    """A model client that can report the reply's text while the call runs. Optional.
+
+    When the run's event sink is a :class:`DeltaSink`, the library calls :meth:`stream`
+    instead of ``call``; otherwise it calls ``call``, as for any client. Either way the
+    reply returned is the one that is recorded: the pieces of text are only shown, never
+    written to the log.
+    """
+
+    async def stream(
+        self, call: ModelCall, on_text: Callable[[str], Awaitable[None]]
+    ) -> ModelReply:
+        """Make the call as ``call`` would, awaiting ``on_text`` with each new piece of
+        the reply's visible text (``content``) as it arrives, in order; then return the
+        whole reply, whose ``content`` is those pieces joined.
+
+        ``on_text`` never raises (a sink's failure is counted by the library), so a
+        client need not guard it; it may take a while, as the sink does.
+
+        Cancellation: as for ``call``; ``on_text`` lets a cancellation through too.
         """
         ...
 
@@ -603,6 +631,45 @@ class TracingSink(EventSink, Protocol):
         the call's exception, cancellation included, which goes on whatever it returns.
         One it raises itself is counted and logged like a failing ``emit``, and the
         call runs or ends as it would have. The step's record still arrives by ``emit``.
+        """
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TextDelta:
+    """A piece of a model's reply text, as it arrived while the call ran.
+
+    ``step`` and ``result_id`` name the model call (the result id is the one its
+    ``Result`` record will carry); ``index`` counts the call's pieces from 0, so that a
+    display can tell that it missed one. Joined in index order, the pieces of a call
+    that returned are the ``content`` of its reply, which is what the log records.
+    Pieces are never written anywhere: they live only in the process that runs the step.
+    """
+
+    run_id: str
+    step: int
+    result_id: str
+    index: int
+    text: str
+
+
+@runtime_checkable
+class DeltaSink(EventSink, Protocol):
+    """An event sink that also hears a model's text as it arrives. Optional.
+
+    The kernel looks ``emit_delta`` up once per run. With a model client that is a
+    :class:`StreamingModelClient`, each piece of the reply's text reaches
+    ``emit_delta`` before the step's record is written; with any other client, or any
+    other sink, the model is called as usual and no piece is sent.
+    """
+
+    async def emit_delta(self, delta: TextDelta) -> None:
+        """Deliver one piece of text. The model's stream waits while this runs.
+
+        A failure is counted and logged like a failing ``emit``; the next piece is
+        still delivered.
+
+        Cancellation: must propagate; the run is then cancelled, as in any model call.
         """
         ...
 

@@ -10,7 +10,6 @@ llama.cpp and Ollama, and a third, LLMock, is a mock server this project did not
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -19,7 +18,6 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anyio
@@ -34,12 +32,12 @@ from chat_shapes import (
     vllm_body,
 )
 from llmock.scenarios import Reply as LLMockReply
-from llmock.simulation import MockResponseSettings
 from llmock.testing import LLMockServer
 
 from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
 from kit.backends import BOTH_BACKENDS, TRIO_SLOW
 from kit.chat import ChatServer, Hold, Malformed, Mode, PlainText, Reply, Status
+from kit.openai_example import load_example
 from polyloop import (
     Budget,
     DecisionKind,
@@ -730,19 +728,6 @@ async def test_one_adapter_serves_concurrent_runs_without_mixing_them(
 # -- against LLMock, a mock server this project did not write -------------------------------------
 
 
-@pytest.fixture(scope="module")
-def llmock_server() -> Iterator[LLMockServer]:
-    # Scripted replies only: no tool is offered, so it never decides on a call of its own.
-    with LLMockServer(responses=MockResponseSettings(tool_mode="off")) as started:
-        yield started
-
-
-@pytest.fixture
-def llmock(llmock_server: LLMockServer) -> LLMockServer:
-    llmock_server.state.reset()
-    return llmock_server
-
-
 async def test_llmock_cut_and_filtered_replies_are_invalid_and_run_no_tool(
     llmock: LLMockServer,
 ) -> None:
@@ -787,19 +772,10 @@ async def test_llmock_cut_and_filtered_replies_are_invalid_and_run_no_tool(
 # -- the runnable example ------------------------------------------------------------------------
 
 
-def load_example() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "examples" / "openai_agent.py"
-    spec = importlib.util.spec_from_file_location("polyloop_openai_agent_example", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 async def test_the_example_agent_runs_against_the_server(
     server: ChatServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    example = load_example()
+    example = load_example("polyloop_openai_agent_example")
     server.respond(
         Reply('{"tool": "add", "arguments": {"a": 17, "b": 25}}'),
         Reply('Sure.\n```json\n{"tool": "multiply", "arguments": {"a": 42, "b": 3}}\n```'),

@@ -5,10 +5,7 @@ goes back as assistant tool calls and tool messages."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import openai
@@ -17,6 +14,7 @@ from chat_shapes import BodyServer, openai_body
 
 from kit.agent import Ledger, definition, make_tools, request
 from kit.backends import BOTH_BACKENDS, TRIO_SLOW
+from kit.openai_example import load_example
 from polyloop import DecisionKind, FinishReason, Result, StopReason, ToolStyle, run
 from polyloop.adapters.openai import OpenAIModelClient
 from polyloop.interpreters import NativeToolCallInterpreter
@@ -230,19 +228,8 @@ def test_tools_in_sampling_are_refused_with_the_way_to_native_calls() -> None:
         OpenAIModelClient(client, model=MODEL, sampling={"tools": []})
 
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_agent.py"
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("polyloop_openai_agent_native", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    return example
-
-
 async def test_the_example_agent_runs_with_native_tool_calls(server: BodyServer) -> None:
-    example = load_example()
+    example = load_example("polyloop_openai_agent_native")
     server.respond(
         calls_body(("c1", "add", '{"a": 17, "b": 25}')),
         calls_body(("c2", "multiply", '{"a": 42, "b": 3}'), content="Now the product."),

@@ -11,6 +11,7 @@ import io
 import pytest
 from rich.console import Console
 
+from kit.deltas import DeltaRecordingSink
 from polyloop import EventSink, NullSink
 from polyloop.cli._demo import ProgressSink
 from polyloop.testing import RecordingSink
@@ -33,3 +34,11 @@ class TestProgressSink(EventSinkContract):
     @pytest.fixture
     def event_sink(self) -> EventSink:
         return ProgressSink(Console(file=io.StringIO(), width=100), note="contract")
+
+
+class TestDeltaRecordingSink(EventSinkContract):
+    """The tests' own delta sink, so that the suite's checks of a delta sink run."""
+
+    @pytest.fixture
+    def event_sink(self) -> EventSink:
+        return DeltaRecordingSink()

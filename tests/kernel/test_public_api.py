@@ -101,6 +101,10 @@ NAMES_BY_MODULE = {
         "TracingSink",
         # issue 44, part 2: a store that says when a run may go on
         "ChangeFeed",
+        # issue 46, item 3: the model's text as it arrives
+        "StreamingModelClient",
+        "DeltaSink",
+        "TextDelta",
     },
     # issue 20: a handler reports a broken environment
     tools: {"ToolSpec", "ToolRegistry", "EnvironmentFault"},

@@ -43,6 +43,13 @@ and turns each model call of a run into one ``chat.completions.create`` request:
   - ``model``: the response ``model``, the name the server says answered (``None`` if
     empty).
 
+Built with ``stream=True``, the adapter asks for each reply as a stream of chunks, with
+the usage in the last one, hands each piece of content to a run's delta sink as it
+arrives, and adds the chunks up into the body the server would have sent whole: the
+reply is the one the same request read whole maps to, and only it is recorded. A
+stream that ends with no chunk saying how the reply finished was cut off in transit: a
+``ValueError``, never half a reply.
+
 The adapter retries nothing and translates nothing: an exception of the SDK (a status
 error, a connection error, a body that is not JSON) ends the run with ``MODEL_FAILURE``
 under its own class name, and cancellation closes the request's connection and goes on.
@@ -62,16 +69,23 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType
 from typing import Any, cast
+
+import anyio
 
 from polyloop._shared import needs_extra, plain_copy
 from polyloop._strict_json import refuse_constant
 
 with needs_extra("polyloop.adapters.openai", "openai"):
     import openai
-    from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionMessageParam
+    from openai.types.chat import (
+        ChatCompletion,
+        ChatCompletionChunk,
+        ChatCompletionMessage,
+        ChatCompletionMessageParam,
+    )
 from polyloop.ports import ModelCall, ModelReply
 from polyloop.types import (
     FinishReason,
@@ -94,8 +108,8 @@ _WHY_REFUSED: Mapping[str, str] = {
     "model": "the adapter sets the model",
     "messages": "the adapter sets the messages",
     "metadata": "the adapter sends the binding as metadata",
-    "stream": "replies are read whole, not streamed",
-    "stream_options": "replies are read whole, not streamed",
+    "stream": "build the adapter with stream=True to stream",
+    "stream_options": "the adapter asks for usage itself when it streams",
     "extra_headers": "set headers on the client (default_headers)",
     "extra_query": "set query parameters on the client (default_query)",
     "timeout": "set the timeout on the client",
@@ -136,6 +150,9 @@ _FINISH_REASONS: Mapping[str, FinishReason] = {
 # Where reasoning servers put the thinking text, newest name first.
 _REASONING_FIELDS = ("reasoning", "reasoning_content")
 
+# How long closing a cancelled stream's connection may hold the cancellation up.
+_CLOSE_GRACE_S = 5.0
+
 
 class OpenAIModelClient:
     """A :class:`~polyloop.ports.ModelClient` for an OpenAI-compatible server.
@@ -153,14 +170,22 @@ class OpenAIModelClient:
     ``False`` no ``metadata`` is ever sent, for servers that refuse it (OpenAI without
     ``store``) or when the server should not see the binding.
 
+    ``stream`` (default ``False``) asks for every reply as a stream of chunks, with the
+    usage in its last one (``stream_options={"include_usage": True}``), and assembles the
+    chunks into the reply the same request would have had whole. The adapter is a
+    :class:`~polyloop.ports.StreamingModelClient`: with a
+    :class:`~polyloop.ports.DeltaSink` on the definition, the run hands the sink each
+    piece of the reply's text as it arrives. Without ``stream``, the reply is read whole
+    and a delta sink gets its text as one piece, once the reply is in.
+
     ``parameters()`` reports the base URL, the model and the sampling parameters: what
     the run's snapshot records and what :func:`~polyloop.session.resume` checks. The API
-    key, timeouts, retry setting and ``send_binding`` are not part of it.
+    key, timeouts, retry setting, ``send_binding`` and ``stream`` are not part of it.
 
     One instance may serve any number of concurrent runs: it keeps no per-call state.
     """
 
-    __slots__ = ("_client", "_model", "_sampling", "_send_binding")
+    __slots__ = ("_client", "_model", "_sampling", "_send_binding", "_stream")
 
     def __init__(
         self,
@@ -169,6 +194,7 @@ class OpenAIModelClient:
         model: str,
         sampling: Mapping[str, JSONValue],
         send_binding: bool = True,
+        stream: bool = False,
     ) -> None:
         if not isinstance(client, openai.AsyncOpenAI):
             raise TypeError(f"client must be an openai.AsyncOpenAI, not {type(client).__name__}")
@@ -176,11 +202,14 @@ class OpenAIModelClient:
             raise ValueError("model must be a non-empty string")
         if not isinstance(send_binding, bool):
             raise TypeError("send_binding must be True or False")
+        if not isinstance(stream, bool):
+            raise TypeError("stream must be True or False")
         _check_sampling(client, sampling)
         self._client = client
         self._model = model
         self._sampling: dict[str, Any] = copy.deepcopy(dict(sampling))
         self._send_binding = send_binding
+        self._stream = stream
 
     def parameters(self) -> Mapping[str, JSONValue]:
         """``{"base_url": ..., "model": ..., "sampling": {...}}``."""
@@ -191,7 +220,25 @@ class OpenAIModelClient:
         }
 
     async def call(self, call: ModelCall) -> ModelReply:
-        """Make one Chat Completions request; exceptions and cancellation pass through."""
+        """Make one Chat Completions request; exceptions and cancellation pass through.
+
+        Cancellation: the request's connection is closed and the cancellation goes on.
+        """
+        return await self._request(call, None)
+
+    async def stream(
+        self, call: ModelCall, on_text: Callable[[str], Awaitable[None]]
+    ) -> ModelReply:
+        """Make the request as :meth:`call` does, handing ``on_text`` the reply's text:
+        each piece as it arrives when the adapter streams, else all of it at the end.
+
+        Cancellation: the request's connection is closed and the cancellation goes on.
+        """
+        return await self._request(call, on_text)
+
+    async def _request(
+        self, call: ModelCall, on_text: Callable[[str], Awaitable[None]] | None
+    ) -> ModelReply:
         options: dict[str, Any] = copy.deepcopy(self._sampling)
         if self._send_binding and call.binding:
             _check_metadata(call.binding)  # before sending: a refused request may still cost
@@ -200,12 +247,23 @@ class OpenAIModelClient:
             options["tools"] = [_native_tool(tool) for tool in call.tools]
             # One action per step: servers that honour it make one call at most.
             options["parallel_tool_calls"] = False
+        messages = [chat for message in call.messages for chat in _chat_messages(message)]
+        if self._stream:
+            chunks = await self._client.chat.completions.create(
+                model=self._model,
+                messages=messages,
+                stream=True,
+                stream_options={"include_usage": True},
+                **options,
+            )
+            return _reply(await _assembled(chunks, on_text), call.result_id)
         response = await self._client.chat.completions.create(
-            model=self._model,
-            messages=[chat for message in call.messages for chat in _chat_messages(message)],
-            **options,
+            model=self._model, messages=messages, **options
         )
-        return _reply(response, call.result_id)
+        reply = _reply(response, call.result_id)
+        if on_text is not None and reply.content:
+            await on_text(reply.content)
+        return reply
 
     def __repr__(self) -> str:
         return f"OpenAIModelClient(base_url={str(self._client.base_url)!r}, model={self._model!r})"
@@ -339,6 +397,129 @@ def _reply(response: object, result_id: str) -> ModelReply:
         refusal=refusal,
         tool_calls=_tool_calls(getattr(message, "tool_calls", None), result_id),
     )
+
+
+async def _assembled(
+    chunks: object, on_text: Callable[[str], Awaitable[None]] | None
+) -> ChatCompletion:
+    """The completion a stream of chunks adds up to, in the shape the server would have
+    sent whole, so that one mapping makes the reply of either. Each piece of content
+    goes to ``on_text`` as it arrives."""
+    if not isinstance(chunks, openai.AsyncStream):
+        raise TypeError(f"the server's answer is not a stream but {type(chunks).__name__}")
+    whole = _Whole()
+    try:
+        async for chunk in chunks:
+            text = whole.add(chunk)
+            if text and on_text is not None:
+                await on_text(text)
+    finally:
+        # Cancelled or failed mid-stream: the connection is closed, not left to linger.
+        with anyio.move_on_after(_CLOSE_GRACE_S, shield=True):
+            await chunks.close()
+    return whole.completion()
+
+
+class _Whole:
+    """Adds a stream's chunks up: the first choice's pieces, the ids, the usage."""
+
+    __slots__ = (
+        "call_id",
+        "content",
+        "finish",
+        "model",
+        "reasoning",
+        "refusal",
+        "seen",
+        "tools",
+        "usage",
+    )
+
+    def __init__(self) -> None:
+        self.call_id: object = None
+        self.model: object = None
+        self.usage: object = None
+        self.finish: object = None
+        self.seen = False  # whether any chunk carried the first choice
+        self.content: list[str] = []
+        self.refusal: list[str] = []
+        self.reasoning: dict[str, list[str]] = {name: [] for name in _REASONING_FIELDS}
+        self.tools: dict[int, dict[str, Any]] = {}
+
+    def add(self, chunk: object) -> str:
+        """Take one chunk in; the new piece of content it carries, or ``""``."""
+        if not isinstance(chunk, ChatCompletionChunk):
+            raise TypeError(f"a streamed chunk is not a chat completion chunk: {chunk!r:.80}")
+        # The SDK does not validate chunks either: any part may be missing or null.
+        self.call_id = self.call_id or getattr(chunk, "id", None)
+        self.model = self.model or getattr(chunk, "model", None)
+        if (usage := getattr(chunk, "usage", None)) is not None:
+            self.usage = usage
+        choices = getattr(chunk, "choices", None)
+        first = (
+            [c for c in choices if getattr(c, "index", 0) == 0] if isinstance(choices, list) else []
+        )
+        text = ""
+        for choice in first:
+            self.seen = True
+            if (finish := getattr(choice, "finish_reason", None)) is not None:
+                self.finish = finish
+            delta = getattr(choice, "delta", None)
+            piece = getattr(delta, "content", None)
+            if isinstance(piece, str):
+                self.content.append(piece)
+                text += piece
+            if isinstance(refusal := getattr(delta, "refusal", None), str):
+                self.refusal.append(refusal)
+            for name in _REASONING_FIELDS:
+                if isinstance(thought := getattr(delta, name, None), str):
+                    self.reasoning[name].append(thought)
+            self._add_tool_calls(getattr(delta, "tool_calls", None))
+        return text
+
+    def _add_tool_calls(self, calls: object) -> None:
+        if not isinstance(calls, list):
+            return
+        for position, call in enumerate(calls):
+            index = getattr(call, "index", position)
+            built = self.tools.setdefault(
+                index if isinstance(index, int) else position,
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            built["id"] = built["id"] or getattr(call, "id", None)
+            function = getattr(call, "function", None)
+            if isinstance(name := getattr(function, "name", None), str):
+                built["function"]["name"] += name
+            if isinstance(arguments := getattr(function, "arguments", None), str):
+                built["function"]["arguments"] += arguments
+
+    def completion(self) -> ChatCompletion:
+        if self.seen and self.finish is None:
+            # Every server says how a streamed reply ended in its last choice chunk; a
+            # stream without that was cut off in transit, and its text may be half a reply.
+            raise ValueError(
+                f"the stream of chat completion {_text(self.call_id)!r} ended before the "
+                "reply did: no chunk said how it finished"
+            )
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": "".join(self.content) if self.content else None,
+            "refusal": "".join(self.refusal) or None,
+        }
+        for name, pieces in self.reasoning.items():
+            if pieces:
+                message[name] = "".join(pieces)
+        if self.tools:
+            message["tool_calls"] = [self.tools[index] for index in sorted(self.tools)]
+        choice = {"index": 0, "message": message, "finish_reason": self.finish}
+        # Built as the SDK builds a body it read whole: without validating it.
+        return ChatCompletion.construct(
+            id=self.call_id,
+            object="chat.completion",
+            model=self.model,
+            choices=[choice] if self.seen else [],
+            usage=self.usage,
+        )
 
 
 def _tool_calls(calls: object, result_id: str) -> tuple[ToolCallBlock, ...]:

@@ -4,7 +4,8 @@ One is built per call of ``run`` or ``resume``, once the request is checked and 
 id claimed. Each step makes the writes the package docstring sets out, in its order;
 every return is preceded by an end record and, when cancelled, the loop still leaves
 one where it can. Its side jobs live beside it: ``_steps`` builds the records,
-``_relay`` tells the event sink, ``_proposals`` puts a call to a person and turns a
+``_relay`` tells the event sink, ``_deltas`` calls the model (streaming
+its text to the sink where both can), ``_proposals`` puts a call to a person and turns a
 verdict into the call to run, and ``_resuming`` carries a resumed run on from where
 ``_recovery.next_move`` says (asking ``_probes`` about an action in doubt first).
 """
@@ -28,7 +29,7 @@ from polyloop.ports import (
     ModelCall,
     ModelReply,
 )
-from polyloop.session import _draining, _proposals
+from polyloop.session import _deltas, _draining, _proposals
 from polyloop.session._checks import (
     action_name,
     checked_reply,
@@ -93,6 +94,7 @@ class Loop:
         self.transcript = Transcript(prepared.prefix)
         self.native_tools = prepared.tools
         self.relay = Relay(definition.events, request.run_id)
+        self.call_the_model = _deltas.model_caller(definition.model, self.relay)
         self.build = StepBuilder(
             run_id=request.run_id,
             resumed=resumed,
@@ -179,7 +181,7 @@ class Loop:
         began = time.perf_counter()
         try:
             with self.relay.scope(IntentKind.MODEL_CALL, index):
-                reply = checked_reply(await self.definition.model.call(call))
+                reply = checked_reply(await self.call_the_model(call))
         except Exception as exc:  # noqa: BLE001 - a failing model ends the run, by contract
             times.model_s = time.perf_counter() - began
             error = exception_text(exc)

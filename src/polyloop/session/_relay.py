@@ -1,7 +1,8 @@
 """The event relay: what the loop tells its event sink, at a few fixed points.
 
 The loop calls :meth:`Relay.emit` when a run starts, resumes, finishes a step and ends,
-and runs each model call and action inside :meth:`Relay.scope`. A sink is code the
+and runs each model call and action inside :meth:`Relay.scope`; ``_deltas`` hands it the
+pieces of a streamed reply for :meth:`Relay.emit_delta`. A sink is code the
 library does not own: whatever it raises is counted and logged here, and never fails
 the run, the call, or hides the call's own exception.
 """
@@ -10,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager
 
-from polyloop.ports import Event, EventKind, EventSink, TracingSink
+from polyloop.ports import DeltaSink, Event, EventKind, EventSink, TextDelta, TracingSink
 from polyloop.types import Intent, IntentKind, Record, Settlement
 
 logger = logging.getLogger("polyloop")
@@ -25,7 +26,7 @@ _NO_SCOPE: AbstractContextManager[object] = contextlib.nullcontext()
 class Relay:
     """Hands one run's events to its sink and counts the sink's failures."""
 
-    __slots__ = ("_around", "_events", "_run_id", "failures")
+    __slots__ = ("_around", "_deltas", "_events", "_run_id", "failures")
 
     def __init__(self, events: EventSink, run_id: str) -> None:
         self._events = events
@@ -33,6 +34,14 @@ class Relay:
         self.failures = 0
         # Looked up once per run, so a sink that wraps no calls adds nothing to a step.
         self._around = events.around_call if isinstance(events, TracingSink) else None
+        self._deltas: Callable[[TextDelta], Awaitable[None]] | None = (
+            events.emit_delta if isinstance(events, DeltaSink) else None
+        )
+
+    @property
+    def takes_deltas(self) -> bool:
+        """Whether the sink hears a model's text as it arrives."""
+        return self._deltas is not None
 
     async def emit(
         self,
@@ -63,6 +72,23 @@ class Relay:
             # Counted and logged, never reported through the sink that just failed.
             self.failures += 1
             logger.exception("run %r: the event sink failed on %s", self._run_id, kind.value)
+
+    async def emit_delta(self, delta: TextDelta) -> None:
+        """Hand the sink one piece of a model's text; count and log it if the sink raises.
+
+        Cancellation: propagates from the sink's ``emit_delta``.
+        """
+        assert self._deltas is not None  # only called when the sink takes deltas
+        try:
+            await self._deltas(delta)
+        except Exception:
+            self.failures += 1
+            logger.exception(
+                "run %r: the event sink failed on text delta %d of step %d",
+                self._run_id,
+                delta.index,
+                delta.step,
+            )
 
     def scope(self, kind: IntentKind, index: int) -> AbstractContextManager[object]:
         """What the model call or action of step ``index`` runs inside: the event

@@ -18,6 +18,10 @@ is cancelled, so the suite can cancel an emit in flight. Without it (the default
 ``None``) that test is skipped; an emit in an already cancelled scope is still checked.
 A sink that hands events on at once, awaiting nothing, has nothing to cancel.
 
+A sink that is also a :class:`~polyloop.ports.DeltaSink` is checked to take pieces of
+a model's text (and to let a cancellation out of ``emit_delta``); for any other sink
+those tests are skipped.
+
 The tests need pytest and anyio's pytest plugin (installed with anyio).
 """
 
@@ -28,7 +32,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 import pytest
 
-from polyloop.ports import Event, EventKind, EventSink
+from polyloop.ports import DeltaSink, Event, EventKind, EventSink, TextDelta
 from polyloop.testing._contract_checks import (
     assert_cancelled_before_start,
     assert_cancelled_in_flight,
@@ -36,7 +40,7 @@ from polyloop.testing._contract_checks import (
 )
 from polyloop.testing.store_contract import sample_run
 
-__all__ = ("EventSinkContract", "sample_events")
+__all__ = ("EventSinkContract", "sample_deltas", "sample_events")
 
 CONCURRENT_EMITS = 50
 
@@ -55,6 +59,15 @@ def sample_events(run_id: str) -> list[Event]:
     ]
     assert {event.kind for event in events} == set(EventKind)
     return events
+
+
+def sample_deltas(run_id: str) -> list[TextDelta]:
+    """The pieces of text of one streamed model call, as the library numbers them."""
+    pieces = ('{"answer": ', '"four', '"}')
+    return [
+        TextDelta(run_id=run_id, step=0, result_id=f"{run_id}:0:model", index=index, text=text)
+        for index, text in enumerate(pieces)
+    ]
 
 
 @pytest.mark.anyio
@@ -105,3 +118,20 @@ class EventSinkContract:
             pytest.skip("no slow_event_sink: an emit in flight cannot be cancelled")
         event = sample_events("r1")[2]
         await assert_cancelled_in_flight(lambda: slow_event_sink.emit(event))
+
+    async def test_a_delta_sink_takes_pieces_of_text(self, event_sink: EventSink) -> None:
+        if not isinstance(event_sink, DeltaSink):
+            pytest.skip("not a DeltaSink: it takes no pieces of text")
+        params = dict(event_sink.parameters())
+        deliver: Callable[[TextDelta], Awaitable[object]] = event_sink.emit_delta
+        for delta in sample_deltas("r1"):
+            assert await deliver(delta) is None
+        assert dict(event_sink.parameters()) == params
+
+    async def test_an_emit_delta_in_a_cancelled_scope_lets_the_cancellation_out(
+        self, event_sink: EventSink
+    ) -> None:
+        if not isinstance(event_sink, DeltaSink):
+            pytest.skip("not a DeltaSink: it takes no pieces of text")
+        delta = sample_deltas("r1")[0]
+        await assert_cancelled_before_start(lambda: event_sink.emit_delta(delta))

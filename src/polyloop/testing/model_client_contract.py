@@ -31,6 +31,10 @@ Three fixtures are optional, and have defaults here:
 * ``model_call``: a function of an index that makes the calls the suite sends; the
   default is one user message, ``call_index`` 0, and run ``contract-<index>``.
 
+A client that is also a :class:`~polyloop.ports.StreamingModelClient` is checked to
+hand over pieces of text that add up to its reply's ``content``; for any other client
+that test is skipped.
+
 The tests need pytest and anyio's pytest plugin (installed with anyio).
 """
 
@@ -41,7 +45,7 @@ from collections.abc import Callable
 import anyio
 import pytest
 
-from polyloop.ports import ModelCall, ModelClient, ModelReply
+from polyloop.ports import ModelCall, ModelClient, ModelReply, StreamingModelClient
 from polyloop.testing._contract_checks import (
     assert_cancelled_before_start,
     assert_cancelled_in_flight,
@@ -168,3 +172,23 @@ class ModelClientContract:
         if slow_model_client is None:
             pytest.skip("no slow_model_client: a call in flight cannot be cancelled")
         await assert_cancelled_in_flight(lambda: slow_model_client.call(model_call(0)))
+
+    async def test_streamed_pieces_add_up_to_the_reply(
+        self,
+        model_client: ModelClient,
+        model_call: CallFactory,
+        expected_content: ExpectedContent | None,
+    ) -> None:
+        if not isinstance(model_client, StreamingModelClient):
+            pytest.skip("not a StreamingModelClient: it hands over no pieces of text")
+        pieces: list[object] = []
+
+        async def on_text(text: str) -> None:
+            pieces.append(text)
+
+        call = model_call(0)
+        reply = assert_well_formed_reply(await model_client.stream(call, on_text))
+        assert all(isinstance(piece, str) for piece in pieces), "a piece is not a str"
+        assert "".join(str(piece) for piece in pieces) == reply.content
+        if expected_content is not None:
+            assert reply.content == expected_content(call)
