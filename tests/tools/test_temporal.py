@@ -47,6 +47,7 @@ from polyloop import (
     RunEnded,
     RunState,
     RunStatus,
+    StepRecord,
     StopReason,
     ToolRegistry,
     ToolSpec,
@@ -358,6 +359,8 @@ async def test_an_update_with_a_bad_answer_is_refused_and_the_run_still_waits(
         await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         with pytest.raises(WorkflowUpdateFailedError) as empty:  # the validator
             await handle.execute_update(AgentRun.approve, ApproveInput(by=" "))
+        with pytest.raises(WorkflowUpdateFailedError) as no_reason:  # the validator
+            await handle.execute_update(AgentRun.reject, RejectInput(by="dan", reason=""))
         with pytest.raises(WorkflowUpdateFailedError) as settling:  # wrong kind of answer
             await handle.execute_update(
                 AgentRun.settle, SettleInput(by="dan", ran=True, observation="x")
@@ -370,6 +373,7 @@ async def test_an_update_with_a_bad_answer_is_refused_and_the_run_still_waits(
         await handle.execute_update(AgentRun.approve, ApproveInput(by="dan"))
         assert (await handle.result())["stop_reason"] == "submitted"
     assert _cause_type(empty.value) == "InvalidRequest"
+    assert _cause_type(no_reason.value) == "InvalidRequest"
     assert _cause_type(settling.value) == "NotInDoubt"
     assert _cause_type(schema.value) == "InvalidRequest"
 
@@ -526,6 +530,89 @@ async def test_an_approval_deadline_rejects_in_the_log_and_the_run_goes_on(
 
 
 @pytest.mark.anyio
+async def test_an_approval_deadline_that_waits_marks_the_status_and_writes_nothing(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    agent = deployer(store, ledger)
+    run_id = rid("t-deadline-wait")
+    async with worker(client, {"deployer": agent}) as queue:
+        handle = await start_agent_run(
+            client,
+            RunInput(
+                agent="deployer", run_id=run_id, approval_timeout=0.5, on_approval_timeout="wait"
+            ),
+            task_queue=queue,
+        )
+        passed = await wait_for(handle, lambda s: s["deadline_passed"])
+        assert passed["waiting_for"] == "approval"
+        assert passed["state"] == "awaiting_approval"
+        # Nothing in the log for a deadline that changed nothing; the proposal stays open.
+        assert not [r for r in (await store.read_log(run_id)).records if isinstance(r, Verdict)]
+        await handle.execute_update(
+            AgentRun.approve, ApproveInput(by="alice", result_id=passed["proposal"]["result_id"])
+        )
+        outcome = await handle.result()
+        kinds = await history_kinds(handle)
+    assert "EVENT_TYPE_TIMER_FIRED" in kinds
+    assert outcome["stop_reason"] == "submitted"
+    assert ledger.count(run_id + ":0:action") == 1
+
+
+@pytest.mark.anyio
+async def test_an_approval_with_edited_arguments_runs_the_tool_with_them(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    agent = deployer(store, ledger)
+    run_id = rid("t-edited")
+    async with worker(client, {"deployer": agent}) as queue:
+        handle = await start_agent_run(
+            client, RunInput(agent="deployer", run_id=run_id), task_queue=queue
+        )
+        status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
+        verdict = await handle.execute_update(
+            AgentRun.approve,
+            ApproveInput(
+                by="alice",
+                arguments={"env": "staging"},
+                result_id=status["proposal"]["result_id"],
+            ),
+        )
+        outcome = await handle.result()
+    assert verdict["payload"]["arguments"] == {"env": "staging"}
+    assert verdict["omitted"] == []
+    assert outcome["stop_reason"] == "submitted"
+    assert ledger.count(run_id + ":0:action") == 1
+    steps = [r for r in (await store.read_log(run_id)).records if isinstance(r, StepRecord)]
+    assert steps[0].observation == "deployed to staging"
+
+
+@pytest.mark.anyio
+async def test_the_segment_takes_its_timeouts_from_the_run_input(
+    client: Client,
+) -> None:
+    agent = agent_of(definition(MemoryStore(), script=[answer("x")]), make_tools(Ledger()))
+    async with worker(client, {"a": agent}) as queue:
+        handle = await start_agent_run(
+            client,
+            RunInput(
+                agent="a", run_id=rid("t-timeouts"), heartbeat_timeout=7.0, segment_timeout=600.0
+            ),
+            task_queue=queue,
+        )
+        await handle.result()
+        history = await handle.fetch_history()
+    (scheduled,) = [
+        event.activity_task_scheduled_event_attributes
+        for event in history.events
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    ]
+    assert scheduled.heartbeat_timeout.ToSeconds() == 7
+    assert scheduled.start_to_close_timeout.ToSeconds() == 600
+
+
+@pytest.mark.anyio
 async def test_cancelling_the_workflow_mid_tool_ends_the_run_cancelled_in_the_log(
     client: Client, store: SqliteStore
 ) -> None:
@@ -616,6 +703,8 @@ async def test_a_workflow_id_other_than_the_run_id_is_refused(
         ({"heartbeat_timeout": 0.0}, "heartbeat_timeout must be positive"),
         ({"approval_timeout": -1.0}, "approval_timeout must be positive"),
         ({"on_approval_timeout": "approve"}, "on_approval_timeout must be 'reject' or 'wait'"),
+        ({"segment_timeout": 0.0}, "segment_timeout must be positive"),
+        ({"continue_as_new_after_events": 0}, "continue_as_new_after_events must be positive"),
     ],
 )
 async def test_run_settings_that_cannot_work_fail_the_workflow_before_anything_runs(
@@ -1238,10 +1327,12 @@ async def test_a_run_with_many_approvals_continues_as_new_and_finishes(
         final = await handle.query(AgentRun.status)
         first_run = client.get_workflow_handle(run_id, run_id=handle.first_execution_run_id)
         first_kinds = await history_kinds(first_run)
+        first_status = await first_run.query(AgentRun.status)
     assert outcome["stop_reason"] == "submitted"
     assert [name for name, _ in ledger.calls] == ["deploy", "deploy", "deploy", "submit"]
     assert [result_id for _, result_id in ledger.calls[:3]] == answered
     assert first_kinds[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW"
+    assert first_status["ended"] == "continued"
     assert final["continued_as_new"] == 3  # once after each approval
     assert (final["segments"], final["state"], final["ended"]) == (4, "finished", "completed")
     verdicts = [r for r in (await store.read_log(run_id)).records if isinstance(r, Verdict)]
