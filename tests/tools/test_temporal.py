@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -361,6 +362,13 @@ async def test_an_update_with_a_bad_answer_is_refused_and_the_run_still_waits(
             await handle.execute_update(AgentRun.approve, ApproveInput(by=" "))
         with pytest.raises(WorkflowUpdateFailedError) as no_reason:  # the validator
             await handle.execute_update(AgentRun.reject, RejectInput(by="dan", reason=""))
+        for blank in (  # every answer names who gives it
+            handle.execute_update(AgentRun.reject, RejectInput(by="", reason="no")),
+            handle.execute_update(AgentRun.settle, SettleInput(by="", ran=True, observation="x")),
+        ):
+            with pytest.raises(WorkflowUpdateFailedError) as nobody:
+                await blank
+            assert _cause_type(nobody.value) == "InvalidRequest"
         with pytest.raises(WorkflowUpdateFailedError) as settling:  # wrong kind of answer
             await handle.execute_update(
                 AgentRun.settle, SettleInput(by="dan", ran=True, observation="x")
@@ -1227,6 +1235,31 @@ def test_the_status_escapes_what_it_shows_as_the_command_line_does() -> None:
     shown_proposal = shown.status_summary(status)["proposal"]
     assert f"r:0:action  {shown_proposal['call']}\n    {shown_proposal['description']}" in line
     assert shown_proposal["call"] == 'deploy({"env": "p\\u202erod\\u001b\\ud83d\\x85"})'
+
+
+def test_the_status_shows_the_detail_bounded_and_the_claim_and_times_as_iso_8601() -> None:
+    written = datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
+    status = RunStatus(
+        run_id="r",
+        state=RunState.RUNNING,
+        stop_reason=None,
+        detail="a\x1b" + "d" * 5_000,
+        steps=3,
+        valid_steps=2,
+        open_intent=None,
+        last_record_at=written,
+        proposal=None,
+        owner="worker-7",
+        lease_expires_at=written + timedelta(seconds=15),
+    )
+    summary = shown.status_summary(status)
+    assert summary["detail"].startswith("a\\x1bddd")
+    assert summary["detail"].endswith("... (5002 characters in all)")
+    assert summary["detail"].count("d") == shown.TEXT_CHARS - 2
+    assert summary["last_record_at"] == "2026-12-01T09:30:00+00:00"
+    assert summary["owner"] == "worker-7"
+    assert summary["lease_expires_at"] == "2026-12-01T09:30:15+00:00"
+    assert (summary["steps"], summary["valid_steps"]) == (3, 2)
 
 
 def test_a_value_too_large_for_one_payload_fails_for_good_naming_the_run() -> None:
