@@ -28,6 +28,7 @@ from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
     WorkflowFailureError,
+    WorkflowHandle,
     WorkflowUpdateFailedError,
 )
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
@@ -183,6 +184,17 @@ def deployer(store: Any, ledger: Ledger, script: list[str] | None = None) -> Age
     return agent_of(definition(store, script=script), approval_tools(ledger))
 
 
+@asynccontextmanager
+async def started_run(
+    client: Client, agent: Agent, name: str, **settings: Any
+) -> AsyncIterator[WorkflowHandle[Any, Any]]:
+    """The run ``rid(name)`` of ``agent``, its workflow started on a worker of its own."""
+    async with worker(client, {"a": agent}) as queue:
+        yield await start_agent_run(
+            client, RunInput(agent="a", run_id=rid(name), **settings), task_queue=queue
+        )
+
+
 async def wait_for(handle: Any, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
     with anyio.move_on_after(20):
         while True:
@@ -254,11 +266,7 @@ async def test_an_approval_waits_in_the_workflow_and_the_update_lets_the_tool_ru
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    agent = deployer(store, ledger)
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id=rid("t-approve")), task_queue=queue
-        )
+    async with started_run(client, deployer(store, ledger), "t-approve") as handle:
         status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         assert status["state"] == "awaiting_approval"
         assert status["stop_reason"] == "awaiting_approval"
@@ -292,12 +300,8 @@ async def test_an_approval_given_outside_temporal_is_picked_up_by_the_redrive_up
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    agent = deployer(store, ledger)
     run_id = rid("t-redrive")
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id=run_id), task_queue=queue
-        )
+    async with started_run(client, deployer(store, ledger), "t-redrive") as handle:
         await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         # Nothing answered yet: the redrive reads the log and the workflow keeps waiting.
         unchanged = await handle.execute_update(AgentRun.redrive)
@@ -352,11 +356,7 @@ async def test_an_update_with_a_bad_answer_is_refused_and_the_run_still_waits(
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    agent = deployer(store, ledger)
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id=rid("t-bad")), task_queue=queue
-        )
+    async with started_run(client, deployer(store, ledger), "t-bad") as handle:
         await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         with pytest.raises(WorkflowUpdateFailedError) as empty:  # the validator
             await handle.execute_update(AgentRun.approve, ApproveInput(by=" "))
@@ -507,18 +507,13 @@ async def test_an_approval_deadline_rejects_in_the_log_and_the_run_goes_on(
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    agent = deployer(store, ledger, [tool_call("deploy", env="prod"), answer("gave up")])
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client,
-            RunInput(
-                agent="deployer",
-                run_id=rid("t-deadline"),
-                approval_timeout=1.0,
-                approval_timeout_reason="nobody answered within a second",
-            ),
-            task_queue=queue,
-        )
+    async with started_run(
+        client,
+        deployer(store, ledger, [tool_call("deploy", env="prod"), answer("gave up")]),
+        "t-deadline",
+        approval_timeout=1.0,
+        approval_timeout_reason="nobody answered within a second",
+    ) as handle:
         status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         assert status["deadline"] is not None
         started = time.monotonic()
@@ -542,16 +537,14 @@ async def test_an_approval_deadline_that_waits_marks_the_status_and_writes_nothi
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    agent = deployer(store, ledger)
     run_id = rid("t-deadline-wait")
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client,
-            RunInput(
-                agent="deployer", run_id=run_id, approval_timeout=0.5, on_approval_timeout="wait"
-            ),
-            task_queue=queue,
-        )
+    async with started_run(
+        client,
+        deployer(store, ledger),
+        "t-deadline-wait",
+        approval_timeout=0.5,
+        on_approval_timeout="wait",
+    ) as handle:
         passed = await wait_for(handle, lambda s: s["deadline_passed"])
         assert passed["waiting_for"] == "approval"
         assert passed["state"] == "awaiting_approval"
@@ -572,12 +565,8 @@ async def test_an_approval_with_edited_arguments_runs_the_tool_with_them(
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    agent = deployer(store, ledger)
     run_id = rid("t-edited")
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id=run_id), task_queue=queue
-        )
+    async with started_run(client, deployer(store, ledger), "t-edited") as handle:
         status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         verdict = await handle.execute_update(
             AgentRun.approve,
@@ -601,14 +590,9 @@ async def test_the_segment_takes_its_timeouts_from_the_run_input(
     client: Client,
 ) -> None:
     agent = agent_of(definition(MemoryStore(), script=[answer("x")]), make_tools(Ledger()))
-    async with worker(client, {"a": agent}) as queue:
-        handle = await start_agent_run(
-            client,
-            RunInput(
-                agent="a", run_id=rid("t-timeouts"), heartbeat_timeout=7.0, segment_timeout=600.0
-            ),
-            task_queue=queue,
-        )
+    async with started_run(
+        client, agent, "t-timeouts", heartbeat_timeout=7.0, segment_timeout=600.0
+    ) as handle:
         await handle.result()
         history = await handle.fetch_history()
     (scheduled,) = [
@@ -720,10 +704,7 @@ async def test_run_settings_that_cannot_work_fail_the_workflow_before_anything_r
 ) -> None:
     store = MemoryStore()
     agent = agent_of(definition(store, script=[answer("x")]), make_tools(Ledger()))
-    async with worker(client, {"a": agent}) as queue:
-        handle = await start_agent_run(
-            client, RunInput(agent="a", run_id=rid("t-settings"), **settings), task_queue=queue
-        )
+    async with started_run(client, agent, "t-settings", **settings) as handle:
         with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
             await handle.result()
     cause = failed.value.cause
@@ -744,12 +725,7 @@ async def test_the_status_has_every_key_it_documents_before_any_segment_ran(
     client: Client,
 ) -> None:
     agent = agent_of(definition(MemoryStore(), script=[answer("x")]), make_tools(Ledger()))
-    async with worker(client, {"a": agent}) as queue:
-        handle = await start_agent_run(
-            client,
-            RunInput(agent="a", run_id=rid("t-keys"), heartbeat_timeout=0.0),
-            task_queue=queue,
-        )
+    async with started_run(client, agent, "t-keys", heartbeat_timeout=0.0) as handle:
         with pytest.raises(WorkflowFailureError), anyio.fail_after(15):
             await handle.result()
         status = await handle.query(AgentRun.status)
@@ -1135,12 +1111,7 @@ async def test_an_error_polyloop_does_not_know_is_retried_a_bounded_number_of_ti
 async def test_the_status_of_a_workflow_cancelled_while_it_waits_gives_its_final_state(
     client: Client, store: SqliteStore
 ) -> None:
-    agent = deployer(store, Ledger())
-    run_id = rid("t-cancel-wait")
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id=run_id), task_queue=queue
-        )
+    async with started_run(client, deployer(store, Ledger()), "t-cancel-wait") as handle:
         waiting = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         await handle.cancel()
         with pytest.raises(WorkflowFailureError), anyio.fail_after(15):
