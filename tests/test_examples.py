@@ -272,32 +272,39 @@ def _until_ready(worker: subprocess.Popen[str], output: Path, errors: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
 def test_temporal_worker_and_client_in_two_processes_deploy_once_after_the_approval(
-    temporal_address: str, tmp_path: Path
+    temporal_address: str, tmp_path: Path, store: str, request: pytest.FixtureRequest
 ) -> None:
+    # A store of the test's own, empty: the worker's output is all of its runs' effects.
+    if store == "postgresql":
+        where = request.getfixturevalue("postgres_conninfo")
+    else:
+        where = str(tmp_path / "runs.db")
     output, errors = tmp_path / "worker.out", tmp_path / "worker.err"
     command = [sys.executable, str(EXAMPLES / "temporal_worker.py")]
-    command += ["--address", temporal_address, "--store", str(tmp_path / "runs.db")]
+    command += ["--address", temporal_address, "--store", where]
     with output.open("w") as out, errors.open("w") as err:
         worker = subprocess.Popen(command, stdout=out, stderr=err, text=True)
     try:
         _until_ready(worker, output, errors)
         client = [sys.executable, str(EXAMPLES / "temporal_client.py")]
-        client += ["--address", temporal_address, "--run-id", "release-1.4"]
+        run_id = f"release-{store}"  # the server is the module's: one workflow id each
+        client += ["--address", temporal_address, "--run-id", run_id]
         done = subprocess.run(client, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert done.stdout.splitlines() == [
-            "started run release-1.4 on task queue 'release-agents'",
+            f"started run {run_id} on task queue 'release-agents'",
             "status: awaiting_approval after 0 steps",
-            'proposal release-1.4:0:action: deploy({"env": "prod"})',
-            "approved release-1.4:0:action (by alice)",
+            f'proposal {run_id}:0:action: deploy({{"env": "prod"}})',
+            f"approved {run_id}:0:action (by alice)",
             "stop reason: submitted after 2 steps",
         ]
         # The same run id again: one workflow per run, refused in one line.
         again = subprocess.run(client, capture_output=True, text=True, timeout=120)
         assert (again.returncode, again.stdout) == (2, "")
         assert again.stderr.splitlines() == [
-            "run 'release-1.4' was started before: pass another --run-id"
+            f"run {run_id!r} was started before: pass another --run-id"
         ]
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=60) == 0, errors.read_text()
@@ -305,11 +312,11 @@ def test_temporal_worker_and_client_in_two_processes_deploy_once_after_the_appro
         if worker.poll() is None:
             worker.kill()
             worker.wait(timeout=60)
-    # Each tool ran once, on the worker, the deploy only after the approval.
+    # Each tool ran once, on the worker.
     assert output.read_text().splitlines() == [
         f"ready: task queue 'release-agents' on {temporal_address}",
-        "effect: deploy prod (release-1.4:0:action)",
-        "effect: submit (release-1.4:1:action)",
+        f"effect: deploy prod ({run_id}:0:action)",
+        f"effect: submit ({run_id}:1:action)",
         "stopped",
     ]
 
