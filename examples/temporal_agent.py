@@ -16,7 +16,6 @@ How to run it::
 
     python examples/temporal_agent.py                          # a local dev server
     python examples/temporal_agent.py --address 127.0.0.1:7233 # a server you run
-
     python examples/temporal_agent.py --temporal-cli ~/bin/temporal  # a CLI of your own
 
 Without ``--address`` it starts Temporal's development server from a Temporal CLI:
