@@ -275,8 +275,9 @@ async def test_one_listening_connection_serves_every_block_of_a_store_object(
 
 
 async def _listening_sessions(conninfo: str, schema: str) -> list[int]:
-    """The server's process ids of the sessions listening on the store's channel."""
-    listen = f'LISTEN "{channel(schema)}"'
+    """The server's process ids of the sessions listening on the store's channels (its
+    change feed's and its followers')."""
+    listen = f'LISTEN "{channel(schema)}"; LISTEN "{channel(schema)}_appended"'
 
     def find() -> list[int]:
         with pg.admin(conninfo) as conn:
