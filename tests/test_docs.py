@@ -351,6 +351,27 @@ def test_performance_page_holds_the_report_of_the_worker_benchmark() -> None:
     assert shown == render(committed).strip()
 
 
+FOLLOWING_REPORT_START = (
+    "<!-- report of bench/results/following.json: "
+    "python -m bench render bench/results/following.json -->"
+)
+
+
+def test_performance_page_holds_the_report_of_the_following_benchmark() -> None:
+    """The followers' cost and latency on the performance page are the rendering of the
+    committed results file, from a full run."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    from bench.report import render
+
+    page = (DOCS / "performance.md").read_text(encoding="utf-8")
+    assert FOLLOWING_REPORT_START in page
+    shown = page.split(FOLLOWING_REPORT_START, 1)[1].split(REPORT_END, 1)[0].strip()
+    committed = json.loads((ROOT / "bench" / "results" / "following.json").read_text())
+    assert committed["mode"] == "full"
+    assert shown == render(committed).strip()
+
+
 THROUGHPUT_BLOCK = re.compile(
     r"<!-- python -m bench render (?P<file>\S+) -->\n(?P<shown>.*?)"
     r"<!-- end of throughput results -->",
