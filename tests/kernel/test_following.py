@@ -3,9 +3,10 @@ on a store of one's own without the capability (docs/following.md)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing, asynccontextmanager
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any, cast
 
 import anyio
@@ -35,16 +36,34 @@ QUIET_S = 0.3
 
 
 async def collect(
-    store: Store, run_id: str, *, after: int = 0, limit: int | None = None
+    store: Store,
+    run_id: str,
+    *,
+    after: int = 0,
+    limit: int | None = None,
+    into: list[FollowedRecord] | None = None,
 ) -> list[FollowedRecord]:
-    """What ``follow`` yields, up to ``limit`` items (then the iterator is closed)."""
-    got: list[FollowedRecord] = []
+    """What ``follow`` yields (added to ``into`` as it comes), up to ``limit`` items (then
+    the iterator is closed)."""
+    got = [] if into is None else into
     async with aclosing(follow(store, run_id, after=after)) as followed:
         async for item in followed:
             got.append(item)
             if len(got) == limit:
                 break
     return got
+
+
+@asynccontextmanager
+async def following(
+    store: Store, run_id: str, *, after: int = 0, limit: int | None = None
+) -> AsyncIterator[list[FollowedRecord]]:
+    """A follower in a task of its own while the block runs, and what it has been given
+    so far; leaving the block waits for the follower to end."""
+    got: list[FollowedRecord] = []
+    async with anyio.create_task_group() as group:
+        group.start_soon(partial(collect, store, run_id, after=after, limit=limit, into=got))
+        yield got
 
 
 def numbered(records: Sequence[Record], first: int = 1) -> list[FollowedRecord]:
@@ -65,13 +84,7 @@ async def test_a_follower_started_after_start_sees_the_run_from_its_start_and_st
     writer, reader = stores.open(), stores.open()
     writes = sample_run("r", steps=2)
     await write_all(writer, writes[:1])
-    seen: list[FollowedRecord] = []
-
-    async def follower() -> None:
-        seen.extend(await collect(reader, "r"))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(follower)
+    async with following(reader, "r") as seen:
         for method, args in writes[1:]:
             await getattr(writer, method)(*args)
             await anyio.sleep(0.01)  # some writes land while the follower waits
@@ -86,13 +99,7 @@ async def test_after_beyond_the_log_waits_then_yields_what_is_written_past_it(
     writer, reader = stores.open(), stores.open()
     writes = sample_run("r", steps=2)
     await write_all(writer, writes[:3])
-    got: list[FollowedRecord] = []
-
-    async def follower() -> None:
-        got.extend(await collect(reader, "r", after=5, limit=1))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(follower)
+    async with following(reader, "r", after=5, limit=1) as got:
         await anyio.sleep(QUIET_S)
         assert got == []  # three records: nothing after 5 yet
         for method, args in writes[3:6]:  # positions 4 to 6 at least
@@ -138,14 +145,8 @@ async def test_a_stop_a_resume_may_continue_ends_the_stream_and_the_next_call_go
     first = await collect(writer, "r")
     assert first[-1].record == writes[-1][1][0]
     assert first[-1].record.stop_reason is StopReason.AWAITING_APPROVAL  # type: ignore[union-attr]
-    got: list[FollowedRecord] = []
-
-    async def follower() -> None:
-        got.extend(await collect(writer, "r", after=first[-1].position, limit=1))
-
     ended = sample_run("r", steps=2)[-1][1][0]
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(follower)
+    async with following(writer, "r", after=first[-1].position, limit=1) as got:
         await anyio.sleep(QUIET_S)
         assert got == []
         await writer.claim_run("r")
@@ -195,13 +196,7 @@ async def test_a_store_without_the_capability_is_followed_by_reading_its_whole_l
     assert not isinstance(own, FollowableStore)
     writes = sample_run("r", steps=1)
     await write_all(writer, writes[:2])
-    got: list[FollowedRecord] = []
-
-    async def follower() -> None:
-        got.extend(await collect(own, "r", after=1))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(follower)
+    async with following(own, "r", after=1) as got:
         for method, args in writes[2:]:
             await getattr(writer, method)(*args)
     records = (await writer.read_log("r")).records

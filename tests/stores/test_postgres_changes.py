@@ -180,21 +180,6 @@ async def test_each_committed_batch_tells_the_followers_once_naming_its_runs(
         assert [name.split("\n") for name in await heard_.take()] == [["r2"]]
 
 
-async def test_followers_and_the_change_feed_share_one_listening_connection(
-    postgres_shared: str, schema: str, store: PostgresStore
-) -> None:
-    before = _listeners()
-    async with store.changes() as changed, store.appended("r1") as appended:
-        assert len(_listeners() - before) == 1
-        assert len(await _listening_sessions(postgres_shared, schema)) == 1
-        await store.claim_run("r1")
-        await store.start_run(sample_run("r1")[0][1][0])
-        with anyio.fail_after(5):
-            await changed()
-            await appended()
-    assert await _gone(_listeners() - before)
-
-
 def _verdict(run_id: str) -> Verdict:
     return Verdict(
         run_id=run_id,
@@ -296,8 +281,9 @@ async def test_changes_wakes_on_a_notifying_write_and_not_on_intents(
 async def test_one_listening_connection_serves_every_block_of_a_store_object(
     postgres_shared: str, schema: str, store: PostgresStore
 ) -> None:
+    """Its followers too (``appended``, what ``polyloop.follow`` waits on)."""
     before = _listeners()
-    async with store.changes() as first, store.changes() as second:
+    async with store.changes() as first, store.changes() as second, store.appended("r1") as new:
         assert len(_listeners() - before) == 1
         assert len(await _listening_sessions(postgres_shared, schema)) == 1
         await store.claim_run("r1")
@@ -305,6 +291,7 @@ async def test_one_listening_connection_serves_every_block_of_a_store_object(
         with anyio.fail_after(5):
             await first()
             await second()
+            await new()
     assert await _gone(_listeners() - before)
 
 
