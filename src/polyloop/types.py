@@ -604,7 +604,7 @@ class FollowedRecord:
 
     ``position`` counts the run's records from 1, the start record's, in write order; the
     record at a position never changes, so a reader that kept the last position it saw
-    asks for the records after it and misses none (research-wiki/0069). ``record`` is the
+    asks for the records after it and misses none (research-wiki/0072). ``record`` is the
     record as :meth:`~polyloop.ports.Store.read_log` returns it.
     """
 

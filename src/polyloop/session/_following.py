@@ -1,5 +1,5 @@
 """Following a run as it is written: its records from a position on, waiting for new ones,
-until an end record (docs/following.md, research-wiki/0069)."""
+until an end record (docs/following.md, research-wiki/0072)."""
 
 from __future__ import annotations
 
