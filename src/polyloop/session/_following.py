@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 
 import anyio
 
@@ -71,21 +72,17 @@ async def _read_on(reader: _Reader, run_id: str, position: int) -> tuple[Record,
         raise RunNotFound(reason, run_id=run_id) from exc
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Reader:
     """How one store is read after a position, and watched for more."""
 
-    def __init__(
-        self,
-        read: Callable[[str, int], Awaitable[tuple[Record, ...]]],
-        watching: Callable[[str], AbstractAsyncContextManager[Callable[[], Awaitable[None]]]],
-    ) -> None:
-        self.read = read
-        self.watching = watching
+    read: Callable[[str, int], Awaitable[tuple[Record, ...]]]
+    watching: Callable[[str], AbstractAsyncContextManager[Callable[[], Awaitable[None]]]]
 
 
 def _reader(store: Store) -> _Reader:
     if isinstance(store, FollowableStore):
-        return _Reader(store.read_after, store.appended)
+        return _Reader(read=store.read_after, watching=store.appended)
 
     async def read_after(run_id: str, after: int) -> tuple[Record, ...]:
         # A store without the capability: its whole log, and what was seen skipped.
@@ -94,7 +91,7 @@ def _reader(store: Store) -> _Reader:
             raise RunNotFound("the store holds no record of this run", run_id=run_id)
         return records[after:]
 
-    return _Reader(read_after, _timer)
+    return _Reader(read=read_after, watching=_timer)
 
 
 @asynccontextmanager
