@@ -1,11 +1,12 @@
 """Benchmark 13: what idle followers of other runs cost a PostgreSQL writer, and how soon
-a follower in another process sees a record after its write returned.
+a follower in another process sees a record after its write returned, on PostgreSQL
+(notified) and SQLite (checked on a timer).
 
 This process writes one run of many steps record by record, as a run's writer does,
-with no follower and with a child process holding ``--followers`` idle followers (each
-of a run of its own that nothing writes) and one follower of the written run. The
-rounds alternate the two, so that the shared machine's drift falls on both alike. What
-is measured and how to read it: ``bench/README.md``, benchmark 13.
+with no follower and with a child process holding one follower of the written run and,
+on PostgreSQL, ``--followers`` idle followers (each of a run of its own that nothing
+writes). The rounds alternate the two, so that the shared machine's drift falls on both
+alike. What is measured and how to read it: ``bench/README.md``, benchmark 13.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import tempfile
 import time
 from contextlib import aclosing
@@ -26,13 +28,13 @@ from bench._children import Children, child_command, meet
 from bench._common import Row, median, postgres_conninfo, postgres_schema, target, versions
 from bench._sampling import cpu_seconds, quantile
 from polyloop import RunNotFound, follow
-from polyloop.stores import PostgresStore
+from polyloop.stores import PostgresStore, SqliteStore
 from polyloop.testing.store_contract import sample_run
 
 OUTPUT = None
-TITLE = "13. Following runs on PostgreSQL: the writer beside idle followers"
+TITLE = "13. Following runs: the writer beside followers, and a write to a follower's sight"
 COLUMNS = [
-    ("name", "followers in another process"),
+    ("name", "store, followers in another process"),
     ("writes", "writes"),
     ("write_ms", "ms a write p50", 3),
     ("write_p99_ms", "ms a write p99", 3),
@@ -58,10 +60,12 @@ TINY = Sizes(followers=5, steps=3, rounds=1)
 
 @dataclass(frozen=True)
 class FollowerSpec:
-    """A child: ``idle`` followers of runs ``idle-N`` and one of ``watched``, reporting
-    when it saw each of the watched run's positions."""
+    """A child: ``idle`` followers of runs ``idle-N``, and one of ``watched`` (if not
+    empty) that reports when it saw each of its positions; without it, the child stops
+    on ``SIGTERM``."""
 
-    conninfo: str
+    kind: str  # "postgres" or "sqlite"
+    where: str  # the conninfo, or the database file
     schema: str
     idle: int
     watched: str
@@ -87,15 +91,19 @@ async def _follow_all(spec: FollowerSpec) -> dict[str, Any]:
                     ready.set()
 
     async with (
-        PostgresStore(spec.conninfo, schema=spec.schema) as store,
+        _open(spec.kind, spec.where, spec.schema) as store,
         anyio.create_task_group() as group,
     ):
         for index in range(spec.idle):
             group.start_soon(idle, f"idle-{index}")
         if spec.idle:
             await ready.wait()
-        await meet(spec.meeting, 0, wait_for_go=False)
-        while True:
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:  # before saying ready
+            await meet(spec.meeting, 0, wait_for_go=False)
+            if not spec.watched:  # idle followers only, until the parent has written
+                async for _ in signals:
+                    break
+        while spec.watched:
             try:
                 async with aclosing(follow(store, spec.watched)) as watched:
                     async for item in watched:
@@ -116,13 +124,17 @@ async def _make_idle_runs(conninfo: str, schema: str, count: int) -> None:
             await store.release_run(run_id)
 
 
-async def _write(conninfo: str, schema: str, run_id: str, steps: int) -> dict[str, Any]:
+def _open(kind: str, where: str, schema: str) -> PostgresStore | SqliteStore:
+    return PostgresStore(where, schema=schema) if kind == "postgres" else SqliteStore(where)
+
+
+async def _write(kind: str, where: str, schema: str, run_id: str, steps: int) -> dict[str, Any]:
     """Write the run write by write: each write's wall time, when it returned, and the
     writer's CPU over all of them."""
     writes = sample_run(run_id, steps=steps)
     durations, returned, positions = [], [], []
     position = 0
-    async with PostgresStore(conninfo, schema=schema) as store:
+    async with _open(kind, where, schema) as store:
         await store.claim_run(run_id)
         cpu = cpu_seconds()
         for method, args in writes:
@@ -136,30 +148,41 @@ async def _write(conninfo: str, schema: str, run_id: str, steps: int) -> dict[st
     return {"durations": durations, "returned": returned, "positions": positions, "cpu": cpu}
 
 
-def _measure(conninfo: str, schema: str, sizes: Sizes, folder: Path) -> list[Row]:
-    samples: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+def _measure(
+    kind: str, where: str, schema: str, idle: int, sizes: Sizes, folder: Path
+) -> list[Row]:
+    """The rows of one store: its writer alone, beside ``idle`` followers of other runs
+    (if any), and beside one follower of the written run, which times what it sees."""
+    cases = [(0, False), *([(idle, False)] if idle else []), (0, True)]
+    samples: dict[tuple[int, bool], list[dict[str, Any]]] = {case: [] for case in cases}
     lags: list[float] = []
     for round_ in range(sizes.rounds):
-        for followed in (False, True):
-            run_id = f"written-{round_}-{int(followed)}"
-            if not followed:
-                samples[False].append(anyio.run(_write, conninfo, schema, run_id, sizes.steps))
+        for case in cases:
+            run_id = f"written-{round_}-{case[0]}-{int(case[1])}"
+            if case == (0, False):
+                samples[case].append(anyio.run(_write, kind, where, schema, run_id, sizes.steps))
                 continue
-            spec = FollowerSpec(
-                conninfo, schema, sizes.followers, run_id, str(folder / f"meet-{round_}")
-            )
-            with Children(Path(spec.meeting), [child_command("following", spec)]) as children:
+            meeting = str(folder / f"meet-{kind}-{round_}-{case[0]}")
+            watched = run_id if case[1] else ""
+            spec = FollowerSpec(kind, where, schema, case[0], watched, meeting)
+            with Children(Path(meeting), [child_command("following", spec)]) as children:
                 if not children.all_ready():
                     children.reports(timeout=10)  # raises with the child's last words
-                written = anyio.run(_write, conninfo, schema, run_id, sizes.steps)
+                written = anyio.run(_write, kind, where, schema, run_id, sizes.steps)
+                if not watched:
+                    children.terminate()
                 (report,) = children.reports(timeout=120)
-            samples[True].append(written)
+            samples[case].append(written)
             seen = {int(position): at for position, at in report["seen"].items()}
             for position, returned in zip(written["positions"], written["returned"], strict=True):
-                lags.append(max(seen[position] - returned, 0.0))
+                if watched:
+                    lags.append(max(seen[position] - returned, 0.0))
     lags.sort()
-    rows = [_row(f"none, {sizes.steps} steps", samples[False], None, None)]
-    rows.append(_row(f"{sizes.followers:,} idle + 1", samples[True], rows[0], lags))
+    name = "PostgreSQL" if kind == "postgres" else "SQLite"
+    rows = [_row(f"{name}, none ({sizes.steps} steps)", samples[(0, False)], None, None)]
+    if idle:
+        rows.append(_row(f"{name}, {idle:,} idle", samples[(idle, False)], rows[0], None))
+    rows.append(_row(f"{name}, 1 of the run", samples[(0, True)], rows[0], lags))
     return rows
 
 
@@ -200,8 +223,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         postgres_schema(conninfo) as schema,
     ):
         anyio.run(_make_idle_runs, conninfo, schema, sizes.followers)
-        rows = _measure(conninfo, schema, sizes, Path(folder))
-    ratio = rows[-1]["ratio"]
+        rows = _measure("postgres", conninfo, schema, sizes.followers, sizes, Path(folder))
+        database = str(Path(folder) / "runs.db")
+        rows += _measure("sqlite", database, "", 0, sizes, Path(folder))
+    ratio = rows[1]["ratio"]  # PostgreSQL's writer beside the idle followers
     what = f"a write's p50 beside {sizes.followers:,} idle followers, against none"
     return {
         "title": TITLE,

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -85,7 +85,9 @@ class Listener:
         self._listen = listen  # both channels: the change feed's and the appended records'
         self._appended = appended_channel
         self._lock = threading.Lock()  # everything below, and each session's conn and state
-        self._waiters: list[_Waiter] = []
+        # Waiters by what they wait for: a followed run's column, or None (the feed's),
+        # so that a notification finds its waiters without looking at the others.
+        self._waiters: dict[str | None, list[_Waiter]] = {}
         self._session: _Session | None = None
         self._closed = False
 
@@ -127,7 +129,7 @@ class Listener:
         with self._lock:
             if self._closed:
                 raise store_closed()
-            self._waiters.append(waiter)
+            self._waiters.setdefault(waiter.run, []).append(waiter)
             session = self._session
             if session is not None:
                 if session.tried:
@@ -145,7 +147,7 @@ class Listener:
     def _leave(self, waiter: _Waiter) -> _Session | None:
         """Count ``waiter`` out; the session told to stop, if it was the last."""
         with self._lock:
-            self._waiters.remove(waiter)
+            self._forget(waiter)
             if self._waiters or self._session is None:
                 return None
             session, self._session = self._session, None
@@ -198,27 +200,34 @@ class Listener:
             logger.warning("could not listen for the store's changes (%s); trying again", text)
         with self._lock:
             session.tried = True
-            waiters = list(self._waiters)
+            waiters = [waiter for each in self._waiters.values() for waiter in each]
         for waiter in waiters:
             self._hand(waiter, changed=False)
         session.stopping.wait(RETRY_S[min(failures, len(RETRY_S) - 1)])
         return failures + 1
 
-    def _woken(self, channel: str, payload: str) -> Callable[[_Waiter], bool]:
-        """Which waiters a notification is for: the change feed's, or the followers of the
-        runs it names, one a line (all of them if it names none: too many for its payload)."""
+    def _woken(self, channel: str, payload: str) -> Callable[[], list[_Waiter]]:
+        """Which waiters a notification is for (under the lock): the change feed's, or the
+        followers of the runs it names, one a line (all of them if it names none: too many
+        for its payload)."""
         if channel != self._appended:
-            return lambda waiter: waiter.run is None
-        runs = frozenset(payload.split("\n")) if payload else None
-        return lambda waiter: waiter.run is not None and (runs is None or waiter.run in runs)
+            runs: Iterable[str | None] = (None,)
+        elif payload:
+            runs = set(payload.split("\n"))
+        else:
+            return lambda: [w for run, each in self._waiters.items() if run for w in each]
+        return lambda: [waiter for run in runs for waiter in self._waiters.get(run, ())]
 
-    def _wake(self, session: _Session, woken: Callable[[_Waiter], bool] | None = None) -> None:
+    def _wake(self, session: _Session, woken: Callable[[], list[_Waiter]] | None = None) -> None:
         """Hand a change to the loop of every waiter it is for, unless one is on its way
         already; ``None``, after a loss: to every waiter, always (the one on its way may
         have been taken before the loss)."""
         missed = woken is None
         with self._lock:
-            waiters = [waiter for waiter in self._waiters if woken is None or woken(waiter)]
+            if woken is None:
+                waiters = [waiter for each in self._waiters.values() for waiter in each]
+            else:
+                waiters = woken()
         for waiter in waiters:
             if session.stopping.is_set():
                 return
@@ -232,4 +241,11 @@ class Listener:
             anyio.from_thread.run_sync(waiter.wake, changed, token=waiter.token)
         except RuntimeError:
             with self._lock, contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)  # its loop has ended
+                self._forget(waiter)  # its loop has ended
+
+    def _forget(self, waiter: _Waiter) -> None:
+        """Count ``waiter`` out (under the lock); ``ValueError`` if it was not in."""
+        each = self._waiters.get(waiter.run, [])
+        each.remove(waiter)
+        if not each:
+            del self._waiters[waiter.run]
