@@ -62,7 +62,7 @@ ENTRIES = (
     (
         "following",
         "following",
-        "13. PostgreSQL: a writer beside 1,000 idle followers; a write to a follower's sight",
+        "13. a writer beside 1,000 idle followers; from a write to a follower's sight",
     ),
     ("render", "report", "results files (bench/results/) as the Markdown tables of the docs"),
 )
