@@ -40,6 +40,7 @@ __all__ = (
     "CorruptLog",
     "DecisionKind",
     "FinishReason",
+    "FollowedRecord",
     "Injection",
     "Intent",
     "IntentKind",
@@ -595,6 +596,20 @@ class RunLog:
 
     run_id: str
     records: tuple[Record, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FollowedRecord:
+    """One record of a followed run (:func:`polyloop.follow`) and its position in the log.
+
+    ``position`` counts the run's records from 1, the start record's, in write order; the
+    record at a position never changes, so a reader that kept the last position it saw
+    asks for the records after it and misses none (research-wiki/0072). ``record`` is the
+    record as :meth:`~polyloop.ports.Store.read_log` returns it.
+    """
+
+    position: int
+    record: Record
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -76,6 +76,8 @@ NAMES_BY_MODULE = {
         # issue 44, part 3: a cancel that stops
         "CancelRequest",
         "CancelRequested",
+        # issue 46, item 1: following a run as it is written
+        "FollowedRecord",
     },
     ports: {
         "ModelClient",
@@ -105,6 +107,8 @@ NAMES_BY_MODULE = {
         "StreamingModelClient",
         "DeltaSink",
         "TextDelta",
+        # issue 46, item 1: a store that reads after a position and says when it grew
+        "FollowableStore",
     },
     # issue 20: a handler reports a broken environment
     tools: {"ToolSpec", "ToolRegistry", "EnvironmentFault"},
@@ -129,6 +133,8 @@ NAMES_BY_MODULE = {
         "serve_agents",
         # issue 44, part 3: a cancel that stops
         "cancel",
+        # issue 46, item 1: following a run as it is written
+        "follow",
     },
 }
 # Modules imported by name, never re-exported at the top level.

@@ -1179,10 +1179,10 @@ async def test_a_lazy_write_turns_synchronous_commit_off_for_its_own_transaction
             for query in (queries.write, queries.lazy_write):
                 conn.execute("BEGIN")
                 admitted = conn.execute(query, params).fetchall()
-                seen.append((_setting(conn), admitted == [(key, None)]))
+                seen.append((_setting(conn), [row[:2] for row in admitted] == [(key, None)]))
                 conn.execute("ROLLBACK")
             admitted = conn.execute(queries.lazy_write, params).fetchall()  # alone
-            seen.append((_setting(conn), admitted == [(key, None)]))
+            seen.append((_setting(conn), [row[:2] for row in admitted] == [(key, None)]))
             return seen
 
     # Barrier: on. Lazy: off inside its transaction, and on again once it committed.

@@ -40,6 +40,7 @@ from polyloop.session import _cancelling, _review
 from polyloop.session._agents import Agent
 from polyloop.session._driving import Mode, drive, status
 from polyloop.session._driving import recover as recover_runs
+from polyloop.session._following import follow
 from polyloop.session._forking import check_fork, read_inheritance
 from polyloop.session._hosting import Agents, Host, hosted_stores, watching
 from polyloop.session._values import Definition, ObservationTexts, Request
@@ -60,6 +61,7 @@ __all__ = (
     "Request",
     "approve",
     "cancel",
+    "follow",
     "fork",
     "recover",
     "reject",
