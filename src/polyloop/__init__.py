@@ -57,6 +57,9 @@ from polyloop.session import (
 from polyloop.tools import EnvironmentFault, ToolRegistry, ToolSpec
 from polyloop.types import (
     ActionStatus,
+    Amended,
+    Amendment,
+    AmendmentRefused,
     Budget,
     CancelRequest,
     CancelRequested,
@@ -116,6 +119,9 @@ __all__ = (
     "ActionOutcome",
     "ActionStatus",
     "Agent",
+    "Amended",
+    "Amendment",
+    "AmendmentRefused",
     "Budget",
     "CancelRequest",
     "CancelRequested",

@@ -76,6 +76,10 @@ NAMES_BY_MODULE = {
         # issue 44, part 3: a cancel that stops
         "CancelRequest",
         "CancelRequested",
+        # issue 48: a run going on under a changed definition, recorded
+        "Amendment",
+        "Amended",
+        "AmendmentRefused",
     },
     ports: {
         "ModelClient",
@@ -178,6 +182,7 @@ ERRORS = {
     "RunAlreadyExists": FileExistsError,
     "RunNotFound": LookupError,
     "RunIdentityMismatch": ValueError,
+    "AmendmentRefused": ValueError,
     "CorruptLog": ValueError,
     "SchemaMajorMismatch": ValueError,
     "UnloggableValue": ValueError,
