@@ -21,19 +21,28 @@ from polyloop import (
     Replay,
     Role,
     RunIdentityMismatch,
+    RunLog,
     RunState,
+    StepRecord,
     StopReason,
     Store,
     ToolStyle,
     approve,
+    fork,
     resume,
     run,
     run_status,
     start_or_resume,
 )
+from polyloop._recovery import read_plan, snapshot_at
 from polyloop.cli._view import review_facts
 from polyloop.stores import MemoryStore
-from polyloop.testing import FaultyStore, SimulatedCrash
+from polyloop.testing import (
+    FaultyStore,
+    RecordedExecutor,
+    RecordedModelClient,
+    SimulatedCrash,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -300,3 +309,74 @@ async def test_a_crash_at_every_write_of_the_amending_resume_amends_once(
         assert deploys == 1
     else:  # a crash right after the deploy's intent: it may or may not have run
         assert result.stop_reason is StopReason.IN_DOUBT and deploys <= 1
+
+
+async def _amended_run(store: Store, ledger: Ledger) -> RunLog:
+    """``r`` paused for approval, amended by :data:`DEPLOY_FIX`, approved and finished."""
+    await _paused(store, ledger)
+    await resume(
+        definition(store, script=approval_script()), _deployed_request(ledger), amend=DEPLOY_FIX
+    )
+    await approve(store, "r", by="alice")
+    done = await resume(definition(store, script=approval_script()), _deployed_request(ledger))
+    assert done.stop_reason is StopReason.FINAL_ANSWER
+    return await store.read_log("r")
+
+
+async def test_offline_replay_crosses_the_amendment_under_the_snapshot_of_each_step() -> None:
+    log = await _amended_run(MemoryStore(), Ledger())
+    model, executor = RecordedModelClient.from_log(log), RecordedExecutor.from_log(log)
+    store, tools = MemoryStore(), review_tools(Ledger())
+    again = definition(store, model=model)
+    # Step 0 is checked against the messages of the snapshot it ran under ...
+    paused = await run(again, request("again", tools, executor=executor))
+    assert paused.stop_reason is StopReason.AWAITING_APPROVAL
+    await approve(store, "again", by="alice")
+    # ... and the steps after the amendment against those of the amended one.
+    amended_tools = review_tools(Ledger(), descriptions=DEPLOYED)
+    redriven = request("again", amended_tools, executor=executor, run_context=_system(FIXED_PROMPT))
+    result = await resume(again, redriven, amend=DEPLOY_FIX)
+    assert result.stop_reason is StopReason.FINAL_ANSWER
+    assert model.divergences == [] and executor.divergences == []
+    assert [s.action_text for s in result.steps] == [
+        s.action_text for s in log.records if isinstance(s, StepRecord)
+    ]
+    # Re-driven under the amended snapshot from the start, step 0 is not what was sent.
+    model = RecordedModelClient.from_log(log)
+    other = MemoryStore()
+    wrong = await run(
+        definition(other, model=model),
+        request("again", amended_tools, executor=executor, run_context=_system(FIXED_PROMPT)),
+    )
+    assert wrong.stop_reason is StopReason.MODEL_FAILURE
+    assert [d.step for d in model.divergences] == [0]
+
+
+@pytest.mark.parametrize("at_step", [1, 2])
+async def test_forks_before_and_after_the_amendment_take_the_steps_as_they_ran(
+    at_step: int,
+) -> None:
+    store, ledger = MemoryStore(), Ledger()
+    log = await _amended_run(store, ledger)
+    # The snapshot each step ran under: step 0 the recorded one, step 1 on the amended one.
+    plan = read_plan(log)
+    assert plan.started is not None
+    assert snapshot_at(plan, 0) == plan.started.snapshot
+    assert snapshot_at(plan, 1) == plan.snapshot != plan.started.snapshot
+    forked = await fork(
+        definition(store, script=approval_script()[at_step:]),
+        _deployed_request(ledger, run_id="f"),
+        source_run_id="r",
+        at_step=at_step,
+    )
+    source_steps = [s for s in log.records if isinstance(s, StepRecord)]
+    assert [s.action_text for s in forked.steps[:at_step]] == [
+        s.action_text for s in source_steps[:at_step]
+    ]
+    # The fork is a run of its own, started under its own request's snapshot: nothing
+    # to amend, and a later resume compares with that.
+    fork_log = await store.read_log("f")
+    assert _amendments(fork_log.records) == []
+    fork_snapshot, amended = read_plan(fork_log).snapshot, snapshot_at(plan, 1)
+    for key in DEPLOY_FIX.accept:
+        assert fork_snapshot[key] == amended[key]
