@@ -13,12 +13,15 @@ from kit.review import approval_script, payment_script, review_tools
 from kit.store import STORE_KINDS, Stores, sampled, stores_fixture
 from kit.sweep import every_point
 from polyloop import (
+    Agent,
     Amended,
     Amendment,
     AmendmentRefused,
     InvalidRequest,
+    JSONValue,
     Message,
     Replay,
+    Request,
     Role,
     RunIdentityMismatch,
     RunLog,
@@ -29,6 +32,7 @@ from polyloop import (
     ToolStyle,
     approve,
     fork,
+    recover,
     resume,
     run,
     run_status,
@@ -36,6 +40,7 @@ from polyloop import (
 )
 from polyloop._recovery import read_plan, snapshot_at
 from polyloop.cli._view import review_facts
+from polyloop.session._agents import resume_as
 from polyloop.stores import MemoryStore
 from polyloop.testing import (
     FaultyStore,
@@ -380,3 +385,67 @@ async def test_forks_before_and_after_the_amendment_take_the_steps_as_they_ran(
     fork_snapshot, amended = read_plan(fork_log).snapshot, snapshot_at(plan, 1)
     for key in DEPLOY_FIX.accept:
         assert fork_snapshot[key] == amended[key]
+
+
+# -- policy in one place: an agent's amendment, for every host (issue 48, item 4) ---------
+
+
+def _agent(store: Store, ledger: Ledger, *, deployed: bool, amend: Amendment | None) -> Agent:
+    """The approval agent as first released, or as deployed with a fixed prompt and deploy
+    description, resuming its runs under ``amend``."""
+
+    def request_for(run_id: str, input: JSONValue) -> Request:
+        if not deployed:
+            return request(run_id, review_tools(ledger))
+        tools = review_tools(ledger, descriptions=DEPLOYED)
+        return request(run_id, tools, run_context=_system(FIXED_PROMPT))
+
+    return Agent(
+        name="deployer",
+        definition=definition(store, script=approval_script()),
+        request_for=request_for,
+        amend=amend,
+    )
+
+
+async def test_an_agents_amendment_moves_its_waiting_run_on_and_the_log_says_so() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    paused = await _agent(store, ledger, deployed=False, amend=None).run("r", {})
+    assert paused.stop_reason is StopReason.AWAITING_APPROVAL
+    await approve(store, "r", by="alice")
+    # The release without a policy is refused as before; with one, the run goes on.
+    with pytest.raises(RunIdentityMismatch):
+        await _agent(store, ledger, deployed=True, amend=None).run("r", {})
+    deployed = _agent(store, ledger, deployed=True, amend=DEPLOY_FIX)
+    request_now = await deployed.request("r", {})
+    done = await resume_as(deployed, request_now, {})
+    assert done.stop_reason is StopReason.FINAL_ANSWER
+    (amended,) = _amendments((await store.read_log("r")).records)
+    assert (amended.by, amended.step) == (DEPLOY_FIX.by, 1)
+    assert [name for name, _ in ledger.calls].count("deploy") == 1
+
+
+async def test_an_agent_may_not_accept_what_may_never_change() -> None:
+    amend = Amendment(by="ops", reason="faster", accept=("tools", "model_replay"))
+    with pytest.raises(AmendmentRefused) as refused:
+        _agent(MemoryStore(), Ledger(), deployed=True, amend=amend)
+    assert refused.value.key == "model_replay" and refused.value.run_id is None
+
+
+async def test_recover_resumes_every_waiting_run_under_the_amendment() -> None:
+    store, ledger = MemoryStore(), Ledger()
+    for run_id in ("a", "b"):
+        await run(
+            definition(store, script=approval_script()), request(run_id, review_tools(ledger))
+        )
+    recovered = await recover(
+        definition(store, script=approval_script()),
+        store,
+        lambda run_id: _deployed_request(ledger, run_id=run_id),
+        max_concurrent=2,
+        amend=DEPLOY_FIX,
+    )
+    assert [(r.run_id, r.error) for r in recovered] == [("a", None), ("b", None)]
+    for run_id in ("a", "b"):
+        assert len(_amendments((await store.read_log(run_id)).records)) == 1
+        assert (await run_status(store, run_id)).state is RunState.AWAITING_APPROVAL

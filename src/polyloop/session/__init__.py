@@ -208,6 +208,7 @@ async def recover(
     request_for: Callable[[str], Request | Awaitable[Request]],
     *,
     max_concurrent: int,
+    amend: Amendment | None = None,
 ) -> tuple[RecoveredRun, ...]:
     """Resume every unfinished run of ``store`` that no live writer holds.
 
@@ -222,12 +223,15 @@ async def recover(
 
     Returns one :class:`~polyloop.types.RecoveredRun` per listed run, in listing order:
     its result, or the exception that building its request or resuming it raised.
+    ``amend`` is given to each resume, as for :func:`resume`.
 
     Cancellation: the runs being resumed are cancelled as :func:`resume` describes
     (each writes its ``CANCELLED`` end record within its grace); the cancellation then
     propagates and no report is returned.
     """
-    return await recover_runs(definition, store, request_for, max_concurrent=max_concurrent)
+    return await recover_runs(
+        definition, store, request_for, max_concurrent=max_concurrent, amend=amend
+    )
 
 
 async def approve(

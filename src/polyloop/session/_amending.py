@@ -55,7 +55,7 @@ def never_reason(key: str) -> str | None:
     return None
 
 
-def checked(amend: Amendment, run_id: str) -> frozenset[str]:
+def checked(amend: Amendment, run_id: str | None) -> frozenset[str]:
     """The keys ``amend`` accepts, once it is known to be one that may be given.
 
     Raises ``InvalidRequest`` for a malformed amendment and ``AmendmentRefused`` for

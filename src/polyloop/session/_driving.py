@@ -245,8 +245,10 @@ async def recover(
     request_for: RequestFor,
     *,
     max_concurrent: int,
+    amend: Amendment | None = None,
 ) -> tuple[RecoveredRun, ...]:
-    """Resume every unfinished run that no live writer holds; say what became of each."""
+    """Resume every unfinished run that no live writer holds (with ``amend``, if given);
+    say what became of each."""
     if (
         isinstance(max_concurrent, bool)
         or not isinstance(max_concurrent, int)
@@ -263,7 +265,7 @@ async def recover(
     async def worker() -> None:
         while waiting:
             run_id = waiting.pop().run_id
-            outcomes[run_id] = await _recover_one(definition, request_for, run_id)
+            outcomes[run_id] = await _recover_one(definition, request_for, run_id, amend)
 
     async with anyio.create_task_group() as group:
         for _ in range(min(max_concurrent, len(waiting))):
@@ -283,7 +285,7 @@ def _owned(run: StoredRun, outcomes: dict[str, RecoveredRun]) -> bool:
 
 
 async def _recover_one(
-    definition: Definition, request_for: RequestFor, run_id: str
+    definition: Definition, request_for: RequestFor, run_id: str, amend: Amendment | None
 ) -> RecoveredRun:
     try:
         request = request_for(run_id)
@@ -293,7 +295,7 @@ async def _recover_one(
             raise InvalidRequest(
                 f"request_for returned a request for run {request.run_id!r}", run_id=run_id
             )
-        result = await drive(definition, request, Mode.RESUME)
+        result = await drive(definition, request, Mode.RESUME, amend=amend)
     except Exception as exc:  # noqa: BLE001 - each run's failure is reported, not raised
         return RecoveredRun(run_id=run_id, error=exc)
     return RecoveredRun(run_id=run_id, result=result)
