@@ -388,6 +388,15 @@ async def test_an_update_with_a_bad_answer_is_refused_and_the_run_still_waits(
     assert _cause_type(schema.value) == "InvalidRequest"
 
 
+def activity_failure(failed: WorkflowFailureError) -> ApplicationError:
+    """The PolyLoop error (as Temporal carries it) of the activity a workflow failed on."""
+    activity_error = failed.cause
+    assert isinstance(activity_error, ActivityError)
+    cause = activity_error.cause
+    assert isinstance(cause, ApplicationError)
+    return cause
+
+
 def _cause_type(error: BaseException) -> str | None:
     cause = error.__cause__
     return cause.type if isinstance(cause, ApplicationError) else None
@@ -797,10 +806,7 @@ async def test_a_run_identity_mismatch_fails_the_workflow_at_once_without_retrie
         # Retried, it would fail attempt after attempt, for as long as the workflow runs.
         with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
             await handle.result()
-    activity_error = failed.value.cause
-    assert isinstance(activity_error, ActivityError)
-    cause = activity_error.cause
-    assert isinstance(cause, ApplicationError)
+    cause = activity_failure(failed.value)
     assert cause.type == "RunIdentityMismatch"
     assert "budget.max_steps" in cause.message
     assert calls == [rid("t-mismatch")]  # one attempt: not retried
@@ -1411,11 +1417,8 @@ async def test_an_amendment_refused_fails_the_workflow_at_once_without_retries(
         )
         with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
             await handle.result()
-    activity_error = failed.value.cause
-    assert isinstance(activity_error, ActivityError)
-    cause = activity_error.cause
-    assert isinstance(cause, ApplicationError)
-    assert cause.type == "AmendmentRefused"
+    cause = activity_failure(failed.value)
+    assert cause.type == "AmendmentRefused" and cause.non_retryable
     assert "removes tool 'deploy'" in cause.message
     after = await store.read_log(rid("t-refused"))
     assert after.records[: len(before.records)] == before.records
