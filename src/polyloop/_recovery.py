@@ -129,7 +129,7 @@ class _Walk:
     verdict: Verdict | None = None
     settlement: Settlement | None = None
     model_calls_again: int = 0
-    snapshot: dict[str, JSONValue] = field(default_factory=dict)
+    snapshot: Mapping[str, JSONValue] = field(default_factory=dict)
     amendments: list[Amended] = field(default_factory=list)
 
 
@@ -187,7 +187,7 @@ def _accept(walk: _Walk, record: Record, index: int) -> str | None:
         if index != 0:
             return "a second start record"
         walk.started = record
-        walk.snapshot = dict(record.snapshot)
+        walk.snapshot = record.snapshot  # copied only if an amendment changes it
         return _accept_inherited(walk, record)
     if walk.started is None:
         return "the first record is not a start record"
