@@ -490,7 +490,7 @@ EXPECTED["run_ended_cancelled_by_request"] = RunEnded(
 )
 
 # issue 48: a run going on under a changed definition, as a person accepted it. A kind
-# the format's first releases do not know, so it says "polyloop/1.2" (record 0072).
+# the format's first releases do not know, so it says "polyloop/1.2" (record 0074).
 EXPECTED["amended"] = Amended(
     run_id=RUN,
     step=2,

@@ -63,7 +63,7 @@ _LINE_BREAKERS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
 _OBSERVATION_OF = "observation_of"
 _REFERRING_FORMAT = f"{FORMAT}.1"
 # The amendment record is a kind the first releases of the major do not know: it says so
-# with the format's second minor (record 0072), so an older reader's refusal names why.
+# with the format's second minor (record 0074), so an older reader's refusal names why.
 _AMENDING_FORMAT = f"{FORMAT}.2"
 _AMENDED = "amended"
 

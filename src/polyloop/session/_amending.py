@@ -2,7 +2,7 @@
 
 Pure: :func:`checked` looks at an :class:`~polyloop.types.Amendment` before any I/O,
 :func:`amended` at the log's plan and the snapshot built now, once the run is claimed.
-What may never change, and why, is research record 0072.
+What may never change, and why, is research record 0074.
 """
 
 from __future__ import annotations
