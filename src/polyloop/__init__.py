@@ -59,6 +59,9 @@ from polyloop.session import (
 from polyloop.tools import EnvironmentFault, ToolRegistry, ToolSpec
 from polyloop.types import (
     ActionStatus,
+    Amended,
+    Amendment,
+    AmendmentRefused,
     Budget,
     CancelRequest,
     CancelRequested,
@@ -119,6 +122,9 @@ __all__ = (
     "ActionOutcome",
     "ActionStatus",
     "Agent",
+    "Amended",
+    "Amendment",
+    "AmendmentRefused",
     "Budget",
     "CancelRequest",
     "CancelRequested",

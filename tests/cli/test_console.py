@@ -40,7 +40,16 @@ from kit.review import (
     review_tools,
     reviews,
 )
-from polyloop import Replay, approve, reject, run, run_status, settle, start_or_resume
+from polyloop import (
+    Amendment,
+    Replay,
+    approve,
+    reject,
+    run,
+    run_status,
+    settle,
+    start_or_resume,
+)
 from polyloop.cli import _html, main
 from polyloop.cli._console import exposure_problem, run_path
 from polyloop.cli._console._guard import Access
@@ -166,6 +175,24 @@ async def test_the_run_page_shows_the_proposal_first_and_what_show_shows(
     view = await read_view(store, parse_store("sqlite:unused"), "paused")
     assert _html.sections(view) in text
     assert 'id="approve"' in text and 'id="reject"' in text and 'id="settle"' not in text
+
+
+async def test_the_run_page_shows_an_amendment_with_its_author_and_reason(
+    store: ManagedStore,
+) -> None:
+    amend = Amendment(by="ops <release 2.4>", reason="a clearer deploy text", accept=("tools",))
+    deployed = review_tools(Ledger(), descriptions={"deploy": "Deploy; prod needs a ticket."})
+    await start_or_resume(
+        definition(store, script=approval_script()), request("paused", deployed), amend=amend
+    )
+    async with browser(console(store)) as client:
+        page = await client.get("/runs/paused")
+    assert page.status_code == 200
+    text = unescape(page.text)
+    assert "by ops <release 2.4> at " in text
+    assert ": a clearer deploy text (changed tools)" in text
+    assert "<release 2.4>" not in page.text  # escaped, as everything a log holds
+    assert 'id="approve"' in page.text  # the run still waits for its approval
 
 
 async def test_a_run_in_doubt_offers_to_settle_it(store: ManagedStore) -> None:

@@ -78,6 +78,10 @@ NAMES_BY_MODULE = {
         "CancelRequested",
         # issue 46, item 1: following a run as it is written
         "FollowedRecord",
+        # issue 48: a run going on under a changed definition, recorded
+        "Amendment",
+        "Amended",
+        "AmendmentRefused",
     },
     ports: {
         "ModelClient",
@@ -184,6 +188,7 @@ ERRORS = {
     "RunAlreadyExists": FileExistsError,
     "RunNotFound": LookupError,
     "RunIdentityMismatch": ValueError,
+    "AmendmentRefused": ValueError,
     "CorruptLog": ValueError,
     "SchemaMajorMismatch": ValueError,
     "UnloggableValue": ValueError,
