@@ -3,7 +3,7 @@ until an end record (docs/following.md, research-wiki/0072)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
@@ -16,7 +16,9 @@ from polyloop.types import FollowedRecord, InvalidRequest, Record, RunEnded, Run
 POLL_S = 0.2
 
 
-async def follow(store: Store, run_id: str, *, after: int = 0) -> AsyncIterator[FollowedRecord]:
+async def follow(
+    store: Store, run_id: str, *, after: int = 0
+) -> AsyncGenerator[FollowedRecord, None]:
     """The run's records after position ``after``, each with its position, as they are
     written; the iteration ends after the first end record it yields.
 
