@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
 from html import unescape
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from kit.console import (
     console,
     crash_in_doubt,
     fill,
+    fill_deploys,
     post_form,
     resume,
     store_factory,
@@ -45,7 +47,7 @@ from polyloop.cli import _html, main
 from polyloop.cli._console import exposure_problem, run_path
 from polyloop.cli._console._guard import Access
 from polyloop.cli._stores import parse_store
-from polyloop.cli._view import read_view
+from polyloop.cli._view import read_view, span_text
 from polyloop.ports import ManagedStore
 from polyloop.stores import SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
@@ -833,3 +835,134 @@ def test_serve_prints_the_address_serves_and_stops_on_ctrl_c(tmp_path: Path, bac
         _, err = server.communicate(timeout=20)
     assert server.returncode == 130, err
     assert err.strip() == "polyloop: interrupted"
+
+
+# -- searching and filtering the list (issue 47) ---------------------------------------------
+
+
+async def test_the_runs_that_called_deploy_and_ended_in_doubt_are_one_link(
+    reopen: Callable[[], ManagedStore],
+) -> None:
+    async with reopen() as store:
+        await crash_in_doubt(store, "deploy-doubt-earlier", tool="deploy")
+        await anyio.sleep(0.01)
+        since = (await run_status(store, "deploy-doubt-earlier")).last_record_at
+        assert since is not None
+        await anyio.sleep(0.01)
+        expected = await fill_deploys(store)
+        after = since.isoformat()
+        async with browser(console(store)) as client:
+            page = await client.get(
+                "/", params={"tool": "deploy", "stop_reason": "in_doubt", "started_after": after}
+            )
+            everything = await client.get("/", params={"tool": "deploy", "stop_reason": "in_doubt"})
+    assert sorted(_rows(page.text)) == sorted(expected)
+    assert sorted(_rows(everything.text)) == sorted([*expected, "deploy-doubt-earlier"])
+    # The form keeps what was asked, so the next filter narrows this one.
+    assert 'name="tool" value="deploy"' in page.text
+    assert '<option value="in_doubt" selected>' in page.text
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({"tool": "pay"}, ["doubt"]),
+        ({"tool": "deploy"}, ["paused"]),  # proposed: the model called it
+        ({"tool": "double"}, ["doubt", "paused"]),
+        ({"stop_reason": "final_answer"}, sorted([EVIL_RUN, *FINISHED])),
+        ({"stop_reason": "awaiting_approval"}, ["paused"]),
+        ({"model": "SCRIPT"}, sorted(["doubt", "paused", EVIL_RUN, *FINISHED])),
+        ({"model": "gpt"}, []),
+        ({"q": "done-"}, list(FINISHED)),  # a part of the run id
+        ({"q": "DONE-2 OK"}, ["done-2"]),  # a part of the final answer, any case
+        ({"q": "paid 5"}, []),  # the payment is in doubt: it has no observation
+        ({"q": "2", "tool": "double"}, ["doubt", "paused"]),  # the last observation
+        ({"state": "in doubt", "tool": "deploy"}, []),
+        ({"started_before": "2000-01-01"}, []),
+        ({"started_after": "2000-01-01T00:00Z"}, sorted(["doubt", "paused", EVIL_RUN, *FINISHED])),
+    ],
+)
+async def test_the_list_searches_and_filters(
+    store: ManagedStore, params: dict[str, str], expected: list[str]
+) -> None:
+    async with browser(console(store)) as client:
+        page = await client.get("/", params=params)
+    assert sorted(_rows(page.text)) == expected
+
+
+async def test_a_time_that_is_no_time_is_refused_in_words_and_not_applied(
+    store: ManagedStore,
+) -> None:
+    async with browser(console(store)) as client:
+        page = await client.get("/", params={"started_after": "last tuesday", "tool": "pay"})
+    assert sorted(_rows(page.text)) == ["doubt"]
+    assert "Not a time, so not applied: <code>last tuesday</code>" in page.text
+
+
+async def test_the_filters_stay_on_every_link_of_the_list(store: ManagedStore) -> None:
+    filters = {"tool": "double", "q": "d", "started_after": "2000-01-01T00:00:00Z"}
+    async with browser(console(store, per_page=1)) as client:
+        page = await client.get("/", params=filters)
+        live = re.search(r'data-partial="([^"]*)" data-events="([^"]*)"', page.text)
+        assert live is not None
+        partial, events = (unescape(found) for found in live.groups())
+        older = unescape(re.findall(r'rel="next" href="([^"]*)"', page.text)[0])
+        second = await client.get(older)
+        fragment = await client.get(partial)
+    for link in (partial, events, older):
+        assert "tool=double" in link and "q=d" in link and "started_after=2000-01-01" in link
+    assert _rows(page.text) + _rows(second.text) == ["doubt", "paused"]
+    assert _rows(fragment.text) == _rows(page.text)
+    states = re.findall(r'<nav class="filters" id="states">(.*?)</nav>', page.text, re.S)[0]
+    assert "/?q=d&amp;state=in%20doubt&amp;tool=double&amp;started_after=" in states
+
+
+async def test_the_list_shows_duration_and_start_of_each_run(store: ManagedStore) -> None:
+    async with browser(console(store)) as client:
+        page = await client.get("/", params={"q": "done-1"})
+    status = await run_status(store, "done-1")
+    assert status.started_at is not None and status.ended_at is not None
+    seconds = (status.ended_at - status.started_at).total_seconds()
+    assert f'<td class="duration">{span_text(seconds)}</td>' in page.text
+    assert "<th>duration</th>" in page.text and "Cost is not shown" in page.text
+
+
+async def test_yesterdays_deploys_in_doubt_are_two_clicks_from_the_list(
+    reopen: Callable[[], ManagedStore],
+) -> None:
+    """The issue's measure: from the list, "yesterday", then a row's "in doubt about
+    deploy", and the list holds exactly the runs that called deploy yesterday and ended
+    in doubt (the console's clock is a day after the runs were made)."""
+    async with reopen() as store:
+        expected = await fill_deploys(store)
+        started = (await run_status(store, expected[0])).started_at
+        assert started is not None
+        later = started + timedelta(days=1)
+        async with browser(console(store, clock=lambda: later)) as client:
+            listed = await client.get("/")
+            times = one_match(r'<nav class="filters" id="times">(.*?)</nav>', listed.text)
+            yesterday = await client.get(_href(times, "yesterday"))
+            doubt = one_match(
+                r'<a class="facet doubt" href="([^"]*)">in doubt about deploy<',
+                yesterday.text,
+                first=True,
+            )
+            narrowed = await client.get(unescape(doubt))
+            # Today, for the same clock, holds none of them.
+            today = await client.get(_href(times, "today"))
+    assert len(_rows(yesterday.text)) == 5
+    assert sorted(_rows(narrowed.text)) == sorted(expected)
+    assert _rows(today.text) == []
+    # The list that results is a link a person can share: every filter is in it.
+    assert "stop_reason=in_doubt" in doubt and "tool=deploy" in doubt
+    assert "started_after=" in doubt and "started_before=" in doubt
+
+
+def one_match(pattern: str, html: str, *, first: bool = False) -> str:
+    found = re.findall(pattern, html, re.S)
+    assert found and (first or len(found) == 1), found
+    return str(found[0])
+
+
+def _href(links: str, words: str) -> str:
+    return unescape(one_match(rf'<a href="([^"]*)"[^>]*>{re.escape(words)}</a>', links))

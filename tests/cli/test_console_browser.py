@@ -30,6 +30,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from kit.agent import Ledger, answer, definition, request, tool_call
 from kit.browser import chromium, launched
+from kit.console import fill_deploys
 from kit.review import approval_script, review_tools
 from polyloop import run
 from polyloop.stores import SqliteStore
@@ -409,3 +410,36 @@ def test_the_docs_screenshots_are_taken_from_a_real_console(tmp_path: Path) -> N
         width = int.from_bytes(picture[16:20], "big")  # the IHDR chunk comes first
         assert width == SCREENSHOT_WIDTH
         assert len(picture) < SCREENSHOT_MAX_BYTES
+
+
+# -- investigating -------------------------------------------------------------------------
+
+
+async def _fill_deploys(path: Path) -> tuple[str, ...]:
+    async with SqliteStore(path) as store:
+        return await fill_deploys(store)
+
+
+def test_the_deploys_in_doubt_are_two_clicks_from_the_list(
+    browser: Browser, tmp_path: Path, backend: str
+) -> None:
+    """A time link, then a row's "in doubt about deploy": the list holds exactly the
+    runs that called deploy in that time and ended in doubt, and its address says so."""
+    with ThreadPoolExecutor(1) as thread:
+        future = thread.submit(anyio.run, _fill_deploys, tmp_path / "runs.db", backend=backend)
+        expected = future.result()
+    with serving(f"sqlite:{tmp_path / 'runs.db'}", backend) as url, opened(browser) as tab:
+        page = tab.page
+        page.goto(url)
+        expect(page.locator("td.id a")).to_have_count(5)
+        page.locator("#times").get_by_role("link", name="today", exact=True).click()  # 1
+        page.get_by_role("link", name="in doubt about deploy").first.click()  # 2
+        expect(page.locator("td.id a")).to_have_count(len(expected))
+        assert sorted(page.locator("td.id a").all_inner_texts()) == sorted(expected)
+        assert "tool=deploy" in page.url and "stop_reason=in_doubt" in page.url
+        # The form shows the filters the list holds, and the address opens the same list.
+        expect(page.locator('input[name="tool"]')).to_have_value("deploy")
+        expect(page.locator('select[name="stop_reason"]')).to_have_value("in_doubt")
+        page.goto(page.url)
+        assert sorted(page.locator("td.id a").all_inner_texts()) == sorted(expected)
+        assert tab.problems == []

@@ -375,3 +375,32 @@ def test_a_run_path_is_one_segment_that_reads_back_to_the_run_id() -> None:
         assert segment.isascii() and segment.lower().replace("%2e", ".") not in (".", "..")
         # A server decodes the path once before routing; the console decodes the rest.
         assert unquote(unquote(segment), errors="surrogatepass") == run_id
+
+
+async def test_what_a_search_asked_is_echoed_as_the_terminal_shows_it(
+    store: ManagedStore,
+) -> None:
+    await wire_in_doubt(store, TRICKY_RUN)
+    markup = '"><script>alert(5)</script>'
+    asked = {
+        # An address holds UTF-8: half an emoji cannot be asked for.
+        "q": f"{TRICKY.replace(HALF, '')}{markup}",
+        "tool": f"wire{markup}\u202e",
+        "model": f"{markup}\x1b",
+        "started_after": f"{markup}\u2066",
+    }
+    async with browser(console(store)) as client:
+        page = await client.get("/", params=asked)
+        found = await client.get("/", params={"q": "ops", "tool": "wire"})
+    assert page.status_code == 200
+    assert_nothing_raw(page.text)
+    assert "<script>alert(5)" not in page.text
+    for name in ("q", "tool", "model"):
+        value = one(rf'name="{name}" value="([^"]*)"', page.text)
+        assert unescape(value) == escape_field(asked[name].strip())
+    refused = one(r"Not a time, so not applied: <code>(.*?)</code>", page.text)
+    assert unescape(refused) == escape_field(asked["started_after"])
+    # The run in doubt is found, its tool and the doubt shown as the terminal shows them.
+    assert_nothing_raw(found.text)
+    assert [escape_field(TRICKY_RUN)] == list(links(found.text))
+    assert '<a class="facet doubt"' in found.text and "in doubt about wire</a>" in found.text
