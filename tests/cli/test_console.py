@@ -4,6 +4,7 @@ gives, the live updates, and every safety rule."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
@@ -14,6 +15,7 @@ from datetime import timedelta
 from html import unescape
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 import httpx
@@ -42,10 +44,20 @@ from kit.review import (
     review_tools,
     reviews,
 )
-from polyloop import Replay, approve, reject, run, run_status, settle, start_or_resume
+from polyloop import (
+    Replay,
+    approve,
+    reject,
+    run,
+    run_status,
+    run_trace_id,
+    settle,
+    start_or_resume,
+)
 from polyloop.cli import _html, main
-from polyloop.cli._console import exposure_problem, run_path
+from polyloop.cli._console import LinkTemplate, exposure_problem, run_path
 from polyloop.cli._console._guard import Access
+from polyloop.cli._facts import step_time_text
 from polyloop.cli._stores import parse_store
 from polyloop.cli._view import read_view, span_text
 from polyloop.ports import ManagedStore
@@ -966,3 +978,64 @@ def one_match(pattern: str, html: str, *, first: bool = False) -> str:
 
 def _href(links: str, words: str) -> str:
     return unescape(one_match(rf'<a href="([^"]*)"[^>]*>{re.escape(words)}</a>', links))
+
+
+# -- a run's page: timeline, edits, trace (issue 47) -----------------------------------------
+
+
+async def test_a_run_page_shows_its_trace_id_and_links_only_when_templates_are_set(
+    store: ManagedStore,
+) -> None:
+    trace = LinkTemplate.parse("https://tempo.example/trace/{trace_id}", "--trace-url")
+    temporal = LinkTemplate.parse(
+        "https://temporal.example/namespaces/default/workflows/{run_id}", "--temporal-url"
+    )
+    async with browser(console(store, trace_link=trace, temporal_link=temporal)) as client:
+        linked = await client.get(run_path(EVIL_RUN))
+    async with browser(console(store)) as client:
+        plain = await client.get(run_path(EVIL_RUN))
+    trace_id = run_trace_id(EVIL_RUN)
+    for page in (linked, plain):
+        assert f"trace id <code>{trace_id}</code>" in page.text
+    assert f'href="https://tempo.example/trace/{trace_id}"' in linked.text
+    workflow = quote(EVIL_RUN, safe="")
+    assert f'href="https://temporal.example/namespaces/default/workflows/{workflow}"' in linked.text
+    assert 'id="trace-link"' not in plain.text and 'id="temporal-link"' not in plain.text
+
+
+async def test_a_run_page_draws_each_step_on_a_timeline(store: ManagedStore) -> None:
+    view = await read_view(store, parse_store("sqlite:x.db"), "paused")  # double, then a proposal
+    async with browser(console(store)) as client:
+        page = await client.get(run_path("paused"))
+    section = re.search(r'<section id="timeline">.*?</section>', page.text, re.S)
+    assert section is not None
+    rows = re.findall(r'<tr class="step-time">(.*?)</tr>', section.group(), re.S)
+    assert len(rows) == len(view.steps) == 1
+    [step] = view.steps
+    assert step.model_duration_s is not None and step.action_duration_s is not None
+    assert '<rect class="model"' in rows[0] and '<rect class="tool"' in rows[0]
+    assert step_time_text(step) in unescape(rows[0])
+
+
+async def test_after_an_edited_approval_the_page_shows_both_arguments(
+    store: ManagedStore,
+) -> None:
+    await approve(store, "paused", by="dana", arguments={"env": "staging"}, result_id=None)
+    async with browser(console(store)) as client:
+        waiting = await client.get(run_path("paused"))
+    await resume(store, "paused", approval_script())
+    async with browser(console(store)) as client:
+        ran = await client.get(run_path("paused"))
+    for page in (waiting, ran):
+        section = re.search(r'<section id="edits">.*?</section>', page.text, re.S)
+        assert section is not None
+        proposed, approved = re.findall(
+            r'<figure class="(?:proposed|approved)">.*?<pre>(.*?)</pre>', section.group(), re.S
+        )
+        assert json.loads(unescape(proposed)) == {"env": "prod"}
+        assert json.loads(unescape(approved)) == {"env": "staging"}
+        assert "approved by <strong>dana</strong>" in section.group()
+        assert "(changed: <code>env</code>)" in section.group()
+    async with browser(console(store)) as client:
+        untouched = await client.get(run_path("done-1"))
+    assert 'id="edits"' not in untouched.text

@@ -443,3 +443,38 @@ def test_the_deploys_in_doubt_are_two_clicks_from_the_list(
         page.goto(page.url)
         assert sorted(page.locator("td.id a").all_inner_texts()) == sorted(expected)
         assert tab.problems == []
+
+
+async def _fill_paused(path: Path) -> None:
+    async with SqliteStore(path) as store:
+        tools = review_tools(Ledger())
+        await run(definition(store, script=approval_script()), request("release-3", tools))
+
+
+def test_edited_arguments_are_shown_beside_the_proposed_ones_after_approval(
+    browser: Browser, tmp_path: Path, backend: str
+) -> None:
+    with ThreadPoolExecutor(1) as thread:
+        thread.submit(anyio.run, _fill_paused, tmp_path / "runs.db", backend=backend).result()
+    with serving(f"sqlite:{tmp_path / 'runs.db'}", backend) as url, opened(browser) as tab:
+        page = tab.page
+        open_run_from_the_list(page, url, "release-3", "awaiting approval")
+        expect(page.locator("#edits")).to_have_count(0)
+        page.locator("#by-approve").fill("erin")
+        page.locator("#arguments").fill('{"env": "staging"}')
+        page.get_by_role("button", name="Approve").click()
+        answered(page, "approved", "erin")
+        proposed = page.locator("#edits figure.proposed pre")
+        approved = page.locator("#edits figure.approved pre")
+        expect(proposed).to_contain_text('"env": "prod"')
+        expect(approved).to_contain_text('"env": "staging"')
+        expect(page.locator("#edits")).to_contain_text("changed: env")
+        left, right = proposed.bounding_box(), approved.bounding_box()
+        assert left is not None and right is not None
+        # Side by side: the approved arguments to the right, on the same line.
+        assert right["x"] >= left["x"] + left["width"] and abs(right["y"] - left["y"]) < 2
+        # The step that ran before the proposal is a bar on the timeline, drawn.
+        bar = page.locator("#timeline svg rect.rest").first
+        box = bar.bounding_box()
+        assert box is not None and box["width"] > 0 and box["height"] > 0
+        assert tab.problems == []

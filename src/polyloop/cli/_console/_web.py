@@ -38,7 +38,9 @@ from polyloop.cli._common import editable_json, edited_arguments
 from polyloop.cli._console import _guard
 from polyloop.cli._console._data import list_page, read_run
 from polyloop.cli._console._guard import Access, Refused, checked_form, context, form_text
+from polyloop.cli._console._links import LinkTemplate
 from polyloop.cli._console._listing import PER_PAGE, Query, RowCache, RunRow, StateFilter
+from polyloop.cli._console._run_page import WIDTH, edits, timeline
 from polyloop.cli._facts import Doubt, in_doubt, utc_text
 from polyloop.cli._view import RunView, span_text
 from polyloop.ports import ManagedStore
@@ -56,6 +58,7 @@ from polyloop.types import (
     RunNotFound,
     RunState,
     StopReason,
+    run_trace_id,
 )
 
 # What a finished answer says after the redirect; fixed words, never text from the URL.
@@ -99,6 +102,9 @@ class Settings:
     per_page: int = PER_PAGE
     # What "today" and "yesterday" in the list's time links are measured from.
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    # Where a run's page links to: its trace in a tracing UI, its Temporal workflow.
+    trace_link: LinkTemplate | None = None
+    temporal_link: LinkTemplate | None = None
 
 
 def run_path(run_id: str) -> str:
@@ -321,9 +327,16 @@ class _Console:
         doubt = in_doubt(view)
         stored = await self.store.describe_run(run_id)
         asked = await self._cancel_asked(view, stored is not None and stored.cancel_requested)
+        trace_link, temporal_link = self.settings.trace_link, self.settings.temporal_link
         return {
             "run_id": run_id,
             "view": view,
+            "trace_id": run_trace_id(run_id),
+            "trace_href": trace_link.link(run_id) if trace_link is not None else None,
+            "temporal_href": temporal_link.link(run_id) if temporal_link is not None else None,
+            "timeline": timeline(view),
+            "timeline_width": WIDTH,
+            "edits": edits(view),
             "sections": Markup(_html.sections(view)),
             "proposal": proposal,
             "proposed_arguments": _arguments_text(proposal),
