@@ -1039,3 +1039,13 @@ async def test_after_an_edited_approval_the_page_shows_both_arguments(
     async with browser(console(store)) as client:
         untouched = await client.get(run_path("done-1"))
     assert 'id="edits"' not in untouched.text
+
+
+async def test_a_search_past_its_limit_says_which_runs_it_read(store: ManagedStore) -> None:
+    async with browser(console(store, scan_limit=4)) as client:
+        page = await client.get("/", params={"q": "done"})
+        plain = await client.get("/", params={"state": "finished"})
+    # The four most recent: doubt, paused, the run with markup, done-3.
+    assert _rows(page.text) == ["done-3"]
+    assert "Searched the 4 most recent runs only" in page.text
+    assert "Searched the" not in plain.text  # a state filter reads as before

@@ -272,3 +272,34 @@ def test_which_rows_pass(query: Query, passing: list[str]) -> None:
 def test_a_run_without_an_end_has_no_duration() -> None:
     assert found("a", started_at=T0).duration_s is None
     assert found("a", started_at=T0, ended_at=T0 + timedelta(seconds=3)).duration_s == 3.0
+
+
+async def test_a_search_reads_the_most_recent_runs_up_to_its_limit_then_only_what_changed(
+    tmp_path: Path,
+) -> None:
+    async with SqliteStore(tmp_path / "runs.db") as store:
+        tools = review_tools(Ledger())
+        for n in range(8):
+            script = [answer(f"answer {n}")]
+            await run(definition(store, script=script), request(f"done-{n}", tools))
+        counting = CountingStore(store)
+        cache = RowCache()
+
+        async def search(text: str, **more: Any) -> tuple[Any, list[str]]:
+            query = Query(text=text, **more)
+            page, rows, _ = await list_page(counting, cache, query, 1, per_page=5, scan_limit=4)  # type: ignore[arg-type]
+            return page, [r.run_id for r in rows]
+
+        page, found_ids = await search("ANSWER")
+        assert found_ids == ["done-7", "done-6", "done-5", "done-4"]
+        assert page.searched_only == 4 and page.total == 4
+        assert set(counting.read) == {"done-4", "done-5", "done-6", "done-7"}
+        counting.read.clear()
+        page, found_ids = await search("answer 5")
+        assert found_ids == ["done-5"] and counting.read == []  # all from the cache
+        # A start-time filter rules out, unread, the runs whose last record is older.
+        status = await store.describe_run("done-5")
+        assert status is not None and status.updated_at is not None
+        page, found_ids = await search("answer", started_after=status.updated_at)
+        assert found_ids == ["done-7", "done-6"]  # done-5 started before its last record
+        assert page.searched_only is None and counting.read == []

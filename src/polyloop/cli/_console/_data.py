@@ -7,10 +7,13 @@ what ``polyloop runs`` and ``polyloop show`` say.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import anyio
 
 from polyloop.cli._console._listing import (
     PER_PAGE,
+    SCAN_LIMIT,
     Page,
     Query,
     RowCache,
@@ -161,19 +164,24 @@ async def list_page(
     query: Query,
     number: int,
     per_page: int = PER_PAGE,
+    scan_limit: int = SCAN_LIMIT,
 ) -> tuple[Page, list[RunRow], tuple[StoredRun, ...]]:
     """Page ``number`` of the runs that pass ``query``, their rows, and the run table as
     it was listed (what the live page watches for changes).
 
     Only the runs on the page are read when the run table can tell which pass; for a
-    finer filter or a search, every run it cannot rule out is read too (through the
-    cache) to tell which pass.
+    finer state, every unfinished run is read too (through the cache) to tell which
+    pass. A search or a filter on what a log holds reads the ``scan_limit`` most recent
+    runs the run table cannot rule out, at most, and the page says so.
     """
     seen = await store.list_runs(unfinished_only=query.unfinished_only)
     listed = candidates(seen, query)
+    searched_only = None
+    if query.reads_content and len(listed) > scan_limit:
+        listed, searched_only = listed[:scan_limit], scan_limit
     if query.needs_rows:
         rows = await rows_for(store, cache, listed)
-        page = select(listed, rows, query, number, per_page)
+        page = replace(select(listed, rows, query, number, per_page), searched_only=searched_only)
     else:
         page = select(listed, {}, query, number, per_page)
         rows = await rows_for(store, cache, page.runs)

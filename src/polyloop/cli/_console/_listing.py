@@ -24,6 +24,10 @@ from polyloop.types import StopReason
 
 PER_PAGE = 50
 CACHE_SIZE = 4096
+# The most recent runs a search or a filter on what a log holds reads, at most: as many
+# as the row cache keeps, so asking again reads only what changed. Older runs are
+# reached by narrowing the time (a start-time filter rules runs out unread).
+SCAN_LIMIT = CACHE_SIZE
 
 
 class StateFilter(enum.StrEnum):
@@ -91,6 +95,8 @@ class Page:
     number: int  # from 1
     pages: int  # at least 1
     total: int  # the runs that pass the filter
+    # How many of the most recent runs a search read, when it read no further.
+    searched_only: int | None = None
 
     @property
     def has_previous(self) -> bool:

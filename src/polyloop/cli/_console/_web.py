@@ -39,7 +39,14 @@ from polyloop.cli._console import _guard
 from polyloop.cli._console._data import list_page, read_run
 from polyloop.cli._console._guard import Access, Refused, checked_form, context, form_text
 from polyloop.cli._console._links import LinkTemplate
-from polyloop.cli._console._listing import PER_PAGE, Query, RowCache, RunRow, StateFilter
+from polyloop.cli._console._listing import (
+    PER_PAGE,
+    SCAN_LIMIT,
+    Query,
+    RowCache,
+    RunRow,
+    StateFilter,
+)
 from polyloop.cli._console._run_page import WIDTH, edits, timeline
 from polyloop.cli._facts import Doubt, in_doubt, utc_text
 from polyloop.cli._view import RunView, span_text
@@ -100,6 +107,7 @@ class Settings:
     access: Access = field(default_factory=Access)
     poll_s: float = 1.0
     per_page: int = PER_PAGE
+    scan_limit: int = SCAN_LIMIT
     # What "today" and "yesterday" in the list's time links are measured from.
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
     # Where a run's page links to: its trace in a tracing UI, its Temporal workflow.
@@ -250,7 +258,7 @@ class _Console:
         query = Query.parse(request.query_params)
         number = _page_number(request.query_params.get("page"))
         page, rows, seen = await list_page(
-            self.store, self.rows, query, number, self.settings.per_page
+            self.store, self.rows, query, number, self.settings.per_page, self.settings.scan_limit
         )
         params = query.params()
         return {
