@@ -17,12 +17,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import pytest
@@ -34,6 +34,8 @@ from kit.console import fill_deploys
 from kit.review import approval_script, review_tools
 from polyloop import run
 from polyloop.stores import SqliteStore
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.slow  # each test starts a console and drives a browser
 
@@ -57,7 +59,8 @@ PAUSED_ID = "paused-<b>bold</b>\"'&amp;/x"
 IMG = "<img src=x onerror=alert(2)>"
 SVG = "<svg onload=alert(3)>"
 NAME = "<i>mallory</i><script>alert(4)</script>"
-INJECTED = "main img, main svg, main b, main i, main script, main iframe"
+# The timeline's own drawings (svg.step-bar) are the one SVG a page may hold.
+INJECTED = "main img, main svg:not(.step-bar), main b, main i, main script, main iframe"
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,20 @@ def _address(server: subprocess.Popen[str]) -> str:
             return line.removeprefix("open ").strip()
     errors = server.stderr.read() if server.stderr else ""
     raise AssertionError(f"the console ended without saying where it listens: {errors}")
+
+
+@contextmanager
+def served_after(
+    fill: Callable[[Path], Awaitable[T]], tmp_path: Path, backend: str
+) -> Iterator[tuple[str, T]]:
+    """The console's address over a SQLite store ``fill`` filled first, and what ``fill``
+    returned. Playwright's own event loop holds this thread: the store is filled in
+    another."""
+    path = tmp_path / "runs.db"
+    with ThreadPoolExecutor(1) as thread:
+        filled = thread.submit(anyio.run, fill, path, backend=backend).result()
+    with serving(f"sqlite:{path}", backend) as url:
+        yield url, filled
 
 
 @dataclass
@@ -324,10 +341,7 @@ async def _fill_with_markup(db: Path) -> None:
 def test_markup_from_the_log_is_text_and_no_script_of_it_runs(
     browser: Browser, tmp_path: Path, backend: str
 ) -> None:
-    # Playwright's own event loop holds this thread: the store is filled in another.
-    with ThreadPoolExecutor(1) as thread:
-        thread.submit(anyio.run, _fill_with_markup, tmp_path / "runs.db", backend=backend).result()
-    with serving(f"sqlite:{tmp_path / 'runs.db'}", backend) as url, opened(browser) as tab:
+    with served_after(_fill_with_markup, tmp_path, backend) as (url, _), opened(browser) as tab:
         page = tab.page
         response = page.goto(url)
         assert response is not None
@@ -425,10 +439,7 @@ def test_the_deploys_in_doubt_are_two_clicks_from_the_list(
 ) -> None:
     """A time link, then a row's "in doubt about deploy": the list holds exactly the
     runs that called deploy in that time and ended in doubt, and its address says so."""
-    with ThreadPoolExecutor(1) as thread:
-        future = thread.submit(anyio.run, _fill_deploys, tmp_path / "runs.db", backend=backend)
-        expected = future.result()
-    with serving(f"sqlite:{tmp_path / 'runs.db'}", backend) as url, opened(browser) as tab:
+    with served_after(_fill_deploys, tmp_path, backend) as (url, expected), opened(browser) as tab:
         page = tab.page
         page.goto(url)
         expect(page.locator("td.id a")).to_have_count(5)
@@ -454,9 +465,7 @@ async def _fill_paused(path: Path) -> None:
 def test_edited_arguments_are_shown_beside_the_proposed_ones_after_approval(
     browser: Browser, tmp_path: Path, backend: str
 ) -> None:
-    with ThreadPoolExecutor(1) as thread:
-        thread.submit(anyio.run, _fill_paused, tmp_path / "runs.db", backend=backend).result()
-    with serving(f"sqlite:{tmp_path / 'runs.db'}", backend) as url, opened(browser) as tab:
+    with served_after(_fill_paused, tmp_path, backend) as (url, _), opened(browser) as tab:
         page = tab.page
         open_run_from_the_list(page, url, "release-3", "awaiting approval")
         expect(page.locator("#edits")).to_have_count(0)

@@ -163,13 +163,19 @@ class CountingStore:
         return getattr(self._store, name)
 
 
+async def finished_runs(store: SqliteStore, run_ids: list[str], text: str = "ok") -> None:
+    """A run per id that answers ``text`` (``{n}`` its place in ``run_ids``) and ends."""
+    tools = review_tools(Ledger())
+    for n, run_id in enumerate(run_ids):
+        script = [answer(text.format(n=n))]
+        await run(definition(store, script=script), request(run_id, tools))
+
+
 async def test_a_page_reads_only_its_own_runs_and_then_only_what_changed(
     tmp_path: Path,
 ) -> None:
     async with SqliteStore(tmp_path / "runs.db") as store:
-        tools = review_tools(Ledger())
-        for n in range(12):
-            await run(definition(store, script=[answer("ok")]), request(f"done-{n:02}", tools))
+        await finished_runs(store, [f"done-{n:02}" for n in range(12)])
         await crash_in_doubt(store, "doubt")
         counting = CountingStore(store)
         cache = RowCache()
@@ -278,10 +284,7 @@ async def test_a_search_reads_the_most_recent_runs_up_to_its_limit_then_only_wha
     tmp_path: Path,
 ) -> None:
     async with SqliteStore(tmp_path / "runs.db") as store:
-        tools = review_tools(Ledger())
-        for n in range(8):
-            script = [answer(f"answer {n}")]
-            await run(definition(store, script=script), request(f"done-{n}", tools))
+        await finished_runs(store, [f"done-{n}" for n in range(8)], "answer {n}")
         counting = CountingStore(store)
         cache = RowCache()
 
