@@ -962,7 +962,7 @@ async def test_yesterdays_deploys_in_doubt_are_two_clicks_from_the_list(
             narrowed = await client.get(unescape(doubt))
             # Today, for the same clock, holds none of them.
             today = await client.get(_href(times, "today"))
-    assert len(_rows(yesterday.text)) == 5
+    assert len(_rows(yesterday.text)) == 6
     assert sorted(_rows(narrowed.text)) == sorted(expected)
     assert _rows(today.text) == []
     # The list that results is a link a person can share: every filter is in it.

@@ -442,7 +442,7 @@ def test_the_deploys_in_doubt_are_two_clicks_from_the_list(
     with served_after(_fill_deploys, tmp_path, backend) as (url, expected), opened(browser) as tab:
         page = tab.page
         page.goto(url)
-        expect(page.locator("td.id a")).to_have_count(5)
+        expect(page.locator("td.id a")).to_have_count(6)
         page.locator("#times").get_by_role("link", name="today", exact=True).click()  # 1
         page.get_by_role("link", name="in doubt about deploy").first.click()  # 2
         expect(page.locator("td.id a")).to_have_count(len(expected))

@@ -255,7 +255,8 @@ def test_a_filter_on_what_a_log_holds_needs_every_row_and_rules_out_by_the_run_t
         (Query(model="MINI"), ["b"]),
         (Query(text="A-1"), ["a-1"]),
         (Query(text="DISK IS"), ["b"]),
-        (Query(stop_reason=StopReason.IN_DOUBT), ["a"]),
+        (Query(stop_reason=StopReason.IN_DOUBT), ["a", "c"]),  # c: no end record yet
+        (Query(stop_reason=StopReason.FINAL_ANSWER), []),
         (Query(started_after=T0 + timedelta(hours=1)), ["b"]),
         (Query(started_before=T0 + timedelta(hours=1)), ["a"]),
         (Query(started_after=T0, started_before=T0 + timedelta(hours=1)), ["a"]),
@@ -271,6 +272,7 @@ def test_which_rows_pass(query: Query, passing: list[str]) -> None:
             started_at=T0 + timedelta(hours=2),
         ),
         found("a-1"),  # no start time: out of any time filter
+        found("c", state="in doubt"),
     ]
     assert [r.run_id for r in rows if passes(r, query)] == passing
 

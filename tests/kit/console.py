@@ -54,22 +54,26 @@ async def fill(store: ManagedStore) -> None:
 
 
 async def fill_deploys(store: ManagedStore) -> tuple[str, ...]:
-    """Runs around deploys: two in doubt about a deploy, one in doubt about a payment,
-    one whose deploy ran, one whose deploy waits for approval. The ids of the two."""
+    """Runs around deploys: three in doubt about a deploy (one whose process died and
+    that no resume has ended yet), one in doubt about a payment, one whose deploy ran,
+    one whose deploy waits for approval. The ids of the three."""
     for run_id in ("deploy-doubt-1", "deploy-doubt-2"):
         await crash_in_doubt(store, run_id, tool="deploy")
+    await crash_in_doubt(store, "deploy-doubt-3", tool="deploy", resumed=False)
     await crash_in_doubt(store, "pay-doubt")
     tools = review_tools(Ledger(), needs_approval=False)
     await run(definition(store, script=approval_script()), request("deploy-done", tools))
     waiting = review_tools(Ledger())
     await run(definition(store, script=approval_script()), request("deploy-waits", waiting))
-    return ("deploy-doubt-1", "deploy-doubt-2")
+    return ("deploy-doubt-1", "deploy-doubt-2", "deploy-doubt-3")
 
 
-async def crash_in_doubt(store: ManagedStore, run_id: str, tool: str = "pay") -> None:
+async def crash_in_doubt(
+    store: ManagedStore, run_id: str, tool: str = "pay", *, resumed: bool = True
+) -> None:
     """A run whose payment (or deploy, ``tool``: neither is ever replayed, and the
-    deploy runs without approval here) was announced when its process died: in doubt
-    once resumed."""
+    deploy runs without approval here) was announced when its process died: in doubt,
+    with an end record that says so once resumed (``resumed``), without one before."""
     tools = review_tools(Ledger(), needs_approval=tool != "deploy")
     script = [tool_call("double", n=1), tool_call(tool, **DOUBT_ARGUMENTS[tool]), answer("done")]
     with pytest.raises(SimulatedCrash):
@@ -77,6 +81,8 @@ async def crash_in_doubt(store: ManagedStore, run_id: str, tool: str = "pay") ->
             definition(FaultyStore(store, fail_after_writes=8), script=script),
             request(run_id, tools, model_replay=Replay.ALLOWED),
         )
+    if not resumed:
+        return
     await start_or_resume(
         definition(store, script=script),
         request(run_id, tools, model_replay=Replay.ALLOWED),

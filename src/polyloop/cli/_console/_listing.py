@@ -247,7 +247,7 @@ def passes(row: RunRow, query: Query) -> bool:
     """Whether a run whose row was read passes ``query``."""
     if query.state.needs_status and row.state != query.state.value:
         return False
-    if query.stop_reason is not None and row.stop_reason != query.stop_reason.value:
+    if query.stop_reason is not None and not ended_with(row, query.stop_reason):
         return False
     if query.tool and query.tool not in row.tools:
         return False
@@ -256,6 +256,15 @@ def passes(row: RunRow, query: Query) -> bool:
     if not _started_within(row.started_at, query):
         return False
     return not query.text or _holds((row.run_id, *row.last_texts), query.text)
+
+
+def ended_with(row: RunRow, reason: StopReason) -> bool:
+    """Whether the run ended with ``reason``. A run whose process died during an action
+    it may not replay is in doubt before any end record says so (a resume writes it):
+    it counts as ended in doubt, as the person who must settle it sees it."""
+    if row.stop_reason is not None:
+        return row.stop_reason == reason.value
+    return reason is StopReason.IN_DOUBT and row.state == StateFilter.IN_DOUBT.value
 
 
 def _holds(texts: Iterable[str], part: str) -> bool:

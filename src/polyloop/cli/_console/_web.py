@@ -578,10 +578,11 @@ def _time_links(query: Query, now: datetime) -> list[tuple[str, str, bool]]:
 def _facets(query: Query, row: RunRow) -> dict[str, Any]:
     """The row's links that narrow the list to runs like it, keeping the other filters:
     one per tool it called, and, for a run that ended in doubt about an action, one to
-    the runs that ended in doubt about the same tool."""
+    the runs that ended in doubt about the same tool (a run in doubt has ended so, or
+    counts as such: see :func:`ended_with`)."""
     tools = [(tool, _link(query.with_changes(tool=tool))) for tool in row.tools]
     doubt = None
-    if row.doubt_tool is not None and row.stop_reason == StopReason.IN_DOUBT.value:
+    if row.doubt_tool is not None:  # the run is in doubt about an action of that tool
         narrowed = query.with_changes(stop_reason=StopReason.IN_DOUBT, tool=row.doubt_tool)
         doubt = (row.doubt_tool, _link(narrowed))
     return {"tools": tools, "doubt": doubt}
