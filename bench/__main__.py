@@ -59,6 +59,11 @@ ENTRIES = (
         "hosting",
         "12. a worker process: from a start or an answer to the run going on, idle CPU",
     ),
+    (
+        "following",
+        "following",
+        "13. a writer beside 1,000 idle followers; from a write to a follower's sight",
+    ),
     ("render", "report", "results files (bench/results/) as the Markdown tables of the docs"),
 )
 REGISTRY = {name: Benchmark(name, summary, module) for name, module, summary in ENTRIES}

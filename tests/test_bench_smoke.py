@@ -479,3 +479,29 @@ def test_the_hosting_benchmark_times_every_write_and_reads_no_finished_log(
     rendered = bench_report.render(results)
     assert "### 12. A worker process" in rendered and "**12b. " in rendered
     assert "`python -m bench hosting --tiny --workdir" in rendered
+
+
+def test_the_following_benchmark_times_every_write_and_sees_every_one_followed(
+    tmp_path: Path,
+) -> None:
+    if not _postgres_up():
+        pytest.skip("benchmark 13 needs PostgreSQL")
+    from bench import following as bench_following
+
+    output = tmp_path / "following.json"
+    command = ["following", "--tiny", "--workdir", str(tmp_path), "--output", str(output)]
+    assert bench_main(command) == 0
+    results = json.loads(output.read_text())
+    assert results["mode"] == "tiny"
+    rows = results["rows"]
+    assert [row["name"].split(",")[0] for row in rows] == ["PostgreSQL"] * 3 + ["SQLite"] * 2
+    writes = (bench_following.TINY.steps * 4 + 2) * bench_following.TINY.rounds
+    assert {row["writes"] for row in rows} == {writes}
+    assert rows[0]["ratio"] == rows[3]["ratio"] == 1.0 and rows[1]["ratio"] > 0
+    for alone in (rows[0], rows[1], rows[3]):
+        assert "seen_p50_ms" not in alone
+    for followed in (rows[2], rows[4]):
+        # Every write was seen by the follower in the other process, after it returned.
+        assert 0 <= followed["seen_p50_ms"] <= followed["seen_p99_ms"] < 10_000
+    rendered = bench_report.render(results)
+    assert "### 13. Following runs: the writer beside followers" in rendered

@@ -339,16 +339,34 @@ HOSTING_REPORT_START = (
 def test_performance_page_holds_the_report_of_the_worker_benchmark() -> None:
     """The worker's latency and idle figures on the performance page are the rendering
     of the committed results file, from a full run."""
+    _check_full_report(HOSTING_REPORT_START, "hosting.json")
+
+
+def _check_full_report(start: str, results: str) -> None:
+    """The performance page shows, after ``start``, the rendering of the committed full
+    run in ``bench/results/<results>``."""
     if str(ROOT) not in sys.path:
         sys.path.append(str(ROOT))
     from bench.report import render
 
     page = (DOCS / "performance.md").read_text(encoding="utf-8")
-    assert HOSTING_REPORT_START in page
-    shown = page.split(HOSTING_REPORT_START, 1)[1].split(REPORT_END, 1)[0].strip()
-    committed = json.loads((ROOT / "bench" / "results" / "hosting.json").read_text())
+    assert start in page
+    shown = page.split(start, 1)[1].split(REPORT_END, 1)[0].strip()
+    committed = json.loads((ROOT / "bench" / "results" / results).read_text())
     assert committed["mode"] == "full"
     assert shown == render(committed).strip()
+
+
+FOLLOWING_REPORT_START = (
+    "<!-- report of bench/results/following.json: "
+    "python -m bench render bench/results/following.json -->"
+)
+
+
+def test_performance_page_holds_the_report_of_the_following_benchmark() -> None:
+    """The followers' cost and latency on the performance page are the rendering of the
+    committed results file, from a full run."""
+    _check_full_report(FOLLOWING_REPORT_START, "following.json")
 
 
 THROUGHPUT_BLOCK = re.compile(

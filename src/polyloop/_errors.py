@@ -7,6 +7,7 @@ The hierarchy::
     ├── RunAlreadyExists (FileExistsError) `run` found records for the run id
     ├── RunNotFound (LookupError)          `resume` found no record for the run id
     ├── RunIdentityMismatch (ValueError)   the recorded snapshot differs from the current one
+    │   └── AmendmentRefused               an amendment asks to change what may never change
     ├── CorruptLog (ValueError)            a record that cannot be read back as written
     ├── SchemaMajorMismatch (ValueError)   a record written by another major of the format
     ├── UnloggableValue (ValueError)       a value strict JSON cannot carry back exactly
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = (
+    "AmendmentRefused",
     "CancelRequested",
     "CorruptLog",
     "InvalidRequest",
@@ -184,6 +186,37 @@ class RunIdentityMismatch(PolyLoopError, ValueError):
 
     def _fields(self) -> dict[str, Any]:
         return {**super()._fields(), "differences": self.differences}
+
+
+class AmendmentRefused(RunIdentityMismatch):
+    """An amendment (:class:`~polyloop.types.Amendment`) asks a run to go on under a
+    change that may never be made to it: ``key`` names the snapshot key (or ``run_id``),
+    ``why`` says why it may not change. Nothing was written.
+
+    A :class:`RunIdentityMismatch`, so code that refuses a changed definition refuses
+    this too; ``differences`` holds the differences the run was asked to go on under.
+    """
+
+    key: str
+    why: str
+
+    def __init__(
+        self,
+        reason: str | None = None,
+        *,
+        run_id: str | None = None,
+        location: str | None = None,
+        differences: Sequence[tuple[str, Any, Any]] = (),
+        key: str = "",
+        why: str = "",
+    ) -> None:
+        self.key, self.why = key, why
+        if reason is None:
+            reason = f"the amendment may not change {key!r}: {why}"
+        super().__init__(reason, run_id=run_id, location=location, differences=differences)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "key": self.key, "why": self.why}
 
 
 class CorruptLog(PolyLoopError, ValueError):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from polyloop._shared import RECONCILE_PREFIX, canonical_json
 from polyloop.ports import StoredRun
 from polyloop.types import (
     ActionStatus,
+    Amended,
     CorruptLog,
     Intent,
     IntentKind,
@@ -76,6 +77,8 @@ class Plan:
     action proposed for approval and the verdict on it, and the settlement of its
     intent in doubt (an action, or a model call). ``model_calls_again`` counts the
     model calls of that step a person settled as not run (see :func:`model_result_id`).
+    ``snapshot`` is the snapshot the run goes on under: its start record's, with every
+    amendment (``amendments``, in log order) applied.
     """
 
     state: RecoveryState
@@ -89,6 +92,8 @@ class Plan:
     verdict: Verdict | None = None
     settlement: Settlement | None = None
     model_calls_again: int = 0
+    snapshot: Mapping[str, JSONValue] = field(default_factory=dict)
+    amendments: tuple[Amended, ...] = ()
 
 
 def model_result_id(run_id: str, step: int, again: int = 0) -> str:
@@ -124,6 +129,8 @@ class _Walk:
     verdict: Verdict | None = None
     settlement: Settlement | None = None
     model_calls_again: int = 0
+    snapshot: Mapping[str, JSONValue] = field(default_factory=dict)
+    amendments: list[Amended] = field(default_factory=list)
 
 
 def read_plan(log: RunLog) -> Plan:
@@ -153,6 +160,8 @@ def read_plan(log: RunLog) -> Plan:
         verdict=walk.verdict,
         settlement=walk.settlement,
         model_calls_again=walk.model_calls_again,
+        snapshot=walk.snapshot,
+        amendments=tuple(walk.amendments),
     )
 
 
@@ -178,9 +187,12 @@ def _accept(walk: _Walk, record: Record, index: int) -> str | None:
         if index != 0:
             return "a second start record"
         walk.started = record
+        walk.snapshot = record.snapshot  # copied only if an amendment changes it
         return _accept_inherited(walk, record)
     if walk.started is None:
         return "the first record is not a start record"
+    if isinstance(record, Amended):
+        return _accept_amended(walk, record)  # an open end still stands after it
     if walk.ended is not None:
         problem = _after_end(walk.ended, record)
         if problem is not None:
@@ -195,6 +207,87 @@ def _accept(walk: _Walk, record: Record, index: int) -> str | None:
     if isinstance(record, RunEnded):
         return _accept_end(walk, record)
     return _accept_review(walk, record)
+
+
+def _accept_amended(walk: _Walk, amended: Amended) -> str | None:
+    if walk.ended is not None and walk.ended.is_final:
+        return "a record after the end record"
+    step = len(walk.steps)
+    if amended.step != step:
+        return f"amendment at step {amended.step} where step {step} was expected"
+    if walk.action_result is not None:
+        return "an amendment between an action result and its step record"
+    problem = unchained_change(walk.snapshot, amended.changes)
+    if problem is not None:
+        return problem
+    walk.snapshot = amended_snapshot(walk.snapshot, amended.changes)
+    walk.amendments.append(amended)
+    return None
+
+
+_CHANGE_SIDES = frozenset({"recorded", "amended"})
+
+
+def unchained_change(
+    snapshot: Mapping[str, JSONValue], changes: Mapping[str, JSONValue]
+) -> str | None:
+    """Why ``changes`` cannot be an amendment of ``snapshot``, if it cannot: each change
+    must start from the value the snapshot holds (no ``recorded`` for a key it lacks)
+    and change it."""
+    if not changes:
+        return "an amendment that changes nothing"
+    for key in sorted(changes):
+        change = changes[key]
+        if not isinstance(change, dict) or not change or not set(change) <= _CHANGE_SIDES:
+            return f"amendment of {key!r} is not an object of 'recorded' and 'amended'"
+        if ("recorded" in change) != (key in snapshot) or (
+            key in snapshot and not _same(change["recorded"], snapshot[key])
+        ):
+            return f"amendment of {key!r} does not start from the value the run held"
+        both = "amended" in change and "recorded" in change
+        if both and _same(change["recorded"], change["amended"]):
+            return f"amendment of {key!r} does not change it"
+    return None
+
+
+def amended_snapshot(
+    snapshot: Mapping[str, JSONValue], changes: Mapping[str, JSONValue]
+) -> dict[str, JSONValue]:
+    """``snapshot`` with ``changes`` (an amendment's, already checked) applied."""
+    amended = dict(snapshot)
+    for key, change in changes.items():
+        assert isinstance(change, dict)
+        if "amended" in change:
+            amended[key] = change["amended"]
+        else:
+            amended.pop(key, None)
+    return amended
+
+
+def changes_between(
+    recorded: Mapping[str, JSONValue], current: Mapping[str, JSONValue], keys: Iterable[str]
+) -> dict[str, JSONValue]:
+    """The ``changes`` of an amendment from ``recorded`` to ``current`` at ``keys``."""
+    changes: dict[str, JSONValue] = {}
+    for key in keys:
+        change: dict[str, JSONValue] = {}
+        if key in recorded:
+            change["recorded"] = recorded[key]
+        if key in current:
+            change["amended"] = current[key]
+        changes[key] = change
+    return changes
+
+
+def snapshot_at(plan: Plan, step: int) -> Mapping[str, JSONValue]:
+    """The snapshot step ``step`` ran (or runs) under: the start record's, with the
+    amendments written before that step applied."""
+    assert plan.started is not None
+    snapshot: Mapping[str, JSONValue] = plan.started.snapshot
+    for amended in plan.amendments:
+        if amended.step <= step:
+            snapshot = amended_snapshot(snapshot, amended.changes)
+    return snapshot
 
 
 def _accept_inherited(walk: _Walk, started: RunStarted) -> str | None:

@@ -50,6 +50,7 @@ RECORD_KINDS: Mapping[str, str] = MappingProxyType(
         "Proposal": "proposal",
         "Verdict": "verdict",
         "Settlement": "settlement",
+        "Amended": "amended",
     }
 )
 """The ``kind`` of each record class of :mod:`polyloop.types`, by class name.

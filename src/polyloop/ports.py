@@ -50,6 +50,7 @@ __all__ = (
     "EventKind",
     "EventSink",
     "FinalAnswer",
+    "FollowableStore",
     "Interpreter",
     "InvalidDecision",
     "ManagedStore",
@@ -555,6 +556,38 @@ class ChangeFeed(Protocol):
 
         Cancellation: ``wait`` changes nothing when cancelled; leaving the block stops
         listening (shielded, waiting a moment at most for the store's own thread).
+        """
+        ...
+
+
+@runtime_checkable
+class FollowableStore(Protocol):
+    """A store that reads a run's records after a position and says when more may have
+    been written: what :func:`polyloop.follow` uses to read only what is new. Optional: a
+    store without it is followed by reading its whole log on a short timer and skipping
+    what was already seen (docs/following.md#your-own-store). Every store PolyLoop ships
+    is one.
+    """
+
+    async def read_after(self, run_id: str, after: int) -> tuple[Record, ...]:
+        """The run's records at positions ``after + 1`` onward (position 1 is the start
+        record), in write order: the tail of what :meth:`Store.read_log` would return,
+        empty if the log is no longer than ``after``. ``RunNotFound`` if the run has no
+        record. Needs no claim and never disturbs the writer.
+
+        Cancellation: reading changes nothing on disk.
+        """
+        ...
+
+    def appended(self, run_id: str) -> AbstractAsyncContextManager[Callable[[], Awaitable[None]]]:
+        """Watch the run while the ``async with`` block runs; it yields ``wait``.
+
+        ``await wait()`` returns once a record of the run may have been written since the
+        block began or ``wait`` last returned (and once the run may have been deleted). It
+        may wake for nothing, never sleeps through a write: read after it returns.
+
+        Cancellation: ``wait`` changes nothing when cancelled; leaving the block stops
+        watching.
         """
         ...
 

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import TypeAlias
 
 from polyloop._errors import (
+    AmendmentRefused,
     CancelRequested,
     CorruptLog,
     InvalidRequest,
@@ -33,6 +34,9 @@ from polyloop._shared import RECONCILE_PREFIX, canonical_json, run_trace_ids
 
 __all__ = (
     "ActionStatus",
+    "Amended",
+    "Amendment",
+    "AmendmentRefused",
     "Budget",
     "CancelRequest",
     "CancelRequested",
@@ -40,6 +44,7 @@ __all__ = (
     "CorruptLog",
     "DecisionKind",
     "FinishReason",
+    "FollowedRecord",
     "Injection",
     "Intent",
     "IntentKind",
@@ -580,11 +585,58 @@ class Reconciled:
     observation: str
 
 
-Review: TypeAlias = Proposal | Verdict | Settlement
-"""The records that ask a person something or hold the answer."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Amendment:
+    """A person's decision that a run may go on under a changed definition or request.
+
+    ``accept`` names the snapshot keys (as :attr:`RunIdentityMismatch.differences
+    <polyloop.types.RunIdentityMismatch>` names them) whose change ``by`` accepts, for
+    ``reason``. Given to :func:`~polyloop.resume`, it lets the run go on when every
+    difference is one it accepts, and the run's log records it (:class:`Amended`).
+    """
+
+    by: str
+    reason: str
+    accept: frozenset[str] | tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Amended:
+    """The record of an amendment: from step ``step`` on, the run goes on under a changed
+    snapshot, because ``by`` accepted the change for ``reason``.
+
+    ``changes`` maps each changed snapshot key to an object holding its ``recorded``
+    value (the one the run held until now) and its ``amended`` value (the one it holds
+    from now on); a key the snapshot did not hold has no ``recorded``, a key it holds no
+    more has no ``amended``. The run's snapshot at any point is its start record's with
+    every amendment before that point applied in order.
+    """
+
+    run_id: str
+    step: int
+    by: str
+    reason: str
+    changes: Mapping[str, JSONValue]
+    at: datetime | None = field(default=None, metadata=_TIMING_WHEN_SET)
+
+    @property
+    def differences(self) -> tuple[tuple[str, JSONValue, JSONValue], ...]:
+        """Each change as a ``(key, recorded, amended)`` triple, sorted by key, a missing
+        side read as ``None`` (the shape of :attr:`RunIdentityMismatch.differences`)."""
+        triples = []
+        for key in sorted(self.changes):
+            change = self.changes[key]
+            held = change if isinstance(change, dict) else {}
+            triples.append((key, held.get("recorded"), held.get("amended")))
+        return tuple(triples)
+
+
+Review: TypeAlias = Proposal | Verdict | Settlement | Amended
+"""The records a person's decision writes, or that ask a person something: a proposal
+and its verdict, a settlement, an amendment."""
 
 Record: TypeAlias = (
-    RunStarted | Intent | Result | StepRecord | RunEnded | Proposal | Verdict | Settlement
+    RunStarted | Intent | Result | StepRecord | RunEnded | Proposal | Verdict | Settlement | Amended
 )
 """Anything a store persists."""
 
@@ -595,6 +647,20 @@ class RunLog:
 
     run_id: str
     records: tuple[Record, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FollowedRecord:
+    """One record of a followed run (:func:`polyloop.follow`) and its position in the log.
+
+    ``position`` counts the run's records from 1, the start record's, in write order; the
+    record at a position never changes, so a reader that kept the last position it saw
+    asks for the records after it and misses none (research-wiki/0072). ``record`` is the
+    record as :meth:`~polyloop.ports.Store.read_log` returns it.
+    """
+
+    position: int
+    record: Record
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -45,6 +45,7 @@ from kit.review import (
     reviews,
 )
 from polyloop import (
+    Amendment,
     Replay,
     approve,
     reject,
@@ -180,6 +181,24 @@ async def test_the_run_page_shows_the_proposal_first_and_what_show_shows(
     view = await read_view(store, parse_store("sqlite:unused"), "paused")
     assert _html.sections(view) in text
     assert 'id="approve"' in text and 'id="reject"' in text and 'id="settle"' not in text
+
+
+async def test_the_run_page_shows_an_amendment_with_its_author_and_reason(
+    store: ManagedStore,
+) -> None:
+    amend = Amendment(by="ops <release 2.4>", reason="a clearer deploy text", accept=("tools",))
+    deployed = review_tools(Ledger(), descriptions={"deploy": "Deploy; prod needs a ticket."})
+    await start_or_resume(
+        definition(store, script=approval_script()), request("paused", deployed), amend=amend
+    )
+    async with browser(console(store)) as client:
+        page = await client.get("/runs/paused")
+    assert page.status_code == 200
+    text = unescape(page.text)
+    assert "by ops <release 2.4> at " in text
+    assert ": a clearer deploy text (changed tools)" in text
+    assert "<release 2.4>" not in page.text  # escaped, as everything a log holds
+    assert 'id="approve"' in page.text  # the run still waits for its approval
 
 
 async def test_a_run_in_doubt_offers_to_settle_it(store: ManagedStore) -> None:
@@ -676,9 +695,17 @@ async def test_every_response_carries_a_strict_policy_and_a_fresh_nonce(
 # -- live updates --------------------------------------------------------------------------
 
 
-async def _first_change(app: Any, path: str, query: str, change: Callable[[], Any]) -> str:
+async def _first_change(
+    app: Any,
+    path: str,
+    query: str,
+    change: Callable[[], Any],
+    *,
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+    until: str = "event: changed",
+) -> str:
     """Open the event stream at ``path`` as a browser does, make ``change``, and return
-    what the stream sent until it said the page changed."""
+    what the stream sent until it sent ``until`` (by default: the page changed)."""
     to_app, from_test = anyio.create_memory_object_stream[dict[str, Any]](10)
     received: list[str] = []
     scope = {
@@ -691,7 +718,7 @@ async def _first_change(app: Any, path: str, query: str, change: Callable[[], An
         "raw_path": path.encode(),
         "query_string": query.encode(),
         "root_path": "",
-        "headers": [(b"host", b"console.test"), (b"accept", b"text/event-stream")],
+        "headers": [(b"host", b"console.test"), (b"accept", b"text/event-stream"), *headers],
         "client": ("127.0.0.1", 5000),
         "server": ("console.test", 80),
     }
@@ -703,7 +730,7 @@ async def _first_change(app: Any, path: str, query: str, change: Callable[[], An
     async def send(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.body":
             received.append(message.get("body", b"").decode())
-            if "event: changed" in "".join(received):
+            if until in "".join(received):
                 changed.set()
 
     await to_app.send({"type": "http.request", "body": b"", "more_body": False})
@@ -721,19 +748,68 @@ async def test_a_run_page_hears_when_its_run_changes(store: ManagedStore) -> Non
     app = console(store, poll_s=0.02)
     async with browser(app) as client:
         page = await client.get("/runs/paused")
-    version = re.search(r'data-version="([0-9a-f]+)"', page.text)
-    assert version is not None
+    shown = re.search(r'data-after="([0-9]+)"', page.text)
+    assert shown is not None
+    after = int(shown.group(1))
+    assert after == len((await store.read_log("paused")).records)
 
     async def answer() -> None:
         await approve(store, "paused", by="erin")
 
-    sent = await _first_change(app, "/runs/paused/events", f"v={version.group(1)}", answer)
+    # The stream follows the run from the last record the page shows: the verdict is the
+    # one record after it, sent with its position as the event's id.
+    sent = await _first_change(app, "/runs/paused/events", f"after={after}", answer)
     assert sent.startswith("retry: ")
     assert sent.count("event: changed") == 1
+    assert f"id: {after + 1}\nevent: changed" in sent
     async with browser(app) as client:
         fresh = await client.get("/runs/paused/partial")
     assert fresh.text.startswith('<div id="live"')
     assert "by erin at" in fresh.text
+
+
+async def test_a_reconnecting_page_gets_the_records_after_its_last_event_id(
+    store: ManagedStore,
+) -> None:
+    app = console(store, poll_s=0.02)
+    length = len((await store.read_log("paused")).records)
+
+    async def nothing() -> None:
+        pass
+
+    # A browser that reconnects sends the last id it saw; that wins over the page's own.
+    sent = await _first_change(
+        app,
+        "/runs/paused/events",
+        "after=0",
+        nothing,
+        headers=((b"last-event-id", str(length - 2).encode()),),
+        until=f"id: {length}\n",
+    )
+    ids = re.findall(r"^id: ([0-9]+)$", sent, re.MULTILINE)
+    assert ids == [str(length - 1), str(length)]
+
+
+async def test_the_stream_of_a_finished_run_tells_the_page_to_stop_asking(
+    store: ManagedStore,
+) -> None:
+    app = console(store, poll_s=0.02)
+    finished = next(run.run_id for run in await store.list_runs() if run.finished)
+    length = len((await store.read_log(finished)).records)
+
+    async def nothing() -> None:
+        pass
+
+    sent = await _first_change(
+        app, f"/runs/{finished}/events", f"after={length}", nothing, until="event: ended"
+    )
+    assert "event: changed" not in sent
+
+
+async def test_a_position_that_is_not_one_is_refused(store: ManagedStore) -> None:
+    async with browser(console(store)) as client:
+        refused = await client.get("/runs/paused/events", params={"after": "-1"})
+    assert refused.status_code == 400
 
 
 async def test_the_list_hears_when_a_run_starts(

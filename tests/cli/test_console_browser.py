@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -148,11 +149,12 @@ def browser() -> Iterator[Browser]:
 
 
 @contextmanager
-def serving(store: str, backend: str) -> Iterator[str]:
-    """``polyloop serve STORE`` on a free port; the address it prints. Ends it with
-    Ctrl-C afterwards, as a person would, and checks it ended as every command does."""
+def serving(store: str, backend: str, port: int = 0) -> Iterator[str]:
+    """``polyloop serve STORE`` on ``port`` (a free one by default); the address it prints.
+    Ends it with Ctrl-C afterwards, as a person would, and checks it ended as every
+    command does."""
     server = subprocess.Popen(
-        [*POLYLOOP, "serve", store, "--port", "0", "--backend", backend, "--poll", POLL_S],
+        [*POLYLOOP, "serve", store, "--port", str(port), "--backend", backend, "--poll", POLL_S],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -403,6 +405,44 @@ def test_open_pages_follow_the_run_without_a_reload(
         expect(runs.locator("tr.run .state")).to_have_text(["finished"], timeout=LIVE_TIMEOUT_MS)
         assert runs.evaluate("window.kept") == "this page was never reloaded"
         assert tab.problems == [] and other.problems == []
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def test_an_open_run_page_goes_on_after_the_console_restarts(
+    browser: Browser, place: Place, backend: str
+) -> None:
+    place.drive(backend, "release-1")
+    port = _free_port()
+    with opened(browser) as tab:
+        page = tab.page
+        with serving(place.store, backend, port) as url:
+            open_run_from_the_list(page, url, "release-1", "awaiting approval")
+        # While the console is down, a person answers from a terminal and a worker
+        # finishes the run: the records the page has not seen pile up in the store.
+        approved = subprocess.run(
+            [*POLYLOOP, "approve", place.store, "release-1", "--by", "dave"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert approved.returncode == 0, approved.stderr
+        place.drive(backend, "release-1")
+        with serving(place.store, backend, port):
+            # The page's stream reconnects by itself, from the last record it showed.
+            summary = page.locator("#summary dd").first
+            expect(summary).to_have_text("finished", timeout=4 * LIVE_TIMEOUT_MS)
+            expect(page.locator("#end")).to_contain_text("submitted")
+            fact = page.locator("#live dt", has_text=re.compile("^approved$"))
+            expect(fact.locator("xpath=following-sibling::dd[1]")).to_contain_text("by dave")
+        # The stream cut by the restart is logged by the browser; nothing else went wrong.
+        assert [problem for problem in tab.problems if "net::ERR_" not in problem] == []
 
 
 # -- the screenshots in the docs -----------------------------------------------------------

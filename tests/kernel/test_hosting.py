@@ -15,8 +15,12 @@ from kit.agent import definition, request
 from kit.hosting import KINDS, SCRIPT, Opener, Till, eventually, payer, serving, tools
 from polyloop import (
     Agent,
+    Amended,
+    Amendment,
     InvalidRequest,
+    Message,
     Replay,
+    Role,
     RunEnded,
     RunState,
     StepRecord,
@@ -291,3 +295,30 @@ async def test_a_run_another_host_stopped_meanwhile_is_not_said_to_be_driven(
     assert again.stop_reason is first.stop_reason
     assert said == []
     assert await store.read_log("r1") == before
+
+
+async def test_a_deploy_whose_agent_accepts_the_change_moves_a_waiting_run_on(
+    opener: Opener,
+) -> None:
+    store, till = opener(), Till()
+    paused = await payer(store, till, needs_approval=True).run("r1", {})
+    assert paused.stop_reason is StopReason.AWAITING_APPROVAL
+    await approve(store, "r1", by="ann")
+    registry = tools(till, needs_approval=True)
+    prompt = (Message.text(Role.SYSTEM, "You are a careful agent. Pay only once."),)
+    deployed = Agent(
+        name="payer",
+        definition=definition(store, script=SCRIPT),
+        request_for=lambda run_id, input: request(run_id, registry, run_context=prompt),
+        amend=Amendment(by="ops", reason="release 2.4", accept=("run_context.sha256",)),
+    )
+    async with serving(deployed):
+        await eventually(lambda: _finished(store, "r1"), what="r1 going on")
+    assert till.paid == ["r1:0:action"]
+    log = await store.read_log("r1")
+    (amended,) = [record for record in log.records if isinstance(record, Amended)]
+    assert (amended.by, amended.reason, list(amended.changes)) == (
+        "ops",
+        "release 2.4",
+        ["run_context.sha256"],
+    )

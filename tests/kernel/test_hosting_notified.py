@@ -143,7 +143,8 @@ async def test_a_host_whose_listening_connection_is_lost_still_notices_later_wri
 ) -> None:
     till = Till()
     agent = payer(store, till)
-    listen = f'LISTEN "{channel(store._schema)}"'
+    # The store's one listening connection: its change feed's channel and its followers'.
+    listen = f'LISTEN "{channel(store._schema)}"; LISTEN "{channel(store._schema)}_appended"'
     sessions = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND query = %s"
 
     def listening() -> list[int]:

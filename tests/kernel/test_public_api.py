@@ -76,6 +76,12 @@ NAMES_BY_MODULE = {
         # issue 44, part 3: a cancel that stops
         "CancelRequest",
         "CancelRequested",
+        # issue 46, item 1: following a run as it is written
+        "FollowedRecord",
+        # issue 48: a run going on under a changed definition, recorded
+        "Amendment",
+        "Amended",
+        "AmendmentRefused",
     },
     ports: {
         "ModelClient",
@@ -105,6 +111,8 @@ NAMES_BY_MODULE = {
         "StreamingModelClient",
         "DeltaSink",
         "TextDelta",
+        # issue 46, item 1: a store that reads after a position and says when it grew
+        "FollowableStore",
     },
     # issue 20: a handler reports a broken environment
     tools: {"ToolSpec", "ToolRegistry", "EnvironmentFault"},
@@ -129,6 +137,8 @@ NAMES_BY_MODULE = {
         "serve_agents",
         # issue 44, part 3: a cancel that stops
         "cancel",
+        # issue 46, item 1: following a run as it is written
+        "follow",
     },
 }
 # Modules imported by name, never re-exported at the top level.
@@ -178,6 +188,7 @@ ERRORS = {
     "RunAlreadyExists": FileExistsError,
     "RunNotFound": LookupError,
     "RunIdentityMismatch": ValueError,
+    "AmendmentRefused": ValueError,
     "CorruptLog": ValueError,
     "SchemaMajorMismatch": ValueError,
     "UnloggableValue": ValueError,

@@ -29,10 +29,12 @@ from polyloop._recovery import (
     model_result_id,
     read_plan,
     recorded_result,
+    snapshot_at,
     valid_step_count,
 )
 from polyloop.types import (
     ActionStatus,
+    Amended,
     CorruptLog,
     DecisionKind,
     Intent,
@@ -934,3 +936,88 @@ def test_a_fork_s_start_record_that_does_not_add_up_is_corrupt(
     with pytest.raises(CorruptLog, match=problem) as info:
         read_plan(RunLog(run_id=RUN, records=(_fork_start(**changes),)))
     assert info.value.location == "record 0"
+
+
+# -- amendments (issue 48): the snapshot a run goes on under ------------------------------
+
+
+def _amended(step: int, changes: dict[str, JSONValue], run_id: str = RUN) -> Amended:
+    return Amended(run_id=run_id, step=step, by="ops", reason="release 2.4", changes=changes)
+
+
+def test_a_log_without_amendments_goes_on_under_its_start_snapshot() -> None:
+    builder = LogBuilder()
+    builder.step("action")
+    plan = read_plan(builder.log())
+    assert plan.snapshot == SNAPSHOT and plan.amendments == ()
+    assert snapshot_at(plan, 1) == SNAPSHOT
+
+
+def test_amendments_fold_into_the_snapshot_in_log_order() -> None:
+    builder = LogBuilder()
+    first = _amended(0, {"model.name": {"recorded": "scripted", "amended": "v2"}})
+    builder.writes.append((first,))
+    builder.step("action")
+    second = _amended(
+        1,
+        {
+            "model.name": {"recorded": "v2", "amended": "v3"},
+            "binding.region": {"amended": "eu"},
+            "budget.max_steps": {"recorded": 10},
+        },
+    )
+    builder.writes.append((second,))
+    builder.step("action")
+    plan = read_plan(builder.log())
+    assert plan.state is RecoveryState.RESUMABLE and len(plan.steps) == 2
+    assert plan.amendments == (first, second)
+    assert plan.snapshot == {"model.name": "v3", "binding.region": "eu"}
+    assert snapshot_at(plan, 0) == {**SNAPSHOT, "model.name": "v2"}
+    assert snapshot_at(plan, 1) == plan.snapshot
+    assert second.differences == (
+        ("binding.region", None, "eu"),
+        ("budget.max_steps", 10, None),
+        ("model.name", "v2", "v3"),
+    )
+
+
+def test_an_amendment_leaves_a_paused_run_paused() -> None:
+    builder = LogBuilder()
+    builder.step("action")
+    builder.end(StopReason.CANCELLED)
+    builder.writes.append((_amended(1, {"model.name": {"recorded": "scripted", "amended": "x"}}),))
+    plan = read_plan(builder.log())
+    assert plan.ended is not None and plan.ended.stop_reason is StopReason.CANCELLED
+    assert plan.snapshot["model.name"] == "x"
+
+
+@pytest.mark.parametrize(
+    ("changes", "step", "problem"),
+    [
+        ({"model.name": {"recorded": "other", "amended": "x"}}, 0, "does not start from"),
+        ({"model.name": {"amended": "x"}}, 0, "does not start from"),
+        ({"binding.new": {"recorded": "a", "amended": "x"}}, 0, "does not start from"),
+        ({"model.name": {"recorded": "scripted", "amended": "scripted"}}, 0, "does not change"),
+        ({"model.name": "x"}, 0, "is not an object"),
+        ({"model.name": {"was": "scripted"}}, 0, "is not an object"),
+        ({}, 0, "changes nothing"),
+        ({"model.name": {"recorded": "scripted", "amended": "x"}}, 3, "at step 3 where step 0"),
+    ],
+)
+def test_an_amendment_that_does_not_chain_from_the_snapshot_is_corrupt(
+    changes: dict[str, JSONValue], step: int, problem: str
+) -> None:
+    builder = LogBuilder()
+    builder.writes.append((_amended(step, changes),))
+    with pytest.raises(CorruptLog, match=problem) as raised:
+        read_plan(builder.log())
+    assert raised.value.location == "record 1"
+
+
+def test_nothing_follows_a_final_end_not_even_an_amendment() -> None:
+    builder = LogBuilder()
+    builder.step("final")
+    builder.end(StopReason.FINAL_ANSWER)
+    builder.writes.append((_amended(1, {"model.name": {"recorded": "scripted", "amended": "x"}}),))
+    with pytest.raises(CorruptLog, match="after the end record"):
+        read_plan(builder.log())

@@ -25,6 +25,7 @@ from polyloop.serialization import decode, dumps, encode, loads, plain
 from polyloop.testing import without_timing
 from polyloop.types import (
     ActionStatus,
+    Amended,
     CorruptLog,
     DecisionKind,
     FinishReason,
@@ -488,6 +489,21 @@ EXPECTED["run_ended_cancelled_by_request"] = RunEnded(
     cancelled_by="dana",
 )
 
+# issue 48: a run going on under a changed definition, as a person accepted it. A kind
+# the format's first releases do not know, so it says "polyloop/1.2" (record 0074).
+EXPECTED["amended"] = Amended(
+    run_id=RUN,
+    step=2,
+    by="ops@example.com",
+    reason="deploy 2026-12-02: clearer deploy description and system prompt",
+    changes={
+        "run_context.sha256": {"recorded": "a" * 64, "amended": "b" * 64},
+        "binding.region": {"amended": "eu-west-1"},
+        "binding.shard": {"recorded": "7"},
+    },
+    at=_PERSON_AT,
+)
+
 # The step of ``step_timed`` as a store writes it after its action's result: it names the
 # result's observation rather than copying it (record 0063), and reads back only after it.
 EXPECTED["step_observation_of"] = EXPECTED["step_timed"]
@@ -527,7 +543,8 @@ def test_round_trip_each_kind(record: Record) -> None:
 @pytest.mark.parametrize("record", one_of_each())
 def test_encoded_shape(record: Record) -> None:
     data = encode(record)
-    assert data["schema"] == "polyloop/1"
+    # A kind added after the major's first release names the minor that added it.
+    assert data["schema"] == ("polyloop/1.2" if isinstance(record, Amended) else "polyloop/1")
     assert data["kind"] in {
         "run_started",
         "intent",
@@ -537,6 +554,7 @@ def test_encoded_shape(record: Record) -> None:
         "proposal",
         "verdict",
         "settlement",
+        "amended",
     }
     assert json.loads(dumps(record)) == data
     # A plain JSON document: it survives the stdlib's own strict round trip.

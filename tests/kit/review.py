@@ -53,9 +53,17 @@ ENV_SCHEMA = {
 }
 
 
-def review_tools(ledger: Ledger, *, needs_approval: bool = True) -> ToolRegistry:
+def review_tools(
+    ledger: Ledger,
+    *,
+    needs_approval: bool = True,
+    descriptions: dict[str, str] | None = None,
+    without: tuple[str, ...] = (),
+) -> ToolRegistry:
     """``double`` (replay allowed), ``deploy`` (needs approval unless told otherwise),
-    ``pay`` (replay never allowed) and ``submit`` (completes)."""
+    ``pay`` (replay never allowed) and ``submit`` (completes); ``descriptions`` replaces
+    the description of the tools it names, and the tools named in ``without`` are left
+    out (a deploy that changed or removed them)."""
 
     def handler(name: str, render: Any) -> Any:
         async def run(arguments: dict[str, Any], *, result_id: str) -> str:
@@ -65,36 +73,42 @@ def review_tools(ledger: Ledger, *, needs_approval: bool = True) -> ToolRegistry
 
         return run
 
+    specs = [
+        ToolSpec(
+            name="double",
+            description="Double a number.",
+            parameters=NUMBER_SCHEMA,
+            handler=handler("double", lambda a: a["n"] * 2),
+            replay=Replay.ALLOWED,
+        ),
+        ToolSpec(
+            name="deploy",
+            description="Deploy the build to an environment.",
+            parameters=ENV_SCHEMA,
+            handler=handler("deploy", lambda a: f"deployed to {a['env']}"),
+            needs_approval=needs_approval,
+        ),
+        ToolSpec(
+            name="pay",
+            description="Pay an amount.",
+            parameters=NUMBER_SCHEMA,
+            handler=handler("pay", lambda a: f"paid {a['n']}"),
+        ),
+        ToolSpec(
+            name="submit",
+            description="Submit the answer.",
+            parameters=ANSWER_SCHEMA,
+            handler=handler("submit", lambda a: f"accepted {a['answer']}"),
+            replay=Replay.ALLOWED,
+            completes=True,
+        ),
+    ]
+    changed = descriptions or {}
     return ToolRegistry(
         [
-            ToolSpec(
-                name="double",
-                description="Double a number.",
-                parameters=NUMBER_SCHEMA,
-                handler=handler("double", lambda a: a["n"] * 2),
-                replay=Replay.ALLOWED,
-            ),
-            ToolSpec(
-                name="deploy",
-                description="Deploy the build to an environment.",
-                parameters=ENV_SCHEMA,
-                handler=handler("deploy", lambda a: f"deployed to {a['env']}"),
-                needs_approval=needs_approval,
-            ),
-            ToolSpec(
-                name="pay",
-                description="Pay an amount.",
-                parameters=NUMBER_SCHEMA,
-                handler=handler("pay", lambda a: f"paid {a['n']}"),
-            ),
-            ToolSpec(
-                name="submit",
-                description="Submit the answer.",
-                parameters=ANSWER_SCHEMA,
-                handler=handler("submit", lambda a: f"accepted {a['answer']}"),
-                replay=Replay.ALLOWED,
-                completes=True,
-            ),
+            dataclasses.replace(spec, description=changed.get(spec.name, spec.description))
+            for spec in specs
+            if spec.name not in without
         ],
         max_observation_chars=10_000,
     )

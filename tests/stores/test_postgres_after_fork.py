@@ -1,13 +1,12 @@
 """A PostgreSQL statement deadline still fires in a process forked from one that used a
-store (``stores/_sql/postgres/deadline.py``).
+store (``stores/_sql/postgres/connection.py``).
 
-The deadline's watchdog is one thread per process, started by the first statement. A
-forked child has no thread but the one that forked, so a parent that had used a store
+A forked child has no thread but the one that forked, so a parent that had used a store
 (to list runs, say) and then forked its workers (multiprocessing's ``fork`` start method,
-a prefork server) must not hand its children a module that believes its watchdog runs:
-each child's first statement starts a watchdog of its own. Here the child's path to
-the server goes silent (``tests/kit/net_proxy.py``, served by the parent) while it
-writes, and its write must fail within the deadline plus the connect timeout.
+a prefork server) must not hand its children a deadline that rests on a thread of the
+parent's. Here the child's path to the server goes silent (``tests/kit/net_proxy.py``,
+served by the parent) while it writes, and its write must fail within the deadline plus
+the connect timeout.
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ class Heard:
     """A connection of the test's own listening on a store's channel: every payload; and
     another that marks where each take ends."""
 
-    def __init__(self, conninfo: str, schema: str) -> None:
-        self.channel = channel(schema)
+    def __init__(self, conninfo: str, schema: str, suffix: str = "") -> None:
+        self.channel = channel(schema) + suffix
         self.conn = psycopg.connect(conninfo, autocommit=True)
         self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
         self.marker = psycopg.connect(conninfo, autocommit=True)
@@ -88,8 +88,9 @@ class Heard:
 
 
 @contextmanager
-def heard(conninfo: str, schema: str) -> Iterator[Heard]:
-    listening = Heard(conninfo, schema)
+def heard(conninfo: str, schema: str, suffix: str = "") -> Iterator[Heard]:
+    """A listener on the store's change feed channel (or, with ``suffix``, another one)."""
+    listening = Heard(conninfo, schema, suffix)
     try:
         yield listening
     finally:
@@ -159,6 +160,24 @@ async def test_the_writes_that_may_let_a_run_go_on_notify_and_no_other(
             await getattr(store, method)(*args)
             payloads = await heard_.take()
             assert payloads == ["r1"] * expected, (method, args)
+
+
+async def test_each_committed_batch_tells_the_followers_once_naming_its_runs(
+    postgres_shared: str, schema: str, store: PostgresStore
+) -> None:
+    """Every write of a record notifies the followers' channel, once a batch however many
+    rows it holds (a step with its action's result is two); a claim writes no record."""
+    with heard(postgres_shared, schema, "_appended") as heard_:
+        await store.claim_run("r1")
+        assert await heard_.take() == []
+        for method, args in sample_run("r1", steps=1):
+            await getattr(store, method)(*args)
+            assert await heard_.take() == [run_id_column("r1")], method
+        await store.claim_run("r2")
+        async with anyio.create_task_group() as tg:  # two runs, perhaps in one batch
+            tg.start_soon(store.start_run, sample_run("r2")[0][1][0])
+            tg.start_soon(store.request_cancel, CancelRequest(run_id="r1", by="a", reason="b"))
+        assert [name.split("\n") for name in await heard_.take()] == [["r2"]]
 
 
 def _verdict(run_id: str) -> Verdict:
@@ -262,8 +281,9 @@ async def test_changes_wakes_on_a_notifying_write_and_not_on_intents(
 async def test_one_listening_connection_serves_every_block_of_a_store_object(
     postgres_shared: str, schema: str, store: PostgresStore
 ) -> None:
+    """Its followers too (``appended``, what ``polyloop.follow`` waits on)."""
     before = _listeners()
-    async with store.changes() as first, store.changes() as second:
+    async with store.changes() as first, store.changes() as second, store.appended("r1") as new:
         assert len(_listeners() - before) == 1
         assert len(await _listening_sessions(postgres_shared, schema)) == 1
         await store.claim_run("r1")
@@ -271,12 +291,14 @@ async def test_one_listening_connection_serves_every_block_of_a_store_object(
         with anyio.fail_after(5):
             await first()
             await second()
+            await new()
     assert await _gone(_listeners() - before)
 
 
 async def _listening_sessions(conninfo: str, schema: str) -> list[int]:
-    """The server's process ids of the sessions listening on the store's channel."""
-    listen = f'LISTEN "{channel(schema)}"'
+    """The server's process ids of the sessions listening on the store's channels (its
+    change feed's and its followers')."""
+    listen = f'LISTEN "{channel(schema)}"; LISTEN "{channel(schema)}_appended"'
 
     def find() -> list[int]:
         with pg.admin(conninfo) as conn:

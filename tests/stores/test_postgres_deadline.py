@@ -1,4 +1,4 @@
-"""The client-side deadline of a PostgreSQL exchange (``stores/_sql/postgres/deadline.py``).
+"""The client-side deadline of a PostgreSQL exchange (``stores/_sql/postgres/connection.py``).
 
 Plain connections of the watched class, on a direct path and through the loopback proxy
 of ``tests/kit/net_proxy.py``; the store's own use of them is tested end to end in

@@ -24,7 +24,7 @@ from polyloop.stores import PostgresStore, SqliteStore
 from polyloop.stores._sql.postgres.sql import Queries, run_id_column, run_key
 from polyloop.stores._sql.schema import Layout
 from polyloop.stores._sql.sqlite.sql import LAYOUT as SQLITE_LAYOUT
-from polyloop.stores._writes import record_row
+from polyloop.stores._writes import record_rows
 from polyloop.testing.store_contract import expected_records, in_doubt_run, sample_run
 from polyloop.types import CancelRequest, CancelRequested, CorruptLog, SchemaMajorMismatch
 
@@ -69,7 +69,9 @@ class Database:
                 if number == 1:  # the records, before any runs table is filled from them
                     for run_id, records in RUNS.items():
                         for seq, record in enumerate(records):
-                            conn.execute(self.insert, self.row(run_id, seq, *record_row(record)))
+                            conn.execute(
+                                self.insert, self.row(run_id, seq, *record_rows((record,))[0])
+                            )
             conn.execute(self.set_meta("format", format))
             if key:
                 conn.execute(self.set_meta("layout", str(layout)))

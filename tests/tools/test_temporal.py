@@ -38,6 +38,8 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 from kit.agent import Ledger, answer, definition, make_tools, request, tool_call
 from kit.temporal import dev_server
 from polyloop import (
+    Amended,
+    Amendment,
     Budget,
     Definition,
     JSONValue,
@@ -384,6 +386,15 @@ async def test_an_update_with_a_bad_answer_is_refused_and_the_run_still_waits(
     assert _cause_type(no_reason.value) == "InvalidRequest"
     assert _cause_type(settling.value) == "NotInDoubt"
     assert _cause_type(schema.value) == "InvalidRequest"
+
+
+def activity_failure(failed: WorkflowFailureError) -> ApplicationError:
+    """The PolyLoop error (as Temporal carries it) of the activity a workflow failed on."""
+    activity_error = failed.cause
+    assert isinstance(activity_error, ActivityError)
+    cause = activity_error.cause
+    assert isinstance(cause, ApplicationError)
+    return cause
 
 
 def _cause_type(error: BaseException) -> str | None:
@@ -795,10 +806,7 @@ async def test_a_run_identity_mismatch_fails_the_workflow_at_once_without_retrie
         # Retried, it would fail attempt after attempt, for as long as the workflow runs.
         with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
             await handle.result()
-    activity_error = failed.value.cause
-    assert isinstance(activity_error, ActivityError)
-    cause = activity_error.cause
-    assert isinstance(cause, ApplicationError)
+    cause = activity_failure(failed.value)
     assert cause.type == "RunIdentityMismatch"
     assert "budget.max_steps" in cause.message
     assert calls == [rid("t-mismatch")]  # one attempt: not retried
@@ -1341,3 +1349,78 @@ async def test_a_run_with_many_approvals_continues_as_new_and_finishes(
     assert (final["segments"], final["state"], final["ended"]) == (4, "finished", "completed")
     verdicts = [r for r in (await store.read_log(run_id)).records if isinstance(r, Verdict)]
     assert [v.result_id for v in verdicts] == answered
+
+
+@pytest.mark.anyio
+async def test_a_deploy_the_agent_accepts_moves_a_waiting_workflow_on_and_the_log_says_so(
+    client: Client, store: SqliteStore
+) -> None:
+    """A worker of the first release leaves the run awaiting approval; a worker of the
+    next release, whose agent accepts its changed budget, takes the approval and goes on
+    under an amendment the run's log records."""
+    ledger = Ledger()
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    first = deployer(store, ledger)
+    bigger = Budget(max_steps=30, max_valid_steps=20, max_context_chars=100_000)
+    amend = Amendment(by="ops", reason="release 2.4: more steps", accept=("budget.max_steps",))
+    script = [tool_call("deploy", env="prod"), tool_call("submit", answer="done")]
+    next_release = dataclasses.replace(
+        agent_of(definition(store, script=script), approval_tools(ledger), budget=bigger),
+        amend=amend,
+    )
+    async with Worker(client, task_queue=queue, plugins=[PolyLoopPlugin([first])]):
+        handle = await start_agent_run(
+            client, RunInput(agent="a", run_id=rid("t-amend")), task_queue=queue
+        )
+        status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
+    async with Worker(client, task_queue=queue, plugins=[PolyLoopPlugin([next_release])]):
+        await handle.execute_update(
+            AgentRun.approve, ApproveInput(by="alice", result_id=status["proposal"]["result_id"])
+        )
+        with anyio.fail_after(30):
+            outcome = await handle.result()
+    assert outcome["stop_reason"] == "submitted"
+    assert ledger.count(rid("t-amend") + ":0:action") == 1
+    log = await store.read_log(rid("t-amend"))
+    (amended,) = [record for record in log.records if isinstance(record, Amended)]
+    assert (amended.by, list(amended.changes)) == ("ops", ["budget.max_steps"])
+    assert amended.changes["budget.max_steps"] == {"recorded": 20, "amended": 30}
+
+
+@pytest.mark.anyio
+async def test_an_amendment_refused_fails_the_workflow_at_once_without_retries(
+    client: Client, store: SqliteStore
+) -> None:
+    """The next release drops the tool the run waits to run: no attempt can cure that."""
+    ledger = Ledger()
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    base = make_tools(ledger)
+    without_deploy = ToolRegistry(
+        [_spec(base, name) for name in base.names], max_observation_chars=10_000
+    )
+    amend = Amendment(by="ops", reason="deploys move elsewhere", accept=("tools",))
+    script = [tool_call("deploy", env="prod"), tool_call("submit", answer="done")]
+    next_release = dataclasses.replace(
+        agent_of(definition(store, script=script), without_deploy), amend=amend
+    )
+    async with Worker(
+        client, task_queue=queue, plugins=[PolyLoopPlugin([deployer(store, ledger)])]
+    ):
+        handle = await start_agent_run(
+            client, RunInput(agent="a", run_id=rid("t-refused")), task_queue=queue
+        )
+        status = await wait_for(handle, lambda s: s["waiting_for"] == "approval")
+    before = await store.read_log(rid("t-refused"))
+    async with Worker(client, task_queue=queue, plugins=[PolyLoopPlugin([next_release])]):
+        await handle.execute_update(
+            AgentRun.approve, ApproveInput(by="alice", result_id=status["proposal"]["result_id"])
+        )
+        with pytest.raises(WorkflowFailureError) as failed, anyio.fail_after(15):
+            await handle.result()
+    cause = activity_failure(failed.value)
+    assert cause.type == "AmendmentRefused" and cause.non_retryable
+    assert "removes tool 'deploy'" in cause.message
+    after = await store.read_log(rid("t-refused"))
+    assert after.records[: len(before.records)] == before.records
+    assert [type(r).__name__ for r in after.records[len(before.records) :]] == ["Verdict"]
+    assert ledger.calls == []

@@ -692,7 +692,7 @@ def _serve_parser(commands: _Commands) -> None:
         type=_poll_seconds,
         default=1.0,
         metavar="SECONDS",
-        help="how often live pages look at the store for changes (default: 1)",
+        help="how often the live list looks at the store for changes (default: 1)",
     )
     sub.add_argument(
         "--trace-url",

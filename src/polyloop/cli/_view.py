@@ -16,6 +16,7 @@ from polyloop.cli._stores import StoreSpec
 from polyloop.ports import ManagedStore
 from polyloop.session import run_status
 from polyloop.types import (
+    Amended,
     CorruptLog,
     FinishReason,
     Intent,
@@ -198,13 +199,14 @@ class RunView:
         return step.step < len(self.inherited)
 
     def reviews(self) -> dict[int, list[Review]]:
-        """The proposals, verdicts and settlements of the log, by the step they belong to."""
+        """The proposals, verdicts, settlements and amendments of the log, by the step they
+        belong to (an amendment: the first step run under it)."""
         by_step: dict[int, list[Review]] = {}
         step = len(self.inherited)  # a fork's own steps start after its inherited ones
         for record in self.log.records:
             if isinstance(record, StepRecord):
                 step = record.step + 1
-            elif isinstance(record, Proposal | Verdict | Settlement):
+            elif isinstance(record, Proposal | Verdict | Settlement | Amended):
                 by_step.setdefault(step, []).append(record)
         return by_step
 
@@ -349,6 +351,9 @@ def review_facts(reviews: list[Review]) -> list[tuple[str, str]]:
                 facts.append(("approved", f"by {review.by}{when}{edited}"))
             else:
                 facts.append(("rejected", f"by {review.by}{when}: {review.reason}"))
+        elif isinstance(review, Amended):
+            keys = ", ".join(key for key, _, _ in review.differences)
+            facts.append(("amended", f"by {review.by}{when}: {review.reason} (changed {keys})"))
         elif review.by_probe:
             facts.append(("settled", f"{settled_text(review)}{when}{probe_time_text(review)}"))
         else:

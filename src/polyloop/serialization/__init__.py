@@ -19,6 +19,9 @@ A step record that follows the result of its own action in a log may be written 
 the observation that result already holds (``after=``, format ``polyloop/1.1``): it then
 reads back only after that result, given as ``after=`` to :func:`loads` or :func:`decode`
 (docs/record-format.md).
+
+An amendment record (:class:`~polyloop.types.Amended`, a kind added later) says
+``"schema": "polyloop/1.2"``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ _LINE_BREAKERS = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"}
 # place of the text, and says so with the format's first minor (record 0063).
 _OBSERVATION_OF = "observation_of"
 _REFERRING_FORMAT = f"{FORMAT}.1"
+# The amendment record is a kind the first releases of the major do not know: it says so
+# with the format's second minor (record 0074), so an older reader's refusal names why.
+_AMENDING_FORMAT = f"{FORMAT}.2"
+_AMENDED = "amended"
 
 
 def encode(record: Record, *, after: Record | None = None) -> dict[str, JSONValue]:
@@ -94,6 +101,8 @@ def encode(record: Record, *, after: Record | None = None) -> dict[str, JSONValu
                 out[key] = field.write(checked(kind, field, value, _refusal(record)))
     if after is not None and isinstance(record, StepRecord):
         _refer_to(after, record, out)
+    elif kind == _AMENDED:
+        out["schema"] = _AMENDING_FORMAT
     return out
 
 

@@ -40,10 +40,12 @@ from polyloop.session import _cancelling, _review
 from polyloop.session._agents import Agent
 from polyloop.session._driving import Mode, drive, status
 from polyloop.session._driving import recover as recover_runs
+from polyloop.session._following import follow
 from polyloop.session._forking import check_fork, read_inheritance
 from polyloop.session._hosting import Agents, Host, hosted_stores, watching
 from polyloop.session._values import Definition, ObservationTexts, Request
 from polyloop.types import (
+    Amendment,
     InvalidRequest,
     JSONValue,
     RecoveredRun,
@@ -60,6 +62,7 @@ __all__ = (
     "Request",
     "approve",
     "cancel",
+    "follow",
     "fork",
     "recover",
     "reject",
@@ -105,7 +108,9 @@ async def run(definition: Definition, request: Request) -> RunResult:
     return await drive(definition, request, Mode.START)
 
 
-async def resume(definition: Definition, request: Request) -> RunResult:
+async def resume(
+    definition: Definition, request: Request, *, amend: Amendment | None = None
+) -> RunResult:
     """Continue the run ``request.run_id`` from its log, or return how it ended.
 
     The store object becomes the run's one writer first (:class:`~polyloop.types.RunLocked`
@@ -118,22 +123,36 @@ async def resume(definition: Definition, request: Request) -> RunResult:
     (:attr:`ToolSpec.reconcile <polyloop.tools.ToolSpec>`). Otherwise finished steps
     are read from the log, never recomputed, and the run goes on.
 
+    ``amend`` (an :class:`~polyloop.types.Amendment`) lets the run go on under a
+    snapshot that differs from the one it holds, when every difference is one it
+    accepts: before anything else, one :class:`~polyloop.types.Amended` record is
+    written (who, why, at which step, each key's recorded and new value), and a later
+    resume compares with the amended snapshot. A key that may never change, or a change
+    to the tool of an open intent or of a waiting proposal, is refused with
+    :class:`~polyloop.types.AmendmentRefused` (nothing written); a difference it does
+    not accept, with ``RunIdentityMismatch`` as without it. Where nothing differs, or
+    the run has finished, nothing is written.
+
     Cancellation: as for :func:`run`: a ``CANCELLED`` end record is written within the
-    grace, and the run can be resumed again later.
+    grace, and the run can be resumed again later. The amendment record landed whole
+    or not at all.
     """
-    return await drive(definition, request, Mode.RESUME)
+    return await drive(definition, request, Mode.RESUME, amend=amend)
 
 
-async def start_or_resume(definition: Definition, request: Request) -> RunResult:
+async def start_or_resume(
+    definition: Definition, request: Request, *, amend: Amendment | None = None
+) -> RunResult:
     """Start the run if the store has no record of it, else resume it.
 
     One claim and one read decide which, so a worker needs no
     ``RunAlreadyExists``/``RunNotFound`` juggling. ``RunResult.resumed`` says which it
-    was. Raises what :func:`run` and :func:`resume` raise, except those two.
+    was. Raises what :func:`run` and :func:`resume` raise, except those two. ``amend``
+    is as for :func:`resume` (a new run has nothing to amend).
 
     Cancellation: as for :func:`run`.
     """
-    return await drive(definition, request, Mode.EITHER)
+    return await drive(definition, request, Mode.EITHER, amend=amend)
 
 
 async def fork(
@@ -191,6 +210,7 @@ async def recover(
     request_for: Callable[[str], Request | Awaitable[Request]],
     *,
     max_concurrent: int,
+    amend: Amendment | None = None,
 ) -> tuple[RecoveredRun, ...]:
     """Resume every unfinished run of ``store`` that no live writer holds.
 
@@ -205,12 +225,15 @@ async def recover(
 
     Returns one :class:`~polyloop.types.RecoveredRun` per listed run, in listing order:
     its result, or the exception that building its request or resuming it raised.
+    ``amend`` is given to each resume, as for :func:`resume`.
 
     Cancellation: the runs being resumed are cancelled as :func:`resume` describes
     (each writes its ``CANCELLED`` end record within its grace); the cancellation then
     propagates and no report is returned.
     """
-    return await recover_runs(definition, store, request_for, max_concurrent=max_concurrent)
+    return await recover_runs(
+        definition, store, request_for, max_concurrent=max_concurrent, amend=amend
+    )
 
 
 async def approve(

@@ -13,9 +13,17 @@ from dataclasses import dataclass
 
 from polyloop import serialization
 from polyloop.ports import ManagedStore
+from polyloop.session import _amending
 from polyloop.session._driving import Mode, Origin, drive, register
 from polyloop.session._values import Definition, Request
-from polyloop.types import InvalidRequest, JSONValue, RunResult, RunStarted, UnloggableValue
+from polyloop.types import (
+    Amendment,
+    InvalidRequest,
+    JSONValue,
+    RunResult,
+    RunStarted,
+    UnloggableValue,
+)
 
 __all__ = ("Agent", "RequestFor", "resume_as")
 
@@ -33,18 +41,28 @@ class Agent:
     :class:`~polyloop.types.RunIdentityMismatch`. ``status_store`` is the store read to
     list and describe runs (default: the definition's store, which every store PolyLoop
     ships can serve).
+
+    ``amend`` is the amendment every host of the agent resumes its runs with
+    (:func:`polyloop.resume`'s ``amend``): the snapshot keys a deploy of this agent may
+    change under a run in flight, who stands behind that and why. A run that differs
+    from its snapshot only in those keys goes on, and its log says what changed; any
+    other difference is refused as without it. ``AmendmentRefused`` at construction for
+    one that accepts what may never change.
     """
 
     name: str
     definition: Definition
     request_for: RequestFor
     status_store: ManagedStore | None = None
+    amend: Amendment | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise InvalidRequest(f"an agent's name must be a non-empty string, not {self.name!r}")
         if not callable(self.request_for):
             raise InvalidRequest(f"agent {self.name!r}: request_for must be callable")
+        if self.amend is not None:
+            _amending.checked(self.amend, None)
 
     async def request(self, run_id: str, input: JSONValue) -> Request:
         """The request ``request_for`` builds for ``run_id`` from ``input``.
@@ -91,9 +109,8 @@ class Agent:
         Cancellation: as for :func:`polyloop.run`.
         """
         request = await self.request(run_id, input)
-        return await drive(
-            self.definition, request, Mode.EITHER, origin=self._origin(run_id, input)
-        )
+        origin = self._origin(run_id, input)
+        return await drive(self.definition, request, Mode.EITHER, origin=origin, amend=self.amend)
 
     def _origin(self, run_id: str, input: JSONValue) -> Origin:
         if not isinstance(run_id, str) or not run_id:
@@ -112,6 +129,7 @@ class Agent:
 
 async def resume_as(agent: Agent, request: Request, input: JSONValue) -> RunResult:
     """Resume the run ``agent`` started with ``input``, its request built by
-    :meth:`Agent.request`: how a host drives a run another process started."""
+    :meth:`Agent.request`: how a host drives a run another process started (under the
+    agent's amendment, if it has one)."""
     origin = agent._origin(request.run_id, input)
-    return await drive(agent.definition, request, Mode.RESUME, origin=origin)
+    return await drive(agent.definition, request, Mode.RESUME, origin=origin, amend=agent.amend)

@@ -24,7 +24,7 @@ import anyio
 
 from polyloop import _recovery
 from polyloop.ports import ManagedStore, Store, StoredRun
-from polyloop.session import _cancelling, _draining
+from polyloop.session import _amending, _cancelling, _draining
 from polyloop.session._forking import Inheritance
 from polyloop.session._loop import Loop
 from polyloop.session._probes import probe_for
@@ -33,6 +33,8 @@ from polyloop.session._resuming import continue_run
 from polyloop.session._steps import now
 from polyloop.session._values import Definition, Request
 from polyloop.types import (
+    Amended,
+    Amendment,
     InvalidRequest,
     JSONValue,
     RecoveredRun,
@@ -84,19 +86,23 @@ async def drive(
     inherit: Callable[[], Awaitable[Inheritance]] | None = None,
     *,
     origin: Origin | None = None,
+    amend: Amendment | None = None,
 ) -> RunResult:
     """Check the request, claim the run, read its log, and start or continue it.
 
     ``inherit`` reads what a fork takes over from its source (``mode`` is then START);
     it is awaited once the request is checked, before the claim. ``origin`` is the agent
     a new run is recorded under and an existing one must have been started through.
+    ``amend`` lets an existing run go on under the differences it accepts.
     """
     prepared = prepare(definition, request)
+    if amend is not None:
+        _amending.checked(amend, request.run_id)
     inheritance = None if inherit is None else await inherit()
     store = definition.store
     await store.claim_run(request.run_id)
     try:
-        return await _drive_claimed(definition, request, prepared, mode, inheritance, origin)
+        return await _drive_claimed(definition, request, prepared, mode, inheritance, origin, amend)
     finally:
         await _release(store, request)
 
@@ -129,7 +135,7 @@ async def _check_existing(
     log = await store.read_log(request.run_id)
     if not log.records:
         return False
-    _identity_plan(log, request, prepared, origin)
+    _identity_plan(log, request, prepared, origin, None)
     return True
 
 
@@ -140,6 +146,7 @@ async def _drive_claimed(
     mode: Mode,
     inheritance: Inheritance | None,
     origin: Origin | None,
+    amend: Amendment | None,
 ) -> RunResult:
     log = await definition.store.read_log(request.run_id)
     if not log.records:
@@ -157,9 +164,13 @@ async def _drive_claimed(
         raise RunAlreadyExists(
             "the store already holds records for this run; use resume", run_id=request.run_id
         )
-    plan = _identity_plan(log, request, prepared, origin)
+    plan, amended = _identity_plan(log, request, prepared, origin, amend)
     if plan.state is _recovery.RecoveryState.FINISHED:
         return _recovery.recorded_result(plan)
+    if amended is not None:
+        # Before anything else: whatever happens next happens under the amended snapshot.
+        await definition.store.write_review(amended)
+        log = RunLog(run_id=log.run_id, records=(*log.records, amended))
     if (asked := await definition.store.read_cancel(request.run_id)) is not None:
         loop = Loop(definition, request, prepared, resumed=True)
         return await _cancelling.end_resumed(loop, plan, log.records, asked)
@@ -179,17 +190,30 @@ def _started(request: Request, prepared: Prepared) -> RunStarted:
 
 
 def _identity_plan(
-    log: RunLog, request: Request, prepared: Prepared, origin: Origin | None
-) -> _recovery.Plan:
-    """The log's plan, once its start record is known to match this request (and agent)."""
+    log: RunLog,
+    request: Request,
+    prepared: Prepared,
+    origin: Origin | None,
+    amend: Amendment | None,
+) -> tuple[_recovery.Plan, Amended | None]:
+    """The log's plan, once its snapshot (as last amended) is known to match this request
+    (and agent), or to differ only as ``amend`` accepts; then also the record of the
+    amendment to write before anything else (none for a finished run: nothing more
+    runs, and nothing may follow its end)."""
     plan = _recovery.read_plan(log)
     assert plan.started is not None  # a log with records starts with its start record
-    differences = _recovery.identity_differences(plan.started.snapshot, prepared.snapshot)
-    if origin is not None:
-        differences = tuple(sorted(differences + origin.differences(plan.started)))
-    if differences:
-        raise RunIdentityMismatch(run_id=request.run_id, differences=differences)
-    return plan
+    differences = _recovery.identity_differences(plan.snapshot, prepared.snapshot)
+    if origin is not None and (agent := origin.differences(plan.started)):
+        raise RunIdentityMismatch(
+            run_id=request.run_id, differences=tuple(sorted(differences + agent))
+        )
+    amended = _amending.amended(plan, prepared.snapshot, differences, amend, request.run_id)
+    if amended is None or plan.state is _recovery.RecoveryState.FINISHED:
+        return plan, None
+    applied = _recovery.amended_snapshot(plan.snapshot, amended.changes)
+    return dataclasses.replace(
+        plan, snapshot=applied, amendments=(*plan.amendments, amended)
+    ), amended
 
 
 async def _release(store: Store, request: Request) -> None:
@@ -221,8 +245,10 @@ async def recover(
     request_for: RequestFor,
     *,
     max_concurrent: int,
+    amend: Amendment | None = None,
 ) -> tuple[RecoveredRun, ...]:
-    """Resume every unfinished run that no live writer holds; say what became of each."""
+    """Resume every unfinished run that no live writer holds (with ``amend``, if given);
+    say what became of each."""
     if (
         isinstance(max_concurrent, bool)
         or not isinstance(max_concurrent, int)
@@ -239,7 +265,7 @@ async def recover(
     async def worker() -> None:
         while waiting:
             run_id = waiting.pop().run_id
-            outcomes[run_id] = await _recover_one(definition, request_for, run_id)
+            outcomes[run_id] = await _recover_one(definition, request_for, run_id, amend)
 
     async with anyio.create_task_group() as group:
         for _ in range(min(max_concurrent, len(waiting))):
@@ -259,7 +285,7 @@ def _owned(run: StoredRun, outcomes: dict[str, RecoveredRun]) -> bool:
 
 
 async def _recover_one(
-    definition: Definition, request_for: RequestFor, run_id: str
+    definition: Definition, request_for: RequestFor, run_id: str, amend: Amendment | None
 ) -> RecoveredRun:
     try:
         request = request_for(run_id)
@@ -269,7 +295,7 @@ async def _recover_one(
             raise InvalidRequest(
                 f"request_for returned a request for run {request.run_id!r}", run_id=run_id
             )
-        result = await drive(definition, request, Mode.RESUME)
+        result = await drive(definition, request, Mode.RESUME, amend=amend)
     except Exception as exc:  # noqa: BLE001 - each run's failure is reported, not raised
         return RecoveredRun(run_id=run_id, error=exc)
     return RecoveredRun(run_id=run_id, result=result)

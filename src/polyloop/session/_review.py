@@ -213,7 +213,7 @@ def _edited(
     plan: _recovery.Plan, payload: JSONValue, arguments: JSONValue, run_id: str
 ) -> JSONValue:
     """The proposed payload with the person's arguments, checked against the tool's schema
-    as the run's snapshot recorded it."""
+    as the run's snapshot holds it (as last amended)."""
     assert plan.started is not None
     name = payload.get("name") if isinstance(payload, dict) else None
     if not isinstance(payload, dict) or not isinstance(name, str):
@@ -221,7 +221,7 @@ def _edited(
             "the proposed action is not a tool call, so its arguments cannot be edited",
             run_id=run_id,
         )
-    tools = plan.started.snapshot.get("tools")
+    tools = plan.snapshot.get("tools")
     specs = tools.get("specs") if isinstance(tools, dict) else None
     refusal = described_call_refusal(specs, name, arguments)
     if refusal is not None:

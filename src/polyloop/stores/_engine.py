@@ -7,7 +7,8 @@ import itertools
 import logging
 import os
 import tempfile
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -39,8 +40,12 @@ logger = logging.getLogger("polyloop")
 RELEASE_GRACE_S = 10.0
 _SLOW_RELEASE = "run %r: giving its claim back took over %g s; it goes on in the background"
 
+# How often a follower of a run in a store that cannot notify checks the run for news.
+POLL_S = 0.05
+
 Archive = str | os.PathLike[str] | None
 Delete = Callable[[str], Awaitable[bool]]
+Watch = AbstractAsyncContextManager[Callable[[], Awaitable[None]]]
 
 
 class Backend(Protocol):
@@ -48,7 +53,8 @@ class Backend(Protocol):
     ``prunable`` lists finished runs nobody holds (refusing an ``archive`` it cannot take);
     ``delete`` deletes one held here. ``request_cancel`` keeps a run's first request,
     durably, and says whether the run has a record; a write that is ``fenced`` is refused
-    with ``cancel_refusal`` of the run's request, atomically with the write."""
+    with ``cancel_refusal`` of the run's request, atomically with the write. ``read_after``
+    and ``appended`` are :class:`~polyloop.ports.FollowableStore`'s (the latter on the loop)."""
 
     kind: str
 
@@ -58,6 +64,8 @@ class Backend(Protocol):
     async def confirm(self, run_id: str) -> None: ...
     async def submit(self, write: Write) -> None: ...
     def read(self, run_id: str) -> tuple[types.Record, ...]: ...
+    def read_after(self, run_id: str, after: int) -> tuple[types.Record, ...]: ...
+    def appended(self, run_id: str) -> Watch: ...
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]: ...
     def describe(self, run_id: str) -> StoredRun | None: ...
     def request_cancel(self, request: types.CancelRequest) -> bool: ...
@@ -110,6 +118,16 @@ class EngineStore(StoreBase):
         # A read changes nothing: a cancelled caller need not wait for its thread.
         records = await anyio.to_thread.run_sync(self._backend.read, run_id, abandon_on_cancel=True)
         return types.RunLog(run_id=run_id, records=records)
+
+    async def read_after(self, run_id: str, after: int) -> tuple[types.Record, ...]:
+        """The records after position ``after``; ``RunNotFound`` if the run has none."""
+        return await anyio.to_thread.run_sync(
+            self._backend.read_after, run_id, after, abandon_on_cancel=True
+        )
+
+    def appended(self, run_id: str) -> Watch:
+        """Watch the run for new records: notified where the backend can be, else polled."""
+        return self._backend.appended(run_id)
 
     async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
         """Every run (or the unfinished ones): in start order in a database, by id in files."""
@@ -172,6 +190,25 @@ async def claim_in_thread(
             if scope.cancelled_caught:
                 logger.warning(_SLOW_RELEASE, run_id, RELEASE_GRACE_S)
         raise
+
+
+@asynccontextmanager
+async def polled(mark: Callable[[], object]) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """``appended`` for a backend that cannot notify: ``wait`` asks ``mark()``, a cheap
+    blocking check of the run (its length, its file's size), in a thread every
+    :data:`POLL_S`, and returns once the answer differs from the one it last saw."""
+    seen = await anyio.to_thread.run_sync(mark, abandon_on_cancel=True)
+
+    async def wait() -> None:
+        nonlocal seen
+        while True:
+            await anyio.sleep(POLL_S)
+            now = await anyio.to_thread.run_sync(mark, abandon_on_cancel=True)
+            if now != seen:
+                seen = now
+                return
+
+    yield wait
 
 
 def check_cutoff(finished_before: datetime) -> datetime:

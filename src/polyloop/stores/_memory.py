@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+
+import anyio
 
 from polyloop import types
 from polyloop._shared import FORMAT
@@ -32,13 +35,14 @@ class MemoryStore(StoreBase):
     Cancellation, for every method: no method waits but :meth:`prune`, so each completes
     or does not start; ``prune`` deletes each run whole or not at all."""
 
-    __slots__ = ("_cancels", "_claims", "_runs", "_state", "_updated")
+    __slots__ = ("_cancels", "_claims", "_grown", "_runs", "_state", "_updated")
 
     def __init__(self) -> None:
         self._runs: dict[str, list[types.Record]] = {}
         self._cancels: dict[str, types.CancelRequest] = {}
         self._updated: dict[str, float] = {}  # time.time() of the last write
         self._claims: set[str] = set()
+        self._grown: dict[str, anyio.Event] = {}  # set, and replaced, when a run changes
         self._state = WriterState()  # only whether it is closed: no write here fails
 
     def parameters(self) -> Mapping[str, types.JSONValue]:
@@ -78,6 +82,25 @@ class MemoryStore(StoreBase):
         self._state.check_open(run_id)
         return types.RunLog(run_id=run_id, records=tuple(self._runs.get(run_id, ())))
 
+    async def read_after(self, run_id: str, after: int) -> tuple[types.Record, ...]:
+        """The records of ``run_id`` after position ``after``; ``RunNotFound`` if none."""
+        self._state.check_open(run_id)
+        if run_id not in self._runs:
+            raise no_run(run_id)
+        return tuple(self._runs[run_id][after:])
+
+    @asynccontextmanager
+    async def appended(self, run_id: str) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+        """Wake the block's ``wait`` on the run's next write or deletion."""
+        grown = self._grown.setdefault(run_id, anyio.Event())
+
+        async def wait() -> None:
+            nonlocal grown
+            await grown.wait()
+            grown = self._grown.setdefault(run_id, anyio.Event())
+
+        yield wait
+
     async def list_runs(self, *, unfinished_only: bool = False) -> tuple[StoredRun, ...]:
         """Every run, in the order the runs started (only unfinished ones if asked)."""
         self._state.check_open(None)
@@ -100,6 +123,7 @@ class MemoryStore(StoreBase):
         self._claims.discard(run_id)
         del self._runs[run_id], self._updated[run_id]
         self._cancels.pop(run_id, None)
+        self._wake(run_id)
         return True
 
     async def aclose(self) -> None:
@@ -135,6 +159,11 @@ class MemoryStore(StoreBase):
         self._updated[run_id] = time.time()
         if isinstance(records[-1], types.RunEnded):
             self._claims.discard(run_id)
+        self._wake(run_id)
+
+    def _wake(self, run_id: str) -> None:
+        if (grown := self._grown.pop(run_id, None)) is not None:
+            grown.set()
 
     def __repr__(self) -> str:
         return f"MemoryStore(runs={len(self._runs)})"

@@ -82,10 +82,6 @@ def kept_cancel(run_id: str, by: str, reason: str, at: datetime | str) -> Cancel
     return CancelRequest(run_id=run_id, by=by, reason=reason, at=when.astimezone(UTC))
 
 
-def record_row(record: Record) -> tuple[str, str]:
-    return record_kind(record), dumps(record)  # dumps refuses anything not a record
-
-
 def record_rows(records: tuple[Record, ...]) -> list[tuple[str, str]]:
     """The kind and body of each record of one write, each written after the one before
     it: a step after its action's result names the result's observation (record 0063)."""

@@ -25,7 +25,6 @@ from polyloop.ports import ManagedStore
 from polyloop.serialization import encode
 from polyloop.session import (
     Agent,
-    Definition,
     Request,
     approve,
     reject,
@@ -81,7 +80,7 @@ class _Activities:
         agent = self._agent(segment.agent, segment.run_id)
         request = await _request(agent, segment)
         with self._mapped_errors(segment.run_id, "the segment"):
-            result = await _driven(agent.definition, request, segment.heartbeat_timeout / 3)
+            result = await _driven(agent, request, segment.heartbeat_timeout / 3)
             status = await _status(agent, result)
         outcome = _outcome(result, status).to_json()
         return fitting(outcome, segment.run_id, "the segment's outcome")
@@ -209,15 +208,16 @@ async def _answered(store: Any, answer: AnswerInput) -> Verdict | Settlement:
     )
 
 
-async def _driven(definition: Definition, request: Request, every: float) -> RunResult:
+async def _driven(agent: Agent, request: Request, every: float) -> RunResult:
     """Drive the run in a child task beside a heartbeat, so a cancellation of the
-    activity reaches the run as an AnyIO cancellation (the kernel writes its end record)."""
+    activity reaches the run as an AnyIO cancellation (the kernel writes its end record).
+    A run resumed goes on under the agent's amendment, if it has one."""
     outcome: list[RunResult] = []
     failure: list[Exception] = []
 
     async def drive() -> None:
         try:
-            outcome.append(await start_or_resume(definition, request))
+            outcome.append(await start_or_resume(agent.definition, request, amend=agent.amend))
         except Exception as err:  # noqa: BLE001 - re-raised below, unwrapped
             # Raised as itself, not inside an exception group, so it maps to its type.
             failure.append(err)

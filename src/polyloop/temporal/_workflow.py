@@ -53,6 +53,7 @@ ANSWER_ACTIVITY = "polyloop.answer"
 STATUS_ACTIVITY = "polyloop.status"
 
 NOT_RETRYABLE = (
+    "AmendmentRefused",
     "CorruptLog",
     "InvalidRequest",
     "NotAwaitingApproval",

@@ -36,7 +36,7 @@ from typing import Any
 import anyio
 import pytest
 
-from polyloop.ports import ManagedStore, Store
+from polyloop.ports import FollowableStore, ManagedStore, Store
 from polyloop.types import (
     ActionStatus,
     CancelRequest,
@@ -677,6 +677,42 @@ class StoreContract:
         # Nothing older is left; the id is free for a new run.
         assert await store.prune(finished_before=cutoff) == ()
         await apply(store, sample_run("old", steps=0, ended=False))
+        await close(store)
+
+    async def test_a_followable_store_reads_after_every_position(
+        self, store_factory: StoreFactory
+    ) -> None:
+        """``read_after`` is the tail of ``read_log`` from every position on, the step
+        right after its action's result included; a run with no record is not found."""
+        store = store_factory()
+        if not isinstance(store, FollowableStore):
+            await close(store)
+            pytest.skip("not a FollowableStore: follow reads its whole log on a timer")
+        await apply(store, sample_run("r1", steps=2))
+        records = (await store.read_log("r1")).records
+        for after in range(len(records) + 2):
+            assert await store.read_after("r1", after) == records[after:], after
+        with pytest.raises(RunNotFound):
+            await store.read_after("never-written", 0)
+        await close(store)
+
+    async def test_a_followable_store_wakes_its_watchers_on_a_write(
+        self, store_factory: StoreFactory
+    ) -> None:
+        """``appended``'s ``wait`` returns once a record of the run was written since the
+        block began, even if it was written before ``wait`` was called."""
+        store = store_factory()
+        if not isinstance(store, FollowableStore):
+            await close(store)
+            pytest.skip("not a FollowableStore: follow reads its whole log on a timer")
+        writes = sample_run("r1", steps=1)
+        await apply(store, writes[:1])
+        async with store.appended("r1") as wait:
+            for method, args in writes[1:3]:
+                await getattr(store, method)(*args)
+                with anyio.fail_after(10):
+                    await wait()
+        assert len(await store.read_after("r1", 1)) == 2
         await close(store)
 
 

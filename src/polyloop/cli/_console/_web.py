@@ -10,7 +10,8 @@ clear refusal.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Hashable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -51,16 +52,18 @@ from polyloop.cli._console._run_page import WIDTH, edits, timeline
 from polyloop.cli._facts import Doubt, in_doubt, utc_text
 from polyloop.cli._view import RunView, span_text
 from polyloop.ports import ManagedStore
-from polyloop.session import approve, cancel, reject, run_status, settle
+from polyloop.session import approve, cancel, follow, reject, run_status, settle
 from polyloop.types import (
     CancelRequest,
     CancelRequested,
+    FollowedRecord,
     InvalidRequest,
     JSONValue,
     NotAwaitingApproval,
     NotInDoubt,
     PolyLoopError,
     Proposal,
+    RunEnded,
     RunLocked,
     RunNotFound,
     RunState,
@@ -228,6 +231,33 @@ def _sse(changes: AsyncIterator[None]) -> StreamingResponse:
     )
 
 
+def _position(request: Request) -> int | None:
+    """Where a run's event stream starts: ``Last-Event-ID`` when the browser reconnects,
+    else the ``after`` the page was rendered with; ``None`` if it is not a position."""
+    text = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def _record_events(followed: AsyncGenerator[FollowedRecord, None]) -> StreamingResponse:
+    async def stream() -> AsyncIterator[str]:
+        yield "retry: 3000\n\n"
+        last: FollowedRecord | None = None
+        try:
+            async with aclosing(followed) as records:
+                async for last in records:
+                    yield f"id: {last.position}\nevent: changed\ndata: {{}}\n\n"
+        except RunNotFound:
+            last = None  # pruned: nothing more will come
+        # A stop a resume may continue ends a stream too: the browser reconnects and waits
+        # for more. After a final end (or none to be had), it is told to stop asking.
+        if last is None or (isinstance(last.record, RunEnded) and last.record.is_final):
+            yield "event: ended\ndata: {}\n\n"
+
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"X-Accel-Buffering": "no"}
+    )
+
+
 class _Console:
     """The handlers, sharing the store, the settings and the cache of list rows."""
 
@@ -356,7 +386,7 @@ class _Console:
             # The cancel names what the page shows the run waiting on, as the answers do.
             "cancel_result_id": _waiting_id(view, doubt),
             "live_state": _live_state(view, doubt) + (" cancel" if asked is not None else ""),
-            "version": version(stored),
+            "position": view.records,
         }
 
     async def _cancel_asked(self, view: RunView, requested: bool) -> CancelRequest | None:
@@ -366,8 +396,13 @@ class _Console:
         return await self.store.read_cancel(view.status.run_id)
 
     async def run_events(self, request: Request) -> Response:
-        run_id = _run_id(request)
-        return _sse(self._changes(request, lambda: self.store.describe_run(run_id)))
+        """The run's records after the position the page shows, one event each, with the
+        position as the event's id: a browser that reconnects (a reload, a dropped
+        connection, a restarted server) sends the last one back as ``Last-Event-ID``."""
+        after = _position(request)
+        if after is None:
+            return PlainTextResponse("the position is a whole number\n", status_code=400)
+        return _record_events(follow(self.store, _run_id(request), after=after))
 
     async def _changes(
         self, request: Request, look: Callable[[], Awaitable[Hashable]]

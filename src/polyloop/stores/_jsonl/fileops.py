@@ -7,8 +7,9 @@ import errno
 import fcntl
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from polyloop.stores import _paths
 from polyloop.types import RunLocked, StoreError
@@ -47,53 +48,35 @@ def write_all(files: FileOps, fd: int, data: bytes) -> None:
         view = view[written:]
 
 
+def _os(name: str) -> Callable[..., Any]:
+    """A method that calls ``os.<name>``, looked up at each call: a test may patch ``os``."""
+    return lambda self, *args: getattr(os, name)(*args)
+
+
 class OsFileOps:
     """The operating system's file operations, each ``os`` function looked up when called.
     A byte lock belongs to the open file description (``F_OFD_SETLK``)."""
 
     __slots__ = ()
 
-    def open(self, path: Path, flags: int, mode: int = 0o777) -> int:
-        return os.open(path, flags, mode)
-
-    def write(self, fd: int, data: bytes | memoryview) -> int:
-        return os.write(fd, data)
-
-    def read(self, fd: int, size: int) -> bytes:
-        return os.read(fd, size)
-
-    def pread(self, fd: int, size: int, offset: int) -> bytes:
-        return os.pread(fd, size, offset)
-
-    def fstat(self, fd: int) -> os.stat_result:
-        return os.fstat(fd)
-
-    def fsync(self, fd: int) -> None:
-        os.fsync(fd)
+    open = _os("open")
+    write = _os("write")
+    read = _os("read")
+    pread = _os("pread")
+    fstat = _os("fstat")
+    fsync = _os("fsync")
+    ftruncate = _os("ftruncate")
+    close = _os("close")
+    unlink = _os("unlink")
+    replace = _os("replace")
+    mkdir = _os("mkdir")
+    listdir = _os("listdir")
 
     def fsync_directory(self, directory: Path) -> None:
         _paths.fsync_directory(directory)
 
-    def ftruncate(self, fd: int, length: int) -> None:
-        os.ftruncate(fd, length)
-
-    def close(self, fd: int) -> None:
-        os.close(fd)
-
-    def unlink(self, path: Path) -> None:
-        os.unlink(path)
-
-    def replace(self, source: Path, target: Path) -> None:
-        os.replace(source, target)
-
-    def mkdir(self, path: Path) -> None:
-        os.mkdir(path)
-
     def is_dir(self, path: Path) -> bool:
         return os.path.isdir(path)
-
-    def listdir(self, directory: Path) -> list[str]:
-        return os.listdir(directory)
 
     def lock_range(self, fd: int, offset: int, run_id: str) -> None:
         try:

@@ -7,16 +7,24 @@ import contextlib
 import logging
 import os
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 from polyloop import types
 from polyloop.ports import StoredRun
 from polyloop.stores._byte_locks import OneHost
-from polyloop.stores._engine import Archive, EngineStore, refuse_own_archive
+from polyloop.stores._engine import Archive, EngineStore, Watch, polled, refuse_own_archive
 from polyloop.stores._jsonl import reader
 from polyloop.stores._jsonl.fileops import FileOps, OsFileOps, write_all
 from polyloop.stores._paths import safe_name
-from polyloop.stores._writes import Claim, Write, cancel_refusal, check_order, not_claimed
+from polyloop.stores._writes import (
+    Claim,
+    Write,
+    cancel_refusal,
+    check_order,
+    no_run,
+    not_claimed,
+)
 from polyloop.types import CorruptLog, PolyLoopError, Record, SchemaMajorMismatch, StoreError
 
 logger = logging.getLogger("polyloop")
@@ -69,6 +77,23 @@ class Jsonl(OneHost):
             # Up to the last complete line only: a torn tail, however long, is never held.
             end, _ = reader.extent(self.files, fd)
             return tuple(reader.records_of(reader.lines(self.files, fd, end), str(path), run_id))
+
+    def read_after(self, run_id: str, after: int) -> tuple[Record, ...]:
+        """The whole file is read: a line may hold two records, so no offset is a position."""
+        records = self.read(run_id)
+        if not records:
+            raise no_run(run_id)
+        return records[after:]
+
+    def appended(self, run_id: str) -> Watch:
+        return polled(partial(self._size, run_id))
+
+    def _size(self, run_id: str) -> int | None:
+        """The run file's size: it grows with each record (``None``: no file)."""
+        self.state.check_open(run_id)
+        path = self._path(run_id)
+        with reader.run_file(self.files, path, run_id) as fd:
+            return None if fd is None else self.files.fstat(fd).st_size
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
         """Every run file's run, by id; a file that is not one run's is left out, warned of."""

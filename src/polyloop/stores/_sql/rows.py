@@ -6,9 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from polyloop._shared import record_kind
+from polyloop._shared import RECORD_KINDS, record_kind
 from polyloop.serialization import loads
+from polyloop.stores._writes import no_run
 from polyloop.types import CorruptLog, Record
+
+RESULT_KIND = RECORD_KINDS["Result"]
 
 
 def shown(run_id: object) -> str:
@@ -23,12 +26,14 @@ def read_rows(
     *,
     where: Callable[[object], str],
     column: object = None,
+    first: int = 0,
+    before: Record | None = None,
 ) -> tuple[Record, ...]:
     """The records of rows (seq, kind, body[, run id column, which must be ``column``]),
-    without a gap from 0; ``where(seq)`` is the location of a row. Each is read after the
-    one before it, whose observation a step may name."""
+    without a gap from ``first``; ``where(seq)`` is the location of a row. Each is read
+    after the one before it (the first after ``before``), whose observation a step may name."""
     records: list[Record] = []
-    for index, (seq, kind, body, *keyed) in enumerate(rows):
+    for index, (seq, kind, body, *keyed) in enumerate(rows, start=first):
         location = where(seq)
         if seq != index:
             reason = f"seq {index} is missing: the run's rows have a gap"
@@ -36,9 +41,34 @@ def read_rows(
         if keyed and keyed[0] != column:
             reason = f"the row's run_id column says {shown(keyed[0])}"
             raise CorruptLog(reason, run_id=run_id, location=location)
-        after = records[-1] if records else None
+        after = records[-1] if records else before
         records.append(decode_row(body, run_id=run_id, kind=kind, location=location, after=after))
     return tuple(records)
+
+
+def read_rows_after(
+    select: Callable[[int], Sequence[Sequence[Any]]],
+    exists: Callable[[], bool],
+    run_id: str,
+    after: int,
+    *,
+    where: Callable[[object], str],
+    column: object = None,
+) -> tuple[Record, ...]:
+    """The run's records at positions ``after + 1`` on (seq ``after`` on), from the rows
+    ``select(seq)`` gives from that seq on; ``RunNotFound`` where there are none and not
+    ``exists()``. The row before them is read too, for the observation a step may name."""
+    start = max(after - 1, 0)
+    rows = select(start)
+    if not rows and not exists():
+        raise no_run(run_id)
+    before = None
+    if after and rows and rows[0][0] == start:
+        seq, kind, body, *_ = rows[0]
+        rows = rows[1:]
+        if kind == RESULT_KIND:  # only a result is ever named by the step after it
+            before = decode_row(body, run_id=run_id, kind=kind, location=where(seq))
+    return read_rows(rows, run_id, where=where, column=column, first=after, before=before)
 
 
 def decode_row(

@@ -94,7 +94,7 @@ class Committer:
     def _send(self, conn: Connection, runs: Sequence[RunPlan], barrier: bool, batch: Plan) -> None:
         """One statement: fence, advance and insert ``runs``; refuse those not admitted."""
         query = self.queries.write if barrier else self.queries.lazy_write
-        admitted = {bytes(key) for key, _ in conn.execute(query, _parameters(runs)).fetchall()}
+        admitted = {bytes(key) for key, *_ in conn.execute(query, _parameters(runs)).fetchall()}
         for run, row in self._rows(conn, [r for r in runs if run_key(r.run_id) not in admitted]):
             batch.refuse(run, run.fenced_out(row))
 

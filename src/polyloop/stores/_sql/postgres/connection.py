@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -44,70 +42,17 @@ class Watched(psycopg.Connection[TupleRow]):
 
     deadline_s = math.inf
 
-    def wait(self, gen: PQGen[Any], *args: Any, **kwargs: Any) -> Any:
-        watch = _Watch(self, time.monotonic() + self.deadline_s)
-        _start(watch)
+    def wait(self, gen: PQGen[Any], interval: float = 0.1, timeout: float | None = None) -> Any:
+        given = math.inf if timeout is None else timeout
+        began, limit = time.monotonic(), min(self.deadline_s, given)
         try:
-            return super().wait(gen, *args, **kwargs)
-        except psycopg.Error as exc:
-            if watch.fired:
+            return super().wait(gen, interval, None if limit == math.inf else limit)
+        except psycopg.OperationalError as exc:
+            if limit < given and time.monotonic() - began >= limit:
+                # The exchange stops halfway: the connection is of no more use.
+                self.pgconn.finish()
                 raise Silent(f"the server did not answer within {self.deadline_s:g} s") from exc
             raise
-        finally:
-            with _changed:
-                _watches.discard(watch)  # an answer that beat the shutdown stands
-
-
-@dataclass(eq=False, slots=True)
-class _Watch:
-    conn: Watched
-    deadline: float
-    fired: bool = False
-
-
-# The exchanges waiting for an answer, and when the watchdog wakes next (under _changed).
-_watches: set[_Watch] = set()
-_next_wake = math.inf
-_changed = threading.Condition()
-_watchdog_thread: threading.Thread | None = None
-
-
-def _forget_the_parents_watchdog() -> None:
-    """A forked child starts its own watchdog and lock: the parent's thread stays behind."""
-    global _watches, _next_wake, _changed, _watchdog_thread
-    _watches, _next_wake = set(), math.inf
-    _changed = threading.Condition()
-    _watchdog_thread = None
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
-    os.register_at_fork(after_in_child=_forget_the_parents_watchdog)
-
-
-def _start(watch: _Watch) -> None:
-    global _watchdog_thread
-    with _changed:
-        if _watchdog_thread is None:
-            _watchdog_thread = threading.Thread(target=_watchdog, name="polyloop-deadline")
-            _watchdog_thread.daemon = True
-            _watchdog_thread.start()
-        _watches.add(watch)
-        if watch.deadline < _next_wake:  # else the watchdog wakes in time anyway
-            _changed.notify()
-
-
-def _watchdog() -> None:
-    """Sleep until the earliest deadline; shut the socket of each exchange past its own."""
-    global _next_wake
-    with _changed:
-        while True:
-            now = time.monotonic()
-            for watch in [watch for watch in _watches if watch.deadline <= now]:
-                _watches.discard(watch)
-                watch.fired = True
-                shut(watch.conn)
-            _next_wake = min((watch.deadline for watch in _watches), default=math.inf)
-            _changed.wait(None if _next_wake == math.inf else _next_wake - now)
 
 
 def shut(conn: Watched) -> None:

@@ -1,6 +1,7 @@
 """A PostgreSQL store object's change feed: one ``LISTEN`` connection, in a thread of its
 own while anyone waits, that wakes each waiter's event loop when the store's writes that
-may let a run go on commit (docs/stores.md#change-notifications)."""
+may let a run go on commit (docs/stores.md#change-notifications), and each follower of a
+run when a batch that wrote the run commits (docs/following.md)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import contextlib
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 
 import anyio
@@ -38,6 +39,7 @@ class _Waiter:
     the loop."""
 
     token: anyio.lowlevel.EventLoopToken
+    run: str | None  # a followed run's ``run_id`` column; None: the change feed's waiter
     ready: anyio.Event = field(default_factory=anyio.Event)  # the block may begin
     changed: anyio.Event = field(default_factory=anyio.Event)
     signalled: bool = False
@@ -78,18 +80,29 @@ class Listener:
     notification to the waiters' loops. A lost connection is opened again, and since
     notifications may have been missed meanwhile, every waiter is then woken once."""
 
-    def __init__(self, settings: Settings, listen: sql.Composed) -> None:
+    def __init__(self, settings: Settings, listen: sql.Composed, appended_channel: str) -> None:
         self._settings = settings
-        self._listen = listen
+        self._listen = listen  # both channels: the change feed's and the appended records'
+        self._appended = appended_channel
         self._lock = threading.Lock()  # everything below, and each session's conn and state
-        self._waiters: list[_Waiter] = []
+        # Waiters by what they wait for: a followed run's column, or None (the feed's),
+        # so that a notification finds its waiters without looking at the others.
+        self._waiters: dict[str | None, list[_Waiter]] = {}
         self._session: _Session | None = None
         self._closed = False
 
-    @asynccontextmanager
-    async def changes(self) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    def changes(self) -> AbstractAsyncContextManager[Callable[[], Awaitable[None]]]:
         """Listen while the block runs; the function it yields waits for a change."""
-        waiter = _Waiter(token=anyio.lowlevel.current_token())
+        return self._watching(None)
+
+    def appended(self, run: str) -> AbstractAsyncContextManager[Callable[[], Awaitable[None]]]:
+        """Listen while the block runs; the function it yields waits for a committed batch
+        that wrote the run whose ``run_id`` column is ``run``."""
+        return self._watching(run)
+
+    @asynccontextmanager
+    async def _watching(self, run: str | None) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+        waiter = _Waiter(token=anyio.lowlevel.current_token(), run=run)
         self._join(waiter)
         try:
             await waiter.ready.wait()
@@ -116,7 +129,7 @@ class Listener:
         with self._lock:
             if self._closed:
                 raise store_closed()
-            self._waiters.append(waiter)
+            self._waiters.setdefault(waiter.run, []).append(waiter)
             session = self._session
             if session is not None:
                 if session.tried:
@@ -134,7 +147,7 @@ class Listener:
     def _leave(self, waiter: _Waiter) -> _Session | None:
         """Count ``waiter`` out; the session told to stop, if it was the last."""
         with self._lock:
-            self._waiters.remove(waiter)
+            self._forget(waiter)
             if self._waiters or self._session is None:
                 return None
             session, self._session = self._session, None
@@ -168,9 +181,9 @@ class Listener:
                 if failures:
                     logger.info("listening for the store's changes again")
                 failures = 0
-                self._wake(session, missed=True)  # whatever committed while not listening
-                for _ in conn.notifies():
-                    self._wake(session)
+                self._wake(session)  # whatever committed while not listening
+                for note in conn.notifies():
+                    self._wake(session, self._woken(note.channel, note.payload))
             except Exception as exc:  # noqa: BLE001 - said once, and tried again
                 if not session.stopping.is_set():
                     failures = self._failed(session, failures, exc)
@@ -187,17 +200,34 @@ class Listener:
             logger.warning("could not listen for the store's changes (%s); trying again", text)
         with self._lock:
             session.tried = True
-            waiters = list(self._waiters)
+            waiters = [waiter for each in self._waiters.values() for waiter in each]
         for waiter in waiters:
             self._hand(waiter, changed=False)
         session.stopping.wait(RETRY_S[min(failures, len(RETRY_S) - 1)])
         return failures + 1
 
-    def _wake(self, session: _Session, *, missed: bool = False) -> None:
-        """Hand a change to every waiter's loop, unless one is on its way already (after a
-        loss, always: the one on its way may have been taken before the loss)."""
+    def _woken(self, channel: str, payload: str) -> Callable[[], list[_Waiter]]:
+        """Which waiters a notification is for (under the lock): the change feed's, or the
+        followers of the runs it names, one a line (all of them if it names none: too many
+        for its payload)."""
+        if channel != self._appended:
+            runs: Iterable[str | None] = (None,)
+        elif payload:
+            runs = set(payload.split("\n"))
+        else:
+            return lambda: [w for run, each in self._waiters.items() if run for w in each]
+        return lambda: [waiter for run in runs for waiter in self._waiters.get(run, ())]
+
+    def _wake(self, session: _Session, woken: Callable[[], list[_Waiter]] | None = None) -> None:
+        """Hand a change to the loop of every waiter it is for, unless one is on its way
+        already; ``None``, after a loss: to every waiter, always (the one on its way may
+        have been taken before the loss)."""
+        missed = woken is None
         with self._lock:
-            waiters = list(self._waiters)
+            if woken is None:
+                waiters = [waiter for each in self._waiters.values() for waiter in each]
+            else:
+                waiters = woken()
         for waiter in waiters:
             if session.stopping.is_set():
                 return
@@ -211,4 +241,11 @@ class Listener:
             anyio.from_thread.run_sync(waiter.wake, changed, token=waiter.token)
         except RuntimeError:
             with self._lock, contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)  # its loop has ended
+                self._forget(waiter)  # its loop has ended
+
+    def _forget(self, waiter: _Waiter) -> None:
+        """Count ``waiter`` out (under the lock); ``ValueError`` if it was not in."""
+        each = self._waiters.get(waiter.run, [])
+        each.remove(waiter)
+        if not each:
+            del self._waiters[waiter.run]

@@ -86,10 +86,13 @@ inserted AS (
                 string_to_array(%(bodies)b::text, E'\\n')) WITH ORDINALITY AS x(kind, body, n)
         ON x.n = g.n
 )
-SELECT run_key, announced FROM admitted
+SELECT run_key, announced, (SELECT {notify_batch} FROM
+    (SELECT string_agg(run_id, E'\\n') AS run_ids FROM admitted) AS batch) FROM admitted
 """
 # A notification on the store's channel, sent when the transaction commits; its payload
 # is the run id as the ``run_id`` column spells it, or empty past NOTIFY's 8000 bytes.
+# Each batch also notifies its followers' channel once, naming its runs one a line (a
+# column never holds a raw newline), so that idle followers cost the writer no more.
 _NOTIFY = "pg_notify({channel}, CASE WHEN octet_length({column}) < 8000 THEN {column} ELSE '' END)"
 # Without a barrier, no wait for the flush: ``SET LOCAL``, before any row is written.
 _LAZY = ",\nlazy AS (SELECT set_config('synchronous_commit', 'off', true) AS setting)"
@@ -205,11 +208,10 @@ class Queries:
         }
 
         self.channel = channel(schema)
+        self.appended_channel = f"{self.channel}_appended"
 
-        def notify(column: str) -> sql.Composed:
-            return sql.SQL(_NOTIFY).format(
-                channel=sql.Literal(self.channel), column=sql.SQL(column)
-            )
+        def notify(column: str, to: str = self.channel) -> sql.Composed:
+            return sql.SQL(_NOTIFY).format(channel=sql.Literal(to), column=sql.SQL(column))
 
         def q(text: str, **extra: sql.Composable) -> sql.Composed:
             return sql.SQL(text).format(schema=sql.Identifier(schema), **names, **extra)
@@ -229,15 +231,20 @@ class Queries:
         listed = q(_LISTED, live_owners=live_owners)
         self.claim = q(_CLAIM, live_owners=live_owners)
         self.release = q(_RELEASE, notify_freed=notify("freed.run_id"))
-        self.listen = sql.SQL("LISTEN {}").format(sql.Identifier(self.channel))
+        self.listen = sql.SQL("LISTEN {}; LISTEN {}").format(
+            sql.Identifier(self.channel), sql.Identifier(self.appended_channel)
+        )
         self.holder = q(
             "SELECT o.description, o.lease_until FROM {runs} AS r"
             " JOIN {owners} AS o ON o.owner_id = r.owner WHERE r.run_key = %s"
         )
-        announced = notify("r.run_id")
-        self.write = q(_FENCED_WRITE, lazy=sql.SQL(""), lazy_join=sql.SQL(""), notify_run=announced)
+        notified = {
+            "notify_run": notify("r.run_id"),
+            "notify_batch": notify("batch.run_ids", self.appended_channel),
+        }
+        self.write = q(_FENCED_WRITE, lazy=sql.SQL(""), lazy_join=sql.SQL(""), **notified)
         self.lazy_write = q(
-            _FENCED_WRITE, lazy=sql.SQL(_LAZY), lazy_join=sql.SQL(_LAZY_JOIN), notify_run=announced
+            _FENCED_WRITE, lazy=sql.SQL(_LAZY), lazy_join=sql.SQL(_LAZY_JOIN), **notified
         )
         self.rows_now = q(
             "SELECT run_key, epoch, finished, next_seq, cancel_by, cancel_reason, cancel_at"
@@ -260,6 +267,11 @@ class Queries:
         self.select_run = q(
             "SELECT seq, kind, body, run_id FROM {records} WHERE run_key = %s ORDER BY seq"
         )
+        self.select_after = q(
+            "SELECT seq, kind, body, run_id FROM {records} WHERE run_key = %s AND seq >= %s"
+            " ORDER BY seq"
+        )
+        self.run_started = q("SELECT 1 FROM {runs} WHERE run_key = %s AND next_seq > 0")
         order = "ORDER BY r.started_at, r.run_key"
         self.list_runs = listed + sql.SQL(order)
         self.list_unfinished = listed + sql.SQL("AND NOT r.finished " + order)
@@ -290,13 +302,15 @@ class Queries:
             "SELECT run_id FROM {runs} WHERE finished AND updated_at < %s AND owner IS NULL"
             " AND stop_reason IS DISTINCT FROM 'in_doubt' ORDER BY updated_at"
         )
-        # One run the pruner holds the claim of, checked again as it goes.
+        # One run the pruner holds the claim of, checked again as it goes; its followers
+        # are told, so that they end.
         self.prune_run = q(
             "WITH gone AS (DELETE FROM {runs} WHERE run_key = %(run_key)s"
             " AND epoch = %(epoch)s AND finished AND updated_at < %(before)s"
-            " AND stop_reason IS DISTINCT FROM 'in_doubt' RETURNING run_key),"
+            " AND stop_reason IS DISTINCT FROM 'in_doubt' RETURNING run_key, run_id),"
             " wiped AS (DELETE FROM {records} WHERE run_key IN (SELECT run_key FROM gone))"
-            " SELECT count(*) FROM gone"
+            " SELECT count(*), (SELECT {notify_gone} FROM gone) FROM gone",
+            notify_gone=notify("gone.run_id", self.appended_channel),
         )
 
 

@@ -19,12 +19,12 @@ with needs_extra("PostgresStore", "postgres"):
     from psycopg_pool import ConnectionPool
 
 from polyloop.ports import StoredRun
-from polyloop.stores._engine import Archive, EngineStore
+from polyloop.stores._engine import Archive, EngineStore, Watch
 from polyloop.stores._sql.postgres.connection import Settings, Watched, open_pool
 from polyloop.stores._sql.postgres.feed import Listener
 from polyloop.stores._sql.postgres.owner import SharedClaims
 from polyloop.stores._sql.postgres.sql import run_id_column, run_key
-from polyloop.stores._sql.rows import read_rows, shown
+from polyloop.stores._sql.rows import read_rows, read_rows_after, shown
 from polyloop.stores._writes import kept_cancel
 from polyloop.types import CancelRequest, CorruptLog, Record, StoreError
 
@@ -94,13 +94,28 @@ class Postgres(SharedClaims):
         super().__init__(settings, ready=self._ready_pool)
         self._lock = threading.Lock()  # opens the reader pool and the schema once
         self._pool: ConnectionPool[Watched] | None = None
-        self.listener = Listener(settings, self._queries.listen)
+        self.listener = Listener(settings, self._queries.listen, self._queries.appended_channel)
 
     def read(self, run_id: str) -> tuple[Record, ...]:
         rows = self._select(run_id, self._queries.select_run, (run_key(run_id),))
         prefix = f"{self._settings.schema}.records run {shown(run_id)} seq"
         column = run_id_column(run_id)
         return read_rows(rows, run_id, column=column, where=lambda seq: f"{prefix} {seq}")
+
+    def read_after(self, run_id: str, after: int) -> tuple[Record, ...]:
+        key, queries = run_key(run_id), self._queries
+        prefix = f"{self._settings.schema}.records run {shown(run_id)} seq"
+        return read_rows_after(
+            lambda seq: self._select(run_id, queries.select_after, (key, seq)),
+            lambda: bool(self._select(run_id, queries.run_started, (key,))),
+            run_id,
+            after,
+            where=lambda seq: f"{prefix} {seq}",
+            column=run_id_column(run_id),
+        )
+
+    def appended(self, run_id: str) -> Watch:
+        return self.listener.appended(run_id_column(run_id))
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
         query = self._queries.list_unfinished if unfinished_only else self._queries.list_runs

@@ -125,6 +125,9 @@ LAYOUT = Layout(
 
 INSERT = "INSERT INTO records (run_id, seq, kind, body) VALUES (?, ?, ?, ?)"
 SELECT_RUN = "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq"
+SELECT_AFTER = "SELECT seq, kind, body FROM records WHERE run_id = ? AND seq >= ? ORDER BY seq"
+# How many records a started run has: what a follower checks for news (no row: none).
+RUN_LENGTH = "SELECT next_seq FROM runs WHERE run_id = ? AND next_seq > 0"
 # A claim names its writer in the run's row and moves the epoch on.
 SELECT_CLAIM = (
     "SELECT epoch, finished, next_seq, cancel_by, cancel_reason, cancel_at FROM runs"

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,10 @@ from anyio.lowlevel import EventLoopToken
 
 from polyloop.ports import StoredRun
 from polyloop.stores._byte_locks import OneHost
-from polyloop.stores._engine import Archive, EngineStore
+from polyloop.stores._engine import Archive, EngineStore, Watch, polled
 from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
-from polyloop.stores._sql.rows import read_rows
+from polyloop.stores._sql.rows import read_rows, read_rows_after
 from polyloop.stores._sql.sqlite import sql
 from polyloop.stores._writes import Claim, Write, kept_cancel
 from polyloop.types import CancelRequest, PolyLoopError, Record, StoreError
@@ -76,6 +77,19 @@ class Sqlite(OneHost):
     def read(self, run_id: str) -> tuple[Record, ...]:
         rows, where = self._select(sql.SELECT_RUN, run_id), self._path
         return read_rows(rows, run_id, where=lambda seq: f"{where}: run row seq {seq}")
+
+    def read_after(self, run_id: str, after: int) -> tuple[Record, ...]:
+        where = self._path
+        return read_rows_after(
+            partial(self._select, sql.SELECT_AFTER, run_id),
+            lambda: bool(self._select(sql.RUN_LENGTH, run_id)),
+            run_id,
+            after,
+            where=lambda seq: f"{where}: run row seq {seq}",
+        )
+
+    def appended(self, run_id: str) -> Watch:
+        return polled(partial(self._select, sql.RUN_LENGTH, run_id))
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
         rows = self._select(sql.LIST_UNFINISHED if unfinished_only else sql.LIST_RUNS)
