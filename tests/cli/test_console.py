@@ -4,15 +4,18 @@ gives, the live updates, and every safety rule."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
 from html import unescape
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import anyio
 import httpx
@@ -28,6 +31,7 @@ from kit.console import (
     console,
     crash_in_doubt,
     fill,
+    fill_deploys,
     post_form,
     resume,
     store_factory,
@@ -47,14 +51,16 @@ from polyloop import (
     reject,
     run,
     run_status,
+    run_trace_id,
     settle,
     start_or_resume,
 )
 from polyloop.cli import _html, main
-from polyloop.cli._console import exposure_problem, run_path
+from polyloop.cli._console import LinkTemplate, exposure_problem, run_path
 from polyloop.cli._console._guard import Access
+from polyloop.cli._facts import step_time_text
 from polyloop.cli._stores import parse_store
-from polyloop.cli._view import read_view
+from polyloop.cli._view import read_view, span_text
 from polyloop.ports import ManagedStore
 from polyloop.stores import SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
@@ -917,3 +923,205 @@ def test_serve_prints_the_address_serves_and_stops_on_ctrl_c(tmp_path: Path, bac
         _, err = server.communicate(timeout=20)
     assert server.returncode == 130, err
     assert err.strip() == "polyloop: interrupted"
+
+
+# -- searching and filtering the list (issue 47) ---------------------------------------------
+
+
+async def test_the_runs_that_called_deploy_and_ended_in_doubt_are_one_link(
+    reopen: Callable[[], ManagedStore],
+) -> None:
+    async with reopen() as store:
+        await crash_in_doubt(store, "deploy-doubt-earlier", tool="deploy")
+        await anyio.sleep(0.01)
+        since = (await run_status(store, "deploy-doubt-earlier")).last_record_at
+        assert since is not None
+        await anyio.sleep(0.01)
+        expected = await fill_deploys(store)
+        after = since.isoformat()
+        async with browser(console(store)) as client:
+            page = await client.get(
+                "/", params={"tool": "deploy", "stop_reason": "in_doubt", "started_after": after}
+            )
+            everything = await client.get("/", params={"tool": "deploy", "stop_reason": "in_doubt"})
+    assert sorted(_rows(page.text)) == sorted(expected)
+    assert sorted(_rows(everything.text)) == sorted([*expected, "deploy-doubt-earlier"])
+    # The form keeps what was asked, so the next filter narrows this one.
+    assert 'name="tool" value="deploy"' in page.text
+    assert '<option value="in_doubt" selected>' in page.text
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({"tool": "pay"}, ["doubt"]),
+        ({"tool": "deploy"}, ["paused"]),  # proposed: the model called it
+        ({"tool": "double"}, ["doubt", "paused"]),
+        ({"stop_reason": "final_answer"}, sorted([EVIL_RUN, *FINISHED])),
+        ({"stop_reason": "awaiting_approval"}, ["paused"]),
+        ({"model": "SCRIPT"}, sorted(["doubt", "paused", EVIL_RUN, *FINISHED])),
+        ({"model": "gpt"}, []),
+        ({"q": "done-"}, list(FINISHED)),  # a part of the run id
+        ({"q": "DONE-2 OK"}, ["done-2"]),  # a part of the final answer, any case
+        ({"q": "paid 5"}, []),  # the payment is in doubt: it has no observation
+        ({"q": "2", "tool": "double"}, ["doubt", "paused"]),  # the last observation
+        ({"state": "in doubt", "tool": "deploy"}, []),
+        ({"started_before": "2000-01-01"}, []),
+        ({"started_after": "2000-01-01T00:00Z"}, sorted(["doubt", "paused", EVIL_RUN, *FINISHED])),
+    ],
+)
+async def test_the_list_searches_and_filters(
+    store: ManagedStore, params: dict[str, str], expected: list[str]
+) -> None:
+    async with browser(console(store)) as client:
+        page = await client.get("/", params=params)
+    assert sorted(_rows(page.text)) == expected
+
+
+async def test_a_time_that_is_no_time_is_refused_in_words_and_not_applied(
+    store: ManagedStore,
+) -> None:
+    async with browser(console(store)) as client:
+        page = await client.get("/", params={"started_after": "last tuesday", "tool": "pay"})
+    assert sorted(_rows(page.text)) == ["doubt"]
+    assert "Not a time, so not applied: <code>last tuesday</code>" in page.text
+
+
+async def test_the_filters_stay_on_every_link_of_the_list(store: ManagedStore) -> None:
+    filters = {"tool": "double", "q": "d", "started_after": "2000-01-01T00:00:00Z"}
+    async with browser(console(store, per_page=1)) as client:
+        page = await client.get("/", params=filters)
+        live = re.search(r'data-partial="([^"]*)" data-events="([^"]*)"', page.text)
+        assert live is not None
+        partial, events = (unescape(found) for found in live.groups())
+        older = unescape(re.findall(r'rel="next" href="([^"]*)"', page.text)[0])
+        second = await client.get(older)
+        fragment = await client.get(partial)
+    for link in (partial, events, older):
+        assert "tool=double" in link and "q=d" in link and "started_after=2000-01-01" in link
+    assert _rows(page.text) + _rows(second.text) == ["doubt", "paused"]
+    assert _rows(fragment.text) == _rows(page.text)
+    states = re.findall(r'<nav class="filters" id="states">(.*?)</nav>', page.text, re.S)[0]
+    assert "/?q=d&amp;state=in%20doubt&amp;tool=double&amp;started_after=" in states
+
+
+async def test_the_list_shows_duration_and_start_of_each_run(store: ManagedStore) -> None:
+    async with browser(console(store)) as client:
+        page = await client.get("/", params={"q": "done-1"})
+    status = await run_status(store, "done-1")
+    assert status.started_at is not None and status.ended_at is not None
+    seconds = (status.ended_at - status.started_at).total_seconds()
+    assert f'<td class="duration">{span_text(seconds)}</td>' in page.text
+    assert "<th>duration</th>" in page.text and "Cost is not shown" in page.text
+
+
+async def test_yesterdays_deploys_in_doubt_are_two_clicks_from_the_list(
+    reopen: Callable[[], ManagedStore],
+) -> None:
+    """The issue's measure: from the list, "yesterday", then a row's "in doubt about
+    deploy", and the list holds exactly the runs that called deploy yesterday and ended
+    in doubt (the console's clock is a day after the runs were made)."""
+    async with reopen() as store:
+        expected = await fill_deploys(store)
+        started = (await run_status(store, expected[0])).started_at
+        assert started is not None
+        later = started + timedelta(days=1)
+        async with browser(console(store, clock=lambda: later)) as client:
+            listed = await client.get("/")
+            times = one_match(r'<nav class="filters" id="times">(.*?)</nav>', listed.text)
+            yesterday = await client.get(_href(times, "yesterday"))
+            doubt = one_match(
+                r'<a class="facet doubt" href="([^"]*)">in doubt about deploy<',
+                yesterday.text,
+                first=True,
+            )
+            narrowed = await client.get(unescape(doubt))
+            # Today, for the same clock, holds none of them.
+            today = await client.get(_href(times, "today"))
+    assert len(_rows(yesterday.text)) == 6
+    assert sorted(_rows(narrowed.text)) == sorted(expected)
+    assert _rows(today.text) == []
+    # The list that results is a link a person can share: every filter is in it.
+    assert "stop_reason=in_doubt" in doubt and "tool=deploy" in doubt
+    assert "started_after=" in doubt and "started_before=" in doubt
+
+
+def one_match(pattern: str, html: str, *, first: bool = False) -> str:
+    found = re.findall(pattern, html, re.S)
+    assert found and (first or len(found) == 1), found
+    return str(found[0])
+
+
+def _href(links: str, words: str) -> str:
+    return unescape(one_match(rf'<a href="([^"]*)"[^>]*>{re.escape(words)}</a>', links))
+
+
+# -- a run's page: timeline, edits, trace (issue 47) -----------------------------------------
+
+
+async def test_a_run_page_shows_its_trace_id_and_links_only_when_templates_are_set(
+    store: ManagedStore,
+) -> None:
+    trace = LinkTemplate.parse("https://tempo.example/trace/{trace_id}", "--trace-url")
+    temporal = LinkTemplate.parse(
+        "https://temporal.example/namespaces/default/workflows/{run_id}", "--temporal-url"
+    )
+    async with browser(console(store, trace_link=trace, temporal_link=temporal)) as client:
+        linked = await client.get(run_path(EVIL_RUN))
+    async with browser(console(store)) as client:
+        plain = await client.get(run_path(EVIL_RUN))
+    trace_id = run_trace_id(EVIL_RUN)
+    for page in (linked, plain):
+        assert f"trace id <code>{trace_id}</code>" in page.text
+    assert f'href="https://tempo.example/trace/{trace_id}"' in linked.text
+    workflow = quote(EVIL_RUN, safe="")
+    assert f'href="https://temporal.example/namespaces/default/workflows/{workflow}"' in linked.text
+    assert 'id="trace-link"' not in plain.text and 'id="temporal-link"' not in plain.text
+
+
+async def test_a_run_page_draws_each_step_on_a_timeline(store: ManagedStore) -> None:
+    view = await read_view(store, parse_store("sqlite:x.db"), "paused")  # double, then a proposal
+    async with browser(console(store)) as client:
+        page = await client.get(run_path("paused"))
+    section = re.search(r'<section id="timeline">.*?</section>', page.text, re.S)
+    assert section is not None
+    rows = re.findall(r'<tr class="step-time">(.*?)</tr>', section.group(), re.S)
+    assert len(rows) == len(view.steps) == 1
+    [step] = view.steps
+    assert step.model_duration_s is not None and step.action_duration_s is not None
+    assert '<rect class="model"' in rows[0] and '<rect class="tool"' in rows[0]
+    assert step_time_text(step) in unescape(rows[0])
+
+
+async def test_after_an_edited_approval_the_page_shows_both_arguments(
+    store: ManagedStore,
+) -> None:
+    await approve(store, "paused", by="dana", arguments={"env": "staging"}, result_id=None)
+    async with browser(console(store)) as client:
+        waiting = await client.get(run_path("paused"))
+    await resume(store, "paused", approval_script())
+    async with browser(console(store)) as client:
+        ran = await client.get(run_path("paused"))
+    for page in (waiting, ran):
+        section = re.search(r'<section id="edits">.*?</section>', page.text, re.S)
+        assert section is not None
+        proposed, approved = re.findall(
+            r'<figure class="(?:proposed|approved)">.*?<pre>(.*?)</pre>', section.group(), re.S
+        )
+        assert json.loads(unescape(proposed)) == {"env": "prod"}
+        assert json.loads(unescape(approved)) == {"env": "staging"}
+        assert "approved by <strong>dana</strong>" in section.group()
+        assert "(changed: <code>env</code>)" in section.group()
+    async with browser(console(store)) as client:
+        untouched = await client.get(run_path("done-1"))
+    assert 'id="edits"' not in untouched.text
+
+
+async def test_a_search_past_its_limit_says_which_runs_it_read(store: ManagedStore) -> None:
+    async with browser(console(store, scan_limit=4)) as client:
+        page = await client.get("/", params={"q": "done"})
+        plain = await client.get("/", params={"state": "finished"})
+    # The four most recent: doubt, paused, the run with markup, done-3.
+    assert _rows(page.text) == ["done-3"]
+    assert "Searched the 4 most recent runs only" in page.text
+    assert "Searched the" not in plain.text  # a state filter reads as before

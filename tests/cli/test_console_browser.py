@@ -18,12 +18,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import pytest
@@ -31,9 +31,12 @@ from playwright.sync_api import Browser, Page, expect
 
 from kit.agent import Ledger, answer, definition, request, tool_call
 from kit.browser import chromium, launched
+from kit.console import fill_deploys
 from kit.review import approval_script, review_tools
 from polyloop import run
 from polyloop.stores import SqliteStore
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.slow  # each test starts a console and drives a browser
 
@@ -57,7 +60,8 @@ PAUSED_ID = "paused-<b>bold</b>\"'&amp;/x"
 IMG = "<img src=x onerror=alert(2)>"
 SVG = "<svg onload=alert(3)>"
 NAME = "<i>mallory</i><script>alert(4)</script>"
-INJECTED = "main img, main svg, main b, main i, main script, main iframe"
+# The timeline's own drawings (svg.step-bar) are the one SVG a page may hold.
+INJECTED = "main img, main svg:not(.step-bar), main b, main i, main script, main iframe"
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,20 @@ def _address(server: subprocess.Popen[str]) -> str:
             return line.removeprefix("open ").strip()
     errors = server.stderr.read() if server.stderr else ""
     raise AssertionError(f"the console ended without saying where it listens: {errors}")
+
+
+@contextmanager
+def served_after(
+    fill: Callable[[Path], Awaitable[T]], tmp_path: Path, backend: str
+) -> Iterator[tuple[str, T]]:
+    """The console's address over a SQLite store ``fill`` filled first, and what ``fill``
+    returned. Playwright's own event loop holds this thread: the store is filled in
+    another."""
+    path = tmp_path / "runs.db"
+    with ThreadPoolExecutor(1) as thread:
+        filled = thread.submit(anyio.run, fill, path, backend=backend).result()
+    with serving(f"sqlite:{path}", backend) as url:
+        yield url, filled
 
 
 @dataclass
@@ -325,10 +343,7 @@ async def _fill_with_markup(db: Path) -> None:
 def test_markup_from_the_log_is_text_and_no_script_of_it_runs(
     browser: Browser, tmp_path: Path, backend: str
 ) -> None:
-    # Playwright's own event loop holds this thread: the store is filled in another.
-    with ThreadPoolExecutor(1) as thread:
-        thread.submit(anyio.run, _fill_with_markup, tmp_path / "runs.db", backend=backend).result()
-    with serving(f"sqlite:{tmp_path / 'runs.db'}", backend) as url, opened(browser) as tab:
+    with served_after(_fill_with_markup, tmp_path, backend) as (url, _), opened(browser) as tab:
         page = tab.page
         response = page.goto(url)
         assert response is not None
@@ -449,3 +464,66 @@ def test_the_docs_screenshots_are_taken_from_a_real_console(tmp_path: Path) -> N
         width = int.from_bytes(picture[16:20], "big")  # the IHDR chunk comes first
         assert width == SCREENSHOT_WIDTH
         assert len(picture) < SCREENSHOT_MAX_BYTES
+
+
+# -- investigating -------------------------------------------------------------------------
+
+
+async def _fill_deploys(path: Path) -> tuple[str, ...]:
+    async with SqliteStore(path) as store:
+        return await fill_deploys(store)
+
+
+def test_the_deploys_in_doubt_are_two_clicks_from_the_list(
+    browser: Browser, tmp_path: Path, backend: str
+) -> None:
+    """A time link, then a row's "in doubt about deploy": the list holds exactly the
+    runs that called deploy in that time and ended in doubt, and its address says so."""
+    with served_after(_fill_deploys, tmp_path, backend) as (url, expected), opened(browser) as tab:
+        page = tab.page
+        page.goto(url)
+        expect(page.locator("td.id a")).to_have_count(6)
+        page.locator("#times").get_by_role("link", name="today", exact=True).click()  # 1
+        page.get_by_role("link", name="in doubt about deploy").first.click()  # 2
+        expect(page.locator("td.id a")).to_have_count(len(expected))
+        assert sorted(page.locator("td.id a").all_inner_texts()) == sorted(expected)
+        assert "tool=deploy" in page.url and "stop_reason=in_doubt" in page.url
+        # The form shows the filters the list holds, and the address opens the same list.
+        expect(page.locator('input[name="tool"]')).to_have_value("deploy")
+        expect(page.locator('select[name="stop_reason"]')).to_have_value("in_doubt")
+        page.goto(page.url)
+        assert sorted(page.locator("td.id a").all_inner_texts()) == sorted(expected)
+        assert tab.problems == []
+
+
+async def _fill_paused(path: Path) -> None:
+    async with SqliteStore(path) as store:
+        tools = review_tools(Ledger())
+        await run(definition(store, script=approval_script()), request("release-3", tools))
+
+
+def test_edited_arguments_are_shown_beside_the_proposed_ones_after_approval(
+    browser: Browser, tmp_path: Path, backend: str
+) -> None:
+    with served_after(_fill_paused, tmp_path, backend) as (url, _), opened(browser) as tab:
+        page = tab.page
+        open_run_from_the_list(page, url, "release-3", "awaiting approval")
+        expect(page.locator("#edits")).to_have_count(0)
+        page.locator("#by-approve").fill("erin")
+        page.locator("#arguments").fill('{"env": "staging"}')
+        page.get_by_role("button", name="Approve").click()
+        answered(page, "approved", "erin")
+        proposed = page.locator("#edits figure.proposed pre")
+        approved = page.locator("#edits figure.approved pre")
+        expect(proposed).to_contain_text('"env": "prod"')
+        expect(approved).to_contain_text('"env": "staging"')
+        expect(page.locator("#edits")).to_contain_text("changed: env")
+        left, right = proposed.bounding_box(), approved.bounding_box()
+        assert left is not None and right is not None
+        # Side by side: the approved arguments to the right, on the same line.
+        assert right["x"] >= left["x"] + left["width"] and abs(right["y"] - left["y"]) < 2
+        # The step that ran before the proposal is a bar on the timeline, drawn.
+        bar = page.locator("#timeline svg rect.rest").first
+        box = bar.bounding_box()
+        assert box is not None and box["width"] > 0 and box["height"] > 0
+        assert tab.problems == []

@@ -22,7 +22,7 @@ from kit.agent import ANSWER_SCHEMA, Ledger, answer, definition, make_tools, req
 from kit.console import BASE_URL, CONSOLE_KINDS, browser, console, post_form, store_factory
 from kit.review import reviews
 from kit.surrogate import HALF, SHOWN
-from polyloop import Replay, ToolRegistry, ToolSpec, run, start_or_resume
+from polyloop import Replay, ToolRegistry, ToolSpec, approve, run, start_or_resume
 from polyloop._escaping import escape_block, escape_field
 from polyloop.cli._console import run_path
 from polyloop.cli._people import pending_line
@@ -375,3 +375,56 @@ def test_a_run_path_is_one_segment_that_reads_back_to_the_run_id() -> None:
         assert segment.isascii() and segment.lower().replace("%2e", ".") not in (".", "..")
         # A server decodes the path once before routing; the console decodes the rest.
         assert unquote(unquote(segment), errors="surrogatepass") == run_id
+
+
+async def test_what_a_search_asked_is_echoed_as_the_terminal_shows_it(
+    store: ManagedStore,
+) -> None:
+    await wire_in_doubt(store, TRICKY_RUN)
+    markup = '"><script>alert(5)</script>'
+    asked = {
+        # An address holds UTF-8: half an emoji cannot be asked for.
+        "q": f"{TRICKY.replace(HALF, '')}{markup}",
+        "tool": f"wire{markup}\u202e",
+        "model": f"{markup}\x1b",
+        "started_after": f"{markup}\u2066",
+    }
+    async with browser(console(store)) as client:
+        page = await client.get("/", params=asked)
+        found = await client.get("/", params={"q": "ops", "tool": "wire"})
+    assert page.status_code == 200
+    assert_nothing_raw(page.text)
+    assert "<script>alert(5)" not in page.text
+    for name in ("q", "tool", "model"):
+        value = one(rf'name="{name}" value="([^"]*)"', page.text)
+        assert unescape(value) == escape_field(asked[name].strip())
+    refused = one(r"Not a time, so not applied: <code>(.*?)</code>", page.text)
+    assert unescape(refused) == escape_field(asked["started_after"])
+    # The run in doubt is found, its tool and the doubt shown as the terminal shows them.
+    assert_nothing_raw(found.text)
+    assert [escape_field(TRICKY_RUN)] == list(links(found.text))
+    assert '<a class="facet doubt"' in found.text and "in doubt about wire</a>" in found.text
+
+
+async def test_edited_arguments_beside_the_proposed_ones_are_shown_as_the_terminal_shows_them(
+    store: ManagedStore,
+) -> None:
+    await propose(store, TRICKY_RUN)
+    edited = {"answer": f"{TRICKY}<b>x</b>", f"note\u202e{HALF}": "<i>y</i>"}
+    await approve(store, TRICKY_RUN, by="ann\u202e<b>", arguments=edited, result_id=None)
+    async with browser(console(store)) as client:
+        page = await client.get(run_path(TRICKY_RUN))
+    assert page.status_code == 200
+    assert_nothing_raw(page.text)
+    found = re.search(r'<section id="edits">.*?</section>', page.text, re.DOTALL)
+    assert found is not None
+    box = found.group()
+    assert "<b>" not in box and "<i>" not in box
+    proposed, approved = re.findall(r"<pre>(.*?)</pre>", box, re.S)
+    # The JSON shown reads back as the arguments themselves, every character escaped.
+    assert json.loads(unescape(proposed)) == {"answer": TRICKY}
+    assert json.loads(unescape(approved)) == edited
+    changed = re.findall(r"<code>(.*?)</code>", box)
+    assert [unescape(key) for key in changed] == ["answer", escape_field(f"note\u202e{HALF}")]
+    shown_by = escape_field("ann\u202e")
+    assert f"approved by <strong>{shown_by}&lt;b&gt;</strong>" in box

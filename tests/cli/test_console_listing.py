@@ -3,6 +3,7 @@ page reads the logs of its own runs only."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -15,16 +16,19 @@ from kit.review import review_tools
 from polyloop import run
 from polyloop.cli._console._data import list_page
 from polyloop.cli._console._listing import (
+    Query,
     RowCache,
     RunRow,
     StateFilter,
     candidates,
     ordered,
     paginate,
+    passes,
     select,
 )
 from polyloop.ports import StoredRun
 from polyloop.stores import SqliteStore
+from polyloop.types import StopReason
 
 pytestmark = pytest.mark.anyio
 
@@ -68,7 +72,7 @@ def test_candidates_leave_finished_runs_out_of_finer_filters(
         stored("u1", 2, finished=False),
         stored("u2", 4, finished=False),
     ]
-    assert ids(candidates(runs, wanted)) == expected
+    assert ids(candidates(runs, Query(state=wanted))) == expected
 
 
 @pytest.mark.parametrize(
@@ -114,9 +118,9 @@ def test_a_finer_filter_pages_the_runs_whose_rows_pass_it() -> None:
         "r2": row("r2", "in doubt"),
         "r4": row("r4", "in doubt"),  # r3 went away while it was read: no row
     }
-    found = select(runs, rows, StateFilter.IN_DOUBT, 2, per_page=2)
+    found = select(runs, rows, Query(state=StateFilter.IN_DOUBT), 2, per_page=2)
     assert ids(found.runs) == ["r4"] and found.total == 3
-    assert ids(select(runs, rows, StateFilter.ALL, 1, per_page=9).runs) == ids(runs)
+    assert ids(select(runs, rows, Query(), 1, per_page=9).runs) == ids(runs)
 
 
 def test_the_cache_keeps_a_row_while_the_run_table_says_nothing_changed() -> None:
@@ -159,26 +163,148 @@ class CountingStore:
         return getattr(self._store, name)
 
 
+async def finished_runs(store: SqliteStore, run_ids: list[str], text: str = "ok") -> None:
+    """A run per id that answers ``text`` (``{n}`` its place in ``run_ids``) and ends."""
+    tools = review_tools(Ledger())
+    for n, run_id in enumerate(run_ids):
+        script = [answer(text.format(n=n))]
+        await run(definition(store, script=script), request(run_id, tools))
+
+
 async def test_a_page_reads_only_its_own_runs_and_then_only_what_changed(
     tmp_path: Path,
 ) -> None:
     async with SqliteStore(tmp_path / "runs.db") as store:
-        tools = review_tools(Ledger())
-        for n in range(12):
-            await run(definition(store, script=[answer("ok")]), request(f"done-{n:02}", tools))
+        await finished_runs(store, [f"done-{n:02}" for n in range(12)])
         await crash_in_doubt(store, "doubt")
         counting = CountingStore(store)
         cache = RowCache()
-        page, rows, _ = await list_page(counting, cache, StateFilter.ALL, 1, per_page=5)  # type: ignore[arg-type]
+        page, rows, _ = await list_page(
+            counting, cache, Query(state=StateFilter.ALL), 1, per_page=5
+        )  # type: ignore[arg-type]
         assert [r.run_id for r in rows] == ["doubt", "done-11", "done-10", "done-09", "done-08"]
         assert set(counting.read) == set(ids(page.runs))
         counting.read.clear()
-        await list_page(counting, cache, StateFilter.ALL, 1, per_page=5)  # type: ignore[arg-type]
+        await list_page(counting, cache, Query(state=StateFilter.ALL), 1, per_page=5)  # type: ignore[arg-type]
         assert counting.read == []  # nothing changed: every row came from the cache
-        _, doubts, _ = await list_page(counting, cache, StateFilter.IN_DOUBT, 1, per_page=5)  # type: ignore[arg-type]
+        _, doubts, _ = await list_page(
+            counting, cache, Query(state=StateFilter.IN_DOUBT), 1, per_page=5
+        )  # type: ignore[arg-type]
         assert [r.run_id for r in doubts] == ["doubt"]
         assert counting.read == []  # the in-doubt run's row was cached; finished ones unread
         await crash_in_doubt(store, "later")
-        _, doubts, _ = await list_page(counting, cache, StateFilter.IN_DOUBT, 1, per_page=5)  # type: ignore[arg-type]
+        _, doubts, _ = await list_page(
+            counting, cache, Query(state=StateFilter.IN_DOUBT), 1, per_page=5
+        )  # type: ignore[arg-type]
         assert [r.run_id for r in doubts] == ["later", "doubt"]
         assert set(counting.read) == {"later"}
+
+
+# -- search and filters (issue 47) -------------------------------------------------------------
+
+
+def found(run_id: str, **fields: Any) -> RunRow:
+    return replace(row(run_id, "finished"), **fields)
+
+
+def test_a_query_reads_back_from_its_parameters() -> None:
+    params = {
+        "q": " needle ",
+        "state": "in_doubt",
+        "stop_reason": "in_doubt",
+        "tool": "deploy",
+        "model": "gpt",
+        "started_after": "2026-12-06",
+        "started_before": "2026-12-07T00:00:00+01:00",
+    }
+    query = Query.parse(params)
+    assert query.text == "needle" and query.state is StateFilter.IN_DOUBT
+    assert query.stop_reason is StopReason.IN_DOUBT
+    assert query.started_after == datetime(2026, 12, 6, tzinfo=UTC)
+    assert query.started_before == datetime(2026, 12, 6, 23, tzinfo=UTC)
+    assert Query.parse(query.params()) == query
+    assert Query.parse({"stop_reason": "bogus", "started_after": "soon"}) == Query(
+        unreadable=("soon",)
+    )
+    assert Query().params() == {} and not Query().needs_rows
+
+
+def test_a_filter_on_what_a_log_holds_needs_every_row_and_rules_out_by_the_run_table() -> None:
+    runs = [
+        stored("f-old", 1),
+        stored("f-new", 30),
+        stored("u-old", 2, finished=False),
+        stored("u-new", 40, finished=False),
+        stored("undated", None),
+    ]
+    since = T0 + timedelta(minutes=10)
+    # A last record before the start asked for rules the run out; so does the stop reason.
+    assert ids(candidates(runs, Query(started_after=since))) == ["u-new", "f-new", "undated"]
+    in_doubt = Query(stop_reason=StopReason.IN_DOUBT)
+    assert ids(candidates(runs, in_doubt)) == ["u-new", "u-old"] and in_doubt.unfinished_only
+    ended = Query(stop_reason=StopReason.FINAL_ANSWER)
+    assert ids(candidates(runs, ended)) == ["f-new", "f-old", "undated"] and ended.finished_only
+    assert Query(tool="x").needs_rows and Query(text="x").needs_rows
+
+
+@pytest.mark.parametrize(
+    ("query", "passing"),
+    [
+        (Query(tool="deploy"), ["a"]),
+        (Query(tool="dep"), []),  # a tool by its whole name
+        (Query(model="MINI"), ["b"]),
+        (Query(text="A-1"), ["a-1"]),
+        (Query(text="DISK IS"), ["b"]),
+        (Query(stop_reason=StopReason.IN_DOUBT), ["a", "c"]),  # c: no end record yet
+        (Query(stop_reason=StopReason.FINAL_ANSWER), []),
+        (Query(started_after=T0 + timedelta(hours=1)), ["b"]),
+        (Query(started_before=T0 + timedelta(hours=1)), ["a"]),
+        (Query(started_after=T0, started_before=T0 + timedelta(hours=1)), ["a"]),
+    ],
+)
+def test_which_rows_pass(query: Query, passing: list[str]) -> None:
+    rows = [
+        found("a", tools=("double", "deploy"), stop_reason="in_doubt", started_at=T0),
+        found(
+            "b",
+            models=("gpt-4o-mini",),
+            last_texts=("the disk is full",),
+            started_at=T0 + timedelta(hours=2),
+        ),
+        found("a-1"),  # no start time: out of any time filter
+        found("c", state="in doubt"),
+    ]
+    assert [r.run_id for r in rows if passes(r, query)] == passing
+
+
+def test_a_run_without_an_end_has_no_duration() -> None:
+    assert found("a", started_at=T0).duration_s is None
+    assert found("a", started_at=T0, ended_at=T0 + timedelta(seconds=3)).duration_s == 3.0
+
+
+async def test_a_search_reads_the_most_recent_runs_up_to_its_limit_then_only_what_changed(
+    tmp_path: Path,
+) -> None:
+    async with SqliteStore(tmp_path / "runs.db") as store:
+        await finished_runs(store, [f"done-{n}" for n in range(8)], "answer {n}")
+        counting = CountingStore(store)
+        cache = RowCache()
+
+        async def search(text: str, **more: Any) -> tuple[Any, list[str]]:
+            query = Query(text=text, **more)
+            page, rows, _ = await list_page(counting, cache, query, 1, per_page=5, scan_limit=4)  # type: ignore[arg-type]
+            return page, [r.run_id for r in rows]
+
+        page, found_ids = await search("ANSWER")
+        assert found_ids == ["done-7", "done-6", "done-5", "done-4"]
+        assert page.searched_only == 4 and page.total == 4
+        assert set(counting.read) == {"done-4", "done-5", "done-6", "done-7"}
+        counting.read.clear()
+        page, found_ids = await search("answer 5")
+        assert found_ids == ["done-5"] and counting.read == []  # all from the cache
+        # A start-time filter rules out, unread, the runs whose last record is older.
+        status = await store.describe_run("done-5")
+        assert status is not None and status.updated_at is not None
+        page, found_ids = await search("answer", started_after=status.updated_at)
+        assert found_ids == ["done-7", "done-6"]  # done-5 started before its last record
+        assert page.searched_only is None and counting.read == []

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kit.agent import Ledger, answer, definition, request
-from kit.review import approval_script, payment_script, review_tools
+from kit.agent import Ledger, answer, definition, request, tool_call
+from kit.review import approval_script, review_tools
 from kit.store import sampled
 from polyloop import Replay, run, start_or_resume
 from polyloop.cli._console import Access, Settings, create_app
@@ -27,6 +27,7 @@ FINISHED = ("done-1", "done-2", "done-3")
 # The stores the console's tests run on: what it shows and takes goes through the store's
 # interface alone, which each store's contract suite checks (research-wiki/0065).
 CONSOLE_KINDS = sampled(("sqlite", "postgresql"))
+DOUBT_ARGUMENTS: dict[str, dict[str, Any]] = {"pay": {"n": 5}, "deploy": {"env": "prod"}}
 
 
 def store_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[], ManagedStore]:
@@ -52,16 +53,38 @@ async def fill(store: ManagedStore) -> None:
     await crash_in_doubt(store, "doubt")
 
 
-async def crash_in_doubt(store: ManagedStore, run_id: str) -> None:
-    """A run whose payment was announced when its process died: in doubt once resumed."""
-    tools = review_tools(Ledger())
+async def fill_deploys(store: ManagedStore) -> tuple[str, ...]:
+    """Runs around deploys: three in doubt about a deploy (one whose process died and
+    that no resume has ended yet), one in doubt about a payment, one whose deploy ran,
+    one whose deploy waits for approval. The ids of the three."""
+    for run_id in ("deploy-doubt-1", "deploy-doubt-2"):
+        await crash_in_doubt(store, run_id, tool="deploy")
+    await crash_in_doubt(store, "deploy-doubt-3", tool="deploy", resumed=False)
+    await crash_in_doubt(store, "pay-doubt")
+    tools = review_tools(Ledger(), needs_approval=False)
+    await run(definition(store, script=approval_script()), request("deploy-done", tools))
+    waiting = review_tools(Ledger())
+    await run(definition(store, script=approval_script()), request("deploy-waits", waiting))
+    return ("deploy-doubt-1", "deploy-doubt-2", "deploy-doubt-3")
+
+
+async def crash_in_doubt(
+    store: ManagedStore, run_id: str, tool: str = "pay", *, resumed: bool = True
+) -> None:
+    """A run whose payment (or deploy, ``tool``: neither is ever replayed, and the
+    deploy runs without approval here) was announced when its process died: in doubt,
+    with an end record that says so once resumed (``resumed``), without one before."""
+    tools = review_tools(Ledger(), needs_approval=tool != "deploy")
+    script = [tool_call("double", n=1), tool_call(tool, **DOUBT_ARGUMENTS[tool]), answer("done")]
     with pytest.raises(SimulatedCrash):
         await run(
-            definition(FaultyStore(store, fail_after_writes=8), script=payment_script()),
+            definition(FaultyStore(store, fail_after_writes=8), script=script),
             request(run_id, tools, model_replay=Replay.ALLOWED),
         )
+    if not resumed:
+        return
     await start_or_resume(
-        definition(store, script=payment_script()),
+        definition(store, script=script),
         request(run_id, tools, model_replay=Replay.ALLOWED),
     )
 

@@ -694,6 +694,20 @@ def _serve_parser(commands: _Commands) -> None:
         metavar="SECONDS",
         help="how often the live list looks at the store for changes (default: 1)",
     )
+    sub.add_argument(
+        "--trace-url",
+        metavar="TEMPLATE",
+        help="link each run's page to its trace in a tracing UI: an http(s) address with "
+        "{trace_id} (the run's OpenTelemetry trace id) and {run_id}, such as "
+        "https://tempo.example/trace/{trace_id}",
+    )
+    sub.add_argument(
+        "--temporal-url",
+        metavar="TEMPLATE",
+        help="link each run's page to its Temporal workflow: an http(s) address with "
+        "{run_id} (the workflow id) and {trace_id}, such as "
+        "http://localhost:8233/namespaces/default/workflows/{run_id}",
+    )
 
 
 def _port(text: str) -> int:
@@ -718,6 +732,8 @@ async def _serve_command(args: argparse.Namespace, out: Console) -> int:
         user_header=args.user_header,
         read_only=args.read_only,
     )
+    trace_link = console_parts.parsed_link(args.trace_url, "--trace-url")
+    temporal_link = console_parts.parsed_link(args.temporal_url, "--temporal-url")
     problem = console_parts.exposure_problem(args.host, access)
     if problem is not None:
         print(f"{PROGRAM}: error: {problem}", file=sys.stderr)
@@ -725,7 +741,13 @@ async def _serve_command(args: argparse.Namespace, out: Console) -> int:
     spec = await _store_of(args)
     async with open_store(spec) as store:
         listener = await anyio.to_thread.run_sync(_serve.listen, args.host, args.port)
-        settings = console_parts.Settings(spec.shown, access, poll_s=args.poll)
+        settings = console_parts.Settings(
+            spec.shown,
+            access,
+            poll_s=args.poll,
+            trace_link=trace_link,
+            temporal_link=temporal_link,
+        )
         app = console_parts.create_app(store, settings)
         _say_where(out, spec.shown, listener.url, access)
         await _serve.serve(app, listener, args.backend)

@@ -9,6 +9,16 @@ Hypercorn).
 from __future__ import annotations
 
 from polyloop.cli._console._guard import Access, exposure_problem
+from polyloop.cli._console._links import LinkTemplate
+from polyloop.cli._console._links import parsed as parsed_link
 from polyloop.cli._console._web import Settings, create_app, run_path
 
-__all__ = ("Access", "Settings", "create_app", "exposure_problem", "run_path")
+__all__ = (
+    "Access",
+    "LinkTemplate",
+    "Settings",
+    "create_app",
+    "exposure_problem",
+    "parsed_link",
+    "run_path",
+)

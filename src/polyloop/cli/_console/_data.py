@@ -7,22 +7,32 @@ what ``polyloop runs`` and ``polyloop show`` say.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import anyio
 
 from polyloop.cli._console._listing import (
     PER_PAGE,
+    SCAN_LIMIT,
     Page,
+    Query,
     RowCache,
     RunRow,
-    StateFilter,
     candidates,
     select,
 )
-from polyloop.cli._facts import run_tokens_text
+from polyloop.cli._facts import in_doubt, run_tokens_text
 from polyloop.cli._view import CORRUPT, STATE_WORDS, RunView, state_detail
 from polyloop.ports import ManagedStore, StoredRun
 from polyloop.session import run_status
-from polyloop.types import CorruptLog, RunNotFound, SchemaMajorMismatch
+from polyloop.types import (
+    CorruptLog,
+    Intent,
+    IntentKind,
+    Proposal,
+    RunNotFound,
+    SchemaMajorMismatch,
+)
 
 # Runs whose logs a page reads at once.
 READ_AT_ONCE = 8
@@ -61,7 +71,59 @@ async def read_row(store: ManagedStore, run: StoredRun) -> RunRow | None:
         owner=status.owner or run.owner,
         detail=status.detail,
         state_detail=state_detail(status),
+        started_at=status.started_at,
+        ended_at=status.ended_at,
+        tools=tools_called(view),
+        models=models_of(view),
+        last_texts=last_texts(view),
+        doubt_tool=doubt.tool if (doubt := in_doubt(view)) is not None else None,
     )
+
+
+def tools_called(view: RunView) -> tuple[str, ...]:
+    """The tools the run called, or was asked to call (a proposal, an action in doubt),
+    in the order first seen: its steps' native tool calls, and its actions' intents and
+    proposals, which name the tool whatever the interpreter."""
+    names: dict[str, None] = {}
+    for step in view.steps:
+        if step.tool_call is not None:
+            names[step.tool_call.name] = None
+    for record in view.log.records:
+        if isinstance(record, Intent) and record.kind is not IntentKind.ACTION:
+            continue
+        if isinstance(record, Intent | Proposal):
+            payload = record.payload
+            name = payload.get("name") if isinstance(payload, dict) else None
+            if isinstance(name, str):
+                names[name] = None
+    return tuple(names)
+
+
+def models_of(view: RunView) -> tuple[str, ...]:
+    """The snapshot's model parameters that are text (``model.name``, ...), digests left
+    out, and the model each reply names."""
+    found: dict[str, None] = {}
+    for key, value in view.snapshot.items():
+        if key.startswith("model.") and isinstance(value, str) and "sha256" not in key:
+            found[value] = None
+    for step in view.steps:
+        if step.model is not None:
+            found[step.model] = None
+    return tuple(found)
+
+
+def last_texts(view: RunView) -> tuple[str, ...]:
+    """What a search of the list reads besides the run id: the last step's reply and
+    observation, and the final answer."""
+    texts = []
+    if view.steps:
+        last = view.steps[-1]
+        texts.append(last.model_output)
+        if last.observation is not None:
+            texts.append(last.observation)
+    if (answer := view.final_answer) is not None:
+        texts.append(answer)
+    return tuple(texts)
 
 
 async def rows_for(
@@ -99,27 +161,28 @@ async def _read_rows(store: ManagedStore, runs: list[StoredRun]) -> dict[str, Ru
 async def list_page(
     store: ManagedStore,
     cache: RowCache,
-    wanted: StateFilter,
+    query: Query,
     number: int,
     per_page: int = PER_PAGE,
+    scan_limit: int = SCAN_LIMIT,
 ) -> tuple[Page, list[RunRow], tuple[StoredRun, ...]]:
-    """Page ``number`` of the runs that pass ``wanted``, their rows, and the run table as
+    """Page ``number`` of the runs that pass ``query``, their rows, and the run table as
     it was listed (what the live page watches for changes).
 
-    Only the runs on the page are read; for a filter finer than finished or unfinished,
-    the unfinished runs are read too (through the cache) to tell which pass.
+    Only the runs on the page are read when the run table can tell which pass; for a
+    finer state, every unfinished run is read too (through the cache) to tell which
+    pass. A search or a filter on what a log holds reads the ``scan_limit`` most recent
+    runs the run table cannot rule out, at most, and the page says so.
     """
-    seen = await store.list_runs(unfinished_only=listed_unfinished_only(wanted))
-    listed = candidates(seen, wanted)
-    if wanted.needs_status:
+    seen = await store.list_runs(unfinished_only=query.unfinished_only)
+    listed = candidates(seen, query)
+    searched_only = None
+    if query.reads_content and len(listed) > scan_limit:
+        listed, searched_only = listed[:scan_limit], scan_limit
+    if query.needs_rows:
         rows = await rows_for(store, cache, listed)
-        page = select(listed, rows, wanted, number, per_page)
+        page = replace(select(listed, rows, query, number, per_page), searched_only=searched_only)
     else:
-        page = select(listed, {}, wanted, number, per_page)
+        page = select(listed, {}, query, number, per_page)
         rows = await rows_for(store, cache, page.runs)
     return page, [rows[run.run_id] for run in page.runs if run.run_id in rows], seen
-
-
-def listed_unfinished_only(wanted: StateFilter) -> bool:
-    """Whether the runs ``wanted`` may pass are all among the unfinished ones."""
-    return wanted not in (StateFilter.ALL, StateFilter.FINISHED)

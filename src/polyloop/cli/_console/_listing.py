@@ -4,9 +4,10 @@ The list is built from the store's run table (``list_runs``), which says whether
 run finished without reading its log. A filter on finished or unfinished runs needs
 nothing more, so only the runs on the page are read. A finer filter (awaiting approval,
 in doubt, running, resumable) needs each unfinished run's status; finished runs, the
-vast majority of a long-lived store, are never read for it. Summaries are kept in a
-small cache keyed by what the run table says of a run, so an unchanged run is not read
-again.
+vast majority of a long-lived store, are never read for it. A search or a filter on
+what a log holds (its stop reason, tools, model, start time, last reply) needs the row
+of every run the run table cannot rule out. Rows are kept in a cache keyed by what the
+run table says of a run, so an unchanged run is not read again.
 """
 
 from __future__ import annotations
@@ -14,13 +15,19 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 
+from polyloop.cli._view import span_s
 from polyloop.ports import StoredRun
+from polyloop.types import StopReason
 
 PER_PAGE = 50
 CACHE_SIZE = 4096
+# The most recent runs a search or a filter on what a log holds reads, at most: as many
+# as the row cache keeps, so asking again reads only what changed. Older runs are
+# reached by narrowing the time (a start-time filter rules runs out unread).
+SCAN_LIMIT = CACHE_SIZE
 
 
 class StateFilter(enum.StrEnum):
@@ -63,6 +70,21 @@ class RunRow:
     detail: str | None = None
     # What the state's word leaves out, as polyloop runs prints it in brackets.
     state_detail: str | None = None
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
+    # The tools the run called or was asked to call (a proposal, an action in doubt).
+    tools: tuple[str, ...] = ()
+    # The snapshot's model parameters (``model.name``, ...) and the models that replied.
+    models: tuple[str, ...] = ()
+    # The last step's reply and observation, and the run's final answer: what a search reads.
+    last_texts: tuple[str, ...] = ()
+    # The tool of the action in doubt, for a run in doubt about an action.
+    doubt_tool: str | None = None
+
+    @property
+    def duration_s(self) -> float | None:
+        """From the start record to the end record; ``None`` while the run goes on."""
+        return span_s(self.started_at, self.ended_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +95,8 @@ class Page:
     number: int  # from 1
     pages: int  # at least 1
     total: int  # the runs that pass the filter
+    # How many of the most recent runs a search read, when it read no further.
+    searched_only: int | None = None
 
     @property
     def has_previous(self) -> bool:
@@ -93,19 +117,168 @@ def ordered(runs: Iterable[StoredRun]) -> list[StoredRun]:
     return dated + undated
 
 
-def candidates(runs: Iterable[StoredRun], wanted: StateFilter) -> list[StoredRun]:
-    """The runs that may pass ``wanted``, in list order; exactly those that pass it when
-    the run table alone can tell (see :attr:`StateFilter.needs_status`)."""
-    if wanted is StateFilter.FINISHED:
-        return ordered(run for run in runs if run.finished)
-    if wanted is StateFilter.ALL:
-        return ordered(runs)
-    return ordered(run for run in runs if not run.finished)
+# Stop reasons that leave a run unfinished in the run table (``StoredRun.finished``).
+UNFINISHED_REASONS = frozenset(
+    {StopReason.CANCELLED, StopReason.IN_DOUBT, StopReason.AWAITING_APPROVAL}
+)
+QUERY_KEYS = ("q", "state", "stop_reason", "tool", "model", "started_after", "started_before")
 
 
-def passes(row: RunRow, wanted: StateFilter) -> bool:
-    """Whether a run whose status was read passes a filter that needed it."""
-    return not wanted.needs_status or row.state == wanted.value
+def parse_time(text: str) -> datetime | None:
+    """A time typed in a filter, ISO 8601 (``2026-12-06``, ``2026-12-06T09:30``, with
+    ``Z`` or an offset); a time without an offset is UTC, as the list shows times.
+    ``None`` if it is no time."""
+    try:
+        at = datetime.fromisoformat(text.strip())
+    except ValueError:
+        return None
+    return at.replace(tzinfo=UTC) if at.tzinfo is None else at.astimezone(UTC)
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """What a person asked the list for: the query parameters of its address, so a
+    filtered list is a link to share. Empty texts filter nothing."""
+
+    state: StateFilter = StateFilter.ALL
+    text: str = ""  # a part of the run id, or of the last reply or observation
+    stop_reason: StopReason | None = None
+    tool: str = ""
+    model: str = ""  # a part of a model parameter of the snapshot, any case
+    started_after: datetime | None = None
+    started_before: datetime | None = None
+    # The time filters that are no time, as typed: refused in words, never applied.
+    unreadable: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def parse(cls, params: Mapping[str, str]) -> Query:
+        """The query of an address; an unknown state or stop reason filters nothing."""
+        try:
+            stop_reason = StopReason(params.get("stop_reason", "").strip() or "-")
+        except ValueError:
+            stop_reason = None
+        times: dict[str, datetime | None] = {}
+        unreadable = []
+        for key in ("started_after", "started_before"):
+            typed = params.get(key, "").strip()
+            times[key] = parse_time(typed) if typed else None
+            if typed and times[key] is None:
+                unreadable.append(typed)
+        return cls(
+            state=StateFilter.parse(params.get("state")),
+            text=params.get("q", "").strip(),
+            stop_reason=stop_reason,
+            tool=params.get("tool", "").strip(),
+            model=params.get("model", "").strip(),
+            started_after=times["started_after"],
+            started_before=times["started_before"],
+            unreadable=tuple(unreadable),
+        )
+
+    def params(self) -> dict[str, str]:
+        """The query parameters that say this query, the empty ones left out."""
+        found = {
+            "q": self.text,
+            "state": "" if self.state is StateFilter.ALL else self.state.value,
+            "stop_reason": self.stop_reason.value if self.stop_reason is not None else "",
+            "tool": self.tool,
+            "model": self.model,
+            "started_after": _time_param(self.started_after),
+            "started_before": _time_param(self.started_before),
+        }
+        return {key: value for key, value in found.items() if value}
+
+    def with_changes(self, **changes: object) -> Query:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def reads_content(self) -> bool:
+        """Whether the query needs what a log holds beyond the run's state."""
+        return bool(
+            self.text
+            or self.stop_reason is not None
+            or self.tool
+            or self.model
+            or self.started_after is not None
+            or self.started_before is not None
+        )
+
+    @property
+    def needs_rows(self) -> bool:
+        """Whether telling a run in from one out takes its row, not just the run table."""
+        return self.state.needs_status or self.reads_content
+
+    @property
+    def unfinished_only(self) -> bool:
+        """Whether the runs that may pass are all among the unfinished ones."""
+        if self.stop_reason is not None and self.stop_reason in UNFINISHED_REASONS:
+            return True
+        return self.state not in (StateFilter.ALL, StateFilter.FINISHED)
+
+    @property
+    def finished_only(self) -> bool:
+        if self.stop_reason is not None and self.stop_reason not in UNFINISHED_REASONS:
+            return True
+        return self.state is StateFilter.FINISHED
+
+
+def _time_param(at: datetime | None) -> str:
+    return "" if at is None else at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def candidates(runs: Iterable[StoredRun], query: Query) -> list[StoredRun]:
+    """The runs that may pass ``query``, in list order; exactly those that pass it when
+    the run table alone can tell (see :attr:`Query.needs_rows`).
+
+    A run whose last record is older than ``started_after`` started before it, so it is
+    ruled out without reading its log.
+    """
+    kept = list(runs)
+    if query.finished_only:
+        kept = [run for run in kept if run.finished]
+    elif query.unfinished_only:
+        kept = [run for run in kept if not run.finished]
+    if (after := query.started_after) is not None:
+        kept = [run for run in kept if run.updated_at is None or run.updated_at >= after]
+    return ordered(kept)
+
+
+def passes(row: RunRow, query: Query) -> bool:
+    """Whether a run whose row was read passes ``query``."""
+    if query.state.needs_status and row.state != query.state.value:
+        return False
+    if query.stop_reason is not None and not ended_with(row, query.stop_reason):
+        return False
+    if query.tool and query.tool not in row.tools:
+        return False
+    if query.model and not _holds(row.models, query.model):
+        return False
+    if not _started_within(row.started_at, query):
+        return False
+    return not query.text or _holds((row.run_id, *row.last_texts), query.text)
+
+
+def ended_with(row: RunRow, reason: StopReason) -> bool:
+    """Whether the run ended with ``reason``. A run whose process died during an action
+    it may not replay is in doubt before any end record says so (a resume writes it):
+    it counts as ended in doubt, as the person who must settle it sees it."""
+    if row.stop_reason is not None:
+        return row.stop_reason == reason.value
+    return reason is StopReason.IN_DOUBT and row.state == StateFilter.IN_DOUBT.value
+
+
+def _holds(texts: Iterable[str], part: str) -> bool:
+    wanted = part.casefold()
+    return any(wanted in text.casefold() for text in texts)
+
+
+def _started_within(started_at: datetime | None, query: Query) -> bool:
+    if query.started_after is None and query.started_before is None:
+        return True
+    if started_at is None:
+        return False
+    after_ok = query.started_after is None or started_at >= query.started_after
+    return after_ok and (query.started_before is None or started_at < query.started_before)
 
 
 def paginate(runs: Sequence[StoredRun], number: int, per_page: int = PER_PAGE) -> Page:
@@ -119,14 +292,14 @@ def paginate(runs: Sequence[StoredRun], number: int, per_page: int = PER_PAGE) -
 def select(
     runs: Sequence[StoredRun],
     rows: Mapping[str, RunRow],
-    wanted: StateFilter,
+    query: Query,
     number: int,
     per_page: int = PER_PAGE,
 ) -> Page:
-    """The page of ``runs`` (the :func:`candidates`) that pass ``wanted``, given the
+    """The page of ``runs`` (the :func:`candidates`) that pass ``query``, given the
     ``rows`` read for them (a run with no row is left out of a filter that needs one)."""
-    if wanted.needs_status:
-        runs = [run for run in runs if run.run_id in rows and passes(rows[run.run_id], wanted)]
+    if query.needs_rows:
+        runs = [run for run in runs if run.run_id in rows and passes(rows[run.run_id], query)]
     return paginate(runs, number, per_page)
 
 

@@ -13,6 +13,7 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Hashable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote, unquote, urlencode
 
@@ -36,11 +37,20 @@ from polyloop._escaping import escape_block, escape_field
 from polyloop.cli import _html
 from polyloop.cli._common import editable_json, edited_arguments
 from polyloop.cli._console import _guard
-from polyloop.cli._console._data import list_page, listed_unfinished_only, read_run
+from polyloop.cli._console._data import list_page, read_run
 from polyloop.cli._console._guard import Access, Refused, checked_form, context, form_text
-from polyloop.cli._console._listing import PER_PAGE, RowCache, StateFilter
+from polyloop.cli._console._links import LinkTemplate
+from polyloop.cli._console._listing import (
+    PER_PAGE,
+    SCAN_LIMIT,
+    Query,
+    RowCache,
+    RunRow,
+    StateFilter,
+)
+from polyloop.cli._console._run_page import WIDTH, edits, timeline
 from polyloop.cli._facts import Doubt, in_doubt, utc_text
-from polyloop.cli._view import RunView
+from polyloop.cli._view import RunView, span_text
 from polyloop.ports import ManagedStore
 from polyloop.session import approve, cancel, follow, reject, run_status, settle
 from polyloop.types import (
@@ -58,6 +68,7 @@ from polyloop.types import (
     RunNotFound,
     RunState,
     StopReason,
+    run_trace_id,
 )
 
 # What a finished answer says after the redirect; fixed words, never text from the URL.
@@ -99,6 +110,12 @@ class Settings:
     access: Access = field(default_factory=Access)
     poll_s: float = 1.0
     per_page: int = PER_PAGE
+    scan_limit: int = SCAN_LIMIT
+    # What "today" and "yesterday" in the list's time links are measured from.
+    clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+    # Where a run's page links to: its trace in a tracing UI, its Temporal workflow.
+    trace_link: LinkTemplate | None = None
+    temporal_link: LinkTemplate | None = None
 
 
 def run_path(run_id: str) -> str:
@@ -268,25 +285,30 @@ class _Console:
     # -- the list --------------------------------------------------------------------------
 
     async def _listing(self, request: Request) -> dict[str, Any]:
-        wanted = StateFilter.parse(request.query_params.get("state"))
+        query = Query.parse(request.query_params)
         number = _page_number(request.query_params.get("page"))
         page, rows, seen = await list_page(
-            self.store, self.rows, wanted, number, self.settings.per_page
+            self.store, self.rows, query, number, self.settings.per_page, self.settings.scan_limit
         )
-        query = {"state": wanted.value, "page": str(page.number)}
+        params = query.params()
         return {
             "page": page,
             "rows": rows,
-            "wanted": wanted,
-            "filters": list(StateFilter),
-            "query": urlencode(query),
-            "previous": urlencode({**query, "page": str(page.number - 1)}),
-            "next": urlencode({**query, "page": str(page.number + 1)}),
+            "wanted": query.state,
+            "query": query,
+            "filters": [
+                (choice, _link(query.with_changes(state=choice))) for choice in StateFilter
+            ],
+            "stop_reasons": [reason.value for reason in StopReason],
+            "times": _time_links(query, self.settings.clock()),
+            "facets": {row.run_id: _facets(query, row) for row in rows},
+            "durations": {row.run_id: _duration_text(row) for row in rows},
+            "live_query": _query_string({**params, "page": str(page.number)}),
+            "filter_query": _query_string(params),
+            "previous": _query_string({**params, "page": str(page.number - 1)}),
+            "next": _query_string({**params, "page": str(page.number + 1)}),
             "version": version(seen),
         }
-
-    async def _runs_seen(self, wanted: StateFilter) -> Hashable:
-        return await self.store.list_runs(unfinished_only=listed_unfinished_only(wanted))
 
     async def runs_page(self, request: Request) -> Response:
         return self.render(request, "runs.html", await self._listing(request))
@@ -295,8 +317,12 @@ class _Console:
         return self.render(request, "runs_live.html", await self._listing(request))
 
     async def runs_events(self, request: Request) -> Response:
-        wanted = StateFilter.parse(request.query_params.get("state"))
-        return _sse(self._changes(request, lambda: self._runs_seen(wanted)))
+        query = Query.parse(request.query_params)
+
+        async def seen() -> Hashable:
+            return await self.store.list_runs(unfinished_only=query.unfinished_only)
+
+        return _sse(self._changes(request, seen))
 
     # -- one run ---------------------------------------------------------------------------
 
@@ -339,9 +365,16 @@ class _Console:
         doubt = in_doubt(view)
         stored = await self.store.describe_run(run_id)
         asked = await self._cancel_asked(view, stored is not None and stored.cancel_requested)
+        trace_link, temporal_link = self.settings.trace_link, self.settings.temporal_link
         return {
             "run_id": run_id,
             "view": view,
+            "trace_id": run_trace_id(run_id),
+            "trace_href": trace_link.link(run_id) if trace_link is not None else None,
+            "temporal_href": temporal_link.link(run_id) if temporal_link is not None else None,
+            "timeline": timeline(view),
+            "timeline_width": WIDTH,
+            "edits": edits(view),
             "sections": Markup(_html.sections(view)),
             "proposal": proposal,
             "proposed_arguments": _arguments_text(proposal),
@@ -544,6 +577,56 @@ class _Console:
         )
         response.headers.append("set-cookie", cookie)
         return response
+
+
+def _link(query: Query) -> str:
+    """The list's address for ``query``, from its first page."""
+    params = query.params()
+    return "/?" + _query_string(params) if params else "/"
+
+
+def _query_string(params: dict[str, str]) -> str:
+    """``params`` as a query string; a value from a log (a tool's name) may hold a lone
+    surrogate, which is percent-encoded as :func:`encoded` does, never an error."""
+    return urlencode(params, quote_via=lambda text, safe, *_: encoded(text, safe=safe))
+
+
+def _time_links(query: Query, now: datetime) -> list[tuple[str, str, bool]]:
+    """The list's time choices, each as (words, address, chosen), keeping every other
+    filter: the last hour and day, and today and yesterday in UTC (the list's times)."""
+    today = now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    spans: list[tuple[str, datetime | None, datetime | None]] = [
+        ("any time", None, None),
+        ("last hour", now - timedelta(hours=1), None),
+        ("last 24 hours", now - timedelta(days=1), None),
+        ("today", today, None),
+        ("yesterday", today - timedelta(days=1), today),
+    ]
+    links = []
+    for words, after, before in spans:
+        chosen = query.with_changes(started_after=after, started_before=before, unreadable=())
+        same = (query.started_after, query.started_before) == (after, before)
+        links.append((words, _link(chosen), same))
+    return links
+
+
+def _facets(query: Query, row: RunRow) -> dict[str, Any]:
+    """The row's links that narrow the list to runs like it, keeping the other filters:
+    one per tool it called, and, for a run that ended in doubt about an action, one to
+    the runs that ended in doubt about the same tool (a run in doubt has ended so, or
+    counts as such: see :func:`ended_with`)."""
+    tools = [(tool, _link(query.with_changes(tool=tool))) for tool in row.tools]
+    doubt = None
+    if row.doubt_tool is not None:  # the run is in doubt about an action of that tool
+        narrowed = query.with_changes(stop_reason=StopReason.IN_DOUBT, tool=row.doubt_tool)
+        doubt = (row.doubt_tool, _link(narrowed))
+    return {"tools": tools, "doubt": doubt}
+
+
+def _duration_text(row: RunRow) -> str:
+    """The run's duration as ``polyloop runs`` shows it; ``—`` for a run with no end yet."""
+    seconds = row.duration_s
+    return "—" if seconds is None else span_text(seconds)
 
 
 def _page_number(text: str | None) -> int:
