@@ -18,6 +18,7 @@ import pytest
 
 from kit import pg
 from kit import surrogate as surrogate_kit
+from kit.show import without_times
 from kit.surrogate import HALF, RUN_ID, SHOWN, StrictOutput
 from polyloop import run_trace_id
 from polyloop.cli import main
@@ -92,7 +93,7 @@ def test_the_whole_command_on_postgresql(conninfo: str, capsys: pytest.CaptureFi
 
     assert main(["runs", url]) == 0
     row = [line for line in capsys.readouterr().out.splitlines() if run_id in line]
-    assert row[0].split() == [run_id, "finished", "submitted", "7", "6"]
+    assert without_times(row[0]).split() == [run_id, "finished", "submitted", "7", "6"]
 
     assert main(["show", url, run_id, "--json"]) == 0
     document = json.loads(capsys.readouterr().out)

@@ -385,14 +385,7 @@ def test_open_pages_follow_the_run_without_a_reload(
         open_run_from_the_list(page, url, "release-1", "awaiting approval")
 
         # A second person answers from a terminal: the open page says so by itself.
-        approved = subprocess.run(
-            [*POLYLOOP, "approve", place.store, "release-1", "--by", "dave"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert approved.returncode == 0, approved.stderr
+        approve_from_a_terminal(place, "release-1", by="dave")
         expect(page.get_by_role("button", name="Approve")).to_have_count(0, timeout=LIVE_TIMEOUT_MS)
         fact = page.locator("#live dt", has_text=re.compile("^approved$"))
         expect(fact.locator("xpath=following-sibling::dd[1]")).to_contain_text("by dave")
@@ -405,6 +398,17 @@ def test_open_pages_follow_the_run_without_a_reload(
         expect(runs.locator("tr.run .state")).to_have_text(["finished"], timeout=LIVE_TIMEOUT_MS)
         assert runs.evaluate("window.kept") == "this page was never reloaded"
         assert tab.problems == [] and other.problems == []
+
+
+def approve_from_a_terminal(place: Place, run_id: str, *, by: str) -> None:
+    approved = subprocess.run(
+        [*POLYLOOP, "approve", place.store, run_id, "--by", by],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert approved.returncode == 0, approved.stderr
 
 
 def _free_port() -> int:
@@ -425,14 +429,7 @@ def test_an_open_run_page_goes_on_after_the_console_restarts(
             open_run_from_the_list(page, url, "release-1", "awaiting approval")
         # While the console is down, a person answers from a terminal and a worker
         # finishes the run: the records the page has not seen pile up in the store.
-        approved = subprocess.run(
-            [*POLYLOOP, "approve", place.store, "release-1", "--by", "dave"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert approved.returncode == 0, approved.stderr
+        approve_from_a_terminal(place, "release-1", by="dave")
         place.drive(backend, "release-1")
         with serving(place.store, backend, port):
             # The page's stream reconnects by itself, from the last record it showed.
