@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import uuid
 from typing import Any
@@ -82,4 +83,11 @@ if __name__ == "__main__":
     parser.add_argument("--by", default="alice", help="who approves the deploy")
     args = parser.parse_args()
     run_id = args.run_id or f"release-{args.release}-{uuid.uuid4().hex[:8]}"
-    sys.exit(asyncio.run(main(args.address, run_id, args.release, args.by)))
+    status = asyncio.run(main(args.address, run_id, args.release, args.by))
+    # The Temporal client's native threads can outlive the event loop, and a short-lived
+    # client process may then abort while the interpreter shuts down (a known issue of
+    # the Python SDK, temporalio/sdk-python#300). Everything is printed by now: leave
+    # without that teardown, so the exit status is the one main returned.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
