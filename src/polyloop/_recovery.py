@@ -281,8 +281,12 @@ def changes_between(
 
 def snapshot_at(plan: Plan, step: int) -> Mapping[str, JSONValue]:
     """The snapshot step ``step`` ran (or runs) under: the start record's, with the
-    amendments written before that step applied."""
+    amendments written before that step applied. A fork's inherited step ran in its
+    source, under the snapshot the source held where the fork was made."""
     assert plan.started is not None
+    inherited = plan.started.inherited_snapshot
+    if inherited is not None and step < len(plan.started.inherited_steps):
+        return inherited
     snapshot: Mapping[str, JSONValue] = plan.started.snapshot
     for amended in plan.amendments:
         if amended.step <= step:
@@ -293,6 +297,8 @@ def snapshot_at(plan: Plan, step: int) -> Mapping[str, JSONValue]:
 def _accept_inherited(walk: _Walk, started: RunStarted) -> str | None:
     """Take a fork's inherited steps as its first steps, if they say what they claim."""
     inherited = started.inherited_steps
+    if started.inherited_snapshot is not None and not inherited:
+        return "a start record holding an inherited snapshot but no inherited steps"
     fork_fields = (started.forked_from, started.forked_at_step, started.inherited_sha256)
     if all(value is None for value in fork_fields) and not inherited:
         return None

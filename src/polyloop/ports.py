@@ -599,6 +599,7 @@ class EventKind(enum.StrEnum):
     RUN_RESUMED = "run_resumed"
     STEP_FINISHED = "step_finished"
     RUN_ENDED = "run_ended"
+    RUN_AMENDED = "run_amended"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -615,6 +616,11 @@ class Event:
 
     ``settlement`` is, on a ``STEP_FINISHED`` event whose action was in doubt, the
     settlement that closed it: who settled it (a person, or a tool's probe) and how.
+
+    A ``RUN_AMENDED`` event comes once a resume has written an
+    :class:`~polyloop.types.Amended` record (its ``record``; ``step`` is the first step
+    run under it), before that resume's ``RUN_RESUMED`` event, and even when the run
+    still waits for a person and nothing else is written.
     """
 
     kind: EventKind

@@ -342,6 +342,10 @@ class RunStarted:
     steps ``0`` to ``forked_at_step - 1``) and ``inherited_sha256`` the SHA-256 of the
     source's step records as they were read (their canonical JSON, as a list), so that
     a copy can be checked against its source. All four are ``None`` for any other run.
+    ``inherited_snapshot`` is the snapshot the source held at ``forked_at_step`` (its
+    start record's with its amendments up to that step applied), where the fork goes on
+    from. It is ``None`` for a fork that inherited nothing,
+    for any other run, and in forks written before the field existed.
 
     A run started through an :class:`~polyloop.Agent` names it: ``agent`` is the agent's
     name and ``input`` the JSON value its request was built from, so that any process
@@ -358,6 +362,9 @@ class RunStarted:
     inherited: tuple[StepRecord, ...] | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     agent: str | None = field(default=None, metadata=_WRITTEN_WHEN_SET)
     input: JSONValue = field(default=None, metadata=_WRITTEN_WHEN_SET)
+    inherited_snapshot: Mapping[str, JSONValue] | None = field(
+        default=None, metadata=_WRITTEN_WHEN_SET
+    )
 
     @property
     def inherited_steps(self) -> tuple[StepRecord, ...]:

@@ -91,6 +91,8 @@ def test_show_says_the_run_is_a_fork_and_marks_its_inherited_steps(
     # The inherited observations are the source's, the fork's own steps its own.
     assert "2 (src:0:action)" in out and "6 (f:2:action)" in out
     assert "steps 4 (4 valid)" in out
+    # Forked under the source's own snapshot: nothing changed.
+    assert "snapshot the snapshot run 'src' held at step 2" in out
 
 
 def test_show_of_a_fork_at_step_0_and_of_a_plain_run(
@@ -102,7 +104,7 @@ def test_show_of_a_fork_at_step_0_and_of_a_plain_run(
     assert "· inherited" not in out
     assert main(["show", forked, "src"]) == 0
     out = text_of(capsys)
-    assert "forked from" not in out and "inherited" not in out
+    assert "forked from" not in out and "inherited" not in out and "snapshot" not in out
 
 
 def test_show_json_names_the_source_and_marks_the_inherited_timeline(

@@ -261,10 +261,14 @@ def test_json_of_an_old_log_has_nulls(
             "settled_by": None,
             "settled_by_probe": False,
             "probe_duration_s": None,
+            "snapshot_index": 0,
         }
     ]
     assert shown["reconciled_steps"] == [] and shown["pending_settlement"] is None
     assert shown["forked_from"] is None and shown["forked_at_step"] is None
+    # Never amended: one snapshot, the start record's, the one the run goes on under.
+    assert shown["snapshots"] == [shown["snapshot"]] and shown["inherited_snapshot"] is None
+    assert shown["effective_snapshot"] == shown["snapshot"]
 
 
 # -- a step the tool's own probe settled ---------------------------------------------------------

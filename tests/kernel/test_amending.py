@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kit.agent import Ledger, definition, request
+from kit.amending import DEPLOY_FIX, DEPLOYED, FIXED_PROMPT, deployed_request
 from kit.review import approval_script, payment_script, review_tools
 from kit.store import STORE_KINDS, Stores, sampled, stores_fixture
 from kit.sweep import every_point
@@ -58,22 +59,6 @@ def _system(text: str) -> tuple[Message, ...]:
     return (Message.text(Role.SYSTEM, text),)
 
 
-DEPLOYED = {"deploy": "Deploy the build; prod needs a change ticket."}
-FIXED_PROMPT = "You are a careful agent. Never deploy on Fridays."
-DEPLOY_FIX = Amendment(
-    by="ops@example.com",
-    reason="release 2.4: clearer deploy description and system prompt",
-    accept=("run_context.sha256", "tools"),
-)
-
-
-def _deployed_request(ledger: Ledger, **overrides: Any) -> Any:
-    """The request as the new release builds it: another deploy description, another
-    system prompt."""
-    tools = review_tools(ledger, descriptions=DEPLOYED)
-    return request("r", tools, run_context=_system(FIXED_PROMPT), **overrides)
-
-
 async def _paused(store: Store, ledger: Ledger) -> None:
     result = await run(
         definition(store, script=approval_script()), request("r", review_tools(ledger))
@@ -95,12 +80,12 @@ async def test_a_run_awaiting_approval_goes_on_under_an_amended_definition(
 
     # Without an amendment the new release is refused, as it always was, and writes nothing.
     with pytest.raises(RunIdentityMismatch) as refused:
-        await resume(deployed, _deployed_request(ledger))
+        await resume(deployed, deployed_request(ledger))
     assert [key for key, _, _ in refused.value.differences] == ["run_context.sha256", "tools"]
     assert (await store.read_log("r")).records == before
 
     # With one, the amendment is the one record written, and the run still waits.
-    waiting = await resume(deployed, _deployed_request(ledger), amend=DEPLOY_FIX)
+    waiting = await resume(deployed, deployed_request(ledger), amend=DEPLOY_FIX)
     assert waiting.stop_reason is StopReason.AWAITING_APPROVAL
     log = await store.read_log("r")
     assert log.records[: len(before)] == before and len(log.records) == len(before) + 1
@@ -115,7 +100,7 @@ async def test_a_run_awaiting_approval_goes_on_under_an_amended_definition(
     # The approval then runs the tool once, under the new release, with no amendment.
     await approve(store, "r", by="alice")
     store = await stores.reopen(store)
-    done = await resume(definition(store, script=approval_script()), _deployed_request(ledger))
+    done = await resume(definition(store, script=approval_script()), deployed_request(ledger))
     assert done.stop_reason is StopReason.FINAL_ANSWER
     assert [name for name, _ in ledger.calls].count("deploy") == 1
     log = await store.read_log("r")
@@ -223,7 +208,7 @@ async def test_a_difference_the_amendment_does_not_accept_is_refused_as_without_
     with pytest.raises(RunIdentityMismatch) as refused:
         await resume(
             definition(store, script=approval_script()),
-            _deployed_request(ledger),
+            deployed_request(ledger),
             amend=only_tools,
         )
     assert type(refused.value) is RunIdentityMismatch
@@ -250,7 +235,7 @@ async def test_a_finished_run_is_not_amended() -> None:
     await resume(definition(store, script=approval_script()), request("r", review_tools(ledger)))
     before = await store.read_log("r")
     result = await resume(
-        definition(store, script=approval_script()), _deployed_request(ledger), amend=DEPLOY_FIX
+        definition(store, script=approval_script()), deployed_request(ledger), amend=DEPLOY_FIX
     )
     assert result.stop_reason is StopReason.FINAL_ANSWER
     assert await store.read_log("r") == before
@@ -268,7 +253,7 @@ async def test_a_malformed_amendment_is_an_invalid_request(amend: Amendment) -> 
     await _paused(store, ledger)
     with pytest.raises(InvalidRequest):
         await resume(
-            definition(store, script=approval_script()), _deployed_request(ledger), amend=amend
+            definition(store, script=approval_script()), deployed_request(ledger), amend=amend
         )
 
 
@@ -289,7 +274,7 @@ async def test_a_crash_at_every_write_of_the_amending_resume_amends_once(
     try:
         result = await resume(
             definition(faulty, script=approval_script()),
-            _deployed_request(ledger),
+            deployed_request(ledger),
             amend=DEPLOY_FIX,
         )
     except SimulatedCrash:
@@ -302,7 +287,7 @@ async def test_a_crash_at_every_write_of_the_amending_resume_amends_once(
         # Resumed with the amendment again: written once, whether or not it landed.
         result = await resume(
             definition(store, script=approval_script()),
-            _deployed_request(ledger),
+            deployed_request(ledger),
             amend=DEPLOY_FIX,
         )
     else:
@@ -320,10 +305,10 @@ async def _amended_run(store: Store, ledger: Ledger) -> RunLog:
     """``r`` paused for approval, amended by :data:`DEPLOY_FIX`, approved and finished."""
     await _paused(store, ledger)
     await resume(
-        definition(store, script=approval_script()), _deployed_request(ledger), amend=DEPLOY_FIX
+        definition(store, script=approval_script()), deployed_request(ledger), amend=DEPLOY_FIX
     )
     await approve(store, "r", by="alice")
-    done = await resume(definition(store, script=approval_script()), _deployed_request(ledger))
+    done = await resume(definition(store, script=approval_script()), deployed_request(ledger))
     assert done.stop_reason is StopReason.FINAL_ANSWER
     return await store.read_log("r")
 
@@ -370,7 +355,7 @@ async def test_forks_before_and_after_the_amendment_take_the_steps_as_they_ran(
     assert snapshot_at(plan, 1) == plan.snapshot != plan.started.snapshot
     forked = await fork(
         definition(store, script=approval_script()[at_step:]),
-        _deployed_request(ledger, run_id="f"),
+        deployed_request(ledger, run_id="f"),
         source_run_id="r",
         at_step=at_step,
     )
@@ -441,7 +426,7 @@ async def test_recover_resumes_every_waiting_run_under_the_amendment() -> None:
     recovered = await recover(
         definition(store, script=approval_script()),
         store,
-        lambda run_id: _deployed_request(ledger, run_id=run_id),
+        lambda run_id: deployed_request(ledger, run_id=run_id),
         max_concurrent=2,
         amend=DEPLOY_FIX,
     )

@@ -444,7 +444,15 @@ async def test_a_start_record_whose_fork_fields_disagree_is_a_corrupt_log() -> N
                 started, inherited=(first, dataclasses.replace(second, run_id="src"))
             ),
         ),
+        (
+            "a start record holding an inherited snapshot but no inherited steps",
+            dataclasses.replace(started, inherited=None, forked_at_step=0),
+        ),
     ]
+    # What the fork inherited ran under the source's snapshot at step 2 (never amended).
+    source_started = (await store.read_log("src")).records[0]
+    assert isinstance(source_started, RunStarted)
+    assert started.inherited_snapshot == source_started.snapshot
     for reason, record in broken:
         with pytest.raises(CorruptLog, match=re.escape(reason)):
             read_plan(RunLog(run_id="f", records=(record,)))

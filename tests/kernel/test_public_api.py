@@ -441,3 +441,15 @@ def test_every_public_coroutine_documents_cancellation(name: str, coroutine: Any
 def test_a_lost_lease_is_a_kind_of_run_locked() -> None:
     """Code that already treats ``RunLocked`` as "someone else has the run" keeps working."""
     assert issubclass(types.LeaseLost, types.RunLocked)
+
+
+def test_the_event_kinds_are_only_ever_added_to() -> None:
+    """A sink matches on the kinds' values; issue 48 added ``run_amended`` at the end."""
+    assert [kind.value for kind in ports.EventKind] == [
+        "run_started",
+        "run_resumed",
+        "step_finished",
+        "run_ended",
+        "run_amended",
+    ]
+    assert polyloop.EventKind.RUN_AMENDED is ports.EventKind.RUN_AMENDED

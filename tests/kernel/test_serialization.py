@@ -504,6 +504,13 @@ EXPECTED["amended"] = Amended(
     at=_PERSON_AT,
 )
 
+# issue 48: a fork's start record also holds the snapshot its source held at the fork's
+# step (amended there, so it differs from the fork's own); written only when set.
+EXPECTED["run_started_fork_snapshot"] = dataclasses.replace(
+    EXPECTED["run_started_fork"],
+    inherited_snapshot={"model.name": "gpt-4o-mini", "run_context.sha256": "b" * 64},
+)
+
 # The step of ``step_timed`` as a store writes it after its action's result: it names the
 # result's observation rather than copying it (record 0063), and reads back only after it.
 EXPECTED["step_observation_of"] = EXPECTED["step_timed"]

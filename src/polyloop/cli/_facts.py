@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from polyloop.cli._snapshots import fork_snapshot_text, snapshot_index, snapshots_json
 from polyloop.cli._view import (
     READY_WORDS,
     RunView,
@@ -196,6 +197,8 @@ def run_facts(view: RunView) -> list[tuple[str, str]]:
     facts = [("started", utc_text(started_at(view)))]
     if (forked := fork_text(view)) is not None:
         facts.append(("forked from", forked))
+    if (differs := fork_snapshot_text(view)) is not None:
+        facts.append(("snapshot", differs))
     ended = isinstance(view.log.records[-1], RunEnded)
     facts.append(("ended" if ended else "last record", utc_text(last_at(view))))
     facts.append(("wall time", seconds_text(wall_time_s(view))))
@@ -265,10 +268,14 @@ def run_json(view: RunView) -> dict[str, JSONValue]:
         "resumed_after_steps": resumes,
         "trace_id": run_trace_id(view.run_id),
         **fork_json(view),
+        **snapshots_json(view),
         "reconciled_steps": [*view.status.reconciled_steps],
         "pending_settlement": _pending_json(view),
         "timeline": [
-            step_json(step, settlements.get(step.step), inherited=view.is_inherited(step))
+            {
+                **step_json(step, settlements.get(step.step), inherited=view.is_inherited(step)),
+                "snapshot_index": snapshot_index(view, step),
+            }
             for step in view.steps
         ],
     }

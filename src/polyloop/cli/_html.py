@@ -25,6 +25,7 @@ from polyloop.cli._facts import (
     step_inherited_text,
 )
 from polyloop.cli._render import status_of
+from polyloop.cli._snapshots import snapshots, step_snapshot_text
 from polyloop.cli._view import RunView, reply_facts, review_facts, state_detail
 from polyloop.types import Review, StepRecord
 
@@ -81,7 +82,12 @@ def sections(view: RunView) -> str:
     body.append(_summary(view))
     reviews = view.reviews()
     body.extend(
-        _step(step, reviews.get(step.step, []), step_inherited_text(view, step))
+        _step(
+            step,
+            reviews.get(step.step, []),
+            step_inherited_text(view, step),
+            step_snapshot_text(view, step),
+        )
         for step in view.steps
     )
     body.append(_end(view))
@@ -114,7 +120,7 @@ def _summary(view: RunView) -> str:
     return f'<section id="summary">\n{_dl(rows)}\n</section>'
 
 
-def _step(step: StepRecord, reviews: list[Review], inherited: str | None) -> str:
+def _step(step: StepRecord, reviews: list[Review], inherited: str | None, under: str | None) -> str:
     status, style = status_of(step)
     heading = (
         f"step {step.step} · {escape(step.decision.value)} · {_span(status, _STYLE_CLASSES[style])}"
@@ -145,6 +151,8 @@ def _step(step: StepRecord, reviews: list[Review], inherited: str | None) -> str
     rows.extend((label, escape(text)) for label, text in review_facts(reviews))
     if inherited is not None:
         rows.append(("inherited", escape(inherited)))
+    if under is not None:
+        rows.append(("snapshot", escape(under)))
     if step.call_id is not None:
         rows.append(("call id", escape(step.call_id)))
     css_class = "step inherited" if inherited is not None else "step"
@@ -184,10 +192,12 @@ def _state(view: RunView) -> str:
 
 def _snapshot(view: RunView) -> str:
     text = json.dumps(view.snapshot, indent=2, sort_keys=True, ensure_ascii=False)
-    return (
-        f'<section id="snapshot">\n<h2>snapshot</h2>\n'
-        f"{_details('what the run was started with', text)}\n</section>"
-    )
+    parts = [_details("what the run was started with", text)]
+    held = snapshots(view)
+    if len(held) > 1:
+        now = json.dumps(held[-1], indent=2, sort_keys=True, ensure_ascii=False)
+        parts.append(_details("what it goes on under, as amended", now))
+    return f'<section id="snapshot">\n<h2>snapshot</h2>\n{"".join(parts)}\n</section>'
 
 
 def _dl(rows: list[tuple[str, str]]) -> str:

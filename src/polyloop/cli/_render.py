@@ -21,6 +21,7 @@ from polyloop.cli._facts import (
     step_facts,
     step_inherited_text,
 )
+from polyloop.cli._snapshots import step_snapshot_text
 from polyloop.cli._view import RunSummary, RunView, reply_facts, review_facts, span_text
 from polyloop.types import ActionStatus, DecisionKind, StepRecord
 
@@ -139,6 +140,8 @@ def trajectory(view: RunView) -> RenderableType:
         fields = _step_fields(step) + review_facts(reviews.get(step.step, []))
         if inherited is not None:
             fields.append(("inherited", inherited))
+        if (under := step_snapshot_text(view, step)) is not None:
+            fields.append(("snapshot", under))
         parts.append(_fields(fields))
     parts.append(Rule(Text("end", style="bold"), align="left", style="dim"))
     parts.append(_fields(_end_fields(view)))

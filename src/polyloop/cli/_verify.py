@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -35,12 +35,13 @@ from polyloop.cli._common import CliError
 from polyloop.cli._stores import StoreSpec
 from polyloop.ports import ManagedStore
 from polyloop.session import run_status
-from polyloop.session._forking import inherited_digest
+from polyloop.session._forking import changed_keys, inherited_digest, snapshot_held
 from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._jsonl.reader import COMMON_FLAGS, SUFFIX, decode_line, extent, lines
 from polyloop.stores._paths import safe_name
 from polyloop.types import (
     CorruptLog,
+    JSONValue,
     PolyLoopError,
     Record,
     RunStarted,
@@ -259,19 +260,20 @@ async def _check_source(
     source, at_step = started.forked_from, started.forked_at_step or 0
     assert source is not None
     try:
-        steps = await _completed_steps(store, source)
+        read = await _completed_steps(store, source, at_step)
     except (CorruptLog, SchemaMajorMismatch):
         check.notes.append(
             f"forked from run {source!r}, whose log cannot be read: the digest of the "
             f"inherited steps was checked against the copies only"
         )
         return
-    if steps is None:
+    if read is None:
         check.notes.append(
             f"forked from run {source!r} at step {at_step}; that run is not in this store "
             f"(the fork stands alone), so only the copies were checked against the digest"
         )
         return
+    steps, held = read
     if len(steps) < at_step or inherited_digest(steps[:at_step]) != started.inherited_sha256:
         check.add(
             "error",
@@ -279,11 +281,21 @@ async def _check_source(
             f"forked from run {source!r} at step {at_step}, but the inherited_sha256 of run "
             f"{check.run_id!r} is not the digest of run {source!r}'s first {at_step} steps",
         )
+    elif started.inherited_snapshot is not None and changed_keys(held, started.inherited_snapshot):
+        check.add(
+            "error",
+            where,
+            f"forked from run {source!r} at step {at_step}, but the inherited_snapshot of "
+            f"run {check.run_id!r} is not the snapshot run {source!r} held at that step",
+        )
 
 
-async def _completed_steps(store: ManagedStore, run_id: str) -> tuple[StepRecord, ...] | None:
+async def _completed_steps(
+    store: ManagedStore, run_id: str, at_step: int
+) -> tuple[tuple[StepRecord, ...], Mapping[str, JSONValue]] | None:
     """The completed steps of ``run_id`` as a fork reads them (its own inherited steps,
-    then its step records); ``None`` if it has no log."""
+    then its step records) and the snapshot it held at ``at_step``; ``None`` if it has
+    no log."""
     log = await store.read_log(run_id)
     if not log.records:
         return None
@@ -291,7 +303,7 @@ async def _completed_steps(store: ManagedStore, run_id: str) -> tuple[StepRecord
     first = log.records[0]
     inherited = first.inherited_steps if isinstance(first, RunStarted) else ()
     own = (record for record in log.records if isinstance(record, StepRecord))
-    return (*inherited, *own)
+    return (*inherited, *own), snapshot_held(log, at_step)
 
 
 def _start_location(check: RunCheck) -> str:

@@ -168,14 +168,22 @@ async def fork(
     inherited steps runs again: no model call, no action, whatever its replay policy.
     The first model call sends what this request would have sent after those steps
     (the same messages as the source's call at ``at_step`` when the definition and the
-    request are the source's). Budgets count the inherited steps as the fork's own.
-    The source is read, never claimed, and may be running, finished, in doubt or
-    waiting: only its completed steps can be inherited.
+    request are the ones the source held there: before an amendment of the source, the
+    ones it was started with; after it, the amended ones). Budgets count the inherited
+    steps as the fork's own. The source is read, never claimed, and may be running,
+    finished, in doubt or waiting: only its completed steps can be inherited.
+
+    The start record of a fork that inherits steps also holds the snapshot the source
+    held at ``at_step`` (``inherited_snapshot``: its start record's with its amendments
+    up to that step applied), so that ``show`` says how the fork differs from it. The
+    fork may differ from it in anything but what says how its inherited steps read back
+    to the model (``observation_template``, ``tool_style``):
+    :class:`~polyloop.types.RunIdentityMismatch` naming those keys, nothing written.
 
     Raises :class:`~polyloop.types.InvalidRequest` before any I/O for a bad request or
     ``at_step``, and naming both numbers when the source has fewer completed steps than
     ``at_step``; :class:`~polyloop.types.RunNotFound` (naming the source) if the store
-    has no record of the source; then what :func:`run` raises
+    has no record of the source; ``RunIdentityMismatch`` as above; then what :func:`run` raises
     (:class:`~polyloop.types.RunAlreadyExists` if ``request.run_id`` has records).
     After a crash, :func:`resume` continues a fork like any run.
 

@@ -89,15 +89,20 @@ class Agent:
 
         Starting a run that was already started with this agent, the same input and the
         same snapshot changes nothing, so a retried call is safe; one started otherwise
-        raises :class:`~polyloop.types.RunIdentityMismatch` listing the differences.
-        Raises what :func:`polyloop.run` raises before it drives (``InvalidRequest``,
-        ``RunLocked`` while another writer holds an unstarted run, ``StoreError``).
+        raises :class:`~polyloop.types.RunIdentityMismatch` listing the differences. A
+        snapshot that differs only as the agent's ``amend`` accepts (a deploy since the
+        first call) is safe too, and still nothing is written: the host that resumes the
+        run records the amendment before it goes on. A difference the amendment may not
+        accept raises :class:`~polyloop.types.AmendmentRefused`, as the host's resume
+        would. Raises what :func:`polyloop.run` raises before it drives
+        (``InvalidRequest``, ``RunLocked`` while another writer holds an unstarted run,
+        ``StoreError``).
 
         Cancellation: the start record landed whole or not at all; the claim is given up
         under a shielded, time-bounded scope either way.
         """
         request = await self.request(run_id, input)
-        await register(self.definition, request, self._origin(run_id, input))
+        await register(self.definition, request, self._origin(run_id, input), self.amend)
 
     async def run(self, run_id: str, input: JSONValue) -> RunResult:
         """Start the run ``run_id`` here (or resume it, if it exists) and drive it until

@@ -1,8 +1,9 @@
 """Amendments: when a run may go on under a changed snapshot, and the record that says so.
 
-Pure: :func:`checked` looks at an :class:`~polyloop.types.Amendment` before any I/O,
-:func:`amended` at the log's plan and the snapshot built now, once the run is claimed.
-What may never change, and why, is research record 0074.
+:func:`checked` looks at an :class:`~polyloop.types.Amendment` before any I/O,
+:func:`amended` at the log's plan and the snapshot built now, once the run is claimed;
+both are pure. :func:`record` writes the amendment and tells the event sink. What may
+never change, and why, is research record 0074.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from polyloop import _recovery
+from polyloop.ports import EventKind, Store
 from polyloop.session._checks import action_name_of
+from polyloop.session._relay import Relay
 from polyloop.session._steps import now
 from polyloop.types import (
     Amended,
@@ -22,13 +25,9 @@ from polyloop.types import (
     RunIdentityMismatch,
 )
 
-# Keys no amendment may accept, and why.
-NEVER: Mapping[str, str] = {
-    "run_id": "a run's id is what the run is; under another id it is another run",
-    "model_replay": (
-        "it decides whether a model call a crash left open is made again, and the run's "
-        "recorded intents were written under it"
-    ),
+# Keys that say how recorded steps read back to the model: no amendment may accept them,
+# and a fork may not differ in them from the snapshot its inherited steps ran under.
+READS_BACK: Mapping[str, str] = {
     "observation_template": (
         "every recorded step's observation is shown to the model through it, so changing "
         "it rewrites how the recorded steps read"
@@ -37,6 +36,16 @@ NEVER: Mapping[str, str] = {
         "recorded steps of one style read as another (a native tool call and its answer, "
         "or text), so changing it rewrites how the recorded steps read"
     ),
+}
+
+# Keys no amendment may accept, and why.
+NEVER: Mapping[str, str] = {
+    "run_id": "a run's id is what the run is; under another id it is another run",
+    "model_replay": (
+        "it decides whether a model call a crash left open is made again, and the run's "
+        "recorded intents were written under it"
+    ),
+    **READS_BACK,
     "agent.name": "a run's agent and input are what its request is built from",
     "agent.input": "a run's agent and input are what its request is built from",
 }
@@ -106,6 +115,28 @@ def amended(
         changes=_recovery.changes_between(plan.snapshot, current, keys),
         at=now(),
     )
+
+
+def held_snapshots(
+    started: Mapping[str, JSONValue], amendments: list[Amended]
+) -> list[Mapping[str, JSONValue]]:
+    """``started`` (a start record's snapshot), then the snapshot each of ``amendments``
+    (in log order) left: every snapshot the run held."""
+    held = [started]
+    for amendment in amendments:
+        held.append(_recovery.amended_snapshot(held[-1], amendment.changes))
+    return held
+
+
+async def record(store: Store, relay: Relay, amended: Amended) -> None:
+    """Write ``amended`` (a durable barrier), then hand the event sink a ``RUN_AMENDED``
+    event about it: once the sink hears of it, the log holds it.
+
+    Cancellation: the record landed whole or not at all (if not, a resume with the
+    same amendment writes it); cancelled once it landed, the sink may not hear of it.
+    """
+    await store.write_review(amended)
+    await relay.emit(EventKind.RUN_AMENDED, amended.step, amended)
 
 
 def _check_tools_in_use(

@@ -99,6 +99,8 @@ async def drive(
     if amend is not None:
         _amending.checked(amend, request.run_id)
     inheritance = None if inherit is None else await inherit()
+    if inheritance is not None:
+        inheritance.check(request.run_id, prepared.snapshot)
     store = definition.store
     await store.claim_run(request.run_id)
     try:
@@ -107,9 +109,12 @@ async def drive(
         await _release(store, request)
 
 
-async def register(definition: Definition, request: Request, origin: Origin) -> None:
+async def register(
+    definition: Definition, request: Request, origin: Origin, amend: Amendment | None = None
+) -> None:
     """Write the run's start record under ``origin`` and drive nothing; a run already
-    started the same way is left as it is (a retried start is safe)."""
+    started the same way, or differing only as ``amend`` accepts, is left as it is (a
+    retried start is safe; the resume that drives it on writes the amendment)."""
     prepared = prepare(definition, request)
     store = definition.store
     try:
@@ -118,10 +123,10 @@ async def register(definition: Definition, request: Request, origin: Origin) -> 
         # Its writer may be driving it already: the log answers without the claim.
         if not (await store.read_log(request.run_id)).records:
             raise
-        await _check_existing(store, request, prepared, origin)
+        await _check_existing(store, request, prepared, origin, amend)
         return
     try:
-        if not await _check_existing(store, request, prepared, origin):
+        if not await _check_existing(store, request, prepared, origin, amend):
             started = origin.stamp(_started(request, prepared))
             await store.start_run(started)
     finally:
@@ -129,13 +134,14 @@ async def register(definition: Definition, request: Request, origin: Origin) -> 
 
 
 async def _check_existing(
-    store: Store, request: Request, prepared: Prepared, origin: Origin
+    store: Store, request: Request, prepared: Prepared, origin: Origin, amend: Amendment | None
 ) -> bool:
-    """Whether the run exists, refusing one started with another identity."""
+    """Whether the run exists, refusing one started with another identity than
+    ``amend`` (if any) accepts."""
     log = await store.read_log(request.run_id)
     if not log.records:
         return False
-    _identity_plan(log, request, prepared, origin, None)
+    _identity_plan(log, request, prepared, origin, amend)
     return True
 
 
@@ -167,18 +173,18 @@ async def _drive_claimed(
     plan, amended = _identity_plan(log, request, prepared, origin, amend)
     if plan.state is _recovery.RecoveryState.FINISHED:
         return _recovery.recorded_result(plan)
+    loop = Loop(definition, request, prepared, resumed=True)
     if amended is not None:
         # Before anything else: whatever happens next happens under the amended snapshot.
-        await definition.store.write_review(amended)
+        await _amending.record(definition.store, loop.relay, amended)
         log = RunLog(run_id=log.run_id, records=(*log.records, amended))
     if (asked := await definition.store.read_cancel(request.run_id)) is not None:
-        loop = Loop(definition, request, prepared, resumed=True)
         return await _cancelling.end_resumed(loop, plan, log.records, asked)
     probe = probe_for(request.executor, plan)
     if _recovery.waits_for_person(plan) and probe is None:
         # Nothing to do until a person answers: the recorded end stands, nothing is written.
-        return _recovery.recorded_result(plan)
-    loop = Loop(definition, request, prepared, resumed=True)
+        waiting = _recovery.recorded_result(plan)
+        return dataclasses.replace(waiting, event_failures=loop.relay.failures)
     _draining.claimed(request.run_id)
     return await loop.guarded(
         _cancelling.fenced(loop, continue_run(loop, plan, log.records, probe))

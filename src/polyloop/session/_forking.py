@@ -4,27 +4,64 @@ A fork is a new run whose start record carries copies of the source's first step
 that it stands alone: its own log is all that ``resume``, ``show`` and ``verify`` read,
 and pruning the source changes nothing for it. The source is read, never claimed: its
 completed steps cannot change under a reader, whoever drives it meanwhile.
+
+The fork's snapshot is its own request's, but its inherited steps ran under the source's:
+the start record keeps the snapshot the source held at the fork's step (amendments
+included), and a fork may not differ from it in how recorded steps read back (record
+0074).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Mapping
 
 from polyloop import _recovery
 from polyloop._shared import encodable_json
 from polyloop.ports import Store
 from polyloop.serialization import encode
-from polyloop.types import InvalidRequest, RunNotFound, RunStarted, StepRecord
+from polyloop.session._amending import READS_BACK
+from polyloop.types import (
+    InvalidRequest,
+    JSONValue,
+    RunIdentityMismatch,
+    RunLog,
+    RunNotFound,
+    RunStarted,
+    StepRecord,
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Inheritance:
-    """The source run, the step the fork starts at, and the source's steps before it."""
+    """The source run, the step the fork starts at, the source's steps before it, and
+    the snapshot the source held at that step."""
 
     source_run_id: str
     at_step: int
     steps: tuple[StepRecord, ...]
+    snapshot: Mapping[str, JSONValue]
+
+    def check(self, run_id: str, current: Mapping[str, JSONValue]) -> None:
+        """Refuse a fork whose snapshot ``current`` would read its inherited steps back
+        otherwise than they ran: every other key may differ, that is what a fork is for."""
+        if not self.steps:
+            return
+        differences = tuple(
+            difference
+            for difference in _recovery.identity_differences(self.snapshot, current)
+            if difference[0] in READS_BACK
+        )
+        if differences:
+            keys = ", ".join(key for key, _, _ in differences)
+            why = "; ".join(READS_BACK[key] for key, _, _ in differences)
+            raise RunIdentityMismatch(
+                f"cannot fork run {self.source_run_id!r} at step {self.at_step} with another "
+                f"{keys} than it held there: {why}",
+                run_id=run_id,
+                differences=differences,
+            )
 
     def started(self, started: RunStarted) -> RunStarted:
         """``started``, the fork's start record, holding what it inherits."""
@@ -35,7 +72,21 @@ class Inheritance:
             forked_at_step=self.at_step,
             inherited_sha256=inherited_digest(self.steps),
             inherited=copies or None,
+            inherited_snapshot=dict(self.snapshot) if copies else None,
         )
+
+
+def snapshot_held(log: RunLog, at_step: int) -> Mapping[str, JSONValue]:
+    """The snapshot the run of ``log`` held at step ``at_step``: what a fork made there
+    inherits (raises ``CorruptLog`` for a log whose records cannot follow each other)."""
+    return _recovery.snapshot_at(_recovery.read_plan(log), at_step)
+
+
+def changed_keys(
+    inherited: Mapping[str, JSONValue], own: Mapping[str, JSONValue]
+) -> tuple[str, ...]:
+    """The identity keys in which a fork's own snapshot differs from the one it inherited."""
+    return tuple(key for key, _, _ in _recovery.identity_differences(inherited, own))
 
 
 def inherited_digest(steps: tuple[StepRecord, ...]) -> str:
@@ -84,4 +135,9 @@ async def read_inheritance(
             f"steps, so a fork can start at step 0 to {complete}",
             run_id=run_id,
         )
-    return Inheritance(source_run_id=source_run_id, at_step=at_step, steps=plan.steps[:at_step])
+    return Inheritance(
+        source_run_id=source_run_id,
+        at_step=at_step,
+        steps=plan.steps[:at_step],
+        snapshot=_recovery.snapshot_at(plan, at_step),
+    )

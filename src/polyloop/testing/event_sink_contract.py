@@ -39,6 +39,7 @@ from polyloop.testing._contract_checks import (
     assert_plain_parameters,
 )
 from polyloop.testing.store_contract import sample_run
+from polyloop.types import Amended
 
 __all__ = ("EventSinkContract", "sample_deltas", "sample_events")
 
@@ -51,11 +52,20 @@ def sample_events(run_id: str) -> list[Event]:
     started = writes[0][1][0]
     step = next(args[0] for method, args in writes if method == "write_step")
     ended = writes[-1][1][0]
+    amended = Amended(
+        run_id=run_id,
+        step=1,
+        by="ops@example.com",
+        reason="a clearer system prompt",
+        changes={"run_context.sha256": {"recorded": "a" * 64, "amended": "b" * 64}},
+        at=ended.at,
+    )
     events = [
         Event(kind=EventKind.RUN_STARTED, run_id=run_id, step=None, record=started),
         Event(kind=EventKind.RUN_RESUMED, run_id=run_id, step=None, record=started),
         Event(kind=EventKind.STEP_FINISHED, run_id=run_id, step=step.step, record=step),
         Event(kind=EventKind.RUN_ENDED, run_id=run_id, step=None, record=ended),
+        Event(kind=EventKind.RUN_AMENDED, run_id=run_id, step=1, record=amended),
     ]
     assert {event.kind for event in events} == set(EventKind)
     return events
