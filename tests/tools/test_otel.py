@@ -47,12 +47,14 @@ from kit.agent import (
     request,
     tool_call,
 )
+from kit.amending import DEPLOY_FIX, deployed_request
 from kit.native import INTERPRETER, NATIVE, native_script
 from kit.probe import Payments, tools
-from kit.review import payment_script
+from kit.review import approval_script, payment_script, review_tools
 from kit.surrogate import HALF
 from kit.surrogate import RUN_ID as HALF_RUN_ID
 from polyloop import (
+    Amended,
     EnvironmentFault,
     Event,
     EventKind,
@@ -1206,3 +1208,25 @@ async def test_a_rebuilt_settled_step_carries_the_event_too(traced: Traced) -> N
     assert event["polyloop.settled_by"] == "reconcile:pay" and event["polyloop.settled.ran"]
     assert event["polyloop.probe.duration_s"] > 0
     assert len(payments.paid()) == 1
+
+
+async def test_an_amendment_is_an_instant_span_in_the_run_s_trace(traced: Traced) -> None:
+    store, ledger = MemoryStore(), Ledger()
+    first = request("r", review_tools(ledger))
+    waiting = await run(definition(store, script=approval_script()), first)
+    assert waiting.stop_reason is StopReason.AWAITING_APPROVAL
+    defined = definition(store, script=approval_script(), events=traced.sink)
+    await resume(defined, deployed_request(ledger), amend=DEPLOY_FIX)
+    (span,) = traced.named("amend_agent")
+    (amended,) = [r for r in (await store.read_log("r")).records if isinstance(r, Amended)]
+    assert span.context.trace_id == run_ids("r")[0]
+    assert span.start_time == span.end_time
+    assert attrs(span) == {
+        "gen_ai.operation.name": "amend_agent",
+        "gen_ai.conversation.id": "r",
+        "polyloop.run.id": "r",
+        "polyloop.step": amended.step,
+        "polyloop.amended_by": DEPLOY_FIX.by,
+        "polyloop.amended.reason": DEPLOY_FIX.reason,
+        "polyloop.amended.keys": ("run_context.sha256", "tools"),
+    }

@@ -32,6 +32,7 @@ from polyloop.otel._spans import (
 from polyloop.otel._steps import (
     Call,
     Spanned,
+    amended_span,
     chat_span,
     in_doubt_span,
     step_attributes,
@@ -39,6 +40,7 @@ from polyloop.otel._steps import (
 )
 from polyloop.ports import Event, EventKind
 from polyloop.types import (
+    Amended,
     Intent,
     IntentKind,
     JSONValue,
@@ -274,6 +276,8 @@ class OpenTelemetrySink:
             self._step(event.run_id, record, event.intent, event.settlement)
         elif event.kind is EventKind.RUN_ENDED and isinstance(record, RunEnded):
             self._end(event.run_id, record)
+        elif event.kind is EventKind.RUN_AMENDED and isinstance(record, Amended):
+            amended_span(self._tracer, record)
 
     def _open(
         self, run_id: str, *, start_ns: int, resumed: bool, started: RunStarted | None

@@ -16,7 +16,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Tracer
 
 from polyloop.otel._spans import Attributes, exportable, failed, ns, run_attributes, run_parent
-from polyloop.types import ActionStatus, Intent, Settlement, StepRecord, ToolCallBlock
+from polyloop.types import ActionStatus, Amended, Intent, Settlement, StepRecord, ToolCallBlock
 
 _FAILED_ACTIONS = {
     ActionStatus.ENV_FAULT: "env_fault",
@@ -163,6 +163,25 @@ def _tool_attributes(
         attributes.put("gen_ai.tool.call.id", tool_call.call_id)
     attributes.put("polyloop.action.result_id", intent.result_id if intent else None)
     return attributes, f"execute_tool {exportable(name)}" if name else "execute_tool"
+
+
+def amended_span(tracer: Tracer, amended: Amended) -> None:
+    """The span of an amendment: an instant in the run's trace, when it was written, that
+    says who accepted which snapshot keys, and why (its record holds the values)."""
+    attributes = run_attributes(amended.run_id, "amend_agent")
+    attributes.put("polyloop.step", amended.step)
+    attributes.put("polyloop.amended_by", amended.by)
+    attributes.put("polyloop.amended.reason", amended.reason)
+    attributes.put("polyloop.amended.keys", [key for key, _, _ in amended.differences])
+    at = ns(amended.at)
+    span = tracer.start_span(
+        "amend_agent",
+        context=run_parent(amended.run_id),
+        kind=SpanKind.INTERNAL,
+        attributes=attributes.values,
+        start_time=at,
+    )
+    span.end(end_time=at)
 
 
 def _settled(settlement: Settlement) -> Attributes:
