@@ -22,7 +22,7 @@ from kit.hosting import eventually
 from kit.store import DURABLE_STORE_BACKENDS
 from polyloop.ports import ChangeFeed
 from polyloop.stores import PostgresStore
-from polyloop.stores._sql.postgres.sql import channel, run_id_column, run_key
+from polyloop.stores._sql.postgres.sql import appended_channel, channel, run_id_column, run_key
 from polyloop.testing.store_contract import sample_run
 from polyloop.types import (
     CancelRequest,
@@ -60,8 +60,8 @@ class Heard:
     """A connection of the test's own listening on a store's channel: every payload; and
     another that marks where each take ends."""
 
-    def __init__(self, conninfo: str, schema: str, suffix: str = "") -> None:
-        self.channel = channel(schema) + suffix
+    def __init__(self, conninfo: str, schema: str, run_id: str | None = None) -> None:
+        self.channel = channel(schema) if run_id is None else appended_channel(schema, run_id)
         self.conn = psycopg.connect(conninfo, autocommit=True)
         self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
         self.marker = psycopg.connect(conninfo, autocommit=True)
@@ -88,9 +88,10 @@ class Heard:
 
 
 @contextmanager
-def heard(conninfo: str, schema: str, suffix: str = "") -> Iterator[Heard]:
-    """A listener on the store's change feed channel (or, with ``suffix``, another one)."""
-    listening = Heard(conninfo, schema, suffix)
+def heard(conninfo: str, schema: str, run_id: str | None = None) -> Iterator[Heard]:
+    """A listener on the store's change feed channel (or, with ``run_id``, on the channel
+    of that run's followers)."""
+    listening = Heard(conninfo, schema, run_id)
     try:
         yield listening
     finally:
@@ -162,22 +163,28 @@ async def test_the_writes_that_may_let_a_run_go_on_notify_and_no_other(
             assert payloads == ["r1"] * expected, (method, args)
 
 
-async def test_each_committed_batch_tells_the_followers_once_naming_its_runs(
+async def test_each_committed_batch_tells_the_followers_of_each_run_it_wrote_once(
     postgres_shared: str, schema: str, store: PostgresStore
 ) -> None:
-    """Every write of a record notifies the followers' channel, once a batch however many
-    rows it holds (a step with its action's result is two); a claim writes no record."""
-    with heard(postgres_shared, schema, "_appended") as heard_:
+    """Every write of a record notifies its run's followers' channel, once a batch however
+    many of the run's rows it holds (a step with its action's result is two); a claim
+    writes no record; the channel of a run nobody wrote hears nothing."""
+    with (
+        heard(postgres_shared, schema, "r1") as first,
+        heard(postgres_shared, schema, "r2") as second,
+        heard(postgres_shared, schema, "idle") as idle,
+    ):
         await store.claim_run("r1")
-        assert await heard_.take() == []
+        assert await first.take() == []
         for method, args in sample_run("r1", steps=1):
             await getattr(store, method)(*args)
-            assert await heard_.take() == [run_id_column("r1")], method
+            assert await first.take() == [""], method
         await store.claim_run("r2")
         async with anyio.create_task_group() as tg:  # two runs, perhaps in one batch
             tg.start_soon(store.start_run, sample_run("r2")[0][1][0])
             tg.start_soon(store.request_cancel, CancelRequest(run_id="r1", by="a", reason="b"))
-        assert [name.split("\n") for name in await heard_.take()] == [["r2"]]
+        assert (await first.take(), await second.take()) == ([], [""])
+        assert await idle.take() == []
 
 
 def _verdict(run_id: str) -> Verdict:
@@ -295,17 +302,41 @@ async def test_one_listening_connection_serves_every_block_of_a_store_object(
     assert await _gone(_listeners() - before)
 
 
+async def test_the_listener_listens_on_a_run_while_it_has_followers_and_no_longer(
+    postgres_shared: str, schema: str, store: PostgresStore
+) -> None:
+    """A follower who comes while the connection listens is heard on its run's channel
+    from its first wait; the channel is given up once its last follower leaves."""
+    session = None
+    async with store.changes():
+        async with store.appended("r1") as first:
+            session = store._listener._session
+            assert session is not None
+            assert appended_channel(schema, "r1") in session.listening
+            await store.claim_run("r1")
+            await store.start_run(sample_run("r1")[0][1][0])
+            with anyio.fail_after(5):
+                await first()
+        await eventually(
+            lambda: appended_channel(schema, "r1") not in session.listening, what="unlistened"
+        )
+        async with store.appended("r2") as second:
+            await store.claim_run("r2")
+            await store.start_run(sample_run("r2")[0][1][0])
+            with anyio.fail_after(5):
+                await second()
+
+
 async def _listening_sessions(conninfo: str, schema: str) -> list[int]:
     """The server's process ids of the sessions listening on the store's channels (its
     change feed's and its followers')."""
-    listen = f'LISTEN "{channel(schema)}"; LISTEN "{channel(schema)}_appended"'
 
     def find() -> list[int]:
         with pg.admin(conninfo) as conn:
             rows = conn.execute(
                 "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-                " AND application_name = %s AND query = %s",
-                (LISTENER, listen),
+                " AND application_name = %s AND query LIKE %s",
+                (LISTENER, f'%LISTEN "{channel(schema)}%'),
             ).fetchall()
         return [pid for (pid,) in rows]
 

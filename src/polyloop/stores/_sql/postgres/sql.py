@@ -39,6 +39,13 @@ def channel(schema: str) -> str:
     return f"polyloop_{digest.hexdigest()[:16]}"
 
 
+def appended_channel(schema: str, run_id: str) -> str:
+    """The channel a committed batch that wrote the run notifies, for the run's followers:
+    a channel a run (a hash's first 8 bytes), so that a listener hears only of the runs it
+    follows. The SQL spells it from the ``run_key`` column (``_APPENDED_TO``)."""
+    return f"{channel(schema)}_{run_key(run_id)[:8].hex()}"
+
+
 def run_key(run_id: str) -> bytes:
     """The ``run_key`` column value: the sha256 of the run id."""
     return hashlib.sha256(run_id.encode("utf-8", "surrogatepass")).digest()
@@ -74,7 +81,7 @@ admitted AS (
     WHERE r.run_key = w.run_key AND r.epoch = w.epoch AND r.next_seq = w.first_seq
       AND NOT r.finished AND (NOT w.fenced OR r.cancel_at IS NULL)
     RETURNING r.run_key, r.run_id, w.first_seq, w.next_seq, w.first_row,
-        CASE WHEN w.announce THEN {notify_run} END AS announced
+        CASE WHEN w.announce THEN {notify_run} END AS announced, {notify_appended} AS appended
 ),
 inserted AS (
     INSERT INTO {records} (run_key, seq, run_id, kind, body)
@@ -86,14 +93,14 @@ inserted AS (
                 string_to_array(%(bodies)b::text, E'\\n')) WITH ORDINALITY AS x(kind, body, n)
         ON x.n = g.n
 )
-SELECT run_key, announced, (SELECT {notify_batch} FROM
-    (SELECT string_agg(run_id, E'\\n') AS run_ids FROM admitted) AS batch) FROM admitted
+SELECT run_key, announced, appended FROM admitted
 """
 # A notification on the store's channel, sent when the transaction commits; its payload
 # is the run id as the ``run_id`` column spells it, or empty past NOTIFY's 8000 bytes.
-# Each batch also notifies its followers' channel once, naming its runs one a line (a
-# column never holds a raw newline), so that idle followers cost the writer no more.
 _NOTIFY = "pg_notify({channel}, CASE WHEN octet_length({column}) < 8000 THEN {column} ELSE '' END)"
+# Each run a batch wrote also notifies its followers' channel (``appended_channel``),
+# empty: a process that follows other runs is not woken at all (record 0072).
+_APPENDED_TO = "pg_notify({prefix} || encode(substr({key}, 1, 8), 'hex'), '')"
 # Without a barrier, no wait for the flush: ``SET LOCAL``, before any row is written.
 _LAZY = ",\nlazy AS (SELECT set_config('synchronous_commit', 'off', true) AS setting)"
 _LAZY_JOIN = " CROSS JOIN lazy"
@@ -208,10 +215,15 @@ class Queries:
         }
 
         self.channel = channel(schema)
-        self.appended_channel = f"{self.channel}_appended"
 
-        def notify(column: str, to: str = self.channel) -> sql.Composed:
-            return sql.SQL(_NOTIFY).format(channel=sql.Literal(to), column=sql.SQL(column))
+        def notify(column: str) -> sql.Composed:
+            return sql.SQL(_NOTIFY).format(
+                channel=sql.Literal(self.channel), column=sql.SQL(column)
+            )
+
+        def notify_appended(key: str) -> sql.Composed:
+            prefix = sql.Literal(f"{self.channel}_")
+            return sql.SQL(_APPENDED_TO).format(prefix=prefix, key=sql.SQL(key))
 
         def q(text: str, **extra: sql.Composable) -> sql.Composed:
             return sql.SQL(text).format(schema=sql.Identifier(schema), **names, **extra)
@@ -231,16 +243,13 @@ class Queries:
         listed = q(_LISTED, live_owners=live_owners)
         self.claim = q(_CLAIM, live_owners=live_owners)
         self.release = q(_RELEASE, notify_freed=notify("freed.run_id"))
-        self.listen = sql.SQL("LISTEN {}; LISTEN {}").format(
-            sql.Identifier(self.channel), sql.Identifier(self.appended_channel)
-        )
         self.holder = q(
             "SELECT o.description, o.lease_until FROM {runs} AS r"
             " JOIN {owners} AS o ON o.owner_id = r.owner WHERE r.run_key = %s"
         )
         notified = {
             "notify_run": notify("r.run_id"),
-            "notify_batch": notify("batch.run_ids", self.appended_channel),
+            "notify_appended": notify_appended("r.run_key"),
         }
         self.write = q(_FENCED_WRITE, lazy=sql.SQL(""), lazy_join=sql.SQL(""), **notified)
         self.lazy_write = q(
@@ -310,7 +319,7 @@ class Queries:
             " AND stop_reason IS DISTINCT FROM 'in_doubt' RETURNING run_key, run_id),"
             " wiped AS (DELETE FROM {records} WHERE run_key IN (SELECT run_key FROM gone))"
             " SELECT count(*), (SELECT {notify_gone} FROM gone) FROM gone",
-            notify_gone=notify("gone.run_id", self.appended_channel),
+            notify_gone=notify_appended("gone.run_key"),
         )
 
 

@@ -23,7 +23,7 @@ from polyloop.stores._engine import Archive, EngineStore, Watch
 from polyloop.stores._sql.postgres.connection import Settings, Watched, open_pool
 from polyloop.stores._sql.postgres.feed import Listener
 from polyloop.stores._sql.postgres.owner import SharedClaims
-from polyloop.stores._sql.postgres.sql import run_id_column, run_key
+from polyloop.stores._sql.postgres.sql import appended_channel, run_id_column, run_key
 from polyloop.stores._sql.rows import read_rows, read_rows_after, shown
 from polyloop.stores._writes import kept_cancel
 from polyloop.types import CancelRequest, CorruptLog, Record, StoreError
@@ -94,7 +94,7 @@ class Postgres(SharedClaims):
         super().__init__(settings, ready=self._ready_pool)
         self._lock = threading.Lock()  # opens the reader pool and the schema once
         self._pool: ConnectionPool[Watched] | None = None
-        self.listener = Listener(settings, self._queries.listen, self._queries.appended_channel)
+        self.listener = Listener(settings, self._queries.channel)
 
     def read(self, run_id: str) -> tuple[Record, ...]:
         rows = self._select(run_id, self._queries.select_run, (run_key(run_id),))
@@ -115,7 +115,7 @@ class Postgres(SharedClaims):
         )
 
     def appended(self, run_id: str) -> Watch:
-        return self.listener.appended(run_id_column(run_id))
+        return self.listener.appended(appended_channel(self._settings.schema, run_id))
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
         query = self._queries.list_unfinished if unfinished_only else self._queries.list_runs
