@@ -160,6 +160,7 @@ async def test_the_list_is_paginated_most_recent_first(store: ManagedStore) -> N
         while links := re.findall(r'rel="prev" href="([^"]*)"', back[-1].text):
             back.append(await client.get(unescape(links[0])))
         wrong = await client.get("/", params={"after": "no cursor"})
+        numbered = await client.get("/", params={"page": 3})  # an address of before
     shown = [_rows(page.text) for page in pages]
     assert [len(rows) for rows in shown] == [2, 2, 2]
     everything = shown[0] + shown[1] + shown[2]
@@ -169,7 +170,7 @@ async def test_the_list_is_paginated_most_recent_first(store: ManagedStore) -> N
     assert times == sorted(times, reverse=True)
     assert 'rel="next"' in pages[0].text and 'rel="prev"' not in pages[0].text
     assert [_rows(page.text) for page in back] == shown[::-1]
-    assert _rows(wrong.text) == shown[0]  # a cursor of no page: the first page
+    assert _rows(wrong.text) == shown[0] == _rows(numbered.text)  # no cursor: the first page
 
 
 # -- one run -------------------------------------------------------------------------------
