@@ -143,25 +143,52 @@ def _place(where: Position) -> tuple[bool, int, str]:
     return False, -((at - _EPOCH) // _MICROSECOND), run_id
 
 
-async def runs_page(
-    store: ManagedStore,
-    *,
-    limit: int,
-    after: str | None = None,
-    before: str | None = None,
-    finished: bool | None = None,
-    updated_since: datetime | None = None,
-) -> RunPage:
-    """The page from a :class:`~polyloop.ports.PagedStore`, or derived from
-    ``list_runs`` for a store that is not one: one way to ask whichever the store is.
+class Paged:
+    """``page_runs`` over one ``_page``, the request checked first; by default the page
+    is worked out from ``list_runs``, as for a store that cannot page itself."""
 
-    Cancellation: reading changes nothing on disk.
-    """
-    if isinstance(store, PagedStore):
-        return await store.page_runs(
-            limit=limit, after=after, before=before, finished=finished, updated_since=updated_since
+    __slots__ = ()
+
+    async def page_runs(
+        self,
+        *,
+        limit: int,
+        after: str | None = None,
+        before: str | None = None,
+        finished: bool | None = None,
+        updated_since: datetime | None = None,
+        updated_before: datetime | None = None,
+    ) -> RunPage:
+        """One page of the runs, most recently updated first (a ``PagedStore``).
+
+        Cancellation: reading changes nothing on disk.
+        """
+        request = page_request(
+            limit=limit,
+            after=after,
+            before=before,
+            finished=finished,
+            updated_since=updated_since,
+            updated_before=updated_before,
         )
-    request = page_request(
-        limit=limit, after=after, before=before, finished=finished, updated_since=updated_since
-    )
-    return page_of(await store.list_runs(unfinished_only=finished is False), request)
+        return await self._page(request)
+
+    async def _page(self, request: PageRequest) -> RunPage:
+        list_runs = self.list_runs  # type: ignore[attr-defined]  # a ManagedStore's
+        return page_of(await list_runs(unfinished_only=request.finished is False), request)
+
+
+class _Listed(Paged):
+    """The pages of a store that cannot page itself."""
+
+    __slots__ = ("list_runs",)
+
+    def __init__(self, store: ManagedStore) -> None:
+        self.list_runs = store.list_runs
+
+
+def pages(store: ManagedStore) -> PagedStore:
+    """Where to ask for a page of ``store``'s runs: the store if it is a
+    :class:`~polyloop.ports.PagedStore`, else its pages worked out from ``list_runs``;
+    one way to ask whichever the store is."""
+    return store if isinstance(store, PagedStore) else _Listed(store)

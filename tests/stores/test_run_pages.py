@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from polyloop._paging import cursor, page_of, page_request, run_cursor, runs_page
+from polyloop._paging import cursor, page_of, page_request, pages, run_cursor
 from polyloop.ports import PagedStore, StoredRun
 from polyloop.stores import MemoryStore
 from polyloop.testing.store_contract import apply, sample_run
@@ -104,8 +104,8 @@ async def test_a_store_without_pages_is_paged_from_its_listing() -> None:
     assert not isinstance(plain, PagedStore)
     for filters in ({}, {"finished": True}, {"finished": False}):
         own = await store.page_runs(limit=2, **filters)
-        derived = await runs_page(plain, limit=2, **filters)  # type: ignore[arg-type]
+        derived = await pages(plain).page_runs(limit=2, **filters)  # type: ignore[arg-type]
         assert derived == own
         if own.older is not None:
-            after = await runs_page(plain, limit=2, after=own.older, **filters)  # type: ignore[arg-type]
+            after = await pages(plain).page_runs(limit=2, after=own.older, **filters)  # type: ignore[arg-type]
             assert after == await store.page_runs(limit=2, after=own.older, **filters)

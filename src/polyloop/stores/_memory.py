@@ -10,9 +10,8 @@ from datetime import UTC, datetime
 import anyio
 
 from polyloop import types
-from polyloop._paging import PageRequest, page_of
 from polyloop._shared import FORMAT
-from polyloop.ports import RunPage, StoredRun
+from polyloop.ports import StoredRun
 from polyloop.stores._engine import Archive, check_cutoff, finished, prune_runs
 from polyloop.stores._port import StoreBase
 from polyloop.stores._writes import (
@@ -107,9 +106,6 @@ class MemoryStore(StoreBase):
         self._state.check_open(None)
         listed = (self._stored(run_id) for run_id in self._runs)
         return tuple(run for run in listed if not (unfinished_only and run.finished))
-
-    async def _page(self, request: PageRequest) -> RunPage:
-        return page_of(await self.list_runs(unfinished_only=request.finished is False), request)
 
     async def describe_run(self, run_id: str) -> StoredRun | None:
         """The run as :meth:`list_runs` lists it, or ``None``."""

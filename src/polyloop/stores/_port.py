@@ -3,16 +3,14 @@ same for every store (docs/stores.md#your-own-store)."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Self
 
 from polyloop import types
-from polyloop._paging import PageRequest, page_request
-from polyloop.ports import RunPage
+from polyloop._paging import Paged
 from polyloop.types import Record, Result, StepRecord, StoreError
 
 
-class StoreBase:
+class StoreBase(Paged):
     """The store port's writes over one ``_write``; leaving an ``async with`` block closes it."""
 
     __slots__ = ()
@@ -45,31 +43,6 @@ class StoreBase:
         """Write the run's end record and give up the claim, in one transaction."""
         await self._write(record)
 
-    async def page_runs(
-        self,
-        *,
-        limit: int,
-        after: str | None = None,
-        before: str | None = None,
-        finished: bool | None = None,
-        updated_since: datetime | None = None,
-        updated_before: datetime | None = None,
-    ) -> RunPage:
-        """One page of the runs, most recently updated first (a ``PagedStore``).
-
-        Cancellation: reading changes nothing on disk.
-        """
-        return await self._page(
-            page_request(
-                limit=limit,
-                after=after,
-                before=before,
-                finished=finished,
-                updated_since=updated_since,
-                updated_before=updated_before,
-            )
-        )
-
     async def aclose(self) -> None: ...
 
     async def __aenter__(self) -> Self:
@@ -81,6 +54,3 @@ class StoreBase:
     async def _write(
         self, *records: Record, start: bool = False, barrier: bool = False
     ) -> None: ...
-
-    async def _page(self, request: PageRequest) -> RunPage:
-        raise NotImplementedError

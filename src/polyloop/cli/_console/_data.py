@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import anyio
 
-from polyloop._paging import page_of, page_request, runs_page
+from polyloop._paging import page_of, page_request, pages
 from polyloop.cli._console._listing import (
     PER_PAGE,
     SCAN_LIMIT,
@@ -177,22 +177,18 @@ async def table_page(
 
     Cancellation: reading changes nothing on disk.
     """
+    source, finished = pages(store), query.finished
     if not query.needs_rows:
         try:
-            return await runs_page(
-                store,
-                limit=per_page,
-                finished=query.finished,
-                after=place.after,
-                before=place.before,
+            after, before = place.after, place.before
+            return await source.page_runs(
+                limit=per_page, finished=finished, after=after, before=before
             )
         except InvalidRequest:  # a cursor of no page of this store: the first page
-            return await runs_page(store, limit=per_page, finished=query.finished)
+            return await source.page_runs(limit=per_page, finished=finished)
     if query.reads_content:
         since = query.started_after
-        return await runs_page(
-            store, limit=scan_limit, finished=query.finished, updated_since=since
-        )
+        return await source.page_runs(limit=scan_limit, finished=finished, updated_since=since)
     return RunPage(runs=tuple(ordered(await store.list_runs(unfinished_only=True))))
 
 

@@ -211,7 +211,7 @@ PAGED = Dialect(
     tie='r.run_id COLLATE "C"',
     stamp=datetime,
     time=lambda at: at,
-    key=lambda run_id: run_id_column(run_id),
+    key=run_id_column,
 )
 
 
