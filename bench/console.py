@@ -39,6 +39,7 @@ from bench._sampling import beside_ticker, python_peak_bytes
 from bench.agents import definition, object_schema, request
 from polyloop import Replay, ToolRegistry, ToolSpec, start_or_resume
 from polyloop import run as run_agent
+from polyloop.cli._console._listing import PER_PAGE
 from polyloop.ports import ManagedStore
 from polyloop.stores import SqliteStore
 from polyloop.testing import FaultyStore, JsonActionInterpreter, ScriptedModelClient, SimulatedCrash
@@ -412,6 +413,17 @@ class Probe:
     one_at_a_time: bool = False
 
 
+def _lists(run_ids: list[str]) -> Callable[[str, ConsoleSizes], None]:
+    """A check that the list page shows these runs, in this order."""
+
+    def check(body: str, sizes: ConsoleSizes) -> None:
+        places = [body.find(f">{run_id}</a>") for run_id in run_ids]
+        if -1 in places or places != sorted(places):
+            raise AssertionError(f"the page does not list {run_ids[0]}... in order")
+
+    return check
+
+
 def _shows(total: int) -> Callable[[str, ConsoleSizes], None]:
     """A check that the list page says it lists ``total`` runs."""
 
@@ -422,8 +434,25 @@ def _shows(total: int) -> Callable[[str, ConsoleSizes], None]:
     return check
 
 
-def probes(sizes: ConsoleSizes, approval_run: str) -> list[Probe]:
-    every = _shows(sizes.finished + sizes.unfinished)
+@dataclass(frozen=True)
+class Pages:
+    """The runs the first page and the deep page show, and the deep page's cursor, as
+    the store's own ``page_runs`` says."""
+
+    first: list[str]
+    deep: list[str]
+    deep_cursor: str
+
+    @classmethod
+    async def of(cls, store: ManagedStore, sizes: ConsoleSizes) -> Pages:
+        first = await store.page_runs(limit=PER_PAGE)  # type: ignore[attr-defined]
+        above = await store.page_runs(limit=(sizes.deep_page - 1) * PER_PAGE)  # type: ignore[attr-defined]
+        deep = await store.page_runs(limit=PER_PAGE, after=above.older)  # type: ignore[attr-defined]
+        ids = [run.run_id for run in first.runs], [run.run_id for run in deep.runs]
+        return cls(*ids, deep_cursor=above.older)
+
+
+def probes(sizes: ConsoleSizes, approval_run: str, pages: Pages) -> list[Probe]:
     doubts = _shows(sizes.mix()["doubt"])
 
     def run_page(body: str, _: ConsoleSizes) -> None:
@@ -431,10 +460,11 @@ def probes(sizes: ConsoleSizes, approval_run: str) -> list[Probe]:
             raise AssertionError(f"the page of {approval_run} offers no approval")
 
     in_doubt = "/?state=" + quote("in doubt")
-    deep = f"/?page={sizes.deep_page}"
+    deep = "/?after=" + quote(pages.deep_cursor)
+    first = _lists(pages.first)
     return [
-        Probe("first-cold", "/ (first page), cold", "/", True, every),
-        Probe("first-warm", "/ (first page), warm", "/", False, every),
+        Probe("first-cold", "/ (first page), cold", "/", True, first),
+        Probe("first-warm", "/ (first page), warm", "/", False, first),
         Probe("doubt-cold", "/?state=in doubt, cold", in_doubt, True, doubts),
         Probe(
             "doubt-cold-serial",
@@ -445,7 +475,13 @@ def probes(sizes: ConsoleSizes, approval_run: str) -> list[Probe]:
             one_at_a_time=True,
         ),
         Probe("doubt-warm", "/?state=in doubt, warm", in_doubt, False, doubts),
-        Probe("deep-cold", f"/?page={sizes.deep_page:,}, cold", deep, True, every),
+        Probe(
+            "deep-cold",
+            f"page {sizes.deep_page:,} (after its cursor), cold",
+            deep,
+            True,
+            _lists(pages.deep),
+        ),
         Probe(
             "run-cold",
             "/runs/RUN_ID (awaiting approval), cold",
@@ -529,6 +565,24 @@ async def _list_runs_rows(
                 "repeats": len(times),
             }
         )
+    times = []
+    for _ in range(sizes.repeats):
+        settle()
+        began = now()
+        page = await store.page_runs(limit=PER_PAGE)  # type: ignore[attr-defined]
+        times.append(now() - began)
+        if len(page.runs) != PER_PAGE:
+            raise AssertionError(f"a page of {len(page.runs)} runs, not {PER_PAGE}")
+    rows.append(
+        {
+            "key": f"{kind}-{backend}-page",
+            "store": kind,
+            "backend": backend,
+            "name": f"{STORE_NAMES[kind]}, {backend}: page_runs() of the {PER_PAGE} most recent",
+            "full_ms": median(times) * 1e3,
+            "repeats": len(times),
+        }
+    )
     return rows
 
 
@@ -562,7 +616,7 @@ async def _measure(
     async with opened(ctx, kind, sizes, keep=keep) as store:
         unfinished = await store.list_runs(unfinished_only=True)
         approval_run = min(r.run_id for r in unfinished if r.run_id.startswith("awaiting-"))
-        every = probes(sizes, approval_run)
+        every = probes(sizes, approval_run, await Pages.of(store, sizes))
         # Under Trio, the first page only: the figure that says the backend changes nothing.
         chosen = every if backend == "asyncio" else every[:2]
         rows = await _list_runs_rows(store, kind, backend, sizes)

@@ -301,7 +301,7 @@ def test_console_answers_every_request_and_counts_the_logs_it_read(
                     "run-cold",
                     "events-look",
                 ]
-            assert set(by_key) == {"list-all", "list-unfinished", *probes}
+            assert set(by_key) == {"list-all", "list-unfinished", "page", *probes}
             for key in probes:
                 row = by_key[key]
                 assert 0 < row["ttfb_ms"] <= row["full_ms"]
@@ -316,6 +316,12 @@ def test_console_answers_every_request_and_counts_the_logs_it_read(
                     assert by_key[key]["logs_read"] == 2 * sizes.unfinished
                 assert by_key["doubt-warm"]["logs_read"] == 0
             assert by_key["list-all"]["full_ms"] > 0 and by_key["list-unfinished"]["full_ms"] > 0
+            # The deep page reads its own runs' logs only: those past the pages above it.
+            assert by_key["page"]["full_ms"] > 0
+            if backend == "asyncio":
+                above = (sizes.deep_page - 1) * bench_console.PER_PAGE
+                runs = min(bench_console.PER_PAGE, sizes.finished + sizes.unfinished - above)
+                assert by_key["deep-cold"]["logs_read"] == 2 * runs
 
 
 def test_profile_names_polyloop_functions(results: dict[str, Any]) -> None:

@@ -58,7 +58,9 @@ __all__ = (
     "ModelClient",
     "ModelReply",
     "NullSink",
+    "PagedStore",
     "ReconcilingExecutor",
+    "RunPage",
     "Store",
     "StoredRun",
     "StreamingModelClient",
@@ -556,6 +558,53 @@ class ChangeFeed(Protocol):
 
         Cancellation: ``wait`` changes nothing when cancelled; leaving the block stops
         listening (shielded, waiting a moment at most for the store's own thread).
+        """
+        ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunPage:
+    """One page of runs, most recently updated first (:meth:`PagedStore.page_runs`).
+
+    ``newer`` is the cursor to pass as ``before`` for the page above this one, ``None``
+    when nothing comes before it; ``older`` the cursor to pass as ``after`` for the page
+    below, ``None`` when this is the last. A cursor is text to hand back as it is.
+    """
+
+    runs: tuple[StoredRun, ...]
+    newer: str | None = None
+    older: str | None = None
+
+
+@runtime_checkable
+class PagedStore(Protocol):
+    """A store that lists one page of its runs, sorted and filtered by the store, so the
+    cost follows the page, not the number of runs. Optional: a store without it is paged
+    from :meth:`ManagedStore.list_runs` (docs/stores.md#a-page-of-runs). Every store
+    PolyLoop ships is one.
+    """
+
+    async def page_runs(
+        self,
+        *,
+        limit: int,
+        after: str | None = None,
+        before: str | None = None,
+        finished: bool | None = None,
+        updated_since: datetime | None = None,
+        updated_before: datetime | None = None,
+    ) -> RunPage:
+        """At most ``limit`` runs as :meth:`ManagedStore.list_runs` lists them, most
+        recent ``updated_at`` first, ties by run id, runs whose time the store cannot
+        tell last: the first such runs, or those right after the cursor ``after`` (a
+        page's ``older``), or right before the cursor ``before`` (a page's ``newer``).
+        ``finished`` keeps only finished (``True``) or unfinished (``False``) runs;
+        ``updated_since`` and ``updated_before`` keep runs whose ``updated_at`` is in
+        that window (a naive time is UTC). A cursor stays valid while runs change: a
+        page after it starts after the run it was taken from. ``InvalidRequest`` for a
+        ``limit`` below 1, both cursors, or a cursor the store cannot read.
+
+        Cancellation: reading changes nothing on disk.
         """
         ...
 

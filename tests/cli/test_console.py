@@ -151,18 +151,26 @@ async def test_the_list_filters_by_state(
 
 
 async def test_the_list_is_paginated_most_recent_first(store: ManagedStore) -> None:
+    """The older and newer links walk the list by cursor, down and back up."""
     async with browser(console(store, per_page=2)) as client:
-        pages = [await client.get("/", params={"page": n}) for n in (1, 2, 3, 4)]
+        pages = [await client.get("/")]
+        while links := re.findall(r'rel="next" href="([^"]*)"', pages[-1].text):
+            pages.append(await client.get(unescape(links[0])))
+        back = [pages[-1]]
+        while links := re.findall(r'rel="prev" href="([^"]*)"', back[-1].text):
+            back.append(await client.get(unescape(links[0])))
+        wrong = await client.get("/", params={"after": "no cursor"})
+        numbered = await client.get("/", params={"page": 3})  # an address of before
     shown = [_rows(page.text) for page in pages]
-    assert [len(rows) for rows in shown] == [2, 2, 2, 2]  # page 4 is clamped to page 3
-    assert shown[3] == shown[2]
+    assert [len(rows) for rows in shown] == [2, 2, 2]
     everything = shown[0] + shown[1] + shown[2]
     assert sorted(everything) == sorted(["paused", "doubt", EVIL_RUN, *FINISHED])
     listed = {run.run_id: run.updated_at for run in await store.list_runs()}
     times = [listed[run_id] for run_id in everything]
     assert times == sorted(times, reverse=True)
     assert 'rel="next"' in pages[0].text and 'rel="prev"' not in pages[0].text
-    assert "page 3 of 3" in pages[2].text
+    assert [_rows(page.text) for page in back] == shown[::-1]
+    assert _rows(wrong.text) == shown[0] == _rows(numbered.text)  # no cursor: the first page
 
 
 # -- one run -------------------------------------------------------------------------------

@@ -31,10 +31,11 @@ from playwright.sync_api import Browser, Page, expect
 
 from kit.agent import Ledger, answer, definition, request, tool_call
 from kit.browser import chromium, launched
-from kit.console import fill_deploys
+from kit.console import fill_deploys, fill_many
 from kit.review import approval_script, review_tools
 from polyloop import run
 from polyloop.stores import SqliteStore
+from polyloop.types import RunStarted
 
 T = TypeVar("T")
 
@@ -524,3 +525,60 @@ def test_edited_arguments_are_shown_beside_the_proposed_ones_after_approval(
         box = bar.bounding_box()
         assert box is not None and box["width"] > 0 and box["height"] > 0
         assert tab.problems == []
+
+
+# A store with a long history: the list's first page must not cost the whole of it.
+MANY = 100_000
+
+
+async def _fill_many(path: Path) -> list[str]:
+    """``MANY`` finished runs, then one left open and one more finished; every run id
+    newest first, as the list must show them (the run table's times, sorted here)."""
+    async with SqliteStore(path) as store:
+        await fill_many(store, [f"run-{n:06}" for n in range(MANY)])
+        await store.claim_run("latest-open")
+        await store.start_run(RunStarted(run_id="latest-open", snapshot={"model.name": "m"}))
+        await fill_many(store, ["latest-finished"])
+        listed = await store.list_runs()
+        await store.release_run("latest-open")
+    listed = sorted(listed, key=lambda found: found.run_id)
+    return [found.run_id for found in sorted(listed, key=lambda f: f.updated_at, reverse=True)]
+
+
+@pytest.fixture(scope="module")
+def many_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """A SQLite store of ``MANY`` + 2 runs written through its own calls (about a
+    minute), shared by the module's tests, and its run ids newest first."""
+    path = tmp_path_factory.mktemp("many") / "runs.db"
+    with ThreadPoolExecutor(1) as thread:
+        return path, thread.submit(anyio.run, _fill_many, path).result()
+
+
+def test_the_list_of_a_hundred_thousand_runs_shows_the_most_recent_and_pages_on(
+    browser: Browser,
+    many_runs: tuple[Path, list[str]],
+    backend: str,
+    record_property: Callable[[str, object], None],
+) -> None:
+    """The first page holds the 50 runs with the latest records, newest first; older
+    and newer walk on and back. How long the first page took is reported, not judged
+    (benchmark 10 is where speed is measured)."""
+    path, newest_first = many_runs
+    assert len(newest_first) == MANY + 2 and newest_first[:2] == ["latest-finished", "latest-open"]
+    with serving(f"sqlite:{path}", backend) as url, opened(browser) as tab:
+        page = tab.page
+        began = time.monotonic()
+        page.goto(url)
+        first_page_ms = (time.monotonic() - began) * 1e3
+        shown = page.locator("td.id a")
+        assert shown.all_inner_texts() == newest_first[:50]
+        page.get_by_role("link", name="older", exact=True).click()
+        expect(shown.first).to_have_text(newest_first[50])
+        assert shown.all_inner_texts() == newest_first[50:100]
+        page.get_by_role("link", name="newer", exact=True).click()
+        expect(shown.first).to_have_text(newest_first[0])
+        assert shown.all_inner_texts() == newest_first[:50]
+        expect(page.locator('a[rel="prev"]')).to_have_count(0)
+        assert tab.problems == []
+    record_property("first_page_ms", round(first_page_ms))
+    print(f"\nthe first page of {MANY + 2:,} runs ({backend}): {first_page_ms:.0f} ms in Chromium")

@@ -16,15 +16,13 @@ from kit.review import review_tools
 from polyloop import run
 from polyloop.cli._console._data import list_page
 from polyloop.cli._console._listing import (
+    Place,
     Query,
     RowCache,
     RunRow,
     StateFilter,
-    candidates,
     ordered,
-    paginate,
     passes,
-    select,
 )
 from polyloop.ports import StoredRun
 from polyloop.stores import SqliteStore
@@ -54,25 +52,19 @@ def test_the_most_recent_record_comes_first_then_the_run_id() -> None:
 
 
 @pytest.mark.parametrize(
-    ("wanted", "expected"),
+    ("wanted", "finished"),
     [
-        (StateFilter.ALL, ["u2", "f2", "u1", "f1"]),
-        (StateFilter.FINISHED, ["f2", "f1"]),
-        (StateFilter.UNFINISHED, ["u2", "u1"]),
-        (StateFilter.IN_DOUBT, ["u2", "u1"]),  # the runs to read: unfinished ones only
-        (StateFilter.RUNNING, ["u2", "u1"]),
+        (StateFilter.ALL, None),
+        (StateFilter.FINISHED, True),
+        (StateFilter.UNFINISHED, False),
+        (StateFilter.IN_DOUBT, False),  # the runs to read: unfinished ones only
+        (StateFilter.RUNNING, False),
     ],
 )
-def test_candidates_leave_finished_runs_out_of_finer_filters(
-    wanted: StateFilter, expected: list[str]
+def test_the_run_table_leaves_finished_runs_out_of_finer_filters(
+    wanted: StateFilter, finished: bool | None
 ) -> None:
-    runs = [
-        stored("f1", 1),
-        stored("f2", 3),
-        stored("u1", 2, finished=False),
-        stored("u2", 4, finished=False),
-    ]
-    assert ids(candidates(runs, Query(state=wanted))) == expected
+    assert Query(state=wanted).finished is finished
 
 
 @pytest.mark.parametrize(
@@ -91,36 +83,10 @@ def test_the_state_parameter(text: str | None, wanted: StateFilter) -> None:
     assert StateFilter.parse(text) is wanted
 
 
-@pytest.mark.parametrize(
-    ("count", "number", "shown", "page", "pages"),
-    [
-        (0, 1, [], 1, 1),
-        (5, 1, ["r0", "r1"], 1, 3),
-        (5, 3, ["r4"], 3, 3),
-        (5, 9, ["r4"], 3, 3),
-        (5, -2, ["r0", "r1"], 1, 3),
-        (4, 2, ["r2", "r3"], 2, 2),
-    ],
-)
-def test_pages(count: int, number: int, shown: list[str], page: int, pages: int) -> None:
-    runs = [stored(f"r{n}", -n) for n in range(count)]
-    found = paginate(runs, number, per_page=2)
-    assert ids(found.runs) == shown
-    assert (found.number, found.pages, found.total) == (page, pages, count)
-    assert found.has_previous is (page > 1) and found.has_next is (page < pages)
-
-
-def test_a_finer_filter_pages_the_runs_whose_rows_pass_it() -> None:
-    runs = [stored(f"r{n}", -n, finished=False) for n in range(5)]
-    rows = {
-        "r0": row("r0", "in doubt"),
-        "r1": row("r1", "awaiting approval"),
-        "r2": row("r2", "in doubt"),
-        "r4": row("r4", "in doubt"),  # r3 went away while it was read: no row
-    }
-    found = select(runs, rows, Query(state=StateFilter.IN_DOUBT), 2, per_page=2)
-    assert ids(found.runs) == ["r4"] and found.total == 3
-    assert ids(select(runs, rows, Query(), 1, per_page=9).runs) == ids(runs)
+def test_a_place_in_the_list_reads_back_from_its_parameters() -> None:
+    assert Place.parse({}) == Place() and Place().params() == {}
+    assert Place.parse({"after": "c", "before": "d"}) == Place(after="c")  # one way only
+    assert Place.parse(Place(before="d").params()) == Place(before="d")
 
 
 def test_the_cache_keeps_a_row_while_the_run_table_says_nothing_changed() -> None:
@@ -180,21 +146,21 @@ async def test_a_page_reads_only_its_own_runs_and_then_only_what_changed(
         counting = CountingStore(store)
         cache = RowCache()
         page, rows, _ = await list_page(
-            counting, cache, Query(state=StateFilter.ALL), 1, per_page=5
+            counting, cache, Query(state=StateFilter.ALL), Place(), per_page=5
         )  # type: ignore[arg-type]
         assert [r.run_id for r in rows] == ["doubt", "done-11", "done-10", "done-09", "done-08"]
         assert set(counting.read) == set(ids(page.runs))
         counting.read.clear()
-        await list_page(counting, cache, Query(state=StateFilter.ALL), 1, per_page=5)  # type: ignore[arg-type]
+        await list_page(counting, cache, Query(state=StateFilter.ALL), Place(), per_page=5)  # type: ignore[arg-type]
         assert counting.read == []  # nothing changed: every row came from the cache
         _, doubts, _ = await list_page(
-            counting, cache, Query(state=StateFilter.IN_DOUBT), 1, per_page=5
+            counting, cache, Query(state=StateFilter.IN_DOUBT), Place(), per_page=5
         )  # type: ignore[arg-type]
         assert [r.run_id for r in doubts] == ["doubt"]
         assert counting.read == []  # the in-doubt run's row was cached; finished ones unread
         await crash_in_doubt(store, "later")
         _, doubts, _ = await list_page(
-            counting, cache, Query(state=StateFilter.IN_DOUBT), 1, per_page=5
+            counting, cache, Query(state=StateFilter.IN_DOUBT), Place(), per_page=5
         )  # type: ignore[arg-type]
         assert [r.run_id for r in doubts] == ["later", "doubt"]
         assert set(counting.read) == {"later"}
@@ -230,20 +196,10 @@ def test_a_query_reads_back_from_its_parameters() -> None:
 
 
 def test_a_filter_on_what_a_log_holds_needs_every_row_and_rules_out_by_the_run_table() -> None:
-    runs = [
-        stored("f-old", 1),
-        stored("f-new", 30),
-        stored("u-old", 2, finished=False),
-        stored("u-new", 40, finished=False),
-        stored("undated", None),
-    ]
-    since = T0 + timedelta(minutes=10)
-    # A last record before the start asked for rules the run out; so does the stop reason.
-    assert ids(candidates(runs, Query(started_after=since))) == ["u-new", "f-new", "undated"]
     in_doubt = Query(stop_reason=StopReason.IN_DOUBT)
-    assert ids(candidates(runs, in_doubt)) == ["u-new", "u-old"] and in_doubt.unfinished_only
+    assert in_doubt.finished is False and in_doubt.unfinished_only
     ended = Query(stop_reason=StopReason.FINAL_ANSWER)
-    assert ids(candidates(runs, ended)) == ["f-new", "f-old", "undated"] and ended.finished_only
+    assert ended.finished is True and ended.finished_only
     assert Query(tool="x").needs_rows and Query(text="x").needs_rows
 
 
@@ -292,7 +248,9 @@ async def test_a_search_reads_the_most_recent_runs_up_to_its_limit_then_only_wha
 
         async def search(text: str, **more: Any) -> tuple[Any, list[str]]:
             query = Query(text=text, **more)
-            page, rows, _ = await list_page(counting, cache, query, 1, per_page=5, scan_limit=4)  # type: ignore[arg-type]
+            page, rows, _ = await list_page(
+                counting, cache, query, Place(), per_page=5, scan_limit=4
+            )  # type: ignore[arg-type]
             return page, [r.run_id for r in rows]
 
         page, found_ids = await search("ANSWER")
@@ -308,3 +266,81 @@ async def test_a_search_reads_the_most_recent_runs_up_to_its_limit_then_only_wha
         page, found_ids = await search("answer", started_after=status.updated_at)
         assert found_ids == ["done-7", "done-6"]  # done-5 started before its last record
         assert page.searched_only is None and counting.read == []
+
+
+# -- a page of the run table (issue 47) --------------------------------------------------------
+
+
+class UnpagedStore(CountingStore):
+    """A store without ``page_runs`` (the console pages it from ``list_runs``) that
+    counts how it was asked for its run table."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        super().__init__(store)
+        self.asked: list[str] = []
+
+    async def list_runs(self, *, unfinished_only: bool = False) -> Any:
+        self.asked.append("list_runs")
+        return await self._store.list_runs(unfinished_only=unfinished_only)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "page_runs":
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
+
+class TableCountingStore(UnpagedStore):
+    """The same with ``page_runs``, the store's own."""
+
+    async def page_runs(self, **request: Any) -> Any:
+        self.asked.append(f"page_runs {request['limit']}")
+        return await self._store.page_runs(**request)
+
+
+async def _walk_list(store: Any, query: Query) -> list[list[str]]:
+    """The ids of every page of the list, following the older links from the first."""
+    cache, place, pages = RowCache(), Place(), []
+    while True:
+        page, rows, _ = await list_page(store, cache, query, place, per_page=3)
+        pages.append([r.run_id for r in rows])
+        if page.older is None:
+            return pages
+        place = Place(after=page.older)
+
+
+async def test_the_first_page_reads_one_page_of_the_run_table_and_its_runs_only(
+    tmp_path: Path,
+) -> None:
+    async with SqliteStore(tmp_path / "runs.db") as store:
+        await finished_runs(store, [f"done-{n}" for n in range(7)])
+        await crash_in_doubt(store, "doubt")
+        paged = TableCountingStore(store)
+        page, rows, seen = await list_page(paged, RowCache(), Query(), Place(), per_page=3)  # type: ignore[arg-type]
+        assert [r.run_id for r in rows] == ["doubt", "done-6", "done-5"]
+        assert paged.asked == ["page_runs 3"] and set(paged.read) == set(ids(seen))
+        assert page.total is None and page.newer is None and page.older is not None
+        unpaged = UnpagedStore(store)
+        for query in (Query(), Query(state=StateFilter.FINISHED), Query(text="done")):
+            assert await _walk_list(paged, query) == await _walk_list(unpaged, query)
+        assert "list_runs" not in paged.asked and set(unpaged.asked) == {"list_runs"}
+        walked = await _walk_list(paged, Query(state=StateFilter.FINISHED))
+        assert walked == [
+            ["done-6", "done-5", "done-4"],
+            ["done-3", "done-2", "done-1"],
+            ["done-0"],
+        ]
+
+
+async def test_a_search_pages_the_runs_that_pass_it_by_cursor(tmp_path: Path) -> None:
+    async with SqliteStore(tmp_path / "runs.db") as store:
+        await finished_runs(store, [f"run-{n}" for n in range(7)], "answer {n}")
+        cache = RowCache()
+        query = Query(text="answer")
+        first, rows, _ = await list_page(store, cache, query, Place(), per_page=4)
+        assert [r.run_id for r in rows] == ["run-6", "run-5", "run-4", "run-3"]
+        assert first.total == 7 and first.searched_only is None and first.older is not None
+        second, rows, _ = await list_page(store, cache, query, Place(after=first.older), per_page=4)
+        assert [r.run_id for r in rows] == ["run-2", "run-1", "run-0"] and second.older is None
+        assert second.newer is not None
+        back, rows, _ = await list_page(store, cache, query, Place(before=second.newer), per_page=4)
+        assert back.runs == first.runs and back.newer is None

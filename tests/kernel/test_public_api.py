@@ -113,6 +113,9 @@ NAMES_BY_MODULE = {
         "TextDelta",
         # issue 46, item 1: a store that reads after a position and says when it grew
         "FollowableStore",
+        # issue 47: a store that lists one page of its runs
+        "PagedStore",
+        "RunPage",
     },
     # issue 20: a handler reports a broken environment
     tools: {"ToolSpec", "ToolRegistry", "EnvironmentFault"},

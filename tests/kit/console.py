@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -19,6 +20,7 @@ from polyloop.cli._console import Access, Settings, create_app
 from polyloop.ports import ManagedStore
 from polyloop.stores import SqliteStore
 from polyloop.testing import FaultyStore, SimulatedCrash
+from polyloop.types import RunEnded, RunStarted, StopReason
 
 BASE_URL = "http://console.test"
 EVIL = '<script>alert("x")</script><b>bold</b>'
@@ -66,6 +68,30 @@ async def fill_deploys(store: ManagedStore) -> tuple[str, ...]:
     waiting = review_tools(Ledger())
     await run(definition(store, script=approval_script()), request("deploy-waits", waiting))
     return ("deploy-doubt-1", "deploy-doubt-2", "deploy-doubt-3")
+
+
+async def fill_many(store: ManagedStore, run_ids: list[str], *, at_once: int = 500) -> None:
+    """A run per id, each of a start record and a final end record, written through the
+    store's own calls ``at_once`` runs at a time, so group commit shares the syncs."""
+    waiting = iter(run_ids)
+
+    async def writer() -> None:
+        for run_id in waiting:  # shared: each run is written by one writer
+            await store.claim_run(run_id)
+            await store.start_run(RunStarted(run_id=run_id, snapshot={"model.name": "m"}))
+            ended = RunEnded(
+                run_id=run_id,
+                stop_reason=StopReason.FINAL_ANSWER,
+                final_answer="done",
+                steps=0,
+                valid_steps=0,
+                detail=None,
+            )
+            await store.end_run(ended)
+
+    async with anyio.create_task_group() as group:
+        for _ in range(min(at_once, len(run_ids))):
+            group.start_soon(writer)
 
 
 async def crash_in_doubt(

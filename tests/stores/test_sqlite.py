@@ -325,7 +325,7 @@ async def test_schema_rows_and_format_are_as_documented(tmp_path: Path) -> None:
     with raw(path) as db:
         assert sorted(db.execute("SELECT key, value FROM meta").fetchall()) == [
             ("format", "polyloop/1"),
-            ("layout", "6"),
+            ("layout", "7"),
         ]
         rows = db.execute(
             "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq", ("r1",)

@@ -19,8 +19,9 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from polyloop import types
+from polyloop._paging import PageRequest
 from polyloop._shared import FORMAT
-from polyloop.ports import Store, StoredRun
+from polyloop.ports import RunPage, Store, StoredRun
 from polyloop.stores import _paths
 from polyloop.stores._jsonl.reader import SUFFIX, log_lines
 from polyloop.stores._paths import in_the_way, safe_name
@@ -68,6 +69,7 @@ class Backend(Protocol):
     def appended(self, run_id: str) -> Watch: ...
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]: ...
     def describe(self, run_id: str) -> StoredRun | None: ...
+    def page(self, request: PageRequest) -> RunPage: ...
     def request_cancel(self, request: types.CancelRequest) -> bool: ...
     def read_cancel(self, run_id: str) -> types.CancelRequest | None: ...
     def prunable(self, cutoff: datetime, archive: Archive) -> list[str]: ...
@@ -136,6 +138,9 @@ class EngineStore(StoreBase):
     async def describe_run(self, run_id: str) -> StoredRun | None:
         """The run as :meth:`list_runs` lists it; ``None`` if it has no record."""
         return await anyio.to_thread.run_sync(self._backend.describe, run_id)
+
+    async def _page(self, request: PageRequest) -> RunPage:
+        return await anyio.to_thread.run_sync(self._backend.page, request, abandon_on_cancel=True)
 
     async def prune(self, *, finished_before: datetime, archive: Archive = None) -> tuple[str, ...]:
         """Delete the runs that finished before ``finished_before``, each under its claim."""

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Self
 
 from polyloop import types
+from polyloop._paging import Paged
 from polyloop.types import Record, Result, StepRecord, StoreError
 
 
-class StoreBase:
+class StoreBase(Paged):
     """The store port's writes over one ``_write``; leaving an ``async with`` block closes it."""
 
     __slots__ = ()

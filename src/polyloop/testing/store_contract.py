@@ -36,7 +36,7 @@ from typing import Any
 import anyio
 import pytest
 
-from polyloop.ports import FollowableStore, ManagedStore, Store
+from polyloop.ports import FollowableStore, ManagedStore, PagedStore, RunPage, Store, StoredRun
 from polyloop.types import (
     ActionStatus,
     CancelRequest,
@@ -44,6 +44,7 @@ from polyloop.types import (
     DecisionKind,
     Intent,
     IntentKind,
+    InvalidRequest,
     Proposal,
     Record,
     Replay,
@@ -330,8 +331,91 @@ class _FollowableChecks:
         await close(store)
 
 
+class _PagedChecks:
+    """What :class:`StoreContract` checks of a store that lists a page of its runs
+    (:class:`~polyloop.ports.PagedStore`); skipped for one that cannot."""
+
+    async def _paged(self, store_factory: StoreFactory, count: int) -> Any:
+        """A store holding ``count`` runs ``p0``, ``p1``... written one after another,
+        every third one left unfinished."""
+        store = store_factory()
+        if not isinstance(store, PagedStore):
+            await close(store)
+            pytest.skip("not a PagedStore: a page is derived from list_runs")
+        for n in range(count):
+            await apply(store, sample_run(f"p{n}", steps=1, ended=n % 3 != 1))
+        return store
+
+    async def test_a_paged_store_pages_through_its_runs_most_recent_first(
+        self, store_factory: StoreFactory
+    ) -> None:
+        """Following ``older`` from the first page visits every run once, in the order
+        of ``list_runs`` sorted by time, newest first; ``newer`` leads back the same
+        way; each filter keeps exactly the runs it names."""
+        store = await self._paged(store_factory, 8)
+        listed = await store.list_runs()
+        expected = _by_time(listed)
+        assert sorted(run.run_id for run in expected) == [f"p{n}" for n in range(8)]
+        pages = await _walk(store, older=True)
+        assert [run for page in pages for run in page.runs] == expected
+        assert pages[0].newer is None and pages[-1].older is None
+        back = await _walk(store, older=False, start=pages[-1].newer)
+        assert [run for page in back for run in page.runs] == expected[:6]
+        for finished in (True, False):
+            kept = [run for run in expected if run.finished is finished]
+            found = await _walk(store, older=True, finished=finished)
+            assert [run for page in found for run in page.runs] == kept
+        since = expected[4].updated_at
+        found = await _walk(store, older=True, updated_since=since)
+        assert [run for page in found for run in page.runs] == expected[:5]
+        until = await store.page_runs(limit=9, updated_before=since)
+        assert until.runs == tuple(expected[5:])
+        await close(store)
+
+    async def test_a_paged_store_keeps_its_cursors_while_runs_are_added(
+        self, store_factory: StoreFactory
+    ) -> None:
+        """A page after a cursor starts after the run it was taken from, however many
+        runs came since; a bad request is refused in words."""
+        store = await self._paged(store_factory, 4)
+        expected = _by_time(await store.list_runs())
+        first = await store.page_runs(limit=2)
+        assert first.older is not None
+        await apply(store, sample_run("p-new", steps=1))
+        second = await store.page_runs(limit=2, after=first.older)
+        assert list(second.runs) == expected[2:] and second.older is None
+        assert (await store.page_runs(limit=1)).runs[0].run_id == "p-new"
+        for wrong in ({"limit": 0}, {"limit": 1, "after": "[", "before": None}):
+            with pytest.raises(InvalidRequest):
+                await store.page_runs(**wrong)
+        with pytest.raises(InvalidRequest):
+            await store.page_runs(limit=1, after=first.older, before=first.older)
+        await close(store)
+
+
+async def _walk(
+    store: PagedStore, *, older: bool, start: str | None = None, **filters: Any
+) -> list[RunPage]:
+    """The pages of ``store``, 3 runs each, from the first on (``older``) or up from the
+    page before ``start``."""
+    pages: list[RunPage] = []
+    where = start
+    while True:
+        after, before = (where, None) if older else (None, where)
+        page = await store.page_runs(limit=3, after=after, before=before, **filters)
+        pages.append(page)
+        where = page.older if older else page.newer
+        if where is None:
+            return pages if older else pages[::-1]
+
+
+def _by_time(runs: tuple[StoredRun, ...]) -> list[StoredRun]:
+    by_id = sorted(runs, key=lambda run: run.run_id)
+    return sorted(by_id, key=lambda run: run.updated_at or datetime.min, reverse=True)
+
+
 @pytest.mark.anyio
-class StoreContract(_FollowableChecks):
+class StoreContract(_FollowableChecks, _PagedChecks):
     """Tests every store passes. Provide a ``store_factory`` fixture.
 
     Stores that also offer listing (:class:`~polyloop.ports.ManagedStore`) are checked

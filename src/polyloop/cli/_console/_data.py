@@ -1,34 +1,35 @@
 """What the console reads from the store: the rows of a page of the list, and one run.
 
-Everything goes through the public API (``list_runs``, ``read_log``,
+Everything goes through the public API (``page_runs`` or ``list_runs``, ``read_log``,
 :func:`polyloop.run_status`) and the command line's own view of a run, so a page says
 what ``polyloop runs`` and ``polyloop show`` say.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import anyio
 
+from polyloop._paging import page_of, page_request, pages
 from polyloop.cli._console._listing import (
     PER_PAGE,
     SCAN_LIMIT,
     Page,
+    Place,
     Query,
     RowCache,
     RunRow,
-    candidates,
-    select,
+    ordered,
+    passes,
 )
 from polyloop.cli._facts import in_doubt, run_tokens_text
 from polyloop.cli._view import CORRUPT, STATE_WORDS, RunView, state_detail
-from polyloop.ports import ManagedStore, StoredRun
+from polyloop.ports import ManagedStore, RunPage, StoredRun
 from polyloop.session import run_status
 from polyloop.types import (
     CorruptLog,
     Intent,
     IntentKind,
+    InvalidRequest,
     Proposal,
     RunNotFound,
     SchemaMajorMismatch,
@@ -158,31 +159,76 @@ async def _read_rows(store: ManagedStore, runs: list[StoredRun]) -> dict[str, Ru
     return found
 
 
+async def table_page(
+    store: ManagedStore,
+    query: Query,
+    place: Place,
+    per_page: int = PER_PAGE,
+    scan_limit: int = SCAN_LIMIT,
+) -> RunPage:
+    """What the run table says for page ``place`` of ``query``: the page itself when the
+    run table can tell which runs pass; else the runs that may pass, most recent first
+    (every unfinished run for a finer state; the ``scan_limit`` most recent runs the run
+    table cannot rule out for a search, the page's ``older`` saying more were left).
+    What the live page watches for changes.
+
+    A run whose last record is older than ``started_after`` started before it, so the
+    store rules it out unread.
+
+    Cancellation: reading changes nothing on disk.
+    """
+    source, finished = pages(store), query.finished
+    if not query.needs_rows:
+        try:
+            after, before = place.after, place.before
+            return await source.page_runs(
+                limit=per_page, finished=finished, after=after, before=before
+            )
+        except InvalidRequest:  # a cursor of no page of this store: the first page
+            return await source.page_runs(limit=per_page, finished=finished)
+    if query.reads_content:
+        since = query.started_after
+        return await source.page_runs(limit=scan_limit, finished=finished, updated_since=since)
+    return RunPage(runs=tuple(ordered(await store.list_runs(unfinished_only=True))))
+
+
 async def list_page(
     store: ManagedStore,
     cache: RowCache,
     query: Query,
-    number: int,
+    place: Place,
     per_page: int = PER_PAGE,
     scan_limit: int = SCAN_LIMIT,
 ) -> tuple[Page, list[RunRow], tuple[StoredRun, ...]]:
-    """Page ``number`` of the runs that pass ``query``, their rows, and the run table as
-    it was listed (what the live page watches for changes).
+    """Page ``place`` of the runs that pass ``query``, their rows, and the run table's
+    entries it was chosen from (what the live page watches for changes).
 
-    Only the runs on the page are read when the run table can tell which pass; for a
-    finer state, every unfinished run is read too (through the cache) to tell which
-    pass. A search or a filter on what a log holds reads the ``scan_limit`` most recent
-    runs the run table cannot rule out, at most, and the page says so.
+    Only the runs on the page are read when the run table can tell which pass, and the
+    store sorts and cuts the page. For a finer state, every unfinished run is read too
+    (through the cache) to tell which pass. A search or a filter on what a log holds
+    reads the ``scan_limit`` most recent runs the run table cannot rule out, at most,
+    and the page says so.
+
+    Cancellation: reading changes nothing on disk.
     """
-    seen = await store.list_runs(unfinished_only=query.unfinished_only)
-    listed = candidates(seen, query)
-    searched_only = None
-    if query.reads_content and len(listed) > scan_limit:
-        listed, searched_only = listed[:scan_limit], scan_limit
-    if query.needs_rows:
-        rows = await rows_for(store, cache, listed)
-        page = replace(select(listed, rows, query, number, per_page), searched_only=searched_only)
+    table = await table_page(store, query, place, per_page, scan_limit)
+    if not query.needs_rows:
+        rows = await rows_for(store, cache, table.runs)
+        page = Page(table.runs, newer=table.newer, older=table.older)
     else:
-        page = select(listed, {}, query, number, per_page)
-        rows = await rows_for(store, cache, page.runs)
-    return page, [rows[run.run_id] for run in page.runs if run.run_id in rows], seen
+        rows = await rows_for(store, cache, table.runs)
+        passing = [
+            run for run in table.runs if run.run_id in rows and passes(rows[run.run_id], query)
+        ]
+        found = _placed(passing, place, per_page)
+        searched_only = scan_limit if query.reads_content and table.older is not None else None
+        page = Page(found.runs, found.newer, found.older, len(passing), searched_only)
+    return page, [rows[run.run_id] for run in page.runs if run.run_id in rows], table.runs
+
+
+def _placed(runs: list[StoredRun], place: Place, per_page: int) -> RunPage:
+    """Page ``place`` of ``runs``; the first page for a cursor of none of them."""
+    try:
+        return page_of(runs, page_request(limit=per_page, after=place.after, before=place.before))
+    except InvalidRequest:
+        return page_of(runs, page_request(limit=per_page))

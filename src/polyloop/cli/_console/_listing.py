@@ -1,20 +1,22 @@
 """Which runs the console's list shows, in which order, a page at a time: pure logic.
 
-The list is built from the store's run table (``list_runs``), which says whether each
-run finished without reading its log. A filter on finished or unfinished runs needs
-nothing more, so only the runs on the page are read. A finer filter (awaiting approval,
-in doubt, running, resumable) needs each unfinished run's status; finished runs, the
-vast majority of a long-lived store, are never read for it. A search or a filter on
-what a log holds (its stop reason, tools, model, start time, last reply) needs the row
-of every run the run table cannot rule out. Rows are kept in a cache keyed by what the
-run table says of a run, so an unchanged run is not read again.
+The list is built from the store's run table, which says whether each run finished
+without reading its log. Without a filter, or with one on finished or unfinished runs,
+the store hands over one page of it, sorted (``page_runs``), and only the runs on the
+page are read. A finer filter (awaiting approval, in doubt, running, resumable) needs
+each unfinished run's status; finished runs, the vast majority of a long-lived store,
+are never read for it. A search or a filter on what a log holds (its stop reason,
+tools, model, start time, last reply) needs the row of every run the run table cannot
+rule out, up to the most recent ``SCAN_LIMIT``. Rows are kept in a cache keyed by what
+the run table says of a run, so an unchanged run is not read again. A page is reached
+by a cursor (the run it follows or precedes), never by a count of runs to skip.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
@@ -89,22 +91,41 @@ class RunRow:
 
 @dataclass(frozen=True, slots=True)
 class Page:
-    """The runs of one page, and where it sits among the pages."""
+    """The runs of one page, and the cursors of the pages next to it."""
 
     runs: tuple[StoredRun, ...]
-    number: int  # from 1
-    pages: int  # at least 1
-    total: int  # the runs that pass the filter
+    newer: str | None = None  # the cursor of the page above, if there is one
+    older: str | None = None  # the cursor of the page below, if there is one
+    # The runs that pass a filter the rows were read for; the run table is not counted.
+    total: int | None = None
     # How many of the most recent runs a search read, when it read no further.
     searched_only: int | None = None
 
     @property
     def has_previous(self) -> bool:
-        return self.number > 1
+        return self.newer is not None
 
     @property
     def has_next(self) -> bool:
-        return self.number < self.pages
+        return self.older is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a page of the list is: right after a cursor, right before one, or first
+    (the ``after`` and ``before`` query parameters)."""
+
+    after: str | None = None
+    before: str | None = None
+
+    @classmethod
+    def parse(cls, params: Mapping[str, str]) -> Place:
+        after, before = params.get("after") or None, params.get("before") or None
+        return cls(after=after) if after is not None else cls(before=before)
+
+    def params(self) -> dict[str, str]:
+        found = {"after": self.after or "", "before": self.before or ""}
+        return {key: value for key, value in found.items() if value}
 
 
 def ordered(runs: Iterable[StoredRun]) -> list[StoredRun]:
@@ -221,26 +242,15 @@ class Query:
             return True
         return self.state is StateFilter.FINISHED
 
+    @property
+    def finished(self) -> bool | None:
+        """The runs the run table keeps (``page_runs``' ``finished``): only finished
+        ones, only unfinished ones, or all."""
+        return True if self.finished_only else False if self.unfinished_only else None
+
 
 def _time_param(at: datetime | None) -> str:
     return "" if at is None else at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def candidates(runs: Iterable[StoredRun], query: Query) -> list[StoredRun]:
-    """The runs that may pass ``query``, in list order; exactly those that pass it when
-    the run table alone can tell (see :attr:`Query.needs_rows`).
-
-    A run whose last record is older than ``started_after`` started before it, so it is
-    ruled out without reading its log.
-    """
-    kept = list(runs)
-    if query.finished_only:
-        kept = [run for run in kept if run.finished]
-    elif query.unfinished_only:
-        kept = [run for run in kept if not run.finished]
-    if (after := query.started_after) is not None:
-        kept = [run for run in kept if run.updated_at is None or run.updated_at >= after]
-    return ordered(kept)
 
 
 def passes(row: RunRow, query: Query) -> bool:
@@ -279,28 +289,6 @@ def _started_within(started_at: datetime | None, query: Query) -> bool:
         return False
     after_ok = query.started_after is None or started_at >= query.started_after
     return after_ok and (query.started_before is None or started_at < query.started_before)
-
-
-def paginate(runs: Sequence[StoredRun], number: int, per_page: int = PER_PAGE) -> Page:
-    """Page ``number`` (from 1; clamped to the pages there are) of ``runs``."""
-    pages = max(1, -(-len(runs) // per_page))
-    number = min(max(1, number), pages)
-    start = (number - 1) * per_page
-    return Page(tuple(runs[start : start + per_page]), number, pages, len(runs))
-
-
-def select(
-    runs: Sequence[StoredRun],
-    rows: Mapping[str, RunRow],
-    query: Query,
-    number: int,
-    per_page: int = PER_PAGE,
-) -> Page:
-    """The page of ``runs`` (the :func:`candidates`) that pass ``query``, given the
-    ``rows`` read for them (a run with no row is left out of a filter that needs one)."""
-    if query.needs_rows:
-        runs = [run for run in runs if run.run_id in rows and passes(rows[run.run_id], query)]
-    return paginate(runs, number, per_page)
 
 
 class RowCache:

@@ -37,12 +37,13 @@ from polyloop._escaping import escape_block, escape_field
 from polyloop.cli import _html
 from polyloop.cli._common import editable_json, edited_arguments
 from polyloop.cli._console import _guard
-from polyloop.cli._console._data import list_page, read_run
+from polyloop.cli._console._data import list_page, read_run, table_page
 from polyloop.cli._console._guard import Access, Refused, checked_form, context, form_text
 from polyloop.cli._console._links import LinkTemplate
 from polyloop.cli._console._listing import (
     PER_PAGE,
     SCAN_LIMIT,
+    Place,
     Query,
     RowCache,
     RunRow,
@@ -285,10 +286,9 @@ class _Console:
     # -- the list --------------------------------------------------------------------------
 
     async def _listing(self, request: Request) -> dict[str, Any]:
-        query = Query.parse(request.query_params)
-        number = _page_number(request.query_params.get("page"))
+        query, place = Query.parse(request.query_params), Place.parse(request.query_params)
         page, rows, seen = await list_page(
-            self.store, self.rows, query, number, self.settings.per_page, self.settings.scan_limit
+            self.store, self.rows, query, place, self.settings.per_page, self.settings.scan_limit
         )
         params = query.params()
         return {
@@ -303,10 +303,9 @@ class _Console:
             "times": _time_links(query, self.settings.clock()),
             "facets": {row.run_id: _facets(query, row) for row in rows},
             "durations": {row.run_id: _duration_text(row) for row in rows},
-            "live_query": _query_string({**params, "page": str(page.number)}),
-            "filter_query": _query_string(params),
-            "previous": _query_string({**params, "page": str(page.number - 1)}),
-            "next": _query_string({**params, "page": str(page.number + 1)}),
+            "live_query": _query_string({**params, **place.params()}),
+            "previous": _query_string({**params, "before": page.newer or ""}),
+            "next": _query_string({**params, "after": page.older or ""}),
             "version": version(seen),
         }
 
@@ -317,10 +316,14 @@ class _Console:
         return self.render(request, "runs_live.html", await self._listing(request))
 
     async def runs_events(self, request: Request) -> Response:
-        query = Query.parse(request.query_params)
+        query, place = Query.parse(request.query_params), Place.parse(request.query_params)
+        settings = self.settings
 
         async def seen() -> Hashable:
-            return await self.store.list_runs(unfinished_only=query.unfinished_only)
+            found = await table_page(
+                self.store, query, place, settings.per_page, settings.scan_limit
+            )
+            return found.runs
 
         return _sse(self._changes(request, seen))
 
@@ -627,13 +630,6 @@ def _duration_text(row: RunRow) -> str:
     """The run's duration as ``polyloop runs`` shows it; ``—`` for a run with no end yet."""
     seconds = row.duration_s
     return "—" if seconds is None else span_text(seconds)
-
-
-def _page_number(text: str | None) -> int:
-    try:
-        return max(1, int(text or "1"))
-    except ValueError:
-        return 1
 
 
 def _arguments_text(proposal: Proposal | None) -> str:

@@ -11,7 +11,8 @@ from functools import partial
 from pathlib import Path
 
 from polyloop import types
-from polyloop.ports import StoredRun
+from polyloop._paging import PageRequest, page_of
+from polyloop.ports import RunPage, StoredRun
 from polyloop.stores._byte_locks import OneHost
 from polyloop.stores._engine import Archive, EngineStore, Watch, polled, refuse_own_archive
 from polyloop.stores._jsonl import reader
@@ -114,6 +115,10 @@ class Jsonl(OneHost):
             if run is not None and not (unfinished_only and run.finished):
                 listed.append(run)
         return tuple(sorted(listed, key=lambda run: run.run_id))
+
+    def page(self, request: PageRequest) -> RunPage:
+        """Worked out from every run file's run: the files are not kept in time order."""
+        return page_of(self.runs(request.finished is False), request)
 
     def describe(self, run_id: str) -> StoredRun | None:
         self.state.check_open(run_id)

@@ -18,12 +18,14 @@ with needs_extra("PostgresStore", "postgres"):
     from psycopg.rows import TupleRow
     from psycopg_pool import ConnectionPool
 
-from polyloop.ports import StoredRun
+from polyloop._paging import PageRequest
+from polyloop.ports import RunPage, StoredRun
 from polyloop.stores._engine import Archive, EngineStore, Watch
+from polyloop.stores._sql.paging import page_sql, run_page
 from polyloop.stores._sql.postgres.connection import Settings, Watched, open_pool
 from polyloop.stores._sql.postgres.feed import Listener
 from polyloop.stores._sql.postgres.owner import SharedClaims
-from polyloop.stores._sql.postgres.sql import appended_channel, run_id_column, run_key
+from polyloop.stores._sql.postgres.sql import PAGED, appended_channel, run_id_column, run_key
 from polyloop.stores._sql.rows import read_rows, read_rows_after, shown
 from polyloop.stores._writes import kept_cancel
 from polyloop.types import CancelRequest, CorruptLog, Record, StoreError
@@ -120,6 +122,11 @@ class Postgres(SharedClaims):
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
         query = self._queries.list_unfinished if unfinished_only else self._queries.list_runs
         return tuple(self._stored(row) for row in self._select(None, query, ()))
+
+    def page(self, request: PageRequest) -> RunPage:
+        text, params = page_sql(PAGED, request)
+        rows = self._select(None, self._queries.listed + sql.SQL(text), params)
+        return run_page(rows, request, self._stored)
 
     def describe(self, run_id: str) -> StoredRun | None:
         rows = self._select(run_id, self._queries.describe_run, (run_key(run_id),))

@@ -10,9 +10,11 @@ from contextlib import contextmanager, suppress
 from functools import partial
 from pathlib import Path
 
+from polyloop._paging import PageRequest
 from polyloop.stores._jsonl.fileops import OsFileOps
 from polyloop.stores._open_files import open_files_error
 from polyloop.stores._paths import create_directories
+from polyloop.stores._sql.paging import Dialect, page_sql
 from polyloop.stores._sql.schema import Action, Layout, prepare, require_store
 from polyloop.types import PolyLoopError, StoreError
 
@@ -116,6 +118,8 @@ LAYOUT = Layout(
         ),
         # A run's cancel request, kept in its row: later intents and proposals yield to it.
         6: (_add_columns("cancel_by TEXT", "cancel_reason TEXT", "cancel_at TEXT"),),
+        # A page of runs, most recent first, read in order from the index (record 0076).
+        7: ("CREATE INDEX IF NOT EXISTS runs_recent ON runs (updated_at DESC, run_id)",),
     },
     compose=partial(str.format, meta="meta"),
     exists="SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?",
@@ -170,6 +174,26 @@ DESCRIBE_RUN = _LISTED.format("") + " AND r.run_id = ?"
 LIST_UNFINISHED = (
     _LISTED.format("INDEXED BY runs_unfinished") + " AND r.finished = 0 ORDER BY r.rowid"
 )
+PAGED = Dialect(
+    mark=":{}".format,
+    finished=("r.finished = 1", "r.finished = 0"),
+    tie="r.run_id",
+    stamp=float,
+    # A run's time is listed to the microsecond, rounded: a bound moves half a one
+    # down, so a run is in a window as its listed time says.
+    time=lambda at: at.timestamp() - 5e-7,
+    key=lambda run_id: run_key(run_id),  # defined below
+)
+
+
+def page_query(request: PageRequest) -> tuple[str, dict[str, object]]:
+    """The statement of a page of runs: the few unfinished runs from their own index,
+    any others in order from the index of recent ones."""
+    index = "runs_unfinished" if request.finished is False else "runs_recent"
+    text, params = page_sql(PAGED, request)
+    return _LISTED.format(f"INDEXED BY {index}") + text, params
+
+
 PRUNABLE = (
     "SELECT run_id FROM runs INDEXED BY runs_finished WHERE finished = 1 AND updated_at < ?"
     " AND owner IS NULL AND stop_reason IS NOT 'in_doubt' ORDER BY updated_at"

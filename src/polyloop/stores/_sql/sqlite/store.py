@@ -17,10 +17,12 @@ from typing import Any
 
 from anyio.lowlevel import EventLoopToken
 
-from polyloop.ports import StoredRun
+from polyloop._paging import PageRequest
+from polyloop.ports import RunPage, StoredRun
 from polyloop.stores._byte_locks import OneHost
 from polyloop.stores._engine import Archive, EngineStore, Watch, polled
 from polyloop.stores._jsonl.fileops import OsFileOps
+from polyloop.stores._sql.paging import run_page
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.rows import read_rows, read_rows_after
 from polyloop.stores._sql.sqlite import sql
@@ -94,6 +96,12 @@ class Sqlite(OneHost):
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
         rows = self._select(sql.LIST_UNFINISHED if unfinished_only else sql.LIST_RUNS)
         return tuple(map(self._stored, rows))
+
+    def page(self, request: PageRequest) -> RunPage:
+        query, params = sql.page_query(request)
+        with self.state.mutex, self._reading(None) as conn:
+            rows = conn.execute(query, params).fetchall()
+        return run_page(rows, request, self._stored)
 
     def describe(self, run_id: str) -> StoredRun | None:
         rows = self._select(sql.DESCRIBE_RUN, run_id)
