@@ -42,6 +42,7 @@ COLUMNS = [
     ("ratio", "x none", 3),
     ("seen_p50_ms", "write to follower p50 ms", 2),
     ("seen_p99_ms", "write to follower p99 ms", 2),
+    ("followers_cpu_pct", "idle followers' CPU % of a core", 1),
 ]
 # The issue's bar: idle followers do not slow the writer measurably.
 SLOWER_AT_MOST = 1.10
@@ -100,9 +101,11 @@ async def _follow_all(spec: FollowerSpec) -> dict[str, Any]:
             await ready.wait()
         with anyio.open_signal_receiver(signal.SIGTERM) as signals:  # before saying ready
             await meet(spec.meeting, 0, wait_for_go=False)
+            cpu, began = cpu_seconds(), time.perf_counter()
             if not spec.watched:  # idle followers only, until the parent has written
                 async for _ in signals:
                     break
+            share = (cpu_seconds() - cpu) / (time.perf_counter() - began)
         while spec.watched:
             try:
                 async with aclosing(follow(store, spec.watched)) as watched:
@@ -112,7 +115,7 @@ async def _follow_all(spec: FollowerSpec) -> dict[str, Any]:
             except RunNotFound:  # not started yet
                 await anyio.sleep(0.005)
         group.cancel_scope.cancel()
-    return {"seen": seen}
+    return {"seen": seen, "cpu_share": share}
 
 
 async def _make_idle_runs(kind: str, where: str, schema: str, count: int) -> None:
@@ -156,6 +159,7 @@ def _measure(
     cases = [(0, False), *([(idle, False)] if idle else []), (0, True)]
     samples: dict[tuple[int, bool], list[dict[str, Any]]] = {case: [] for case in cases}
     lags: list[float] = []
+    idle_shares: list[float] = []  # of a core, the idle followers' process while written
     for round_ in range(sizes.rounds):
         for case in cases:
             run_id = f"written-{round_}-{case[0]}-{int(case[1])}"
@@ -173,6 +177,8 @@ def _measure(
                     children.terminate()
                 (report,) = children.reports(timeout=120)
             samples[case].append(written)
+            if not watched:
+                idle_shares.append(report["cpu_share"])
             seen = {int(position): at for position, at in report["seen"].items()}
             for position, returned in zip(written["positions"], written["returned"], strict=True):
                 if watched:
@@ -182,6 +188,7 @@ def _measure(
     rows = [_row(f"{name}, none ({sizes.steps} steps)", samples[(0, False)], None, None)]
     if idle:
         rows.append(_row(f"{name}, {idle:,} idle", samples[(idle, False)], rows[0], None))
+        rows[-1]["followers_cpu_pct"] = median(idle_shares) * 100
     rows.append(_row(f"{name}, 1 of the run", samples[(0, True)], rows[0], lags))
     return rows
 

@@ -505,6 +505,7 @@ def test_the_following_benchmark_times_every_write_and_sees_every_one_followed(
     assert {row["writes"] for row in rows} == {writes}
     assert rows[0]["ratio"] == rows[3]["ratio"] == 1.0 and rows[1]["ratio"] > 0
     assert rows[4]["ratio"] > 0
+    assert all(rows[at]["followers_cpu_pct"] >= 0 for at in (1, 4))
     assert [t["target"] for t in results["targets"]] == [
         "PostgreSQL: idle followers",
         "SQLite: idle followers",
