@@ -500,13 +500,19 @@ def test_the_following_benchmark_times_every_write_and_sees_every_one_followed(
     results = json.loads(output.read_text())
     assert results["mode"] == "tiny"
     rows = results["rows"]
-    assert [row["name"].split(",")[0] for row in rows] == ["PostgreSQL"] * 3 + ["SQLite"] * 2
+    assert [row["name"].split(",")[0] for row in rows] == ["PostgreSQL"] * 3 + ["SQLite"] * 3
     writes = (bench_following.TINY.steps * 4 + 2) * bench_following.TINY.rounds
     assert {row["writes"] for row in rows} == {writes}
     assert rows[0]["ratio"] == rows[3]["ratio"] == 1.0 and rows[1]["ratio"] > 0
-    for alone in (rows[0], rows[1], rows[3]):
+    assert rows[4]["ratio"] > 0
+    assert all(rows[at]["followers_cpu_pct"] >= 0 for at in (1, 4))
+    assert [t["target"] for t in results["targets"]] == [
+        "PostgreSQL: idle followers",
+        "SQLite: idle followers",
+    ]
+    for alone in (rows[0], rows[1], rows[3], rows[4]):
         assert "seen_p50_ms" not in alone
-    for followed in (rows[2], rows[4]):
+    for followed in (rows[2], rows[5]):
         # Every write was seen by the follower in the other process, after it returned.
         assert 0 <= followed["seen_p50_ms"] <= followed["seen_p99_ms"] < 10_000
     rendered = bench_report.render(results)

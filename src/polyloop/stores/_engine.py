@@ -7,8 +7,8 @@ import itertools
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
@@ -40,9 +40,6 @@ logger = logging.getLogger("polyloop")
 # How long giving a claim back after a failed claim or prune may keep its caller.
 RELEASE_GRACE_S = 10.0
 _SLOW_RELEASE = "run %r: giving its claim back took over %g s; it goes on in the background"
-
-# How often a follower of a run in a store that cannot notify checks the run for news.
-POLL_S = 0.05
 
 Archive = str | os.PathLike[str] | None
 Delete = Callable[[str], Awaitable[bool]]
@@ -195,25 +192,6 @@ async def claim_in_thread(
             if scope.cancelled_caught:
                 logger.warning(_SLOW_RELEASE, run_id, RELEASE_GRACE_S)
         raise
-
-
-@asynccontextmanager
-async def polled(mark: Callable[[], object]) -> AsyncIterator[Callable[[], Awaitable[None]]]:
-    """``appended`` for a backend that cannot notify: ``wait`` asks ``mark()``, a cheap
-    blocking check of the run (its length, its file's size), in a thread every
-    :data:`POLL_S`, and returns once the answer differs from the one it last saw."""
-    seen = await anyio.to_thread.run_sync(mark, abandon_on_cancel=True)
-
-    async def wait() -> None:
-        nonlocal seen
-        while True:
-            await anyio.sleep(POLL_S)
-            now = await anyio.to_thread.run_sync(mark, abandon_on_cancel=True)
-            if now != seen:
-                seen = now
-                return
-
-    yield wait
 
 
 def check_cutoff(finished_before: datetime) -> datetime:

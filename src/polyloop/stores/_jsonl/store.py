@@ -7,17 +7,17 @@ import contextlib
 import logging
 import os
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
 
 from polyloop import types
 from polyloop._paging import PageRequest, page_of
 from polyloop.ports import RunPage, StoredRun
 from polyloop.stores._byte_locks import OneHost
-from polyloop.stores._engine import Archive, EngineStore, Watch, polled, refuse_own_archive
+from polyloop.stores._engine import Archive, EngineStore, Watch, refuse_own_archive
 from polyloop.stores._jsonl import reader
 from polyloop.stores._jsonl.fileops import FileOps, OsFileOps, write_all
 from polyloop.stores._paths import safe_name
+from polyloop.stores._polling import Poller
 from polyloop.stores._writes import (
     Claim,
     Write,
@@ -68,6 +68,7 @@ class Jsonl(OneHost):
         # Up to 16 batches at once, each in a worker thread: the syncs of different files
         # overlap on the disk, and most of AnyIO's 40 default threads stay free.
         super().__init__(directory, files, lambda writes: [*map(self._append, writes)], parallel=16)
+        self._poller = Poller(lambda run_ids: {run_id: self._size(run_id) for run_id in run_ids})
 
     def read(self, run_id: str) -> tuple[Record, ...]:
         self.state.check_open(run_id)
@@ -87,7 +88,7 @@ class Jsonl(OneHost):
         return records[after:]
 
     def appended(self, run_id: str) -> Watch:
-        return polled(partial(self._size, run_id))
+        return self._poller.appended(run_id)
 
     def _size(self, run_id: str) -> int | None:
         """The run file's size: it grows with each record (``None``: no file)."""

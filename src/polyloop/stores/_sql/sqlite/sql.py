@@ -132,6 +132,16 @@ SELECT_RUN = "SELECT seq, kind, body FROM records WHERE run_id = ? ORDER BY seq"
 SELECT_AFTER = "SELECT seq, kind, body FROM records WHERE run_id = ? AND seq >= ? ORDER BY seq"
 # How many records a started run has: what a follower checks for news (no row: none).
 RUN_LENGTH = "SELECT next_seq FROM runs WHERE run_id = ? AND next_seq > 0"
+# Followed runs checked at once: well under SQLite's smallest limit on parameters (999).
+KEYS_A_STATEMENT = 500
+
+
+def run_lengths(count: int) -> str:
+    """The length of each of ``count`` runs that has a record, by its ``run_id`` column."""
+    marks = ", ".join("?" * count)
+    return f"SELECT run_id, next_seq FROM runs WHERE run_id IN ({marks}) AND next_seq > 0"
+
+
 # A claim names its writer in the run's row and moves the epoch on.
 SELECT_CLAIM = (
     "SELECT epoch, finished, next_seq, cancel_by, cancel_reason, cancel_at FROM runs"

@@ -8,7 +8,7 @@ import os
 import socket
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from functools import partial
@@ -20,8 +20,9 @@ from anyio.lowlevel import EventLoopToken
 from polyloop._paging import PageRequest
 from polyloop.ports import RunPage, StoredRun
 from polyloop.stores._byte_locks import OneHost
-from polyloop.stores._engine import Archive, EngineStore, Watch, polled
+from polyloop.stores._engine import Archive, EngineStore, Watch
 from polyloop.stores._jsonl.fileops import OsFileOps
+from polyloop.stores._polling import Poller
 from polyloop.stores._sql.paging import run_page
 from polyloop.stores._sql.planning import Errors, Plan, RunPlan, plan
 from polyloop.stores._sql.rows import read_rows, read_rows_after
@@ -71,6 +72,7 @@ class Sqlite(OneHost):
         self._full: bool | None = True  # synchronous=FULL; None: unknown, a pragma failed
         # What the rows of the runs this object claims say about their writer.
         self._owner = f"{socket.gethostname()} pid {os.getpid()}"
+        self._poller = Poller(self._lengths)
 
     def claim(self, run_id: str, token: EventLoopToken) -> None:
         self.open(run_id)  # first: an error names the database, not its claims
@@ -91,7 +93,17 @@ class Sqlite(OneHost):
         )
 
     def appended(self, run_id: str) -> Watch:
-        return polled(partial(self._select, sql.RUN_LENGTH, run_id))
+        return self._poller.appended(run_id)
+
+    def _lengths(self, run_ids: Collection[str]) -> dict[str, int]:
+        """The length of each run that has a record, a few hundred runs a statement."""
+        keys = {sql.run_key(run_id): run_id for run_id in run_ids}
+        listed, lengths = list(keys), dict[str, int]()
+        for at in range(0, len(listed), sql.KEYS_A_STATEMENT):
+            chunk = listed[at : at + sql.KEYS_A_STATEMENT]
+            rows = self._select(sql.run_lengths(len(chunk)), None, *chunk)
+            lengths.update((keys[key], length) for key, length in rows)
+        return lengths
 
     def runs(self, unfinished_only: bool) -> tuple[StoredRun, ...]:
         rows = self._select(sql.LIST_UNFINISHED if unfinished_only else sql.LIST_RUNS)
